@@ -1,0 +1,62 @@
+"""``adloader``: the command line, and the composition root.
+
+Each subcommand lives in its own module under ``agent.commands`` with ``register(subparsers)``,
+which adds its parser and sets ``func(args) -> int``. Modules are imported lazily per command so
+``adloader status`` never pays for torch or scikit-learn.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("agent.commands.agent", "run the node agent in the foreground (systemd runs this)"),
+    "status": ("agent.commands.status", "show each job's allocation, data wait and GPU idle"),
+    "job": ("agent.commands.job", "register or release a job with the agent (Slurm prolog/epilog)"),
+    "profile": ("agent.commands.profile", "run a training command with the hook and show where time goes"),
+    "bench": ("agent.commands.bench", "co-located jobs under each policy, side by side"),
+    "demo": ("agent.commands.demo", "three co-located jobs under even-static then adaptive"),
+    "simulate": ("agent.commands.simulate", "trace-driven simulation of policies over many nodes"),
+    "install-service": ("agent.commands.install_service", "install the systemd unit, config and venv"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adloader",
+        description="A-Dloader: data-loading resource manager for shared GPU nodes.",
+    )
+    from adloader import __version__
+
+    parser.add_argument("--version", action="version", version=f"adloader {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_, add_help=False)
+            continue
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    only = first if first in COMMANDS else None
+    if only is None and first is not None and not any(a in ("-h", "--help") for a in argv):
+        print(f"adloader: unknown command {first!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

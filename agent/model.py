@@ -1,0 +1,84 @@
+"""Domain types that cross the agent's parts: what one tick sees and what it decides.
+
+collector -> ``NodeSnapshot`` (with one ``JobStats`` per registered job, rates not counters)
+predictor -> ``predictor.curve.ThroughputCurve`` per job
+policy    -> ``AllocationPlan`` (one ``JobAllocation`` per job, each with its reason; what could not
+             be satisfied is data in ``unsatisfied``, not a log line)
+actuators -> ``ApplyResult`` per job
+
+Policies are pure: ``decide(snapshot, curves, config) -> AllocationPlan``. They see the currently
+applied allocation of each job in ``JobStats.applied`` (for hysteresis), never a clock or a file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+
+@dataclass(frozen=True)
+class JobAllocation:
+    job: str
+    workers: int                          # loader worker count (directive to the client)
+    cpus: float                           # CPU cores for the job's loader workers (share, quota or set size)
+    cpuset: Optional[tuple[int, ...]] = None   # exclusive CPU ids, when the policy pins
+    io_weight: Optional[int] = None       # 1..1000 (blkio.bfq.weight / io.weight scale), None = leave
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AllocationPlan:
+    policy: str
+    allocations: Mapping[str, JobAllocation]
+    unsatisfied: Mapping[str, str] = field(default_factory=dict)   # job -> what it wanted and did not get
+    predicted_total: Optional[float] = None   # GPU-weighted sum of normalised throughput, when known
+
+
+@dataclass(frozen=True)
+class JobStats:
+    """One job on this node over the last window: rates and means, never raw counters."""
+    job: str
+    uid: int
+    ranks: int                            # training processes of this job on this node
+    gpus: int                             # GPUs this job uses on this node (weight in the objective; >= 1)
+    batch_size: int
+    workers: int                          # current worker target reported by the client(s), max over ranks
+    requested_workers: int                # the user's own num_workers (what `none` keeps)
+    max_workers: Optional[int]            # the loader's max_workers bound, if any
+    samples_per_s: float                  # summed over ranks
+    compute_s_per_step: float             # mean over ranks
+    data_wait_s_per_step: float           # max over ranks (a stall on one rank stalls all)
+    data_wait_frac: float                 # data_wait / (data_wait + compute), max over ranks
+    cpu_s_per_batch: float
+    wall_s_per_batch: float
+    runq_s_per_batch: float
+    blocked_s_per_batch: float
+    worker_cpu_cores: float               # CPU cores the job's workers used (rate)
+    gpu_idle_frac: Optional[float] = None # from NVML when available, else None
+    gpu_idle_source: str = "client"       # "nvml" or "client" (data_wait_frac stands in)
+    allowed_cpus: tuple[int, ...] = ()    # CPUs the job may use (Slurm/affinity); () = all node loader CPUs
+    cooperative: bool = False             # another manager owns the job's cgroup: no cgroup writes
+    age_s: float = 0.0                    # since arrival
+    observed_s: float = 0.0               # how long we have reports for
+    window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
+    applied: Optional[JobAllocation] = None   # what is applied now (None = nothing yet)
+    requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    now: float                            # monotonic seconds (for ages only; policies do not read clocks)
+    loader_cpus: float                    # CPU cores the node gives to data loading, all jobs together
+    cpu_ids: tuple[int, ...]              # the CPUs those cores are on
+    jobs: Mapping[str, JobStats]
+    max_jobs: int = 0                     # for even-static: the most jobs the node is sized for (0 = unknown)
+    cpu_pressure: Optional[float] = None  # PSI some avg10 (percent), when present
+    io_pressure: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    job: str
+    ok: bool
+    applied: Optional[JobAllocation]      # what is now in force (may be partial)
+    error: str = ""
+    not_enforced: tuple[str, ...] = ()    # knobs that exist but do nothing here, e.g. ("io: scheduler none",)
