@@ -62,6 +62,8 @@ class JobStats:
     window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
     applied: Optional[JobAllocation] = None   # what is applied now (None = nothing yet)
     requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
+    pids: tuple[int, ...] = ()            # training processes (ranks) on this node: never throttled
+    worker_pids: tuple[int, ...] = ()     # the loader worker processes: what CPU actuators move/pin
 
 
 @dataclass(frozen=True)
