@@ -25,3 +25,25 @@ class Actuator(Protocol):
     def release(self, job_id: str) -> None: ...
 
     def restore(self) -> None: ...
+
+
+from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
+
+MODES = ("auto", "v1", "v2", "cooperative", "off")
+CPU_KNOBS = ("shares", "quota", "cpuset")
+
+
+def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str = "shares",
+          io: bool = True, subtree: str = "adloader") -> list:
+    """The actuators for a cgroup mode; the directive actuator (worker counts) always comes first.
+
+    ``off``: worker counts only. (The cgroup modes land with the cgroup actuators.)
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if cpu_knob not in CPU_KNOBS:
+        raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
+    actuators: list = [DirectiveActuator(sink)]
+    if mode == "off":
+        return actuators
+    raise NotImplementedError(f"cgroup mode {mode!r} is not available in this build yet; use mode='off'")
