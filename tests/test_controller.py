@@ -201,7 +201,7 @@ def test_adopt_and_stop():
     src = FakeSource(4.0, [stats("a")])
     sink, act = FakeSink(), RecordingActuator()
     c = make(src, [DirectiveActuator(sink), act])
-    c.adopt({"a": JobAllocation(job="a", workers=4, cpus=4.0, reason="journal")})
+    c.adopt({"a": JobAllocation(job="a", workers=4, cpus=4.0, io_weight=100, reason="journal")})
     c.tick(now=1.0)
     assert sink.sent == []     # what the journal says is in force matches the plan
     c.stop()
