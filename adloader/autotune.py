@@ -17,7 +17,8 @@ Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` w
 after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
 dropped), only for a predicted gain of at least ``HYSTERESIS`` (or to shed workers that the curve says
 add less than that), and it never returns to a count it left within ``TABU_WINDOWS`` windows unless the
-measured throughput there was better: it settles instead of oscillating. Never raises into training.
+measured throughput there was better: it settles instead of oscillating; nor to a count that measured worse than the current one.
+Never raises into training.
 """
 from __future__ import annotations
 
@@ -189,6 +190,9 @@ class AutoTuner:
         else:
             if want_pred < now_pred * (1 - HYSTERESIS):
                 return None
+        here = self.measured.get(self.current, 0.0)
+        if want in self.measured and self.measured[want] < here * (1 - HYSTERESIS):
+            return None  # measured worse there: evidence beats the model
         left = self.left_at.get(want)
         if left is not None and self.n_windows - left < TABU_WINDOWS:
             # we were there recently: go back only if it measured better than here

@@ -14,7 +14,7 @@ scikit-learn's non-negative ``LinearRegression`` on every (start window, measure
 shipped corpus, for each p on a grid, keeping the p with the least error. The prior is refitted from
 ``predictor/data/corpus.jsonl`` at load time (about a second; nothing pickled).
 
-Per job, the same linear model is refitted on the job's own saturated windows, as a ridge pulled toward
+Per job, the same linear model is refitted on the job's own loader-bound windows, as a ridge pulled toward
 the prior (closed form, two unknowns: microseconds, so 64 jobs per tick stay cheap).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from predictor.observation import Observation
 
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.jsonl"
 SATURATED_UTIL = 0.85       # workers busy at least this fraction of the window: the loader was the limit
+LOADER_BOUND_WAIT = 0.05    # ... and the training loop waited at least this fraction of its step for data
 SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
 
@@ -43,6 +44,12 @@ def worker_utilization(o: Observation) -> float:
 
 def saturated(o: Observation) -> bool:
     return worker_utilization(o) >= SATURATED_UTIL
+
+
+def loader_bound(o: Observation) -> bool:
+    """The window's throughput was set by the loader: workers saturated AND the loop waited for data.
+    (Saturated workers with no wait only bound the loader's speed from below: not fitted.)"""
+    return saturated(o) and o.data_wait_frac >= LOADER_BOUND_WAIT
 
 
 def measured_overhead(windows: Sequence[Observation]) -> float | None:
@@ -71,14 +78,14 @@ class Prior:
         return m if m is not None else self.overhead_frac_of_c * c
 
     def job_thetas(self, g: float, c: float, b: float, m: float, windows: Iterable[Observation]) -> tuple[float, float]:
-        """Ridge fit of (theta_w, theta_c) on the job's saturated windows, pulled toward the prior."""
+        """Ridge fit of (theta_w, theta_c) on the job's loader-bound windows, pulled toward the prior."""
         p = self.sharpness
         lam = self.strength
         a11, a12, a22 = lam, 0.0, lam
         r1, r2 = lam * self.theta_w, lam * self.theta_c
         base = g + m
         for o in windows:
-            if o.workers < 1 or not saturated(o) or o.steps <= 0:
+            if o.workers < 1 or not loader_bound(o) or o.steps <= 0:
                 continue
             t = o.step_s
             if t <= 0:
