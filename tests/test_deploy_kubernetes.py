@@ -6,18 +6,25 @@ import pytest
 
 from tests.conftest import REPO
 
-MANIFEST = REPO / "deploy" / "kubernetes" / "daemonset.yaml"
+KUBE = REPO / "deploy" / "kubernetes"
+
+
+def _load(name: str) -> list[dict]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed: cannot parse the Kubernetes manifests")
+    return [d for d in yaml.safe_load_all((KUBE / name).read_text()) if d]
 
 
 @pytest.fixture(scope="module")
 def docs() -> dict[str, dict]:
-    yaml = pytest.importorskip("yaml", reason="PyYAML not installed: cannot parse the Kubernetes manifest")
-    return {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text()) if d}
+    agent, example = _load("daemonset.yaml"), _load("example-training-pod.yaml")
+    assert [d["kind"] for d in agent] == ["Namespace", "ConfigMap", "DaemonSet"]
+    assert [d["kind"] for d in example] == ["Pod"]
+    return {d["kind"]: d for d in agent + example}
 
 
-def test_manifest_holds_the_expected_objects(docs):
-    assert set(docs) == {"Namespace", "ConfigMap", "DaemonSet", "Pod"}
+def test_manifests_hold_the_expected_objects(docs):
     assert docs["DaemonSet"]["apiVersion"] == "apps/v1"
+    assert docs["ConfigMap"]["metadata"]["namespace"] == docs["DaemonSet"]["metadata"]["namespace"]
 
 
 def _mounts(pod_spec: dict) -> dict[str, str]:
