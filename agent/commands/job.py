@@ -181,8 +181,9 @@ def request(endpoint: str, message: dict, timeout_s: float) -> Outcome:
     sock = ctx.socket(zmq.DEALER)
     try:
         bounded_ms = max(1, int(timeout_s * 1000))
-        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
+        # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
         sock.setsockopt(zmq.SNDTIMEO, bounded_ms)
         sock.setsockopt(zmq.RCVTIMEO, bounded_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
