@@ -126,6 +126,21 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path):
     assert p.returncode == 0 and p.stderr == "", p.stderr  # no unknown key, no bad value, no warning
 
 
+def test_unit_sandbox_exposure_stays_low(tmp_path):
+    """systemd's own rating of the sandbox (0 = locked down, 10 = none); 3.3 when written. A change that
+    weakens it past 4.0 must justify itself in the unit and here."""
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze not installed: cannot rate the unit's sandbox here")
+    unit = tmp_path / UNIT
+    unit.write_text(SHIPPED_UNIT.read_text().replace("ExecStart=/opt/adloader/venv/bin/adloader ", "ExecStart=/bin/true "))
+    p = subprocess.run([tool, "security", "--offline=yes", "--threshold=40", str(unit)],
+                       capture_output=True, text=True, timeout=60)
+    if "--offline" in p.stderr and "unrecognized" in p.stderr:
+        pytest.skip(f"this systemd-analyze cannot rate a unit file offline: {p.stderr.strip()}")
+    assert p.returncode == 0, p.stdout[-400:] + p.stderr
+
+
 def test_unit_has_the_required_settings():
     settings: dict[str, list[str]] = {}
     for line in SHIPPED_UNIT.read_text().splitlines():
