@@ -111,7 +111,13 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
 
 
 def workers_for(cores: float, curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> int:
-    """Enough workers to use ``cores``: ceil(cores * (c + b) / c), at most curve.max_useful_workers."""
+    """Enough workers to use ``cores`` (blocked time included), at most curve.max_useful_workers.
+
+    With a curve: ceil(cores * (c + b) / c), since a worker is on CPU c / (c + b) of the time (scaled
+    by core_correction / correction when the curve learned them apart). Deliberately the ceiling, not
+    the knee: with work-conserving shares a job may get more than its cores when others idle.
+    Without a curve: ceil(cores).
+    """
     bound = worker_bound(job, config)
     if curve is None:
         need = float(math.ceil(cores - 1e-6))
@@ -119,7 +125,9 @@ def workers_for(cores: float, curve: Optional[ThroughputCurve], job: JobStats, c
         c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
         need = float(curve.max_useful_workers)
         if c > 0:
-            need = min(need, math.ceil(min(cores * (c + b) / c, 1e9) - 1e-6))
+            k_w = curve.correction
+            k_c = getattr(curve, "core_correction", None) or k_w
+            need = min(need, math.ceil(min(cores * (c + b) / c * k_c / k_w, 1e9) - 1e-6))
     return clamp_workers(int(min(need, bound)), job, config)
 
 
@@ -260,7 +268,10 @@ def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: Pol
     need = curve.max_useful_cores
     c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
     if c > 0 and c + b > 0:
-        need = min(need, worker_bound(job, config) * c / (c + b))   # more cores than the workers can use
+        # more cores than the workers can keep busy: worker-bound rate k_w * w / (c + b) = k_c * cores / c
+        k_w = curve.correction
+        k_c = getattr(curve, "core_correction", None) or k_w
+        need = min(need, worker_bound(job, config) * c * k_w / ((c + b) * k_c))
     return min(cap, need) if math.isfinite(need) else cap
 
 

@@ -73,14 +73,20 @@ def pooled_costs(windows) -> tuple[float, float, float, float]:
 
 
 class PredictorBank:
-    """Per-job throughput models. ``prior``: None (first principles, no learned correction) or
-    "default" (the prior fitted from the shipped corpus; loaded once per process, lazily)."""
+    """Per-job throughput models. ``prior``: None (first principles, no learned correction),
+    "default" (the prior fitted from the shipped corpus; loaded once per process, lazily), or a
+    ``predictor.prior.Prior`` (benchmarks pass one fitted with a job held out)."""
 
-    def __init__(self, prior: str | None = "default"):
-        if prior not in (None, "default"):
-            raise ValueError(f"unknown prior {prior!r}; use None or 'default'")
-        self.prior_name = prior
+    def __init__(self, prior="default"):
         self._prior = None
+        if prior is not None and not isinstance(prior, str):
+            from predictor.prior import Prior
+            if not isinstance(prior, Prior):
+                raise ValueError(f"unknown prior {prior!r}; use None, 'default' or a predictor.prior.Prior")
+            self._prior, prior = prior, "given"
+        elif prior not in (None, "default"):
+            raise ValueError(f"unknown prior {prior!r}; use None, 'default' or a predictor.prior.Prior")
+        self.prior_name = prior
         self._jobs: dict[str, _JobState] = {}
 
     # -- public API ------------------------------------------------------------------------------
@@ -138,15 +144,16 @@ class PredictorBank:
         # confidence: saturates with windows, and more with distinct configurations visited
         confidence = (1.0 - math.exp(-n / 4.0)) * (0.6 + 0.4 * min(1.0, (len(configs) - 1) / 2.0))
         last = usable[-1]
-        kw, kc, sharpness, source = 1.0, None, 0.0, "first-principles"
+        params: dict = {}
+        source = "first-principles"
         prior = self.prior
         if prior is not None:
-            kw, kc, sharpness = prior.correct(g, c, b, usable)
-            source = "first-principles+prior+job" if n else "first-principles+prior"
+            params = prior.correct(g, c, b, usable)
+            source = "first-principles+learned"
         return ThroughputCurve(
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
-            blocked_s_per_batch=b, correction=kw, core_correction=kc, sharpness=sharpness,
-            confidence=round(confidence, 4), observed_configs=len(configs), source=source,
+            blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),
+            source=source, **params,
             extra={"runq_s_per_batch": runq, "windows": n,
                    "last_config": {"workers": last.workers, "cores": last.cores},
                    "last_samples_per_s": last.samples_per_s},

@@ -4,7 +4,8 @@
 runs ``workers`` worker processes on ``cores`` CPU cores. The first-principles shape (DESIGN.md,
 "Measurement"), per batch:
 
-    compute-bound:  1 / g                 g = compute (GPU step) seconds per step
+    compute-bound:  1 / (g + m)           g = compute (GPU step) seconds per step, m = the training
+                                          process's own per-step cost of taking a batch (0 unless measured)
     worker-bound:   workers / (c + b)     c = CPU s per batch, b = blocked (IO) s per batch
     core-bound:     cores / c
 
@@ -40,6 +41,7 @@ class ThroughputCurve:
     extra: dict = field(default_factory=dict, compare=False)
     core_correction: float | None = None   # learned multiplier on the core-bound term (None = correction)
     sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
+    overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
 
     @property
     def _kc(self) -> float:
@@ -67,13 +69,13 @@ class ThroughputCurve:
 
     @property
     def ceiling_samples_per_s(self) -> float:
-        """Throughput with data always ready (the compute-bound limit)."""
-        g = self.compute_s_per_step
+        """Throughput with data always ready (the compute-bound limit: one batch per g + m seconds)."""
+        g = self.compute_s_per_step + self.overhead_s_per_step
         return self.batch_size / g if g > 0 else math.inf
 
     def throughput(self, workers: float, cores: float) -> float:
         """Predicted samples/s with ``workers`` loader workers on ``cores`` CPU cores."""
-        g, c, b = self.compute_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
+        g, c, b = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
         workers = max(0.0, float(workers))
         cores = max(0.0, float(cores))
         if workers < 1:
@@ -98,7 +100,7 @@ class ThroughputCurve:
     @property
     def max_useful_cores(self) -> float:
         """Least cores that reach within KNEE_TOLERANCE of the ceiling (with enough workers)."""
-        g, c = self.compute_s_per_step, self.cpu_s_per_batch
+        g, c = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch
         if g <= 0:
             return math.inf
         return self._knee_factor() * c / (g * self._kc)
@@ -111,7 +113,7 @@ class ThroughputCurve:
     def knee_workers(self, cores: float) -> int:
         """Least worker count (>= 1) whose throughput on ``cores`` cores is within KNEE_TOLERANCE of
         what unlimited workers would reach on those cores. Non-decreasing in ``cores``."""
-        g, c, b = self.compute_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
+        g, c, b = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
         if c + b <= 0:
             return 1
         limit_bps = self._softmin([1.0 / g if g > 0 else math.inf,
