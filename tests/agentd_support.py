@@ -103,6 +103,8 @@ class AgentProc:
         self.sock_path = f"{base}/agent.sock"
         self.state_dir = state_dir or f"{base}/state"
         self.log_path = f"{base}/agent-{time.monotonic_ns()}.log"
+        if "--cgroup-mode" not in extra:   # component tests touch no cgroup unless they ask to
+            extra = (*extra, "--cgroup-mode", "off")
         self.args = ["--endpoint", self.endpoint, "--state-dir", self.state_dir, *extra]
         self.env = repo_env(**(env or {}))
         self.proc: Optional[subprocess.Popen] = None
