@@ -232,3 +232,24 @@ def test_build_off_is_directive_only():
     import pytest
     with pytest.raises(ValueError, match="unknown cgroup mode"):
         build("v3", sink=FakeSink())
+
+
+def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
+    class CountingBank(FakeBank):
+        curve_calls = 0
+
+        def curve(self, job_id):
+            CountingBank.curve_calls += 1
+            return super().curve(job_id)
+
+    bank = CountingBank()
+    src = FakeSource(2.0, [stats("a", window_s=2.0)])
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()])
+    recs = [c.tick(now=float(t)) for t in range(5)]
+    assert len(bank.seen) == 3                       # t = 0, 2, 4
+    assert CountingBank.curve_calls == 3             # only after each observation
+    assert all(r.curves["a"]["source"] == "first-principles" for r in recs)
+    c.forget("a")
+    src.jobs.clear()
+    assert c.tick(now=5.0).curves == {}

@@ -60,6 +60,18 @@ def weight_from_shares(shares: int) -> int:
     return max(1, min(10000, math.ceil(round(w, 6))))
 
 
+def shares_from_weight(weight: int) -> int:
+    """The least shares whose ``weight_from_shares`` reaches ``weight`` (inverse of the mapping)."""
+    lo, hi = SHARES_MIN, SHARES_MAX
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if weight_from_shares(mid) < weight:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
@@ -159,6 +171,24 @@ class CgroupActuator:
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
         self.io_mode, self.io_notes = self._probe_io(io, sys_root, proc_root)
+        self._load_existing_shares()
+
+    def _load_existing_shares(self) -> None:
+        """After a restart, the job groups already in our subtree still weigh what they weighed."""
+        h = self.h[self._cpu_hier]
+        if not h.exists(self.subtree):
+            return
+        for rel in _children(h, self.subtree):
+            job = rel[len(self.subtree) + 1:]
+            if "/" in job:
+                continue
+            try:
+                if self.version == 1:
+                    self._shares[job] = int(h.read(rel, "cpu.shares"))
+                else:
+                    self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
+            except (CgroupError, ValueError):
+                continue
 
     # -- probing ------------------------------------------------------------------------------
     def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
