@@ -11,16 +11,21 @@ from agent.policies import PolicyConfig, get_policy
 from tests.test_controller import FakeBank, FakeSource, RecordingActuator, stats
 
 
+# one observation window per tick (the collector's window as long as the tick), so "two ticks" is
+# also "two observations"
+WINDOW = dict(window_s=1.0)
+
+
 def heavy(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def light(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def io_bound(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **{**WINDOW, **kw})
 
 
 def run(controller, t0, n):
