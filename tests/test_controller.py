@@ -208,11 +208,28 @@ def test_adopt_and_stop():
     assert act.restored == 1 and c.applied() == {}
 
 
-def test_directive_failure_is_a_failed_result():
+def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
     c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(FakeSink(ok=False))])
     rec = c.tick(now=1.0)
-    assert not rec.results["a"].ok and "no connected client" in rec.results["a"].error
+    assert rec.results["a"].ok and "not delivered yet" in rec.results["a"].not_enforced[0]
+
+    class Broken:
+        def send_directive(self, *a):
+            raise ConnectionError("socket closed")
+
+    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(Broken())])
+    rec = c.tick(now=1.0)
+    assert not rec.results["a"].ok and "socket closed" in rec.results["a"].error
     assert c.applied() == {}
+
+
+def test_none_policy_sends_no_directive_when_the_job_runs_its_own_count():
+    sink = FakeSink()
+    src = FakeSource(2.0, [stats("a", workers=3, requested_workers=3), stats("b", workers=5, requested_workers=2)])
+    c = make(src, [DirectiveActuator(sink)], policy="none")
+    rec = c.tick(now=1.0)
+    assert rec.results["a"].ok and rec.results["b"].ok
+    assert [(s[0], s[1]) for s in sink.sent] == [("b", 2)]     # b had been moved off its own count
 
 
 def test_observation_cores():
