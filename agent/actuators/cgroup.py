@@ -178,9 +178,10 @@ class CgroupActuator:
         h = self.h[self._cpu_hier]
         if not h.exists(self.subtree):
             return
+        created = set(self.originals.created)
         for rel in _children(h, self.subtree):
             job = rel[len(self.subtree) + 1:]
-            if "/" in job:
+            if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
                 continue
             try:
                 if self.version == 1:
@@ -426,16 +427,11 @@ class CgroupActuator:
             raise CgroupError(f"release of job {job_id!r}: " + "; ".join(errors))
 
     def restore(self) -> None:
-        """Put back everything: processes to their origins, our groups removed, original values written."""
+        """Put back everything: processes to their origins, the groups we created removed (children
+        first), original values written. Groups in the subtree that we did not create are left alone."""
         errors = []
-        for hier, h in self.h.items():
-            if not h.exists(self.subtree):
-                continue
-            for child in sorted(_children(h, self.subtree), key=lambda r: -r.count("/")):
-                try:
-                    self._drop_group(hier, child)
-                except CgroupError as e:
-                    errors.append(str(e))
+        # Only the groups this agent (or the dead one whose journal it read) created: another agent
+        # on the machine (tests, benchmarks) may share the subtree name and own the other children.
         for key in reversed(list(self.originals.created)):
             hier, rel = key.split("|", 1)
             if hier in self.h:
