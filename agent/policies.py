@@ -428,15 +428,17 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                    / max(1, workers[j], applied[j].workers) for j in ids) \
             * config.restart_cost_per_worker / weight_total
         moved = any(abs(cpus[j] - applied[j].cpus) >= 0.01 or workers[j] != applied[j].workers for j in ids)
-        if moved and gain < config.hysteresis + cost:
+        if not moved or gain < config.hysteresis + cost:
+            # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
+            # so measurement noise never turns into a stream of tiny re-applies.
             allocs = {}
             for j in ids:
                 a = applied[j]
                 allocs[j] = JobAllocation(
                     job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
                     cpuset=a.cpuset, io_weight=a.io_weight,
-                    reason=f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} "
-                           f"+ restart cost {cost:.1%}")
+                    reason=reason[j] if not moved else
+                    f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} + restart cost {cost:.1%}")
             return AllocationPlan(policy="adaptive", allocations=allocs, unsatisfied=unsatisfied,
                                   predicted_total=old_total if warm else None)
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],

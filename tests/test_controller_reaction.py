@@ -4,6 +4,8 @@ Unit tier: fakes for the snapshot source, predictor bank and actuators; ``contro
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agent.controller import Controller
@@ -95,3 +97,25 @@ def test_breaker_is_visible_in_the_record_and_spares_other_jobs():
     assert "a" in recs[-1].breakers and "b" not in recs[-1].breakers
     assert "b" in c.applied() and "a" not in c.applied()
     assert recs[-1].to_dict()["breakers"]["a"].startswith("3 failures")
+
+
+@pytest.mark.parametrize("bank_name,make_bank", list(banks()), ids=[b for b, _ in banks()])
+def test_measurement_noise_does_not_make_adaptive_oscillate(bank_name, make_bank):
+    """+-3% noise on every job's figures every tick: after settling, nothing is re-applied."""
+    import random
+
+    rng = random.Random(7)
+    base = [heavy("a"), light("b"), io_bound("c"), heavy("d", gpus=2)]
+    src = FakeSource(3.0, base)
+    act = RecordingActuator()
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+                   predictor=make_bank(), actuators=[act])
+    changed = []
+    for t in range(40):
+        for j in base:
+            f = rng.uniform(0.97, 1.03)
+            src.jobs[j.job] = dataclasses.replace(j, cpu_s_per_batch=j.cpu_s_per_batch * f,
+                                                  compute_s_per_step=j.compute_s_per_step * rng.uniform(0.97, 1.03))
+        if c.tick(now=float(t)).results:
+            changed.append(t)
+    assert changed and max(changed) <= 3, changed
