@@ -29,7 +29,6 @@ Worker pids change (resizes, restarts): every ``apply`` moves the job's new work
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 from agent import cgroupfs
@@ -87,7 +86,7 @@ class AffinityActuator:
         self._all_cpus = all_cpus
 
     def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
-        allowed = tuple(job.allowed_cpus) or self._all_cpus or tuple(sorted(os.sched_getaffinity(0)))
+        allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
         if desired.cpuset:
             chosen = tuple(c for c in desired.cpuset if c in allowed)
             if chosen:
@@ -466,9 +465,4 @@ class CgroupActuator:
 
 def _children(h: Hierarchy, rel: str) -> list[str]:
     """Every group below ``rel`` (not ``rel`` itself)."""
-    out = []
-    base = h.path(rel)
-    for dirpath, dirnames, _ in os.walk(base):
-        for d in dirnames:
-            out.append(os.path.relpath(os.path.join(dirpath, d), h.root))
-    return out
+    return h.children(rel)
