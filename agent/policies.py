@@ -407,12 +407,17 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             tot += max(1, snapshot.jobs[j].gpus) * warm[j].normalized(w, x)
         return tot
 
+    def shortfalls(alloc_of) -> dict[str, str]:
+        out = {}
+        for j in warm:
+            w, x = alloc_of(j)
+            if useful[j] > x + 0.01:
+                out[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {x:.2f} "
+                          f"({warm[j].normalized(w, x):.0%} of ceiling)")
+        return out
+
     new_total = objective(lambda j: (workers[j], cpus[j]))
-    unsatisfied: dict[str, str] = {}
-    for j in warm:
-        if useful[j] > cpus[j] + 0.01:
-            unsatisfied[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {cpus[j]:.2f} "
-                              f"({warm[j].normalized(workers[j], cpus[j]):.0%} of ceiling)")
+    unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
     applied = {j: snapshot.jobs[j].applied for j in ids}
@@ -439,7 +444,8 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                     cpuset=a.cpuset, io_weight=a.io_weight,
                     reason=reason[j] if not moved else
                     f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} + restart cost {cost:.1%}")
-            return AllocationPlan(policy="adaptive", allocations=allocs, unsatisfied=unsatisfied,
+            return AllocationPlan(policy="adaptive", allocations=allocs,
+                                  unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
                                   predicted_total=old_total if warm else None)
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],
                                io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}
