@@ -77,7 +77,8 @@ def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
-    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor)
+    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
+                        pin_cpusets=cfg.cpu_knob == "cpuset")
 
 
 class Agent:
@@ -116,7 +117,8 @@ class Agent:
         from agent import actuators
 
         cfg = self.config
-        kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights)
+        kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
+                  state_dir=cfg.state_dir)
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
         except Exception as e:
