@@ -52,12 +52,19 @@ def loader_bound(o: Observation) -> bool:
     return saturated(o) and o.data_wait_frac >= LOADER_BOUND_WAIT
 
 
+def spare_loader(o: Observation) -> bool:
+    """The loader had capacity to spare in this window: workers not saturated and the cores' CPU
+    budget not used up (c / cores well under the step). Its data wait is then not the loader's."""
+    return (o.workers >= 1 and o.steps > 0 and not saturated(o)
+            and o.cpu_s_per_batch / o.cores < SATURATED_UTIL * o.step_s)
+
+
 def measured_overhead(windows: Sequence[Observation]) -> float | None:
-    """m from windows whose workers had spare capacity (their data wait is the training process's own
-    per-step cost of taking a ready batch); None when every window was loader-saturated."""
+    """m from windows whose loader had capacity to spare (their data wait is the training process's
+    own per-step cost of taking a ready batch); None when no window had spare loader capacity."""
     num = den = 0.0
     for o in windows:
-        if o.workers >= 1 and o.steps > 0 and not saturated(o):
+        if spare_loader(o):
             num += o.steps * o.data_wait_s_per_step
             den += o.steps
     return num / den if den > 0 else None
