@@ -56,60 +56,83 @@ def hill_climb(curve_pts: dict[int, float], tol: float = KNEE_TOLERANCE) -> tupl
     return grid[i], min(i + 2, len(grid))
 
 
-def evaluate(points: list[dict], start: tuple[int, float], learned: bool = True) -> dict:
+def measured_curves(points: list[dict]) -> dict[str, dict[tuple[int, float], float]]:
+    """job -> (workers, cores) -> median measured samples/s over the sweeps (passes)."""
+    raw: dict[str, dict[tuple[int, float], list[float]]] = {}
+    for p in points:
+        raw.setdefault(p["job"], {}).setdefault((p["workers"], p["cores"]), []).append(p["samples_per_s"])
+    return {j: {k: statistics.median(v) for k, v in pts.items()} for j, pts in raw.items()}
+
+
+def noise_level(points: list[dict]) -> float | None:
+    """Median relative spread (max - min) / median between sweeps of the same point; None with one sweep."""
+    raw: dict[tuple, list[float]] = {}
+    for p in points:
+        raw.setdefault((p["job"], p["workers"], p["cores"]), []).append(p["samples_per_s"])
+    spreads = [(max(v) - min(v)) / statistics.median(v) for v in raw.values() if len(v) > 1 and statistics.median(v) > 0]
+    return statistics.median(spreads) if spreads else None
+
+
+def evaluate(points: list[dict], start: tuple[int, float], learned: bool = True, knee_tol: float = KNEE_TOLERANCE) -> dict:
+    curves = measured_curves(points)
     jobs = by_job(points)
-    all_cores = sorted({p["cores"] for p in points})
-    full = max(all_cores)
+    full = max(p["cores"] for p in points)
     per_job = {}
     for job, pts in jobs.items():
-        grid = {(p["workers"], p["cores"]): p for p in pts}
-        sp = grid.get(start)
-        if sp is None:
+        truth = curves[job]
+        starts = [p for p in pts if (p["workers"], p["cores"]) == start]
+        if not starts:
             continue
         prior = fit_prior(points, exclude_jobs=[job]) if learned else None
-        bank = PredictorBank(prior=prior)
-        bank.observe(job, sp["observation"])
-        cur = bank.curve(job)
-        apes = [abs(cur.throughput(p["workers"], p["cores"]) - p["samples_per_s"]) / p["samples_per_s"]
-                for p in pts if p["samples_per_s"] > 0]
+        trials = []
+        for sp in starts:  # one trial per sweep's window at the starting configuration
+            bank = PredictorBank(prior=prior)
+            bank.observe(job, sp["observation"])
+            trials.append(bank.curve(job))
+        apes = [abs(cur.throughput(w, C) - v) / v for cur in trials for (w, C), v in truth.items() if v > 0]
+        cur = trials[0]
         knees = {}
-        for C in sorted({p["cores"] for p in pts}):
-            meas = {p["workers"]: p["samples_per_s"] for p in pts if p["cores"] == C}
+        for C in sorted({C for (_w, C) in truth}):
+            meas = {w: v for (w, c), v in truth.items() if c == C}
             wgrid = sorted(meas)
             best = max(meas.values())
-            mk = measured_knee(meas)
-            pk = cur.knee_workers(C)
-            hc, hc_windows = hill_climb(meas)
+            mk = measured_knee(meas, knee_tol)
+            pks = [t.knee_workers(C) for t in trials]
+            pk = pks[0]
+            hc, hc_windows = hill_climb(meas, knee_tol)
             lightning = max(1, math.floor(C) - 1)
             knees[C] = {
-                "measured": mk, "predicted": pk, "hit": abs(pk - mk) <= 1 or snap(pk, wgrid) == mk,
-                "achieved": meas[snap(pk, wgrid)] / best,
-                "fixed4_hit": abs(4 - mk) <= 1, "fixed4_achieved": meas[snap(4, wgrid)] / best,
-                "lightning": lightning, "lightning_hit": abs(lightning - mk) <= 1,
+                "measured": mk, "predicted": pk, "predicted_all_trials": pks,
+                "hit": sum(abs(k - mk) <= 1 or snap(k, wgrid) == mk for k in pks) / len(pks),
+                "achieved": statistics.mean(meas[snap(k, wgrid)] / best for k in pks),
+                "fixed4_hit": float(abs(4 - mk) <= 1), "fixed4_achieved": meas[snap(4, wgrid)] / best,
+                "lightning": lightning, "lightning_hit": float(abs(lightning - mk) <= 1),
                 "lightning_achieved": meas[snap(lightning, wgrid)] / best,
-                "hillclimb": hc, "hillclimb_hit": abs(hc - mk) <= 1, "hillclimb_achieved": meas[hc] / best,
+                "hillclimb": hc, "hillclimb_hit": float(abs(hc - mk) <= 1), "hillclimb_achieved": meas[hc] / best,
                 "hillclimb_windows": hc_windows,
             }
-        per_job[job] = {"mape": statistics.mean(apes), "max_ape": max(apes), "knees": knees,
+        per_job[job] = {"mape": statistics.mean(apes), "max_ape": max(apes), "trials": len(trials), "knees": knees,
                         "curve": {"g": cur.compute_s_per_step, "m": cur.overhead_s_per_step,
                                   "c": cur.cpu_s_per_batch, "b": cur.blocked_s_per_batch,
                                   "kw": cur.correction, "kc": cur.core_correction, "p": cur.sharpness}}
-    def frac(key, only_full):
-        vals = [k[key] for j in per_job.values() for C, k in j["knees"].items() if (C == full or not only_full)]
-        return sum(vals) / len(vals) if vals else float("nan")
-    def mean(key, only_full):
-        vals = [k[key] for j in per_job.values() for C, k in j["knees"].items() if (C == full or not only_full)]
-        return statistics.mean(vals) if vals else float("nan")
+
+    def vals(key, only_full):
+        return [k[key] for j in per_job.values() for C, k in j["knees"].items() if (C == full or not only_full)]
+
     summary = {
         "start": {"workers": start[0], "cores": start[1]}, "learned": learned, "jobs": len(per_job),
         "mape": statistics.mean(j["mape"] for j in per_job.values()) if per_job else float("nan"),
-        "full_cores": full,
+        "median_job_mape": statistics.median(j["mape"] for j in per_job.values()) if per_job else float("nan"),
+        "full_cores": full, "knee_tolerance": knee_tol,
     }
     for scope, only_full in (("full", True), ("all", False)):
         for name in ("", "fixed4_", "lightning_", "hillclimb_"):
-            summary[f"{scope}_{name}knee_hit"] = frac(f"{name}hit", only_full)
-            summary[f"{scope}_{name}achieved"] = mean(f"{name}achieved", only_full)
-        summary[f"{scope}_hillclimb_windows"] = mean("hillclimb_windows", only_full)
+            v = vals(f"{name}hit", only_full)
+            summary[f"{scope}_{name}knee_hit"] = statistics.mean(v) if v else float("nan")
+            a = vals(f"{name}achieved", only_full)
+            summary[f"{scope}_{name}achieved"] = statistics.mean(a) if a else float("nan")
+        h = vals("hillclimb_windows", only_full)
+        summary[f"{scope}_hillclimb_windows"] = statistics.mean(h) if h else float("nan")
     return {"summary": summary, "per_job": per_job}
 
 
@@ -120,15 +143,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="predictor-accuracy.json")
     args = ap.parse_args(argv)
     header, points = load_corpus(args.corpus)
+    noise = noise_level(points)
+    knee_tol = max(KNEE_TOLERANCE, noise or 0.0)
     results = []
     for s in args.starts.split(","):
         w, c = s.split(":")
         start = (int(w), float(c))
         for learned in (True, False):
-            results.append(evaluate(points, start, learned))
-    print(f"corpus: {args.corpus} ({len(points)} points, {len(by_job(points))} jobs); "
-          f"{header.get('machine', '?')}")
-    print(f"knee hit = predicted knee within +-1 of the measured knee (tolerance {KNEE_TOLERANCE:.0%}); "
+            results.append(evaluate(points, start, learned, knee_tol))
+    print(f"corpus: {args.corpus} ({len(points)} measurements, {len(by_job(points))} jobs, "
+          f"{len({p.get('pass', 1) for p in points})} sweeps); {header.get('machine', '?')}")
+    print("measurement noise (median spread between sweeps of a point): "
+          + (f"{noise:.1%}" if noise is not None else "unknown (one sweep)"))
+    print(f"knee hit = predicted knee within +-1 of the measured knee (least count within {knee_tol:.1%} "
+          "of the best measured, the tolerance being max(3%, noise)); truth = median over sweeps; "
           "achieved = measured samples/s at the chosen count / best measured at those cores")
     cols = ("start", "model", "MAPE", "knee hit@full", "knee hit@all", "achieved@all",
             "fixed4 hit", "lightning hit", "hillclimb hit (windows)")
@@ -147,7 +175,7 @@ def main(argv=None) -> int:
         ks = " ".join(f"{C:g}c:{k['measured']}/{k['predicted']}{'' if k['hit'] else '!'}" for C, k in j["knees"].items())
         print(f"  {job:14s} MAPE {j['mape']:6.1%}  {ks}")
     with open(args.json, "w") as f:
-        json.dump({"corpus": args.corpus, "corpus_header": header, "knee_tolerance": KNEE_TOLERANCE,
+        json.dump({"corpus": args.corpus, "corpus_header": header, "knee_tolerance": knee_tol, "noise": noise,
                    "results": results}, f, indent=1, default=str)
     print(f"\nwrote {args.json}")
     return 0

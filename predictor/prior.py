@@ -9,9 +9,10 @@ own per-step cost of taking a batch (measured as the data wait of a window whose
 saturated; else the prior's estimate); theta_w = correction^-p and theta_c = core_correction^-p say
 how far real workers and cores fall short of first principles; p (sharpness) bends the corners.
 
-For a fixed p the model is linear in (theta_w, theta_c) with theta >= 0: the prior is fitted with
-scikit-learn's non-negative ``LinearRegression`` on every (start window, measured point) pair of the
-shipped corpus, for each p on a grid, keeping the p with the least error. The prior is refitted from
+For a fixed p the model is linear in theta_c >= 0 (theta_w is 1 in the prior: a worker's rate is
+1 / (c + b) by construction): the prior is fitted with scikit-learn's non-negative
+``LinearRegression`` on every (start window, measured point) pair of the shipped corpus, for each p
+on a grid, keeping the p with the least throughput error. The prior is refitted from
 ``predictor/data/corpus.jsonl`` at load time (about a second; nothing pickled).
 
 Per job, the same linear model is refitted on the job's own loader-bound windows, as a ridge pulled toward
@@ -140,6 +141,7 @@ def load_corpus(path: str | Path = CORPUS_PATH) -> tuple[dict, list[dict]]:
             if rec.get("kind") == "header":
                 header = rec
                 continue
+            rec.setdefault("pass", 1)
             try:
                 rec["observation"] = Observation.from_dict(rec["observation"])
             except (KeyError, ValueError) as e:
@@ -180,6 +182,8 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = ()) -> Prior
 
     best: Prior | None = None
     for sharp in SHARPNESS_GRID:
+        # theta_w stays 1: one worker's rate is 1 / (c + b) by construction (measured in the worker);
+        # what the corpus corrects is how many cores the loader really gets (theta_c).
         X, y, meta = [], [], []
         for pts in jobs.values():
             for s in pts:
@@ -189,16 +193,18 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = ()) -> Prior
                 m = m if m is not None else m_frac * c
                 for t in pts:
                     to = t["observation"]
-                    if t["samples_per_s"] <= 0:
+                    if t["samples_per_s"] <= 0 or c <= 0:
                         continue
                     T = to.batch_size / t["samples_per_s"]
-                    X.append([((c + b) / t["workers"] / T) ** sharp, (c / t["cores"] / T) ** sharp])
-                    y.append(1.0 - min(1.0, (g + m) / T) ** sharp)
+                    X.append([(c / t["cores"] / T) ** sharp])
+                    y.append(1.0 - min(1.0, (g + m) / T) ** sharp - min(1.0, (c + b) / t["workers"] / T) ** sharp)
                     meta.append((g + m, c, b, t["workers"], t["cores"], to.batch_size, t["samples_per_s"]))
         X, y = np.asarray(X), np.asarray(y)
         ok = np.all(np.isfinite(X), axis=1) & np.isfinite(y)
+        if not ok.any():
+            continue
         reg = LinearRegression(positive=True, fit_intercept=False).fit(X[ok], y[ok])
-        tw, tc = (float(v) for v in reg.coef_)
+        tw, tc = 1.0, max(float(reg.coef_[0]), K_MAX ** -sharp)
         errs = []
         for (gm, c, b, w, C, bs, meas) in meta:
             T = (gm ** sharp + tw * ((c + b) / w) ** sharp + tc * (c / C) ** sharp) ** (1.0 / sharp)
