@@ -10,8 +10,8 @@ DS-Analyzer, but online and from a single run.
 
 Mechanism: profile binds its own ZeroMQ ROUTER on a temporary ipc endpoint and gives the child
 ``ADLOADER_ENDPOINT`` and ``ADLOADER_JOB_ID``; ``adloader.client`` in the child sends hello and report
-messages (``adloader.protocol``); profile answers hello with "welcome" and heartbeats with a heartbeat,
-and sends no directives, so the job runs exactly as configured. The child is stopped (SIGTERM, then
+messages (``adloader.protocol``); profile answers hello with "welcome", sends heartbeats (the client
+reconnects after three silent heartbeat periods), and sends no directives, so the job runs exactly as configured. The child is stopped (SIGTERM, then
 SIGKILL) when the duration is up; its own exit status is returned if it finished first.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 
 NAME = "profile"
 DEFAULT_DURATION_S = 60.0
+HEARTBEAT_S = 2.0
 
 
 def register(sub) -> None:
@@ -62,12 +63,19 @@ class Collector:
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.sock.bind(endpoint)
         self.hellos: dict[tuple, dict] = {}
+        self.idents: dict[bytes, float] = {}     # client identity -> last heard (monotonic)
+        self.last_beat = time.monotonic()
         self.reports: dict[tuple, list[tuple[float, dict]]] = {}
         self.errors: list[str] = []
 
     def poll(self, timeout_s: float) -> None:
         import zmq
 
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_S / 2:  # the client reconnects after 3 silent heartbeats
+            self.last_beat = now
+            for ident in list(self.idents):
+                self._send(ident, self.protocol.make("heartbeat"))
         if not self.sock.poll(int(timeout_s * 1000)):
             return
         while True:
@@ -78,6 +86,7 @@ class Collector:
             if len(frames) < 2:
                 continue
             ident, data = frames[0], frames[-1]
+            self.idents[ident] = time.monotonic()
             try:
                 msg = self.protocol.decode(data)
             except self.protocol.ProtocolError as e:
@@ -88,11 +97,13 @@ class Collector:
             key = (msg.get("job"), msg.get("rank"), msg.get("pid"))
             if t == "hello":
                 self.hellos[key] = msg
-                self._send(ident, self.protocol.make("welcome", job=msg["job"], heartbeat_s=5.0, challenge=None))
+                self._send(ident, self.protocol.make("welcome", job=msg["job"], heartbeat_s=HEARTBEAT_S, challenge=None))
             elif t == "report":
                 self.reports.setdefault(key, []).append((time.monotonic(), msg["stats"]))
             elif t == "heartbeat":
                 self._send(ident, self.protocol.make("heartbeat"))
+            elif t == "bye":
+                self.idents.pop(ident, None)
 
     def _send(self, ident: bytes, msg: dict) -> None:
         import zmq
@@ -100,7 +111,7 @@ class Collector:
         try:
             self.sock.send_multipart([ident, self.protocol.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the client went away: nothing to answer
+            self.idents.pop(ident, None)  # the client went away: nothing to answer
 
     def close(self) -> None:
         self.sock.close(0)
