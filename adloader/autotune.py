@@ -135,11 +135,12 @@ def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = 
         return None
     per_b = (lambda k: d[k] / batches) if batches > 0 else (lambda k: 0.0)
     cpu, wall, runq = per_b("worker_cpu_s"), per_b("worker_wall_s"), per_b("worker_runq_s")
+    blocked = per_b("worker_blocked_s") if "worker_blocked_s" in cur else max(0.0, wall - cpu - runq)
     return Observation(
         workers=int(cur.get("workers") or 0), cores=float(cores), batch_size=int(cur.get("batch_size") or 1),
         compute_s_per_step=d["compute_s"] / steps, data_wait_s_per_step=d["data_wait_s"] / steps,
         cpu_s_per_batch=cpu, wall_s_per_batch=wall, runq_s_per_batch=runq,
-        blocked_s_per_batch=max(0.0, wall - cpu - runq), samples_per_s=d["samples"] / dur,
+        blocked_s_per_batch=blocked, samples_per_s=d["samples"] / dur,
         duration_s=dur, steps=steps)
 
 

@@ -15,8 +15,11 @@ For a fixed p the model is linear in theta_c >= 0 (theta_w is 1 in the prior: a 
 on a grid, keeping the p with the least throughput error plus knee miss rate (``fit_prior``). The prior is refitted from
 ``predictor/data/corpus.jsonl`` at load time (about a second; nothing pickled).
 
-Per job, the same linear model is refitted on the job's own loader-bound windows, as a ridge pulled toward
-the prior (closed form, two unknowns: microseconds, so 64 jobs per tick stay cheap).
+Per job, each of the job's own loader-bound windows is solved exactly for the correction of the term
+that binds there, and the log-corrections are averaged with the prior's (a ridge in log space; closed
+form, microseconds, so 64 jobs per tick stay cheap). At load time the
+prior is refitted with the exact closed-form solution of the same non-negative least squares (tested
+equal to scikit-learn's), so a training process never pays for importing scikit-learn.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ class Prior:
     theta_w: float = 1.0
     theta_c: float = 1.0
     overhead_frac_of_c: float = 0.0   # m = this * c when no window could measure m
-    strength: float = 1.0             # ridge weight of the prior, in units of one saturated window
+    strength: float = 1.0             # weight of the prior, in loader-bound windows of the job's own
     fitted_on: tuple = ()             # job names of the corpus it was fitted on
     fit_error: float | None = None    # in-sample mean absolute percentage error of throughput
 
@@ -85,45 +88,40 @@ class Prior:
         m = measured_overhead(windows)
         return m if m is not None else self.overhead_frac_of_c * c
 
-    def job_thetas(self, g: float, c: float, b: float, m: float, windows: Iterable[Observation]) -> tuple[float, float]:
-        """Ridge fit of (theta_w, theta_c) on the job's loader-bound windows, pulled toward the prior."""
+    def job_corrections(self, g: float, c: float, b: float, m: float,
+                        windows: Iterable[Observation]) -> tuple[float, float]:
+        """(correction, core_correction) for one job: each loader-bound window is solved exactly for
+        the correction of its binding loader term (workers or cores, whichever first principles say
+        binds), and the log-corrections are averaged with the prior's counted as ``strength`` windows
+        (a ridge in log space: one window moves the estimate, several windows own it)."""
         p = self.sharpness
+        kw0 = self.theta_w ** (-1.0 / p) if self.theta_w > 0 else K_MAX
+        kc0 = self.theta_c ** (-1.0 / p) if self.theta_c > 0 else K_MAX
         lam = self.strength
-        a11, a12, a22 = lam, 0.0, lam
-        r1, r2 = lam * self.theta_w, lam * self.theta_c
-        base = g + m
+        sw, nw, sc, nc = lam * math.log(kw0), lam, lam * math.log(kc0), lam
+        base = (g + m) ** p
         for o in windows:
-            if o.workers < 1 or not loader_bound(o) or o.steps <= 0:
+            if o.workers < 1 or not loader_bound(o):
                 continue
             t = o.step_s
-            if t <= 0:
-                continue
-            x1 = ((c + b) / o.workers / t) ** p
-            x2 = (c / o.cores / t) ** p if c > 0 else 0.0
-            y = 1.0 - min(1.0, base / t) ** p
-            a11 += x1 * x1
-            a12 += x1 * x2
-            a22 += x2 * x2
-            r1 += x1 * y
-            r2 += x2 * y
-        det = a11 * a22 - a12 * a12
-        if det <= 0:
-            return self.theta_w, self.theta_c
-        tw = (r1 * a22 - r2 * a12) / det
-        tc = (a11 * r2 - a12 * r1) / det
-        if tw < 0:  # non-negative: refit the other alone
-            tw, tc = 0.0, max(0.0, r2 / a22)
-        elif tc < 0:
-            tw, tc = max(0.0, r1 / a11), 0.0
-        return tw, tc
+            xw, xc = (c + b) / o.workers, (c / o.cores if c > 0 else 0.0)
+            if xc / kc0 >= xw / kw0 and xc > 0:      # cores bind: solve for core_correction
+                rest = t ** p - base - (xw / kw0) ** p
+                if rest > 0:
+                    sc += math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p))))
+                    nc += 1
+            elif xw > 0:                              # workers bind: solve for correction
+                rest = t ** p - base - (xc / kc0) ** p
+                if rest > 0:
+                    sw += math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p))))
+                    nw += 1
+        return math.exp(sw / nw), math.exp(sc / nc)
 
     def correct(self, g: float, c: float, b: float, windows: Sequence[Observation]) -> dict:
         """Curve parameters for a job: correction, core_correction, sharpness, overhead_s_per_step."""
         m = self.overhead(c, windows)
-        tw, tc = self.job_thetas(g, c, b, m, windows)
-        p = self.sharpness
-        k = lambda th: K_MAX if th <= K_MAX ** -p else max(K_MIN, min(K_MAX, th ** (-1.0 / p)))
-        return {"correction": k(tw), "core_correction": k(tc), "sharpness": p, "overhead_s_per_step": m}
+        kw, kc = self.job_corrections(g, c, b, m, windows)
+        return {"correction": kw, "core_correction": kc, "sharpness": self.sharpness, "overhead_s_per_step": m}
 
 
 # -- corpus ---------------------------------------------------------------------------------------
@@ -192,13 +190,25 @@ def measured_knee(curve_pts: dict[int, float], tol: float) -> int:
     return min(w for w, v in curve_pts.items() if v >= (1 - tol) * best)
 
 
-def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = ()) -> Prior:
+def _nnls_1d(X, y) -> float:
+    """Non-negative least squares with one feature and no intercept: max(0, sum(xy) / sum(xx)).
+    The exact solution of what ``LinearRegression(positive=True, fit_intercept=False)`` fits."""
+    den = float((X[:, 0] * X[:, 0]).sum())
+    return max(0.0, float((X[:, 0] * y).sum()) / den) if den > 0 else 0.0
+
+
+def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: str = "sklearn") -> Prior:
     """Fit the prior on every (start window, measured point) pair within each job of the corpus,
     minus ``exclude_jobs``. For each sharpness p on the grid, theta_c comes from scikit-learn's
     non-negative least squares; the p kept is the one with the least (throughput MAPE + knee miss
-    rate) on those jobs, a knee counting as hit within +-1 worker of the measured one."""
+    rate) on those jobs, a knee counting as hit within +-1 worker of the measured one.
+
+    ``engine``: "sklearn" or "closed-form" (the exact one-feature NNLS solution, same result, tested;
+    used at load time so training processes with ``num_workers="auto"`` never import scikit-learn)."""
     import numpy as np
-    from sklearn.linear_model import LinearRegression
+
+    if engine not in ("sklearn", "closed-form"):
+        raise ValueError(f"unknown engine {engine!r}; use 'sklearn' or 'closed-form'")
 
     from predictor.curve import ThroughputCurve
 
@@ -247,8 +257,13 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = ()) -> Prior
         ok = np.all(np.isfinite(X), axis=1) & np.isfinite(y)
         if not ok.any():
             continue
-        reg = LinearRegression(positive=True, fit_intercept=False).fit(X[ok], y[ok])
-        tw, tc = 1.0, max(float(reg.coef_[0]), K_MAX ** -sharp)
+        if engine == "sklearn":
+            from sklearn.linear_model import LinearRegression
+
+            coef = float(LinearRegression(positive=True, fit_intercept=False).fit(X[ok], y[ok]).coef_[0])
+        else:
+            coef = _nnls_1d(X[ok], y[ok])
+        tw, tc = 1.0, max(coef, K_MAX ** -sharp)
         gm, c, b, w, C, bs, meas = (np.asarray(col, dtype=float) for col in zip(*meta))
         T = (gm ** sharp + tw * ((c + b) / w) ** sharp + tc * (c / C) ** sharp) ** (1.0 / sharp)
         mape = float(np.mean(np.abs(bs / T - meas) / meas))
@@ -272,8 +287,9 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = ()) -> Prior
 
 @lru_cache(maxsize=1)
 def default_prior() -> Prior:
-    """The prior refitted from the shipped corpus (once per process); first principles if absent."""
+    """The prior refitted from the shipped corpus (once per process, a fraction of a second);
+    first principles if the corpus is absent."""
     if not CORPUS_PATH.exists():
         return Prior()
     _header, points = load_corpus(CORPUS_PATH)
-    return fit_prior(points)
+    return fit_prior(points, engine="closed-form")
