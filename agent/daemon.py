@@ -108,6 +108,7 @@ class Agent:
 
             predictor = PredictorBank()
         self.predictor = predictor
+        os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
         self.actuators, self.cgroup_mode = self._build_actuators()
         self.controller = self._build_controller()
         self.metrics = None
@@ -118,7 +119,7 @@ class Agent:
 
         cfg = self.config
         kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
-                  state_dir=cfg.state_dir)
+                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root)
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
         except Exception as e:
