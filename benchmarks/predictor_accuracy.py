@@ -1,0 +1,157 @@
+"""Predictor accuracy on measured curves held out from the fit (leave-one-job-out).
+
+    python benchmarks/predictor_accuracy.py [--corpus predictor/data/corpus.jsonl]
+        [--starts 2:2,1:1,4:0.5] [--json predictor-accuracy.json]
+
+For each job of the corpus: fit the prior on the OTHER jobs, give a fresh ``PredictorBank`` the job's
+single corpus window at the starting configuration (standing in for <= 30 s of observation), and
+compare its curve with everything measured for that job:
+
+- throughput MAPE over every measured (workers, cores) point of the job;
+- knee: predicted ``knee_workers(cores)`` vs the measured knee (least measured worker count whose
+  samples/s is within KNEE_TOLERANCE of the best measured at those cores), hit if within +-1;
+  headline at the machine's full cores, also over every cores level;
+- achieved: measured samples/s at the chosen worker count over the best measured at those cores.
+
+Baselines (same curves): first principles only (no learned correction), fixed 4 workers, Lightning's
+suggestion (cpus // ranks - 1, at least 1), and a +1-worker hill climb on the measured curve from 1
+worker that stops when the next count gains < KNEE_TOLERANCE (it needs one window per count it visits).
+Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from predictor.bank import PredictorBank  # noqa: E402
+from predictor.curve import KNEE_TOLERANCE  # noqa: E402
+from predictor.prior import CORPUS_PATH, by_job, fit_prior, load_corpus  # noqa: E402
+
+
+def measured_knee(curve_pts: dict[int, float], tol: float = KNEE_TOLERANCE) -> int:
+    best = max(curve_pts.values())
+    return min(w for w, v in curve_pts.items() if v >= (1 - tol) * best)
+
+
+def snap(w: int, grid: list[int]) -> int:
+    """The measured worker count a decision of ``w`` lands on (least grid count >= w, else the max)."""
+    up = [g for g in grid if g >= w]
+    return min(up) if up else max(grid)
+
+
+def hill_climb(curve_pts: dict[int, float], tol: float = KNEE_TOLERANCE) -> tuple[int, int]:
+    """(+1 worker hill climb result, windows visited) on the measured grid, starting at 1 worker."""
+    grid = sorted(curve_pts)
+    i = 0
+    while i + 1 < len(grid) and curve_pts[grid[i + 1]] > curve_pts[grid[i]] * (1 + tol):
+        i += 1
+    return grid[i], min(i + 2, len(grid))
+
+
+def evaluate(points: list[dict], start: tuple[int, float], learned: bool = True) -> dict:
+    jobs = by_job(points)
+    all_cores = sorted({p["cores"] for p in points})
+    full = max(all_cores)
+    per_job = {}
+    for job, pts in jobs.items():
+        grid = {(p["workers"], p["cores"]): p for p in pts}
+        sp = grid.get(start)
+        if sp is None:
+            continue
+        prior = fit_prior(points, exclude_jobs=[job]) if learned else None
+        bank = PredictorBank(prior=prior)
+        bank.observe(job, sp["observation"])
+        cur = bank.curve(job)
+        apes = [abs(cur.throughput(p["workers"], p["cores"]) - p["samples_per_s"]) / p["samples_per_s"]
+                for p in pts if p["samples_per_s"] > 0]
+        knees = {}
+        for C in sorted({p["cores"] for p in pts}):
+            meas = {p["workers"]: p["samples_per_s"] for p in pts if p["cores"] == C}
+            wgrid = sorted(meas)
+            best = max(meas.values())
+            mk = measured_knee(meas)
+            pk = cur.knee_workers(C)
+            hc, hc_windows = hill_climb(meas)
+            lightning = max(1, math.floor(C) - 1)
+            knees[C] = {
+                "measured": mk, "predicted": pk, "hit": abs(pk - mk) <= 1 or snap(pk, wgrid) == mk,
+                "achieved": meas[snap(pk, wgrid)] / best,
+                "fixed4_hit": abs(4 - mk) <= 1, "fixed4_achieved": meas[snap(4, wgrid)] / best,
+                "lightning": lightning, "lightning_hit": abs(lightning - mk) <= 1,
+                "lightning_achieved": meas[snap(lightning, wgrid)] / best,
+                "hillclimb": hc, "hillclimb_hit": abs(hc - mk) <= 1, "hillclimb_achieved": meas[hc] / best,
+                "hillclimb_windows": hc_windows,
+            }
+        per_job[job] = {"mape": statistics.mean(apes), "max_ape": max(apes), "knees": knees,
+                        "curve": {"g": cur.compute_s_per_step, "m": cur.overhead_s_per_step,
+                                  "c": cur.cpu_s_per_batch, "b": cur.blocked_s_per_batch,
+                                  "kw": cur.correction, "kc": cur.core_correction, "p": cur.sharpness}}
+    def frac(key, only_full):
+        vals = [k[key] for j in per_job.values() for C, k in j["knees"].items() if (C == full or not only_full)]
+        return sum(vals) / len(vals) if vals else float("nan")
+    def mean(key, only_full):
+        vals = [k[key] for j in per_job.values() for C, k in j["knees"].items() if (C == full or not only_full)]
+        return statistics.mean(vals) if vals else float("nan")
+    summary = {
+        "start": {"workers": start[0], "cores": start[1]}, "learned": learned, "jobs": len(per_job),
+        "mape": statistics.mean(j["mape"] for j in per_job.values()) if per_job else float("nan"),
+        "full_cores": full,
+    }
+    for scope, only_full in (("full", True), ("all", False)):
+        for name in ("", "fixed4_", "lightning_", "hillclimb_"):
+            summary[f"{scope}_{name}knee_hit"] = frac(f"{name}hit", only_full)
+            summary[f"{scope}_{name}achieved"] = mean(f"{name}achieved", only_full)
+        summary[f"{scope}_hillclimb_windows"] = mean("hillclimb_windows", only_full)
+    return {"summary": summary, "per_job": per_job}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", default=str(CORPUS_PATH))
+    ap.add_argument("--starts", default="2:2,1:1,4:0.5", help="workers:cores of the single starting window")
+    ap.add_argument("--json", default="predictor-accuracy.json")
+    args = ap.parse_args(argv)
+    header, points = load_corpus(args.corpus)
+    results = []
+    for s in args.starts.split(","):
+        w, c = s.split(":")
+        start = (int(w), float(c))
+        for learned in (True, False):
+            results.append(evaluate(points, start, learned))
+    print(f"corpus: {args.corpus} ({len(points)} points, {len(by_job(points))} jobs); "
+          f"{header.get('machine', '?')}")
+    print(f"knee hit = predicted knee within +-1 of the measured knee (tolerance {KNEE_TOLERANCE:.0%}); "
+          "achieved = measured samples/s at the chosen count / best measured at those cores")
+    cols = ("start", "model", "MAPE", "knee hit@full", "knee hit@all", "achieved@all",
+            "fixed4 hit", "lightning hit", "hillclimb hit (windows)")
+    print(" | ".join(cols))
+    for r in results:
+        s = r["summary"]
+        print(" | ".join([
+            f"{s['start']['workers']}w/{s['start']['cores']:g}c", "learned" if s["learned"] else "first-principles",
+            f"{s['mape']:.1%}", f"{s['full_knee_hit']:.0%}", f"{s['all_knee_hit']:.0%}", f"{s['all_achieved']:.1%}",
+            f"{s['all_fixed4_knee_hit']:.0%} ({s['all_fixed4_achieved']:.1%})",
+            f"{s['all_lightning_knee_hit']:.0%} ({s['all_lightning_achieved']:.1%})",
+            f"{s['all_hillclimb_knee_hit']:.0%} ({s['all_hillclimb_windows']:.1f})"]))
+    head = results[0]
+    print(f"\nper job (start {args.starts.split(',')[0]}, learned): MAPE, knee measured/predicted by cores")
+    for job, j in head["per_job"].items():
+        ks = " ".join(f"{C:g}c:{k['measured']}/{k['predicted']}{'' if k['hit'] else '!'}" for C, k in j["knees"].items())
+        print(f"  {job:14s} MAPE {j['mape']:6.1%}  {ks}")
+    with open(args.json, "w") as f:
+        json.dump({"corpus": args.corpus, "corpus_header": header, "knee_tolerance": KNEE_TOLERANCE,
+                   "results": results}, f, indent=1, default=str)
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
