@@ -78,7 +78,8 @@ def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
-    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor)
+    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
+                        pin_cpusets=cfg.cpu_knob == "cpuset")
 
 
 def _pct(xs: list, q: float) -> Optional[float]:
