@@ -13,6 +13,8 @@ job to be allocated, then measure over --seconds:
   (everything: socket IO thread, message handling, ticks);
 - round trips through the agent under that load, measured after the CPU window: hello -> welcome
   for a probe client (200 samples, 20 ms apart) and status -> status document (20 samples).
+Then, in this process, the agent's own share of a tick without the controller (registry sweep +
+collector snapshot for the same number of jobs).
 Targets (issue 4): tick under 5 ms, agent under 1% of a core at a 1 s tick.
 Prints a table and writes JSON.
 """
@@ -229,6 +231,40 @@ def run_one(policy: str, clients: int, seconds: float, seed: int) -> dict:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def collector_only(clients: int, ticks: int = 200) -> dict:
+    """The agent's own share of a tick without the controller: registry sweep (a /proc read per
+    rank) + collector snapshot (rates -> JobStats, PSI, NVML probe), in this process, for ``clients``
+    jobs with fresh reports each tick. Wall and CPU (thread) milliseconds per tick."""
+    from agent.collector import Collector
+    from agent.nvml import GpuSampler
+    from agent.registry import Registry
+    from agent.security import Peer
+
+    reg = Registry()
+    col = Collector(reg, loader_cpus=60.0, cpu_ids=tuple(range(os.cpu_count() or 1)), gpu_sampler=GpuSampler())
+    me = os.getpid()
+    rng = random.Random(7)
+    for i in range(clients):
+        reg.hello(Peer(os.getuid(), 0, me), b"c%d" % i, {"job": f"sim-{i}", "rank": 0, "pid": me, "gpus": ["0"],
+                                                         "batch_size": 32, "workers": 2}, 0.0)
+    walls, cpus = [], []
+    for t in range(1, ticks + 1):
+        for i in range(clients):
+            up = float(t)
+            reg.jobs[f"sim-{i}"].ranks[0].last_seen = up     # what Registry.report does on arrival
+            col.on_report(f"sim-{i}", 0, me, {"uptime_s": up, "steps": 10 * t, "samples": 320 * t, "batches": 10 * t,
+                                              "data_wait_s": 0.2 * up * rng.uniform(0.9, 1.1), "compute_s": 0.8 * up,
+                                              "worker_cpu_s": 0.5 * up, "worker_wall_s": up, "worker_runq_s": 0.1 * up,
+                                              "worker_blocked_s": 0.1 * up}, up)
+        w0, c0 = time.perf_counter(), time.thread_time()
+        reg.sweep(float(t))
+        col.snapshot(float(t))
+        walls.append((time.perf_counter() - w0) * 1000)
+        cpus.append((time.thread_time() - c0) * 1000)
+    assert len(reg.jobs) == clients and len(col.last.jobs) == clients
+    return {"clients": clients, "ticks": ticks, "wall_ms": _pcts(walls), "cpu_ms": _pcts(cpus)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=64)
@@ -245,8 +281,9 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"  {policy} repeat {rep + 1}: tick p50 {r['tick_wall_ms']['p50']} ms, agent {r['agent_cpu_pct_of_core']}% "
                   f"of a core", file=sys.stderr)
+    own = collector_only(args.clients)
     load = os.getloadavg()
-    out = {"command": "python benchmarks/agent_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {"collector_only": own, "command": "python benchmarks/agent_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "cpus": os.cpu_count(), "loadavg_1m_end": round(load[0], 2), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
@@ -261,6 +298,9 @@ def main(argv=None) -> int:
             r["tick_cpu_ms"]["p50"], r["controller_ms_p50"], r["agent_cpu_pct_of_core"], r["messages_per_s"],
             f"{r['hello_rtt_ms']['p50']}/{r['hello_rtt_ms']['p95']}",
             f"{r['status_rtt_ms']['p50']}/{r['status_rtt_ms']['p95']}")))
+    print(f"agent's own share of a tick (registry sweep + collector snapshot, {own['clients']} jobs, in-process, "
+          f"{own['ticks']} ticks): wall p50 {own['wall_ms']['p50']} ms p95 {own['wall_ms']['p95']} ms, "
+          f"CPU p50 {own['cpu_ms']['p50']} ms")
     print(f"(wrote {args.out}; 1-minute load average at the end: {load[0]:.1f} on {os.cpu_count()} CPUs)")
     return 0
 
