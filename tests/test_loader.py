@@ -19,8 +19,9 @@ from adloader import DataLoader
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.test_loader_data import (FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
-                                    collate_tuple, init_fails, init_marks_worker)
+from tests.test_loader_data import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
+                                    collate_keep_views, collate_tuple, init_fails,
+                                    init_marks_worker)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -398,3 +399,70 @@ def test_other_start_methods(method):
         if step == 1:
             dl.resize(2)
     assert _ids(got) == ref
+
+
+def test_result_channel_many_tensors_views_empty_and_large_payloads():
+    got = list(DataLoader(Awkward(), batch_size=2, num_workers=2, collate_fn=collate_keep_views))
+    assert len(got) == 3
+    for b, batch in enumerate(got):
+        i0 = 2 * b
+        assert [int(t[0]) for t in batch["many"][:3]] == [i0 * 1000, i0 * 1000 + 1, i0 * 1000 + 2]
+        assert len(batch["many"]) == 600 and int(batch["many"][-1][0]) == (i0 + 1) * 1000 + 299
+        assert batch["a_view"].data_ptr() == batch["a"].data_ptr()     # one storage, still shared
+        batch["a"][0, 0] = -1
+        assert int(batch["a_view"][0]) == -1
+        assert batch["empty"].numel() == 0
+        assert batch["big"].shape == (2, 300_000) and float(batch["big"][1, -1]) == i0 + 1
+
+
+def _fake_module(name, **fns):
+    import types
+
+    mod = types.ModuleType(name)
+    for k, v in fns.items():
+        setattr(mod, k, v)
+    return mod
+
+
+def test_hooks_client_and_autotune(monkeypatch):
+    import sys
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: False))
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module(
+        "adloader.client", attach=lambda dl: calls.append(("attach", dl)), detach=lambda dl: calls.append(("detach", dl))))
+    monkeypatch.setitem(sys.modules, "adloader.autotune", _fake_module(
+        "adloader.autotune", initial_workers=lambda dl: calls.append(("initial", dl)) or 3,
+        attach=lambda dl: calls.append(("tune", dl)), detach=lambda dl: calls.append(("untune", dl))))
+    dl = DataLoader(Indexed(12), batch_size=4, num_workers="auto", max_workers=2)
+    assert calls == [("initial", dl)]
+    assert dl.num_workers == 2 and dl.requested_workers == 2        # clamped to max_workers
+    assert _ids(list(dl)) == list(range(12))
+    assert _ids(list(dl)) == list(range(12))
+    assert calls == [("initial", dl), ("attach", dl), ("tune", dl)]    # once, at the first iter()
+    dl.close()
+    assert calls[3:] == [("detach", dl), ("untune", dl)]
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(dl)
+
+
+def test_hooks_never_raise_and_respect_disable(monkeypatch):
+    import sys
+
+    def boom(dl):
+        raise RuntimeError("agent unreachable")
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module("adloader.client", attach=boom, detach=boom))
+    monkeypatch.setitem(sys.modules, "adloader.autotune", _fake_module("adloader.autotune", initial_workers=boom,
+                                                                       attach=boom, detach=boom))
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: False))
+    dl = DataLoader(Indexed(8), batch_size=4, num_workers="auto", max_workers=2)
+    assert 1 <= dl.num_workers <= 2
+    assert _ids(list(dl)) == list(range(8))
+    dl.close()
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: True))
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module("adloader.client", attach=seen.append))
+    dl = DataLoader(Indexed(8), batch_size=4)
+    list(dl)
+    assert seen == []
