@@ -378,7 +378,7 @@ class WorkerSpec:
     drop_last: bool
     collate_fn: Callable
     worker_init_fn: Callable | None
-    main_pid: int
+    main_pid: int               # informational (the training process)
 
 
 def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:
@@ -386,6 +386,9 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
     # same process group must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Orphan check: the parent is the main process (fork, spawn) or the fork server (which exits
+    # when the main process does); when it goes, this process is re-parented and leaves.
+    parent = os.getppid()
     torch.set_num_threads(1)
     wid = spec.wid
     seed = spec.base_seed + wid
@@ -397,7 +400,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
             spec.worker_init_fn(wid)
     except Exception:
         send_message(result, ("init_error", RemoteError(where=where)))
-        _wait_for_exit(ctrl, spec.main_pid)
+        _wait_for_exit(ctrl, parent)
         return
 
     runq = RunQueueClock()
@@ -479,7 +482,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
             # everything handed to this worker personally is done: hand the slot back and wait
             send_message(result, ("retired",))
             while True:
-                msg = _recv_or_orphaned(ctrl, spec.main_pid)
+                msg = _recv_or_orphaned(ctrl, parent)
                 if msg is None or msg[0] == "exit":
                     return
                 if msg[0] == "resume":
@@ -490,7 +493,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
             continue
         events = poller.poll(1000)
         if not events:
-            if os.getppid() != spec.main_pid:   # the main process is gone (SIGKILL, crash)
+            if os.getppid() != parent:   # orphaned: the main process is gone (SIGKILL, crash)
                 return
             continue
         if task_sock is not None and any(fd != ctrl_fd for fd, _ in events):
@@ -505,9 +508,9 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
             run(ForkingPickler.loads(memoryview(buf)[:n]))
 
 
-def _recv_or_orphaned(ctrl, main_pid: int):
+def _recv_or_orphaned(ctrl, parent: int):
     while not ctrl.poll(1.0):
-        if os.getppid() != main_pid:
+        if os.getppid() != parent:
             return None
     try:
         return ctrl.recv()
@@ -515,8 +518,8 @@ def _recv_or_orphaned(ctrl, main_pid: int):
         return None
 
 
-def _wait_for_exit(ctrl, main_pid: int) -> None:
+def _wait_for_exit(ctrl, parent: int) -> None:
     while True:
-        msg = _recv_or_orphaned(ctrl, main_pid)
+        msg = _recv_or_orphaned(ctrl, parent)
         if msg is None or msg[0] == "exit":
             return
