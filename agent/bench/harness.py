@@ -435,6 +435,18 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     for jid, r in readers.items():
         r.poll()
         jobs[jid].update(records=r.records, start=r.start, done=r.done)
+    # An arrival counts from when the job's process is up and about to iterate (its "start" record; the
+    # agent hears its hello at the first batch), not from the launch: interpreter and dataset start-up
+    # (seconds here) is the same under every policy and is no reaction time.
+    for e in events:
+        st = readers[e["job"]].start if e.get("kind") == "arrival" and e.get("job") in readers else None
+        if st:
+            e["launch_t"], e["t"] = e["t"], st["t"]
+    if sc.kind == "dynamic":   # a job finishing its work is a departure the policy reacts to
+        for jid, r in readers.items():
+            if r.done and r.done.get("reason") == "work":
+                events.append({"t": r.done["t"], "label": f"{jid} finishes", "kind": "finish", "job": jid})
+        events.sort(key=lambda e: e["t"])
     return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "error": error,
@@ -473,7 +485,7 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
         per_job[j] = {"kind": jobs[j]["spec"]["kind"], "samples_per_s": samples / (b - a),
                       "normalised": M.normalised(samples / (b - a), ceil), "ceiling": ceil,
                       "data_wait_frac": wait / (wait + comp) if wait + comp > 0 else math.nan,
-                      "resizes": int(d("resizes")), "workers_end": r[-1]["workers"],
+                      "resizes": int(r[-1].get("resizes", 0)), "workers_end": r[-1]["workers"],
                       "worker_cpu_cores": d("cpu_s") / (b - a), "alive_s": b - a}
         tot_norm_s += samples / ceil
         tot_samples += samples

@@ -90,8 +90,16 @@ def value_from_curve(curve, max_workers: int = 64, weight: float = 1.0) -> JobVa
     return JobValue(value=value, workers=workers, weight=weight)
 
 
-def solve(jobs: Mapping[str, JobValue], budget_cores: float, grid: int = 200) -> OraclePlan:
-    """Exact best allocation of ``budget_cores`` over ``jobs`` on a grid of ``grid`` core steps."""
+def value_grid(jv: JobValue, budget_cores: float, grid: int) -> np.ndarray:
+    """``weight * value`` at 0, 1, ..., grid steps of ``budget_cores / grid``."""
+    step = budget_cores / grid
+    return np.array([jv.weight * jv.value(k * step) for k in range(grid + 1)])
+
+
+def solve(jobs: Mapping[str, JobValue], budget_cores: float, grid: int = 200,
+          grids: Mapping[str, np.ndarray] | None = None) -> OraclePlan:
+    """Exact best allocation of ``budget_cores`` over ``jobs`` on a grid of ``grid`` core steps.
+    ``grids``: precomputed ``value_grid`` arrays per job (callers that repeat a job cache them)."""
     names = list(jobs)
     if not names:
         return OraclePlan({}, {}, {}, {}, 0.0)
@@ -99,15 +107,14 @@ def solve(jobs: Mapping[str, JobValue], budget_cores: float, grid: int = 200) ->
         raise ValueError(f"oracle: budget must be > 0 cores, got {budget_cores}")
     step = budget_cores / grid
     ks = np.arange(grid + 1)
+    prev = ks[:, None] - ks[None, :]              # prev[k, m] = k - m (steps left for earlier jobs)
+    valid = prev >= 0
+    prev = np.where(valid, prev, 0)
     best = np.zeros(grid + 1)                     # best[k]: objective using k steps over jobs so far
     choice = []                                   # per job: array k -> steps given to this job
     for name in names:
-        jv = jobs[name]
-        v = np.array([jv.weight * jv.value(k * step) for k in ks])
-        # new[k] = max_m best[k - m] + v[m]
-        cand = np.full((grid + 1, grid + 1), -np.inf)
-        for m in range(grid + 1):
-            cand[m:, m] = best[: grid + 1 - m] + v[m]
+        v = grids[name] if grids is not None and name in grids else value_grid(jobs[name], budget_cores, grid)
+        cand = np.where(valid, best[prev] + v[None, :], -np.inf)   # cand[k, m] = best[k - m] + v[m]
         arg = cand.argmax(axis=1)
         best = cand[ks, arg]
         choice.append(arg)
@@ -143,5 +150,5 @@ def fmt_plan(plan: OraclePlan) -> str:
                      for j in plan.workers) + f"; objective {plan.objective:.3f}"
 
 
-__all__ = ["JobValue", "OraclePlan", "value_from_sweep", "value_from_curve", "solve", "even_objective",
+__all__ = ["JobValue", "OraclePlan", "value_from_sweep", "value_from_curve", "value_grid", "solve", "even_objective",
            "fmt_plan"]

@@ -36,7 +36,7 @@ def timeline(phases: list[dict], scenario: str, path: Path) -> Path | None:
             for ax in (ax_t, ax_w):
                 ax.axvline(e["t"] - origin, color="k", ls="--", lw=0.7)
         if ph.get("warmup_s") and ph.get("kind") != "dynamic":
-            ax_t.axvspan(min(0, ax_t.get_xlim()[0]), ph["warmup_s"], color="0.9", lw=0)
+            ax_t.axvspan(0, ph["warmup_s"], color="0.9", lw=0)
         ax_t.set_ylabel(ph["policy"], fontsize=8)
         ax_t.set_ylim(0, 1.1)
         ax_w.set_ylim(0, max(1, max((max(s["workers"]) for s in ph["series"].values()), default=1)) + 0.5)

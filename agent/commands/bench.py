@@ -24,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--policies", default=",".join(POLICIES_ALL), help="comma-separated policies to compare")
     p.add_argument("--reps", type=int, default=None, help="repeats (quick: 1, full: 3)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
-    p.add_argument("--out", default="adloader-bench", help="output directory (JSON, markdown, plots, logs)")
+    p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
     p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
     p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
