@@ -112,32 +112,39 @@ class Prior:
                         windows: Iterable[Observation]) -> tuple[float, float]:
         """(correction, core_correction) for one job: each loader-bound window is solved exactly for
         the correction of its binding loader term (workers or cores, whichever first principles say
-        binds), and the log-corrections are averaged with the prior's counted as ``strength`` windows
-        (a ridge in log space: one window moves the estimate, several windows own it)."""
+        binds); the windows of one configuration are averaged into one vote, and the votes are
+        averaged with the prior's, which counts as ``strength`` configurations (a ridge in log space:
+        one configuration moves the estimate, several own it; repeated windows do not drift it)."""
         windows = list(windows)
         p = self.sharpness
         kw0 = self.theta_w ** (-1.0 / p) if self.theta_w > 0 else K_MAX
         kc0 = self.prior_core_correction(windows)
         lam = self.strength
-        sw, nw, sc, nc = lam * math.log(kw0), lam, lam * math.log(kc0), lam
+        per_w: dict[tuple, list[float]] = {}   # configuration -> log corrections of its windows
+        per_c: dict[tuple, list[float]] = {}
         base = (g + m) ** p
         for o in windows:
             if o.workers < 1 or not loader_bound(o):
                 continue
             t = o.step_s
             xw, xc = (c + b) / o.workers, (c / o.cores if c > 0 else 0.0)
+            key = (o.workers, round(o.cores, 3))
             # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
             # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
             if xc / kc0 >= xw / kw0 and xc > 0:      # cores bind: solve for core_correction
                 rest = t ** p - base - (xw / kw0) ** p
                 if rest > 0:
-                    sc += math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p))))
-                    nc += 1
+                    per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p)))))
             elif xw > 0:                              # workers bind: solve for correction
                 rest = t ** p - base - (xc / kc0) ** p
                 if rest > 0:
-                    sw += math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p))))
-                    nw += 1
+                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p)))))
+        # one vote per configuration (the mean of its windows): repeating a configuration refines its
+        # own figure but does not drag the estimate along window after window
+        sw = lam * math.log(kw0) + sum(sum(v) / len(v) for v in per_w.values())
+        nw = lam + len(per_w)
+        sc = lam * math.log(kc0) + sum(sum(v) / len(v) for v in per_c.values())
+        nc = lam + len(per_c)
         return math.exp(sw / nw), math.exp(sc / nc)
 
     def prior_core_correction(self, windows: Sequence[Observation]) -> float:

@@ -35,7 +35,14 @@ SCRIPT = textwrap.dedent('''
             last = (now, st["samples"])
         if now - t0 > run_s:
             break
-    print(json.dumps({"start_workers": start_workers, "trace": trace, "usable_cpus": autotune.usable_cpus()}))
+    t = autotune.tuner_of(loader)
+    cur = t.bank.curve(t.job) if t else None
+    diag = {"windows": t.n_windows, "moves": t.history, "measured": t.measured, "cap": t.cap,
+            "curve": None if cur is None else [cur.cpu_s_per_batch, cur.blocked_s_per_batch,
+                                               cur.compute_s_per_step, cur.correction, cur.core_correction,
+                                               cur.knee_workers(t.cpus)]} if t else None
+    print(json.dumps({"start_workers": start_workers, "trace": trace, "usable_cpus": autotune.usable_cpus(),
+                      "tuner": diag}))
     loader.close()
 ''')
 
@@ -63,7 +70,7 @@ def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path):
     assert res["usable_cpus"] == 1.0
     assert res["start_workers"] == 1
     final = trace[-1][1]
-    assert 3 <= final <= 8, trace
+    assert 3 <= final <= 8, (trace, res["tuner"])
     assert len(_settled(trace, 10.0)) == 1, trace            # settled within 10 s (1 s windows), then stays
     first_rate = max(r for t, w, r in trace if w == res["start_workers"])
     end_rate = sorted(r for t, w, r in trace[-4:])[1]
