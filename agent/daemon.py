@@ -31,6 +31,7 @@ WATCHDOG=1 every half WATCHDOG_USEC, STOPPING=1 on stop (``sd_notify``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -81,6 +82,24 @@ def _policy_config(cfg: AgentConfig):
                         pin_cpusets=cfg.cpu_knob == "cpuset")
 
 
+def _pct(xs: list, q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def _tick_summary(ticks) -> dict:
+    """The last ticks: wall and CPU (tick thread) milliseconds, and the controller's share of the wall
+    time (predictor + policy + actuators; the rest is the registry sweep and the snapshot)."""
+    wall = [t[0] for t in ticks]
+    cpu = [t[1] for t in ticks]
+    ctl = [t[2] for t in ticks]
+    return {"n": len(wall), "wall_ms_p50": _pct(wall, 0.5), "wall_ms_p95": _pct(wall, 0.95),
+            "wall_ms_max": round(max(wall), 3) if wall else None, "cpu_ms_p50": _pct(cpu, 0.5),
+            "cpu_ms_p95": _pct(cpu, 0.95), "controller_ms_p50": _pct(ctl, 0.5)}
+
+
 class Agent:
     def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
                  cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
@@ -92,6 +111,7 @@ class Agent:
         self.ticks = 0
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
+        self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms)
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
@@ -150,6 +170,7 @@ class Agent:
         os.makedirs(cfg.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
         self.server.bind()
         self._adopt_journal(time.monotonic())
+        self._warm_predictor()
         if cfg.metrics_port:
             from agent.metrics import Metrics
 
@@ -161,6 +182,17 @@ class Agent:
                    actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
                    metrics_port=cfg.metrics_port, version=__version__, protocol=protocol.VERSION)
         sd_notify("READY=1\nSTATUS=serving " + cfg.endpoint)
+
+    def _warm_predictor(self) -> None:
+        """Load the predictor's prior now (it imports scikit-learn and fits once, seconds), so the first
+        tick with a job does not take that long; failures are the predictor's to report in ticks."""
+        t0 = time.perf_counter()
+        try:
+            getattr(self.predictor, "prior", None)
+        except Exception as e:
+            logs.event(log, "predictor_prior_failed", logging.WARNING, error=f"{type(e).__name__}: {e}")
+            return
+        logs.event(log, "predictor_ready", seconds=round(time.perf_counter() - t0, 3))
 
     def _adopt_journal(self, now: float) -> None:
         doc = journal.load(self.config.state_dir)
@@ -220,6 +252,7 @@ class Agent:
     def tick(self, now: float):
         """One tick; never raises (a failure is logged and the loop goes on)."""
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         record = None
         try:
             self.registry.sweep(now)
@@ -235,6 +268,8 @@ class Agent:
             logs.event(log, "tick_failed", logging.ERROR, error=f"{type(e).__name__}: {e}")
         self.ticks += 1
         self.last_tick_ms = (time.perf_counter() - t0) * 1000.0
+        self.recent_ticks.append((self.last_tick_ms, (time.thread_time() - c0) * 1000.0,
+                                  record.duration_s * 1000.0 if record is not None else 0.0))
         try:
             self._write_journal()
         except OSError as e:
@@ -271,6 +306,7 @@ class Agent:
             "nvml_error": None if self.gpu.available else (self.gpu.last_error or None),
             "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
+            "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
         }
         return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,
                                record=self.controller.last_record, applied=self.controller.applied())
