@@ -48,6 +48,7 @@ RECHECK_S = 0.5           # first re-check of a missing socket file; doubles up 
 RECHECK_MAX_S = 5.0
 HELLO_RETRY_S = 1.0       # hello without welcome: resend after this, doubling up to HELLO_RETRY_MAX_S
 HELLO_RETRY_MAX_S = 10.0
+CONNECT_POLL_S = 0.05     # hello not sent because the connection is not up yet: retry this soon
 DEFAULT_HEARTBEAT_S = 2.0
 LOST_AFTER_BEATS = 3      # no message from the agent for this many heartbeat periods: reconnect
 SNDHWM = 4
@@ -127,13 +128,15 @@ class _Client:
             "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None,
         }
         self._thread = threading.Thread(target=self._run, name="adloader-client", daemon=True)
-        self._thread.start()
 
     # --- called from the training thread (under the module lock) ---------------------------------
     def add(self, loader: Any) -> None:
         with self._lock:
             if not any(r() is loader for r in self._loaders):
                 self._loaders.append(weakref.ref(loader))
+            start = not self._thread.is_alive() and not self._stop.is_set() and self._thread.ident is None
+        if start:   # only once a loader is there: the thread stops when it finds none
+            self._thread.start()
 
     def remove(self, loader: Any) -> bool:
         """Drop ``loader``; True when no loader is left (the thread then says bye and exits)."""
@@ -148,7 +151,7 @@ class _Client:
         return self._stop.is_set()
 
     def join(self, timeout: float) -> None:
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
             self._thread.join(timeout)
 
     def snapshot(self) -> dict:
@@ -232,9 +235,11 @@ class _Client:
                     continue
                 if not welcomed:
                     if now >= next_hello:
-                        self._send(zmq, sock, self._hello(loader))
-                        next_hello = now + hello_retry_s
-                        hello_retry_s = min(HELLO_RETRY_MAX_S, hello_retry_s * 2)
+                        if self._send(zmq, sock, self._hello(loader)):
+                            next_hello = now + hello_retry_s
+                            hello_retry_s = min(HELLO_RETRY_MAX_S, hello_retry_s * 2)
+                        else:   # not connected yet (IMMEDIATE): try again shortly, no backoff
+                            next_hello = now + CONNECT_POLL_S
                         if hello_retry_s >= HELLO_RETRY_MAX_S and not os.path.exists(env.ipc_path(self.endpoint) or "/"):
                             return 0.0   # the socket file went away: back to silent re-checking
                 elif now >= next_report:

@@ -157,6 +157,14 @@ class Hierarchy:
         except OSError as e:
             raise domain_error(e, f"write {value!r} to {self.path(rel, file)}") from None
 
+    def children(self, rel: str) -> list[str]:
+        """Every group below ``rel`` (not ``rel`` itself), as paths relative to the root."""
+        out = []
+        for dirpath, dirnames, _ in os.walk(self.path(rel)):
+            for d in dirnames:
+                out.append(os.path.relpath(os.path.join(dirpath, d), self.root))
+        return out
+
     def procs(self, rel: str) -> list[int]:
         text = self.read(rel, "cgroup.procs")
         return [int(x) for x in text.split()]

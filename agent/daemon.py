@@ -77,7 +77,8 @@ def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
-    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor)
+    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
+                        pin_cpusets=cfg.cpu_knob == "cpuset")
 
 
 class Agent:
@@ -107,6 +108,7 @@ class Agent:
 
             predictor = PredictorBank()
         self.predictor = predictor
+        os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
         self.actuators, self.cgroup_mode = self._build_actuators()
         self.controller = self._build_controller()
         self.metrics = None
@@ -116,7 +118,8 @@ class Agent:
         from agent import actuators
 
         cfg = self.config
-        kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights)
+        kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
+                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root)
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
         except Exception as e:

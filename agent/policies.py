@@ -110,25 +110,33 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
     return max(config.min_workers, min(worker_bound(job, config), int(w)))
 
 
+def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> Callable[[float], int]:
+    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``).
+
+    The constants are computed once, so the greedy can call it thousands of times per decision.
+    """
+    lo, bound = config.min_workers, worker_bound(job, config)
+    if curve is None:
+        return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
+    top = min(bound, curve.max_useful_workers)
+    c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
+    if c <= 0:
+        return lambda cores: max(lo, top)
+    k_w = curve.correction
+    k_c = getattr(curve, "core_correction", None) or k_w
+    ratio = (c + b) / c * k_c / k_w
+    return lambda cores: max(lo, min(top, math.ceil(min(cores * ratio, 1e9) - 1e-6)))
+
+
 def workers_for(cores: float, curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> int:
     """Enough workers to use ``cores`` (blocked time included), at most curve.max_useful_workers.
 
     With a curve: ceil(cores * (c + b) / c), since a worker is on CPU c / (c + b) of the time (scaled
     by core_correction / correction when the curve learned them apart). Deliberately the ceiling, not
     the knee: with work-conserving shares a job may get more than its cores when others idle.
-    Without a curve: ceil(cores).
+    Without a curve: ceil(cores). Always within [min_workers, min(max_workers_per_job, max_workers)].
     """
-    bound = worker_bound(job, config)
-    if curve is None:
-        need = float(math.ceil(cores - 1e-6))
-    else:
-        c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
-        need = float(curve.max_useful_workers)
-        if c > 0:
-            k_w = curve.correction
-            k_c = getattr(curve, "core_correction", None) or k_w
-            need = min(need, math.ceil(min(cores * (c + b) / c * k_c / k_w, 1e9) - 1e-6))
-    return clamp_workers(int(min(need, bound)), job, config)
+    return worker_rule(curve, job, config)(cores)
 
 
 def io_weight_for(cpus: float, fair: float, config: PolicyConfig) -> Optional[int]:
@@ -318,41 +326,56 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             workers[j] = workers_for(cpus[j], None, job, config)
             reason[j] = f"cold start: fair share {cpus[j]:.2f} cores until observed"
 
-    def gain_of(j: str, x: float, dx: float) -> float:
-        job, cv = snapshot.jobs[j], warm[j]
-        return max(1, job.gpus) * (cv.normalized(workers_for(x + dx, cv, job, config), x + dx)
-                                   - cv.normalized(workers_for(x, cv, job, config), x)) / dx
+    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config) for j in warm}
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
+
+    def value(j: str, x: float) -> float:
+        return warm[j].normalized(rule[j](x), x)
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config)) for j in warm}
     for j in warm:
         cpus[j] = max(min_c, min(fair, useful[j], cap[j])) if config.fairness_floor else min_c
     remaining = C - sum(cpus.values())
+    # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
+    # step costs one curve evaluation. Ties go to the smaller job id (heap order on (-gain, id)).
+    current = {j: value(j, cpus[j]) for j in warm}
+    nxt: dict[str, tuple[float, float]] = {}
     heap = []
-    for j in warm:
+
+    def offer(j: str) -> None:
         dx = min(q, cap[j] - cpus[j])
         if dx > EPS:
-            heap.append((-gain_of(j, cpus[j], dx), j))
+            v = value(j, cpus[j] + dx)
+            nxt[j] = (dx, v)
+            heap.append((-gpus[j] * (v - current[j]) / dx, j))
+
+    for j in warm:
+        offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
     while heap and remaining > EPS:
         neg, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
-        dx = min(q, cap[j] - cpus[j], remaining)
-        if dx <= EPS:
-            continue
-        g = gain_of(j, cpus[j], dx)           # exact for a partial last step
+        dx, v = nxt[j]
+        if dx > remaining:                     # a partial last step: re-evaluate exactly
+            dx = remaining
+            v = value(j, cpus[j] + dx)
+        g = gpus[j] * (v - current[j]) / dx
         if g <= EPS:
             continue
         cpus[j] += dx
         remaining -= dx
+        current[j] = v
         last_gain[j] = g
         dx2 = min(q, cap[j] - cpus[j])
         if dx2 > EPS:
-            heapq.heappush(heap, (-gain_of(j, cpus[j], dx2), j))
+            v2 = value(j, cpus[j] + dx2)
+            nxt[j] = (dx2, v2)
+            heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
     for j in sorted(warm):
-        job, cv = snapshot.jobs[j], warm[j]
-        workers[j] = workers_for(min(cpus[j], useful[j]), cv, job, config)
+        cv = warm[j]
+        workers[j] = rule[j](min(cpus[j], useful[j]))
         norm = cv.normalized(workers[j], cpus[j])
         if j in last_gain:
             reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
@@ -384,12 +407,17 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             tot += max(1, snapshot.jobs[j].gpus) * warm[j].normalized(w, x)
         return tot
 
+    def shortfalls(alloc_of) -> dict[str, str]:
+        out = {}
+        for j in warm:
+            w, x = alloc_of(j)
+            if useful[j] > x + 0.01:
+                out[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {x:.2f} "
+                          f"({warm[j].normalized(w, x):.0%} of ceiling)")
+        return out
+
     new_total = objective(lambda j: (workers[j], cpus[j]))
-    unsatisfied: dict[str, str] = {}
-    for j in warm:
-        if useful[j] > cpus[j] + 0.01:
-            unsatisfied[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {cpus[j]:.2f} "
-                              f"({warm[j].normalized(workers[j], cpus[j]):.0%} of ceiling)")
+    unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
     applied = {j: snapshot.jobs[j].applied for j in ids}
@@ -405,16 +433,19 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                    / max(1, workers[j], applied[j].workers) for j in ids) \
             * config.restart_cost_per_worker / weight_total
         moved = any(abs(cpus[j] - applied[j].cpus) >= 0.01 or workers[j] != applied[j].workers for j in ids)
-        if moved and gain < config.hysteresis + cost:
+        if not moved or gain < config.hysteresis + cost:
+            # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
+            # so measurement noise never turns into a stream of tiny re-applies.
             allocs = {}
             for j in ids:
                 a = applied[j]
                 allocs[j] = JobAllocation(
                     job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
                     cpuset=a.cpuset, io_weight=a.io_weight,
-                    reason=f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} "
-                           f"+ restart cost {cost:.1%}")
-            return AllocationPlan(policy="adaptive", allocations=allocs, unsatisfied=unsatisfied,
+                    reason=reason[j] if not moved else
+                    f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} + restart cost {cost:.1%}")
+            return AllocationPlan(policy="adaptive", allocations=allocs,
+                                  unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
                                   predicted_total=old_total if warm else None)
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],
                                io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}

@@ -150,17 +150,12 @@ class Registry:
         job_id = _job_id(msg)
         rank_no = _opt_int(msg, "rank", 0)
         pid = msg["pid"]
-        if pid != peer.pid and not peer.root:
-            raise Refused("not_permitted", f"hello for pid {pid} came from pid {peer.pid}; a process may "
-                                           "only speak for itself")
+        if pid != peer.pid:
+            raise Refused("not_permitted", f"hello for pid {pid} came from pid {peer.pid}; a training process "
+                                           "may only speak for itself")
         uid = peer.uid
-        if peer.root:
-            owner = security.pid_uid(pid)
-            if owner is None:
-                raise Refused("not_permitted", f"pid {pid} is not a live process")
-            uid = owner
         claimed = msg.get("uid")
-        if claimed is not None and claimed != uid and not peer.root:
+        if claimed is not None and claimed != uid:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
         ok, why = security.pids_owned_by(worker_pids, uid)
@@ -201,7 +196,7 @@ class Registry:
         if "job" in msg and (msg["job"] != job_id or msg.get("rank", rank_no) != rank_no or msg.get("pid", r.pid) != r.pid):
             raise Refused("not_permitted", f"this connection speaks for job {job_id!r} rank {rank_no} pid {r.pid}, "
                                            f"not job {msg['job']!r} rank {msg.get('rank')!r} pid {msg.get('pid')!r}")
-        if peer is None or (peer.pid != r.pid and not peer.root):
+        if peer is None or peer.pid != r.pid:
             raise Refused("not_permitted", "this connection does not belong to the process that said hello")
         return r
 

@@ -7,9 +7,10 @@ message property ``Peer-Address`` = ``"<host>:<uid>:<gid>:<pid>"`` (libzmq src/s
   must agree, else ``not_permitted``);
 - accepts a ``hello``/``report`` only when the claimed pid is the connecting process itself, and the
   claimed worker pids belong to the caller's uid;
-- lets root (the Slurm prolog/epilog) register/release any job and claim any uid.
-Without peer credentials (another transport or platform) only root... is not knowable either: such
-a caller is refused with ``not_permitted`` and a message saying why.
+- lets root (the Slurm prolog/epilog) register/release any job and claim any uid there; a hello
+  is always from the process itself, root or not.
+Without peer credentials (tcp://, or a platform without SO_PEERCRED) every request that claims a job
+is refused with ``not_permitted`` and a message saying why; ``status`` is still answered.
 
 How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``); a caller over it
 gets one ``rate_limited`` reply per period and its messages are dropped unparsed.

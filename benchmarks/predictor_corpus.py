@@ -15,8 +15,9 @@ by a cgroup v1 CPU quota group this command creates under /sys/fs/cgroup/cpu/adl
 removes at exit (needs root; without root fractional points are skipped and the header says so).
 
 Loader: ``adloader.DataLoader`` when it is importable (the elastic loader), else torch's DataLoader
-with the same in-worker measurement (a batch-level dataset wrapper). Output: JSON lines; the first line
-is a header with the command, the machine and the load while measuring.
+with the same in-worker measurement (a batch-level dataset wrapper). Output: JSON lines; a header line
+per sweep (pass) with the command and the machine, then one line per point with the 1-minute load
+average while it was measured. Repeat sweeps (``--append --pass-id 2``) to see the noise.
 """
 from __future__ import annotations
 
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", default="0.5,1,2")
     ap.add_argument("--window-s", type=float, default=2.5)
     ap.add_argument("--warmup-s", type=float, default=0.8)
+    ap.add_argument("--pass-id", type=int, default=1, help="label of this sweep (repeat sweeps to see the noise)")
+    ap.add_argument("--append", action="store_true", help="add this sweep to --out (a header line per sweep)")
     args = ap.parse_args(argv)
 
     import warnings
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {
-        "kind": "header", "format": 1,
+        "kind": "header", "format": 1, "pass": args.pass_id,
         "command": "python benchmarks/predictor_corpus.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.node()}: {len(all_cpus)} CPUs, {platform.platform()}; shared dev VM, noisy "
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": {j: {"spec": JOBS[j][0], "batch_size": JOBS[j][1], "step_s": JOBS[j][2]} for j in jobs},
     }
     t_all = time.perf_counter()
-    with open(out, "w") as f:
+    with open(out, "a" if args.append else "w") as f:
         f.write(json.dumps(header) + "\n")
         for ji, job in enumerate(jobs):
             spec_kw, bs, step_s = JOBS[job]
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     limit = CpuLimit(cores, all_cpus, cg)
                     for w in worker_counts:
                         pt = measure_point(dataset, bs, step_s, w, limit, args.window_s, args.warmup_s, seed=ji)
-                        rec = {"kind": "point", "job": job, "workers": w, "cores": cores,
+                        rec = {"kind": "point", "pass": args.pass_id, "job": job, "workers": w, "cores": cores,
                                "loadavg_1m": os.getloadavg()[0], **pt}
                         f.write(json.dumps(rec) + "\n")
                         f.flush()

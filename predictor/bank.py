@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
-HISTORY_WINDOWS = 48        # windows kept per job
+HISTORY_WINDOWS = 32        # windows kept per job
 HALF_LIFE_WINDOWS = 12.0    # recency weighting of windows when pooling g, c, b
 
 

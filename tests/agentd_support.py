@@ -20,8 +20,18 @@ from tests.conftest import adloader_cmd, repo_env, wait_for
 # stats() returns monotonic totals like adloader.DataLoader.stats(); it attaches through
 # adloader.client.attach and writes the client's state to STATE_FILE every 0.1 s.
 FAKE_TRAINER = textwrap.dedent('''
-    import json, os, subprocess, sys, time
+    import faulthandler, json, os, signal, subprocess, sys, time
+    import psutil, zmq
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    import logging
+    logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(message)s")
     from adloader import client
+
+    if os.environ.get("FAKE_SETUID"):
+        # become another user after the interpreter has loaded what it needs (the interpreter itself
+        # lives under /root here, which other uids cannot traverse)
+        uid = int(os.environ["FAKE_SETUID"])
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)
 
     class FakeLoader:
         def __init__(self, workers, max_workers=None, batch_size=8):
@@ -93,6 +103,8 @@ class AgentProc:
         self.sock_path = f"{base}/agent.sock"
         self.state_dir = state_dir or f"{base}/state"
         self.log_path = f"{base}/agent-{time.monotonic_ns()}.log"
+        if "--cgroup-mode" not in extra:   # component tests touch no cgroup unless they ask to
+            extra = (*extra, "--cgroup-mode", "off")
         self.args = ["--endpoint", self.endpoint, "--state-dir", self.state_dir, *extra]
         self.env = repo_env(**(env or {}))
         self.proc: Optional[subprocess.Popen] = None
@@ -160,7 +172,12 @@ class Trainer:
     def __init__(self, base: str, endpoint: str, *, job: Optional[str] = None, workers: int = 2,
                  run_s: float = 600, env: Optional[dict] = None, user: Optional[int] = None,
                  script: Optional[str] = None):
-        self.state_file = f"{base}/trainer-{time.monotonic_ns()}.json"
+        sdir = base
+        if user is not None:
+            sdir = f"{base}/u{user}"
+            os.makedirs(sdir, exist_ok=True)
+            os.chmod(sdir, 0o777)
+        self.state_file = f"{sdir}/trainer-{time.monotonic_ns()}.json"
         script_path = f"{base}/fake_trainer.py"
         if not os.path.exists(script_path):
             Path(script_path).write_text(FAKE_TRAINER)
@@ -172,15 +189,11 @@ class Trainer:
             extra.setdefault(k, "")
         extra.update(env or {})
         e = repo_env(**extra)
-        preexec = None
         if user is not None:
-            def preexec():
-                os.setgid(user)
-                os.setgroups([])
-                os.setuid(user)
-            e["HOME"] = base
+            e["FAKE_SETUID"] = str(user)
+            e["HOME"] = sdir
         argv = [sys.executable, script or script_path, self.state_file, str(run_s)]
-        self.proc = subprocess.Popen(argv, env=e, preexec_fn=preexec, cwd=base,
+        self.proc = subprocess.Popen(argv, env=e, cwd=base,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
 
@@ -201,6 +214,15 @@ class Trainer:
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
+
+    def dump(self) -> str:
+        """Diagnostics for a failed wait: the client state and every thread's stack (faulthandler)."""
+        st = self.state()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
+            self.kill()
+        return f"state={st}\noutput:\n{self.proc.stdout.read().decode(errors='replace')[-4000:]}"
 
     def output(self) -> str:
         if self.proc.poll() is None:

@@ -62,12 +62,12 @@ def _totals(steps, samples, batches, workers, t, resizes=0, **per):
             "batch_size": 8, "uptime_s": t, "resizes": resizes, "data_wait_s": per.get("wait", 0.0),
             "compute_s": per.get("compute", 0.0), "worker_cpu_s": per.get("cpu", 0.0),
             "worker_wall_s": per.get("wall", 0.0), "worker_runq_s": per.get("runq", 0.0),
-            "worker_blocked_s": 0.0}
+            "worker_blocked_s": per.get("blocked", 0.0)}
 
 
 def test_observation_from_totals():
-    a = _totals(10, 80, 10, 2, 1.0, wait=0.1, compute=0.5, cpu=0.2, wall=0.5, runq=0.1)
-    b = _totals(30, 240, 30, 2, 3.0, wait=0.3, compute=1.5, cpu=0.6, wall=1.5, runq=0.3)
+    a = _totals(10, 80, 10, 2, 1.0, wait=0.1, compute=0.5, cpu=0.2, wall=0.5, runq=0.1, blocked=0.2)
+    b = _totals(30, 240, 30, 2, 3.0, wait=0.3, compute=1.5, cpu=0.6, wall=1.5, runq=0.3, blocked=0.6)
     o = autotune.observation_from_totals(a, b, cores=1.5)
     assert o.workers == 2 and o.cores == 1.5 and o.steps == 20
     assert o.samples_per_s == pytest.approx(80.0)

@@ -208,11 +208,28 @@ def test_adopt_and_stop():
     assert act.restored == 1 and c.applied() == {}
 
 
-def test_directive_failure_is_a_failed_result():
+def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
     c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(FakeSink(ok=False))])
     rec = c.tick(now=1.0)
-    assert not rec.results["a"].ok and "no connected client" in rec.results["a"].error
+    assert rec.results["a"].ok and "not delivered yet" in rec.results["a"].not_enforced[0]
+
+    class Broken:
+        def send_directive(self, *a):
+            raise ConnectionError("socket closed")
+
+    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(Broken())])
+    rec = c.tick(now=1.0)
+    assert not rec.results["a"].ok and "socket closed" in rec.results["a"].error
     assert c.applied() == {}
+
+
+def test_none_policy_sends_no_directive_when_the_job_runs_its_own_count():
+    sink = FakeSink()
+    src = FakeSource(2.0, [stats("a", workers=3, requested_workers=3), stats("b", workers=5, requested_workers=2)])
+    c = make(src, [DirectiveActuator(sink)], policy="none")
+    rec = c.tick(now=1.0)
+    assert rec.results["a"].ok and rec.results["b"].ok
+    assert [(s[0], s[1]) for s in sink.sent] == [("b", 2)]     # b had been moved off its own count
 
 
 def test_observation_cores():
@@ -232,3 +249,24 @@ def test_build_off_is_directive_only():
     import pytest
     with pytest.raises(ValueError, match="unknown cgroup mode"):
         build("v3", sink=FakeSink())
+
+
+def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
+    class CountingBank(FakeBank):
+        curve_calls = 0
+
+        def curve(self, job_id):
+            CountingBank.curve_calls += 1
+            return super().curve(job_id)
+
+    bank = CountingBank()
+    src = FakeSource(2.0, [stats("a", window_s=2.0)])
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()])
+    recs = [c.tick(now=float(t)) for t in range(5)]
+    assert len(bank.seen) == 3                       # t = 0, 2, 4
+    assert CountingBank.curve_calls == 3             # only after each observation
+    assert all(r.curves["a"]["source"] == "first-principles" for r in recs)
+    c.forget("a")
+    src.jobs.clear()
+    assert c.tick(now=5.0).curves == {}

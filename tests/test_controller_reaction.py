@@ -4,6 +4,8 @@ Unit tier: fakes for the snapshot source, predictor bank and actuators; ``contro
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agent.controller import Controller
@@ -11,16 +13,21 @@ from agent.policies import PolicyConfig, get_policy
 from tests.test_controller import FakeBank, FakeSource, RecordingActuator, stats
 
 
+# one observation window per tick (the collector's window as long as the tick), so "two ticks" is
+# also "two observations"
+WINDOW = dict(window_s=1.0)
+
+
 def heavy(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def light(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def io_bound(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **kw)
+    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **{**WINDOW, **kw})
 
 
 def run(controller, t0, n):
@@ -90,3 +97,25 @@ def test_breaker_is_visible_in_the_record_and_spares_other_jobs():
     assert "a" in recs[-1].breakers and "b" not in recs[-1].breakers
     assert "b" in c.applied() and "a" not in c.applied()
     assert recs[-1].to_dict()["breakers"]["a"].startswith("3 failures")
+
+
+@pytest.mark.parametrize("bank_name,make_bank", list(banks()), ids=[b for b, _ in banks()])
+def test_measurement_noise_does_not_make_adaptive_oscillate(bank_name, make_bank):
+    """+-3% noise on every job's figures every tick: after settling, nothing is re-applied."""
+    import random
+
+    rng = random.Random(7)
+    base = [heavy("a"), light("b"), io_bound("c"), heavy("d", gpus=2)]
+    src = FakeSource(3.0, base)
+    act = RecordingActuator()
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+                   predictor=make_bank(), actuators=[act])
+    changed = []
+    for t in range(40):
+        for j in base:
+            f = rng.uniform(0.97, 1.03)
+            src.jobs[j.job] = dataclasses.replace(j, cpu_s_per_batch=j.cpu_s_per_batch * f,
+                                                  compute_s_per_step=j.compute_s_per_step * rng.uniform(0.97, 1.03))
+        if c.tick(now=float(t)).results:
+            changed.append(t)
+    assert changed and max(changed) <= 3, changed

@@ -45,6 +45,9 @@ def test_agent_gets_host_cgroups_proc_socket_dir_and_journal(docs):
     }
     container = spec["containers"][0]
     assert container["command"][:2] == ["adloader", "agent"]
+    cgroup_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/sys/fs/cgroup")
+    cooperative = 'cgroup_mode = "cooperative"' in docs["ConfigMap"]["data"]["agent.toml"]
+    assert cgroup_mount.get("readOnly", False) is cooperative  # writable exactly when the agent writes cgroups
     sc = container["securityContext"]
     assert sc.get("privileged") is not True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"]["drop"] == ["ALL"]

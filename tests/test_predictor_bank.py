@@ -91,3 +91,50 @@ def test_64_jobs_per_tick():
     per_tick_s = (time.perf_counter() - t0) / 5
     print(f"64 jobs observe+curve: {per_tick_s * 1e3:.2f} ms per tick")  # figure only, no timing assertion
     assert sorted(bank.jobs()) == sorted(f"j{i}" for i in range(64))
+
+
+def test_prior_fit_from_shipped_corpus_and_engines_agree():
+    from predictor.prior import CORPUS_PATH, fit_prior, load_corpus
+
+    header, points = load_corpus(CORPUS_PATH)
+    assert "command" in header and len({p["job"] for p in points}) >= 8
+    a = fit_prior(points, engine="sklearn")
+    b = fit_prior(points, engine="closed-form")
+    assert a.sharpness == b.sharpness
+    assert a.theta_c == pytest.approx(b.theta_c, rel=1e-6)
+    assert a.theta_w == 1.0 and a.overhead_frac_of_c >= 0
+    held = fit_prior(points, exclude_jobs=["io"], engine="closed-form")
+    assert "io" not in held.fitted_on and "io" in a.fitted_on
+
+
+def test_bad_corpus_record_names_the_line(tmp_path):
+    from predictor.prior import load_corpus
+
+    bad = tmp_path / "c.jsonl"
+    bad.write_text('{"kind": "header"}\n{"kind": "point", "job": "x", "observation": {"workers": 1}}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2: .*missing field"):
+        load_corpus(bad)
+
+
+def test_learning_from_the_jobs_own_windows():
+    """A job whose cores deliver half of first principles: after windows at two core-bound
+    configurations the curve has learned it (core_correction well below 1) and predicts them."""
+    bank = PredictorBank(prior="default")
+    g, c = 0.02, 0.04
+    for w, cores in ((2, 1.0), (2, 1.0), (3, 0.5), (3, 0.5)):
+        bps = 0.5 * cores / c  # half what first principles say
+        bank.observe("j", Observation(workers=w, cores=cores, batch_size=8, compute_s_per_step=g,
+                                      data_wait_s_per_step=1 / bps - g, cpu_s_per_batch=c,
+                                      wall_s_per_batch=w / bps, runq_s_per_batch=w / bps - c,
+                                      blocked_s_per_batch=0.0, samples_per_s=8 * bps, duration_s=2.0,
+                                      steps=int(2 * bps)))
+    cur = bank.curve("j")
+    assert cur.core_correction < 0.7
+    truth = 8 * 0.5 / c
+    fp = PredictorBank(prior=None)
+    for o in bank.windows("j"):
+        fp.observe("j", o)
+    learned_err = abs(cur.throughput(2, 1.0) - truth) / truth
+    fp_err = abs(fp.curve("j").throughput(2, 1.0) - truth) / truth
+    assert learned_err < 0.25 and learned_err < fp_err / 3, (learned_err, fp_err)
+    assert cur.observed_configs == 2 and cur.confidence > 0.5

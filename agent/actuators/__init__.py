@@ -7,6 +7,11 @@
         def restore(self) -> None: ...                   # agent stops: put back every original value
 
 Only the controller calls them, and only with the difference between desired and applied state.
+An actuator with ``tracks_pids = True`` (cgroup, affinity) is also called when the job's loader worker
+pids changed since its last apply (resizes, restarts), so new workers join the job's group.
+
+Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
+(v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).
 An actuator never raises out of ``apply``: failures come back as ``ApplyResult(ok=False, error=...)``.
 """
 from __future__ import annotations

@@ -29,7 +29,6 @@ Worker pids change (resizes, restarts): every ``apply`` moves the job's new work
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 from agent import cgroupfs
@@ -60,6 +59,18 @@ def weight_from_shares(shares: int) -> int:
     return max(1, min(10000, math.ceil(round(w, 6))))
 
 
+def shares_from_weight(weight: int) -> int:
+    """The least shares whose ``weight_from_shares`` reaches ``weight`` (inverse of the mapping)."""
+    lo, hi = SHARES_MIN, SHARES_MAX
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if weight_from_shares(mid) < weight:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
@@ -75,7 +86,7 @@ class AffinityActuator:
         self._all_cpus = all_cpus
 
     def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
-        allowed = tuple(job.allowed_cpus) or self._all_cpus or tuple(sorted(os.sched_getaffinity(0)))
+        allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
         if desired.cpuset:
             chosen = tuple(c for c in desired.cpuset if c in allowed)
             if chosen:
@@ -159,6 +170,25 @@ class CgroupActuator:
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
         self.io_mode, self.io_notes = self._probe_io(io, sys_root, proc_root)
+        self._load_existing_shares()
+
+    def _load_existing_shares(self) -> None:
+        """After a restart, the job groups already in our subtree still weigh what they weighed."""
+        h = self.h[self._cpu_hier]
+        if not h.exists(self.subtree):
+            return
+        created = set(self.originals.created)
+        for rel in _children(h, self.subtree):
+            job = rel[len(self.subtree) + 1:]
+            if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
+                continue
+            try:
+                if self.version == 1:
+                    self._shares[job] = int(h.read(rel, "cpu.shares"))
+                else:
+                    self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
+            except (CgroupError, ValueError):
+                continue
 
     # -- probing ------------------------------------------------------------------------------
     def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
@@ -396,16 +426,11 @@ class CgroupActuator:
             raise CgroupError(f"release of job {job_id!r}: " + "; ".join(errors))
 
     def restore(self) -> None:
-        """Put back everything: processes to their origins, our groups removed, original values written."""
+        """Put back everything: processes to their origins, the groups we created removed (children
+        first), original values written. Groups in the subtree that we did not create are left alone."""
         errors = []
-        for hier, h in self.h.items():
-            if not h.exists(self.subtree):
-                continue
-            for child in sorted(_children(h, self.subtree), key=lambda r: -r.count("/")):
-                try:
-                    self._drop_group(hier, child)
-                except CgroupError as e:
-                    errors.append(str(e))
+        # Only the groups this agent (or the dead one whose journal it read) created: another agent
+        # on the machine (tests, benchmarks) may share the subtree name and own the other children.
         for key in reversed(list(self.originals.created)):
             hier, rel = key.split("|", 1)
             if hier in self.h:
@@ -440,9 +465,4 @@ class CgroupActuator:
 
 def _children(h: Hierarchy, rel: str) -> list[str]:
     """Every group below ``rel`` (not ``rel`` itself)."""
-    out = []
-    base = h.path(rel)
-    for dirpath, dirnames, _ in os.walk(base):
-        for d in dirnames:
-            out.append(os.path.relpath(os.path.join(dirpath, d), h.root))
-    return out
+    return h.children(rel)

@@ -192,7 +192,7 @@ def plan(args: argparse.Namespace) -> list[Action]:
         actions.append(remove_file(dropin, "back to the default prefix"))
 
     config_path = under(CONFIG_DIR) / CONFIG_FILE
-    template = config_template_or_shipped()
+    template = config_template()
     if not config_path.exists():
         actions.append(write_file(config_path, template, 0o644))
     elif config_path.read_text() != template:
@@ -227,16 +227,6 @@ def plan(args: argparse.Namespace) -> list[Action]:
         else:
             actions.append(Action(f"leave {UNIT} disabled (--no-enable): systemctl enable --now {UNIT}", lambda: None))
     return actions
-
-
-def config_template_or_shipped() -> str:
-    """The template generated from the agent's typed config; the shipped deploy/agent.toml where this
-    build has no ``agent.config``."""
-    try:
-        import agent.config  # noqa: F401
-    except ImportError:
-        return _deploy_file(CONFIG_FILE).read_text()
-    return config_template()
 
 
 # --- the command ----------------------------------------------------------------------------------

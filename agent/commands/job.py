@@ -147,10 +147,8 @@ def resolve_endpoint(flag: Optional[str]) -> str:
     """``--endpoint``, else ADLOADER_ENDPOINT, else the system agent's socket (``adloader.env``)."""
     if flag:
         return flag
-    try:
-        from adloader import env
-    except ImportError:  # a build without the agent client: the documented system default
-        return os.environ.get("ADLOADER_ENDPOINT", "").strip() or "ipc:///run/adloader/agent.sock"
+    from adloader import env
+
     return env.endpoint()
 
 
@@ -173,18 +171,19 @@ def request(endpoint: str, message: dict, timeout_s: float) -> Outcome:
     Never raises for the agent's absence, silence or refusal; the outcome says which it was."""
     import zmq
 
-    from adloader import protocol
+    from adloader import env, protocol
 
     deadline = time.monotonic() + timeout_s
-    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    path = env.ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
         return Outcome(False, f"agent down: no socket at {path}")
     ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
     sock = ctx.socket(zmq.DEALER)
     try:
         bounded_ms = max(1, int(timeout_s * 1000))
-        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
+        # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
         sock.setsockopt(zmq.SNDTIMEO, bounded_ms)
         sock.setsockopt(zmq.RCVTIMEO, bounded_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)

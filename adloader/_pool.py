@@ -1,0 +1,409 @@
+"""The elastic loader's worker pool: processes that can be added and retired between any two batches.
+
+Channels (all created by the main process; a worker only ever reads tasks and writes results):
+
+- task socket: one ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair shared by every worker of a map-style
+  pool. The main process writes one task per message; any idle worker takes the next one. Why not
+  ``multiprocessing.Queue``: its readers share a lock (a semaphore) that an idle worker holds while
+  it blocks in ``get()``, so one worker killed by SIGKILL or the OOM killer would deadlock every
+  other worker. A SEQPACKET socket keeps message boundaries in the kernel: each ``recv`` returns one
+  whole task to one reader, with no user-space lock that a dead process could keep.
+- control pipe, main -> one worker (``multiprocessing.Pipe``): ``("retire",)``, ``("resume",)``,
+  ``("exit",)`` and tasks meant for that worker only (every task of an IterableDataset, whose
+  workers each iterate their own shard in torch's round-robin order; a map task too large for the
+  socket).
+- result pipe, one worker -> main: ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
+  runq_ns)`` followed by a second message with the pickled batch (``ForkingPickler``, so tensors
+  travel through shared memory as in torch), ``("stop", iter_id, seq)`` (the worker's iterable shard
+  is exhausted), ``("retired",)``, ``("init_error", RemoteError)``. Per-worker pipes mean a dying
+  worker can corrupt nothing but its own pipe.
+
+Task: ``("task", iter_id, seq, seed, index, epoch_workers)``.
+
+Invariants:
+- worker ids are stable: a worker keeps its id for life; after ``resize(n)`` the workers that take
+  new tasks are exactly ids ``0..n-1`` once retiring ones finished their current task;
+- a worker is retired, never killed, while the main process lives: ``retire`` -> (finishes its
+  current task and any task handed to it personally) -> ``retired`` -> ``exit`` or ``resume``;
+- a worker that dies otherwise is reported once (``("dead", wid, pid, exitcode, (iter_id, seq) or None)``) after
+  every message it wrote was read, and is replaced if its id is still below the target;
+- ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from multiprocessing.reduction import ForkingPickler
+
+from adloader._worker import MAX_TASK_BYTES, RemoteError, WorkerSpec, worker_main
+from adloader.stats import LoaderCounters
+
+log = logging.getLogger("adloader")
+
+# A slot that keeps dying before finishing any batch (a dataset that cannot even be unpickled in a
+# spawned worker, a segfault at import) is not restarted forever.
+MAX_DEATHS_WITHOUT_PROGRESS = 4
+
+
+class _Slot:
+    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "sentinel", "state")
+
+    def __init__(self, wid, proc, ctrl, result):
+        self.wid = wid
+        self.proc = proc
+        self.pid = proc.pid
+        self.ctrl = ctrl          # main's write end of the control pipe
+        self.result = result      # main's read end of the result pipe
+        self.sentinel = proc.sentinel
+        self.state = "running"    # running | retiring (retire sent) | parked (retired) | exiting
+
+
+class WorkerPool:
+    """Worker processes for one loader (persistent workers) or one epoch (otherwise).
+
+    Thread safety: ``resize``, ``submit*``, ``take_queued``, ``worker_pids`` may be called from any
+    thread (they take ``self.lock``); ``poll`` is called by the one thread that iterates."""
+
+    def __init__(self, *, ctx, spec: WorkerSpec, target: int, max_workers: int,
+                 counters: LoaderCounters) -> None:
+        self.ctx = ctx
+        self.spec = spec
+        self.iterable = spec.iterable
+        self.counters = counters
+        self.lock = threading.RLock()
+        self.target = 0
+        self.slots: dict[int, _Slot] = {}
+        self.fatal: BaseException | RemoteError | None = None
+        self._closed = False
+        self._backlog: deque[bytes] = deque()
+        self._deaths_without_progress = 0
+        self._rr = 0
+        self.max_workers = max(1, max_workers)
+        self._current = ctx.RawArray("q", self.max_workers)
+        for i in range(len(self._current)):
+            self._current[i] = -1
+        if self.iterable:
+            self._task_w = self._task_r = None
+        else:
+            self._task_w, self._task_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            for opt in (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF):
+                if opt is None:
+                    continue
+                try:
+                    self._task_w.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+                    break
+                except OSError:
+                    continue
+            self._task_w.setblocking(False)
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fds: dict[int, tuple[str, int]] = {self._wake_r: ("wake", -1)}
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self.resize(target)
+
+    # ---- size -------------------------------------------------------------------------------
+    def resize(self, n: int) -> None:
+        """Make ids 0..n-1 the working set: start missing workers, ask the rest to retire."""
+        with self.lock:
+            if self._closed:
+                return
+            self.target = min(n, self.max_workers)
+            self._reconcile()
+        self.wake()
+
+    def _reconcile(self) -> None:
+        for wid, slot in list(self.slots.items()):
+            if wid >= self.target and slot.state == "running":
+                self._send_ctrl(slot, ("retire",))
+                slot.state = "retiring"
+            elif wid < self.target and slot.state == "parked":
+                self._send_ctrl(slot, ("resume",))
+                slot.state = "running"
+        if self.fatal is not None or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS:
+            return
+        for wid in range(self.target):
+            if wid not in self.slots:
+                self._start(wid)
+
+    def _start(self, wid: int) -> None:
+        ctx = self.ctx
+        ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+        res_r, res_w = ctx.Pipe(duplex=False)
+        spec = replace(self.spec, wid=wid, num_workers=self.target)
+        self._current[wid] = -1
+        proc = ctx.Process(target=worker_main, args=(spec, self._task_r, ctrl_r, res_w, self._current),
+                           name=f"adloader-worker-{wid}", daemon=True)
+        proc.start()
+        ctrl_r.close()
+        res_w.close()
+        slot = _Slot(wid, proc, ctrl_w, res_r)
+        self.slots[wid] = slot
+        self._fds[res_r.fileno()] = ("result", wid)
+        self._fds[slot.sentinel] = ("sentinel", wid)
+        self._epoll.register(res_r.fileno(), select.EPOLLIN)
+        self._epoll.register(slot.sentinel, select.EPOLLIN)
+        log.debug("adloader worker %d started (pid %d)", wid, proc.pid)
+
+    def _send_ctrl(self, slot: _Slot, msg) -> bool:
+        try:
+            slot.ctrl.send(msg)
+            return True
+        except (OSError, ValueError):   # the worker is gone; its sentinel will tell
+            return False
+
+    # ---- tasks ------------------------------------------------------------------------------
+    def submit(self, task) -> None:
+        """Queue a map-style task for whichever worker is free first."""
+        payload = ForkingPickler.dumps(task)
+        with self.lock:
+            if len(payload) > MAX_TASK_BYTES:
+                self._send_direct(task, payload)
+                return
+            self._backlog.append(payload)
+            self._flush()
+
+    def _send_direct(self, task, payload) -> None:
+        running = [s for s in self.slots.values() if s.state == "running"]
+        if not running:
+            self._backlog.append(payload)
+            return
+        self._rr = (self._rr + 1) % len(running)
+        if not self._send_ctrl(running[self._rr], task):
+            self._backlog.append(payload)
+
+    def _flush(self) -> None:
+        while self._backlog:
+            payload = self._backlog[0]
+            if len(payload) > MAX_TASK_BYTES:
+                running = [s for s in self.slots.values() if s.state == "running"]
+                if not running:
+                    return
+                self._backlog.popleft()
+                self._send_direct(ForkingPickler.loads(payload), payload)
+                continue
+            try:
+                self._task_w.send(payload)
+            except (BlockingIOError, InterruptedError):
+                return              # socket buffer full: retried on the next poll
+            except OSError as e:
+                if e.errno == errno.EMSGSIZE:
+                    self._backlog.popleft()
+                    self._send_direct(ForkingPickler.loads(payload), payload)
+                    continue
+                raise
+            self._backlog.popleft()
+
+    def submit_to(self, wid: int, task) -> bool:
+        """Hand a task to worker ``wid`` (IterableDataset shards). False if that worker is gone."""
+        with self.lock:
+            slot = self.slots.get(wid)
+            if slot is None:
+                return False
+            return self._send_ctrl(slot, task)
+
+    def take_queued(self) -> list:
+        """Take back every task still waiting in the shared queue (none was started)."""
+        out = []
+        with self.lock:
+            while self._backlog:
+                out.append(ForkingPickler.loads(self._backlog.popleft()))
+            if self._task_r is not None:
+                while True:
+                    try:
+                        data = self._task_r.recv(MAX_TASK_BYTES + 1, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    out.append(ForkingPickler.loads(data))
+        return out
+
+    def running_tasks(self) -> set[tuple[int, int]]:
+        """(iter_id, seq) of the tasks that live workers say they are running now."""
+        with self.lock:
+            cur = [self._current[w] for w in self.slots]
+        return {(c >> 32, c & 0xFFFFFFFF) for c in cur if c >= 0}
+
+    def busy_workers(self) -> int:
+        with self.lock:
+            return sum(1 for w in self.slots if self._current[w] >= 0)
+
+    # ---- events -----------------------------------------------------------------------------
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def poll(self, timeout_s: float) -> list:
+        """Wait up to ``timeout_s`` for worker messages; return result/stop/dead events in order."""
+        try:
+            ready = self._epoll.poll(timeout_s)
+        except InterruptedError:
+            ready = []
+        except (ValueError, OSError):    # closed under us
+            return []
+        out: list = []
+        with self.lock:
+            if self._closed:
+                return out
+            for fd, _ in ready:
+                kind, wid = self._fds.get(fd, (None, -1))
+                if kind == "wake":
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                elif kind == "result":
+                    slot = self.slots.get(wid)
+                    if slot is not None:
+                        self._drain(slot, out)
+            for fd, _ in ready:
+                kind, wid = self._fds.get(fd, (None, -1))
+                if kind == "sentinel":
+                    slot = self.slots.get(wid)
+                    if slot is not None and slot.sentinel == fd:
+                        self._on_exit(slot, out)
+            self._flush()
+        return out
+
+    def _drain(self, slot: _Slot, out: list) -> None:
+        conn = slot.result
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "result":
+                    try:
+                        data = conn.recv_bytes()
+                    except (EOFError, OSError):
+                        return          # died between header and batch: re-dispatched on exit
+                    try:
+                        payload = ForkingPickler.loads(data)
+                    except Exception as e:
+                        # Tensors arrive as file descriptors that the sending worker serves; if
+                        # it just died, the batch is lost with it and will be re-dispatched.
+                        if isinstance(e, (OSError, EOFError)):
+                            slot.proc.join(0.2)
+                            if not slot.proc.is_alive():
+                                continue
+                        payload = RemoteError(where=f"receiving a batch from DataLoader worker {slot.wid}")
+                        msg = msg[:3] + (False,) + msg[4:]
+                    # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
+                    self._deaths_without_progress = 0
+                    out.append(msg + (payload,))
+                elif kind == "stop":
+                    self._deaths_without_progress = 0
+                    out.append(msg)
+                elif kind == "retired":
+                    if slot.wid < self.target and self.fatal is None:
+                        self._send_ctrl(slot, ("resume",))
+                        slot.state = "running"
+                    else:
+                        self._send_ctrl(slot, ("exit",))
+                        slot.state = "exiting"
+                elif kind == "init_error":
+                    self.fatal = msg[1]
+                    self._send_ctrl(slot, ("exit",))
+                    slot.state = "exiting"
+        except (EOFError, OSError):
+            pass
+
+    def drain_results(self) -> list:
+        """Read every message already written by any worker, without waiting."""
+        out: list = []
+        with self.lock:
+            for slot in list(self.slots.values()):
+                self._drain(slot, out)
+        return out
+
+    def _on_exit(self, slot: _Slot, out: list) -> None:
+        # read everything it wrote before it went (also from the others: fewer duplicate re-runs)
+        for other in list(self.slots.values()):
+            self._drain(other, out)
+        wid = slot.wid
+        self._forget(slot)
+        slot.proc.join(timeout=1.0)
+        cur = self._current[wid]
+        self._current[wid] = -1
+        task = (cur >> 32, cur & 0xFFFFFFFF) if cur >= 0 else None
+        if slot.state != "exiting":
+            code = slot.proc.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self._deaths_without_progress += 1
+            restart = wid < self.target and not self._closed
+            if self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS and self.fatal is None:
+                self.fatal = RuntimeError(
+                    f"DataLoader worker (pid {slot.pid}) exited unexpectedly ({how}); workers died "
+                    f"{self._deaths_without_progress} times in a row without finishing a batch, giving up")
+                restart = False
+            log.warning("adloader worker %d (pid %d) exited unexpectedly (%s)%s", wid, slot.pid, how,
+                        "; starting a replacement" if restart else "")
+            out.append(("dead", wid, slot.pid, code, task))
+            if restart:
+                self.counters.worker_restarts += 1
+        self._reconcile()
+
+    def _forget(self, slot: _Slot) -> None:
+        for fd in (slot.result.fileno(), slot.sentinel):
+            self._fds.pop(fd, None)
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+        self.slots.pop(slot.wid, None)
+        for conn in (slot.ctrl, slot.result):
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    # ---- introspection ----------------------------------------------------------------------
+    def worker_pids(self) -> list[int]:
+        with self.lock:
+            return [s.pid for s in self.slots.values() if s.state != "exiting"]
+
+    def live_workers(self) -> int:
+        with self.lock:
+            return sum(1 for s in self.slots.values() if s.state == "running")
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 0.5) -> None:
+        """Stop every worker: ask, then terminate, then kill; close every channel. Idempotent."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots = list(self.slots.values())
+            for slot in slots:
+                self._send_ctrl(slot, ("exit",))
+        deadline = time.monotonic() + timeout_s
+        for slot in slots:
+            slot.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for slot in slots:
+            if slot.proc.is_alive():
+                slot.proc.terminate()
+        for slot in slots:
+            slot.proc.join(timeout=1.0)
+            if slot.proc.is_alive():
+                slot.proc.kill()
+                slot.proc.join(timeout=1.0)
+        with self.lock:
+            for slot in slots:
+                self._forget(slot)
+            for s in (self._task_w, self._task_r):
+                if s is not None:
+                    s.close()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._epoll.close()
+

@@ -1,0 +1,369 @@
+"""What runs inside one elastic-loader worker process (and the pieces the in-process mode shares).
+
+Importable at top level so that ``spawn``/``forkserver`` children can unpickle ``worker_main``.
+The messages a worker exchanges with the main process are described once, in ``adloader._pool``.
+
+Invariants kept here:
+- a task's randomness depends only on its seed (``task_seed(base_seed, epoch, seq)``): torch's,
+  Python's and NumPy's global generators are reseeded before every task, so the result of a random
+  augmentation does not depend on which worker ran the task, nor on how many workers there were;
+- ``current_task[wid]`` holds ``iter_id << 32 | seq`` of the task this worker runs (-1 when idle);
+  it is set right after a task is taken and cleared only after its result was written, so the main
+  process can tell, after a worker died, which task died with it;
+- a worker never exits on its own while the main process lives (except on ``exit``): retiring is a
+  handshake (``retire`` -> ``retired`` -> ``resume``/``exit``) so the main process has unpickled every
+  result (and fetched every shared-memory file descriptor, which the worker serves) before it goes;
+- no ZeroMQ socket is ever created here.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import torch
+
+# Largest task message that goes through the shared task socket; larger ones (huge batches of
+# indices) go to one worker's control pipe instead. Workers receive into a buffer this big.
+MAX_TASK_BYTES = 128 * 1024
+
+_MASK63 = (1 << 63) - 1
+
+
+def task_seed(base_seed: int, epoch: int, seq: int) -> int:
+    """The seed of one batch: a 63-bit hash of (base seed, epoch, batch index)."""
+    digest = hashlib.blake2b(struct.pack("<qqq", base_seed, epoch, seq), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK63
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's CPU generator, ``random`` and NumPy's legacy global generator (if imported)."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+
+
+class RngGuard:
+    """In-process (num_workers=0) tasks are seeded like worker tasks; this saves the caller's global
+    generator states first and restores them after, so the training loop's own random stream is not
+    disturbed by per-batch seeding."""
+
+    __slots__ = ("_torch", "_py", "_np")
+
+    def __enter__(self):
+        self._torch = torch.get_rng_state()
+        self._py = random.getstate()
+        np = sys.modules.get("numpy")
+        self._np = np.random.get_state() if np is not None else None
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self._torch)
+        random.setstate(self._py)
+        if self._np is not None:
+            sys.modules["numpy"].random.set_state(self._np)
+        return False
+
+
+class _KeyErrorMessage(str):
+    """KeyError's str() is its repr(); this keeps the multi-line traceback readable (as torch does)."""
+
+    def __repr__(self):
+        return self
+
+
+class RemoteError:
+    """An exception raised in a worker, carried to the main process with its formatted traceback and
+    re-raised there as the same type (or RuntimeError if that type cannot take one message), with
+    the worker's traceback in the message: the pattern of torch's ExceptionWrapper."""
+
+    def __init__(self, exc_info=None, where: str = "in background") -> None:
+        if exc_info is None:
+            exc_info = sys.exc_info()
+        self.exc_type = exc_info[0]
+        self.exc_msg = "".join(traceback.format_exception(*exc_info))
+        self.where = where
+
+    def __reduce__(self):
+        # the exception's class must be importable in the main process; fall back to RuntimeError
+        try:
+            ForkingPickler.dumps(self.exc_type)
+            exc_type = self.exc_type
+        except Exception:
+            exc_type = RuntimeError
+        return (_rebuild_remote_error, (exc_type, self.exc_msg, self.where))
+
+    def reraise(self):
+        msg = f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
+        if self.exc_type is KeyError:
+            msg = _KeyErrorMessage(msg)
+        elif getattr(self.exc_type, "message", None):
+            raise self.exc_type(message=msg)
+        try:
+            exception = self.exc_type(msg)
+        except Exception:
+            raise RuntimeError(msg) from None
+        raise exception
+
+
+def _rebuild_remote_error(exc_type, exc_msg, where):
+    err = RemoteError.__new__(RemoteError)
+    err.exc_type, err.exc_msg, err.where = exc_type, exc_msg, where
+    return err
+
+
+def fetch_map(dataset, index, auto_collation: bool, collate_fn: Callable):
+    """What torch's map-style fetcher does: ``__getitems__`` when the dataset has it, else one
+    ``dataset[i]`` per index, then ``collate_fn``; without auto-collation one ``dataset[index]``."""
+    if auto_collation:
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems:
+            data = getitems(index)
+        else:
+            data = [dataset[i] for i in index]
+    else:
+        data = dataset[index]
+    return collate_fn(data)
+
+
+class IterableFetcher:
+    """One pass over an IterableDataset copy, batch by batch (torch's iterable fetcher semantics:
+    a short last batch is returned unless drop_last; an empty one ends the pass)."""
+
+    def __init__(self, dataset, auto_collation: bool, batch_size, collate_fn, drop_last: bool) -> None:
+        self.it = iter(dataset)
+        self.auto_collation = auto_collation
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.ended = False
+
+    def fetch(self):
+        """Return (batch, n_samples); raise StopIteration when the pass is over."""
+        if self.ended:
+            raise StopIteration
+        if self.auto_collation:
+            data = []
+            for _ in range(self.batch_size):
+                try:
+                    data.append(next(self.it))
+                except StopIteration:
+                    self.ended = True
+                    break
+            if not data or (self.drop_last and len(data) < self.batch_size):
+                self.ended = True
+                raise StopIteration
+            return self.collate_fn(data), len(data)
+        try:
+            item = next(self.it)
+        except StopIteration:
+            self.ended = True
+            raise
+        return self.collate_fn(item), 1
+
+
+class RunQueueClock:
+    """Run-queue delay of this process from ``/proc/self/schedstat`` (second field, nanoseconds:
+    time spent runnable but waiting for a CPU; see Documentation/scheduler/sched-stats.rst). Opened
+    once; ``read_ns()`` returns 0 forever if the file is missing (no CONFIG_SCHED_INFO, not Linux)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/self/schedstat", os.O_RDONLY)
+            self.read_ns()
+        except (OSError, ValueError, IndexError):
+            self._fd = None
+
+    def read_ns(self) -> int:
+        if self._fd is None:
+            return 0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def set_worker_info(wid: int, num_workers: int, seed: int, dataset) -> None:
+    # The one private touch (allowed by DESIGN.md): torch.utils.data.get_worker_info() returns the
+    # module global ``torch.utils.data._utils.worker._worker_info``, which torch's own worker loop
+    # sets the same way (torch/utils/data/_utils/worker.py, _worker_loop). default_collate also reads
+    # it to allocate batches directly in shared memory inside workers.
+    from torch.utils.data._utils import worker as _torch_worker
+
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs (pickled for spawn/forkserver; inherited with fork)."""
+    wid: int
+    num_workers: int            # the loader's target when this worker started (WorkerInfo.num_workers)
+    base_seed: int              # WorkerInfo.seed = base_seed + wid, like torch
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    batch_size: Any
+    drop_last: bool
+    collate_fn: Callable
+    worker_init_fn: Callable | None
+    main_pid: int
+
+
+def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:
+    """Worker process entry point. See the module docstring and ``adloader._pool`` for the protocol."""
+    # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
+    # same process group must not die half-way through a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    wid = spec.wid
+    seed = spec.base_seed + wid
+    seed_all(seed & _MASK63)
+    set_worker_info(wid, spec.num_workers, seed, spec.dataset)
+    where = f"in DataLoader worker process {wid}"
+    try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(wid)
+    except Exception:
+        result.send(("init_error", RemoteError(where=where)))
+        _wait_for_exit(ctrl, spec.main_pid)
+        return
+
+    runq = RunQueueClock()
+    buf = bytearray(MAX_TASK_BYTES + 1)
+    poller = select.poll()
+    ctrl_fd = ctrl.fileno()
+    poller.register(ctrl_fd, select.POLLIN)
+    if task_sock is not None:
+        poller.register(task_sock.fileno(), select.POLLIN)
+    fetcher: IterableFetcher | None = None
+    fetcher_iter_id = None
+    local_tasks: list = []
+
+    def run(task) -> None:
+        nonlocal fetcher, fetcher_iter_id
+        _, iter_id, seq, tseed, index, epoch_workers = task
+        current_task[wid] = (iter_id << 32) | seq
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        r0 = runq.read_ns()
+        n_samples = 0
+        stopped = False
+        try:
+            seed_all(tseed)
+            if spec.iterable:
+                if fetcher_iter_id != iter_id:
+                    # a new epoch: fresh pass over this worker's copy; sharding follows the epoch's
+                    # worker count, which the task carries
+                    set_worker_info(wid, epoch_workers, seed, spec.dataset)
+                    fetcher_iter_id = iter_id
+                    fetcher = IterableFetcher(spec.dataset, spec.auto_collation, spec.batch_size,
+                                              spec.collate_fn, spec.drop_last)
+                try:
+                    data, n_samples = fetcher.fetch()
+                except StopIteration:
+                    data, stopped = None, True
+            else:
+                data = fetch_map(spec.dataset, index, spec.auto_collation, spec.collate_fn)
+                n_samples = len(index) if spec.auto_collation else 1
+            ok = True
+        except Exception:
+            data, ok = RemoteError(where=where), False
+        if stopped:
+            result.send(("stop", iter_id, seq))
+        else:
+            header = ("result", iter_id, seq, ok, n_samples, time.process_time() - c0,
+                      time.perf_counter() - t0, max(0, runq.read_ns() - r0))
+            try:
+                payload = ForkingPickler.dumps(data)
+            except Exception:
+                header = header[:3] + (False,) + header[4:]
+                payload = ForkingPickler.dumps(
+                    RemoteError(where=f"{where} while pickling the batch for the main process"))
+            del data
+            # header and batch are two messages: the main process can always tell which task a
+            # batch belongs to, even if unpickling the batch fails there
+            result.send(header)
+            result.send_bytes(payload)
+            del payload
+        current_task[wid] = -1
+
+    retiring = False
+    while True:
+        # control messages first: they are only looked at between two tasks
+        while ctrl.poll():
+            try:
+                msg = ctrl.recv()
+            except EOFError:
+                return
+            if msg[0] == "task":
+                local_tasks.append(msg)
+            elif msg[0] == "retire":
+                retiring = True
+            elif msg[0] == "exit":
+                return
+        if local_tasks:
+            run(local_tasks.pop(0))
+            continue
+        if retiring:
+            # everything handed to this worker personally is done: hand the slot back and wait
+            result.send(("retired",))
+            while True:
+                msg = _recv_or_orphaned(ctrl, spec.main_pid)
+                if msg is None or msg[0] == "exit":
+                    return
+                if msg[0] == "resume":
+                    retiring = False
+                    break
+                if msg[0] == "task":   # not sent to a retiring worker; kept for safety
+                    local_tasks.append(msg)
+            continue
+        events = poller.poll(1000)
+        if not events:
+            if os.getppid() != spec.main_pid:   # the main process is gone (SIGKILL, crash)
+                return
+            continue
+        if task_sock is not None and any(fd != ctrl_fd for fd, _ in events):
+            if ctrl.poll():
+                continue           # a control message (e.g. retire) wins over a new task
+            try:
+                n = task_sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue           # another worker took it
+            if n == 0:
+                return             # socket closed: the main process is gone
+            run(ForkingPickler.loads(memoryview(buf)[:n]))
+
+
+def _recv_or_orphaned(ctrl, main_pid: int):
+    while not ctrl.poll(1.0):
+        if os.getppid() != main_pid:
+            return None
+    try:
+        return ctrl.recv()
+    except EOFError:
+        return None
+
+
+def _wait_for_exit(ctrl, main_pid: int) -> None:
+    while True:
+        msg = _recv_or_orphaned(ctrl, main_pid)
+        if msg is None or msg[0] == "exit":
+            return

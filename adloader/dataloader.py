@@ -1,0 +1,968 @@
+"""``adloader.DataLoader``: a drop-in ``torch.utils.data.DataLoader`` whose parallelism can change
+between any two batches.
+
+    from adloader import DataLoader
+    loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=4)
+    ...
+    loader.resize(6)          # from any thread, at any time: 6 workers from the next batch on
+
+Same constructor, same batches in the same order as torch's DataLoader; in addition:
+
+- ``resize(n)`` / ``num_workers = n``: growing starts workers (a started worker takes queued tasks at
+  once), shrinking retires the highest ids after their current task. ``num_workers`` reports the
+  target, bounded by ``max_workers``. ``resize(0)`` switches to loading in the main process.
+- one shared task queue, sequence numbers and a reorder buffer: every batch is delivered exactly once
+  and in sampler order (``in_order=False``: as they finish), whatever the worker count and however
+  often it changes. The loader owns its pool; torch's iterator internals are not used.
+- a worker that dies (SIGKILL, OOM killer, segfault) is replaced and its batches are re-dispatched;
+  the event is logged on the ``adloader`` logger. A dataset exception reaches the caller with the
+  worker's traceback in its message, as in torch.
+- ``stats()``: step and worker timing, always on (see ``stats`` for the keys).
+- ``state_dict()`` / ``load_state_dict()``: resume mid-epoch with any worker count.
+
+Invariants:
+- the index sampler is torch's own (``RandomSampler``/``SequentialSampler``/``BatchSampler`` built by
+  torch's constructor, which this class calls), and each epoch draws its base seed from ``generator``
+  (or torch's global generator) before the sampler's first draw, exactly as torch does; so for one
+  seed the sequence of batches equals torch's ``DataLoader(num_workers=0)``.
+- batch ``seq`` of epoch ``e`` is computed with torch, ``random`` and NumPy seeded from
+  ``task_seed(base_seed, e, seq)``, in a worker or in the main process alike (in the main process the
+  caller's generator states are saved and restored around it), so random augmentation does not depend
+  on which worker ran the batch, nor on the number of workers.
+- a batch is delivered at most once: results are keyed by (iterator id, seq); duplicates (a batch
+  re-dispatched after a worker died while its first copy was still running) and results of an
+  abandoned epoch are dropped.
+
+Deviations from torch (by design, documented):
+- IterableDataset: each worker iterates its own copy (shard via ``get_worker_info()``), dispatched
+  round-robin like torch, so batches come in torch's order for the same worker count. The shard
+  layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
+  says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
+  ``load_state_dict`` can resume an IterableDataset only at an epoch boundary (ValueError otherwise).
+- ``num_workers=0``: per-batch seeding is done in the main process too (caller's RNG state restored
+  after each batch), so the dataset's random draws differ from torch's (which uses the caller's
+  stream directly); ``timeout`` is ignored there (torch asserts it is 0 at iteration).
+- ``persistent_workers=False`` stops the workers at the end of each epoch, as torch does (so changes
+  made to the dataset between epochs reach fresh workers); ``True`` keeps them.
+- ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
+  worker count (iterable).
+- The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
+  does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+from adloader._pool import WorkerPool
+from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec,
+                              fetch_map, seed_all, task_seed)
+from adloader.stats import LoaderCounters, RateWindow
+
+log = logging.getLogger("adloader")
+
+__all__ = ["DataLoader", "STATE_VERSION"]
+
+STATE_VERSION = 1
+_ITER_IDS = itertools.count(1)
+_WAIT_SLICE_S = 1.0     # longest single wait on the pool (deaths and resizes wake it earlier)
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _pin(data):
+    """Pin every tensor in a batch (torch's pin_memory semantics for the common containers;
+    objects with a ``pin_memory()`` method are asked to pin themselves)."""
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory()
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, Mapping):
+        try:
+            return type(data)({k: _pin(v) for k, v in data.items()})
+        except TypeError:
+            return {k: _pin(v) for k, v in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_pin(v) for v in data))
+    if isinstance(data, tuple):
+        return tuple(_pin(v) for v in data)
+    if isinstance(data, Sequence):
+        try:
+            return type(data)([_pin(v) for v in data])
+        except TypeError:
+            return [_pin(v) for v in data]
+    if hasattr(data, "pin_memory"):
+        return data.pin_memory()
+    return data
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What an epoch's iterator needs from the loader (captured at ``iter()``, like torch)."""
+    dataset: Any
+    iterable: bool
+    index_sampler: Any
+    auto_collation: bool
+    batch_size: Any
+    drop_last: bool
+    collate_fn: Any
+    generator: Any
+    pin: bool
+    timeout_s: float
+    worker_init_fn: Any
+    mp_context: Any
+    in_order: bool
+    persistent: bool
+    prefetch_factor: int
+
+
+class _Core:
+    """State shared by a loader and its iterators. Holds no reference to the loader or to an
+    iterator (only weak ones): worker pools are owned by iterators (the persistent one is held by
+    the loader), and a pool is shut down when its owner is garbage-collected (``weakref.finalize``)
+    or at interpreter exit; an iterator outliving its loader keeps working, as in torch."""
+
+    def __init__(self, target: int, max_workers: int) -> None:
+        self.lock = threading.RLock()
+        self.target = target
+        self.max_workers = max_workers
+        self.counters = LoaderCounters()
+        self.rates = RateWindow(self.counters)
+        self.next_epoch = 0
+        self.epoch = 0
+        self.iters: weakref.WeakSet = weakref.WeakSet()
+        self.pool: WorkerPool | None = None      # persistent workers only
+        self.closed = False
+        self.warned_iterable_resize = False
+
+    def pools(self) -> list[WorkerPool]:
+        with self.lock:
+            pools = [it._pool for it in list(self.iters) if it._pool is not None]
+            if self.pool is not None:
+                pools.append(self.pool)
+        uniq = []
+        for p in pools:
+            if all(p is not q for q in uniq):
+                uniq.append(p)
+        return uniq
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            iters = list(self.iters)
+        for it in iters:
+            it._close()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+class DataLoader(tud.DataLoader):
+    """Elastic drop-in for ``torch.utils.data.DataLoader`` (see the module docstring).
+
+    Extra arguments: ``num_workers="auto"`` (initial count from ``adloader.autotune``, which then
+    resizes the loader from its own measurements unless an agent takes over), ``max_workers``
+    (upper bound for ``resize``; default: the larger of ``num_workers`` and the CPUs this process
+    may run on)."""
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, max_workers=None):
+        auto = isinstance(num_workers, str)
+        if auto and num_workers != "auto":
+            raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
+        if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
+            raise TypeError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
+        self._auto = auto
+        self._elastic_ready = False
+        self._target_init = 1 if auto else num_workers   # read by torch's __init__ via the property
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, self._target_init, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order)
+        if max_workers is None:
+            max_workers = max(_available_cpus(), 0 if auto else num_workers)
+        elif isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
+            raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
+        elif not auto and num_workers > max_workers:
+            raise ValueError(f"num_workers={num_workers} exceeds max_workers={max_workers}")
+        self._core = _Core(min(self._target_init, max_workers), max_workers)
+        self._requested = self._core.target
+        self._resume: dict | None = None
+        self._persistent_iter = None
+        self._last_iter = None
+        self._hooks_attached = False
+        self._elastic_ready = True
+        if auto:
+            n = self._initial_auto_workers()
+            self._core.target = self._requested = n
+
+    # ---- drop-in attributes ------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """The target number of workers (what ``resize`` last asked for)."""
+        if not self.__dict__.get("_elastic_ready"):
+            return self.__dict__.get("_target_init", 0)
+        return self._core.target
+
+    @num_workers.setter
+    def num_workers(self, n) -> None:
+        if not self.__dict__.get("_elastic_ready"):
+            self.__dict__["_target_init"] = n     # torch's constructor assigns it
+        else:
+            self.resize(n)
+
+    @property
+    def max_workers(self) -> int:
+        return self._core.max_workers
+
+    @property
+    def requested_workers(self) -> int:
+        """What the user asked for (for ``num_workers='auto'``: the initial count)."""
+        return self._requested
+
+    # ---- elasticity ------------------------------------------------------------------------
+    def resize(self, n: int) -> int:
+        """Set the number of workers to ``n`` (clamped to ``[0, max_workers]``); returns the target.
+
+        Callable from any thread at any time. Map-style datasets: takes effect between two batches
+        (new workers take queued batches at once; retired ones finish their current batch first).
+        IterableDataset: at the next epoch (a warning says so)."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"resize() needs an int, got {n!r}")
+        if n < 0:
+            raise ValueError(f"resize() needs n >= 0, got {n}")
+        core = self._core
+        if n > core.max_workers:
+            log.info("adloader: resize(%d) clamped to max_workers=%d", n, core.max_workers)
+            n = core.max_workers
+        with core.lock:
+            if core.closed:
+                return core.target
+            if n == core.target:
+                return n
+            core.target = n
+            core.counters.resizes += 1
+            iters = [it for it in list(core.iters) if not it._done]
+            pool = core.pool
+        log.debug("adloader: resize to %d workers", n)
+        for it in iters:
+            it._on_resize(n)
+        if pool is not None and not any(it._pool is pool for it in iters):
+            pool.resize(n)      # persistent workers between epochs
+        return n
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of this loader's live worker processes (including ones finishing before retiring)."""
+        pids: list[int] = []
+        for pool in self._core.pools():
+            pids.extend(pool.worker_pids())
+        return pids
+
+    def stats(self) -> dict:
+        """Rolling totals and rates, as a plain dict. Totals are monotonic since creation.
+
+        steps              batches handed to the caller
+        samples            samples in them
+        batches            batches finished by workers (or in-process), duplicates included
+        epoch              index of the current (latest started) epoch, 0-based
+        workers            target worker count (``num_workers``)
+        live_workers       worker processes that currently take tasks (not retiring)
+        max_workers, requested_workers, batch_size   (batch_size None without auto-batching)
+        data_wait_s        time the caller spent blocked in ``next()``
+        compute_s          time between two ``next()`` calls (the training step)
+        worker_cpu_s       CPU seconds spent on batches (``time.process_time`` in the worker)
+        worker_wall_s      wall seconds spent on batches
+        worker_runq_s      of which runnable but waiting for a CPU (/proc/self/schedstat field 2;
+                           0 where the kernel does not provide it)
+        worker_blocked_s   wall - cpu - runq (clamped at 0 per batch): sleeping, mostly IO
+        resizes            number of effective resize() calls
+        worker_restarts    workers started to replace one that died
+        redispatched       batches handed out again because their worker died
+        uptime_s           seconds since the loader was created
+        rates              over the last ``window_s`` seconds (about 5 s):
+            window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
+            compute_s_per_step, data_wait_s_per_step, cpu_s_per_batch, wall_s_per_batch,
+            runq_s_per_batch, blocked_s_per_batch, worker_cpu_cores (worker CPU s per second)
+        """
+        core = self._core
+        c = core.counters
+        now = time.perf_counter()
+        live = sum(p.live_workers() for p in core.pools())
+        out = {
+            "steps": c.steps, "samples": c.samples, "batches": c.batches, "epoch": core.epoch,
+            "workers": core.target, "live_workers": live, "max_workers": core.max_workers,
+            "requested_workers": self._requested, "batch_size": self.batch_size,
+            "data_wait_s": c.data_wait_s, "compute_s": c.compute_s, "worker_cpu_s": c.worker_cpu_s,
+            "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
+            "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
+            "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
+            "uptime_s": time.monotonic() - c.created_mono,
+            "rates": core.rates.rates(now),
+        }
+        return out
+
+    # ---- iteration -------------------------------------------------------------------------
+    def __iter__(self):
+        core = self._core
+        if core.closed:
+            raise RuntimeError("this adloader.DataLoader was closed")
+        self._attach_hooks()
+        cfg = self._config()
+        with core.lock:
+            resume, self._resume = self._resume, None
+            if self.persistent_workers:
+                it = self._persistent_iter
+                if it is None:
+                    it = self._persistent_iter = _ElasticIter(core, cfg)
+                else:
+                    it._cfg = cfg
+            else:
+                it = _ElasticIter(core, cfg)
+            core.iters.add(it)
+            self._last_iter = weakref.ref(it)
+        it._start_epoch(resume)
+        return it
+
+    def _config(self) -> _Config:
+        iterable = isinstance(self.dataset, tud.IterableDataset)    # torch's own test
+        pin = False
+        if self.pin_memory:
+            if self.pin_memory_device:
+                warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as "
+                              f"the device,ignore pin_memory_device='{self.pin_memory_device}'.", stacklevel=3)
+            if torch.accelerator.is_available():
+                pin = True
+            else:
+                warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                              "then device pinned memory won't be used.", stacklevel=3)
+        ctx = self.multiprocessing_context
+        if ctx is None:
+            ctx = multiprocessing.get_context()
+        elif isinstance(ctx, str):
+            ctx = multiprocessing.get_context(ctx)
+        return _Config(
+            dataset=self.dataset, iterable=iterable, index_sampler=self._index_sampler,
+            auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
+            collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
+            worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
+            persistent=self.persistent_workers, prefetch_factor=self.prefetch_factor or 2)
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Position in the epoch: ``{"version", "dataset_kind", "epoch", "batches_delivered",
+        "delivered_ahead", "base_seed", "rng_source", "rng_state"}`` (plain values and one CPU
+        tensor, fit for ``torch.save``). Between epochs it describes the start of the next one.
+
+        Resuming (``load_state_dict`` on a fresh loader with the same dataset and sampler
+        arguments, any worker count) yields every batch not yet delivered exactly once, in the same
+        order and with the same per-batch seeds. The sampler is replayed from the recorded RNG state
+        and the delivered prefix skipped (indices only: no sample is loaded for it); a custom sampler
+        must therefore be deterministic given that state (e.g. DistributedSampler after set_epoch)."""
+        it = self._last_iter() if self._last_iter is not None else None
+        if it is not None and not it._done and it._started:
+            return it._state_dict()
+        gen = self.generator
+        return {
+            "version": STATE_VERSION,
+            "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
+            "epoch": self._core.next_epoch, "batches_delivered": 0, "delivered_ahead": [],
+            "base_seed": None, "rng_source": "generator" if gen is not None else "global",
+            "rng_state": gen.get_state() if gen is not None else torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``)."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
+                             f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
+        kind = "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map"
+        if state["dataset_kind"] != kind:
+            raise ValueError(f"state is for a {state['dataset_kind']}-style dataset, this loader has a "
+                             f"{kind}-style one")
+        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
+            raise ValueError("cannot resume an IterableDataset mid-epoch: its workers' shards cannot "
+                             "be replayed to a position; resume at an epoch boundary instead")
+        if (state["rng_source"] == "generator") != (self.generator is not None):
+            raise ValueError("state was saved with generator=" +
+                             ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
+                             "; this loader differs")
+        self._resume = dict(state)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every worker of this loader and detach from the agent/autotune. Idempotent."""
+        if self._core.closed:
+            return
+        for modname, fn in (("adloader.client", "detach"), ("adloader.autotune", "detach")):
+            if modname == "adloader.autotune" and not self._auto:
+                continue
+            self._call_hook(modname, fn)
+        self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # ---- hooks (never raise into training) --------------------------------------------------
+    def _call_hook(self, modname: str, fn: str, *args):
+        try:
+            import importlib
+
+            mod = importlib.import_module(modname)
+            return getattr(mod, fn)(self, *args)
+        except ImportError:
+            return None
+        except Exception:       # a hook must never break training
+            log.warning("adloader: %s.%s failed", modname, fn, exc_info=True)
+            return None
+
+    def _initial_auto_workers(self) -> int:
+        n = self._call_hook("adloader.autotune", "initial_workers")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            n = max(1, min(2, self._core.max_workers))
+        return max(0, min(n, self._core.max_workers))
+
+    def _attach_hooks(self) -> None:
+        if self._hooks_attached:
+            return
+        self._hooks_attached = True
+        if tud.get_worker_info() is not None:
+            return          # a loader used inside a loader worker: not a training process
+        try:
+            from adloader import env
+
+            disabled = env.disabled()
+        except ImportError:
+            disabled = False
+        except Exception:
+            disabled = False
+        if not disabled:
+            self._call_hook("adloader.client", "attach")
+        if self._auto:
+            self._call_hook("adloader.autotune", "attach")
+
+
+class _ElasticIter:
+    """One epoch at a time over a loader (the same object is reset per epoch with persistent workers,
+    as torch does). See the module docstring for the invariants."""
+
+    def __init__(self, core: _Core, cfg: _Config) -> None:
+        self._core = core
+        self._cfg = cfg
+        self._counters = core.counters
+        self._lock = threading.RLock()
+        self._pool: WorkerPool | None = None
+        self._pool_finalizer = None
+        self._done = True
+        self._started = False
+        self._runq = RunQueueClock()
+        self._pending: dict[int, tuple] = {}
+        self._reorder: dict[int, tuple] = {}
+        self._local: dict[int, tuple] = {}
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._cfg.index_sampler)
+
+    # ---- epoch start -------------------------------------------------------------------------
+    def _start_epoch(self, resume: dict | None) -> None:
+        cfg, core = self._cfg, self._core
+        with self._lock:
+            self._iter_id = next(_ITER_IDS)
+            with core.lock:
+                if resume is not None:
+                    core.next_epoch = resume["epoch"]
+                self._epoch = core.epoch = core.next_epoch
+                core.next_epoch += 1
+            self._send_seq = 0          # next seq to hand out
+            self._rcvd = 0              # every seq below this was delivered
+            self._ahead: set[int] = set()   # delivered seqs >= _rcvd (in_order=False)
+            self._skip: set[int] = set()    # seqs delivered before a resume (in_order=False)
+            self._pending: dict[int, tuple] = {}   # seq -> task: dispatched, no result yet
+            self._local: dict[int, tuple] = {}     # seq -> task: to run in this process
+            self._reorder: dict[int, tuple] = {}   # seq -> (ok, payload, n_samples)
+            self._peeked: deque = deque()
+            self._exhausted = False
+            self._error: BaseException | None = None
+            self._t_last: float | None = None
+            self._done = False
+            self._started = True
+
+            gen = cfg.generator
+            user_global = None
+            if resume is not None:
+                if gen is not None:
+                    gen.set_state(resume["rng_state"])
+                else:
+                    user_global = torch.get_rng_state()
+                    torch.set_rng_state(resume["rng_state"])
+                self._rng_state = resume["rng_state"].clone()
+            else:
+                self._rng_state = gen.get_state() if gen is not None else torch.get_rng_state()
+            # torch: base seed drawn from the loader's generator when the iterator is created
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
+            if resume is not None and resume.get("base_seed") is not None:
+                if resume["base_seed"] != base_seed:
+                    warnings.warn("adloader: the restored RNG state does not reproduce the saved base "
+                                  "seed; the sampler order may differ from the original run", stacklevel=3)
+                base_seed = resume["base_seed"]
+            self._base_seed = base_seed
+            try:
+                if cfg.iterable:
+                    self._start_iterable()
+                else:
+                    self._sampler_iter = iter(cfg.index_sampler)
+                    try:
+                        self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
+                    except StopIteration:
+                        self._exhausted = True
+                    if resume is not None:
+                        self._skip_delivered(resume)
+            finally:
+                if user_global is not None:
+                    torch.set_rng_state(user_global)
+            if not cfg.iterable and core.target > 0:
+                self._ensure_pool()
+                if cfg.persistent:
+                    self._pool.resize(core.target)
+                    self._pool.take_queued()      # tasks of an abandoned epoch
+                self._fill()
+
+    def _skip_delivered(self, resume: dict) -> None:
+        k = int(resume["batches_delivered"])
+        for _ in range(k):
+            if self._pull_index() is None:
+                break
+        self._send_seq = self._rcvd = k
+        self._skip = set(int(s) for s in resume.get("delivered_ahead", ()))
+
+    def _start_iterable(self) -> None:
+        cfg, core = self._cfg, self._core
+        n = core.target
+        self._epoch_workers = n
+        self._active = [True] * n
+        self._worker_of: dict[int, int] = {}
+        self._next_worker = 0
+        self._fetcher = None
+        if n == 0:
+            self._fetcher = IterableFetcher(cfg.dataset, cfg.auto_collation, cfg.batch_size,
+                                            cfg.collate_fn, cfg.drop_last)
+            return
+        self._ensure_pool()
+        self._pool.resize(n)
+        self._fill()
+
+    def _ensure_pool(self) -> WorkerPool:
+        cfg, core = self._cfg, self._core
+        if self._pool is not None:
+            return self._pool
+        if cfg.persistent and core.pool is not None:
+            self._pool = core.pool
+            return self._pool
+        spec = WorkerSpec(
+            wid=0, num_workers=core.target, base_seed=self._base_seed, dataset=cfg.dataset,
+            iterable=cfg.iterable, auto_collation=cfg.auto_collation, batch_size=cfg.batch_size,
+            drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn,
+            main_pid=os.getpid())
+        target = self._epoch_workers if cfg.iterable else core.target
+        pool = WorkerPool(ctx=cfg.mp_context, spec=spec, target=target, max_workers=core.max_workers,
+                          counters=self._counters)
+        self._pool = pool
+        if cfg.persistent:
+            core.pool = pool
+        # workers stop when this iterator is collected (abandoned mid-epoch, or the persistent
+        # iterator together with its loader) or at interpreter exit (finalize's atexit)
+        self._pool_finalizer = weakref.finalize(self, pool.shutdown)
+        return pool
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _pull_index(self):
+        if self._peeked:
+            return self._peeked.popleft()
+        if self._exhausted:
+            return None
+        try:
+            return next(self._sampler_iter)
+        except StopIteration:
+            self._exhausted = True
+            return None
+
+    def _next_task(self):
+        """The next batch of the sampler as a task, or None when the sampler is exhausted."""
+        while True:
+            index = self._pull_index()
+            if index is None and self._exhausted:
+                return None
+            seq = self._send_seq
+            self._send_seq += 1
+            if seq in self._skip:       # delivered before the checkpoint
+                self._skip.discard(seq)
+                self._mark_delivered(seq)
+                continue
+            return ("task", self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), index, 0)
+
+    def _fill(self) -> None:
+        """Top up in-flight tasks to prefetch_factor * target (map) or round-robin (iterable)."""
+        target = self._core.target
+        pool = self._pool
+        if self._cfg.iterable:
+            if pool is None or self._epoch_workers == 0:
+                return
+            bound = self._cfg.prefetch_factor * self._epoch_workers
+            while len(self._pending) + len(self._reorder) < bound and any(self._active):
+                n = self._epoch_workers
+                for _ in range(n):
+                    wid = self._next_worker
+                    self._next_worker = (wid + 1) % n
+                    if self._active[wid]:
+                        break
+                seq = self._send_seq
+                self._send_seq += 1
+                task = ("task", self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), None, n)
+                self._worker_of[seq] = wid
+                self._pending[seq] = task
+                if not pool.submit_to(wid, task):
+                    self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
+                    return
+            return
+        if target == 0 or pool is None:
+            return
+        bound = self._cfg.prefetch_factor * target
+        while len(self._pending) + len(self._reorder) < bound:
+            task = self._next_task()
+            if task is None:
+                break
+            self._pending[task[2]] = task
+            pool.submit(task)
+
+    def _redispatch(self, tasks) -> None:
+        for task in sorted(tasks, key=lambda t: t[2]):
+            if self._core.target > 0 and self._pool is not None:
+                self._pool.submit(task)
+            else:
+                self._local[task[2]] = task
+
+    def _on_resize(self, n: int) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if self._cfg.iterable:
+                if n != self._epoch_workers:
+                    msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
+                           f"(this epoch's {self._epoch_workers} worker shards are fixed)")
+                    log.warning(msg)
+                    if not self._core.warned_iterable_resize:
+                        self._core.warned_iterable_resize = True
+                        warnings.warn(msg, stacklevel=4)
+                return
+            if n > 0:
+                pool = self._ensure_pool()
+                pool.resize(n)
+                local, self._local = self._local, {}
+                self._redispatch(local.values())
+                self._fill()
+            elif self._pool is not None:
+                self._pool.resize(0)
+                for task in self._pool.take_queued():
+                    if task[1] == self._iter_id and task[2] in self._pending:
+                        self._local[task[2]] = task
+            if self._pool is not None:
+                self._pool.wake()
+
+    # ---- delivery ----------------------------------------------------------------------------
+    def __next__(self):
+        t0 = time.perf_counter()
+        c = self._counters
+        if self._t_last is not None:
+            c.compute_s += t0 - self._t_last
+        try:
+            data = self._next_iterable() if self._cfg.iterable else self._next_map()
+        except StopIteration:
+            self._t_last = None
+            raise
+        except BaseException:
+            self._t_last = time.perf_counter()
+            c.data_wait_s += self._t_last - t0
+            raise
+        t1 = time.perf_counter()
+        c.data_wait_s += t1 - t0
+        c.steps += 1
+        self._t_last = t1
+        self._core.rates.maybe_record(t1)
+        return data
+
+    def _mark_delivered(self, seq: int) -> None:
+        if seq == self._rcvd:
+            self._rcvd += 1
+            while self._rcvd in self._ahead:
+                self._ahead.discard(self._rcvd)
+                self._rcvd += 1
+        else:
+            self._ahead.add(seq)
+
+    def _take_ready(self):
+        if self._cfg.in_order:
+            item = self._reorder.pop(self._rcvd, None)
+            if item is None:
+                return None
+            seq = self._rcvd
+        else:
+            if not self._reorder:
+                return None
+            seq = next(iter(self._reorder))
+            item = self._reorder.pop(seq)
+        self._mark_delivered(seq)
+        return item
+
+    def _deliver(self, item):
+        ok, payload, n_samples = item
+        self._counters.samples += n_samples
+        if not ok:
+            if isinstance(payload, RemoteError):
+                payload.reraise()
+            raise payload
+        if self._cfg.pin:
+            payload = _pin(payload)
+        return payload
+
+    def _check(self) -> None:
+        if self._done:
+            raise StopIteration
+        if self._error is not None:
+            err, self._error = self._error, None
+            self._finish()
+            raise err
+        pool = self._pool
+        if pool is not None and pool.fatal is not None:
+            fatal = pool.fatal
+            self._finish()
+            if isinstance(fatal, RemoteError):
+                fatal.reraise()
+            raise fatal
+
+    def _next_map(self):
+        deadline = None
+        while True:
+            with self._lock:
+                self._check()
+                item = self._take_ready()
+                if item is not None:
+                    self._fill()
+                    return self._deliver(item)
+                task = self._take_local()
+                if task is None and not self._pending:
+                    self._fill()
+                    if not self._pending:
+                        if self._exhausted and not self._local:
+                            self._finish()
+                            raise StopIteration
+                        task = self._take_local()
+                pool = self._pool
+            if task is not None:
+                return self._run_local(task)
+            self._wait(pool, deadline := deadline or self._deadline())
+
+    def _take_local(self):
+        """A task this process should run now: one taken back from the pool, or (num_workers=0)
+        the next one from the sampler."""
+        if self._local:
+            seq = self._rcvd if self._cfg.in_order else min(self._local)
+            if seq in self._local:
+                return self._local.pop(seq)
+        if self._core.target == 0 and (not self._cfg.in_order or self._rcvd == self._send_seq):
+            task = self._next_task()
+            if task is not None:
+                self._pending[task[2]] = task
+            return task
+        return None
+
+    def _run_local(self, task):
+        cfg = self._cfg
+        _, _, seq, seed, index, _ = task
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        r0 = self._runq.read_ns()
+        error = None
+        try:
+            with RngGuard():
+                seed_all(seed)
+                data = fetch_map(cfg.dataset, index, cfg.auto_collation, cfg.collate_fn)
+        except Exception as e:   # num_workers=0: the caller gets the exception itself, as in torch
+            error, data = e, None
+        self._counters.add_batch_timing(time.process_time() - c0, time.perf_counter() - t0,
+                                        max(0, self._runq.read_ns() - r0))
+        with self._lock:
+            if self._pending.pop(seq, None) is None:
+                return self._next_map()         # a worker delivered it meanwhile
+            self._reorder.pop(seq, None)
+            self._mark_delivered(seq)
+            self._fill()
+        if error is not None:
+            raise error
+        return self._deliver((True, data, len(index) if cfg.auto_collation else 1))
+
+    def _deadline(self):
+        t = self._cfg.timeout_s
+        return time.monotonic() + t if t > 0 else float("inf")
+
+    def _wait(self, pool: WorkerPool | None, deadline: float) -> None:
+        if pool is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"DataLoader timed out after {self._cfg.timeout_s} seconds")
+        events = pool.poll(min(_WAIT_SLICE_S, left))
+        if events:
+            with self._lock:
+                self._handle(events)
+
+    def _handle(self, events) -> None:
+        c = self._counters
+        for ev in events:
+            kind = ev[0]
+            if kind == "result":
+                _, iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload = ev
+                c.add_batch_timing(cpu_s, wall_s, runq_ns)
+                if iter_id != self._iter_id or self._pending.pop(seq, None) is None:
+                    continue            # an abandoned epoch's batch, or a duplicate
+                self._local.pop(seq, None)
+                self._reorder[seq] = (ok, payload, n_samples)
+            elif kind == "stop":
+                _, iter_id, seq = ev
+                if iter_id != self._iter_id or self._pending.pop(seq, None) is None:
+                    continue
+                self._active[self._worker_of[seq]] = False
+            elif kind == "dead":
+                self._on_worker_death(*ev[1:])
+
+    def _on_worker_death(self, wid: int, pid: int, code, task) -> None:
+        if self._done:
+            return
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if self._cfg.iterable:
+            if wid < len(self._active) and self._active[wid]:
+                self._error = RuntimeError(
+                    f"DataLoader worker {wid} (pid {pid}) exited unexpectedly ({how}) while iterating an "
+                    "IterableDataset: its shard cannot be replayed exactly once, so this epoch is aborted "
+                    "(the worker is replaced for the next epoch)")
+            return
+        pool = self._pool
+        # order matters: a task is either running (snapshot first), still queued, or finished
+        # (results read last); only a task in none of these died with the worker
+        running = {seq for it, seq in pool.running_tasks() if it == self._iter_id}
+        queued = {t[2]: t for t in pool.take_queued() if t[1] == self._iter_id}
+        self._handle(pool.drain_results())
+        lost = [t for s, t in self._pending.items()
+                if s not in queued and s not in running and s not in self._local]
+        self._counters.redispatched += len(lost)
+        self._redispatch(lost + list(queued.values()))
+        log.warning("adloader: worker %d (pid %d) died (%s); re-dispatched %d batch(es): %s",
+                    wid, pid, how, len(lost), sorted(t[2] for t in lost)[:16])
+
+    def _next_iterable(self):
+        deadline = None
+        while True:
+            with self._lock:
+                self._check()
+                if self._epoch_workers == 0:
+                    return self._run_local_iterable()
+                item = None
+                if self._cfg.in_order:
+                    while self._rcvd < self._send_seq:
+                        if self._rcvd in self._reorder:
+                            item = self._reorder.pop(self._rcvd)
+                            self._rcvd += 1
+                            break
+                        if self._active[self._worker_of[self._rcvd]]:
+                            break
+                        self._rcvd += 1        # its worker's shard ended: nothing will come
+                elif self._reorder:
+                    item = self._reorder.pop(next(iter(self._reorder)))
+                if item is not None:
+                    self._fill()
+                    return self._deliver(item)
+                self._fill()
+                if not self._pending and not self._reorder:
+                    self._finish()
+                    raise StopIteration
+                pool = self._pool
+            self._wait(pool, deadline := deadline or self._deadline())
+
+    def _run_local_iterable(self):
+        seq = self._send_seq
+        self._send_seq += 1
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        r0 = self._runq.read_ns()
+        try:
+            with RngGuard():
+                seed_all(task_seed(self._base_seed, self._epoch, seq))
+                data, n = self._fetcher.fetch()
+        except StopIteration:
+            self._finish()
+            raise
+        finally:
+            self._counters.add_batch_timing(time.process_time() - c0, time.perf_counter() - t0,
+                                            max(0, self._runq.read_ns() - r0))
+        self._rcvd = self._send_seq
+        return self._deliver((True, data, n))
+
+    # ---- end ---------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """End of this epoch (exhausted, failed or abandoned): non-persistent workers stop."""
+        with self._lock:
+            self._done = True
+            self._pending.clear()
+            self._reorder.clear()
+            self._local.clear()
+            fin = None
+            if not self._cfg.persistent:
+                fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
+        if fin is not None:
+            fin()
+
+    def _close(self) -> None:
+        """``loader.close()``: end the epoch and stop the workers, persistent ones too."""
+        self._finish()
+        with self._lock:
+            fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
+        if fin is not None:
+            fin()
+
+    def _state_dict(self) -> dict:
+        with self._lock:
+            return {
+                "version": STATE_VERSION,
+                "dataset_kind": "iterable" if self._cfg.iterable else "map",
+                "epoch": self._epoch, "batches_delivered": self._rcvd,
+                "delivered_ahead": sorted(self._ahead | self._skip),
+                "base_seed": self._base_seed,
+                "rng_source": "generator" if self._cfg.generator is not None else "global",
+                "rng_state": self._rng_state.clone(),
+            }

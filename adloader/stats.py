@@ -1,0 +1,129 @@
+"""Loader instrumentation: monotonic counters kept on the hot path, turned into rates in one place.
+
+Hot path (``DataLoader.__next__`` and result handling) only adds to plain float/int attributes of
+``LoaderCounters``; a step costs two ``time.perf_counter()`` calls and a few additions. Rates are
+computed on demand in ``RateWindow`` from snapshots of the counters (monotonic clock, negative deltas
+clamped to 0), so readers (the agent client, autotune) never see raw counters they must difference.
+
+Units: ``_s`` seconds (float), counts are ints. Every total is monotonic since the loader was created.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+#: Keys of ``DataLoader.stats()`` (the BRIEF's interface); tests check the dict has exactly these.
+TOTAL_KEYS = (
+    "steps", "samples", "batches", "epoch", "workers", "live_workers", "max_workers",
+    "requested_workers", "batch_size", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
+    "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts", "redispatched", "uptime_s",
+)
+RATE_KEYS = (
+    "window_s", "samples_per_s", "steps_per_s", "data_wait_frac", "compute_s_per_step",
+    "data_wait_s_per_step", "cpu_s_per_batch", "wall_s_per_batch", "runq_s_per_batch",
+    "blocked_s_per_batch", "worker_cpu_cores",
+)
+
+# counters that rates are computed from (snapshot order)
+_SNAP_FIELDS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
+                "worker_wall_s", "worker_runq_s", "worker_blocked_s")
+
+
+class LoaderCounters:
+    """Monotonic totals for one loader. Written by the iterating thread (and result handling),
+    read from any thread; single attribute updates are atomic under the GIL, which is all readers need
+    (a snapshot may mix two adjacent steps, never a torn value)."""
+
+    __slots__ = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
+                 "worker_wall_s", "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts",
+                 "redispatched", "created_mono")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.samples = 0
+        self.batches = 0
+        self.data_wait_s = 0.0
+        self.compute_s = 0.0
+        self.worker_cpu_s = 0.0
+        self.worker_wall_s = 0.0
+        self.worker_runq_s = 0.0
+        self.worker_blocked_s = 0.0
+        self.resizes = 0
+        self.worker_restarts = 0
+        self.redispatched = 0
+        self.created_mono = time.monotonic()
+
+    def add_batch_timing(self, cpu_s: float, wall_s: float, runq_ns: int) -> None:
+        """One batch finished by a worker (or in-process): blocked = wall - cpu - run-queue delay,
+        clamped at 0 (the three clocks are read at slightly different instants)."""
+        runq_s = runq_ns * 1e-9
+        self.batches += 1
+        self.worker_cpu_s += cpu_s
+        self.worker_wall_s += wall_s
+        self.worker_runq_s += runq_s
+        blocked = wall_s - cpu_s - runq_s
+        if blocked > 0.0:
+            self.worker_blocked_s += blocked
+
+    def snapshot(self) -> tuple:
+        return tuple(getattr(self, f) for f in _SNAP_FIELDS)
+
+
+class RateWindow:
+    """Rolling rates over the last ``window_s`` seconds from counter snapshots.
+
+    ``maybe_record(now)`` is called on the hot path (one float compare most of the time) and records a
+    snapshot at most every ``every_s``; ``rates(now)`` differences the current counters against the
+    oldest snapshot still inside the window. Negative deltas (never expected) are clamped to 0."""
+
+    def __init__(self, counters: LoaderCounters, window_s: float = 5.0, every_s: float = 0.25) -> None:
+        self.counters = counters
+        self.window_s = window_s
+        self.every_s = every_s
+        self._snaps: deque = deque()
+        self._next_record = 0.0
+        self._lock = threading.Lock()
+
+    def maybe_record(self, now: float) -> None:
+        if now < self._next_record:
+            return
+        self._next_record = now + self.every_s
+        snap = (now, self.counters.snapshot())
+        with self._lock:
+            self._snaps.append(snap)
+            # keep one snapshot older than the window so the window is always covered
+            while len(self._snaps) > 2 and now - self._snaps[1][0] > self.window_s:
+                self._snaps.popleft()
+
+    def rates(self, now: float) -> dict:
+        self.maybe_record(now)
+        cur = self.counters.snapshot()
+        with self._lock:
+            base = None
+            for t, snap in self._snaps:
+                if now - t <= self.window_s:
+                    base = (t, snap)
+                    break
+            if base is None and self._snaps:
+                base = self._snaps[-1]
+        if base is None or now - base[0] <= 0:
+            dt, d = 0.0, dict.fromkeys(_SNAP_FIELDS, 0)
+        else:
+            dt = now - base[0]
+            d = {f: max(0, c - b) for f, c, b in zip(_SNAP_FIELDS, cur, base[1])}
+        steps, batches = d["steps"], d["batches"]
+        step_time = d["data_wait_s"] + d["compute_s"]
+        return {
+            "window_s": dt,
+            "samples_per_s": d["samples"] / dt if dt > 0 else 0.0,
+            "steps_per_s": steps / dt if dt > 0 else 0.0,
+            "data_wait_frac": d["data_wait_s"] / step_time if step_time > 0 else 0.0,
+            "compute_s_per_step": d["compute_s"] / steps if steps else 0.0,
+            "data_wait_s_per_step": d["data_wait_s"] / steps if steps else 0.0,
+            "cpu_s_per_batch": d["worker_cpu_s"] / batches if batches else 0.0,
+            "wall_s_per_batch": d["worker_wall_s"] / batches if batches else 0.0,
+            "runq_s_per_batch": d["worker_runq_s"] / batches if batches else 0.0,
+            "blocked_s_per_batch": d["worker_blocked_s"] / batches if batches else 0.0,
+            "worker_cpu_cores": d["worker_cpu_s"] / dt if dt > 0 else 0.0,
+        }

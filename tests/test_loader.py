@@ -1,0 +1,400 @@
+"""adloader.DataLoader against torch's DataLoader, with real worker processes (component tier).
+
+Each test runs a few dozen small batches; worker processes are forked unless the test says spawn.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import warnings
+
+import psutil
+import pytest
+import torch
+import torch.utils.data as tud
+
+from adloader import DataLoader
+from adloader.dataloader import _pin
+from adloader.stats import RATE_KEYS, TOTAL_KEYS
+from tests.conftest import wait_for
+from tests.test_loader_data import (FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
+                                    collate_tuple, init_fails, init_marks_worker)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def _ids(batches) -> list[int]:
+    return torch.cat([b.flatten() for b in batches]).tolist()
+
+
+def _torch_batches(ds, seed=None, **kw):
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return [b.clone() if isinstance(b, torch.Tensor) else b for b in tud.DataLoader(ds, generator=gen, **kw)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("kw", [dict(batch_size=5, shuffle=True), dict(batch_size=4, drop_last=True, shuffle=True),
+                                dict(batch_size=None), dict(batch_size=3, shuffle=False)])
+def test_same_batches_as_torch(num_workers, kw):
+    ds = Indexed(23)
+    ref = _torch_batches(ds, seed=7, **kw)
+    got = list(DataLoader(ds, num_workers=num_workers, generator=torch.Generator().manual_seed(7), **kw))
+    assert len(got) == len(ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_global_rng_sampler_matches_torch():
+    ds = Indexed(30)
+    torch.manual_seed(123)
+    ref = _torch_batches(ds, batch_size=4, shuffle=True)
+    torch.manual_seed(123)
+    got = list(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2))
+    assert _ids(got) == _ids(ref)
+
+
+def test_resize_mid_epoch_keeps_order_and_reports_target():
+    ds = Indexed(120, sleep_s=0.001)
+    ref = _ids(_torch_batches(ds, seed=1, batch_size=4, shuffle=True))
+    dl = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1),
+                    num_workers=2, max_workers=6)
+    got = []
+    for step, b in enumerate(dl):
+        got.append(b)
+        if step == 3:
+            assert dl.resize(5) == 5 and dl.num_workers == 5
+            wait_for(lambda: len(dl.worker_pids()) == 5, what="5 workers")
+        elif step == 10:
+            dl.num_workers = 1            # assignment resizes too
+        elif step == 16:
+            dl.resize(0)                  # in-process from here
+        elif step == 22:
+            dl.resize(3)
+    assert _ids(got) == ref
+    assert dl.resize(99) == 6             # clamped to max_workers
+    s = dl.stats()
+    assert s["resizes"] == 5 and s["steps"] == 30 and s["samples"] == 120
+
+
+def test_resize_from_another_thread():
+    ds = Indexed(200, sleep_s=0.0005)
+    dl = DataLoader(ds, batch_size=2, num_workers=1, max_workers=4)
+    stop = threading.Event()
+
+    def flapper():
+        n = 0
+        while not stop.is_set():
+            dl.resize(n % 4 + 1)
+            n += 1
+            stop.wait(0.005)
+
+    t = threading.Thread(target=flapper)
+    t.start()
+    try:
+        got = _ids(list(dl))
+    finally:
+        stop.set()
+        t.join()
+    assert got == list(range(200))
+
+
+def test_shrink_retires_highest_ids_after_their_task():
+    dl = DataLoader(WhoAmI(60, sleep_s=0.002), batch_size=2, num_workers=4, max_workers=4,
+                    persistent_workers=True)
+    it = iter(dl)
+    first = [next(it) for _ in range(4)]
+    pids_before = dl.worker_pids()
+    dl.resize(2)
+    rest = list(it)
+    ids_late = {w for b in rest[8:] for w in b[1].tolist()}
+    assert ids_late <= {0, 1}, ids_late
+    wait_for(lambda: len(dl.worker_pids()) == 2, what="two workers left")
+    assert set(dl.worker_pids()) <= set(pids_before)
+    all_i = [i for b in first + rest for i in b[0].tolist()]
+    assert all_i == list(range(60))
+    dl.close()
+
+
+def test_worker_killed_mid_epoch_is_replaced_and_its_batches_redispatched(caplog):
+    ds = Indexed(160, sleep_s=0.002)
+    dl = DataLoader(ds, batch_size=4, num_workers=3, max_workers=3)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="adloader"):
+        for step, b in enumerate(dl):
+            got.append(b)
+            if step == 5:
+                victim = dl.worker_pids()[1]
+                os.kill(victim, signal.SIGKILL)
+            if step == 20:
+                os.kill(dl.worker_pids()[0], signal.SIGKILL)
+    assert _ids(got) == list(range(160))
+    s = dl.stats()
+    assert s["worker_restarts"] == 2
+    assert s["redispatched"] >= 1
+    assert any("exited unexpectedly" in r.getMessage() for r in caplog.records)
+    assert any("re-dispatched" in r.getMessage() for r in caplog.records)
+
+
+def test_dataset_exception_keeps_original_traceback():
+    dl = DataLoader(FailsAt(20, bad=7), batch_size=2, num_workers=2)
+    it = iter(dl)
+    assert next(it).tolist() == [0, 1]
+    with pytest.raises(ValueError) as exc:
+        list(it)
+    msg = str(exc.value)
+    assert "Caught ValueError in DataLoader worker process" in msg
+    assert "Original Traceback" in msg
+    assert 'raise ValueError(f"sample {i} is corrupt")' in msg
+    assert "sample 7 is corrupt" in msg
+
+
+def test_iteration_continues_after_a_dataset_exception_like_torch():
+    dl = DataLoader(FailsAt(12, bad=3), batch_size=2, num_workers=2)
+    it = iter(dl)
+    out = []
+    errors = 0
+    while True:
+        try:
+            out.append(next(it).tolist())
+        except ValueError:
+            errors += 1
+        except StopIteration:
+            break
+    assert errors == 1 and out == [[0, 1], [4, 5], [6, 7], [8, 9], [10, 11]]
+
+
+def test_num_workers_0_raises_the_exception_itself():
+    with pytest.raises(ValueError, match="sample 7 is corrupt"):
+        list(DataLoader(FailsAt(20, bad=7), batch_size=2))
+
+
+def test_pin_memory_without_accelerator_warns_like_torch_and_returns_batches():
+    assert not torch.accelerator.is_available()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = list(DataLoader(Indexed(10), batch_size=4, num_workers=1, pin_memory=True))
+    assert any("no accelerator is found" in str(x.message) for x in w)
+    assert _ids(got) == list(range(10))
+
+
+def test_pin_helper_walks_containers_and_custom_types():
+    class Batch:
+        def __init__(self):
+            self.pinned = False
+
+        def pin_memory(self):
+            self.pinned = True
+            return self
+
+    out = _pin({"a": [Batch(), (Batch(), "s")], "b": Batch()})
+    assert out["b"].pinned and out["a"][0].pinned and out["a"][1][0].pinned and out["a"][1][1] == "s"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_custom_collate_dicts_and_tuples(num_workers):
+    got = list(DataLoader(Indexed(9), batch_size=4, num_workers=num_workers, collate_fn=collate_dict))
+    assert [g["n"] for g in got] == [4, 4, 1]
+    assert torch.cat([g["x"].flatten() for g in got]).tolist() == list(range(9))
+    got = list(DataLoader(Indexed(9), batch_size=4, num_workers=num_workers, collate_fn=collate_tuple))
+    assert got[0] == ((0, 1, 2, 3), "meta") and got[2] == ((8,), "meta")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iterable_dataset_same_as_torch_for_same_worker_count(num_workers, drop_last):
+    ref = [b.tolist() for b in tud.DataLoader(Shards(23), batch_size=3, num_workers=num_workers, drop_last=drop_last)]
+    got = [b.tolist() for b in DataLoader(Shards(23), batch_size=3, num_workers=num_workers, drop_last=drop_last)]
+    assert got == ref
+
+
+def test_iterable_resize_waits_for_next_epoch_and_says_so():
+    dl = DataLoader(Shards(40), batch_size=2, num_workers=2, max_workers=4, persistent_workers=True)
+    it = iter(dl)
+    first = [next(it) for _ in range(3)]
+    with pytest.warns(UserWarning, match="next epoch"):
+        dl.resize(3)
+    rest = list(it)
+    epoch1 = torch.cat(first + rest)
+    assert sorted(epoch1[:, 0].tolist()) == list(range(40))
+    assert set(epoch1[:, 1].tolist()) == {2}          # every sample was sharded 2 ways
+    epoch2 = torch.cat(list(dl))
+    assert sorted(epoch2[:, 0].tolist()) == list(range(40))
+    assert set(epoch2[:, 1].tolist()) == {3}
+    dl.close()
+
+
+def test_get_worker_info_and_worker_init_fn():
+    dl = DataLoader(WhoAmI(30, sleep_s=0.001), batch_size=3, num_workers=3, max_workers=5,
+                    worker_init_fn=init_marks_worker)
+    rows = []
+    for step, (i, wid, nw, pid, mark) in enumerate(dl):
+        rows += list(zip(i.tolist(), wid.tolist(), nw.tolist(), pid.tolist(), mark))
+        if step == 2:
+            dl.resize(5)
+    assert [r[0] for r in rows] == list(range(30))
+    for _, wid, nw, pid, mark in rows:
+        assert 0 <= wid < 5 and nw in (3, 5) and mark == f"init-{wid}" and pid != os.getpid()
+    assert os.environ.get("ADLOADER_TEST_INIT") is None
+    main = list(DataLoader(WhoAmI(3), batch_size=None))
+    assert [m[1] for m in main] == [-1, -1, -1]        # get_worker_info() is None in the main process
+
+
+def test_worker_init_fn_error_reaches_caller():
+    with pytest.raises(OSError, match="worker_init_fn refuses"):
+        list(DataLoader(Indexed(8), batch_size=2, num_workers=2, worker_init_fn=init_fails))
+
+
+def test_timeout():
+    dl = DataLoader(Slow(), batch_size=1, num_workers=1, timeout=0.3)
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 0.3 seconds"):
+        next(iter(dl))
+
+
+@pytest.mark.parametrize("before,after", [(3, 1), (1, 4), (2, 0), (0, 2)])
+def test_state_dict_resume_with_other_worker_count(before, after):
+    ds = Indexed(50, sleep_s=0.0005)
+    ref = _ids(_torch_batches(ds, seed=5, batch_size=4, shuffle=True))
+    dl = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5),
+                    num_workers=before, max_workers=4)
+    it = iter(dl)
+    head = [next(it) for _ in range(6)]
+    state = dl.state_dict()
+    del it
+    # a fresh process would have a fresh generator: resume must not depend on it
+    dl2 = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(999),
+                     num_workers=after, max_workers=4)
+    dl2.load_state_dict(state)
+    tail = list(dl2)
+    assert _ids(head) + _ids(tail) == ref
+    # and the next epoch is the one torch would produce next
+    gen = torch.Generator().manual_seed(5)
+    tl = tud.DataLoader(ds, batch_size=4, shuffle=True, generator=gen)
+    list(tl)
+    assert _ids(list(dl2)) == _ids(list(tl))
+
+
+def test_state_dict_resume_global_rng_leaves_callers_rng_alone():
+    ds = Indexed(40)
+    torch.manual_seed(3)
+    ref = _ids(_torch_batches(ds, batch_size=4, shuffle=True))
+    torch.manual_seed(3)
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2)
+    it = iter(dl)
+    head = [next(it) for _ in range(4)]
+    state = dl.state_dict()
+    del it
+    torch.manual_seed(42)
+    expected_next = torch.rand(1)
+    torch.manual_seed(42)
+    dl2 = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1)
+    dl2.load_state_dict(state)
+    tail = list(dl2)
+    assert _ids(head) + _ids(tail) == ref
+    assert torch.equal(torch.rand(1), expected_next)
+
+
+def test_state_dict_refuses_iterable_mid_epoch():
+    dl = DataLoader(Shards(20), batch_size=2, num_workers=2)
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    with pytest.raises(ValueError, match="IterableDataset mid-epoch"):
+        DataLoader(Shards(20), batch_size=2).load_state_dict(state)
+    del it
+
+
+def test_random_augmentation_does_not_depend_on_workers():
+    def run(nw, resize_at=None):
+        dl = DataLoader(RandomAug(40), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(11), num_workers=nw, max_workers=4)
+        out = []
+        for step, b in enumerate(dl):
+            out.append(b)
+            if resize_at is not None and step == resize_at:
+                dl.resize(4)
+        return [(b["i"].tolist(), b["torch"].tolist(), b["py"].tolist(), b["np"].tolist()) for b in out]
+
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    base = run(0)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3), before)      # num_workers=0 left the caller's RNG alone
+    assert run(1) == base
+    assert run(3) == base
+    assert run(2, resize_at=2) == base
+    assert len({x for b in base for x in b[1]}) == 40   # really random, not constant
+
+
+def test_in_order_false_delivers_everything_once():
+    got = _ids(list(DataLoader(Indexed(80, sleep_s=0.0005), batch_size=4, num_workers=3, in_order=False)))
+    assert sorted(got) == list(range(80))
+
+
+def test_persistent_workers_keep_processes_across_epochs():
+    dl = DataLoader(Indexed(40), batch_size=4, num_workers=2, persistent_workers=True, max_workers=3)
+    assert _ids(list(dl)) == list(range(40))
+    pids = dl.worker_pids()
+    assert _ids(list(dl)) == list(range(40))
+    assert dl.worker_pids() == pids
+    dl.resize(3)
+    wait_for(lambda: len(dl.worker_pids()) == 3, what="third worker")
+    assert _ids(list(dl)) == list(range(40))
+    assert set(pids) < set(dl.worker_pids())
+    dl.close()
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_abandoned_iterator_stops_its_workers():
+    dl = DataLoader(Indexed(200, sleep_s=0.001), batch_size=2, num_workers=2)
+    it = iter(dl)
+    next(it)
+    pids = dl.worker_pids()
+    assert len(pids) == 2
+    del it
+    for p in pids:
+        wait_for(lambda: not psutil.pid_exists(p), what=f"worker {p} gone")
+
+
+def test_stats_keys_and_counters():
+    dl = DataLoader(Indexed(24), batch_size=4, num_workers=2, max_workers=2)
+    for _ in dl:
+        pass
+    s = dl.stats()
+    assert tuple(s) == TOTAL_KEYS + ("rates",)
+    assert tuple(s["rates"]) == RATE_KEYS
+    assert s["steps"] == 6 and s["samples"] == 24 and s["batches"] >= 6
+    assert s["workers"] == 2 and s["max_workers"] == 2 and s["requested_workers"] == 2 and s["batch_size"] == 4
+    assert s["worker_wall_s"] > 0 and s["worker_cpu_s"] >= 0 and s["data_wait_s"] > 0
+    assert s["rates"]["window_s"] >= 0
+
+
+def test_constructor_checks_like_torch():
+    with pytest.raises(ValueError):
+        DataLoader(Indexed(4), num_workers=-1)
+    with pytest.raises(ValueError):
+        DataLoader(Indexed(4), persistent_workers=True)
+    with pytest.raises(ValueError):
+        DataLoader(Indexed(4), num_workers=3, max_workers=2)
+    with pytest.raises(ValueError):
+        DataLoader(Indexed(4), batch_size=2, batch_sampler=[[0, 1]])
+    dl = DataLoader(Indexed(10), batch_size=3)
+    assert len(dl) == 4 and isinstance(dl, tud.DataLoader)
+    with pytest.raises(ValueError):
+        dl.batch_size = 5
+    with pytest.raises(ValueError):
+        dl.resize(-1)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_other_start_methods(method):
+    ds = Indexed(30)
+    ref = _ids(_torch_batches(ds, seed=2, batch_size=4, shuffle=True))
+    dl = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2),
+                    num_workers=1, max_workers=2, multiprocessing_context=method, worker_init_fn=init_marks_worker)
+    got = []
+    for step, b in enumerate(dl):
+        got.append(b)
+        if step == 1:
+            dl.resize(2)
+    assert _ids(got) == ref

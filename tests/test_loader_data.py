@@ -1,0 +1,110 @@
+"""Datasets and helpers for the loader tests (a module of its own so spawned workers can import
+them by name without importing a test module). Holds no tests."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+
+class Indexed(tud.Dataset):
+    """Sample i is ``tensor([i])``; ``sleep_s`` per sample makes batches take a while."""
+
+    def __init__(self, n: int = 64, sleep_s: float = 0.0):
+        self.n = n
+        self.sleep_s = sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return torch.tensor([i])
+
+
+class RandomAug(tud.Dataset):
+    """Random 'augmentation' from all three global generators, plus the index."""
+
+    def __init__(self, n: int = 40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": i, "torch": float(torch.rand(1)), "py": random.random(), "np": float(np.random.rand())}
+
+
+class WhoAmI(tud.Dataset):
+    """Each sample says which worker loaded it and what worker_init_fn left there."""
+
+    def __init__(self, n: int = 24, sleep_s: float = 0.0):
+        self.n = n
+        self.sleep_s = sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        info = tud.get_worker_info()
+        if info is None:
+            return (i, -1, 0, os.getpid(), "")
+        return (i, info.id, info.num_workers, os.getpid(), os.environ.get("ADLOADER_TEST_INIT", ""))
+
+
+def init_marks_worker(worker_id: int) -> None:
+    os.environ["ADLOADER_TEST_INIT"] = f"init-{worker_id}"
+
+
+def init_fails(worker_id: int) -> None:
+    raise OSError(f"worker_init_fn refuses in worker {worker_id}")
+
+
+class FailsAt(tud.Dataset):
+    def __init__(self, n: int = 20, bad: int = 7):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"sample {i} is corrupt")     # the line the traceback must show
+        return i
+
+
+class Slow(tud.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        time.sleep(1.0)
+        return i
+
+
+class Shards(tud.IterableDataset):
+    """An IterableDataset that shards by worker as torch documents; uneven shard lengths."""
+
+    def __init__(self, n: int = 23):
+        self.n = n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        k, w = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(k, self.n, w):
+            yield torch.tensor([i, w])
+
+
+def collate_dict(samples):
+    return {"x": torch.stack([s for s in samples]), "n": len(samples)}
+
+
+def collate_tuple(samples):
+    return tuple(int(s) for s in samples), "meta"

@@ -1,0 +1,81 @@
+"""No worker process outlives its loader: abandoned iterators, close(), and interpreter exit
+(checked from outside, on a child Python process)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, repo_env, wait_for
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    from adloader import DataLoader
+    from tests.test_loader_data import Indexed
+    mode = sys.argv[1]
+    dl = DataLoader(Indexed(10_000, sleep_s=0.001), batch_size=4, num_workers=2, max_workers=3,
+                    persistent_workers=(mode == "persistent"), multiprocessing_context=sys.argv[2])
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    dl.resize(3)
+    for _ in range(3):
+        next(it)
+    print(json.dumps(dl.worker_pids()), flush=True)
+    if mode == "abandon":
+        del it
+        import gc; gc.collect()
+        print(json.dumps(dl.worker_pids()), flush=True)
+    elif mode == "close":
+        dl.close()
+        print(json.dumps(dl.worker_pids()), flush=True)
+    elif mode == "sigterm-parent":
+        time.sleep(60)
+    # "exit" and "persistent": leave mid-epoch with live workers and a live iterator
+""")
+
+
+def _gone(pids):
+    def check():
+        for p in pids:
+            try:
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+        return True
+    return check
+
+
+@pytest.mark.parametrize("mode,method", [("exit", "fork"), ("persistent", "fork"), ("abandon", "fork"),
+                                         ("close", "fork"), ("exit", "spawn")])
+def test_no_worker_left_behind(mode, method):
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, method], env=repo_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    pids = json.loads(lines[0])
+    assert len(pids) == 3
+    if mode in ("abandon", "close"):
+        assert json.loads(lines[1]) == []
+    wait_for(_gone(pids), timeout=10, what=f"workers {pids} to exit")
+
+
+def test_workers_exit_when_the_training_process_is_killed():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "sigterm-parent", "fork"], env=repo_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 3
+        proc.kill()           # SIGKILL: no atexit, no finalizer runs in the parent
+        proc.wait(timeout=10)
+        wait_for(_gone(pids), timeout=15, what=f"orphaned workers {pids} to notice and exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
