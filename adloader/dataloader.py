@@ -453,12 +453,10 @@ class DataLoader(tud.DataLoader):
         if tud.get_worker_info() is not None:
             return          # a loader used inside a loader worker: not a training process
         try:
-            from adloader import env
+            import importlib
 
-            disabled = env.disabled()
-        except ImportError:
-            disabled = False
-        except Exception:
+            disabled = bool(importlib.import_module("adloader.env").disabled())
+        except Exception:       # ImportError until adloader.env lands; never break training
             disabled = False
         if not disabled:
             self._call_hook("adloader.client", "attach")

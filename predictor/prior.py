@@ -9,17 +9,18 @@ own per-step cost of taking a batch (measured as the data wait of a window whose
 saturated; else the prior's estimate); theta_w = correction^-p and theta_c = core_correction^-p say
 how far real workers and cores fall short of first principles; p (sharpness) bends the corners.
 
-For a fixed p the model is linear in theta_c >= 0 (theta_w is 1 in the prior: a worker's rate is
-1 / (c + b) by construction): the prior is fitted with scikit-learn's non-negative
-``LinearRegression`` on every (start window, measured point) pair of the shipped corpus, for each p
-on a grid, keeping the p with the least throughput error plus knee miss rate (``fit_prior``). The prior is refitted from
-``predictor/data/corpus.jsonl`` at load time (about a second; nothing pickled).
+The prior (``fit_prior``): theta_w = 1 (a worker's rate is 1 / (c + b) by construction). For the
+cores, every (start window, measured point) pair of the shipped corpus where the cores bind is solved
+exactly for the correction it needs, and log core_correction is regressed with scikit-learn's
+``LinearRegression`` on features of the start window (``job_features``: run-queue, data-wait and
+blocked shares), for each p on a grid, keeping the p with the least throughput MAPE plus knee miss
+rate. Refitted from ``predictor/data/corpus.jsonl`` at load time (a fraction of a second; nothing
+pickled) with numpy's least squares, the same solution (tested), so a training process that uses
+``num_workers="auto"`` never pays for importing scikit-learn.
 
 Per job, each of the job's own loader-bound windows is solved exactly for the correction of the term
 that binds there, and the log-corrections are averaged with the prior's (a ridge in log space; closed
-form, microseconds, so 64 jobs per tick stay cheap). At load time the
-prior is refitted with the exact closed-form solution of the same non-negative least squares (tested
-equal to scikit-learn's), so a training process never pays for importing scikit-learn.
+form, microseconds, so 64 jobs per tick stay cheap).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ SATURATED_UTIL = 0.85       # workers busy at least this fraction of the window:
 LOADER_BOUND_WAIT = 0.05    # ... and the training loop waited at least this fraction of its step for data
 SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
+CORE_BINDS = 0.8            # a corpus point informs theta_c where c / cores >= this * the other terms
 
 
 def worker_utilization(o: Observation) -> float:
@@ -74,11 +76,29 @@ def measured_overhead(windows: Sequence[Observation]) -> float | None:
     return num / den if den > 0 else None
 
 
+FEATURES = ("1", "runq_frac", "wait_frac", "blocked_frac")
+
+
+def job_features(windows: Sequence[Observation]) -> tuple[float, ...]:
+    """What the prior's core correction depends on, from the job's own windows (step-weighted):
+    run-queue share of a batch's wall time (contention), data-wait share of a step, blocked share."""
+    sw = sr = sd = sb = 0.0
+    for o in windows:
+        w = float(max(1, o.steps))
+        wall = o.cpu_s_per_batch + o.runq_s_per_batch + o.blocked_s_per_batch
+        sr += w * (o.runq_s_per_batch / wall if wall > 0 else 0.0)
+        sb += w * (o.blocked_s_per_batch / wall if wall > 0 else 0.0)
+        sd += w * o.data_wait_frac
+        sw += w
+    return (1.0, sr / sw, sd / sw, sb / sw) if sw else (1.0, 0.0, 0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class Prior:
     sharpness: float = 6.0
     theta_w: float = 1.0
-    theta_c: float = 1.0
+    theta_c: float = 1.0              # core correction^-p when no coefficients (first principles: 1)
+    log_kc_coef: tuple = ()           # log core_correction = coef . job_features(windows), fitted
     overhead_frac_of_c: float = 0.0   # m = this * c when no window could measure m
     strength: float = 1.0             # weight of the prior, in loader-bound windows of the job's own
     fitted_on: tuple = ()             # job names of the corpus it was fitted on
@@ -92,30 +112,46 @@ class Prior:
                         windows: Iterable[Observation]) -> tuple[float, float]:
         """(correction, core_correction) for one job: each loader-bound window is solved exactly for
         the correction of its binding loader term (workers or cores, whichever first principles say
-        binds), and the log-corrections are averaged with the prior's counted as ``strength`` windows
-        (a ridge in log space: one window moves the estimate, several windows own it)."""
+        binds); the windows of one configuration are averaged into one vote, and the votes are
+        averaged with the prior's, which counts as ``strength`` configurations (a ridge in log space:
+        one configuration moves the estimate, several own it; repeated windows do not drift it)."""
+        windows = list(windows)
         p = self.sharpness
         kw0 = self.theta_w ** (-1.0 / p) if self.theta_w > 0 else K_MAX
-        kc0 = self.theta_c ** (-1.0 / p) if self.theta_c > 0 else K_MAX
+        kc0 = self.prior_core_correction(windows)
         lam = self.strength
-        sw, nw, sc, nc = lam * math.log(kw0), lam, lam * math.log(kc0), lam
+        per_w: dict[tuple, list[float]] = {}   # configuration -> log corrections of its windows
+        per_c: dict[tuple, list[float]] = {}
         base = (g + m) ** p
         for o in windows:
             if o.workers < 1 or not loader_bound(o):
                 continue
             t = o.step_s
             xw, xc = (c + b) / o.workers, (c / o.cores if c > 0 else 0.0)
+            key = (o.workers, round(o.cores, 3))
+            # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
+            # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
             if xc / kc0 >= xw / kw0 and xc > 0:      # cores bind: solve for core_correction
                 rest = t ** p - base - (xw / kw0) ** p
                 if rest > 0:
-                    sc += math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p))))
-                    nc += 1
+                    per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p)))))
             elif xw > 0:                              # workers bind: solve for correction
                 rest = t ** p - base - (xc / kc0) ** p
                 if rest > 0:
-                    sw += math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p))))
-                    nw += 1
+                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p)))))
+        # one vote per configuration (the mean of its windows): repeating a configuration refines its
+        # own figure but does not drag the estimate along window after window
+        sw = lam * math.log(kw0) + sum(sum(v) / len(v) for v in per_w.values())
+        nw = lam + len(per_w)
+        sc = lam * math.log(kc0) + sum(sum(v) / len(v) for v in per_c.values())
+        nc = lam + len(per_c)
         return math.exp(sw / nw), math.exp(sc / nc)
+
+    def prior_core_correction(self, windows: Sequence[Observation]) -> float:
+        if self.log_kc_coef:
+            z = sum(a * x for a, x in zip(self.log_kc_coef, job_features(windows)))
+            return min(K_MAX, max(K_MIN, math.exp(z)))
+        return self.theta_c ** (-1.0 / self.sharpness) if self.theta_c > 0 else K_MAX
 
     def correct(self, g: float, c: float, b: float, windows: Sequence[Observation]) -> dict:
         """Curve parameters for a job: correction, core_correction, sharpness, overhead_s_per_step."""
@@ -190,21 +226,15 @@ def measured_knee(curve_pts: dict[int, float], tol: float) -> int:
     return min(w for w, v in curve_pts.items() if v >= (1 - tol) * best)
 
 
-def _nnls_1d(X, y) -> float:
-    """Non-negative least squares with one feature and no intercept: max(0, sum(xy) / sum(xx)).
-    The exact solution of what ``LinearRegression(positive=True, fit_intercept=False)`` fits."""
-    den = float((X[:, 0] * X[:, 0]).sum())
-    return max(0.0, float((X[:, 0] * y).sum()) / den) if den > 0 else 0.0
-
-
 def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: str = "sklearn") -> Prior:
     """Fit the prior on every (start window, measured point) pair within each job of the corpus,
-    minus ``exclude_jobs``. For each sharpness p on the grid, theta_c comes from scikit-learn's
-    non-negative least squares; the p kept is the one with the least (throughput MAPE + knee miss
-    rate) on those jobs, a knee counting as hit within +-1 worker of the measured one.
+    minus ``exclude_jobs``. For each sharpness p on the grid, the core correction's regression
+    (log k on ``job_features``) is fitted by scikit-learn's least squares; the p kept is the one with
+    the least (throughput MAPE + knee miss rate) on those jobs, a knee counting as hit within +-1
+    worker of the measured one.
 
-    ``engine``: "sklearn" or "closed-form" (the exact one-feature NNLS solution, same result, tested;
-    used at load time so training processes with ``num_workers="auto"`` never import scikit-learn)."""
+    ``engine``: "sklearn" or "closed-form" (numpy's least squares: the same solution, tested; used at
+    load time so training processes with ``num_workers="auto"`` never import scikit-learn)."""
     import numpy as np
 
     if engine not in ("sklearn", "closed-form"):
@@ -237,39 +267,52 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
                 continue
             m = measured_overhead([so])
             starts.append((j, so.compute_s_per_step, so.cpu_s_per_batch, so.blocked_s_per_batch,
-                           m if m is not None else m_frac * so.cpu_s_per_batch, so.batch_size))
+                           m if m is not None else m_frac * so.cpu_s_per_batch, so.batch_size,
+                           job_features([so])))
 
     best: Prior | None = None
     best_score = math.inf
     for sharp in SHARPNESS_GRID:
-        # theta_w stays 1: one worker's rate is 1 / (c + b) by construction (measured in the worker);
-        # what the corpus corrects is how many cores the loader really gets (theta_c).
+        # theta_w stays 1: one worker's rate is 1 / (c + b) by construction (measured in the worker).
+        # The core correction: every (start, point) pair where first principles say the cores bind is
+        # solved exactly for the correction k it needs; log k is regressed (least squares) on the
+        # start window's features, so a job's prior correction follows from how its window looked.
         X, y, meta = [], [], []
-        for (j, g, c, b, m, bs) in starts:
+        for (j, g, c, b, m, bs, feats) in starts:
             for (w, C), meas in truth[j].items():
                 if meas <= 0:
                     continue
                 T = bs / meas
-                X.append([(c / C / T) ** sharp])
-                y.append(1.0 - min(1.0, (g + m) / T) ** sharp - min(1.0, (c + b) / w / T) ** sharp)
-                meta.append((g + m, c, b, w, C, bs, meas))
-        X, y = np.asarray(X), np.asarray(y)
-        ok = np.all(np.isfinite(X), axis=1) & np.isfinite(y)
-        if not ok.any():
-            continue
-        if engine == "sklearn":
-            from sklearn.linear_model import LinearRegression
+                meta.append((g + m, c, b, w, C, bs, meas, feats))
+                xc, xw = c / C, (c + b) / w
+                if xc < CORE_BINDS * max(g + m, xw):
+                    continue  # the cores do not bind here: says nothing about their correction
+                rest = T ** sharp - (g + m) ** sharp - xw ** sharp
+                if rest <= 0:
+                    continue
+                X.append(feats)
+                y.append(math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / sharp)))))
+        if len(y) >= len(FEATURES):
+            X, y = np.asarray(X), np.asarray(y)
+            if engine == "sklearn":
+                from sklearn.linear_model import LinearRegression
 
-            coef = float(LinearRegression(positive=True, fit_intercept=False).fit(X[ok], y[ok]).coef_[0])
+                coef = tuple(float(v) for v in LinearRegression(fit_intercept=False).fit(X, y).coef_)
+            else:
+                coef = tuple(float(v) for v in np.linalg.lstsq(X, y, rcond=None)[0])
         else:
-            coef = _nnls_1d(X[ok], y[ok])
-        tw, tc = 1.0, max(coef, K_MAX ** -sharp)
-        gm, c, b, w, C, bs, meas = (np.asarray(col, dtype=float) for col in zip(*meta))
-        T = (gm ** sharp + tw * ((c + b) / w) ** sharp + tc * (c / C) ** sharp) ** (1.0 / sharp)
-        mape = float(np.mean(np.abs(bs / T - meas) / meas))
-        kc = tc ** (-1.0 / sharp)
+            coef = (0.0,) * len(FEATURES)
+        cand = Prior(sharpness=sharp, theta_w=1.0, log_kc_coef=coef, overhead_frac_of_c=m_frac,
+                     fitted_on=tuple(sorted(jobs)))
+        errs = []
+        for (gm, c, b, w, C, bs, meas, feats) in meta:
+            kc = min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats)))))
+            T = (gm ** sharp + ((c + b) / w) ** sharp + (c / (kc * C)) ** sharp) ** (1.0 / sharp)
+            errs.append(abs(bs / T - meas) / meas)
+        mape = float(np.mean(errs)) if errs else 0.0
         hits = total = 0
-        for (j, g, c1, b1, m1, bs1) in starts:
+        for (j, g, c1, b1, m1, bs1, feats) in starts:
+            kc = min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats)))))
             cur = ThroughputCurve(job=j, batch_size=bs1, compute_s_per_step=g, cpu_s_per_batch=c1,
                                   blocked_s_per_batch=b1, core_correction=kc, sharpness=sharp,
                                   overhead_s_per_step=m1)
@@ -280,8 +323,7 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
         score = mape + (1.0 - hits / total if total else 0.0)
         if score < best_score:
             best_score = score
-            best = Prior(sharpness=sharp, theta_w=tw, theta_c=tc, overhead_frac_of_c=m_frac,
-                         fitted_on=tuple(sorted(jobs)), fit_error=mape)
+            best = Prior(**{**cand.__dict__, "fit_error": mape})
     return best or Prior()
 
 

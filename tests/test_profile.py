@@ -77,3 +77,34 @@ def test_profile_stops_a_long_command_and_reports_no_hook(tmp_path):
 def test_profile_needs_a_command(tmp_path):
     proc, _ = _profile(tmp_path)
     assert proc.returncode == 2 and "after --" in proc.stderr
+
+
+TRAIN = textwrap.dedent('''
+    import sys
+    from adloader import DataLoader
+    from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
+    ds = SyntheticImageDataset(WorkloadSpec(num_images=16, length=100000, image_px=64, crop_px=48,
+                                            io_sleep_s=0.002))
+    loader = DataLoader(ds, batch_size=8, num_workers=2)
+    for epoch in range(1000):                      # runs until adloader profile stops it
+        for batch in loader:
+            emulated_step(batch, 0.01)
+''')
+
+
+def test_profile_a_real_training_script(tmp_path):
+    pytest.importorskip("adloader.dataloader", reason="the elastic adloader.DataLoader has not landed")
+    pytest.importorskip("adloader.client", reason="the agent client has not landed")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    proc, doc = _profile(tmp_path, "--duration", "8", "--", sys.executable, str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    assert doc["workers"] == 2 and doc["batch_size"] == 8 and doc["steps"] > 10
+    assert doc["stopped_after_s"] == 8
+    pb, ps = doc["per_batch_in_workers"], doc["per_step"]
+    assert pb["cpu_s"] > 0 and ps["compute_s"] >= 0.009          # real decode in workers; 10 ms steps
+    assert pb["blocked_s"] >= 0.8 * 8 * 0.002                     # the fetch sleeps show up as blocked
+    pred = doc["prediction"]
+    assert pred["ceiling_samples_per_s"] > 0 and pred["knee_workers_at_cores"] >= 1
+    for what in ("where a step goes", "preprocessing CPU", "what if", "knee"):
+        assert what in proc.stdout

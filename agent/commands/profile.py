@@ -29,6 +29,8 @@ import time
 NAME = "profile"
 DEFAULT_DURATION_S = 60.0
 HEARTBEAT_S = 2.0
+WINDOW_MIN_S = 3.0
+WINDOW_MIN_STEPS = 20
 
 
 def register(sub) -> None:
@@ -135,10 +137,19 @@ def analyse(reports: list[dict], cores: float) -> dict:
     if whole is None:
         return {"error": "no steps between the first and the last report"}
     bank = PredictorBank(prior="default")
-    for a, b in zip(usable, usable[1:]):
-        o = observation_from_totals(a, b, cores)
-        if o is not None:
-            bank.observe("job", o)
+    # windows of at least WINDOW_MIN_S and WINDOW_MIN_STEPS (reports come every second or so; a
+    # window of a few steps is mostly noise), never across a resize
+    a = usable[0]
+    for b in usable[1:]:
+        if b.get("resizes") != a.get("resizes") or b.get("workers") != a.get("workers"):
+            a = b
+            continue
+        if (b.get("uptime_s", 0) - a.get("uptime_s", 0) >= WINDOW_MIN_S
+                and b.get("steps", 0) - a.get("steps", 0) >= WINDOW_MIN_STEPS):
+            o = observation_from_totals(a, b, cores)
+            if o is not None:
+                bank.observe("job", o)
+            a = b
     if bank.curve("job") is None:
         bank.observe("job", whole)
     cur = bank.curve("job")
