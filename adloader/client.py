@@ -375,7 +375,9 @@ class _Client:
 
 def _detach_autotune(loader: Any) -> None:
     try:
-        from adloader import autotune
+        import importlib
+
+        autotune = importlib.import_module("adloader.autotune")
     except ImportError:
         return
     except Exception:

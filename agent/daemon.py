@@ -354,7 +354,8 @@ class Agent:
                 if watchdog_s and now >= next_watchdog:
                     sd_notify("WATCHDOG=1")
                     next_watchdog = now + watchdog_s / 2
-                timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000) + 1)
+                wake = min(next_tick, next_watchdog) if watchdog_s else next_tick
+                timeout_ms = max(0, int((wake - time.monotonic()) * 1000) + 1)
                 try:
                     events = dict(poller.poll(timeout_ms))
                 except zmq.ZMQError as e:   # pyzmq retries EINTR itself; anything else is real
