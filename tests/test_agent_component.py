@@ -229,3 +229,49 @@ def test_agent_as_ordinary_user_uses_its_runtime_dir(base, trainers):
         p.send_signal(signal.SIGTERM)
         assert p.wait(20) == 0
         log.close()
+
+
+def test_heartbeat_loss_departs_and_the_client_comes_back(base, trainers):
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2",
+                      env={"ADLOADER_HEARTBEAT_S": "0.3"}).start()
+    try:
+        t = Trainer(base, agent.endpoint, job="frozen", workers=1)
+        trainers.append(t)
+        wait_for(lambda: (j := agent.job("frozen")) and j["cpus"], 20, what="job allocated")
+        welcomes = t.state()["welcomes"]
+        os.kill(t.pid, signal.SIGSTOP)              # alive but silent: no reports, no bye
+        try:
+            wait_for(lambda: any(e["job"] == "frozen" and e["why"] == "heartbeat lost"
+                                 for e in agent.events("job_departed")), 10, what="departure on heartbeat loss")
+            assert agent.job("frozen") is None
+        finally:
+            os.kill(t.pid, signal.SIGCONT)
+        # the client notices (unknown_job or silence) and says hello again: the job is back
+        wait_for(lambda: t.state().get("welcomes", 0) > welcomes, 20, what="client hello again")
+        wait_for(lambda: (j := agent.job("frozen")) and j["ranks"] == 1, 10, what="job back")
+    finally:
+        agent.stop()
+
+
+def test_metrics_endpoint_serves_job_gauges(base, trainers):
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2",
+                      "--metrics-port", str(port)).start()
+    try:
+        t = Trainer(base, agent.endpoint, job="metered", workers=1)
+        trainers.append(t)
+
+        def scrape():
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                return ""
+        body = wait_for(lambda: (b := scrape()) and 'adloader_job_cpus{job="metered"} 2.0' in b and b, 20,
+                        what="job gauges on /metrics")
+        assert "adloader_jobs 1.0" in body and 'adloader_job_workers{job="metered"}' in body
+    finally:
+        agent.stop()
