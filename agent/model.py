@@ -23,6 +23,7 @@ class JobAllocation:
     cpuset: Optional[tuple[int, ...]] = None   # exclusive CPU ids, when the policy pins
     io_weight: Optional[int] = None       # 1..1000 (blkio.bfq.weight / io.weight scale), None = leave
     reason: str = ""
+    enforce_cpu: bool = True              # False: `cpus` is informational; CPU actuators leave the workers alone
 
 
 @dataclass(frozen=True)

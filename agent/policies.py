@@ -1,30 +1,201 @@
 """Allocation policies: pure functions ``decide(snapshot, curves, config) -> AllocationPlan``.
 
 No sockets, files or clocks in here; the same functions run in the agent, in table-driven tests and
-in the simulator. Every ``JobAllocation`` carries its reason.
+in the simulator. Every ``JobAllocation`` carries its reason; what a job wanted and did not get is in
+``AllocationPlan.unsatisfied``.
 
-(Interface landed with the skeleton; the controller issue fills in even-static / none / adaptive.)
+Policies (DESIGN.md, "Allocation"):
+
+- ``even-static``: the node's loader CPUs split evenly by the most jobs the node is sized for
+  (``snapshot.max_jobs``; 0 = the jobs present when each arrived); a job keeps the share it got at
+  arrival (the A-Dloader paper's "allocate evenly" baseline).
+- ``even``: even split over the jobs present now, recomputed at every arrival and departure.
+- ``none``: observe only. Every job keeps its own requested ``num_workers``; no CPU limits
+  (``enforce_cpu=False``: the OS arbitrates). ``cpus`` is the even share, for display only.
+- ``adaptive`` (default): GPU-weighted greedy on marginal normalised throughput per core over the
+  predictor's curves, with a fairness floor, hysteresis that charges worker restarts, a cold-start
+  share for jobs without a curve, and spare cores handed out (work-conserving).
+
+Invariants every policy keeps (property-tested in tests/test_policies.py):
+- sum of ``cpus`` over the jobs <= ``snapshot.loader_cpus`` (+1e-6);
+- every registered job gets ``workers >= 1`` and ``cpus > 0`` (no job starves), and workers within
+  ``[min_workers, min(max_workers_per_job, job.max_workers)]``;
+- ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
+  returns the same allocations (no oscillation).
+
+Workers for a job = enough to use its cores: ``ceil(cores * (c + b) / c)`` (a worker is on CPU
+``c / (c + b)`` of the time), bounded by ``curve.max_useful_workers`` and by ``max_workers``; without a
+curve ``ceil(cores)``.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
-from agent.model import AllocationPlan, JobAllocation, NodeSnapshot
+from agent.model import AllocationPlan, JobAllocation, JobStats, NodeSnapshot
 from predictor.curve import ThroughputCurve
+
+EPS = 1e-9
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Knobs of the policies. Defaults are the documented behaviour; validated at construction.
+
+    min_workers, max_workers_per_job: bounds on every job's worker count.
+    hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
+        normalised throughput (as a fraction of the total GPU weight) exceeds this plus the restart cost.
+    fairness_floor: adaptive gives no job less than its even share unless its curve says it cannot use it.
+    min_cpus: cores every job gets at least (lowered to the even share on a crowded node).
+    quantum_cpus: the greedy's step in cores (raised to loader_cpus / 256 on big nodes, for speed).
+    worker_start_s, decision_horizon_s: the real cost of changing a job's worker count. One worker
+        started or retired costs about ``worker_start_s`` of one worker's output; amortised over the
+        horizon a decision is expected to stand, that is ``worker_start_s / decision_horizon_s`` of the
+        job's throughput per worker changed, divided by the job's worker count.
+    cold_start: "fair" (a job without a curve gets the even share) or "request" (its own request:
+        requested_cpus, else requested_workers cores, and its requested_workers; never above fair).
+    min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used).
+    io_weights: set io_weight (1..1000, 100 = even) from the CPU share; False leaves IO alone.
+    pin_cpusets: give every job an exclusive cpuset (set when the actuators' cpu_knob is "cpuset").
+    """
+
     min_workers: int = 1
     max_workers_per_job: int = 64
-    hysteresis: float = 0.03         # no move for a predicted normalised gain under this
-    fairness_floor: bool = True      # adaptive: no job below its even share unless it cannot use it
+    hysteresis: float = 0.03
+    fairness_floor: bool = True
+    min_cpus: float = 0.05
+    quantum_cpus: float = 0.05
+    worker_start_s: float = 1.0
+    decision_horizon_s: float = 60.0
+    cold_start: str = "fair"
+    min_confidence: float = 0.0
+    io_weights: bool = True
+    pin_cpusets: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"PolicyConfig.min_workers must be >= 1, got {self.min_workers}")
+        if self.max_workers_per_job < self.min_workers:
+            raise ValueError(f"PolicyConfig.max_workers_per_job ({self.max_workers_per_job}) must be >= "
+                             f"min_workers ({self.min_workers})")
+        for name in ("hysteresis", "worker_start_s", "min_confidence"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_cpus", "quantum_cpus", "decision_horizon_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PolicyConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.cold_start not in ("fair", "request"):
+            raise ValueError(f"PolicyConfig.cold_start must be 'fair' or 'request', got {self.cold_start!r}")
+
+    @property
+    def restart_cost_per_worker(self) -> float:
+        return self.worker_start_s / self.decision_horizon_s
 
 
 Policy = Callable[[NodeSnapshot, Mapping[str, ThroughputCurve], PolicyConfig], AllocationPlan]
 
+
+# -- shared helpers -----------------------------------------------------------------------------
+
+def worker_bound(job: JobStats, config: PolicyConfig) -> int:
+    bound = config.max_workers_per_job
+    if job.max_workers is not None and job.max_workers >= 1:
+        bound = min(bound, job.max_workers)
+    return max(config.min_workers, bound)
+
+
+def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
+    return max(config.min_workers, min(worker_bound(job, config), int(w)))
+
+
+def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> Callable[[float], int]:
+    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``).
+
+    The constants are computed once, so the greedy can call it thousands of times per decision.
+    """
+    lo, bound = config.min_workers, worker_bound(job, config)
+    if curve is None:
+        return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
+    top = min(bound, curve.max_useful_workers)
+    c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
+    if c <= 0:
+        return lambda cores: max(lo, top)
+    k_w = curve.correction
+    k_c = getattr(curve, "core_correction", None) or k_w
+    ratio = (c + b) / c * k_c / k_w
+    return lambda cores: max(lo, min(top, math.ceil(min(cores * ratio, 1e9) - 1e-6)))
+
+
+def workers_for(cores: float, curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> int:
+    """Enough workers to use ``cores`` (blocked time included), at most curve.max_useful_workers.
+
+    With a curve: ceil(cores * (c + b) / c), since a worker is on CPU c / (c + b) of the time (scaled
+    by core_correction / correction when the curve learned them apart). Deliberately the ceiling, not
+    the knee: with work-conserving shares a job may get more than its cores when others idle.
+    Without a curve: ceil(cores). Always within [min_workers, min(max_workers_per_job, max_workers)].
+    """
+    return worker_rule(curve, job, config)(cores)
+
+
+def io_weight_for(cpus: float, fair: float, config: PolicyConfig) -> Optional[int]:
+    if not config.io_weights or fair <= 0:
+        return None
+    return max(10, min(1000, int(round(100 * cpus / fair))))
+
+
+def _even_alloc(job: JobStats, share: float, fair: float, config: PolicyConfig, reason: str) -> JobAllocation:
+    return JobAllocation(job=job.job, workers=workers_for(share, None, job, config), cpus=share,
+                         io_weight=io_weight_for(share, fair, config), reason=reason)
+
+
+def assign_cpusets(plan_allocs: dict[str, JobAllocation], cpu_ids: tuple[int, ...]) -> tuple[dict, dict]:
+    """Exclusive CPU ids per job by largest remainder on ``cpus`` (each job >= 1 CPU while they last).
+
+    With more jobs than CPUs the sets overlap (round-robin); that is returned as unsatisfied.
+    """
+    import dataclasses
+
+    jobs = sorted(plan_allocs)
+    ids = list(cpu_ids)
+    unsatisfied: dict[str, str] = {}
+    if not jobs or not ids:
+        return plan_allocs, unsatisfied
+    out = dict(plan_allocs)
+    if len(jobs) > len(ids):
+        for i, j in enumerate(jobs):
+            out[j] = dataclasses.replace(out[j], cpuset=(ids[i % len(ids)],))
+            unsatisfied[j] = f"{len(jobs)} jobs on {len(ids)} CPUs: cpusets overlap"
+        return out, unsatisfied
+    total = sum(plan_allocs[j].cpus for j in jobs) or 1.0
+    exact = {j: plan_allocs[j].cpus / total * len(ids) for j in jobs}
+    count = {j: max(1, int(math.floor(exact[j]))) for j in jobs}
+    while sum(count.values()) > len(ids):
+        j = max((j for j in jobs if count[j] > 1), key=lambda j: (count[j] - exact[j], j))
+        count[j] -= 1
+    for j in sorted(jobs, key=lambda j: (-(exact[j] - count[j]), j)):
+        if sum(count.values()) >= len(ids):
+            break
+        count[j] += 1
+    pos = 0
+    for j in jobs:
+        out[j] = dataclasses.replace(out[j], cpuset=tuple(ids[pos:pos + count[j]]))
+        pos += count[j]
+    return out, unsatisfied
+
+
+def _finish(policy: str, allocs: dict[str, JobAllocation], snapshot: NodeSnapshot, config: PolicyConfig,
+            unsatisfied: Optional[dict] = None, predicted_total: Optional[float] = None) -> AllocationPlan:
+    unsatisfied = dict(unsatisfied or {})
+    if config.pin_cpusets and allocs and all(a.enforce_cpu for a in allocs.values()):
+        allocs, more = assign_cpusets(allocs, snapshot.cpu_ids)
+        unsatisfied.update(more)
+    return AllocationPlan(policy=policy, allocations=allocs, unsatisfied=unsatisfied,
+                          predicted_total=predicted_total)
+
+
+# -- baselines ----------------------------------------------------------------------------------
 
 def even(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve], config: PolicyConfig) -> AllocationPlan:
     """Even split of the node's loader CPUs over the jobs present now, recomputed at every change."""
@@ -32,14 +203,263 @@ def even(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve], config: 
     allocs = {}
     if n:
         share = snapshot.loader_cpus / n
-        workers = max(config.min_workers, min(config.max_workers_per_job, math.floor(share + 1e-9) or 1))
-        for job in snapshot.jobs:
-            allocs[job] = JobAllocation(job=job, workers=workers, cpus=share,
-                                        reason=f"even split: {snapshot.loader_cpus:g} cores / {n} jobs")
-    return AllocationPlan(policy="even", allocations=allocs)
+        for job_id in sorted(snapshot.jobs):
+            allocs[job_id] = _even_alloc(snapshot.jobs[job_id], share, share, config,
+                                         f"even split: {snapshot.loader_cpus:g} cores / {n} jobs")
+    return _finish("even", allocs, snapshot, config)
 
 
-POLICIES: dict[str, Policy] = {"even": even}
+def even_static(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+                config: PolicyConfig) -> AllocationPlan:
+    """Loader CPUs / max_jobs per job, never changed (the paper's baseline).
+
+    With ``max_jobs`` 0 (unknown), a job gets the even split over the jobs present when it arrives
+    and keeps it; departures hand nothing out. If the node holds more jobs than it was sized for (or
+    kept shares leave no room for an arrival), everyone is re-split evenly, and the plan says so.
+    """
+    n = len(snapshot.jobs)
+    C = snapshot.loader_cpus
+    allocs: dict[str, JobAllocation] = {}
+    unsatisfied: dict[str, str] = {}
+    if not n:
+        return _finish("even-static", allocs, snapshot, config)
+    if snapshot.max_jobs >= n:
+        share = C / snapshot.max_jobs
+        for job_id in sorted(snapshot.jobs):
+            allocs[job_id] = _even_alloc(snapshot.jobs[job_id], share, share, config,
+                                         f"even-static: {C:g} cores / {snapshot.max_jobs} job slots")
+        return _finish("even-static", allocs, snapshot, config)
+    share = C / n
+    if snapshot.max_jobs:
+        for job_id in snapshot.jobs:
+            unsatisfied[job_id] = f"node sized for {snapshot.max_jobs} jobs, {n} present: share cut to {share:.2f}"
+    else:
+        kept = {j: s.applied for j, s in snapshot.jobs.items() if s.applied is not None and s.applied.cpus > 0}
+        new = [j for j in snapshot.jobs if j not in kept]
+        free = C - sum(a.cpus for a in kept.values())
+        new_share = min(share, free / len(new)) if new else 0.0
+        if not new or new_share >= min(config.min_cpus, share):
+            for job_id in sorted(snapshot.jobs):
+                job = snapshot.jobs[job_id]
+                if job_id in kept:
+                    a = kept[job_id]
+                    allocs[job_id] = JobAllocation(job=job_id, workers=clamp_workers(a.workers, job, config),
+                                                   cpus=a.cpus, io_weight=io_weight_for(a.cpus, share, config),
+                                                   reason=f"even-static: keeps its arrival share {a.cpus:.2f}")
+                else:
+                    allocs[job_id] = _even_alloc(job, new_share, share, config,
+                                                 f"even-static: arrival share {C:g} cores / {n} jobs")
+            return _finish("even-static", allocs, snapshot, config)
+    for job_id in sorted(snapshot.jobs):
+        allocs[job_id] = _even_alloc(snapshot.jobs[job_id], share, share, config,
+                                     f"even-static: re-split {C:g} cores / {n} jobs (no room left)")
+    return _finish("even-static", allocs, snapshot, config, unsatisfied)
+
+
+def none(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve], config: PolicyConfig) -> AllocationPlan:
+    """Observe only: every job keeps its own num_workers; no CPU limits (the OS arbitrates)."""
+    n = len(snapshot.jobs)
+    allocs = {}
+    for job_id in sorted(snapshot.jobs):
+        job = snapshot.jobs[job_id]
+        allocs[job_id] = JobAllocation(
+            job=job_id, workers=clamp_workers(max(job.requested_workers, 1), job, config),
+            cpus=snapshot.loader_cpus / n, enforce_cpu=False,
+            reason=f"none: keeps requested num_workers={job.requested_workers}; no CPU limit")
+    return AllocationPlan(policy="none", allocations=allocs)
+
+
+# -- adaptive -----------------------------------------------------------------------------------
+
+def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: PolicyConfig) -> float:
+    """Cores beyond which the job's predicted throughput stops growing (within the knee tolerance)."""
+    need = curve.max_useful_cores
+    c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
+    if c > 0 and c + b > 0:
+        # more cores than the workers can keep busy: worker-bound rate k_w * w / (c + b) = k_c * cores / c
+        k_w = curve.correction
+        k_c = getattr(curve, "core_correction", None) or k_w
+        need = min(need, worker_bound(job, config) * c * k_w / ((c + b) * k_c))
+    return min(cap, need) if math.isfinite(need) else cap
+
+
+def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+             config: PolicyConfig) -> AllocationPlan:
+    """Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
+
+    1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
+    2. Warm jobs first get their floor: min(even share, useful cores) with ``fairness_floor``, else
+       ``min_cpus``.
+    3. The rest goes in quanta to the job with the highest ``gpus * d(normalised)/d(cores)``; ties by
+       job id. Fractional knapsack: optimal for concave curves.
+    4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
+       understate co-located demand, and a share that is not used costs nobody anything).
+    5. Hysteresis: when every job already has an allocation that fits the node, keep it unless the
+       predicted gain beats ``hysteresis`` plus the worker restart cost (fractions of total GPU weight).
+    """
+    n = len(snapshot.jobs)
+    C = snapshot.loader_cpus
+    if not n:
+        return AllocationPlan(policy="adaptive", allocations={})
+    ids = sorted(snapshot.jobs)
+    fair = C / n
+    min_c = min(config.min_cpus, fair)
+    q = max(config.quantum_cpus, C / 256.0)
+    warm = {j: curves[j] for j in ids
+            if j in curves and curves[j].confidence >= config.min_confidence}
+    cap = {j: min(C, float(len(snapshot.jobs[j].allowed_cpus))) if snapshot.jobs[j].allowed_cpus else C
+           for j in ids}
+    cpus: dict[str, float] = {}
+    reason: dict[str, str] = {}
+    workers: dict[str, int] = {}
+    for j in ids:
+        if j in warm:
+            continue
+        job = snapshot.jobs[j]
+        if config.cold_start == "request":
+            req = job.requested_cpus if job.requested_cpus else float(max(1, job.requested_workers))
+            cpus[j] = max(min_c, min(req, fair, cap[j]))
+            workers[j] = clamp_workers(max(1, job.requested_workers), job, config)
+            reason[j] = f"cold start: its request ({cpus[j]:.2f} cores, {workers[j]} workers) until observed"
+        else:
+            cpus[j] = max(min_c, min(fair, cap[j]))
+            workers[j] = workers_for(cpus[j], None, job, config)
+            reason[j] = f"cold start: fair share {cpus[j]:.2f} cores until observed"
+
+    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config) for j in warm}
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
+
+    def value(j: str, x: float) -> float:
+        return warm[j].normalized(rule[j](x), x)
+
+    useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config)) for j in warm}
+    for j in warm:
+        cpus[j] = max(min_c, min(fair, useful[j], cap[j])) if config.fairness_floor else min_c
+    remaining = C - sum(cpus.values())
+    # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
+    # step costs one curve evaluation. Ties go to the smaller job id (heap order on (-gain, id)).
+    current = {j: value(j, cpus[j]) for j in warm}
+    nxt: dict[str, tuple[float, float]] = {}
+    heap = []
+
+    def offer(j: str) -> None:
+        dx = min(q, cap[j] - cpus[j])
+        if dx > EPS:
+            v = value(j, cpus[j] + dx)
+            nxt[j] = (dx, v)
+            heap.append((-gpus[j] * (v - current[j]) / dx, j))
+
+    for j in warm:
+        offer(j)
+    heapq.heapify(heap)
+    last_gain: dict[str, float] = {}
+    while heap and remaining > EPS:
+        neg, j = heapq.heappop(heap)
+        if -neg <= EPS:
+            break
+        dx, v = nxt[j]
+        if dx > remaining:                     # a partial last step: re-evaluate exactly
+            dx = remaining
+            v = value(j, cpus[j] + dx)
+        g = gpus[j] * (v - current[j]) / dx
+        if g <= EPS:
+            continue
+        cpus[j] += dx
+        remaining -= dx
+        current[j] = v
+        last_gain[j] = g
+        dx2 = min(q, cap[j] - cpus[j])
+        if dx2 > EPS:
+            v2 = value(j, cpus[j] + dx2)
+            nxt[j] = (dx2, v2)
+            heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
+    for j in sorted(warm):
+        cv = warm[j]
+        workers[j] = rule[j](min(cpus[j], useful[j]))
+        norm = cv.normalized(workers[j], cpus[j])
+        if j in last_gain:
+            reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+        elif config.fairness_floor and cpus[j] >= fair - EPS:
+            reason[j] = f"fairness floor {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+        else:
+            reason[j] = f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+    if remaining > EPS and warm:
+        weight = {j: max(1, snapshot.jobs[j].gpus) for j in warm if cap[j] - cpus[j] > EPS}
+        while remaining > EPS and weight:
+            total = sum(weight.values())
+            given = 0.0
+            for j in sorted(weight):
+                add = min(remaining * weight[j] / total, cap[j] - cpus[j])
+                cpus[j] += add
+                given += add
+            remaining -= given
+            weight = {j: w for j, w in weight.items() if cap[j] - cpus[j] > EPS}
+            if given <= EPS:
+                break
+        for j in warm:
+            if cpus[j] > useful[j] + EPS and "spare" not in reason[j]:
+                reason[j] += f" (+{cpus[j] - useful[j]:.2f} spare)" if cpus[j] - useful[j] > 0.005 else ""
+
+    def objective(alloc_of) -> float:
+        tot = 0.0
+        for j in warm:
+            w, x = alloc_of(j)
+            tot += max(1, snapshot.jobs[j].gpus) * warm[j].normalized(w, x)
+        return tot
+
+    def shortfalls(alloc_of) -> dict[str, str]:
+        out = {}
+        for j in warm:
+            w, x = alloc_of(j)
+            if useful[j] > x + 0.01:
+                out[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {x:.2f} "
+                          f"({warm[j].normalized(w, x):.0%} of ceiling)")
+        return out
+
+    new_total = objective(lambda j: (workers[j], cpus[j]))
+    unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
+
+    # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
+    applied = {j: snapshot.jobs[j].applied for j in ids}
+    settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS for a in applied.values())
+    if settled:
+        held = sum(a.cpus for a in applied.values())
+        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + 1e-6
+    if settled:
+        old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
+        weight_total = float(sum(max(1, snapshot.jobs[j].gpus) for j in ids))
+        gain = (new_total - old_total) / weight_total
+        cost = sum(max(1, snapshot.jobs[j].gpus) * abs(workers[j] - applied[j].workers)
+                   / max(1, workers[j], applied[j].workers) for j in ids) \
+            * config.restart_cost_per_worker / weight_total
+        moved = any(abs(cpus[j] - applied[j].cpus) >= 0.01 or workers[j] != applied[j].workers for j in ids)
+        if not moved or gain < config.hysteresis + cost:
+            # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
+            # so measurement noise never turns into a stream of tiny re-applies.
+            allocs = {}
+            for j in ids:
+                a = applied[j]
+                allocs[j] = JobAllocation(
+                    job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
+                    cpuset=a.cpuset, io_weight=a.io_weight,
+                    reason=reason[j] if not moved else
+                    f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} + restart cost {cost:.1%}")
+            return AllocationPlan(policy="adaptive", allocations=allocs,
+                                  unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
+                                  predicted_total=old_total if warm else None)
+    allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],
+                               io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}
+    return _finish("adaptive", allocs, snapshot, config, unsatisfied,
+                   predicted_total=new_total if warm else None)
+
+
+POLICIES: dict[str, Policy] = {
+    "even-static": even_static,
+    "even": even,
+    "none": none,
+    "adaptive": adaptive,
+}
+DEFAULT_POLICY = "adaptive"
 
 
 def get_policy(name: str) -> Policy:

@@ -4,16 +4,20 @@
 runs ``workers`` worker processes on ``cores`` CPU cores. The first-principles shape (DESIGN.md,
 "Measurement"), per batch:
 
-    compute-bound:  1 / g                 g = compute (GPU step) seconds per step
+    compute-bound:  1 / (g + m)           g = compute (GPU step) seconds per step, m = the training
+                                          process's own per-step cost of taking a batch (0 unless measured)
     worker-bound:   workers / (c + b)     c = CPU s per batch, b = blocked (IO) s per batch
     core-bound:     cores / c
 
     batches/s = min of the three (workers = 0: the main process loads in line, 1 / (g + c + b))
 
-``correction`` (from the learned model) multiplies the worker- and core-bound terms; it stays 1.0
-until the job's own observations say otherwise.
+``correction`` (from the learned model) multiplies the worker-bound term and ``core_correction`` the
+core-bound term (``core_correction`` None: same as ``correction``); they stay 1.0 until observations
+say otherwise. ``sharpness`` p > 0 replaces the hard min by the soft min (sum r_i^-p)^(-1/p), which
+is how measured curves bend near the knee (queueing, per-sample variance); p = 0 keeps the hard min.
 
-Invariants (property-tested): throughput >= 0, <= ceiling, non-decreasing in workers and in cores.
+Invariants (property-tested): throughput >= 0, <= ceiling, non-decreasing in workers and in cores;
+every knee is the least value reaching within KNEE_TOLERANCE of the limit it is a knee of.
 """
 from __future__ import annotations
 
@@ -30,21 +34,48 @@ class ThroughputCurve:
     compute_s_per_step: float      # g
     cpu_s_per_batch: float         # c
     blocked_s_per_batch: float     # b
-    correction: float = 1.0        # learned multiplier on the loader side (0 < correction)
+    correction: float = 1.0        # learned multiplier on the worker-bound term (0 < correction)
     confidence: float = 0.0        # 0 = prior only ... 1 = many observations at several configurations
     observed_configs: int = 0      # distinct (workers, cores) seen
     source: str = "first-principles"
     extra: dict = field(default_factory=dict, compare=False)
+    core_correction: float | None = None   # learned multiplier on the core-bound term (None = correction)
+    sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
+    overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
+
+    @property
+    def _kc(self) -> float:
+        return self.correction if self.core_correction is None else self.core_correction
+
+    def _softmin(self, rates: list[float]) -> float:
+        """Soft (p > 0) or hard (p = 0) minimum of positive rates; inf terms drop out."""
+        if any(r <= 0 for r in rates):
+            return 0.0
+        finite = [r for r in rates if r != math.inf]
+        if not finite:
+            return math.inf
+        p = self.sharpness
+        if p <= 0:
+            return min(finite)
+        m = min(finite)  # scale by the min for numerical range
+        return m * sum((m / r) ** p for r in finite) ** (-1.0 / p)
+
+    def _knee_factor(self) -> float:
+        """s such that rate term r >= s * L puts the soft-min within KNEE_TOLERANCE of the limit L."""
+        p, tol = self.sharpness, KNEE_TOLERANCE
+        if p <= 0:
+            return 1.0 - tol
+        return 1.0 / ((1.0 - tol) ** (-p) - 1.0) ** (1.0 / p)
 
     @property
     def ceiling_samples_per_s(self) -> float:
-        """Throughput with data always ready (the compute-bound limit)."""
-        g = self.compute_s_per_step
+        """Throughput with data always ready (the compute-bound limit: one batch per g + m seconds)."""
+        g = self.compute_s_per_step + self.overhead_s_per_step
         return self.batch_size / g if g > 0 else math.inf
 
     def throughput(self, workers: float, cores: float) -> float:
         """Predicted samples/s with ``workers`` loader workers on ``cores`` CPU cores."""
-        g, c, b = self.compute_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
+        g, c, b = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
         workers = max(0.0, float(workers))
         cores = max(0.0, float(cores))
         if workers < 1:
@@ -55,8 +86,8 @@ class ThroughputCurve:
             if c + b > 0:
                 rates.append(self.correction * workers / (c + b))
             if c > 0:
-                rates.append(self.correction * cores / c if cores > 0 else 0.0)
-            bps = min(rates)
+                rates.append(self._kc * cores / c if cores > 0 else 0.0)
+            bps = self._softmin(rates)
         return min(bps * self.batch_size, self.ceiling_samples_per_s) if bps != math.inf else math.inf
 
     def normalized(self, workers: float, cores: float) -> float:
@@ -69,18 +100,30 @@ class ThroughputCurve:
     @property
     def max_useful_cores(self) -> float:
         """Least cores that reach within KNEE_TOLERANCE of the ceiling (with enough workers)."""
-        g, c = self.compute_s_per_step, self.cpu_s_per_batch
+        g, c = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch
         if g <= 0:
             return math.inf
-        return (1.0 - KNEE_TOLERANCE) * c / (g * self.correction)
+        return self._knee_factor() * c / (g * self._kc)
 
     @property
     def max_useful_workers(self) -> int:
         """Least worker count that reaches within KNEE_TOLERANCE of the ceiling (with enough cores)."""
-        g, c, b = self.compute_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
-        if g <= 0:
+        return self.knee_workers(math.inf)
+
+    def knee_workers(self, cores: float) -> int:
+        """Least worker count (>= 1) whose throughput on ``cores`` cores is within KNEE_TOLERANCE of
+        what unlimited workers would reach on those cores. Non-decreasing in ``cores``."""
+        g, c, b = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
+        if c + b <= 0:
+            return 1
+        limit_bps = self._softmin([1.0 / g if g > 0 else math.inf,
+                                   (self._kc * cores / c if cores > 0 else 0.0) if c > 0 else math.inf])
+        if limit_bps == math.inf:
             return 1 << 16
-        return max(1, math.ceil((1.0 - KNEE_TOLERANCE) * (c + b) / (g * self.correction) - 1e-9))
+        if limit_bps <= 0:
+            return 1
+        need = (c + b) * limit_bps * self._knee_factor() / self.correction
+        return max(1, min(1 << 16, math.ceil(need - 1e-9)))
 
     def marginal_gain(self, workers: float, cores: float, d_cores: float = 1.0) -> float:
         """Normalised throughput gained by ``d_cores`` more cores (workers grown to match)."""

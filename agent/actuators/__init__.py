@@ -7,11 +7,17 @@
         def restore(self) -> None: ...                   # agent stops: put back every original value
 
 Only the controller calls them, and only with the difference between desired and applied state.
+An actuator with ``tracks_pids = True`` (cgroup, affinity) is also called when the job's loader worker
+pids changed since its last apply (resizes, restarts), so new workers join the job's group.
+
+Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
+(v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).
 An actuator never raises out of ``apply``: failures come back as ``ApplyResult(ok=False, error=...)``.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import os
+from typing import Optional, Protocol, runtime_checkable
 
 from agent.model import ApplyResult, JobAllocation, JobStats
 
@@ -25,3 +31,65 @@ class Actuator(Protocol):
     def release(self, job_id: str) -> None: ...
 
     def restore(self) -> None: ...
+
+
+from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
+
+MODES = ("auto", "v1", "v2", "cooperative", "off")
+CPU_KNOBS = ("shares", "quota", "cpuset")
+
+
+def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str = "shares",
+          io: bool = True, subtree: str = "adloader", state_dir: Optional[str] = None,
+          sys_root: str = "/sys", proc_root: str = "/proc") -> list:
+    """The actuators for a cgroup mode; the directive actuator (worker counts) always comes first.
+
+    - ``off``: worker counts only.
+    - ``v1`` / ``v2``: plus a ``CgroupActuator`` on that hierarchy (cooperative jobs get CPU affinity).
+    - ``cooperative``: plus an ``AffinityActuator`` (Slurm owns the cgroups; no cgroup writes).
+    - ``auto``: the layout as systemd documents it: unified -> v2 (when its cpu controller is there),
+      hybrid or legacy -> v1 (when the v1 cpu hierarchy is writable), else worker counts only.
+
+    ``cpu_knob`` (default ``shares``, work-conserving; ``quota`` caps hard; ``cpuset`` pins, with
+    ``PolicyConfig.pin_cpusets``). With ``state_dir`` the journal of originals lives in
+    ``<state_dir>/cgroup-originals.json``, so a restarted agent restores what a dead one changed.
+    """
+    from agent import cgroupfs
+    from agent.actuators.cgroup import AffinityActuator, CgroupActuator
+    from agent.actuators.originals import Originals
+
+    if mode not in MODES:
+        raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if cpu_knob not in CPU_KNOBS:
+        raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
+    actuators: list = [DirectiveActuator(sink)]
+    if mode == "off":
+        return actuators
+    originals = Originals(os.path.join(state_dir, "cgroup-originals.json") if state_dir else None)
+    affinity = AffinityActuator(originals)
+    if mode == "cooperative":
+        return actuators + [affinity]
+    if mode == "auto":
+        mode = resolve_auto(cgroup_root)
+        if mode == "off":
+            return actuators
+    version = 2 if mode == "v2" else 1
+    hierarchies = cgroupfs.open_hierarchies(cgroup_root, version)
+    actuators.append(CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
+                                    originals=originals, sys_root=sys_root, proc_root=proc_root,
+                                    affinity=affinity))
+    return actuators
+
+
+def resolve_auto(cgroup_root: str = "/sys/fs/cgroup") -> str:
+    """'v1', 'v2' or 'off' for mode ``auto`` (see ``build``)."""
+    from agent import cgroupfs
+
+    try:
+        layout = cgroupfs.detect_layout(cgroup_root)
+    except cgroupfs.CgroupError:
+        return "off"
+    if layout == "unified":
+        h = cgroupfs.V2Hierarchy(cgroup_root)
+        return "v2" if "cpu" in h.controllers() and os.access(cgroup_root, os.W_OK) else "off"
+    return "v1" if cgroupfs.v1_controller_available(cgroup_root, "cpu") is None else "off"

@@ -1,16 +1,55 @@
-"""`adloader agent` — placeholder until its issue lands (see COMMANDS in agent.cli)."""
+"""`adloader agent`: run the node agent in the foreground (systemd runs this; see agent.daemon)."""
 from __future__ import annotations
 
+import sys
+
 NAME = "agent"
+FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "max_jobs", "cgroup_mode", "metrics_port",
+         "log_level")
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="not available yet")
+    p = sub.add_parser(NAME, help="run the node agent in the foreground (systemd runs this)",
+                       description="Run the A-Dloader node agent in the foreground. Config: defaults <- TOML "
+                                   "file <- ADLOADER_<KEY> environment <- these flags. Logs one JSON object "
+                                   "per line on stdout. SIGTERM stops (restoring what it changed), SIGHUP "
+                                   "reloads the config file.")
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="TOML config file (default /etc/adloader/agent.toml if it exists)")
+    p.add_argument("--endpoint", metavar="EP", help="ipc:// endpoint to bind")
+    p.add_argument("--state-dir", metavar="DIR", help="journal directory")
+    p.add_argument("--policy", metavar="NAME", help="allocation policy: adaptive, even, even-static, none")
+    p.add_argument("--tick-s", metavar="S", type=float, help="controller period in seconds (default 1)")
+    p.add_argument("--loader-cpus", metavar="CORES", help="CPU cores for all loaders, or 'auto'")
+    p.add_argument("--max-jobs", metavar="N", type=int, help="jobs the node is sized for (even-static)")
+    p.add_argument("--cgroup-mode", metavar="MODE", choices=("auto", "v1", "v2", "cooperative", "off"),
+                   help="auto|v1|v2|cooperative|off")
+    p.add_argument("--metrics-port", metavar="N", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
+    p.add_argument("--log-level", metavar="LEVEL", choices=("debug", "info", "warning", "error"),
+                   help="debug|info|warning|error")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import sys
+    from agent import config as configmod
+    from agent import logs
 
-    print(f"adloader {NAME}: not available in this build yet", file=sys.stderr)
-    return 2
+    cli = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
+    try:
+        cfg = configmod.load(args.config, cli)
+    except configmod.ConfigError as e:
+        print(f"adloader agent: {e}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log_level)
+    from agent.daemon import Agent
+    from agent.server import EndpointBusy
+
+    try:
+        agent = Agent(cfg, config_path=args.config, cli=cli)
+        return agent.run()
+    except EndpointBusy as e:
+        print(f"adloader agent: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"adloader agent: cannot start: {e}", file=sys.stderr)
+        return 1

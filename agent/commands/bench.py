@@ -1,16 +1,93 @@
-"""`adloader bench` — placeholder until its issue lands (see COMMANDS in agent.cli)."""
+"""`adloader bench`: co-located real training jobs under each policy, side by side, on this node.
+
+Default: the quick run (heterogeneous mix, every policy, one repeat; about 2-3 minutes). ``--full``:
+every scenario, three repeats (long; on request). Prints a markdown table; writes bench.json,
+bench.md and PNG plots under --out.
+"""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 NAME = "bench"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="not available yet")
+    from agent.bench.harness import POLICIES_ALL, SCENARIOS_ALL
+
+    p = sub.add_parser(NAME, help="co-located jobs under each policy, side by side",
+                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
+    p.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
+    p.add_argument("--policies", default=",".join(POLICIES_ALL), help="comma-separated policies to compare")
+    p.add_argument("--reps", type=int, default=None, help="repeats (quick: 1, full: 3)")
+    p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
+    p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
+    p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
+    p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
+                   help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
+    p.add_argument("--tick-s", type=float, default=1.0)
+    p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
+                   help="emulated GPU step (sleep) or a real small model step on CUDA")
+    p.add_argument("--warmup-s", type=float, default=None)
+    p.add_argument("--measure-s", type=float, default=None)
+    p.add_argument("--sweep-segment-s", type=float, default=None, help="oracle sweep: seconds per worker count")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    import sys
+def _check_cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
 
-    print(f"adloader {NAME}: not available in this build yet", file=sys.stderr)
-    return 2
+
+def run(args) -> int:
+    from agent.bench import report, setup
+    from agent.bench.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError
+
+    quick = not args.full
+    scenarios = args.scenarios.split(",") if args.scenarios else (
+        ["heterogeneous"] if quick else list(SCENARIOS_ALL))
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [s for s in scenarios if s not in SCENARIOS_ALL] + [p for p in policies if p not in POLICIES_ALL]
+    if bad:
+        print(f"adloader bench: unknown scenario/policy: {', '.join(bad)}; scenarios: {', '.join(SCENARIOS_ALL)}; "
+              f"policies: {', '.join(POLICIES_ALL)}", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        why = _check_cuda()
+        if why:
+            print(f"adloader bench: --device cuda needs a CUDA GPU: {why}. Use --device emulated.", file=sys.stderr)
+            return 2
+    ok, missing = setup.agent_available()
+    if not ok and any(p in ("even-static", "even", "adaptive", "oracle") for p in policies):
+        print(f"adloader bench: this build lacks: {missing}; policies that need the agent will fail "
+              "(run with --policies none,autotune meanwhile)", file=sys.stderr)
+    loader_cpus = setup.default_loader_cpus() if args.loader_cpus == "auto" else float(args.loader_cpus)
+    reps = args.reps or (1 if quick else 3)
+    progress = report.Progress()
+    progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
+                  f"{len(policies)} policies x {reps} repeat(s); {setup.node_cores()} cores, "
+                  f"{loader_cpus:g} for loaders")
+    try:
+        result = setup.run(out_dir=Path(args.out), scenarios=scenarios, policies=policies, reps=reps, quick=quick,
+                           catalog_path=args.catalog, loader_cpus=loader_cpus,
+                           cgroup_mode=args.cgroup_mode or setup.default_cgroup_mode(), tick_s=args.tick_s,
+                           device=args.device, sweep_segment_s=args.sweep_segment_s or (2.5 if quick else 4.0),
+                           progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s)
+    except (BenchError, ValueError) as e:
+        print(f"adloader bench: {e}", file=sys.stderr)
+        return 1
+    print(result["markdown"])
+    paths = result["paths"]
+    print(f"JSON: {paths['json']}\nmarkdown: {paths['markdown']}")
+    for p in paths.get("plots", []):
+        print(f"plot: {p}")
+    failed = [ph for ph in result["phases"] if "agg_normalised" not in (ph.get("metrics") or {})]
+    return 1 if failed and len(failed) == len(result["phases"]) else 0

@@ -1,16 +1,297 @@
-"""`adloader job` — placeholder until its issue lands (see COMMANDS in agent.cli)."""
+"""``adloader job register|release``: tell the node agent that a job starts or ends on this node.
+
+The Slurm prolog and epilog (``deploy/slurm/``) call this with ``--slurm``; an operator or another
+scheduler calls it with explicit ``--job/--uid/--gpus/--cpus``.
+
+Invariants (DESIGN "Slurm": a failing or hanging prolog drains the node):
+
+- One short-lived DEALER (``LINGER=0``, ``IMMEDIATE=1``, bounded ``SNDTIMEO``/``RCVTIMEO``), one request,
+  one poll loop against a monotonic deadline: the call returns within ``--timeout-s`` (plus process
+  start-up) whether the agent is up, down (no socket / nobody listening) or hung (never answers).
+- Exactly one line is printed per call, on stderr, saying what was done or why not (agent down,
+  timeout, bad variable, error reply). The prolog hands that line to ``logger``.
+- With ``--slurm`` the exit status is ALWAYS 0: the prolog must never fail because of A-Dloader.
+  Without it: 0 on success, 1 when the agent could not be reached or refused, 2 for bad arguments.
+- Idempotent from the caller's side: registering twice is the agent's business (it answers ok or
+  error, never hangs); releasing a job the agent does not know (``unknown_job``) counts as done.
+- Nothing heavier than pyzmq is imported (the prolog pays for every import).
+"""
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
 NAME = "job"
+DEFAULT_TIMEOUT_S = 2.0
+
+# exit statuses without --slurm
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class JobSpecError(ValueError):
+    """A job description that cannot be sent: a missing or malformed SLURM_* variable or flag."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the agent is told about a job on this node (the ``register`` message's fields)."""
+
+    job: str
+    uid: int
+    gpus: list[str] = field(default_factory=list)
+    cpus: Optional[int] = None
+    note: str = ""  # something worth a word in the log line (e.g. why cpus is unknown)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Result of one request: ``ok`` says whether the agent accepted it; ``why`` is for the log line;
+    ``code`` is the agent's error code when it refused (``adloader.protocol.ERROR_CODES``)."""
+
+    ok: bool
+    why: str
+    code: Optional[str] = None
+
+
+# --- parsing the Slurm environment ----------------------------------------------------------------
+
+_CPUS_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(x(\d+)\))?\s*$")
+
+
+def parse_cpus_per_node(value: str) -> list[int]:
+    """Expand Slurm's compressed per-node CPU counts: ``"4"`` -> [4]; ``"2(x3)"`` -> [2, 2, 2];
+    ``"4,2"`` -> [4, 2]; ``"2(x3),1"`` -> [2, 2, 2, 1]. Raise ``JobSpecError`` on anything else."""
+    if not value or not value.strip():
+        raise JobSpecError("SLURM_JOB_CPUS_PER_NODE is empty")
+    counts: list[int] = []
+    for item in value.split(","):
+        m = _CPUS_ITEM.match(item)
+        if not m:
+            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value!r}: cannot parse {item!r} (want N or N(xK))")
+        n, repeat = int(m.group(1)), int(m.group(2) or 1)
+        if n <= 0 or repeat <= 0:
+            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value!r}: counts must be positive")
+        counts.extend([n] * repeat)
+    return counts
+
+
+def parse_gpus(value: str) -> list[str]:
+    """``"0,1"`` -> ["0", "1"]; empty, ``"NoDevFiles"`` or ``"-1"`` -> [] (Slurm's ways to say none)."""
+    v = (value or "").strip()
+    if v in ("", "-1", "NoDevFiles", "(null)"):
+        return []
+    return [g.strip() for g in v.split(",") if g.strip()]
+
+
+def _parse_uid(value: str, what: str) -> int:
+    try:
+        uid = int(value.strip())
+    except (ValueError, AttributeError):
+        raise JobSpecError(f"{what}={value!r} is not a numeric uid") from None
+    if uid < 0:
+        raise JobSpecError(f"{what}={value!r} is negative")
+    return uid
+
+
+def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpec:
+    """The job as the Slurm prolog/epilog environment describes it.
+
+    Reads SLURM_JOB_ID and SLURM_JOB_UID (required), SLURM_JOB_GPUS and SLURM_JOB_CPUS_PER_NODE
+    (optional; ``need_resources=False`` for release skips them). The CPU count is this node's entry:
+    indexed by SLURM_NODEID when Slurm sets it, else the common value when every node has the same
+    count; with differing counts and no index the count is left to the agent (cpus None, noted)."""
+    job = environ.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        raise JobSpecError("SLURM_JOB_ID is not set (not running as a Slurm prolog/epilog?)")
+    if not job.isdigit():
+        raise JobSpecError(f"SLURM_JOB_ID={job!r} is not a job number")
+    if "SLURM_JOB_UID" not in environ:
+        raise JobSpecError("SLURM_JOB_UID is not set")
+    uid = _parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
+    if not need_resources:
+        return JobSpec(job=job, uid=uid)
+    gpus = parse_gpus(environ.get("SLURM_JOB_GPUS", ""))
+    cpus, note = None, ""
+    raw = environ.get("SLURM_JOB_CPUS_PER_NODE", "")
+    if raw.strip():
+        counts = parse_cpus_per_node(raw)
+        node = environ.get("SLURM_NODEID", "").strip()
+        if node.isdigit() and int(node) < len(counts):
+            cpus = counts[int(node)]
+        elif len(set(counts)) == 1:
+            cpus = counts[0]
+        else:
+            note = f"cpus left to the agent: per-node counts {raw!r} differ and SLURM_NODEID is not set"
+    return JobSpec(job=job, uid=uid, gpus=gpus, cpus=cpus, note=note)
+
+
+def cli_job(args: argparse.Namespace) -> JobSpec:
+    """The job as the command-line flags describe it (``--job`` required)."""
+    if not args.job:
+        raise JobSpecError("--job is required without --slurm")
+    uid = os.getuid() if args.uid is None else args.uid
+    if uid < 0:
+        raise JobSpecError(f"--uid {uid} is negative")
+    cpus = getattr(args, "cpus", None)  # release has no --gpus/--cpus
+    if cpus is not None and cpus <= 0:
+        raise JobSpecError(f"--cpus {cpus} must be positive")
+    return JobSpec(job=args.job, uid=uid, gpus=parse_gpus(getattr(args, "gpus", None) or ""), cpus=cpus)
+
+
+def resolve_endpoint(flag: Optional[str]) -> str:
+    """``--endpoint``, else ADLOADER_ENDPOINT, else the system agent's socket (``adloader.env``)."""
+    if flag:
+        return flag
+    from adloader import env
+
+    return env.endpoint()
+
+
+# --- talking to the agent -------------------------------------------------------------------------
+
+
+def build_message(verb: str, spec: JobSpec, source: str) -> dict:
+    from adloader import protocol
+
+    if verb == "register":
+        return protocol.make(
+            "register", job=spec.job, uid=spec.uid, gpus=list(spec.gpus), cpus=spec.cpus, pids=[], source=source
+        )
+    return protocol.make("release", job=spec.job, uid=spec.uid)
+
+
+def request(endpoint: str, message: dict, timeout_s: float) -> Outcome:
+    """Send ``message`` to the agent and wait for its ``ok``/``error`` until ``timeout_s`` has passed.
+
+    Never raises for the agent's absence, silence or refusal; the outcome says which it was."""
+    import zmq
+
+    from adloader import env, protocol
+
+    deadline = time.monotonic() + timeout_s
+    path = env.ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        return Outcome(False, f"agent down: no socket at {path}")
+    ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        bounded_ms = max(1, int(timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
+        # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
+        sock.setsockopt(zmq.SNDTIMEO, bounded_ms)
+        sock.setsockopt(zmq.RCVTIMEO, bounded_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            return Outcome(False, f"bad endpoint {endpoint!r}: {e}")
+        if not _send_by(sock, protocol.encode(message), deadline):
+            return Outcome(False, f"agent down: nobody accepts connections at {endpoint} within {timeout_s:g}s")
+        want = message["type"]
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+                return Outcome(False, f"timeout: agent at {endpoint} did not answer {want} within {timeout_s:g}s (hung?)")
+            try:
+                reply = protocol.decode(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
+            except protocol.ProtocolError as e:
+                return Outcome(False, f"unreadable reply from agent: {e}")
+            if reply["type"] == "ok" and reply.get("re") == want:
+                detail = reply.get("detail")
+                return Outcome(True, "ok" + (f" ({detail})" if detail else ""))
+            if reply["type"] == "error" and reply.get("re") in (None, want):
+                return Outcome(False, f"agent refused {want}: {reply['code']}: {reply['message']}", reply["code"])
+            # anything else (a heartbeat, a reply meant for another request) is not our answer
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _send_by(sock, data: bytes, deadline: float) -> bool:
+    """Send one frame, retrying until ``deadline`` while no connection is complete (IMMEDIATE)."""
+    import zmq
+
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+# --- the command ----------------------------------------------------------------------------------
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="not available yet")
-    p.set_defaults(func=run)
+    p = sub.add_parser(
+        NAME,
+        help="register or release a job with the agent (Slurm prolog/epilog)",
+        description="Tell the node agent that a job starts (register) or ends (release) on this node. "
+        "With --slurm the job comes from the SLURM_* variables and the exit status is always 0.",
+    )
+    verbs = p.add_subparsers(dest="verb", metavar="{register,release}")
+    verbs.required = True
+    for verb, help_ in (
+        ("register", "a job starts on this node: its uid, GPUs and CPUs"),
+        ("release", "a job ended on this node: the agent forgets it and restores what it changed"),
+    ):
+        v = verbs.add_parser(verb, help=help_)
+        v.add_argument("--slurm", action="store_true",
+                       help="read SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE "
+                            "(and SLURM_NODEID if set); always exit 0, log why on failure")
+        v.add_argument("--job", metavar="ID", help="job id (without --slurm; required then)")
+        v.add_argument("--uid", type=int, metavar="N", help="owner's uid (default: the caller's)")
+        if verb == "register":
+            v.add_argument("--gpus", metavar="LIST", help="GPU indices or UUIDs, comma-separated (e.g. 0,1)")
+            v.add_argument("--cpus", type=int, metavar="N", help="CPUs allocated to the job on this node")
+        v.add_argument("--endpoint", metavar="EP",
+                       help="agent endpoint (default: ADLOADER_ENDPOINT, else ipc:///run/adloader/agent.sock)")
+        v.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                       help=f"give up after S seconds (default {DEFAULT_TIMEOUT_S:g})")
+        v.set_defaults(func=run, verb=verb)
 
 
-def run(args) -> int:
-    import sys
+def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
+    environ = os.environ if environ is None else environ
+    verb = args.verb
+    prefix = f"adloader job {verb}"
+    slurm = bool(args.slurm)
+    try:
+        if not (args.timeout_s > 0):
+            raise JobSpecError(f"--timeout-s {args.timeout_s} must be positive")
+        if slurm:
+            spec = slurm_job(environ, need_resources=(verb == "register"))
+            # explicit flags still win over the environment (e.g. --uid for a test)
+            if args.job:
+                spec = JobSpec(args.job, spec.uid, spec.gpus, spec.cpus, spec.note)
+        else:
+            spec = cli_job(args)
+    except JobSpecError as e:
+        print(f"{prefix}: not sent: bad variable: {e}", file=sys.stderr, flush=True)
+        return EXIT_OK if slurm else EXIT_USAGE
 
-    print(f"adloader {NAME}: not available in this build yet", file=sys.stderr)
-    return 2
+    what = f"job {spec.job} uid {spec.uid}"
+    if verb == "register":
+        what += f" gpus [{','.join(spec.gpus)}] cpus {spec.cpus if spec.cpus is not None else '?'}"
+    try:
+        endpoint = resolve_endpoint(args.endpoint)
+        outcome = request(endpoint, build_message(verb, spec, "slurm" if slurm else "cli"), args.timeout_s)
+    except Exception as e:  # the prolog must not fail on a bug of ours either; say what it was
+        outcome = Outcome(False, f"internal error: {type(e).__name__}: {e}")
+    if verb == "release" and outcome.code == "unknown_job":
+        outcome = Outcome(True, "ok (the agent did not know the job: already released)")
+    note = f"; {spec.note}" if spec.note else ""
+    print(f"{prefix}: {what}: {outcome.why}{note}", file=sys.stderr, flush=True)
+    if outcome.ok or slurm:
+        return EXIT_OK
+    return EXIT_FAILED

@@ -1,16 +1,87 @@
-"""`adloader simulate` — placeholder until its issue lands (see COMMANDS in agent.cli)."""
+"""`adloader simulate`: trace-driven simulation of the policies over many nodes (see agent.simulate).
+
+Without --trace, a generated trace: --nodes nodes with --jobs-per-node jobs each (Poisson arrivals,
+lognormal work). Prints a markdown table per policy and writes JSON with --out.
+"""
 from __future__ import annotations
+
+import json
+import math
+import sys
+import time
 
 NAME = "simulate"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="not available yet")
+    p = sub.add_parser(NAME, help="trace-driven simulation of policies over many nodes",
+                       description=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see agent.simulate)")
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--jobs-per-node", type=int, default=8)
+    p.add_argument("--mean-gap-s", type=float, default=30.0, help="mean gap between arrivals on a node")
+    p.add_argument("--mean-work-s", type=float, default=300.0, help="mean work per job (s at its ceiling)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curves", choices=("auto", "corpus", "builtin"), default="auto",
+                   help="job models: the predictor's measured corpus, or first-principles catalogue kinds "
+                        "(auto: corpus when present)")
+    p.add_argument("--catalog", default=None, help="catalogue TOML for --curves builtin")
+    p.add_argument("--policies", default="even-static,even,none,adaptive,oracle")
+    p.add_argument("--predictor", choices=("agent", "first-principles", "perfect"), default="first-principles",
+                   help="what adaptive sees: the agent's PredictorBank (default prior), the bank without "
+                        "its prior, or the true curves")
+    p.add_argument("--cores", type=float, default=48.0, help="CPUs per node")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--loader-cpus", type=float, default=None, help="default: cores minus 10%%")
+    p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares")
+    p.add_argument("--tick-s", type=float, default=2.0)
+    p.add_argument("--settle-ticks", type=int, default=2, help="re-decisions after each event while the plan moves")
+    p.add_argument("--processes", type=int, default=None, help="worker processes (default: CPUs)")
+    p.add_argument("--list-kinds", action="store_true")
+    p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import sys
+    from agent import simulate as S
 
-    print(f"adloader {NAME}: not available in this build yet", file=sys.stderr)
-    return 2
+    try:
+        source = args.curves
+        if source == "auto":
+            source = "corpus" if S.CORPUS_PATH.exists() else "builtin"
+        curves = S.corpus_curves() if source == "corpus" else S.builtin_curves(args.catalog)
+        if args.list_kinds:
+            for k, cv in curves.items():
+                print(f"{k}: {S.demand_cores(cv):.2f} cores per GPU at the ceiling (as measured), "
+                      f"step {cv.compute_s_per_step:.3f}s, batch {cv.batch_size}")
+            return 0
+        if args.trace:
+            trace = S.read_trace(args.trace)
+        else:
+            trace = S.generate_trace(sorted(curves), args.nodes, args.jobs_per_node, args.mean_gap_s,
+                                     args.mean_work_s, args.seed)
+        policies = [p for p in args.policies.split(",") if p]
+        from agent.policies import POLICIES
+
+        bad = [p for p in policies if p not in POLICIES and p != "oracle"]
+        if bad:
+            raise S.SimError(f"unknown policies: {', '.join(bad)}; choose from: "
+                             f"{', '.join(sorted(POLICIES) + ['oracle'])}")
+        cfg = S.SimConfig(cores=args.cores, gpus=args.gpus, loader_cpus=args.loader_cpus, cpu_knob=args.cpu_knob,
+                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor)
+        t0 = time.perf_counter()
+        result = S.simulate(trace, curves, policies, cfg, source=source, processes=args.processes)
+    except S.SimError as e:
+        print(f"adloader simulate: {e}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - t0
+    print(f"{result['nodes']} nodes, {result['jobs']} jobs, curves: {source}, predictor: {args.predictor}, "
+          f"{cfg.cores:g} cores / {cfg.gpus} GPUs per node ({cfg.loader:g} for loaders), "
+          f"{result['processes']} processes: {wall:.1f}s")
+    print(S.markdown(result))
+    if args.out:
+        result["meta"] = {"argv": sys.argv[1:], "curves": source, "wall_s": wall}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        print(f"JSON: {args.out}")
+    return 0

@@ -1,16 +1,37 @@
-"""`adloader status` — placeholder until its issue lands (see COMMANDS in agent.cli)."""
+"""`adloader status`: each job's ranks, workers, CPU share, data wait, GPU idle, samples/s, predicted
+max useful workers and the reason for its allocation (``--json``: the document in agent.status)."""
 from __future__ import annotations
+
+import json
+import sys
 
 NAME = "status"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="not available yet")
+    p = sub.add_parser(NAME, help="show each job's allocation, data wait and GPU idle",
+                       description="Ask the node agent for its status. --json prints the status document "
+                                   "(fields documented in agent/status.py).")
+    p.add_argument("--endpoint", metavar="EP", default=None, help="agent endpoint (default: ADLOADER_ENDPOINT, "
+                                                                   "else the system or your user's socket)")
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+    p.add_argument("--timeout-s", type=float, default=3.0, help="how long to wait for the agent (default 3)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import sys
+    from adloader import env
+    from agent import status
 
-    print(f"adloader {NAME}: not available in this build yet", file=sys.stderr)
-    return 2
+    endpoint = args.endpoint or env.endpoint()
+    try:
+        doc = status.query(endpoint, timeout_s=args.timeout_s)
+    except RuntimeError as e:
+        print(f"adloader status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(status.render_table(doc))
+    return 0

@@ -1,0 +1,279 @@
+"""``num_workers="auto"`` without an agent: the loader tunes its own worker count in-process.
+
+The loader calls (BRIEF, "Loader -> everyone"):
+    initial_workers(loader) -> int   at construction: a safe start bounded by the CPUs we may use
+    attach(loader)                   at first ``__iter__``: starts a daemon thread (idempotent)
+    detach(loader)                   from ``close()``, or from the agent client before its first directive
+
+The thread reads ``loader.stats()`` totals every ``WINDOW_S`` seconds, turns two successive totals into
+an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and asks ``AutoTuner`` for a
+decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by window.
+
+CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
+cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
+/proc/self/cgroup (never ``os.cpu_count()``, which ignores both).
+
+Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` workers; it moves only
+after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
+dropped), only for a predicted gain of at least ``HYSTERESIS`` (or to shed workers that the curve says
+add less than that), and it never returns to a count it left within ``TABU_WINDOWS`` windows unless the
+measured throughput there was better: it settles instead of oscillating; nor to a count that measured worse than the current one.
+Never raises into training.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("adloader.autotune")
+
+WINDOW_S = 2.0          # one observation window
+SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
+HYSTERESIS = 0.03       # least predicted relative gain worth a move
+TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
+WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
+
+# -- CPUs this process may use ------------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """CPU cores allowed by the cgroup CPU quota of this process (and its ancestors), None if unlimited.
+
+    v1: the line whose controller list holds ``cpu`` ("4:cpu,cpuacct:/a/b") -> <root>/<mount>/a/b with
+    cpu.cfs_quota_us (-1 = none) / cpu.cfs_period_us; mount dir "cpu", "cpu,cpuacct" or "cpuacct,cpu".
+    v2: the "0::/a/b" line -> <root>/a/b/cpu.max "max 100000" or "QUOTA PERIOD". The tightest level wins.
+    """
+    text = _read(Path(proc_cgroup))
+    if not text:
+        return None
+    root = Path(cgroup_root)
+    best: float | None = None
+
+    def consider(v: float | None) -> None:
+        nonlocal best
+        if v is not None and v > 0 and (best is None or v < best):
+            best = v
+
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hid, ctrls, rel = parts
+        rel_parts = [p for p in rel.split("/") if p]
+        if ctrls == "":  # v2 unified
+            base = root if (root / "cgroup.controllers").exists() else root / "unified"
+            for i in range(len(rel_parts), -1, -1):
+                raw = _read(base.joinpath(*rel_parts[:i]) / "cpu.max")
+                if raw:
+                    q, _, per = raw.partition(" ")
+                    if q != "max":
+                        try:
+                            consider(int(q) / int(per or 100000))
+                        except ValueError:
+                            pass
+        elif "cpu" in ctrls.split(","):
+            mounts = [root / ctrls, root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"]
+            mount = next((m for m in mounts if (m / "cpu.cfs_quota_us").exists()), None)
+            if mount is None:
+                continue
+            for i in range(len(rel_parts), -1, -1):
+                d = mount.joinpath(*rel_parts[:i])
+                q, per = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+                try:
+                    if q is not None and per and int(q) > 0:
+                        consider(int(q) / int(per))
+                except ValueError:
+                    pass
+    return best
+
+
+def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0."""
+    try:
+        affinity = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        affinity = float(os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+    return max(0.01, min(affinity, quota) if quota is not None else affinity)
+
+
+def worker_cap(cpus: float, max_workers: int | None) -> int:
+    cap = max(2, WORKERS_PER_CPU_CAP * math.ceil(cpus))
+    return max(1, min(cap, max_workers)) if max_workers else cap
+
+
+# -- stats totals -> Observation ------------------------------------------------------------------
+
+_TOTALS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
+           "worker_runq_s", "worker_blocked_s", "uptime_s")
+
+
+def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = True):
+    """One window from two ``loader.stats()`` totals; None if the window is unusable (no steps; and
+    when ``strict``, a resize in between or workers not yet at their target). Negative deltas are
+    clamped to 0."""
+    from predictor.observation import Observation
+
+    d = {k: max(0.0, float(cur.get(k, 0) or 0) - float(prev.get(k, 0) or 0)) for k in _TOTALS}
+    if strict and (cur.get("resizes", 0) != prev.get("resizes", 0) or cur.get("workers") != prev.get("workers")):
+        return None
+    if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
+        return None
+    steps, batches, dur = int(d["steps"]), int(d["batches"]), d["uptime_s"]
+    if steps <= 0 or dur <= 0:
+        return None
+    per_b = (lambda k: d[k] / batches) if batches > 0 else (lambda k: 0.0)
+    cpu, wall, runq = per_b("worker_cpu_s"), per_b("worker_wall_s"), per_b("worker_runq_s")
+    blocked = per_b("worker_blocked_s") if "worker_blocked_s" in cur else max(0.0, wall - cpu - runq)
+    return Observation(
+        workers=int(cur.get("workers") or 0), cores=float(cores), batch_size=int(cur.get("batch_size") or 1),
+        compute_s_per_step=d["compute_s"] / steps, data_wait_s_per_step=d["data_wait_s"] / steps,
+        cpu_s_per_batch=cpu, wall_s_per_batch=wall, runq_s_per_batch=runq,
+        blocked_s_per_batch=blocked, samples_per_s=d["samples"] / dur,
+        duration_s=dur, steps=steps)
+
+
+# -- the decision (pure) --------------------------------------------------------------------------
+
+
+@dataclass
+class AutoTuner:
+    """Pure decision state for one loader. ``window(obs)`` -> new worker count or None (stay)."""
+    cpus: float
+    cap: int
+    current: int
+    bank: object = None
+    job: str = "self"
+    windows_here: int = 0
+    n_windows: int = 0
+    left_at: dict = field(default_factory=dict)      # count -> window index when we left it
+    measured: dict = field(default_factory=dict)     # count -> best measured samples/s there
+    history: list = field(default_factory=list)      # (window index, count) for every move
+
+    def __post_init__(self):
+        if self.bank is None:
+            from predictor.bank import PredictorBank
+            self.bank = PredictorBank(prior="default")
+
+    def window(self, obs) -> int | None:
+        self.n_windows += 1
+        if obs is None or obs.workers != self.current:
+            return None
+        self.bank.observe(self.job, obs)
+        self.windows_here += 1
+        prev = self.measured.get(self.current, 0.0)
+        self.measured[self.current] = max(prev, obs.samples_per_s) if self.windows_here > 1 else obs.samples_per_s
+        if self.windows_here < SETTLE_WINDOWS:
+            return None
+        curve = self.bank.curve(self.job)
+        if curve is None:
+            return None
+        want = max(1, min(self.cap, curve.knee_workers(self.cpus)))
+        if want == self.current:
+            return None
+        now_pred = curve.throughput(self.current, self.cpus)
+        want_pred = curve.throughput(want, self.cpus)
+        if want > self.current:
+            if now_pred > 0 and want_pred < now_pred * (1 + HYSTERESIS):
+                return None
+            # at most double per move: the curve is refined at each count on the way
+            want = min(want, max(self.current + 1, 2 * self.current))
+        else:
+            if want_pred < now_pred * (1 - HYSTERESIS):
+                return None
+        here = self.measured.get(self.current, 0.0)
+        if want in self.measured and self.measured[want] < here * (1 - HYSTERESIS):
+            return None  # measured worse there: evidence beats the model
+        left = self.left_at.get(want)
+        if left is not None and self.n_windows - left < TABU_WINDOWS:
+            # we were there recently: go back only if it measured better than here
+            if self.measured.get(want, 0.0) <= self.measured.get(self.current, 0.0) * (1 + HYSTERESIS):
+                return None
+        self.left_at[self.current] = self.n_windows
+        self.history.append((self.n_windows, want))
+        self.current = want
+        self.windows_here = 0
+        return want
+
+
+# -- the thread -----------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_tuners: dict[int, "_Thread"] = {}
+
+
+class _Thread(threading.Thread):
+    def __init__(self, loader, cpus: float, window_s: float):
+        super().__init__(name="adloader-autotune", daemon=True)
+        self.loader = loader
+        self.stop_event = threading.Event()
+        self.window_s = window_s
+        cap = worker_cap(cpus, getattr(loader, "max_workers", None))
+        self.tuner = AutoTuner(cpus=cpus, cap=cap, current=int(loader.num_workers))
+
+    def run(self) -> None:
+        try:
+            prev = self.loader.stats()
+            while not self.stop_event.wait(self.window_s):
+                cur = self.loader.stats()
+                obs = observation_from_totals(prev, cur, self.tuner.cpus)
+                prev = cur
+                self.tuner.current = int(cur.get("workers", self.tuner.current))
+                want = self.tuner.window(obs)
+                if want is not None and not self.stop_event.is_set():
+                    log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
+                    self.loader.resize(want)
+        except Exception as e:  # never into training: the loader keeps its current count
+            log.warning("adloader autotune stopped: %s", e)
+
+
+def initial_workers(loader) -> int:
+    """A safe first count: one worker per usable CPU (at least 1), within the loader's max_workers."""
+    try:
+        cpus = usable_cpus()
+        n = max(1, math.floor(cpus + 1e-9))
+        mw = getattr(loader, "max_workers", None)
+        return max(1, min(n, mw)) if mw else n
+    except Exception:
+        return 1
+
+
+def attach(loader, window_s: float | None = None) -> None:
+    """Start tuning ``loader`` (idempotent; returns at once)."""
+    try:
+        with _lock:
+            t = _tuners.get(id(loader))
+            if t is not None and t.is_alive() and t.loader is loader:
+                return
+            t = _Thread(loader, usable_cpus(), window_s or WINDOW_S)
+            _tuners[id(loader)] = t
+            t.start()
+    except Exception as e:
+        log.warning("adloader autotune not started: %s", e)
+
+
+def detach(loader, timeout_s: float = 1.0) -> None:
+    """Stop tuning ``loader`` (idempotent). The loader keeps the count it has."""
+    with _lock:
+        t = _tuners.pop(id(loader), None)
+    if t is not None:
+        t.stop_event.set()
+        if t is not threading.current_thread():
+            t.join(timeout_s)
+
+
+def tuner_of(loader) -> AutoTuner | None:
+    """The decision state of ``loader``'s tuner (for tests and ``adloader profile``)."""
+    t = _tuners.get(id(loader))
+    return t.tuner if t is not None else None

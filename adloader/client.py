@@ -1,0 +1,389 @@
+"""The agent client inside a training process: hello, reports, directives. Stdlib + pyzmq only.
+
+``adloader.DataLoader`` calls ``attach(loader)`` at its first ``__iter__`` (main process only) and
+``detach(loader)`` from ``close()``. Everything else happens on one background daemon thread that
+owns the ZeroMQ context and DEALER socket (a zmq socket is not thread-safe; it is never touched from
+the training thread).
+
+Invariants (STYLE 8):
+- Never blocks a training step: ``attach``/``detach`` only start/signal the thread (``detach`` waits
+  at most ``DETACH_WAIT_S``); sends are non-blocking with a small SNDHWM and IMMEDIATE, so a report
+  that cannot go out now is dropped, never queued behind a slow or absent agent.
+- Never raises into training: every failure of the client itself is caught and logged at DEBUG
+  (a version mismatch or a refusal is logged once at WARNING). Errors raised by the loader's own
+  ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
+- Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
+  file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
+- Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
+  uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
+  fork starts a fresh client only if called there, which the loader never does).
+- One client per process: it reports ``loader.stats()`` of the first attached loader (the primary,
+  normally the training loader) every ``REPORT_S`` and applies directives to it through
+  ``loader.resize(n)``, bounded by ``loader.max_workers``. Before the first directive it calls
+  ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
+- Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
+  this session (since the last welcome) is ignored.
+- Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
+  socket after a reconnect never collides with the old one still known to the agent's ROUTER.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import socket as _socket
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+from adloader import env, protocol
+
+log = logging.getLogger("adloader.client")
+
+REPORT_S = 1.0            # report period
+RECHECK_S = 0.5           # first re-check of a missing socket file; doubles up to RECHECK_MAX_S
+RECHECK_MAX_S = 5.0
+HELLO_RETRY_S = 1.0       # hello without welcome: resend after this, doubling up to HELLO_RETRY_MAX_S
+HELLO_RETRY_MAX_S = 10.0
+CONNECT_POLL_S = 0.05     # hello not sent because the connection is not up yet: retry this soon
+DEFAULT_HEARTBEAT_S = 2.0
+LOST_AFTER_BEATS = 3      # no message from the agent for this many heartbeat periods: reconnect
+SNDHWM = 4
+DETACH_WAIT_S = 1.0
+REFUSED_BACKOFF_S = 60.0
+
+_lock = threading.Lock()
+_client: Optional["_Client"] = None
+
+
+def attach(loader: Any) -> None:
+    """Start reporting ``loader`` to the node agent (idempotent, returns at once, never raises)."""
+    global _client
+    try:
+        if env.disabled():
+            return
+        with _lock:
+            if _client is None or _client.pid != os.getpid():
+                # a client inherited through fork is abandoned untouched (its thread does not exist here)
+                _client = _Client()
+            _client.add(loader)
+    except Exception:  # never into training
+        log.debug("adloader client: attach failed", exc_info=True)
+
+
+def detach(loader: Any) -> None:
+    """Stop reporting ``loader``; the last detach says bye and stops the thread (never raises)."""
+    global _client
+    try:
+        with _lock:
+            c = _client
+            if c is None or c.pid != os.getpid():
+                return
+            if c.remove(loader):
+                _client = None
+        if c is not None and c.stopped():
+            c.join(DETACH_WAIT_S)
+    except Exception:
+        log.debug("adloader client: detach failed", exc_info=True)
+
+
+def state() -> dict:
+    """A snapshot of this process's client, for tests and ``adloader profile``: connected, endpoint,
+    job, rank, directives applied, last directive, reports sent/dropped."""
+    c = _client
+    if c is None or c.pid != os.getpid():
+        return {"active": False}
+    return c.snapshot()
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None (the wire forbids NaN/Infinity)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.endpoint = env.endpoint()
+        self.job = env.job_id()
+        self.rank = env.rank()
+        self.local_rank = env.local_rank()
+        self.world_size = env.world_size()
+        self.gpus = env.gpus()
+        self._loaders: list[weakref.ref] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._info = {
+            "active": True, "connected": False, "endpoint": self.endpoint, "job": self.job,
+            "rank": self.rank, "pid": self.pid, "directives": 0, "last_directive": None,
+            "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None,
+        }
+        self._thread = threading.Thread(target=self._run, name="adloader-client", daemon=True)
+
+    # --- called from the training thread (under the module lock) ---------------------------------
+    def add(self, loader: Any) -> None:
+        with self._lock:
+            if not any(r() is loader for r in self._loaders):
+                self._loaders.append(weakref.ref(loader))
+            start = not self._thread.is_alive() and not self._stop.is_set() and self._thread.ident is None
+        if start:   # only once a loader is there: the thread stops when it finds none
+            self._thread.start()
+
+    def remove(self, loader: Any) -> bool:
+        """Drop ``loader``; True when no loader is left (the thread then says bye and exits)."""
+        with self._lock:
+            self._loaders = [r for r in self._loaders if r() is not None and r() is not loader]
+            empty = not self._loaders
+        if empty:
+            self._stop.set()
+        return empty
+
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def join(self, timeout: float) -> None:
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._info)
+
+    def _primary(self) -> Any:
+        with self._lock:
+            self._loaders = [r for r in self._loaders if r() is not None]
+            return self._loaders[0]() if self._loaders else None
+
+    def _set(self, **kw: Any) -> None:
+        with self._lock:
+            self._info.update(kw)
+
+    # --- the background thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            import zmq
+        except Exception:
+            log.debug("adloader client: pyzmq not importable; no agent contact")
+            return
+        ctx = None
+        try:
+            ctx = zmq.Context()
+            self._loop(zmq, ctx)
+        except Exception:
+            log.debug("adloader client: thread failed", exc_info=True)
+        finally:
+            if ctx is not None:
+                try:
+                    ctx.destroy(linger=0)
+                except Exception:
+                    pass
+
+    def _loop(self, zmq, ctx) -> None:
+        path = env.ipc_path(self.endpoint)
+        recheck_s = RECHECK_S
+        while not self._stop.is_set():
+            if path is not None and not os.path.exists(path):
+                self._stop.wait(recheck_s)
+                recheck_s = min(RECHECK_MAX_S, recheck_s * 2)
+                continue
+            recheck_s = RECHECK_S
+            pause_s = self._session(zmq, ctx)
+            if pause_s:
+                self._stop.wait(pause_s)
+
+    def _session(self, zmq, ctx) -> float:
+        """One connection: hello until welcome, then reports; returns a pause before the next try."""
+        sock = ctx.socket(zmq.DEALER)
+        ident = protocol.client_identity(self.job, self.rank, self.pid)[:240] + b":" + secrets.token_hex(4).encode()
+        sock.setsockopt(zmq.IDENTITY, ident)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        said_bye = False
+        try:
+            sock.connect(self.endpoint)
+            heartbeat_s = DEFAULT_HEARTBEAT_S
+            welcomed = False
+            hello_retry_s = HELLO_RETRY_S
+            next_hello = 0.0
+            next_report = 0.0
+            last_heard = time.monotonic()
+            last_seq = -1
+            autotune_detached = False
+            while True:
+                now = time.monotonic()
+                if self._stop.is_set():
+                    if welcomed:
+                        self._send(zmq, sock, protocol.make("bye", job=self.job, rank=self.rank, pid=self.pid))
+                        sock.setsockopt(zmq.LINGER, 200)   # let the bye leave before close
+                        said_bye = True
+                    return 0.0
+                loader = self._primary()
+                if loader is None:
+                    self._stop.set()
+                    continue
+                if not welcomed:
+                    if now >= next_hello:
+                        if self._send(zmq, sock, self._hello(loader)):
+                            next_hello = now + hello_retry_s
+                            hello_retry_s = min(HELLO_RETRY_MAX_S, hello_retry_s * 2)
+                        else:   # not connected yet (IMMEDIATE): try again shortly, no backoff
+                            next_hello = now + CONNECT_POLL_S
+                        if hello_retry_s >= HELLO_RETRY_MAX_S and not os.path.exists(env.ipc_path(self.endpoint) or "/"):
+                            return 0.0   # the socket file went away: back to silent re-checking
+                elif now >= next_report:
+                    if self._send(zmq, sock, self._report(loader)):
+                        self._bump("reports_sent")
+                    else:
+                        self._bump("reports_dropped")
+                    next_report = now + REPORT_S
+                elif now - last_heard > LOST_AFTER_BEATS * heartbeat_s:
+                    log.debug("adloader client: agent silent for %.1fs; reconnecting", now - last_heard)
+                    self._set(connected=False)
+                    return hello_retry_s
+                wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
+                if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
+                    while True:
+                        try:
+                            data = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        last_heard = time.monotonic()
+                        try:
+                            msg = protocol.decode(data)
+                        except protocol.ProtocolError as e:
+                            log.debug("adloader client: bad message from agent: %s", e)
+                            continue
+                        t = msg["type"]
+                        if t == "welcome":
+                            welcomed = True
+                            last_seq = -1
+                            heartbeat_s = float(msg.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
+                            hello_retry_s = HELLO_RETRY_S
+                            next_report = time.monotonic() + REPORT_S
+                            self._set(connected=True)
+                            self._bump("welcomes")
+                        elif t == "directive":
+                            if msg["seq"] > last_seq:
+                                last_seq = msg["seq"]
+                                if not autotune_detached:
+                                    _detach_autotune(loader)
+                                    autotune_detached = True
+                                self._apply(loader, msg)
+                        elif t == "error":
+                            pause = self._on_error(msg)
+                            if pause is not None:
+                                self._set(connected=False)
+                                return pause
+                            welcomed = False   # e.g. unknown_job after an agent restart: hello again
+                            next_hello = 0.0
+        finally:
+            try:
+                sock.close(linger=200 if said_bye else 0)
+            except Exception:
+                pass
+
+    def _on_error(self, msg: dict) -> Optional[float]:
+        code, text = msg.get("code"), msg.get("message")
+        self._set(last_error=f"{code}: {text}")
+        if code in ("version", "not_permitted"):
+            log.warning("adloader: the node agent refused this process (%s): %s; training goes on "
+                        "without it", code, text)
+            if code == "version":
+                self._stop.set()
+                return 0.0
+            return REFUSED_BACKOFF_S
+        if code == "rate_limited":
+            return 1.0
+        log.debug("adloader client: agent error %s: %s", code, text)
+        return None
+
+    def _bump(self, key: str) -> None:
+        with self._lock:
+            self._info[key] += 1
+
+    @staticmethod
+    def _send(zmq, sock, msg: dict) -> bool:
+        try:
+            sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except (protocol.ProtocolError, zmq.ZMQError, TypeError, ValueError):
+            log.debug("adloader client: send failed", exc_info=True)
+            return False
+
+    def _pids(self, loader) -> list[int]:
+        try:
+            return [int(p) for p in loader.worker_pids()]
+        except Exception:
+            return []
+
+    def _hello(self, loader) -> dict:
+        def attr(name, default=None):
+            try:
+                v = getattr(loader, name, default)
+                return v if isinstance(v, int) and not isinstance(v, bool) else default
+            except Exception:
+                return default
+
+        return protocol.make(
+            "hello", job=self.job, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
+            pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=attr("batch_size", 1),
+            workers=attr("num_workers", 0), requested_workers=attr("requested_workers", attr("num_workers", 0)),
+            max_workers=attr("max_workers"), hostname=_socket.gethostname(), uid=os.getuid(),
+        )
+
+    def _report(self, loader) -> dict:
+        try:
+            stats = _finite(dict(loader.stats()))
+        except Exception:
+            log.debug("adloader client: loader.stats() failed", exc_info=True)
+            stats = {}
+        msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
+                            worker_pids=self._pids(loader), stats=stats)
+        if len(json.dumps(msg)) > protocol.MAX_MESSAGE_BYTES:   # never send what the agent refuses
+            msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
+        return msg
+
+    def _apply(self, loader, msg: dict) -> None:
+        n = msg["workers"]
+        try:
+            cap = getattr(loader, "max_workers", None)
+            if isinstance(cap, int) and not isinstance(cap, bool):
+                n = min(n, cap)
+            n = max(0, n)
+            loader.resize(n)
+            with self._lock:
+                self._info["directives"] += 1
+                self._info["last_directive"] = {k: msg.get(k) for k in ("seq", "workers", "cpus", "cpuset", "reason")}
+                self._info["last_directive"]["applied_workers"] = n
+        except Exception:
+            log.debug("adloader client: loader.resize(%s) failed", n, exc_info=True)
+
+
+def _detach_autotune(loader: Any) -> None:
+    try:
+        from adloader import autotune
+    except ImportError:
+        return
+    except Exception:
+        log.debug("adloader client: importing adloader.autotune failed", exc_info=True)
+        return
+    try:
+        fn = getattr(autotune, "detach", None)
+        if fn is not None:
+            fn(loader)
+    except Exception:
+        log.debug("adloader client: autotune.detach failed", exc_info=True)

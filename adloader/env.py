@@ -1,0 +1,166 @@
+"""Every environment variable A-Dloader reads, in one place (STYLE 10). Stdlib only.
+
+Training processes (the client hook inside ``adloader.DataLoader``):
+
+    ADLOADER_DISABLE=1       no agent client at all: the loader trains exactly as without an agent
+    ADLOADER_ENDPOINT        where the agent listens (``ipc:///path``); default: ``default_endpoint()``
+    ADLOADER_JOB_ID          the job this process belongs to; default: SLURM_JOB_ID, then torchrun's
+                             TORCHELASTIC_RUN_ID, then ``pid-<pid>`` (a job of one process)
+    RANK, LOCAL_RANK, WORLD_SIZE (torch.distributed), else SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS
+    CUDA_VISIBLE_DEVICES, else SLURM_JOB_GPUS: the GPUs this process uses (reported in hello)
+
+The agent (``adloader agent``; see ``agent.config``): ``ADLOADER_<KEY>`` for every config key
+(``ADLOADER_TICK_S``, ``ADLOADER_POLICY``, ...; list: ``agent.config.KEYS``) overrides the TOML
+file; the command line overrides both. Also read, from systemd: NOTIFY_SOCKET, WATCHDOG_USEC,
+WATCHDOG_PID; and XDG_RUNTIME_DIR for the per-user runtime directory.
+
+Invariant: nothing else in the project reads ``os.environ`` for these names; ask a function here.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+PREFIX = "ADLOADER_"
+
+
+def _env(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def disabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """ADLOADER_DISABLE set to 1/true/yes: no client, no agent contact at all."""
+    return _env(environ).get("ADLOADER_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def runtime_dir(uid: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where the agent's socket lives: /run/adloader for root, else $XDG_RUNTIME_DIR/adloader,
+    else /tmp/adloader-<uid> (a per-user directory)."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return "/run/adloader"
+    xdg = _env(environ).get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "adloader")
+    return f"/tmp/adloader-{uid}"
+
+
+def default_endpoint(uid: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    return "ipc://" + os.path.join(runtime_dir(uid, environ), "agent.sock")
+
+
+def default_state_dir(uid: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Root: /var/lib/adloader; a user: ``<runtime dir>/state``."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return "/var/lib/adloader"
+    return os.path.join(runtime_dir(uid, environ), "state")
+
+
+def endpoint(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The agent endpoint a training process (or ``adloader status``) talks to.
+
+    Training processes do not know whether the agent runs as root or as their user: without
+    ADLOADER_ENDPOINT they take the system agent's socket if it exists, else their own user's."""
+    env = _env(environ)
+    ep = env.get("ADLOADER_ENDPOINT", "").strip()
+    if ep:
+        return ep
+    system = default_endpoint(0, env)
+    if os.getuid() != 0 and not os.path.exists(ipc_path(system) or ""):
+        return default_endpoint(None, env)
+    return system
+
+
+def ipc_path(ep: str) -> Optional[str]:
+    """The file behind an ``ipc://`` endpoint, None for other transports."""
+    return ep[len("ipc://"):] if ep.startswith("ipc://") else None
+
+
+def job_id(environ: Optional[Mapping[str, str]] = None, pid: Optional[int] = None) -> str:
+    """ADLOADER_JOB_ID, else SLURM_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID, else ``pid-<pid>``.
+
+    torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID="none" for every run; then the ranks of one
+    node share the torchrun agent as parent, so the job is ``torchrun-<parent pid>``."""
+    env = _env(environ)
+    for key in ("ADLOADER_JOB_ID", "SLURM_JOB_ID"):
+        v = env.get(key, "").strip()
+        if v:
+            return v
+    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != "none":
+        return f"torchrun-{run_id}"
+    if run_id == "none":
+        return f"torchrun-{os.getppid()}"
+    return f"pid-{os.getpid() if pid is None else pid}"
+
+
+def _int(env: Mapping[str, str], keys: tuple[str, ...], default: int) -> int:
+    for k in keys:
+        v = env.get(k, "").strip()
+        if v:
+            try:
+                return int(v)
+            except ValueError:
+                continue
+    return default
+
+
+def rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    return _int(_env(environ), ("RANK", "SLURM_PROCID"), 0)
+
+
+def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    return _int(_env(environ), ("LOCAL_RANK", "SLURM_LOCALID"), 0)
+
+
+def world_size(environ: Optional[Mapping[str, str]] = None) -> int:
+    return _int(_env(environ), ("WORLD_SIZE", "SLURM_NTASKS"), 1)
+
+
+def gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """GPU ids (indices or UUIDs) this process sees: CUDA_VISIBLE_DEVICES, else SLURM_JOB_GPUS."""
+    env = _env(environ)
+    for key in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"):
+        v = env.get(key)
+        if v is not None and v.strip() not in ("", "-1", "NoDevFiles"):
+            return [g.strip() for g in v.split(",") if g.strip()]
+    return []
+
+
+def slurm_job_gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    v = _env(environ).get("SLURM_JOB_GPUS", "").strip()
+    return [g.strip() for g in v.split(",") if g.strip()] if v else []
+
+
+def agent_overrides(keys, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """``{key: raw string}`` for every config key with ADLOADER_<KEY upper> set (config parses them)."""
+    env = _env(environ)
+    out = {}
+    for key in keys:
+        name = PREFIX + key.upper()
+        if name in env:
+            out[key] = env[name]
+    return out
+
+
+def notify_socket(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """systemd's NOTIFY_SOCKET (a path, or '@name' for an abstract socket), or None."""
+    v = _env(environ).get("NOTIFY_SOCKET", "")
+    return v or None
+
+
+def watchdog_interval_s(environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """WATCHDOG_USEC as seconds, when it is meant for this process (WATCHDOG_PID absent or ours)."""
+    env = _env(environ)
+    usec = env.get("WATCHDOG_USEC", "")
+    wpid = env.get("WATCHDOG_PID", "")
+    if not usec:
+        return None
+    if wpid and wpid.strip() != str(os.getpid()):
+        return None
+    try:
+        v = int(usec)
+    except ValueError:
+        return None
+    return v / 1e6 if v > 0 else None

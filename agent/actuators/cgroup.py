@@ -1,0 +1,468 @@
+"""CPU and IO for a job's loader workers: cgroup v1 / v2 groups the agent creates, or CPU affinity.
+
+Ownership (DESIGN.md, "cgroups"): the agent writes only groups it created, ``<subtree>/<job>`` in its
+own subtree of each hierarchy, and moves only the job's loader worker processes
+(``JobStats.worker_pids``) into them, never its training processes (``JobStats.pids``), so the
+process that feeds the GPU is never throttled.
+
+CPU knob (``cpu_knob``), default ``shares`` (work-conserving: an idle share goes to whoever needs it):
+- ``shares``: v1 ``cpu.shares = 1024 * cores`` (clamped to [2, 262144]); v2 ``cpu.weight`` from those
+  shares by the runc/Kubernetes mapping (2 -> 1, 1024 -> 100, 262144 -> 10000). The subtree's own
+  weight is the sum of its jobs', so loaders compete with the rest of the node as if they sat at the
+  top level.
+- ``quota``: a hard cap, v1 ``cpu.cfs_quota_us = cores * cpu.cfs_period_us``; v2 ``cpu.max``. Leaves
+  cores idle that another job could use; for isolation only.
+- ``cpuset``: exclusive CPUs from the plan (``PolicyConfig.pin_cpusets``); v1 ``cpuset.cpus`` and
+  ``cpuset.mems`` are both written before any task joins (ENOSPC otherwise).
+
+IO: ``blkio.bfq.weight`` (v1), ``io.weight`` (v2 with iocost) or ``io.bfq.weight`` (v2 with BFQ), written
+only where some block device's scheduler enforces it; otherwise the result says "not enforced", as it
+does for network file systems, which no block IO weight reaches.
+
+Cooperative jobs (Slurm with ConstrainCores owns the job's cgroup; ``JobStats.cooperative``) and the
+``cooperative`` mode: no cgroup writes; CPU affinity of the worker pids within the job's allowed CPUs.
+
+Every original value is recorded before the first write (``Originals``), restored by ``restore()``;
+a job's groups are removed on ``release()`` after its processes are moved back where they came from.
+Worker pids change (resizes, restarts): every ``apply`` moves the job's new worker pids in.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from agent import cgroupfs
+from agent.actuators.originals import Originals
+from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
+from agent.model import ApplyResult, JobAllocation, JobStats
+
+SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
+QUOTA_MIN_US = 1000
+
+
+def shares_for(cores: float) -> int:
+    return max(SHARES_MIN, min(SHARES_MAX, int(round(SHARES_DEFAULT * cores))))
+
+
+def weight_from_shares(shares: int) -> int:
+    """cgroup v1 cpu.shares -> v2 cpu.weight, the runc/Kubernetes mapping (1024 -> 100).
+
+    runc libcontainer/cgroups ConvertCPUSharesToCgroupV2Value (runc >= 1.3):
+    ceil(10 ** ((log2(s)^2 + 125 * log2(s)) / 612 - 7/34)); it maps 2 -> 1, 1024 -> 100, 262144 -> 10000,
+    unlike the old linear 1 + (s - 2) * 9999 / 262142, which gives 1024 -> 39.
+    """
+    if shares <= 0:
+        return 100
+    s = max(SHARES_MIN, min(SHARES_MAX, int(shares)))
+    lg = math.log2(s)
+    w = 10 ** ((lg * lg + 125 * lg) / 612.0 - 7.0 / 34.0)
+    return max(1, min(10000, math.ceil(round(w, 6))))
+
+
+def shares_from_weight(weight: int) -> int:
+    """The least shares whose ``weight_from_shares`` reaches ``weight`` (inverse of the mapping)."""
+    lo, hi = SHARES_MIN, SHARES_MAX
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if weight_from_shares(mid) < weight:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class AffinityActuator:
+    """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
+
+    CPUs: the plan's cpuset if it has one (intersected with the allowed CPUs), else the last
+    ``ceil(cores)`` of the allowed CPUs (a set cannot hold a fraction: that is reported).
+    """
+
+    name = "affinity"
+    tracks_pids = True
+
+    def __init__(self, originals: Optional[Originals] = None, all_cpus: Optional[tuple[int, ...]] = None) -> None:
+        self.originals = originals if originals is not None else Originals()
+        self._all_cpus = all_cpus
+
+    def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
+        allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
+        if desired.cpuset:
+            chosen = tuple(c for c in desired.cpuset if c in allowed)
+            if chosen:
+                return chosen
+        n = max(1, min(len(allowed), math.ceil(desired.cpus - 0.05)))
+        return tuple(sorted(allowed)[-n:])
+
+    def apply(self, job: JobStats, desired: JobAllocation) -> ApplyResult:
+        if not desired.enforce_cpu:
+            self.release(job.job)
+            return ApplyResult(job=job.job, ok=True, applied=desired)
+        try:
+            cpus = self.cpus_for(job, desired)
+            for pid in worker_pids(job):
+                key = str(pid)
+                try:
+                    if key not in self.originals.affinity:
+                        self.originals.affinity[key] = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
+                        self.originals.save()
+                    cgroupfs.set_affinity(pid, cpus)
+                except JobGone:
+                    self.originals.affinity.pop(key, None)
+        except CgroupError as e:
+            return ApplyResult(job=job.job, ok=False, applied=None, error=f"affinity for job {job.job!r}: {e}")
+        finally:
+            self.originals.save()
+        notes = ()
+        if abs(desired.cpus - len(cpus)) > 0.05 and not desired.cpuset:
+            notes = (f"cpu: affinity gives whole CPUs: {len(cpus)} for {desired.cpus:.2f} cores",)
+        return ApplyResult(job=job.job, ok=True, applied=desired, not_enforced=notes)
+
+    def _restore_pids(self, keys) -> None:
+        for key in list(keys):
+            entry = self.originals.affinity.pop(key, None)
+            if entry is None:
+                continue
+            try:
+                cgroupfs.set_affinity(int(key), entry["cpus"])
+            except CgroupError:
+                pass      # gone, or no longer ours to change: nothing to put back
+        self.originals.save()
+
+    def release(self, job_id: str) -> None:
+        self._restore_pids([k for k, v in self.originals.affinity.items() if v.get("job") == job_id])
+
+    def restore(self) -> None:
+        self._restore_pids(list(self.originals.affinity))
+
+
+def worker_pids(job: JobStats) -> list[int]:
+    """The job's loader workers, never its training processes."""
+    training = set(job.pids)
+    return [p for p in job.worker_pids if p not in training and p > 0]
+
+
+class CgroupActuator:
+    """One cgroup group per job under ``subtree`` in each hierarchy it needs (see the module docstring).
+
+    ``hierarchies``: v1 {controller: Hierarchy} ('cpu' required; 'cpuset', 'blkio' optional),
+    v2 {'': the unified Hierarchy}.
+    """
+
+    tracks_pids = True
+
+    def __init__(self, hierarchies: dict[str, Hierarchy], *, version: int, cpu_knob: str = "shares",
+                 io: bool = True, subtree: str = "adloader", originals: Optional[Originals] = None,
+                 sys_root: str = "/sys", proc_root: str = "/proc",
+                 affinity: Optional[AffinityActuator] = None) -> None:
+        if cpu_knob not in ("shares", "quota", "cpuset"):
+            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose shares, quota or cpuset")
+        self.h = hierarchies
+        self.version = version
+        self.name = f"cgroup-v{version}"
+        self.cpu_knob = cpu_knob
+        self.subtree = subtree.strip("/")
+        self.originals = originals if originals is not None else Originals()
+        self.proc_root = proc_root
+        self.affinity = affinity or AffinityActuator(self.originals)
+        self._shares: dict[str, int] = {}            # job -> shares written (for the subtree's sum)
+        self._cpu_hier = "cpu" if version == 1 else ""
+        if self._cpu_hier not in self.h:
+            raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
+        self.io_mode, self.io_notes = self._probe_io(io, sys_root, proc_root)
+        self._load_existing_shares()
+
+    def _load_existing_shares(self) -> None:
+        """After a restart, the job groups already in our subtree still weigh what they weighed."""
+        h = self.h[self._cpu_hier]
+        if not h.exists(self.subtree):
+            return
+        created = set(self.originals.created)
+        for rel in _children(h, self.subtree):
+            job = rel[len(self.subtree) + 1:]
+            if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
+                continue
+            try:
+                if self.version == 1:
+                    self._shares[job] = int(h.read(rel, "cpu.shares"))
+                else:
+                    self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
+            except (CgroupError, ValueError):
+                continue
+
+    # -- probing ------------------------------------------------------------------------------
+    def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
+        """Which IO weight file enforces anything here, and honest notes about what it cannot reach."""
+        if not io:
+            return None, ()
+        notes: list[str] = []
+        nets = cgroupfs.network_mounts(proc_root)
+        if nets:
+            notes.append("io: network file systems not covered by io weights: "
+                         + ", ".join(f"{fs} at {mp}" for mp, fs in nets[:3]))
+        scheds = cgroupfs.block_schedulers(sys_root)
+        bfq = sorted(d for d, s in scheds.items() if s == "bfq")
+        others = ", ".join(f"{d}: {s}" for d, s in sorted(scheds.items()) if s != "bfq" and not d.startswith(("loop", "ram")))
+        mode = None
+        if self.version == 2:
+            root = self.h[""]
+            iocost = False
+            try:
+                iocost = "enable=1" in root.read("", "io.cost.qos")
+            except CgroupError:
+                pass
+            if "io" not in root.controllers():
+                notes.append("io: no io controller in the cgroup v2 hierarchy; io weights not enforced")
+            elif iocost:
+                mode = "io.weight"
+            elif bfq:
+                mode = "io.bfq.weight"
+        elif "blkio" in self.h and bfq:
+            mode = "blkio.bfq.weight"
+        if mode is None and not (self.version == 2 and notes and "no io controller" in notes[-1]):
+            notes.append(f"io: not enforced: no device uses bfq{' or iocost' if self.version == 2 else ''}"
+                         f" ({others or 'no block devices'}); loader parallelism is the IO lever")
+        elif mode is not None and others:
+            notes.append(f"io: weights enforced on {', '.join(bfq) or 'iocost devices'} only, not on {others}")
+        return mode, tuple(notes)
+
+    # -- groups -------------------------------------------------------------------------------
+    def _group(self, job_id: str) -> str:
+        safe = "".join(ch if ch.isalnum() or ch in "-_.@" else "_" for ch in job_id) or "_"
+        return f"{self.subtree}/{safe}"
+
+    def _record(self, hier: str, rel: str, file: str) -> None:
+        """Remember a file's value before our first write (only for groups we did not create)."""
+        key = Originals.key(hier, rel, file)
+        if key in self.originals.files or Originals.key(hier, rel) in self.originals.created:
+            return
+        h = self.h[hier]
+        if h.has_file(rel, file):
+            self.originals.files[key] = h.read(rel, file)
+            self.originals.save()
+
+    def _write(self, hier: str, rel: str, file: str, value) -> None:
+        self._record(hier, rel, file)
+        self.h[hier].write(rel, file, value)
+
+    def _ensure(self, hier: str, rel: str) -> None:
+        """Create ``rel`` (and its parents) in the hierarchy, preparing what a task needs to join."""
+        h = self.h[hier]
+        parts = rel.split("/")
+        for i in range(1, len(parts) + 1):
+            cur = "/".join(parts[:i])
+            if h.exists(cur):
+                continue
+            parent = "/".join(parts[:i - 1])
+            if h.version == 2:
+                self._enable_v2_controllers(parent)
+            h.mkdir(cur)
+            self.originals.created.append(Originals.key(hier, cur))
+            self.originals.save()
+            if hier == "cpuset":
+                # a new v1 cpuset group starts empty: both must be set before a task may join (ENOSPC)
+                h.write(cur, "cpuset.cpus", h.read(parent, "cpuset.cpus"))
+                h.write(cur, "cpuset.mems", h.read(parent, "cpuset.mems"))
+
+    def _enable_v2_controllers(self, rel: str) -> None:
+        h = self.h[""]
+        want = {"cpu"}
+        if self.cpu_knob == "cpuset":
+            want.add("cpuset")
+        if self.io_mode:
+            want.add("io")
+        have = h.controllers(rel)
+        missing = want - have
+        if "cpu" in missing:
+            raise NotSupported(f"the cgroup v2 group {h.path(rel)} has no cpu controller "
+                               f"(cgroup.controllers: {' '.join(sorted(have)) or 'none'}); use cgroup_mode v1 or off")
+        todo = (want & have) - h.subtree_control(rel)
+        if todo:
+            self._record("", rel, "cgroup.subtree_control")
+            h.write(rel, "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(todo)))
+
+    def _move_pids(self, hier: str, rel: str, job: JobStats) -> None:
+        h = self.h[hier]
+        inside = set(h.procs(rel))
+        changed = False
+        for pid in worker_pids(job):
+            if pid in inside:
+                continue
+            key = str(pid)
+            try:
+                entry = self.originals.pids.setdefault(key, {"job": job.job, "origins": {}})
+                if hier not in entry["origins"]:
+                    cg = cgroupfs.proc_cgroups(pid, self.proc_root)
+                    entry["origins"][hier] = cg.get(hier or "", cg.get("", "/"))
+                    changed = True
+                    self.originals.save()
+                h.move(rel, pid)
+            except JobGone:
+                if not self.originals.pids.get(key, {}).get("origins"):
+                    self.originals.pids.pop(key, None)
+                changed = True
+        if changed:
+            self.originals.save()
+
+    # -- Actuator -----------------------------------------------------------------------------
+    def apply(self, job: JobStats, desired: JobAllocation) -> ApplyResult:
+        if job.cooperative:
+            r = self.affinity.apply(job, desired)
+            return ApplyResult(job=r.job, ok=r.ok, applied=r.applied, error=r.error,
+                               not_enforced=r.not_enforced + ("cgroup: cooperative job, affinity only",))
+        if not desired.enforce_cpu:
+            self.release(job.job)
+            return ApplyResult(job=job.job, ok=True, applied=desired)
+        try:
+            notes = self._apply_cpu(job, desired)
+            notes += self._apply_io(job, desired)
+        except CgroupError as e:
+            return ApplyResult(job=job.job, ok=False, applied=None,
+                               error=f"{self.name} for job {job.job!r}: {type(e).__name__}: {e}")
+        return ApplyResult(job=job.job, ok=True, applied=desired, not_enforced=tuple(notes))
+
+    def _apply_cpu(self, job: JobStats, desired: JobAllocation) -> list[str]:
+        notes: list[str] = []
+        rel = self._group(job.job)
+        knob = self.cpu_knob
+        if knob == "cpuset" and not desired.cpuset:
+            notes.append("cpu: cpuset knob but the plan has no cpuset (PolicyConfig.pin_cpusets); shares used")
+            knob = "shares"
+        if self.version == 1:
+            if knob == "cpuset":
+                if "cpuset" not in self.h:
+                    raise NotSupported("no cgroup v1 cpuset hierarchy for cpu_knob=cpuset")
+                self._ensure("cpuset", rel)
+                self._write("cpuset", rel, "cpuset.cpus", cgroupfs.format_cpu_list(desired.cpuset))
+                self._move_pids("cpuset", rel, job)
+            self._ensure("cpu", rel)
+            if knob == "quota":
+                period = int(self.h["cpu"].read(rel, "cpu.cfs_period_us") or 100000)
+                self._write("cpu", rel, "cpu.cfs_quota_us", max(QUOTA_MIN_US, int(round(desired.cpus * period))))
+            else:
+                self._set_shares(job.job, rel, shares_for(desired.cpus))
+            self._move_pids("cpu", rel, job)
+        else:
+            self._ensure("", rel)
+            if knob == "cpuset":
+                self._write("", rel, "cpuset.cpus", cgroupfs.format_cpu_list(desired.cpuset))
+            if knob == "quota":
+                period = 100000
+                self._write("", rel, "cpu.max", f"{max(QUOTA_MIN_US, int(round(desired.cpus * period)))} {period}")
+            else:
+                self._set_shares(job.job, rel, shares_for(desired.cpus))
+            self._move_pids("", rel, job)
+        return notes
+
+    def _set_shares(self, job_id: str, rel: str, shares: int) -> None:
+        self._shares[job_id] = shares
+        total = max(SHARES_MIN, min(SHARES_MAX, sum(self._shares.values())))
+        if self.version == 1:
+            self._write("cpu", rel, "cpu.shares", shares)
+            self._write("cpu", self.subtree, "cpu.shares", total)
+        else:
+            self._write("", rel, "cpu.weight", weight_from_shares(shares))
+            self._write("", self.subtree, "cpu.weight", weight_from_shares(total))
+
+    def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
+        if desired.io_weight is None:
+            return []
+        if self.io_mode is None:
+            return list(self.io_notes)
+        w = max(1, min(1000, int(desired.io_weight)))
+        rel = self._group(job.job)
+        if self.version == 1:
+            self._ensure("blkio", rel)
+            self._write("blkio", rel, "blkio.bfq.weight", w)
+            self._move_pids("blkio", rel, job)
+        else:
+            self._write("", rel, self.io_mode, f"default {w}" if self.io_mode == "io.weight" else w)
+        return list(self.io_notes)
+
+    def _drop_group(self, hier: str, rel: str) -> None:
+        """Move every process in the group (and its children) back where it came from, then rmdir."""
+        h = self.h[hier]
+        if not h.exists(rel):
+            return
+        for pid in h.procs(rel):
+            entry = self.originals.pids.get(str(pid), {})
+            origin = entry.get("origins", {}).get(hier, "/")
+            try:
+                h.move(origin if h.exists(origin) else "", pid)
+            except JobGone:
+                pass
+            except CgroupError:
+                h.move("", pid)           # the origin refuses it (e.g. a Slurm step): the hierarchy root
+        h.rmdir(rel)
+        key = Originals.key(hier, rel)
+        if key in self.originals.created:
+            self.originals.created.remove(key)
+        for k in [k for k in self.originals.files if k.startswith(key + "|")]:
+            del self.originals.files[k]
+
+    def release(self, job_id: str) -> None:
+        rel = self._group(job_id)
+        errors = []
+        for hier in self.h:
+            try:
+                self._drop_group(hier, rel)
+            except CgroupError as e:
+                errors.append(str(e))
+        self._shares.pop(job_id, None)
+        for key in [k for k, v in self.originals.pids.items() if v.get("job") == job_id]:
+            del self.originals.pids[key]
+        try:
+            if self._shares and self._cpu_hier in self.h and self.h[self._cpu_hier].exists(self.subtree):
+                total = max(SHARES_MIN, min(SHARES_MAX, sum(self._shares.values())))
+                if self.version == 1:
+                    self._write("cpu", self.subtree, "cpu.shares", total)
+                else:
+                    self._write("", self.subtree, "cpu.weight", weight_from_shares(total))
+        except CgroupError as e:
+            errors.append(str(e))
+        self.affinity.release(job_id)
+        self.originals.save()
+        if errors:
+            raise CgroupError(f"release of job {job_id!r}: " + "; ".join(errors))
+
+    def restore(self) -> None:
+        """Put back everything: processes to their origins, the groups we created removed (children
+        first), original values written. Groups in the subtree that we did not create are left alone."""
+        errors = []
+        # Only the groups this agent (or the dead one whose journal it read) created: another agent
+        # on the machine (tests, benchmarks) may share the subtree name and own the other children.
+        for key in reversed(list(self.originals.created)):
+            hier, rel = key.split("|", 1)
+            if hier in self.h:
+                try:
+                    self._drop_group(hier, rel)
+                except CgroupError as e:
+                    errors.append(str(e))
+        for key, value in list(self.originals.files.items()):
+            hier, rel, file = key.split("|", 2)
+            try:
+                if hier in self.h and self.h[hier].exists(rel):
+                    if file == "cgroup.subtree_control":
+                        self._restore_subtree_control(rel, value)
+                    else:
+                        self.h[hier].write(rel, file, value)
+                del self.originals.files[key]
+            except CgroupError as e:
+                errors.append(str(e))
+        self.originals.pids.clear()
+        self._shares.clear()
+        self.affinity.restore()
+        self.originals.save()
+        if errors:
+            raise CgroupError("restore incomplete: " + "; ".join(errors))
+
+    def _restore_subtree_control(self, rel: str, original: str) -> None:
+        h = self.h[""]
+        added = h.subtree_control(rel) - set(original.split())
+        if added:
+            h.write(rel, "cgroup.subtree_control", " ".join(f"-{c}" for c in sorted(added)))
+
+
+def _children(h: Hierarchy, rel: str) -> list[str]:
+    """Every group below ``rel`` (not ``rel`` itself)."""
+    return h.children(rel)

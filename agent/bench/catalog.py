@@ -1,0 +1,173 @@
+"""The bench's job catalogue (``agent/bench/catalog.toml``, or ``--catalog PATH``) and its calibration.
+
+A *kind* is a model-like pipeline with a CPU demand per GPU taken from real models (``cores_per_gpu``).
+``calibrate`` measures, on this machine, the CPU seconds one sample of the kind's pipeline costs
+(single thread, ``time.process_time``), then derives the emulated GPU step so that the job needs
+``demand_cores = cores_per_gpu * loader_cores / reference_cores`` busy cores to never wait:
+
+    step_s = batch_size * cpu_s_per_sample / demand_cores      (clamped to [min_step_s, max_step_s])
+
+so demand scales with the node and nothing depends on hard-coded timings. A ``JobSpec`` is one
+calibrated job instance: everything a job process needs (see ``agent.bench.jobproc``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+KIND_FIELDS = ("batch_size", "image_px", "crop_px", "aug_multiplier", "io_sleep_s", "cost_spread")
+
+
+class CatalogError(ValueError):
+    """A catalogue file that cannot be used; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    cores_per_gpu: float
+    batch_size: int = 32
+    image_px: int = 160
+    crop_px: int = 96
+    aug_multiplier: int = 1
+    io_sleep_s: float = 0.0
+    cost_spread: float = 1.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: str
+    kinds: dict[str, JobKind]
+    mixes: dict[str, list[str]]
+    reference_cores: float = 12.0
+    min_step_s: float = 0.02
+    max_step_s: float = 1.0
+    dynamic_arrivals_s: list[float] = field(default_factory=list)
+    dynamic_work_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One calibrated job instance. ``ceiling_samples_per_s = batch_size / step_s``."""
+    job_id: str
+    kind: str
+    batch_size: int
+    step_s: float
+    demand_cores: float
+    cpu_s_per_sample: float
+    workload: dict                 # adloader.synthetic.WorkloadSpec fields
+    samples: int | None = None     # fixed amount of work (None: run until stopped)
+    arrival_s: float = 0.0
+
+    @property
+    def ceiling_samples_per_s(self) -> float:
+        return self.batch_size / self.step_s
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def default_catalog_path() -> str:
+    return str(resources.files("agent.bench").joinpath("catalog.toml"))
+
+
+def load_catalog(path: str | None = None) -> Catalog:
+    path = path or default_catalog_path()
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise CatalogError(f"catalogue {path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CatalogError(f"catalogue {path}: not valid TOML: {e}") from None
+    kinds = {}
+    for name, entry in (doc.get("jobs") or {}).items():
+        if not isinstance(entry, dict) or "cores_per_gpu" not in entry:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] needs cores_per_gpu")
+        unknown = set(entry) - (set(JobKind.__dataclass_fields__) - {"name"})
+        if unknown:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            kind = JobKind(name=name, **entry)
+        except TypeError as e:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}]: {e}") from None
+        if kind.cores_per_gpu <= 0 or kind.batch_size <= 0:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] cores_per_gpu and batch_size must be > 0")
+        kinds[name] = kind
+    if not kinds:
+        raise CatalogError(f"catalogue {path}: no [jobs.*] entries")
+    mixes = {}
+    for mix, members in (doc.get("mixes") or {}).items():
+        missing = [m for m in members if m not in kinds]
+        if missing:
+            raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {', '.join(missing)}")
+        mixes[mix] = list(members)
+    dyn = doc.get("dynamic") or {}
+    return Catalog(path=str(path), kinds=kinds, mixes=mixes,
+                   reference_cores=float(doc.get("reference_cores", 12.0)),
+                   min_step_s=float(doc.get("min_step_s", 0.02)), max_step_s=float(doc.get("max_step_s", 1.0)),
+                   dynamic_arrivals_s=[float(x) for x in dyn.get("arrivals_s", [])],
+                   dynamic_work_s=[float(x) for x in dyn.get("work_s", [])])
+
+
+def workload_for(kind: JobKind, seed: int, num_images: int = 48) -> dict:
+    return dict(name=kind.name, num_images=num_images, length=1 << 20, image_px=kind.image_px,
+                crop_px=kind.crop_px, aug_multiplier=kind.aug_multiplier, io_sleep_s=kind.io_sleep_s,
+                cost_spread=kind.cost_spread, seed=seed)
+
+
+def measure_cpu_s_per_sample(kind: JobKind, samples: int = 40, seed: int = 0) -> float:
+    """CPU seconds of one sample of the kind's pipeline on this machine, single thread, in-process."""
+    import torch
+
+    from adloader.synthetic import SyntheticImageDataset, WorkloadSpec
+
+    torch.set_num_threads(1)
+    wl = workload_for(kind, seed, num_images=16)
+    wl["io_sleep_s"] = 0.0
+    ds = SyntheticImageDataset(WorkloadSpec(**wl))
+    for i in range(5):
+        ds[i]
+    best = float("inf")
+    for rep in range(3):  # the least of three: other processes only ever add (cache, frequency)
+        t0 = time.process_time()
+        for i in range(samples):
+            ds[(rep * samples + i) % len(ds)]
+        best = min(best, (time.process_time() - t0) / samples)
+    return best
+
+
+def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = None) -> dict[str, dict]:
+    """Measure every kind (or ``kinds``) on this machine -> kind -> {cpu_s_per_sample, demand_cores, step_s}."""
+    out = {}
+    for name in kinds or list(catalog.kinds):
+        kind = catalog.kinds[name]
+        cpu = measure_cpu_s_per_sample(kind)
+        demand = kind.cores_per_gpu * loader_cores / catalog.reference_cores
+        step = kind.batch_size * cpu / demand
+        clamped = min(catalog.max_step_s, max(catalog.min_step_s, step))
+        if clamped != step:  # the demand that this step really implies, reported as such
+            demand = kind.batch_size * cpu / clamped
+        out[name] = dict(cpu_s_per_sample=cpu, demand_cores=demand, step_s=clamped, clamped=clamped != step)
+    return out
+
+
+def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: str, seed: int,
+             samples: int | None = None, arrival_s: float = 0.0) -> JobSpec:
+    kind = catalog.kinds[kind_name]
+    c = calib[kind_name]
+    return JobSpec(job_id=job_id, kind=kind_name, batch_size=kind.batch_size, step_s=c["step_s"],
+                   demand_cores=c["demand_cores"], cpu_s_per_sample=c["cpu_s_per_sample"],
+                   workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s)
+
+
+__all__ = ["Catalog", "CatalogError", "JobKind", "JobSpec", "load_catalog", "calibrate", "make_job",
+           "default_catalog_path", "measure_cpu_s_per_sample"]

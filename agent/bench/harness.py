@@ -1,0 +1,627 @@
+"""The bench harness: real job processes on this node, run side by side under each policy.
+
+One *phase* = one scenario under one policy for one repeat: start the agent (for the policies it
+runs), launch the scenario's jobs (``agent.bench.jobproc``), apply its timed events (arrivals,
+departures, a CPU hog), read every job's progress file while it runs, then stop everything and keep
+the records. Phases are interleaved (every policy once per repeat, the order rotated per repeat) so
+that the machine's noise hits every policy alike. Metrics are computed afterwards from the records
+(``phase_metrics``), never from the agent's own view.
+
+How each policy runs (the jobs are the same processes in every case):
+    even-static, even, adaptive   the agent with that policy; jobs ask for num_workers = node cores
+    oracle                        the agent with the oracle's fixed plan (``agent.bench.oracle_agent``)
+    none                          no agent; every job num_workers = node cores; the OS arbitrates
+    autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
+
+Every process the harness starts runs in its own session and is killed with its process group when
+the phase ends (loader workers included); nothing outlives ``run_phase``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from agent.bench import metrics as M
+from agent.bench.catalog import Catalog, JobSpec, make_job
+
+POLICIES_ALL = ("even-static", "even", "none", "autotune", "adaptive", "oracle")
+AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
+SCENARIOS_ALL = ("heterogeneous", "homogeneous", "light", "dynamic", "reaction", "hog")
+
+
+class BenchError(RuntimeError):
+    """The bench cannot go on; the message says what failed and where its log is."""
+
+
+@dataclass
+class Launch:
+    spec: JobSpec
+    at_s: float = 0.0                       # offset from the phase origin; 0 = the initial set
+    depart_at_s: Optional[float] = None     # SIGTERM at this offset (an external departure)
+
+
+@dataclass
+class Scenario:
+    name: str
+    launches: list[Launch]
+    kind: str                               # "static" (window after warm-up), "timed" (events), "dynamic" (fixed work)
+    warmup_s: float
+    measure_s: float                        # static/timed: length after warm-up; dynamic: timeout
+    hog_at_s: Optional[float] = None
+    hog_procs: int = 1
+
+    @property
+    def max_concurrent(self) -> int:
+        pts = []
+        for l in self.launches:
+            pts.append((l.at_s, 1))
+            if l.depart_at_s is not None:
+                pts.append((l.depart_at_s, -1))
+        n = best = 0
+        for _, d in sorted(pts, key=lambda p: (p[0], p[1])):
+            n += d
+            best = max(best, n)
+        return best
+
+    def planned_s(self) -> float:
+        return self.warmup_s + self.measure_s
+
+
+@dataclass
+class BenchConfig:
+    catalog: Catalog
+    calib: dict
+    loader_cpus: float
+    node_cores: int
+    out_dir: Path
+    cgroup_mode: str = "off"
+    tick_s: float = 1.0
+    device: str = "emulated"
+    sweep_segment_s: float = 3.0
+    python: str = sys.executable
+    keep_logs: bool = True
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
+    """The six scenarios from the catalogue's mixes; ``quick`` shortens every phase."""
+    cat, cal = cfg.catalog, cfg.calib
+    warm, meas = (4.0, 12.0) if quick else (6.0, 24.0)
+    out = []
+    for name in names:
+        if name not in cat.mixes:
+            raise BenchError(f"scenario {name!r} needs a mix of that name in catalogue {cat.path}")
+        kinds = cat.mixes[name]
+        jobs = [make_job(cat, cal, k, f"{name[:4]}-{i}-{k}", seed=100 + i) for i, k in enumerate(kinds)]
+        if name in ("heterogeneous", "homogeneous", "light"):
+            out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas))
+        elif name == "reaction":
+            # two jobs run; the third arrives; the first departs
+            t_arr, t_dep = (warm + 4.0, warm + 10.0) if quick else (warm + 8.0, warm + 18.0)
+            ls = [Launch(jobs[0], depart_at_s=t_dep), Launch(jobs[1]), Launch(jobs[2], at_s=t_arr)]
+            out.append(Scenario(name, ls, "timed", warm, (t_dep - warm) + (6.0 if quick else 10.0)))
+        elif name == "hog":
+            t_hog = warm + (5.0 if quick else 10.0)
+            out.append(Scenario(name, [Launch(j) for j in jobs], "timed", warm, (t_hog - warm) * 2 + 2.0,
+                                hog_at_s=t_hog, hog_procs=max(1, cfg.node_cores // 2)))
+        elif name == "dynamic":
+            arr = cat.dynamic_arrivals_s or [0.0] * len(kinds)
+            work = cat.dynamic_work_s or [20.0] * len(kinds)
+            scale = 0.5 if quick else 1.0
+            ls = []
+            for i, (j, k) in enumerate(zip(jobs, kinds)):
+                a = arr[i % len(arr)] * scale
+                samples = int(work[i % len(work)] * scale * j.ceiling_samples_per_s)
+                spec = make_job(cat, cal, k, j.job_id, seed=100 + i, samples=samples, arrival_s=a)
+                ls.append(Launch(spec, at_s=a))
+            timeout = (max(arr) * scale + sum(work) * scale) * 2 + 30
+            out.append(Scenario(name, ls, "dynamic", 0.0, timeout))
+        else:
+            out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas))
+    return out
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+class Proc:
+    """A child process in its own session; ``stop`` ends it and every process in its group."""
+
+    def __init__(self, argv: list[str], env: dict, log_path: Path):
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.p = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.p.pid
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)   # the group: loader workers, anything left
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class ProgressReader:
+    """Reads a job's JSON-lines progress file incrementally (partial last lines are kept for later)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = 0
+        self.partial = ""
+        self.records: list[dict] = []
+        self.start: Optional[dict] = None
+        self.done: Optional[dict] = None
+        self.segments: list[dict] = []
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "r") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+                self.pos = f.tell()
+        except FileNotFoundError:
+            return
+        if not chunk:
+            return
+        lines = (self.partial + chunk).split("\n")
+        self.partial = lines.pop()
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            ev = rec.get("event")
+            if ev == "start":
+                self.start = rec
+            elif ev == "done":
+                self.done = rec
+            elif ev == "segment":
+                self.segments.append(rec)
+            else:
+                self.records.append(rec)
+
+
+def child_env(**extra: str) -> dict:
+    """Environment for children: this checkout's packages importable, inherited ADLOADER_* removed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADLOADER_")}
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def _socket_path(endpoint: str) -> str:
+    return endpoint[len("ipc://"):]
+
+
+def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max_jobs: int,
+                curves_path: Optional[Path] = None) -> tuple[Proc, str]:
+    endpoint = f"ipc://{sock_dir}/agent.sock"
+    flags = ["--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
+             "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
+             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info"]
+    if policy == "oracle":
+        argv = [cfg.python, "-m", "agent.bench.oracle_agent", str(curves_path), *flags]
+    else:
+        argv = [cfg.python, "-m", "agent", "agent", "--policy", policy, *flags]
+    proc = Proc(argv, child_env(), run_dir / "agent.log")
+    deadline = time.monotonic() + 30.0
+    while not os.path.exists(_socket_path(endpoint)):
+        if not proc.alive():
+            tail = proc.log_tail()
+            proc.stop()
+            raise BenchError(f"the agent exited before binding {endpoint} (policy {policy}); "
+                             f"log {proc.log_path}:\n{tail}")
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise BenchError(f"the agent did not bind {endpoint} within 30 s; log {proc.log_path}")
+        time.sleep(0.05)
+    return proc, endpoint
+
+
+STATUS_KEYS = ("workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
+               "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
+               "apply_error")
+
+
+def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dict]:
+    """The agent's own view at the end of the window (`adloader status --json`): per job, what it applied
+    and why. Kept for the reading of results; metrics never come from it."""
+    try:
+        p = subprocess.run([cfg.python, "-m", "agent", "status", "--endpoint", endpoint, "--json"],
+                           env=child_env(), capture_output=True, text=True, timeout=15)
+        doc = json.loads(p.stdout)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return None
+    (run_dir / "agent-status.json").write_text(json.dumps(doc, indent=1))
+    return {"predicted_total": doc.get("predicted_total"),
+            "jobs": {j.get("job"): {k: j.get(k) for k in STATUS_KEYS} for j in doc.get("jobs", [])}}
+
+
+def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint: Optional[str],
+              extra_args: tuple = ()) -> tuple[Proc, ProgressReader]:
+    prog = run_dir / f"{spec.job_id}.jsonl"
+    env = child_env(ADLOADER_JOB_ID=spec.job_id)
+    if endpoint:
+        env["ADLOADER_ENDPOINT"] = endpoint
+    else:
+        env["ADLOADER_DISABLE"] = "1"
+    argv = [cfg.python, "-m", "agent.bench.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
+            "--workers", str(workers), "--device", cfg.device, *extra_args]
+    return Proc(argv, env, run_dir / f"{spec.job_id}.log"), ProgressReader(prog)
+
+
+# -- oracle sweeps -------------------------------------------------------------------------------
+
+def sweep_points(reader: ProgressReader, ceiling: float, settle_s: float = 1.0) -> list[tuple[int, float, float]]:
+    """(workers, cores used, normalised throughput) per sweep segment, skipping each segment's start."""
+    segs = reader.segments
+    end = reader.done["t"] if reader.done else (reader.records[-1]["t"] if reader.records else 0.0)
+    pts = []
+    for i, s in enumerate(segs):
+        t1 = segs[i + 1]["t"] if i + 1 < len(segs) else end
+        t0 = min(s["t"] + settle_s, (s["t"] + t1) / 2)
+        if t1 - t0 <= 0.2:
+            continue
+        sps = M.rate_between(reader.records, "samples", t0, t1)
+        cores = M.rate_between(reader.records, "cpu_s", t0, t1)
+        pts.append((int(s["workers"]), round(cores, 4), round(min(1.0, M.normalised(sps, ceiling)), 4)))
+    return pts
+
+
+def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progress=None) -> dict[str, list]:
+    """Each distinct kind alone on the node at worker counts 1..ceil(loader_cpus)+1 -> points per job."""
+    top = min(6, math.ceil(cfg.loader_cpus) + 1)
+    workers = ",".join(str(w) for w in range(1, top + 1))
+    by_kind: dict[str, list] = {}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        if spec.kind in by_kind:
+            continue
+        if progress:
+            progress.note(f"oracle sweep: {spec.kind} alone at {workers} workers")
+        proc, reader = start_job(cfg, spec, run_dir, workers=1, endpoint=None,
+                                 extra_args=("--sweep", workers, "--segment-s", f"{cfg.sweep_segment_s:g}"))
+        deadline = time.monotonic() + 60 + top * cfg.sweep_segment_s * 3
+        try:
+            while proc.alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            reader.poll()
+        finally:
+            proc.stop()
+        if not reader.start:
+            raise BenchError(f"oracle sweep of {spec.kind} produced no progress; log {proc.log_path}:\n"
+                             f"{proc.log_tail()}")
+        ceiling = spec.batch_size / float(reader.start["step_s"])
+        by_kind[spec.kind] = sweep_points(reader, ceiling)
+    return {s.job_id: by_kind[s.kind] for s in specs}
+
+
+# -- one phase -----------------------------------------------------------------------------------
+
+def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Path,
+              curves_path: Optional[Path] = None, tick: Optional[Callable[[float, float], None]] = None) -> dict:
+    """Run one scenario under one policy; returns the raw phase record (see ``phase_metrics``)."""
+    import psutil
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sock_dir = tempfile.mkdtemp(prefix="adl-bench-")
+    agent: Optional[Proc] = None
+    endpoint = None
+    jobs: dict[str, dict] = {}
+    procs: dict[str, Proc] = {}
+    readers: dict[str, ProgressReader] = {}
+    hogs: list[Proc] = []
+    events: list[dict] = []
+    agent_cpu = {}
+    agent_status = None
+    error = None
+    if policy in ("none",):
+        workers = cfg.node_cores
+    elif policy == "autotune":
+        workers = "auto"
+    else:
+        workers = cfg.node_cores
+    t_phase0 = time.monotonic()
+    try:
+        if policy in AGENT_POLICIES:
+            agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path)
+        pending = sorted(sc.launches, key=lambda l: l.at_s)
+
+        def launch(l: Launch) -> None:
+            proc, reader = start_job(cfg, l.spec, run_dir, workers, endpoint)
+            procs[l.spec.job_id], readers[l.spec.job_id] = proc, reader
+            jobs[l.spec.job_id] = {"spec": asdict(l.spec), "launch_t": time.monotonic(), "at_s": l.at_s}
+
+        for l in [l for l in pending if l.at_s <= 0]:
+            launch(l)
+        pending = [l for l in pending if l.at_s > 0]
+        departures = sorted([l for l in sc.launches if l.depart_at_s is not None], key=lambda l: l.depart_at_s)
+        origin = None
+        deadline_start = time.monotonic() + 90.0
+        window0 = None
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            for r in readers.values():
+                r.poll()
+            for jid, p in procs.items():
+                if not p.alive() and readers[jid].done is None:
+                    readers[jid].poll()
+                    if readers[jid].done is None and jid not in [d.spec.job_id for d in departures
+                                                                  if origin and now >= origin + d.depart_at_s]:
+                        raise BenchError(f"job {jid} exited without finishing (rc {p.p.returncode}); "
+                                         f"log {p.log_path}:\n{p.log_tail()}")
+            if origin is None:
+                if all(readers[j].records for j in readers):
+                    origin = max(readers[j].records[0]["t"] for j in readers)
+                    window0 = origin + sc.warmup_s
+                elif now > deadline_start:
+                    slow = [j for j in readers if not readers[j].records]
+                    raise BenchError(f"jobs did not start within 90 s: {', '.join(slow)}; "
+                                     f"log {procs[slow[0]].log_path}:\n{procs[slow[0]].log_tail()}")
+                else:
+                    continue
+            rel = now - origin
+            while pending and rel >= pending[0].at_s:
+                l = pending.pop(0)
+                launch(l)
+                events.append({"t": time.monotonic(), "label": f"{l.spec.job_id} arrives", "kind": "arrival",
+                               "job": l.spec.job_id})
+            while departures and rel >= departures[0].depart_at_s:
+                l = departures.pop(0)
+                procs[l.spec.job_id].signal(signal.SIGTERM)
+                events.append({"t": time.monotonic(), "label": f"{l.spec.job_id} departs", "kind": "departure",
+                               "job": l.spec.job_id})
+            if sc.hog_at_s is not None and not hogs and rel >= sc.hog_at_s:
+                for i in range(sc.hog_procs):
+                    hogs.append(Proc([cfg.python, "-c", "while True: pass"], child_env(), run_dir / f"hog{i}.log"))
+                events.append({"t": time.monotonic(), "label": f"CPU hog x{sc.hog_procs} starts", "kind": "hog"})
+            if agent is not None and not agent_cpu and now >= window0:
+                try:
+                    t = psutil.Process(agent.pid).cpu_times()
+                    agent_cpu = {"t0": now, "cpu0": t.user + t.system}
+                except psutil.Error:
+                    agent_cpu = {"t0": now, "cpu0": math.nan}
+            if agent is not None and not agent.alive():
+                raise BenchError(f"the agent died during the phase; log {agent.log_path}:\n{agent.log_tail()}")
+            if tick:
+                tick(rel, sc.planned_s())
+            if sc.kind == "dynamic":
+                if not pending and all(readers[j].done for j in readers):
+                    break
+                if rel > sc.measure_s:
+                    error = f"timeout after {sc.measure_s:.0f}s: unfinished " + \
+                        ", ".join(j for j in readers if not readers[j].done)
+                    break
+            elif rel >= sc.warmup_s + sc.measure_s:
+                break
+        end_t = time.monotonic()
+        if agent is not None:
+            agent_status = query_status(cfg, endpoint, run_dir)
+        if agent is not None and agent_cpu:
+            try:
+                t = psutil.Process(agent.pid).cpu_times()
+                agent_cpu.update(t1=end_t, cpu1=t.user + t.system)
+            except psutil.Error:
+                pass
+    finally:
+        for p in hogs:
+            p.stop(grace_s=0.5)
+        for p in procs.values():
+            p.signal(signal.SIGTERM)
+        for p in procs.values():
+            p.stop()
+        if agent is not None:
+            agent.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    for jid, r in readers.items():
+        r.poll()
+        jobs[jid].update(records=r.records, start=r.start, done=r.done)
+    # An arrival counts from when the job's process is up and about to iterate (its "start" record; the
+    # agent hears its hello at the first batch), not from the launch: interpreter and dataset start-up
+    # (seconds here) is the same under every policy and is no reaction time.
+    for e in events:
+        st = readers[e["job"]].start if e.get("kind") == "arrival" and e.get("job") in readers else None
+        if st:
+            e["launch_t"], e["t"] = e["t"], st["t"]
+    if sc.kind == "dynamic":   # a job finishing its work is a departure the policy reacts to
+        for jid, r in readers.items():
+            if r.done and r.done.get("reason") == "work":
+                events.append({"t": r.done["t"], "label": f"{jid} finishes", "kind": "finish", "job": jid})
+        events.sort(key=lambda e: e["t"])
+    return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
+            "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
+            "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
+            "warmup_s": sc.warmup_s, "run_dir": str(run_dir)}
+
+
+# -- metrics of a phase --------------------------------------------------------------------------
+
+def _ceiling(job: dict) -> float:
+    spec = job["spec"]
+    step = (job.get("start") or {}).get("step_s") or spec["step_s"]
+    return spec["batch_size"] / step
+
+
+def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
+    """Metrics of one phase from its records (definitions in ``agent.bench.metrics``)."""
+    jobs = ph["jobs"]
+    recs = {j: v["records"] for j, v in jobs.items() if v.get("records")}
+    if not recs:
+        return {"error": ph.get("error") or "no records"}
+    if ph["kind"] == "dynamic":
+        w0 = min(v["launch_t"] for v in jobs.values())
+        ends = [v["done"]["t"] for v in jobs.values() if v.get("done")]
+        w1 = max(ends) if ends else ph["window"][1]
+    else:
+        w0, w1 = ph["window"]
+    per_job = {}
+    tot_norm_s = tot_samples = tot_wait = tot_alive = 0.0
+    for j, r in recs.items():
+        a, b = max(w0, r[0]["t"]), min(w1, r[-1]["t"])
+        if b <= a:
+            continue
+        d = lambda k: max(0.0, M.counter_at(r, k, b) - M.counter_at(r, k, a))
+        samples, wait, comp = d("samples"), d("wait_s"), d("compute_s")
+        ceil = _ceiling(jobs[j])
+        per_job[j] = {"kind": jobs[j]["spec"]["kind"], "samples_per_s": samples / (b - a),
+                      "normalised": M.normalised(samples / (b - a), ceil), "ceiling": ceil,
+                      "data_wait_frac": wait / (wait + comp) if wait + comp > 0 else math.nan,
+                      "resizes": int(r[-1].get("resizes", 0)), "workers_end": r[-1]["workers"],
+                      "worker_cpu_cores": d("cpu_s") / (b - a), "alive_s": b - a}
+        tot_norm_s += samples / ceil
+        tot_samples += samples
+        tot_wait += wait
+        tot_alive += wait + comp
+    span = w1 - w0
+    out = {"window_s": span, "agg_normalised": tot_norm_s / span if span > 0 else math.nan,
+           "samples_per_s": tot_samples / span if span > 0 else math.nan,
+           "gpu_idle_frac": M.gpu_idle_fraction([tot_wait], [tot_alive]),
+           "jain": M.jain_index(v["normalised"] for v in per_job.values()),
+           "resizes": sum(v["resizes"] for v in per_job.values()), "jobs": per_job, "error": ph.get("error")}
+    ac = ph.get("agent_cpu") or {}
+    if "cpu1" in ac and ac["t1"] > ac["t0"]:
+        out["agent_cpu_cores"] = (ac["cpu1"] - ac["cpu0"]) / (ac["t1"] - ac["t0"])
+    if ph["kind"] == "dynamic":
+        arrivals = {j: v["launch_t"] for j, v in jobs.items()}
+        finishes = {j: v["done"]["t"] for j, v in jobs.items() if v.get("done") and v["done"].get("reason") == "work"}
+        jct = M.completion_times(arrivals, finishes)
+        out.update(makespan_s=M.makespan(list(arrivals.values()), list(finishes.values())) if finishes else math.nan,
+                   jct_mean_s=M.mean(jct.values()), jct_p95_s=M.percentile(jct.values(), 95),
+                   unfinished=len(jobs) - len(finishes))
+    # reaction after each event: allocation settling (last worker change) and throughput settling
+    evs = sorted(ph.get("events") or [], key=lambda e: e["t"])
+    agg_t, agg_v = aggregate_series(ph, bin_s)
+    reactions = []
+    for i, e in enumerate(evs):
+        nxt = evs[i + 1]["t"] if i + 1 < len(evs) else w1
+        alloc = 0.0
+        for j, r in recs.items():
+            ts = [x["t"] for x in r]
+            ws = [x["workers"] for x in r]
+            alloc = max(alloc, M.last_change_after(ts, ws, e["t"], nxt))
+        tput = M.settle_time(agg_t, agg_v, e["t"], nxt, rel_tol=0.10)
+        seg = [v for t, v in zip(agg_t, agg_v) if e["t"] + min(5.0, (nxt - e["t"]) / 2) <= t <= nxt]
+        reactions.append({"event": e["label"], "kind": e.get("kind"), "at_s": e["t"] - (ph["origin"] or e["t"]),
+                          "alloc_settle_s": alloc, "tput_settle_s": tput,
+                          "agg_normalised_after": M.mean(seg) if seg else math.nan})
+    if reactions:
+        out["reactions"] = reactions
+        out["reaction_s_max"] = max(r["alloc_settle_s"] for r in reactions)
+        ts = [r["tput_settle_s"] for r in reactions if not math.isnan(r["tput_settle_s"])]
+        out["tput_settle_s_max"] = max(ts) if ts else math.nan
+    return out
+
+
+def aggregate_series(ph: dict, bin_s: float = 1.0) -> tuple[list, list]:
+    """Aggregate normalised throughput per bin over the phase (absolute monotonic times)."""
+    recs = {j: v["records"] for j, v in ph["jobs"].items() if v.get("records")}
+    if not recs:
+        return [], []
+    t0 = min(r[0]["t"] for r in recs.values())
+    t1 = max(r[-1]["t"] for r in recs.values())
+    ts, tot = [], []
+    t = t0
+    while t + bin_s <= t1 + 1e-9:
+        s = 0.0
+        for j, r in recs.items():
+            if r[0]["t"] <= t and t + bin_s <= r[-1]["t"]:
+                s += M.rate_between(r, "samples", t, t + bin_s) / _ceiling(ph["jobs"][j])
+        ts.append(t + bin_s / 2)
+        tot.append(s)
+        t += bin_s
+    return ts, tot
+
+
+def job_series(ph: dict, bin_s: float = 1.0) -> dict:
+    """Per job: times relative to the origin, normalised throughput per bin, and worker targets."""
+    origin = ph.get("origin") or ph.get("phase_start") or 0.0
+    out = {}
+    for j, v in ph["jobs"].items():
+        r = v.get("records") or []
+        if len(r) < 2:
+            continue
+        ts, vs = M.series(r, "samples", r[0]["t"], r[-1]["t"], bin_s)
+        ceil = _ceiling(v)
+        out[j] = {"t": [round(t - origin, 2) for t in ts], "normalised": [round(x / ceil, 4) for x in vs],
+                  "wt": [round(x["t"] - origin, 2) for x in r], "workers": [x["workers"] for x in r]}
+    return out
+
+
+# -- the whole run -------------------------------------------------------------------------------
+
+def policy_order(policies: list[str], rep: int) -> list[str]:
+    k = rep % len(policies) if policies else 0
+    return list(policies[k:]) + list(policies[:k])
+
+
+def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], reps: int, progress) -> dict:
+    """Every scenario x repeat x policy (interleaved); returns raw phases plus their metrics."""
+    phases = []
+    total = len(scenarios) * reps * len(policies)
+    i = 0
+    for sc in scenarios:
+        curves_path = None
+        sweeps = None
+        if "oracle" in policies:
+            sweeps = measure_sweeps(cfg, [l.spec for l in sc.launches], cfg.out_dir / "runs" / sc.name / "sweep",
+                                    progress)
+            curves_path = cfg.out_dir / "runs" / sc.name / "oracle-curves.json"
+            curves_path.write_text(json.dumps({"jobs": sweeps, "note": "each kind measured alone on the node"}))
+        for rep in range(reps):
+            for policy in policy_order(policies, rep):
+                i += 1
+                label = f"{sc.name} {policy} rep {rep + 1}"
+                progress.begin(i, total, label)
+                run_dir = cfg.out_dir / "runs" / sc.name / f"{policy}-rep{rep + 1}"
+                try:
+                    ph = run_phase(cfg, sc, policy, rep, run_dir, curves_path,
+                                   tick=lambda rel, planned: progress.tick(i, total, label, rel, planned))
+                    ph["metrics"] = phase_metrics(ph)
+                except BenchError as e:
+                    ph = {"scenario": sc.name, "policy": policy, "rep": rep, "error": str(e), "metrics": {}}
+                if sweeps is not None:
+                    ph["oracle_curves"] = sweeps if policy == "oracle" else None
+                progress.end(i, total, label, ph)
+                phases.append(ph)
+    return {"phases": phases}

@@ -1,0 +1,228 @@
+"""One bench job: a real training process on ``adloader.DataLoader`` over generated JPEGs.
+
+    python -m agent.bench.jobproc --spec JSON --progress FILE [--workers N|auto] [--max-workers N]
+                                  [--duration-s S] [--device cpu|cuda] [--sweep 1,2,3 --segment-s S]
+
+The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy + sleep of the calibrated
+``step_s``) or, with ``--device cuda``, runs a small conv net forward/backward on the GPU (its own
+data-ready step time is measured at start and reported as ``step_s``, the job's ceiling).
+
+It connects to the node agent by itself (the loader's client reads ADLOADER_ENDPOINT/ADLOADER_JOB_ID).
+
+Progress file: JSON lines, appended and flushed, read by the harness while the job runs:
+    {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch"}
+    {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s"}   every ~0.25 s
+    {"event": "segment", "t", "workers"}          (sweep mode: a new worker count from here on)
+    {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep")
+``t`` is ``time.monotonic()`` (system-wide on Linux, so comparable across processes); counters are
+cumulative; ``cpu_s`` is the loader workers' CPU seconds; ``wait_s`` the time blocked in ``next()``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+PROGRESS_EVERY_S = 0.25
+
+
+class _Progress:
+    def __init__(self, path: str):
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+
+
+def _make_loader(ds, batch_size: int, workers, max_workers):
+    """adloader.DataLoader when it exists; else torch's (fixed workers; said in the start record)."""
+    try:
+        from adloader.dataloader import DataLoader
+    except ImportError:
+        import torch.utils.data
+
+        n = os.cpu_count() if workers == "auto" else int(workers)
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=n,
+                                           persistent_workers=n > 0, prefetch_factor=2 if n else None), "torch"
+    kw = {}
+    if max_workers is not None:
+        kw["max_workers"] = max_workers
+    return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, **kw), "adloader"
+
+
+def _worker_cpu_s(loader, kind: str, me) -> float:
+    if kind == "adloader":
+        try:
+            return float(loader.stats().get("worker_cpu_s", 0.0))
+        except Exception:
+            pass
+    total = 0.0
+    for c in me.children(recursive=True):
+        try:
+            t = c.cpu_times()
+            total += t.user + t.system
+        except Exception:
+            pass
+    return total
+
+
+def _cuda_step_fn(batch_size: int, crop_px: int):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("adloader bench: --device cuda needs a CUDA GPU and a CUDA build of torch; "
+                         f"torch {torch.__version__} reports none here (use --device emulated)")
+    dev = torch.device("cuda")
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(64 * 16, 1000)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(batch) -> None:
+        x, y = batch
+        x = x.to(dev, non_blocking=True)
+        y = torch.as_tensor(y).to(dev, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    x = torch.randn(batch_size, 3, crop_px, crop_px)
+    y = torch.randint(0, 1000, (batch_size,))
+    for _ in range(5):
+        step((x, y))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step((x, y))
+    return step, (time.perf_counter() - t0) / 20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="agent.bench.jobproc")
+    ap.add_argument("--spec", required=True, help="JobSpec as JSON")
+    ap.add_argument("--progress", required=True)
+    ap.add_argument("--workers", default="auto")
+    ap.add_argument("--max-workers", type=int, default=None)
+    ap.add_argument("--duration-s", type=float, default=None)
+    ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
+    ap.add_argument("--sweep", default=None, help="comma-separated worker counts, one segment each")
+    ap.add_argument("--segment-s", type=float, default=3.0)
+    args = ap.parse_args(argv)
+
+    import psutil
+    import torch
+
+    from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
+
+    spec = json.loads(args.spec)
+    torch.set_num_threads(1)
+    stop = {"signal": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("signal", True))
+    prog = _Progress(args.progress)
+    ds = SyntheticImageDataset(WorkloadSpec(**spec["workload"]))
+    batch_size = int(spec["batch_size"])
+    step_s = float(spec["step_s"])
+    if args.device == "cuda":
+        cuda_step, step_s = _cuda_step_fn(batch_size, int(spec["workload"]["crop_px"]))
+        def do_step(batch):
+            cuda_step(batch)
+    else:
+        def do_step(batch):
+            emulated_step(batch, step_s)
+    sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
+    workers = sweep[0] if sweep else (args.workers if args.workers == "auto" else int(args.workers))
+    max_workers = args.max_workers
+    if sweep:  # the loader's default bound is the CPU count; a sweep may go past it
+        max_workers = max(max_workers or 0, max(sweep))
+    loader, kind = _make_loader(ds, batch_size, workers, max_workers)
+    me = psutil.Process()
+    target = spec.get("samples")
+    t_start = time.monotonic()
+    prog.write({"event": "start", "t": t_start, "pid": os.getpid(), "job": spec["job_id"], "step_s": step_s,
+                "batch_size": batch_size, "loader": kind, "device": args.device})
+    samples = steps = 0
+    wait_s = compute_s = 0.0
+    last_report = 0.0
+    seg_i, seg_t0 = 0, None
+    reason = "signal"
+
+    def record(now):
+        live = getattr(loader, "worker_pids", None)
+        try:
+            live_n = len(live()) if callable(live) else loader.num_workers
+        except Exception:
+            live_n = -1
+        resizes = 0
+        if kind == "adloader":
+            try:
+                resizes = int(loader.stats().get("resizes", 0))
+            except Exception:
+                pass
+        prog.write({"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
+                    "workers": int(loader.num_workers), "live": live_n, "resizes": resizes,
+                    "cpu_s": _worker_cpu_s(loader, kind, me)})
+
+    try:
+        done = False
+        while not done:
+            it = iter(loader)
+            while True:
+                t0 = time.monotonic()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                t1 = time.monotonic()
+                do_step(batch)
+                t2 = time.monotonic()
+                wait_s += t1 - t0
+                compute_s += t2 - t1
+                steps += 1
+                samples += batch_size
+                if seg_t0 is None:
+                    seg_t0 = t2
+                    if sweep:
+                        prog.write({"event": "segment", "t": t2, "workers": sweep[0]})
+                if t2 - last_report >= PROGRESS_EVERY_S:
+                    record(t2)
+                    last_report = t2
+                if stop["signal"]:
+                    reason, done = "signal", True
+                elif target is not None and samples >= target:
+                    reason, done = "work", True
+                elif args.duration_s is not None and t2 - t_start >= args.duration_s:
+                    reason, done = "duration", True
+                elif sweep and t2 - seg_t0 >= args.segment_s:
+                    seg_i += 1
+                    if seg_i >= len(sweep):
+                        reason, done = "sweep", True
+                    else:
+                        seg_t0 = t2
+                        if hasattr(loader, "resize"):
+                            loader.resize(sweep[seg_i])
+                        else:  # torch fallback: a new loader at the new count
+                            record(t2)
+                            del it
+                            loader, kind = _make_loader(ds, batch_size, sweep[seg_i], max_workers)
+                            prog.write({"event": "segment", "t": time.monotonic(), "workers": sweep[seg_i]})
+                            break
+                        prog.write({"event": "segment", "t": t2, "workers": sweep[seg_i]})
+                if done:
+                    break
+        now = time.monotonic()
+        record(now)
+        prog.write({"event": "done", "t": now, "samples": samples, "reason": reason})
+    finally:
+        close = getattr(loader, "close", None)
+        if callable(close):
+            close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Summaries of a bench run: medians over repeats, ratios measured side by side, goals, markdown, JSON.
+
+Ratios are taken within a repeat (policy / baseline in the same repeat, i.e. minutes apart on the same
+machine) and then the median over repeats is reported, so slow drifts in the machine's load cancel.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from agent.bench import metrics as M
+
+METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "makespan_s",
+           "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores", "resizes")
+BASELINES = ("oracle", "even-static", "even")
+
+GOALS = (
+    # (scenario, policy, ratio key, threshold, text)
+    ("heterogeneous", "adaptive", "ratio_oracle", 0.95, "heterogeneous: adaptive >= 0.95 x oracle"),
+    ("heterogeneous", "adaptive", "ratio_even-static", 1.10, "heterogeneous: adaptive >= 1.10 x even-static"),
+    ("homogeneous", "adaptive", "ratio_even", 0.97, "homogeneous: adaptive >= 0.97 x even"),
+)
+SETTLE_GOAL_S = 5.0
+
+
+def _finite(xs):
+    return [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
+
+
+def summarise(phases: list[dict]) -> dict:
+    by = {}
+    for ph in phases:
+        by.setdefault(ph["scenario"], {}).setdefault(ph["rep"], {})[ph["policy"]] = ph
+    out = {}
+    for sc, reps in by.items():
+        # fairness vs even within each repeat
+        for rep, pols in reps.items():
+            ref = pols.get("even") or pols.get("even-static")
+            ref_norm = {j: v["normalised"] for j, v in ((ref or {}).get("metrics") or {}).get("jobs", {}).items()}
+            for ph in pols.values():
+                m = ph.get("metrics") or {}
+                if m.get("jobs") and ref_norm:
+                    m["fairness_vs_even"] = M.fairness_vs_even({j: v["normalised"] for j, v in m["jobs"].items()},
+                                                               ref_norm)
+        policies = []
+        for pols in reps.values():
+            for p in pols:
+                if p not in policies:
+                    policies.append(p)
+        table = {}
+        for p in policies:
+            row = {"reps": 0, "errors": []}
+            vals = {k: [] for k in METRICS}
+            ratios = {b: [] for b in BASELINES}
+            for rep, pols in sorted(reps.items()):
+                ph = pols.get(p)
+                if not ph:
+                    continue
+                m = ph.get("metrics") or {}
+                if ph.get("error"):
+                    row["errors"].append(ph["error"][:300])
+                if "agg_normalised" not in m:
+                    continue
+                row["reps"] += 1
+                for k in METRICS:
+                    if k in m:
+                        vals[k].append(m[k])
+                for b in BASELINES:
+                    base = ((pols.get(b) or {}).get("metrics") or {}).get("agg_normalised")
+                    if base:
+                        ratios[b].append(m["agg_normalised"] / base)
+            for k, xs in vals.items():
+                xs = _finite(xs)
+                if xs:
+                    row[k] = M.median(xs)
+                    if k == "agg_normalised":
+                        row["agg_normalised_min"], row["agg_normalised_max"] = min(xs), max(xs)
+            for b, xs in ratios.items():
+                if xs and b != p:
+                    row[f"ratio_{b}"] = M.median(xs)
+                    row[f"ratio_{b}_all"] = [round(x, 4) for x in xs]
+            table[p] = row
+        out[sc] = table
+    return out
+
+
+def goals(summary: dict) -> list[dict]:
+    res = []
+    for sc, pol, key, thr, text in GOALS:
+        v = (summary.get(sc) or {}).get(pol, {}).get(key)
+        if v is None:
+            res.append({"goal": text, "measured": None, "met": None})
+        else:
+            res.append({"goal": text, "measured": round(v, 3), "met": bool(v >= thr)})
+    settle = [row.get("reaction_s_max") for sc in ("reaction", "dynamic", "hog")
+              for p, row in (summary.get(sc) or {}).items() if p == "adaptive"]
+    settle = _finite(settle)
+    if settle:
+        res.append({"goal": f"adaptive settles within {SETTLE_GOAL_S:g} s of an event (worst scenario median)",
+                    "measured": round(max(settle), 2), "met": max(settle) <= SETTLE_GOAL_S})
+    return res
+
+
+def _fmt(v, spec=".3f"):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return format(v, spec)
+
+
+def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
+    lines = []
+    for sc, table in summary.items():
+        lines.append(f"### {sc}\n")
+        lines.append("| policy | reps | agg. norm. throughput (median [min–max]) | × oracle | × even-static | × even "
+                     "| samples/s | GPU idle | Jain | min ratio to even | makespan s | JCT mean / p95 s "
+                     "| settle s (alloc / tput) | agent CPU cores | resizes |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for p, r in table.items():
+            agg = (f"{_fmt(r.get('agg_normalised'))} [{_fmt(r.get('agg_normalised_min'))}–"
+                   f"{_fmt(r.get('agg_normalised_max'))}]") if "agg_normalised" in r else "failed"
+            lines.append(
+                f"| {p} | {r['reps']} | {agg} | {_fmt(r.get('ratio_oracle'))} | {_fmt(r.get('ratio_even-static'))} "
+                f"| {_fmt(r.get('ratio_even'))} | {_fmt(r.get('samples_per_s'), '.0f')} "
+                f"| {_fmt(r.get('gpu_idle_frac'), '.1%')} | {_fmt(r.get('jain'))} "
+                f"| {_fmt(r.get('fairness_vs_even'), '.2f')} | {_fmt(r.get('makespan_s'), '.1f')} "
+                f"| {_fmt(r.get('jct_mean_s'), '.1f')} / {_fmt(r.get('jct_p95_s'), '.1f')} "
+                f"| {_fmt(r.get('reaction_s_max'), '.1f')} / {_fmt(r.get('tput_settle_s_max'), '.1f')} "
+                f"| {_fmt(r.get('agent_cpu_cores'), '.3f')} | {_fmt(r.get('resizes'), '.0f')} |")
+            for e in r.get("errors", [])[:2]:
+                lines.append(f"|  | error: {e.splitlines()[0][:150]} |" + " |" * 13)
+        lines.append("")
+    if goal_rows:
+        lines.append("Goals (ratios within a repeat, medians over repeats):\n")
+        for g in goal_rows:
+            mark = "n/a" if g["met"] is None else ("met" if g["met"] else "NOT met")
+            lines.append(f"- {g['goal']}: measured {_fmt(g['measured'])} — {mark}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
+    slim = dict(result)
+    slim["phases"] = [{k: v for k, v in ph.items() if k != "jobs"} | {"series": ph.get("series")}
+                      for ph in result["phases"]]
+    paths["json"].write_text(json.dumps(slim, indent=1, default=_json_default))
+    paths["markdown"].write_text(result.get("markdown", ""))
+    return paths
+
+
+def _json_default(o):
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+class Progress:
+    """One line per phase on stderr: ``[3/12] heterogeneous adaptive rep 1: 14s/30s`` (rewritten in
+    place on a terminal; printed once, at the end of the phase, otherwise)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last = 0.0
+
+    def note(self, text: str) -> None:
+        self._clear()
+        print(f"  {text}", file=self.stream, flush=True)
+
+    def begin(self, i: int, total: int, label: str) -> None:
+        if self.tty:
+            self.stream.write(f"\r[{i}/{total}] {label}: starting\x1b[K")
+            self.stream.flush()
+
+    def tick(self, i: int, total: int, label: str, rel_s: float, planned_s: float) -> None:
+        if self.tty:
+            self.stream.write(f"\r[{i}/{total}] {label}: {max(0, rel_s):.0f}s/{planned_s:.0f}s\x1b[K")
+            self.stream.flush()
+
+    def end(self, i: int, total: int, label: str, ph: dict) -> None:
+        m = ph.get("metrics") or {}
+        if ph.get("error") and "agg_normalised" not in m:
+            tail = f"FAILED: {ph['error'].splitlines()[0][:200]}"
+        else:
+            tail = f"agg. normalised {m.get('agg_normalised', float('nan')):.3f}, " \
+                   f"GPU idle {m.get('gpu_idle_frac', float('nan')):.1%}"
+            if "makespan_s" in m:
+                tail += f", makespan {m['makespan_s']:.1f}s"
+            if ph.get("error"):
+                tail += f" ({ph['error'][:80]})"
+        self._clear()
+        print(f"[{i}/{total}] {label}: {tail}", file=self.stream, flush=True)
+
+    def _clear(self):
+        if self.tty:
+            self.stream.write("\r\x1b[K")

@@ -1,0 +1,102 @@
+"""What ``adloader bench`` and ``adloader demo`` share: node facts, calibration, one run end to end."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from agent.bench import harness, plots, report
+from agent.bench.catalog import calibrate, load_catalog
+
+
+def node_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_loader_cpus() -> float:
+    """The agent's own default (``agent.config.auto_loader_cpus``): node CPUs minus a 10% reserve."""
+    try:
+        from agent.config import auto_loader_cpus
+
+        return float(auto_loader_cpus())
+    except ImportError:
+        return max(0.5, round(node_cores() * 0.9, 2))
+
+
+def default_cgroup_mode() -> str:
+    """v1 when we are root on a cgroup v1 cpu hierarchy (the agent works in its own subtree), else off."""
+    try:
+        v1 = os.path.isdir("/sys/fs/cgroup/cpu") and os.path.exists("/sys/fs/cgroup/cpu/cpu.shares")
+        return "v1" if os.geteuid() == 0 and v1 else "off"
+    except OSError:
+        return "off"
+
+
+def agent_available() -> tuple[bool, str]:
+    """Whether this build has the agent daemon, the controller and the elastic loader."""
+    missing = []
+    for mod, what in (("agent.daemon", "agent daemon"), ("agent.controller", "controller"),
+                      ("adloader.dataloader", "elastic DataLoader"), ("adloader.client", "agent client")):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(what)
+    return (not missing, ", ".join(missing))
+
+
+def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, quick: bool,
+        catalog_path: str | None, loader_cpus: float, cgroup_mode: str, tick_s: float, device: str,
+        sweep_segment_s: float, progress: report.Progress, warmup_s: float | None = None,
+        measure_s: float | None = None, title: str = "bench") -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    catalog = load_catalog(catalog_path)
+    kinds = sorted({k for s in scenarios for k in catalog.mixes.get(s, [])})
+    progress.note(f"calibrating {len(kinds)} job kinds on this machine ({', '.join(kinds)})")
+    calib = calibrate(catalog, loader_cpus, kinds)
+    cfg = harness.BenchConfig(catalog=catalog, calib=calib, loader_cpus=loader_cpus, node_cores=node_cores(),
+                              out_dir=out_dir, cgroup_mode=cgroup_mode, tick_s=tick_s, device=device,
+                              sweep_segment_s=sweep_segment_s)
+    scs = harness.build_scenarios(cfg, scenarios, quick)
+    for sc in scs:
+        if warmup_s is not None:
+            sc.warmup_s = warmup_s
+        if measure_s is not None and sc.kind != "dynamic":
+            sc.measure_s = measure_s
+    t0 = time.time()
+    result = harness.run_bench(cfg, scs, policies, reps, progress)
+    for ph in result["phases"]:
+        if ph.get("jobs"):
+            ph["series"] = harness.job_series(ph)
+    summary = report.summarise(result["phases"])
+    goal_rows = report.goals(summary)
+    meta = {"title": title, "command": None, "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
+            "cgroup_mode": cgroup_mode, "tick_s": tick_s, "device": device, "reps": reps, "quick": quick,
+            "catalog": catalog.path, "calibration": calib, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "wall_s": time.time() - t0, "loader": _loader_kind(result["phases"]),
+            "oracle": "exact knapsack over each job kind's curve measured alone on this node "
+                      "(worker sweeps), replayed by the real agent and actuators"}
+    result.update(meta=meta, summary=summary, goals=goal_rows)
+    result["markdown"] = report.markdown(summary, goal_rows, meta)
+    paths = report.write_outputs(result, out_dir)
+    try:
+        paths["plots"] = plots.write_plots(result, out_dir)
+    except Exception as e:  # plots are a convenience; the table and JSON are the record
+        progress.note(f"plots failed: {type(e).__name__}: {e}")
+        paths["plots"] = []
+    result["paths"] = paths
+    return result
+
+
+def _loader_kind(phases) -> str:
+    kinds = set()
+    for ph in phases:
+        for j in (ph.get("jobs") or {}).values():
+            if j.get("start"):
+                kinds.add(j["start"].get("loader"))
+    return ",".join(sorted(k for k in kinds if k)) or "unknown"
+
+
+__all__ = ["run", "node_cores", "default_loader_cpus", "default_cgroup_mode", "agent_available"]

@@ -1,0 +1,223 @@
+"""The collector: client reports + NVML + PSI -> ``NodeSnapshot`` (rates, never counters).
+
+Counters become rates here and only here (STYLE 7). Each rank's report carries the loader's monotonic
+totals (``adloader.DataLoader.stats()``); ``RankRates.update`` takes the difference to the previous
+report over the client's own ``uptime_s`` clock (the agent's receive time when that is missing):
+- a counter that went down (a new loader in the same process) resets the baseline: no window;
+- remaining negative deltas are clamped to 0;
+- each figure is smoothed with an exponential moving average of time constant ``SMOOTH_TAU_S``;
+  per-step figures update only in windows with steps, per-batch ones only with finished batches.
+
+A job's figures aggregate its ranks (DESIGN "Measurement"): samples/s and worker cores summed, data
+wait per step and wait fraction as the max over ranks (a stall on one rank stalls every rank of a
+synchronous job), compute per step and per-batch costs as the mean over ranks that have data.
+
+GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle_source="nvml"``);
+otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from agent import psi
+from agent.model import JobAllocation, JobStats, NodeSnapshot
+from agent.registry import Job, Registry
+
+SMOOTH_TAU_S = 3.0
+MIN_WINDOW_S = 0.05
+COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
+            "worker_runq_s", "worker_blocked_s")
+RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
+         "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores")
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+@dataclass
+class RankRates:
+    """Smoothed rates of one rank (one training process) from successive report totals."""
+    prev: Optional[dict] = None
+    prev_t: float = 0.0
+    rates: dict = field(default_factory=dict)
+    observed_s: float = 0.0
+    window_s: float = 0.0
+    windows: int = 0
+
+    def update(self, stats: Mapping, recv_t: float) -> bool:
+        """Fold one report in. True if it closed a window (rates changed)."""
+        t = _num(stats.get("uptime_s"))
+        if t is None:
+            t = recv_t
+        totals = {k: _num(stats.get(k)) for k in COUNTERS}
+        if self.prev is None:
+            self.prev, self.prev_t = totals, t
+            return False
+        dt = t - self.prev_t
+        reset = dt < 0 or any(v is not None and p is not None and v < p - 1e-9
+                              for k, (v, p) in ((k, (totals[k], self.prev[k])) for k in ("steps", "samples", "batches")))
+        if reset:
+            self.prev, self.prev_t = totals, t
+            return False
+        if dt < MIN_WINDOW_S:
+            return False
+        d = {k: max(0.0, (totals[k] or 0.0) - (self.prev[k] or 0.0)) if totals[k] is not None else 0.0
+             for k in COUNTERS}
+        self.prev, self.prev_t = totals, t
+        new: dict[str, float] = {"samples_per_s": d["samples"] / dt, "worker_cpu_cores": d["worker_cpu_s"] / dt}
+        if d["steps"] > 0:
+            new["data_wait_s_per_step"] = d["data_wait_s"] / d["steps"]
+            new["compute_s_per_step"] = d["compute_s"] / d["steps"]
+        busy = d["data_wait_s"] + d["compute_s"]
+        if busy > 0:
+            new["data_wait_frac"] = d["data_wait_s"] / busy
+        if d["batches"] > 0:
+            new["cpu_s_per_batch"] = d["worker_cpu_s"] / d["batches"]
+            new["wall_s_per_batch"] = d["worker_wall_s"] / d["batches"]
+            new["runq_s_per_batch"] = d["worker_runq_s"] / d["batches"]
+            blocked = d["worker_blocked_s"] if d["worker_blocked_s"] > 0 else max(
+                0.0, d["worker_wall_s"] - d["worker_cpu_s"] - d["worker_runq_s"])
+            new["blocked_s_per_batch"] = blocked / d["batches"]
+        alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
+        for k, v in new.items():
+            old = self.rates.get(k)
+            self.rates[k] = v if old is None else old + alpha * (v - old)
+        self.observed_s += dt
+        self.window_s = dt
+        self.windows += 1
+        return True
+
+
+class Collector:
+    """Builds the ``NodeSnapshot`` the controller reads each tick.
+
+    ``applied`` (a callable returning job -> JobAllocation) lets policies see what is in force."""
+
+    def __init__(self, registry: Registry, *, loader_cpus: float, cpu_ids: tuple[int, ...], max_jobs: int = 0,
+                 gpu_sampler=None, proc_root: str = "/proc",
+                 applied: Optional[Callable[[], Mapping[str, JobAllocation]]] = None):
+        self.registry = registry
+        self.loader_cpus = loader_cpus
+        self.cpu_ids = tuple(cpu_ids)
+        self.max_jobs = max_jobs
+        self.gpu = gpu_sampler
+        self.proc_root = proc_root
+        self.applied = applied or (lambda: {})
+        self.rank_rates: dict[tuple[str, int, int], RankRates] = {}
+        self.pressure = psi.Pressure(None, None)
+        self._allowed_cache: dict[int, tuple[tuple[int, ...], bool]] = {}
+        self.last: Optional[NodeSnapshot] = None
+
+    def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
+        rr = self.rank_rates.get((job, rank, pid))
+        if rr is None:
+            rr = self.rank_rates[(job, rank, pid)] = RankRates()
+        rr.update(stats, recv_t)
+
+    def forget(self, job: str) -> None:
+        for k in [k for k in self.rank_rates if k[0] == job]:
+            del self.rank_rates[k]
+
+    def _placement(self, pid: int) -> tuple[tuple[int, ...], bool]:
+        """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup)."""
+        got = self._allowed_cache.get(pid)
+        if got is not None:
+            return got
+        allowed: tuple[int, ...] = ()
+        try:
+            aff = tuple(sorted(os.sched_getaffinity(pid)))
+            if set(aff) < set(self.cpu_ids):
+                allowed = aff
+        except (OSError, AttributeError):
+            pass
+        cooperative = False
+        try:
+            with open(os.path.join(self.proc_root, str(pid), "cgroup")) as f:
+                cooperative = any("/slurm" in line or "/job_" in line for line in f)
+        except OSError:
+            pass
+        if len(self._allowed_cache) > 4096:
+            self._allowed_cache.clear()
+        self._allowed_cache[pid] = (allowed, cooperative)
+        return allowed, cooperative
+
+    def job_stats(self, job: Job, now: float, applied: Optional[JobAllocation]) -> JobStats:
+        ranks = list(job.ranks.values())
+        per = [self.rank_rates.get((job.job, r.rank, r.pid)) for r in ranks]
+        rates = [rr.rates for rr in per if rr is not None and rr.windows > 0]
+        agg: dict[str, list] = {}              # key -> [sum, max, count] over ranks with data
+        for r in rates:
+            for k, v in r.items():
+                a = agg.get(k)
+                if a is None:
+                    agg[k] = [v, v, 1]
+                else:
+                    a[0] += v
+                    a[1] = v if v > a[1] else a[1]
+                    a[2] += 1
+
+        def total(k):
+            a = agg.get(k)
+            return a[0] if a else 0.0
+
+        def top(k):
+            a = agg.get(k)
+            return a[1] if a else 0.0
+
+        def mean(k):
+            a = agg.get(k)
+            return a[0] / a[2] if a else 0.0
+
+        data_wait_frac = top("data_wait_frac")
+        gpu_idle, source = None, "client"
+        gpus = job.gpus
+        if self.gpu is not None and gpus and self.gpu.available:
+            gpu_idle = self.gpu.job_idle_frac(gpus, job.pids())
+            if gpu_idle is not None:
+                source = "nvml"
+        if gpu_idle is None and rates:
+            gpu_idle = data_wait_frac
+        allowed, cooperative = self._placement(ranks[0].pid) if ranks else ((), False)
+        max_workers = [r.max_workers for r in ranks if r.max_workers is not None]
+        return JobStats(
+            job=job.job, uid=job.uid, ranks=len(ranks),
+            gpus=max(1, len(job.reg_gpus) if job.reg_gpus else len(ranks)),
+            batch_size=max((r.batch_size for r in ranks), default=1),
+            workers=max((r.workers for r in ranks), default=0),
+            requested_workers=max((r.requested_workers for r in ranks), default=0),
+            max_workers=min(max_workers) if max_workers else None,
+            samples_per_s=total("samples_per_s"),
+            compute_s_per_step=mean("compute_s_per_step"),
+            data_wait_s_per_step=top("data_wait_s_per_step"),
+            data_wait_frac=data_wait_frac,
+            cpu_s_per_batch=mean("cpu_s_per_batch"), wall_s_per_batch=mean("wall_s_per_batch"),
+            runq_s_per_batch=mean("runq_s_per_batch"), blocked_s_per_batch=mean("blocked_s_per_batch"),
+            worker_cpu_cores=total("worker_cpu_cores"),
+            gpu_idle_frac=gpu_idle, gpu_idle_source=source,
+            allowed_cpus=allowed, cooperative=cooperative,
+            age_s=max(0.0, now - job.arrived_at),
+            observed_s=max((rr.observed_s for rr in per if rr is not None), default=0.0),
+            window_s=max((rr.window_s for rr in per if rr is not None and rr.windows), default=0.0),
+            applied=applied, requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
+            pids=job.pids(), worker_pids=job.worker_pids(),
+        )
+
+    def snapshot(self, now: float) -> NodeSnapshot:
+        """The controller's ``snapshot_source``: one consistent view of the node for this tick."""
+        if self.gpu is not None:
+            self.gpu.sample(now)
+        self.pressure = psi.read(self.proc_root)
+        applied = self.applied()
+        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values()}
+        snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
+                            max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
+                            io_pressure=self.pressure.io_some_avg10)
+        self.last = snap
+        return snap

@@ -1,0 +1,369 @@
+"""The controller: one ``tick(now)`` is snapshot -> observe/predict -> decide -> diff -> apply -> record.
+
+Invariants (what the tests hold it to):
+- ``tick`` never raises. A snapshot, predictor or policy failure is recorded in ``TickRecord.errors``
+  and the applied state is left as it is; an actuator failure is that job's ``ApplyResult(ok=False)``.
+- Desired and applied state are kept apart, per actuator. An actuator is called for a job only when
+  the job's desired allocation differs from what that actuator last applied for it (cores compared
+  with a small tolerance, the reason ignored), or, for actuators with ``tracks_pids = True`` (cgroup,
+  affinity), when the job's loader worker pids changed since that actuator last applied.
+- Breaker: three failed applies in a row for one job open that job's breaker; the job is skipped
+  (its result says so) until ``breaker_retry_s`` has passed, then one apply is tried again (half-open).
+  Other jobs are never affected. Open breakers are visible in ``TickRecord.breakers``.
+- A job present in ``applied()`` but absent from the snapshot has departed: it is forgotten (every
+  actuator releases it, the predictor forgets it) in that tick, before the policy runs, so the policy
+  hands its share out in the same tick.
+- The predictor gets a job's window once per window length (``JobStats.window_s``; successive
+  snapshots overlap), and its curve is asked for again only after an observation.
+- The policy sees ``JobStats.applied`` as the controller's own applied state (the collector does
+  not know it), so hysteresis is judged against what is really in force.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeSnapshot
+from agent.policies import Policy, PolicyConfig
+from predictor.curve import ThroughputCurve
+from predictor.observation import BadObservation, Observation
+
+BREAKER_FAILURES = 3
+CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
+
+
+class PredictorLike(Protocol):
+    def observe(self, job_id: str, obs: Observation) -> None: ...
+
+    def curve(self, job_id: str) -> Optional[ThroughputCurve]: ...
+
+    def forget(self, job_id: str) -> None: ...
+
+
+@dataclass
+class TickRecord:
+    now: float
+    duration_s: float
+    plan: AllocationPlan
+    results: dict[str, ApplyResult]            # only jobs something was applied to (or skipped by a breaker)
+    curves: dict[str, dict]                    # job -> curve summary (see ``curve_summary``)
+    breakers: dict[str, str] = field(default_factory=dict)   # job -> why its breaker is open
+    departed: tuple[str, ...] = ()             # jobs forgotten in this tick
+    errors: tuple[str, ...] = ()               # tick-level failures (snapshot, predictor, policy)
+
+    def to_dict(self) -> dict:
+        def alloc(a: Optional[JobAllocation]) -> Optional[dict]:
+            return None if a is None else dataclasses.asdict(a)
+
+        return {
+            "now": self.now,
+            "duration_s": self.duration_s,
+            "policy": self.plan.policy,
+            "allocations": {j: alloc(a) for j, a in self.plan.allocations.items()},
+            "unsatisfied": dict(self.plan.unsatisfied),
+            "predicted_total": self.plan.predicted_total,
+            "results": {j: {"ok": r.ok, "applied": alloc(r.applied), "error": r.error,
+                            "not_enforced": list(r.not_enforced)} for j, r in self.results.items()},
+            "curves": self.curves,
+            "breakers": dict(self.breakers),
+            "departed": list(self.departed),
+            "errors": list(self.errors),
+        }
+
+
+def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
+    if curve is None:
+        return {"source": "none", "confidence": 0.0}
+
+    def fin(x: float) -> Optional[float]:
+        return round(x, 4) if math.isfinite(x) else None
+
+    return {
+        "source": curve.source,
+        "confidence": round(curve.confidence, 3),
+        "ceiling_samples_per_s": fin(curve.ceiling_samples_per_s),
+        "max_useful_workers": curve.max_useful_workers,
+        "max_useful_cores": fin(curve.max_useful_cores),
+        "cpu_s_per_batch": curve.cpu_s_per_batch,
+        "compute_s_per_step": curve.compute_s_per_step,
+    }
+
+
+def observation_from_stats(job: JobStats, snapshot: NodeSnapshot) -> Optional[Observation]:
+    """The predictor's window for one job, or None when the job has no usable window yet.
+
+    Cores the loader could use: the applied CPU allocation, else the job's allowed CPUs, else an
+    even share of the node's loader CPUs.
+    """
+    if job.window_s <= 0 or job.batch_size <= 0:
+        return None
+    if job.applied is not None and job.applied.cpus > 0:
+        cores = job.applied.cpus
+    elif job.allowed_cpus:
+        cores = float(len(job.allowed_cpus))
+    else:
+        cores = snapshot.loader_cpus / max(1, len(snapshot.jobs))
+    if cores <= 0:
+        return None
+    ranks = max(1, job.ranks)
+    steps = int(round(job.samples_per_s / ranks / job.batch_size * job.window_s))
+    try:
+        return Observation(
+            workers=max(0, int(job.workers)),
+            cores=float(cores),
+            batch_size=int(job.batch_size),
+            compute_s_per_step=job.compute_s_per_step,
+            data_wait_s_per_step=job.data_wait_s_per_step,
+            cpu_s_per_batch=job.cpu_s_per_batch,
+            wall_s_per_batch=job.wall_s_per_batch,
+            runq_s_per_batch=job.runq_s_per_batch,
+            blocked_s_per_batch=job.blocked_s_per_batch,
+            samples_per_s=job.samples_per_s,
+            duration_s=job.window_s,
+            steps=steps,
+        )
+    except BadObservation:
+        return None
+
+
+def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
+    """Equal for actuation purposes: the reason is ignored, cores within ``CPUS_TOLERANCE``."""
+    if a is None or b is None:
+        return a is b
+    return (a.workers == b.workers and abs(a.cpus - b.cpus) < CPUS_TOLERANCE
+            and (tuple(a.cpuset) if a.cpuset else None) == (tuple(b.cpuset) if b.cpuset else None)
+            and a.io_weight == b.io_weight)
+
+
+def _with_field(obj, name: str, value):
+    """``dataclasses.replace`` for one field of a frozen dataclass without __post_init__, ~20x cheaper
+    (the controller does this for every job on every tick)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__[name] = value
+    return new
+
+
+class _Breaker:
+    __slots__ = ("failures", "opened_at", "last_error")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.opened_at: Optional[float] = None
+        self.last_error = ""
+
+
+class Controller:
+    """See the module docstring for the invariants."""
+
+    def __init__(self, *, snapshot_source: Callable[[float], NodeSnapshot], policy: Policy,
+                 policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
+                 on_record: Optional[Callable[[TickRecord], None]] = None,
+                 breaker_retry_s: float = 30.0) -> None:
+        self._snapshot_source = snapshot_source
+        self._policy = policy
+        self._config = policy_config
+        self._predictor = predictor
+        self._actuators = list(actuators)
+        self._on_record = on_record
+        self._breaker_retry_s = breaker_retry_s
+        self._applied: dict[str, JobAllocation] = {}                       # in force on every actuator
+        self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
+        self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
+        self._breakers: dict[str, _Breaker] = {}
+        self._pending_forget: set[str] = set()
+        self._observed_at: dict[str, float] = {}
+        self._curves: dict[str, ThroughputCurve] = {}
+        self._summaries: dict[str, dict] = {}
+        self.last_record: Optional[TickRecord] = None
+
+    # -- public API -------------------------------------------------------------------------
+    def applied(self) -> dict[str, JobAllocation]:
+        return dict(self._applied)
+
+    def adopt(self, applied: Mapping[str, JobAllocation]) -> None:
+        """Restart from the journal: treat ``applied`` as in force on every actuator."""
+        for job, alloc in applied.items():
+            self._applied[job] = alloc
+            for i in self._applied_by:
+                self._applied_by[i][job] = alloc
+
+    def forget(self, job_id: str) -> None:
+        """The job departed: actuators release it now; its share goes to the others on the next tick."""
+        errors = self._release(job_id)
+        if errors:
+            self._pending_forget.add(job_id)   # retried at the next tick
+
+    def stop(self) -> None:
+        """Restore every original value the actuators changed. Never raises."""
+        for act in self._actuators:
+            try:
+                act.restore()
+            except Exception:   # noqa: BLE001 — stop must finish for every actuator
+                pass
+        self._applied.clear()
+        for i in self._applied_by:
+            self._applied_by[i].clear()
+            self._pids_by[i].clear()
+
+    def tick(self, now: float) -> TickRecord:
+        t0 = time.perf_counter()
+        errors: list[str] = []
+        results: dict[str, ApplyResult] = {}
+        curves: dict[str, dict] = {}
+        departed: list[str] = []
+        plan = AllocationPlan(policy=getattr(self._policy, "__name__", "?"), allocations={})
+        try:
+            snapshot = self._snapshot_source(now)
+        except Exception as e:   # noqa: BLE001 — a tick never raises
+            errors.append(f"snapshot: {type(e).__name__}: {e}")
+            snapshot = None
+        if snapshot is not None:
+            for job_id in list(self._pending_forget):
+                if not self._release(job_id):
+                    self._pending_forget.discard(job_id)
+            for job_id in [j for j in self._applied if j not in snapshot.jobs]:
+                self.forget(job_id)
+                departed.append(job_id)
+            snapshot = self._with_applied(snapshot)
+            model: dict[str, ThroughputCurve] = {}
+            for job_id, job in snapshot.jobs.items():
+                curve = self._observe(job_id, job, snapshot, now, errors)
+                if curve is not None:
+                    model[job_id] = curve
+                curves[job_id] = self._summaries[job_id] if curve is not None else curve_summary(None)
+            try:
+                plan = self._policy(snapshot, model, self._config)
+            except Exception as e:   # noqa: BLE001
+                errors.append(f"policy: {type(e).__name__}: {e}")
+            for job_id, desired in plan.allocations.items():
+                job = snapshot.jobs.get(job_id)
+                if job is None:
+                    continue
+                r = self._apply_job(job, desired, now)
+                if r is not None:
+                    results[job_id] = r
+        record = TickRecord(now=now, duration_s=time.perf_counter() - t0, plan=plan, results=results,
+                            curves=curves, breakers=self._open_breakers(), departed=tuple(departed),
+                            errors=tuple(errors))
+        self.last_record = record
+        if self._on_record is not None:
+            try:
+                self._on_record(record)
+            except Exception:   # noqa: BLE001 — a recorder failure must not stop the loop
+                pass
+        return record
+
+    # -- internals --------------------------------------------------------------------------
+    def _with_applied(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        jobs = {}
+        changed = False
+        for job_id, job in snapshot.jobs.items():
+            mine = self._applied.get(job_id)
+            if mine is not None and job.applied is not mine:
+                job = _with_field(job, "applied", mine)
+                changed = True
+            jobs[job_id] = job
+        return dataclasses.replace(snapshot, jobs=jobs) if changed else snapshot
+
+    def _observe(self, job_id: str, job: JobStats, snapshot: NodeSnapshot, now: float,
+                 errors: list[str]) -> Optional[ThroughputCurve]:
+        """Feed the job's window to the predictor once per window length; return its curve.
+
+        Successive snapshots cover overlapping windows (the collector's window is longer than a
+        tick), so a window is observed only when a whole window has passed since the last one;
+        the curve is asked for again only after an observation (or while there is none).
+        """
+        last = self._observed_at.get(job_id)
+        due = last is None or now - last >= max(job.window_s, 1e-9) or now < last
+        try:
+            if due:
+                obs = observation_from_stats(job, snapshot)
+                if obs is not None:
+                    self._predictor.observe(job_id, obs)
+                    self._observed_at[job_id] = now
+                    self._curves.pop(job_id, None)
+                    self._summaries.pop(job_id, None)
+            if job_id not in self._curves:
+                curve = self._predictor.curve(job_id)
+                if curve is None:
+                    return None
+                self._curves[job_id] = curve
+                self._summaries[job_id] = curve_summary(curve)
+            return self._curves[job_id]
+        except Exception as e:   # noqa: BLE001 — a predictor failure is recorded, the tick goes on
+            errors.append(f"predictor {job_id}: {type(e).__name__}: {e}")
+            self._curves.pop(job_id, None)
+            self._summaries.pop(job_id, None)
+            return None
+
+    def _release(self, job_id: str) -> list[str]:
+        errors = []
+        for i, act in enumerate(self._actuators):
+            try:
+                act.release(job_id)
+            except Exception as e:   # noqa: BLE001
+                errors.append(f"{getattr(act, 'name', i)}: {e}")
+            self._applied_by[i].pop(job_id, None)
+            self._pids_by[i].pop(job_id, None)
+        self._applied.pop(job_id, None)
+        self._breakers.pop(job_id, None)
+        self._observed_at.pop(job_id, None)
+        self._curves.pop(job_id, None)
+        self._summaries.pop(job_id, None)
+        try:
+            self._predictor.forget(job_id)
+        except Exception as e:   # noqa: BLE001
+            errors.append(f"predictor: {e}")
+        return errors
+
+    def _open_breakers(self) -> dict[str, str]:
+        return {j: f"{b.failures} failures in a row; last: {b.last_error}"
+                for j, b in self._breakers.items() if b.opened_at is not None}
+
+    def _apply_job(self, job: JobStats, desired: JobAllocation, now: float) -> Optional[ApplyResult]:
+        todo = []
+        for i, act in enumerate(self._actuators):
+            if not same_allocation(self._applied_by[i].get(job.job), desired):
+                todo.append(i)
+            elif getattr(act, "tracks_pids", False) and self._pids_by[i].get(job.job) != job.worker_pids:
+                todo.append(i)
+        if not todo:
+            return None
+        br = self._breakers.setdefault(job.job, _Breaker())
+        if br.opened_at is not None and now - br.opened_at < self._breaker_retry_s:
+            return ApplyResult(job=job.job, ok=False, applied=self._applied.get(job.job),
+                               error=f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
+        errs: list[str] = []
+        not_enforced: list[str] = []
+        for i in todo:
+            act = self._actuators[i]
+            name = getattr(act, "name", str(i))
+            try:
+                r = act.apply(job, desired)
+            except Exception as e:   # noqa: BLE001 — the protocol says never raise; hold it to that
+                r = ApplyResult(job=job.job, ok=False, applied=None, error=f"{type(e).__name__}: {e}")
+            not_enforced.extend(r.not_enforced)
+            if r.ok:
+                self._applied_by[i][job.job] = desired
+                self._pids_by[i][job.job] = job.worker_pids
+            else:
+                errs.append(f"{name}: {r.error}")
+        everywhere = all(same_allocation(self._applied_by[i].get(job.job), desired)
+                         for i in range(len(self._actuators)))
+        if everywhere:
+            self._applied[job.job] = desired
+        if errs:
+            br.failures += 1
+            br.last_error = "; ".join(errs)
+            if br.failures >= BREAKER_FAILURES:
+                br.opened_at = now
+            return ApplyResult(job=job.job, ok=False, applied=self._applied.get(job.job),
+                               error=br.last_error, not_enforced=tuple(not_enforced))
+        br.failures = 0
+        br.opened_at = None
+        br.last_error = ""
+        return ApplyResult(job=job.job, ok=True, applied=desired, not_enforced=tuple(not_enforced))

@@ -1,0 +1,374 @@
+"""The node agent: the composition root and the service loop (``adloader agent``).
+
+``Agent(config)`` builds every part from the typed config and hands each its collaborators:
+
+    registry  = Registry(heartbeat_s)
+    collector = Collector(registry, loader_cpus, cpu_ids, gpu_sampler=GpuSampler(), applied=controller.applied)
+    server    = Server(endpoint, registry, on_report=collector.on_report, status_doc=self.status_doc)
+    controller = Controller(snapshot_source=collector.snapshot, policy=get_policy(config.policy),
+                            policy_config=PolicyConfig(...), predictor=PredictorBank(),
+                            actuators=agent.actuators.build(config.cgroup_mode, sink=server, ...))
+
+The loop (``run``) is the only place that sleeps: it polls the ROUTER socket and a signal wake-up
+pipe until the next tick is due, then calls ``tick(now)``: sweep the registry (departures: silent,
+dead or released jobs) -> ``controller.forget`` each departed job -> ``controller.tick(now)`` ->
+heartbeats to clients -> journal (only when something changed) -> metrics -> systemd watchdog.
+A tick never raises out of the loop.
+
+Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
+actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
+reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis,
+fairness_floor, log_level take effect at once; endpoint, state_dir, cgroup settings and
+metrics_port need a restart and are reported as such).
+
+Restart: the journal (``agent.journal``) is read at start. Jobs whose processes are still alive are
+re-adopted with their applied allocations (their clients reconnect by themselves and say hello
+again); jobs whose processes are gone are forgotten through the controller, so the actuators
+release what was made for them.
+
+systemd: with NOTIFY_SOCKET set, READY=1 after the socket is bound and the journal adopted,
+WATCHDOG=1 every half WATCHDOG_USEC, STOPPING=1 on stop (``sd_notify``).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any, Mapping, Optional
+
+import zmq
+
+from adloader import __version__, env, protocol
+from agent import config as configmod
+from agent import journal, logs
+from agent import status as statusmod
+from agent.collector import Collector
+from agent.config import AgentConfig
+from agent.nvml import GpuSampler
+from agent.registry import Registry
+from agent.server import Server
+
+log = logging.getLogger("agent.daemon")
+RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
+              "log_level")
+
+
+def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Send ``state`` (e.g. "READY=1") to systemd's NOTIFY_SOCKET; False when not under systemd.
+    An address starting with '@' is in the abstract namespace (sd_notify(3))."""
+    addr = env.notify_socket(environ)
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        logs.once("sd_notify_failed", log, "sd_notify_failed", logging.WARNING, error=str(e))
+        return False
+
+
+def _policy_config(cfg: AgentConfig):
+    from agent.policies import PolicyConfig
+
+    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
+                        pin_cpusets=cfg.cpu_knob == "cpuset")
+
+
+def _pct(xs: list, q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def _tick_summary(ticks) -> dict:
+    """The last ticks: wall and CPU (tick thread) milliseconds, and the controller's share of the wall
+    time (predictor + policy + actuators; the rest is the registry sweep and the snapshot)."""
+    wall = [t[0] for t in ticks]
+    cpu = [t[1] for t in ticks]
+    ctl = [t[2] for t in ticks]
+    return {"n": len(wall), "wall_ms_p50": _pct(wall, 0.5), "wall_ms_p95": _pct(wall, 0.95),
+            "wall_ms_max": round(max(wall), 3) if wall else None, "cpu_ms_p50": _pct(cpu, 0.5),
+            "cpu_ms_p95": _pct(cpu, 0.95), "controller_ms_p50": _pct(ctl, 0.5)}
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
+                 cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
+                 predictor: Any = None):
+        self.config = config
+        self.config_path = config_path
+        self.cli = dict(cli or {})
+        self.started_at = time.monotonic()
+        self.ticks = 0
+        self.last_tick_ms: Optional[float] = None
+        self.last_journal_ms: Optional[float] = None
+        self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms)
+        self._stop = False
+        self._hup = False
+        self._journal_key: Any = None
+        self.registry = Registry(heartbeat_s=config.heartbeat_s)
+        self.gpu = GpuSampler(gpu_module)
+        self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
+                                   cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
+                                   gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied)
+        self.ctx = zmq.Context()
+        self.server = Server(config.endpoint, self.registry, heartbeat_s=config.heartbeat_s,
+                             on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx)
+        if predictor is None:
+            from predictor.bank import PredictorBank
+
+            predictor = PredictorBank()
+        self.predictor = predictor
+        os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
+        self.actuators, self.cgroup_mode = self._build_actuators()
+        self.controller = self._build_controller()
+        self.metrics = None
+
+    # --- composition ------------------------------------------------------------------------------
+    def _build_actuators(self):
+        from agent import actuators
+
+        cfg = self.config
+        kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
+                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root)
+        try:
+            return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
+        except Exception as e:
+            if cfg.cgroup_mode != "auto":
+                raise
+            logs.event(log, "cgroups_unavailable", logging.WARNING, error=f"{type(e).__name__}: {e}",
+                       detail="cgroup_mode auto: running with worker-count directives only (mode off)")
+            return actuators.build("off", **kw), "off"
+
+    def _build_controller(self, applied: Optional[dict] = None):
+        from agent.controller import Controller
+        from agent.policies import get_policy
+
+        c = Controller(snapshot_source=self.collector.snapshot, policy=get_policy(self.config.policy),
+                       policy_config=_policy_config(self.config), predictor=self.predictor,
+                       actuators=self.actuators)
+        if applied:
+            c.adopt(applied)
+        return c
+
+    def _applied(self) -> dict:
+        c = getattr(self, "controller", None)
+        return c.applied() if c is not None else {}
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.config
+        os.makedirs(cfg.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
+        self.server.bind()
+        self._adopt_journal(time.monotonic())
+        self._warm_predictor()
+        if cfg.metrics_port:
+            from agent.metrics import Metrics
+
+            self.metrics = Metrics(cfg.metrics_port)
+            self.metrics.start()
+        logs.event(log, "agent_started", pid=os.getpid(), uid=os.getuid(), endpoint=cfg.endpoint,
+                   state_dir=cfg.state_dir, policy=cfg.policy, tick_s=cfg.tick_s,
+                   loader_cpus=self.collector.loader_cpus, cgroup_mode=self.cgroup_mode,
+                   actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
+                   metrics_port=cfg.metrics_port, version=__version__, protocol=protocol.VERSION)
+        sd_notify("READY=1\nSTATUS=serving " + cfg.endpoint)
+
+    def _warm_predictor(self) -> None:
+        """Load the predictor's prior now (it imports scikit-learn and fits once, seconds), so the first
+        tick with a job does not take that long; failures are the predictor's to report in ticks."""
+        t0 = time.perf_counter()
+        try:
+            getattr(self.predictor, "prior", None)
+        except Exception as e:
+            logs.event(log, "predictor_prior_failed", logging.WARNING, error=f"{type(e).__name__}: {e}")
+            return
+        logs.event(log, "predictor_ready", seconds=round(time.perf_counter() - t0, 3))
+
+    def _adopt_journal(self, now: float) -> None:
+        doc = journal.load(self.config.state_dir)
+        if not doc:
+            return
+        adopted, dead = self.registry.adopt(doc["jobs"], now)
+        self.controller.adopt(doc["applied"])
+        for job in set(dead) | (set(doc["applied"]) - set(adopted)):
+            self.controller.forget(job)
+        logs.event(log, "journal_adopted", adopted=adopted, forgotten=sorted(set(dead) | (set(doc["applied"]) - set(adopted))),
+                   previous_agent_pid=doc.get("agent_pid"))
+        self._write_journal(force=True)
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def request_reload(self, *_: Any) -> None:
+        self._hup = True
+
+    def stop(self) -> None:
+        sd_notify("STOPPING=1")
+        try:
+            self.controller.stop()
+        except Exception as e:
+            logs.event(log, "restore_failed", logging.ERROR, error=str(e))
+        self._write_journal(force=True)
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.server.close()
+        self.ctx.term()
+        logs.event(log, "agent_stopped", ticks=self.ticks)
+
+    def reload(self) -> None:
+        try:
+            new = configmod.load(self.config_path, self.cli)
+        except configmod.ConfigError as e:
+            logs.event(log, "reload_failed", logging.ERROR, error=str(e), detail="keeping the running config")
+            return
+        old = self.config
+        changed = [k for k in configmod.KEYS if getattr(new, k) != getattr(old, k)]
+        need_restart = [k for k in changed if k not in RELOADABLE]
+        live = {k: getattr(new, k) for k in changed if k in RELOADABLE}
+        self.config = dataclasses.replace(old, **live)
+        if "log_level" in live:
+            logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
+        if "heartbeat_s" in live:
+            self.registry.heartbeat_s = self.server.heartbeat_s = new.heartbeat_s
+        if "loader_cpus" in live:
+            self.collector.loader_cpus = self.config.resolved_loader_cpus()
+        if "max_jobs" in live:
+            self.collector.max_jobs = new.max_jobs
+        if {"policy", "hysteresis", "fairness_floor"} & set(live):
+            self.controller = self._build_controller(applied=self.controller.applied())
+        logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
+
+    # --- the tick ---------------------------------------------------------------------------------
+    def tick(self, now: float):
+        """One tick; never raises (a failure is logged and the loop goes on)."""
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        record = None
+        try:
+            self.registry.sweep(now)
+            for job, why in self.registry.take_departed():
+                self.collector.forget(job)
+                self.controller.forget(job)
+                logs.event(log, "job_departed", job=job, why=why)
+            record = self.controller.tick(now)
+            for e in record.errors:
+                logs.once(f"tick_error:{e[:80]}", log, "tick_error", logging.WARNING, error=e)
+            self.server.heartbeat(now)
+        except Exception as e:
+            logs.event(log, "tick_failed", logging.ERROR, error=f"{type(e).__name__}: {e}")
+        self.ticks += 1
+        self.last_tick_ms = (time.perf_counter() - t0) * 1000.0
+        self.recent_ticks.append((self.last_tick_ms, (time.thread_time() - c0) * 1000.0,
+                                  record.duration_s * 1000.0 if record is not None else 0.0))
+        try:
+            self._write_journal()
+        except OSError as e:
+            logs.once("journal_write_failed", log, "journal_write_failed", logging.ERROR, error=str(e))
+        if self.metrics is not None:
+            try:
+                self.metrics.update(self.status_doc(), self.server.counts, self.server.errors)
+            except Exception as e:
+                logs.once("metrics_failed", log, "metrics_failed", logging.WARNING, error=str(e))
+        return record
+
+    def _write_journal(self, force: bool = False) -> None:
+        applied = self.controller.applied()
+        key = (self.registry.version, tuple(sorted((j, a.workers, round(a.cpus, 3), a.cpuset) for j, a in applied.items())))
+        if not force and key == self._journal_key:
+            return
+        t0 = time.perf_counter()
+        journal.save(self.config.state_dir, applied, self.registry.to_doc())
+        self.last_journal_ms = (time.perf_counter() - t0) * 1000.0
+        self._journal_key = key
+
+    def status_doc(self) -> dict:
+        cfg = self.config
+        snap = self.collector.last
+        info = {
+            "pid": os.getpid(), "uid": os.getuid(), "version": __version__, "protocol": protocol.VERSION,
+            "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": cfg.policy, "tick_s": cfg.tick_s,
+            "heartbeat_s": cfg.heartbeat_s, "uptime_s": round(time.monotonic() - self.started_at, 1),
+            "ticks": self.ticks, "last_tick_ms": round(self.last_tick_ms, 3) if self.last_tick_ms is not None else None,
+            "loader_cpus": self.collector.loader_cpus, "cpu_ids": list(self.collector.cpu_ids),
+            "max_jobs": cfg.max_jobs, "cgroup_mode": self.cgroup_mode,
+            "actuators": [getattr(a, "name", type(a).__name__) for a in self.actuators],
+            "gpu_source": "nvml" if self.gpu.available else "client",
+            "nvml_error": None if self.gpu.available else (self.gpu.last_error or None),
+            "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
+            "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
+            "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
+        }
+        return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,
+                               record=self.controller.last_record, applied=self.controller.applied())
+
+    # --- the service loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT. Installs the signal handlers (main thread only)."""
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_wakeup = signal.set_wakeup_fd(wfd)
+        old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, self.request_stop),
+                                                   (signal.SIGINT, self.request_stop),
+                                                   (signal.SIGHUP, self.request_reload))}
+        try:
+            try:
+                self.start()
+            except BaseException:
+                self.server.close()
+                self.ctx.term()
+                raise
+            self._started = True
+            poller = zmq.Poller()
+            poller.register(self.server.sock, zmq.POLLIN)
+            poller.register(rfd, zmq.POLLIN)
+            watchdog_s = env.watchdog_interval_s()
+            next_watchdog = time.monotonic()
+            next_tick = time.monotonic()
+            while not self._stop:
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.server.handle_ready(now)   # messages already here count for this tick (a bye
+                    self.tick(now)                  # before the process is seen gone)
+                    next_tick += self.config.tick_s
+                    if next_tick <= time.monotonic():
+                        next_tick = time.monotonic() + self.config.tick_s
+                if watchdog_s and now >= next_watchdog:
+                    sd_notify("WATCHDOG=1")
+                    next_watchdog = now + watchdog_s / 2
+                timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000) + 1)
+                try:
+                    events = dict(poller.poll(timeout_ms))
+                except zmq.ZMQError as e:   # pyzmq retries EINTR itself; anything else is real
+                    logs.event(log, "poll_failed", logging.ERROR, error=str(e))
+                    raise
+                if rfd in events:
+                    try:
+                        while os.read(rfd, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                if self.server.sock in events:
+                    self.server.handle_ready(time.monotonic())
+                if self._hup:
+                    self._hup = False
+                    self.reload()
+            return 0
+        finally:
+            try:
+                if getattr(self, "_started", False):
+                    self.stop()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+                signal.set_wakeup_fd(old_wakeup)
+                os.close(rfd)
+                os.close(wfd)

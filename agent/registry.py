@@ -1,0 +1,367 @@
+"""The job registry: which jobs are on this node, their ranks, owners and processes.
+
+A job is the set of training processes that share a job id (client side: ADLOADER_JOB_ID, else
+SLURM_JOB_ID, else torchrun's run id, else ``pid-<pid>``); each process is a rank. A job arrives on
+its first ``hello`` or on ``register`` (Slurm prolog, before any rank connects) and departs when
+- it was never registered and its last rank said ``bye``, went silent (no message for
+  ``LOST_AFTER_BEATS`` heartbeats) or its process is gone (checked every tick with psutil, pid reuse
+  caught by the process start time); or
+- it was registered and ``release`` arrives, or every process it registered and every rank is gone.
+Departures are queued; the daemon takes them with ``take_departed()`` and calls
+``controller.forget(job)`` before the next tick, so the share is handed out on that tick.
+
+Invariants:
+- a job has one owner uid for its whole life; only that uid (or root) may join, report for, or
+  release it (``Refused("not_permitted")`` otherwise);
+- ``by_identity`` maps every connected ZeroMQ identity to exactly one (job, rank);
+- a rank's ``pid`` is the process that connected (peer credentials), not just a claim;
+- register and release are idempotent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from agent import security
+from agent.security import Peer
+
+LOST_AFTER_BEATS = 3
+MAX_WORKER_PIDS = 1024
+
+
+class Refused(Exception):
+    """A request the registry will not carry out; ``code`` is a protocol error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Rank:
+    job: str
+    rank: int
+    pid: int
+    uid: int
+    identity: bytes
+    start_ticks: Optional[int]
+    last_seen: float
+    connected_at: float
+    worker_pids: tuple[int, ...] = ()
+    local_rank: int = 0
+    world_size: int = 1
+    gpus: tuple[str, ...] = ()
+    batch_size: int = 1
+    workers: int = 0
+    requested_workers: int = 0
+    max_workers: Optional[int] = None
+    hostname: str = ""
+    stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
+    reports: int = 0
+
+
+@dataclass
+class Job:
+    job: str
+    uid: int
+    arrived_at: float                      # monotonic
+    source: str                            # "hello" | "register" | "journal"
+    registered: bool = False
+    reg_gpus: tuple[str, ...] = ()
+    reg_cpus: Optional[int] = None
+    reg_pids: dict[int, Optional[int]] = field(default_factory=dict)   # pid -> create time
+    ranks: dict[int, Rank] = field(default_factory=dict)
+    seq: int = 0                           # last directive seq sent
+    last_directive: Optional[dict] = None
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        out: list[str] = list(self.reg_gpus)
+        for r in self.ranks.values():
+            out.extend(g for g in r.gpus if g not in out)
+        return tuple(out)
+
+    def pids(self) -> tuple[int, ...]:
+        return tuple(sorted(r.pid for r in self.ranks.values()))
+
+    def worker_pids(self) -> tuple[int, ...]:
+        return tuple(sorted({p for r in self.ranks.values() for p in r.worker_pids}))
+
+
+def _int_list(value, name: str, limit: int = MAX_WORKER_PIDS) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > limit or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in value):
+        raise Refused("malformed", f"{name} must be a list of at most {limit} positive integers")
+    return value
+
+
+def _str_list(value, name: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 64 or not all(isinstance(g, str) and len(g) < 128 for g in value):
+        raise Refused("malformed", f"{name} must be a list of at most 64 strings")
+    return value
+
+
+def _opt_int(msg: dict, name: str, default, lo: int = 0):
+    v = msg.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 1_000_000:
+        raise Refused("malformed", f"field {name!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _job_id(msg: dict) -> str:
+    job = msg["job"]
+    if not job or len(job) > 128 or not job.isprintable():
+        raise Refused("malformed", "job id must be 1..128 printable characters")
+    return job
+
+
+class Registry:
+    def __init__(self, heartbeat_s: float = 2.0):
+        self.heartbeat_s = heartbeat_s
+        self.jobs: dict[str, Job] = {}
+        self.by_identity: dict[bytes, tuple[str, int]] = {}
+        self._departed: list[tuple[str, str]] = []
+        self.version = 0                  # bumped on every change the journal must record
+
+    # --- authorization ----------------------------------------------------------------------------
+    @staticmethod
+    def _caller(peer: Optional[Peer]) -> Peer:
+        if peer is None:
+            raise Refused("not_permitted", "the agent cannot identify the caller (no peer credentials on "
+                                           "this transport); use the ipc:// endpoint")
+        return peer
+
+    def _owned(self, job_id: str, uid: int) -> Optional[Job]:
+        job = self.jobs.get(job_id)
+        if job is not None and job.uid != uid:
+            raise Refused("not_permitted", f"job {job_id!r} belongs to uid {job.uid}, not uid {uid}")
+        return job
+
+    # --- messages ---------------------------------------------------------------------------------
+    def hello(self, peer: Optional[Peer], identity: bytes, msg: dict, now: float) -> Rank:
+        """A training process says hello: create or join its job, (re)bind its identity."""
+        peer = self._caller(peer)
+        job_id = _job_id(msg)
+        rank_no = _opt_int(msg, "rank", 0)
+        pid = msg["pid"]
+        if pid != peer.pid:
+            raise Refused("not_permitted", f"hello for pid {pid} came from pid {peer.pid}; a training process "
+                                           "may only speak for itself")
+        uid = peer.uid
+        claimed = msg.get("uid")
+        if claimed is not None and claimed != uid:
+            raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
+        worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
+        ok, why = security.pids_owned_by(worker_pids, uid)
+        if not ok:
+            raise Refused("not_permitted", f"worker_pids: {why}")
+        job = self._owned(job_id, uid)
+        if job is None:
+            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello")
+        old = job.ranks.get(rank_no)
+        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks):
+            raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
+        if old is not None:
+            self.by_identity.pop(old.identity, None)
+        r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
+                 start_ticks=security.pid_start_ticks(pid), last_seen=now,
+                 connected_at=old.connected_at if old is not None and old.pid == pid else now,
+                 worker_pids=tuple(worker_pids),
+                 local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
+                 gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_opt_int(msg, "batch_size", 1, 1),
+                 workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
+                 max_workers=_opt_int(msg, "max_workers", None),
+                 hostname=str(msg.get("hostname") or "")[:255])
+        if old is not None and old.pid == pid:
+            r.stats, r.reports = old.stats, old.reports
+        job.ranks[rank_no] = r
+        self.by_identity[identity] = (job_id, rank_no)
+        self.version += 1
+        return r
+
+    def rank_of(self, identity: bytes, peer: Optional[Peer], msg: dict) -> Rank:
+        """The rank behind ``identity`` for a report/heartbeat/bye; refuses strangers and impostors."""
+        key = self.by_identity.get(identity)
+        if key is None:
+            raise Refused("unknown_job", "this connection has not said hello (or the agent restarted): "
+                                         "send hello first")
+        job_id, rank_no = key
+        r = self.jobs[job_id].ranks[rank_no]
+        if "job" in msg and (msg["job"] != job_id or msg.get("rank", rank_no) != rank_no or msg.get("pid", r.pid) != r.pid):
+            raise Refused("not_permitted", f"this connection speaks for job {job_id!r} rank {rank_no} pid {r.pid}, "
+                                           f"not job {msg['job']!r} rank {msg.get('rank')!r} pid {msg.get('pid')!r}")
+        if peer is None or peer.pid != r.pid:
+            raise Refused("not_permitted", "this connection does not belong to the process that said hello")
+        return r
+
+    def report(self, identity: bytes, peer: Optional[Peer], msg: dict, now: float) -> Rank:
+        r = self.rank_of(identity, peer, msg)
+        worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
+        new = [p for p in worker_pids if p not in r.worker_pids]
+        if new:
+            ok, why = security.pids_owned_by(new, r.uid)
+            if not ok:
+                raise Refused("not_permitted", f"worker_pids: {why}")
+        if tuple(worker_pids) != r.worker_pids:
+            self.version += 1
+        r.worker_pids = tuple(worker_pids)
+        stats = msg["stats"]
+        r.stats = stats
+        r.reports += 1
+        r.last_seen = now
+        for key, attr in (("workers", "workers"), ("max_workers", "max_workers"),
+                          ("requested_workers", "requested_workers"), ("batch_size", "batch_size")):
+            v = stats.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
+                setattr(r, attr, v)
+        return r
+
+    def touch(self, identity: bytes, peer: Optional[Peer], msg: dict, now: float) -> Rank:
+        r = self.rank_of(identity, peer, msg)
+        r.last_seen = now
+        return r
+
+    def bye(self, identity: bytes, peer: Optional[Peer], msg: dict) -> None:
+        r = self.rank_of(identity, peer, msg)
+        self._drop_rank(self.jobs[r.job], r.rank, "bye")
+
+    def register(self, peer: Optional[Peer], msg: dict, now: float) -> Job:
+        peer = self._caller(peer)
+        job_id = _job_id(msg)
+        uid = msg["uid"]
+        if uid < 0:
+            raise Refused("malformed", f"uid must be >= 0, got {uid}")
+        if uid != peer.uid and not peer.root:
+            raise Refused("not_permitted", f"uid {peer.uid} may not register a job for uid {uid}")
+        pids = _int_list(msg.get("pids"), "pids")
+        ok, why = security.pids_owned_by(pids, uid)
+        if not ok:
+            raise Refused("not_permitted", f"pids: {why}")
+        job = self._owned(job_id, uid)
+        if job is None:
+            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="register")
+        job.registered = True
+        job.reg_gpus = tuple(_str_list(msg.get("gpus"), "gpus"))
+        cpus = msg.get("cpus")
+        if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or cpus <= 0):
+            raise Refused("malformed", f"cpus must be a positive integer or null, got {cpus!r}")
+        job.reg_cpus = cpus
+        job.reg_pids = {p: security.pid_start_ticks(p) for p in pids}
+        self.version += 1
+        return job
+
+    def release(self, peer: Optional[Peer], msg: dict) -> bool:
+        """Depart a job (idempotent). True if it was here."""
+        peer = self._caller(peer)
+        job_id = _job_id(msg)
+        job = self.jobs.get(job_id)
+        if job is None:
+            return False
+        if job.uid != peer.uid and not peer.root:
+            raise Refused("not_permitted", f"job {job_id!r} belongs to uid {job.uid}, not uid {peer.uid}")
+        self._depart(job_id, "released")
+        return True
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def _drop_rank(self, job: Job, rank_no: int, why: str) -> None:
+        r = job.ranks.pop(rank_no, None)
+        if r is not None:
+            self.by_identity.pop(r.identity, None)
+            self.version += 1
+        if job.ranks:
+            return
+        if not job.registered:
+            self._depart(job.job, why)
+        elif job.reg_pids and not any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+            self._depart(job.job, why)
+        # a registered job without known pids stays until release (the Slurm epilog)
+
+    def _depart(self, job_id: str, why: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        for r in job.ranks.values():
+            self.by_identity.pop(r.identity, None)
+        self._departed.append((job_id, why))
+        self.version += 1
+
+    def sweep(self, now: float) -> None:
+        """Drop silent or dead ranks and jobs whose processes are all gone (once per tick)."""
+        lost_s = LOST_AFTER_BEATS * self.heartbeat_s
+        for job in list(self.jobs.values()):
+            for r in list(job.ranks.values()):
+                if not security.alive(r.pid, r.start_ticks):
+                    self._drop_rank(job, r.rank, "process gone")
+                elif now - r.last_seen > lost_s:
+                    self._drop_rank(job, r.rank, "heartbeat lost")
+            if job.job in self.jobs and not job.ranks and job.registered and job.reg_pids and not any(
+                    security.alive(p, ct) for p, ct in job.reg_pids.items()):
+                self._depart(job.job, "process gone")
+
+    def take_departed(self) -> list[tuple[str, str]]:
+        out, self._departed = self._departed, []
+        return out
+
+    def next_seq(self, job_id: str) -> int:
+        job = self.jobs[job_id]
+        job.seq += 1
+        return job.seq
+
+    # --- journal ----------------------------------------------------------------------------------
+    def to_doc(self) -> dict:
+        return {
+            job.job: {
+                "uid": job.uid, "source": job.source, "registered": job.registered, "seq": job.seq,
+                "last_directive": job.last_directive,
+                "reg_gpus": list(job.reg_gpus), "reg_cpus": job.reg_cpus,
+                "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
+                "ranks": {str(r.rank): {"pid": r.pid, "uid": r.uid, "start_ticks": r.start_ticks,
+                                        "worker_pids": list(r.worker_pids), "gpus": list(r.gpus),
+                                        "batch_size": r.batch_size, "workers": r.workers,
+                                        "requested_workers": r.requested_workers, "max_workers": r.max_workers,
+                                        "world_size": r.world_size, "local_rank": r.local_rank}
+                          for r in job.ranks.values()},
+            }
+            for job in self.jobs.values()
+        }
+
+    def adopt(self, doc: dict, now: float) -> tuple[list[str], list[str]]:
+        """Re-adopt jobs from a journal: live ranks come back (waiting for their hello, with a full
+        heartbeat grace), dead ones are dropped. Returns (adopted job ids, dead job ids)."""
+        adopted, dead = [], []
+        for job_id, j in (doc or {}).items():
+            try:
+                job = Job(job=job_id, uid=int(j["uid"]), arrived_at=now, source="journal",
+                          registered=bool(j.get("registered")), seq=int(j.get("seq", 0)),
+                          reg_gpus=tuple(j.get("reg_gpus") or ()), reg_cpus=j.get("reg_cpus"),
+                          reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},
+                          last_directive=j.get("last_directive") if isinstance(j.get("last_directive"), dict) else None)
+                for rk, r in (j.get("ranks") or {}).items():
+                    if not security.alive(int(r["pid"]), r.get("start_ticks")):
+                        continue
+                    job.ranks[int(rk)] = Rank(
+                        job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
+                        identity=b"", start_ticks=r.get("start_ticks"), last_seen=now, connected_at=now,
+                        worker_pids=tuple(int(p) for p in r.get("worker_pids") or ()),
+                        gpus=tuple(r.get("gpus") or ()), batch_size=int(r.get("batch_size") or 1),
+                        workers=int(r.get("workers") or 0), requested_workers=int(r.get("requested_workers") or 0),
+                        max_workers=r.get("max_workers"), world_size=int(r.get("world_size") or 1),
+                        local_rank=int(r.get("local_rank") or 0))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                dead.append(job_id)
+                continue
+            reg_alive = job.registered and (not job.reg_pids or any(
+                security.alive(p, ct) for p, ct in job.reg_pids.items()))
+            if job.ranks or reg_alive:
+                self.jobs[job_id] = job
+                adopted.append(job_id)
+            else:
+                dead.append(job_id)
+        self.version += 1
+        return adopted, dead

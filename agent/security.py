@@ -1,0 +1,142 @@
+"""Who is talking, and how much: peer credentials, pid ownership, per-identity token buckets.
+
+Who: on an ipc:// socket libzmq reads ``SO_PEERCRED`` when the peer connects and exposes it as the
+message property ``Peer-Address`` = ``"<host>:<uid>:<gid>:<pid>"`` (libzmq src/stream_engine_base.cpp,
+``ZMQ_HAVE_SO_PEERCRED``). The kernel fills it in, so a client cannot lie about its uid or pid. The agent:
+- takes the caller's uid from the peer credentials, never from the message (the message's ``uid``
+  must agree, else ``not_permitted``);
+- accepts a ``hello``/``report`` only when the claimed pid is the connecting process itself, and the
+  claimed worker pids belong to the caller's uid;
+- lets root (the Slurm prolog/epilog) register/release any job and claim any uid there; a hello
+  is always from the process itself, root or not.
+Without peer credentials (tcp://, or a platform without SO_PEERCRED) every request that claims a job
+is refused with ``not_permitted`` and a message saying why; ``status`` is still answered.
+
+How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``); a caller over it
+gets one ``rate_limited`` reply per period and its messages are dropped unparsed.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+RATE_PER_S = 50.0
+BURST = 100.0
+MAX_BUCKETS = 8192
+
+
+@dataclass(frozen=True)
+class Peer:
+    uid: int
+    gid: int
+    pid: int
+
+    @property
+    def root(self) -> bool:
+        return self.uid == 0
+
+
+def parse_peer_address(value: Optional[str]) -> Optional[Peer]:
+    """``"host:uid:gid:pid"`` -> Peer; None when the transport gave no credentials."""
+    if not value:
+        return None
+    parts = value.rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        uid, gid, pid = int(parts[1]), int(parts[2]), int(parts[3])
+    except ValueError:
+        return None
+    if uid < 0 or pid <= 0:
+        return None
+    return Peer(uid, gid, pid)
+
+
+def peer_of(frame) -> Optional[Peer]:
+    try:
+        return parse_peer_address(frame.get("Peer-Address"))
+    except Exception:
+        return None
+
+
+def pid_uid(pid: int) -> Optional[int]:
+    """Real uid of a live process, None if it is gone or cannot be read."""
+    try:
+        return psutil.Process(pid).uids().real
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone.
+    The command name may hold spaces and parentheses: split at the last ')' (proc(5))."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (OSError, ValueError):
+        return None
+    try:
+        rest = data[data.rindex(b")") + 2:].split()
+        return rest[0].decode(), int(rest[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def pid_start_ticks(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks since boot): with the pid, a process identity that
+    survives pid reuse. None if the process is gone."""
+    st = _stat(pid)
+    return st[1] if st is not None else None
+
+
+def alive(pid: int, start_ticks: Optional[int]) -> bool:
+    """True if ``pid`` is the same live process as when first seen (not a zombie, not a reused pid).
+    One read of /proc/<pid>/stat: cheap enough for every rank on every tick."""
+    st = _stat(pid)
+    if st is None or st[0] in ("Z", "X", "x"):
+        return False
+    return start_ticks is None or st[1] == start_ticks
+
+
+def pids_owned_by(pids, uid: int) -> tuple[bool, str]:
+    """All ``pids`` are live processes of ``uid`` (root callers are checked by the caller)."""
+    for p in pids:
+        if not isinstance(p, int) or isinstance(p, bool) or p <= 0:
+            return False, f"pid {p!r} is not a process id"
+        owner = pid_uid(p)
+        if owner is None:
+            return False, f"pid {p} is not a live process"
+        if owner != uid:
+            return False, f"pid {p} belongs to uid {owner}, not {uid}"
+    return True, ""
+
+
+class TokenBuckets:
+    """One token bucket per key, LRU-bounded. ``take(key, now)`` -> True if allowed."""
+
+    def __init__(self, rate_per_s: float = RATE_PER_S, burst: float = BURST, max_keys: int = MAX_BUCKETS):
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_keys = max_keys
+        self._b: "OrderedDict[bytes, list[float]]" = OrderedDict()
+
+    def take(self, key: bytes, now: Optional[float] = None) -> bool:
+        now = time.monotonic() if now is None else now
+        b = self._b.get(key)
+        if b is None:
+            if len(self._b) >= self.max_keys:
+                self._b.popitem(last=False)
+            b = self._b[key] = [self.burst, now]
+        else:
+            self._b.move_to_end(key)
+        tokens = min(self.burst, b[0] + (now - b[1]) * self.rate_per_s)
+        b[1] = now
+        if tokens >= 1.0:
+            b[0] = tokens - 1.0
+            return True
+        b[0] = tokens
+        return False

@@ -1,0 +1,260 @@
+"""The agent's side of the wire: one ZeroMQ ROUTER, protocol decode, requests -> registry, replies.
+
+Socket: ROUTER bound on the configured endpoint with ROUTER_MANDATORY (a send to a vanished client
+fails at once instead of vanishing), LINGER=0, MAXMSGSIZE=protocol.MAX_MESSAGE_BYTES (libzmq drops
+the connection of a peer that sends more; it never reaches us), SNDHWM bounded, sends non-blocking:
+a directive or reply that cannot go out now is dropped (the client re-asks; directives are resent on
+hello). The ipc socket's directory is created 0755; the socket is made 0666 when the agent runs as
+root (any user's training process may connect; peer credentials decide what each may do) and 0600
+otherwise (only the agent's user).
+
+Per message (``handle_ready``): token bucket per identity (over it: dropped unparsed, one
+``rate_limited`` reply and one log line per period) -> exactly one frame -> ``protocol.decode``
+(size, JSON, version, schema; a ``ProtocolError`` becomes an ``error`` reply with its code) ->
+peer credentials (``agent.security``) -> the registry. A ``Refused`` from the registry becomes an
+``error`` reply; any other exception is logged and answered ``internal``: one bad message never
+takes the agent down or touches another job.
+
+Replies: hello -> ``welcome`` (+ the job's current directive, if any); report/heartbeat -> nothing
+(reports are the client's heartbeats); bye/register/release -> ``ok``; status -> ``status``.
+The agent sends every connected client a ``heartbeat`` each ``heartbeat_s`` (``heartbeat(now)``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from typing import Callable, Optional
+
+import zmq
+
+from adloader import env, protocol
+from agent import logs, security
+from agent.registry import Refused, Registry
+
+log = logging.getLogger("agent.server")
+CLIENT_TO_AGENT = frozenset({"hello", "report", "heartbeat", "bye", "register", "release", "status"})
+MAX_PER_POLL = 2000
+
+
+class EndpointBusy(RuntimeError):
+    pass
+
+
+class Server:
+    def __init__(self, endpoint: str, registry: Registry, *, heartbeat_s: float,
+                 on_report: Callable[[str, int, int, dict, float], None],
+                 status_doc: Callable[[], dict], ctx: Optional[zmq.Context] = None,
+                 buckets: Optional[security.TokenBuckets] = None):
+        self.endpoint = endpoint
+        self.registry = registry
+        self.heartbeat_s = heartbeat_s
+        self.on_report = on_report
+        self.status_doc = status_doc
+        self.ctx = ctx or zmq.Context.instance()
+        self.buckets = buckets or security.TokenBuckets()
+        self.sock: Optional[zmq.Socket] = None
+        self._lock_fd: Optional[int] = None
+        self._last_heartbeat = 0.0
+        self._limited_log = logs.RateLimitedLog(log, period_s=10.0)
+        self._limited_reply: dict[bytes, float] = {}
+        self.counts: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.now = 0.0
+
+    # --- socket lifecycle -------------------------------------------------------------------------
+    def bind(self) -> None:
+        path = env.ipc_path(self.endpoint)
+        if path is not None:
+            d = os.path.dirname(path)
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            self._lock(path + ".lock")
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.SNDHWM, 100)
+        s.setsockopt(zmq.RCVHWM, 10000)
+        s.bind(self.endpoint)
+        if path is not None:
+            os.chmod(path, 0o666 if os.getuid() == 0 else 0o600)
+        self.sock = s
+
+    def _lock(self, lock_path: str) -> None:
+        """One agent per endpoint: libzmq would silently unlink a live agent's socket on bind."""
+        import fcntl
+
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                other = os.read(fd, 32).decode().strip()
+            except OSError:
+                other = "?"
+            os.close(fd)
+            raise EndpointBusy(f"another agent (pid {other or '?'}) is serving {self.endpoint} "
+                               f"(lock {lock_path} is held)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        path = env.ipc_path(self.endpoint)
+        if path is not None and self._lock_fd is not None:
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # --- sending ----------------------------------------------------------------------------------
+    def _send(self, identity: bytes, msg: dict) -> bool:
+        try:
+            data = protocol.encode(msg)
+        except protocol.ProtocolError:
+            data = json.dumps(msg, separators=(",", ":"), default=str).encode()   # a big status doc
+        try:
+            self.sock.send_multipart([identity, data], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def _error(self, identity: bytes, code: str, message: str, re: Optional[str] = None) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+        self._send(identity, protocol.error(code, message, re))
+
+    def send_directive(self, job_id: str, workers: int, cpus: Optional[float], cpuset: Optional[list],
+                       reason: str) -> bool:
+        """DirectiveActuator's sink: send to every connected rank of the job. True if at least one
+        rank was sent it, or if the job has no rank connected yet (registered by the Slurm prolog,
+        or re-adopted after a restart): the directive is kept on the job and every rank that says
+        hello gets it with its welcome. False when ranks are connected and none could be sent it."""
+        job = self.registry.jobs.get(job_id)
+        if job is None:
+            return False
+        job.last_directive = {"workers": int(workers), "cpus": cpus, "cpuset": list(cpuset) if cpuset else None,
+                              "reason": reason}
+        msg = protocol.make("directive", job=job_id, seq=self.registry.next_seq(job_id), **job.last_directive)
+        connected = [r for r in job.ranks.values() if r.identity]
+        if not connected:
+            return True
+        sent = False
+        for r in connected:
+            if self._send(r.identity, msg):
+                sent = True
+        return sent
+
+    def heartbeat(self, now: float) -> None:
+        if now - self._last_heartbeat < self.heartbeat_s:
+            return
+        self._last_heartbeat = now
+        hb = protocol.make("heartbeat")
+        for identity in list(self.registry.by_identity):
+            if identity:
+                self._send(identity, hb)
+
+    # --- receiving --------------------------------------------------------------------------------
+    def handle_ready(self, now: float, budget: int = MAX_PER_POLL) -> int:
+        """Handle the messages waiting now (at most ``budget``); returns how many."""
+        self.now = now
+        n = 0
+        while n < budget:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            try:
+                self._handle(frames, now)
+            except Exception as e:   # never let one message take the agent down
+                logs.event(log, "message_failed", logging.ERROR, error=f"{type(e).__name__}: {e}")
+                try:
+                    self._error(frames[0].bytes, "internal", "the agent failed on this message; it is logged")
+                except Exception:
+                    pass
+        return n
+
+    def _handle(self, frames, now: float) -> None:
+        identity = frames[0].bytes
+        if not self.buckets.take(identity, now):
+            self.errors["rate_limited"] = self.errors.get("rate_limited", 0) + 1
+            last = self._limited_reply.get(identity, -1e9)
+            if now - last >= 1.0:
+                if len(self._limited_reply) > 4096:
+                    self._limited_reply.clear()
+                self._limited_reply[identity] = now
+                self._send(identity, protocol.error(
+                    "rate_limited", f"more than {security.RATE_PER_S:g} messages/s; messages are dropped"))
+            self._limited_log.event(identity.hex()[:64], "rate_limited", identity=identity[:64].decode("utf-8", "replace"))
+            return
+        if len(frames) != 2:
+            self._bad(identity, "malformed", f"expected one frame per message, got {len(frames) - 1}")
+            return
+        frame = frames[1]
+        try:
+            msg = protocol.decode(frame.bytes)
+        except protocol.ProtocolError as e:
+            self._bad(identity, e.code, str(e))
+            return
+        t = msg["type"]
+        self.counts[t] = self.counts.get(t, 0) + 1
+        if t not in CLIENT_TO_AGENT:
+            self._bad(identity, "unknown_type", f"{t!r} is sent by the agent, not to it", t)
+            return
+        peer = security.peer_of(frame)
+        try:
+            if t == "hello":
+                self._hello(identity, peer, msg, now)
+            elif t == "report":
+                r = self.registry.report(identity, peer, msg, now)
+                self.on_report(r.job, r.rank, r.pid, msg["stats"], now)
+            elif t == "heartbeat":
+                if "job" in msg:
+                    self.registry.touch(identity, peer, msg, now)
+            elif t == "bye":
+                self.registry.bye(identity, peer, msg)
+                logs.event(log, "rank_left", job=msg["job"], rank=msg["rank"], pid=msg["pid"])
+                self._send(identity, protocol.make("ok", re="bye"))
+            elif t == "register":
+                job = self.registry.register(peer, msg, now)
+                logs.event(log, "job_registered", job=job.job, uid=job.uid, gpus=list(job.reg_gpus),
+                           cpus=job.reg_cpus, source=msg.get("source"))
+                self._send(identity, protocol.make("ok", re="register"))
+            elif t == "release":
+                was = self.registry.release(peer, msg)
+                self._send(identity, protocol.make("ok", re="release",
+                                                   detail="released" if was else "not known (already released)"))
+            elif t == "status":
+                self._send(identity, {"v": protocol.VERSION, "type": "status", "doc": self.status_doc()})
+        except Refused as e:
+            self._bad(identity, e.code, str(e), t)
+
+    def _bad(self, identity: bytes, code: str, message: str, re: Optional[str] = None) -> None:
+        self._error(identity, code, message, re)
+        self._limited_log.event(f"{code}:{identity.hex()[:64]}", "request_refused", code=code, message=message[:300],
+                                identity=identity[:64].decode("utf-8", "replace"))
+
+    def _hello(self, identity: bytes, peer, msg: dict, now: float) -> None:
+        new_job = msg["job"] not in self.registry.jobs
+        r = self.registry.hello(peer, identity, msg, now)
+        job = self.registry.jobs[r.job]
+        if new_job:
+            logs.event(log, "job_arrived", job=r.job, uid=r.uid, rank=r.rank, pid=r.pid, via="hello")
+        logs.event(log, "rank_hello", job=r.job, rank=r.rank, pid=r.pid, workers=r.workers,
+                   worker_pids=len(r.worker_pids))
+        self._send(identity, protocol.make("welcome", job=r.job, heartbeat_s=self.heartbeat_s, challenge=None))
+        if job.last_directive is not None:
+            self._send(identity, protocol.make("directive", job=r.job, seq=self.registry.next_seq(r.job),
+                                               **job.last_directive))

@@ -1,0 +1,571 @@
+"""Trace-driven simulation of the allocation policies over many nodes (``adloader simulate``).
+
+The same policy code as the agent (``agent.policies.get_policy``) and the same predictor
+(``predictor.bank.PredictorBank``, fed synthetic observation windows) decide; jobs are modelled by
+throughput curves (``predictor.curve.ThroughputCurve``):
+
+- ``curves="corpus"``: one curve per job of the predictor's measured corpus
+  (``predictor/data/corpus.jsonl``: its measured windows fed to a PredictorBank), its loader cost scaled
+  so that a job's demand relative to its GPU's share of the node's loader cores is what it was relative
+  to the measuring machine's loader cores;
+- ``curves="builtin"``: first-principles curves for the bench's job kinds (``agent/bench/catalog.toml``:
+  cores per GPU from ~1 (NLP-like) to ~12 (AlexNet-like), step 0.1 s).
+
+Physics of a node (what a policy's plan turns into): job j with w workers wants
+``d_j = rate_max * c / correction`` cores, ``rate_max = min(1/g, correction * w / (c + b))`` batches/s.
+The node's loader cores are water-filled over jobs by weight, each capped at its demand:
+weight = the plan's ``cpus`` with ``cpu_knob="shares"`` (work-conserving, the agent's default), or a
+hard cap at ``cpus`` with ``"quota"``; a plan entry with ``enforce_cpu=False`` (policy ``none``)
+weighs by its worker count (the kernel's fair scheduler shares per runnable thread). Throughput is
+then the true curve at (w, cores got). Worker restarts cost nothing here (the bench measures that).
+
+Time: event-driven per node. A node re-decides at every arrival and departure and then every
+``tick_s`` while the plan still moves (at most ``settle_ticks`` times), so the predictor gets fresh
+windows after each change; between decisions rates are constant and progress is exact.
+
+Trace file (``--trace``): CSV with a header, or JSON lines, one job per row/line:
+    node      str   node name (jobs of one node share its cores)
+    job       str   job id (unique within the node)
+    kind      str   a curve name (``adloader simulate --list-kinds``)
+    arrival_s float seconds from the start
+    work_s    float the job's work, in seconds at its ceiling (samples = work_s * ceiling)
+    gpus      int   optional, default 1
+Generator (no trace): ``nodes`` nodes, ``jobs_per_node`` jobs each, Poisson arrivals with mean gap
+``mean_gap_s``, work ~ lognormal around ``mean_work_s``, kinds drawn uniformly; seeded.
+
+Metrics per policy: aggregate normalised throughput (per node: sum over jobs of samples/ceiling over
+the node's makespan; mean over nodes), makespan (mean and max over nodes), JCT mean/p95, GPU idle
+fraction, Jain's index of the jobs' mean normalised throughput, min ratio to the even split (job by
+job), decisions and worker changes. ``oracle``: the exact knapsack (``agent.bench.oracle``) on the
+*true* curves at every decision: a ceiling for static-per-set allocation.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from agent.bench import metrics as M
+from predictor.curve import ThroughputCurve
+
+CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
+POLICIES_DEFAULT = ("even-static", "even", "none", "adaptive", "oracle")
+PREDICTORS = ("agent", "first-principles", "perfect")
+CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle")   # decide without the predictor's curves
+                                                                   # (the oracle reads the true ones)
+MEASURED_LOADER_CPUS = 1.8      # the corpus machine: 2 vCPUs minus the agent's 10% reserve
+
+
+class SimError(ValueError):
+    """A trace or option that cannot be simulated; the message names the line or option."""
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    node: str
+    job: str
+    kind: str
+    arrival_s: float
+    work_s: float
+    gpus: int = 1
+
+
+@dataclass
+class _Job:
+    tj: TraceJob
+    curve: ThroughputCurve          # the truth (scaled to the node)
+    remaining: float                # samples
+    start: float = math.nan
+    done: float = math.nan
+    samples: float = 0.0
+    norm_s: float = 0.0             # integral of normalised throughput dt
+    wait_s: float = 0.0
+    alive_s: float = 0.0
+    rate: float = 0.0
+    workers: int = 0
+    changes: int = 0
+
+
+# -- curves ------------------------------------------------------------------------------------
+
+def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
+    """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed."""
+    from agent.bench.catalog import load_catalog
+
+    cat = load_catalog(catalog_path)
+    out = {}
+    for name, k in cat.kinds.items():
+        c = k.cores_per_gpu * step_s           # CPU s per batch so that c / g = cores_per_gpu
+        b = k.io_sleep_s * batch_size
+        out[name] = ThroughputCurve(job=name, batch_size=batch_size, compute_s_per_step=step_s,
+                                    cpu_s_per_batch=c, blocked_s_per_batch=b, confidence=1.0,
+                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu})
+    return out
+
+
+def corpus_curves(path: Path = CORPUS_PATH) -> dict:
+    """One curve per corpus job: its measured windows through a PredictorBank (the agent's own model)."""
+    from predictor.bank import PredictorBank
+    from predictor.observation import Observation
+
+    if not Path(path).exists():
+        raise SimError(f"corpus {path} not found (use --curves builtin)")
+    by_job: dict[str, list] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise SimError(f"corpus {path}:{n}: not JSON") from None
+            if rec.get("kind") == "point" and "observation" in rec:
+                by_job.setdefault(rec["job"], []).append(Observation.from_dict(rec["observation"]))
+    bank = PredictorBank()
+    out = {}
+    for job, obs in by_job.items():
+        for o in obs:
+            bank.observe(job, o)
+        cv = bank.curve(job)
+        if cv is not None and cv.cpu_s_per_batch > 0:
+            out[job] = cv
+    if not out:
+        raise SimError(f"corpus {path} has no usable points")
+    return out
+
+
+def _scale(curve: ThroughputCurve, factor: float) -> ThroughputCurve:
+    """The same job on a node where its GPU's share of loader cores is ``factor`` x the measuring one's."""
+    import dataclasses
+
+    return dataclasses.replace(curve, cpu_s_per_batch=curve.cpu_s_per_batch * factor,
+                               blocked_s_per_batch=curve.blocked_s_per_batch)
+
+
+_DEMAND_CACHE: dict = {}
+
+
+def demand_cores(curve: ThroughputCurve, workers: int = 1 << 10, tol: float = 0.001) -> float:
+    """Cores the job uses with ``workers`` workers and unlimited cores: the least core amount at which
+    the curve's throughput is within ``tol`` of its value with unlimited cores (bisection on the
+    curve itself, so learned corrections and soft minimums count; cached per curve and workers)."""
+    key = (id(curve), workers)
+    hit = _DEMAND_CACHE.get(key)
+    if hit is not None and hit[0] is curve:
+        return hit[1]
+    if workers < 1:
+        return 0.0
+    top = curve.throughput(workers, 1e9)
+    if top <= 0 or curve.cpu_s_per_batch <= 0:
+        d = 0.0
+    else:
+        lo, hi = 0.0, max(1.0, workers * 1.0)
+        while curve.throughput(workers, hi) < (1 - tol) * top and hi < 1e6:
+            hi *= 2
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            if curve.throughput(workers, mid) >= (1 - tol) * top:
+                hi = mid
+            else:
+                lo = mid
+        d = hi
+    if len(_DEMAND_CACHE) > 100_000:
+        _DEMAND_CACHE.clear()
+    _DEMAND_CACHE[key] = (curve, d)
+    return d
+
+
+# -- traces --------------------------------------------------------------------------------------
+
+def read_trace(path: str) -> list[TraceJob]:
+    p = Path(path)
+    if not p.exists():
+        raise SimError(f"trace {path}: no such file")
+    rows = []
+    text = p.read_text()
+    if p.suffix in (".jsonl", ".json") or text.lstrip().startswith("{"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((n, json.loads(line)))
+                except ValueError:
+                    raise SimError(f"trace {path}:{n}: not a JSON object") from None
+    else:
+        rd = csv.DictReader(text.splitlines())
+        rows = [(n, r) for n, r in enumerate(rd, 2)]
+    out = []
+    for n, r in rows:
+        try:
+            out.append(TraceJob(node=str(r["node"]), job=str(r["job"]), kind=str(r["kind"]),
+                                arrival_s=float(r["arrival_s"]), work_s=float(r["work_s"]),
+                                gpus=int(r.get("gpus") or 1)))
+        except KeyError as e:
+            raise SimError(f"trace {path}:{n}: missing column {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise SimError(f"trace {path}:{n}: {e}") from None
+    return out
+
+
+def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,
+                   seed: int = 0) -> list[TraceJob]:
+    rng = random.Random(seed)
+    out = []
+    for n in range(nodes):
+        t = 0.0
+        for i in range(jobs_per_node):
+            if i:
+                t += rng.expovariate(1.0 / mean_gap_s) if mean_gap_s > 0 else 0.0
+            work = mean_work_s * rng.lognormvariate(-0.125, 0.5)
+            out.append(TraceJob(node=f"n{n}", job=f"n{n}-j{i}", kind=rng.choice(kinds), arrival_s=round(t, 3),
+                                work_s=round(work, 3)))
+    return out
+
+
+# -- one node ------------------------------------------------------------------------------------
+
+def waterfill(capacity: float, weights: dict, caps: dict) -> dict:
+    """Split ``capacity`` by ``weights``, nobody above its cap; what a capped job leaves is re-split."""
+    got = {j: 0.0 for j in weights}
+    active = {j for j in weights if caps[j] > 1e-12 and weights[j] > 0}
+    left = capacity
+    while active and left > 1e-12:
+        tw = sum(weights[j] for j in active)
+        full = {j for j in active if got[j] + left * weights[j] / tw >= caps[j] - 1e-12}
+        if not full:
+            for j in active:
+                got[j] += left * weights[j] / tw
+            break
+        for j in full:
+            left -= caps[j] - got[j]
+            got[j] = caps[j]
+        active -= full
+    return got
+
+
+def node_rates(curves: dict, allocations: dict, loader_cpus: float, cpu_knob: str = "shares",
+               default_workers: int = 1) -> tuple[dict, dict]:
+    """The node's physics: (cores each job gets, its samples/s) under ``allocations`` (job ->
+    JobAllocation; a job without one runs ``default_workers`` workers unmanaged). See the module doc."""
+    weights, caps, workers = {}, {}, {}
+    for jid, cv in curves.items():
+        a = allocations.get(jid)
+        w = workers[jid] = a.workers if a else default_workers
+        caps[jid] = demand_cores(cv, w)
+        if a is None or not getattr(a, "enforce_cpu", True):
+            weights[jid] = float(w)
+        else:
+            weights[jid] = max(1e-6, a.cpus)
+            if cpu_knob == "quota":
+                caps[jid] = min(caps[jid], a.cpus)
+    got = waterfill(loader_cpus, weights, caps)
+    return got, {jid: cv.throughput(workers[jid], got[jid]) for jid, cv in curves.items()}
+
+
+@dataclass
+class SimConfig:
+    cores: float = 48.0             # node CPUs
+    gpus: int = 8                   # GPUs per node (a job uses its `gpus`)
+    loader_cpus: Optional[float] = None   # default: cores minus the agent's 10% reserve
+    cpu_knob: str = "shares"
+    tick_s: float = 2.0
+    settle_ticks: int = 2
+    requested_workers: Optional[int] = None   # each job's own num_workers (none keeps it); default cores/gpus
+    predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
+                                    # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
+                                    # (the true curves); all banks are fed synthetic windows of the truth
+
+    @property
+    def loader(self) -> float:
+        return self.loader_cpus if self.loader_cpus is not None else round(self.cores * 0.9, 2)
+
+
+def _oracle_policy(grid: int = 192):
+    """The exact knapsack on the curves it is given (the true ones in the simulator); value grids are
+    cached per curve object, budget and weight, so a node's repeated decisions cost one DP each."""
+    from agent.bench.oracle import solve, value_from_curve, value_grid
+    from agent.model import AllocationPlan, JobAllocation
+
+    cache: dict = {}
+
+    def oracle(snapshot, curves, config):
+        jobs, grids = {}, {}
+        for j, s in snapshot.jobs.items():
+            cv, weight = curves[j], max(1, s.gpus)
+            key = (id(cv), weight, snapshot.loader_cpus)
+            hit = cache.get(key)
+            if hit is None or hit[0] is not cv:
+                jv = value_from_curve(cv, weight=weight)
+                hit = cache[key] = (cv, jv, value_grid(jv, snapshot.loader_cpus, grid))
+            jobs[j], grids[j] = hit[1], hit[2]
+        if not jobs:
+            return AllocationPlan(policy="oracle", allocations={})
+        plan = solve(jobs, snapshot.loader_cpus, grid=grid, grids=grids)
+        return AllocationPlan(policy="oracle", allocations={
+            j: JobAllocation(job=j, workers=plan.workers[j], cpus=max(1e-3, plan.cpus[j]), reason="oracle")
+            for j in jobs}, predicted_total=plan.objective)
+
+    return oracle
+
+
+_ORACLE = []
+
+
+def _policy(name: str):
+    if name == "oracle":
+        if not _ORACLE:
+            _ORACLE.append(_oracle_policy())
+        return _ORACLE[0]
+    from agent.policies import get_policy
+
+    return get_policy(name)
+
+
+def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig) -> dict:
+    """One node under one policy: per-job results and node totals."""
+    from agent.model import JobStats, NodeSnapshot
+    from agent.policies import PolicyConfig
+    from predictor.observation import Observation
+
+    policy = _policy(policy_name)
+    pconf = PolicyConfig()
+    bank = None
+    if cfg.predictor not in PREDICTORS:
+        raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
+    if cfg.predictor != "perfect" and policy_name not in CURVE_FREE_POLICIES:
+        from predictor.bank import PredictorBank
+
+        bank = PredictorBank(prior="default" if cfg.predictor == "agent" else None)
+    C = cfg.loader
+    cpu_ids = tuple(range(int(cfg.cores)))
+    req = cfg.requested_workers or max(1, int(cfg.cores // cfg.gpus))
+    pending = sorted(jobs_in, key=lambda j: j.arrival_s)
+    active: dict[str, _Job] = {}
+    finished: list[_Job] = []
+    applied: dict = {}
+    t = 0.0
+    decisions = 0
+    ticks_left = 0
+    n_jobs = len(pending)
+
+    def observe_and_stats():
+        stats = {}
+        for jid, jb in active.items():
+            cv = jb.curve
+            bs = cv.batch_size
+            thr = jb.rate
+            g = cv.compute_s_per_step
+            step_s = bs / thr if thr > 0 else math.inf
+            wait = max(0.0, step_s - g) if thr > 0 else 0.0
+            a = applied.get(jid)
+            w = a.workers if a else req
+            if bank is not None and thr > 0:
+                bps = thr / bs
+                wall = w / bps if bps > 0 else 0.0
+                c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+                runq = max(0.0, wall - c - b)
+                got = getattr(jb, "cores_got", 0.0)
+                bank.observe(jid, Observation(
+                    workers=w, cores=max(1e-3, a.cpus if a else C / max(1, len(active))), batch_size=bs,
+                    compute_s_per_step=g, data_wait_s_per_step=wait, cpu_s_per_batch=c,
+                    wall_s_per_batch=max(wall, c + b), runq_s_per_batch=runq, blocked_s_per_batch=b,
+                    samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s))))
+            stats[jid] = JobStats(
+                job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w, requested_workers=req,
+                max_workers=None, samples_per_s=thr, compute_s_per_step=g, data_wait_s_per_step=wait,
+                data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=cv.cpu_s_per_batch,
+                wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
+                blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=getattr(jb, "cores_got", 0.0),
+                age_s=t - jb.start, observed_s=t - jb.start, window_s=cfg.tick_s if thr > 0 else 0.0,
+                applied=a, pids=(), worker_pids=())
+        return stats
+
+    def decide():
+        nonlocal applied, decisions
+        stats = observe_and_stats()
+        snap = NodeSnapshot(now=t, loader_cpus=C, cpu_ids=cpu_ids, jobs=stats, max_jobs=cfg.gpus)
+        if bank is None:
+            curves = {j: active[j].curve for j in active}
+        else:
+            curves = {j: c for j in active if (c := bank.curve(j)) is not None}
+        plan = policy(snap, curves, pconf)
+        decisions += 1
+        moved = False
+        new = {}
+        for jid in active:
+            a = plan.allocations.get(jid)
+            if a is None:
+                continue
+            old = applied.get(jid)
+            if old is None or old.workers != a.workers or abs(old.cpus - a.cpus) > 1e-6:
+                moved = True
+                if old is not None and old.workers != a.workers:
+                    active[jid].changes += 1
+            new[jid] = a
+        applied = new
+        physics()
+        return moved
+
+    def physics():
+        got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
+        for jid, jb in active.items():
+            a = applied.get(jid)
+            jb.workers = a.workers if a else req
+            jb.cores_got = got[jid]
+            jb.rate = rates[jid]
+
+    while pending or active:
+        # next event
+        t_arr = pending[0].arrival_s if pending else math.inf
+        t_fin = min((t + jb.remaining / jb.rate if jb.rate > 0 else math.inf) for jb in active.values()) \
+            if active else math.inf
+        t_tick = t + cfg.tick_s if ticks_left > 0 else math.inf
+        t_next = min(t_arr, t_fin, t_tick)
+        if t_next == math.inf:
+            raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
+        dt = t_next - t
+        for jb in active.values():
+            done = jb.rate * dt
+            jb.remaining -= done
+            jb.samples += done
+            ceil = jb.curve.ceiling_samples_per_s
+            jb.norm_s += (jb.rate / ceil) * dt
+            jb.alive_s += dt
+            jb.wait_s += (1.0 - jb.rate / ceil) * dt
+        t = t_next
+        changed = False
+        for jid in [j for j, jb in active.items() if jb.remaining <= 1e-6 * jb.curve.batch_size]:
+            jb = active.pop(jid)
+            jb.done = t
+            finished.append(jb)
+            applied.pop(jid, None)
+            if bank is not None:
+                bank.forget(jid)
+            changed = True
+        while pending and pending[0].arrival_s <= t + 1e-12:
+            tj = pending.pop(0)
+            cv = truth[tj.kind]
+            jb = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s), start=t)
+            active[tj.job] = jb
+            changed = True
+        if changed:
+            physics()          # rates before the first decision (cold jobs at their own request)
+            decide()
+            ticks_left = cfg.settle_ticks if bank is not None else 0
+        elif t == t_tick:
+            moved = decide()
+            ticks_left = ticks_left - 1 if not moved else max(ticks_left - 1, 1)
+    starts = [jb.start for jb in finished]
+    ends = [jb.done for jb in finished]
+    span = max(ends) - min(starts) if finished else 0.0
+    return {
+        "jobs": {jb.tj.job: {"kind": jb.tj.kind, "jct_s": jb.done - jb.start, "norm_mean": jb.norm_s / jb.alive_s
+                             if jb.alive_s > 0 else 0.0, "wait_s": jb.wait_s, "alive_s": jb.alive_s,
+                             "norm_s": jb.norm_s * max(1, jb.tj.gpus), "changes": jb.changes} for jb in finished},
+        "makespan_s": span, "decisions": decisions, "n_jobs": n_jobs,
+    }
+
+
+# -- many nodes ----------------------------------------------------------------------------------
+
+def _run_chunk(args):
+    nodes, truth, policies, cfg = args
+    out = {p: {} for p in policies}
+    for p in policies:
+        for node, jobs in nodes:
+            out[p][node] = simulate_node(jobs, truth, p, cfg)
+    return out
+
+
+def node_truth(curves: dict, cfg: SimConfig, source: str) -> dict:
+    """Curves as they behave on a simulated node (corpus curves scaled to the node's cores per GPU)."""
+    if source != "corpus":
+        return curves
+    factor = (cfg.loader / cfg.gpus) / MEASURED_LOADER_CPUS
+    return {k: _scale(cv, factor) for k, cv in curves.items()}
+
+
+def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, source: str = "builtin",
+             processes: Optional[int] = None) -> dict:
+    """Run every policy over every node of the trace; returns per-policy summaries and per-node results."""
+    unknown = sorted({tj.kind for tj in trace} - set(curves))
+    if unknown:
+        raise SimError(f"trace names unknown kinds: {', '.join(unknown)}; known: {', '.join(sorted(curves))}")
+    truth = node_truth(curves, cfg, source)
+    by_node: dict[str, list] = {}
+    for tj in trace:
+        by_node.setdefault(tj.node, []).append(tj)
+    items = sorted(by_node.items())
+    procs = processes if processes is not None else min(os.cpu_count() or 1, max(1, len(items) // 50))
+    t0 = time.perf_counter()
+    if procs > 1:
+        import multiprocessing as mp
+
+        chunks = [items[i::procs] for i in range(procs)]
+        with mp.get_context("fork").Pool(procs) as pool:
+            parts = pool.map(_run_chunk, [(c, truth, list(policies), cfg) for c in chunks])
+    else:
+        parts = [_run_chunk((items, truth, list(policies), cfg))]
+    per_policy = {p: {} for p in policies}
+    for part in parts:
+        for p, nodes in part.items():
+            per_policy[p].update(nodes)
+    wall = time.perf_counter() - t0
+    summary = {p: summarise_policy(per_policy[p]) for p in policies}
+    ref = "even" if "even" in per_policy else ("even-static" if "even-static" in per_policy else None)
+    if ref:
+        even_norm = {(n, j): v["norm_mean"] for n, r in per_policy[ref].items() for j, v in r["jobs"].items()}
+        for p in policies:
+            ratios = [v["norm_mean"] / even_norm[(n, j)] for n, r in per_policy[p].items()
+                      for j, v in r["jobs"].items() if even_norm.get((n, j), 0) > 0]
+            summary[p]["fairness_vs_even_min"] = min(ratios) if ratios else math.nan
+            summary[p]["fairness_vs_even_p5"] = M.percentile(ratios, 5) if ratios else math.nan
+    for p in policies:
+        for base in ("oracle", "even-static", "even"):
+            if base in summary and base != p and summary[base]["agg_normalised"] > 0:
+                summary[p][f"ratio_{base}"] = summary[p]["agg_normalised"] / summary[base]["agg_normalised"]
+    return {"summary": summary, "wall_s": wall, "nodes": len(items), "jobs": len(trace), "processes": procs,
+            "config": cfg.__dict__ | {"loader_cpus_resolved": cfg.loader}}
+
+
+def summarise_policy(nodes: dict) -> dict:
+    aggs, spans, jcts, waits, alive, norms, changes, decisions = [], [], [], 0.0, 0.0, [], 0, 0
+    for r in nodes.values():
+        if r["makespan_s"] > 0:
+            aggs.append(sum(v["norm_s"] for v in r["jobs"].values()) / r["makespan_s"])
+            spans.append(r["makespan_s"])
+        for v in r["jobs"].values():
+            jcts.append(v["jct_s"])
+            waits += v["wait_s"]
+            alive += v["alive_s"]
+            norms.append(v["norm_mean"])
+            changes += v["changes"]
+        decisions += r["decisions"]
+    return {"agg_normalised": M.mean(aggs), "makespan_mean_s": M.mean(spans),
+            "makespan_max_s": max(spans) if spans else math.nan, "jct_mean_s": M.mean(jcts),
+            "jct_p95_s": M.percentile(jcts, 95), "gpu_idle_frac": M.gpu_idle_fraction([waits], [alive]),
+            "jain": M.jain_index(norms), "worker_changes": changes, "decisions": decisions}
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    lines = ["| policy | agg. norm. throughput / node | × oracle | × even-static | × even | makespan mean / max s "
+             "| JCT mean / p95 s | GPU idle | Jain | min ratio to even (p5) | worker changes | decisions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, spec=".3f"):
+        return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    for p, r in s.items():
+        lines.append(f"| {p} | {f(r['agg_normalised'])} | {f(r.get('ratio_oracle'))} | {f(r.get('ratio_even-static'))} "
+                     f"| {f(r.get('ratio_even'))} | {f(r['makespan_mean_s'], '.1f')} / {f(r['makespan_max_s'], '.1f')} "
+                     f"| {f(r['jct_mean_s'], '.1f')} / {f(r['jct_p95_s'], '.1f')} | {f(r['gpu_idle_frac'], '.1%')} "
+                     f"| {f(r['jain'])} | {f(r.get('fairness_vs_even_min'), '.2f')} ({f(r.get('fairness_vs_even_p5'), '.2f')}) "
+                     f"| {r['worker_changes']} | {r['decisions']} |")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""The status document (``adloader status --json``, the ``status`` reply, the metrics source).
+
+Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be added):
+
+    version             1
+    agent               {pid, uid, version, protocol, endpoint, state_dir, policy, tick_s, heartbeat_s,
+                         uptime_s, ticks, last_tick_ms, loader_cpus, cpu_ids[], max_jobs, cgroup_mode,
+                         actuators[], gpu_source ("nvml" | "client"), nvml_error, cpu_pressure,
+                         io_pressure (PSI some avg10 %, null where absent), metrics_port, errors{code: n},
+                         messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
+                         cpu_ms_p50, cpu_ms_p95, controller_ms_p50} over the last 60 ticks, journal_ms (last write)}
+    predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
+    unsatisfied         {job: what it wanted and did not get}
+    tick_errors         [str] tick-level failures of the last tick
+    jobs                [one object per job, sorted by job id]:
+        job                 job id
+        uid                 owner
+        source              "hello" | "register" | "journal" (how it arrived)
+        registered          true if `adloader job register` (Slurm prolog) announced it
+        ranks               training processes connected on this node
+        pids[]              their pids
+        worker_pids[]       loader worker pids (all ranks)
+        gpus[]              GPU ids (registration, else what the ranks see)
+        workers             loader workers now (reported by the clients, max over ranks)
+        requested_workers   the user's num_workers
+        max_workers         the loader's bound, null if none
+        cpus                CPU cores in force for the job's loader workers (null before any apply)
+        cpuset[]            exclusive CPUs in force, null if not pinned
+        desired_workers     what the last plan wants (may differ from workers while a directive travels)
+        desired_cpus
+        data_wait_frac      share of step time blocked on data (max over ranks), 0..1
+        gpu_idle_frac       GPU idle share, 0..1, null before data
+        gpu_idle_source     "nvml" (driver) or "client" (data_wait_frac stands in)
+        samples_per_s       summed over ranks
+        compute_s_per_step  mean over ranks
+        worker_cpu_cores    CPU cores the job's workers used
+        max_useful_workers  the predictor's estimate (null before its first curve)
+        max_useful_cores
+        curve_confidence    0..1
+        reason              why the job has its current allocation (the policy's words)
+        unsatisfied         what it wanted and did not get, null if nothing
+        apply_ok            last apply result (null if nothing applied in the last tick)
+        apply_error         its error text, "" if none
+        breaker             why the job's breaker is open, null if closed
+        age_s, observed_s   since arrival; seconds of reports
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Optional
+
+STATUS_VERSION = 1
+
+
+def _r(x: Optional[float], nd: int = 4) -> Optional[float]:
+    if x is None or not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return None
+    return round(float(x), nd)
+
+
+def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dict:
+    """Assemble the document from the daemon's parts (pure: no sockets, no clocks)."""
+    jobs = []
+    plan = record.plan if record is not None else None
+    unsatisfied = dict(plan.unsatisfied) if plan is not None else {}
+    for job_id in sorted(registry.jobs):
+        job = registry.jobs[job_id]
+        st = snapshot.jobs.get(job_id) if snapshot is not None else None
+        a = applied.get(job_id)
+        desired = plan.allocations.get(job_id) if plan is not None else None
+        curve = (record.curves.get(job_id) if record is not None else None) or {}
+        result = record.results.get(job_id) if record is not None else None
+        breaker = record.breakers.get(job_id) if record is not None else None
+        if desired is not None:
+            reason = desired.reason
+        elif a is not None:
+            reason = a.reason
+        else:
+            reason = "waiting for the first tick" if st is None else "no allocation yet"
+        jobs.append({
+            "job": job_id, "uid": job.uid, "source": job.source, "registered": job.registered,
+            "ranks": len(job.ranks), "pids": list(job.pids()), "worker_pids": list(job.worker_pids()),
+            "gpus": list(job.gpus),
+            "workers": max((r.workers for r in job.ranks.values()), default=0),
+            "requested_workers": max((r.requested_workers for r in job.ranks.values()), default=0),
+            "max_workers": st.max_workers if st is not None else None,
+            "cpus": _r(a.cpus) if a is not None else None,
+            "cpuset": list(a.cpuset) if a is not None and a.cpuset else None,
+            "desired_workers": desired.workers if desired is not None else None,
+            "desired_cpus": _r(desired.cpus) if desired is not None else None,
+            "data_wait_frac": _r(st.data_wait_frac) if st is not None else None,
+            "gpu_idle_frac": _r(st.gpu_idle_frac) if st is not None else None,
+            "gpu_idle_source": st.gpu_idle_source if st is not None else "client",
+            "samples_per_s": _r(st.samples_per_s, 2) if st is not None else None,
+            "compute_s_per_step": _r(st.compute_s_per_step) if st is not None else None,
+            "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,
+            "max_useful_workers": curve.get("max_useful_workers"),
+            "max_useful_cores": _r(curve.get("max_useful_cores")),
+            "curve_confidence": _r(curve.get("confidence"), 3),
+            "reason": reason,
+            "unsatisfied": unsatisfied.get(job_id),
+            "apply_ok": result.ok if result is not None else None,
+            "apply_error": result.error if result is not None else "",
+            "breaker": breaker,
+            "age_s": _r(st.age_s, 1) if st is not None else None,
+            "observed_s": _r(st.observed_s, 1) if st is not None else None,
+        })
+    return {
+        "version": STATUS_VERSION,
+        "agent": agent_info,
+        "predicted_total": _r(plan.predicted_total) if plan is not None else None,
+        "unsatisfied": unsatisfied,
+        "tick_errors": list(record.errors) if record is not None else [],
+        "jobs": jobs,
+    }
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and spec:
+        return format(v, spec)
+    return str(v)
+
+
+def render_table(doc: dict) -> str:
+    """The human view: one header block for the agent, one row per job."""
+    a = doc.get("agent", {})
+    lines = [
+        f"agent pid {a.get('pid')}  policy {a.get('policy')}  tick {a.get('tick_s')}s "
+        f"(last {_fmt(a.get('last_tick_ms'), '.2f')} ms)  loader CPUs {_fmt(a.get('loader_cpus'), 'g')}  "
+        f"cgroups {a.get('cgroup_mode')}  GPU figures from {a.get('gpu_source')}  "
+        f"uptime {_fmt(a.get('uptime_s'), '.0f')}s",
+    ]
+    cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("WAIT", 5), ("GPU-IDLE", 8),
+            ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
+    lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))
+    for j in doc.get("jobs", []):
+        workers = f"{j['workers']}" + (f"->{j['desired_workers']}" if j.get("desired_workers") not in (None, j["workers"]) else "")
+        idle = _fmt(j.get("gpu_idle_frac"), ".0%")
+        if j.get("gpu_idle_frac") is not None and j.get("gpu_idle_source") == "client":
+            idle += "*"
+        row = [j["job"][:14], str(j["uid"]), str(j["ranks"]), workers, _fmt(j.get("cpus"), ".2f"),
+               _fmt(j.get("data_wait_frac"), ".0%"), idle, _fmt(j.get("samples_per_s"), ".1f"),
+               _fmt(j.get("max_useful_workers")), (j.get("reason") or "") + (
+                   f" [unsatisfied: {j['unsatisfied']}]" if j.get("unsatisfied") else "") + (
+                   f" [breaker: {j['breaker']}]" if j.get("breaker") else "")]
+        lines.append("  ".join(c.ljust(w) if w else c for c, (_, w) in zip(row, cols)))
+    if not doc.get("jobs"):
+        lines.append("(no jobs)")
+    elif any(j.get("gpu_idle_source") == "client" and j.get("gpu_idle_frac") is not None for j in doc["jobs"]):
+        lines.append("* GPU idle estimated from the job's data wait (no NVML figure)")
+    return "\n".join(lines)
+
+
+def query(endpoint: str, timeout_s: float = 3.0) -> dict:
+    """Ask the agent at ``endpoint`` for its status document. Raises ``RuntimeError`` with a message
+    that says what went wrong (no agent, no answer, refused)."""
+    import os
+
+    import zmq
+
+    from adloader import env, protocol
+
+    path = env.ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise RuntimeError(f"no agent: nothing listens at {endpoint} (is `adloader agent` running?)")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(endpoint)
+        data = protocol.encode(protocol.make("status"))
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no agent accepts connections at {endpoint}") from None
+                time.sleep(0.01)
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms):
+                raise RuntimeError(f"the agent at {endpoint} did not answer within {timeout_s:g}s")
+            raw = sock.recv()
+            try:
+                msg = protocol.validate(json.loads(raw))   # the status doc may exceed MAX_MESSAGE_BYTES
+            except (ValueError, protocol.ProtocolError) as e:
+                raise RuntimeError(f"unreadable reply from the agent: {e}") from None
+            if msg["type"] == "status":
+                return msg.get("doc") or {}
+            if msg["type"] == "error":
+                raise RuntimeError(f"the agent refused: {msg['code']}: {msg['message']}")
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def allocation_dict(a) -> Optional[dict]:
+    return None if a is None else dataclasses.asdict(a)

@@ -1,0 +1,160 @@
+"""``PredictorBank``: one throughput model per job, fed observation windows, asked for curves.
+
+    bank = PredictorBank(prior="default")      # or prior=None: first principles only
+    bank.observe("job-1", obs)                 # obs: predictor.observation.Observation
+    curve = bank.curve("job-1")                # ThroughputCurve, or None before any usable window
+    bank.forget("job-1")
+
+How a curve is made (DESIGN.md, "Measurement"):
+  1. First principles from the job's own windows: g = compute s per step, c = worker CPU s per batch,
+     b = blocked s per batch (recent windows weigh more; c is measured in situ, under whatever
+     contention the job sees, which is what its demand really is).
+  2. Shape and default corrections from the prior (``predictor.prior``, refitted at load time from the
+     measured corpus shipped in ``predictor/data/corpus.jsonl``): soft-min sharpness and how far real
+     curves sit below first principles.
+  3. Correction from the job's own observed throughput at the configurations it visited
+     (``predictor.prior.fit_job_correction``), shrunk toward the prior when there is little data.
+
+Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
+another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
+so 64 jobs observe+curve per tick in a few ms. Not thread-safe: one owner (controller or autotuner).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from predictor.curve import ThroughputCurve
+from predictor.observation import BadObservation, Observation
+
+HISTORY_WINDOWS = 32        # windows kept per job
+HALF_LIFE_WINDOWS = 12.0    # recency weighting of windows when pooling g, c, b
+
+
+@dataclass
+class _JobState:
+    windows: deque
+    curve: ThroughputCurve | None = None
+    dirty: bool = True
+
+
+def _usable(obs: Observation) -> bool:
+    """A window says something about per-step and per-batch cost only if steps finished in it."""
+    return obs.steps > 0 and obs.samples_per_s > 0
+
+
+def pooled_costs(windows) -> tuple[float, float, float, float]:
+    """(g, c, b, runq) pooled over usable windows: recency-weighted means, weight ~ steps in window.
+
+    Windows whose workers finished no batch (cpu and wall per batch both 0) do not vote on c and b.
+    """
+    windows = list(windows)
+    n = len(windows)
+    sg = wg = sc = sb = sr = wc = 0.0
+    for i, o in enumerate(windows):
+        if not _usable(o):
+            continue
+        decay = 0.5 ** ((n - 1 - i) / HALF_LIFE_WINDOWS)
+        w = decay * max(1.0, float(o.steps))
+        sg += w * o.compute_s_per_step
+        wg += w
+        if o.cpu_s_per_batch > 0 or o.wall_s_per_batch > 0:
+            sc += w * o.cpu_s_per_batch
+            sb += w * o.blocked_s_per_batch
+            sr += w * o.runq_s_per_batch
+            wc += w
+    if wg == 0:
+        raise BadObservation("no usable observation window (every window has steps == 0 or samples_per_s == 0)")
+    g = sg / wg
+    if wc == 0:  # no batch was timed in a worker: nothing says the loader costs anything yet
+        return g, 0.0, 0.0, 0.0
+    return g, sc / wc, sb / wc, sr / wc
+
+
+class PredictorBank:
+    """Per-job throughput models. ``prior``: None (first principles, no learned correction),
+    "default" (the prior fitted from the shipped corpus; loaded once per process, lazily), or a
+    ``predictor.prior.Prior`` (benchmarks pass one fitted with a job held out)."""
+
+    def __init__(self, prior="default"):
+        self._prior = None
+        if prior is not None and not isinstance(prior, str):
+            from predictor.prior import Prior
+            if not isinstance(prior, Prior):
+                raise ValueError(f"unknown prior {prior!r}; use None, 'default' or a predictor.prior.Prior")
+            self._prior, prior = prior, "given"
+        elif prior not in (None, "default"):
+            raise ValueError(f"unknown prior {prior!r}; use None, 'default' or a predictor.prior.Prior")
+        self.prior_name = prior
+        self._jobs: dict[str, _JobState] = {}
+
+    # -- public API ------------------------------------------------------------------------------
+    def observe(self, job_id: str, obs: Observation) -> None:
+        """Add one observation window of ``job_id``. Raises BadObservation for a non-Observation."""
+        if not isinstance(obs, Observation):
+            if isinstance(obs, dict):
+                obs = Observation.from_dict(obs)
+            else:
+                raise BadObservation(f"observe() needs an Observation (or its dict), got {type(obs).__name__}")
+        st = self._jobs.get(job_id)
+        if st is None:
+            st = self._jobs[job_id] = _JobState(windows=deque(maxlen=HISTORY_WINDOWS))
+        st.windows.append(obs)
+        st.dirty = True
+
+    def curve(self, job_id: str) -> ThroughputCurve | None:
+        """The job's current curve; None before any usable window (or for an unknown job)."""
+        st = self._jobs.get(job_id)
+        if st is None:
+            return None
+        if st.dirty:
+            st.curve = self._build(job_id, st.windows)
+            st.dirty = False
+        return st.curve
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    def windows(self, job_id: str) -> list[Observation]:
+        st = self._jobs.get(job_id)
+        return list(st.windows) if st else []
+
+    # -- internals -------------------------------------------------------------------------------
+    @property
+    def prior(self):
+        if self._prior is None and self.prior_name == "default":
+            try:
+                from predictor.prior import default_prior
+                self._prior = default_prior()
+            except ImportError:  # prior module not present: first principles only
+                self.prior_name = None
+        return self._prior
+
+    def _build(self, job_id: str, windows) -> ThroughputCurve | None:
+        usable = [o for o in windows if _usable(o)]
+        if not usable:
+            return None
+        g, c, b, runq = pooled_costs(usable)
+        configs = {(o.workers, round(o.cores, 3)) for o in usable}
+        n = len(usable)
+        # confidence: saturates with windows, and more with distinct configurations visited
+        confidence = (1.0 - math.exp(-n / 4.0)) * (0.6 + 0.4 * min(1.0, (len(configs) - 1) / 2.0))
+        last = usable[-1]
+        params: dict = {}
+        source = "first-principles"
+        prior = self.prior
+        if prior is not None:
+            params = prior.correct(g, c, b, usable)
+            source = "first-principles+learned"
+        return ThroughputCurve(
+            job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
+            blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),
+            source=source, **params,
+            extra={"runq_s_per_batch": runq, "windows": n,
+                   "last_config": {"workers": last.workers, "cores": last.cores},
+                   "last_samples_per_s": last.samples_per_s},
+        )

@@ -1,0 +1,231 @@
+"""Component tests: a real `adloader agent` process, real ipc sockets, real training-like processes.
+
+Tier: component (real sockets, real processes; no root needed except the uid test, which skips
+without root)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.conftest import adloader_cmd, repo_env, wait_for
+
+
+@pytest.fixture
+def base():
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(base):
+    a = AgentProc(base, "--policy", "even", "--loader-cpus", "3", "--tick-s", "0.2").start()
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def trainers():
+    started = []
+    yield started
+    for t in started:
+        t.kill()
+
+
+def test_arrival_directive_status_json_and_departure(base, agent, trainers):
+    t = Trainer(base, agent.endpoint, job="job-a", workers=1)
+    trainers.append(t)
+    # arrival on hello; the `even` policy gives the only job all 3 loader cores -> 3 workers
+    wait_for(lambda: t.state().get("num_workers") == 3, 20, what="directive applied by the client")
+    st = t.state()
+    assert st["connected"] and st["directives"] >= 1
+    assert st["last_directive"]["workers"] == 3 and "even split" in st["last_directive"]["reason"]
+    j = wait_for(lambda: (x := agent.job("job-a")) and x["samples_per_s"] and x["workers"] == 3 and x, 20,
+                 what="status with rates")
+    assert j["uid"] == os.getuid() and j["ranks"] == 1 and j["pids"] == [t.pid]
+    assert sorted(j["worker_pids"]) == sorted(t.state()["worker_pids"])
+    assert j["cpus"] == pytest.approx(3.0) and j["desired_workers"] == 3
+    assert 0.25 < j["data_wait_frac"] < 0.35            # the fake loader waits 30% of its step time
+    assert j["gpu_idle_frac"] == j["data_wait_frac"] and j["gpu_idle_source"] == "client"
+    assert 100 < j["samples_per_s"] < 220                # 20 steps/s x 8 samples, smoothed
+    assert j["reason"].startswith("even split")
+    assert j["max_useful_workers"] is None or j["max_useful_workers"] >= 1
+    # the CLI: table and --json
+    out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--json"), env=repo_env(),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["version"] == 1 and doc["agent"]["policy"] == "even" and doc["agent"]["gpu_source"] == "client"
+    assert [x["job"] for x in doc["jobs"]] == ["job-a"]
+    table = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint), env=repo_env(),
+                           capture_output=True, text=True, timeout=30)
+    assert table.returncode == 0 and "job-a" in table.stdout and "even split" in table.stdout
+    # departure: the process is killed (no bye) -> noticed through psutil within a couple of ticks
+    t.kill()
+    wait_for(lambda: agent.job("job-a") is None, 10, what="job departure after kill")
+    wait_for(lambda: any(e["job"] == "job-a" and e["why"] == "process gone" for e in agent.events("job_departed")),
+             5, what="departure logged with its reason")
+
+
+def test_two_jobs_share_and_bye_hands_share_back(base, agent, trainers):
+    a = Trainer(base, agent.endpoint, job="ja", workers=1, run_s=4)
+    b = Trainer(base, agent.endpoint, job="jb", workers=1)
+    trainers += [a, b]
+    wait_for(lambda: (x := agent.job("ja")) and (y := agent.job("jb")) and x["cpus"] and y["cpus"], 20,
+             what="both jobs allocated")
+    assert agent.job("ja")["cpus"] == pytest.approx(1.5)
+    # `a` finishes normally: loader.close() -> detach -> bye
+    wait_for(lambda: a.proc.poll() is not None, 20, what="trainer a exits")
+    assert a.proc.returncode == 0, a.output()
+    wait_for(lambda: agent.job("ja") is None, 10, what="ja departs")
+    wait_for(lambda: any(e["job"] == "ja" and e["why"] == "bye" for e in agent.events("job_departed")), 5,
+             what="departure logged with its reason")
+    wait_for(lambda: b.state().get("num_workers") == 3, 10, what="jb gets the whole node back")
+
+
+def test_agent_kill9_restart_readopts_live_and_forgets_dead(base, trainers):
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2").start()
+    try:
+        live = Trainer(base, agent.endpoint, job="live", workers=1)
+        dead = Trainer(base, agent.endpoint, job="dead", workers=1)
+        trainers += [live, dead]
+        wait_for(lambda: (x := agent.job("live")) and (y := agent.job("dead")) and x["cpus"] and y["cpus"], 20,
+                 what="two jobs allocated")
+        welcomes = live.state()["welcomes"]
+        agent.kill9()
+        dead.kill()
+        assert os.path.exists(f"{agent.state_dir}/journal.json")
+        agent2 = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2").start()
+        try:
+            adopted = agent2.events("journal_adopted")[0]
+            assert adopted["adopted"] == ["live"] and adopted["forgotten"] == ["dead"]
+            # the live client reconnects by itself and says hello again
+            wait_for(lambda: live.state().get("welcomes", 0) > welcomes, 30, what="client re-hello")
+            j = wait_for(lambda: agent2.job("live"), 10, what="live job in the new agent")
+            assert j["ranks"] == 1 and j["pids"] == [live.pid]
+            assert agent2.job("dead") is None
+            wait_for(lambda: live.state().get("num_workers") == 2, 10, what="live job gets the freed share")
+        finally:
+            assert agent2.stop() == 0
+    finally:
+        if agent.proc.poll() is None:
+            agent.stop()
+
+
+def test_sigterm_stops_cleanly_and_sighup_reloads(base):
+    cfg = f"{base}/agent.toml"
+    with open(cfg, "w") as f:
+        f.write('policy = "even"\ntick_s = 0.2\n')
+    agent = AgentProc(base, "--config", cfg).start()
+    assert agent.events("agent_started")[0]["policy"] == "even"
+    with open(cfg, "w") as f:
+        f.write('policy = "even-static"\ntick_s = 0.2\nmax_jobs = 4\n')
+    agent.proc.send_signal(signal.SIGHUP)
+    ev = wait_for(lambda: agent.events("config_reloaded"), 10, what="reload")
+    assert ev[0]["changed"] == ["max_jobs", "policy"]
+    assert agent.status()["agent"]["policy"] == "even-static"
+    assert agent.stop(signal.SIGTERM) == 0
+    assert agent.events("agent_stopped")
+    assert not os.path.exists(agent.sock_path)
+
+
+def test_sd_notify_ready_and_watchdog_on_abstract_socket(base):
+    name = f"adl-notify-{os.getpid()}-{time.monotonic_ns()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(20)
+    try:
+        agent = AgentProc(base, "--policy", "even", env={"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "400000"})
+        agent.start(wait=False)
+        got = []
+        while not (any(m.startswith(b"READY=1") for m in got) and b"WATCHDOG=1" in got):
+            got.append(s.recv(4096))
+        assert agent.stop() == 0
+        s.settimeout(0.5)
+        after = []
+        try:
+            while True:
+                after.append(s.recv(4096))
+        except socket.timeout:
+            pass
+        assert b"STOPPING=1" in after
+    finally:
+        s.close()
+
+
+def test_explicit_missing_config_and_unknown_key_are_errors(base):
+    missing = subprocess.run(adloader_cmd("agent", "--config", f"{base}/nope.toml"), env=repo_env(),
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "nope.toml" in missing.stderr
+    cfg = f"{base}/bad.toml"
+    with open(cfg, "w") as f:
+        f.write('tick_s = 1\ntick_seconds = 2\n')
+    bad = subprocess.run(adloader_cmd("agent", "--config", cfg), env=repo_env(), capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "'tick_seconds'" in bad.stderr
+
+
+def test_second_agent_on_same_endpoint_refuses(base, agent):
+    other = subprocess.run(adloader_cmd("agent", "--endpoint", agent.endpoint, "--state-dir", f"{base}/s2",
+                                        "--policy", "even"), env=repo_env(), capture_output=True, text=True,
+                           timeout=30)
+    assert other.returncode == 1 and "another agent" in other.stderr
+    assert agent.status()["agent"]["pid"] == agent.proc.pid   # the first one still serves
+
+
+AS_USER = """
+import os, sys
+# load what the agent needs while still root (the interpreter lives under /root here, which other
+# uids cannot traverse), then become the user and run `adloader agent` as that user
+import agent.cli, agent.commands.agent, agent.daemon, agent.controller, agent.actuators, agent.policies
+import agent.metrics, agent.status, agent.journal, predictor.bank, predictor.prior, tomllib, pynvml
+uid = int(os.environ.pop("AS_UID"))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+sys.exit(agent.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start the agent as another uid")
+def test_agent_as_ordinary_user_uses_its_runtime_dir(base, trainers):
+    uid = 65534
+    run = f"{base}/run-{uid}"
+    os.makedirs(run)
+    os.chown(run, uid, uid)
+    os.chmod(run, 0o700)
+    env = repo_env(AS_UID=str(uid), XDG_RUNTIME_DIR=run, HOME=run)
+    for k in ("ADLOADER_ENDPOINT", "ADLOADER_STATE_DIR"):
+        env.pop(k, None)
+    log = open(f"{base}/user-agent.log", "w")
+    p = subprocess.Popen([sys.executable, "-c", AS_USER, "agent", "--policy", "even", "--tick-s", "0.2"],
+                         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=base)
+    try:
+        sock = f"{run}/adloader/agent.sock"
+        wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60, what="user agent socket")
+        assert p.poll() is None, open(f"{base}/user-agent.log").read()
+        st = os.stat(sock)
+        assert st.st_uid == uid and oct(st.st_mode & 0o777) == "0o600"      # only that user may connect
+        line = wait_for(lambda: next((x for x in open(f"{base}/user-agent.log") if "agent_started" in x), None), 30,
+                        what="agent_started logged")
+        started = json.loads(line)
+        assert started["uid"] == uid and started["endpoint"] == f"ipc://{sock}"
+        assert started["state_dir"] == f"{run}/adloader/state" and started["actuators"] == ["directive"], started
+        # that user's training process finds the agent by itself (no ADLOADER_ENDPOINT) through
+        # XDG_RUNTIME_DIR, and gets its directive
+        t = Trainer(base, "", job="user-job", workers=1, user=uid,
+                    env={"XDG_RUNTIME_DIR": run, "ADLOADER_ENDPOINT": ""})
+        trainers.append(t)
+        wait_for(lambda: t.state().get("directives", 0) >= 1, 30, what="directive to the user's trainer")
+        assert t.state()["endpoint"] == f"ipc://{sock}"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+        log.close()

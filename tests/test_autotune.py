@@ -1,0 +1,124 @@
+"""adloader.autotune: usable CPUs (affinity + cgroup quota, fake trees), stats -> Observation, and the
+pure tuner's convergence without oscillation on a simulated job (unit tier)."""
+import math
+import os
+
+import pytest
+
+from adloader import autotune
+from predictor.observation import Observation
+
+
+def _v1_tree(tmp_path, quotas):
+    """quotas: {relative dir: (quota, period)} under a cpu,cpuacct mount; returns /proc/self/cgroup."""
+    mount = tmp_path / "cpu,cpuacct"
+    for rel, (q, per) in quotas.items():
+        d = mount / rel if rel else mount
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.cfs_quota_us").write_text(f"{q}\n")
+        (d / "cpu.cfs_period_us").write_text(f"{per}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("9:name=systemd:/\n4:cpu,cpuacct:/a/b\n2:memory:/x\n0::/\n")
+    return str(proc)
+
+
+def test_v1_quota_of_own_group(tmp_path):
+    proc = _v1_tree(tmp_path, {"": (-1, 100000), "a": (-1, 100000), "a/b": (150000, 100000)})
+    assert autotune.cgroup_cpu_quota(proc, str(tmp_path)) == pytest.approx(1.5)
+
+
+def test_v1_tighter_ancestor_wins(tmp_path):
+    proc = _v1_tree(tmp_path, {"": (-1, 100000), "a": (50000, 100000), "a/b": (150000, 100000)})
+    assert autotune.cgroup_cpu_quota(proc, str(tmp_path)) == pytest.approx(0.5)
+
+
+def test_v1_unlimited(tmp_path):
+    proc = _v1_tree(tmp_path, {"": (-1, 100000), "a": (-1, 100000), "a/b": (-1, 100000)})
+    assert autotune.cgroup_cpu_quota(proc, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("cpu_max,expect", [("50000 100000", 0.5), ("max 100000", None), ("250000 100000", 2.5)])
+def test_v2_cpu_max(tmp_path, cpu_max, expect):
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "job" / "step" / "cpu.max").write_text(cpu_max + "\n")
+    (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    got = autotune.cgroup_cpu_quota(str(proc), str(tmp_path))
+    assert got == (pytest.approx(expect) if expect is not None else None)
+
+
+def test_usable_cpus_bounded_by_affinity_and_quota(tmp_path):
+    aff = len(os.sched_getaffinity(0))
+    assert 0 < autotune.usable_cpus() <= aff
+    proc = _v1_tree(tmp_path, {"": (-1, 100000), "a": (-1, 100000), "a/b": (30000, 100000)})
+    assert autotune.usable_cpus(proc, str(tmp_path)) == pytest.approx(min(aff, 0.3))
+    assert autotune.usable_cpus("/nonexistent", str(tmp_path)) == aff
+
+
+def _totals(steps, samples, batches, workers, t, resizes=0, **per):
+    return {"steps": steps, "samples": samples, "batches": batches, "workers": workers, "live_workers": workers,
+            "batch_size": 8, "uptime_s": t, "resizes": resizes, "data_wait_s": per.get("wait", 0.0),
+            "compute_s": per.get("compute", 0.0), "worker_cpu_s": per.get("cpu", 0.0),
+            "worker_wall_s": per.get("wall", 0.0), "worker_runq_s": per.get("runq", 0.0),
+            "worker_blocked_s": per.get("blocked", 0.0)}
+
+
+def test_observation_from_totals():
+    a = _totals(10, 80, 10, 2, 1.0, wait=0.1, compute=0.5, cpu=0.2, wall=0.5, runq=0.1, blocked=0.2)
+    b = _totals(30, 240, 30, 2, 3.0, wait=0.3, compute=1.5, cpu=0.6, wall=1.5, runq=0.3, blocked=0.6)
+    o = autotune.observation_from_totals(a, b, cores=1.5)
+    assert o.workers == 2 and o.cores == 1.5 and o.steps == 20
+    assert o.samples_per_s == pytest.approx(80.0)
+    assert o.cpu_s_per_batch == pytest.approx(0.02)
+    assert o.blocked_s_per_batch == pytest.approx(0.05 - 0.02 - 0.01)
+    assert o.data_wait_s_per_step == pytest.approx(0.01)
+    # a resize in between, or no steps: no window
+    assert autotune.observation_from_totals(a, {**b, "resizes": 1}, 1.5) is None
+    assert autotune.observation_from_totals(a, {**a, "uptime_s": 2.0}, 1.5) is None
+
+
+def simulated_window(workers, cpus, g=0.01, c=0.03, b=0.0, bs=8, dur=2.0):
+    """What a job with these true costs does at ``workers`` on ``cpus`` (first principles + the
+    run-queue delay that oversubscription causes)."""
+    bps = min(1 / g, workers / (c + b), cpus / c)
+    busy = bps * c
+    runq = max(0.0, c * (min(workers, bps * (c + b)) / cpus - 1)) if cpus < workers else 0.0
+    steps = int(bps * dur)
+    return Observation(workers=workers, cores=cpus, batch_size=bs, compute_s_per_step=g,
+                       data_wait_s_per_step=max(0.0, 1 / bps - g), cpu_s_per_batch=c,
+                       wall_s_per_batch=c + b + runq, runq_s_per_batch=runq, blocked_s_per_batch=b,
+                       samples_per_s=bps * bs, duration_s=dur, steps=steps)
+
+
+@pytest.mark.parametrize("c,b,cpus,start", [(0.03, 0.0, 4.0, 1), (0.03, 0.0, 2.0, 2), (0.005, 0.04, 2.0, 2),
+                                              (0.002, 0.0, 8.0, 8)])
+def test_tuner_settles_near_knee_without_oscillation(c, b, cpus, start):
+    from predictor.bank import PredictorBank
+    from predictor.curve import ThroughputCurve
+
+    truth = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=c, blocked_s_per_batch=b)
+    knee = truth.knee_workers(cpus)
+    tuner = autotune.AutoTuner(cpus=cpus, cap=autotune.worker_cap(cpus, None), current=start,
+                               bank=PredictorBank(prior="default"))
+    seen = []
+    for _ in range(40):
+        tuner.window(simulated_window(tuner.current, cpus, c=c, b=b))
+        seen.append(tuner.current)
+    settle_windows = int(30 / autotune.WINDOW_S)                 # ~30 s of real windows
+    assert abs(tuner.current - knee) <= 1, (seen, knee)
+    assert len(tuner.history) <= 4, tuner.history              # a few moves ...
+    assert all(i <= settle_windows for i, _ in tuner.history), (tuner.history, seen)  # ... early
+    assert len(set(seen[settle_windows:])) == 1, seen             # then it stays
+
+
+def test_initial_workers_and_cap():
+    class L:
+        max_workers = None
+    n = autotune.initial_workers(L())
+    assert 1 <= n <= math.floor(autotune.usable_cpus() + 1e-9) or n == 1
+    L.max_workers = 1
+    assert autotune.initial_workers(L()) == 1
+    assert autotune.worker_cap(2.0, None) == 8
+    assert autotune.worker_cap(2.0, 3) == 3

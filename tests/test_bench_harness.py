@@ -1,0 +1,152 @@
+"""Component tests: the bench harness with real job processes on a tiny configuration.
+
+Real processes (``agent.bench.jobproc`` with real DataLoader workers); the only thing made small is
+the work (tiny JPEGs, short phases). No timing assertions: only that the run produced the records and
+metrics it should, and left no process behind.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import psutil
+import pytest
+
+from agent.bench import report, setup
+from agent.bench.catalog import CatalogError, load_catalog
+
+TINY = """
+reference_cores = 4.0
+min_step_s = 0.01
+max_step_s = 0.5
+
+[jobs.heavy]
+cores_per_gpu = 2.0
+batch_size = 8
+image_px = 48
+crop_px = 16
+
+[jobs.light]
+cores_per_gpu = 0.5
+batch_size = 8
+image_px = 32
+crop_px = 16
+
+[mixes]
+heterogeneous = ["heavy", "light"]
+dynamic = ["heavy", "light"]
+
+[dynamic]
+arrivals_s = [0.0, 1.0]
+work_s = [3.0, 2.0]
+"""
+
+
+@pytest.fixture
+def tiny_catalog(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text(TINY)
+    return str(p)
+
+
+def _no_children_left():
+    me = psutil.Process()
+    return [c for c in me.children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def _run(tmp_path, catalog, scenario, policies, **kw):
+    stream = io.StringIO()
+    result = setup.run(out_dir=tmp_path / "out", scenarios=[scenario], policies=policies, reps=1, quick=True,
+                       catalog_path=catalog, loader_cpus=1.0, cgroup_mode="off", tick_s=0.5,
+                       device="emulated", sweep_segment_s=1.0, progress=report.Progress(stream), **kw)
+    return result, stream.getvalue()
+
+
+def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
+    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    m = ph["metrics"]
+    assert set(m["jobs"]) == {"hete-0-heavy", "hete-1-light"}
+    assert m["agg_normalised"] > 0 and m["samples_per_s"] > 0
+    assert 0.0 <= m["gpu_idle_frac"] <= 1.0
+    assert 0.0 < m["jain"] <= 1.0
+    for j in m["jobs"].values():
+        assert j["workers_end"] == setup.node_cores()          # `none`: num_workers = cores
+    assert "[1/1] heterogeneous none rep 1:" in progress
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert doc["summary"]["heterogeneous"]["none"]["reps"] == 1
+    assert "| none | 1 |" in (tmp_path / "out" / "bench.md").read_text()
+    assert (tmp_path / "out" / "policies.png").stat().st_size > 0
+    assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0
+    assert _no_children_left() == []
+
+
+def test_dynamic_scenario_reports_makespan_and_jct(tmp_path, tiny_catalog):
+    result, _ = _run(tmp_path, tiny_catalog, "dynamic", ["none"])
+    (ph,) = result["phases"]
+    m = ph["metrics"]
+    assert m["unfinished"] == 0, ph["error"]
+    assert m["makespan_s"] > 0 and m["jct_mean_s"] > 0
+    assert m["jct_p95_s"] >= m["jct_mean_s"] - 1e-9 or math.isclose(m["jct_p95_s"], m["jct_mean_s"])
+    kinds = [e["kind"] for e in ph["events"]]
+    assert kinds.count("arrival") == 1 and kinds.count("finish") == 2
+    assert "reactions" in m
+    assert _no_children_left() == []
+
+
+def test_catalog_errors_name_the_problem(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[jobs.x]\nbatch_size = 4\n')
+    with pytest.raises(CatalogError, match=r"\[jobs.x\] needs cores_per_gpu"):
+        load_catalog(str(p))
+    p.write_text('[jobs.x]\ncores_per_gpu = 1.0\nspeed = 3\n[mixes]\nm = ["x"]\n')
+    with pytest.raises(CatalogError, match="unknown keys: speed"):
+        load_catalog(str(p))
+    p.write_text('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = ["y"]\n')
+    with pytest.raises(CatalogError, match="unknown kinds: y"):
+        load_catalog(str(p))
+
+
+def test_packaged_catalog_loads_with_every_scenario_mix():
+    cat = load_catalog()
+    for mix in ("heterogeneous", "homogeneous", "light", "dynamic", "reaction", "hog"):
+        assert mix in cat.mixes
+    demands = sorted(k.cores_per_gpu for k in cat.kinds.values())
+    assert demands[0] <= 1.0 and demands[-1] >= 12.0       # spans NLP-like .. AlexNet-like
+
+
+def test_cuda_device_without_cuda_fails_with_a_clear_message(tmp_path):
+    import subprocess
+
+    import torch
+
+    from tests.conftest import adloader_cmd, repo_env
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal path is not reachable")
+    p = subprocess.run(adloader_cmd("bench", "--device", "cuda", "--out", str(tmp_path)), env=repo_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "--device cuda needs a CUDA GPU" in p.stderr and "sees no CUDA device" in p.stderr
+
+
+def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
+    """The real agent (policy `even`, worker counts only) resizes the real jobs' loaders: two jobs that
+    start at num_workers = node cores end at the even split of 1 loader core: one worker each."""
+    ok, missing = setup.agent_available()
+    if not ok:
+        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
+    if setup.node_cores() < 2:
+        pytest.skip("needs >= 2 cores so that the jobs start above the even split")
+    result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["even"], warmup_s=2.0, measure_s=2.0)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    m = ph["metrics"]
+    for j in m["jobs"].values():
+        assert j["workers_end"] == 1
+        assert j["resizes"] >= 1
+    assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
+    assert m["agent_cpu_cores"] >= 0
+    assert _no_children_left() == []

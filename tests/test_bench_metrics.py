@@ -1,0 +1,135 @@
+"""Unit tests (pure): the bench's metric formulas and the oracle on known curves."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from agent.bench import metrics as M
+from agent.bench.oracle import even_objective, solve, value_from_curve, value_from_sweep
+from predictor.curve import ThroughputCurve
+
+
+def test_jain_index_equal_and_one_hog():
+    assert M.jain_index([0.5, 0.5, 0.5]) == pytest.approx(1.0)
+    assert M.jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
+    assert M.jain_index([1.0, 2.0]) == pytest.approx(9 / 10)
+    assert M.jain_index([]) == 1.0
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = list(range(1, 21))               # 1..20
+    assert M.percentile(xs, 95) == pytest.approx(19.05)
+    assert M.percentile(xs, 50) == pytest.approx(10.5)
+    assert M.percentile([7.0], 95) == 7.0
+    assert math.isnan(M.percentile([], 95))
+
+
+def test_time_weighted_idle_and_mean():
+    # a step series: 0 on [0,2), 1 on [2,10) -> mean over [0,10] = 0.8
+    assert M.time_weighted_mean([0, 2], [0.0, 1.0], 0, 10) == pytest.approx(0.8)
+    # window inside: [1,3] -> 0.5
+    assert M.time_weighted_mean([0, 2], [0.0, 1.0], 1, 3) == pytest.approx(0.5)
+    # two jobs: 2 s waiting of 10 alive, 6 of 10 -> 8/20
+    assert M.gpu_idle_fraction([2.0, 6.0], [10.0, 10.0]) == pytest.approx(0.4)
+
+
+def test_makespan_and_jct():
+    arr = {"a": 0.0, "b": 5.0, "c": 7.0}
+    fin = {"a": 20.0, "b": 12.0, "c": 30.0}
+    assert M.makespan(list(arr.values()), list(fin.values())) == 30.0
+    assert M.completion_times(arr, fin) == {"a": 20.0, "b": 7.0, "c": 23.0}
+
+
+def test_counters_interpolate_and_rate():
+    recs = [{"t": 0.0, "samples": 0}, {"t": 1.0, "samples": 100}, {"t": 3.0, "samples": 500}]
+    assert M.counter_at(recs, "samples", 2.0) == pytest.approx(300)
+    assert M.rate_between(recs, "samples", 1.0, 3.0) == pytest.approx(200)
+    assert M.counter_at(recs, "samples", 9.0) == 500
+
+
+def test_settle_and_last_change():
+    ts = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    vs = [1, 1, 0.2, 0.4, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # event at 1.5: the series is back within 10% of 1.0 from t=4 on -> 2.5 s
+    assert M.settle_time(ts, vs, 1.5, 9.0) == pytest.approx(2.5)
+    assert M.settle_time(ts, [1.0] * 10, 1.5, 9.0) == 0.0
+    assert M.last_change_after([0, 1, 2, 3], [2, 2, 1, 1], 0.5, 3.0) == pytest.approx(1.5)
+    assert M.last_change_after([0, 1, 2, 3], [2, 2, 2, 2], 0.5, 3.0) == 0.0
+
+
+def test_fairness_vs_even():
+    assert M.fairness_vs_even({"a": 0.5, "b": 1.0}, {"a": 1.0, "b": 1.0}) == pytest.approx(0.5)
+
+
+def _curve(job, g, c, b=0.0):
+    return ThroughputCurve(job=job, batch_size=32, compute_s_per_step=g, cpu_s_per_batch=c, blocked_s_per_batch=b)
+
+
+def test_oracle_on_known_curves_is_the_fractional_knapsack():
+    # demands (cores to reach the ceiling): A 1.5, B 0.25, C 1.0; budget 2.
+    jobs = {"A": value_from_curve(_curve("A", 0.1, 0.15)), "B": value_from_curve(_curve("B", 0.4, 0.1)),
+            "C": value_from_curve(_curve("C", 0.1, 0.1))}
+    plan = solve(jobs, 2.0)
+    # B and C saturate (gain/core 1/0.25 and 1/1.0 beat A's 1/1.5); A gets the rest
+    assert plan.cores["B"] == pytest.approx(0.25, abs=0.011)
+    assert plan.cores["C"] == pytest.approx(1.0, abs=0.011)
+    assert plan.cores["A"] == pytest.approx(0.75, abs=0.011)
+    assert plan.objective == pytest.approx(2.5, abs=0.01)
+    assert sum(plan.cpus.values()) == pytest.approx(2.0)
+    assert all(w >= 1 for w in plan.workers.values())
+    assert plan.objective >= even_objective(jobs, 2.0)
+
+
+def test_oracle_beats_every_grid_allocation_on_measured_points():
+    pts = {"x": [(1, 0.6, 0.5), (2, 1.1, 0.8), (3, 1.2, 0.82)],
+           "y": [(1, 0.3, 0.9), (2, 0.35, 0.95)],
+           "z": [(1, 0.9, 0.3), (2, 1.5, 0.55)]}
+    jobs = {j: value_from_sweep(p) for j, p in pts.items()}
+    budget = 1.8
+    plan = solve(jobs, budget, grid=36)
+    assert sum(plan.cores.values()) <= budget + 1e-9
+    step = budget / 36
+    best = 0.0
+    for a, b in itertools.product(range(37), repeat=2):
+        c = 36 - a - b
+        if c < 0:
+            continue
+        best = max(best, jobs["x"].value(a * step) + jobs["y"].value(b * step) + jobs["z"].value(c * step))
+    assert plan.objective == pytest.approx(best, abs=1e-9)
+    # worker counts follow the measured point whose cores cover the allocation
+    assert plan.workers["y"] in (1, 2)
+
+
+def test_sweep_value_is_monotone_and_zero_at_zero():
+    jv = value_from_sweep([(1, 0.5, 0.6), (2, 0.9, 0.55), (3, 1.0, 0.9)])
+    assert jv.value(0.0) == 0.0
+    xs = [i * 0.05 for i in range(40)]
+    vals = [jv.value(x) for x in xs]
+    assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))
+    with pytest.raises(ValueError, match="no measured points"):
+        value_from_sweep([])
+
+
+def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
+    from agent.bench.oracle_agent import make_oracle_policy
+    from agent.model import JobStats, NodeSnapshot
+    from agent.policies import PolicyConfig
+
+    def stats(j):
+        return JobStats(job=j, uid=0, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=2,
+                        max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
+                        data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
+                        blocked_s_per_batch=0.0, worker_cpu_cores=0.0)
+
+    policy = make_oracle_policy({"heavy": [[1, 0.9, 0.45], [2, 1.8, 0.9]], "light": [[1, 0.2, 1.0]]})
+    snap = NodeSnapshot(now=0.0, loader_cpus=1.8, cpu_ids=(0, 1),
+                        jobs={"heavy": stats("heavy"), "light": stats("light"), "new": stats("new")})
+    plan = policy(snap, {}, PolicyConfig())
+    a = plan.allocations
+    assert set(a) == {"heavy", "light", "new"}
+    assert a["new"].cpus == pytest.approx(0.6) and "no measured curve" in a["new"].reason
+    assert a["light"].cpus >= 0.2 - 1e-6 and a["heavy"].workers == 2
+    assert sum(x.cpus for x in a.values()) <= 1.8 + 1e-6
+    assert policy(snap, {}, PolicyConfig()) is plan          # fixed while the set of jobs is

@@ -1,0 +1,200 @@
+"""System tier: the cgroup v1 actuator against this machine's real hierarchies (root only).
+
+Groups live only under ``adloader-test-<pid>`` and are removed after every test, whatever happens.
+Busy-loop processes are real; CPU used is measured with psutil (per-process cpu_times).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from agent import cgroupfs
+from agent.actuators import build
+from agent.model import JobAllocation, JobStats
+
+ROOT = "/sys/fs/cgroup"
+SUBTREE = f"adloader-test-{os.getpid()}"
+
+
+def _skip_reason():
+    if os.geteuid() != 0:
+        return "needs root to write cgroups"
+    for ctrl in ("cpu", "cpuset"):
+        why = cgroupfs.v1_controller_available(ROOT, ctrl)
+        if why:
+            return why
+    return None
+
+
+pytestmark = [pytest.mark.system]
+if _skip_reason():
+    print(f"skipping cgroup system tests: {_skip_reason()}", file=sys.stderr)
+    pytestmark.append(pytest.mark.skip(reason=_skip_reason()))
+
+
+def _wipe(subtree: str = SUBTREE) -> list[str]:
+    """Remove every group under the test subtree (moving its tasks to the root). Returns what was left."""
+    left = []
+    for ctrl in ("cpu", "cpuset", "blkio"):
+        base = os.path.join(ROOT, ctrl, subtree)
+        if not os.path.isdir(base):
+            continue
+        left.append(base)
+        dirs = [d for d, _, _ in os.walk(base)]
+        for d in sorted(dirs, key=lambda p: -p.count("/")):
+            try:
+                with open(os.path.join(d, "cgroup.procs")) as f:
+                    pids = f.read().split()
+                for pid in pids:
+                    try:
+                        with open(os.path.join(ROOT, ctrl, "cgroup.procs"), "w") as f:
+                            f.write(pid)
+                    except OSError:
+                        pass
+                os.rmdir(d)
+            except OSError:
+                pass
+    return left
+
+
+@pytest.fixture
+def clean():
+    _wipe()
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+    _wipe()
+
+
+def busy(procs, cpu: int | None = None) -> int:
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    procs.append(p)
+    if cpu is not None:
+        os.sched_setaffinity(p.pid, {cpu})
+    return p.pid
+
+
+def stats(job: str, worker_pids, **kw) -> JobStats:
+    return JobStats(job=job, uid=0, ranks=1, gpus=1, batch_size=1, workers=len(worker_pids), requested_workers=1,
+                    max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
+                    data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
+                    blocked_s_per_batch=0.0, worker_cpu_cores=1.0, pids=(os.getpid(),),
+                    worker_pids=tuple(worker_pids), **kw)
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def cores_used(pids, seconds: float = 3.0) -> list[float]:
+    t0, c0 = time.monotonic(), [cpu_s(p) for p in pids]
+    time.sleep(seconds)     # measuring a rate over a fixed window, not waiting for a condition
+    dt = time.monotonic() - t0
+    return [(cpu_s(p) - c) / dt for p, c in zip(pids, c0)]
+
+
+def cgroup_of(pid: int, ctrl: str) -> str:
+    return cgroupfs.proc_cgroups(pid)[ctrl]
+
+
+def cgroup_actuator(tmp_path, knob="shares"):
+    acts = build("v1", sink=None, cgroup_root=ROOT, cpu_knob=knob, subtree=SUBTREE, state_dir=str(tmp_path))
+    return acts[1]
+
+
+def test_quota_holds_a_busy_loop(clean, tmp_path):
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "quota")
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=0.5))
+    assert r.ok, r.error
+    assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/q1"
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "q1", "cpu.cfs_quota_us")) as f:
+        assert int(f.read()) == 50000
+    (used,) = cores_used([pid])
+    print(f"busy loop under a 0.5-core quota used {used:.3f} cores")
+    assert 0.02 < used <= 0.55
+    assert os.getpid() not in set(act.h["cpu"].procs(f"{SUBTREE}/q1"))   # the training process stays out
+    act.restore()
+    assert cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
+def test_shares_split_a_contended_cpu(clean, tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    a, b = busy(clean, cpu), busy(clean, cpu)
+    act = cgroup_actuator(tmp_path, "shares")
+    assert act.apply(stats("s1", [a]), JobAllocation(job="s1", workers=1, cpus=0.25)).ok
+    assert act.apply(stats("s3", [b]), JobAllocation(job="s3", workers=1, cpus=0.75)).ok
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "s1", "cpu.shares")) as f:
+        assert int(f.read()) == 256
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+        assert int(f.read()) == 1024          # the subtree weighs what its jobs weigh together
+    ua, ub = cores_used([a, b])
+    print(f"shares 1:3 on one CPU: {ua:.3f} vs {ub:.3f} cores, ratio {ub / max(ua, 1e-9):.2f}")
+    assert 2.0 <= ub / max(ua, 1e-9) <= 4.5
+    act.restore()
+
+
+def test_cpuset_written_before_join_and_new_worker_pids_follow(clean, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "cpuset")
+    job = stats("p1", [pid])
+    r = act.apply(job, JobAllocation(job="p1", workers=1, cpus=1.0, cpuset=(cpus[-1],)))
+    assert r.ok, r.error
+    assert cgroup_of(pid, "cpuset") == f"/{SUBTREE}/p1"
+    assert os.sched_getaffinity(pid) == {cpus[-1]}
+    # the loader resized: a new worker appears; the next apply moves it in too
+    pid2 = busy(clean)
+    r = act.apply(stats("p1", [pid, pid2]), JobAllocation(job="p1", workers=2, cpus=1.0, cpuset=(cpus[-1],)))
+    assert r.ok, r.error
+    assert cgroup_of(pid2, "cpuset") == f"/{SUBTREE}/p1" and cgroup_of(pid2, "cpu") == f"/{SUBTREE}/p1"
+    act.release("p1")
+    assert cgroup_of(pid, "cpuset") == "/" and cgroup_of(pid2, "cpu") == "/"
+    assert not os.path.exists(os.path.join(ROOT, "cpuset", SUBTREE, "p1"))
+    act.restore()
+
+
+def test_cleanup_leaves_no_group_and_a_gone_pid_is_not_an_error(clean, tmp_path):
+    pid, gone = busy(clean), busy(clean)
+    clean[-1].kill()
+    clean[-1].wait(timeout=10)
+    act = cgroup_actuator(tmp_path)
+    r = act.apply(stats("c1", [pid, gone]), JobAllocation(job="c1", workers=2, cpus=1.0))
+    assert r.ok, r.error
+    act.release("c1")
+    act.restore()
+    for ctrl in ("cpu", "cpuset", "blkio"):
+        assert not os.path.exists(os.path.join(ROOT, ctrl, SUBTREE)), ctrl
+    assert cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(tmp_path / "cgroup-originals.json")
+
+
+def test_restart_from_journal_restores_originals(clean, tmp_path):
+    # a subtree that existed before the agent, with a value of its own the agent will overwrite
+    base = os.path.join(ROOT, "cpu", SUBTREE)
+    os.mkdir(base)
+    with open(os.path.join(base, "cpu.shares"), "w") as f:
+        f.write("777")
+    pid = busy(clean)
+    first = cgroup_actuator(tmp_path)
+    assert first.apply(stats("r1", [pid]), JobAllocation(job="r1", workers=1, cpus=2.0)).ok
+    with open(os.path.join(base, "cpu.shares")) as f:
+        assert int(f.read()) == 2048
+    assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/r1"
+    del first                                   # the agent dies without restoring
+    second = cgroup_actuator(tmp_path)          # a new one, from the journal of originals
+    second.restore()
+    with open(os.path.join(base, "cpu.shares")) as f:
+        assert int(f.read()) == 777
+    assert cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(os.path.join(base, "r1"))
+    assert os.path.isdir(base)                  # not ours to remove

@@ -1,0 +1,272 @@
+"""Unit tests for the controller's tick: fakes for the snapshot, predictor and actuators."""
+from __future__ import annotations
+
+import dataclasses
+
+from agent.actuators import DirectiveActuator, build
+from agent.controller import Controller, TickRecord, observation_from_stats
+from agent.model import ApplyResult, JobAllocation, JobStats, NodeSnapshot
+from agent.policies import PolicyConfig, get_policy
+from predictor.curve import ThroughputCurve
+
+
+def stats(job: str, **kw) -> JobStats:
+    base = dict(job=job, uid=1000, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=2,
+                max_workers=None, samples_per_s=320.0, compute_s_per_step=0.1, data_wait_s_per_step=0.05,
+                data_wait_frac=0.33, cpu_s_per_batch=0.2, wall_s_per_batch=0.25, runq_s_per_batch=0.03,
+                blocked_s_per_batch=0.02, worker_cpu_cores=1.5, window_s=2.0, worker_pids=(101, 102))
+    base.update(kw)
+    return JobStats(**base)
+
+
+class FakeSource:
+    def __init__(self, loader_cpus=4.0, jobs=()):
+        self.loader_cpus = loader_cpus
+        self.jobs = {j.job: j for j in jobs}
+
+    def __call__(self, now):
+        return NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=tuple(range(int(self.loader_cpus))),
+                            jobs=dict(self.jobs))
+
+
+class FakeBank:
+    def __init__(self):
+        self.seen, self.forgotten = [], []
+
+    def observe(self, job_id, obs):
+        self.seen.append((job_id, obs))
+
+    def curve(self, job_id):
+        obs = [o for j, o in self.seen if j == job_id]
+        if not obs:
+            return None
+        o = obs[-1]
+        return ThroughputCurve(job=job_id, batch_size=o.batch_size, compute_s_per_step=o.compute_s_per_step,
+                               cpu_s_per_batch=o.cpu_s_per_batch, blocked_s_per_batch=o.blocked_s_per_batch)
+
+    def forget(self, job_id):
+        self.forgotten.append(job_id)
+
+
+class FakeSink:
+    def __init__(self, ok=True):
+        self.sent, self.ok = [], ok
+
+    def send_directive(self, job_id, workers, cpus, cpuset, reason):
+        self.sent.append((job_id, workers, cpus, cpuset, reason))
+        return self.ok
+
+
+class RecordingActuator:
+    name = "rec"
+    tracks_pids = True
+
+    def __init__(self, fail_jobs=()):
+        self.applied, self.released, self.restored, self.fail_jobs = [], [], 0, set(fail_jobs)
+
+    def apply(self, job, desired):
+        self.applied.append((job.job, desired, job.worker_pids))
+        if job.job in self.fail_jobs:
+            return ApplyResult(job=job.job, ok=False, applied=None, error="boom")
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def release(self, job_id):
+        self.released.append(job_id)
+
+    def restore(self):
+        self.restored += 1
+
+
+def make(source, actuators, policy="even", records=None):
+    return Controller(snapshot_source=source, policy=get_policy(policy), policy_config=PolicyConfig(),
+                      predictor=FakeBank(), actuators=actuators,
+                      on_record=(records.append if records is not None else None))
+
+
+def test_tick_applies_even_split_and_records():
+    src = FakeSource(4.0, [stats("a"), stats("b")])
+    sink, records = FakeSink(), []
+    c = make(src, [DirectiveActuator(sink)], records=records)
+    rec = c.tick(now=1.0)
+    assert isinstance(rec, TickRecord) and records == [rec]
+    assert rec.now == 1.0 and rec.duration_s >= 0
+    assert {j: (a.workers, a.cpus) for j, a in rec.plan.allocations.items()} == {"a": (2, 2.0), "b": (2, 2.0)}
+    assert all(r.ok for r in rec.results.values()) and set(rec.results) == {"a", "b"}
+    assert sorted(s[0] for s in sink.sent) == ["a", "b"]
+    assert all(s[4].startswith("even split") for s in sink.sent)
+    assert set(c.applied()) == {"a", "b"}
+    assert rec.curves["a"]["source"] == "first-principles"
+
+
+def test_only_the_difference_is_applied():
+    src = FakeSource(4.0, [stats("a"), stats("b")])
+    sink = FakeSink()
+    c = make(src, [DirectiveActuator(sink)])
+    c.tick(now=1.0)
+    c.tick(now=2.0)
+    assert len(sink.sent) == 2          # second tick: nothing changed, nothing sent
+    src.jobs["c"] = stats("c")
+    rec = c.tick(now=3.0)
+    assert set(rec.results) == {"a", "b", "c"}   # shares changed for all three
+    assert len(sink.sent) == 5
+
+
+def test_departure_releases_and_hands_out_share_in_same_tick():
+    src = FakeSource(4.0, [stats("a"), stats("b")])
+    act = RecordingActuator()
+    bank = FakeBank()
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[act], on_record=None)
+    c.tick(now=1.0)
+    del src.jobs["b"]
+    rec = c.tick(now=2.0)
+    assert rec.departed == ("b",) and act.released == ["b"] and bank.forgotten == ["b"]
+    assert c.applied()["a"].cpus == 4.0 and "b" not in c.applied()
+
+
+def test_forget_releases_now():
+    src = FakeSource(4.0, [stats("a")])
+    act = RecordingActuator()
+    c = make(src, [act])
+    c.tick(now=1.0)
+    c.forget("a")
+    assert act.released == ["a"] and c.applied() == {}
+
+
+def test_breaker_opens_after_three_failures_for_that_job_only():
+    src = FakeSource(4.0, [stats("a"), stats("b")])
+    act = RecordingActuator(fail_jobs={"b"})
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[act], breaker_retry_s=30.0)
+    for t in range(1, 4):
+        rec = c.tick(now=float(t))
+        assert not rec.results["b"].ok and "boom" in rec.results["b"].error
+    assert "b" in rec.breakers and "a" not in rec.breakers
+    n = len([x for x in act.applied if x[0] == "b"])
+    rec = c.tick(now=4.0)
+    assert len([x for x in act.applied if x[0] == "b"]) == n       # skipped while open
+    assert "breaker open" in rec.results["b"].error
+    assert c.applied()["a"].cpus == 2.0
+    act.fail_jobs.clear()
+    rec = c.tick(now=40.0)                                          # half-open retry succeeds
+    assert rec.results["b"].ok and rec.breakers == {}
+
+
+def test_tick_never_raises():
+    def bad_source(now):
+        raise RuntimeError("collector down")
+
+    c = make(bad_source, [RecordingActuator()])
+    rec = c.tick(now=1.0)
+    assert rec.errors and "collector down" in rec.errors[0]
+
+    def bad_policy(snapshot, curves, config):
+        raise ZeroDivisionError("oops")
+
+    class Raising:
+        name = "raising"
+
+        def apply(self, job, desired):
+            raise OSError("EPERM")
+
+        def release(self, job_id):
+            raise OSError("gone")
+
+        def restore(self):
+            raise OSError("gone")
+
+    c = Controller(snapshot_source=FakeSource(2.0, [stats("a")]), policy=bad_policy,
+                   policy_config=PolicyConfig(), predictor=FakeBank(), actuators=[Raising()])
+    assert "policy: ZeroDivisionError" in c.tick(now=1.0).errors[0]
+    c = make(FakeSource(2.0, [stats("a")]), [Raising()])
+    rec = c.tick(now=1.0)
+    assert not rec.results["a"].ok and "EPERM" in rec.results["a"].error
+    c.forget("a")
+    c.stop()
+
+
+def test_new_worker_pids_reapply_to_pid_tracking_actuators_only():
+    src = FakeSource(2.0, [stats("a", worker_pids=(1, 2))])
+    act, sink = RecordingActuator(), FakeSink()
+    c = make(src, [DirectiveActuator(sink), act])
+    c.tick(now=1.0)
+    src.jobs["a"] = stats("a", worker_pids=(1, 2, 3))
+    rec = c.tick(now=2.0)
+    assert rec.results["a"].ok
+    assert [x[2] for x in act.applied] == [(1, 2), (1, 2, 3)]
+    assert len(sink.sent) == 1
+
+
+def test_adopt_and_stop():
+    src = FakeSource(4.0, [stats("a")])
+    sink, act = FakeSink(), RecordingActuator()
+    c = make(src, [DirectiveActuator(sink), act])
+    c.adopt({"a": JobAllocation(job="a", workers=4, cpus=4.0, io_weight=100, reason="journal")})
+    c.tick(now=1.0)
+    assert sink.sent == []     # what the journal says is in force matches the plan
+    c.stop()
+    assert act.restored == 1 and c.applied() == {}
+
+
+def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
+    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(FakeSink(ok=False))])
+    rec = c.tick(now=1.0)
+    assert rec.results["a"].ok and "not delivered yet" in rec.results["a"].not_enforced[0]
+
+    class Broken:
+        def send_directive(self, *a):
+            raise ConnectionError("socket closed")
+
+    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(Broken())])
+    rec = c.tick(now=1.0)
+    assert not rec.results["a"].ok and "socket closed" in rec.results["a"].error
+    assert c.applied() == {}
+
+
+def test_none_policy_sends_no_directive_when_the_job_runs_its_own_count():
+    sink = FakeSink()
+    src = FakeSource(2.0, [stats("a", workers=3, requested_workers=3), stats("b", workers=5, requested_workers=2)])
+    c = make(src, [DirectiveActuator(sink)], policy="none")
+    rec = c.tick(now=1.0)
+    assert rec.results["a"].ok and rec.results["b"].ok
+    assert [(s[0], s[1]) for s in sink.sent] == [("b", 2)]     # b had been moved off its own count
+
+
+def test_observation_cores():
+    snap = FakeSource(4.0, [stats("a"), stats("b")])(0.0)
+    assert observation_from_stats(snap.jobs["a"], snap).cores == 2.0
+    j = stats("a", allowed_cpus=(0, 1, 2))
+    assert observation_from_stats(j, snap).cores == 3.0
+    j = dataclasses.replace(j, applied=JobAllocation(job="a", workers=1, cpus=1.5))
+    assert observation_from_stats(j, snap).cores == 1.5
+    assert observation_from_stats(stats("a", window_s=0.0), snap) is None
+    assert observation_from_stats(stats("a", cpu_s_per_batch=float("nan")), snap) is None
+
+
+def test_build_off_is_directive_only():
+    acts = build("off", sink=FakeSink())
+    assert [a.name for a in acts] == ["directive"]
+    import pytest
+    with pytest.raises(ValueError, match="unknown cgroup mode"):
+        build("v3", sink=FakeSink())
+
+
+def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
+    class CountingBank(FakeBank):
+        curve_calls = 0
+
+        def curve(self, job_id):
+            CountingBank.curve_calls += 1
+            return super().curve(job_id)
+
+    bank = CountingBank()
+    src = FakeSource(2.0, [stats("a", window_s=2.0)])
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()])
+    recs = [c.tick(now=float(t)) for t in range(5)]
+    assert len(bank.seen) == 3                       # t = 0, 2, 4
+    assert CountingBank.curve_calls == 3             # only after each observation
+    assert all(r.curves["a"]["source"] == "first-principles" for r in recs)
+    c.forget("a")
+    src.jobs.clear()
+    assert c.tick(now=5.0).curves == {}

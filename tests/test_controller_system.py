@@ -1,0 +1,110 @@
+"""System tier: the controller driving real cgroup v1 groups, and the real agent daemon doing the same.
+
+Root and the v1 cpu/cpuset hierarchies are needed (skipped with a printed reason otherwise). The
+in-process test uses a test-only subtree ``adloader-test-<pid>-ctl``; the daemon test runs the real
+``adloader agent`` with ``--cgroup-mode v1``, which writes only in the agent's own subtree
+(``adloader/<job>``) and removes its groups on SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agent import cgroupfs
+from agent.actuators import build
+from agent.controller import Controller
+from agent.policies import PolicyConfig, get_policy
+from tests.conftest import wait_for
+from tests.test_cgroup_system import ROOT, _skip_reason, _wipe
+from tests.test_controller import FakeBank, FakeSource, FakeSink, stats
+
+SUBTREE = f"adloader-test-{os.getpid()}-ctl"
+
+pytestmark = [pytest.mark.system]
+if _skip_reason():
+    print(f"skipping controller system tests: {_skip_reason()}", file=sys.stderr)
+    pytestmark.append(pytest.mark.skip(reason=_skip_reason()))
+
+
+@pytest.fixture
+def procs():
+    _wipe(SUBTREE)
+    ps: list[subprocess.Popen] = []
+    yield ps
+    for p in ps:
+        p.kill()
+        p.wait(timeout=10)
+    _wipe(SUBTREE)
+
+
+def sleeper(ps) -> int:
+    p = subprocess.Popen(["sleep", "600"])
+    ps.append(p)
+    return p.pid
+
+
+def read(*parts) -> str:
+    with open(os.path.join(ROOT, "cpu", *parts)) as f:
+        return f.read().strip()
+
+
+def test_controller_drives_real_groups_through_arrival_departure_and_stop(procs, tmp_path):
+    a1, a2, b1 = sleeper(procs), sleeper(procs), sleeper(procs)
+    src = FakeSource(1.8, [stats("a", worker_pids=(a1,)), stats("b", worker_pids=(b1,))])
+    sink = FakeSink()
+    acts = build("v1", sink=sink, cgroup_root=ROOT, subtree=SUBTREE, state_dir=str(tmp_path))
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=acts)
+    rec = c.tick(now=0.0)
+    assert all(r.ok for r in rec.results.values()), rec.results
+    assert read(SUBTREE, "a", "cpu.shares") == read(SUBTREE, "b", "cpu.shares") == str(round(0.9 * 1024))
+    assert any("io:" in n for r in rec.results.values() for n in r.not_enforced)   # honest about IO here
+    # the job's loader grows a worker: the next tick moves it in without any allocation change
+    src.jobs["a"] = stats("a", worker_pids=(a1, a2))
+    rec = c.tick(now=1.0)
+    assert set(rec.results) == {"a"} and cgroupfs.proc_cgroups(a2)["cpu"] == f"/{SUBTREE}/a"
+    assert [s[0] for s in sink.sent].count("a") == 1          # no directive for a pid change
+    # b departs: its group goes, its worker goes back, a gets the whole 1.8 cores in the same tick
+    del src.jobs["b"]
+    rec = c.tick(now=2.0)
+    assert rec.departed == ("b",)
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE, "b"))
+    assert cgroupfs.proc_cgroups(b1)["cpu"] == "/"
+    assert read(SUBTREE, "a", "cpu.shares") == str(round(1.8 * 1024))
+    c.stop()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert cgroupfs.proc_cgroups(a1)["cpu"] == "/" and cgroupfs.proc_cgroups(a2)["cpu"] == "/"
+
+
+def test_real_agent_moves_worker_pids_and_cleans_up(tmp_path):
+    from tests.agentd_support import AgentProc, Trainer, short_dir
+
+    base = short_dir()
+    job = f"ctl-e2e-{os.getpid()}"
+    agent = AgentProc(base, "--cgroup-mode", "v1", "--policy", "adaptive", "--tick-s", "0.3",
+                      "--loader-cpus", "1.8").start()
+    trainer = Trainer(base, agent.endpoint, job=job, workers=2)
+    group = f"/adloader/{job}"
+    try:
+        def workers_in_group():
+            pids = trainer.state().get("worker_pids") or []
+            try:
+                return pids if pids and all(cgroupfs.proc_cgroups(p)["cpu"] == group for p in pids) else None
+            except cgroupfs.JobGone:
+                return None
+
+        pids = wait_for(workers_in_group, 30, what=f"the trainer's workers in {group}")
+        assert cgroupfs.proc_cgroups(trainer.pid)["cpu"] != group     # the training process is never moved
+    finally:
+        rc = agent.stop()
+        trainer.kill()
+    assert rc == 0, agent.log()[-2000:]
+    assert not os.path.exists(os.path.join(ROOT, "cpu", "adloader", job))
+    for p in pids:
+        try:
+            assert cgroupfs.proc_cgroups(p)["cpu"] != group
+        except cgroupfs.JobGone:
+            pass

@@ -1,0 +1,278 @@
+"""`adloader job register|release`: parsing the Slurm environment (unit) and talking to an agent that is
+down, hung, answering or refusing (component: real ZeroMQ sockets, the real command in a subprocess).
+
+The wall-time bounds below are loose on purpose: finishing in seconds whatever the agent does is a
+correctness property of the Slurm prolog (a hung prolog drains the node), not a speed figure.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import zmq
+
+from adloader import protocol
+from agent.commands.job import JobSpecError, parse_cpus_per_node, parse_gpus, slurm_job
+from tests.conftest import adloader_cmd, repo_env
+
+BOUND_S = 10.0  # "returns within a few seconds", loosely, on a noisy shared machine
+
+
+# --- unit: the Slurm environment ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, counts",
+    [("4", [4]), ("2(x3)", [2, 2, 2]), ("4,2", [4, 2]), ("2(x3),1", [2, 2, 2, 1]), (" 8 ", [8]), ("1(x1)", [1])],
+)
+def test_cpus_per_node_expands_slurm_compression(value, counts):
+    assert parse_cpus_per_node(value) == counts
+
+
+@pytest.mark.parametrize("value", ["", "x", "4(x)", "4(3)", "-1", "0", "2(x0)", "4,,2", "4;2", "2(x3"])
+def test_cpus_per_node_refuses_malformed_values(value):
+    with pytest.raises(JobSpecError, match="SLURM_JOB_CPUS_PER_NODE"):
+        parse_cpus_per_node(value)
+
+
+@pytest.mark.parametrize(
+    "value, gpus", [("0,1", ["0", "1"]), ("", []), ("NoDevFiles", []), ("-1", []), ("GPU-ab12, GPU-cd34", ["GPU-ab12", "GPU-cd34"])]
+)
+def test_gpus_parse(value, gpus):
+    assert parse_gpus(value) == gpus
+
+
+def test_slurm_job_reads_this_nodes_cpu_count():
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "2,3", "SLURM_JOB_CPUS_PER_NODE": "8(x2)"}
+    spec = slurm_job(env)
+    assert (spec.job, spec.uid, spec.gpus, spec.cpus, spec.note) == ("77", 1000, ["2", "3"], 8, "")
+    assert slurm_job({**env, "SLURM_JOB_CPUS_PER_NODE": "4,2", "SLURM_NODEID": "1"}).cpus == 2
+    uneven = slurm_job({**env, "SLURM_JOB_CPUS_PER_NODE": "4,2"})
+    assert uneven.cpus is None and "differ" in uneven.note
+    assert slurm_job({**env, "SLURM_JOB_CPUS_PER_NODE": ""}).cpus is None
+
+
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({}, "SLURM_JOB_ID is not set"),
+        ({"SLURM_JOB_ID": "12a", "SLURM_JOB_UID": "1"}, "not a job number"),
+        ({"SLURM_JOB_ID": "12"}, "SLURM_JOB_UID is not set"),
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "bob"}, "not a numeric uid"),
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "-5"}, "negative"),
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "5", "SLURM_JOB_CPUS_PER_NODE": "lots"}, "cannot parse"),
+    ],
+)
+def test_slurm_job_names_the_bad_variable(env, why):
+    with pytest.raises(JobSpecError, match=why):
+        slurm_job(env)
+
+
+def test_release_needs_only_id_and_uid():
+    spec = slurm_job({"SLURM_JOB_ID": "9", "SLURM_JOB_UID": "0", "SLURM_JOB_CPUS_PER_NODE": "garbage"}, need_resources=False)
+    assert (spec.job, spec.uid) == ("9", 0)
+
+
+# --- component: agents that answer, refuse, hang or are absent --------------------------------------
+
+
+class FakeAgent:
+    """A real ROUTER on an ipc socket, answering like the agent's documented behaviour: register -> ok
+    (a second register of the same job -> ok "already registered"); release of an unknown job ->
+    error unknown_job; ``refuse`` -> error not_permitted for everything; ``hang`` -> never answers.
+    ``messages`` records every decoded request."""
+
+    def __init__(self, path: str, mode: str = "answer"):
+        self.endpoint = f"ipc://{path}"
+        self.mode = mode
+        self.messages: list[dict] = []
+        self.jobs: set[str] = set()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, data = self._sock.recv_multipart()
+            msg = protocol.decode(data)
+            self.messages.append(msg)
+            if self.mode == "hang":
+                continue
+            self._sock.send_multipart([ident, protocol.encode(self._answer(msg))])
+
+    def _answer(self, msg: dict) -> dict:
+        t, job = msg["type"], msg.get("job")
+        if self.mode == "refuse":
+            return protocol.error("not_permitted", f"uid {msg.get('uid')} may not {t} job {job}", re=t)
+        if t == "register":
+            again = job in self.jobs
+            self.jobs.add(job)
+            return protocol.make("ok", re=t, detail="already registered" if again else None)
+        if job not in self.jobs:
+            return protocol.error("unknown_job", f"job {job} is not registered", re=t)
+        self.jobs.discard(job)
+        return protocol.make("ok", re=t)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def fake_agent(tmp_path):
+    agents = []
+
+    def start(mode="answer"):
+        agent = FakeAgent(str(tmp_path / f"agent-{mode}-{len(agents)}.sock"), mode)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for a in agents:
+        a.close()
+
+
+SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "0,1", "SLURM_JOB_CPUS_PER_NODE": "6(x2)"}
+
+
+def run_job(*args: str, endpoint: str, env: dict | None = None) -> tuple[int, str, float]:
+    """Run the real command; return (exit status, its stderr, wall seconds)."""
+    t0 = time.monotonic()
+    p = subprocess.run(
+        adloader_cmd("job", *args, "--endpoint", endpoint),
+        env=repo_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    wall_s = time.monotonic() - t0
+    assert p.stdout == "", "the command prints only its one log line, on stderr"
+    return p.returncode, p.stderr, wall_s
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected exactly one log line, got: {text!r}"
+    return lines[0]
+
+
+def test_register_sends_the_slurm_job_and_gets_ok(fake_agent):
+    agent = fake_agent()
+    rc, err, _ = run_job("register", "--slurm", endpoint=agent.endpoint, env=SLURM_ENV)
+    assert rc == 0 and one_line(err).endswith(": ok")
+    msg = agent.messages[-1]
+    assert msg["type"] == "register" and msg["v"] == protocol.VERSION
+    assert (msg["job"], msg["uid"], msg["gpus"], msg["cpus"], msg["pids"], msg["source"]) == (
+        "4242", 1000, ["0", "1"], 6, [], "slurm")
+
+
+def test_cli_register_then_release(fake_agent):
+    agent = fake_agent()
+    rc, err, _ = run_job("register", "--job", "j1", "--uid", "7", "--gpus", "3", "--cpus", "2", endpoint=agent.endpoint)
+    assert rc == 0, err
+    assert (agent.messages[-1]["uid"], agent.messages[-1]["gpus"], agent.messages[-1]["cpus"], agent.messages[-1]["source"]) == (
+        7, ["3"], 2, "cli")
+    rc, err, _ = run_job("release", "--job", "j1", "--uid", "7", endpoint=agent.endpoint)
+    assert rc == 0 and "ok" in one_line(err)
+    assert agent.messages[-1] == protocol.make("release", job="j1", uid=7)
+
+
+def test_double_register_is_harmless(fake_agent):
+    agent = fake_agent()
+    for _ in range(2):
+        rc, err, wall_s = run_job("register", "--slurm", endpoint=agent.endpoint, env=SLURM_ENV)
+        assert rc == 0 and wall_s < BOUND_S
+    assert "already registered" in one_line(err)
+    assert [m["type"] for m in agent.messages] == ["register", "register"]
+
+
+@pytest.mark.parametrize("slurm", [True, False])
+def test_release_of_unknown_job_counts_as_done(fake_agent, slurm):
+    agent = fake_agent()
+    args = ("release", "--slurm") if slurm else ("release", "--job", "4242", "--uid", "1000")
+    rc, err, wall_s = run_job(*args, endpoint=agent.endpoint, env=SLURM_ENV)
+    assert rc == 0 and wall_s < BOUND_S
+    assert "already released" in one_line(err)
+
+
+@pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
+def test_agent_down_no_socket(tmp_path, slurm, want_rc):
+    args = ("register", "--slurm") if slurm else ("register", "--job", "4242")
+    rc, err, wall_s = run_job(*args, endpoint=f"ipc://{tmp_path}/absent.sock", env=SLURM_ENV)
+    assert rc == want_rc and wall_s < BOUND_S
+    line = one_line(err)
+    assert "agent down" in line and "no socket" in line and "absent.sock" in line
+
+
+def test_agent_down_stale_socket_file(tmp_path):
+    """The agent crashed and left its socket file: nobody listens behind it."""
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+    assert path.exists()
+    rc, err, wall_s = run_job("register", "--slurm", "--timeout-s", "1", endpoint=f"ipc://{path}", env=SLURM_ENV)
+    assert rc == 0 and wall_s < BOUND_S
+    assert "agent down" in one_line(err)
+
+
+@pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
+def test_agent_hung_never_answers(fake_agent, slurm, want_rc):
+    agent = fake_agent("hang")
+    args = ("register", "--slurm") if slurm else ("register", "--job", "4242")
+    rc, err, wall_s = run_job(*args, "--timeout-s", "1", endpoint=agent.endpoint, env=SLURM_ENV)
+    assert rc == want_rc and wall_s < BOUND_S
+    assert "timeout" in one_line(err) and "did not answer register" in err
+    assert agent.messages and agent.messages[0]["job"] == "4242"  # it was sent; the agent just sat on it
+
+
+@pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
+def test_error_reply_is_reported(fake_agent, slurm, want_rc):
+    agent = fake_agent("refuse")
+    args = ("register", "--slurm") if slurm else ("register", "--job", "4242", "--uid", "1000")
+    rc, err, _ = run_job(*args, endpoint=agent.endpoint, env=SLURM_ENV)
+    assert rc == want_rc
+    assert "agent refused register: not_permitted" in one_line(err)
+
+
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({"SLURM_JOB_ID": "", "SLURM_JOB_UID": "1000"}, "SLURM_JOB_ID is not set"),
+        ({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": "nobody"}, "SLURM_JOB_UID='nobody'"),
+        ({**SLURM_ENV, "SLURM_JOB_CPUS_PER_NODE": "4(x)"}, "SLURM_JOB_CPUS_PER_NODE"),
+    ],
+)
+def test_bad_slurm_variable_exits_0_and_sends_nothing(fake_agent, env, why):
+    agent = fake_agent()
+    rc, err, wall_s = run_job("register", "--slurm", endpoint=agent.endpoint, env={**SLURM_ENV, **env})
+    assert rc == 0 and wall_s < BOUND_S
+    line = one_line(err)
+    assert "bad variable" in line and why in line
+    assert agent.messages == []
+
+
+def test_cli_usage_errors_exit_2(tmp_path):
+    ep = f"ipc://{tmp_path}/x.sock"
+    rc, err, _ = run_job("register", endpoint=ep)
+    assert rc == 2 and "--job is required" in one_line(err)
+    rc, err, _ = run_job("register", "--job", "1", "--cpus", "0", endpoint=ep)
+    assert rc == 2 and "--cpus" in err
+    rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "0", endpoint=ep)
+    assert rc == 2 and "--timeout-s" in err
+
+
+def test_bad_endpoint_is_a_clear_failure():
+    rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
+    assert rc == 1 and "bad endpoint" in one_line(err)

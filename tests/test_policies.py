@@ -1,0 +1,328 @@
+"""Policies: table-driven cases on named node shapes and job mixes, and hypothesis properties.
+
+Unit tier: pure functions, no system access.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.model import JobAllocation, JobStats, NodeSnapshot
+from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, workers_for
+from predictor.curve import ThroughputCurve
+
+# -- named node shapes and job kinds ------------------------------------------------------------
+
+NODES = {
+    "dev-2vcpu": (1.8, (0, 1)),            # this machine: 2 vCPUs, 1.8 cores for loaders
+    "gpu-8core": (7.0, tuple(range(8))),
+    "dgx-64core": (60.0, tuple(range(64))),
+}
+
+# kind -> (compute_s_per_step g, cpu_s_per_batch c, blocked_s_per_batch b); needs c/g cores
+KINDS = {
+    "heavy": (0.1, 0.3, 0.0),       # 3 cores for full speed
+    "medium": (0.1, 0.1, 0.0),      # 1 core
+    "light": (0.1, 0.02, 0.0),      # 0.2 core
+    "io": (0.1, 0.05, 0.3),         # 0.5 core but 4 workers (blocked on IO)
+    "gpu-bound": (0.5, 0.01, 0.0),  # almost nothing
+}
+
+
+def job(name: str, kind: str = "medium", **kw) -> JobStats:
+    g, c, b = KINDS[kind]
+    base = dict(job=name, uid=1000, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=4,
+                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
+                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=0.0,
+                blocked_s_per_batch=b, worker_cpu_cores=0.5, window_s=2.0)
+    base.update(kw)
+    return JobStats(**base)
+
+
+def curve_for(j: JobStats, **kw) -> ThroughputCurve:
+    return ThroughputCurve(job=j.job, batch_size=j.batch_size, compute_s_per_step=j.compute_s_per_step,
+                           cpu_s_per_batch=j.cpu_s_per_batch, blocked_s_per_batch=j.blocked_s_per_batch,
+                           confidence=0.5, observed_configs=2, **kw)
+
+
+def snap(node: str, jobs, max_jobs: int = 0) -> NodeSnapshot:
+    cpus, ids = NODES[node]
+    return NodeSnapshot(now=0.0, loader_cpus=cpus, cpu_ids=ids, jobs={j.job: j for j in jobs}, max_jobs=max_jobs)
+
+
+def curves_of(s: NodeSnapshot, cold=()) -> dict:
+    return {j: curve_for(s.jobs[j]) for j in s.jobs if j not in cold}
+
+
+def settle(policy, s: NodeSnapshot, curves, config=PolicyConfig()):
+    """Apply the plan as the jobs' applied state (what the controller does) and return both."""
+    plan = policy(s, curves, config)
+    jobs = {j: dataclasses.replace(s.jobs[j], applied=plan.allocations[j]) for j in s.jobs}
+    return plan, dataclasses.replace(s, jobs=jobs)
+
+
+def check_invariants(plan, s: NodeSnapshot, config=PolicyConfig()):
+    assert set(plan.allocations) == set(s.jobs)
+    total = sum(a.cpus for a in plan.allocations.values())
+    if plan.policy != "none":
+        assert total <= s.loader_cpus + 1e-6, f"{plan.policy}: {total} > {s.loader_cpus}"
+    for j, a in plan.allocations.items():
+        assert a.workers >= 1 and a.cpus > 0, (plan.policy, a)
+        assert a.reason, (plan.policy, a)
+        bound = min(config.max_workers_per_job, s.jobs[j].max_workers or 1 << 30)
+        assert a.workers <= max(config.min_workers, bound)
+        assert a.io_weight is None or 1 <= a.io_weight <= 1000
+
+
+# -- table-driven cases -------------------------------------------------------------------------
+
+MIXES = {
+    "heavy+light+io": [("a", "heavy"), ("b", "light"), ("c", "io")],
+    "two-heavy": [("a", "heavy"), ("b", "heavy")],
+    "one-medium": [("a", "medium")],
+    "gpu-bound+heavy": [("a", "gpu-bound"), ("b", "heavy")],
+    "eight-mixed": [(f"j{i}", k) for i, k in enumerate(["heavy", "medium", "light", "io"] * 2)],
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("node", sorted(NODES))
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_every_policy_keeps_invariants_on_every_shape(policy, node, mix):
+    s = snap(node, [job(n, k) for n, k in MIXES[mix]])
+    plan = get_policy(policy)(s, curves_of(s), PolicyConfig())
+    check_invariants(plan, s)
+    assert plan.policy == policy
+
+
+# (node, mix, expected cores per job within 0.06, expected workers)
+ADAPTIVE_TABLE = [
+    # 1.8 cores: light gets ~its 0.2, io its 0.5 (4 workers for its IO waits), heavy the rest
+    ("dev-2vcpu", "heavy+light+io", {"a": 1.02, "b": 0.24, "c": 0.54}, {"a": 2, "b": 1, "c": 4}),
+    # two equal heavy jobs: an even split (ties broken by id, within one quantum)
+    ("dev-2vcpu", "two-heavy", {"a": 0.9, "b": 0.9}, {"a": 1, "b": 1}),
+    # a GPU-bound job needs ~0.05 core; the heavy one takes everything else
+    ("dev-2vcpu", "gpu-bound+heavy", {"a": 0.05, "b": 1.75}, {"a": 1, "b": 2}),
+    # on 7 cores everyone is satisfied (3 + 0.2 + 0.5); the 3.3 spare goes out by GPU weight (work-conserving)
+    ("gpu-8core", "heavy+light+io", {"a": 4.1, "b": 1.3, "c": 1.6}, {"a": 3, "b": 1, "c": 4}),
+    # one job alone gets the whole node; workers stop at what it can use (1 core -> 1 worker)
+    ("gpu-8core", "one-medium", {"a": 7.0}, {"a": 1}),
+]
+
+
+@pytest.mark.parametrize("node,mix,cores,workers", ADAPTIVE_TABLE,
+                         ids=[f"{n}/{m}" for n, m, _, _ in ADAPTIVE_TABLE])
+def test_adaptive_table(node, mix, cores, workers):
+    s = snap(node, [job(n, k) for n, k in MIXES[mix]])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig())
+    check_invariants(plan, s)
+    got = {j: round(a.cpus, 2) for j, a in plan.allocations.items()}
+    for j, want in cores.items():
+        assert abs(got[j] - want) <= 0.06, (got, cores)
+    assert {j: a.workers for j, a in plan.allocations.items()} == workers
+    assert plan.predicted_total is not None
+
+
+def test_adaptive_beats_even_on_mixed_demand():
+    s = snap("dev-2vcpu", [job(n, k) for n, k in MIXES["heavy+light+io"]])
+    cv = curves_of(s)
+
+    def total(plan):
+        return sum(cv[j].normalized(a.workers, a.cpus) for j, a in plan.allocations.items())
+
+    assert total(get_policy("adaptive")(s, cv, PolicyConfig())) > total(get_policy("even")(s, cv, PolicyConfig())) + 0.3
+
+
+def test_adaptive_weights_by_gpus():
+    s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=False))
+    assert plan.allocations["a"].cpus > 1.6 and plan.allocations["b"].cpus < 0.2
+
+
+def test_fairness_floor_keeps_even_share_for_a_job_that_can_use_it():
+    s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
+    assert plan.allocations["b"].cpus >= 0.9 - 1e-9
+    # ... but not for a job that cannot use it
+    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "light")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
+    assert plan.allocations["b"].cpus < 0.3
+
+
+def test_cold_start_fair_share_and_request():
+    s = snap("gpu-8core", [job("a", "heavy"), job("new", "light", requested_workers=2, requested_cpus=1.0)])
+    cv = curves_of(s, cold=("new",))
+    plan = get_policy("adaptive")(s, cv, PolicyConfig())
+    assert plan.allocations["new"].cpus == pytest.approx(3.5)
+    assert "cold start" in plan.allocations["new"].reason
+    plan = get_policy("adaptive")(s, cv, PolicyConfig(cold_start="request"))
+    assert plan.allocations["new"].cpus == pytest.approx(1.0) and plan.allocations["new"].workers == 2
+    # a low-confidence curve counts as cold when min_confidence asks for more
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(min_confidence=0.9))
+    assert all("cold start" in a.reason for a in plan.allocations.values())
+
+
+def test_hysteresis_holds_small_gains_and_takes_big_ones():
+    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "medium")])
+    cv = curves_of(s)
+    NOFLOOR = PolicyConfig(fairness_floor=False)   # floors alone would give 0.9 + 0.9 here
+    plan, settled = settle(get_policy("adaptive"), s, cv, NOFLOOR)
+    # the medium job's cost creeps up 4%: the greedy would move 0.05 core and a worker; gain ~1% -> hold
+    cv2 = dict(cv, b=dataclasses.replace(cv["b"], cpu_s_per_batch=0.104))
+    assert get_policy("adaptive")(s, cv2, NOFLOOR).allocations["b"].cpus > plan.allocations["b"].cpus
+    again = get_policy("adaptive")(settled, cv2, NOFLOOR)
+    assert all(again.allocations[j].cpus == plan.allocations[j].cpus for j in plan.allocations)
+    assert all(a.reason.startswith("hold") for a in again.allocations.values())
+    # the medium job turns light: 0.8 core freed is a big gain for the heavy one -> move
+    cv3 = dict(cv, b=dataclasses.replace(cv["b"], cpu_s_per_batch=0.02))
+    moved = get_policy("adaptive")(settled, cv3, NOFLOOR)
+    assert moved.allocations["a"].cpus > plan.allocations["a"].cpus + 0.3
+
+
+def test_restart_cost_is_charged():
+    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
+    cv = curves_of(s)
+    plan, settled = settle(get_policy("adaptive"), s, cv)
+    cv2 = dict(cv, b=dataclasses.replace(cv["b"], blocked_s_per_batch=0.2))   # io job needs fewer workers
+    cheap = get_policy("adaptive")(settled, cv2, PolicyConfig(hysteresis=0.0, worker_start_s=0.0))
+    dear = get_policy("adaptive")(settled, cv2, PolicyConfig(hysteresis=0.0, worker_start_s=60.0))
+    assert cheap.allocations["b"].workers != plan.allocations["b"].workers
+    assert dear.allocations["b"].workers == plan.allocations["b"].workers
+    assert "restart cost" in dear.allocations["b"].reason
+
+
+def test_departure_share_is_handed_out_at_once():
+    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "heavy"), job("c", "heavy")])
+    _, settled = settle(get_policy("adaptive"), s, curves_of(s))
+    jobs = dict(settled.jobs)
+    del jobs["c"]
+    after = dataclasses.replace(settled, jobs=jobs)
+    plan = get_policy("adaptive")(after, curves_of(after), PolicyConfig())
+    assert sum(a.cpus for a in plan.allocations.values()) == pytest.approx(1.8)
+    assert all(a.cpus == pytest.approx(0.9, abs=0.06) for a in plan.allocations.values())
+
+
+def test_max_workers_bounds_workers_and_useful_cores():
+    s = snap("gpu-8core", [job("a", "io", max_workers=2), job("b", "heavy")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(io_weights=False))
+    assert plan.allocations["a"].workers == 2
+    assert plan.allocations["a"].io_weight is None
+    assert "a" in plan.unsatisfied or plan.allocations["a"].cpus >= 0.28
+
+
+def test_allowed_cpus_cap_a_job():
+    s = snap("gpu-8core", [job("a", "heavy", allowed_cpus=(0, 1)), job("b", "medium")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig())
+    assert plan.allocations["a"].cpus <= 2.0 + 1e-9
+
+
+def test_even_static_keeps_arrival_shares_and_uses_max_jobs():
+    s = snap("dev-2vcpu", [job("a"), job("b")], max_jobs=4)
+    plan = get_policy("even-static")(s, {}, PolicyConfig())
+    assert [a.cpus for a in plan.allocations.values()] == [0.45, 0.45]
+    s = snap("dev-2vcpu", [job("a"), job("b")])
+    _, settled = settle(get_policy("even-static"), s, {})
+    jobs = dict(settled.jobs)
+    del jobs["b"]
+    plan = get_policy("even-static")(dataclasses.replace(settled, jobs=jobs), {}, PolicyConfig())
+    assert plan.allocations["a"].cpus == pytest.approx(0.9)        # a departure hands nothing out
+    jobs["c"] = job("c")
+    plan = get_policy("even-static")(dataclasses.replace(settled, jobs=jobs), {}, PolicyConfig())
+    assert plan.allocations["c"].cpus == pytest.approx(0.9)         # 1.8 / 2 at its arrival, and it fits
+    # an arrival on a full node (max_jobs unknown): nothing is free, so everyone is re-split
+    jobs = dict(settled.jobs, c=job("c"))
+    plan = get_policy("even-static")(dataclasses.replace(settled, jobs=jobs), {}, PolicyConfig())
+    assert [a.cpus for a in plan.allocations.values()] == [0.6, 0.6, 0.6]
+    assert all("re-split" in a.reason for a in plan.allocations.values())
+    # more jobs than the node is sized for: a re-split, recorded as unsatisfied
+    s = snap("dev-2vcpu", [job("a"), job("b"), job("c")], max_jobs=2)
+    plan = get_policy("even-static")(s, {}, PolicyConfig())
+    check_invariants(plan, s)
+    assert set(plan.unsatisfied) == {"a", "b", "c"}
+
+
+def test_even_recomputes_and_none_keeps_requests():
+    s = snap("gpu-8core", [job("a"), job("b")])
+    assert [a.cpus for a in get_policy("even")(s, {}, PolicyConfig()).allocations.values()] == [3.5, 3.5]
+    assert [a.workers for a in get_policy("even")(s, {}, PolicyConfig()).allocations.values()] == [4, 4]
+    plan = get_policy("none")(snap("dev-2vcpu", [job("a", requested_workers=6)]), {}, PolicyConfig())
+    a = plan.allocations["a"]
+    assert a.workers == 6 and a.enforce_cpu is False
+
+
+def test_pin_cpusets_are_exclusive():
+    s = snap("gpu-8core", [job("a", "heavy"), job("b", "light"), job("c", "io")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(pin_cpusets=True))
+    sets = [set(a.cpuset) for a in plan.allocations.values()]
+    assert all(sets) and sum(len(x) for x in sets) == 8 and len(set().union(*sets)) == 8
+    allocs, unsat = assign_cpusets({j: JobAllocation(job=j, workers=1, cpus=0.6) for j in "abc"}, (0, 1))
+    assert [a.cpuset for a in allocs.values()] == [(0,), (1,), (0,)] and set(unsat) == {"a", "b", "c"}
+
+
+def test_workers_for():
+    j = job("a", "io")
+    cv = curve_for(j)
+    assert workers_for(0.5, cv, j, PolicyConfig()) == 4
+    assert workers_for(0.1, cv, j, PolicyConfig()) == 1
+    assert workers_for(2.0, cv, j, PolicyConfig()) == cv.max_useful_workers
+    assert workers_for(2.2, None, j, PolicyConfig()) == 3
+    assert workers_for(2.2, None, j, PolicyConfig(max_workers_per_job=2)) == 2
+
+
+def test_config_validation_and_unknown_policy():
+    with pytest.raises(ValueError, match="cold_start"):
+        PolicyConfig(cold_start="guess")
+    with pytest.raises(ValueError, match="min_workers"):
+        PolicyConfig(min_workers=0)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        get_policy("fastest")
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+job_st = st.builds(
+    lambda i, g, c, b, gpus, maxw, req, allowed, cold: (
+        job(f"j{i}", "medium", compute_s_per_step=g, cpu_s_per_batch=c, blocked_s_per_batch=b, gpus=gpus,
+            max_workers=maxw, requested_workers=req, allowed_cpus=allowed), cold),
+    st.integers(0, 10_000),
+    st.just(0.0) | st.floats(1e-4, 2.0), st.just(0.0) | st.floats(1e-4, 2.0), st.just(0.0) | st.floats(1e-4, 2.0),
+    st.integers(1, 8), st.none() | st.integers(1, 16), st.integers(0, 32),
+    st.sampled_from([(), (0,), (0, 1), (2, 3, 4)]), st.booleans())
+
+
+@st.composite
+def scenario(draw):
+    pairs = draw(st.lists(job_st, min_size=1, max_size=24, unique_by=lambda p: p[0].job))
+    cpus = draw(st.floats(0.2, 64.0))
+    s = NodeSnapshot(now=0.0, loader_cpus=cpus, cpu_ids=tuple(range(max(1, math.ceil(cpus)))),
+                     jobs={j.job: j for j, _ in pairs}, max_jobs=draw(st.integers(0, 8)))
+    curves = {j.job: curve_for(j, correction=draw(st.floats(0.3, 2.0))) for j, cold in pairs if not cold}
+    config = PolicyConfig(fairness_floor=draw(st.booleans()), cold_start=draw(st.sampled_from(["fair", "request"])),
+                          max_workers_per_job=draw(st.integers(1, 64)), pin_cpusets=draw(st.booleans()))
+    return s, curves, config
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenario(), st.sampled_from(sorted(POLICIES)))
+def test_property_within_capacity_and_no_starvation(sc, policy):
+    s, curves, config = sc
+    plan = get_policy(policy)(s, curves, config)
+    check_invariants(plan, s, config)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario(), st.sampled_from(sorted(POLICIES)))
+def test_property_settled_plan_is_a_fixed_point(sc, policy):
+    """Fed its own plan back as the applied state, a policy does not move (never oscillates)."""
+    s, curves, config = sc
+    pol = get_policy(policy)
+    plan, settled = settle(pol, s, curves, config)
+    again = pol(settled, curves, config)
+    check_invariants(again, settled, config)
+    for j, a in plan.allocations.items():
+        b = again.allocations[j]
+        assert (b.workers, round(b.cpus, 6), b.cpuset) == (a.workers, round(a.cpus, 6), a.cpuset), (a, b)

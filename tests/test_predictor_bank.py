@@ -1,0 +1,140 @@
+"""PredictorBank API (unit tier): observe -> curve -> forget, first principles, cost per call."""
+import math
+import time
+
+import pytest
+
+from predictor.bank import PredictorBank
+from predictor.curve import ThroughputCurve
+from predictor.observation import BadObservation, Observation
+
+
+def obs(workers=2, cores=2.0, g=0.05, c=0.08, b=0.0, wait=0.0, bs=32, dur=3.0, steps=None):
+    step = g + wait
+    steps = steps if steps is not None else max(1, int(dur / step))
+    return Observation(workers=workers, cores=cores, batch_size=bs, compute_s_per_step=g,
+                       data_wait_s_per_step=wait, cpu_s_per_batch=c, wall_s_per_batch=c + b,
+                       runq_s_per_batch=0.0, blocked_s_per_batch=b, samples_per_s=bs / step,
+                       duration_s=dur, steps=steps)
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_curve_none_before_observation_then_curve(prior):
+    bank = PredictorBank(prior=prior)
+    assert bank.curve("j") is None
+    bank.observe("j", obs())
+    cur = bank.curve("j")
+    assert isinstance(cur, ThroughputCurve)
+    assert cur.job == "j" and cur.batch_size == 32
+    assert cur.ceiling_samples_per_s == pytest.approx(32 / 0.05)
+    assert 0 < cur.confidence <= 1
+    bank.forget("j")
+    assert bank.curve("j") is None
+    bank.forget("never-seen")  # no error
+
+
+def test_first_principles_knee_from_one_window():
+    bank = PredictorBank(prior=None)
+    # c = 0.2 CPU s per batch, g = 0.05 s per step: needs ~4 busy cores, ~4 workers
+    bank.observe("j", obs(workers=1, cores=1.0, c=0.2, wait=0.15))
+    cur = bank.curve("j")
+    assert cur.max_useful_workers == 4
+    assert cur.max_useful_cores == pytest.approx(0.97 * 4)
+    # blocked time adds workers, not cores
+    bank.observe("io", obs(workers=1, cores=1.0, c=0.05, b=0.15, wait=0.15))
+    io = bank.curve("io")
+    assert io.max_useful_workers == 4
+    assert io.max_useful_cores < 1.0
+    assert io.throughput(4, 1.0) > io.throughput(1, 1.0)
+
+
+def test_jobs_are_independent():
+    bank = PredictorBank(prior=None)
+    bank.observe("a", obs(c=0.2))
+    bank.observe("b", obs(c=0.01))
+    assert bank.curve("a").cpu_s_per_batch == pytest.approx(0.2)
+    assert bank.curve("b").cpu_s_per_batch == pytest.approx(0.01)
+
+
+def test_window_without_steps_gives_no_curve():
+    bank = PredictorBank(prior=None)
+    bank.observe("j", obs(steps=0))
+    assert bank.curve("j") is None
+
+
+def test_bad_record_names_the_field():
+    bank = PredictorBank(prior=None)
+    d = obs().to_dict()
+    del d["cpu_s_per_batch"]
+    with pytest.raises(BadObservation, match="cpu_s_per_batch"):
+        bank.observe("j", d)
+    d = obs().to_dict()
+    d["runq_s_per_batch"] = -1.0
+    with pytest.raises(BadObservation, match="runq_s_per_batch"):
+        bank.observe("j", d)
+    with pytest.raises(BadObservation, match="Observation"):
+        bank.observe("j", 42)
+    with pytest.raises(ValueError, match="prior"):
+        PredictorBank(prior="nonsense")
+
+
+def test_64_jobs_per_tick():
+    bank = PredictorBank(prior="default")
+    for i in range(64):
+        for k in range(10):
+            bank.observe(f"j{i}", obs(workers=1 + k % 3, c=0.03 * (1 + i % 5), wait=0.02))
+    t0 = time.perf_counter()
+    for _tick in range(5):
+        for i in range(64):
+            bank.observe(f"j{i}", obs(workers=2, c=0.03 * (1 + i % 5), wait=0.01))
+            assert bank.curve(f"j{i}") is not None
+    per_tick_s = (time.perf_counter() - t0) / 5
+    print(f"64 jobs observe+curve: {per_tick_s * 1e3:.2f} ms per tick")  # figure only, no timing assertion
+    assert sorted(bank.jobs()) == sorted(f"j{i}" for i in range(64))
+
+
+def test_prior_fit_from_shipped_corpus_and_engines_agree():
+    from predictor.prior import CORPUS_PATH, fit_prior, load_corpus
+
+    header, points = load_corpus(CORPUS_PATH)
+    assert "command" in header and len({p["job"] for p in points}) >= 8
+    a = fit_prior(points, engine="sklearn")
+    b = fit_prior(points, engine="closed-form")
+    assert a.sharpness == b.sharpness
+    assert a.log_kc_coef == pytest.approx(b.log_kc_coef, rel=1e-6, abs=1e-9)
+    assert a.theta_w == 1.0 and a.overhead_frac_of_c >= 0
+    held = fit_prior(points, exclude_jobs=["io"], engine="closed-form")
+    assert "io" not in held.fitted_on and "io" in a.fitted_on
+
+
+def test_bad_corpus_record_names_the_line(tmp_path):
+    from predictor.prior import load_corpus
+
+    bad = tmp_path / "c.jsonl"
+    bad.write_text('{"kind": "header"}\n{"kind": "point", "job": "x", "observation": {"workers": 1}}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2: .*missing field"):
+        load_corpus(bad)
+
+
+def test_learning_from_the_jobs_own_windows():
+    """A job whose cores deliver half of first principles: after windows at two core-bound
+    configurations the curve has learned it (core_correction well below 1) and predicts them."""
+    bank = PredictorBank(prior="default")
+    g, c = 0.02, 0.04
+    for w, cores in ((2, 1.0), (2, 1.0), (3, 0.5), (3, 0.5)):
+        bps = 0.5 * cores / c  # half what first principles say
+        bank.observe("j", Observation(workers=w, cores=cores, batch_size=8, compute_s_per_step=g,
+                                      data_wait_s_per_step=1 / bps - g, cpu_s_per_batch=c,
+                                      wall_s_per_batch=w / bps, runq_s_per_batch=w / bps - c,
+                                      blocked_s_per_batch=0.0, samples_per_s=8 * bps, duration_s=2.0,
+                                      steps=int(2 * bps)))
+    cur = bank.curve("j")
+    assert cur.core_correction < 0.7
+    truth = 8 * 0.5 / c
+    fp = PredictorBank(prior=None)
+    for o in bank.windows("j"):
+        fp.observe("j", o)
+    learned_err = abs(cur.throughput(2, 1.0) - truth) / truth
+    fp_err = abs(fp.curve("j").throughput(2, 1.0) - truth) / truth
+    assert learned_err < 0.25 and learned_err < fp_err / 3, (learned_err, fp_err)
+    assert cur.observed_configs == 2 and cur.confidence > 0.5

@@ -1,0 +1,102 @@
+"""ThroughputCurve invariants (hypothesis), knees, and the Observation record's errors (unit tier)."""
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from predictor.curve import KNEE_TOLERANCE, ThroughputCurve
+from predictor.observation import BadObservation, Observation
+
+pos = st.floats(min_value=1e-4, max_value=2.0, allow_nan=False)
+nonneg = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
+corr = st.floats(min_value=0.1, max_value=5.0)
+
+
+@st.composite
+def curves(draw):
+    kc = draw(st.one_of(st.none(), corr))
+    return ThroughputCurve(
+        job="j", batch_size=draw(st.integers(1, 512)), compute_s_per_step=draw(pos),
+        cpu_s_per_batch=draw(nonneg), blocked_s_per_batch=draw(nonneg), correction=draw(corr),
+        core_correction=kc, sharpness=draw(st.sampled_from([0.0, 2.0, 4.0, 6.0, 12.0])),
+        overhead_s_per_step=draw(st.floats(0.0, 0.05)))
+
+
+workers = st.floats(min_value=0.0, max_value=64.0)
+cores = st.floats(min_value=0.0, max_value=64.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(curves(), workers, cores)
+def test_throughput_bounded(cur, w, c):
+    t = cur.throughput(w, c)
+    assert t >= 0
+    assert t <= cur.ceiling_samples_per_s * (1 + 1e-9)
+    assert 0.0 <= cur.normalized(w, c) <= 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(curves(), workers, cores, st.floats(0.0, 8.0), st.floats(0.0, 8.0))
+def test_non_decreasing_in_workers_and_cores(cur, w, c, dw, dc):
+    if w >= 1:  # from 1 worker on (0 = in-process loading is a different regime)
+        assert cur.throughput(w + dw, c) >= cur.throughput(w, c) * (1 - 1e-9)
+    assert cur.throughput(w, c + dc) >= cur.throughput(w, c) * (1 - 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(curves(), st.floats(0.1, 16.0))
+def test_knee_is_least_count_within_tolerance(cur, c):
+    k = cur.knee_workers(c)
+    assume_limit = cur.throughput(1e15, c)  # unlimited workers
+    if k >= 1 << 16 or assume_limit == math.inf:
+        return
+    assert cur.throughput(k, c) >= (1 - KNEE_TOLERANCE) * assume_limit * (1 - 1e-6)
+    if k > 1:
+        assert cur.throughput(k - 1, c) < (1 - KNEE_TOLERANCE) * assume_limit * (1 + 1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(curves(), st.floats(0.1, 16.0), st.floats(0.0, 16.0))
+def test_knee_non_decreasing_in_cores(cur, c, dc):
+    assert cur.knee_workers(c + dc) >= cur.knee_workers(c)
+    assert cur.max_useful_workers >= cur.knee_workers(c)
+
+
+def test_blocked_time_adds_workers_not_cores():
+    cpu = ThroughputCurve(job="a", batch_size=32, compute_s_per_step=0.05, cpu_s_per_batch=0.1,
+                          blocked_s_per_batch=0.0)
+    io = ThroughputCurve(job="b", batch_size=32, compute_s_per_step=0.05, cpu_s_per_batch=0.1,
+                         blocked_s_per_batch=0.2)
+    assert io.max_useful_workers > cpu.max_useful_workers
+    assert io.max_useful_cores == pytest.approx(cpu.max_useful_cores)
+    assert cpu.marginal_gain(1, 1.0) > 0
+
+
+def _obs_dict():
+    return Observation(workers=2, cores=1.0, batch_size=8, compute_s_per_step=0.01, data_wait_s_per_step=0.0,
+                       cpu_s_per_batch=0.01, wall_s_per_batch=0.01, runq_s_per_batch=0.0, blocked_s_per_batch=0.0,
+                       samples_per_s=100.0, duration_s=1.0, steps=10).to_dict()
+
+
+@pytest.mark.parametrize("field,value", [("cores", 0), ("batch_size", 0), ("samples_per_s", float("nan")),
+                                         ("steps", "many"), ("workers", True), ("duration_s", -1)])
+def test_bad_record_names_field(field, value):
+    d = _obs_dict()
+    d[field] = value
+    with pytest.raises(BadObservation, match=field):
+        Observation.from_dict(d)
+
+
+def test_empty_and_newer_records():
+    with pytest.raises(BadObservation, match="missing field 'workers'"):
+        Observation.from_dict({})
+    with pytest.raises(BadObservation, match="must be a dict"):
+        Observation.from_dict(None)
+    d = _obs_dict()
+    d["version"] = 99
+    with pytest.raises(BadObservation, match="upgrade"):
+        Observation.from_dict(d)
+    d = _obs_dict()
+    d["future_field"] = 1  # unknown keys are ignored
+    assert Observation.from_dict(d).workers == 2

@@ -1,0 +1,110 @@
+"""``adloader profile`` (component tier): real ROUTER, real child process, real protocol messages.
+
+The fake client below is a stand-in for ``adloader.client`` that speaks the wire protocol of
+``adloader.protocol`` exactly (hello, reports of ``DataLoader.stats()`` totals); a second test runs a
+tiny real training script through the real client once that lands.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO, adloader_cmd, repo_env
+
+FAKE_CLIENT = textwrap.dedent('''
+    import os, sys, time, zmq
+    from adloader import protocol
+    job, pid = os.environ["ADLOADER_JOB_ID"], os.getpid()
+    ctx = zmq.Context(); s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, protocol.client_identity(job, 0, pid)); s.setsockopt(zmq.LINGER, 0)
+    s.connect(os.environ["ADLOADER_ENDPOINT"])
+    s.send(protocol.encode(protocol.make("hello", job=job, rank=0, pid=pid, batch_size=16, workers=2)))
+    assert s.poll(5000), "no welcome"
+    reply = protocol.decode(s.recv()); assert reply["type"] == "welcome", reply
+    # a job with g = 20 ms compute, c = 60 ms CPU and b = 10 ms blocked per batch, 2 workers on 1 core:
+    # core-bound at 1/0.06 = 16.7 batches/s (2 workers alone would give 2/0.07 = 28.6/s); each worker
+    # waits in the run queue while the other runs
+    bps, g, c, b, runq = 16.67, 0.020, 0.060, 0.010, 0.050
+    t = 0.0
+    for i in range(int(sys.argv[1])):
+        t += 0.5
+        n = bps * t
+        stats = {"steps": int(n), "samples": int(n) * 16, "batches": int(n), "workers": 2, "live_workers": 2,
+                 "batch_size": 16, "uptime_s": t, "resizes": 0, "compute_s": n * g,
+                 "data_wait_s": n * (1 / bps - g), "worker_cpu_s": n * c, "worker_wall_s": n * (c + b + runq),
+                 "worker_runq_s": n * runq, "worker_blocked_s": n * b}
+        s.send(protocol.encode(protocol.make("report", job=job, rank=0, pid=pid, stats=stats)))
+        time.sleep(0.05)
+    s.send(protocol.encode(protocol.make("bye", job=job, rank=0, pid=pid)))
+    time.sleep(0.2)
+''')
+
+
+def _profile(tmp_path, *args, timeout=60):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(adloader_cmd("profile", "--json", str(out), *args), env=repo_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_profile_with_protocol_client(tmp_path):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_CLIENT)
+    proc, doc = _profile(tmp_path, "--duration", "20", "--cores", "1", "--", sys.executable, str(script), "16")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    out = proc.stdout
+    for what in ("compute", "data wait", "preprocessing CPU", "fetch / IO wait", "run-queue wait", "knee"):
+        assert what in out, out
+    assert doc["workers"] == 2 and doc["batch_size"] == 16
+    assert doc["per_batch_in_workers"]["cpu_s"] == pytest.approx(0.060, rel=0.05)
+    assert doc["per_batch_in_workers"]["blocked_s"] == pytest.approx(0.010, rel=0.05)
+    assert doc["per_step"]["compute_s"] == pytest.approx(0.020, rel=0.05)
+    pred = doc["prediction"]
+    # core-bound at 1 core: one more core helps; more workers at 1 core help little
+    assert pred["cores"]["2.0"] > pred["cores"]["1.0"] * 1.2
+    assert pred["workers"]["4"] < pred["workers"]["2"] * 1.1
+    assert "run queue" in doc["verdict"]
+
+
+def test_profile_stops_a_long_command_and_reports_no_hook(tmp_path):
+    proc, doc = _profile(tmp_path, "--duration", "1", "--", sys.executable, "-c", "import time; time.sleep(30)")
+    assert proc.returncode == 1
+    assert "no report" in proc.stderr
+
+
+def test_profile_needs_a_command(tmp_path):
+    proc, _ = _profile(tmp_path)
+    assert proc.returncode == 2 and "after --" in proc.stderr
+
+
+TRAIN = textwrap.dedent('''
+    import sys
+    from adloader import DataLoader
+    from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
+    ds = SyntheticImageDataset(WorkloadSpec(num_images=16, length=100000, image_px=64, crop_px=48,
+                                            io_sleep_s=0.002))
+    loader = DataLoader(ds, batch_size=8, num_workers=2)
+    for epoch in range(1000):                      # runs until adloader profile stops it
+        for batch in loader:
+            emulated_step(batch, 0.01)
+''')
+
+
+def test_profile_a_real_training_script(tmp_path):
+    pytest.importorskip("adloader.dataloader", reason="the elastic adloader.DataLoader has not landed")
+    pytest.importorskip("adloader.client", reason="the agent client has not landed")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    proc, doc = _profile(tmp_path, "--duration", "8", "--", sys.executable, str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    assert doc["workers"] == 2 and doc["batch_size"] == 8 and doc["steps"] > 10
+    assert doc["stopped_after_s"] == 8
+    pb, ps = doc["per_batch_in_workers"], doc["per_step"]
+    assert pb["cpu_s"] > 0 and ps["compute_s"] >= 0.009          # real decode in workers; 10 ms steps
+    assert pb["blocked_s"] >= 0.8 * 8 * 0.002                     # the fetch sleeps show up as blocked
+    pred = doc["prediction"]
+    assert pred["ceiling_samples_per_s"] > 0 and pred["knee_workers_at_cores"] >= 1
+    for what in ("where a step goes", "preprocessing CPU", "what if", "knee"):
+        assert what in proc.stdout

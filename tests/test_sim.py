@@ -1,0 +1,123 @@
+"""Unit tests for the trace-driven simulator (``agent.simulate``): tiny traces, real policy code."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from agent import simulate as S
+from predictor.curve import ThroughputCurve
+from tests.conftest import adloader_cmd, repo_env
+
+
+def _cv(name, cores_needed, g=0.1, bs=32):
+    return ThroughputCurve(job=name, batch_size=bs, compute_s_per_step=g, cpu_s_per_batch=cores_needed * g,
+                           blocked_s_per_batch=0.0, confidence=1.0)
+
+
+CURVES = {"heavy": _cv("heavy", 3.0), "mid": _cv("mid", 1.0), "light": _cv("light", 0.25)}
+
+
+def test_waterfill_respects_caps_and_weights():
+    got = S.waterfill(4.0, {"a": 1, "b": 1, "c": 2}, {"a": 0.5, "b": 10, "c": 10})
+    assert got["a"] == pytest.approx(0.5)
+    assert got["b"] == pytest.approx(3.5 / 3)
+    assert got["c"] == pytest.approx(7.0 / 3)
+    assert sum(got.values()) == pytest.approx(4.0)
+    # everyone capped below capacity: nothing more is handed out
+    got = S.waterfill(4.0, {"a": 1, "b": 1}, {"a": 0.5, "b": 1.0})
+    assert got == pytest.approx({"a": 0.5, "b": 1.0})
+
+
+def test_demand_cores_of_a_first_principles_curve():
+    assert S.demand_cores(CURVES["mid"]) == pytest.approx(1.0, rel=0.02)
+    assert S.demand_cores(CURVES["heavy"], workers=2) == pytest.approx(2.0, rel=0.02)   # one core per worker
+
+
+def test_trace_files_csv_and_jsonl(tmp_path):
+    csv_p = tmp_path / "t.csv"
+    csv_p.write_text("node,job,kind,arrival_s,work_s\nn0,a,heavy,0,10\nn0,b,light,5,4\n")
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"node": "n0", "job": "a", "kind": "heavy", "arrival_s": 0, "work_s": 10, "gpus": 2}\n')
+    assert [t.job for t in S.read_trace(str(csv_p))] == ["a", "b"]
+    assert S.read_trace(str(jl))[0].gpus == 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text("node,job,arrival_s,work_s\nn0,a,0,1\n")
+    with pytest.raises(S.SimError, match="missing column 'kind'"):
+        S.read_trace(str(bad))
+
+
+def _trace():
+    return [S.TraceJob("n0", "a", "heavy", 0.0, 20.0), S.TraceJob("n0", "b", "mid", 0.0, 20.0),
+            S.TraceJob("n0", "c", "light", 5.0, 10.0), S.TraceJob("n1", "d", "mid", 0.0, 8.0),
+            S.TraceJob("n1", "e", "mid", 2.0, 8.0)]
+
+
+def test_tiny_trace_every_policy_finishes_and_oracle_is_the_ceiling():
+    cfg = S.SimConfig(cores=3.0, gpus=3, loader_cpus=2.0, predictor="perfect")
+    res = S.simulate(_trace(), CURVES, ["even-static", "even", "none", "adaptive", "oracle"], cfg, processes=1)
+    s = res["summary"]
+    assert res["nodes"] == 2 and res["jobs"] == 5
+    for p, row in s.items():
+        assert 0 < row["agg_normalised"] <= 3.0 + 1e-9, p
+        assert 0.0 <= row["gpu_idle_frac"] <= 1.0
+        assert row["makespan_mean_s"] > 0 and row["jct_p95_s"] >= row["jct_mean_s"] - 1e-9
+
+
+def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics():
+    from agent.model import JobStats, NodeSnapshot
+    from agent.policies import PolicyConfig, get_policy
+
+    def stats(j):
+        return JobStats(job=j, uid=0, ranks=1, gpus=1, batch_size=32, workers=1, requested_workers=2,
+                        max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
+                        data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
+                        blocked_s_per_batch=0.0, worker_cpu_cores=0.0)
+
+    snap = NodeSnapshot(now=0.0, loader_cpus=2.0, cpu_ids=(0, 1), jobs={j: stats(j) for j in CURVES}, max_jobs=3)
+
+    def total(plan):
+        _, rates = S.node_rates(CURVES, plan.allocations, 2.0)
+        return sum(rates[j] / CURVES[j].ceiling_samples_per_s for j in CURVES)
+
+    best = total(S._policy("oracle")(snap, CURVES, PolicyConfig()))
+    # light 0.25 + mid 1.0 saturate, heavy gets 0.75 of its 3 cores: 1 + 1 + 0.25
+    assert best == pytest.approx(2.25, abs=0.02)
+    for name in ("even-static", "even", "none", "adaptive"):
+        assert best >= total(get_policy(name)(snap, CURVES, PolicyConfig())) - 0.02, name
+    # the even split leaves the heavy and mid jobs 0.875 cores each: 0.29 + 0.875 + 1
+    assert total(get_policy("even")(snap, CURVES, PolicyConfig())) == pytest.approx(2.167, abs=0.02)
+
+
+def test_node_arithmetic_of_one_job_alone():
+    # one job needing 1 core, 2 loader cores: runs at its ceiling; JCT = work
+    cfg = S.SimConfig(cores=2.0, gpus=1, loader_cpus=2.0, predictor="perfect")
+    r = S.simulate_node([S.TraceJob("n", "x", "mid", 3.0, 10.0)], CURVES, "even", cfg)
+    assert r["jobs"]["x"]["jct_s"] == pytest.approx(10.0, rel=0.002)
+    assert r["jobs"]["x"]["norm_mean"] == pytest.approx(1.0, rel=0.002)
+    assert r["makespan_s"] == pytest.approx(10.0, rel=0.002)
+
+
+def test_learning_predictor_runs_the_agents_bank():
+    cfg = S.SimConfig(cores=3.0, gpus=3, loader_cpus=2.0, predictor="first-principles")
+    res = S.simulate(_trace(), CURVES, ["adaptive"], cfg, processes=1)
+    assert res["summary"]["adaptive"]["decisions"] > 0
+    with pytest.raises(S.SimError, match="unknown kinds: nope"):
+        S.simulate([S.TraceJob("n", "x", "nope", 0, 1)], CURVES, ["even"], cfg)
+
+
+def test_simulate_command_on_a_tiny_trace(tmp_path):
+    tr = tmp_path / "t.csv"
+    tr.write_text("node,job,kind,arrival_s,work_s\nn0,a,alexnet,0,10\nn0,b,bert,2,5\nn1,c,resnet50,0,6\n")
+    out = tmp_path / "sim.json"
+    p = subprocess.run(adloader_cmd("simulate", "--trace", str(tr), "--curves", "builtin", "--policies",
+                                    "even,adaptive,oracle", "--cores", "4", "--gpus", "2", "--processes", "1",
+                                    "--out", str(out)),
+                       env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "| adaptive |" in p.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc["summary"]) == {"even", "adaptive", "oracle"}
+    assert doc["nodes"] == 2 and not math.isnan(doc["summary"]["even"]["agg_normalised"])
