@@ -21,7 +21,10 @@ reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hys
 fairness_floor, log_level take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
-Restart: the journal (``agent.journal``) is read at start. Jobs whose processes are still alive are
+Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
+changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
+SIGKILL between an actuator's write and the end of that tick cannot orphan the job's cgroup) and
+after each tick. It is read at start. Jobs whose processes are still alive are
 re-adopted with their applied allocations (their clients reconnect by themselves and say hello
 again); jobs whose processes are gone are forgotten through the controller, so the actuators
 release what was made for them.
@@ -281,6 +284,12 @@ class Agent:
                 logs.once("metrics_failed", log, "metrics_failed", logging.WARNING, error=str(e))
         return record
 
+    def _journal_now(self) -> None:
+        try:
+            self._write_journal()
+        except OSError as e:
+            logs.once("journal_write_failed", log, "journal_write_failed", logging.ERROR, error=str(e))
+
     def _write_journal(self, force: bool = False) -> None:
         applied = self.controller.applied()
         key = (self.registry.version, tuple(sorted((j, a.workers, round(a.cpus, 3), a.cpuset) for j, a in applied.items())))
@@ -337,7 +346,8 @@ class Agent:
                 now = time.monotonic()
                 if now >= next_tick:
                     self.server.handle_ready(now)   # messages already here count for this tick (a bye
-                    self.tick(now)                  # before the process is seen gone)
+                    self._journal_now()             # before the process is seen gone)
+                    self.tick(now)
                     next_tick += self.config.tick_s
                     if next_tick <= time.monotonic():
                         next_tick = time.monotonic() + self.config.tick_s
@@ -358,6 +368,7 @@ class Agent:
                         pass
                 if self.server.sock in events:
                     self.server.handle_ready(time.monotonic())
+                    self._journal_now()   # a new job is journaled before any tick can act on it
                 if self._hup:
                     self._hup = False
                     self.reload()
