@@ -12,11 +12,12 @@ Channels (all created by the main process; a worker only ever reads tasks and wr
   ``("exit",)`` and tasks meant for that worker only (every task of an IterableDataset, whose
   workers each iterate their own shard in torch's round-robin order; a map task too large for the
   socket).
-- result pipe, one worker -> main: ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
-  runq_ns)`` followed by a second message with the pickled batch (``ForkingPickler``, so tensors
-  travel through shared memory as in torch), ``("stop", iter_id, seq)`` (the worker's iterable shard
-  is exhausted), ``("retired",)``, ``("init_error", RemoteError)``. Per-worker pipes mean a dying
-  worker can corrupt nothing but its own pipe.
+- result socket, one worker -> main (``AF_UNIX``/``SOCK_SEQPACKET`` pair per worker; framing in
+  ``adloader._worker.send_message``): ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
+  runq_ns)`` with the batch as payload (tensors travel as shared-memory file descriptors passed
+  with the message), ``("stop", iter_id, seq)`` (the worker's iterable shard is exhausted),
+  ``("retired",)``, ``("init_error", RemoteError)``. Per-worker channels mean a dying worker can
+  corrupt nothing but its own.
 
 Task: ``("task", iter_id, seq, seed, index, epoch_workers)``.
 
@@ -42,7 +43,7 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 
-from adloader._worker import MAX_TASK_BYTES, MessageReader, RemoteError, WorkerSpec, worker_main
+from adloader._worker import MAX_TASK_BYTES, MessageReader, PayloadError, RemoteError, WorkerSpec, worker_main
 from adloader.stats import LoaderCounters
 
 log = logging.getLogger("adloader")
@@ -53,7 +54,7 @@ MAX_DEATHS_WITHOUT_PROGRESS = 4
 
 
 class _Slot:
-    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "header", "sentinel", "state")
+    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state")
 
     def __init__(self, wid, proc, ctrl, result):
         self.wid = wid
@@ -62,7 +63,6 @@ class _Slot:
         self.ctrl = ctrl          # main's write end of the control pipe
         self.result = result      # main's end of the result socket
         self.reader = MessageReader(result)
-        self.header = None        # a result header whose batch has not arrived yet
         self.sentinel = proc.sentinel
         self.state = "running"    # running | retiring (retire sent) | parked (retired) | exiting
 
@@ -280,27 +280,20 @@ class WorkerPool:
             msgs = slot.reader.read_available()
         except EOFError:
             return                  # the worker is gone: its sentinel reports it
-        header, slot.header = slot.header, None
-        for msg in msgs:
-            if header is not None:
-                # the batch that follows a result header
-                if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "unpickle_error":
-                    err = msg[1]
-                    try:
-                        raise err
-                    except Exception:
-                        payload = RemoteError(where=f"while receiving a batch from DataLoader worker {slot.wid}")
-                    header = header[:3] + (False,) + header[4:]
-                else:
-                    payload = msg
-                self._deaths_without_progress = 0
-                # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
-                out.append(header + (payload,))
-                header = None
-                continue
+        for msg, payload in msgs:
             kind = msg[0]
             if kind == "result":
-                header = msg
+                if isinstance(payload, PayloadError):
+                    # Tensors arrive as file descriptors with the message; anything else that
+                    # cannot be rebuilt here is the caller's error for that batch.
+                    try:
+                        raise payload.error
+                    except Exception:
+                        payload = RemoteError(where=f"while receiving a batch from DataLoader worker {slot.wid}")
+                    msg = msg[:3] + (False,) + msg[4:]
+                self._deaths_without_progress = 0
+                # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
+                out.append(msg + (payload,))
             elif kind == "stop":
                 self._deaths_without_progress = 0
                 out.append(msg)
@@ -315,9 +308,6 @@ class WorkerPool:
                 self.fatal = msg[1]
                 self._send_ctrl(slot, ("exit",))
                 slot.state = "exiting"
-            elif kind == "unpickle_error":
-                log.warning("adloader: unreadable message from worker %d: %r", slot.wid, msg[1])
-        slot.header = header        # None, or a header whose batch is still on the way
 
     def drain_results(self) -> list:
         """Read every message already written by any worker, without waiting."""

@@ -110,23 +110,57 @@ class _FdUnpickler(pickle.Unpickler):
         return st
 
 
-def send_message(sock: socket.socket, obj, fd_passing: bool = False) -> None:
-    """Send one logical message (blocking)."""
-    if fd_passing:
+class _NoPayload:
+    __slots__ = ()
+
+    def __repr__(self):
+        return "NO_PAYLOAD"
+
+
+NO_PAYLOAD = _NoPayload()       # a message without a payload part (None is a valid batch)
+
+
+class PayloadError:
+    """A payload that arrived but could not be rebuilt in the main process (its header is known)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def send_message(sock: socket.socket, header, payload=NO_PAYLOAD, fd_passing: bool = False) -> None:
+    """Send one logical message: a small header (plain pickle) and an optional payload (the batch;
+    ForkingPickler, storages as passed file descriptors when ``fd_passing``). Usually one packet, so
+    one wakeup of the main process per batch. Layout: u32 header length, header, payload."""
+    h = pickle.dumps(header, pickle.HIGHEST_PROTOCOL)
+    fds: list[int] = []
+    if payload is NO_PAYLOAD:
+        body = memoryview(b"")
+    elif fd_passing:
         buf = io.BytesIO()
         pickler = _FdPickler(buf)
-        pickler.dump(obj)
-        data, fds = buf.getbuffer(), pickler.fds
+        pickler.dump(payload)
+        body, fds = buf.getbuffer(), pickler.fds
     else:
-        data, fds = memoryview(ForkingPickler.dumps(obj)), []
-    n, pos, fd_pos = len(data), 0, 0
+        body = memoryview(ForkingPickler.dumps(payload))
+    segments = [memoryview(struct.pack("<I", len(h))), memoryview(h), body]
+    total = sum(len(x) for x in segments)
+    sent, fd_pos, seg, off = 0, 0, 0, 0
     while True:
-        chunk = data[pos:pos + _CHUNK]
-        pos += len(chunk)
+        parts, room = [], _CHUNK
+        while room and seg < len(segments):
+            piece = segments[seg][off:off + room]
+            parts.append(piece)
+            room -= len(piece)
+            off += len(piece)
+            if off >= len(segments[seg]):
+                seg, off = seg + 1, 0
+        sent += _CHUNK - room
         batch = fds[fd_pos:fd_pos + _MAX_FDS]
         fd_pos += len(batch)
-        last = pos >= n and fd_pos >= len(fds)
-        parts = [b"\x01" if last else b"\x00", chunk]
+        last = sent >= total and fd_pos >= len(fds)
+        parts.insert(0, b"\x01" if last else b"\x00")
         if batch:
             socket.send_fds(sock, parts, batch)
         else:
@@ -146,9 +180,8 @@ class MessageReader:
         self.fds: list[int] = []
 
     def read_available(self) -> list:
-        """Every complete message now readable, unpickled. An element is an Exception instance
-        wrapped as ``("unpickle_error", exc)`` when a message arrived but could not be rebuilt.
-        Raises EOFError when the worker's end is closed (the worker is gone)."""
+        """Every complete message now readable, as (header, payload) pairs; payload is NO_PAYLOAD,
+        the rebuilt object, or a PayloadError. Raises EOFError when the worker's end is closed."""
         out = []
         while True:
             try:
@@ -159,10 +192,10 @@ class MessageReader:
             except ConnectionResetError:
                 raise EOFError("worker socket reset") from None
             fds = []
-            for level, kind, payload in ancdata:
+            for level, kind, anc in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     arr = array.array("i")
-                    arr.frombytes(payload[:len(payload) - len(payload) % arr.itemsize])
+                    arr.frombytes(anc[:len(anc) - len(anc) % arr.itemsize])
                     fds.extend(arr)
             if not data:
                 for fd in fds:
@@ -171,18 +204,25 @@ class MessageReader:
                 raise EOFError("worker socket closed")
             self.parts.append(data[1:])
             self.fds.extend(fds)
-            if flags & _TRUNC_FLAGS:
+            if flags & _TRUNC_FLAGS:        # cannot happen with our own sender; never trust it
                 self._discard()
-                out.append(("unpickle_error", RuntimeError("a worker message was truncated")))
-                continue
+                raise EOFError("truncated message from worker")
             if data[0] != 1:
                 continue
-            payload, fds = b"".join(self.parts), self.fds
+            raw, fds = b"".join(self.parts), self.fds
             self.parts, self.fds = [], []
             try:
-                out.append(_FdUnpickler(io.BytesIO(payload), fds).load() if fds else pickle.loads(payload))
-            except Exception as e:
-                out.append(("unpickle_error", e))
+                (hlen,) = struct.unpack_from("<I", raw)
+                header = pickle.loads(raw[4:4 + hlen])
+                body = memoryview(raw)[4 + hlen:]
+                if not len(body):
+                    payload = NO_PAYLOAD
+                else:
+                    try:
+                        payload = _FdUnpickler(io.BytesIO(body), fds).load() if fds else pickle.loads(body)
+                    except Exception as e:
+                        payload = PayloadError(e)
+                out.append((header, payload))
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -449,15 +489,15 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
         else:
             header = ("result", iter_id, seq, ok, n_samples, time.process_time() - c0,
                       time.perf_counter() - t0, max(0, runq.read_ns() - r0))
-            # header and batch are two messages: the main process can always tell which task a
-            # batch belongs to, even if unpickling the batch fails there
-            send_message(result, header)
+            # header and batch travel in one message but are pickled apart: the main process can
+            # always tell which task a batch belongs to, even if rebuilding the batch fails there
             try:
-                send_message(result, data, fd_passing)
-            except (OSError, pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
-                if isinstance(e, (BrokenPipeError, ConnectionResetError)):
-                    raise
-                send_message(result, RemoteError(where=f"{where} while pickling the batch for the main process"))
+                send_message(result, header, data, fd_passing)
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception:
+                header = header[:3] + (False,) + header[4:]
+                send_message(result, header, RemoteError(where=f"{where} while pickling the batch for the main process"))
             del data
         current_task[wid] = -1
 
