@@ -12,8 +12,9 @@ message property ``Peer-Address`` = ``"<host>:<uid>:<gid>:<pid>"`` (libzmq src/s
 Without peer credentials (tcp://, or a platform without SO_PEERCRED) every request that claims a job
 is refused with ``not_permitted`` and a message saying why; ``status`` is still answered.
 
-How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``); a caller over it
-gets one ``rate_limited`` reply per period and its messages are dropped unparsed.
+How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``) and one per uid
+(``UID_RATE_PER_S``, ``UID_BURST``; root exempt); a caller over either gets one ``rate_limited``
+reply per second and its messages are dropped unparsed.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from typing import Optional
 
 import psutil
 
-RATE_PER_S = 50.0
+RATE_PER_S = 50.0          # per ZeroMQ identity (a training process reports about once a second)
 BURST = 100.0
+UID_RATE_PER_S = 500.0     # per uid over all its connections (hundreds of ranks of one user are fine)
+UID_BURST = 2000.0
 MAX_BUCKETS = 8192
 
 

@@ -8,8 +8,9 @@ hello). The ipc socket's directory is created 0755; the socket is made 0666 when
 root (any user's training process may connect; peer credentials decide what each may do) and 0600
 otherwise (only the agent's user).
 
-Per message (``handle_ready``): token bucket per identity (over it: dropped unparsed, one
-``rate_limited`` reply and one log line per period) -> exactly one frame -> ``protocol.decode``
+Per message (``handle_ready``): token bucket per identity, then one per uid (root exempt) so that
+rotating identities does not help a flood (over either: dropped unparsed, one ``rate_limited`` reply
+per second and one log line per period) -> exactly one frame -> ``protocol.decode``
 (size, JSON, version, schema; a ``ProtocolError`` becomes an ``error`` reply with its code) ->
 peer credentials (``agent.security``) -> the registry. A ``Refused`` from the registry becomes an
 ``error`` reply; any other exception is logged and answered ``internal``: one bad message never
@@ -54,6 +55,7 @@ class Server:
         self.status_doc = status_doc
         self.ctx = ctx or zmq.Context.instance()
         self.buckets = buckets or security.TokenBuckets()
+        self.uid_buckets = security.TokenBuckets(security.UID_RATE_PER_S, security.UID_BURST)
         self.sock: Optional[zmq.Socket] = None
         self._lock_fd: Optional[int] = None
         self._last_heartbeat = 0.0
@@ -188,16 +190,13 @@ class Server:
 
     def _handle(self, frames, now: float) -> None:
         identity = frames[0].bytes
+        peer = security.peer_of(frames[-1])
         if not self.buckets.take(identity, now):
-            self.errors["rate_limited"] = self.errors.get("rate_limited", 0) + 1
-            last = self._limited_reply.get(identity, -1e9)
-            if now - last >= 1.0:
-                if len(self._limited_reply) > 4096:
-                    self._limited_reply.clear()
-                self._limited_reply[identity] = now
-                self._send(identity, protocol.error(
-                    "rate_limited", f"more than {security.RATE_PER_S:g} messages/s; messages are dropped"))
-            self._limited_log.event(identity.hex()[:64], "rate_limited", identity=identity[:64].decode("utf-8", "replace"))
+            self._limited(identity, now, f"more than {security.RATE_PER_S:g} messages/s from this connection")
+            return
+        # a second bucket per uid: one user rotating identities cannot flood either (root exempt)
+        if peer is not None and not peer.root and not self.uid_buckets.take(b"uid:%d" % peer.uid, now):
+            self._limited(identity, now, f"more than {security.UID_RATE_PER_S:g} messages/s from uid {peer.uid}")
             return
         if len(frames) != 2:
             self._bad(identity, "malformed", f"expected one frame per message, got {len(frames) - 1}")
@@ -213,7 +212,6 @@ class Server:
         if t not in CLIENT_TO_AGENT:
             self._bad(identity, "unknown_type", f"{t!r} is sent by the agent, not to it", t)
             return
-        peer = security.peer_of(frame)
         try:
             if t == "hello":
                 self._hello(identity, peer, msg, now)
@@ -240,6 +238,17 @@ class Server:
                 self._send(identity, {"v": protocol.VERSION, "type": "status", "doc": self.status_doc()})
         except Refused as e:
             self._bad(identity, e.code, str(e), t)
+
+    def _limited(self, identity: bytes, now: float, why: str) -> None:
+        self.errors["rate_limited"] = self.errors.get("rate_limited", 0) + 1
+        last = self._limited_reply.get(identity, -1e9)
+        if now - last >= 1.0:
+            if len(self._limited_reply) > 4096:
+                self._limited_reply.clear()
+            self._limited_reply[identity] = now
+            self._send(identity, protocol.error("rate_limited", f"{why}; messages are dropped"))
+        self._limited_log.event(identity.hex()[:64], "rate_limited", identity=identity[:64].decode("utf-8", "replace"),
+                                why=why)
 
     def _bad(self, identity: bytes, code: str, message: str, re: Optional[str] = None) -> None:
         self._error(identity, code, message, re)
