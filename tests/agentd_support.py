@@ -205,7 +205,13 @@ class Trainer:
             return {}
 
     def kill(self, sig=signal.SIGKILL) -> None:
-        pids = self.state().get("worker_pids") or []
+        import psutil
+
+        pids = set(self.state().get("worker_pids") or [])
+        try:   # the loader's workers as they are now (the state file may lag a resize)
+            pids |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         self.proc.wait(10)
