@@ -12,11 +12,12 @@ Channels (all created by the main process; a worker only ever reads tasks and wr
   ``("exit",)`` and tasks meant for that worker only (every task of an IterableDataset, whose
   workers each iterate their own shard in torch's round-robin order; a map task too large for the
   socket).
-- result pipe, one worker -> main: ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
-  runq_ns)`` followed by a second message with the pickled batch (``ForkingPickler``, so tensors
-  travel through shared memory as in torch), ``("stop", iter_id, seq)`` (the worker's iterable shard
-  is exhausted), ``("retired",)``, ``("init_error", RemoteError)``. Per-worker pipes mean a dying
-  worker can corrupt nothing but its own pipe.
+- result socket, one worker -> main (``AF_UNIX``/``SOCK_SEQPACKET`` pair per worker; framing in
+  ``adloader._worker.send_message``): ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
+  runq_ns)`` with the batch as payload (tensors travel as shared-memory file descriptors passed
+  with the message), ``("stop", iter_id, seq)`` (the worker's iterable shard is exhausted),
+  ``("retired",)``, ``("init_error", RemoteError)``. Per-worker channels mean a dying worker can
+  corrupt nothing but its own.
 
 Task: ``("task", iter_id, seq, seed, index, epoch_workers)``.
 
@@ -42,7 +43,7 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 
-from adloader._worker import MAX_TASK_BYTES, RemoteError, WorkerSpec, worker_main
+from adloader._worker import MAX_TASK_BYTES, MessageReader, PayloadError, RemoteError, WorkerSpec, worker_main
 from adloader.stats import LoaderCounters
 
 log = logging.getLogger("adloader")
@@ -53,14 +54,15 @@ MAX_DEATHS_WITHOUT_PROGRESS = 4
 
 
 class _Slot:
-    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "sentinel", "state")
+    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state")
 
     def __init__(self, wid, proc, ctrl, result):
         self.wid = wid
         self.proc = proc
         self.pid = proc.pid
         self.ctrl = ctrl          # main's write end of the control pipe
-        self.result = result      # main's read end of the result pipe
+        self.result = result      # main's end of the result socket
+        self.reader = MessageReader(result)
         self.sentinel = proc.sentinel
         self.state = "running"    # running | retiring (retire sent) | parked (retired) | exiting
 
@@ -135,7 +137,7 @@ class WorkerPool:
     def _start(self, wid: int) -> None:
         ctx = self.ctx
         ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-        res_r, res_w = ctx.Pipe(duplex=False)
+        res_r, res_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = replace(self.spec, wid=wid, num_workers=self.target)
         self._current[wid] = -1
         proc = ctx.Process(target=worker_main, args=(spec, self._task_r, ctrl_r, res_w, self._current),
@@ -274,46 +276,38 @@ class WorkerPool:
         return out
 
     def _drain(self, slot: _Slot, out: list) -> None:
-        conn = slot.result
         try:
-            while conn.poll():
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "result":
+            msgs = slot.reader.read_available()
+        except EOFError:
+            return                  # the worker is gone: its sentinel reports it
+        for msg, payload in msgs:
+            kind = msg[0]
+            if kind == "result":
+                if isinstance(payload, PayloadError):
+                    # Tensors arrive as file descriptors with the message; anything else that
+                    # cannot be rebuilt here is the caller's error for that batch.
                     try:
-                        data = conn.recv_bytes()
-                    except (EOFError, OSError):
-                        return          # died between header and batch: re-dispatched on exit
-                    try:
-                        payload = ForkingPickler.loads(data)
-                    except Exception as e:
-                        # Tensors arrive as file descriptors that the sending worker serves; if
-                        # it just died, the batch is lost with it and will be re-dispatched.
-                        if isinstance(e, (OSError, EOFError)):
-                            slot.proc.join(0.2)
-                            if not slot.proc.is_alive():
-                                continue
-                        payload = RemoteError(where=f"receiving a batch from DataLoader worker {slot.wid}")
-                        msg = msg[:3] + (False,) + msg[4:]
-                    # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
-                    self._deaths_without_progress = 0
-                    out.append(msg + (payload,))
-                elif kind == "stop":
-                    self._deaths_without_progress = 0
-                    out.append(msg)
-                elif kind == "retired":
-                    if slot.wid < self.target and self.fatal is None:
-                        self._send_ctrl(slot, ("resume",))
-                        slot.state = "running"
-                    else:
-                        self._send_ctrl(slot, ("exit",))
-                        slot.state = "exiting"
-                elif kind == "init_error":
-                    self.fatal = msg[1]
+                        raise payload.error
+                    except Exception:
+                        payload = RemoteError(where=f"while receiving a batch from DataLoader worker {slot.wid}")
+                    msg = msg[:3] + (False,) + msg[4:]
+                self._deaths_without_progress = 0
+                # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
+                out.append(msg + (payload,))
+            elif kind == "stop":
+                self._deaths_without_progress = 0
+                out.append(msg)
+            elif kind == "retired":
+                if slot.wid < self.target and self.fatal is None:
+                    self._send_ctrl(slot, ("resume",))
+                    slot.state = "running"
+                else:
                     self._send_ctrl(slot, ("exit",))
                     slot.state = "exiting"
-        except (EOFError, OSError):
-            pass
+            elif kind == "init_error":
+                self.fatal = msg[1]
+                self._send_ctrl(slot, ("exit",))
+                slot.state = "exiting"
 
     def drain_results(self) -> list:
         """Read every message already written by any worker, without waiting."""

@@ -453,12 +453,10 @@ class DataLoader(tud.DataLoader):
         if tud.get_worker_info() is not None:
             return          # a loader used inside a loader worker: not a training process
         try:
-            from adloader import env
+            import importlib
 
-            disabled = env.disabled()
-        except ImportError:
-            disabled = False
-        except Exception:
+            disabled = bool(importlib.import_module("adloader.env").disabled())
+        except Exception:       # ImportError until adloader.env lands; never break training
             disabled = False
         if not disabled:
             self._call_hook("adloader.client", "attach")
@@ -628,7 +626,10 @@ class _ElasticIter:
             return ("task", self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), index, 0)
 
     def _fill(self) -> None:
-        """Top up in-flight tasks to prefetch_factor * target (map) or round-robin (iterable)."""
+        """Top up tasks in flight (dispatched, result not received) to prefetch_factor * target,
+        torch's bound (its ``_tasks_outstanding``); called when a batch is delivered, so a stuck
+        head-of-line batch stops dispatch and the reorder buffer stays bounded (as in torch).
+        IterableDataset: round-robin over the epoch's active workers, like torch."""
         target = self._core.target
         pool = self._pool
         if self._cfg.iterable:
@@ -654,7 +655,7 @@ class _ElasticIter:
         if target == 0 or pool is None:
             return
         bound = self._cfg.prefetch_factor * target
-        while len(self._pending) + len(self._reorder) < bound:
+        while len(self._pending) < bound:
             task = self._next_task()
             if task is None:
                 break

@@ -30,6 +30,21 @@ agent -> client
     error      code (``ERROR_CODES``), message, re (optional)
     status     doc (the status document; ``agent.status`` documents its fields)
 
+Notes on use (v1.0, no wire change; agentd):
+- Identity: the client appends ``:<8 hex>`` to ``client_identity()`` for each new socket, so a socket
+  opened after a reconnect never collides with the old one that the ROUTER may still know.
+- Who the caller is comes from the kernel, not from the message: on ipc:// the agent reads the peer's
+  uid/pid (SO_PEERCRED, libzmq's ``Peer-Address`` property). A ``hello`` is accepted only from the
+  process whose ``pid`` it names; ``uid`` must be the caller's; worker/registered pids must belong to
+  that uid; a job id keeps the uid that created it (root may register/release for any uid). So the
+  ``welcome`` field ``challenge`` is always null in this version (no token file is needed).
+- A training process's ``report`` (every ~1 s) is its heartbeat; an explicit client ``heartbeat``
+  with job/rank/pid is accepted too. The agent sends ``heartbeat`` to every client each heartbeat_s;
+  a client that hears nothing for 3 periods reconnects and says hello again. On ``error`` with code
+  ``unknown_job`` (the agent restarted and does not know the connection) the client says hello again.
+- The ``status`` reply may exceed MAX_MESSAGE_BYTES (many jobs): readers of it parse it without the
+  limit (``agent.status.query``); the limit guards the agent's socket, not the clients'.
+
 Invariants: ``decode(encode(m)) == m`` for every valid message; ``decode`` never raises anything but
 ``ProtocolError``; a message over ``MAX_MESSAGE_BYTES`` is refused before parsing.
 """

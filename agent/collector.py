@@ -152,18 +152,34 @@ class Collector:
         ranks = list(job.ranks.values())
         per = [self.rank_rates.get((job.job, r.rank, r.pid)) for r in ranks]
         rates = [rr.rates for rr in per if rr is not None and rr.windows > 0]
+        agg: dict[str, list] = {}              # key -> [sum, max, count] over ranks with data
+        for r in rates:
+            for k, v in r.items():
+                a = agg.get(k)
+                if a is None:
+                    agg[k] = [v, v, 1]
+                else:
+                    a[0] += v
+                    a[1] = v if v > a[1] else a[1]
+                    a[2] += 1
 
-        def vals(k):
-            return [r[k] for r in rates if k in r]
+        def total(k):
+            a = agg.get(k)
+            return a[0] if a else 0.0
+
+        def top(k):
+            a = agg.get(k)
+            return a[1] if a else 0.0
 
         def mean(k):
-            v = vals(k)
-            return sum(v) / len(v) if v else 0.0
+            a = agg.get(k)
+            return a[0] / a[2] if a else 0.0
 
-        data_wait_frac = max(vals("data_wait_frac"), default=0.0)
+        data_wait_frac = top("data_wait_frac")
         gpu_idle, source = None, "client"
-        if self.gpu is not None and job.gpus:
-            gpu_idle = self.gpu.job_idle_frac(job.gpus, job.pids())
+        gpus = job.gpus
+        if self.gpu is not None and gpus and self.gpu.available:
+            gpu_idle = self.gpu.job_idle_frac(gpus, job.pids())
             if gpu_idle is not None:
                 source = "nvml"
         if gpu_idle is None and rates:
@@ -177,13 +193,13 @@ class Collector:
             workers=max((r.workers for r in ranks), default=0),
             requested_workers=max((r.requested_workers for r in ranks), default=0),
             max_workers=min(max_workers) if max_workers else None,
-            samples_per_s=sum(vals("samples_per_s")),
+            samples_per_s=total("samples_per_s"),
             compute_s_per_step=mean("compute_s_per_step"),
-            data_wait_s_per_step=max(vals("data_wait_s_per_step"), default=0.0),
+            data_wait_s_per_step=top("data_wait_s_per_step"),
             data_wait_frac=data_wait_frac,
             cpu_s_per_batch=mean("cpu_s_per_batch"), wall_s_per_batch=mean("wall_s_per_batch"),
             runq_s_per_batch=mean("runq_s_per_batch"), blocked_s_per_batch=mean("blocked_s_per_batch"),
-            worker_cpu_cores=sum(vals("worker_cpu_cores")),
+            worker_cpu_cores=total("worker_cpu_cores"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative,
             age_s=max(0.0, now - job.arrived_at),

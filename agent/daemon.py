@@ -21,7 +21,10 @@ reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hys
 fairness_floor, log_level take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
-Restart: the journal (``agent.journal``) is read at start. Jobs whose processes are still alive are
+Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
+changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
+SIGKILL between an actuator's write and the end of that tick cannot orphan the job's cgroup) and
+after each tick. It is read at start. Jobs whose processes are still alive are
 re-adopted with their applied allocations (their clients reconnect by themselves and say hello
 again); jobs whose processes are gone are forgotten through the controller, so the actuators
 release what was made for them.
@@ -31,6 +34,7 @@ WATCHDOG=1 every half WATCHDOG_USEC, STOPPING=1 on stop (``sd_notify``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -81,6 +85,24 @@ def _policy_config(cfg: AgentConfig):
                         pin_cpusets=cfg.cpu_knob == "cpuset")
 
 
+def _pct(xs: list, q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def _tick_summary(ticks) -> dict:
+    """The last ticks: wall and CPU (tick thread) milliseconds, and the controller's share of the wall
+    time (predictor + policy + actuators; the rest is the registry sweep and the snapshot)."""
+    wall = [t[0] for t in ticks]
+    cpu = [t[1] for t in ticks]
+    ctl = [t[2] for t in ticks]
+    return {"n": len(wall), "wall_ms_p50": _pct(wall, 0.5), "wall_ms_p95": _pct(wall, 0.95),
+            "wall_ms_max": round(max(wall), 3) if wall else None, "cpu_ms_p50": _pct(cpu, 0.5),
+            "cpu_ms_p95": _pct(cpu, 0.95), "controller_ms_p50": _pct(ctl, 0.5)}
+
+
 class Agent:
     def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
                  cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
@@ -92,6 +114,7 @@ class Agent:
         self.ticks = 0
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
+        self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms)
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
@@ -150,6 +173,7 @@ class Agent:
         os.makedirs(cfg.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
         self.server.bind()
         self._adopt_journal(time.monotonic())
+        self._warm_predictor()
         if cfg.metrics_port:
             from agent.metrics import Metrics
 
@@ -161,6 +185,17 @@ class Agent:
                    actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
                    metrics_port=cfg.metrics_port, version=__version__, protocol=protocol.VERSION)
         sd_notify("READY=1\nSTATUS=serving " + cfg.endpoint)
+
+    def _warm_predictor(self) -> None:
+        """Load the predictor's prior now (it imports scikit-learn and fits once, seconds), so the first
+        tick with a job does not take that long; failures are the predictor's to report in ticks."""
+        t0 = time.perf_counter()
+        try:
+            getattr(self.predictor, "prior", None)
+        except Exception as e:
+            logs.event(log, "predictor_prior_failed", logging.WARNING, error=f"{type(e).__name__}: {e}")
+            return
+        logs.event(log, "predictor_ready", seconds=round(time.perf_counter() - t0, 3))
 
     def _adopt_journal(self, now: float) -> None:
         doc = journal.load(self.config.state_dir)
@@ -220,6 +255,7 @@ class Agent:
     def tick(self, now: float):
         """One tick; never raises (a failure is logged and the loop goes on)."""
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         record = None
         try:
             self.registry.sweep(now)
@@ -235,6 +271,8 @@ class Agent:
             logs.event(log, "tick_failed", logging.ERROR, error=f"{type(e).__name__}: {e}")
         self.ticks += 1
         self.last_tick_ms = (time.perf_counter() - t0) * 1000.0
+        self.recent_ticks.append((self.last_tick_ms, (time.thread_time() - c0) * 1000.0,
+                                  record.duration_s * 1000.0 if record is not None else 0.0))
         try:
             self._write_journal()
         except OSError as e:
@@ -245,6 +283,12 @@ class Agent:
             except Exception as e:
                 logs.once("metrics_failed", log, "metrics_failed", logging.WARNING, error=str(e))
         return record
+
+    def _journal_now(self) -> None:
+        try:
+            self._write_journal()
+        except OSError as e:
+            logs.once("journal_write_failed", log, "journal_write_failed", logging.ERROR, error=str(e))
 
     def _write_journal(self, force: bool = False) -> None:
         applied = self.controller.applied()
@@ -271,6 +315,7 @@ class Agent:
             "nvml_error": None if self.gpu.available else (self.gpu.last_error or None),
             "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
+            "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
         }
         return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,
                                record=self.controller.last_record, applied=self.controller.applied())
@@ -301,7 +346,8 @@ class Agent:
                 now = time.monotonic()
                 if now >= next_tick:
                     self.server.handle_ready(now)   # messages already here count for this tick (a bye
-                    self.tick(now)                  # before the process is seen gone)
+                    self._journal_now()             # before the process is seen gone)
+                    self.tick(now)
                     next_tick += self.config.tick_s
                     if next_tick <= time.monotonic():
                         next_tick = time.monotonic() + self.config.tick_s
@@ -322,6 +368,7 @@ class Agent:
                         pass
                 if self.server.sock in events:
                     self.server.handle_ready(time.monotonic())
+                    self._journal_now()   # a new job is journaled before any tick can act on it
                 if self._hup:
                     self._hup = False
                     self.reload()

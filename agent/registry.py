@@ -44,7 +44,7 @@ class Rank:
     pid: int
     uid: int
     identity: bytes
-    create_time: Optional[float]
+    start_ticks: Optional[int]
     last_seen: float
     connected_at: float
     worker_pids: tuple[int, ...] = ()
@@ -69,7 +69,7 @@ class Job:
     registered: bool = False
     reg_gpus: tuple[str, ...] = ()
     reg_cpus: Optional[int] = None
-    reg_pids: dict[int, Optional[float]] = field(default_factory=dict)   # pid -> create time
+    reg_pids: dict[int, Optional[int]] = field(default_factory=dict)   # pid -> create time
     ranks: dict[int, Rank] = field(default_factory=dict)
     seq: int = 0                           # last directive seq sent
     last_directive: Optional[dict] = None
@@ -165,12 +165,12 @@ class Registry:
         if job is None:
             job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello")
         old = job.ranks.get(rank_no)
-        if old is not None and old.pid != pid and security.alive(old.pid, old.create_time):
+        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks):
             raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
         if old is not None:
             self.by_identity.pop(old.identity, None)
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
-                 create_time=security.pid_create_time(pid), last_seen=now,
+                 start_ticks=security.pid_start_ticks(pid), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids),
                  local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
@@ -252,7 +252,7 @@ class Registry:
         if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or cpus <= 0):
             raise Refused("malformed", f"cpus must be a positive integer or null, got {cpus!r}")
         job.reg_cpus = cpus
-        job.reg_pids = {p: security.pid_create_time(p) for p in pids}
+        job.reg_pids = {p: security.pid_start_ticks(p) for p in pids}
         self.version += 1
         return job
 
@@ -296,7 +296,7 @@ class Registry:
         lost_s = LOST_AFTER_BEATS * self.heartbeat_s
         for job in list(self.jobs.values()):
             for r in list(job.ranks.values()):
-                if not security.alive(r.pid, r.create_time):
+                if not security.alive(r.pid, r.start_ticks):
                     self._drop_rank(job, r.rank, "process gone")
                 elif now - r.last_seen > lost_s:
                     self._drop_rank(job, r.rank, "heartbeat lost")
@@ -321,7 +321,7 @@ class Registry:
                 "last_directive": job.last_directive,
                 "reg_gpus": list(job.reg_gpus), "reg_cpus": job.reg_cpus,
                 "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
-                "ranks": {str(r.rank): {"pid": r.pid, "uid": r.uid, "create_time": r.create_time,
+                "ranks": {str(r.rank): {"pid": r.pid, "uid": r.uid, "start_ticks": r.start_ticks,
                                         "worker_pids": list(r.worker_pids), "gpus": list(r.gpus),
                                         "batch_size": r.batch_size, "workers": r.workers,
                                         "requested_workers": r.requested_workers, "max_workers": r.max_workers,
@@ -343,11 +343,11 @@ class Registry:
                           reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},
                           last_directive=j.get("last_directive") if isinstance(j.get("last_directive"), dict) else None)
                 for rk, r in (j.get("ranks") or {}).items():
-                    if not security.alive(int(r["pid"]), r.get("create_time")):
+                    if not security.alive(int(r["pid"]), r.get("start_ticks")):
                         continue
                     job.ranks[int(rk)] = Rank(
                         job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
-                        identity=b"", create_time=r.get("create_time"), last_seen=now, connected_at=now,
+                        identity=b"", start_ticks=r.get("start_ticks"), last_seen=now, connected_at=now,
                         worker_pids=tuple(int(p) for p in r.get("worker_pids") or ()),
                         gpus=tuple(r.get("gpus") or ()), batch_size=int(r.get("batch_size") or 1),
                         workers=int(r.get("workers") or 0), requested_workers=int(r.get("requested_workers") or 0),

@@ -71,24 +71,35 @@ def pid_uid(pid: int) -> Optional[int]:
         return None
 
 
-def pid_create_time(pid: int) -> Optional[float]:
+def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone.
+    The command name may hold spaces and parentheses: split at the last ')' (proc(5))."""
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError, OverflowError):
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (OSError, ValueError):
+        return None
+    try:
+        rest = data[data.rindex(b")") + 2:].split()
+        return rest[0].decode(), int(rest[19])
+    except (ValueError, IndexError):
         return None
 
 
-def alive(pid: int, create_time: Optional[float]) -> bool:
-    """True if ``pid`` is the same process as when first seen (pid reuse shows as a new create time)."""
-    ct = pid_create_time(pid)
-    if ct is None:
+def pid_start_ticks(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks since boot): with the pid, a process identity that
+    survives pid reuse. None if the process is gone."""
+    st = _stat(pid)
+    return st[1] if st is not None else None
+
+
+def alive(pid: int, start_ticks: Optional[int]) -> bool:
+    """True if ``pid`` is the same live process as when first seen (not a zombie, not a reused pid).
+    One read of /proc/<pid>/stat: cheap enough for every rank on every tick."""
+    st = _stat(pid)
+    if st is None or st[0] in ("Z", "X", "x"):
         return False
-    try:
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return False
-    except psutil.Error:
-        return False
-    return create_time is None or abs(ct - create_time) < 0.05
+    return start_ticks is None or st[1] == start_ticks
 
 
 def pids_owned_by(pids, uid: int) -> tuple[bool, str]:

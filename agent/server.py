@@ -138,16 +138,21 @@ class Server:
     def send_directive(self, job_id: str, workers: int, cpus: Optional[float], cpuset: Optional[list],
                        reason: str) -> bool:
         """DirectiveActuator's sink: send to every connected rank of the job. True if at least one
-        rank was sent it. The directive is kept on the job and resent to a rank that says hello."""
+        rank was sent it, or if the job has no rank connected yet (registered by the Slurm prolog,
+        or re-adopted after a restart): the directive is kept on the job and every rank that says
+        hello gets it with its welcome. False when ranks are connected and none could be sent it."""
         job = self.registry.jobs.get(job_id)
         if job is None:
             return False
         job.last_directive = {"workers": int(workers), "cpus": cpus, "cpuset": list(cpuset) if cpuset else None,
                               "reason": reason}
         msg = protocol.make("directive", job=job_id, seq=self.registry.next_seq(job_id), **job.last_directive)
+        connected = [r for r in job.ranks.values() if r.identity]
+        if not connected:
+            return True
         sent = False
-        for r in job.ranks.values():
-            if r.identity and self._send(r.identity, msg):
+        for r in connected:
+            if self._send(r.identity, msg):
                 sent = True
         return sent
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -179,3 +180,52 @@ def test_second_agent_on_same_endpoint_refuses(base, agent):
                            timeout=30)
     assert other.returncode == 1 and "another agent" in other.stderr
     assert agent.status()["agent"]["pid"] == agent.proc.pid   # the first one still serves
+
+
+AS_USER = """
+import os, sys
+# load what the agent needs while still root (the interpreter lives under /root here, which other
+# uids cannot traverse), then become the user and run `adloader agent` as that user
+import agent.cli, agent.commands.agent, agent.daemon, agent.controller, agent.actuators, agent.policies
+import agent.metrics, agent.status, agent.journal, predictor.bank, predictor.prior, tomllib, pynvml
+uid = int(os.environ.pop("AS_UID"))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+sys.exit(agent.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start the agent as another uid")
+def test_agent_as_ordinary_user_uses_its_runtime_dir(base, trainers):
+    uid = 65534
+    run = f"{base}/run-{uid}"
+    os.makedirs(run)
+    os.chown(run, uid, uid)
+    os.chmod(run, 0o700)
+    env = repo_env(AS_UID=str(uid), XDG_RUNTIME_DIR=run, HOME=run)
+    for k in ("ADLOADER_ENDPOINT", "ADLOADER_STATE_DIR"):
+        env.pop(k, None)
+    log = open(f"{base}/user-agent.log", "w")
+    p = subprocess.Popen([sys.executable, "-c", AS_USER, "agent", "--policy", "even", "--tick-s", "0.2"],
+                         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=base)
+    try:
+        sock = f"{run}/adloader/agent.sock"
+        wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60, what="user agent socket")
+        assert p.poll() is None, open(f"{base}/user-agent.log").read()
+        st = os.stat(sock)
+        assert st.st_uid == uid and oct(st.st_mode & 0o777) == "0o600"      # only that user may connect
+        line = wait_for(lambda: next((x for x in open(f"{base}/user-agent.log") if "agent_started" in x), None), 30,
+                        what="agent_started logged")
+        started = json.loads(line)
+        assert started["uid"] == uid and started["endpoint"] == f"ipc://{sock}"
+        assert started["state_dir"] == f"{run}/adloader/state" and started["actuators"] == ["directive"], started
+        # that user's training process finds the agent by itself (no ADLOADER_ENDPOINT) through
+        # XDG_RUNTIME_DIR, and gets its directive
+        t = Trainer(base, "", job="user-job", workers=1, user=uid,
+                    env={"XDG_RUNTIME_DIR": run, "ADLOADER_ENDPOINT": ""})
+        trainers.append(t)
+        wait_for(lambda: t.state().get("directives", 0) >= 1, 30, what="directive to the user's trainer")
+        assert t.state()["endpoint"] == f"ipc://{sock}"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+        log.close()

@@ -115,3 +115,38 @@ def test_packaged_catalog_loads_with_every_scenario_mix():
         assert mix in cat.mixes
     demands = sorted(k.cores_per_gpu for k in cat.kinds.values())
     assert demands[0] <= 1.0 and demands[-1] >= 12.0       # spans NLP-like .. AlexNet-like
+
+
+def test_cuda_device_without_cuda_fails_with_a_clear_message(tmp_path):
+    import subprocess
+
+    import torch
+
+    from tests.conftest import adloader_cmd, repo_env
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal path is not reachable")
+    p = subprocess.run(adloader_cmd("bench", "--device", "cuda", "--out", str(tmp_path)), env=repo_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "--device cuda needs a CUDA GPU" in p.stderr and "sees no CUDA device" in p.stderr
+
+
+def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
+    """The real agent (policy `even`, worker counts only) resizes the real jobs' loaders: two jobs that
+    start at num_workers = node cores end at the even split of 1 loader core: one worker each."""
+    ok, missing = setup.agent_available()
+    if not ok:
+        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
+    if setup.node_cores() < 2:
+        pytest.skip("needs >= 2 cores so that the jobs start above the even split")
+    result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["even"], warmup_s=2.0, measure_s=2.0)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    m = ph["metrics"]
+    for j in m["jobs"].values():
+        assert j["workers_end"] == 1
+        assert j["resizes"] >= 1
+    assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
+    assert m["agent_cpu_cores"] >= 0
+    assert _no_children_left() == []

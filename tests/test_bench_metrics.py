@@ -110,3 +110,26 @@ def test_sweep_value_is_monotone_and_zero_at_zero():
     assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))
     with pytest.raises(ValueError, match="no measured points"):
         value_from_sweep([])
+
+
+def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
+    from agent.bench.oracle_agent import make_oracle_policy
+    from agent.model import JobStats, NodeSnapshot
+    from agent.policies import PolicyConfig
+
+    def stats(j):
+        return JobStats(job=j, uid=0, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=2,
+                        max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
+                        data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
+                        blocked_s_per_batch=0.0, worker_cpu_cores=0.0)
+
+    policy = make_oracle_policy({"heavy": [[1, 0.9, 0.45], [2, 1.8, 0.9]], "light": [[1, 0.2, 1.0]]})
+    snap = NodeSnapshot(now=0.0, loader_cpus=1.8, cpu_ids=(0, 1),
+                        jobs={"heavy": stats("heavy"), "light": stats("light"), "new": stats("new")})
+    plan = policy(snap, {}, PolicyConfig())
+    a = plan.allocations
+    assert set(a) == {"heavy", "light", "new"}
+    assert a["new"].cpus == pytest.approx(0.6) and "no measured curve" in a["new"].reason
+    assert a["light"].cpus >= 0.2 - 1e-6 and a["heavy"].workers == 2
+    assert sum(x.cpus for x in a.values()) <= 1.8 + 1e-6
+    assert policy(snap, {}, PolicyConfig()) is plan          # fixed while the set of jobs is

@@ -48,7 +48,9 @@ def test_agent_directive_resizes_a_real_loader(base):
     p = None
     try:
         p, state = _train(base, agent.endpoint, 60, 1, ADLOADER_JOB_ID="real-1")
-        st = wait_for(lambda: (s := _read(state)) and s.get("num_workers") == 3 and len(s["worker_pids"]) == 3 and s,
+        # (the client records a directive just after loader.resize returns: wait for both)
+        st = wait_for(lambda: (s := _read(state)) and s.get("num_workers") == 3 and len(s["worker_pids"]) == 3
+                      and s.get("last_directive") and s,
                       60, what="loader resized to 3 workers by the agent")
         assert st["connected"] and st["last_directive"]["workers"] == 3
         j = wait_for(lambda: (x := agent.job("real-1")) and x["samples_per_s"] and

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import warnings
 
 import psutil
@@ -19,8 +20,9 @@ from adloader import DataLoader
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.test_loader_data import (FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
-                                    collate_tuple, init_fails, init_marks_worker)
+from tests.test_loader_data import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
+                                    collate_keep_views, collate_tuple, init_fails,
+                                    init_marks_worker)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -391,10 +393,69 @@ def test_other_start_methods(method):
     ds = Indexed(30)
     ref = _ids(_torch_batches(ds, seed=2, batch_size=4, shuffle=True))
     dl = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2),
-                    num_workers=1, max_workers=2, multiprocessing_context=method, worker_init_fn=init_marks_worker)
+                    num_workers=1, max_workers=2, multiprocessing_context=method, worker_init_fn=init_marks_worker,
+                    persistent_workers=True)
     got = []
     for step, b in enumerate(dl):
         got.append(b)
         if step == 1:
             dl.resize(2)
     assert _ids(got) == ref
+    pids = dl.worker_pids()
+    time.sleep(1.5)   # the condition under test: idle longer than a worker's orphan-check interval
+    assert len(_ids(list(dl))) == 30
+    assert dl.worker_pids() == pids and dl.stats()["worker_restarts"] == 0
+    dl.close()
+
+
+def _fake_module(name, **fns):
+    import types
+
+    mod = types.ModuleType(name)
+    for k, v in fns.items():
+        setattr(mod, k, v)
+    return mod
+
+
+def test_hooks_client_and_autotune(monkeypatch):
+    import sys
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: False))
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module(
+        "adloader.client", attach=lambda dl: calls.append(("attach", dl)), detach=lambda dl: calls.append(("detach", dl))))
+    monkeypatch.setitem(sys.modules, "adloader.autotune", _fake_module(
+        "adloader.autotune", initial_workers=lambda dl: calls.append(("initial", dl)) or 3,
+        attach=lambda dl: calls.append(("tune", dl)), detach=lambda dl: calls.append(("untune", dl))))
+    dl = DataLoader(Indexed(12), batch_size=4, num_workers="auto", max_workers=2)
+    assert calls == [("initial", dl)]
+    assert dl.num_workers == 2 and dl.requested_workers == 2        # clamped to max_workers
+    assert _ids(list(dl)) == list(range(12))
+    assert _ids(list(dl)) == list(range(12))
+    assert calls == [("initial", dl), ("attach", dl), ("tune", dl)]    # once, at the first iter()
+    dl.close()
+    assert calls[3:] == [("detach", dl), ("untune", dl)]
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(dl)
+
+
+def test_hooks_never_raise_and_respect_disable(monkeypatch):
+    import sys
+
+    def boom(dl):
+        raise RuntimeError("agent unreachable")
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module("adloader.client", attach=boom, detach=boom))
+    monkeypatch.setitem(sys.modules, "adloader.autotune", _fake_module("adloader.autotune", initial_workers=boom,
+                                                                       attach=boom, detach=boom))
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: False))
+    dl = DataLoader(Indexed(8), batch_size=4, num_workers="auto", max_workers=2)
+    assert 1 <= dl.num_workers <= 2
+    assert _ids(list(dl)) == list(range(8))
+    dl.close()
+    monkeypatch.setitem(sys.modules, "adloader.env", _fake_module("adloader.env", disabled=lambda: True))
+    monkeypatch.setitem(sys.modules, "adloader.client", _fake_module("adloader.client", attach=seen.append))
+    dl = DataLoader(Indexed(8), batch_size=4)
+    list(dl)
+    assert seen == []

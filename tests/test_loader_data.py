@@ -108,3 +108,27 @@ def collate_dict(samples):
 
 def collate_tuple(samples):
     return tuple(int(s) for s in samples), "meta"
+
+
+class Awkward(tud.Dataset):
+    """Samples that stress the result channel: many storages, views of one storage, empty tensors,
+    a large by-value payload (NumPy, pickled in-band over several packets)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        base = torch.arange(10) + i
+        return {
+            "many": [torch.full((2,), i * 1000 + k) for k in range(300)],
+            "views": (base[:5], base[5:]),
+            "empty": torch.empty(0),
+            "big": np.full(300_000, i, dtype=np.float32),
+        }
+
+
+def collate_keep_views(samples):
+    """Returns views of one shared tensor per batch (aliasing must survive the trip)."""
+    base = torch.stack([s["views"][0] for s in samples])
+    return {"a": base, "a_view": base[0], "many": [t for s in samples for t in s["many"]],
+            "empty": samples[0]["empty"], "big": np.stack([s["big"] for s in samples])}

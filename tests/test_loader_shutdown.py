@@ -66,8 +66,9 @@ def test_no_worker_left_behind(mode, method):
     wait_for(_gone(pids), timeout=10, what=f"workers {pids} to exit")
 
 
-def test_workers_exit_when_the_training_process_is_killed():
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, "sigterm-parent", "fork"], env=repo_env(), cwd=REPO,
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_workers_exit_when_the_training_process_is_killed(method):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "sigterm-parent", method], env=repo_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = json.loads(proc.stdout.readline())

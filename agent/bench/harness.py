@@ -258,6 +258,25 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
     return proc, endpoint
 
 
+STATUS_KEYS = ("workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
+               "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
+               "apply_error")
+
+
+def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dict]:
+    """The agent's own view at the end of the window (`adloader status --json`): per job, what it applied
+    and why. Kept for the reading of results; metrics never come from it."""
+    try:
+        p = subprocess.run([cfg.python, "-m", "agent", "status", "--endpoint", endpoint, "--json"],
+                           env=child_env(), capture_output=True, text=True, timeout=15)
+        doc = json.loads(p.stdout)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return None
+    (run_dir / "agent-status.json").write_text(json.dumps(doc, indent=1))
+    return {"predicted_total": doc.get("predicted_total"),
+            "jobs": {j.get("job"): {k: j.get(k) for k in STATUS_KEYS} for j in doc.get("jobs", [])}}
+
+
 def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint: Optional[str],
               extra_args: tuple = ()) -> tuple[Proc, ProgressReader]:
     prog = run_dir / f"{spec.job_id}.jsonl"
@@ -334,6 +353,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     hogs: list[Proc] = []
     events: list[dict] = []
     agent_cpu = {}
+    agent_status = None
     error = None
     if policy in ("none",):
         workers = cfg.node_cores
@@ -416,6 +436,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             elif rel >= sc.warmup_s + sc.measure_s:
                 break
         end_t = time.monotonic()
+        if agent is not None:
+            agent_status = query_status(cfg, endpoint, run_dir)
         if agent is not None and agent_cpu:
             try:
                 t = psutil.Process(agent.pid).cpu_times()
@@ -449,7 +471,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         events.sort(key=lambda e: e["t"])
     return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
-            "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "error": error,
+            "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
             "warmup_s": sc.warmup_s, "run_dir": str(run_dir)}
 
 

@@ -136,7 +136,10 @@ def main(argv=None) -> int:
             emulated_step(batch, step_s)
     sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
     workers = sweep[0] if sweep else (args.workers if args.workers == "auto" else int(args.workers))
-    loader, kind = _make_loader(ds, batch_size, workers, args.max_workers)
+    max_workers = args.max_workers
+    if sweep:  # the loader's default bound is the CPU count; a sweep may go past it
+        max_workers = max(max_workers or 0, max(sweep))
+    loader, kind = _make_loader(ds, batch_size, workers, max_workers)
     me = psutil.Process()
     target = spec.get("samples")
     t_start = time.monotonic()
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
                         else:  # torch fallback: a new loader at the new count
                             record(t2)
                             del it
-                            loader, kind = _make_loader(ds, batch_size, sweep[seg_i], args.max_workers)
+                            loader, kind = _make_loader(ds, batch_size, sweep[seg_i], max_workers)
                             prog.write({"event": "segment", "t": time.monotonic(), "workers": sweep[seg_i]})
                             break
                         prog.write({"event": "segment", "t": t2, "workers": sweep[seg_i]})

@@ -31,7 +31,8 @@ def timeline(phases: list[dict], scenario: str, path: Path) -> Path | None:
         origin = ph.get("origin") or 0.0
         for j, s in sorted(ph["series"].items()):
             ax_t.plot(s["t"], s["normalised"], color=colors[j], lw=1, label=j)
-            ax_w.step(s["wt"], s["workers"], where="post", color=colors[j], lw=1)
+            nudge = 0.05 * (jobs.index(j) - (len(jobs) - 1) / 2)   # equal counts stay visible
+            ax_w.step(s["wt"], [w + nudge for w in s["workers"]], where="post", color=colors[j], lw=1)
         for e in ph.get("events") or []:
             for ax in (ax_t, ax_w):
                 ax.axvline(e["t"] - origin, color="k", ls="--", lw=0.7)
@@ -49,7 +50,7 @@ def timeline(phases: list[dict], scenario: str, path: Path) -> Path | None:
     axes[0][0].legend(fontsize=6, loc="lower right", ncol=min(3, len(jobs)))
     fig.suptitle(f"{scenario} (repeat 1)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
     return path
 
@@ -83,7 +84,7 @@ def policy_bars(summary: dict, path: Path) -> Path | None:
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
     return path
 
@@ -98,3 +99,24 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     if p:
         out.append(p)
     return out
+
+
+def main(argv=None) -> int:
+    """Re-draw the plots of a finished run: ``python -m agent.bench.plots BENCH.json [OUT_DIR]``."""
+    import json
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m agent.bench.plots BENCH.json [OUT_DIR]", file=sys.stderr)
+        return 2
+    src = Path(argv[0])
+    out = Path(argv[1]) if len(argv) > 1 else src.parent
+    out.mkdir(parents=True, exist_ok=True)
+    for p in write_plots(json.loads(src.read_text()), out):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

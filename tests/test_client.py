@@ -1,0 +1,239 @@
+"""The agent client (adloader.client) in-process, against a fake agent: a real ZeroMQ ROUTER bound by
+the test. Checks what the client sends (hello fields, reports, bye), how it applies directives (seq
+order, max_workers bound, autotune detached first), that it never raises into training, reconnects
+after the agent goes silent, and stays silent without an agent."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import types
+
+import pytest
+import zmq
+
+from adloader import client, env, protocol
+from tests.agentd_support import short_dir
+from tests.conftest import wait_for
+
+
+class Loader:
+    """The loader surface the client uses."""
+
+    def __init__(self, workers=2, max_workers=None, fail=False):
+        self.num_workers = workers
+        self.requested_workers = workers
+        self.max_workers = max_workers
+        self.batch_size = 16
+        self.resizes = []
+        self.fail = fail
+        self.samples = 0
+
+    def resize(self, n):
+        if self.fail:
+            raise RuntimeError("resize exploded")
+        self.resizes.append(n)
+        self.num_workers = n
+
+    def worker_pids(self):
+        if self.fail:
+            raise RuntimeError("worker_pids exploded")
+        return [os.getpid()]
+
+    def stats(self):
+        if self.fail:
+            raise RuntimeError("stats exploded")
+        self.samples += 16
+        return {"samples": self.samples, "steps": self.samples // 16, "data_wait_s": float("nan"),
+                "workers": self.num_workers, "rates": {"samples_per_s": float("inf")}}
+
+
+class FakeAgent:
+    def __init__(self, path: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{path}")
+        self.endpoint = f"ipc://{path}"
+
+    def recv(self, type_: str, timeout_s: float = 10.0):
+        """Next message of ``type_`` -> (identity, msg); other types are skipped."""
+        def one():
+            if self.sock.poll(50):
+                ident, data = self.sock.recv_multipart()
+                m = protocol.decode(data)
+                if m["type"] == type_:
+                    return ident, m
+            return None
+        return wait_for(one, timeout_s, interval=0, what=f"a {type_} from the client")
+
+    def send(self, ident: bytes, msg: dict) -> None:
+        self.sock.send_multipart([ident, protocol.encode(msg)])
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def base():
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def endpoint_env(base, monkeypatch):
+    ep = f"ipc://{base}/agent.sock"
+    monkeypatch.setenv("ADLOADER_ENDPOINT", ep)
+    monkeypatch.setenv("ADLOADER_JOB_ID", "unit-job")
+    monkeypatch.delenv("ADLOADER_DISABLE", raising=False)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    yield ep
+
+
+@pytest.fixture
+def autotune(monkeypatch):
+    calls = []
+    mod = types.ModuleType("adloader.autotune")
+    mod.detach = lambda loader: calls.append(loader)
+    monkeypatch.setitem(sys.modules, "adloader.autotune", mod)
+    return calls
+
+
+def _detach_all(*loaders):
+    for lo in loaders:
+        client.detach(lo)
+
+
+def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch):
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=5)
+    try:
+        client.attach(lo)
+        client.attach(lo)                      # idempotent
+        ident, hello = agent.recv("hello")
+        assert ident.startswith(b"unit-job:0:%d:" % os.getpid())
+        assert hello["job"] == "unit-job" and hello["rank"] == 0 and hello["pid"] == os.getpid()
+        assert hello["gpus"] == ["1", "3"] and hello["uid"] == os.getuid() and hello["worker_pids"] == [os.getpid()]
+        assert (hello["workers"], hello["requested_workers"], hello["max_workers"], hello["batch_size"]) == (2, 2, 5, 16)
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+        _, report = agent.recv("report")
+        assert report["stats"]["samples"] > 0
+        assert report["stats"]["data_wait_s"] is None and report["stats"]["rates"]["samples_per_s"] is None
+        # directives: applied in seq order, bounded by max_workers, autotune detached first
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=9, cpus=1.5, cpuset=None,
+                                        reason="more"))
+        wait_for(lambda: lo.resizes == [5], what="resize bounded by max_workers")
+        assert autotune == [lo]
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=1, reason="stale"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=3, workers=3, reason="fewer"))
+        wait_for(lambda: lo.resizes == [5, 3], what="stale seq ignored, next applied")
+        st = client.state()
+        assert st["connected"] and st["directives"] == 2 and st["last_directive"]["reason"] == "fewer"
+        assert autotune == [lo]                # only before the first directive
+        client.detach(lo)
+        _, bye = agent.recv("bye")
+        assert bye["job"] == "unit-job" and bye["pid"] == os.getpid()
+        assert client.state() == {"active": False}
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+        agent.recv("report")
+        # the agent says nothing more: after 3 heartbeats the client drops the socket and says hello anew
+        ident2, _ = agent.recv("hello", timeout_s=10)
+        assert ident2 != ident and ident2.startswith(b"unit-job:0:")
+        # an error unknown_job (agent restarted and forgot us) also brings a new hello
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.recv("report")
+        agent.send(ident2, protocol.error("unknown_job", "send hello first"))
+        agent.recv("hello")
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch):
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(fail=True)
+    try:
+        client.attach(lo)
+        ident, hello = agent.recv("hello")
+        assert hello["worker_pids"] == []
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        _, report = agent.recv("report")
+        assert report["stats"] == {}
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+        agent.send(ident, protocol.make("heartbeat"))
+        agent.sock.send_multipart([ident, b"\xff garbage"])
+        agent.recv("report")                       # still alive and reporting
+        assert client.state()["directives"] == 0   # resize raised: not counted, not raised
+        agent.send(ident, protocol.error("not_permitted", "job 'unit-job' belongs to uid 7"))
+        wait_for(lambda: "not_permitted" in (client.state().get("last_error") or ""), what="refusal noted")
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_silent_without_agent_and_disabled(base, endpoint_env, monkeypatch):
+    lo = Loader()
+    client.attach(lo)
+    try:
+        st = client.state()
+        assert st["active"] and not st["connected"] and st["reports_sent"] == 0
+        assert not os.path.exists(env.ipc_path(endpoint_env))
+    finally:
+        client.detach(lo)
+    assert client.state() == {"active": False}
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    client.attach(lo)
+    assert client.state() == {"active": False}
+    client.detach(lo)
+
+
+def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
+    lo = Loader()
+    client.attach(lo)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: what a loader worker would see
+            ok = client.state() == {"active": False}
+            client.detach(lo)          # must not touch the parent's thread or socket
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert client.state()["active"] and any(t.name == "adloader-client" for t in threading.enumerate())
+    finally:
+        client.detach(lo)
+
+
+def test_job_identity_from_the_environment():
+    assert env.job_id({"ADLOADER_JOB_ID": "a", "SLURM_JOB_ID": "7"}) == "a"
+    assert env.job_id({"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "r"}) == "7"
+    assert env.job_id({"TORCHELASTIC_RUN_ID": "r"}) == "torchrun-r"
+    assert env.job_id({"TORCHELASTIC_RUN_ID": "none"}) == f"torchrun-{os.getppid()}"
+    assert env.job_id({}, pid=42) == "pid-42"
+    assert env.rank({"SLURM_PROCID": "3"}) == 3 and env.rank({"RANK": "1", "SLURM_PROCID": "3"}) == 1
+    assert env.gpus({"CUDA_VISIBLE_DEVICES": "-1", "SLURM_JOB_GPUS": "2,3"}) == ["2", "3"]
+    assert env.default_endpoint(0) == "ipc:///run/adloader/agent.sock"
+    assert env.default_endpoint(1000, {"XDG_RUNTIME_DIR": "/nonexistent"}) == "ipc:///tmp/adloader-1000/agent.sock"
+    assert env.endpoint({"ADLOADER_ENDPOINT": "ipc:///x.sock"}) == "ipc:///x.sock"
