@@ -14,8 +14,9 @@ as with the agent): whole cores by ``sched_setaffinity`` in ``worker_init_fn``; 
 by a cgroup v1 CPU quota group this command creates under /sys/fs/cgroup/cpu/adloader-corpus-<pid>/ and
 removes at exit (needs root; without root fractional points are skipped and the header says so).
 
-Loader: ``adloader.DataLoader`` when it is importable (the elastic loader), else torch's DataLoader
-with the same in-worker measurement (a batch-level dataset wrapper). Output: JSON lines; a header line
+Loader (``--loader``): ``adloader.DataLoader`` when it is importable (its ``stats()`` totals), else
+torch's DataLoader with the same in-worker measurement (a batch-level dataset wrapper). The shipped
+corpus was measured with torch's (the elastic loader landed after it); the header of each sweep says. Output: JSON lines; a header line
 per sweep (pass) with the command and the machine, then one line per point with the 1-minute load
 average while it was measured. Repeat sweeps (``--append --pass-id 2``) to see the noise.
 """
@@ -172,6 +173,42 @@ def measure_point(dataset, batch_size: int, step_s: float, workers: int, limit: 
     return {"samples_per_s": obs.samples_per_s, "observation": obs.to_dict()}
 
 
+def measure_point_adloader(dataset, batch_size: int, step_s: float, workers: int, limit: CpuLimit,
+                           window_s: float, warmup_s: float, seed: int) -> dict:
+    """Same as ``measure_point`` with the elastic ``adloader.DataLoader``: the window is the difference
+    of two ``loader.stats()`` totals (its own in-worker timing and step timer)."""
+    import torch
+
+    from adloader import DataLoader
+    from adloader.autotune import observation_from_totals
+    from adloader.synthetic import emulated_step
+
+    torch.manual_seed(seed)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
+                        max_workers=workers, worker_init_fn=limit, prefetch_factor=2)
+    try:
+        t_start = time.perf_counter()
+        first = last = None
+        while True:
+            for batch in loader:
+                emulated_step(batch, step_s)
+                now = time.perf_counter()
+                if first is None:
+                    st = loader.stats()
+                    if now - t_start >= warmup_s and st["steps"] >= 2 * workers and st["live_workers"] == workers:
+                        first, t_window = st, now
+                elif now - t_window >= window_s:
+                    last = loader.stats()
+                    if last["steps"] - first["steps"] >= 4:
+                        break
+            if last is not None and last["steps"] - first["steps"] >= 4:
+                break
+    finally:
+        loader.close()
+    obs = observation_from_totals(first, last, float(limit.cores), strict=False)
+    return {"samples_per_s": obs.samples_per_s, "observation": obs.to_dict()}
+
+
 def limit_all_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -184,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", default="0.5,1,2")
     ap.add_argument("--window-s", type=float, default=2.5)
     ap.add_argument("--warmup-s", type=float, default=0.8)
+    ap.add_argument("--loader", choices=("auto", "torch", "adloader"), default="auto",
+                    help="auto: adloader.DataLoader when importable, else torch's with in-worker timing")
     ap.add_argument("--pass-id", type=int, default=1, help="label of this sweep (repeat sweeps to see the noise)")
     ap.add_argument("--append", action="store_true", help="add this sweep to --out (a header line per sweep)")
     args = ap.parse_args(argv)
@@ -208,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [c for c in core_counts if c != int(c) and not is_root]
     core_counts = [c for c in core_counts if c not in skipped]
 
+    use_adloader = args.loader == "adloader"
+    if args.loader == "auto":
+        try:
+            import adloader.dataloader  # noqa: F401
+            use_adloader = True
+        except ImportError:
+            use_adloader = False
+    if use_adloader:
+        os.environ["ADLOADER_DISABLE"] = "1"  # measure the loader alone: no agent client
+    measure = measure_point_adloader if use_adloader else measure_point
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {
@@ -216,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.node()}: {len(all_cpus)} CPUs, {platform.platform()}; shared dev VM, noisy "
                    "(other helpers' tests and benchmarks run in parallel)",
-        "loader": "torch.utils.data.DataLoader + in-worker batch timing",
+        "loader": ("adloader.DataLoader (stats() totals)" if use_adloader
+                   else "torch.utils.data.DataLoader + in-worker batch timing"),
         "window_s": args.window_s, "skipped_cores_not_root": skipped,
         "jobs": {j: {"spec": JOBS[j][0], "batch_size": JOBS[j][1], "step_s": JOBS[j][2]} for j in jobs},
     }
@@ -231,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     limit = CpuLimit(cores, all_cpus, cg)
                     for w in worker_counts:
-                        pt = measure_point(dataset, bs, step_s, w, limit, args.window_s, args.warmup_s, seed=ji)
+                        pt = measure(dataset, bs, step_s, w, limit, args.window_s, args.warmup_s, seed=ji)
                         rec = {"kind": "point", "pass": args.pass_id, "job": job, "workers": w, "cores": cores,
                                "loadavg_1m": os.getloadavg()[0], **pt}
                         f.write(json.dumps(rec) + "\n")
