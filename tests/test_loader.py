@@ -459,3 +459,17 @@ def test_hooks_never_raise_and_respect_disable(monkeypatch):
     dl = DataLoader(Indexed(8), batch_size=4)
     list(dl)
     assert seen == []
+
+
+def test_resize_churn_is_not_mistaken_for_deaths(caplog):
+    # retiring and starting workers at every step reuses fd numbers within one poll batch; no
+    # clean exit may be reported as a death
+    dl = DataLoader(Indexed(600), batch_size=2, num_workers=1, max_workers=4)
+    with caplog.at_level(logging.WARNING, logger="adloader"):
+        got = []
+        for step, b in enumerate(dl):
+            got.append(b)
+            dl.resize(4 if step % 2 == 0 else 1)
+    assert _ids(got) == list(range(600))
+    assert dl.stats()["worker_restarts"] == 0
+    assert not [r for r in caplog.records if "unexpectedly" in r.getMessage()]
