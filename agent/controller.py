@@ -15,6 +15,10 @@ Invariants (what the tests hold it to):
   hands its share out in the same tick.
 - The predictor gets a job's window once per window length (``JobStats.window_s``; successive
   snapshots overlap), and its curve is asked for again only after an observation.
+- Observation hygiene: a window that started before the job's last allocation change was applied
+  (``now - window_s < applied_at``) mixes two configurations and is not fed to the predictor; the
+  job is observed again once a whole window lies after the change. Only a change of the allocation
+  counts (workers, cores, cpuset, IO weight), not re-applying the same one to new worker pids.
 - The policy sees ``JobStats.applied`` as the controller's own applied state (the collector does
   not know it), so hysteresis is judged against what is really in force.
 """
@@ -176,6 +180,7 @@ class Controller:
         self._breakers: dict[str, _Breaker] = {}
         self._pending_forget: set[str] = set()
         self._observed_at: dict[str, float] = {}
+        self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
         self.last_record: Optional[TickRecord] = None
@@ -279,6 +284,9 @@ class Controller:
         """
         last = self._observed_at.get(job_id)
         due = last is None or now - last >= max(job.window_s, 1e-9) or now < last
+        changed_at = self._applied_at.get(job_id)
+        if due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
+            due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
                 obs = observation_from_stats(job, snapshot)
@@ -312,6 +320,7 @@ class Controller:
         self._applied.pop(job_id, None)
         self._breakers.pop(job_id, None)
         self._observed_at.pop(job_id, None)
+        self._applied_at.pop(job_id, None)
         self._curves.pop(job_id, None)
         self._summaries.pop(job_id, None)
         try:
@@ -339,6 +348,7 @@ class Controller:
                                error=f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
         errs: list[str] = []
         not_enforced: list[str] = []
+        before = {i: self._applied_by[i].get(job.job) for i in todo}
         for i in todo:
             act = self._actuators[i]
             name = getattr(act, "name", str(i))
@@ -350,6 +360,8 @@ class Controller:
             if r.ok:
                 self._applied_by[i][job.job] = desired
                 self._pids_by[i][job.job] = job.worker_pids
+                if not same_allocation(before[i], desired):
+                    self._applied_at[job.job] = now
             else:
                 errs.append(f"{name}: {r.error}")
         everywhere = all(same_allocation(self._applied_by[i].get(job.job), desired)

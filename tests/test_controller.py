@@ -270,3 +270,44 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
     c.forget("a")
     src.jobs.clear()
     assert c.tick(now=5.0).curves == {}
+
+
+def test_window_spanning_an_allocation_change_is_not_observed():
+    """Observation hygiene: a window that began before the last applied change mixes two configurations."""
+    class Steered:
+        """Policy fake: the job's workers as told by ``plan`` (a change whenever the test changes it)."""
+        __name__ = "steered"
+        workers = 2
+
+        def __call__(self, snapshot, model, config):
+            from agent.model import AllocationPlan
+            return AllocationPlan(policy="steered", allocations={
+                j: JobAllocation(job=j, workers=self.workers, cpus=2.0) for j in snapshot.jobs})
+
+    bank, policy, act = FakeBank(), Steered(), RecordingActuator()
+    src = FakeSource(4.0, [stats("a", window_s=2.0)])
+    c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
+                   actuators=[act])
+
+    def observed_at(t):
+        n = len(bank.seen)
+        c.tick(now=t)
+        return len(bank.seen) > n
+
+    assert observed_at(0.0)            # first window; the first allocation is applied after it, at t=0
+    assert not observed_at(1.0)        # a window length has not passed since the last observation
+    assert observed_at(2.0)            # window [0, 2] starts at the change: clean
+    policy.workers = 3
+    assert not observed_at(3.0)        # not due; the change is applied at t=3
+    assert len(act.applied) == 2
+    assert not observed_at(4.0)        # due, but window [2, 4] spans the change at t=3: skipped
+    assert observed_at(5.0)            # window [3, 5]: after the change
+    assert bank.seen[-1][1].workers == 2     # the collector's stand-in still reports 2; only timing matters here
+    # re-applying the same allocation to new worker pids is not a change
+    src.jobs["a"] = dataclasses.replace(src.jobs["a"], worker_pids=(101, 102, 103))
+    assert not observed_at(6.0)
+    assert len(act.applied) == 3      # the pid-tracking actuator was called for the new pid
+    assert observed_at(7.0)           # due (2 s after t=5) and window [5, 7] holds no change
+    # a forgotten job forgets its change time too
+    c.forget("a")
+    assert "a" not in c._applied_at
