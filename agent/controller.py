@@ -96,20 +96,36 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
     }
 
 
-def observation_from_stats(job: JobStats, snapshot: NodeSnapshot) -> Optional[Observation]:
+def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
+                           work_conserving: bool = True) -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet.
 
-    Cores the loader could use: the applied CPU allocation, else the job's allowed CPUs, else an
-    even share of the node's loader CPUs.
+    Cores the loader could use (``Observation.cores``): the applied CPU allocation, else the job's
+    allowed CPUs (a CPU set: a hard bound), else an even share of the node's loader CPUs. An applied
+    cap (cpu_knob ``quota`` or ``cpuset``: ``work_conserving=False``) is what the workers could use.
+    A share (``shares`` knob, or no CPU actuator at all) is not: it is
+    work-conserving, so when the node is not contended the workers use more than their share, and
+    calling the window's cores "the share" would tell the predictor that cores bound a window they did
+    not bind. There the cores are min(loader_cpus, max(share, measured worker_cpu_cores)): at least the
+    share (the floor the kernel guarantees under contention), at least what the workers were seen to
+    use, never more than the node's loader CPUs.
     """
     if job.window_s <= 0 or job.batch_size <= 0:
         return None
+    share = True                           # the figure is a share or an even split, not a CPU set
     if job.applied is not None and job.applied.cpus > 0:
         cores = job.applied.cpus
     elif job.allowed_cpus:
-        cores = float(len(job.allowed_cpus))
+        cores, share = float(len(job.allowed_cpus)), False
     else:
         cores = snapshot.loader_cpus / max(1, len(snapshot.jobs))
+    capped = not work_conserving and job.applied is not None and job.applied.enforce_cpu
+    if share and not capped and not job.cooperative:          # cooperative jobs are pinned (affinity)
+        cap = snapshot.loader_cpus
+        if job.allowed_cpus:
+            cap = min(cap, float(len(job.allowed_cpus)))
+        if cap > 0:
+            cores = min(cap, max(cores, job.worker_cpu_cores))
     if cores <= 0:
         return None
     ranks = max(1, job.ranks)
@@ -166,7 +182,9 @@ class Controller:
     def __init__(self, *, snapshot_source: Callable[[float], NodeSnapshot], policy: Policy,
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
-                 breaker_retry_s: float = 30.0) -> None:
+                 breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None) -> None:
+        """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
+        ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset."""
         self._snapshot_source = snapshot_source
         self._policy = policy
         self._config = policy_config
@@ -174,6 +192,9 @@ class Controller:
         self._actuators = list(actuators)
         self._on_record = on_record
         self._breaker_retry_s = breaker_retry_s
+        if work_conserving is None:
+            work_conserving = not any(getattr(a, "cpu_knob", "shares") in ("quota", "cpuset") for a in self._actuators)
+        self.work_conserving = work_conserving
         self._applied: dict[str, JobAllocation] = {}                       # in force on every actuator
         self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
@@ -289,7 +310,7 @@ class Controller:
             due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
-                obs = observation_from_stats(job, snapshot)
+                obs = observation_from_stats(job, snapshot, self.work_conserving)
                 if obs is not None:
                     self._predictor.observe(job_id, obs)
                     self._observed_at[job_id] = now

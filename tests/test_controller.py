@@ -311,3 +311,45 @@ def test_window_spanning_an_allocation_change_is_not_observed():
     # a forgotten job forgets its change time too
     c.forget("a")
     assert "a" not in c._applied_at
+
+
+def test_observed_cores_under_a_work_conserving_share():
+    """A share is a floor, not a ceiling: uncontended workers use more, and the window says so."""
+    snap = FakeSource(4.0, [stats("a"), stats("b")])(0.0)
+    share = JobAllocation(job="a", workers=2, cpus=1.0)
+    busy = dataclasses.replace(stats("a", worker_cpu_cores=2.6), applied=share)
+    assert observation_from_stats(busy, snap).cores == 2.6                      # used more than its share
+    idle = dataclasses.replace(stats("a", worker_cpu_cores=0.4), applied=share)
+    assert observation_from_stats(idle, snap).cores == 1.0                      # the share is still there
+    greedy = dataclasses.replace(stats("a", worker_cpu_cores=7.0), applied=share)
+    assert observation_from_stats(greedy, snap).cores == 4.0                    # never past the loader CPUs
+    pinned = dataclasses.replace(stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1)), applied=share)
+    assert observation_from_stats(pinned, snap).cores == 2.0                    # nor past its CPU set
+    # under a cap (quota / cpuset knob) the applied cores are what the workers could use
+    assert observation_from_stats(busy, snap, work_conserving=False).cores == 1.0
+    # an informational allocation (enforce_cpu=False) caps nothing
+    info = dataclasses.replace(busy, applied=dataclasses.replace(share, enforce_cpu=False))
+    assert observation_from_stats(info, snap, work_conserving=False).cores == 2.6
+    # a cooperative job is pinned by affinity: its applied cores stand
+    coop = dataclasses.replace(busy, cooperative=True)
+    assert observation_from_stats(coop, snap).cores == 1.0
+    # nothing applied yet: the even split, or more if the workers used more
+    assert observation_from_stats(stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
+
+
+def test_controller_knows_share_from_cap_by_its_actuators():
+    class QuotaActuator(RecordingActuator):
+        cpu_knob = "quota"
+
+    class SharesActuator(RecordingActuator):
+        cpu_knob = "shares"
+
+    src = FakeSource(4.0, [stats("a", worker_cpu_cores=3.5), stats("b", worker_cpu_cores=0.1)])
+    for act, expect in ((SharesActuator(), 3.5), (QuotaActuator(), 2.0), (RecordingActuator(), 3.5)):
+        bank = FakeBank()
+        c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                       predictor=bank, actuators=[DirectiveActuator(FakeSink()), act])
+        c.tick(now=0.0)                # nothing applied yet: even split 2.0, but 3.5 used
+        assert [o.cores for j, o in bank.seen if j == "a"] == [3.5]
+        c.tick(now=2.0)                # even split applied at t=0 (2.0 cores): a share or a cap
+        assert [o.cores for j, o in bank.seen if j == "a"][-1] == expect, act
