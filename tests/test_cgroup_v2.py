@@ -504,3 +504,11 @@ def test_v2_delegated_restart_from_journal_keeps_subtree(delegated, tmp_path):
     second.restore()
     assert not kernel.exists(f"{OWN}/adloader") and set(kernel.procs("user.slice/job.scope")) == {101, 102, 103}
     assert kernel.subtree_control("") == {"memory"} and kernel.subtree_control(OWN) == set()
+
+
+def test_v2_own_cgroup_not_in_this_tree_fails_clearly(delegated):
+    kernel, make = delegated
+    act = make(self_cgroup="/machine.slice/other.scope")
+    r = act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert not r.ok and "own cgroup /machine.slice/other.scope" in r.error and "cgroup_root" in r.error
+    assert not kernel.exists("machine.slice")

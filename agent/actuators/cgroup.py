@@ -276,6 +276,9 @@ class CgroupActuator:
         if self._base_ready:
             return
         h = self.h[""]
+        if not h.exists(self.base):
+            raise NotSupported(f"the agent's own cgroup /{self.base} (from {self.proc_root}/self/cgroup) is not "
+                               f"under {h.root}; set cgroup_root to the cgroup2 mount this process sees")
         parts = self.base.split("/")
         for i in range(len(parts)):                # the root and every ancestor of <own>
             self._enable_v2_controllers("/".join(parts[:i]))
