@@ -171,7 +171,9 @@ class Trainer:
 
     def __init__(self, base: str, endpoint: str, *, job: Optional[str] = None, workers: int = 2,
                  run_s: float = 600, env: Optional[dict] = None, user: Optional[int] = None,
-                 script: Optional[str] = None):
+                 script: Optional[str] = None, wrap: tuple[str, ...] = ()):
+        """``wrap``: a command line the interpreter runs under (e.g. ``unshare --pid --fork``); then
+        ``pid`` is the wrapper's."""
         sdir = base
         if user is not None:
             sdir = f"{base}/u{user}"
@@ -192,7 +194,7 @@ class Trainer:
         if user is not None:
             e["FAKE_SETUID"] = str(user)
             e["HOME"] = sdir
-        argv = [sys.executable, script or script_path, self.state_file, str(run_s)]
+        argv = [*wrap, sys.executable, script or script_path, self.state_file, str(run_s)]
         self.proc = subprocess.Popen(argv, env=e, cwd=base,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
