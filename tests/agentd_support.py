@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Optional
+
+import pytest
 
 from tests.conftest import adloader_cmd, repo_env, wait_for
 
@@ -92,6 +95,15 @@ def short_dir() -> str:
     d = tempfile.mkdtemp(prefix="adl")
     os.chmod(d, 0o755)
     return d
+
+
+@pytest.fixture
+def base():
+    """A fixture: a short directory (``short_dir``) for a test's sockets and files, removed afterwards.
+    Import it into a test module (``from tests.agentd_support import base``) to use it there."""
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class AgentProc:

@@ -19,7 +19,7 @@ from agent import security
 from agent.registry import Refused, Registry
 from agent.security import Peer
 from adloader import protocol
-from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
 from tests.conftest import wait_for
 
 
@@ -116,13 +116,6 @@ def _unshare_works() -> bool:
         return False
     p = subprocess.run([tool, "--pid", "--fork", "true"], capture_output=True, timeout=30)
     return p.returncode == 0
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs root and a working `unshare --pid` for a real pid namespace")
