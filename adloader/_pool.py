@@ -254,24 +254,26 @@ class WorkerPool:
         with self.lock:
             if self._closed:
                 return out
+            # Resolve every ready fd to its slot *before* handling any: handling a death closes that
+            # worker's fds and starts a replacement, which may reuse the same fd numbers; an event
+            # of this batch must never be read as one of the new worker's.
+            resolved = []
             for fd, _ in ready:
                 kind, wid = self._fds.get(fd, (None, -1))
+                resolved.append((kind, self.slots.get(wid) if kind != "wake" else None, fd))
+            for kind, slot, fd in resolved:
                 if kind == "wake":
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except (BlockingIOError, OSError):
                         pass
-                elif kind == "result":
-                    slot = self.slots.get(wid)
-                    if slot is not None:
-                        self._drain(slot, out)
-            for fd, _ in ready:
-                kind, wid = self._fds.get(fd, (None, -1))
-                if kind == "sentinel":
-                    slot = self.slots.get(wid)
-                    if slot is not None and slot.sentinel == fd:
-                        self._on_exit(slot, out)
+                elif kind == "result" and slot is not None and self.slots.get(slot.wid) is slot:
+                    self._drain(slot, out)
+            for kind, slot, fd in resolved:
+                if (kind == "sentinel" and slot is not None and self.slots.get(slot.wid) is slot
+                        and slot.sentinel == fd):
+                    self._on_exit(slot, out)
             self._flush()
         return out
 

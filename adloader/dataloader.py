@@ -48,6 +48,12 @@ Deviations from torch (by design, documented):
   worker count (iterable).
 - The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
   does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+- ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).
+  ``prefetch_factor=0`` behaves as 2. The IterableDataset "more samples than len()" warning is not
+  emitted.
+- Batches travel from workers as one message per batch with the tensors' shared-memory file
+  descriptors attached (SCM_RIGHTS), not through torch's ``resource_sharer`` round trips (see
+  ``adloader._worker``); the tensors the caller gets are the same shared-memory tensors.
 """
 from __future__ import annotations
 
@@ -366,7 +372,7 @@ class DataLoader(tud.DataLoader):
             auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
             collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
             worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
-            persistent=self.persistent_workers, prefetch_factor=self.prefetch_factor or 2)
+            persistent=self.persistent_workers, prefetch_factor=max(1, self.prefetch_factor or 2))
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -277,6 +277,27 @@ def proc_cgroups(pid: int, proc_root: str = "/proc") -> dict[str, str]:
     return out
 
 
+def own_v2_cgroup(proc_root: str = "/proc") -> str:
+    """This process's cgroup v2 path ("0::/path" line of /proc/self/cgroup), '/' when there is none.
+
+    Under systemd with ``Delegate=yes`` this is the agent's unit (e.g. /system.slice/adloader-agent.service),
+    the only subtree it owns. No such file or no "0::" line (a fake tree, a legacy-only host) reads as
+    the root, '/'.
+    """
+    path = os.path.join(proc_root, "self", "cgroup")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return "/"
+    except OSError as e:
+        raise domain_error(e, f"read {path}") from None
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip() or "/"
+    return "/"
+
+
 def pid_alive(pid: int, proc_root: str = "/proc") -> bool:
     return os.path.exists(os.path.join(proc_root, str(int(pid))))
 

@@ -15,6 +15,10 @@ Invariants (what the tests hold it to):
   hands its share out in the same tick.
 - The predictor gets a job's window once per window length (``JobStats.window_s``; successive
   snapshots overlap), and its curve is asked for again only after an observation.
+- Observation hygiene: a window that started before the job's last allocation change was applied
+  (``now - window_s < applied_at``) mixes two configurations and is not fed to the predictor; the
+  job is observed again once a whole window lies after the change. Only a change of the allocation
+  counts (workers, cores, cpuset, IO weight), not re-applying the same one to new worker pids.
 - The policy sees ``JobStats.applied`` as the controller's own applied state (the collector does
   not know it), so hysteresis is judged against what is really in force.
 """
@@ -92,20 +96,36 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
     }
 
 
-def observation_from_stats(job: JobStats, snapshot: NodeSnapshot) -> Optional[Observation]:
+def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
+                           work_conserving: bool = True) -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet.
 
-    Cores the loader could use: the applied CPU allocation, else the job's allowed CPUs, else an
-    even share of the node's loader CPUs.
+    Cores the loader could use (``Observation.cores``): the applied CPU allocation, else the job's
+    allowed CPUs (a CPU set: a hard bound), else an even share of the node's loader CPUs. An applied
+    cap (cpu_knob ``quota`` or ``cpuset``: ``work_conserving=False``) is what the workers could use.
+    A share (``shares`` knob, or no CPU actuator at all) is not: it is
+    work-conserving, so when the node is not contended the workers use more than their share, and
+    calling the window's cores "the share" would tell the predictor that cores bound a window they did
+    not bind. There the cores are min(loader_cpus, max(share, measured worker_cpu_cores)): at least the
+    share (the floor the kernel guarantees under contention), at least what the workers were seen to
+    use, never more than the node's loader CPUs.
     """
     if job.window_s <= 0 or job.batch_size <= 0:
         return None
+    share = True                           # the figure is a share or an even split, not a CPU set
     if job.applied is not None and job.applied.cpus > 0:
         cores = job.applied.cpus
     elif job.allowed_cpus:
-        cores = float(len(job.allowed_cpus))
+        cores, share = float(len(job.allowed_cpus)), False
     else:
         cores = snapshot.loader_cpus / max(1, len(snapshot.jobs))
+    capped = not work_conserving and job.applied is not None and job.applied.enforce_cpu
+    if share and not capped and not job.cooperative:          # cooperative jobs are pinned (affinity)
+        cap = snapshot.loader_cpus
+        if job.allowed_cpus:
+            cap = min(cap, float(len(job.allowed_cpus)))
+        if cap > 0:
+            cores = min(cap, max(cores, job.worker_cpu_cores))
     if cores <= 0:
         return None
     ranks = max(1, job.ranks)
@@ -162,7 +182,9 @@ class Controller:
     def __init__(self, *, snapshot_source: Callable[[float], NodeSnapshot], policy: Policy,
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
-                 breaker_retry_s: float = 30.0) -> None:
+                 breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None) -> None:
+        """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
+        ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset."""
         self._snapshot_source = snapshot_source
         self._policy = policy
         self._config = policy_config
@@ -170,12 +192,16 @@ class Controller:
         self._actuators = list(actuators)
         self._on_record = on_record
         self._breaker_retry_s = breaker_retry_s
+        if work_conserving is None:
+            work_conserving = not any(getattr(a, "cpu_knob", "shares") in ("quota", "cpuset") for a in self._actuators)
+        self.work_conserving = work_conserving
         self._applied: dict[str, JobAllocation] = {}                       # in force on every actuator
         self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
         self._breakers: dict[str, _Breaker] = {}
         self._pending_forget: set[str] = set()
         self._observed_at: dict[str, float] = {}
+        self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
         self.last_record: Optional[TickRecord] = None
@@ -279,9 +305,12 @@ class Controller:
         """
         last = self._observed_at.get(job_id)
         due = last is None or now - last >= max(job.window_s, 1e-9) or now < last
+        changed_at = self._applied_at.get(job_id)
+        if due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
+            due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
-                obs = observation_from_stats(job, snapshot)
+                obs = observation_from_stats(job, snapshot, self.work_conserving)
                 if obs is not None:
                     self._predictor.observe(job_id, obs)
                     self._observed_at[job_id] = now
@@ -312,6 +341,7 @@ class Controller:
         self._applied.pop(job_id, None)
         self._breakers.pop(job_id, None)
         self._observed_at.pop(job_id, None)
+        self._applied_at.pop(job_id, None)
         self._curves.pop(job_id, None)
         self._summaries.pop(job_id, None)
         try:
@@ -339,6 +369,7 @@ class Controller:
                                error=f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
         errs: list[str] = []
         not_enforced: list[str] = []
+        before = {i: self._applied_by[i].get(job.job) for i in todo}
         for i in todo:
             act = self._actuators[i]
             name = getattr(act, "name", str(i))
@@ -350,6 +381,8 @@ class Controller:
             if r.ok:
                 self._applied_by[i][job.job] = desired
                 self._pids_by[i][job.job] = job.worker_pids
+                if not same_allocation(before[i], desired):
+                    self._applied_at[job.job] = now
             else:
                 errs.append(f"{name}: {r.error}")
         everywhere = all(same_allocation(self._applied_by[i].get(job.job), desired)

@@ -17,24 +17,58 @@ How a curve is made (DESIGN.md, "Measurement"):
 
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
 another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
-so 64 jobs observe+curve per tick in a few ms. Not thread-safe: one owner (controller or autotuner).
+so 64 jobs observe+curve per tick in a few ms. What a window contributes (its pooled-cost terms, its
+``job_features`` and overhead terms, whether it is loader-bound) is worked out once, when it arrives
+(``_WindowFacts``); a rebuild sums those in window order, so the curve is the same, to the last bit,
+as one computed from the windows afresh (``pooled_costs`` + ``Prior.correct``; tested).
+Not thread-safe: one owner (controller or autotuner).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
 HISTORY_WINDOWS = 32        # windows kept per job
 HALF_LIFE_WINDOWS = 12.0    # recency weighting of windows when pooling g, c, b
+_DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1))   # same floats as pooled_costs
+
+
+class _WindowFacts:
+    """What one usable window contributes to its job's curve, computed once when it arrives (the
+    same expressions as ``pooled_costs``, ``prior.measured_overhead`` and ``prior.job_features``)."""
+
+    __slots__ = ("obs", "steps_w", "g", "timed", "c", "b", "r", "config", "spare", "steps", "wait_steps",
+                 "fw", "fr", "fb", "fd", "loader_bound")
+
+    def __init__(self, o: Observation) -> None:
+        from predictor import prior as pr
+
+        self.obs = o
+        self.steps_w = max(1.0, float(o.steps))
+        self.g = o.compute_s_per_step
+        self.timed = o.cpu_s_per_batch > 0 or o.wall_s_per_batch > 0
+        self.c, self.b, self.r = o.cpu_s_per_batch, o.blocked_s_per_batch, o.runq_s_per_batch
+        self.config = (o.workers, round(o.cores, 3))
+        self.spare = pr.spare_loader(o)
+        self.steps = o.steps
+        self.wait_steps = o.steps * o.data_wait_s_per_step
+        w = float(max(1, o.steps))
+        wall = o.cpu_s_per_batch + o.runq_s_per_batch + o.blocked_s_per_batch
+        self.fw = w
+        self.fr = w * (o.runq_s_per_batch / wall if wall > 0 else 0.0)
+        self.fb = w * (o.blocked_s_per_batch / wall if wall > 0 else 0.0)
+        self.fd = w * o.data_wait_frac
+        self.loader_bound = o.workers >= 1 and pr.loader_bound(o)
 
 
 @dataclass
 class _JobState:
     windows: deque
+    facts: deque = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOWS))   # per window; None = unusable
     curve: ThroughputCurve | None = None
     dirty: bool = True
 
@@ -101,6 +135,7 @@ class PredictorBank:
         if st is None:
             st = self._jobs[job_id] = _JobState(windows=deque(maxlen=HISTORY_WINDOWS))
         st.windows.append(obs)
+        st.facts.append(_WindowFacts(obs) if _usable(obs) else None)
         st.dirty = True
 
     def curve(self, job_id: str) -> ThroughputCurve | None:
@@ -109,7 +144,7 @@ class PredictorBank:
         if st is None:
             return None
         if st.dirty:
-            st.curve = self._build(job_id, st.windows)
+            st.curve = self._build(job_id, [f for f in st.facts if f is not None])
             st.dirty = False
         return st.curve
 
@@ -134,21 +169,46 @@ class PredictorBank:
                 self.prior_name = None
         return self._prior
 
-    def _build(self, job_id: str, windows) -> ThroughputCurve | None:
-        usable = [o for o in windows if _usable(o)]
-        if not usable:
+    def _build(self, job_id: str, facts: list[_WindowFacts]) -> ThroughputCurve | None:
+        """The curve from the job's usable windows (their facts, oldest first)."""
+        if not facts:
             return None
-        g, c, b, runq = pooled_costs(usable)
-        configs = {(o.workers, round(o.cores, 3)) for o in usable}
-        n = len(usable)
+        n = len(facts)
+        # pooled_costs, from the facts
+        sg = wg = sc = sb = sr = wc = 0.0
+        for i, f in enumerate(facts):
+            w = _DECAY[n - 1 - i] * f.steps_w
+            sg += w * f.g
+            wg += w
+            if f.timed:
+                sc += w * f.c
+                sb += w * f.b
+                sr += w * f.r
+                wc += w
+        g = sg / wg
+        c, b, runq = (sc / wc, sb / wc, sr / wc) if wc else (0.0, 0.0, 0.0)
+        configs = {f.config for f in facts}
         # confidence: saturates with windows, and more with distinct configurations visited
         confidence = (1.0 - math.exp(-n / 4.0)) * (0.6 + 0.4 * min(1.0, (len(configs) - 1) / 2.0))
-        last = usable[-1]
+        last = facts[-1].obs
         params: dict = {}
         source = "first-principles"
         prior = self.prior
         if prior is not None:
-            params = prior.correct(g, c, b, usable)
+            # prior.measured_overhead and prior.job_features of the usable windows, from the facts
+            num = den = 0.0
+            sw = s_r = s_d = s_b = 0.0
+            for f in facts:
+                if f.spare:
+                    num += f.wait_steps
+                    den += f.steps
+                s_r += f.fr
+                s_b += f.fb
+                s_d += f.fd
+                sw += f.fw
+            m_measured = num / den if den > 0 else None
+            features = (1.0, s_r / sw, s_d / sw, s_b / sw) if sw else (1.0, 0.0, 0.0, 0.0)
+            params = prior.correct_from(g, c, b, [f.obs for f in facts if f.loader_bound], m_measured, features)
             source = "first-principles+learned"
         return ThroughputCurve(
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,

@@ -109,16 +109,19 @@ class Prior:
         return m if m is not None else self.overhead_frac_of_c * c
 
     def job_corrections(self, g: float, c: float, b: float, m: float,
-                        windows: Iterable[Observation]) -> tuple[float, float]:
+                        windows: Iterable[Observation], features: tuple[float, ...] | None = None
+                        ) -> tuple[float, float]:
         """(correction, core_correction) for one job: each loader-bound window is solved exactly for
         the correction of its binding loader term (workers or cores, whichever first principles say
         binds); the windows of one configuration are averaged into one vote, and the votes are
         averaged with the prior's, which counts as ``strength`` configurations (a ridge in log space:
-        one configuration moves the estimate, several own it; repeated windows do not drift it)."""
+        one configuration moves the estimate, several own it; repeated windows do not drift it).
+        ``features``: ``job_features`` of the job's windows when the caller has them already (then
+        ``windows`` may be just the loader-bound ones: the others are skipped anyway)."""
         windows = list(windows)
         p = self.sharpness
         kw0 = self.theta_w ** (-1.0 / p) if self.theta_w > 0 else K_MAX
-        kc0 = self.prior_core_correction(windows)
+        kc0 = self.prior_core_correction(windows, features)
         lam = self.strength
         per_w: dict[tuple, list[float]] = {}   # configuration -> log corrections of its windows
         per_c: dict[tuple, list[float]] = {}
@@ -147,16 +150,25 @@ class Prior:
         nc = lam + len(per_c)
         return math.exp(sw / nw), math.exp(sc / nc)
 
-    def prior_core_correction(self, windows: Sequence[Observation]) -> float:
+    def prior_core_correction(self, windows: Sequence[Observation],
+                              features: tuple[float, ...] | None = None) -> float:
         if self.log_kc_coef:
-            z = sum(a * x for a, x in zip(self.log_kc_coef, job_features(windows)))
+            feats = features if features is not None else job_features(windows)
+            z = sum(a * x for a, x in zip(self.log_kc_coef, feats))
             return min(K_MAX, max(K_MIN, math.exp(z)))
         return self.theta_c ** (-1.0 / self.sharpness) if self.theta_c > 0 else K_MAX
 
     def correct(self, g: float, c: float, b: float, windows: Sequence[Observation]) -> dict:
         """Curve parameters for a job: correction, core_correction, sharpness, overhead_s_per_step."""
-        m = self.overhead(c, windows)
-        kw, kc = self.job_corrections(g, c, b, m, windows)
+        return self.correct_from(g, c, b, windows, measured_overhead(windows), job_features(windows))
+
+    def correct_from(self, g: float, c: float, b: float, loader_bound_windows: Sequence[Observation],
+                     m_measured: float | None, features: tuple[float, ...]) -> dict:
+        """``correct`` from figures the caller keeps per window (``predictor.bank`` does, so a curve
+        costs one pass over the loader-bound windows): ``measured_overhead`` and ``job_features`` of
+        all the job's windows, and the windows (at least the loader-bound ones)."""
+        m = m_measured if m_measured is not None else self.overhead_frac_of_c * c
+        kw, kc = self.job_corrections(g, c, b, m, loader_bound_windows, features)
         return {"correction": kw, "core_correction": kc, "sharpness": self.sharpness, "overhead_s_per_step": m}
 
 

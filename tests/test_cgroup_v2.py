@@ -1,7 +1,7 @@
 """Component tier: cgroupfs and the cgroup actuators against faithful fake trees in tmp_path.
 
 ``FakeV2Kernel`` does what the kernel does on the unified hierarchy for the calls the actuator makes:
-mkdir populates the interface files (a child's ``cgroup.controllers`` is its parent's
+mkdir populates the interface files (a child's ``cgroup.controllers`` is, at any time, its parent's
 ``cgroup.subtree_control``), ``+ctrl`` in subtree_control is refused (ENOENT) unless the group has
 that controller, a process lives in exactly one group and ``/proc/<pid>/cgroup`` follows it, the
 "no internal processes" rule refuses a process in a group that delegates controllers (EBUSY), rmdir
@@ -55,6 +55,12 @@ class FakeV2Kernel(V2Hierarchy):
             with open(self.path(rel, "cgroup.controllers"), "w") as f:
                 f.write(" ".join(sorted(self.subtree_control(parent))))
         return created
+
+    def read(self, rel, file):
+        parent = os.path.dirname(rel.strip("/"))
+        if file == "cgroup.controllers" and rel.strip("/") and self.exists(rel):
+            return " ".join(sorted(self.subtree_control(parent)))
+        return super().read(rel, file)
 
     def rmdir(self, rel):
         if not self.exists(rel):
@@ -378,3 +384,131 @@ def test_build_modes(tmp_path):
     acts = build("v2", sink=Sink(), cgroup_root=str(tmp_path / "cg"), state_dir=str(tmp_path / "st"),
                  sys_root=str(tmp_path), proc_root=proc)
     assert [a.name for a in acts] == ["directive", "cgroup-v2"]
+
+
+# -- v2 under systemd: the agent's own delegated group ---------------------------------------------
+
+OWN = "system.slice/adloader-agent.service"
+
+
+@pytest.fixture
+def delegated(tmp_path):
+    """A systemd-like tree: the agent (pid 500) and a helper it started (501) in their unit's group,
+    /system.slice/adloader-agent.service; the job's workers in a user scope."""
+    proc = fake_proc(tmp_path, [101, 102, 103, 500, 501])
+    kernel = FakeV2Kernel(str(tmp_path / "cg"), proc)
+    kernel.write("", "cgroup.subtree_control", "+memory")
+    for rel in ("user.slice", "user.slice/job.scope", "system.slice", OWN):
+        kernel.mkdir(rel)
+    kernel.write("user.slice", "cgroup.subtree_control", "+memory")
+    for pid in (101, 102, 103):
+        kernel.move("user.slice/job.scope", pid)
+    for pid in (500, 501):
+        kernel.move(OWN, pid)
+
+    def make(self_cgroup=f"/{OWN}", journal=None, **kw):
+        (tmp_path / "proc" / "self" / "cgroup").write_text(f"0::{self_cgroup}\n")
+        return CgroupActuator({"": kernel}, version=2, io=False, subtree="adloader", originals=Originals(journal),
+                              sys_root=str(tmp_path), proc_root=proc, **kw)
+
+    return kernel, make
+
+
+def test_fake_kernel_refuses_controllers_for_a_group_with_processes(delegated):
+    """What makes the leaf necessary (cgroup-v2.rst, "No Internal Process Constraint")."""
+    kernel, _ = delegated
+    kernel.write("", "cgroup.subtree_control", "+cpu")
+    kernel.write("system.slice", "cgroup.subtree_control", "+cpu")
+    with pytest.raises(Busy):
+        kernel.write(OWN, "cgroup.subtree_control", "+cpu")
+    with pytest.raises(NotSupported):        # not in its cgroup.controllers: the parent does not delegate io
+        kernel.write("user.slice", "cgroup.subtree_control", "+io")
+
+
+def test_v2_job_groups_under_the_agents_own_cgroup(delegated):
+    kernel, make = delegated
+    act = make()
+    assert act.subtree == f"{OWN}/adloader"
+    assert not kernel.exists(f"{OWN}/agent")                 # nothing touched before the first apply
+    r = act.apply(stats("job-1", [101, 102]), JobAllocation(job="job-1", workers=2, cpus=2.0))
+    assert r.ok, r.error
+    # the agent and its helper moved to a leaf, so <own> may enable controllers for its children
+    assert set(kernel.procs(f"{OWN}/agent")) == {500, 501} and kernel.procs(OWN) == []
+    assert cgroupfs.proc_cgroups(500, kernel.proc_root)[""] == f"/{OWN}/agent"
+    # +cpu enabled all the way down: root, system.slice, the unit, the adloader subtree
+    for rel in ("", "system.slice", OWN, f"{OWN}/adloader"):
+        assert "cpu" in kernel.subtree_control(rel), rel
+    assert kernel.subtree_control("") == {"cpu", "memory"}
+    assert set(kernel.procs(f"{OWN}/adloader/job-1")) == {101, 102}
+    assert read(kernel, f"{OWN}/adloader/job-1", "cpu.weight") == str(weight_from_shares(2048))
+    assert not kernel.exists("adloader")                      # nothing at the top level
+    # a second job reuses the prepared base
+    assert act.apply(stats("job-2", [103]), JobAllocation(job="job-2", workers=1, cpus=1.0)).ok
+    act.release("job-1")
+    assert set(kernel.procs("user.slice/job.scope")) == {101, 102}
+    act.restore()
+    # everything as it was: groups gone, processes back, subtree_control back, leaf removed
+    assert not kernel.exists(f"{OWN}/adloader") and not kernel.exists(f"{OWN}/agent")
+    assert set(kernel.procs(OWN)) == {500, 501}
+    assert set(kernel.procs("user.slice/job.scope")) == {101, 102, 103}
+    assert kernel.subtree_control("") == {"memory"}
+    assert kernel.subtree_control("system.slice") == set() and kernel.subtree_control(OWN) == set()
+
+
+def test_v2_delegated_with_controllers_already_enabled_writes_only_below_own(delegated):
+    """systemd Delegate=yes enables the controllers down to the unit: the agent writes nothing above it."""
+    kernel, make = delegated
+    kernel.write("", "cgroup.subtree_control", "+cpu +io")
+    kernel.write("system.slice", "cgroup.subtree_control", "+cpu +io")
+    kernel.writes.clear()
+    act = make()
+    assert act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0)).ok
+    above = [w for w in kernel.writes if w[1] == "cgroup.subtree_control" and not w[0].startswith(OWN)]
+    assert above == []
+    assert "cpu" in kernel.subtree_control(OWN) and "cpu" in kernel.subtree_control(f"{OWN}/adloader")
+
+
+def test_v2_agent_already_in_its_leaf(delegated):
+    """A restarted agent (or systemd DelegateSubgroup=agent) already in <own>/agent: no nested leaf."""
+    kernel, make = delegated
+    kernel.mkdir(f"{OWN}/agent")
+    for pid in (500, 501):
+        kernel.move(f"{OWN}/agent", pid)
+    act = make(self_cgroup=f"/{OWN}/agent")
+    assert act.subtree == f"{OWN}/adloader"
+    assert act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0)).ok
+    assert set(kernel.procs(f"{OWN}/adloader/a")) == {101}
+    assert not kernel.exists(f"{OWN}/agent/agent") and set(kernel.procs(f"{OWN}/agent")) == {500, 501}
+    act.restore()
+    assert kernel.exists(f"{OWN}/agent")                      # not ours to remove: it was there before
+    assert set(kernel.procs(f"{OWN}/agent")) == {500, 501} and not kernel.exists(f"{OWN}/adloader")
+
+
+def test_v2_agent_in_the_root_cgroup_uses_top_level_subtree(delegated):
+    kernel, make = delegated
+    act = make(self_cgroup="/")
+    assert act.subtree == "adloader"
+    assert act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0)).ok
+    assert set(kernel.procs("adloader/a")) == {101}
+    assert not kernel.exists(f"{OWN}/agent") and set(kernel.procs(OWN)) == {500, 501}
+
+
+def test_v2_delegated_restart_from_journal_keeps_subtree(delegated, tmp_path):
+    kernel, make = delegated
+    journal = str(tmp_path / "state" / "orig.json")
+    first = make(journal=journal)
+    assert first.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=2.0)).ok
+    # a restarted agent in the same unit, now in the leaf, finds the group it made and its weight
+    second = make(self_cgroup=f"/{OWN}/agent", journal=journal)
+    assert weight_from_shares(second._shares["a"]) == weight_from_shares(2048)
+    second.restore()
+    assert not kernel.exists(f"{OWN}/adloader") and set(kernel.procs("user.slice/job.scope")) == {101, 102, 103}
+    assert kernel.subtree_control("") == {"memory"} and kernel.subtree_control(OWN) == set()
+
+
+def test_v2_own_cgroup_not_in_this_tree_fails_clearly(delegated):
+    kernel, make = delegated
+    act = make(self_cgroup="/machine.slice/other.scope")
+    r = act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert not r.ok and "own cgroup /machine.slice/other.scope" in r.error and "cgroup_root" in r.error
+    assert not kernel.exists("machine.slice")

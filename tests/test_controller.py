@@ -270,3 +270,86 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
     c.forget("a")
     src.jobs.clear()
     assert c.tick(now=5.0).curves == {}
+
+
+def test_window_spanning_an_allocation_change_is_not_observed():
+    """Observation hygiene: a window that began before the last applied change mixes two configurations."""
+    class Steered:
+        """Policy fake: the job's workers as told by ``plan`` (a change whenever the test changes it)."""
+        __name__ = "steered"
+        workers = 2
+
+        def __call__(self, snapshot, model, config):
+            from agent.model import AllocationPlan
+            return AllocationPlan(policy="steered", allocations={
+                j: JobAllocation(job=j, workers=self.workers, cpus=2.0) for j in snapshot.jobs})
+
+    bank, policy, act = FakeBank(), Steered(), RecordingActuator()
+    src = FakeSource(4.0, [stats("a", window_s=2.0)])
+    c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
+                   actuators=[act])
+
+    def observed_at(t):
+        n = len(bank.seen)
+        c.tick(now=t)
+        return len(bank.seen) > n
+
+    assert observed_at(0.0)            # first window; the first allocation is applied after it, at t=0
+    assert not observed_at(1.0)        # a window length has not passed since the last observation
+    assert observed_at(2.0)            # window [0, 2] starts at the change: clean
+    policy.workers = 3
+    assert not observed_at(3.0)        # not due; the change is applied at t=3
+    assert len(act.applied) == 2
+    assert not observed_at(4.0)        # due, but window [2, 4] spans the change at t=3: skipped
+    assert observed_at(5.0)            # window [3, 5]: after the change
+    assert bank.seen[-1][1].workers == 2     # the collector's stand-in still reports 2; only timing matters here
+    # re-applying the same allocation to new worker pids is not a change
+    src.jobs["a"] = dataclasses.replace(src.jobs["a"], worker_pids=(101, 102, 103))
+    assert not observed_at(6.0)
+    assert len(act.applied) == 3      # the pid-tracking actuator was called for the new pid
+    assert observed_at(7.0)           # due (2 s after t=5) and window [5, 7] holds no change
+    # a forgotten job forgets its change time too
+    c.forget("a")
+    assert "a" not in c._applied_at
+
+
+def test_observed_cores_under_a_work_conserving_share():
+    """A share is a floor, not a ceiling: uncontended workers use more, and the window says so."""
+    snap = FakeSource(4.0, [stats("a"), stats("b")])(0.0)
+    share = JobAllocation(job="a", workers=2, cpus=1.0)
+    busy = dataclasses.replace(stats("a", worker_cpu_cores=2.6), applied=share)
+    assert observation_from_stats(busy, snap).cores == 2.6                      # used more than its share
+    idle = dataclasses.replace(stats("a", worker_cpu_cores=0.4), applied=share)
+    assert observation_from_stats(idle, snap).cores == 1.0                      # the share is still there
+    greedy = dataclasses.replace(stats("a", worker_cpu_cores=7.0), applied=share)
+    assert observation_from_stats(greedy, snap).cores == 4.0                    # never past the loader CPUs
+    pinned = dataclasses.replace(stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1)), applied=share)
+    assert observation_from_stats(pinned, snap).cores == 2.0                    # nor past its CPU set
+    # under a cap (quota / cpuset knob) the applied cores are what the workers could use
+    assert observation_from_stats(busy, snap, work_conserving=False).cores == 1.0
+    # an informational allocation (enforce_cpu=False) caps nothing
+    info = dataclasses.replace(busy, applied=dataclasses.replace(share, enforce_cpu=False))
+    assert observation_from_stats(info, snap, work_conserving=False).cores == 2.6
+    # a cooperative job is pinned by affinity: its applied cores stand
+    coop = dataclasses.replace(busy, cooperative=True)
+    assert observation_from_stats(coop, snap).cores == 1.0
+    # nothing applied yet: the even split, or more if the workers used more
+    assert observation_from_stats(stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
+
+
+def test_controller_knows_share_from_cap_by_its_actuators():
+    class QuotaActuator(RecordingActuator):
+        cpu_knob = "quota"
+
+    class SharesActuator(RecordingActuator):
+        cpu_knob = "shares"
+
+    src = FakeSource(4.0, [stats("a", worker_cpu_cores=3.5), stats("b", worker_cpu_cores=0.1)])
+    for act, expect in ((SharesActuator(), 3.5), (QuotaActuator(), 2.0), (RecordingActuator(), 3.5)):
+        bank = FakeBank()
+        c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                       predictor=bank, actuators=[DirectiveActuator(FakeSink()), act])
+        c.tick(now=0.0)                # nothing applied yet: even split 2.0, but 3.5 used
+        assert [o.cores for j, o in bank.seen if j == "a"] == [3.5]
+        c.tick(now=2.0)                # even split applied at t=0 (2.0 cores): a share or a cap
+        assert [o.cores for j, o in bank.seen if j == "a"][-1] == expect, act

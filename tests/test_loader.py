@@ -459,3 +459,30 @@ def test_hooks_never_raise_and_respect_disable(monkeypatch):
     dl = DataLoader(Indexed(8), batch_size=4)
     list(dl)
     assert seen == []
+
+
+def test_resize_churn_is_not_mistaken_for_deaths(caplog):
+    # retiring and starting workers at every step reuses fd numbers within one poll batch; no
+    # clean exit may be reported as a death
+    dl = DataLoader(Indexed(600), batch_size=2, num_workers=1, max_workers=4)
+    with caplog.at_level(logging.WARNING, logger="adloader"):
+        got = []
+        for step, b in enumerate(dl):
+            got.append(b)
+            dl.resize(4 if step % 2 == 0 else 1)
+    assert _ids(got) == list(range(600))
+    assert dl.stats()["worker_restarts"] == 0
+    assert not [r for r in caplog.records if "unexpectedly" in r.getMessage()]
+
+
+def test_oversized_tasks_go_to_one_worker_and_still_arrive_once():
+    # 50000 indices pickle to more than the shared queue's message limit (adloader._worker.MAX_TASK_BYTES):
+    # such a task goes to one worker's control pipe instead
+    from adloader._worker import MAX_TASK_BYTES
+    from multiprocessing.reduction import ForkingPickler
+
+    assert len(ForkingPickler.dumps(list(range(50000)))) > MAX_TASK_BYTES
+    dl = DataLoader(Indexed(150000), batch_size=50000, num_workers=2, max_workers=2)
+    got = list(dl)
+    assert [len(b) for b in got] == [50000] * 3
+    assert _ids(got) == list(range(150000))

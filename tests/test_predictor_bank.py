@@ -138,3 +138,44 @@ def test_learning_from_the_jobs_own_windows():
     fp_err = abs(fp.curve("j").throughput(2, 1.0) - truth) / truth
     assert learned_err < 0.25 and learned_err < fp_err / 3, (learned_err, fp_err)
     assert cur.observed_configs == 2 and cur.confidence > 0.5
+
+
+def _reference_curve(bank, job_id, windows):
+    """The curve computed from the windows afresh, the way the bank did before it kept per-window facts."""
+    from predictor.bank import HISTORY_WINDOWS, _usable, pooled_costs
+
+    usable = [o for o in windows[-HISTORY_WINDOWS:] if _usable(o)]
+    g, c, b, runq = pooled_costs(usable)
+    params = bank.prior.correct(g, c, b, usable) if bank.prior is not None else {}
+    return g, c, b, runq, params
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_cached_window_facts_give_the_same_curve_as_a_fresh_computation(prior):
+    import random
+
+    rng = random.Random(7)
+    bank = PredictorBank(prior=prior)
+    windows = []
+    for i in range(45):                       # more than HISTORY_WINDOWS: old windows are evicted
+        g = rng.uniform(0.02, 0.3)
+        o = obs(workers=rng.randint(0, 8), cores=rng.choice([0.5, 1.0, 2.0, 3.5]), g=g,
+                c=rng.uniform(0.0, 2.0) * g, b=rng.choice([0.0, rng.uniform(0.0, 1.0) * g]),
+                wait=rng.choice([0.0, rng.uniform(0.0, 2.0) * g]),
+                steps=rng.choice([0, 5, 20, 60]))
+        if i % 3 == 0:                        # loader-bound: saturated workers, the loop waits for data
+            o = obs(workers=rng.randint(1, 3), cores=rng.choice([0.5, 1.0, 2.0]), g=g, c=2.0 * g, wait=g, steps=20)
+            o = Observation(**{**o.to_dict(), "cpu_s_per_batch": o.cpu_s_per_batch * o.workers,
+                               "wall_s_per_batch": o.wall_s_per_batch * o.workers})
+        windows.append(o)
+        bank.observe("j", o)
+        cur = bank.curve("j")
+        if not any(w.steps > 0 for w in windows[-32:]):
+            assert cur is None
+            continue
+        g_ref, c_ref, b_ref, runq_ref, params = _reference_curve(bank, "j", windows)
+        # bit for bit: the facts are the same expressions, summed in the same order
+        assert (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch) == (g_ref, c_ref, b_ref)
+        assert cur.extra["runq_s_per_batch"] == runq_ref
+        for k, v in params.items():
+            assert getattr(cur, k) == v, k

@@ -25,6 +25,21 @@ Cooperative jobs (Slurm with ConstrainCores owns the job's cgroup; ``JobStats.co
 Every original value is recorded before the first write (``Originals``), restored by ``restore()``;
 a job's groups are removed on ``release()`` after its processes are moved back where they came from.
 Worker pids change (resizes, restarts): every ``apply`` moves the job's new worker pids in.
+
+Where the groups live:
+- v1: ``<hierarchy>/<subtree>/<job>`` at the top of each controller hierarchy (e.g. /sys/fs/cgroup/cpu/adloader/j).
+- v2: under the agent's own cgroup, read from ``<proc_root>/self/cgroup`` ("0::/path"). Under systemd with
+  ``Delegate=yes`` the agent owns only its unit's group (e.g. /system.slice/adloader-agent.service), so job
+  groups are ``<own>/<subtree>/<job>``. v2's "no internal processes" rule (a non-root group with processes
+  cannot enable controllers for its children: EBUSY; Documentation/admin-guide/cgroup-v2.rst) means the
+  processes in ``<own>`` must first go to a leaf, ``<own>/agent`` (``V2_AGENT_LEAF``): before the first group
+  is made, every process of ``<own>`` (the agent and any helper it started) moves there, and ``+cpu``
+  (``+cpuset``, ``+io`` when used and available) is enabled in ``cgroup.subtree_control`` from the root down
+  to ``<own>`` and then ``<own>/<subtree>``, each original recorded and restored. An agent already in a
+  group named ``agent`` (a previous run, or systemd ``DelegateSubgroup=agent``) takes its parent as
+  ``<own>``. When the agent's cgroup is the root ("0::/"), the groups are ``/<subtree>/<job>`` as on v1.
+  ``restore()`` moves the processes of the leaf back to ``<own>`` and removes the leaf once ``<own>`` has
+  no controllers enabled for its children any more.
 """
 from __future__ import annotations
 
@@ -38,6 +53,7 @@ from agent.model import ApplyResult, JobAllocation, JobStats
 
 SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
 QUOTA_MIN_US = 1000
+V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
 
 
 def shares_for(cores: float) -> int:
@@ -162,6 +178,16 @@ class CgroupActuator:
         self.name = f"cgroup-v{version}"
         self.cpu_knob = cpu_knob
         self.subtree = subtree.strip("/")
+        self.base = ""              # v2: the agent's own group ('' = root); see the module docstring
+        if version == 2:
+            own = cgroupfs.own_v2_cgroup(proc_root).strip("/")
+            if own.rsplit("/", 1)[-1] == V2_AGENT_LEAF:
+                own = own.rsplit("/", 1)[0] if "/" in own else ""
+            self.base = own
+            if own:
+                self.subtree = f"{own}/{self.subtree}"
+        self._base_ready = not self.base
+        self._leaf: Optional[str] = None             # v2: the leaf this actuator created and moved into
         self.originals = originals if originals is not None else Originals()
         self.proc_root = proc_root
         self.affinity = affinity or AffinityActuator(self.originals)
@@ -245,9 +271,47 @@ class CgroupActuator:
         self._record(hier, rel, file)
         self.h[hier].write(rel, file, value)
 
+    def _prepare_v2_base(self) -> None:
+        """v2, the agent's own group not the root: controllers enabled down to it, its processes in a leaf."""
+        if self._base_ready:
+            return
+        h = self.h[""]
+        if not h.exists(self.base):
+            raise NotSupported(f"the agent's own cgroup /{self.base} (from {self.proc_root}/self/cgroup) is not "
+                               f"under {h.root}; set cgroup_root to the cgroup2 mount this process sees")
+        parts = self.base.split("/")
+        for i in range(len(parts)):                # the root and every ancestor of <own>
+            self._enable_v2_controllers("/".join(parts[:i]))
+        if h.procs(self.base):
+            leaf = f"{self.base}/{V2_AGENT_LEAF}"
+            if h.mkdir(leaf):
+                self._leaf = leaf
+            for pid in h.procs(self.base):
+                try:
+                    h.move(leaf, pid)
+                except JobGone:
+                    pass
+        self._base_ready = True
+
+    def _undo_v2_leaf(self) -> None:
+        """Back to how we found it: the leaf's processes to <own>, the leaf removed (only if we made it)."""
+        if self._leaf is None:
+            return
+        h = self.h[""]
+        if h.exists(self._leaf) and not h.subtree_control(self.base):
+            for pid in h.procs(self._leaf):
+                try:
+                    h.move(self.base, pid)
+                except JobGone:
+                    pass
+            h.rmdir(self._leaf)
+            self._leaf = None
+
     def _ensure(self, hier: str, rel: str) -> None:
         """Create ``rel`` (and its parents) in the hierarchy, preparing what a task needs to join."""
         h = self.h[hier]
+        if h.version == 2:
+            self._prepare_v2_base()
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             cur = "/".join(parts[:i])
@@ -438,7 +502,13 @@ class CgroupActuator:
                     self._drop_group(hier, rel)
                 except CgroupError as e:
                     errors.append(str(e))
-        for key, value in list(self.originals.files.items()):
+        # deepest group first: a parent's subtree_control is put back after its children's (older kernels
+        # refuse to disable a controller that a child still enables: EBUSY)
+        def depth(key: str) -> int:
+            rel = key.split("|", 2)[1]
+            return rel.count("/") + 1 if rel else 0
+
+        for key, value in sorted(self.originals.files.items(), key=lambda kv: -depth(kv[0])):
             hier, rel, file = key.split("|", 2)
             try:
                 if hier in self.h and self.h[hier].exists(rel):
@@ -449,6 +519,11 @@ class CgroupActuator:
                 del self.originals.files[key]
             except CgroupError as e:
                 errors.append(str(e))
+        try:
+            self._undo_v2_leaf()
+        except CgroupError as e:
+            errors.append(str(e))
+        self._base_ready = not self.base
         self.originals.pids.clear()
         self._shares.clear()
         self.affinity.restore()
