@@ -109,23 +109,25 @@ class Prior:
         return m if m is not None else self.overhead_frac_of_c * c
 
     def job_corrections(self, g: float, c: float, b: float, m: float,
-                        windows: Iterable[Observation], features: tuple[float, ...] | None = None
-                        ) -> tuple[float, float]:
+                        windows: Iterable[Observation], features: tuple[float, ...] | None = None,
+                        sharpness: float | None = None) -> tuple[float, float]:
         """(correction, core_correction) for one job: each loader-bound window is solved exactly for
         the correction of its binding loader term (workers or cores, whichever first principles say
         binds); the windows of one configuration are averaged into one vote, and the votes are
         averaged with the prior's, which counts as ``strength`` configurations (a ridge in log space:
         one configuration moves the estimate, several own it; repeated windows do not drift it).
         ``features``: ``job_features`` of the job's windows when the caller has them already (then
-        ``windows`` may be just the loader-bound ones: the others are skipped anyway)."""
+        ``windows`` may be just the loader-bound ones: the others are skipped anyway).
+        ``sharpness``: solve with this p instead of the prior's (0: hard minimum, the binding term
+        equals the window's step). ``strength`` 0: the job's own votes alone (prior value if none)."""
         windows = list(windows)
-        p = self.sharpness
-        kw0 = self.theta_w ** (-1.0 / p) if self.theta_w > 0 else K_MAX
+        p = self.sharpness if sharpness is None else sharpness
+        kw0 = _theta_to_k(self.theta_w, self.sharpness)
         kc0 = self.prior_core_correction(windows, features)
         lam = self.strength
         per_w: dict[tuple, list[float]] = {}   # configuration -> log corrections of its windows
         per_c: dict[tuple, list[float]] = {}
-        base = (g + m) ** p
+        base = (g + m) ** p if p > 0 else 0.0
         for o in windows:
             if o.workers < 1 or not loader_bound(o):
                 continue
@@ -135,20 +137,20 @@ class Prior:
             # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
             # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
             if xc / kc0 >= xw / kw0 and xc > 0:      # cores bind: solve for core_correction
-                rest = t ** p - base - (xw / kw0) ** p
+                rest = _rest(t, p, base, (xw / kw0) ** p if p > 0 else xw / kw0, g + m)
                 if rest > 0:
-                    per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest ** (1.0 / p)))))
+                    per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest))))
             elif xw > 0:                              # workers bind: solve for correction
-                rest = t ** p - base - (xc / kc0) ** p
+                rest = _rest(t, p, base, (xc / kc0) ** p if p > 0 else xc / kc0, g + m)
                 if rest > 0:
-                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest ** (1.0 / p)))))
+                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest))))
         # one vote per configuration (the mean of its windows): repeating a configuration refines its
         # own figure but does not drag the estimate along window after window
         sw = lam * math.log(kw0) + sum(sum(v) / len(v) for v in per_w.values())
         nw = lam + len(per_w)
         sc = lam * math.log(kc0) + sum(sum(v) / len(v) for v in per_c.values())
         nc = lam + len(per_c)
-        return math.exp(sw / nw), math.exp(sc / nc)
+        return (math.exp(sw / nw) if nw > 0 else kw0), (math.exp(sc / nc) if nc > 0 else kc0)
 
     def prior_core_correction(self, windows: Sequence[Observation],
                               features: tuple[float, ...] | None = None) -> float:
@@ -156,20 +158,119 @@ class Prior:
             feats = features if features is not None else job_features(windows)
             z = sum(a * x for a, x in zip(self.log_kc_coef, feats))
             return min(K_MAX, max(K_MIN, math.exp(z)))
-        return self.theta_c ** (-1.0 / self.sharpness) if self.theta_c > 0 else K_MAX
+        return _theta_to_k(self.theta_c, self.sharpness)
 
     def correct(self, g: float, c: float, b: float, windows: Sequence[Observation]) -> dict:
         """Curve parameters for a job: correction, core_correction, sharpness, overhead_s_per_step."""
         return self.correct_from(g, c, b, windows, measured_overhead(windows), job_features(windows))
 
-    def correct_from(self, g: float, c: float, b: float, loader_bound_windows: Sequence[Observation],
+    def correct_from(self, g: float, c: float, b: float, windows: Sequence[Observation],
                      m_measured: float | None, features: tuple[float, ...]) -> dict:
-        """``correct`` from figures the caller keeps per window (``predictor.bank`` does, so a curve
-        costs one pass over the loader-bound windows): ``measured_overhead`` and ``job_features`` of
-        all the job's windows, and the windows (at least the loader-bound ones)."""
+        """``correct`` from figures the caller keeps per window (``predictor.bank`` does):
+        ``measured_overhead`` and ``job_features`` of the windows, and the (usable) windows.
+
+        Invariants (what the windows measured bounds what the prior may add):
+          * the overhead m never exceeds what any window leaves room for (``overhead_cap``): not
+            more than its data wait, and at a loader-bound window not more than the loader's first-
+            principles term leaves unexplained. A window with no data wait means m = 0 and a
+            ceiling at least its throughput.
+          * at every observed configuration the curve is within ANCHOR_TOL of the mean measured
+            throughput there, if any of the candidates below achieves it: the prior's parameters
+            first; then the prior's shape (sharpness) with first-principles corrections (own votes
+            only); then plain first principles (hard min, corrections from the job's own windows).
+            If none does, the candidate with the least worst miss is kept.
+        """
+        windows = list(windows)
         m = m_measured if m_measured is not None else self.overhead_frac_of_c * c
-        kw, kc = self.job_corrections(g, c, b, m, loader_bound_windows, features)
-        return {"correction": kw, "core_correction": kc, "sharpness": self.sharpness, "overhead_s_per_step": m}
+        anchors = observed_throughputs(windows)
+        best, best_miss = None, math.inf
+        for sharp, use_prior in ((self.sharpness, True), (self.sharpness, False), (0.0, False)):
+            mm = min(m, overhead_cap(g, c, b, sharp, windows))
+            if use_prior:
+                kw, kc = self.job_corrections(g, c, b, mm, windows, features)
+            else:
+                kw, kc = FIRST_PRINCIPLES.job_corrections(g, c, b, mm, windows, features, sharpness=sharp)
+            params = {"correction": kw, "core_correction": kc, "sharpness": sharp, "overhead_s_per_step": mm}
+            miss = anchor_miss(g, c, b, params, anchors)
+            if miss <= ANCHOR_TOL:
+                return params
+            if miss < best_miss:
+                best, best_miss = params, miss
+        return best
+
+
+FIRST_PRINCIPLES = Prior(sharpness=0.0, strength=0.0)   # hard minimum, corrections from own windows only
+
+
+def _theta_to_k(theta: float, p: float) -> float:
+    if theta == 1.0 or p <= 0:
+        return 1.0
+    return theta ** (-1.0 / p) if theta > 0 else K_MAX
+
+
+def _rest(t: float, p: float, base: float, other: float, gm: float) -> float:
+    """The part of a window's step t the binding loader term must explain (0: nothing left).
+    Soft minimum (p > 0): (t^p - (g + m)^p - other^p)^(1/p); hard minimum: t itself, provided
+    neither the step's compute nor the other loader term already explains it."""
+    if p > 0:
+        r = t ** p - base - other
+        return r ** (1.0 / p) if r > 0 else 0.0
+    return t if t > gm * (1 + 1e-9) and t > other * (1 + 1e-9) else 0.0
+ANCHOR_TOL = 0.05   # the curve at an observed configuration stays within this of the measurement
+
+
+def observed_throughputs(windows: Sequence[Observation]) -> dict[tuple, tuple[int, float, float]]:
+    """(workers, cores) -> (batch_size, workers, mean measured samples/s) over the windows there."""
+    acc: dict[tuple, list] = {}
+    for o in windows:
+        if o.steps <= 0 or o.samples_per_s <= 0:
+            continue
+        a = acc.setdefault((o.workers, round(o.cores, 3)), [o.batch_size, o.cores, 0.0, 0])
+        a[2] += o.samples_per_s
+        a[3] += 1
+    return {k: (bs, cores, s / n) for k, (bs, cores, s, n) in acc.items()}
+
+
+def anchor_miss(g: float, c: float, b: float, params: dict, anchors: dict) -> float:
+    """Largest relative miss of the curve with ``params`` at the observed configurations."""
+    from predictor.curve import ThroughputCurve
+
+    worst = 0.0
+    for (w, _C), (bs, cores, meas) in anchors.items():
+        cur = ThroughputCurve(job="", batch_size=bs, compute_s_per_step=g, cpu_s_per_batch=c,
+                              blocked_s_per_batch=b, **params)
+        pred = cur.throughput(w, cores)
+        worst = max(worst, abs(pred - meas) / meas if pred != math.inf else math.inf)
+    return worst
+
+
+def overhead_cap(g: float, c: float, b: float, sharpness: float, windows: Sequence[Observation]) -> float:
+    """The largest per-step overhead m the windows allow (inf with no window).
+
+    A window took step_s = compute + data wait, and the model's step is at least g + m, so m is at
+    most the window's data wait. The loader's first-principles term L at the window's configuration
+    (the slower of (c + b) / workers and c / cores) must still fit in the step: with the soft
+    minimum T^p = (g + m)^p + L^p + ..., m is at most (T^p - L^p)^(1/p) - g, and 0 when L >= T (an
+    overhead cannot take the place of a loader the window shows was the limit). Without workers
+    (loading in line) the step is g + m + c + b, so m is at most T - g - c - b."""
+    cap = math.inf
+    for o in windows:
+        if o.steps <= 0:
+            continue
+        t = o.step_s
+        room = o.data_wait_s_per_step
+        if o.workers < 1:
+            room = min(room, max(0.0, t - o.compute_s_per_step - c - b))
+        else:
+            lt = max((c + b) / o.workers, c / o.cores)
+            if lt >= t:
+                room = 0.0
+            elif sharpness > 0:
+                room = min(room, max(0.0, (t ** sharpness - lt ** sharpness) ** (1.0 / sharpness) - o.compute_s_per_step))
+            else:
+                room = min(room, max(0.0, t - o.compute_s_per_step))
+        cap = min(cap, room)
+    return cap
 
 
 # -- corpus ---------------------------------------------------------------------------------------
