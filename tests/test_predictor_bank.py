@@ -179,3 +179,70 @@ def test_cached_window_facts_give_the_same_curve_as_a_fresh_computation(prior):
         assert cur.extra["runq_s_per_batch"] == runq_ref
         for k, v in params.items():
             assert getattr(cur, k) == v, k
+
+
+def exact_window(workers, cores, g=0.1, c=0.15, b=0.0, bs=32, dur=2.0):
+    """A window of a job that follows first principles exactly (hard minimum, no per-step overhead):
+    data wait is what the slowest term implies; busy workers' wall time covers the whole step."""
+    bps = min(1.0 / g, workers / (c + b), cores / c if c > 0 else math.inf)
+    wall = max(c + b, workers / bps)
+    return Observation(workers=workers, cores=cores, batch_size=bs, compute_s_per_step=g,
+                       data_wait_s_per_step=max(0.0, 1.0 / bps - g), cpu_s_per_batch=c,
+                       wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
+                       samples_per_s=bs * bps, duration_s=dur, steps=max(1, int(bps * dur)))
+
+
+@pytest.mark.parametrize("workers,cores", [(2, 2.0), (1, 1.0), (1, 2.0), (2, 1.0), (4, 0.5), (6, 0.9), (3, 3.0)])
+def test_default_prior_invents_no_overhead_an_exact_window_contradicts(workers, cores):
+    """Regression (BENCHMARKS.md, "Reading"): the default prior added ~0.08-0.16 s of per-step
+    overhead to jobs whose windows show none, lowering the ceiling below the measured throughput and
+    the useful cores below what the job needs (c / g = 1.5 cores here)."""
+    from predictor.prior import ANCHOR_TOL
+
+    o = exact_window(workers, cores)
+    bank, fp = PredictorBank(prior="default"), PredictorBank(prior=None)
+    bank.observe("j", o)
+    fp.observe("j", o)
+    cur, ref = bank.curve("j"), fp.curve("j")
+    assert cur.overhead_s_per_step <= o.data_wait_s_per_step + 1e-12
+    assert cur.overhead_s_per_step == 0.0          # every one of these windows is explained by a limit
+    assert cur.ceiling_samples_per_s >= o.samples_per_s * (1 - 1e-9)
+    assert cur.ceiling_samples_per_s == pytest.approx(ref.ceiling_samples_per_s)
+    assert abs(cur.throughput(workers, cores) - o.samples_per_s) <= ANCHOR_TOL * o.samples_per_s
+    assert cur.max_useful_cores >= 0.95 * ref.max_useful_cores, (cur.max_useful_cores, ref.max_useful_cores)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(g=st.floats(0.01, 0.5), c_over_g=st.floats(0.05, 12.0), b_over_g=st.sampled_from([0.0, 0.3, 2.0]),
+       configs=st.lists(st.tuples(st.integers(0, 12), st.sampled_from([0.5, 1.0, 2.0, 3.5, 8.0])),
+                        min_size=1, max_size=3))
+def test_default_prior_stays_at_the_observations(g, c_over_g, b_over_g, configs):
+    """Windows of a first-principles job at 1-3 configurations: the curve predicts each observed
+    configuration within ANCHOR_TOL, its overhead is at most the least data wait any window showed,
+    and where a window waited for no data the ceiling is at least its throughput."""
+    from predictor.prior import ANCHOR_TOL
+
+    c, b = c_over_g * g, b_over_g * g
+    bank = PredictorBank(prior="default")
+    seen = {}
+    for w, cores in configs:
+        if w == 0:
+            per_batch = g + c + b
+            o = Observation(workers=0, cores=cores, batch_size=16, compute_s_per_step=g,
+                            data_wait_s_per_step=c + b, cpu_s_per_batch=c, wall_s_per_batch=c + b,
+                            runq_s_per_batch=0.0, blocked_s_per_batch=b, samples_per_s=16 / per_batch,
+                            duration_s=2.0, steps=max(1, int(2.0 / per_batch)))
+        else:
+            o = exact_window(w, cores, g=g, c=c, b=b, bs=16)
+        bank.observe("j", o)
+        seen[(w, cores)] = o
+    cur = bank.curve("j")
+    assert cur.overhead_s_per_step <= min(o.data_wait_s_per_step for o in seen.values()) + 1e-12
+    for (w, cores), o in seen.items():
+        pred = cur.throughput(w, cores)
+        assert abs(pred - o.samples_per_s) <= ANCHOR_TOL * o.samples_per_s * (1 + 1e-9), (w, cores, pred, o.samples_per_s)
+        if o.data_wait_s_per_step == 0:
+            assert cur.ceiling_samples_per_s >= o.samples_per_s * (1 - 1e-9)
