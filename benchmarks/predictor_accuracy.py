@@ -34,8 +34,9 @@ if str(REPO) not in sys.path:
 
 from predictor.bank import PredictorBank  # noqa: E402
 from predictor.curve import KNEE_TOLERANCE  # noqa: E402
-from predictor.prior import (CORPUS_PATH, by_job, fit_prior, knee_tolerance, load_corpus,  # noqa: E402
-                             measured_curves, measured_knee, noise_level)
+from predictor.prior import (CORPUS_PATH, VALIDATION_PATH, by_job, corpus_digest, fit_prior,  # noqa: E402
+                             knee_tolerance, load_corpus, measured_curves, measured_knee, noise_level,
+                             validation_verdict)
 
 
 def snap(w: int, grid: list[int]) -> int:
@@ -162,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", default=str(CORPUS_PATH))
     ap.add_argument("--starts", default="2:2,1:1,4:0.5", help="workers:cores of the single starting window")
     ap.add_argument("--json", default="predictor-accuracy.json")
+    ap.add_argument("--validation", default=str(VALIDATION_PATH),
+                    help="write the verdict (learned prior beats first principles?) here; the default "
+                         "prior is the learned one only if this file says so for the same corpus ('' = skip)")
     args = ap.parse_args(argv)
     header, points = load_corpus(args.corpus)
     noise = noise_level(points)
@@ -207,6 +211,21 @@ def main(argv=None) -> int:
                    "noise_floor_mape": floor,
                    "results": results}, f, indent=1, default=str)
     print(f"\nwrote {args.json}")
+    summaries = [r["summary"] for r in results]
+    verdict = validation_verdict(summaries)
+    print(f"verdict: the learned prior {'beats' if verdict else 'does NOT beat'} first principles out of sample "
+          f"(mean MAPE and knee hit over the starts); the default prior is "
+          f"{'the learned one' if verdict else 'first principles'}")
+    if args.validation:
+        with open(args.validation, "w") as f:
+            json.dump({"corpus_sha256": corpus_digest(args.corpus), "learned_beats_first_principles": verdict,
+                       "rule": "mean MAPE over starts lower and mean knee hit (all cores) no lower",
+                       "starts": args.starts,
+                       "learned": {k: _mean([s[k] for s in summaries if s["learned"]]) for k in ("mape", "all_knee_hit")},
+                       "first_principles": {k: _mean([s[k] for s in summaries if not s["learned"]])
+                                            for k in ("mape", "all_knee_hit")}}, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.validation}")
     return 0
 
 

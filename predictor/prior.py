@@ -414,34 +414,89 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
             coef = (0.0,) * len(FEATURES)
         cand = Prior(sharpness=sharp, theta_w=1.0, log_kc_coef=coef, overhead_frac_of_c=m_frac,
                      fitted_on=tuple(sorted(jobs)))
-        errs = []
-        for (gm, c, b, w, C, bs, meas, feats) in meta:
-            kc = min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats)))))
-            T = (gm ** sharp + ((c + b) / w) ** sharp + (c / (kc * C)) ** sharp) ** (1.0 / sharp)
-            errs.append(abs(bs / T - meas) / meas)
-        mape = float(np.mean(errs)) if errs else 0.0
-        hits = total = 0
-        for (j, g, c1, b1, m1, bs1, feats) in starts:
-            kc = min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats)))))
-            cur = ThroughputCurve(job=j, batch_size=bs1, compute_s_per_step=g, cpu_s_per_batch=c1,
-                                  blocked_s_per_batch=b1, core_correction=kc, sharpness=sharp,
-                                  overhead_s_per_step=m1)
-            for (jj, C), mk in knees.items():
-                if jj == j:
-                    hits += abs(cur.knee_workers(C) - mk) <= 1
-                    total += 1
-        score = mape + (1.0 - hits / total if total else 0.0)
+        mape, score = _score(sharp, coef, meta, starts, knees)
         if score < best_score:
             best_score = score
             best = Prior(**{**cand.__dict__, "fit_error": mape})
-    return best or Prior()
+    # The learned shape and corrections are kept only if they fit the corpus better than first
+    # principles (hard minimum, no correction) by the same score; otherwise the prior IS first
+    # principles. (In-sample, so favourable to the learned model; benchmarks/predictor_accuracy.py
+    # refits per held-out job, which evaluates this choice out of sample.)
+    fp_mape, fp_score = _score(0.0, (), meta, starts, knees)
+    if best is None or fp_score <= best_score:
+        return Prior(sharpness=0.0, fitted_on=tuple(sorted(jobs)), fit_error=fp_mape)
+    return best
+
+
+def _score(sharp: float, coef: tuple, meta: list, starts: list, knees: dict) -> tuple[float, float]:
+    """(throughput MAPE, MAPE + knee miss rate) of a candidate prior over the fit's (start, point) pairs."""
+    from predictor.curve import ThroughputCurve
+
+    def kc_of(feats):
+        return min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats))))) if coef else 1.0
+
+    errs = []
+    for (gm, c, b, w, C, bs, meas, feats) in meta:
+        kc = kc_of(feats)
+        terms = (gm, (c + b) / w, c / (kc * C))
+        T = sum(t ** sharp for t in terms) ** (1.0 / sharp) if sharp > 0 else max(terms)
+        errs.append(abs(bs / T - meas) / meas)
+    mape = sum(errs) / len(errs) if errs else 0.0
+    hits = total = 0
+    for (j, g, c1, b1, m1, bs1, feats) in starts:
+        cur = ThroughputCurve(job=j, batch_size=bs1, compute_s_per_step=g, cpu_s_per_batch=c1,
+                              blocked_s_per_batch=b1, core_correction=kc_of(feats), sharpness=sharp,
+                              overhead_s_per_step=m1)
+        for (jj, C), mk in knees.items():
+            if jj == j:
+                hits += abs(cur.knee_workers(C) - mk) <= 1
+                total += 1
+    return mape, mape + (1.0 - hits / total if total else 0.0)
+
+
+VALIDATION_PATH = Path(__file__).resolve().parent / "data" / "prior_validation.json"
+
+
+def corpus_digest(path: str | Path = CORPUS_PATH) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def learned_prior_validated(corpus_path: str | Path = CORPUS_PATH,
+                            validation_path: str | Path = VALIDATION_PATH) -> bool:
+    """True only if ``benchmarks/predictor_accuracy.py`` validated the learned prior on THIS corpus
+    (same sha256) leave-one-job-out and found it better than first principles (``verdict``)."""
+    try:
+        v = json.loads(Path(validation_path).read_text())
+        return bool(v.get("learned_beats_first_principles")) and v.get("corpus_sha256") == corpus_digest(corpus_path)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def validation_verdict(results: Sequence[dict]) -> bool:
+    """Does the learned prior beat first principles out of sample? ``results``: the summaries of
+    ``benchmarks/predictor_accuracy.py`` (learned and first-principles rows per start). Yes only if,
+    averaged over the starts, its throughput MAPE is lower AND its knee hit rate (all cores) no lower."""
+    def avg(learned: bool, key: str) -> float:
+        v = [r[key] for r in results if r["learned"] is learned]
+        return sum(v) / len(v) if v else math.nan
+
+    return (avg(True, "mape") < avg(False, "mape")
+            and avg(True, "all_knee_hit") >= avg(False, "all_knee_hit"))
+
+
+def load_default_prior(corpus_path: str | Path = CORPUS_PATH, validation_path: str | Path = VALIDATION_PATH) -> Prior:
+    """The prior refitted from the corpus if its leave-one-job-out validation beat first principles
+    (``learned_prior_validated``); otherwise first principles (hard minimum, no learned correction,
+    no overhead; the job's own loader-bound windows still correct it)."""
+    if not Path(corpus_path).exists() or not learned_prior_validated(corpus_path, validation_path):
+        return Prior(sharpness=0.0)
+    _header, points = load_corpus(corpus_path)
+    return fit_prior(points, engine="closed-form")
 
 
 @lru_cache(maxsize=1)
 def default_prior() -> Prior:
-    """The prior refitted from the shipped corpus (once per process, a fraction of a second);
-    first principles if the corpus is absent."""
-    if not CORPUS_PATH.exists():
-        return Prior()
-    _header, points = load_corpus(CORPUS_PATH)
-    return fit_prior(points, engine="closed-form")
+    """``load_default_prior`` of the shipped corpus and validation (once per process)."""
+    return load_default_prior()

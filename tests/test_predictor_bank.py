@@ -246,3 +246,26 @@ def test_default_prior_stays_at_the_observations(g, c_over_g, b_over_g, configs)
         assert abs(pred - o.samples_per_s) <= ANCHOR_TOL * o.samples_per_s * (1 + 1e-9), (w, cores, pred, o.samples_per_s)
         if o.data_wait_s_per_step == 0:
             assert cur.ceiling_samples_per_s >= o.samples_per_s * (1 - 1e-9)
+
+
+def test_default_prior_is_learned_only_where_validation_says_it_beats_first_principles(tmp_path):
+    """The learned prior is used only if benchmarks/predictor_accuracy.py found it better than first
+    principles, leave-one-job-out, on the same corpus (sha256); otherwise, or with no or a stale
+    verdict, the default prior is first principles (hard minimum, no correction, no overhead)."""
+    import json
+
+    from predictor.prior import CORPUS_PATH, corpus_digest, load_default_prior, validation_verdict
+
+    v = tmp_path / "v.json"
+    fp = load_default_prior(CORPUS_PATH, v)                     # no verdict at all
+    assert (fp.sharpness, fp.log_kc_coef, fp.overhead_frac_of_c) == (0.0, (), 0.0)
+    v.write_text(json.dumps({"corpus_sha256": "0" * 64, "learned_beats_first_principles": True}))
+    assert load_default_prior(CORPUS_PATH, v).sharpness == 0.0  # verdict for another corpus
+    v.write_text(json.dumps({"corpus_sha256": corpus_digest(CORPUS_PATH), "learned_beats_first_principles": True}))
+    assert load_default_prior(CORPUS_PATH, v).log_kc_coef != ()
+    v.write_text(json.dumps({"corpus_sha256": corpus_digest(CORPUS_PATH), "learned_beats_first_principles": False}))
+    assert load_default_prior(CORPUS_PATH, v).sharpness == 0.0
+    rows = [{"learned": True, "mape": 0.2, "all_knee_hit": 0.8}, {"learned": False, "mape": 0.3, "all_knee_hit": 0.8}]
+    assert validation_verdict(rows)
+    rows[0]["all_knee_hit"] = 0.7                               # better MAPE, worse knees: not enough
+    assert not validation_verdict(rows)
