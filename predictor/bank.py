@@ -13,7 +13,10 @@ How a curve is made (DESIGN.md, "Measurement"):
      measured corpus shipped in ``predictor/data/corpus.jsonl``): soft-min sharpness and how far real
      curves sit below first principles.
   3. Correction from the job's own observed throughput at the configurations it visited
-     (``predictor.prior.fit_job_correction``), shrunk toward the prior when there is little data.
+     (``Prior.job_corrections``), shrunk toward the prior when there is little data; the curve stays
+     within ``prior.ANCHOR_TOL`` of the measurement at every visited configuration, and the prior
+     adds no per-step overhead a window does not leave room for (``prior.overhead_cap``).
+     The default prior is first principles unless the learned one was validated (``prior.default_prior``).
 
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
 another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
@@ -209,7 +212,7 @@ class PredictorBank:
             m_measured = num / den if den > 0 else None
             features = (1.0, s_r / sw, s_d / sw, s_b / sw) if sw else (1.0, 0.0, 0.0, 0.0)
             params = prior.correct_from(g, c, b, [f.obs for f in facts], m_measured, features)
-            source = "first-principles+learned"
+            source = "first-principles+learned" if prior.log_kc_coef or prior.sharpness > 0 else "first-principles+own"
         return ThroughputCurve(
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
             blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),

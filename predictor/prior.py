@@ -6,7 +6,7 @@ Model (seconds per batch seen by the training loop, soft maximum of the three li
 
 g, c, b come from the job's own windows (``predictor.bank.pooled_costs``); m is the training process's
 own per-step cost of taking a batch (measured as the data wait of a window whose workers were NOT
-saturated; else the prior's estimate); theta_w = correction^-p and theta_c = core_correction^-p say
+saturated; else 0, and never more than any window leaves room for: ``overhead_cap``); theta_w = correction^-p and theta_c = core_correction^-p say
 how far real workers and cores fall short of first principles; p (sharpness) bends the corners.
 
 The prior (``fit_prior``): theta_w = 1 (a worker's rate is 1 / (c + b) by construction). For the
@@ -16,11 +16,15 @@ exactly for the correction it needs, and log core_correction is regressed with s
 blocked shares), for each p on a grid, keeping the p with the least throughput MAPE plus knee miss
 rate. Refitted from ``predictor/data/corpus.jsonl`` at load time (a fraction of a second; nothing
 pickled) with numpy's least squares, the same solution (tested), so a training process that uses
-``num_workers="auto"`` never pays for importing scikit-learn.
+``num_workers="auto"`` never pays for importing scikit-learn. The learned prior is the default only
+where ``benchmarks/predictor_accuracy.py`` validated it leave-one-job-out against first principles on
+the same corpus (``predictor/data/prior_validation.json``); otherwise the default is first principles.
 
 Per job, each of the job's own loader-bound windows is solved exactly for the correction of the term
 that binds there, and the log-corrections are averaged with the prior's (a ridge in log space; closed
-form, microseconds, so 64 jobs per tick stay cheap).
+form, microseconds, so 64 jobs per tick stay cheap). The prior shapes the curve between observed
+configurations; at each observed one the curve stays within ANCHOR_TOL of the measurement
+(``Prior.correct_from`` falls back toward first principles where the prior would move it further).
 """
 from __future__ import annotations
 
