@@ -369,9 +369,11 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
              for j, cur in truth.items() for C in {c for (_w, c) in cur}}
     # m prior: none. A median m / c over the corpus's spare windows (0.52 on this corpus, measured on
     # an overloaded VM: mostly the main process waiting for a CPU) was used for jobs whose windows
-    # could not measure m; bounded by what each window leaves room for (``overhead_cap``) it no longer
-    # changed any leave-one-job-out figure of benchmarks/predictor_accuracy.py, while unbounded it
-    # invented ~0.16 s per step for jobs that had none (BENCHMARKS.md). So m is measured or 0.
+    # could not measure m. It invented ~0.08-0.16 s per step for jobs that had none (BENCHMARKS.md),
+    # and even capped by ``overhead_cap`` it still lowered the simulator's adaptive throughput (3.498
+    # vs 3.510 per node). It did help this corpus's leave-one-job-out MAPE (learned, capped: 30.5%,
+    # 29.8%, 25.0% with it against 31.8%, 29.4%, 31.2% without, starts 2w/2c, 1w/1c, 4w/0.5c), which
+    # says more about this VM's main-process starvation than about jobs in general. m is measured or 0.
     m_frac = 0.0
     starts = []
     for j, pts in jobs.items():
