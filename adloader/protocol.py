@@ -35,7 +35,8 @@ Notes on use (v1.0, no wire change; agentd):
   opened after a reconnect never collides with the old one that the ROUTER may still know.
 - Who the caller is comes from the kernel, not from the message: on ipc:// the agent reads the peer's
   uid/pid (SO_PEERCRED, libzmq's ``Peer-Address`` property). A ``hello`` is accepted only from the
-  process whose ``pid`` it names; ``uid`` must be the caller's; worker/registered pids must belong to
+  process whose ``pid`` it names (as the process's own pid namespace numbers it: a client in a container
+  sends its local pids, the agent maps them to host pids; ``agent.security``); ``uid`` must be the caller's; worker/registered pids must belong to
   that uid; a job id keeps the uid that created it (root may register/release for any uid). So the
   ``welcome`` field ``challenge`` is always null in this version (no token file is needed).
 - A training process's ``report`` (every ~1 s) is its heartbeat; an explicit client ``heartbeat``

@@ -118,7 +118,7 @@ class Agent:
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
-        self.registry = Registry(heartbeat_s=config.heartbeat_s)
+        self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root)
         self.gpu = GpuSampler(gpu_module)
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,

@@ -14,7 +14,11 @@ Invariants:
 - a job has one owner uid for its whole life; only that uid (or root) may join, report for, or
   release it (``Refused("not_permitted")`` otherwise);
 - ``by_identity`` maps every connected ZeroMQ identity to exactly one (job, rank);
-- a rank's ``pid`` is the process that connected (peer credentials), not just a claim;
+- a rank's ``pid`` is the process that connected (peer credentials), not just a claim, and it and
+  ``worker_pids`` are always pids in the agent's (host) pid namespace. A training process in a
+  container (its own pid namespace) claims namespace-local pids; the agent accepts them only through
+  ``security.host_pid`` / ``security.map_ns_pids`` (NSpid of the peer and of its descendants) and keeps
+  the pid the process knows itself by in ``Rank.claimed_pid`` and its worker mapping in ``Rank.ns_workers``;
 - register and release are idempotent.
 """
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Rank:
     hostname: str = ""
     stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
     reports: int = 0
+    claimed_pid: Optional[int] = None      # the pid the process knows itself by, when not ``pid`` (container)
+    ns_workers: dict[int, int] = field(default_factory=dict)   # container: claimed worker pid -> host pid
 
 
 @dataclass
@@ -122,8 +128,9 @@ def _job_id(msg: dict) -> str:
 
 
 class Registry:
-    def __init__(self, heartbeat_s: float = 2.0):
+    def __init__(self, heartbeat_s: float = 2.0, proc_root: str = "/proc"):
         self.heartbeat_s = heartbeat_s
+        self.proc_root = proc_root           # where NSpid is read for clients in their own pid namespace
         self.jobs: dict[str, Job] = {}
         self.by_identity: dict[bytes, tuple[str, int]] = {}
         self._departed: list[tuple[str, str]] = []
@@ -149,15 +156,20 @@ class Registry:
         peer = self._caller(peer)
         job_id = _job_id(msg)
         rank_no = _opt_int(msg, "rank", 0)
-        pid = msg["pid"]
-        if pid != peer.pid:
-            raise Refused("not_permitted", f"hello for pid {pid} came from pid {peer.pid}; a training process "
-                                           "may only speak for itself")
+        claimed_pid = msg["pid"]
+        pid = security.host_pid(claimed_pid, peer.pid, self.proc_root)
+        if pid is None:
+            raise Refused("not_permitted", f"hello for pid {claimed_pid} came from pid {peer.pid}; a training "
+                                           "process may only speak for itself")
         uid = peer.uid
         claimed = msg.get("uid")
         if claimed is not None and claimed != uid:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
+        ns_workers: dict[int, int] = {}
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
+        if claimed_pid != pid:   # a container: its pids are local to its pid namespace
+            ns_workers = self._map_workers(worker_pids, pid, {})
+            worker_pids = [ns_workers[p] for p in worker_pids]
         ok, why = security.pids_owned_by(worker_pids, uid)
         if not ok:
             raise Refused("not_permitted", f"worker_pids: {why}")
@@ -177,7 +189,8 @@ class Registry:
                  gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_opt_int(msg, "batch_size", 1, 1),
                  workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
                  max_workers=_opt_int(msg, "max_workers", None),
-                 hostname=str(msg.get("hostname") or "")[:255])
+                 hostname=str(msg.get("hostname") or "")[:255],
+                 claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
         if old is not None and old.pid == pid:
             r.stats, r.reports = old.stats, old.reports
         job.ranks[rank_no] = r
@@ -193,8 +206,9 @@ class Registry:
                                          "send hello first")
         job_id, rank_no = key
         r = self.jobs[job_id].ranks[rank_no]
-        if "job" in msg and (msg["job"] != job_id or msg.get("rank", rank_no) != rank_no or msg.get("pid", r.pid) != r.pid):
-            raise Refused("not_permitted", f"this connection speaks for job {job_id!r} rank {rank_no} pid {r.pid}, "
+        own_pid = r.claimed_pid if r.claimed_pid is not None else r.pid   # as the process numbers itself
+        if "job" in msg and (msg["job"] != job_id or msg.get("rank", rank_no) != rank_no or msg.get("pid", own_pid) != own_pid):
+            raise Refused("not_permitted", f"this connection speaks for job {job_id!r} rank {rank_no} pid {own_pid}, "
                                            f"not job {msg['job']!r} rank {msg.get('rank')!r} pid {msg.get('pid')!r}")
         if peer is None or peer.pid != r.pid:
             raise Refused("not_permitted", "this connection does not belong to the process that said hello")
@@ -203,6 +217,9 @@ class Registry:
     def report(self, identity: bytes, peer: Optional[Peer], msg: dict, now: float) -> Rank:
         r = self.rank_of(identity, peer, msg)
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
+        if r.claimed_pid is not None:   # a container: map its namespace-local pids, new ones via NSpid
+            r.ns_workers = self._map_workers(worker_pids, r.pid, r.ns_workers)
+            worker_pids = [r.ns_workers[p] for p in worker_pids]
         new = [p for p in worker_pids if p not in r.worker_pids]
         if new:
             ok, why = security.pids_owned_by(new, r.uid)
@@ -221,6 +238,20 @@ class Registry:
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
                 setattr(r, attr, v)
         return r
+
+    def _map_workers(self, claimed: list[int], host: int, known: dict[int, int]) -> dict[int, int]:
+        """Claimed (namespace-local) worker pids -> host pids: those already in ``known`` as they are,
+        the others through the descendants of ``host`` (``security.map_ns_pids``). Returns the mapping
+        for exactly ``claimed``; refuses when one maps to no descendant."""
+        out = {p: known[p] for p in claimed if p in known}
+        unknown = [p for p in claimed if p not in out]
+        if unknown:
+            found, missing = security.map_ns_pids(unknown, host, self.proc_root)
+            if missing:
+                raise Refused("not_permitted", f"worker_pids: pid {missing[0]} (in the caller's pid namespace) is "
+                                               f"not a live descendant of the caller (host pid {host})")
+            out.update(found)
+        return out
 
     def touch(self, identity: bytes, peer: Optional[Peer], msg: dict, now: float) -> Rank:
         r = self.rank_of(identity, peer, msg)

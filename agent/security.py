@@ -12,12 +12,24 @@ message property ``Peer-Address`` = ``"<host>:<uid>:<gid>:<pid>"`` (libzmq src/s
 Without peer credentials (tcp://, or a platform without SO_PEERCRED) every request that claims a job
 is refused with ``not_permitted`` and a message saying why; ``status`` is still answered.
 
+Containers (a pid namespace of their own, e.g. Kubernetes without ``hostPID``): the training process
+knows itself and its workers by namespace-local pids, while SO_PEERCRED gives the agent the peer's pid
+in the agent's own namespace (the host's; the agent runs with host pids). ``host_pid`` accepts a claimed
+pid that differs from the peer's only when the last field of the ``NSpid`` line of
+``<proc_root>/<peer pid>/status`` (proc(5): the pid in each nested namespace, outermost first, the
+process's own last) equals it, and the agent then uses the peer's (host) pid. ``map_ns_pids`` turns the
+worker pids such a process claims into host pids through its own descendants only: each descendant's
+``NSpid`` field at the peer's namespace depth is its pid as the peer sees it. A claimed pid that maps
+to no descendant is refused as before. Both read only files under ``proc_root`` (a parameter: tests
+use fake trees); the kernel writes ``NSpid`` (Linux >= 4.1), so a client cannot forge it.
+
 How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``) and one per uid
 (``UID_RATE_PER_S``, ``UID_BURST``; root exempt); a caller over either gets one ``rate_limited``
 reply per second and its messages are dropped unparsed.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -103,6 +115,79 @@ def alive(pid: int, start_ticks: Optional[int]) -> bool:
     if st is None or st[0] in ("Z", "X", "x"):
         return False
     return start_ticks is None or st[1] == start_ticks
+
+
+def ns_pids(pid: int, proc_root: str = "/proc") -> Optional[tuple[int, ...]]:
+    """The ``NSpid`` line of ``<proc_root>/<pid>/status``: the process's pid in each pid namespace it is
+    in, from the one of ``proc_root``'s mount (the agent's) to its own. None if the process is gone or
+    the kernel has no NSpid line."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return tuple(int(x) for x in line.split()[1:]) or None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def host_pid(claimed: int, peer_pid: int, proc_root: str = "/proc") -> Optional[int]:
+    """The (host) pid of the process that claims to be ``claimed`` and connected as ``peer_pid``
+    (SO_PEERCRED): ``peer_pid`` when the claim is that process itself, in the agent's pid namespace or
+    in its own (the last NSpid field; a container), else None."""
+    if claimed == peer_pid:
+        return peer_pid
+    ns = ns_pids(peer_pid, proc_root)
+    if ns is not None and len(ns) > 1 and ns[-1] == claimed:
+        return peer_pid
+    return None
+
+
+def _ppid(pid: int, proc_root: str) -> Optional[int]:
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendants(pid: int, proc_root: str = "/proc") -> list[int]:
+    """Every live descendant of ``pid`` (children, their children, ...), from the parent pids in
+    ``<proc_root>/*/stat`` (what psutil's ``children(recursive=True)`` reads, with the root a parameter)."""
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for name in names:
+        if name.isdigit():
+            parent = _ppid(int(name), proc_root)
+            if parent is not None:
+                children.setdefault(parent, []).append(int(name))
+    out, todo, seen = [], [pid], {pid}
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+                todo.append(c)
+    return out
+
+
+def map_ns_pids(claimed, peer_pid: int, proc_root: str = "/proc") -> tuple[dict[int, int], list[int]]:
+    """Pids as the peer's own pid namespace numbers them -> host pids, through the peer's descendants.
+    Returns (mapping for every claimed pid found, the claimed pids that map to none)."""
+    ns = ns_pids(peer_pid, proc_root)
+    wanted = set(claimed)
+    found: dict[int, int] = {}
+    if ns is not None and wanted:
+        depth = len(ns)
+        for d in descendants(peer_pid, proc_root):
+            d_ns = ns_pids(d, proc_root)
+            if d_ns is not None and len(d_ns) >= depth and d_ns[depth - 1] in wanted:
+                found[d_ns[depth - 1]] = d
+    return found, [p for p in claimed if p not in found]
 
 
 def pids_owned_by(pids, uid: int) -> tuple[bool, str]:

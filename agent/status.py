@@ -47,7 +47,6 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, Optional
 
@@ -156,51 +155,14 @@ def render_table(doc: dict) -> str:
 
 
 def query(endpoint: str, timeout_s: float = 3.0) -> dict:
-    """Ask the agent at ``endpoint`` for its status document. Raises ``RuntimeError`` with a message
-    that says what went wrong (no agent, no answer, refused)."""
-    import os
+    """Ask the agent at ``endpoint`` for its status document. Raises ``RuntimeError`` (an
+    ``agent.rpc.RequestError``) with a message that says what went wrong (no agent, no answer, refused)."""
+    from adloader import protocol
+    from agent import rpc
 
-    import zmq
-
-    from adloader import env, protocol
-
-    path = env.ipc_path(endpoint)
-    if path is not None and not os.path.exists(path):
-        raise RuntimeError(f"no agent: nothing listens at {endpoint} (is `adloader agent` running?)")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(endpoint)
-        data = protocol.encode(protocol.make("status"))
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                sock.send(data, zmq.NOBLOCK)
-                break
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no agent accepts connections at {endpoint}") from None
-                time.sleep(0.01)
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms):
-                raise RuntimeError(f"the agent at {endpoint} did not answer within {timeout_s:g}s")
-            raw = sock.recv()
-            try:
-                msg = protocol.validate(json.loads(raw))   # the status doc may exceed MAX_MESSAGE_BYTES
-            except (ValueError, protocol.ProtocolError) as e:
-                raise RuntimeError(f"unreadable reply from the agent: {e}") from None
-            if msg["type"] == "status":
-                return msg.get("doc") or {}
-            if msg["type"] == "error":
-                raise RuntimeError(f"the agent refused: {msg['code']}: {msg['message']}")
-    finally:
-        sock.close(0)
-        ctx.term()
+    # the status document may exceed MAX_MESSAGE_BYTES (many jobs): read it without the limit
+    reply = rpc.request(endpoint, protocol.make("status"), timeout_s, expect="status", max_reply_bytes=None)
+    return reply.get("doc") or {}
 
 
 def allocation_dict(a) -> Optional[dict]:

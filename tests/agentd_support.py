@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Optional
+
+import pytest
 
 from tests.conftest import adloader_cmd, repo_env, wait_for
 
@@ -94,6 +97,15 @@ def short_dir() -> str:
     return d
 
 
+@pytest.fixture
+def base():
+    """A fixture: a short directory (``short_dir``) for a test's sockets and files, removed afterwards.
+    Import it into a test module (``from tests.agentd_support import base``) to use it there."""
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 class AgentProc:
     """A real `adloader agent` process on an ipc endpoint under ``base``."""
 
@@ -171,7 +183,9 @@ class Trainer:
 
     def __init__(self, base: str, endpoint: str, *, job: Optional[str] = None, workers: int = 2,
                  run_s: float = 600, env: Optional[dict] = None, user: Optional[int] = None,
-                 script: Optional[str] = None):
+                 script: Optional[str] = None, wrap: tuple[str, ...] = ()):
+        """``wrap``: a command line the interpreter runs under (e.g. ``unshare --pid --fork``); then
+        ``pid`` is the wrapper's."""
         sdir = base
         if user is not None:
             sdir = f"{base}/u{user}"
@@ -192,7 +206,7 @@ class Trainer:
         if user is not None:
             e["FAKE_SETUID"] = str(user)
             e["HOME"] = sdir
-        argv = [sys.executable, script or script_path, self.state_file, str(run_s)]
+        argv = [*wrap, sys.executable, script or script_path, self.state_file, str(run_s)]
         self.proc = subprocess.Popen(argv, env=e, cwd=base,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -15,15 +14,8 @@ import time
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
 from tests.conftest import adloader_cmd, repo_env, wait_for
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 import zmq
 
 from adloader import protocol
-from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
 from tests.conftest import repo_env, wait_for
 
 NOBODY = 65534
@@ -53,13 +52,6 @@ PROBE = textwrap.dedent('''
     }
     print(json.dumps(out))
 ''')
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ after the agent goes silent, and stays silent without an agent."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import types
@@ -14,7 +13,7 @@ import pytest
 import zmq
 
 from adloader import client, env, protocol
-from tests.agentd_support import short_dir
+from tests.agentd_support import base  # noqa: F401 (base: a fixture)
 from tests.conftest import wait_for
 
 
@@ -74,13 +73,6 @@ class FakeAgent:
     def close(self):
         self.sock.close(0)
         self.ctx.term()
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

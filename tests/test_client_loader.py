@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.agentd_support import AgentProc, short_dir
+from tests.agentd_support import AgentProc, base  # noqa: F401 (base: a fixture)
 from tests.conftest import repo_env, wait_for
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _read(path: str) -> dict:

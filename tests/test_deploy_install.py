@@ -11,10 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from agent.actuators.cgroup import V2_AGENT_LEAF
 from tests.conftest import REPO, adloader_cmd, repo_env
 
 UNIT = "adloader-agent.service"
 SHIPPED_UNIT = REPO / "deploy" / "systemd" / UNIT
+# Directives in the unit that a still-supported systemd may not know yet (it warns and ignores them),
+# with the first systemd version that has them.
+NEWER_THAN_LOCAL_SYSTEMD = {"DelegateSubgroup": 254}
+
+
+def systemd_version(tool: str) -> int | None:
+    """The major version from `systemd-analyze --version` ("systemd 252 (252.38-1~deb12u1)")."""
+    p = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60)
+    m = re.match(r"systemd (\d+)", p.stdout)
+    return int(m.group(1)) if m else None
 
 
 def install(root: Path, *args: str, path_dir: Path | None = None) -> subprocess.CompletedProcess:
@@ -123,7 +134,17 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path):
     assert text.count("ExecStart=/opt/adloader/venv/bin/adloader ") == 1
     unit.write_text(text.replace("ExecStart=/opt/adloader/venv/bin/adloader ", f"ExecStart={exe} "))
     p = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and p.stderr == "", p.stderr  # no unknown key, no bad value, no warning
+    # A systemd older than a directive the unit uses logs that key as unknown and ignores it; that, and
+    # only that (and only when this systemd really is older), is tolerated with a note.
+    version = systemd_version(tool)
+    newer = [key for key, since in NEWER_THAN_LOCAL_SYSTEMD.items() if version is not None and version < since]
+    lines = p.stderr.splitlines()
+    older = [line for line in lines for key in newer
+             if re.fullmatch(rf"{re.escape(str(unit))}:\d+: Unknown key '{key}' in section \[Service\], ignoring\.", line)]
+    for line in older:
+        print(f"note: this systemd predates a directive the unit uses (ignored here): {line}")
+    rest = [line for line in lines if line not in older]
+    assert p.returncode == 0 and rest == [], p.stderr  # no unknown key, no bad value, no warning
 
 
 def test_unit_sandbox_exposure_stays_low(tmp_path):
@@ -152,6 +173,7 @@ def test_unit_has_the_required_settings():
         "ConfigurationDirectory": "adloader", "Delegate": "yes", "ProtectSystem": "strict",
         "ReadWritePaths": "/sys/fs/cgroup", "ProtectHome": "read-only", "NoNewPrivileges": "yes",
         "ExecReload": "/bin/kill -HUP $MAINPID", "KillMode": "process",
+        "DelegateSubgroup": V2_AGENT_LEAF,  # the leaf the agent moves itself into on cgroup v2
     }
     for key, value in want.items():
         assert settings.get(key) == [value], key

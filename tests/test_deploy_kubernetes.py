@@ -71,4 +71,5 @@ def test_training_pod_reaches_the_socket(docs):
     env = {e["name"]: e for e in spec["containers"][0]["env"]}
     assert env["ADLOADER_ENDPOINT"]["value"] == "ipc:///run/adloader/agent.sock"
     assert "ADLOADER_JOB_ID" in env
-    assert spec["hostPID"] is True  # the agent checks hello pids against the socket's peer credentials
+    # no hostPID: the agent maps the pod's own pids to host pids (NSpid; tests/test_agent_pidns.py)
+    assert "hostPID" not in spec

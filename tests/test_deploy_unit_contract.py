@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from agent.commands.install_service import config_template
-from tests.agentd_support import short_dir
+from tests.agentd_support import base  # noqa: F401 (base: a fixture)
 from tests.conftest import REPO, adloader_cmd, repo_env, wait_for
 
 UNIT = REPO / "deploy" / "systemd" / "adloader-agent.service"
@@ -32,13 +31,6 @@ def seconds(value: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(s|min)?", value)
     assert m, f"unexpected time span {value!r}"
     return float(m.group(1)) * (60 if m.group(2) == "min" else 1)
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_agent_keeps_the_units_notify_watchdog_reload_and_stop_contract(base):

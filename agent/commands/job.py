@@ -5,9 +5,9 @@ scheduler calls it with explicit ``--job/--uid/--gpus/--cpus``.
 
 Invariants (DESIGN "Slurm": a failing or hanging prolog drains the node):
 
-- One short-lived DEALER (``LINGER=0``, ``IMMEDIATE=1``, bounded ``SNDTIMEO``/``RCVTIMEO``), one request,
-  one poll loop against a monotonic deadline: the call returns within ``--timeout-s`` (plus process
-  start-up) whether the agent is up, down (no socket / nobody listening) or hung (never answers).
+- One request through ``agent.rpc.request`` (one short-lived DEALER, one poll loop against a monotonic
+  deadline): the call returns within ``--timeout-s`` (plus process start-up) whether the agent is up,
+  down (no socket / nobody listening) or hung (never answers).
 - Exactly one line is printed per call, on stderr, saying what was done or why not (agent down,
   timeout, bad variable, error reply). The prolog hands that line to ``logger``.
 - With ``--slurm`` the exit status is ALWAYS 0: the prolog must never fail because of A-Dloader.
@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -166,67 +165,19 @@ def build_message(verb: str, spec: JobSpec, source: str) -> dict:
 
 
 def request(endpoint: str, message: dict, timeout_s: float) -> Outcome:
-    """Send ``message`` to the agent and wait for its ``ok``/``error`` until ``timeout_s`` has passed.
+    """Send ``message`` to the agent and wait for its ``ok``/``error`` until ``timeout_s`` has passed
+    (``agent.rpc.request``). Never raises for the agent's absence, silence or refusal; the outcome says
+    which it was."""
+    from agent import rpc
 
-    Never raises for the agent's absence, silence or refusal; the outcome says which it was."""
-    import zmq
-
-    from adloader import env, protocol
-
-    deadline = time.monotonic() + timeout_s
-    path = env.ipc_path(endpoint)
-    if path is not None and not os.path.exists(path):
-        return Outcome(False, f"agent down: no socket at {path}")
-    ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
-    sock = ctx.socket(zmq.DEALER)
     try:
-        bounded_ms = max(1, int(timeout_s * 1000))
-        sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
-        # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
-        sock.setsockopt(zmq.SNDTIMEO, bounded_ms)
-        sock.setsockopt(zmq.RCVTIMEO, bounded_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            return Outcome(False, f"bad endpoint {endpoint!r}: {e}")
-        if not _send_by(sock, protocol.encode(message), deadline):
-            return Outcome(False, f"agent down: nobody accepts connections at {endpoint} within {timeout_s:g}s")
-        want = message["type"]
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
-                return Outcome(False, f"timeout: agent at {endpoint} did not answer {want} within {timeout_s:g}s (hung?)")
-            try:
-                reply = protocol.decode(sock.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                continue
-            except protocol.ProtocolError as e:
-                return Outcome(False, f"unreadable reply from agent: {e}")
-            if reply["type"] == "ok" and reply.get("re") == want:
-                detail = reply.get("detail")
-                return Outcome(True, "ok" + (f" ({detail})" if detail else ""))
-            if reply["type"] == "error" and reply.get("re") in (None, want):
-                return Outcome(False, f"agent refused {want}: {reply['code']}: {reply['message']}", reply["code"])
-            # anything else (a heartbeat, a reply meant for another request) is not our answer
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
-def _send_by(sock, data: bytes, deadline: float) -> bool:
-    """Send one frame, retrying until ``deadline`` while no connection is complete (IMMEDIATE)."""
-    import zmq
-
-    while True:
-        try:
-            sock.send(data, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
+        reply = rpc.request(endpoint, message, timeout_s)
+    except rpc.AgentRefused as e:
+        return Outcome(False, str(e), e.code)
+    except rpc.RequestError as e:
+        return Outcome(False, str(e))
+    detail = reply.get("detail")
+    return Outcome(True, "ok" + (f" ({detail})" if detail else ""))
 
 
 # --- the command ----------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""One request to the node agent from a short-lived command (``adloader job``, ``adloader status``).
+
+``request(endpoint, msg, timeout_s)`` opens its own DEALER, sends ``msg`` once and returns the reply
+that answers it, or raises a ``RequestError`` subclass whose message says what went wrong:
+
+    AgentDown     no socket file behind an ipc:// endpoint, nobody accepting connections, bad endpoint
+    AgentTimeout  the message went out but no answer came before the deadline (agent hung or busy)
+    BadReply      the reply could not be read (not JSON, wrong protocol major, over the size limit)
+    AgentRefused  the agent answered ``error``; ``.code`` is its code (``adloader.protocol.ERROR_CODES``)
+
+Invariants:
+- Bounded: every call is NOBLOCK or polled against one monotonic deadline ``timeout_s`` from the
+  start, and the socket has ``LINGER=0``, ``IMMEDIATE=1`` (queue only to a completed connection, so
+  "nobody listens" is seen rather than queued forever) and ``SNDTIMEO``/``RCVTIMEO`` as a backstop.
+  A Slurm prolog relies on this: a hung agent must never hang the caller (DESIGN "Slurm").
+- Own context, closed before returning: never shared with the caller (fork safety, DESIGN "ZeroMQ").
+- The answer to a request of type T is a reply of type ``expect`` (``"ok"`` by default) whose ``re`` is
+  absent or T, or an ``error`` whose ``re`` is absent or T; anything else arriving meanwhile is ignored.
+- Nothing heavier than pyzmq and ``adloader.protocol`` is imported (the prolog pays for every import).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+from adloader import protocol
+
+
+class RequestError(RuntimeError):
+    """The request did not get an accepted answer; the message says why, naming the endpoint."""
+
+
+class AgentDown(RequestError):
+    """Nothing to talk to: no socket file, nobody accepts connections, or the endpoint is malformed."""
+
+
+class AgentTimeout(RequestError):
+    """The request was sent but the agent did not answer in time (hung, or far behind)."""
+
+
+class BadReply(RequestError):
+    """The agent's reply could not be read (malformed, incompatible protocol version, too large)."""
+
+
+class AgentRefused(RequestError):
+    """The agent answered with an ``error`` message."""
+
+    def __init__(self, message: str, code: str, detail: str):
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
+
+
+def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
+            max_reply_bytes: Optional[int] = protocol.MAX_MESSAGE_BYTES) -> dict:
+    """Send ``msg`` to the agent at ``endpoint``; return the reply that answers it (see the module
+    docstring) within ``timeout_s``. ``max_reply_bytes=None`` lifts the size limit for replies that may
+    exceed it (the status document); the limit guards the agent's socket, not a command's."""
+    import zmq
+
+    from adloader import env
+
+    deadline = time.monotonic() + timeout_s
+    want = msg["type"]
+    path = env.ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise AgentDown(f"agent down: no socket at {path} (is `adloader agent` running?)")
+    ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        bounded_ms = max(1, int(timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
+        # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
+        sock.setsockopt(zmq.SNDTIMEO, bounded_ms)
+        sock.setsockopt(zmq.RCVTIMEO, bounded_ms)
+        if max_reply_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise AgentDown(f"bad endpoint {endpoint!r}: {e}") from None
+        if not _send_by(sock, protocol.encode(msg), deadline):
+            raise AgentDown(f"agent down: nobody accepts connections at {endpoint} within {timeout_s:g}s")
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+                raise AgentTimeout(f"timeout: agent at {endpoint} did not answer {want} within {timeout_s:g}s (hung?)")
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            try:
+                reply = protocol.validate(json.loads(bytes(raw).decode("utf-8")))
+            except (UnicodeDecodeError, ValueError, RecursionError, protocol.ProtocolError) as e:
+                raise BadReply(f"unreadable reply from agent at {endpoint}: {e}") from None
+            if reply.get("re") not in (None, want):
+                continue  # meant for another request
+            if reply["type"] == expect:
+                return reply
+            if reply["type"] == "error":
+                raise AgentRefused(f"agent refused {want}: {reply['code']}: {reply['message']}",
+                                   reply["code"], reply["message"])
+            # anything else (a heartbeat) is not our answer
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _send_by(sock, data: bytes, deadline: float) -> bool:
+    """Send one frame, retrying until ``deadline`` while no connection is complete (IMMEDIATE)."""
+    import zmq
+
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)

@@ -1,0 +1,147 @@
+"""Training processes in their own pid namespace (a container without hostPID): the agent maps the
+pids they claim to host pids through NSpid (agent.security.host_pid / map_ns_pids) and accepts only
+the caller itself and its own descendants.
+
+Unit tier: fake /proc trees in tmp_path for the mapping; the registry against fake NSpid files whose
+host pids are real processes of this test (the uid check reads the real ones). Component tier (root,
+`unshare`): a real client in a real pid namespace against a real agent."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from agent import security
+from agent.registry import Refused, Registry
+from agent.security import Peer
+from adloader import protocol
+from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
+from tests.conftest import wait_for
+
+
+def fake_proc(root, procs: dict[int, tuple[int, tuple[int, ...]]]) -> str:
+    """A /proc tree: host pid -> (parent pid, NSpid fields). Only status and stat, as the kernel writes them."""
+    for pid, (ppid, nspid) in procs.items():
+        d = root / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "status").write_text(f"Name:\tpy (x)\nState:\tS (sleeping)\nTgid:\t{pid}\nPid:\t{pid}\nPPid:\t{ppid}\n"
+                                  f"NSpid:\t{chr(9).join(map(str, nspid))}\nUid:\t0\t0\t0\t0\n")
+        (d / "stat").write_text(f"{pid} (py (x)) S {ppid} " + " ".join(["0"] * 18) + " 12345 0\n")
+    (root / "self").mkdir(exist_ok=True)   # non-pid entries are skipped
+    return str(root)
+
+
+def test_host_pid_accepts_only_the_callers_own_namespace_pid(tmp_path):
+    proc = fake_proc(tmp_path, {500: (1, (500, 1)), 600: (1, (600,))})
+    assert security.host_pid(500, 500, proc) == 500          # the agent's namespace: itself
+    assert security.host_pid(1, 500, proc) == 500            # its own namespace: itself, as the host knows it
+    assert security.host_pid(2, 500, proc) is None           # someone else in its namespace
+    assert security.host_pid(600, 500, proc) is None         # someone else on the host
+    assert security.host_pid(1, 600, proc) is None           # not namespaced: no second field to match
+    assert security.host_pid(1, 999, proc) is None           # gone
+
+
+def test_worker_pids_map_through_descendants_only(tmp_path):
+    proc = fake_proc(tmp_path, {
+        500: (1, (500, 1)),                 # the training process, pid 1 in its container
+        501: (500, (501, 7)),               # a worker
+        502: (501, (502, 8)),               # a worker's child (forkserver-style): still a descendant
+        503: (500, (503, 9, 1)),            # a descendant in a nested namespace: 9 as the caller sees it
+        700: (1, (700, 10)),                # pid 10 in some other container: not the caller's
+        701: (1, (701,)),
+    })
+    assert sorted(security.descendants(500, proc)) == [501, 502, 503]
+    found, missing = security.map_ns_pids([7, 8, 9, 10, 11], 500, proc)
+    assert found == {7: 501, 8: 502, 9: 503} and missing == [10, 11]
+    assert security.map_ns_pids([7], 999, proc) == ({}, [7])    # caller gone
+
+
+@pytest.fixture
+def children():
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    yield [p.pid for p in procs]
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_registry_takes_namespace_pids_and_keeps_host_pids(tmp_path, children):
+    me, (w1, w2, stranger) = os.getpid(), children
+    tree = {me: (1, (me, 1)), w1: (me, (w1, 5)), stranger: (1, (stranger, 6))}
+    proc = fake_proc(tmp_path, tree)
+    reg = Registry(proc_root=proc)
+    peer = Peer(os.getuid(), os.getgid(), me)
+
+    def hello(**kw):
+        return reg.hello(peer, b"id", protocol.make("hello", job="j", rank=0, uid=os.getuid(), **kw), 0.0)
+
+    with pytest.raises(Refused, match="hello for pid 2 came from pid"):
+        hello(pid=2)
+    with pytest.raises(Refused, match="pid 6 .* not a live descendant"):
+        hello(pid=1, worker_pids=[5, 6])
+    r = hello(pid=1, worker_pids=[5])
+    assert (r.pid, r.claimed_pid, r.worker_pids) == (me, 1, (w1,))
+    assert reg.jobs["j"].pids() == (me,)
+
+    # a resize: a new worker appears in the container; reports speak with the container's pids
+    fake_proc(tmp_path, {w2: (me, (w2, 9))})
+    r = reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=1, worker_pids=[5, 9], stats={}), 1.0)
+    assert r.worker_pids == (w1, w2) and r.ns_workers == {5: w1, 9: w2}
+    r = reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=1, worker_pids=[9], stats={}), 2.0)
+    assert r.worker_pids == (w2,) and r.ns_workers == {9: w2}
+    with pytest.raises(Refused, match="pid 6 .* not a live descendant"):
+        reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=1, worker_pids=[9, 6], stats={}), 3.0)
+    with pytest.raises(Refused, match="speaks for job 'j' rank 0 pid 1"):
+        reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=me, worker_pids=[], stats={}), 3.0)
+    assert reg.jobs["j"].worker_pids() == (w2,)
+
+
+def test_registry_without_namespaces_is_unchanged(tmp_path, children):
+    me, (w1, _, _) = os.getpid(), children
+    reg = Registry(proc_root=fake_proc(tmp_path, {me: (1, (me,))}))
+    peer = Peer(os.getuid(), os.getgid(), me)
+    r = reg.hello(peer, b"id", protocol.make("hello", job="j", rank=0, pid=me, uid=os.getuid(), worker_pids=[w1]), 0.0)
+    assert (r.pid, r.claimed_pid, r.worker_pids, r.ns_workers) == (me, None, (w1,), {})
+    with pytest.raises(Refused, match="hello for pid 1 came from pid"):
+        reg.hello(peer, b"id2", protocol.make("hello", job="k", rank=0, pid=1, uid=os.getuid()), 0.0)
+
+
+def _unshare_works() -> bool:
+    tool = shutil.which("unshare")
+    if tool is None or os.getuid() != 0:
+        return False
+    p = subprocess.run([tool, "--pid", "--fork", "true"], capture_output=True, timeout=30)
+    return p.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs root and a working `unshare --pid` for a real pid namespace")
+def test_client_in_its_own_pid_namespace_is_accepted_with_host_pids(base):
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2").start()
+    trainer = Trainer(base, agent.endpoint, job="boxed", workers=2,
+                      wrap=("unshare", "--pid", "--fork", "--kill-child"))
+    try:
+        def host_view():
+            """(training process, its loader workers) as the host numbers them."""
+            kids = psutil.Process(trainer.pid).children()
+            py = [k for k in kids if k.name().startswith("python")]
+            if not py:
+                return None
+            return py[0].pid, sorted(c.pid for c in py[0].children())
+        try:
+            job = wait_for(lambda: (j := agent.job("boxed")) and j["worker_pids"] and j, 30, what="boxed job")
+        except AssertionError:
+            raise AssertionError(trainer.dump() + agent.log()[-3000:])
+        st = trainer.state()
+        assert st.get("worker_pids") and max(st["worker_pids"]) < 100, st   # the container's own pids
+        py_pid, _ = host_view()
+        assert job["pids"] == [py_pid]
+        # workers the agent tracks are the host pids of the process's children (after any resize)
+        wait_for(lambda: agent.job("boxed")["worker_pids"] == host_view()[1], 20, what="host worker pids")
+        assert not agent.events("request_refused"), agent.events("request_refused")
+    finally:
+        trainer.kill()
+        agent.stop()

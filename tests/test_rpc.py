@@ -1,0 +1,98 @@
+"""agent.rpc.request: one request to the agent from a short-lived command, against a real ROUTER on an
+ipc socket that answers with scripted frames. Component tier (real ZeroMQ sockets, a thread)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import zmq
+
+from adloader import protocol
+from agent import rpc
+
+
+class ScriptedAgent:
+    """A ROUTER that answers each request with the next list of raw frames from ``script`` (an empty
+    list: no answer at all)."""
+
+    def __init__(self, path: str, script: list[list[bytes]]):
+        self.endpoint = f"ipc://{path}"
+        self.script = list(script)
+        self.requests: list[dict] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, data = self._sock.recv_multipart()
+            self.requests.append(protocol.decode(data))
+            for frame in (self.script.pop(0) if self.script else []):
+                self._sock.send_multipart([ident, frame])
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    made = []
+
+    def make(*script):
+        made.append(ScriptedAgent(str(tmp_path / "agent.sock"), list(script)))
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def test_returns_the_reply_that_answers_and_skips_others(scripted):
+    agent = scripted([protocol.encode(protocol.make("ok", re="bye")),
+                      protocol.encode(protocol.make("ok", re="register", detail="already registered"))])
+    reply = rpc.request(agent.endpoint, protocol.make("register", job="7", uid=0, gpus=[], cpus=None, pids=[],
+                                                      source="cli"), 5)
+    assert reply["re"] == "register" and reply["detail"] == "already registered"
+    assert agent.requests[0]["type"] == "register"
+
+
+def test_status_reply_may_exceed_the_message_limit(scripted):
+    doc = {"jobs": [{"job": str(i), "reason": "x" * 100} for i in range(1000)]}
+    big = json.dumps({"v": protocol.VERSION, "type": "status", "doc": doc}).encode()
+    assert len(big) > protocol.MAX_MESSAGE_BYTES
+    agent = scripted([big])
+    reply = rpc.request(agent.endpoint, protocol.make("status"), 5, expect="status", max_reply_bytes=None)
+    assert reply["doc"] == doc
+
+
+def test_error_reply_raises_refused_with_its_code(scripted):
+    agent = scripted([protocol.encode(protocol.error("not_permitted", "uid 5 may not status", re="status"))])
+    with pytest.raises(rpc.AgentRefused, match="agent refused status: not_permitted: uid 5") as e:
+        rpc.request(agent.endpoint, protocol.make("status"), 5, expect="status")
+    assert e.value.code == "not_permitted" and isinstance(e.value, RuntimeError)
+
+
+def test_unreadable_reply_is_bad_reply(scripted):
+    agent = scripted([b"not json"])
+    with pytest.raises(rpc.BadReply, match="unreadable reply"):
+        rpc.request(agent.endpoint, protocol.make("status"), 5, expect="status")
+
+
+def test_absent_agent_and_silent_agent(tmp_path, scripted):
+    with pytest.raises(rpc.AgentDown, match="no socket at .*absent.sock"):
+        rpc.request(f"ipc://{tmp_path}/absent.sock", protocol.make("status"), 5)
+    agent = scripted([])
+    with pytest.raises(rpc.AgentTimeout, match="did not answer status within 0.3s"):
+        rpc.request(agent.endpoint, protocol.make("status"), 0.3, expect="status")
+    with pytest.raises(rpc.AgentDown, match="bad endpoint"):
+        rpc.request("carrier-pigeon://x", protocol.make("status"), 1)
