@@ -73,8 +73,9 @@ def clean():
     _wipe()
 
 
-def busy(procs, cpu: int | None = None) -> int:
-    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def busy(procs, cpu: int | None = None, own_session: bool = False) -> int:
+    """A busy loop; ``own_session``: in a new session, hence (with sched autogroup) its own autogroup."""
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=own_session)
     procs.append(p)
     if cpu is not None:
         os.sched_setaffinity(p.pid, {cpu})
@@ -136,7 +137,7 @@ def test_shares_split_a_contended_cpu(clean, tmp_path):
     with open(os.path.join(ROOT, "cpu", SUBTREE, "s1", "cpu.shares")) as f:
         assert int(f.read()) == 256
     with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
-        assert int(f.read()) == 1024          # the subtree weighs what its jobs weigh together
+        assert int(f.read()) == 2048          # the subtree weighs what its 2 workers would unmanaged
     ua, ub = cores_used([a, b])
     print(f"shares 1:3 on one CPU: {ua:.3f} vs {ub:.3f} cores, ratio {ub / max(ua, 1e-9):.2f}")
     assert 2.0 <= ub / max(ua, 1e-9) <= 4.5
@@ -188,7 +189,7 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     first = cgroup_actuator(tmp_path)
     assert first.apply(stats("r1", [pid]), JobAllocation(job="r1", workers=1, cpus=2.0)).ok
     with open(os.path.join(base, "cpu.shares")) as f:
-        assert int(f.read()) == 2048
+        assert int(f.read()) == 1024            # one worker
     assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/r1"
     del first                                   # the agent dies without restoring
     second = cgroup_actuator(tmp_path)          # a new one, from the journal of originals
@@ -198,3 +199,35 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     assert cgroup_of(pid, "cpu") == "/"
     assert not os.path.exists(os.path.join(base, "r1"))
     assert os.path.isdir(base)                  # not ours to remove
+
+
+def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
+    """Two jobs' workers in our subtree and two unmanaged busy processes, all on one CPU: moving the
+    workers into our groups must not shrink what they get together against the rest of the node."""
+    cpu = max(os.sched_getaffinity(0))
+    # Unmanaged tasks in the root cpu group weigh 1024 each, except that with sched autogroup
+    # (/proc/sys/kernel/sched_autogroup_enabled, on by default in many kernels) the root group's tasks
+    # of one session share one autogroup of weight 1024: each unmanaged loop gets a session of its own,
+    # as tasks of different jobs (or daemons) have.
+    m1, m2 = busy(clean, cpu), busy(clean, cpu)
+    u1, u2 = busy(clean, cpu, own_session=True), busy(clean, cpu, own_session=True)
+    act = cgroup_actuator(tmp_path, "shares")
+    # the policy gives 1 core in all (0.5 each): the job groups weigh 512 each, the loaders 2 workers
+    assert act.apply(stats("w1", [m1]), JobAllocation(job="w1", workers=1, cpus=0.5)).ok
+    assert act.apply(stats("w2", [m2]), JobAllocation(job="w2", workers=1, cpus=0.5)).ok
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+        subtree_shares = int(f.read())
+    used = cores_used([m1, m2, u1, u2])
+    share = [u / max(sum(used), 1e-9) for u in used]
+    print(f"subtree cpu.shares {subtree_shares}; share of the one CPU among the 4 busy loops: managed "
+          f"{share[0]:.3f} {share[1]:.3f}, unmanaged {share[2]:.3f} {share[3]:.3f} (cores {sum(used):.3f})")
+    assert subtree_shares == 2048                      # 2 loader workers, as 2 tasks in the root weigh
+    assert all(0.19 <= s <= 0.31 for s in share), share
+    act.release("w1")                                  # one worker left in the subtree
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+        assert int(f.read()) == 1024
+    act.restore()
+    with open(os.path.join(ROOT, "cpu", "cgroup.procs")) as f:
+        root_procs = set(int(p) for p in f.read().split())
+    assert {m1, m2} <= root_procs
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))

@@ -171,7 +171,7 @@ def test_v2_shares_group_controllers_and_pids(v2):
     assert "cpu" in kernel.subtree_control("") and "memory" in kernel.subtree_control("")
     assert "cpu" in kernel.subtree_control("adloader")
     assert read(kernel, "adloader/job-1", "cpu.weight") == "100"           # 1024 shares -> weight 100
-    assert read(kernel, "adloader", "cpu.weight") == "100"
+    assert read(kernel, "adloader", "cpu.weight") == "200"                # 2 workers weigh 2 tasks
     assert set(kernel.procs("adloader/job-1")) == {101, 102}
     assert cgroupfs.proc_cgroups(101, kernel.proc_root)[""] == "/adloader/job-1"
     # BFQ on sda but no iocost: io.bfq.weight is the file that does something
@@ -180,16 +180,42 @@ def test_v2_shares_group_controllers_and_pids(v2):
     assert any("nfs4 at /data" in n for n in r.not_enforced)              # network fs: never reached
 
 
-def test_v2_second_job_sums_subtree_weight_and_quota_knob(v2):
+def test_v2_jobs_split_by_cores_subtree_weighs_its_workers(v2):
+    """Job groups: proportional to cores (the policy's split). The subtree: 100 per worker, whatever the
+    cores, written again only when the worker total changes, restored (removed: we made it) on stop."""
     kernel, make = v2
     act = make(io=False)
-    act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
-    act.apply(stats("b", [102]), JobAllocation(job="b", workers=1, cpus=3.0))
-    assert read(kernel, "adloader/b", "cpu.weight") == str(weight_from_shares(3072))
-    assert read(kernel, "adloader", "cpu.weight") == str(weight_from_shares(4096))
-    q = make(knob="quota", io=False)
-    assert q.apply(stats("c", [103]), JobAllocation(job="c", workers=1, cpus=0.5)).ok
+    act.apply(stats("a", [101, 102]), JobAllocation(job="a", workers=2, cpus=0.3))
+    act.apply(stats("b", [103]), JobAllocation(job="b", workers=1, cpus=0.9))
+    assert read(kernel, "adloader/a", "cpu.weight") == "30" and read(kernel, "adloader/b", "cpu.weight") == "90"
+    assert read(kernel, "adloader", "cpu.weight") == "300"                # 3 workers, not 1.2 cores' 120
+    subtree_writes = lambda: [w for w in kernel.writes if w[:2] == ("adloader", "cpu.weight")]
+    n = len(subtree_writes())
+    act.apply(stats("b", [103]), JobAllocation(job="b", workers=1, cpus=1.2))     # cores change only
+    assert read(kernel, "adloader/b", "cpu.weight") == "120" and len(subtree_writes()) == n
+    act.apply(stats("a", [101]), JobAllocation(job="a", workers=1, cpus=0.3))     # a resized to 1 worker
+    assert read(kernel, "adloader", "cpu.weight") == "200" and len(subtree_writes()) == n + 1
+    act.release("a")
+    assert read(kernel, "adloader", "cpu.weight") == "100"
+    act.restore()
+    assert not kernel.exists("adloader")
+
+
+def test_v2_existing_subtree_weight_recorded_and_restored_and_quota_knob(v2, tmp_path):
+    kernel, make = v2
+    kernel.write("", "cgroup.subtree_control", "+cpu")
+    kernel.mkdir("adloader")                     # there before the agent, with a weight of its own
+    kernel.write("adloader", "cpu.weight", "77")
+    journal = str(tmp_path / "state" / "orig.json")
+    q = make(knob="quota", io=False, journal=journal)
+    assert q.apply(stats("c", [103, 102]), JobAllocation(job="c", workers=2, cpus=0.5)).ok
     assert read(kernel, "adloader/c", "cpu.max") == "50000 100000"
+    assert read(kernel, "adloader", "cpu.weight") == "200"                # quota too: 2 workers' weight
+    assert json.loads(open(journal).read())["files"]["|adloader|cpu.weight"] == "77"
+    second = make(knob="quota", io=False, journal=journal)                # restarted: counts c's workers
+    assert second._workers == {"c": 2}
+    second.restore()
+    assert read(kernel, "adloader", "cpu.weight") == "77" and not kernel.exists("adloader/c")
 
 
 def test_v2_cpuset_knob(v2):
@@ -365,6 +391,10 @@ def test_shares_and_weight_mapping():
     assert all(weight_from_shares(shares_from_weight(weight_from_shares(s))) == weight_from_shares(s)
                for s in (2, 100, 1024, 2048, 262144))
     assert weight_from_shares(2) == 1 and weight_from_shares(1024) == 100 and weight_from_shares(262144) == 10000
+    # linear, as the kernel relates them: job groups keep the ratio of their cores
+    assert weight_from_shares(3072) == 300 and weight_from_shares(shares_for(0.6)) == 60
+    from agent.actuators.cgroup import subtree_shares_for
+    assert subtree_shares_for(0) == 2 and subtree_shares_for(3) == 3072 and subtree_shares_for(10 ** 6) == 262144
     ws = [weight_from_shares(s) for s in range(2, 262145, 997)]
     assert ws == sorted(ws)
     assert shares_for(0.0) == 2 and shares_for(1.0) == 1024 and shares_for(1e6) == 262144

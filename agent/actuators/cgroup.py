@@ -7,13 +7,26 @@ process that feeds the GPU is never throttled.
 
 CPU knob (``cpu_knob``), default ``shares`` (work-conserving: an idle share goes to whoever needs it):
 - ``shares``: v1 ``cpu.shares = 1024 * cores`` (clamped to [2, 262144]); v2 ``cpu.weight`` from those
-  shares by the runc/Kubernetes mapping (2 -> 1, 1024 -> 100, 262144 -> 10000). The subtree's own
-  weight is the sum of its jobs', so loaders compete with the rest of the node as if they sat at the
-  top level.
+  shares as the kernel converts them (``weight = shares * 100 / 1024``, clamped to [1, 10000]), so
+  jobs split the subtree in proportion to their cores.
 - ``quota``: a hard cap, v1 ``cpu.cfs_quota_us = cores * cpu.cfs_period_us``; v2 ``cpu.max``. Leaves
   cores idle that another job could use; for isolation only.
 - ``cpuset``: exclusive CPUs from the plan (``PolicyConfig.pin_cpusets``); v1 ``cpuset.cpus`` and
   ``cpuset.mems`` are both written before any task joins (ENOSPC otherwise).
+
+The subtree's own weight (every knob): the subtree competes as ONE entity against every other
+runnable task and group on the node, so the agent must arbitrate between jobs without shrinking the
+loaders' claim against the rest of the node. Unmanaged, each busy worker process in the root group
+weighs 1024 (a nice-0 task), N workers N x 1024. So the subtree weighs what its workers would:
+v1 ``<subtree>/cpu.shares = 1024 * workers`` (the worker pids in our job groups, all jobs; clamped to
+[2, 262144]); v2 ``cpu.weight = 100 * workers`` ([1, 10000]). Worker processes, not allocated cores:
+the cores add up to the loader budget (e.g. 1.8 on a 2-core node), far less than the workers would
+weigh, and with cores the subtree took CPU away from the loaders as a whole (BENCHMARKS.md, the
+bench's "Reading"). The original value is recorded before the first write and restored by
+``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
+(``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
+together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
+the agent's unit, whose own ``CPUWeight=`` (systemd's, not ours) decides against other units.
 
 IO: ``blkio.bfq.weight`` (v1), ``io.weight`` (v2 with iocost) or ``io.bfq.weight`` (v2 with BFQ), written
 only where some block device's scheduler enforces it; otherwise the result says "not enforced", as it
@@ -61,18 +74,23 @@ def shares_for(cores: float) -> int:
 
 
 def weight_from_shares(shares: int) -> int:
-    """cgroup v1 cpu.shares -> v2 cpu.weight, the runc/Kubernetes mapping (1024 -> 100).
+    """cgroup v1 cpu.shares -> v2 cpu.weight as the kernel relates them: linear, 1024 -> 100.
 
-    runc libcontainer/cgroups ConvertCPUSharesToCgroupV2Value (runc >= 1.3):
-    ceil(10 ** ((log2(s)^2 + 125 * log2(s)) / 612 - 7/34)); it maps 2 -> 1, 1024 -> 100, 262144 -> 10000,
-    unlike the old linear 1 + (s - 2) * 9999 / 262142, which gives 1024 -> 39.
+    The kernel turns cpu.weight w into the load weight w * 1024 / 100 (sched_weight_from_cgroup in
+    kernel/sched; a nice-0 task weighs 1024), and cpu.shares s into s, so ``round(s * 100 / 1024)``
+    (clamped to [1, 10000]) keeps the ratios between groups, and a group's weight against tasks, as on
+    v1. Not runc's curved mapping (runc >= 1.3: 2 -> 1, 1024 -> 100, 262144 -> 10000), which is right for
+    Kubernetes requests but gives a 3-core job only 2.4x a 1-core one, and 8 workers 531, not 800.
     """
     if shares <= 0:
         return 100
     s = max(SHARES_MIN, min(SHARES_MAX, int(shares)))
-    lg = math.log2(s)
-    w = 10 ** ((lg * lg + 125 * lg) / 612.0 - 7.0 / 34.0)
-    return max(1, min(10000, math.ceil(round(w, 6))))
+    return max(1, min(10000, int(round(s * 100 / SHARES_DEFAULT))))
+
+
+def subtree_shares_for(workers: int) -> int:
+    """What ``workers`` busy worker processes weigh in the root group, as v1 cpu.shares (clamped)."""
+    return max(SHARES_MIN, min(SHARES_MAX, SHARES_DEFAULT * int(workers)))
 
 
 def shares_from_weight(weight: int) -> int:
@@ -191,7 +209,9 @@ class CgroupActuator:
         self.originals = originals if originals is not None else Originals()
         self.proc_root = proc_root
         self.affinity = affinity or AffinityActuator(self.originals)
-        self._shares: dict[str, int] = {}            # job -> shares written (for the subtree's sum)
+        self._shares: dict[str, int] = {}            # job -> shares written to its group
+        self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
+        self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
@@ -199,7 +219,8 @@ class CgroupActuator:
         self._load_existing_shares()
 
     def _load_existing_shares(self) -> None:
-        """After a restart, the job groups already in our subtree still weigh what they weighed."""
+        """After a restart, the job groups already in our subtree still weigh what they weighed, and
+        their processes still count in the subtree's weight."""
         h = self.h[self._cpu_hier]
         if not h.exists(self.subtree):
             return
@@ -209,6 +230,7 @@ class CgroupActuator:
             if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
                 continue
             try:
+                self._workers[job] = len(h.procs(rel))
                 if self.version == 1:
                     self._shares[job] = int(h.read(rel, "cpu.shares"))
                 else:
@@ -345,12 +367,15 @@ class CgroupActuator:
             self._record("", rel, "cgroup.subtree_control")
             h.write(rel, "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(todo)))
 
-    def _move_pids(self, hier: str, rel: str, job: JobStats) -> None:
+    def _move_pids(self, hier: str, rel: str, job: JobStats) -> int:
+        """Move the job's worker pids into the group; returns how many of them are in it now."""
         h = self.h[hier]
         inside = set(h.procs(rel))
         changed = False
+        count = 0
         for pid in worker_pids(job):
             if pid in inside:
+                count += 1
                 continue
             key = str(pid)
             try:
@@ -361,12 +386,14 @@ class CgroupActuator:
                     changed = True
                     self.originals.save()
                 h.move(rel, pid)
+                count += 1
             except JobGone:
                 if not self.originals.pids.get(key, {}).get("origins"):
                     self.originals.pids.pop(key, None)
                 changed = True
         if changed:
             self.originals.save()
+        return count
 
     # -- Actuator -----------------------------------------------------------------------------
     def apply(self, job: JobStats, desired: JobAllocation) -> ApplyResult:
@@ -405,7 +432,7 @@ class CgroupActuator:
                 self._write("cpu", rel, "cpu.cfs_quota_us", max(QUOTA_MIN_US, int(round(desired.cpus * period))))
             else:
                 self._set_shares(job.job, rel, shares_for(desired.cpus))
-            self._move_pids("cpu", rel, job)
+            self._workers[job.job] = self._move_pids("cpu", rel, job)
         else:
             self._ensure("", rel)
             if knob == "cpuset":
@@ -415,18 +442,27 @@ class CgroupActuator:
                 self._write("", rel, "cpu.max", f"{max(QUOTA_MIN_US, int(round(desired.cpus * period)))} {period}")
             else:
                 self._set_shares(job.job, rel, shares_for(desired.cpus))
-            self._move_pids("", rel, job)
+            self._workers[job.job] = self._move_pids("", rel, job)
+        self._set_subtree_weight()
         return notes
 
     def _set_shares(self, job_id: str, rel: str, shares: int) -> None:
         self._shares[job_id] = shares
-        total = max(SHARES_MIN, min(SHARES_MAX, sum(self._shares.values())))
         if self.version == 1:
             self._write("cpu", rel, "cpu.shares", shares)
-            self._write("cpu", self.subtree, "cpu.shares", total)
         else:
             self._write("", rel, "cpu.weight", weight_from_shares(shares))
-            self._write("", self.subtree, "cpu.weight", weight_from_shares(total))
+
+    def _set_subtree_weight(self) -> None:
+        """The subtree weighs what its workers would unmanaged (module docstring); written on change only."""
+        shares = subtree_shares_for(sum(self._workers.values()))
+        if shares == self._subtree_shares or not self.h[self._cpu_hier].exists(self.subtree):
+            return
+        if self.version == 1:
+            self._write("cpu", self.subtree, "cpu.shares", shares)
+        else:
+            self._write("", self.subtree, "cpu.weight", weight_from_shares(shares))
+        self._subtree_shares = shares
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -473,15 +509,11 @@ class CgroupActuator:
             except CgroupError as e:
                 errors.append(str(e))
         self._shares.pop(job_id, None)
+        self._workers.pop(job_id, None)
         for key in [k for k, v in self.originals.pids.items() if v.get("job") == job_id]:
             del self.originals.pids[key]
         try:
-            if self._shares and self._cpu_hier in self.h and self.h[self._cpu_hier].exists(self.subtree):
-                total = max(SHARES_MIN, min(SHARES_MAX, sum(self._shares.values())))
-                if self.version == 1:
-                    self._write("cpu", self.subtree, "cpu.shares", total)
-                else:
-                    self._write("", self.subtree, "cpu.weight", weight_from_shares(total))
+            self._set_subtree_weight()
         except CgroupError as e:
             errors.append(str(e))
         self.affinity.release(job_id)
@@ -526,6 +558,8 @@ class CgroupActuator:
         self._base_ready = not self.base
         self.originals.pids.clear()
         self._shares.clear()
+        self._workers.clear()
+        self._subtree_shares = None
         self.affinity.restore()
         self.originals.save()
         if errors:
