@@ -13,8 +13,12 @@ Invariants (what the tests hold it to):
 - A job present in ``applied()`` but absent from the snapshot has departed: it is forgotten (every
   actuator releases it, the predictor forgets it) in that tick, before the policy runs, so the policy
   hands its share out in the same tick.
-- The predictor gets a job's window once per window length (``JobStats.window_s``; successive
-  snapshots overlap), and its curve is asked for again only after an observation.
+- The predictor gets a job's window at most once per ``observe_interval_s`` (default 3 s) and never
+  twice within one window length (``JobStats.window_s``; successive snapshots overlap, and the
+  collector's rates are smoothed, so windows a tick apart say nearly the same thing); a job's first
+  window is fed at once, and each job's later observations are phase-shifted by a hash of its id so
+  that jobs that arrived together do not all rebuild their curves in the same tick (with 64 clients
+  that rebuild was most of the agent's tick). Its curve is asked for again only after an observation.
 - Observation hygiene: a window that started before the job's last allocation change was applied
   (``now - window_s < applied_at``) mixes two configurations and is not fed to the predictor; the
   job is observed again once a whole window lies after the change. Only a change of the allocation
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
@@ -182,7 +187,8 @@ class Controller:
     def __init__(self, *, snapshot_source: Callable[[float], NodeSnapshot], policy: Policy,
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
-                 breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None) -> None:
+                 breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None,
+                 observe_interval_s: float = 3.0) -> None:
         """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
         ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset."""
         self._snapshot_source = snapshot_source
@@ -192,6 +198,7 @@ class Controller:
         self._actuators = list(actuators)
         self._on_record = on_record
         self._breaker_retry_s = breaker_retry_s
+        self._observe_interval_s = max(0.0, float(observe_interval_s))
         if work_conserving is None:
             work_conserving = not any(getattr(a, "cpu_knob", "shares") in ("quota", "cpuset") for a in self._actuators)
         self.work_conserving = work_conserving
@@ -304,7 +311,7 @@ class Controller:
         the curve is asked for again only after an observation (or while there is none).
         """
         last = self._observed_at.get(job_id)
-        due = last is None or now - last >= max(job.window_s, 1e-9) or now < last
+        due = last is None or now - last >= max(job.window_s, self._observe_interval_s, 1e-9) or now < last
         changed_at = self._applied_at.get(job_id)
         if due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
             due = False            # the window spans an allocation change: wait for a clean one
@@ -313,7 +320,9 @@ class Controller:
                 obs = observation_from_stats(job, snapshot, self.work_conserving)
                 if obs is not None:
                     self._predictor.observe(job_id, obs)
-                    self._observed_at[job_id] = now
+                    # first observation: shift this job's phase (0..interval) so jobs spread over ticks
+                    phase = (zlib.crc32(job_id.encode()) % 1000) / 1000.0 * self._observe_interval_s
+                    self._observed_at[job_id] = now if last is not None else now - phase
                     self._curves.pop(job_id, None)
                     self._summaries.pop(job_id, None)
             if job_id not in self._curves:

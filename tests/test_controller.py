@@ -262,7 +262,7 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
     bank = CountingBank()
     src = FakeSource(2.0, [stats("a", window_s=2.0)])
     c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
-                   predictor=bank, actuators=[RecordingActuator()])
+                   predictor=bank, actuators=[RecordingActuator()], observe_interval_s=0.0)
     recs = [c.tick(now=float(t)) for t in range(5)]
     assert len(bank.seen) == 3                       # t = 0, 2, 4
     assert CountingBank.curve_calls == 3             # only after each observation
@@ -270,6 +270,29 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
     c.forget("a")
     src.jobs.clear()
     assert c.tick(now=5.0).curves == {}
+
+
+def test_observations_are_spaced_by_the_interval_and_spread_over_ticks():
+    """Jobs that arrive together are observed at once, then at most once per interval, not all in one tick."""
+    bank = FakeBank()
+    jobs = [stats(f"j{i}", window_s=1.0) for i in range(32)]
+    src = FakeSource(8.0, jobs)
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()], observe_interval_s=3.0)
+    times: dict[str, list[float]] = {j.job: [] for j in jobs}
+    per_tick = []
+    for t in range(13):
+        n = len(bank.seen)
+        c.tick(now=float(t))
+        for jid, _obs in bank.seen[n:]:
+            times[jid].append(float(t))
+        per_tick.append(len(bank.seen) - n)
+    assert per_tick[0] == 32                                   # every job's first window at once
+    assert max(per_tick[1:]) < 32 and min(per_tick[1:4]) > 0   # later ones spread over the ticks
+    for jid, ts in times.items():
+        assert ts[0] == 0.0 and len(ts) >= 4                   # then about every 3 s over 12 s
+        assert all(b - a >= 3.0 - 1e-9 for a, b in zip(ts[1:], ts[2:])), (jid, ts)
+        assert ts[1] - ts[0] <= 3.0
 
 
 def test_window_spanning_an_allocation_change_is_not_observed():
@@ -287,7 +310,7 @@ def test_window_spanning_an_allocation_change_is_not_observed():
     bank, policy, act = FakeBank(), Steered(), RecordingActuator()
     src = FakeSource(4.0, [stats("a", window_s=2.0)])
     c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
-                   actuators=[act])
+                   actuators=[act], observe_interval_s=0.0)
 
     def observed_at(t):
         n = len(bank.seen)
