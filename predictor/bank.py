@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
-HISTORY_WINDOWS = 32        # windows kept per job
-HALF_LIFE_WINDOWS = 12.0    # recency weighting of windows when pooling g, c, b
+HISTORY_WINDOWS = 16        # windows kept per job (the controller feeds one every ~3 s: ~48 s of history)
+HALF_LIFE_WINDOWS = 6.0     # recency weighting of windows when pooling g, c, b (~18 s at one per 3 s)
 _DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1))   # same floats as pooled_costs
 
 
