@@ -106,6 +106,15 @@ def base():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def trainers():
+    """A fixture: a list a test appends its ``Trainer`` processes to; each is killed afterwards."""
+    started = []
+    yield started
+    for t in started:
+        t.kill()
+
+
 class AgentProc:
     """A real `adloader agent` process on an ipc endpoint under ``base``."""
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
+from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
 from tests.conftest import adloader_cmd, repo_env, wait_for
 
 
@@ -23,14 +23,6 @@ def agent(base):
     a = AgentProc(base, "--policy", "even", "--loader-cpus", "3", "--tick-s", "0.2").start()
     yield a
     a.stop()
-
-
-@pytest.fixture
-def trainers():
-    started = []
-    yield started
-    for t in started:
-        t.kill()
 
 
 def test_arrival_directive_status_json_and_departure(base, agent, trainers):

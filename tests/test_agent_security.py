@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from adloader import protocol
-from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
+from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
 from tests.conftest import repo_env, wait_for
 
 NOBODY = 65534
@@ -52,14 +52,6 @@ PROBE = textwrap.dedent('''
     }
     print(json.dumps(out))
 ''')
-
-
-@pytest.fixture
-def trainers():
-    started = []
-    yield started
-    for t in started:
-        t.kill()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another uid (os.setuid)")
