@@ -172,6 +172,7 @@ import os, sys
 # uids cannot traverse), then become the user and run `adloader agent` as that user
 import agent.cli, agent.commands.agent, agent.daemon, agent.controller, agent.actuators, agent.policies
 import agent.metrics, agent.status, agent.journal, predictor.bank, predictor.prior, tomllib, pynvml
+import agent.cgroupfs, agent.actuators.cgroup, agent.actuators.originals
 uid = int(os.environ.pop("AS_UID"))
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 sys.exit(agent.cli.main(sys.argv[1:]))

@@ -54,17 +54,17 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     ``PolicyConfig.pin_cpusets``). With ``state_dir`` the journal of originals lives in
     ``<state_dir>/cgroup-originals.json``, so a restarted agent restores what a dead one changed.
     """
-    from agent import cgroupfs
-    from agent.actuators.cgroup import AffinityActuator, CgroupActuator
-    from agent.actuators.originals import Originals
-
     if mode not in MODES:
         raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
     if cpu_knob not in CPU_KNOBS:
         raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
     actuators: list = [DirectiveActuator(sink)]
     if mode == "off":
-        return actuators
+        return actuators             # worker counts only: nothing that touches cgroups is even imported
+    from agent import cgroupfs
+    from agent.actuators.cgroup import AffinityActuator, CgroupActuator
+    from agent.actuators.originals import Originals
+
     originals = Originals(os.path.join(state_dir, "cgroup-originals.json") if state_dir else None)
     affinity = AffinityActuator(originals)
     if mode == "cooperative":
