@@ -285,6 +285,10 @@ class Agent:
         return record
 
     def _journal_now(self) -> None:
+        """After messages: journal a registry change (allocations change only in a tick, which
+        journals them itself), so a report that changed nothing costs one comparison."""
+        if self._journal_key is not None and self._journal_key[0] == self.registry.version:
+            return
         try:
             self._write_journal()
         except OSError as e:

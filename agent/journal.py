@@ -49,8 +49,12 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
         os.close(dfd)
 
 
+_ALLOC_FIELDS = tuple(f.name for f in dataclasses.fields(JobAllocation))
+
+
 def alloc_to_dict(a: JobAllocation) -> dict:
-    d = dataclasses.asdict(a)
+    # (not dataclasses.asdict: its deep copy was most of a journal write's cost with many jobs)
+    d = {k: getattr(a, k) for k in _ALLOC_FIELDS}
     if d.get("cpuset") is not None:
         d["cpuset"] = list(d["cpuset"])
     return d

@@ -4,8 +4,10 @@ A job is the set of training processes that share a job id (client side: ADLOADE
 SLURM_JOB_ID, else torchrun's run id, else ``pid-<pid>``); each process is a rank. A job arrives on
 its first ``hello`` or on ``register`` (Slurm prolog, before any rank connects) and departs when
 - it was never registered and its last rank said ``bye``, went silent (no message for
-  ``LOST_AFTER_BEATS`` heartbeats) or its process is gone (checked every tick with psutil, pid reuse
-  caught by the process start time); or
+  ``LOST_AFTER_BEATS`` heartbeats) or its process is gone (one read of /proc/<pid>/stat per tick for
+  each rank not heard from since the previous sweep, pid reuse caught by the process start time: a
+  process that just sent a message was alive, and is checked on the first sweep after its last one,
+  so a death is noticed within two ticks); or
 - it was registered and ``release`` arrives, or every process it registered and every rank is gone.
 Departures are queued; the daemon takes them with ``take_departed()`` and calls
 ``controller.forget(job)`` before the next tick, so the share is handed out on that tick.
@@ -135,6 +137,7 @@ class Registry:
         self.by_identity: dict[bytes, tuple[str, int]] = {}
         self._departed: list[tuple[str, str]] = []
         self.version = 0                  # bumped on every change the journal must record
+        self._swept_at = float("-inf")    # ``now`` of the previous sweep
 
     # --- authorization ----------------------------------------------------------------------------
     @staticmethod
@@ -325,9 +328,11 @@ class Registry:
     def sweep(self, now: float) -> None:
         """Drop silent or dead ranks and jobs whose processes are all gone (once per tick)."""
         lost_s = LOST_AFTER_BEATS * self.heartbeat_s
+        since = self._swept_at
+        self._swept_at = now
         for job in list(self.jobs.values()):
             for r in list(job.ranks.values()):
-                if not security.alive(r.pid, r.start_ticks):
+                if not (r.last_seen > since or security.alive(r.pid, r.start_ticks)):
                     self._drop_rank(job, r.rank, "process gone")
                 elif now - r.last_seen > lost_s:
                     self._drop_rank(job, r.rank, "heartbeat lost")

@@ -118,11 +118,15 @@ class Server:
             self._lock_fd = None
 
     # --- sending ----------------------------------------------------------------------------------
-    def _send(self, identity: bytes, msg: dict) -> bool:
-        try:
-            data = protocol.encode(msg)
-        except protocol.ProtocolError:
-            data = json.dumps(msg, separators=(",", ":"), default=str).encode()   # a big status doc
+    def _send(self, identity: bytes, msg) -> bool:
+        """Send ``msg`` (a message dict, or its encoded bytes) to one connection; False if it would block."""
+        if isinstance(msg, bytes):
+            data = msg
+        else:
+            try:
+                data = protocol.encode(msg)
+            except protocol.ProtocolError:
+                data = json.dumps(msg, separators=(",", ":"), default=str).encode()   # a big status doc
         try:
             self.sock.send_multipart([identity, data], zmq.NOBLOCK)
             return True
@@ -162,7 +166,7 @@ class Server:
         if now - self._last_heartbeat < self.heartbeat_s:
             return
         self._last_heartbeat = now
-        hb = protocol.make("heartbeat")
+        hb = protocol.encode(protocol.make("heartbeat"))   # once for every connection
         for identity in list(self.registry.by_identity):
             if identity:
                 self._send(identity, hb)

@@ -124,11 +124,15 @@ def _pcts(xs: list[float]) -> dict:
             "max": round(xs[-1], 3)}
 
 
-def run_one(policy: str, clients: int, seconds: float, seed: int) -> dict:
+def run_one(policy: str, clients: int, seconds: float, seed: int, profile: str | None = None) -> dict:
     base = tempfile.mkdtemp(prefix="adlb")
     endpoint = f"ipc://{base}/agent.sock"
     log = open(f"{base}/agent.log", "w")
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "agent", "--endpoint", endpoint, "--state-dir",
+    prof = []
+    if profile:   # the agent's main thread (socket handling and ticks) under cProfile, stats kept
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        prof = ["-m", "cProfile", "-o", str(Path(profile, f"agent-{policy}-{seed}.prof"))]
+    agent = subprocess.Popen([sys.executable, *prof, "-m", "agent", "agent", "--endpoint", endpoint, "--state-dir",
                               f"{base}/state", "--policy", policy, "--tick-s", "1", "--loader-cpus", "60",
                               "--max-jobs", str(clients), "--cgroup-mode", "off", "--log-level", "warning"],
                              env=_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -275,11 +279,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="adaptive,even")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="bench-out/agent_bench.json")
+    ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
+                    "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")
     args = ap.parse_args(argv)
     rows = []
     for rep in range(args.repeats):
         for policy in args.policies.split(","):
-            r = run_one(policy, args.clients, args.seconds, seed=rep + 1)
+            r = run_one(policy, args.clients, args.seconds, seed=rep + 1, profile=args.profile)
             r["repeat"] = rep + 1
             rows.append(r)
             print(f"  {policy} repeat {rep + 1}: tick p50 {r['tick_wall_ms']['p50']} ms, agent {r['agent_cpu_pct_of_core']}% "

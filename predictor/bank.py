@@ -211,7 +211,8 @@ class PredictorBank:
                 sw += f.fw
             m_measured = num / den if den > 0 else None
             features = (1.0, s_r / sw, s_d / sw, s_b / sw) if sw else (1.0, 0.0, 0.0, 0.0)
-            params = prior.correct_from(g, c, b, [f.obs for f in facts], m_measured, features)
+            params = prior.correct_from(g, c, b, [f.obs for f in facts], m_measured, features,
+                                        bound_windows=[f.obs for f in facts if f.loader_bound])
             source = "first-principles+learned" if prior.log_kc_coef or prior.sharpness > 0 else "first-principles+own"
         return ThroughputCurve(
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 KNEE_TOLERANCE = 0.03  # "within a few percent of the ceiling"
 
@@ -43,23 +44,30 @@ class ThroughputCurve:
     sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
     overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
 
-    @property
+    # Derived constants are cached on the instance (a curve is immutable; policies ask for them many
+    # times per tick): cached_property writes the instance __dict__, which a frozen dataclass allows.
+    @cached_property
     def _kc(self) -> float:
         return self.correction if self.core_correction is None else self.core_correction
 
     def _softmin(self, rates: list[float]) -> float:
         """Soft (p > 0) or hard (p = 0) minimum of positive rates; inf terms drop out."""
-        if any(r <= 0 for r in rates):
-            return 0.0
-        finite = [r for r in rates if r != math.inf]
-        if not finite:
-            return math.inf
+        m = math.inf
+        for r in rates:
+            if r <= 0:
+                return 0.0
+            if r < m:
+                m = r
         p = self.sharpness
-        if p <= 0:
-            return min(finite)
-        m = min(finite)  # scale by the min for numerical range
-        return m * sum((m / r) ** p for r in finite) ** (-1.0 / p)
+        if m == math.inf or p <= 0:
+            return m
+        s = 0.0                      # scaled by the min for numerical range
+        for r in rates:
+            if r != math.inf:
+                s += (m / r) ** p
+        return m * s ** (-1.0 / p)
 
+    @cached_property
     def _knee_factor(self) -> float:
         """s such that rate term r >= s * L puts the soft-min within KNEE_TOLERANCE of the limit L."""
         p, tol = self.sharpness, KNEE_TOLERANCE
@@ -67,7 +75,7 @@ class ThroughputCurve:
             return 1.0 - tol
         return 1.0 / ((1.0 - tol) ** (-p) - 1.0) ** (1.0 / p)
 
-    @property
+    @cached_property
     def ceiling_samples_per_s(self) -> float:
         """Throughput with data always ready (the compute-bound limit: one batch per g + m seconds)."""
         g = self.compute_s_per_step + self.overhead_s_per_step
@@ -82,7 +90,7 @@ class ThroughputCurve:
             per_batch = g + c + b
             bps = 1.0 / per_batch if per_batch > 0 else math.inf
         else:
-            rates = [1.0 / g if g > 0 else math.inf]
+            rates = [1.0 / g] if g > 0 else []
             if c + b > 0:
                 rates.append(self.correction * workers / (c + b))
             if c > 0:
@@ -97,15 +105,15 @@ class ThroughputCurve:
             return 1.0
         return max(0.0, min(1.0, self.throughput(workers, cores) / ceil))
 
-    @property
+    @cached_property
     def max_useful_cores(self) -> float:
         """Least cores that reach within KNEE_TOLERANCE of the ceiling (with enough workers)."""
         g, c = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch
         if g <= 0:
             return math.inf
-        return self._knee_factor() * c / (g * self._kc)
+        return self._knee_factor * c / (g * self._kc)
 
-    @property
+    @cached_property
     def max_useful_workers(self) -> int:
         """Least worker count that reaches within KNEE_TOLERANCE of the ceiling (with enough cores)."""
         return self.knee_workers(math.inf)
@@ -122,7 +130,7 @@ class ThroughputCurve:
             return 1 << 16
         if limit_bps <= 0:
             return 1
-        need = (c + b) * limit_bps * self._knee_factor() / self.correction
+        need = (c + b) * limit_bps * self._knee_factor / self.correction
         return max(1, min(1 << 16, math.ceil(need - 1e-9)))
 
     def marginal_gain(self, workers: float, cores: float, d_cores: float = 1.0) -> float:

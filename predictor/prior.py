@@ -114,7 +114,7 @@ class Prior:
 
     def job_corrections(self, g: float, c: float, b: float, m: float,
                         windows: Iterable[Observation], features: tuple[float, ...] | None = None,
-                        sharpness: float | None = None) -> tuple[float, float]:
+                        sharpness: float | None = None, prefiltered: bool = False) -> tuple[float, float]:
         """(correction, core_correction) for one job: each loader-bound window is solved exactly for
         the correction of its binding loader term (workers or cores, whichever first principles say
         binds); the windows of one configuration are averaged into one vote, and the votes are
@@ -123,7 +123,8 @@ class Prior:
         ``features``: ``job_features`` of the job's windows when the caller has them already (then
         ``windows`` may be just the loader-bound ones: the others are skipped anyway).
         ``sharpness``: solve with this p instead of the prior's (0: hard minimum, the binding term
-        equals the window's step). ``strength`` 0: the job's own votes alone (prior value if none)."""
+        equals the window's step). ``strength`` 0: the job's own votes alone (prior value if none).
+        ``prefiltered``: every window given is known loader-bound with workers (the caller checked)."""
         windows = list(windows)
         p = self.sharpness if sharpness is None else sharpness
         kw0 = _theta_to_k(self.theta_w, self.sharpness)
@@ -133,7 +134,7 @@ class Prior:
         per_c: dict[tuple, list[float]] = {}
         base = (g + m) ** p if p > 0 else 0.0
         for o in windows:
-            if o.workers < 1 or not loader_bound(o):
+            if not prefiltered and (o.workers < 1 or not loader_bound(o)):
                 continue
             t = o.step_s
             xw, xc = (c + b) / o.workers, (c / o.cores if c > 0 else 0.0)
@@ -169,9 +170,12 @@ class Prior:
         return self.correct_from(g, c, b, windows, measured_overhead(windows), job_features(windows))
 
     def correct_from(self, g: float, c: float, b: float, windows: Sequence[Observation],
-                     m_measured: float | None, features: tuple[float, ...]) -> dict:
+                     m_measured: float | None, features: tuple[float, ...],
+                     bound_windows: Sequence[Observation] | None = None) -> dict:
         """``correct`` from figures the caller keeps per window (``predictor.bank`` does):
-        ``measured_overhead`` and ``job_features`` of the windows, and the (usable) windows.
+        ``measured_overhead`` and ``job_features`` of the windows, and the (usable) windows;
+        ``bound_windows``, when given, the loader-bound ones with workers (the only ones that vote on
+        the corrections), so they are not re-classified for every candidate.
 
         Invariants (what the windows measured bounds what the prior may add):
           * the overhead m never exceeds what any window leaves room for (``overhead_cap``): not
@@ -187,13 +191,18 @@ class Prior:
         windows = list(windows)
         m = m_measured if m_measured is not None else self.overhead_frac_of_c * c
         anchors = observed_throughputs(windows)
+        voters, pre = (windows, False) if bound_windows is None else (list(bound_windows), True)
+        caps: dict[float, float] = {}
         best, best_miss = None, math.inf
         for sharp, use_prior in ((self.sharpness, True), (self.sharpness, False), (0.0, False)):
-            mm = min(m, overhead_cap(g, c, b, sharp, windows))
+            if sharp not in caps:
+                caps[sharp] = overhead_cap(g, c, b, sharp, windows)
+            mm = min(m, caps[sharp])
             if use_prior:
-                kw, kc = self.job_corrections(g, c, b, mm, windows, features)
+                kw, kc = self.job_corrections(g, c, b, mm, voters, features, prefiltered=pre)
             else:
-                kw, kc = FIRST_PRINCIPLES.job_corrections(g, c, b, mm, windows, features, sharpness=sharp)
+                kw, kc = FIRST_PRINCIPLES.job_corrections(g, c, b, mm, voters, features, sharpness=sharp,
+                                                          prefiltered=pre)
             params = {"correction": kw, "core_correction": kc, "sharpness": sharp, "overhead_s_per_step": mm}
             miss = anchor_miss(g, c, b, params, anchors)
             if miss <= ANCHOR_TOL:
@@ -240,9 +249,11 @@ def anchor_miss(g: float, c: float, b: float, params: dict, anchors: dict) -> fl
     from predictor.curve import ThroughputCurve
 
     worst = 0.0
+    cur = None
     for (w, _C), (bs, cores, meas) in anchors.items():
-        cur = ThroughputCurve(job="", batch_size=bs, compute_s_per_step=g, cpu_s_per_batch=c,
-                              blocked_s_per_batch=b, **params)
+        if cur is None or cur.batch_size != bs:
+            cur = ThroughputCurve(job="", batch_size=bs, compute_s_per_step=g, cpu_s_per_batch=c,
+                                  blocked_s_per_batch=b, **params)
         pred = cur.throughput(w, cores)
         worst = max(worst, abs(pred - meas) / meas if pred != math.inf else math.inf)
     return worst

@@ -237,6 +237,36 @@ def test_registry_adopts_live_and_drops_dead():
     assert fresh.jobs["live"].ranks[0].pid == me and fresh.jobs["live"].source == "journal"
 
 
+def test_sweep_notices_a_dead_rank_within_two_ticks():
+    """A rank heard from since the previous sweep is not re-read from /proc; one that died is dropped
+    on the first sweep after its last message, and one that died silently on the next sweep."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        reg = Registry(heartbeat_s=100.0)
+        for i, p in enumerate(procs):
+            reg.hello(Peer(os.getuid(), 0, p.pid), b"r%d" % i, {"job": f"j{i}", "rank": 0, "pid": p.pid}, 0.0)
+        reg.sweep(1.0)                                   # both alive
+        assert sorted(reg.jobs) == ["j0", "j1"]
+        reg.report(b"r0", Peer(os.getuid(), 0, procs[0].pid),
+                   {"job": "j0", "rank": 0, "pid": procs[0].pid, "stats": {}}, 1.5)   # j0 reports, then dies
+        for p in procs:
+            p.kill()
+            p.wait()
+        reg.sweep(2.0)      # tick 1 after the deaths: j1 (silent since the last sweep) is read and gone
+        assert sorted(reg.jobs) == ["j0"]
+        reg.sweep(3.0)      # tick 2: j0's last message is older than the previous sweep -> read, gone
+        assert reg.jobs == {}
+        assert sorted(reg.take_departed()) == [("j0", "process gone"), ("j1", "process gone")]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_registry_ownership_and_idempotence():
     me = os.getpid()
     reg = Registry()
