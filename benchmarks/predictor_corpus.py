@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loader", choices=("auto", "torch", "adloader"), default="auto",
                     help="auto: adloader.DataLoader when importable, else torch's with in-worker timing")
     ap.add_argument("--pass-id", type=int, default=1, help="label of this sweep (repeat sweeps to see the noise)")
+    ap.add_argument("--note", default="", help="what else ran on the machine (recorded in the sweep's header)")
     ap.add_argument("--append", action="store_true", help="add this sweep to --out (a header line per sweep)")
     args = ap.parse_args(argv)
 
@@ -263,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "header", "format": 1, "pass": args.pass_id,
         "command": "python benchmarks/predictor_corpus.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": f"{platform.node()}: {len(all_cpus)} CPUs, {platform.platform()}; shared dev VM, noisy "
-                   "(other helpers' tests and benchmarks run in parallel)",
+        "machine": f"{platform.node()}: {len(all_cpus)} CPUs, {platform.platform()}"
+                   + (f"; {args.note}" if args.note else ""),
+        "loadavg_1m_start": round(os.getloadavg()[0], 2),
         "loader": ("adloader.DataLoader (stats() totals)" if use_adloader
                    else "torch.utils.data.DataLoader + in-worker batch timing"),
         "window_s": args.window_s, "skipped_cores_not_root": skipped,
