@@ -16,7 +16,8 @@ removes at exit (needs root; without root fractional points are skipped and the 
 
 Loader (``--loader``): ``adloader.DataLoader`` when it is importable (its ``stats()`` totals), else
 torch's DataLoader with the same in-worker measurement (a batch-level dataset wrapper). The shipped
-corpus was measured with torch's (the elastic loader landed after it); the header of each sweep says. Output: JSON lines; a header line
+corpus was measured with ``adloader.DataLoader`` on a quiet 2-CPU VM (3 sweeps; the header of each
+sweep says which loader, the machine and what else ran: ``--note``). Output: JSON lines; a header line
 per sweep (pass) with the command and the machine, then one line per point with the 1-minute load
 average while it was measured. Repeat sweeps (``--append --pass-id 2``) to see the noise.
 """

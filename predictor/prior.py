@@ -378,8 +378,8 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
     tol = knee_tolerance(points)
     knees = {(j, C): measured_knee({w: v for (w, c), v in cur.items() if c == C}, tol)
              for j, cur in truth.items() for C in {c for (_w, c) in cur}}
-    # m prior: none. A median m / c over the corpus's spare windows (0.52 on this corpus, measured on
-    # an overloaded VM: mostly the main process waiting for a CPU) was used for jobs whose windows
+    # m prior: none. A median m / c over the corpus's spare windows (0.52 on the corpus shipped before
+    # the current one, measured on an overloaded VM: mostly the main process waiting for a CPU) was used for jobs whose windows
     # could not measure m. It invented ~0.08-0.16 s per step for jobs that had none (BENCHMARKS.md),
     # and even capped by ``overhead_cap`` it still lowered the simulator's adaptive throughput (3.498
     # vs 3.510 per node). It did help this corpus's leave-one-job-out MAPE (learned, capped: 30.5%,
