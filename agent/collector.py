@@ -152,28 +152,36 @@ class Collector:
         ranks = list(job.ranks.values())
         per = [self.rank_rates.get((job.job, r.rank, r.pid)) for r in ranks]
         rates = [rr.rates for rr in per if rr is not None and rr.windows > 0]
-        agg: dict[str, list] = {}              # key -> [sum, max, count] over ranks with data
-        for r in rates:
-            for k, v in r.items():
+        if len(rates) == 1:                    # one rank (the common case): its rates are the job's
+            only = rates[0]
+
+            def total(k):
+                return only.get(k, 0.0)
+
+            top = mean = total
+        else:
+            agg: dict[str, list] = {}          # key -> [sum, max, count] over ranks with data
+            for r in rates:
+                for k, v in r.items():
+                    a = agg.get(k)
+                    if a is None:
+                        agg[k] = [v, v, 1]
+                    else:
+                        a[0] += v
+                        a[1] = v if v > a[1] else a[1]
+                        a[2] += 1
+
+            def total(k):
                 a = agg.get(k)
-                if a is None:
-                    agg[k] = [v, v, 1]
-                else:
-                    a[0] += v
-                    a[1] = v if v > a[1] else a[1]
-                    a[2] += 1
+                return a[0] if a else 0.0
 
-        def total(k):
-            a = agg.get(k)
-            return a[0] if a else 0.0
+            def top(k):
+                a = agg.get(k)
+                return a[1] if a else 0.0
 
-        def top(k):
-            a = agg.get(k)
-            return a[1] if a else 0.0
-
-        def mean(k):
-            a = agg.get(k)
-            return a[0] / a[2] if a else 0.0
+            def mean(k):
+                a = agg.get(k)
+                return a[0] / a[2] if a else 0.0
 
         data_wait_frac = top("data_wait_frac")
         gpu_idle, source = None, "client"

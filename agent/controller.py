@@ -62,6 +62,7 @@ class TickRecord:
     breakers: dict[str, str] = field(default_factory=dict)   # job -> why its breaker is open
     departed: tuple[str, ...] = ()             # jobs forgotten in this tick
     errors: tuple[str, ...] = ()               # tick-level failures (snapshot, predictor, policy)
+    phases_ms: dict[str, float] = field(default_factory=dict)   # snapshot, predict, policy, apply
 
     def to_dict(self) -> dict:
         def alloc(a: Optional[JobAllocation]) -> Optional[dict]:
@@ -80,6 +81,7 @@ class TickRecord:
             "breakers": dict(self.breakers),
             "departed": list(self.departed),
             "errors": list(self.errors),
+            "phases_ms": dict(self.phases_ms),
         }
 
 
@@ -249,11 +251,14 @@ class Controller:
         curves: dict[str, dict] = {}
         departed: list[str] = []
         plan = AllocationPlan(policy=getattr(self._policy, "__name__", "?"), allocations={})
+        phases: dict[str, float] = {}
         try:
             snapshot = self._snapshot_source(now)
         except Exception as e:   # noqa: BLE001 — a tick never raises
             errors.append(f"snapshot: {type(e).__name__}: {e}")
             snapshot = None
+        t1 = time.perf_counter()
+        phases["snapshot"] = (t1 - t0) * 1000.0
         if snapshot is not None:
             for job_id in list(self._pending_forget):
                 if not self._release(job_id):
@@ -268,10 +273,13 @@ class Controller:
                 if curve is not None:
                     model[job_id] = curve
                 curves[job_id] = self._summaries[job_id] if curve is not None else curve_summary(None)
+            t2 = time.perf_counter()
             try:
                 plan = self._policy(snapshot, model, self._config)
             except Exception as e:   # noqa: BLE001
                 errors.append(f"policy: {type(e).__name__}: {e}")
+            t3 = time.perf_counter()
+            phases["predict"], phases["policy"] = (t2 - t1) * 1000.0, (t3 - t2) * 1000.0
             for job_id, desired in plan.allocations.items():
                 job = snapshot.jobs.get(job_id)
                 if job is None:
@@ -279,9 +287,10 @@ class Controller:
                 r = self._apply_job(job, desired, now)
                 if r is not None:
                     results[job_id] = r
+            phases["apply"] = (time.perf_counter() - t3) * 1000.0
         record = TickRecord(now=now, duration_s=time.perf_counter() - t0, plan=plan, results=results,
                             curves=curves, breakers=self._open_breakers(), departed=tuple(departed),
-                            errors=tuple(errors))
+                            errors=tuple(errors), phases_ms=phases)
         self.last_record = record
         if self._on_record is not None:
             try:

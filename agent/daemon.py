@@ -93,14 +93,17 @@ def _pct(xs: list, q: float) -> Optional[float]:
 
 
 def _tick_summary(ticks) -> dict:
-    """The last ticks: wall and CPU (tick thread) milliseconds, and the controller's share of the wall
-    time (predictor + policy + actuators; the rest is the registry sweep and the snapshot)."""
+    """The last ticks: wall and CPU (tick thread) milliseconds, the controller's share of the wall
+    time (snapshot + predictor + policy + actuators; the rest is the registry sweep and the heartbeats),
+    and the median of each controller phase."""
     wall = [t[0] for t in ticks]
     cpu = [t[1] for t in ticks]
     ctl = [t[2] for t in ticks]
+    names = sorted({k for t in ticks for k in t[3]})
     return {"n": len(wall), "wall_ms_p50": _pct(wall, 0.5), "wall_ms_p95": _pct(wall, 0.95),
             "wall_ms_max": round(max(wall), 3) if wall else None, "cpu_ms_p50": _pct(cpu, 0.5),
-            "cpu_ms_p95": _pct(cpu, 0.95), "controller_ms_p50": _pct(ctl, 0.5)}
+            "cpu_ms_p95": _pct(cpu, 0.95), "controller_ms_p50": _pct(ctl, 0.5),
+            "phases_ms_p50": {k: _pct([t[3][k] for t in ticks if k in t[3]], 0.5) for k in names}}
 
 
 class Agent:
@@ -114,7 +117,7 @@ class Agent:
         self.ticks = 0
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
-        self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms)
+        self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
@@ -272,7 +275,8 @@ class Agent:
         self.ticks += 1
         self.last_tick_ms = (time.perf_counter() - t0) * 1000.0
         self.recent_ticks.append((self.last_tick_ms, (time.thread_time() - c0) * 1000.0,
-                                  record.duration_s * 1000.0 if record is not None else 0.0))
+                                  record.duration_s * 1000.0 if record is not None else 0.0,
+                                  record.phases_ms if record is not None else {}))
         try:
             self._write_journal()
         except OSError as e:

@@ -329,8 +329,17 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     rule = {j: worker_rule(warm[j], snapshot.jobs[j], config) for j in warm}
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
 
+    memo: dict[tuple, float] = {}   # (job, workers, cores) -> normalised throughput, for this decision
+
+    def norm(j: str, w: int, x: float) -> float:
+        k = (j, w, x)
+        v = memo.get(k)
+        if v is None:
+            v = memo[k] = warm[j].normalized(w, x)
+        return v
+
     def value(j: str, x: float) -> float:
-        return warm[j].normalized(rule[j](x), x)
+        return norm(j, rule[j](x), x)
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config)) for j in warm}
     for j in warm:
@@ -374,15 +383,14 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             nxt[j] = (dx2, v2)
             heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
     for j in sorted(warm):
-        cv = warm[j]
         workers[j] = rule[j](min(cpus[j], useful[j]))
-        norm = cv.normalized(workers[j], cpus[j])
+        nv = norm(j, workers[j], cpus[j])
         if j in last_gain:
-            reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+            reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
         elif config.fairness_floor and cpus[j] >= fair - EPS:
-            reason[j] = f"fairness floor {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+            reason[j] = f"fairness floor {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
         else:
-            reason[j] = f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {norm:.0%} of ceiling"
+            reason[j] = f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
     if remaining > EPS and warm:
         weight = {j: max(1, snapshot.jobs[j].gpus) for j in warm if cap[j] - cpus[j] > EPS}
         while remaining > EPS and weight:
@@ -404,7 +412,7 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         tot = 0.0
         for j in warm:
             w, x = alloc_of(j)
-            tot += max(1, snapshot.jobs[j].gpus) * warm[j].normalized(w, x)
+            tot += gpus[j] * norm(j, w, x)
         return tot
 
     def shortfalls(alloc_of) -> dict[str, str]:
@@ -413,7 +421,7 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             w, x = alloc_of(j)
             if useful[j] > x + 0.01:
                 out[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {x:.2f} "
-                          f"({warm[j].normalized(w, x):.0%} of ceiling)")
+                          f"({norm(j, w, x):.0%} of ceiling)")
         return out
 
     new_total = objective(lambda j: (workers[j], cpus[j]))

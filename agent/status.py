@@ -8,7 +8,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          actuators[], gpu_source ("nvml" | "client"), nvml_error, cpu_pressure,
                          io_pressure (PSI some avg10 %, null where absent), metrics_port, errors{code: n},
                          messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
-                         cpu_ms_p50, cpu_ms_p95, controller_ms_p50} over the last 60 ticks, journal_ms (last write)}
+                         cpu_ms_p50, cpu_ms_p95, controller_ms_p50, phases_ms_p50{snapshot, predict,
+                         policy, apply}} over the last 60 ticks, journal_ms (last write)}
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick

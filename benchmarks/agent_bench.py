@@ -217,7 +217,7 @@ def run_one(policy: str, clients: int, seconds: float, seed: int, profile: str |
                 "messages_per_s": round(msgs / (w1 - w0), 1), "agent_cpu_pct_of_core": round(cpu_pct, 3),
                 "tick_wall_ms": {"n": rt["n"], "p50": rt["wall_ms_p50"], "p95": rt["wall_ms_p95"], "max": rt["wall_ms_max"]},
                 "tick_cpu_ms": {"p50": rt["cpu_ms_p50"], "p95": rt["cpu_ms_p95"]},
-                "controller_ms_p50": rt["controller_ms_p50"],
+                "controller_ms_p50": rt["controller_ms_p50"], "phases_ms_p50": rt.get("phases_ms_p50", {}),
                 "hello_rtt_ms": _pcts(hello_rtt), "status_rtt_ms": _pcts(status_rtt),
                 "directives_received": sum(c.directives for c in sims)}
     finally:
@@ -278,6 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--policies", default="adaptive,even")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="clients' seed of the first repeat (repeat r uses seed + r)")
     ap.add_argument("--out", default="bench-out/agent_bench.json")
     ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
                     "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
     rows = []
     for rep in range(args.repeats):
         for policy in args.policies.split(","):
-            r = run_one(policy, args.clients, args.seconds, seed=rep + 1, profile=args.profile)
+            r = run_one(policy, args.clients, args.seconds, seed=args.seed + rep, profile=args.profile)
             r["repeat"] = rep + 1
             rows.append(r)
             print(f"  {policy} repeat {rep + 1}: tick p50 {r['tick_wall_ms']['p50']} ms, agent {r['agent_cpu_pct_of_core']}% "
@@ -297,6 +298,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     hdr = ("policy", "clients", "rep", "tick p50 ms", "tick p95 ms", "tick CPU p50 ms", "controller p50 ms",
+           "snapshot/predict/policy/apply p50 ms",
            "agent %core", "msgs/s",
            "hello RTT p50/p95 ms", "status RTT p50/p95 ms")
     print(" | ".join(hdr))
@@ -304,7 +306,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(" | ".join(str(x) for x in (
             r["policy"], r["clients"], r["repeat"], r["tick_wall_ms"]["p50"], r["tick_wall_ms"]["p95"],
-            r["tick_cpu_ms"]["p50"], r["controller_ms_p50"], r["agent_cpu_pct_of_core"], r["messages_per_s"],
+            r["tick_cpu_ms"]["p50"], r["controller_ms_p50"],
+            "/".join(str(r["phases_ms_p50"].get(k, "-")) for k in ("snapshot", "predict", "policy", "apply")),
+            r["agent_cpu_pct_of_core"], r["messages_per_s"],
             f"{r['hello_rtt_ms']['p50']}/{r['hello_rtt_ms']['p95']}",
             f"{r['status_rtt_ms']['p50']}/{r['status_rtt_ms']['p95']}")))
     print(f"agent's own share of a tick (registry sweep + collector snapshot, {own['clients']} jobs, in-process, "

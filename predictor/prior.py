@@ -194,7 +194,10 @@ class Prior:
         voters, pre = (windows, False) if bound_windows is None else (list(bound_windows), True)
         caps: dict[float, float] = {}
         best, best_miss = None, math.inf
-        for sharp, use_prior in ((self.sharpness, True), (self.sharpness, False), (0.0, False)):
+        candidates = ((self.sharpness, True), (self.sharpness, False))
+        if self.sharpness != 0.0:      # (with a hard-minimum prior the third is the second again)
+            candidates += ((0.0, False),)
+        for sharp, use_prior in candidates:
             if sharp not in caps:
                 caps[sharp] = overhead_cap(g, c, b, sharp, windows)
             mm = min(m, caps[sharp])

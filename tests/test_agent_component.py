@@ -50,6 +50,9 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
     doc = json.loads(out.stdout)
     assert doc["version"] == 1 and doc["agent"]["policy"] == "even" and doc["agent"]["gpu_source"] == "client"
     assert [x["job"] for x in doc["jobs"]] == ["job-a"]
+    rt = doc["agent"]["recent_ticks"]     # where the tick's time goes, per controller phase
+    assert rt["n"] >= 1 and set(rt["phases_ms_p50"]) == {"snapshot", "predict", "policy", "apply"}
+    assert all(v >= 0 for v in rt["phases_ms_p50"].values()) and rt["controller_ms_p50"] <= rt["wall_ms_max"]
     table = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint), env=repo_env(),
                            capture_output=True, text=True, timeout=30)
     assert table.returncode == 0 and "job-a" in table.stdout and "even split" in table.stdout
