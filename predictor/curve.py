@@ -44,6 +44,15 @@ class ThroughputCurve:
     sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
     overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
 
+    def __post_init__(self) -> None:
+        # The two constants every evaluation needs are set once here (the predictor builds short-lived
+        # curves by the hundred per tick, for which cached_property's first-access cost is the larger);
+        # they land in the instance __dict__, where they shadow the cached_property definitions below.
+        d = self.__dict__
+        d["_kc"] = self.correction if self.core_correction is None else self.core_correction
+        g = self.compute_s_per_step + self.overhead_s_per_step
+        d["ceiling_samples_per_s"] = self.batch_size / g if g > 0 else math.inf
+
     # Derived constants are cached on the instance (a curve is immutable; policies ask for them many
     # times per tick): cached_property writes the instance __dict__, which a frozen dataclass allows.
     @cached_property
