@@ -193,14 +193,24 @@ class Collector:
         if gpu_idle is None and rates:
             gpu_idle = data_wait_frac
         allowed, cooperative = self._placement(ranks[0].pid) if ranks else ((), False)
-        max_workers = [r.max_workers for r in ranks if r.max_workers is not None]
+        batch_size, workers, requested, max_workers = (1, 0, 0, None) if not ranks else (
+            ranks[0].batch_size, ranks[0].workers, ranks[0].requested_workers, ranks[0].max_workers)
+        for r in ranks[1:]:                    # (one pass; a job has one rank per GPU on this node)
+            batch_size = max(batch_size, r.batch_size)
+            workers = max(workers, r.workers)
+            requested = max(requested, r.requested_workers)
+            if r.max_workers is not None:
+                max_workers = r.max_workers if max_workers is None else min(max_workers, r.max_workers)
+        observed_s = window_s = 0.0
+        for rr in per:
+            if rr is not None:
+                observed_s = max(observed_s, rr.observed_s)
+                if rr.windows:
+                    window_s = max(window_s, rr.window_s)
         return JobStats(
             job=job.job, uid=job.uid, ranks=len(ranks),
             gpus=max(1, len(job.reg_gpus) if job.reg_gpus else len(ranks)),
-            batch_size=max((r.batch_size for r in ranks), default=1),
-            workers=max((r.workers for r in ranks), default=0),
-            requested_workers=max((r.requested_workers for r in ranks), default=0),
-            max_workers=min(max_workers) if max_workers else None,
+            batch_size=batch_size, workers=workers, requested_workers=requested, max_workers=max_workers,
             samples_per_s=total("samples_per_s"),
             compute_s_per_step=mean("compute_s_per_step"),
             data_wait_s_per_step=top("data_wait_s_per_step"),
@@ -211,8 +221,7 @@ class Collector:
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative,
             age_s=max(0.0, now - job.arrived_at),
-            observed_s=max((rr.observed_s for rr in per if rr is not None), default=0.0),
-            window_s=max((rr.window_s for rr in per if rr is not None and rr.windows), default=0.0),
+            observed_s=observed_s, window_s=window_s,
             applied=applied, requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(),
         )
