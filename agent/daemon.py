@@ -267,6 +267,10 @@ class Agent:
                 self.controller.forget(job)
                 logs.event(log, "job_departed", job=job, why=why)
             record = self.controller.tick(now)
+            for job, r in record.results.items():   # only jobs something was applied to this tick
+                if r.ok and r.applied is not None:
+                    logs.event(log, "allocation_applied", job=job, workers=r.applied.workers,
+                               cpus=round(r.applied.cpus, 3), reason=r.applied.reason)
             for e in record.errors:
                 logs.once(f"tick_error:{e[:80]}", log, "tick_error", logging.WARNING, error=e)
             self.server.heartbeat(now)

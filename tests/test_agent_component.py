@@ -50,6 +50,8 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
     doc = json.loads(out.stdout)
     assert doc["version"] == 1 and doc["agent"]["policy"] == "even" and doc["agent"]["gpu_source"] == "client"
     assert [x["job"] for x in doc["jobs"]] == ["job-a"]
+    applied = [e for e in agent.events("allocation_applied") if e["job"] == "job-a"]
+    assert applied and applied[0]["workers"] >= 1 and applied[0]["reason"].startswith("even split")
     rt = doc["agent"]["recent_ticks"]     # where the tick's time goes, per controller phase
     assert rt["n"] >= 1 and set(rt["phases_ms_p50"]) == {"snapshot", "predict", "policy", "apply"}
     assert all(v >= 0 for v in rt["phases_ms_p50"].values()) and rt["controller_ms_p50"] <= rt["wall_ms_max"]
