@@ -133,3 +133,22 @@ def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
     assert a["light"].cpus >= 0.2 - 1e-6 and a["heavy"].workers == 2
     assert sum(x.cpus for x in a.values()) <= 1.8 + 1e-6
     assert policy(snap, {}, PolicyConfig()) is plan          # fixed while the set of jobs is
+
+
+def test_goal_reports_the_per_repeat_spread_of_its_ratio():
+    """A goal's median ratio comes with the range of the per-repeat ratios it is the median of."""
+    from agent.bench import report
+
+    def phase(rep, policy, agg):
+        return {"scenario": "homogeneous", "rep": rep, "policy": policy, "metrics": {"agg_normalised": agg}}
+
+    phases = [phase(0, "even", 2.0), phase(0, "adaptive", 1.9), phase(1, "even", 2.0), phase(1, "adaptive", 2.1),
+              phase(2, "even", 2.0), phase(2, "adaptive", 1.96)]
+    summary = report.summarise(phases)
+    goal = [g for g in report.goals(summary) if g["goal"].startswith("homogeneous")][0]
+    assert goal["measured"] == pytest.approx(0.98) and goal["met"] is True
+    assert sorted(goal["per_repeat"]) == pytest.approx([0.95, 0.98, 1.05])
+    md = report.markdown(summary, [goal], {})
+    assert "measured 0.980 (per repeat 0.950–1.050, 3 repeats) — met" in md
+    one = report.goals(report.summarise(phases[:2]))
+    assert "(one repeat: indicative only)" in report.markdown(report.summarise(phases[:2]), one, {})

@@ -89,11 +89,13 @@ def summarise(phases: list[dict]) -> dict:
 def goals(summary: dict) -> list[dict]:
     res = []
     for sc, pol, key, thr, text in GOALS:
-        v = (summary.get(sc) or {}).get(pol, {}).get(key)
+        row = (summary.get(sc) or {}).get(pol, {})
+        v = row.get(key)
         if v is None:
             res.append({"goal": text, "measured": None, "met": None})
         else:
-            res.append({"goal": text, "measured": round(v, 3), "met": bool(v >= thr)})
+            res.append({"goal": text, "measured": round(v, 3), "met": bool(v >= thr),
+                        "per_repeat": row.get(f"{key}_all", [])})
     settle = [row.get("reaction_s_max") for sc in ("reaction", "dynamic", "hog")
               for p, row in (summary.get(sc) or {}).items() if p == "adaptive"]
     settle = _finite(settle)
@@ -135,7 +137,13 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")
         for g in goal_rows:
             mark = "n/a" if g["met"] is None else ("met" if g["met"] else "NOT met")
-            lines.append(f"- {g['goal']}: measured {_fmt(g['measured'])} — {mark}")
+            reps = g.get("per_repeat") or []
+            spread = ""
+            if len(reps) > 1:   # the per-repeat range says how far the median can be trusted
+                spread = f" (per repeat {min(reps):.3f}–{max(reps):.3f}, {len(reps)} repeats)"
+            elif len(reps) == 1:
+                spread = " (one repeat: indicative only)"
+            lines.append(f"- {g['goal']}: measured {_fmt(g['measured'])}{spread} — {mark}")
         lines.append("")
     return "\n".join(lines)
 
