@@ -45,19 +45,13 @@ class ThroughputCurve:
     overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
 
     def __post_init__(self) -> None:
-        # The two constants every evaluation needs are set once here (the predictor builds short-lived
-        # curves by the hundred per tick, for which cached_property's first-access cost is the larger);
-        # they land in the instance __dict__, where they shadow the cached_property definitions below.
-        d = self.__dict__
-        d["_kc"] = self.correction if self.core_correction is None else self.core_correction
+        # Derived constants are set once per curve (it is immutable; the predictor builds short-lived
+        # curves by the hundred per tick and policies evaluate each many times), as plain attributes:
+        #   _kc                    the core-bound term's correction (core_correction, else correction)
+        #   ceiling_samples_per_s  throughput with data always ready: one batch per g + m seconds
         g = self.compute_s_per_step + self.overhead_s_per_step
-        d["ceiling_samples_per_s"] = self.batch_size / g if g > 0 else math.inf
-
-    # Derived constants are cached on the instance (a curve is immutable; policies ask for them many
-    # times per tick): cached_property writes the instance __dict__, which a frozen dataclass allows.
-    @cached_property
-    def _kc(self) -> float:
-        return self.correction if self.core_correction is None else self.core_correction
+        object.__setattr__(self, "_kc", self.correction if self.core_correction is None else self.core_correction)
+        object.__setattr__(self, "ceiling_samples_per_s", self.batch_size / g if g > 0 else math.inf)
 
     def _softmin(self, rates: list[float]) -> float:
         """Soft (p > 0) or hard (p = 0) minimum of positive rates; inf terms drop out."""
@@ -83,12 +77,6 @@ class ThroughputCurve:
         if p <= 0:
             return 1.0 - tol
         return 1.0 / ((1.0 - tol) ** (-p) - 1.0) ** (1.0 / p)
-
-    @cached_property
-    def ceiling_samples_per_s(self) -> float:
-        """Throughput with data always ready (the compute-bound limit: one batch per g + m seconds)."""
-        g = self.compute_s_per_step + self.overhead_s_per_step
-        return self.batch_size / g if g > 0 else math.inf
 
     def throughput(self, workers: float, cores: float) -> float:
         """Predicted samples/s with ``workers`` loader workers on ``cores`` CPU cores."""
