@@ -232,6 +232,8 @@ def _rest(t: float, p: float, base: float, other: float, gm: float) -> float:
         r = t ** p - base - other
         return r ** (1.0 / p) if r > 0 else 0.0
     return t if t > gm * (1 + 1e-9) and t > other * (1 + 1e-9) else 0.0
+
+
 ANCHOR_TOL = 0.05   # the curve at an observed configuration stays within this of the measurement
 
 
@@ -382,10 +384,10 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
     knees = {(j, C): measured_knee({w: v for (w, c), v in cur.items() if c == C}, tol)
              for j, cur in truth.items() for C in {c for (_w, c) in cur}}
     # m prior: none. A median m / c over the corpus's spare windows (0.52 on the corpus shipped before
-    # the current one, measured on an overloaded VM: mostly the main process waiting for a CPU) was used for jobs whose windows
-    # could not measure m. It invented ~0.08-0.16 s per step for jobs that had none (BENCHMARKS.md),
+    # the current one, measured on an overloaded VM: mostly the main process waiting for a CPU) was
+    # used for jobs whose windows could not measure m. It invented ~0.08-0.16 s per step for jobs that had none (BENCHMARKS.md),
     # and even capped by ``overhead_cap`` it still lowered the simulator's adaptive throughput (3.498
-    # vs 3.510 per node). It did help this corpus's leave-one-job-out MAPE (learned, capped: 30.5%,
+    # vs 3.510 per node). It did help that corpus's leave-one-job-out MAPE (learned, capped: 30.5%,
     # 29.8%, 25.0% with it against 31.8%, 29.4%, 31.2% without, starts 2w/2c, 1w/1c, 4w/0.5c), which
     # says more about this VM's main-process starvation than about jobs in general. m is measured or 0.
     m_frac = 0.0
