@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -88,6 +89,45 @@ FAKE_TRAINER = textwrap.dedent('''
     finally:
         loader.close()
 ''')
+
+
+class FakeRouter:
+    """A real ROUTER on an ipc socket, served by a thread: each request is decoded, kept in
+    ``received``, and answered with the raw frames ``reply(msg)`` returns (none: no answer)."""
+
+    def __init__(self, path: str):
+        import zmq
+
+        self.endpoint = f"ipc://{path}"
+        self.received: list[dict] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def reply(self, msg: dict) -> list[bytes]:
+        raise NotImplementedError
+
+    def _serve(self):
+        from adloader import protocol
+
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, data = self._sock.recv_multipart()
+            msg = protocol.decode(data)
+            self.received.append(msg)
+            for frame in self.reply(msg):
+                self._sock.send_multipart([ident, frame])
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
 
 
 def short_dir() -> str:

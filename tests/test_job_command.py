@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
-import zmq
 
 from adloader import protocol
 from agent.commands.job import JobSpecError, parse_cpus_per_node, parse_gpus, slurm_job
+from tests.agentd_support import FakeRouter
 from tests.conftest import adloader_cmd, repo_env
 
 BOUND_S = 10.0  # "returns within a few seconds", loosely, on a noisy shared machine
@@ -79,35 +78,23 @@ def test_release_needs_only_id_and_uid():
 # --- component: agents that answer, refuse, hang or are absent --------------------------------------
 
 
-class FakeAgent:
-    """A real ROUTER on an ipc socket, answering like the agent's documented behaviour: register -> ok
-    (a second register of the same job -> ok "already registered"); release of an unknown job ->
-    error unknown_job; ``refuse`` -> error not_permitted for everything; ``hang`` -> never answers.
-    ``messages`` records every decoded request."""
+class FakeAgent(FakeRouter):
+    """Answers like the agent's documented behaviour: register -> ok (a second register of the same
+    job -> ok "already registered"); release of an unknown job -> error unknown_job; ``refuse`` ->
+    error not_permitted for everything; ``hang`` -> never answers. ``messages`` records every decoded
+    request."""
 
     def __init__(self, path: str, mode: str = "answer"):
-        self.endpoint = f"ipc://{path}"
         self.mode = mode
-        self.messages: list[dict] = []
         self.jobs: set[str] = set()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path)
 
-    def _serve(self):
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, data = self._sock.recv_multipart()
-            msg = protocol.decode(data)
-            self.messages.append(msg)
-            if self.mode == "hang":
-                continue
-            self._sock.send_multipart([ident, protocol.encode(self._answer(msg))])
+    @property
+    def messages(self) -> list[dict]:
+        return self.received
+
+    def reply(self, msg: dict) -> list[bytes]:
+        return [] if self.mode == "hang" else [protocol.encode(self._answer(msg))]
 
     def _answer(self, msg: dict) -> dict:
         t, job = msg["type"], msg.get("job")
@@ -121,12 +108,6 @@ class FakeAgent:
             return protocol.error("unknown_job", f"job {job} is not registered", re=t)
         self.jobs.discard(job)
         return protocol.make("ok", re=t)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
-        self._ctx.term()
 
 
 @pytest.fixture

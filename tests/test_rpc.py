@@ -3,45 +3,28 @@ ipc socket that answers with scripted frames. Component tier (real ZeroMQ socket
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
-import zmq
 
 from adloader import protocol
 from agent import rpc
+from tests.agentd_support import FakeRouter
 
 
-class ScriptedAgent:
-    """A ROUTER that answers each request with the next list of raw frames from ``script`` (an empty
-    list: no answer at all)."""
+class ScriptedAgent(FakeRouter):
+    """Answers each request with the next list of raw frames from ``script`` (an empty list: no
+    answer at all)."""
 
     def __init__(self, path: str, script: list[list[bytes]]):
-        self.endpoint = f"ipc://{path}"
         self.script = list(script)
-        self.requests: list[dict] = []
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path)
 
-    def _serve(self):
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, data = self._sock.recv_multipart()
-            self.requests.append(protocol.decode(data))
-            for frame in (self.script.pop(0) if self.script else []):
-                self._sock.send_multipart([ident, frame])
+    @property
+    def requests(self) -> list[dict]:
+        return self.received
 
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
-        self._ctx.term()
+    def reply(self, msg: dict) -> list[bytes]:
+        return self.script.pop(0) if self.script else []
 
 
 @pytest.fixture
