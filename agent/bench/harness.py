@@ -436,14 +436,14 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             elif rel >= sc.warmup_s + sc.measure_s:
                 break
         end_t = time.monotonic()
-        if agent is not None:
-            agent_status = query_status(cfg, endpoint, run_dir)
-        if agent is not None and agent_cpu:
+        if agent is not None and agent_cpu:   # before the status query below, which the agent works for
             try:
                 t = psutil.Process(agent.pid).cpu_times()
                 agent_cpu.update(t1=end_t, cpu1=t.user + t.system)
             except psutil.Error:
                 pass
+        if agent is not None:
+            agent_status = query_status(cfg, endpoint, run_dir)
     finally:
         for p in hogs:
             p.stop(grace_s=0.5)
