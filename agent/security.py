@@ -86,8 +86,8 @@ def pid_uid(pid: int) -> Optional[int]:
         return None
 
 
-def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int]]:
-    """(state, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone.
+def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int, int]]:
+    """(state, parent pid, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone.
     The command name may hold spaces and parentheses: split at the last ')' (proc(5))."""
     try:
         with open(f"{proc_root}/{pid}/stat", "rb") as f:
@@ -96,7 +96,7 @@ def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int]]:
         return None
     try:
         rest = data[data.rindex(b")") + 2:].split()
-        return rest[0].decode(), int(rest[19])
+        return rest[0].decode(), int(rest[1]), int(rest[19])
     except (ValueError, IndexError):
         return None
 
@@ -105,7 +105,7 @@ def pid_start_ticks(pid: int) -> Optional[int]:
     """The process's start time (clock ticks since boot): with the pid, a process identity that
     survives pid reuse. None if the process is gone."""
     st = _stat(pid)
-    return st[1] if st is not None else None
+    return st[2] if st is not None else None
 
 
 def alive(pid: int, start_ticks: Optional[int]) -> bool:
@@ -114,7 +114,7 @@ def alive(pid: int, start_ticks: Optional[int]) -> bool:
     st = _stat(pid)
     if st is None or st[0] in ("Z", "X", "x"):
         return False
-    return start_ticks is None or st[1] == start_ticks
+    return start_ticks is None or st[2] == start_ticks
 
 
 def ns_pids(pid: int, proc_root: str = "/proc") -> Optional[tuple[int, ...]]:
@@ -143,15 +143,6 @@ def host_pid(claimed: int, peer_pid: int, proc_root: str = "/proc") -> Optional[
     return None
 
 
-def _ppid(pid: int, proc_root: str) -> Optional[int]:
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def descendants(pid: int, proc_root: str = "/proc") -> list[int]:
     """Every live descendant of ``pid`` (children, their children, ...), from the parent pids in
     ``<proc_root>/*/stat`` (what psutil's ``children(recursive=True)`` reads, with the root a parameter)."""
@@ -162,9 +153,9 @@ def descendants(pid: int, proc_root: str = "/proc") -> list[int]:
     children: dict[int, list[int]] = {}
     for name in names:
         if name.isdigit():
-            parent = _ppid(int(name), proc_root)
-            if parent is not None:
-                children.setdefault(parent, []).append(int(name))
+            st = _stat(int(name), proc_root)
+            if st is not None:
+                children.setdefault(st[1], []).append(int(name))
     out, todo, seen = [], [pid], {pid}
     while todo:
         for c in children.get(todo.pop(), ()):
