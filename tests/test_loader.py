@@ -408,6 +408,20 @@ def test_other_start_methods(method):
     dl.close()
 
 
+def test_result_channel_many_tensors_views_empty_and_large_payloads():
+    got = list(DataLoader(Awkward(), batch_size=2, num_workers=2, collate_fn=collate_keep_views))
+    assert len(got) == 3
+    for b, batch in enumerate(got):
+        i0 = 2 * b
+        assert [int(t[0]) for t in batch["many"][:3]] == [i0 * 1000, i0 * 1000 + 1, i0 * 1000 + 2]
+        assert len(batch["many"]) == 600 and int(batch["many"][-1][0]) == (i0 + 1) * 1000 + 299
+        assert batch["a_view"].data_ptr() == batch["a"].data_ptr()     # one storage, still shared
+        batch["a"][0, 0] = -1
+        assert int(batch["a_view"][0]) == -1
+        assert batch["empty"].numel() == 0
+        assert batch["big"].shape == (2, 300_000) and float(batch["big"][1, -1]) == i0 + 1
+
+
 def _fake_module(name, **fns):
     import types
 
