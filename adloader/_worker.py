@@ -181,7 +181,9 @@ class MessageReader:
 
     def read_available(self) -> list:
         """Every complete message now readable, as (header, payload) pairs; payload is NO_PAYLOAD,
-        the rebuilt object, or a PayloadError. Raises EOFError when the worker's end is closed."""
+        the rebuilt object, or a PayloadError. Raises EOFError when the worker's end is closed and no
+        complete message came before the close in this call (those are returned first: a worker that
+        sent its last results and exited loses none of them; the next call raises)."""
         out = []
         while True:
             try:
@@ -190,6 +192,9 @@ class MessageReader:
             except (BlockingIOError, InterruptedError):
                 return out
             except ConnectionResetError:
+                self._discard()
+                if out:
+                    return out
                 raise EOFError("worker socket reset") from None
             fds = []
             for level, kind, anc in ancdata:
@@ -201,6 +206,8 @@ class MessageReader:
                 for fd in fds:
                     os.close(fd)
                 self._discard()
+                if out:
+                    return out
                 raise EOFError("worker socket closed")
             self.parts.append(data[1:])
             self.fds.extend(fds)

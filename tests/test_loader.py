@@ -422,6 +422,25 @@ def test_result_channel_many_tensors_views_empty_and_large_payloads():
         assert batch["big"].shape == (2, 300_000) and float(batch["big"][1, -1]) == i0 + 1
 
 
+def test_result_reader_returns_messages_sent_before_the_worker_closed():
+    """A worker that sends its last results and exits: both arrive, then the close is reported."""
+    import socket
+
+    from adloader._worker import MessageReader, send_message
+
+    r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    send_message(w, ("result", 0, 1), torch.arange(3))
+    send_message(w, ("result", 0, 2), torch.arange(4))
+    w.close()
+    reader = MessageReader(r)
+    got = reader.read_available()
+    assert [h for h, _ in got] == [("result", 0, 1), ("result", 0, 2)]
+    assert [p.tolist() for _, p in got] == [[0, 1, 2], [0, 1, 2, 3]]
+    with pytest.raises(EOFError):
+        reader.read_available()
+    r.close()
+
+
 def _fake_module(name, **fns):
     import types
 
