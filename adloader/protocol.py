@@ -140,12 +140,13 @@ def encode(msg: dict) -> bytes:
     return data
 
 
-def decode(data: bytes) -> dict:
-    """Parse and validate one frame. Raises only ``ProtocolError``."""
+def decode(data: bytes, max_bytes: int | None = MAX_MESSAGE_BYTES) -> dict:
+    """Parse and validate one frame. Raises only ``ProtocolError``. ``max_bytes`` None: no size limit
+    (a command reading the agent's status document, which may exceed a message's limit)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("malformed", f"a frame must be bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
         msg = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

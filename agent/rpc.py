@@ -20,7 +20,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Optional
@@ -93,8 +92,8 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
             except zmq.Again:
                 continue
             try:
-                reply = protocol.validate(json.loads(bytes(raw).decode("utf-8")))
-            except (UnicodeDecodeError, ValueError, RecursionError, protocol.ProtocolError) as e:
+                reply = protocol.decode(raw, max_bytes=max_reply_bytes)
+            except protocol.ProtocolError as e:
                 raise BadReply(f"unreadable reply from agent at {endpoint}: {e}") from None
             if reply.get("re") not in (None, want):
                 continue  # meant for another request
