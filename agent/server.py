@@ -194,10 +194,10 @@ class Server:
 
     def _handle(self, frames, now: float) -> None:
         identity = frames[0].bytes
-        peer = security.peer_of(frames[-1])
         if not self.buckets.take(identity, now):
             self._limited(identity, now, f"more than {security.RATE_PER_S:g} messages/s from this connection")
             return
+        peer = security.peer_of(frames[-1])   # (after the per-connection bucket: a flood pays for no parse)
         # a second bucket per uid: one user rotating identities cannot flood either (root exempt)
         if peer is not None and not peer.root and not self.uid_buckets.take(b"uid:%d" % peer.uid, now):
             self._limited(identity, now, f"more than {security.UID_RATE_PER_S:g} messages/s from uid {peer.uid}")
