@@ -288,10 +288,9 @@ class WorkerPool:
                 if isinstance(payload, PayloadError):
                     # Tensors arrive as file descriptors with the message; anything else that
                     # cannot be rebuilt here is the caller's error for that batch.
-                    try:
-                        raise payload.error
-                    except Exception:
-                        payload = RemoteError(where=f"while receiving a batch from DataLoader worker {slot.wid}")
+                    e = payload.error
+                    payload = RemoteError((type(e), e, e.__traceback__),
+                                          where=f"while receiving a batch from DataLoader worker {slot.wid}")
                     msg = msg[:3] + (False,) + msg[4:]
                 self._deaths_without_progress = 0
                 # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)

@@ -425,7 +425,6 @@ class WorkerSpec:
     drop_last: bool
     collate_fn: Callable
     worker_init_fn: Callable | None
-    main_pid: int               # informational (the training process)
 
 
 def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:

@@ -462,7 +462,7 @@ class DataLoader(tud.DataLoader):
             import importlib
 
             disabled = bool(importlib.import_module("adloader.env").disabled())
-        except Exception:       # ImportError until adloader.env lands; never break training
+        except Exception:       # never break training over the hook
             disabled = False
         if not disabled:
             self._call_hook("adloader.client", "attach")
@@ -592,8 +592,7 @@ class _ElasticIter:
         spec = WorkerSpec(
             wid=0, num_workers=core.target, base_seed=self._base_seed, dataset=cfg.dataset,
             iterable=cfg.iterable, auto_collation=cfg.auto_collation, batch_size=cfg.batch_size,
-            drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn,
-            main_pid=os.getpid())
+            drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn)
         target = self._epoch_workers if cfg.iterable else core.target
         pool = WorkerPool(ctx=cfg.mp_context, spec=spec, target=target, max_workers=core.max_workers,
                           counters=self._counters)
