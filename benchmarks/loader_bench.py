@@ -229,12 +229,13 @@ def resize_latency(method: str, *, grows: int, base: int, step_s: float = 0.010)
             grow_ms.append((stamps[new] - t0) * 1e3 if stamps[new] else float("nan"))
             time.sleep(0.2)
             pids = set(dl.worker_pids())
+            assert len(pids) == base + 1
             t0 = time.monotonic()
             dl.resize(base)
+            deadline = t0 + 30
             while len(dl.worker_pids()) > base and time.monotonic() < deadline:
                 time.sleep(0.0005)
             shrink_ms.append((time.monotonic() - t0) * 1e3)
-            assert len(pids) == base + 1
             time.sleep(0.1)
     finally:
         stop.set()
