@@ -77,7 +77,7 @@ class Job:
     registered: bool = False
     reg_gpus: tuple[str, ...] = ()
     reg_cpus: Optional[int] = None
-    reg_pids: dict[int, Optional[int]] = field(default_factory=dict)   # pid -> create time
+    reg_pids: dict[int, Optional[int]] = field(default_factory=dict)   # pid -> start ticks (security.pid_start_ticks)
     ranks: dict[int, Rank] = field(default_factory=dict)
     seq: int = 0                           # last directive seq sent
     last_directive: Optional[dict] = None

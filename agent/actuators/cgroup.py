@@ -304,11 +304,12 @@ class CgroupActuator:
         parts = self.base.split("/")
         for i in range(len(parts)):                # the root and every ancestor of <own>
             self._enable_v2_controllers("/".join(parts[:i]))
-        if h.procs(self.base):
+        own = h.procs(self.base)
+        if own:
             leaf = f"{self.base}/{V2_AGENT_LEAF}"
             if h.mkdir(leaf):
                 self._leaf = leaf
-            for pid in h.procs(self.base):
+            for pid in own:
                 try:
                     h.move(leaf, pid)
                 except JobGone:
