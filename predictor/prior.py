@@ -42,6 +42,7 @@ SATURATED_UTIL = 0.85       # workers busy at least this fraction of the window:
 LOADER_BOUND_WAIT = 0.05    # ... and the training loop waited at least this fraction of its step for data
 SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
+TERMS_AMBIGUOUS = 0.05      # a window whose two loader terms are this close votes on both corrections
 CORE_BINDS = 0.8            # a corpus point informs theta_c where c / cores >= this * the other terms
 
 
@@ -139,6 +140,16 @@ class Prior:
             t = o.step_s
             xw, xc = (c + b) / o.workers, (c / o.cores if c > 0 else 0.0)
             key = (o.workers, round(o.cores, 3))
+            tw, tc = xw / kw0, xc / kc0
+            if xc > 0 and max(tw, tc) <= min(tw, tc) * (1 + TERMS_AMBIGUOUS):
+                # both loader terms bind within a few percent: the window cannot say which one its
+                # shortfall belongs to, so it scales both (one factor), and the curve keeps first
+                # principles' ratio between them (no gain promised along either axis alone)
+                k = _common_k(t, p, base, tw, tc, g + m)
+                if k > 0:
+                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, kw0 * k))))
+                    per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, kc0 * k))))
+                continue
             # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
             # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
             if xc / kc0 >= xw / kw0 and xc > 0:      # cores bind: solve for core_correction
@@ -222,6 +233,16 @@ def _theta_to_k(theta: float, p: float) -> float:
     if theta == 1.0 or p <= 0:
         return 1.0
     return theta ** (-1.0 / p) if theta > 0 else K_MAX
+
+
+def _common_k(t: float, p: float, base: float, tw: float, tc: float, gm: float) -> float:
+    """The one factor k that, dividing both loader time terms tw and tc, explains a window's step t
+    (0: nothing left for them to explain). Soft minimum: t^p = (g + m)^p + (tw^p + tc^p) / k^p;
+    hard minimum: max(tw, tc) / k = t, provided the step's compute g + m does not already explain t."""
+    if p > 0:
+        r = t ** p - base
+        return ((tw ** p + tc ** p) / r) ** (1.0 / p) if r > 0 else 0.0
+    return max(tw, tc) / t if t > gm * (1 + 1e-9) else 0.0
 
 
 def _rest(t: float, p: float, base: float, other: float, gm: float) -> float:

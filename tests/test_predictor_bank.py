@@ -48,6 +48,28 @@ def test_first_principles_knee_from_one_window():
     assert io.throughput(4, 1.0) > io.throughput(1, 1.0)
 
 
+def test_a_shortfall_where_both_loader_terms_bind_promises_no_gain_along_one_axis():
+    # one worker on one core, CPU-bound preprocessing (blocked time ~1% of a batch): the worker term
+    # (c + b) / 1 and the core term c / 1 are within 1%, and the window measured 5% below both. The
+    # window cannot say which term fell short, so the curve must not promise that a second worker (or a
+    # second core, alone) buys more than first principles' 1% gap: the autotuner would hop to 2 workers
+    # on one core and back (found on CI). A window where one term clearly binds still corrects only it.
+    bank = PredictorBank(prior="default")     # learns corrections from the job's own windows
+    c, b, g = 0.0198, 0.0002, 0.0058
+    step = (c + b) / 0.95
+    bank.observe("j", obs(workers=1, cores=1.0, g=g, c=c, b=b, wait=step - g, bs=16))
+    cur = bank.curve("j")
+    measured = 16 / step
+    assert cur.throughput(1, 1.0) == pytest.approx(measured, rel=0.05)
+    assert cur.throughput(2, 1.0) < 1.02 * cur.throughput(1, 1.0)
+    assert cur.throughput(1, 2.0) < 1.02 * cur.throughput(1, 1.0)
+    assert cur.knee_workers(1.0) == 1
+    # workers clearly bind (b = 4 c): the shortfall is the workers' and more workers still help
+    bank.observe("io", obs(workers=1, cores=1.0, g=g, c=c, b=4 * c, wait=5 * c / 0.95 - g, bs=16))
+    io = bank.curve("io")
+    assert io.throughput(2, 1.0) > 1.5 * io.throughput(1, 1.0)
+
+
 def test_jobs_are_independent():
     bank = PredictorBank(prior=None)
     bank.observe("a", obs(c=0.2))
