@@ -17,7 +17,10 @@ Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` w
 after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
 dropped), only for a predicted gain of at least ``HYSTERESIS`` (or to shed workers that the curve says
 add less than that), and it never returns to a count it left within ``TABU_WINDOWS`` windows unless the
-measured throughput there was better: it settles instead of oscillating; nor to a count that measured worse than the current one.
+measured throughput there was better, nor to a count that measured worse than the current one; and
+each time it turns back between two counts, the predicted gain that justifies another move between
+them doubles (and the loss it accepts to shed a worker halves): it settles instead of oscillating,
+even where noise moves the curve's knee back and forth.
 Never raises into training.
 """
 from __future__ import annotations
@@ -160,6 +163,8 @@ class AutoTuner:
     left_at: dict = field(default_factory=dict)      # count -> window index when we left it
     measured: dict = field(default_factory=dict)     # count -> best measured samples/s there
     history: list = field(default_factory=list)      # (window index, count) for every move
+    came_from: int | None = None                     # the count before the last move
+    reversals: dict = field(default_factory=dict)    # (low, high) -> times the tuner turned back between them
 
     def __post_init__(self):
         if self.bank is None:
@@ -182,15 +187,20 @@ class AutoTuner:
         want = max(1, min(self.cap, curve.knee_workers(self.cpus)))
         if want == self.current:
             return None
-        now_pred = curve.throughput(self.current, self.cpus)
-        want_pred = curve.throughput(want, self.cpus)
         if want > self.current:
-            if now_pred > 0 and want_pred < now_pred * (1 + HYSTERESIS):
-                return None
             # at most double per move: the curve is refined at each count on the way
             want = min(want, max(self.current + 1, 2 * self.current))
+        now_pred = curve.throughput(self.current, self.cpus)
+        want_pred = curve.throughput(want, self.cpus)
+        # every time the tuner has turned back between these two counts, the predicted difference
+        # that justifies another move between them doubles (growing) or halves (shedding): measurement
+        # noise on a flat stretch of the curve cannot keep it hopping; a real change of phase can
+        h = HYSTERESIS * 2.0 ** min(self.reversals.get(_pair(self.current, want), 0), 10)
+        if want > self.current:
+            if now_pred > 0 and want_pred < now_pred * (1 + h):
+                return None
         else:
-            if want_pred < now_pred * (1 - HYSTERESIS):
+            if want_pred < now_pred * (1 - HYSTERESIS * HYSTERESIS / h):
                 return None
         here = self.measured.get(self.current, 0.0)
         if want in self.measured and self.measured[want] < here * (1 - HYSTERESIS):
@@ -200,11 +210,19 @@ class AutoTuner:
             # we were there recently: go back only if it measured better than here
             if self.measured.get(want, 0.0) <= self.measured.get(self.current, 0.0) * (1 + HYSTERESIS):
                 return None
+        if want == self.came_from:
+            key = _pair(self.current, want)
+            self.reversals[key] = self.reversals.get(key, 0) + 1
+        self.came_from = self.current
         self.left_at[self.current] = self.n_windows
         self.history.append((self.n_windows, want))
         self.current = want
         self.windows_here = 0
         return want
+
+
+def _pair(a: int, b: int) -> tuple[int, int]:
+    return (a, b) if a < b else (b, a)
 
 
 # -- the thread -----------------------------------------------------------------------------------

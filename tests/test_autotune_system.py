@@ -1,6 +1,7 @@
 """``num_workers="auto"`` on a real job (component tier): real adloader.DataLoader, real worker
-processes, real JPEG decode, the process confined to ONE CPU by affinity (so the tuner's CPU bound is
-exercised), 1-second windows. Needs the elastic loader; skipped with a reason when it is not importable.
+processes, real JPEG decode, the process confined to ONE CPU by affinity, or (root, cgroup v1 cpu
+controller) to half a CPU by a real CFS quota in a group of its own, so the tuner's CPU bound is
+exercised; 1-second windows. Needs the elastic loader; skipped with a reason when it is not importable.
 """
 import json
 import os
@@ -14,7 +15,8 @@ from tests.conftest import REPO, repo_env
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, time
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})      # one CPU for the whole job
+    if sys.argv[5] == "pin":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU for the whole job
     import torch
     from adloader import DataLoader, autotune
     from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
@@ -47,13 +49,20 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0):
+def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None):
+    """Run the job; pinned to one CPU, or (``cgroup_procs``: a cgroup.procs file) started in that group."""
     pytest.importorskip("adloader.dataloader", reason="the elastic adloader.DataLoader has not landed yet")
     script = tmp_path / "auto_job.py"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(io_sleep_s), str(aug), str(step_s), str(run_s)],
+
+    def join_group():
+        with open(cgroup_procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    out = subprocess.run([sys.executable, str(script), str(io_sleep_s), str(aug), str(step_s), str(run_s),
+                          "group" if cgroup_procs else "pin"],
                          env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO, capture_output=True, text=True,
-                         timeout=run_s + 60)
+                         timeout=run_s + 60, preexec_fn=join_group if cgroup_procs else None)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -84,3 +93,63 @@ def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path):
     assert res["start_workers"] == 1
     assert max(w for _t, w, _r in trace) <= 2, trace
     assert len(_settled(trace, 5.0)) == 1, trace
+
+
+CPU_ROOT = "/sys/fs/cgroup/cpu"
+
+
+def _quota_skip_reason():
+    if os.geteuid() != 0:
+        return "needs root to create a cgroup with a CPU quota"
+    from agent import cgroupfs
+    return cgroupfs.v1_controller_available("/sys/fs/cgroup", "cpu")
+
+
+@pytest.fixture
+def half_cpu_group():
+    """A real cgroup v1 cpu group with a CFS quota of 0.5 CPU, removed afterwards (its tasks moved out)."""
+    why = _quota_skip_reason()
+    if why:
+        print(f"skipping: {why}", file=sys.stderr)
+        pytest.skip(why)
+    group = os.path.join(CPU_ROOT, f"adloader-test-{os.getpid()}-auto")
+    os.makedirs(group, exist_ok=True)
+    try:
+        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
+            f.write("100000")
+        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+            f.write("50000")
+        yield os.path.join(group, "cgroup.procs")
+    finally:
+        with open(os.path.join(group, "cgroup.procs")) as f:
+            left = f.read().split()
+        for pid in left:
+            try:
+                with open(os.path.join(CPU_ROOT, "cgroup.procs"), "w") as f:
+                    f.write(pid)
+            except OSError:
+                pass
+        os.rmdir(group)
+
+
+def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_within_the_quota_bound(tmp_path, half_cpu_group):
+    # no affinity pin: the only bound is the group's 0.5-CPU quota, which the loader must read itself
+    # (os.cpu_count() would say 2). Blocked time justifies workers beyond cores, up to 4 per quota CPU.
+    res = _run(tmp_path, io_sleep_s=0.005, aug=1, step_s=0.02, run_s=30.0, cgroup_procs=half_cpu_group)
+    trace = res["trace"]
+    assert res["usable_cpus"] == 0.5
+    assert res["start_workers"] == 1
+    assert res["tuner"]["cap"] == 4                          # 4 x ceil(0.5 CPU), not the max_workers of 8
+    assert max(w for _t, w, _r in trace) <= 4, trace
+    assert 3 <= trace[-1][1] <= 4, (trace, res["tuner"])
+    assert len(_settled(trace, 20.0)) == 1, (trace, res["tuner"])   # settled within ~20 s, then stays
+    first_rate = max(r for t, w, r in trace if w == res["start_workers"])
+    end_rate = sorted(r for t, w, r in trace[-4:])[1]
+    assert end_rate > 1.8 * first_rate, trace
+
+
+def test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker(tmp_path, half_cpu_group):
+    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=half_cpu_group)
+    trace = res["trace"]
+    assert res["usable_cpus"] == 0.5
+    assert {w for _t, w, _r in trace} == {1}, (trace, res["tuner"])
