@@ -84,6 +84,7 @@ class WorkerPool:
         self.slots: dict[int, _Slot] = {}
         self.fatal: BaseException | RemoteError | None = None
         self._closed = False
+        self._owner_pid = os.getpid()       # shutdown acts only here, never in a forked copy
         self._backlog: deque[bytes] = deque()
         self._deaths_without_progress = 0
         self._rr = 0
@@ -370,7 +371,11 @@ class WorkerPool:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 0.5) -> None:
-        """Stop every worker: ask, then terminate, then kill; close every channel. Idempotent."""
+        """Stop every worker: ask, then terminate, then kill; close every channel. Idempotent.
+        A no-op in a process forked from the owner (a worker of another loader, a user's subprocess)
+        that drops its copy of the pool: the workers and channels are the owner's, not its own."""
+        if os.getpid() != self._owner_pid:
+            return
         with self.lock:
             if self._closed:
                 return

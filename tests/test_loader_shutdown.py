@@ -80,3 +80,37 @@ def test_workers_exit_when_the_training_process_is_killed(method):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+FORKED = textwrap.dedent("""
+    import gc, json, os, sys
+    import torch
+    from adloader import DataLoader
+    from tests.test_loader_data import Indexed
+    dl = DataLoader(Indexed(400), batch_size=4, num_workers=2)
+    it = iter(dl)
+    got = [int(x) for x in next(it)]
+    pids = dl.worker_pids()
+    child = os.fork()
+    if child == 0:
+        # a process forked from the training process (a worker of another loader, a user's
+        # subprocess) drops its copy of the loader: it must not shut down the parent's workers
+        del it, dl
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    for i, b in enumerate(it):
+        got += [int(x) for x in b]
+        if i == 50:
+            same = dl.worker_pids() == pids        # (the epoch's end stops them: compare before)
+    print(json.dumps({"exact": got == list(range(400)), "same_workers": same, "child_status": status}))
+""")
+
+
+def test_a_forked_copy_of_a_loader_leaves_the_parents_workers_alone():
+    out = subprocess.run([sys.executable, "-c", FORKED], env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"exact": True, "same_workers": True, "child_status": 0}, out.stderr
+    assert "Traceback" not in out.stderr and "died" not in out.stderr, out.stderr
