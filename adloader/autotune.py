@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,7 +235,8 @@ _tuners: dict[int, "_Thread"] = {}
 class _Thread(threading.Thread):
     def __init__(self, loader, cpus: float, window_s: float):
         super().__init__(name="adloader-autotune", daemon=True)
-        self.loader = loader
+        self.loader_ref = weakref.ref(loader)   # weak: a loader the script drops is collected, and we stop
+        self.key = id(loader)
         self.stop_event = threading.Event()
         self.window_s = window_s
         cap = worker_cap(cpus, getattr(loader, "max_workers", None))
@@ -242,18 +244,28 @@ class _Thread(threading.Thread):
 
     def run(self) -> None:
         try:
-            prev = self.loader.stats()
-            while not self.stop_event.wait(self.window_s):
-                cur = self.loader.stats()
+            loader = self.loader_ref()
+            prev = loader.stats() if loader is not None else None
+            loader = None
+            while prev is not None and not self.stop_event.wait(self.window_s):
+                loader = self.loader_ref()
+                if loader is None:
+                    break
+                cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
                 prev = cur
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
                 want = self.tuner.window(obs)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
-                    self.loader.resize(want)
+                    loader.resize(want)
+                loader = None
         except Exception as e:  # never into training: the loader keeps its current count
             log.warning("adloader autotune stopped: %s", e)
+        finally:
+            with _lock:
+                if _tuners.get(self.key) is self:
+                    del _tuners[self.key]
 
 
 def initial_workers(loader) -> int:
@@ -272,7 +284,7 @@ def attach(loader, window_s: float | None = None) -> None:
     try:
         with _lock:
             t = _tuners.get(id(loader))
-            if t is not None and t.is_alive() and t.loader is loader:
+            if t is not None and t.is_alive() and t.loader_ref() is loader:
                 return
             t = _Thread(loader, usable_cpus(), window_s or WINDOW_S)
             _tuners[id(loader)] = t

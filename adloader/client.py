@@ -66,9 +66,12 @@ def attach(loader: Any) -> None:
         if env.disabled():
             return
         with _lock:
-            if _client is None or _client.pid != os.getpid():
-                # a client inherited through fork is abandoned untouched (its thread does not exist here)
-                _client = _Client()
+            if _client is None or _client.pid != os.getpid() or _client.stopped():
+                # a client inherited through fork is abandoned untouched (its thread does not exist
+                # here); a stopped one (its loaders were all dropped without close()) is replaced, and
+                # the new one lets the old thread finish its bye before saying hello
+                previous = _client if _client is not None and _client.pid == os.getpid() else None
+                _client = _Client(previous)
             _client.add(loader)
     except Exception:  # never into training
         log.debug("adloader client: attach failed", exc_info=True)
@@ -94,7 +97,7 @@ def state() -> dict:
     """A snapshot of this process's client, for tests and ``adloader profile``: connected, endpoint,
     job, rank, directives applied, last directive, reports sent/dropped."""
     c = _client
-    if c is None or c.pid != os.getpid():
+    if c is None or c.pid != os.getpid() or c.stopped():
         return {"active": False}
     return c.snapshot()
 
@@ -111,7 +114,8 @@ def _finite(obj: Any) -> Any:
 
 
 class _Client:
-    def __init__(self) -> None:
+    def __init__(self, previous: Optional["_Client"] = None) -> None:
+        self._previous = previous
         self.pid = os.getpid()
         self.endpoint = env.endpoint()
         self.job = env.job_id()
@@ -169,6 +173,9 @@ class _Client:
 
     # --- the background thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        if self._previous is not None:       # its bye goes out before our hello
+            self._previous.join(DETACH_WAIT_S)
+            self._previous = None
         try:
             import zmq
         except Exception:
@@ -192,6 +199,9 @@ class _Client:
         recheck_s = RECHECK_S
         while not self._stop.is_set():
             if path is not None and not os.path.exists(path):
+                if self._primary() is None:     # every loader dropped while no agent was there
+                    self._stop.set()
+                    break
                 self._stop.wait(recheck_s)
                 recheck_s = min(RECHECK_MAX_S, recheck_s * 2)
                 continue
@@ -252,6 +262,9 @@ class _Client:
                     log.debug("adloader client: agent silent for %.1fs; reconnecting", now - last_heard)
                     self._set(connected=False)
                     return hello_retry_s
+                # hold the loader only while using it: the client keeps weak references, so a loader
+                # the training script drops (without close()) can be collected and its workers stop
+                loader = None
                 wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
                 if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
                     while True:
@@ -277,10 +290,13 @@ class _Client:
                         elif t == "directive":
                             if msg["seq"] > last_seq:
                                 last_seq = msg["seq"]
-                                if not autotune_detached:
-                                    _detach_autotune(loader)
-                                    autotune_detached = True
-                                self._apply(loader, msg)
+                                target = self._primary()
+                                if target is not None:
+                                    if not autotune_detached:
+                                        _detach_autotune(target)
+                                        autotune_detached = True
+                                    self._apply(target, msg)
+                                target = None
                         elif t == "error":
                             pause = self._on_error(msg)
                             if pause is not None:

@@ -145,3 +145,35 @@ def test_initial_workers_and_cap():
     assert autotune.initial_workers(L()) == 1
     assert autotune.worker_cap(2.0, None) == 8
     assert autotune.worker_cap(2.0, 3) == 3
+
+
+def test_a_dropped_loader_is_collected_and_its_tuner_thread_ends():
+    # the tuner holds its loader weakly: a loader the script drops without close() is collected
+    # (before, the thread kept it alive, and kept tuning it, for the life of the process)
+    import gc
+    import threading
+    import weakref
+
+    class Loader:
+        num_workers, max_workers = 1, None
+
+        def stats(self):
+            return _totals(0, 0, 0, 1, 1.0)
+
+        def resize(self, n):
+            self.num_workers = n
+
+    def tuner_threads():
+        return {t for t in threading.enumerate() if t.name == "adloader-autotune"}
+
+    before = tuner_threads()
+    lo = Loader()
+    autotune.attach(lo, window_s=0.02)
+    ours = tuner_threads() - before
+    assert len(ours) == 1
+    ref = weakref.ref(lo)
+    del lo
+    gc.collect()
+    assert ref() is None
+    ours.pop().join(2.0)
+    assert not (tuner_threads() - before)

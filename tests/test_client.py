@@ -84,6 +84,9 @@ def endpoint_env(base, monkeypatch):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    # each test gets the client of its own endpoint: loaders of earlier tests in this process (made
+    # without an agent, not closed) may still hold one pointed at the default socket
+    monkeypatch.setattr(client, "_client", None)
     yield ep
 
 
@@ -134,6 +137,34 @@ def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch)
         assert client.state() == {"active": False}
     finally:
         _detach_all(lo)
+        agent.close()
+
+
+def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
+    # a loader garbage-collected without close(): the client thread finds no loader, says bye and
+    # stops. A loader made afterwards in the same process must get a client that works (it used to be
+    # added to the stopped one and never said hello: the agent never saw that job again).
+    import gc
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    first, second = Loader(), Loader(workers=3)
+    try:
+        client.attach(first)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+        agent.recv("report")
+        del first
+        gc.collect()
+        agent.recv("bye")
+        client.attach(second)
+        ident2, hello = agent.recv("hello")
+        assert hello["workers"] == 3 and ident2 != ident
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="r"))
+        wait_for(lambda: second.resizes == [2], what="the new loader's directive applied")
+    finally:
+        _detach_all(second)
         agent.close()
 
 
@@ -197,6 +228,26 @@ def test_silent_without_agent_and_disabled(base, endpoint_env, monkeypatch):
     client.attach(lo)
     assert client.state() == {"active": False}
     client.detach(lo)
+
+
+def test_without_an_agent_the_client_thread_ends_when_its_loaders_are_dropped(base, endpoint_env, monkeypatch):
+    import gc
+
+    monkeypatch.setattr(client, "RECHECK_S", 0.05)
+    monkeypatch.setattr(client, "RECHECK_MAX_S", 0.1)
+    def client_threads():
+        return {t for t in threading.enumerate() if t.name == "adloader-client" and t.is_alive()}
+
+    before = client_threads()
+    lo = Loader()
+    client.attach(lo)
+    ours = client_threads() - before
+    assert len(ours) == 1 and client.state()["active"]
+    del lo
+    gc.collect()
+    wait_for(lambda: client.state() == {"active": False}, what="the client to stop after its loader went")
+    ours.pop().join(2.0)
+    assert not (client_threads() - before)
 
 
 def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
