@@ -50,12 +50,30 @@ def tiny_catalog(tmp_path):
     return str(p)
 
 
+def _live_children() -> set:
+    out = set()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
+                out.add(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _no_children_left():
-    me = psutil.Process()
-    return [c for c in me.children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    """Processes under this one that the last ``_run`` started and left alive. (Children that were
+    there before it are not its own: multiprocessing's resource tracker and forkserver, which earlier
+    tests in this process started and which live until the interpreter exits.)"""
+    return sorted((c.pid for c in _live_children() - _before_run), key=int)
+
+
+_before_run: set = set()
 
 
 def _run(tmp_path, catalog, scenario, policies, **kw):
+    global _before_run
+    _before_run = _live_children()
     stream = io.StringIO()
     result = setup.run(out_dir=tmp_path / "out", scenarios=[scenario], policies=policies, reps=1, quick=True,
                        catalog_path=catalog, loader_cpus=1.0, cgroup_mode="off", tick_s=0.5,
