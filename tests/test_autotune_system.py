@@ -137,14 +137,16 @@ def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tm
     # (os.cpu_count() would say 2). b = 16 x 10 ms = 160 ms blocked per batch, ~15 ms CPU: ~6 workers
     # would hide the fetches; blocked time justifies workers beyond cores, but only up to 4 per quota CPU
     # (the script's max_workers is 8), so the tuner must end at exactly that bound, and stay there.
-    res = _run(tmp_path, io_sleep_s=0.01, aug=1, step_s=0.02, run_s=20.0, cgroup_procs=half_cpu_group)
+    res = _run(tmp_path, io_sleep_s=0.01, aug=1, step_s=0.02, run_s=25.0, cgroup_procs=half_cpu_group)
     trace = res["trace"]
     assert res["usable_cpus"] == 0.5
     assert res["start_workers"] == 1
     assert res["tuner"]["cap"] == 4
     assert max(w for _t, w, _r in trace) <= 4, trace
     assert trace[-1][1] == 4, (trace, res["tuner"])
-    assert len(_settled(trace, 10.0)) == 1, (trace, res["tuner"])   # settled within 10 s, then stays
+    # two moves (1 -> 2 -> 4) of three 1 s windows each: ~7 s when quiet; 15 s leaves room for a loaded
+    # machine's dropped windows, well inside the ~30 s the standalone mode promises
+    assert len(_settled(trace, 15.0)) == 1, (trace, res["tuner"])
     first_rate = max(r for t, w, r in trace if w == res["start_workers"])
     end_rate = sorted(r for t, w, r in trace[-4:])[1]
     assert end_rate > 2.0 * first_rate, trace
