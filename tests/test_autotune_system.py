@@ -95,9 +95,6 @@ def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path):
     assert len(_settled(trace, 5.0)) == 1, trace
 
 
-CPU_ROOT = "/sys/fs/cgroup/cpu"
-
-
 def _quota_skip_reason():
     if os.geteuid() != 0:
         return "needs root to create a cgroup with a CPU quota"
@@ -112,24 +109,21 @@ def half_cpu_group():
     if why:
         print(f"skipping: {why}", file=sys.stderr)
         pytest.skip(why)
-    group = os.path.join(CPU_ROOT, f"adloader-test-{os.getpid()}-auto")
-    os.makedirs(group, exist_ok=True)
+    from agent import cgroupfs
+
+    cpu, rel = cgroupfs.V1Hierarchy("/sys/fs/cgroup", "cpu"), f"adloader-test-{os.getpid()}-auto"
+    cpu.mkdir(rel)
     try:
-        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
-            f.write("100000")
-        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
-            f.write("50000")
-        yield os.path.join(group, "cgroup.procs")
+        cpu.write(rel, "cpu.cfs_period_us", 100000)
+        cpu.write(rel, "cpu.cfs_quota_us", 50000)
+        yield cpu.path(rel, "cgroup.procs")
     finally:
-        with open(os.path.join(group, "cgroup.procs")) as f:
-            left = f.read().split()
-        for pid in left:
+        for pid in cpu.procs(rel):
             try:
-                with open(os.path.join(CPU_ROOT, "cgroup.procs"), "w") as f:
-                    f.write(pid)
-            except OSError:
+                cpu.move("", pid)
+            except cgroupfs.CgroupError:
                 pass
-        os.rmdir(group)
+        cpu.rmdir(rel)
 
 
 def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tmp_path, half_cpu_group):
