@@ -306,6 +306,8 @@ class DataLoader(tud.DataLoader):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
+        main_cpu_s         CPU seconds of the training process itself (all its threads, not the
+                           workers) since the loader was created (``time.process_time``)
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
             compute_s_per_step, data_wait_s_per_step, cpu_s_per_batch, wall_s_per_batch,
@@ -323,7 +325,7 @@ class DataLoader(tud.DataLoader):
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
-            "uptime_s": time.monotonic() - c.created_mono,
+            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
             "rates": core.rates.rates(now),
         }
         return out
