@@ -247,7 +247,9 @@ class Collector:
             self.gpu.sample(now)
         self.pressure = psi.read(self.proc_root)
         applied = self.applied()
-        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values()}
+        # only jobs with a connected rank: a registered job none of whose ranks has said hello (yet, or
+        # any more) has no loader to give a share to, and must cost its neighbours nothing
+        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values() if j.ranks}
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
                             io_pressure=self.pressure.io_some_avg10)

@@ -23,6 +23,9 @@ for the ones the command line offers):
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     fairness_floor  bool   adaptive: no job below its even share unless it cannot use it, default true
+    unseen_job_timeout_s  float  a registered job (Slurm prolog) with no connected rank is forgotten
+                           when none of its processes has been seen for this long (a missed epilog
+                           release); > 0, default 60.0
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class AgentConfig:
     log_level: str = "info"
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    unseen_job_timeout_s: float = 60.0
 
     def resolved_loader_cpus(self) -> float:
         return auto_loader_cpus() if self.loader_cpus == "auto" else float(self.loader_cpus)
@@ -159,6 +163,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
+    if not cfg.unseen_job_timeout_s > 0:
+        bad("unseen_job_timeout_s", "must be > 0")
 
 
 def read_toml(path: str) -> dict:

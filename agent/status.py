@@ -9,7 +9,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          io_pressure (PSI some avg10 %, null where absent), metrics_port, errors{code: n},
                          messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
                          cpu_ms_p50, cpu_ms_p95, controller_ms_p50, phases_ms_p50{snapshot, predict,
-                         policy, apply}} over the last 60 ticks, journal_ms (last write)}
+                         policy, apply}} over the last 60 ticks, journal_ms (last write),
+                         unseen_job_timeout_s, job_scans (/proc scans for registered jobs' processes,
+                         ``agent.jobprocs``)}
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -83,7 +85,9 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
         curve = (record.curves.get(job_id) if record is not None else None) or {}
         result = record.results.get(job_id) if record is not None else None
         breaker = record.breakers.get(job_id) if record is not None else None
-        if desired is not None:
+        if not job.ranks:
+            reason = "registered: no loader share until one of its ranks says hello"
+        elif desired is not None:
             reason = desired.reason
         elif a is not None:
             reason = a.reason
