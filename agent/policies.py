@@ -61,6 +61,12 @@ class PolicyConfig:
     min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used).
     io_weights: set io_weight (1..1000, 100 = even) from the CPU share; False leaves IO alone.
     pin_cpusets: give every job an exclusive cpuset (set when the actuators' cpu_knob is "cpuset").
+    cpu_weights: the CPU actuator arbitrates by per-job weights (cgroup ``cpu.shares`` / ``cpu.weight``,
+        work-conserving; set by the agent for the cgroup modes with the ``shares`` knob). adaptive then
+        gives a job the workers its curve can use (up to ``max_useful_workers`` for its useful cores),
+        not just the workers its share of cores keeps busy: the weights decide who gets a contended
+        core, and a worker beyond the share only runs on cores the others leave idle. Without weights
+        (worker counts only, quota, cpuset) the worker count is the CPU control and stays at the share.
     """
 
     min_workers: int = 1
@@ -75,6 +81,7 @@ class PolicyConfig:
     min_confidence: float = 0.0
     io_weights: bool = True
     pin_cpusets: bool = False
+    cpu_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -417,7 +424,8 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             nxt[j] = (dx2, v2)
             heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
     for j in sorted(warm):
-        workers[j] = rule[j](min(cpus[j], useful[j]))
+        # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
+        workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])
         w_note = f", weight {gpus[j]} GPUs" if gpus[j] > 1 else ""
         if j in last_gain:

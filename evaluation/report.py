@@ -174,6 +174,7 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
     paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
     slim = dict(result)
     slim["phases"] = [{k: v for k, v in ph.items() if k != "jobs"} | {"series": ph.get("series")}
+                      | {"specs": {j: v.get("spec") for j, v in (ph.get("jobs") or {}).items()}}
                       for ph in result["phases"]]
     paths["json"].write_text(json.dumps(slim, indent=1, default=_json_default))
     paths["markdown"].write_text(result.get("markdown", ""))
