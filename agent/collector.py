@@ -257,7 +257,9 @@ class Collector:
             self.gpu.sample(now)
         self.pressure = psi.read(self.proc_root)
         applied = self.applied()
-        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values()}
+        # only jobs with a connected rank: a registered job none of whose ranks has said hello (yet, or
+        # any more) has no loader to give a share to, and must cost its neighbours nothing
+        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values() if j.ranks}
         mem = None
         if self.memory_guard is not None:
             mem = self.memory_state = self.memory_guard.update(

@@ -33,6 +33,9 @@ for the ones the command line offers):
                            anything; default 10
     memory_min_available  bytes|str  MemAvailable below this is pressure too; "auto" (default):
                            5% of the node's memory, at least 256 MiB
+    unseen_job_timeout_s  float  a registered job (Slurm prolog) with no connected rank is forgotten
+                           when none of its processes has been seen for this long (a missed epilog
+                           release); > 0, default 60.0
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ class AgentConfig:
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
+    unseen_job_timeout_s: float = 60.0
 
     def resolved_loader_cpus(self) -> float:
         return auto_loader_cpus() if self.loader_cpus == "auto" else float(self.loader_cpus)
@@ -213,6 +217,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:
         bad("memory_pressure_psi", "must be a percentage in (0, 100]")
+    if not cfg.unseen_job_timeout_s > 0:
+        bad("unseen_job_timeout_s", "must be > 0")
 
 
 def read_toml(path: str) -> dict:

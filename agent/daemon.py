@@ -18,7 +18,7 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis,
-fairness_floor, log_level take effect at once; endpoint, state_dir, cgroup settings and
+fairness_floor, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
@@ -59,7 +59,8 @@ from agent.server import Server
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
-              "log_level", "loader_memory", "memory_pressure_psi", "memory_min_available")
+              "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
+              "memory_min_available")
 
 
 def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -125,7 +126,8 @@ class Agent:
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
-        self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root)
+        self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root,
+                                 unseen_timeout_s=config.unseen_job_timeout_s)
         self.gpu = GpuSampler(gpu_module)
         self._memory_source = memory_source or (lambda: adl_memory.node_memory(proc_root))
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
@@ -258,6 +260,8 @@ class Agent:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
         if "heartbeat_s" in live:
             self.registry.heartbeat_s = self.server.heartbeat_s = new.heartbeat_s
+        if "unseen_job_timeout_s" in live:
+            self.registry.unseen_timeout_s = new.unseen_job_timeout_s
         if "loader_cpus" in live:
             self.collector.loader_cpus = self.config.resolved_loader_cpus()
         if "max_jobs" in live:
@@ -342,6 +346,7 @@ class Agent:
             "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
             "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
+            "unseen_job_timeout_s": cfg.unseen_job_timeout_s, "job_scans": self.registry.scans,
             "memory": self.collector.memory_state.to_dict() if self.collector.memory_state else None,
         }
         return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,

@@ -10,6 +10,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
                          cpu_ms_p50, cpu_ms_p95, controller_ms_p50, phases_ms_p50{snapshot, predict,
                          policy, apply}} over the last 60 ticks, journal_ms (last write),
+                         unseen_job_timeout_s, job_scans (/proc scans for registered jobs' processes,
+                         ``agent.jobprocs``),
                          memory {budget_bytes (loader memory budget in force, null = none),
                          configured_bytes, used_bytes (all loaders' workers + batches in flight),
                          available_bytes (MemAvailable), pressure_pct (PSI memory some over the last
@@ -81,7 +83,9 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
         curve = (record.curves.get(job_id) if record is not None else None) or {}
         result = record.results.get(job_id) if record is not None else None
         breaker = record.breakers.get(job_id) if record is not None else None
-        if desired is not None:
+        if not job.ranks:
+            reason = "registered: no loader share until one of its ranks says hello"
+        elif desired is not None:
             reason = desired.reason
         elif a is not None:
             reason = a.reason
