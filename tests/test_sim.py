@@ -1,4 +1,4 @@
-"""Unit tests for the trace-driven simulator (``agent.simulate``): tiny traces, real policy code."""
+"""Unit tests for the trace-driven simulator (``evaluation.simulate``): tiny traces, real policy code."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agent import simulate as S
+from evaluation import simulate as S
 from predictor.curve import ThroughputCurve
 from tests.conftest import adloader_cmd, repo_env
 

@@ -1,4 +1,4 @@
-"""`adloader simulate`: trace-driven simulation of the policies over many nodes (see agent.simulate).
+"""`adloader simulate`: trace-driven simulation of the policies over many nodes (see evaluation.simulate).
 
 Without --trace, a generated trace: --nodes nodes with --jobs-per-node jobs each (Poisson arrivals,
 lognormal work). Prints a markdown table per policy and writes JSON with --out.
@@ -16,7 +16,7 @@ NAME = "simulate"
 def register(sub) -> None:
     p = sub.add_parser(NAME, help="trace-driven simulation of policies over many nodes",
                        description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see agent.simulate)")
+    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see evaluation.simulate)")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--jobs-per-node", type=int, default=8)
     p.add_argument("--mean-gap-s", type=float, default=30.0, help="mean gap between arrivals on a node")
@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from agent import simulate as S
+    from evaluation import simulate as S
 
     try:
         source = args.curves

@@ -8,7 +8,7 @@ throughput curves (``predictor.curve.ThroughputCurve``):
   (``predictor/data/corpus.jsonl``: its measured windows fed to a PredictorBank), its loader cost scaled
   so that a job's demand relative to its GPU's share of the node's loader cores is what it was relative
   to the measuring machine's loader cores;
-- ``curves="builtin"``: first-principles curves for the bench's job kinds (``agent/bench/catalog.toml``:
+- ``curves="builtin"``: first-principles curves for the bench's job kinds (``evaluation/catalog.toml``:
   cores per GPU from ~1 (NLP-like) to ~12 (AlexNet-like), step 0.1 s).
 
 Physics of a node (what a policy's plan turns into): job j with w workers wants
@@ -36,7 +36,7 @@ Generator (no trace): ``nodes`` nodes, ``jobs_per_node`` jobs each, Poisson arri
 Metrics per policy: aggregate normalised throughput (per node: sum over jobs of samples/ceiling over
 the node's makespan; mean over nodes), makespan (mean and max over nodes), JCT mean/p95, GPU idle
 fraction, Jain's index of the jobs' mean normalised throughput, min ratio to the even split (job by
-job), decisions and worker changes. ``oracle``: the exact knapsack (``agent.bench.oracle``) on the
+job), decisions and worker changes. ``oracle``: the exact knapsack (``evaluation.oracle``) on the
 *true* curves at every decision: a ceiling for static-per-set allocation.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from agent.bench import metrics as M
+from evaluation import metrics as M
 from predictor.curve import ThroughputCurve
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
@@ -96,7 +96,7 @@ class _Job:
 
 def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
     """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed."""
-    from agent.bench.catalog import load_catalog
+    from evaluation.catalog import load_catalog
 
     cat = load_catalog(catalog_path)
     out = {}
@@ -289,7 +289,7 @@ class SimConfig:
 def _oracle_policy(grid: int = 192):
     """The exact knapsack on the curves it is given (the true ones in the simulator); value grids are
     cached per curve object, budget and weight, so a node's repeated decisions cost one DP each."""
-    from agent.bench.oracle import solve, value_from_curve, value_grid
+    from evaluation.oracle import solve, value_from_curve, value_grid
     from agent.model import AllocationPlan, JobAllocation
 
     cache: dict = {}
