@@ -76,6 +76,7 @@ import torch.utils.data as tud
 from adloader._pool import WorkerPool
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec,
                               fetch_map, seed_all, task_seed)
+from adloader.memory import WorkerMemorySampler, batch_nbytes
 from adloader.stats import LoaderCounters, RateWindow
 
 log = logging.getLogger("adloader")
@@ -158,6 +159,9 @@ class _Core:
         self.pool: WorkerPool | None = None      # persistent workers only
         self.closed = False
         self.warned_iterable_resize = False
+        self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
+        self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
+        self.prefetch_factor = 2
 
     def pools(self) -> list[WorkerPool]:
         with self.lock:
@@ -306,6 +310,18 @@ class DataLoader(tud.DataLoader):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
+        memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
+        ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
+            worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
+            worker_pss_bytes       proportional memory of the live workers, summed (shared pages divided)
+            worker_uss_per_worker  mean USS of a worker
+            worker_growth_bytes    mean growth of a worker's USS since its first sample: private pages it
+                                   copied as it ran (copy-on-read of a dataset of Python objects)
+            memory_workers         workers in the sample
+            batch_bytes            bytes of tensors/arrays in one delivered batch (sampled)
+            shm_inflight_bytes     batches in flight in shared memory: prefetch_factor x workers x batch_bytes
+            memory_sample_cost_s   what the last sample cost this process
+            memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
             compute_s_per_step, data_wait_s_per_step, cpu_s_per_batch, wall_s_per_batch,
@@ -326,7 +342,25 @@ class DataLoader(tud.DataLoader):
             "uptime_s": time.monotonic() - c.created_mono,
             "rates": core.rates.rates(now),
         }
+        out.update(self._memory_stats())
         return out
+
+    def _memory_stats(self) -> dict:
+        core = self._core
+        try:
+            m = core.memory.sample(self.worker_pids())
+        except Exception:   # noqa: BLE001 — measurement never hurts training
+            log.debug("adloader: memory sample failed", exc_info=True)
+            m = core.memory.summary
+        workers = max(core.target, m.workers)
+        return {
+            "worker_uss_bytes": m.uss, "worker_pss_bytes": m.pss, "worker_uss_per_worker": m.uss_per_worker,
+            "worker_growth_bytes": m.growth_per_worker, "memory_workers": m.workers,
+            "batch_bytes": core.batch_bytes,
+            "shm_inflight_bytes": core.prefetch_factor * workers * core.batch_bytes,
+            "memory_sample_cost_s": m.sample_cost_s,
+            "memory": {str(p): dict(v) for p, v in m.per_worker.items()},
+        }
 
     # ---- iteration -------------------------------------------------------------------------
     def __iter__(self):
@@ -362,6 +396,7 @@ class DataLoader(tud.DataLoader):
             else:
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                               "then device pinned memory won't be used.", stacklevel=3)
+        self._core.prefetch_factor = max(1, self.prefetch_factor or 2)
         ctx = self.multiprocessing_context
         if ctx is None:
             ctx = multiprocessing.get_context()
@@ -721,6 +756,8 @@ class _ElasticIter:
         c.steps += 1
         self._t_last = t1
         self._core.rates.maybe_record(t1)
+        if c.steps & 15 == 1:                    # batch size in shared memory, sampled (cheap walk)
+            self._core.batch_bytes = batch_nbytes(data)
         return data
 
     def _mark_delivered(self, seq: int) -> None:
