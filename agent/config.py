@@ -179,14 +179,22 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     return value
 
 
+def endpoint_problem(endpoint: str) -> Optional[str]:
+    """Why ``endpoint`` cannot be the agent's endpoint, or None."""
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        return "must start with ipc:// or tcp://"
+    if endpoint.startswith("ipc://") and len(endpoint) - 6 > 100:
+        return "an ipc:// path must be at most 100 characters (the unix socket limit)"
+    return None
+
+
 def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
     def bad(key, why):
         raise ConfigError(f"config key {key!r} ({sources.get(key, 'default')}): {why}, got {getattr(cfg, key)!r}")
 
-    if not cfg.endpoint.startswith(("ipc://", "tcp://")):
-        bad("endpoint", "must start with ipc:// or tcp://")
-    if cfg.endpoint.startswith("ipc://") and len(cfg.endpoint) - 6 > 100:
-        bad("endpoint", "an ipc:// path must be at most 100 characters (the unix socket limit)")
+    why = endpoint_problem(cfg.endpoint)
+    if why:
+        bad("endpoint", why)
     if not cfg.state_dir:
         bad("state_dir", "must be a directory path")
     try:
@@ -265,3 +273,37 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
     cfg = AgentConfig(**values)
     _validate(cfg, sources)
     return cfg
+
+
+def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """The endpoint a command on this node (``adloader job``, ``adloader status``, the Slurm scripts
+    through them) talks to, and a note for its log line ("" when nothing is worth saying).
+
+    One source of truth: the agent's own config file. In order: ``flag`` (``--endpoint``), else
+    ADLOADER_ENDPOINT, else the ``endpoint`` key of ``config_path`` (default: DEFAULT_CONFIG_PATH when
+    it exists), else ``adloader.env.endpoint()`` (the system socket, else the user's) -- the same
+    precedence as the agent's own (file < environment < command line). A config file that cannot be
+    read, or whose endpoint is invalid, is named in the note and the default is used. Light: tomllib
+    only (the prolog pays for every import)."""
+    if flag:
+        return flag, ""
+    environ = os.environ if environ is None else environ
+    ep = environ.get("ADLOADER_ENDPOINT", "").strip()
+    if ep:
+        return ep, ""
+    path = config_path or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
+    if path is None:
+        return env.endpoint(environ), ""
+    if not os.path.exists(path):
+        return env.endpoint(environ), f"no agent config at {path}: default endpoint"
+    try:
+        value = read_toml(path).get("endpoint")
+    except ConfigError as e:
+        return env.endpoint(environ), f"{e}: default endpoint"
+    if value is None:
+        return env.endpoint(environ), ""
+    why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)
+    if why:
+        return env.endpoint(environ), f"config key 'endpoint' in {path} {why}, got {value!r}: default endpoint"
+    return value, ""
