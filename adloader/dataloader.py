@@ -422,7 +422,7 @@ class DataLoader(tud.DataLoader[T_co]):
             memory_workers         workers in the sample
             batch_bytes            bytes of tensors/arrays in one delivered batch (sampled)
             shm_inflight_bytes     batches in flight in shared memory: prefetch_factor x workers x batch_bytes
-            memory_sample_cost_s   what the last sample cost this process
+            memory_sample_cost_s   CPU seconds the last sample cost this process
             memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),

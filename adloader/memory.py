@@ -248,7 +248,7 @@ class MemorySummary:
     growth_per_worker: float = 0.0        # mean USS growth since each worker's first sample
     max_uss: int = 0
     sampled_at: float = 0.0               # monotonic seconds of the sample (0 = never)
-    sample_cost_s: float = 0.0            # what the last sample cost (all workers)
+    sample_cost_s: float = 0.0            # CPU seconds the last sample cost (all workers)
     per_worker: dict = field(default_factory=dict)   # pid -> {uss, pss, growth}
 
     def to_dict(self) -> dict:
@@ -264,8 +264,8 @@ class WorkerMemorySampler:
 
     Each worker's first sample is its baseline; growth = its USS now - at its baseline. A worker that
     has gone keeps its last sample in ``last_seen`` (for a death report) until ``forget_dead``.
-    Cost: one ``smaps_rollup`` read per worker per sample (measured in ``sample_cost_s``; about 5 ms
-    for a worker of a process that imported torch, on a loaded 2-vCPU VM): the next sample is taken
+    Cost: one ``smaps_rollup`` read per worker per sample (``sample_cost_s``: the CPU time of the
+    sampling thread, the kernel's page-table walk included; BENCHMARKS.md): the next sample is taken
     no sooner than ``every_s`` and no sooner than ``last cost / max_overhead`` (1%), so sampling
     never costs the training process more than ``max_overhead`` of one core however many workers."""
 
@@ -283,7 +283,7 @@ class WorkerMemorySampler:
         if not force and now < self._next:
             return self.summary
         self._next = now + self.every_s
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         pids = list(pids)
         alive = set()
         s = MemorySummary(sampled_at=now)
@@ -313,7 +313,8 @@ class WorkerMemorySampler:
             s.uss_per_worker = s.uss / s.workers
             s.pss_per_worker = s.pss / s.workers
             s.growth_per_worker = growth_sum / s.workers
-        s.sample_cost_s = time.perf_counter() - t0
+        s.sample_cost_s = time.thread_time() - t0          # CPU time this thread spent (not wall: a loaded
+                                                            # node's run-queue wait is no cost to training)
         self._next = now + max(self.every_s, s.sample_cost_s / self.max_overhead)
         self.summary = s
         return s
