@@ -410,6 +410,8 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
+        main_cpu_s         CPU seconds of the training process itself (all its threads, not the
+                           workers) since the loader was created (``time.process_time``)
         memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
         ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
             worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
@@ -441,7 +443,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
-            "uptime_s": time.monotonic() - c.created_mono,
+            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
             "rates": core.rates.rates(now),
         }
         out.update(self._memory_stats())
