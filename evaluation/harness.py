@@ -67,6 +67,7 @@ class Scenario:
     measure_s: float                        # static/timed: length after warm-up; dynamic: timeout
     hog_at_s: Optional[float] = None
     hog_procs: int = 1
+    loader_memory: Optional[int] = None     # the agent's loader memory budget in this scenario (bytes)
 
     @property
     def max_concurrent(self) -> int:
@@ -106,6 +107,7 @@ class BenchConfig:
     sweep_segment_s: float = 3.0
     python: str = sys.executable
     keep_logs: bool = True
+    memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -252,11 +254,12 @@ def _socket_path(endpoint: str) -> str:
 
 
 def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max_jobs: int,
-                curves_path: Optional[Path] = None) -> tuple[Proc, str]:
+                curves_path: Optional[Path] = None, loader_memory: Optional[int] = None) -> tuple[Proc, str]:
     endpoint = f"ipc://{sock_dir}/agent.sock"
     flags = ["--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
              "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
-             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info"]
+             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info",
+             "--loader-memory", str(loader_memory) if loader_memory else "off"]
     if policy == "oracle":
         argv = [cfg.python, "-m", "evaluation.oracle_agent", str(curves_path), *flags]
     else:
@@ -420,11 +423,14 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     agent_cpu = {}
     agent_status = None
     error = None
+    memory: list[dict] = []                 # {"t", "total" (bytes), "jobs": {job: bytes}}: workers' USS
+    next_mem = 0.0
     static: Optional[StaticCores] = None
     t_phase0 = time.monotonic()
     try:
         if policy in AGENT_POLICIES:
-            agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path)
+            agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path,
+                                          sc.loader_memory)
         if policy == "static-cores":
             static = StaticCores(cfg.node_cores, sc.node_gpus)
         pending = sorted(sc.launches, key=lambda l: l.at_s)
@@ -490,6 +496,9 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                     agent_cpu = {"t0": now, "cpu0": math.nan}
             if agent is not None and not agent.alive():
                 raise BenchError(f"the agent died during the phase; log {agent.log_path}:\n{agent.log_tail()}")
+            if now >= next_mem:
+                next_mem = now + cfg.memory_sample_s
+                memory.append(loader_memory_sample(procs, now))
             if tick:
                 tick(rel, sc.planned_s())
             if sc.kind == "dynamic":
@@ -540,7 +549,30 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
-            "warmup_s": sc.warmup_s, "run_dir": str(run_dir)}
+            "warmup_s": sc.warmup_s, "run_dir": str(run_dir), "memory": memory,
+            "loader_memory_budget": sc.loader_memory}
+
+
+def loader_memory_sample(procs: dict, now: float) -> dict:
+    """Every job's loader workers' unique memory (USS, ``/proc/<pid>/smaps_rollup``), now: the children
+    of each job process (its loader workers; the training process itself is not loader memory)."""
+    import psutil
+
+    from adloader.memory import process_memory
+
+    per = {}
+    for jid, p in procs.items():
+        total = 0
+        try:
+            kids = psutil.Process(p.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for k in kids:
+            m = process_memory(k.pid)
+            if m is not None:
+                total += m.uss
+        per[jid] = total
+    return {"t": now, "total": sum(per.values()), "jobs": per}
 
 
 # -- metrics of a phase --------------------------------------------------------------------------
@@ -589,6 +621,15 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
            "gpu_idle_frac": M.gpu_idle_fraction([tot_wait], [tot_alive]),
            "jain": M.jain_index(v["normalised"] for v in per_job.values()),
            "resizes": sum(v["resizes"] for v in per_job.values()), "jobs": per_job, "error": ph.get("error")}
+    mem = [m for m in ph.get("memory") or [] if w0 <= m["t"] <= w1]
+    if mem:
+        budget = ph.get("loader_memory_budget")
+        out["loader_memory_max_bytes"] = max(m["total"] for m in mem)
+        out["loader_memory_mean_bytes"] = M.mean(m["total"] for m in mem)
+        out["loader_memory_samples"] = len(mem)
+        if budget:
+            out["loader_memory_budget_bytes"] = budget
+            out["loader_memory_over_budget_samples"] = sum(1 for m in mem if m["total"] > budget)
     ac = ph.get("agent_cpu") or {}
     if "cpu1" in ac and ac["t1"] > ac["t0"]:
         out["agent_cpu_cores"] = (ac["cpu1"] - ac["cpu0"]) / (ac["t1"] - ac["t0"])
