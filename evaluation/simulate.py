@@ -460,6 +460,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         return moved
 
     mode = {"none": "none", "autotune": "autotune", "static-cores": "static"}.get(policy_name, "agent")
+    rates_cache: dict = {}      # the physics of one set of jobs and allocations, computed once
 
     def physics():
         nonlocal mem_now
@@ -468,8 +469,14 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
             res = None
         else:
-            res = nodemodel.node_rates(models, mode, cfg.cores, applied if mode == "agent" else None,
-                                       node_gpus=cfg.gpus)
+            key = (mode, tuple(sorted((j, id(m), getattr(applied.get(j), "workers", 0),
+                                       round(getattr(applied.get(j), "cpus", 0.0), 6)) for j, m in models.items())))
+            res = rates_cache.get(key)
+            if res is None:
+                if len(rates_cache) > 4096:
+                    rates_cache.clear()
+                res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores,
+                                                              applied if mode == "agent" else None, node_gpus=cfg.gpus)
         for jid, jb in active.items():
             a = applied.get(jid)
             if res is not None:
