@@ -172,10 +172,10 @@ def test_a_starved_trainers_wait_for_a_cpu_is_not_taken_for_compute():
     trainer's need, else a loader would look cheap (c / g small) exactly when the node is starved."""
     from agent.controller import observation_from_stats
 
-    j = job("a", g=0.3, t=0.03, trainer_runq_s_per_step=0.2)
+    j = job("a", g=0.3, t=0.03, trainer_runq_s_per_step=0.1)
     s = snap([j])
-    assert observation_from_stats(j, s).compute_s_per_step == pytest.approx(0.1)
-    assert trainer_cores_needed(j) == pytest.approx(0.3)
+    assert observation_from_stats(j, s).compute_s_per_step == pytest.approx(0.2)
+    assert trainer_cores_needed(j) == pytest.approx(0.15)
     # at most half of the measured compute time is taken out (a bad reading cannot zero the step)
     assert observation_from_stats(job("b", g=0.3, trainer_runq_s_per_step=5.0), s).compute_s_per_step == \
         pytest.approx(0.15)
