@@ -31,7 +31,7 @@ def run_script(script: Path, env: dict[str, str]) -> tuple[int, str, str, float]
 
 
 def log_line(stderr: str, tag: str) -> str:
-    """The script's one log line (logger -s copies it to stderr; without syslog it is the echo)."""
+    """The script's one log line (always on stderr, whether or not syslog takes it too)."""
     lines = [l for l in stderr.splitlines() if tag in l]
     assert len(lines) == 1, f"expected one {tag} line, got {stderr!r}"
     return lines[0]
