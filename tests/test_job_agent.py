@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, short_dir, trainers  # noqa: F401 (fixture)
+from tests.agentd_support import AgentProc, Trainer, short_dir
 from tests.conftest import wait_for
 from tests.slurm_support import EPILOG, PROLOG, log_line, one_line, run_job, run_script
 
