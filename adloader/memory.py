@@ -226,6 +226,36 @@ def memory_room(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys/f
     return room
 
 
+def oom_kills(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The OOM-kill count of process ``pid``'s memory cgroup (v2 ``memory.events`` ``oom_kill``, v1
+    ``memory.oom_control`` ``oom_kill``), read only; None where the kernel does not say."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if "memory" in ctrls.split(","):
+            d, name = os.path.join(cgroup_root, "memory", path.strip("/")), "memory.oom_control"
+        elif hid == "0" and ctrls == "":
+            base = os.path.join(cgroup_root, "unified") if os.path.isdir(os.path.join(cgroup_root, "unified")) \
+                else cgroup_root
+            d, name = os.path.join(base, path.strip("/")), "memory.events"
+        else:
+            continue
+        try:
+            with open(os.path.join(d, name)) as f:
+                for row in f:
+                    k, _, v = row.partition(" ")
+                    if k == "oom_kill":
+                        return int(v)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 # -- per-worker sampling in the loader's main process ------------------------------------------
 
 @dataclass
@@ -248,7 +278,7 @@ class MemorySummary:
     growth_per_worker: float = 0.0        # mean USS growth since each worker's first sample
     max_uss: int = 0
     sampled_at: float = 0.0               # monotonic seconds of the sample (0 = never)
-    sample_cost_s: float = 0.0            # what the last sample cost (all workers)
+    sample_cost_s: float = 0.0            # CPU seconds the last sample cost (all workers)
     per_worker: dict = field(default_factory=dict)   # pid -> {uss, pss, growth}
 
     def to_dict(self) -> dict:
@@ -264,8 +294,8 @@ class WorkerMemorySampler:
 
     Each worker's first sample is its baseline; growth = its USS now - at its baseline. A worker that
     has gone keeps its last sample in ``last_seen`` (for a death report) until ``forget_dead``.
-    Cost: one ``smaps_rollup`` read per worker per sample (measured in ``sample_cost_s``; about 5 ms
-    for a worker of a process that imported torch, on a loaded 2-vCPU VM): the next sample is taken
+    Cost: one ``smaps_rollup`` read per worker per sample (``sample_cost_s``: the CPU time of the
+    sampling thread, the kernel's page-table walk included; BENCHMARKS.md): the next sample is taken
     no sooner than ``every_s`` and no sooner than ``last cost / max_overhead`` (1%), so sampling
     never costs the training process more than ``max_overhead`` of one core however many workers."""
 
@@ -277,13 +307,18 @@ class WorkerMemorySampler:
         self.last_seen: dict[int, ProcessMemory] = {}
         self.summary = MemorySummary()
         self._next = 0.0
+        self.last_death = ""
+        try:
+            self._oom_kills = oom_kills(proc_root=proc_root)
+        except Exception:   # noqa: BLE001 — never fail a loader for a counter
+            self._oom_kills = None
 
     def sample(self, pids: Iterable[int], now: Optional[float] = None, force: bool = False) -> MemorySummary:
         now = time.monotonic() if now is None else now
         if not force and now < self._next:
             return self.summary
         self._next = now + self.every_s
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         pids = list(pids)
         alive = set()
         s = MemorySummary(sampled_at=now)
@@ -313,13 +348,47 @@ class WorkerMemorySampler:
             s.uss_per_worker = s.uss / s.workers
             s.pss_per_worker = s.pss / s.workers
             s.growth_per_worker = growth_sum / s.workers
-        s.sample_cost_s = time.perf_counter() - t0
+        s.sample_cost_s = time.thread_time() - t0          # CPU time this thread spent (not wall: a loaded
+                                                            # node's run-queue wait is no cost to training)
         self._next = now + max(self.every_s, s.sample_cost_s / self.max_overhead)
         self.summary = s
         return s
 
     def last_memory(self, pid: int) -> Optional[ProcessMemory]:
         return self.last_seen.get(pid)
+
+    def describe_death(self, pid: int, exitcode: Optional[int]) -> str:
+        """What is known of a worker that died: its last measured memory and the likely cause.
+
+        SIGKILL is what the kernel's OOM killer sends. It is called the OOM killer's for certain when
+        this process's memory cgroup counted a new ``oom_kill`` since the last death (or since the
+        sampler started), and "likely" when the worker held much memory at its last sample (at least
+        twice the other workers' mean, or 1 GiB) or the node or cgroup had little left (MemAvailable under
+        10% of MemTotal, or usage within 10% of the cgroup limit). Kept in ``last_death``."""
+        m = self.last_seen.get(pid)
+        if m is not None:
+            mem = f"last measured memory {format_bytes(m.uss)} unique / {format_bytes(m.pss)} proportional"
+        else:
+            mem = "its memory was not measured yet (it died within its first sample period)"
+        cause = ""
+        kills = oom_kills(proc_root=self.proc_root)
+        before, self._oom_kills = self._oom_kills, kills
+        if exitcode == -9:
+            total, avail = meminfo(self.proc_root)
+            cg = cgroup_memory("self", self.proc_root)
+            low = (avail is not None and total and avail < 0.1 * total) or (
+                cg.limit is not None and cg.usage is not None and cg.usage > 0.9 * cg.limit)
+            others = [v["uss"] for p, v in self.summary.per_worker.items() if p != pid]
+            big = m is not None and (m.uss >= (1 << 30) or (bool(others) and m.uss >= 2 * sum(others) / len(others)))
+            if kills is not None and before is not None and kills > before:
+                cause = f"killed by the kernel's OOM killer (SIGKILL; this cgroup's oom_kill count went {before} -> {kills})"
+            elif big or low:
+                why = "it held much memory" if big else "the node or cgroup was nearly out of memory"
+                cause = f"likely killed by the kernel's OOM killer (SIGKILL while {why})"
+            else:
+                cause = "SIGKILL: the OOM killer or a kill -9 (no sign of memory shortage at the last sample)"
+        self.last_death = f"worker pid {pid}: {mem}" + (f"; {cause}" if cause else "")
+        return self.last_death
 
     def forget_dead(self, keep: Iterable[int]) -> None:
         keep = set(keep)
@@ -346,4 +415,4 @@ def batch_nbytes(data, _depth: int = 0) -> int:
 
 #: Keys that ``adloader.DataLoader.stats()`` adds for memory (bytes; see ``stats`` for their meaning).
 STATS_KEYS = ("worker_uss_bytes", "worker_pss_bytes", "worker_uss_per_worker", "worker_growth_bytes",
-              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s")
+              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s", "last_worker_death")

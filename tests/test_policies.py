@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 from agent.model import JobAllocation, JobStats, NodeSnapshot
 from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, workers_for
 from predictor.curve import ThroughputCurve
+from tests.fakes import job_stats
+
+pytestmark = pytest.mark.unit
 
 # -- named node shapes and job kinds ------------------------------------------------------------
 
@@ -34,13 +37,12 @@ KINDS = {
 
 
 def job(name: str, kind: str = "medium", **kw) -> JobStats:
+    """A job of ``kind`` (its g, c, b), observed for one window, asking for 4 workers."""
     g, c, b = KINDS[kind]
-    base = dict(job=name, uid=1000, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=4,
-                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
-                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=0.0,
-                blocked_s_per_batch=b, worker_cpu_cores=0.5, window_s=2.0)
-    base.update(kw)
-    return JobStats(**base)
+    return job_stats(name, **{"requested_workers": 4, "samples_per_s": 100.0, "compute_s_per_step": g,
+                              "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0, "cpu_s_per_batch": c,
+                              "wall_s_per_batch": c + b, "runq_s_per_batch": 0.0, "blocked_s_per_batch": b,
+                              "worker_cpu_cores": 0.5, "worker_pids": (), **kw})
 
 
 def curve_for(j: JobStats, **kw) -> ThroughputCurve:
@@ -143,10 +145,22 @@ def test_adaptive_weights_by_gpus():
     assert plan.allocations["a"].cpus > 1.6 and plan.allocations["b"].cpus < 0.2
 
 
-def test_fairness_floor_keeps_even_share_for_a_job_that_can_use_it():
+def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
+    # the floor is floor_fraction of the throughput of the job's GPU-proportional share of the budget
+    # (what a batch scheduler gives it), above min_cpus: a 1-GPU job beside a 4-GPU job keeps 1/5 of the
+    # 1.8 cores whole with floor_fraction 1, and 90% of it by default (linear curves here)
     s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
+    share_b, share_a = 0.05 + 1.7 / 5, 0.05 + 1.7 * 4 / 5
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_fraction=1.0))
+    assert plan.allocations["b"].cpus >= share_b - 1e-9
+    assert plan.allocations["a"].cpus >= share_a - 1e-9
     plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
-    assert plan.allocations["b"].cpus >= 0.9 - 1e-9
+    cv = curves_of(s)["b"]
+    got, floor = plan.allocations["b"], 0.9 * cv.normalized(1, share_b)
+    assert cv.normalized(got.workers, got.cpus) >= floor - 1e-6
+    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "heavy")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
+    assert plan.allocations["b"].cpus >= 0.9 - 0.05 - 1e-9        # equal GPUs: the even share (one quantum)
     # ... but not for a job that cannot use it
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "light")])
     plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))

@@ -33,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--cores", type=float, default=48.0, help="CPUs per node")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--loader-cpus", type=float, default=None, help="default: cores minus 10%%")
+    p.add_argument("--loader-memory", default=None, metavar="BYTES",
+                   help="loader memory budget per node (bytes or a size such as 16GiB; default: none)")
+    p.add_argument("--worker-memory", default=None, metavar="BYTES",
+                   help="memory one worker holds, for every kind (default: the catalogue's worker_ram_mb; 0 for corpus curves)")
     p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares")
     p.add_argument("--tick-s", type=float, default=2.0)
     p.add_argument("--settle-ticks", type=int, default=2, help="re-decisions after each event while the plan moves")
@@ -67,8 +71,15 @@ def run(args) -> int:
         if bad:
             raise S.SimError(f"unknown policies: {', '.join(bad)}; choose from: "
                              f"{', '.join(sorted(POLICIES) + ['oracle'])}")
+        from adloader.memory import parse_bytes
+
+        try:
+            mem = {k: parse_bytes(v) if v is not None else None
+                   for k, v in (("loader_memory", args.loader_memory), ("worker_memory_bytes", args.worker_memory))}
+        except ValueError as e:
+            raise S.SimError(f"--loader-memory/--worker-memory: {e}") from None
         cfg = S.SimConfig(cores=args.cores, gpus=args.gpus, loader_cpus=args.loader_cpus, cpu_knob=args.cpu_knob,
-                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor)
+                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, **mem)
         t0 = time.perf_counter()
         result = S.simulate(trace, curves, policies, cfg, source=source, processes=args.processes)
     except S.SimError as e:
