@@ -8,10 +8,9 @@ import importlib.util
 
 import pytest
 
-from tests.agentd_support import base  # noqa: F401 (a fixture)
 from tests.integration_train import one_process, two_processes_with_agent
 
-pytestmark = [pytest.mark.frameworks,
+pytestmark = [pytest.mark.component, pytest.mark.frameworks,
               pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                                  reason="lightning is not installed (pip install -e '.[frameworks]' -c constraints-frameworks.txt)")]
 
@@ -22,5 +21,5 @@ def test_one_process(tmp_path):
     one_process("lightning", RUNS, str(tmp_path))
 
 
-def test_two_processes_gloo_with_a_live_agent(base, tmp_path):  # noqa: F811
+def test_two_processes_gloo_with_a_live_agent(base, tmp_path):
     two_processes_with_agent("lightning", RUNS, base, str(tmp_path))
