@@ -154,6 +154,7 @@ def test_memory_per_worker_and_a_node_budget():
     assert "loader memory peak per node" in S.markdown(tight)
 
 
+@pytest.mark.unit
 def test_node_model_modes_on_a_trainer_heavy_mix():
     """The workload model's physics (evaluation.nodemodel): with no agent the kernel shares per job and a
     job's busy workers stretch its trainer's CPU part; static cores idle what a job cannot use; the agent
@@ -186,6 +187,7 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     assert 1.9 <= N.objective(small, N.steady_state(small, "static-cores", 2.0, 1.8)) < 2.0
 
 
+@pytest.mark.unit
 def test_simulator_runs_the_no_agent_baselines_with_the_workload_model():
     curves = S.builtin_curves()
     assert curves["resnet18x2"].batch_size == 128 and curves["resnet18x2"].extra["gpus"] == 2
