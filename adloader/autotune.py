@@ -11,7 +11,19 @@ decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by 
 
 CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
 cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
-/proc/self/cgroup (never ``os.cpu_count()``, which ignores both).
+/proc/self/cgroup (never ``os.cpu_count()``, which ignores both). The training process shares them:
+its own CPU per step (``main_cpu_s`` of the loader's stats, measured) is fed to the tuner, which takes
+the worker count that is best when the trainer and the workers share those CPUs
+(``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
+them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11).
+
+Memory: the workers this loader may have are also bounded by memory (``memory_cap``): what its
+workers hold now plus the room left (``adloader.memory.memory_room``: the least of MemAvailable and
+this process's cgroup memory limit minus its usage, read only), less a reserve of
+``MEMORY_RESERVE_FRAC`` of the limit (at least ``MEMORY_RESERVE_MIN``), over one worker's measured cost
+(its unique memory plus its share of the batches in flight). A count above the cap is shed at the next
+window whatever the hysteresis; the tuner never grows past it. Before a worker has been measured
+there is no cap (a worker's cost is not known until it runs).
 
 Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` workers; it moves only
 after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
@@ -40,6 +52,8 @@ SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
 HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
+MEMORY_RESERVE_FRAC = 0.10   # of the memory limit (cgroup, else MemTotal) kept free of loader workers
+MEMORY_RESERVE_MIN = 256 << 20
 
 # -- CPUs this process may use ------------------------------------------------------------------
 
@@ -117,6 +131,32 @@ def worker_cap(cpus: float, max_workers: int | None) -> int:
     return max(1, min(cap, max_workers)) if max_workers else cap
 
 
+def memory_cap(stats: dict, room: float | None, limit: float | None) -> int | None:
+    """Most workers whose memory fits: (workers' memory now + ``room`` - reserve) / one worker's cost.
+
+    ``stats``: ``loader.stats()``; ``room``: bytes more the process may take (None = unknown: no cap);
+    ``limit``: the cgroup limit, else MemTotal, for the reserve. None when no worker was measured."""
+    n = stats.get("memory_workers") or 0
+    if room is None or n <= 0:
+        return None
+    uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
+    held = uss + shm
+    per = uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    if per <= 0:
+        return None
+    reserve = max(MEMORY_RESERVE_MIN, MEMORY_RESERVE_FRAC * limit) if limit else MEMORY_RESERVE_MIN
+    return max(1, int((held + room - reserve) // per))
+
+
+def memory_limits() -> tuple[float | None, float | None]:
+    """(room, limit) for ``memory_cap``, from this process's cgroup and the node (read only)."""
+    from adloader import memory
+
+    cg = memory.cgroup_memory()
+    total, _ = memory.meminfo()
+    return memory.memory_room(), (cg.limit if cg.limit is not None else total)
+
+
 # -- stats totals -> Observation ------------------------------------------------------------------
 
 _TOTALS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
@@ -166,14 +206,25 @@ class AutoTuner:
     history: list = field(default_factory=list)      # (window index, count) for every move
     came_from: int | None = None                     # the count before the last move
     reversals: dict = field(default_factory=dict)    # (low, high) -> times the tuner turned back between them
+    trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
 
     def __post_init__(self):
         if self.bank is None:
             from predictor.bank import PredictorBank
             self.bank = PredictorBank(prior="default")
 
-    def window(self, obs) -> int | None:
+    memory_cap: int | None = None                     # most workers memory allows (None = no bound known)
+
+    def window(self, obs, memory_cap: int | None = None) -> int | None:
         self.n_windows += 1
+        if memory_cap is not None:
+            self.memory_cap = memory_cap
+        if self.memory_cap is not None and self.current > max(1, self.memory_cap):
+            want = max(1, self.memory_cap)        # memory first: shed now, whatever the hysteresis
+            self.came_from, self.left_at[self.current] = self.current, self.n_windows
+            self.history.append((self.n_windows, want))
+            self.current, self.windows_here = want, 0
+            return want
         if obs is None or obs.workers != self.current:
             return None
         self.bank.observe(self.job, obs)
@@ -185,14 +236,16 @@ class AutoTuner:
         curve = self.bank.curve(self.job)
         if curve is None:
             return None
-        want = max(1, min(self.cap, curve.knee_workers(self.cpus)))
+        want = max(1, min(self.cap, self.useful_workers(curve)))
+        if self.memory_cap is not None:
+            want = min(want, max(1, self.memory_cap))
         if want == self.current:
             return None
         if want > self.current:
             # at most double per move: the curve is refined at each count on the way
             want = min(want, max(self.current + 1, 2 * self.current))
-        now_pred = curve.throughput(self.current, self.cpus)
-        want_pred = curve.throughput(want, self.cpus)
+        now_pred = self.predict(curve, self.current)
+        want_pred = self.predict(curve, want)
         # every time the tuner has turned back between these two counts, the predicted difference
         # that justifies another move between them doubles (growing) or halves (shedding): measurement
         # noise on a flat stretch of the curve cannot keep it hopping; a real change of phase can
@@ -220,6 +273,34 @@ class AutoTuner:
         self.current = want
         self.windows_here = 0
         return want
+
+
+    def useful_workers(self, curve) -> int:
+        """Max useful workers on our CPUs: with a training process that needs CPU, the best count when it
+        shares them with the workers (can be below the count that keeps the queue full)."""
+        if self.trainer_cpu_s_per_step > 0:
+            from predictor.curve import shared_cpu_knee
+
+            return shared_cpu_knee(curve, self.cpus, self.trainer_cpu_s_per_step, self.cap)
+        return curve.knee_workers(self.cpus)
+
+    def predict(self, curve, workers: int) -> float:
+        if self.trainer_cpu_s_per_step > 0:
+            from predictor.curve import shared_cpu_throughput
+
+            return shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step)
+        return curve.throughput(workers, self.cpus)
+
+
+def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:
+    """The training process's own CPU seconds per step between two ``loader.stats()`` totals (None
+    without steps or without the ``main_cpu_s`` total)."""
+    if "main_cpu_s" not in cur or "main_cpu_s" not in prev:
+        return None
+    steps = float(cur.get("steps", 0) or 0) - float(prev.get("steps", 0) or 0)
+    if steps <= 0:
+        return None
+    return max(0.0, float(cur["main_cpu_s"]) - float(prev["main_cpu_s"])) / steps
 
 
 def _pair(a: int, b: int) -> tuple[int, int]:
@@ -253,9 +334,17 @@ class _Thread(threading.Thread):
                     break
                 cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
+                t = trainer_cpu_s_per_step(prev, cur)
+                if t is not None:   # smoothed: one window's figure moves it a third of the way
+                    old = self.tuner.trainer_cpu_s_per_step
+                    self.tuner.trainer_cpu_s_per_step = t if old <= 0 else old + (t - old) / 3.0
                 prev = cur
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
-                want = self.tuner.window(obs)
+                try:
+                    mcap = memory_cap(cur, *memory_limits())
+                except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
+                    mcap = None
+                want = self.tuner.window(obs, mcap)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
                     loader.resize(want)

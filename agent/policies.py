@@ -14,7 +14,9 @@ Policies (DESIGN.md, "Allocation"):
   (``enforce_cpu=False``: the OS arbitrates). ``cpus`` is the even share, for display only.
 - ``adaptive`` (default): GPU-weighted greedy on marginal normalised throughput per core over the
   predictor's curves, with a fairness floor, hysteresis that charges worker restarts, a cold-start
-  share for jobs without a curve, and spare cores handed out (work-conserving).
+  share for jobs without a curve, and spare cores handed out (work-conserving). The training
+  processes' own CPU need (learned from their measured CPU, ``trainer_cores_needed``) is kept out of
+  the loaders' budget: loaders never get the cores a trainer needs (ISSUE 11).
 
 Invariants every policy keeps (property-tested in tests/test_policies.py):
 - sum of ``cpus`` over the jobs <= ``snapshot.loader_cpus`` (+1e-6);
@@ -29,6 +31,7 @@ curve ``ceil(cores)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -47,7 +50,12 @@ class PolicyConfig:
     min_workers, max_workers_per_job: bounds on every job's worker count.
     hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
         normalised throughput (as a fraction of the total GPU weight) exceeds this plus the restart cost.
-    fairness_floor: adaptive gives no job less than its even share unless its curve says it cannot use it.
+    fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
+        GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
+        budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
+    floor_fraction: see fairness_floor (1.0: the whole share is a floor; below 1, the rest of every
+        share goes to the knapsack, so a job whose cores buy little gives some to one whose cores buy
+        more, and no job loses more than 1 - floor_fraction of its GPU share's throughput).
     min_cpus: cores every job gets at least (lowered to the even share on a crowded node).
     quantum_cpus: the greedy's step in cores (raised to loader_cpus / 256 on big nodes, for speed).
     worker_start_s, decision_horizon_s: the real cost of changing a job's worker count. One worker
@@ -59,12 +67,19 @@ class PolicyConfig:
     min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used).
     io_weights: set io_weight (1..1000, 100 = even) from the CPU share; False leaves IO alone.
     pin_cpusets: give every job an exclusive cpuset (set when the actuators' cpu_knob is "cpuset").
+    cpu_weights: the CPU actuator arbitrates by per-job weights (cgroup ``cpu.shares`` / ``cpu.weight``,
+        work-conserving; set by the agent for the cgroup modes with the ``shares`` knob). adaptive then
+        gives a job the workers its curve can use (up to ``max_useful_workers`` for its useful cores),
+        not just the workers its share of cores keeps busy: the weights decide who gets a contended
+        core, and a worker beyond the share only runs on cores the others leave idle. Without weights
+        (worker counts only, quota, cpuset) the worker count is the CPU control and stays at the share.
     """
 
     min_workers: int = 1
     max_workers_per_job: int = 64
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    floor_fraction: float = 0.9
     min_cpus: float = 0.05
     quantum_cpus: float = 0.05
     worker_start_s: float = 1.0
@@ -73,6 +88,7 @@ class PolicyConfig:
     min_confidence: float = 0.0
     io_weights: bool = True
     pin_cpusets: bool = False
+    cpu_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -83,6 +99,8 @@ class PolicyConfig:
         for name in ("hysteresis", "worker_start_s", "min_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.floor_fraction <= 1.0:
+            raise ValueError(f"PolicyConfig.floor_fraction must be in (0, 1], got {self.floor_fraction}")
         for name in ("min_cpus", "quantum_cpus", "decision_horizon_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PolicyConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -99,6 +117,31 @@ Policy = Callable[[NodeSnapshot, Mapping[str, ThroughputCurve], PolicyConfig], A
 
 # -- shared helpers -----------------------------------------------------------------------------
 
+def trainer_cores_needed(job: JobStats) -> float:
+    """Cores the job's training processes need at full speed, learned from what they measured: their
+    CPU seconds per step over the compute time of a step (the step's length when data is ready), at
+    most one core per rank or GPU thread. Under contention the measured compute time is stretched, so
+    this reads low at first and rises as the trainers get their cores back (it converges from below).
+    0 when the clients report no trainer CPU."""
+    t, g = job.trainer_cpu_s_per_step, job.compute_s_per_step
+    cap = float(max(1, job.ranks, job.gpus))
+    if t > 0 and g > 0:
+        return min(cap, t / g)
+    return min(cap, max(0.0, job.trainer_cpu_cores))
+
+
+def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
+    """(cores the loaders may share, cores kept for the training processes): the node's loader CPUs,
+    but never the cores the trainers need: min(loader_cpus, node CPUs - sum of trainer needs), at least
+    ``min_per_job`` per job. Node CPUs: ``snapshot.cpu_ids`` (else the loader CPUs themselves)."""
+    C = snapshot.loader_cpus
+    need = sum(trainer_cores_needed(j) for j in snapshot.jobs.values())
+    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else C
+    floor = min(C, min_per_job * max(1, len(snapshot.jobs)))
+    return max(floor, min(C, node - need)), need
+
+
+
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
     bound = config.max_workers_per_job
     if job.max_workers is not None and job.max_workers >= 1:
@@ -110,12 +153,16 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
     return max(config.min_workers, min(worker_bound(job, config), int(w)))
 
 
-def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> Callable[[float], int]:
-    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``).
+def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig,
+                cap: Optional[int] = None) -> Callable[[float], int]:
+    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``), at
+    most ``cap`` (the workers its memory allows) when given.
 
     The constants are computed once, so the greedy can call it thousands of times per decision.
     """
     lo, bound = config.min_workers, worker_bound(job, config)
+    if cap is not None:
+        bound = max(lo, min(bound, cap))
     if curve is None:
         return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
     top = min(bound, curve.max_useful_workers)
@@ -271,25 +318,37 @@ def none(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve], config: 
 
 # -- adaptive -----------------------------------------------------------------------------------
 
-def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: PolicyConfig) -> float:
-    """Cores beyond which the job's predicted throughput stops growing (within the knee tolerance)."""
+def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: PolicyConfig,
+                  wcap: Optional[int] = None) -> float:
+    """Cores beyond which the job's predicted throughput stops growing (within the knee tolerance),
+    with at most ``wcap`` workers when given."""
     need = curve.max_useful_cores
     c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
     if c > 0 and c + b > 0:
         # more cores than the workers can keep busy: worker-bound rate k_w * w / (c + b) = k_c * cores / c
         k_w = curve.correction
         k_c = getattr(curve, "core_correction", None) or k_w
-        need = min(need, worker_bound(job, config) * c * k_w / ((c + b) * k_c))
+        wb = worker_bound(job, config) if wcap is None else max(config.min_workers, min(worker_bound(job, config), wcap))
+        need = min(need, wb * c * k_w / ((c + b) * k_c))
     return min(cap, need) if math.isfinite(need) else cap
 
 
-def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
-             config: PolicyConfig) -> AllocationPlan:
-    """Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
+def _gain_key(gain: float) -> float:
+    """Heap key of a marginal gain: negated (a min-heap), rounded to 1e-9 so float noise is no tie-break."""
+    return -round(gain, 9)
 
+
+def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+              config: PolicyConfig, wcap: Mapping[str, int]) -> AllocationPlan:
+    """``adaptive`` with at most ``wcap[j]`` workers for job j (the workers its memory allows).
+
+    Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
+
+    0. The budget: the node's loader CPUs less what the training processes need (``loader_budget``).
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
-    2. Warm jobs first get their floor: min(even share, useful cores) with ``fairness_floor``, else
-       ``min_cpus``.
+    2. Warm jobs first get their floor with ``fairness_floor``: the least cores that reach
+       ``floor_fraction`` of the throughput of min(GPU-proportional share, useful cores) (the share a
+       batch scheduler would give: budget x gpus / all GPUs), else ``min_cpus``.
     3. The rest goes in quanta to the job with the highest ``gpus * d(normalised)/d(cores)``; ties by
        job id. Fractional knapsack: optimal for concave curves.
     4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
@@ -298,13 +357,20 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
        predicted gain beats ``hysteresis`` plus the worker restart cost (fractions of total GPU weight).
     """
     n = len(snapshot.jobs)
-    C = snapshot.loader_cpus
     if not n:
         return AllocationPlan(policy="adaptive", allocations={})
+    q = max(config.quantum_cpus, snapshot.loader_cpus / 256.0)
+    C, trainer_need = loader_budget(snapshot, config.min_cpus)
+    if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
+        C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
     ids = sorted(snapshot.jobs)
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
+    total_gpus = float(sum(gpus.values()))
     fair = C / n
     min_c = min(config.min_cpus, fair)
-    q = max(config.quantum_cpus, C / 256.0)
+    # GPU-proportional share of the budget, every job at least min_c (the shares sum to C)
+    share = {j: min_c + (C - n * min_c) * gpus[j] / total_gpus for j in ids}
+    reserve_note = f" (trainers keep {trainer_need:.2f} cores)" if trainer_need >= 0.005 else ""
     warm = {j: curves[j] for j in ids
             if j in curves and curves[j].confidence >= config.min_confidence}
     cap = {j: min(C, float(len(snapshot.jobs[j].allowed_cpus))) if snapshot.jobs[j].allowed_cpus else C
@@ -318,16 +384,15 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         job = snapshot.jobs[j]
         if config.cold_start == "request":
             req = job.requested_cpus if job.requested_cpus else float(max(1, job.requested_workers))
-            cpus[j] = max(min_c, min(req, fair, cap[j]))
-            workers[j] = clamp_workers(max(1, job.requested_workers), job, config)
+            cpus[j] = max(min_c, min(req, share[j], cap[j]))
+            workers[j] = clamp_workers(min(max(1, job.requested_workers), wcap.get(j, 1 << 30)), job, config)
             reason[j] = f"cold start: its request ({cpus[j]:.2f} cores, {workers[j]} workers) until observed"
         else:
-            cpus[j] = max(min_c, min(fair, cap[j]))
-            workers[j] = workers_for(cpus[j], None, job, config)
-            reason[j] = f"cold start: fair share {cpus[j]:.2f} cores until observed"
+            cpus[j] = max(min_c, min(share[j], cap[j]))
+            workers[j] = worker_rule(None, job, config, wcap.get(j))(cpus[j])
+            reason[j] = f"cold start: GPU share {cpus[j]:.2f} cores until observed{reserve_note}"
 
-    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config) for j in warm}
-    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
+    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config, wcap.get(j)) for j in warm}
 
     memo: dict[tuple, float] = {}   # (job, workers, cores) -> normalised throughput, for this decision
 
@@ -341,12 +406,32 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     def value(j: str, x: float) -> float:
         return norm(j, rule[j](x), x)
 
-    useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config)) for j in warm}
+    useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     for j in warm:
-        cpus[j] = max(min_c, min(fair, useful[j], cap[j])) if config.fairness_floor else min_c
+        if not config.fairness_floor:
+            cpus[j] = min_c
+            continue
+        top = max(min_c, min(share[j], useful[j], cap[j]))
+        cpus[j] = top
+        if config.floor_fraction < 1.0 and top > min_c:
+            # the least cores that keep floor_fraction of what the GPU share would give (bisection on the
+            # job's own curve, which is non-decreasing in cores): the rest of the share is the knapsack's
+            want = config.floor_fraction * value(j, top)
+            lo, hi = min_c, top
+            if value(j, lo) < want:
+                for _ in range(24):
+                    mid = 0.5 * (lo + hi)
+                    if value(j, mid) >= want:
+                        hi = mid
+                    else:
+                        lo = mid
+                cpus[j] = hi
+            else:
+                cpus[j] = lo
     remaining = C - sum(cpus.values())
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
-    # step costs one curve evaluation. Ties go to the smaller job id (heap order on (-gain, id)).
+    # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
+    # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
     current = {j: value(j, cpus[j]) for j in warm}
     nxt: dict[str, tuple[float, float]] = {}
     heap = []
@@ -356,14 +441,14 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx > EPS:
             v = value(j, cpus[j] + dx)
             nxt[j] = (dx, v)
-            heap.append((-gpus[j] * (v - current[j]) / dx, j))
+            heap.append((_gain_key(gpus[j] * (v - current[j]) / dx), cpus[j] / share[j], j))
 
     for j in warm:
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
     while heap and remaining > EPS:
-        neg, j = heapq.heappop(heap)
+        neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
         dx, v = nxt[j]
@@ -381,16 +466,20 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
-            heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
+            heapq.heappush(heap, (_gain_key(gpus[j] * (v2 - v) / dx2), cpus[j] / share[j], j))
     for j in sorted(warm):
-        workers[j] = rule[j](min(cpus[j], useful[j]))
+        # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
+        workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])
+        w_note = f", weight {gpus[j]} GPUs" if gpus[j] > 1 else ""
         if j in last_gain:
-            reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
-        elif config.fairness_floor and cpus[j] >= fair - EPS:
-            reason[j] = f"fairness floor {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
+            reason[j] = (f"marginal gain {last_gain[j]:.3f}/core{w_note}; {cpus[j]:.2f} cores -> {nv:.0%} of "
+                         f"ceiling{reserve_note}")
+        elif config.fairness_floor and cpus[j] >= share[j] - EPS:
+            reason[j] = f"fairness floor (GPU share) {cpus[j]:.2f} cores -> {nv:.0%} of ceiling{reserve_note}"
         else:
-            reason[j] = f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
+            reason[j] = (f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {nv:.0%} of "
+                         f"ceiling{reserve_note}")
     if remaining > EPS and warm:
         weight = {j: max(1, snapshot.jobs[j].gpus) for j in warm if cap[j] - cpus[j] > EPS}
         while remaining > EPS and weight:
@@ -429,13 +518,16 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
     applied = {j: snapshot.jobs[j].applied for j in ids}
-    settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS for a in applied.values())
+    settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
+                  and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
         held = sum(a.cpus for a in applied.values())
-        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + 1e-6
+        # (a held plan up to one quantum over the budget still fits: shares are relative, and the
+        # trainers' measured need drifts by hundredths of a core from window to window)
+        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
-        weight_total = float(sum(max(1, snapshot.jobs[j].gpus) for j in ids))
+        weight_total = total_gpus
         gain = (new_total - old_total) / weight_total
         cost = sum(max(1, snapshot.jobs[j].gpus) * abs(workers[j] - applied[j].workers)
                    / max(1, workers[j], applied[j].workers) for j in ids) \
@@ -456,9 +548,107 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                                   unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
                                   predicted_total=old_total if warm else None)
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],
-                               io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}
+                               io_weight=io_weight_for(cpus[j], share[j], config), reason=reason[j]) for j in ids}
     return _finish("adaptive", allocs, snapshot, config, unsatisfied,
                    predicted_total=new_total if warm else None)
+
+
+def _worker_memory(j: str, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve]) -> float:
+    """One worker's memory cost: the snapshot's measurement (freshest), else the curve's."""
+    m = snapshot.jobs[j].worker_memory_bytes
+    if m <= 0 and j in curves:
+        m = curves[j].worker_memory_bytes
+    return max(0.0, m)
+
+
+def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+                config: PolicyConfig, budget: float) -> tuple[dict[str, int], dict[str, str]]:
+    """Workers per job that fit the loader memory ``budget`` (bytes), from ``plan``'s worker counts.
+
+    While the plan's workers cost more than the budget, one worker is taken from the job whose
+    GPU-weighted normalised throughput loses least per byte freed (at the job's planned cores);
+    a job without a curve is charged 1/workers of its throughput per worker (as if linear), so a
+    worker that buys little and costs much goes first. No job drops below ``min_workers``.
+    Returns (caps for the jobs that lost workers, what could not fit: job -> text).
+    """
+    workers = {j: a.workers for j, a in plan.allocations.items() if j in snapshot.jobs}
+    cores = {j: plan.allocations[j].cpus for j in workers}
+    mem = {j: _worker_memory(j, snapshot, curves) for j in workers}
+    used = sum(workers[j] * mem[j] for j in workers)
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in workers}
+
+    def loss(j: str) -> float:
+        w = workers[j]
+        c = curves.get(j)
+        if c is not None and c.confidence >= config.min_confidence:
+            lost = c.normalized(w, cores[j]) - c.normalized(w - 1, cores[j])
+        else:
+            lost = 1.0 / w
+        return gpus[j] * max(0.0, lost) / mem[j]
+
+    heap = [(loss(j), -mem[j], j) for j in workers if mem[j] > 0 and workers[j] > config.min_workers]
+    heapq.heapify(heap)
+    caps: dict[str, int] = {}
+    while used > budget + 1e-6 and heap:
+        _, _, j = heapq.heappop(heap)
+        workers[j] -= 1
+        used -= mem[j]
+        caps[j] = workers[j]
+        if workers[j] > config.min_workers:
+            heapq.heappush(heap, (loss(j), -mem[j], j))
+    unfit = {}
+    if used > budget + 1e-6:
+        for j in workers:
+            if mem[j] > 0:
+                unfit[j] = (f"loader memory budget {_gib(budget)} is below {config.min_workers} worker(s) per job "
+                            f"({_gib(used)} needed)")
+    return caps, unfit
+
+
+def _gib(b: float) -> str:
+    return f"{b / (1 << 30):.2f} GiB"
+
+
+def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+             config: PolicyConfig) -> AllocationPlan:
+    """GPU-weighted greedy on cores (``_adaptive``), within the node's loader memory budget.
+
+    Memory (``snapshot.loader_memory_bytes``, None = no budget): a plan whose workers cost more than
+    the budget (each worker at its measured cost, ``JobStats.worker_memory_bytes``, else the curve's)
+    loses workers where the least GPU-weighted throughput is lost per byte freed (``memory_caps``);
+    the cores are then planned again with those worker caps, so cores a capped job can no longer use
+    go to the others. Under memory pressure the collector lowers the budget in force below the
+    configured one (``agent.memory.MemoryGuard``) and ``snapshot.memory_note`` says why; the reasons
+    of the jobs that lost workers say so.
+    """
+    plan = _adaptive(snapshot, curves, config, {})
+    budget = snapshot.loader_memory_bytes
+    if budget is None or not plan.allocations:
+        return plan
+    caps, unfit = memory_caps(plan, snapshot, curves, config, budget)
+    if not caps and not unfit:
+        return plan
+    wanted = {j: a.workers for j, a in plan.allocations.items()}
+    plan = _adaptive(snapshot, curves, config, caps)
+    caps2, unfit = memory_caps(plan, snapshot, curves, config, budget)   # the re-plan never adds workers;
+    caps = {j: min(caps.get(j, 1 << 30), caps2.get(j, 1 << 30)) for j in set(caps) | set(caps2)}
+    note = f" ({snapshot.memory_note})" if snapshot.memory_note else ""
+    allocs = dict(plan.allocations)
+    unsatisfied = dict(plan.unsatisfied)
+    for j, a in plan.allocations.items():
+        w = min(a.workers, caps.get(j, a.workers))
+        if w < wanted.get(j, w) or j in caps:
+            mem = _worker_memory(j, snapshot, curves)
+            allocs[j] = dataclasses.replace(
+                a, workers=max(config.min_workers, w),
+                reason=f"memory: {w} workers of {mem / (1 << 20):.0f} MiB fit the loader memory budget "
+                       f"{_gib(budget)}{note}; {a.reason}")
+            if w < wanted.get(j, w):
+                unsatisfied[j] = (f"wanted {wanted[j]} workers, the loader memory budget allows {w}"
+                                  + (f"; {unsatisfied[j]}" if j in unsatisfied else ""))
+    for j, why in unfit.items():
+        unsatisfied[j] = why + (f"; {unsatisfied[j]}" if j in unsatisfied else "")
+    return dataclasses.replace(plan, allocations=allocs, unsatisfied=unsatisfied)
 
 
 POLICIES: dict[str, Policy] = {
