@@ -50,7 +50,12 @@ class PolicyConfig:
     min_workers, max_workers_per_job: bounds on every job's worker count.
     hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
         normalised throughput (as a fraction of the total GPU weight) exceeds this plus the restart cost.
-    fairness_floor: adaptive gives no job less than its even share unless its curve says it cannot use it.
+    fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
+        GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
+        budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
+    floor_fraction: see fairness_floor (1.0: the whole share is a floor; below 1, the rest of every
+        share goes to the knapsack, so a job whose cores buy little gives some to one whose cores buy
+        more, and no job loses more than 1 - floor_fraction of its GPU share's throughput).
     min_cpus: cores every job gets at least (lowered to the even share on a crowded node).
     quantum_cpus: the greedy's step in cores (raised to loader_cpus / 256 on big nodes, for speed).
     worker_start_s, decision_horizon_s: the real cost of changing a job's worker count. One worker
@@ -74,6 +79,7 @@ class PolicyConfig:
     max_workers_per_job: int = 64
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    floor_fraction: float = 0.9
     min_cpus: float = 0.05
     quantum_cpus: float = 0.05
     worker_start_s: float = 1.0
@@ -93,6 +99,8 @@ class PolicyConfig:
         for name in ("hysteresis", "worker_start_s", "min_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.floor_fraction <= 1.0:
+            raise ValueError(f"PolicyConfig.floor_fraction must be in (0, 1], got {self.floor_fraction}")
         for name in ("min_cpus", "quantum_cpus", "decision_horizon_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PolicyConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -325,6 +333,11 @@ def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: Pol
     return min(cap, need) if math.isfinite(need) else cap
 
 
+def _gain_key(gain: float) -> float:
+    """Heap key of a marginal gain: negated (a min-heap), rounded to 1e-9 so float noise is no tie-break."""
+    return -round(gain, 9)
+
+
 def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
               config: PolicyConfig, wcap: Mapping[str, int]) -> AllocationPlan:
     """``adaptive`` with at most ``wcap[j]`` workers for job j (the workers its memory allows).
@@ -333,8 +346,9 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     0. The budget: the node's loader CPUs less what the training processes need (``loader_budget``).
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
-    2. Warm jobs first get their floor: min(GPU-proportional share, useful cores) with ``fairness_floor``
-       (the share a batch scheduler would give: budget x gpus / all GPUs), else ``min_cpus``.
+    2. Warm jobs first get their floor with ``fairness_floor``: the least cores that reach
+       ``floor_fraction`` of the throughput of min(GPU-proportional share, useful cores) (the share a
+       batch scheduler would give: budget x gpus / all GPUs), else ``min_cpus``.
     3. The rest goes in quanta to the job with the highest ``gpus * d(normalised)/d(cores)``; ties by
        job id. Fractional knapsack: optimal for concave curves.
     4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
@@ -394,10 +408,30 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     for j in warm:
-        cpus[j] = max(min_c, min(share[j], useful[j], cap[j])) if config.fairness_floor else min_c
+        if not config.fairness_floor:
+            cpus[j] = min_c
+            continue
+        top = max(min_c, min(share[j], useful[j], cap[j]))
+        cpus[j] = top
+        if config.floor_fraction < 1.0 and top > min_c:
+            # the least cores that keep floor_fraction of what the GPU share would give (bisection on the
+            # job's own curve, which is non-decreasing in cores): the rest of the share is the knapsack's
+            want = config.floor_fraction * value(j, top)
+            lo, hi = min_c, top
+            if value(j, lo) < want:
+                for _ in range(24):
+                    mid = 0.5 * (lo + hi)
+                    if value(j, mid) >= want:
+                        hi = mid
+                    else:
+                        lo = mid
+                cpus[j] = hi
+            else:
+                cpus[j] = lo
     remaining = C - sum(cpus.values())
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
-    # step costs one curve evaluation. Ties go to the smaller job id (heap order on (-gain, id)).
+    # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
+    # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
     current = {j: value(j, cpus[j]) for j in warm}
     nxt: dict[str, tuple[float, float]] = {}
     heap = []
@@ -407,14 +441,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx > EPS:
             v = value(j, cpus[j] + dx)
             nxt[j] = (dx, v)
-            heap.append((-gpus[j] * (v - current[j]) / dx, j))
+            heap.append((_gain_key(gpus[j] * (v - current[j]) / dx), cpus[j] / share[j], j))
 
     for j in warm:
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
     while heap and remaining > EPS:
-        neg, j = heapq.heappop(heap)
+        neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
         dx, v = nxt[j]
@@ -432,7 +466,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
-            heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
+            heapq.heappush(heap, (_gain_key(gpus[j] * (v2 - v) / dx2), cpus[j] / share[j], j))
     for j in sorted(warm):
         # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
         workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))

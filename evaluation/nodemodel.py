@@ -11,7 +11,9 @@ How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, mo
 - ``agent``: the agent's cgroup subtree holds every loader worker, weighted by the loaders' budget
   (1024 per budgeted core where trainers need CPU, else 1024 per worker); each job's training
   processes sit outside it in their own group (1024), so a runnable trainer gets
-  ``N / (1 + subtree + other runnable trainers)`` of a CPU (shared by its rank threads) while it runs.
+  its weighted share of the CPUs while it runs (water-filled against the subtree, capped at what the
+  loaders can use, and the other trainers, scaled by the time they are runnable; shared by its rank
+  threads).
   Trainers use ``bps * t * gpus`` cores; the loaders share the rest by the plan's weights (``cpus``),
   each capped at what its workers can use (water-filling: work-conserving). Fixed point over the
   jobs' rates and the trainers' runnable fractions.
@@ -137,10 +139,20 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         speed = {j: 1.0 for j in ids}
         cores = {j: 0.0 for j in ids}
         for _ in range(80):
+            sub_demand = sum(_loader_demand(models[k], w[k]) for k in ids)
             for j in ids:
                 m = models[j]
-                others = sum(runnable[k] for k in ids if k != j)
-                speed[j] = min(1.0, N / (1.0 + subtree + others) / m.gpus) if m.trainer_cpu_s_per_step > 0 else 1.0
+                if m.trainer_cpu_s_per_step <= 0:
+                    continue
+                # while j's trainer runs: N water-filled over it (weight 1, wants its rank threads), the
+                # subtree (its weight, wants what its loaders can use) and the other trainers (weight and
+                # want scaled by the time they are runnable)
+                ws = {"me": 1.0, "sub": subtree}
+                caps = {"me": float(m.gpus), "sub": sub_demand}
+                for k in ids:
+                    if k != j and runnable[k] > 0:
+                        ws[k], caps[k] = runnable[k], runnable[k] * models[k].gpus
+                speed[j] = min(1.0, waterfill(N, ws, caps)["me"] / m.gpus)
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             avail = max(0.0, N - sum(trainer.values()))
             caps = {j: _loader_demand(models[j], w[j]) for j in ids}
@@ -171,7 +183,8 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         # fair between jobs: what a job runs on while it is runnable is the water level (the share of a
         # job that wants more than the others leave), not its average use
         got = waterfill(N, {j: 1.0 for j in ids}, {j: models[j].demand(w[j]) for j in ids})
-        level = max(got.values()) if got else N
+        saturated = sum(got.values()) >= N * (1.0 - 1e-9)
+        level = max(got.values()) if got and saturated else N     # not saturated: nobody is held back
         share = {j: max(got[j], level) for j in ids}
     for j in ids:
         m = models[j]
