@@ -17,6 +17,8 @@ import pytest
 from evaluation import report, setup
 from evaluation.catalog import CatalogError, load_catalog
 
+pytestmark = pytest.mark.component
+
 TINY = """
 reference_cores = 4.0
 min_step_s = 0.01

@@ -15,9 +15,9 @@ import torch.utils.data as tud
 
 import adloader.dataloader as dlmod
 from adloader import DataLoader
-from tests.test_loader_data import Indexed
+from tests.loader_datasets import Indexed
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 
 def _ids(batches) -> list[int]:

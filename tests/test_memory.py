@@ -13,6 +13,8 @@ import torch
 
 from adloader import DataLoader, memory
 
+pytestmark = pytest.mark.component
+
 MiB = 1 << 20
 
 

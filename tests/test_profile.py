@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import REPO, adloader_cmd, repo_env
 
+pytestmark = pytest.mark.component
+
 FAKE_CLIENT = textwrap.dedent('''
     import os, sys, time, zmq
     from adloader import protocol
