@@ -213,9 +213,17 @@ def run_accelerate() -> dict:
     auto = DataLoader(Points(), batch_size=BATCH, shuffle=True, generator=gen(), num_workers="auto", max_workers=2)
     runs = {"prepare": train(user, EPOCHS), "auto": train(auto, 1),
             "torch": train(tud.DataLoader(Points(), batch_size=BATCH, shuffle=True, generator=gen(), num_workers=1),
-                           EPOCHS,
-                           use_adloader=False)}
-    return {"runs": runs, "handles": [user, auto]}
+                           EPOCHS, use_adloader=False)}
+    # accelerator.prepare alone swaps in torch's DataLoader: warned, once per process
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            plain = DataLoader(Points(), batch_size=BATCH, num_workers=1)
+            accelerator.prepare(plain)
+            plain.close()
+    warned = [str(w.message) for w in caught if "adloader" in str(w.message)]
+    return {"runs": runs, "handles": [user, auto], "plain_prepare_warnings": warned}
 
 
 # ---- transformers Trainer -----------------------------------------------------------------------
@@ -390,11 +398,13 @@ def run_ranks(framework: str, world: int, out: str, env: dict, agent=None, timeo
                 p.wait()
 
 
-def one_process(framework: str, runs: dict[str, int], out: str) -> None:
+def one_process(framework: str, runs: dict[str, int], out: str) -> list[dict]:
     """The 1-process test of a framework (no agent)."""
     from tests.conftest import repo_env
 
-    check(run_ranks(framework, 1, out, repo_env(ADLOADER_DISABLE="1")), runs)
+    results = run_ranks(framework, 1, out, repo_env(ADLOADER_DISABLE="1"))
+    check(results, runs)
+    return results
 
 
 def two_processes_with_agent(framework: str, runs: dict[str, int], base: str, out: str) -> None:

@@ -18,7 +18,10 @@ RUNS = {"prepare": 2, "auto": 1}
 
 
 def test_one_process(tmp_path):
-    one_process("accelerate", RUNS, str(tmp_path))
+    results = one_process("accelerate", RUNS, str(tmp_path))
+    # accelerator.prepare(loader) without the integration: one warning naming the fix
+    (warned,) = results[0]["plain_prepare_warnings"]
+    assert "adloader.integrations.accelerate.prepare" in warned
 
 
 def test_two_processes_gloo_with_a_live_agent(base, tmp_path):
