@@ -52,8 +52,8 @@ from agent import status as statusmod
 from agent.collector import Collector
 from agent.config import AgentConfig
 from agent.nvml import GpuSampler
-from agent.registry import Registry
-from agent.server import Server
+from agent.registry import Limits, Registry
+from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
@@ -118,17 +118,24 @@ class Agent:
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
+        self.recent_late_ms: collections.deque = collections.deque(maxlen=60)  # how late each tick started
+        self.max_tick_late_ms = 0.0
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
-        self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root)
+        self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root,
+                                 limits=Limits(jobs_per_uid=config.jobs_per_uid,
+                                               idle_jobs_per_uid=config.idle_jobs_per_uid))
         self.gpu = GpuSampler(gpu_module)
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
                                    gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied)
         self.ctx = zmq.Context()
         self.server = Server(config.endpoint, self.registry, heartbeat_s=config.heartbeat_s,
-                             on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx)
+                             on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx,
+                             limits=ServerLimits(max_connections=config.max_connections,
+                                                 connections_per_uid=config.connections_per_uid,
+                                                 uid_cpu_share=config.uid_cpu_share))
         if predictor is None:
             from predictor.bank import PredictorBank
 
@@ -145,7 +152,7 @@ class Agent:
 
         cfg = self.config
         kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
-                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root)
+                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root, subtree=cfg.cgroup_subtree)
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
         except Exception as e:
@@ -328,6 +335,11 @@ class Agent:
             "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
             "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
+            "connections": self.server.guard.snapshot() if self.server.guard is not None else None,
+            "open_files_limit": self.server.fd_limit, "message_budget_hits": self.server.budget_hits,
+            "tick_late_ms": {"p50": _pct(list(self.recent_late_ms), 0.5),
+                             "max_recent": round(max(self.recent_late_ms), 3) if self.recent_late_ms else None,
+                             "max": round(self.max_tick_late_ms, 3)},
         }
         return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,
                                record=self.controller.last_record, applied=self.controller.applied())
@@ -357,6 +369,9 @@ class Agent:
             while not self._stop:
                 now = time.monotonic()
                 if now >= next_tick:
+                    late_ms = (now - next_tick) * 1000.0
+                    self.recent_late_ms.append(late_ms)
+                    self.max_tick_late_ms = max(self.max_tick_late_ms, late_ms)
                     self.server.handle_ready(now)   # messages already here count for this tick (a bye
                     self._journal_now()             # before the process is seen gone)
                     self.tick(now)
