@@ -13,6 +13,14 @@ CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 c
 cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
 /proc/self/cgroup (never ``os.cpu_count()``, which ignores both).
 
+Memory: the workers this loader may have are also bounded by memory (``memory_cap``): what its
+workers hold now plus the room left (``adloader.memory.memory_room``: the least of MemAvailable and
+this process's cgroup memory limit minus its usage, read only), less a reserve of
+``MEMORY_RESERVE_FRAC`` of the limit (at least ``MEMORY_RESERVE_MIN``), over one worker's measured cost
+(its unique memory plus its share of the batches in flight). A count above the cap is shed at the next
+window whatever the hysteresis; the tuner never grows past it. Before a worker has been measured
+there is no cap (a worker's cost is not known until it runs).
+
 Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` workers; it moves only
 after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
 dropped), only for a predicted gain of at least ``HYSTERESIS`` (or to shed workers that the curve says
@@ -40,6 +48,8 @@ SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
 HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
+MEMORY_RESERVE_FRAC = 0.10   # of the memory limit (cgroup, else MemTotal) kept free of loader workers
+MEMORY_RESERVE_MIN = 256 << 20
 
 # -- CPUs this process may use ------------------------------------------------------------------
 
@@ -117,6 +127,32 @@ def worker_cap(cpus: float, max_workers: int | None) -> int:
     return max(1, min(cap, max_workers)) if max_workers else cap
 
 
+def memory_cap(stats: dict, room: float | None, limit: float | None) -> int | None:
+    """Most workers whose memory fits: (workers' memory now + ``room`` - reserve) / one worker's cost.
+
+    ``stats``: ``loader.stats()``; ``room``: bytes more the process may take (None = unknown: no cap);
+    ``limit``: the cgroup limit, else MemTotal, for the reserve. None when no worker was measured."""
+    n = stats.get("memory_workers") or 0
+    if room is None or n <= 0:
+        return None
+    uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
+    held = uss + shm
+    per = uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    if per <= 0:
+        return None
+    reserve = max(MEMORY_RESERVE_MIN, MEMORY_RESERVE_FRAC * limit) if limit else MEMORY_RESERVE_MIN
+    return max(1, int((held + room - reserve) // per))
+
+
+def memory_limits() -> tuple[float | None, float | None]:
+    """(room, limit) for ``memory_cap``, from this process's cgroup and the node (read only)."""
+    from adloader import memory
+
+    cg = memory.cgroup_memory()
+    total, _ = memory.meminfo()
+    return memory.memory_room(), (cg.limit if cg.limit is not None else total)
+
+
 # -- stats totals -> Observation ------------------------------------------------------------------
 
 _TOTALS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
@@ -172,8 +208,18 @@ class AutoTuner:
             from predictor.bank import PredictorBank
             self.bank = PredictorBank(prior="default")
 
-    def window(self, obs) -> int | None:
+    memory_cap: int | None = None                     # most workers memory allows (None = no bound known)
+
+    def window(self, obs, memory_cap: int | None = None) -> int | None:
         self.n_windows += 1
+        if memory_cap is not None:
+            self.memory_cap = memory_cap
+        if self.memory_cap is not None and self.current > max(1, self.memory_cap):
+            want = max(1, self.memory_cap)        # memory first: shed now, whatever the hysteresis
+            self.came_from, self.left_at[self.current] = self.current, self.n_windows
+            self.history.append((self.n_windows, want))
+            self.current, self.windows_here = want, 0
+            return want
         if obs is None or obs.workers != self.current:
             return None
         self.bank.observe(self.job, obs)
@@ -186,6 +232,8 @@ class AutoTuner:
         if curve is None:
             return None
         want = max(1, min(self.cap, curve.knee_workers(self.cpus)))
+        if self.memory_cap is not None:
+            want = min(want, max(1, self.memory_cap))
         if want == self.current:
             return None
         if want > self.current:
@@ -255,7 +303,11 @@ class _Thread(threading.Thread):
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
                 prev = cur
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
-                want = self.tuner.window(obs)
+                try:
+                    mcap = memory_cap(cur, *memory_limits())
+                except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
+                    mcap = None
+                want = self.tuner.window(obs, mcap)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
                     loader.resize(want)

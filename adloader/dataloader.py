@@ -57,10 +57,12 @@ Deviations from torch (by design, documented):
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import warnings
@@ -68,7 +70,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -76,6 +78,7 @@ import torch.utils.data as tud
 from adloader._pool import WorkerPool
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec,
                               fetch_map, seed_all, task_seed)
+from adloader.memory import WorkerMemorySampler, batch_nbytes
 from adloader.stats import LoaderCounters, RateWindow
 
 log = logging.getLogger("adloader")
@@ -85,6 +88,32 @@ __all__ = ["DataLoader", "STATE_VERSION"]
 STATE_VERSION = 1
 _ITER_IDS = itertools.count(1)
 _WAIT_SLICE_S = 1.0     # longest single wait on the pool (deaths and resizes wake it earlier)
+T_co = TypeVar("T_co", covariant=True)
+
+# Frameworks that copy a loader's attributes into a torch DataLoader of their own (so A-Dloader's
+# workers, elastic state and agent hook silently drop out), and where to go instead.
+_FOREIGN_COPIERS = {
+    "accelerate.": "use adloader.integrations.accelerate.prepare(accelerator, loader) instead of "
+                   "accelerator.prepare(loader)",
+}
+_foreign_copy_warned = False
+_foreign_copy_allowed = threading.local()   # set by adloader.integrations while they copy on purpose
+
+
+def _warn_if_foreign_copy(frame) -> None:
+    """Warn once per process when a framework's code reads ``num_workers`` to build its own torch
+    DataLoader from this one (``accelerate.data_loader.prepare_data_loader`` does so)."""
+    global _foreign_copy_warned
+    if getattr(_foreign_copy_allowed, "on", False):
+        return
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    for prefix, advice in _FOREIGN_COPIERS.items():
+        if module.startswith(prefix):
+            _foreign_copy_warned = True
+            warnings.warn(f"adloader: {module} is rebuilding an adloader.DataLoader as torch's "
+                          "DataLoader: its batches will not come from A-Dloader's workers, resize() and "
+                          f"the agent will not reach it; {advice}", stacklevel=3)
+            return
 
 
 def _available_cpus() -> int:
@@ -155,15 +184,22 @@ class _Core:
         self.next_epoch = 0
         self.epoch = 0
         self.iters: weakref.WeakSet = weakref.WeakSet()
-        self.pool: WorkerPool | None = None      # persistent workers only
+        self.auto = False           # num_workers="auto"
+        self.requested = target     # the user's count (auto: the initial one)
+        self.hooks_attached = False     # agent client / autotune: once per state, not per loader
+        # persistent workers: one pool per loader object sharing this state (a framework's rebuilt
+        # copy may carry another dataset); held by their iterators, listed here for resize and close
+        self.persistent_pools: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
         self.warned_iterable_resize = False
+        self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
+        self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
+        self.prefetch_factor = 2
 
     def pools(self) -> list[WorkerPool]:
         with self.lock:
             pools = [it._pool for it in list(self.iters) if it._pool is not None]
-            if self.pool is not None:
-                pools.append(self.pool)
+            pools.extend(self.persistent_pools)
         uniq = []
         for p in pools:
             if all(p is not q for q in uniq):
@@ -176,59 +212,116 @@ class _Core:
             iters = list(self.iters)
         for it in iters:
             it._close()
-        if self.pool is not None:
-            self.pool.shutdown()
+        for pool in list(self.persistent_pools):
+            pool.shutdown()
 
 
-class DataLoader(tud.DataLoader):
-    """Elastic drop-in for ``torch.utils.data.DataLoader`` (see the module docstring).
+class DataLoader(tud.DataLoader[T_co]):
+    """Elastic drop-in for ``torch.utils.data.DataLoader`` (see the module docstring). Generic like
+    torch's: ``DataLoader[list[Tensor]]`` is a valid annotation.
 
     Extra arguments: ``num_workers="auto"`` (initial count from ``adloader.autotune``, which then
     resizes the loader from its own measurements unless an agent takes over), ``max_workers``
     (upper bound for ``resize``; default: the larger of ``num_workers`` and the CPUs this process
-    may run on)."""
+    may run on), ``elastic_state`` (another loader's ``elastic_state``: see below).
+
+    Rebuilt by a framework. Lightning (``_update_dataloader``), Accelerate and others re-create a
+    loader from the instance: either from the arguments the user passed (Lightning records and
+    replays them) or from attributes named like the constructor's arguments. So:
+    - every argument is recoverable from the instance: torch's attributes, ``max_workers``, and
+      ``vars(loader)["num_workers"]`` holds the argument as given (``"auto"`` included) while the
+      ``num_workers`` property reads the live target;
+    - ``elastic_state`` is a public attribute (an opaque handle) and a keyword argument: a loader
+      built with another's ``elastic_state`` shares its worker target, ``max_workers``, auto mode,
+      counters, epoch numbering and agent/autotune attachment. ``stats()``, ``resize()`` and the
+      agent's directives on either object act on both, so the user's object stays the live handle
+      when a framework trains on its rebuilt copy. Each object keeps its own sampler, dataset and
+      (persistent) worker pool; iterate one of them at a time.
+    - where a framework records the constructor's arguments to replay them (Lightning's
+      ``__pl_saved_kwargs``), ``elastic_state`` is added to that record, so the replayed loader
+      shares the state too.
+    - torch's constructor is called with keyword arguments only (Lightning records the positional
+      arguments of the outermost patched ``__init__`` and replays them with its own keywords)."""
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True, max_workers=None):
+                 in_order=True, max_workers=None, elastic_state=None):
         auto = isinstance(num_workers, str)
         if auto and num_workers != "auto":
             raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
             raise TypeError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
-        self._auto = auto
+        if elastic_state is not None and not isinstance(elastic_state, _Core):
+            raise TypeError("elastic_state must be another adloader.DataLoader's .elastic_state, got "
+                            f"{type(elastic_state).__name__}")
+        if elastic_state is not None and elastic_state.closed:
+            raise ValueError("elastic_state belongs to a closed adloader.DataLoader")
         self._elastic_ready = False
         self._target_init = 1 if auto else num_workers   # read by torch's __init__ via the property
         super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, self._target_init, collate_fn,
-            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=self._target_init, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order)
-        if max_workers is None:
-            max_workers = max(_available_cpus(), 0 if auto else num_workers)
-        elif isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
-            raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
-        elif not auto and num_workers > max_workers:
-            raise ValueError(f"num_workers={num_workers} exceeds max_workers={max_workers}")
-        self._core = _Core(min(self._target_init, max_workers), max_workers)
-        self._requested = self._core.target
+        if elastic_state is not None:
+            core = elastic_state
+            if max_workers is not None and max_workers != core.max_workers:
+                log.info("adloader: max_workers=%s ignored: the shared elastic state has max_workers=%d",
+                         max_workers, core.max_workers)
+        else:
+            if max_workers is None:
+                max_workers = max(_available_cpus(), 0 if auto else num_workers)
+            elif isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
+                raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
+            elif not auto and num_workers > max_workers:
+                raise ValueError(f"num_workers={num_workers} exceeds max_workers={max_workers}")
+            core = _Core(min(self._target_init, max_workers), max_workers)
+            core.auto = auto
+            core.requested = core.target
+        self._core = core
         self._resume: dict | None = None
         self._persistent_iter = None
         self._last_iter = None
-        self._hooks_attached = False
+        # the constructor's arguments, recoverable from the instance's attributes (the properties
+        # of the same names shadow these entries when read)
+        self.__dict__["num_workers"] = num_workers
+        self.__dict__["max_workers"] = core.max_workers
+        self.elastic_state = core
         self._elastic_ready = True
-        if auto:
+        self._share_state_with_recorded_args()
+        if auto and elastic_state is None:
             n = self._initial_auto_workers()
-            self._core.target = self._requested = n
+            core.target = core.requested = n
+
+    def _share_state_with_recorded_args(self) -> None:
+        """Lightning's ``_wrap_init_method`` records the outermost ``__init__``'s arguments in
+        ``__pl_saved_kwargs`` (lightning/fabric/utilities/data.py) and replays them to rebuild the
+        loader with a distributed sampler; add ``elastic_state`` so that the rebuilt loader shares
+        this one's. Only where the class being built accepts the argument (a user's subclass with its
+        own signature may not)."""
+        saved = self.__dict__.get("__pl_saved_kwargs")
+        if not isinstance(saved, dict) or "elastic_state" in saved:
+            return
+        try:
+            params = inspect.signature(type(self).__init__).parameters
+        except (TypeError, ValueError):
+            return
+        if "elastic_state" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            saved["elastic_state"] = self._core
 
     # ---- drop-in attributes ------------------------------------------------------------------
     @property
     def num_workers(self) -> int:
-        """The target number of workers (what ``resize`` last asked for)."""
+        """The target number of workers (what ``resize`` last asked for). The constructor's argument
+        as given (``"auto"`` included) is ``vars(loader)["num_workers"]``."""
         if not self.__dict__.get("_elastic_ready"):
             return self.__dict__.get("_target_init", 0)
+        if not _foreign_copy_warned:
+            _warn_if_foreign_copy(sys._getframe(1))
         return self._core.target
 
     @num_workers.setter
@@ -245,7 +338,18 @@ class DataLoader(tud.DataLoader):
     @property
     def requested_workers(self) -> int:
         """What the user asked for (for ``num_workers='auto'``: the initial count)."""
-        return self._requested
+        return self._core.requested
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the sampler which epoch comes next, as Accelerate's loaders do: forwarded to the
+        batch sampler if it has ``set_epoch``, else to the sampler (``DistributedSampler`` reshuffles
+        from ``seed + epoch``), else to the dataset (Hugging Face datasets, custom IterableDatasets).
+        The loader's own per-batch seeding does not depend on it."""
+        for target in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.sampler,
+                       self.dataset):
+            if target is not None and callable(getattr(target, "set_epoch", None)):
+                target.set_epoch(epoch)
+                return
 
     # ---- elasticity ------------------------------------------------------------------------
     def resize(self, n: int) -> int:
@@ -270,11 +374,11 @@ class DataLoader(tud.DataLoader):
             core.target = n
             core.counters.resizes += 1
             iters = [it for it in list(core.iters) if not it._done]
-            pool = core.pool
+            idle = [p for p in core.persistent_pools if not any(it._pool is p for it in iters)]
         log.debug("adloader: resize to %d workers", n)
         for it in iters:
             it._on_resize(n)
-        if pool is not None and not any(it._pool is pool for it in iters):
+        for pool in idle:
             pool.resize(n)      # persistent workers between epochs
         return n
 
@@ -306,6 +410,18 @@ class DataLoader(tud.DataLoader):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
+        memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
+        ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
+            worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
+            worker_pss_bytes       proportional memory of the live workers, summed (shared pages divided)
+            worker_uss_per_worker  mean USS of a worker
+            worker_growth_bytes    mean growth of a worker's USS since its first sample: private pages it
+                                   copied as it ran (copy-on-read of a dataset of Python objects)
+            memory_workers         workers in the sample
+            batch_bytes            bytes of tensors/arrays in one delivered batch (sampled)
+            shm_inflight_bytes     batches in flight in shared memory: prefetch_factor x workers x batch_bytes
+            memory_sample_cost_s   CPU seconds the last sample cost this process
+            memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
             compute_s_per_step, data_wait_s_per_step, cpu_s_per_batch, wall_s_per_batch,
@@ -318,7 +434,7 @@ class DataLoader(tud.DataLoader):
         out = {
             "steps": c.steps, "samples": c.samples, "batches": c.batches, "epoch": core.epoch,
             "workers": core.target, "live_workers": live, "max_workers": core.max_workers,
-            "requested_workers": self._requested, "batch_size": self.batch_size,
+            "requested_workers": core.requested, "batch_size": self.batch_size,
             "data_wait_s": c.data_wait_s, "compute_s": c.compute_s, "worker_cpu_s": c.worker_cpu_s,
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
@@ -326,7 +442,25 @@ class DataLoader(tud.DataLoader):
             "uptime_s": time.monotonic() - c.created_mono,
             "rates": core.rates.rates(now),
         }
+        out.update(self._memory_stats())
         return out
+
+    def _memory_stats(self) -> dict:
+        core = self._core
+        try:
+            m = core.memory.sample(self.worker_pids())
+        except Exception:   # noqa: BLE001 — measurement never hurts training
+            log.debug("adloader: memory sample failed", exc_info=True)
+            m = core.memory.summary
+        workers = max(core.target, m.workers)
+        return {
+            "worker_uss_bytes": m.uss, "worker_pss_bytes": m.pss, "worker_uss_per_worker": m.uss_per_worker,
+            "worker_growth_bytes": m.growth_per_worker, "memory_workers": m.workers,
+            "batch_bytes": core.batch_bytes,
+            "shm_inflight_bytes": core.prefetch_factor * workers * core.batch_bytes,
+            "memory_sample_cost_s": m.sample_cost_s,
+            "memory": {str(p): dict(v) for p, v in m.per_worker.items()},
+        }
 
     # ---- iteration -------------------------------------------------------------------------
     def __iter__(self):
@@ -362,6 +496,7 @@ class DataLoader(tud.DataLoader):
             else:
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                               "then device pinned memory won't be used.", stacklevel=3)
+        self._core.prefetch_factor = max(1, self.prefetch_factor or 2)
         ctx = self.multiprocessing_context
         if ctx is None:
             ctx = multiprocessing.get_context()
@@ -421,7 +556,7 @@ class DataLoader(tud.DataLoader):
         if self._core.closed:
             return
         for modname, fn in (("adloader.client", "detach"), ("adloader.autotune", "detach")):
-            if modname == "adloader.autotune" and not self._auto:
+            if modname == "adloader.autotune" and not self._core.auto:
                 continue
             self._call_hook(modname, fn)
         self._core.close()
@@ -453,9 +588,10 @@ class DataLoader(tud.DataLoader):
         return max(0, min(n, self._core.max_workers))
 
     def _attach_hooks(self) -> None:
-        if self._hooks_attached:
-            return
-        self._hooks_attached = True
+        with self._core.lock:
+            if self._core.hooks_attached:
+                return
+            self._core.hooks_attached = True
         if tud.get_worker_info() is not None:
             return          # a loader used inside a loader worker: not a training process
         try:
@@ -466,7 +602,7 @@ class DataLoader(tud.DataLoader):
             disabled = False
         if not disabled:
             self._call_hook("adloader.client", "attach")
-        if self._auto:
+        if self._core.auto:
             self._call_hook("adloader.autotune", "attach")
 
 
@@ -586,9 +722,6 @@ class _ElasticIter:
         cfg, core = self._cfg, self._core
         if self._pool is not None:
             return self._pool
-        if cfg.persistent and core.pool is not None:
-            self._pool = core.pool
-            return self._pool
         spec = WorkerSpec(
             wid=0, num_workers=core.target, base_seed=self._base_seed, dataset=cfg.dataset,
             iterable=cfg.iterable, auto_collation=cfg.auto_collation, batch_size=cfg.batch_size,
@@ -598,7 +731,7 @@ class _ElasticIter:
                           counters=self._counters)
         self._pool = pool
         if cfg.persistent:
-            core.pool = pool
+            core.persistent_pools.add(pool)
         # workers stop when this iterator is collected (abandoned mid-epoch, or the persistent
         # iterator together with its loader) or at interpreter exit (finalize's atexit)
         self._pool_finalizer = weakref.finalize(self, pool.shutdown)
@@ -721,6 +854,8 @@ class _ElasticIter:
         c.steps += 1
         self._t_last = t1
         self._core.rates.maybe_record(t1)
+        if c.steps & 15 == 1:                    # batch size in shared memory, sampled (cheap walk)
+            self._core.batch_bytes = batch_nbytes(data)
         return data
 
     def _mark_delivered(self, seq: int) -> None:

@@ -12,6 +12,12 @@ A job's figures aggregate its ranks (DESIGN "Measurement"): samples/s and worker
 wait per step and wait fraction as the max over ranks (a stall on one rank stalls every rank of a
 synchronous job), compute per step and per-batch costs as the mean over ranks that have data.
 
+Memory (gauges, not counters: the latest report's value is the figure): each rank's loader reports
+its workers' USS, the number of workers measured and the batches in flight (``adloader.memory``);
+a job's ``loader_memory_bytes`` sums them over its ranks, ``worker_memory_bytes`` is that over its
+measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. The node's budget in
+force comes from ``agent.memory.MemoryGuard`` (configured budget, lowered under memory pressure).
+
 GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle_source="nvml"``);
 otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
 """
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from agent import psi
+from agent.memory import MemoryGuard, MemoryState
 from agent.model import JobAllocation, JobStats, NodeSnapshot
 from agent.registry import Job, Registry
 
@@ -30,6 +37,7 @@ SMOOTH_TAU_S = 3.0
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
             "worker_runq_s", "worker_blocked_s")
+GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores")
 
@@ -50,9 +58,14 @@ class RankRates:
     observed_s: float = 0.0
     window_s: float = 0.0
     windows: int = 0
+    gauges: dict = field(default_factory=dict)     # memory figures of the latest report
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
         """Fold one report in. True if it closed a window (rates changed)."""
+        for k in GAUGES:
+            v = _num(stats.get(k))
+            if v is not None:
+                self.gauges[k] = v
         t = _num(stats.get("uptime_s"))
         if t is None:
             t = recv_t
@@ -102,7 +115,8 @@ class Collector:
 
     def __init__(self, registry: Registry, *, loader_cpus: float, cpu_ids: tuple[int, ...], max_jobs: int = 0,
                  gpu_sampler=None, proc_root: str = "/proc",
-                 applied: Optional[Callable[[], Mapping[str, JobAllocation]]] = None):
+                 applied: Optional[Callable[[], Mapping[str, JobAllocation]]] = None,
+                 memory_guard: Optional[MemoryGuard] = None):
         self.registry = registry
         self.loader_cpus = loader_cpus
         self.cpu_ids = tuple(cpu_ids)
@@ -114,6 +128,8 @@ class Collector:
         self.pressure = psi.Pressure(None, None)
         self._allowed_cache: dict[int, tuple[tuple[int, ...], bool]] = {}
         self.last: Optional[NodeSnapshot] = None
+        self.memory_guard = memory_guard
+        self.memory_state: Optional[MemoryState] = None
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -202,8 +218,15 @@ class Collector:
             if r.max_workers is not None:
                 max_workers = r.max_workers if max_workers is None else min(max_workers, r.max_workers)
         observed_s = window_s = 0.0
+        uss = shm = mworkers = growth = 0.0
         for rr in per:
             if rr is not None:
+                g = rr.gauges
+                if g:
+                    uss += g.get("worker_uss_bytes", 0.0)
+                    shm += g.get("shm_inflight_bytes", 0.0)
+                    mworkers += g.get("memory_workers", 0.0)
+                    growth = max(growth, g.get("worker_growth_bytes", 0.0))
                 observed_s = max(observed_s, rr.observed_s)
                 if rr.windows:
                     window_s = max(window_s, rr.window_s)
@@ -224,6 +247,8 @@ class Collector:
             observed_s=observed_s, window_s=window_s,
             applied=applied, requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(),
+            worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
+            loader_memory_bytes=uss + shm, worker_growth_bytes=growth,
         )
 
     def snapshot(self, now: float) -> NodeSnapshot:
@@ -232,9 +257,19 @@ class Collector:
             self.gpu.sample(now)
         self.pressure = psi.read(self.proc_root)
         applied = self.applied()
-        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values()}
+        # only jobs with a connected rank: a registered job none of whose ranks has said hello (yet, or
+        # any more) has no loader to give a share to, and must cost its neighbours nothing
+        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values() if j.ranks}
+        mem = None
+        if self.memory_guard is not None:
+            mem = self.memory_state = self.memory_guard.update(
+                now, sum(j.loader_memory_bytes for j in jobs.values()))
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
-                            io_pressure=self.pressure.io_some_avg10)
+                            io_pressure=self.pressure.io_some_avg10,
+                            loader_memory_bytes=mem.budget if mem else None,
+                            memory_pressure=mem.pressure_pct if mem else None,
+                            memory_available_bytes=mem.available if mem else None,
+                            memory_note=mem.note if mem else "")
         self.last = snap
         return snap

@@ -27,6 +27,19 @@ for the ones the command line offers):
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     fairness_floor  bool   adaptive: no job below its even share unless it cannot use it, default true
+    loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
+                           ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
+                           agent's cgroup memory limit when lower, minus a 25% reserve (at least
+                           2 GiB) for the training processes, page cache and system
+                           (``auto_loader_memory``); "off": no budget
+    memory_pressure_psi  float  PSI memory "some" (percent, over the last tick) at or above this is
+                           pressure: the agent shrinks loader workers before the kernel kills
+                           anything; default 10
+    memory_min_available  bytes|str  MemAvailable below this is pressure too; "auto" (default):
+                           5% of the node's memory, at least 256 MiB
+    unseen_job_timeout_s  float  a registered job (Slurm prolog) with no connected rank is forgotten
+                           when none of its processes has been seen for this long (a missed epilog
+                           release); > 0, default 60.0
     max_connections  int   open connections from ordinary users, all together (root is not counted);
                            more are closed at once; 1..60000, default 4096
     connections_per_uid  int  open connections of one ordinary uid, 1..60000, default 64
@@ -46,13 +59,15 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
-from adloader import env
+from adloader import env, memory
 
 DEFAULT_CONFIG_PATH = "/etc/adloader/agent.toml"
 CGROUP_MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOADER_CPU_RESERVE = 0.10
+LOADER_MEMORY_RESERVE = 0.25
+LOADER_MEMORY_RESERVE_MIN = 2 << 30
 SUBTREE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 # key -> (lowest, highest) accepted; every number an operator can set has both ends
 BOUNDS: dict[str, tuple[float, float]] = {
@@ -84,6 +99,10 @@ class AgentConfig:
     log_level: str = "info"
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    loader_memory: Union[int, str] = "auto"
+    memory_pressure_psi: float = 10.0
+    memory_min_available: Union[int, str] = "auto"
+    unseen_job_timeout_s: float = 60.0
     cgroup_subtree: str = "adloader"
     max_connections: int = 4096
     connections_per_uid: int = 64
@@ -93,6 +112,18 @@ class AgentConfig:
 
     def resolved_loader_cpus(self) -> float:
         return auto_loader_cpus() if self.loader_cpus == "auto" else float(self.loader_cpus)
+
+    def resolved_loader_memory(self) -> Optional[int]:
+        """The loader memory budget in bytes (None: "off", or "auto" where the node's memory is unknown)."""
+        if self.loader_memory == "off":
+            return None
+        return auto_loader_memory() if self.loader_memory == "auto" else int(self.loader_memory)
+
+    def resolved_memory_min_available(self) -> int:
+        if self.memory_min_available == "auto":
+            total, _ = memory.meminfo()
+            return max(256 << 20, int(0.05 * total)) if total else 256 << 20
+        return int(self.memory_min_available)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,9 +147,32 @@ def auto_loader_cpus() -> float:
     return max(0.5, round(n * (1.0 - LOADER_CPU_RESERVE), 2))
 
 
+def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The default loader memory budget: the node's MemTotal, or the memory limit of the agent's own
+    cgroup when that is lower (read only), minus a reserve of ``LOADER_MEMORY_RESERVE`` (25%) and at
+    least ``LOADER_MEMORY_RESERVE_MIN`` (2 GiB) for the training processes, page cache and system;
+    at least 10% of it. (24 GiB node -> 18 GiB; 512 GiB -> 384 GiB.) None if MemTotal is unreadable."""
+    total, _ = memory.meminfo(proc_root)
+    limit = memory.cgroup_memory("self", proc_root, cgroup_root).limit
+    if total is None and limit is None:
+        return None
+    base = min(x for x in (total, limit) if x is not None)
+    return max(int(base * 0.1), base - max(int(base * LOADER_MEMORY_RESERVE), LOADER_MEMORY_RESERVE_MIN))
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     kind = _TYPES[key]
     where = f"config key {key!r} from {source}"
+    if key in ("loader_memory", "memory_min_available"):
+        if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+            v = value.strip().lower()
+            if v == "off" and key != "loader_memory":
+                raise ConfigError(f"{where} must be bytes, a size such as \"2GiB\", or \"auto\", got {value!r}")
+            return v
+        try:
+            return memory.parse_bytes(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if key == "loader_cpus":
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
@@ -155,14 +209,22 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     return value
 
 
+def endpoint_problem(endpoint: str) -> Optional[str]:
+    """Why ``endpoint`` cannot be the agent's endpoint, or None."""
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        return "must start with ipc:// or tcp://"
+    if endpoint.startswith("ipc://") and len(endpoint) - 6 > 100:
+        return "an ipc:// path must be at most 100 characters (the unix socket limit)"
+    return None
+
+
 def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
     def bad(key, why):
         raise ConfigError(f"config key {key!r} ({sources.get(key, 'default')}): {why}, got {getattr(cfg, key)!r}")
 
-    if not cfg.endpoint.startswith(("ipc://", "tcp://")):
-        bad("endpoint", "must start with ipc:// or tcp://")
-    if cfg.endpoint.startswith("ipc://") and len(cfg.endpoint) - 6 > 100:
-        bad("endpoint", "an ipc:// path must be at most 100 characters (the unix socket limit)")
+    why = endpoint_problem(cfg.endpoint)
+    if why:
+        bad("endpoint", why)
     if not cfg.state_dir:
         bad("state_dir", "must be a directory path")
     try:
@@ -186,6 +248,12 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
+    if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
+        bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
+    if not 0 < cfg.memory_pressure_psi <= 100:
+        bad("memory_pressure_psi", "must be a percentage in (0, 100]")
+    if not 0 < cfg.unseen_job_timeout_s <= 30 * 86400:
+        bad("unseen_job_timeout_s", "must be > 0 and at most 30 days")
 
 
 def read_toml(path: str) -> dict:
@@ -232,3 +300,37 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
     cfg = AgentConfig(**values)
     _validate(cfg, sources)
     return cfg
+
+
+def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """The endpoint a command on this node (``adloader job``, ``adloader status``, the Slurm scripts
+    through them) talks to, and a note for its log line ("" when nothing is worth saying).
+
+    One source of truth: the agent's own config file. In order: ``flag`` (``--endpoint``), else
+    ADLOADER_ENDPOINT, else the ``endpoint`` key of ``config_path`` (default: DEFAULT_CONFIG_PATH when
+    it exists), else ``adloader.env.endpoint()`` (the system socket, else the user's) -- the same
+    precedence as the agent's own (file < environment < command line). A config file that cannot be
+    read, or whose endpoint is invalid, is named in the note and the default is used. Light: tomllib
+    only (the prolog pays for every import)."""
+    if flag:
+        return flag, ""
+    environ = os.environ if environ is None else environ
+    ep = environ.get("ADLOADER_ENDPOINT", "").strip()
+    if ep:
+        return ep, ""
+    path = config_path or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
+    if path is None:
+        return env.endpoint(environ), ""
+    if not os.path.exists(path):
+        return env.endpoint(environ), f"no agent config at {path}: default endpoint"
+    try:
+        value = read_toml(path).get("endpoint")
+    except ConfigError as e:
+        return env.endpoint(environ), f"{e}: default endpoint"
+    if value is None:
+        return env.endpoint(environ), ""
+    why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)
+    if why:
+        return env.endpoint(environ), f"config key 'endpoint' in {path} {why}, got {value!r}: default endpoint"
+    return value, ""

@@ -151,6 +151,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             samples_per_s=job.samples_per_s,
             duration_s=job.window_s,
             steps=steps,
+            worker_memory_bytes=job.worker_memory_bytes,
         )
     except BadObservation:
         return None

@@ -18,7 +18,7 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis,
-fairness_floor, log_level take effect at once; endpoint, state_dir, cgroup settings and
+fairness_floor, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
@@ -49,7 +49,9 @@ from adloader import __version__, env, protocol
 from agent import config as configmod
 from agent import journal, logs
 from agent import status as statusmod
+from adloader import memory as adl_memory
 from agent.collector import Collector
+from agent.memory import MemoryGuard
 from agent.config import AgentConfig
 from agent.nvml import GpuSampler
 from agent.registry import Limits, Registry
@@ -57,7 +59,8 @@ from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
-              "log_level")
+              "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
+              "memory_min_available")
 
 
 def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -109,7 +112,9 @@ def _tick_summary(ticks) -> dict:
 class Agent:
     def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
                  cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
-                 predictor: Any = None):
+                 predictor: Any = None, memory_source: Any = None):
+        """``memory_source``: a callable returning ``adloader.memory.NodeMemory`` (tests inject pressure);
+        default: this node's /proc/meminfo and /proc/pressure/memory under ``proc_root``."""
         self.config = config
         self.config_path = config_path
         self.cli = dict(cli or {})
@@ -124,12 +129,15 @@ class Agent:
         self._hup = False
         self._journal_key: Any = None
         self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root,
+                                 unseen_timeout_s=config.unseen_job_timeout_s,
                                  limits=Limits(jobs_per_uid=config.jobs_per_uid,
                                                idle_jobs_per_uid=config.idle_jobs_per_uid))
         self.gpu = GpuSampler(gpu_module)
+        self._memory_source = memory_source or (lambda: adl_memory.node_memory(proc_root))
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
-                                   gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied)
+                                   gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied,
+                                   memory_guard=self._build_memory_guard())
         self.ctx = zmq.Context()
         self.server = Server(config.endpoint, self.registry, heartbeat_s=config.heartbeat_s,
                              on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx,
@@ -162,6 +170,11 @@ class Agent:
                        detail="cgroup_mode auto: running with worker-count directives only (mode off)")
             return actuators.build("off", **kw), "off"
 
+    def _build_memory_guard(self) -> MemoryGuard:
+        cfg = self.config
+        return MemoryGuard(cfg.resolved_loader_memory(), psi_threshold=cfg.memory_pressure_psi,
+                           min_available=cfg.resolved_memory_min_available(), source=self._memory_source)
+
     def _build_controller(self, applied: Optional[dict] = None):
         from agent.controller import Controller
         from agent.policies import get_policy
@@ -192,6 +205,7 @@ class Agent:
         logs.event(log, "agent_started", pid=os.getpid(), uid=os.getuid(), endpoint=cfg.endpoint,
                    state_dir=cfg.state_dir, policy=cfg.policy, tick_s=cfg.tick_s,
                    loader_cpus=self.collector.loader_cpus, cgroup_mode=self.cgroup_mode,
+                   loader_memory_bytes=self.collector.memory_guard.configured if self.collector.memory_guard else None,
                    actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
                    metrics_port=cfg.metrics_port, version=__version__, protocol=protocol.VERSION)
         sd_notify("READY=1\nSTATUS=serving " + cfg.endpoint)
@@ -253,10 +267,14 @@ class Agent:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
         if "heartbeat_s" in live:
             self.registry.heartbeat_s = self.server.heartbeat_s = new.heartbeat_s
+        if "unseen_job_timeout_s" in live:
+            self.registry.unseen_timeout_s = new.unseen_job_timeout_s
         if "loader_cpus" in live:
             self.collector.loader_cpus = self.config.resolved_loader_cpus()
         if "max_jobs" in live:
             self.collector.max_jobs = new.max_jobs
+        if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
+            self.collector.memory_guard = self._build_memory_guard()
         if {"policy", "hysteresis", "fairness_floor"} & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
@@ -335,6 +353,8 @@ class Agent:
             "cpu_pressure": self.collector.pressure.cpu_some_avg10, "io_pressure": self.collector.pressure.io_some_avg10,
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
             "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
+            "unseen_job_timeout_s": cfg.unseen_job_timeout_s, "job_scans": self.registry.scans,
+            "memory": self.collector.memory_state.to_dict() if self.collector.memory_state else None,
             "connections": self.server.guard.snapshot() if self.server.guard is not None else None,
             "open_files_limit": self.server.fd_limit, "message_budget_hits": self.server.budget_hits,
             "tick_late_ms": {"p50": _pct(list(self.recent_late_ms), 0.5),

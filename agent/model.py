@@ -65,6 +65,10 @@ class JobStats:
     requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
     pids: tuple[int, ...] = ()            # training processes (ranks) on this node: never throttled
     worker_pids: tuple[int, ...] = ()     # the loader worker processes: what CPU actuators move/pin
+    # memory (bytes; from the loaders' reports, ``adloader.memory``; 0 = not measured yet)
+    worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight
+    loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight
+    worker_growth_bytes: float = 0.0      # mean USS growth of a worker since it started (copy-on-read)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,11 @@ class NodeSnapshot:
     max_jobs: int = 0                     # for even-static: the most jobs the node is sized for (0 = unknown)
     cpu_pressure: Optional[float] = None  # PSI some avg10 (percent), when present
     io_pressure: Optional[float] = None
+    loader_memory_bytes: Optional[float] = None   # loader memory budget in force (None = no budget);
+                                                  # below the configured one under memory pressure
+    memory_pressure: Optional[float] = None       # PSI memory some avg10 (percent), when present
+    memory_available_bytes: Optional[float] = None   # MemAvailable
+    memory_note: str = ""                 # why the budget in force differs from the configured one
 
 
 @dataclass(frozen=True)

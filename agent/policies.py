@@ -29,6 +29,7 @@ curve ``ceil(cores)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -110,12 +111,16 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
     return max(config.min_workers, min(worker_bound(job, config), int(w)))
 
 
-def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> Callable[[float], int]:
-    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``).
+def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig,
+                cap: Optional[int] = None) -> Callable[[float], int]:
+    """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``), at
+    most ``cap`` (the workers its memory allows) when given.
 
     The constants are computed once, so the greedy can call it thousands of times per decision.
     """
     lo, bound = config.min_workers, worker_bound(job, config)
+    if cap is not None:
+        bound = max(lo, min(bound, cap))
     if curve is None:
         return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
     top = min(bound, curve.max_useful_workers)
@@ -271,21 +276,26 @@ def none(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve], config: 
 
 # -- adaptive -----------------------------------------------------------------------------------
 
-def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: PolicyConfig) -> float:
-    """Cores beyond which the job's predicted throughput stops growing (within the knee tolerance)."""
+def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: PolicyConfig,
+                  wcap: Optional[int] = None) -> float:
+    """Cores beyond which the job's predicted throughput stops growing (within the knee tolerance),
+    with at most ``wcap`` workers when given."""
     need = curve.max_useful_cores
     c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
     if c > 0 and c + b > 0:
         # more cores than the workers can keep busy: worker-bound rate k_w * w / (c + b) = k_c * cores / c
         k_w = curve.correction
         k_c = getattr(curve, "core_correction", None) or k_w
-        need = min(need, worker_bound(job, config) * c * k_w / ((c + b) * k_c))
+        wb = worker_bound(job, config) if wcap is None else max(config.min_workers, min(worker_bound(job, config), wcap))
+        need = min(need, wb * c * k_w / ((c + b) * k_c))
     return min(cap, need) if math.isfinite(need) else cap
 
 
-def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
-             config: PolicyConfig) -> AllocationPlan:
-    """Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
+def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+              config: PolicyConfig, wcap: Mapping[str, int]) -> AllocationPlan:
+    """``adaptive`` with at most ``wcap[j]`` workers for job j (the workers its memory allows).
+
+    Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
 
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
     2. Warm jobs first get their floor: min(even share, useful cores) with ``fairness_floor``, else
@@ -319,14 +329,14 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if config.cold_start == "request":
             req = job.requested_cpus if job.requested_cpus else float(max(1, job.requested_workers))
             cpus[j] = max(min_c, min(req, fair, cap[j]))
-            workers[j] = clamp_workers(max(1, job.requested_workers), job, config)
+            workers[j] = clamp_workers(min(max(1, job.requested_workers), wcap.get(j, 1 << 30)), job, config)
             reason[j] = f"cold start: its request ({cpus[j]:.2f} cores, {workers[j]} workers) until observed"
         else:
             cpus[j] = max(min_c, min(fair, cap[j]))
-            workers[j] = workers_for(cpus[j], None, job, config)
+            workers[j] = worker_rule(None, job, config, wcap.get(j))(cpus[j])
             reason[j] = f"cold start: fair share {cpus[j]:.2f} cores until observed"
 
-    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config) for j in warm}
+    rule = {j: worker_rule(warm[j], snapshot.jobs[j], config, wcap.get(j)) for j in warm}
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
 
     memo: dict[tuple, float] = {}   # (job, workers, cores) -> normalised throughput, for this decision
@@ -341,7 +351,7 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     def value(j: str, x: float) -> float:
         return norm(j, rule[j](x), x)
 
-    useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config)) for j in warm}
+    useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     for j in warm:
         cpus[j] = max(min_c, min(fair, useful[j], cap[j])) if config.fairness_floor else min_c
     remaining = C - sum(cpus.values())
@@ -429,7 +439,8 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
     applied = {j: snapshot.jobs[j].applied for j in ids}
-    settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS for a in applied.values())
+    settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
+                  and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
         held = sum(a.cpus for a in applied.values())
         settled = min(C, sum(cap.values())) - q - EPS <= held <= C + 1e-6
@@ -459,6 +470,104 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                                io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}
     return _finish("adaptive", allocs, snapshot, config, unsatisfied,
                    predicted_total=new_total if warm else None)
+
+
+def _worker_memory(j: str, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve]) -> float:
+    """One worker's memory cost: the snapshot's measurement (freshest), else the curve's."""
+    m = snapshot.jobs[j].worker_memory_bytes
+    if m <= 0 and j in curves:
+        m = curves[j].worker_memory_bytes
+    return max(0.0, m)
+
+
+def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+                config: PolicyConfig, budget: float) -> tuple[dict[str, int], dict[str, str]]:
+    """Workers per job that fit the loader memory ``budget`` (bytes), from ``plan``'s worker counts.
+
+    While the plan's workers cost more than the budget, one worker is taken from the job whose
+    GPU-weighted normalised throughput loses least per byte freed (at the job's planned cores);
+    a job without a curve is charged 1/workers of its throughput per worker (as if linear), so a
+    worker that buys little and costs much goes first. No job drops below ``min_workers``.
+    Returns (caps for the jobs that lost workers, what could not fit: job -> text).
+    """
+    workers = {j: a.workers for j, a in plan.allocations.items() if j in snapshot.jobs}
+    cores = {j: plan.allocations[j].cpus for j in workers}
+    mem = {j: _worker_memory(j, snapshot, curves) for j in workers}
+    used = sum(workers[j] * mem[j] for j in workers)
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in workers}
+
+    def loss(j: str) -> float:
+        w = workers[j]
+        c = curves.get(j)
+        if c is not None and c.confidence >= config.min_confidence:
+            lost = c.normalized(w, cores[j]) - c.normalized(w - 1, cores[j])
+        else:
+            lost = 1.0 / w
+        return gpus[j] * max(0.0, lost) / mem[j]
+
+    heap = [(loss(j), -mem[j], j) for j in workers if mem[j] > 0 and workers[j] > config.min_workers]
+    heapq.heapify(heap)
+    caps: dict[str, int] = {}
+    while used > budget + 1e-6 and heap:
+        _, _, j = heapq.heappop(heap)
+        workers[j] -= 1
+        used -= mem[j]
+        caps[j] = workers[j]
+        if workers[j] > config.min_workers:
+            heapq.heappush(heap, (loss(j), -mem[j], j))
+    unfit = {}
+    if used > budget + 1e-6:
+        for j in workers:
+            if mem[j] > 0:
+                unfit[j] = (f"loader memory budget {_gib(budget)} is below {config.min_workers} worker(s) per job "
+                            f"({_gib(used)} needed)")
+    return caps, unfit
+
+
+def _gib(b: float) -> str:
+    return f"{b / (1 << 30):.2f} GiB"
+
+
+def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+             config: PolicyConfig) -> AllocationPlan:
+    """GPU-weighted greedy on cores (``_adaptive``), within the node's loader memory budget.
+
+    Memory (``snapshot.loader_memory_bytes``, None = no budget): a plan whose workers cost more than
+    the budget (each worker at its measured cost, ``JobStats.worker_memory_bytes``, else the curve's)
+    loses workers where the least GPU-weighted throughput is lost per byte freed (``memory_caps``);
+    the cores are then planned again with those worker caps, so cores a capped job can no longer use
+    go to the others. Under memory pressure the collector lowers the budget in force below the
+    configured one (``agent.memory.MemoryGuard``) and ``snapshot.memory_note`` says why; the reasons
+    of the jobs that lost workers say so.
+    """
+    plan = _adaptive(snapshot, curves, config, {})
+    budget = snapshot.loader_memory_bytes
+    if budget is None or not plan.allocations:
+        return plan
+    caps, unfit = memory_caps(plan, snapshot, curves, config, budget)
+    if not caps and not unfit:
+        return plan
+    wanted = {j: a.workers for j, a in plan.allocations.items()}
+    plan = _adaptive(snapshot, curves, config, caps)
+    caps2, unfit = memory_caps(plan, snapshot, curves, config, budget)   # the re-plan never adds workers;
+    caps = {j: min(caps.get(j, 1 << 30), caps2.get(j, 1 << 30)) for j in set(caps) | set(caps2)}
+    note = f" ({snapshot.memory_note})" if snapshot.memory_note else ""
+    allocs = dict(plan.allocations)
+    unsatisfied = dict(plan.unsatisfied)
+    for j, a in plan.allocations.items():
+        w = min(a.workers, caps.get(j, a.workers))
+        if w < wanted.get(j, w) or j in caps:
+            mem = _worker_memory(j, snapshot, curves)
+            allocs[j] = dataclasses.replace(
+                a, workers=max(config.min_workers, w),
+                reason=f"memory: {w} workers of {mem / (1 << 20):.0f} MiB fit the loader memory budget "
+                       f"{_gib(budget)}{note}; {a.reason}")
+            if w < wanted.get(j, w):
+                unsatisfied[j] = (f"wanted {wanted[j]} workers, the loader memory budget allows {w}"
+                                  + (f"; {unsatisfied[j]}" if j in unsatisfied else ""))
+    for j, why in unfit.items():
+        unsatisfied[j] = why + (f"; {unsatisfied[j]}" if j in unsatisfied else "")
+    return dataclasses.replace(plan, allocations=allocs, unsatisfied=unsatisfied)
 
 
 POLICIES: dict[str, Policy] = {

@@ -8,7 +8,14 @@ its first ``hello`` or on ``register`` (Slurm prolog, before any rank connects) 
   each rank not heard from since the previous sweep, pid reuse caught by the process start time: a
   process that just sent a message was alive, and is checked on the first sweep after its last one,
   so a death is noticed within two ticks); or
-- it was registered and ``release`` arrives, or every process it registered and every rank is gone.
+- it was registered and ``release`` arrives, or every process it registered and every rank is gone,
+  or it has no connected rank and no process of it has been seen for ``unseen_timeout_s`` (config key
+  ``unseen_job_timeout_s``): a job registered by the Slurm prolog (no pids: its processes do not exist
+  yet) whose epilog's release never arrived. ``agent.jobprocs.find_jobs`` looks for the job's processes
+  (slurmstepd's title, the job's Slurm cgroup, its processes' SLURM_JOB_ID/ADLOADER_JOB_ID) only when a
+  job has been unseen that long; found, the clock restarts. Journal-adopted jobs start a new clock.
+A registered job takes part in allocation (``Collector.snapshot``) only while one of its ranks is
+connected: a job that never uses A-Dloader, or opted out, costs its neighbours nothing.
 Departures are queued; the daemon takes them with ``take_departed()`` and calls
 ``controller.forget(job)`` before the next tick, so the share is handed out on that tick.
 
@@ -34,9 +41,9 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
-from agent import security
+from agent import jobprocs, security
 from agent.security import Peer
 
 from adloader import protocol
@@ -44,6 +51,7 @@ from adloader import protocol
 LOST_AFTER_BEATS = 3
 MAX_PIDS_PER_MESSAGE = 256    # worker or registered pids in one message (each is one /proc read)
 MAX_WORKER_PIDS = MAX_PIDS_PER_MESSAGE
+UNSEEN_TIMEOUT_S = 60.0   # default of config key unseen_job_timeout_s
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,7 @@ class Job:
     ranks: dict[int, Rank] = field(default_factory=dict)
     seq: int = 0                           # last directive seq sent
     last_directive: Optional[dict] = None
+    seen_at: Optional[float] = None        # monotonic: a process of the job last known alive (None: arrived_at)
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -152,10 +161,18 @@ def _job_id(msg: dict) -> str:
 
 
 class Registry:
-    def __init__(self, heartbeat_s: float = 2.0, proc_root: str = "/proc", limits: Optional[Limits] = None):
+    def __init__(self, heartbeat_s: float = 2.0, proc_root: str = "/proc",
+                 unseen_timeout_s: float = UNSEEN_TIMEOUT_S,
+                 find_jobs: Optional[Callable[[Mapping[str, int]], set[str]]] = None,
+                 limits: Optional[Limits] = None):
+        """``find_jobs(wanted job -> uid) -> the jobs with a process on this node`` (default
+        ``agent.jobprocs.find_jobs`` on ``proc_root``); tests pass a two-line fake."""
         self.heartbeat_s = heartbeat_s
         self.limits = limits or Limits()
         self.proc_root = proc_root           # where NSpid is read for clients in their own pid namespace
+        self.unseen_timeout_s = unseen_timeout_s
+        self._find_jobs = find_jobs or (lambda wanted: jobprocs.find_jobs(wanted, proc_root))
+        self.scans = 0                       # how many times find_jobs ran (status, tests)
         self.jobs: dict[str, Job] = {}
         self.by_identity: dict[bytes, tuple[str, int]] = {}
         self._departed: list[tuple[str, str]] = []
@@ -225,7 +242,7 @@ class Registry:
                 self._drop_rank(pj, prev[1], "hello for another job")
             job = self.jobs.get(job_id)
         if job is None:
-            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello")
+            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello", seen_at=now)
         old = job.ranks.get(rank_no)
         if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks):
             raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
@@ -338,7 +355,7 @@ class Registry:
             job = None
         if job is None:
             self._room_for(uid, idle=not peer.root)
-            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="register")
+            job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="register", seen_at=now)
         job.registered = True
         job.by_root = job.by_root or peer.root
         job.reg_gpus = gpus
@@ -365,13 +382,15 @@ class Registry:
         if r is not None:
             self.by_identity.pop(r.identity, None)
             self.version += 1
+            job.seen_at = max(job.seen_at if job.seen_at is not None else job.arrived_at, r.last_seen)
         if job.ranks:
             return
         if not job.registered:
             self._depart(job.job, why)
         elif job.reg_pids and not any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
             self._depart(job.job, why)
-        # a registered job without known pids stays until release (the Slurm epilog)
+        # a registered job without known pids stays until release (the Slurm epilog) or until none of
+        # its processes has been seen for unseen_timeout_s (``sweep``)
 
     def _depart(self, job_id: str, why: str) -> None:
         job = self.jobs.pop(job_id, None)
@@ -383,19 +402,49 @@ class Registry:
         self.version += 1
 
     def sweep(self, now: float) -> None:
-        """Drop silent or dead ranks and jobs whose processes are all gone (once per tick)."""
+        """Drop silent or dead ranks and jobs whose processes are all gone (once per tick); forget a
+        registered job none of whose processes has been seen for ``unseen_timeout_s``."""
         lost_s = LOST_AFTER_BEATS * self.heartbeat_s
         since = self._swept_at
         self._swept_at = now
+        unseen: list[Job] = []
         for job in list(self.jobs.values()):
             for r in list(job.ranks.values()):
                 if not (r.last_seen > since or security.alive(r.pid, r.start_ticks)):
                     self._drop_rank(job, r.rank, "process gone")
                 elif now - r.last_seen > lost_s:
                     self._drop_rank(job, r.rank, "heartbeat lost")
-            if job.job in self.jobs and not job.ranks and job.registered and job.reg_pids and not any(
-                    security.alive(p, ct) for p, ct in job.reg_pids.items()):
-                self._depart(job.job, "process gone")
+            if job.job not in self.jobs:
+                continue
+            if job.ranks:
+                job.seen_at = now
+            elif job.registered and job.reg_pids:
+                if any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+                    job.seen_at = now
+                else:
+                    self._depart(job.job, "process gone")
+            elif job.registered:
+                unseen.append(job)
+        self._expire_unseen(unseen, now)
+
+    def _expire_unseen(self, jobs: list[Job], now: float) -> None:
+        """Registered jobs with no process the registry knows of: once one has been unseen for the
+        timeout, look for their processes (one /proc scan for all those unseen for half of it, so their
+        clocks line up and the scans stay rare); found ones restart their clock, the others depart."""
+        timeout = self.unseen_timeout_s
+        if not any(now - (j.seen_at if j.seen_at is not None else j.arrived_at) > timeout for j in jobs):
+            return
+        due = [j for j in jobs if now - (j.seen_at if j.seen_at is not None else j.arrived_at) > timeout / 2]
+        try:
+            found = self._find_jobs({j.job: j.uid for j in due})
+        except Exception:   # a scan that fails must not forget jobs: try again next tick
+            return
+        self.scans += 1
+        for j in due:
+            if j.job in found:
+                j.seen_at = now
+            elif now - (j.seen_at if j.seen_at is not None else j.arrived_at) > timeout:
+                self._depart(j.job, f"no process seen for {timeout:g} s (registered, never released)")
 
     def take_departed(self) -> list[tuple[str, str]]:
         out, self._departed = self._departed, []
@@ -430,7 +479,7 @@ class Registry:
         adopted, dead = [], []
         for job_id, j in (doc or {}).items():
             try:
-                job = Job(job=job_id, uid=int(j["uid"]), arrived_at=now, source="journal",
+                job = Job(job=job_id, uid=int(j["uid"]), arrived_at=now, source="journal", seen_at=now,
                           registered=bool(j.get("registered")), seq=int(j.get("seq", 0)),
                           reg_gpus=tuple(j.get("reg_gpus") or ()), reg_cpus=j.get("reg_cpus"),
                           reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},

@@ -3,8 +3,12 @@
 ``request(endpoint, msg, timeout_s)`` opens its own DEALER, sends ``msg`` once and returns the reply
 that answers it, or raises a ``RequestError`` subclass whose message says what went wrong:
 
-    AgentDown     no socket file behind an ipc:// endpoint, nobody accepting connections, bad endpoint
-    AgentTimeout  the message went out but no answer came before the deadline (agent hung or busy)
+    AgentDown     no socket file behind an ipc:// endpoint, nobody listening on it (a stale socket file
+                  left by a dead agent), bad endpoint
+    AgentTimeout  no answer came before the deadline: the message went out and was not answered, or
+                  (ipc://) the socket has a listener that never completed the ZeroMQ handshake -- the
+                  kernel queues connections for a stopped or hung process (``_listening``), so that is
+                  a hung agent, not a missing one
     BadReply      the reply could not be read (not JSON, wrong protocol major, over the size limit)
     AgentRefused  the agent answered ``error``; ``.code`` is its code (``adloader.protocol.ERROR_CODES``)
 
@@ -82,6 +86,9 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
         except zmq.ZMQError as e:
             raise AgentDown(f"bad endpoint {endpoint!r}: {e}") from None
         if not _send_by(sock, protocol.encode(msg), deadline):
+            if path is not None and _listening(path):
+                raise AgentTimeout(f"timeout: agent at {endpoint} accepts connections but did not answer "
+                                   f"within {timeout_s:g}s (hung or stopped?)")
             raise AgentDown(f"agent down: nobody accepts connections at {endpoint} within {timeout_s:g}s")
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -106,6 +113,23 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
     finally:
         sock.close(0)
         ctx.term()
+
+
+def _listening(path: str) -> bool:
+    """Whether a process listens on the unix socket ``path``: a non-blocking connect succeeds (the
+    kernel queues it even while the listener is stopped) or finds the backlog full (EAGAIN); refused
+    or missing means nobody (unix(7)). The connection is closed at once, before any byte is sent."""
+    import errno
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(path)
+        return True
+    except OSError as e:
+        return e.errno in (errno.EAGAIN, errno.EINPROGRESS)
+    finally:
+        s.close()
 
 
 def _send_by(sock, data: bytes, deadline: float) -> bool:

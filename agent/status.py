@@ -9,7 +9,14 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          io_pressure (PSI some avg10 %, null where absent), metrics_port, errors{code: n},
                          messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
                          cpu_ms_p50, cpu_ms_p95, controller_ms_p50, phases_ms_p50{snapshot, predict,
-                         policy, apply}} over the last 60 ticks, journal_ms (last write)}
+                         policy, apply}} over the last 60 ticks, journal_ms (last write),
+                         unseen_job_timeout_s, job_scans (/proc scans for registered jobs' processes,
+                         ``agent.jobprocs``),
+                         memory {budget_bytes (loader memory budget in force, null = none),
+                         configured_bytes, used_bytes (all loaders' workers + batches in flight),
+                         available_bytes (MemAvailable), pressure_pct (PSI memory some over the last
+                         tick), under_pressure, note (why the budget in force is below the
+                         configured one, "" if it is not)} (null before the first tick)}
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -44,6 +51,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         apply_error         its error text, "" if none
         breaker             why the job's breaker is open, null if closed
         age_s, observed_s   since arrival; seconds of reports
+        loader_memory_bytes the job's loader memory: its workers' unique memory + batches in flight
+        worker_memory_bytes one worker's cost (mean USS + its share of the batches in flight)
+        worker_growth_bytes mean growth of a worker's unique memory since it started (copy-on-read)
 """
 from __future__ import annotations
 
@@ -73,7 +83,9 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
         curve = (record.curves.get(job_id) if record is not None else None) or {}
         result = record.results.get(job_id) if record is not None else None
         breaker = record.breakers.get(job_id) if record is not None else None
-        if desired is not None:
+        if not job.ranks:
+            reason = "registered: no loader share until one of its ranks says hello"
+        elif desired is not None:
             reason = desired.reason
         elif a is not None:
             reason = a.reason
@@ -106,6 +118,9 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "breaker": breaker,
             "age_s": _r(st.age_s, 1) if st is not None else None,
             "observed_s": _r(st.observed_s, 1) if st is not None else None,
+            "loader_memory_bytes": _r(st.loader_memory_bytes, 0) if st is not None else None,
+            "worker_memory_bytes": _r(st.worker_memory_bytes, 0) if st is not None else None,
+            "worker_growth_bytes": _r(st.worker_growth_bytes, 0) if st is not None else None,
         })
     return {
         "version": STATUS_VERSION,
@@ -134,16 +149,26 @@ def render_table(doc: dict) -> str:
         f"cgroups {a.get('cgroup_mode')}  GPU figures from {a.get('gpu_source')}  "
         f"uptime {_fmt(a.get('uptime_s'), '.0f')}s",
     ]
-    cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("WAIT", 5), ("GPU-IDLE", 8),
-            ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
+    m = a.get("memory") or {}
+    if m:
+        from adloader.memory import format_bytes
+
+        lines.append(f"loader memory {format_bytes(m.get('used_bytes'))} of budget "
+                     f"{format_bytes(m.get('budget_bytes')) if m.get('budget_bytes') is not None else 'none'}  "
+                     f"MemAvailable {format_bytes(m.get('available_bytes'))}  "
+                     f"PSI memory {_fmt(m.get('pressure_pct'), '.0f')}%"
+                     + (f"  {m['note']}" if m.get("note") else ""))
+    cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("MEM", 9), ("WAIT", 5),
+            ("GPU-IDLE", 8), ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
     lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))
     for j in doc.get("jobs", []):
         workers = f"{j['workers']}" + (f"->{j['desired_workers']}" if j.get("desired_workers") not in (None, j["workers"]) else "")
         idle = _fmt(j.get("gpu_idle_frac"), ".0%")
         if j.get("gpu_idle_frac") is not None and j.get("gpu_idle_source") == "client":
             idle += "*"
+        mem = j.get("loader_memory_bytes")
         row = [j["job"][:14], str(j["uid"]), str(j["ranks"]), workers, _fmt(j.get("cpus"), ".2f"),
-               _fmt(j.get("data_wait_frac"), ".0%"), idle, _fmt(j.get("samples_per_s"), ".1f"),
+               f"{mem / (1 << 20):.0f}M" if mem else "-", _fmt(j.get("data_wait_frac"), ".0%"), idle, _fmt(j.get("samples_per_s"), ".1f"),
                _fmt(j.get("max_useful_workers")), (j.get("reason") or "") + (
                    f" [unsatisfied: {j['unsatisfied']}]" if j.get("unsatisfied") else "") + (
                    f" [breaker: {j['breaker']}]" if j.get("breaker") else "")]

@@ -199,6 +199,8 @@ class PredictorBank:
         # confidence: saturates with windows, and more with distinct configurations visited
         confidence = (1.0 - math.exp(-n / 4.0)) * (0.6 + 0.4 * min(1.0, (len(configs) - 1) / 2.0))
         last = facts[-1].obs
+        # memory per worker: the latest measured window (a worker's private memory grows as it runs)
+        mem = next((f.obs.worker_memory_bytes for f in reversed(facts) if f.obs.worker_memory_bytes > 0), 0.0)
         params: dict = {}
         source = "first-principles"
         prior = self.prior
@@ -222,7 +224,7 @@ class PredictorBank:
         return ThroughputCurve(
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
             blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),
-            source=source, **params,
+            source=source, worker_memory_bytes=mem, **params,
             extra={"runq_s_per_batch": runq, "windows": n,
                    "last_config": {"workers": last.workers, "cores": last.cores},
                    "last_samples_per_s": last.samples_per_s},

@@ -16,6 +16,10 @@ core-bound term (``core_correction`` None: same as ``correction``); they stay 1.
 say otherwise. ``sharpness`` p > 0 replaces the hard min by the soft min (sum r_i^-p)^(-1/p), which
 is how measured curves bend near the knee (queueing, per-sample variance); p = 0 keeps the hard min.
 
+Memory: ``worker_memory_bytes`` is what one more worker costs the node (its unique memory plus its
+share of the batches in flight, measured; 0 = unknown). Throughput does not depend on it; the policies
+spend a node's loader memory budget with it (``memory_for``, ``workers_within``).
+
 Invariants (property-tested): throughput >= 0, <= ceiling, non-decreasing in workers and in cores;
 every knee is the least value reaching within KNEE_TOLERANCE of the limit it is a knee of.
 """
@@ -43,6 +47,7 @@ class ThroughputCurve:
     core_correction: float | None = None   # learned multiplier on the core-bound term (None = correction)
     sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
     overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
+    worker_memory_bytes: float = 0.0       # memory one worker costs (USS + batches in flight), 0 = unknown
 
     def __post_init__(self) -> None:
         # Derived constants are set once per curve (it is immutable; the predictor builds short-lived
@@ -129,6 +134,16 @@ class ThroughputCurve:
             return 1
         need = (c + b) * limit_bps * self._knee_factor / self.correction
         return max(1, min(1 << 16, math.ceil(need - 1e-9)))
+
+    def memory_for(self, workers: float) -> float:
+        """Loader memory (bytes) of ``workers`` workers."""
+        return max(0.0, float(workers)) * self.worker_memory_bytes
+
+    def workers_within(self, memory_bytes: float) -> int:
+        """Most workers that fit in ``memory_bytes`` (a very large number when the cost is unknown)."""
+        if self.worker_memory_bytes <= 0:
+            return 1 << 16
+        return max(0, int(memory_bytes // self.worker_memory_bytes))
 
     def marginal_gain(self, workers: float, cores: float, d_cores: float = 1.0) -> float:
         """Normalised throughput gained by ``d_cores`` more cores (workers grown to match)."""

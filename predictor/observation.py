@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, fields
 OBSERVATION_VERSION = 1
 
 
+_OPTIONAL = ("worker_memory_bytes",)   # fields added after version 1's first records
+
+
 class BadObservation(ValueError):
     """An observation record that cannot be used; the message names the field and the problem."""
 
@@ -36,6 +39,8 @@ class Observation:
     samples_per_s: float         # delivered samples per second over the window, >= 0
     duration_s: float            # window length, > 0
     steps: int                   # steps in the window, >= 0
+    worker_memory_bytes: float = 0.0   # one worker's memory cost at the window's end (USS + batches in
+                                       # flight), 0 = not measured; optional in records (older ones lack it)
     version: int = OBSERVATION_VERSION
 
     def __post_init__(self) -> None:
@@ -79,6 +84,8 @@ class Observation:
         kw = {}
         for f in fields(cls):
             if f.name == "version":
+                continue
+            if f.name not in d and f.name in _OPTIONAL:
                 continue
             if f.name not in d:
                 raise BadObservation(f"observation is missing field {f.name!r}")

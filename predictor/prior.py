@@ -17,7 +17,7 @@ blocked shares), for each p on a grid, keeping the p with the least throughput M
 rate. Refitted from ``predictor/data/corpus.jsonl`` at load time (a fraction of a second; nothing
 pickled) with numpy's least squares, the same solution (tested), so a training process that uses
 ``num_workers="auto"`` never pays for importing scikit-learn. The learned prior is the default only
-where ``benchmarks/predictor_accuracy.py`` validated it leave-one-job-out against first principles on
+where ``evaluation/predictor_accuracy.py`` validated it leave-one-job-out against first principles on
 the same corpus (``predictor/data/prior_validation.json``); otherwise the default is first principles.
 
 Per job, each of the job's own loader-bound windows is solved exactly for the correction of the term
@@ -463,7 +463,7 @@ def fit_prior(points: Sequence[dict], exclude_jobs: Iterable[str] = (), engine: 
             best = Prior(**{**cand.__dict__, "fit_error": mape})
     # The learned shape and corrections are kept only if they fit the corpus better than first
     # principles (hard minimum, no correction) by the same score; otherwise the prior IS first
-    # principles. (In-sample, so favourable to the learned model; benchmarks/predictor_accuracy.py
+    # principles. (In-sample, so favourable to the learned model; evaluation/predictor_accuracy.py
     # refits per held-out job, which evaluates this choice out of sample.)
     fp_mape, fp_score = _score(0.0, (), meta, starts, knees)
     if best is None or fp_score <= best_score:
@@ -508,25 +508,13 @@ def corpus_digest(path: str | Path = CORPUS_PATH) -> str:
 
 def learned_prior_validated(corpus_path: str | Path = CORPUS_PATH,
                             validation_path: str | Path = VALIDATION_PATH) -> bool:
-    """True only if ``benchmarks/predictor_accuracy.py`` validated the learned prior on THIS corpus
+    """True only if ``evaluation/predictor_accuracy.py`` validated the learned prior on THIS corpus
     (same sha256) leave-one-job-out and found it better than first principles (``verdict``)."""
     try:
         v = json.loads(Path(validation_path).read_text())
         return bool(v.get("learned_beats_first_principles")) and v.get("corpus_sha256") == corpus_digest(corpus_path)
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def validation_verdict(results: Sequence[dict]) -> bool:
-    """Does the learned prior beat first principles out of sample? ``results``: the summaries of
-    ``benchmarks/predictor_accuracy.py`` (learned and first-principles rows per start). Yes only if,
-    averaged over the starts, its throughput MAPE is lower AND its knee hit rate (all cores) no lower."""
-    def avg(learned: bool, key: str) -> float:
-        v = [r[key] for r in results if r["learned"] is learned]
-        return sum(v) / len(v) if v else math.nan
-
-    return (avg(True, "mape") < avg(False, "mape")
-            and avg(True, "all_knee_hit") >= avg(False, "all_knee_hit"))
 
 
 def load_default_prior(corpus_path: str | Path = CORPUS_PATH, validation_path: str | Path = VALIDATION_PATH) -> Prior:

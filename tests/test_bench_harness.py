@@ -1,6 +1,6 @@
 """Component tests: the bench harness with real job processes on a tiny configuration.
 
-Real processes (``agent.bench.jobproc`` with real DataLoader workers); the only thing made small is
+Real processes (``evaluation.jobproc`` with real DataLoader workers); the only thing made small is
 the work (tiny JPEGs, short phases). No timing assertions: only that the run produced the records and
 metrics it should, and left no process behind.
 """
@@ -13,8 +13,8 @@ import math
 import psutil
 import pytest
 
-from agent.bench import report, setup
-from agent.bench.catalog import CatalogError, load_catalog
+from evaluation import report, setup
+from evaluation.catalog import CatalogError, load_catalog
 
 TINY = """
 reference_cores = 4.0

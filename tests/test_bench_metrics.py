@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from agent.bench import metrics as M
-from agent.bench.oracle import even_objective, solve, value_from_curve, value_from_sweep
+from evaluation import metrics as M
+from evaluation.oracle import even_objective, solve, value_from_curve, value_from_sweep
 from predictor.curve import ThroughputCurve
 
 
@@ -113,7 +113,7 @@ def test_sweep_value_is_monotone_and_zero_at_zero():
 
 
 def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
-    from agent.bench.oracle_agent import make_oracle_policy
+    from evaluation.oracle_agent import make_oracle_policy
     from agent.model import JobStats, NodeSnapshot
     from agent.policies import PolicyConfig
 
@@ -137,7 +137,7 @@ def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
 
 def test_goal_reports_the_per_repeat_spread_of_its_ratio():
     """A goal's median ratio comes with the range of the per-repeat ratios it is the median of."""
-    from agent.bench import report
+    from evaluation import report
 
     def phase(rep, policy, agg):
         return {"scenario": "homogeneous", "rep": rep, "policy": policy, "metrics": {"agg_normalised": agg}}

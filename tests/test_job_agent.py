@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.agentd_support import AgentProc, Trainer, short_dir, trainers  # noqa: F401 (fixture)
 from tests.conftest import wait_for
 from tests.test_job_command import one_line, run_job
 from tests.test_slurm_scripts import EPILOG, PROLOG, adloader_bin, log_line, run_script  # noqa: F401 (fixture)
@@ -69,3 +73,68 @@ def test_register_and_release_are_idempotent(agent):
 def test_release_of_a_job_the_agent_never_saw(agent):
     rc, err, _ = run_job("release", "--slurm", endpoint=agent.endpoint, env=slurm_env(agent, SLURM_JOB_ID="999"))
     assert rc == 0 and "already released" in one_line(err)
+
+
+# --- registered jobs that never attach, and missed releases (issue 13) -----------------------------------
+def _departed(agent: AgentProc, job: str) -> list[dict]:
+    return [e for e in agent.events("job_departed") if e["job"] == job]
+
+
+def test_a_registered_job_costs_nothing_until_hello_and_is_forgotten_when_its_processes_are_gone(trainers):
+    """A job registered by the prolog whose training never says hello takes no share from the job that
+    does; without any process it departs after unseen_job_timeout_s (the epilog's release missed); a
+    registered job whose process (found by its ADLOADER_JOB_ID) still runs stays until that ends."""
+    base = short_dir()
+    a = AgentProc(base, "--tick-s", "0.2", "--policy", "even", env={"ADLOADER_UNSEEN_JOB_TIMEOUT_S": "1.5"}).start()
+    sleeper = None
+    try:
+        uid = str(os.getuid())
+        for job in ("gone", "quiet"):
+            rc, err, _ = run_job("register", "--job", job, "--uid", uid, endpoint=a.endpoint)
+            assert rc == 0, err
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                   env={**os.environ, "ADLOADER_JOB_ID": "quiet"})
+        trainers.append(Trainer(base, a.endpoint, job="busy", workers=2))
+        loader_cpus = a.status()["agent"]["loader_cpus"]
+        busy = wait_for(lambda: (j := a.job("busy")) and j["cpus"] is not None and j, 20, what="busy's allocation")
+        assert busy["cpus"] == pytest.approx(loader_cpus, abs=0.01), busy   # the whole budget: nobody else counts
+        quiet = a.job("quiet")
+        assert quiet["ranks"] == 0 and quiet["cpus"] is None and "until one of its ranks says hello" in quiet["reason"]
+
+        wait_for(lambda: _departed(a, "gone"), 15, what="the registered job without processes departing")
+        assert "no process seen" in _departed(a, "gone")[0]["why"]
+        scans = a.status()["agent"]["job_scans"]
+        wait_for(lambda: a.status()["agent"]["job_scans"] >= scans + 2, 15, what="two more /proc scans")
+        assert a.job("quiet") is not None and not _departed(a, "quiet")    # its process runs: kept
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()
+        wait_for(lambda: _departed(a, "quiet"), 15, what="the job departing once its process is gone")
+        assert a.job("busy")["cpus"] == pytest.approx(loader_cpus, abs=0.01)
+    finally:
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        a.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_registration_adopted_after_a_restart_is_forgotten_when_nothing_runs():
+    base = short_dir()
+    env = {"ADLOADER_UNSEEN_JOB_TIMEOUT_S": "1.5"}
+    a = AgentProc(base, "--tick-s", "0.2", env=env).start()
+    try:
+        rc, err, _ = run_job("register", "--job", "orphan", "--uid", str(os.getuid()), endpoint=a.endpoint)
+        assert rc == 0, err
+        wait_for(lambda: "orphan" in (Path(a.state_dir) / "journal.json").read_text(), 10, what="the journal")
+        a.kill9()                                   # the agent dies before the epilog's release
+        b = AgentProc(base, "--tick-s", "0.2", env=env).start()
+        try:
+            assert "orphan" in b.events("journal_adopted")[0]["adopted"]
+            wait_for(lambda: _departed(b, "orphan"), 15, what="the adopted registration departing")
+            assert b.status()["jobs"] == []
+        finally:
+            b.stop()
+    finally:
+        if a.proc.poll() is None:
+            a.stop()
+        shutil.rmtree(base, ignore_errors=True)

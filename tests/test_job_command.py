@@ -208,6 +208,22 @@ def test_agent_down_stale_socket_file(tmp_path):
     assert "agent down" in one_line(err)
 
 
+def test_a_listener_that_never_handshakes_is_a_timeout_not_down(tmp_path):
+    """A stopped (SIGSTOP) or hung agent: the kernel still queues connections on its socket, but no
+    ZeroMQ handshake ever completes. That is "timeout ... hung", not "agent down" (issue 13)."""
+    path = tmp_path / "hung.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(64)
+    try:
+        rc, err, wall_s = run_job("register", "--slurm", "--timeout-s", "1", endpoint=f"ipc://{path}", env=SLURM_ENV)
+    finally:
+        s.close()
+    assert rc == 0 and wall_s < BOUND_S
+    line = one_line(err)
+    assert "timeout" in line and "accepts connections but did not answer" in line and "agent down" not in line
+
+
 @pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
 def test_agent_hung_never_answers(fake_agent, slurm, want_rc):
     agent = fake_agent("hang")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from adloader import DataLoader
+from adloader import DataLoader, memory
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
@@ -363,7 +363,7 @@ def test_stats_keys_and_counters():
     for _ in dl:
         pass
     s = dl.stats()
-    assert tuple(s) == TOTAL_KEYS + ("rates",)
+    assert tuple(s) == TOTAL_KEYS + ("rates",) + memory.STATS_KEYS + ("memory",)
     assert tuple(s["rates"]) == RATE_KEYS
     assert s["steps"] == 6 and s["samples"] == 24 and s["batches"] >= 6
     assert s["workers"] == 2 and s["max_workers"] == 2 and s["requested_workers"] == 2 and s["batch_size"] == 4

@@ -13,9 +13,68 @@ def _imported_after(code: str) -> set[str]:
     return set(out.split())
 
 
+# A meta-path finder that makes `import torch` fail as on a node without torch.
+_BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
 def test_agent_and_client_import_without_torch():
-    mods = _imported_after("import adloader, agent.cli, predictor.curve, predictor.observation, agent.model")
+    mods = _imported_after("import agent.cli, adloader, predictor.curve, predictor.observation, agent.model")
     assert "torch" not in mods
+
+
+def test_every_agent_and_predictor_module_imports_with_torch_blocked():
+    """The agent must start on a node without torch (DESIGN.md), although ``import adloader`` creates
+    ``adloader.DataLoader`` eagerly in training processes: the agent package declares itself
+    torch-free before importing adloader's protocol and env."""
+    code = _BLOCK_TORCH + """
+import importlib, pkgutil
+import agent, predictor
+failed = {}
+for pkg in (agent, predictor):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if m.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m.name)
+        except Exception as e:
+            failed[m.name] = repr(e)
+import adloader.protocol, adloader.env, adloader.client
+print("FAILED", failed)
+print("TORCH", "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=repo_env(), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    failed = eval(out.stdout.split("FAILED", 1)[1].splitlines()[0])
+    # evaluation code that runs training processes may need torch; the daemon's modules may not
+    assert {m: e for m, e in failed.items() if ".bench" not in m} == {}
+    assert "TORCH False" in out.stdout
+    # and with torch installed, the agent does not import it either (start-up time, memory)
+    mods = _imported_after("import agent.daemon, agent.server, agent.cli, adloader.protocol, adloader.env")
+    assert "torch" not in mods
+
+
+def test_dataloader_is_created_at_import_and_clear_without_torch():
+    mods = _imported_after("import adloader; assert 'DataLoader' in vars(adloader)")
+    assert "adloader.dataloader" in mods
+    code = _BLOCK_TORCH + """
+import adloader, adloader.protocol, adloader.env, adloader.client
+try:
+    adloader.DataLoader
+except ImportError as e:
+    print("ERR", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=repo_env(), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR adloader.DataLoader needs torch" in out.stdout
 
 
 def test_cli_help_lists_commands():

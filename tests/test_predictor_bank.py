@@ -292,12 +292,13 @@ def test_prior_stays_at_the_observations(prior, g, c_over_g, b_over_g, configs):
 
 
 def test_default_prior_is_learned_only_where_validation_says_it_beats_first_principles(tmp_path):
-    """The learned prior is used only if benchmarks/predictor_accuracy.py found it better than first
+    """The learned prior is used only if evaluation/predictor_accuracy.py found it better than first
     principles, leave-one-job-out, on the same corpus (sha256); otherwise, or with no or a stale
     verdict, the default prior is first principles (hard minimum, no correction, no overhead)."""
     import json
 
-    from predictor.prior import CORPUS_PATH, corpus_digest, load_default_prior, validation_verdict
+    from evaluation.predictor_accuracy import validation_verdict
+    from predictor.prior import CORPUS_PATH, corpus_digest, load_default_prior
 
     v = tmp_path / "v.json"
     fp = load_default_prior(CORPUS_PATH, v)                     # no verdict at all

@@ -15,7 +15,7 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
 def _sweep(tmp_path, cores: str, loader: str):
     out = tmp_path / "corpus.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/predictor_corpus.py", "--out", str(out), "--jobs", "io",
+    proc = subprocess.run([sys.executable, "-m", "evaluation.predictor_corpus", "--out", str(out), "--jobs", "io",
                            "--workers", "2", "--cores", cores, "--window-s", "0.6", "--warmup-s", "0.2",
                            "--loader", loader], env=repo_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -28,7 +28,7 @@ def test_sweep_records_points_with_worker_side_timing(tmp_path, loader):
     if loader == "adloader":
         pytest.importorskip("adloader.dataloader", reason="the elastic loader has not landed")
     header, points = _sweep(tmp_path, "1", loader)
-    assert "predictor_corpus.py" in header["command"] and loader in header["loader"].split(".")[0]
+    assert "evaluation.predictor_corpus" in header["command"] and loader in header["loader"].split(".")[0]
     (p,) = points
     o = p["observation"]
     assert p["job"] == "io" and p["workers"] == 2 and p["cores"] == 1.0 and p["samples_per_s"] > 0

@@ -108,3 +108,45 @@ def test_profile_a_real_training_script(tmp_path):
     assert pred["ceiling_samples_per_s"] > 0 and pred["knee_workers_at_cores"] >= 1
     for what in ("where a step goes", "preprocessing CPU", "what if", "knee"):
         assert what in proc.stdout
+
+
+COW_TRAIN = textwrap.dedent('''
+    import sys, time
+    import numpy as np, torch
+    from adloader import DataLoader
+
+    class ObjectRows(torch.utils.data.Dataset):          # the pattern: a list of Python objects
+        def __init__(self, n):
+            self.rows = [{"id": i, "name": f"sample-{i:08d}", "vals": [float(i), 1.0, 2.0]} for i in range(n)]
+        def __len__(self): return len(self.rows)
+        def __getitem__(self, i): return torch.tensor(self.rows[i]["vals"])
+
+    class ArrayRows(torch.utils.data.Dataset):           # the remedy: one numpy array
+        def __init__(self, n): self.vals = np.ones((n, 3))
+        def __len__(self): return len(self.vals)
+        def __getitem__(self, i): return torch.from_numpy(self.vals[i].copy())
+
+    ds = (ObjectRows if sys.argv[1] == "objects" else ArrayRows)(300_000)
+    loader = DataLoader(ds, batch_size=100, num_workers=2, persistent_workers=True)
+    for epoch in range(1000):                             # runs until adloader profile stops it
+        for batch in loader:
+            time.sleep(0.002)
+''')
+
+
+@pytest.mark.parametrize("kind", ["objects", "arrays"])
+def test_profile_names_copy_on_read_for_python_objects_only(tmp_path, kind):
+    script = tmp_path / "train.py"
+    script.write_text(COW_TRAIN)
+    proc, doc = _profile(tmp_path, "--duration", "10", "--", sys.executable, str(script), kind)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    m = doc["memory"]
+    assert m["workers"] == 2 and m["uss_per_worker"] > 0 and m["pss_per_worker"] > 0
+    assert len(m["per_worker"]) == 2 and m["shm_inflight_bytes"] == 2 * 2 * m["batch_bytes"] > 0
+    assert "memory of the loader's workers" in proc.stdout and "growth of a worker's USS" in proc.stdout
+    if kind == "objects":
+        assert m["copy_on_read"] and m["growth_per_worker"] > 8 << 20, m
+        assert "copy-on-read" in proc.stdout and "numpy arrays" in proc.stdout
+    else:
+        assert not m["copy_on_read"] and m["growth_per_worker"] < 4 << 20, m
+        assert "no copy-on-read seen" in proc.stdout

@@ -1,4 +1,4 @@
-"""Unit tests for the trace-driven simulator (``agent.simulate``): tiny traces, real policy code."""
+"""Unit tests for the trace-driven simulator (``evaluation.simulate``): tiny traces, real policy code."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agent import simulate as S
+from evaluation import simulate as S
 from predictor.curve import ThroughputCurve
 from tests.conftest import adloader_cmd, repo_env
 
@@ -121,3 +121,27 @@ def test_simulate_command_on_a_tiny_trace(tmp_path):
     doc = json.loads(out.read_text())
     assert set(doc["summary"]) == {"even", "adaptive", "oracle"}
     assert doc["nodes"] == 2 and not math.isnan(doc["summary"]["even"]["agg_normalised"])
+
+
+def test_memory_per_worker_and_a_node_budget():
+    """The simulator models each worker's memory and the node's loader memory budget: without a budget
+    the peak says what the trace needs; under one, adaptive stays within it and none does not."""
+    import dataclasses
+
+    GiB = 1 << 30
+    curves = {k: dataclasses.replace(cv, worker_memory_bytes=(2 * GiB if k == "heavy" else 0.25 * GiB))
+              for k, cv in CURVES.items()}
+    trace = [S.TraceJob("n0", f"j{i}", kind, arrival_s=i * 5.0, work_s=60.0)
+             for i, kind in enumerate(["heavy", "mid", "light", "heavy"])]
+    free = S.simulate(trace, curves, ["none", "adaptive"], S.SimConfig(cores=8, gpus=4, requested_workers=4),
+                      processes=1)["summary"]
+    need = free["adaptive"]["loader_memory_peak_max_bytes"]
+    assert need > 6 * GiB and free["none"]["loader_memory_peak_max_bytes"] >= 2 * 4 * 2 * GiB
+    budget = 5.5 * GiB                     # the floor is 4.5 GiB: one worker per job (2 + 2 + 0.25 + 0.25)
+    tight = S.simulate(trace, curves, ["none", "adaptive"],
+                       S.SimConfig(cores=8, gpus=4, requested_workers=4, loader_memory=budget), processes=1)
+    s = tight["summary"]
+    assert s["adaptive"]["loader_memory_peak_max_bytes"] <= budget
+    assert s["adaptive"]["memory_over_budget_frac"] == 0.0 and s["none"]["memory_over_budget_frac"] > 0.5
+    assert s["adaptive"]["agg_normalised"] < free["adaptive"]["agg_normalised"]     # the budget costs throughput
+    assert "loader memory peak per node" in S.markdown(tight)

@@ -45,7 +45,7 @@ def run_script(script: Path, env: dict[str, str]) -> tuple[int, str, str, float]
 
 
 def log_line(stderr: str, tag: str) -> str:
-    """The script's one log line (logger -s copies it to stderr; without syslog it is the echo)."""
+    """The script's one log line (always on stderr, whether or not syslog takes it too)."""
     lines = [l for l in stderr.splitlines() if tag in l]
     assert len(lines) == 1, f"expected one {tag} line, got {stderr!r}"
     return lines[0]
@@ -69,14 +69,15 @@ def test_prolog_with_agent_down(tmp_path, adloader_bin):
     rc, out, err, wall_s = run_script(PROLOG, env)
     assert rc == 0 and wall_s < BOUND_S
     line = log_line(err, "adloader-prolog")
-    assert "job 4242" in line and "agent down" in line
+    assert "job 4242" in line and "agent down" in line and "timeout" not in line
 
 
 def test_prolog_with_agent_hung(fake_agent, adloader_bin):  # noqa: F811
     agent = fake_agent("hang")
     rc, out, err, wall_s = run_script(PROLOG, {**SLURM_ENV, "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": agent.endpoint})
     assert rc == 0 and wall_s < BOUND_S
-    assert "timeout" in log_line(err, "adloader-prolog")
+    line = log_line(err, "adloader-prolog")
+    assert "timeout" in line and "agent down" not in line
     assert agent.messages[0]["type"] == "register"
 
 
@@ -114,7 +115,8 @@ def test_prolog_kills_a_hung_command(tmp_path):
     hung.chmod(0o755)
     rc, out, err, wall_s = run_script(EPILOG, {**SLURM_ENV, "ADLOADER_BIN": str(hung)})
     assert rc == 0 and wall_s < BOUND_S
-    assert "killed after 5s" in log_line(err, "adloader-epilog")
+    line = log_line(err, "adloader-epilog")
+    assert "timed out" in line and "killed after 5s" in line
 
 
 def test_prolog_survives_a_crashing_command(tmp_path):
@@ -140,3 +142,105 @@ def test_taskprolog_keeps_the_jobs_own_endpoint_and_respects_opt_out():
     assert rc == 0 and out == ""
     rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7; rm -rf /"})
     assert rc == 0 and "ADLOADER_JOB_ID" not in out
+
+
+# --- installed copies: the endpoint from the agent's config, the log line's destinations (issue 13) -----
+@pytest.fixture
+def installed(tmp_path):
+    """The scripts as `install-service` writes them, with their AGENT_CONFIG and LOG_FILE lines pointed
+    into ``tmp_path`` (``agent.toml``, ``slurm.log``); returns (dir, config path, log path)."""
+    from agent.commands.install_service import SLURM_SCRIPTS, slurm_script
+
+    config, log = tmp_path / "agent.toml", tmp_path / "slurm.log"
+    d = tmp_path / "slurm"
+    d.mkdir()
+    for name in SLURM_SCRIPTS:
+        (d / name).write_text(slurm_script(name, "/opt/adloader", config=str(config), log_file=str(log)))
+        (d / name).chmod(0o755)
+    return d, config, log
+
+
+def test_prolog_and_epilog_follow_the_agents_configured_endpoint(installed, fake_agent, adloader_bin):  # noqa: F811
+    """slurmd gives the scripts an empty environment: the endpoint comes from the agent's config file."""
+    d, config, _ = installed
+    agent = fake_agent()
+    config.write_text(f'policy = "even"\nendpoint = "{agent.endpoint}"   # moved\n')
+    for script, tag in (("prolog.sh", "adloader-prolog"), ("epilog.sh", "adloader-epilog")):
+        rc, _, err, wall_s = run_script(d / script, {**SLURM_ENV, "ADLOADER_BIN": adloader_bin})
+        assert rc == 0 and wall_s < BOUND_S and ": ok" in log_line(err, tag), err
+    assert [m["type"] for m in agent.messages] == ["register", "release"]
+
+
+def test_a_bad_config_is_named_and_the_default_endpoint_used(installed, adloader_bin):
+    d, config, _ = installed
+    config.write_text('endpoint = "http://nope"\n')
+    rc, _, err, _ = run_script(d / "prolog.sh", {**SLURM_ENV, "ADLOADER_BIN": adloader_bin})
+    line = log_line(err, "adloader-prolog")
+    assert rc == 0 and "must start with ipc:// or tcp://" in line and str(config) in line and "default endpoint" in line
+
+
+@pytest.mark.parametrize("text, want", [
+    ('endpoint = "ipc:///srv/adl/agent.sock"\n', "ipc:///srv/adl/agent.sock"),
+    ('  endpoint="ipc:///srv/adl/a.sock"   # a comment\n', "ipc:///srv/adl/a.sock"),
+    ("endpoint = 'ipc:///srv/adl/lit.sock'\n", "ipc:///srv/adl/lit.sock"),
+    ('policy = "even"\ntick_s = 0.5\nendpoint = "tcp://127.0.0.1:5555"', "tcp://127.0.0.1:5555"),   # no final newline
+    ('# endpoint = "ipc:///commented/out.sock"\npolicy = "even"\n', None),                          # the default
+    ("", None),
+])
+def test_taskprolog_reads_the_endpoint_as_the_agent_does(installed, text, want):
+    """The bash reader and the agent's TOML reader agree on every form the reader takes."""
+    from agent import config as configmod
+
+    d, config, _ = installed
+    config.write_text(text)
+    rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    expect = want or "ipc:///run/adloader/agent.sock"
+    assert rc == 0 and err == "" and out.splitlines() == [f"export ADLOADER_ENDPOINT={expect}", "export ADLOADER_JOB_ID=4242"]
+    agent_view = configmod.read_toml(str(config)).get("endpoint")
+    assert agent_view == want
+    assert configmod.client_endpoint(None, str(config), environ={})[0] == expect or want is None
+
+
+def test_taskprolog_says_so_when_it_cannot_read_the_endpoint(installed):
+    d, config, _ = installed
+    config.write_text('endpoint = "ipc:///srv/odd\\u0041.sock"\n')        # a TOML escape: not taken
+    rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    assert rc == 0 and out.splitlines() == ["export ADLOADER_JOB_ID=4242"]
+    assert "adloader-taskprolog: cannot read the endpoint" in err and str(config) in err
+
+
+def test_taskprolog_without_a_config_file_exports_the_default(installed):
+    d, _, _ = installed
+    rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    assert rc == 0 and err == "" and out.splitlines()[0] == "export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock"
+
+
+def test_the_log_line_reaches_stderr_and_syslog_or_the_log_file(installed, tmp_path, adloader_bin):
+    """Always on stderr (slurmd shows it at debug2); to syslog where /dev/log is a socket, else to
+    LOG_FILE, so a node without syslog still keeps it."""
+    import os
+    import stat
+
+    d, _, log = installed
+    env = {**SLURM_ENV, "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": f"ipc://{tmp_path}/none.sock"}
+    for script in ("prolog.sh", "epilog.sh"):
+        rc, _, err, _ = run_script(d / script, env)
+        assert rc == 0 and "agent down" in log_line(err, "adloader-" + script[:-3])
+    syslog = os.path.exists("/dev/log") and stat.S_ISSOCK(os.stat("/dev/log").st_mode)
+    if syslog:
+        assert not log.exists()
+    else:
+        lines = log.read_text().splitlines()
+        assert len(lines) == 2 and "adloader-prolog[" in lines[0] and "adloader-epilog[" in lines[1]
+        assert all("job 4242" in l and "agent down" in l for l in lines)
+
+
+def test_install_time_lines_are_set_once_each():
+    from agent.commands.install_service import slurm_script
+
+    for name in ("prolog.sh", "epilog.sh"):
+        text = slurm_script(name, "/srv/adl", config="/srv/adl/agent.toml", log_file="/srv/adl/slurm.log")
+        for line in ("ADLOADER=/srv/adl/venv/bin/adloader", "AGENT_CONFIG=/srv/adl/agent.toml", "LOG_FILE=/srv/adl/slurm.log"):
+            assert text.count("\n" + line + "\n") == 1, (name, line)
+    text = slurm_script("taskprolog.sh", "/srv/adl", config="/srv/adl/agent.toml")
+    assert "\nAGENT_CONFIG=/srv/adl/agent.toml\n" in text and "ADLOADER=" not in text

@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 NAME = "agent"
-FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "max_jobs", "cgroup_mode", "metrics_port",
-         "log_level")
+FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "loader_memory", "max_jobs", "cgroup_mode",
+         "metrics_port", "log_level")
 
 
 def register(sub) -> None:
@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--policy", metavar="NAME", help="allocation policy: adaptive, even, even-static, none")
     p.add_argument("--tick-s", metavar="S", type=float, help="controller period in seconds (default 1)")
     p.add_argument("--loader-cpus", metavar="CORES", help="CPU cores for all loaders, or 'auto'")
+    p.add_argument("--loader-memory", metavar="BYTES",
+                   help="memory for all loaders' workers: bytes or a size such as 6GiB, 'auto' (node memory or "
+                        "the agent's cgroup limit, minus 25%% and at least 2 GiB) or 'off'")
     p.add_argument("--max-jobs", metavar="N", type=int, help="jobs the node is sized for (even-static)")
     p.add_argument("--cgroup-mode", metavar="MODE", choices=("auto", "v1", "v2", "cooperative", "off"),
                    help="auto|v1|v2|cooperative|off")

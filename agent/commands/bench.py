@@ -13,7 +13,7 @@ NAME = "bench"
 
 
 def register(sub) -> None:
-    from agent.bench.harness import POLICIES_ALL, SCENARIOS_ALL
+    from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL
 
     p = sub.add_parser(NAME, help="co-located jobs under each policy, side by side",
                        description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
@@ -48,8 +48,8 @@ def _check_cuda() -> str | None:
 
 
 def run(args) -> int:
-    from agent.bench import report, setup
-    from agent.bench.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError
+    from evaluation import report, setup
+    from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError
 
     quick = not args.full
     scenarios = args.scenarios.split(",") if args.scenarios else (

@@ -50,8 +50,8 @@ def _table(result: dict, policies: list[str]) -> str:
 
 
 def run(args) -> int:
-    from agent.bench import report, setup
-    from agent.bench.harness import BenchError
+    from evaluation import report, setup
+    from evaluation.harness import BenchError
 
     ok, missing = setup.agent_available()
     if ok:

@@ -9,7 +9,9 @@ Lays down, under ``--root`` (default ``/``):
                                                      from ``agent.config``); an edited file is kept and
                                                      the new one written beside it as agent.toml.new
     PREFIX/slurm/{prolog,epilog,taskprolog}.sh       the Slurm scripts, their ADLOADER= line set to
-                                                     PREFIX/venv/bin/adloader
+                                                     PREFIX/venv/bin/adloader (they read the endpoint
+                                                     from /etc/adloader/agent.toml at every run)
+    /var/log/adloader/                               the Slurm scripts' log file where no syslog runs
     PREFIX/venv                                      a virtualenv with the project installed (no torch:
                                                      the agent never imports it)
 
@@ -42,7 +44,12 @@ UNIT_DIR = "etc/systemd/system"
 CONFIG_DIR = "etc/adloader"
 CONFIG_FILE = "agent.toml"
 SLURM_SCRIPTS = ("prolog.sh", "epilog.sh", "taskprolog.sh")
-_ADLOADER_LINE = re.compile(r"^ADLOADER=.*$", re.MULTILINE)
+LOG_DIR = "var/log/adloader"
+SLURM_LOG_FILE = f"/{LOG_DIR}/slurm.log"
+# The install-time lines of each Slurm script (one each, at the top): the taskprolog has only AGENT_CONFIG.
+_SCRIPT_LINES = {"prolog.sh": ("ADLOADER", "AGENT_CONFIG", "LOG_FILE"),
+                 "epilog.sh": ("ADLOADER", "AGENT_CONFIG", "LOG_FILE"),
+                 "taskprolog.sh": ("AGENT_CONFIG",)}
 
 SOURCE_TREE = Path(__file__).resolve().parents[2]  # the checkout: agent/commands/ -> repo root
 DEPLOY = SOURCE_TREE / "deploy"
@@ -69,15 +76,20 @@ def prefix_dropin(prefix: str) -> str:
     )
 
 
-def slurm_script(name: str, prefix: str) -> str:
-    """deploy/slurm/<name> with its install-time ``ADLOADER=`` line set for ``prefix``."""
+def slurm_script(name: str, prefix: str, *, config: Optional[str] = None, log_file: str = SLURM_LOG_FILE) -> str:
+    """deploy/slurm/<name> with its install-time lines set: ``ADLOADER=PREFIX/venv/bin/adloader``,
+    ``AGENT_CONFIG=`` the agent's config file (default /etc/adloader/agent.toml: the file the unit's
+    agent reads, so the scripts follow its ``endpoint``), ``LOG_FILE=`` where a line goes without syslog."""
     text = _deploy_file("slurm", name).read_text()
-    if name == "taskprolog.sh":
-        return text
-    lines = _ADLOADER_LINE.findall(text)
-    if len(lines) != 1:
-        raise InstallError(f"deploy/slurm/{name}: expected one ADLOADER= line, found {len(lines)}")
-    return _ADLOADER_LINE.sub(f"ADLOADER={prefix}/venv/bin/adloader", text, count=1)
+    values = {"ADLOADER": f"{prefix}/venv/bin/adloader", "AGENT_CONFIG": config or f"/{CONFIG_DIR}/{CONFIG_FILE}",
+              "LOG_FILE": log_file}
+    for var in _SCRIPT_LINES[name]:
+        line = re.compile(rf"^{var}=.*$", re.MULTILINE)
+        found = line.findall(text)
+        if len(found) != 1:
+            raise InstallError(f"deploy/slurm/{name}: expected one {var}= line, found {len(found)}")
+        text = line.sub(lambda _m: f"{var}={values[var]}", text, count=1)
+    return text
 
 
 def config_template() -> str:
@@ -203,6 +215,9 @@ def plan(args: argparse.Namespace) -> list[Action]:
 
     for name in SLURM_SCRIPTS:
         actions.append(write_file(under(prefix) / "slurm" / name, slurm_script(name, prefix), 0o755))
+    log_dir = under(LOG_DIR)
+    actions.append(Action(f"create {log_dir} (mode 755: the Slurm scripts' log without syslog)",
+                          lambda: log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)))
 
     if args.venv:
         venv = under(prefix) / "venv"

@@ -142,13 +142,14 @@ def cli_job(args: argparse.Namespace) -> JobSpec:
     return JobSpec(job=args.job, uid=uid, gpus=parse_gpus(getattr(args, "gpus", None) or ""), cpus=cpus)
 
 
-def resolve_endpoint(flag: Optional[str]) -> str:
-    """``--endpoint``, else ADLOADER_ENDPOINT, else the system agent's socket (``adloader.env``)."""
-    if flag:
-        return flag
-    from adloader import env
+def resolve_endpoint(flag: Optional[str], config_path: Optional[str] = None,
+                     environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """(endpoint, note): ``--endpoint``, else ADLOADER_ENDPOINT, else the agent config's ``endpoint``
+    (``--config``, default /etc/adloader/agent.toml when it exists), else the system agent's socket
+    (``agent.config.client_endpoint``)."""
+    from agent import config
 
-    return env.endpoint()
+    return config.client_endpoint(flag, config_path, environ)
 
 
 # --- talking to the agent -------------------------------------------------------------------------
@@ -206,7 +207,11 @@ def register(sub) -> None:
             v.add_argument("--gpus", metavar="LIST", help="GPU indices or UUIDs, comma-separated (e.g. 0,1)")
             v.add_argument("--cpus", type=int, metavar="N", help="CPUs allocated to the job on this node")
         v.add_argument("--endpoint", metavar="EP",
-                       help="agent endpoint (default: ADLOADER_ENDPOINT, else ipc:///run/adloader/agent.sock)")
+                       help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of the agent's "
+                            "config file, else ipc:///run/adloader/agent.sock)")
+        v.add_argument("--config", metavar="PATH",
+                       help="the agent's config file, read for its endpoint key only (default "
+                            "/etc/adloader/agent.toml when it exists; the Slurm scripts pass it)")
         v.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                        help=f"give up after S seconds (default {DEFAULT_TIMEOUT_S:g})")
         v.set_defaults(func=run, verb=verb)
@@ -234,14 +239,15 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     what = f"job {spec.job} uid {spec.uid}"
     if verb == "register":
         what += f" gpus [{','.join(spec.gpus)}] cpus {spec.cpus if spec.cpus is not None else '?'}"
+    ep_note = ""
     try:
-        endpoint = resolve_endpoint(args.endpoint)
+        endpoint, ep_note = resolve_endpoint(args.endpoint, getattr(args, "config", None), environ)
         outcome = request(endpoint, build_message(verb, spec, "slurm" if slurm else "cli"), args.timeout_s)
     except Exception as e:  # the prolog must not fail on a bug of ours either; say what it was
         outcome = Outcome(False, f"internal error: {type(e).__name__}: {e}")
     if verb == "release" and outcome.code == "unknown_job":
         outcome = Outcome(True, "ok (the agent did not know the job: already released)")
-    note = f"; {spec.note}" if spec.note else ""
+    note = "".join(f"; {n}" for n in (spec.note, ep_note) if n)
     print(f"{prefix}: {what}: {outcome.why}{note}", file=sys.stderr, flush=True)
     if outcome.ok or slurm:
         return EXIT_OK

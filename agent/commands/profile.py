@@ -8,6 +8,10 @@ data wait, and inside the workers preprocessing CPU, fetch/IO wait (blocked) and
 what-if predictions from ``predictor`` (throughput with k workers or c cores, the knee). In the spirit of
 DS-Analyzer, but online and from a single run.
 
+Memory: each worker's unique (USS) and proportional (PSS) memory and how its USS grew over the run,
+the batches in flight in shared memory, and, when a worker's private memory grows with the samples it
+reads, the copy-on-read pattern named with its usual remedy (``memory_analysis``).
+
 Mechanism: profile binds its own ZeroMQ ROUTER on a temporary ipc endpoint and gives the child
 ``ADLOADER_ENDPOINT`` and ``ADLOADER_JOB_ID``; ``adloader.client`` in the child sends hello and report
 messages (``adloader.protocol``); profile answers hello with "welcome", sends heartbeats (the client
@@ -176,8 +180,70 @@ def analyse(reports: list[dict], cores: float) -> dict:
             "cores": {c: cur.throughput(max(cur.knee_workers(c), w), c) for c in _core_grid(cores)},
         },
         "verdict": verdict(whole, cur, cores),
+        "memory": memory_analysis(usable),
     }
     return doc
+
+
+COPY_ON_READ_MIN_BYTES = 8 << 20      # growth per worker below this is noise (allocator, caches)
+COPY_ON_READ_MIN_FRAC = 0.2           # ... or below 20% of what the worker held when first measured
+COPY_ON_READ = ("copy-on-read: each worker's private memory grows with the samples it reads. The dataset "
+                "is most likely held as Python objects (lists, dicts, strings) created before the workers "
+                "started: reading an object writes its reference count, so every worker copies each page "
+                "it reads, up to one copy of the dataset per worker (pytorch/pytorch#13246). Remedy: hold "
+                "the data in numpy arrays or torch tensors (one buffer, no per-object headers), a "
+                "memory-mapped file, or shared buffers (pyarrow, multiprocessing.shared_memory) instead of "
+                "lists of Python objects; or fewer workers.")
+
+
+def memory_analysis(reports: list[dict]) -> dict | None:
+    """Workers' memory from the reports' memory keys (``adloader.memory.STATS_KEYS``); None without any.
+
+    Growth is each worker's USS growth since its first sample; the copy-on-read verdict needs a mean
+    growth of at least COPY_ON_READ_MIN_BYTES and COPY_ON_READ_MIN_FRAC of the workers' first USS."""
+    measured = [r for r in reports if (r.get("memory_workers") or 0) > 0]
+    if not measured:
+        return None
+    first, last = measured[0], measured[-1]
+    n = last["memory_workers"]
+    uss, pss = last.get("worker_uss_bytes", 0) / n, last.get("worker_pss_bytes", 0) / n
+    growth = float(last.get("worker_growth_bytes") or 0.0)
+    start_uss = max(1.0, uss - growth)
+    samples = max(0, (last.get("samples") or 0) - (first.get("samples") or 0))
+    per = last.get("memory") or {}
+    doc = {
+        "workers": n, "uss_per_worker": uss, "pss_per_worker": pss, "growth_per_worker": growth,
+        "growth_frac": growth / start_uss, "samples_measured": samples,
+        "growth_bytes_per_sample": growth * n / samples if samples else None,
+        "batch_bytes": last.get("batch_bytes", 0), "shm_inflight_bytes": last.get("shm_inflight_bytes", 0),
+        "sample_cost_s": last.get("memory_sample_cost_s"),
+        "per_worker": {str(k): v for k, v in per.items()} if isinstance(per, dict) else {},
+        "copy_on_read": growth >= COPY_ON_READ_MIN_BYTES and growth >= COPY_ON_READ_MIN_FRAC * start_uss,
+    }
+    doc["verdict"] = COPY_ON_READ if doc["copy_on_read"] else (
+        "no copy-on-read seen: the workers' private memory stayed flat as they read samples.")
+    return doc
+
+
+def render_memory(m: dict | None) -> list[str]:
+    from adloader.memory import format_bytes as fb
+
+    if not m:
+        return ["memory: not measured (no worker sampled yet: run longer, or the loader has no workers)"]
+    lines = [
+        "memory of the loader's workers (/proc/<pid>/smaps_rollup)",
+        f"  {m['workers']} workers: unique (USS) {fb(m['uss_per_worker'])} each, proportional (PSS) "
+        f"{fb(m['pss_per_worker'])} each; batches in flight {fb(m['shm_inflight_bytes'])} "
+        f"({fb(m['batch_bytes'])} a batch)",
+        f"  growth of a worker's USS over the run: {fb(m['growth_per_worker'])} ({m['growth_frac']:.0%} of its "
+        f"first measured USS)" + (f", about {fb(m['growth_bytes_per_sample'])} per sample read"
+                                  if m.get("growth_bytes_per_sample") else ""),
+    ]
+    for pid, v in sorted(m.get("per_worker", {}).items()):
+        lines.append(f"    worker pid {pid}: USS {fb(v.get('uss'))}  PSS {fb(v.get('pss'))}  "
+                     f"growth {fb(v.get('growth'))}")
+    lines.append("  " + m["verdict"])
+    return lines
 
 
 def _worker_grid(current: int, knee: int) -> list[int]:
@@ -238,7 +304,8 @@ def render(doc: dict) -> str:
     lines += ["",
               f"knee: {pr['knee_workers_at_cores']} workers at {doc['cores']:g} cores; with enough cores "
               f"{pr['max_useful_workers']} workers and {pr['max_useful_cores']:.2f} cores reach within a few "
-              "percent of the ceiling"]
+              "percent of the ceiling", ""]
+    lines += render_memory(doc.get("memory"))
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""`adloader simulate`: trace-driven simulation of the policies over many nodes (see agent.simulate).
+"""`adloader simulate`: trace-driven simulation of the policies over many nodes (see evaluation.simulate).
 
 Without --trace, a generated trace: --nodes nodes with --jobs-per-node jobs each (Poisson arrivals,
 lognormal work). Prints a markdown table per policy and writes JSON with --out.
@@ -16,7 +16,7 @@ NAME = "simulate"
 def register(sub) -> None:
     p = sub.add_parser(NAME, help="trace-driven simulation of policies over many nodes",
                        description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see agent.simulate)")
+    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see evaluation.simulate)")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--jobs-per-node", type=int, default=8)
     p.add_argument("--mean-gap-s", type=float, default=30.0, help="mean gap between arrivals on a node")
@@ -33,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--cores", type=float, default=48.0, help="CPUs per node")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--loader-cpus", type=float, default=None, help="default: cores minus 10%%")
+    p.add_argument("--loader-memory", default=None, metavar="BYTES",
+                   help="loader memory budget per node (bytes or a size such as 16GiB; default: none)")
+    p.add_argument("--worker-memory", default=None, metavar="BYTES",
+                   help="memory one worker holds, for every kind (default: the catalogue's worker_ram_mb; 0 for corpus curves)")
     p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares")
     p.add_argument("--tick-s", type=float, default=2.0)
     p.add_argument("--settle-ticks", type=int, default=2, help="re-decisions after each event while the plan moves")
@@ -43,7 +47,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from agent import simulate as S
+    from evaluation import simulate as S
 
     try:
         source = args.curves
@@ -67,8 +71,15 @@ def run(args) -> int:
         if bad:
             raise S.SimError(f"unknown policies: {', '.join(bad)}; choose from: "
                              f"{', '.join(sorted(POLICIES) + ['oracle'])}")
+        from adloader.memory import parse_bytes
+
+        try:
+            mem = {k: parse_bytes(v) if v is not None else None
+                   for k, v in (("loader_memory", args.loader_memory), ("worker_memory_bytes", args.worker_memory))}
+        except ValueError as e:
+            raise S.SimError(f"--loader-memory/--worker-memory: {e}") from None
         cfg = S.SimConfig(cores=args.cores, gpus=args.gpus, loader_cpus=args.loader_cpus, cpu_knob=args.cpu_knob,
-                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor)
+                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, **mem)
         t0 = time.perf_counter()
         result = S.simulate(trace, curves, policies, cfg, source=source, processes=args.processes)
     except S.SimError as e:

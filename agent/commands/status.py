@@ -12,22 +12,22 @@ def register(sub) -> None:
     p = sub.add_parser(NAME, help="show each job's allocation, data wait and GPU idle",
                        description="Ask the node agent for its status. --json prints the status document "
                                    "(fields documented in agent/status.py).")
-    p.add_argument("--endpoint", metavar="EP", default=None, help="agent endpoint (default: ADLOADER_ENDPOINT, "
-                                                                   "else the system or your user's socket)")
+    p.add_argument("--endpoint", metavar="EP", default=None,
+                   help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of "
+                        "/etc/adloader/agent.toml, else the system or your user's socket)")
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     p.add_argument("--timeout-s", type=float, default=3.0, help="how long to wait for the agent (default 3)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from adloader import env
-    from agent import status
+    from agent import config, status
 
-    endpoint = args.endpoint or env.endpoint()
+    endpoint, note = config.client_endpoint(args.endpoint)
     try:
         doc = status.query(endpoint, timeout_s=args.timeout_s)
     except RuntimeError as e:
-        print(f"adloader status: {e}", file=sys.stderr)
+        print(f"adloader status: {e}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 1
     if args.json:
         json.dump(doc, sys.stdout, indent=2, sort_keys=True)

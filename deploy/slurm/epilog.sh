@@ -7,11 +7,17 @@
 # - bounded twice: the command's own deadline (--timeout-s) and coreutils `timeout`, which kills it;
 # - idempotent (releasing a job the agent does not know counts as done);
 # - no PATH assumed: every program by absolute path; no Slurm command is called;
-# - one log line per call: logger(1) (syslog, tag adloader-epilog, copy on stderr), else stderr.
+# - one log line per call, always on stderr (slurmd logs a prolog's stderr at SlurmdDebug=debug2),
+#   and to syslog via logger(1) (tag adloader-epilog) when /dev/log is a socket, else appended
+#   to LOG_FILE; "timed out" (agent hung) and "agent down" (nobody listening) are told apart.
+# - the agent's endpoint comes from the agent's own config file (AGENT_CONFIG, its endpoint key):
+#   one source of truth; slurmd gives this script an empty environment.
 # Reads (via the command) SLURM_JOB_ID and SLURM_JOB_UID.
 
-# The installed command. `adloader install-service --prefix DIR` sets this line to DIR/venv/bin/adloader.
+# Install-time lines, set by `adloader install-service` (--prefix DIR sets ADLOADER=DIR/venv/bin/adloader):
 ADLOADER=/opt/adloader/venv/bin/adloader
+AGENT_CONFIG=/etc/adloader/agent.toml
+LOG_FILE=/var/log/adloader/slurm.log
 CMD_TIMEOUT_S=2    # the command gives up waiting for the agent after this
 HARD_TIMEOUT_S=5   # then `timeout` sends TERM, and KILL one second later
 # For tests only: ADLOADER_BIN replaces the path above (slurmd never sets it; nothing else reads it).
@@ -21,9 +27,16 @@ VERB=release
 TAG=adloader-epilog
 
 log() {
-    if [ -x /usr/bin/logger ] && /usr/bin/logger -s -t "$TAG" -- "$1" 2>/dev/null; then return; fi
-    if [ -x /bin/logger ] && /bin/logger -s -t "$TAG" -- "$1" 2>/dev/null; then return; fi
     echo "$TAG: $1" >&2
+    local l
+    if [ -S /dev/log ]; then   # logger(1) exits 0 even when no syslog socket exists: look first
+        for l in /usr/bin/logger /bin/logger; do
+            if [ -x "$l" ] && "$l" -t "$TAG" -- "$1" 2>/dev/null; then return 0; fi
+        done
+    fi
+    # no syslog: a file (bash's printf builds the timestamp; no program needed)
+    [ -n "$LOG_FILE" ] && printf '%(%Y-%m-%dT%H:%M:%S%z)T %s[%d]: %s\n' -1 "$TAG" "$$" "$1" >>"$LOG_FILE" 2>/dev/null
+    return 0
 }
 
 if [ ! -x "$ADLOADER" ]; then
@@ -35,14 +48,14 @@ for t in /usr/bin/timeout /bin/timeout; do
     if [ -x "$t" ]; then TIMEOUT=$t; break; fi
 done
 if [ -n "$TIMEOUT" ]; then
-    out=$("$TIMEOUT" -k 1 "$HARD_TIMEOUT_S" "$ADLOADER" job "$VERB" --slurm --timeout-s "$CMD_TIMEOUT_S" 2>&1 </dev/null)
+    out=$("$TIMEOUT" -k 1 "$HARD_TIMEOUT_S" "$ADLOADER" job "$VERB" --slurm --config "$AGENT_CONFIG" --timeout-s "$CMD_TIMEOUT_S" 2>&1 </dev/null)
 else
-    out=$("$ADLOADER" job "$VERB" --slurm --timeout-s "$CMD_TIMEOUT_S" 2>&1 </dev/null)
+    out=$("$ADLOADER" job "$VERB" --slurm --config "$AGENT_CONFIG" --timeout-s "$CMD_TIMEOUT_S" 2>&1 </dev/null)
 fi
 rc=$?
 case $rc in
     0) ;;
-    124|137) out="job ${SLURM_JOB_ID:-?}: $VERB killed after ${HARD_TIMEOUT_S}s (python or agent hung): $out" ;;
+    124|137) out="job ${SLURM_JOB_ID:-?}: $VERB timed out: killed after ${HARD_TIMEOUT_S}s (the command or the agent hung): $out" ;;
     *) out="job ${SLURM_JOB_ID:-?}: $VERB exited $rc: $out" ;;
 esac
 out=${out//$'\n'/ | }

@@ -8,15 +8,46 @@
 #   export ADLOADER_JOB_ID=<SLURM_JOB_ID>           (the id the prolog registered the job under)
 # Nothing else is printed on stdout. Always exits 0; no PATH assumed; calls no program at all.
 # A job opts out with ADLOADER_DISABLE=1 in its environment: then nothing is printed.
+#
+# The endpoint has one source of truth, the agent's config file (AGENT_CONFIG, mode 0644): its
+# `endpoint` key, read here with bash alone in the forms `endpoint = "..."` and `endpoint = '...'`
+# (a comment may follow), else the agent's default. A key in another form (escapes, a quoted key)
+# is reported on stderr and no endpoint is exported (the client then uses its own default).
 
-# The agent's endpoint on this node (the systemd unit's RuntimeDirectory=adloader: /run/adloader).
-AGENT_ENDPOINT=ipc:///run/adloader/agent.sock
+# Install-time line, set by `adloader install-service`:
+AGENT_CONFIG=/etc/adloader/agent.toml
+# The agent's default endpoint (the systemd unit's RuntimeDirectory=adloader: /run/adloader).
+DEFAULT_ENDPOINT=ipc:///run/adloader/agent.sock
+
+# Print the endpoint key's value from AGENT_CONFIG, or DEFAULT_ENDPOINT when the file or the key is
+# absent; return 1 (and say why on stderr) when the key is there in a form this reader does not take.
+config_endpoint() {
+    local line
+    local basic='^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*"([^"\\]*)"[[:space:]]*(#.*)?$'
+    local literal="^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*'([^']*)'[[:space:]]*(#.*)?\$"
+    local any='^[[:space:]]*["'"'"']?endpoint["'"'"']?[[:space:]]*='
+    if [ -r "$AGENT_CONFIG" ]; then
+        while IFS= read -r line || [ -n "$line" ]; do
+            if [[ $line =~ $basic ]] || [[ $line =~ $literal ]]; then
+                echo "${BASH_REMATCH[1]}"
+                return 0
+            fi
+            if [[ $line =~ $any ]]; then
+                echo "adloader-taskprolog: cannot read the endpoint in $AGENT_CONFIG: $line" >&2
+                return 1
+            fi
+        done <"$AGENT_CONFIG"
+    fi
+    echo "$DEFAULT_ENDPOINT"
+}
 
 case "${ADLOADER_DISABLE:-}" in
     1|true|yes|on) exit 0 ;;
 esac
 if [ -z "${ADLOADER_ENDPOINT:-}" ]; then
-    echo "export ADLOADER_ENDPOINT=$AGENT_ENDPOINT"
+    if ep=$(config_endpoint) && [ -n "$ep" ]; then
+        echo "export ADLOADER_ENDPOINT=$ep"
+    fi
 fi
 case "${SLURM_JOB_ID:-}" in
     ''|*[!0-9]*) ;;   # not a job number: print nothing rather than a bad id

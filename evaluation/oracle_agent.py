@@ -1,11 +1,11 @@
 """The agent with one more policy, ``oracle``, for ``adloader bench``: the real daemon, server,
 controller and actuators, with a policy that returns the oracle's plan for the jobs present.
 
-    python -m agent.bench.oracle_agent CURVES.json [agent flags...]
+    python -m evaluation.oracle_agent CURVES.json [agent flags...]
 
 CURVES.json: ``{"budget_note": str, "jobs": {job_id: [[workers, cores_used, normalised], ...]}}`` —
-each job's measured sweep (see ``agent.bench.harness.measure_sweeps``). At each tick the policy solves
-the exact knapsack (``agent.bench.oracle.solve``) over the jobs present with the snapshot's loader
+each job's measured sweep (see ``evaluation.harness.measure_sweeps``). At each tick the policy solves
+the exact knapsack (``evaluation.oracle.solve``) over the jobs present with the snapshot's loader
 CPUs (cached per set of jobs, so the plan is fixed while the set is). A job with no curve gets the
 even share. The policy is registered into ``agent.policies.POLICIES`` in this process only.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from agent.bench.oracle import solve, value_from_sweep
+from evaluation.oracle import solve, value_from_sweep
 
 
 def make_oracle_policy(points_by_job: dict):
@@ -53,7 +53,7 @@ def make_oracle_policy(points_by_job: dict):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m agent.bench.oracle_agent CURVES.json [agent flags...]", file=sys.stderr)
+        print("usage: python -m evaluation.oracle_agent CURVES.json [agent flags...]", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         doc = json.load(f)

@@ -1,6 +1,6 @@
 """Controller tick time with many jobs: snapshot -> observe/predict -> decide -> diff -> apply -> record.
 
-    python benchmarks/controller_bench.py [--jobs 64] [--ticks 200] [--repeats 3] [--out bench-out/controller_bench.json]
+    python -m evaluation.controller_bench [--jobs 64] [--ticks 200] [--repeats 3] [--out bench-out/controller_bench.json]
 
 Target: a tick with 64 jobs (policy + predictor) under 5 ms. The predictor is ``predictor.bank.PredictorBank``
 when it is importable, else a first-principles stand-in (the table says which). Actuators are no-ops
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
               "worst_median_ms": worst, "worst_median_cpu_ms": worst_cpu, "meets_target": worst < args.target_ms,
               "load_average_1m": load, "rows": rows, "runs": runs,
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-              "command": "python benchmarks/controller_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python -m evaluation.controller_bench " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -5,8 +5,8 @@ import os
 import time
 from pathlib import Path
 
-from agent.bench import harness, plots, report
-from agent.bench.catalog import calibrate, load_catalog
+from evaluation import harness, plots, report
+from evaluation.catalog import calibrate, load_catalog
 
 
 def node_cores() -> int:

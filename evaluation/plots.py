@@ -102,13 +102,13 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    """Re-draw the plots of a finished run: ``python -m agent.bench.plots BENCH.json [OUT_DIR]``."""
+    """Re-draw the plots of a finished run: ``python -m evaluation.plots BENCH.json [OUT_DIR]``."""
     import json
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m agent.bench.plots BENCH.json [OUT_DIR]", file=sys.stderr)
+        print("usage: python -m evaluation.plots BENCH.json [OUT_DIR]", file=sys.stderr)
         return 2
     src = Path(argv[0])
     out = Path(argv[1]) if len(argv) > 1 else src.parent

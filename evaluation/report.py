@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from agent.bench import metrics as M
+from evaluation import metrics as M
 
 METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "makespan_s",
            "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores", "resizes")

@@ -1,6 +1,6 @@
 """Benchmark of the elastic loader (a command, not a test): prints a table, writes JSON.
 
-    python benchmarks/loader_bench.py [--quick] [--out bench-out/loader_bench.json]
+    python -m evaluation.loader_bench [--quick] [--out bench-out/loader_bench.json]
 
 Three measurements:
 

@@ -1,4 +1,4 @@
-"""The bench's job catalogue (``agent/bench/catalog.toml``, or ``--catalog PATH``) and its calibration.
+"""The bench's job catalogue (``evaluation/catalog.toml``, or ``--catalog PATH``) and its calibration.
 
 A *kind* is a model-like pipeline with a CPU demand per GPU taken from real models (``cores_per_gpu``).
 ``calibrate`` measures, on this machine, the CPU seconds one sample of the kind's pipeline costs
@@ -8,7 +8,7 @@ A *kind* is a model-like pipeline with a CPU demand per GPU taken from real mode
     step_s = batch_size * cpu_s_per_sample / demand_cores      (clamped to [min_step_s, max_step_s])
 
 so demand scales with the node and nothing depends on hard-coded timings. A ``JobSpec`` is one
-calibrated job instance: everything a job process needs (see ``agent.bench.jobproc``).
+calibrated job instance: everything a job process needs (see ``evaluation.jobproc``).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class JobSpec:
 
 
 def default_catalog_path() -> str:
-    return str(resources.files("agent.bench").joinpath("catalog.toml"))
+    return str(resources.files("evaluation").joinpath("catalog.toml"))
 
 
 def load_catalog(path: str | None = None) -> Catalog:

@@ -1,6 +1,6 @@
 """Measure real throughput curves of synthetic training jobs: the predictor's ground truth and prior.
 
-    python benchmarks/predictor_corpus.py [--out predictor/data/corpus.jsonl] [--window-s 2.5]
+    python -m evaluation.predictor_corpus [--out predictor/data/corpus.jsonl] [--window-s 2.5]
         [--jobs light,heavy,...] [--workers 1,2,3,4,6,8] [--cores 0.5,1,2]
 
 For each job (``adloader.synthetic`` workload + an emulated GPU step of ``step_s``), for each worker
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {
         "kind": "header", "format": 1, "pass": args.pass_id,
-        "command": "python benchmarks/predictor_corpus.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m evaluation.predictor_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.node()}: {len(all_cpus)} CPUs, {platform.platform()}"
                    + (f"; {args.note}" if args.note else ""),

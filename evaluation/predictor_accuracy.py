@@ -1,6 +1,6 @@
 """Predictor accuracy on measured curves held out from the fit (leave-one-job-out).
 
-    python benchmarks/predictor_accuracy.py [--corpus predictor/data/corpus.jsonl]
+    python -m evaluation.predictor_accuracy [--corpus predictor/data/corpus.jsonl]
         [--starts 2:2,1:1,4:0.5] [--json predictor-accuracy.json]
 
 For each job of the corpus: fit the prior on the OTHER jobs, give a fresh ``PredictorBank`` the job's
@@ -27,6 +27,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -35,8 +36,19 @@ if str(REPO) not in sys.path:
 from predictor.bank import PredictorBank  # noqa: E402
 from predictor.curve import KNEE_TOLERANCE  # noqa: E402
 from predictor.prior import (CORPUS_PATH, VALIDATION_PATH, by_job, corpus_digest, fit_prior,  # noqa: E402
-                             knee_tolerance, load_corpus, measured_curves, measured_knee, noise_level,
-                             validation_verdict)
+                             knee_tolerance, load_corpus, measured_curves, measured_knee, noise_level)
+
+
+def validation_verdict(results: Sequence[dict]) -> bool:
+    """Does the learned prior beat first principles out of sample? ``results``: this benchmark's
+    summaries (learned and first-principles rows per start). Yes only if,
+    averaged over the starts, its throughput MAPE is lower AND its knee hit rate (all cores) no lower."""
+    def avg(learned: bool, key: str) -> float:
+        v = [r[key] for r in results if r["learned"] is learned]
+        return sum(v) / len(v) if v else math.nan
+
+    return (avg(True, "mape") < avg(False, "mape")
+            and avg(True, "all_knee_hit") >= avg(False, "all_knee_hit"))
 
 
 def snap(w: int, grid: list[int]) -> int:

@@ -1,6 +1,6 @@
 """One bench job: a real training process on ``adloader.DataLoader`` over generated JPEGs.
 
-    python -m agent.bench.jobproc --spec JSON --progress FILE [--workers N|auto] [--max-workers N]
+    python -m evaluation.jobproc --spec JSON --progress FILE [--workers N|auto] [--max-workers N]
                                   [--duration-s S] [--device cpu|cuda] [--sweep 1,2,3 --segment-s S]
 
 The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy + sleep of the calibrated
@@ -103,7 +103,7 @@ def _cuda_step_fn(batch_size: int, crop_px: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="agent.bench.jobproc")
+    ap = argparse.ArgumentParser(prog="evaluation.jobproc")
     ap.add_argument("--spec", required=True, help="JobSpec as JSON")
     ap.add_argument("--progress", required=True)
     ap.add_argument("--workers", default="auto")

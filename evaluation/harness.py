@@ -1,7 +1,7 @@
 """The bench harness: real job processes on this node, run side by side under each policy.
 
 One *phase* = one scenario under one policy for one repeat: start the agent (for the policies it
-runs), launch the scenario's jobs (``agent.bench.jobproc``), apply its timed events (arrivals,
+runs), launch the scenario's jobs (``evaluation.jobproc``), apply its timed events (arrivals,
 departures, a CPU hog), read every job's progress file while it runs, then stop everything and keep
 the records. Phases are interleaved (every policy once per repeat, the order rotated per repeat) so
 that the machine's noise hits every policy alike. Metrics are computed afterwards from the records
@@ -9,7 +9,7 @@ that the machine's noise hits every policy alike. Metrics are computed afterward
 
 How each policy runs (the jobs are the same processes in every case):
     even-static, even, adaptive   the agent with that policy; jobs ask for num_workers = node cores
-    oracle                        the agent with the oracle's fixed plan (``agent.bench.oracle_agent``)
+    oracle                        the agent with the oracle's fixed plan (``evaluation.oracle_agent``)
     none                          no agent; every job num_workers = node cores; the OS arbitrates
     autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
 
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from agent.bench import metrics as M
-from agent.bench.catalog import Catalog, JobSpec, make_job
+from evaluation import metrics as M
+from evaluation.catalog import Catalog, JobSpec, make_job
 
 POLICIES_ALL = ("even-static", "even", "none", "autotune", "adaptive", "oracle")
 AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
@@ -223,7 +223,7 @@ class ProgressReader:
 def child_env(**extra: str) -> dict:
     """Environment for children: this checkout's packages importable, inherited ADLOADER_* removed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADLOADER_")}
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra)
     return env
@@ -240,7 +240,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
              "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
              "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info"]
     if policy == "oracle":
-        argv = [cfg.python, "-m", "agent.bench.oracle_agent", str(curves_path), *flags]
+        argv = [cfg.python, "-m", "evaluation.oracle_agent", str(curves_path), *flags]
     else:
         argv = [cfg.python, "-m", "agent", "agent", "--policy", policy, *flags]
     proc = Proc(argv, child_env(), run_dir / "agent.log")
@@ -285,7 +285,7 @@ def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint:
         env["ADLOADER_ENDPOINT"] = endpoint
     else:
         env["ADLOADER_DISABLE"] = "1"
-    argv = [cfg.python, "-m", "agent.bench.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
+    argv = [cfg.python, "-m", "evaluation.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
             "--workers", str(workers), "--device", cfg.device, *extra_args]
     return Proc(argv, env, run_dir / f"{spec.job_id}.log"), ProgressReader(prog)
 
@@ -484,7 +484,7 @@ def _ceiling(job: dict) -> float:
 
 
 def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
-    """Metrics of one phase from its records (definitions in ``agent.bench.metrics``)."""
+    """Metrics of one phase from its records (definitions in ``evaluation.metrics``)."""
     jobs = ph["jobs"]
     recs = {j: v["records"] for j, v in jobs.items() if v.get("records")}
     if not recs:

@@ -1,6 +1,6 @@
 """Agent overhead with many clients: tick time, agent CPU, and request round-trip latency.
 
-    python benchmarks/agent_bench.py [--clients 64] [--seconds 60] [--policies adaptive,even]
+    python -m evaluation.agent_bench [--clients 64] [--seconds 60] [--policies adaptive,even]
                                      [--repeats 1] [--out bench-out/agent_bench.json]
 
 For each policy: start a real `adloader agent` (tick 1 s, cgroup mode off, loader CPUs 60 so the
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                   f"of a core", file=sys.stderr)
     own = collector_only(args.clients)
     load = os.getloadavg()
-    out = {"collector_only": own, "command": "python benchmarks/agent_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {"collector_only": own, "command": "python -m evaluation.agent_bench " + " ".join(sys.argv[1:] if argv is None else argv),
            "cpus": os.cpu_count(), "loadavg_1m_end": round(load[0], 2), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -8,7 +8,7 @@ throughput curves (``predictor.curve.ThroughputCurve``):
   (``predictor/data/corpus.jsonl``: its measured windows fed to a PredictorBank), its loader cost scaled
   so that a job's demand relative to its GPU's share of the node's loader cores is what it was relative
   to the measuring machine's loader cores;
-- ``curves="builtin"``: first-principles curves for the bench's job kinds (``agent/bench/catalog.toml``:
+- ``curves="builtin"``: first-principles curves for the bench's job kinds (``evaluation/catalog.toml``:
   cores per GPU from ~1 (NLP-like) to ~12 (AlexNet-like), step 0.1 s).
 
 Physics of a node (what a policy's plan turns into): job j with w workers wants
@@ -33,10 +33,20 @@ Trace file (``--trace``): CSV with a header, or JSON lines, one job per row/line
 Generator (no trace): ``nodes`` nodes, ``jobs_per_node`` jobs each, Poisson arrivals with mean gap
 ``mean_gap_s``, work ~ lognormal around ``mean_work_s``, kinds drawn uniformly; seeded.
 
+Memory: a curve's ``worker_memory_bytes`` is what one of its workers holds (builtin kinds: the
+catalogue's ``worker_ram_mb`` where it has one; ``SimConfig.worker_memory_bytes`` sets it for every
+kind, e.g. for the corpus curves, which carry none). A node's loader memory is the sum over its jobs of
+workers x that; ``SimConfig.loader_memory`` (bytes, None = no budget) is the node's loader memory
+budget, in the snapshot the policies see (``adaptive`` plans within it; the baselines and the oracle
+ignore it). Reported per policy: the peak loader memory of a node (max and p95 over nodes) and the
+share of node-time spent above the budget. To ask what budget a trace needs: run without a budget and
+read the peak of ``adaptive`` (and of ``none``, the users' own worker counts); then run with budgets
+below it to see what each costs in throughput.
+
 Metrics per policy: aggregate normalised throughput (per node: sum over jobs of samples/ceiling over
 the node's makespan; mean over nodes), makespan (mean and max over nodes), JCT mean/p95, GPU idle
 fraction, Jain's index of the jobs' mean normalised throughput, min ratio to the even split (job by
-job), decisions and worker changes. ``oracle``: the exact knapsack (``agent.bench.oracle``) on the
+job), decisions and worker changes. ``oracle``: the exact knapsack (``evaluation.oracle``) on the
 *true* curves at every decision: a ceiling for static-per-set allocation.
 """
 from __future__ import annotations
@@ -51,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from agent.bench import metrics as M
+from evaluation import metrics as M
 from predictor.curve import ThroughputCurve
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
@@ -90,13 +100,14 @@ class _Job:
     rate: float = 0.0
     workers: int = 0
     changes: int = 0
+    cores_got: float = 0.0
 
 
 # -- curves ------------------------------------------------------------------------------------
 
 def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
     """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed."""
-    from agent.bench.catalog import load_catalog
+    from evaluation.catalog import load_catalog
 
     cat = load_catalog(catalog_path)
     out = {}
@@ -105,7 +116,8 @@ def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batc
         b = k.io_sleep_s * batch_size
         out[name] = ThroughputCurve(job=name, batch_size=batch_size, compute_s_per_step=step_s,
                                     cpu_s_per_batch=c, blocked_s_per_batch=b, confidence=1.0,
-                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu})
+                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu},
+                                    worker_memory_bytes=float(getattr(k, "worker_ram_mb", 0.0) or 0.0) * (1 << 20))
     return out
 
 
@@ -277,6 +289,8 @@ class SimConfig:
     tick_s: float = 2.0
     settle_ticks: int = 2
     requested_workers: Optional[int] = None   # each job's own num_workers (none keeps it); default cores/gpus
+    loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
+    worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
@@ -289,7 +303,7 @@ class SimConfig:
 def _oracle_policy(grid: int = 192):
     """The exact knapsack on the curves it is given (the true ones in the simulator); value grids are
     cached per curve object, budget and weight, so a node's repeated decisions cost one DP each."""
-    from agent.bench.oracle import solve, value_from_curve, value_grid
+    from evaluation.oracle import solve, value_from_curve, value_grid
     from agent.model import AllocationPlan, JobAllocation
 
     cache: dict = {}
@@ -353,6 +367,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     decisions = 0
     ticks_left = 0
     n_jobs = len(pending)
+    mem_now = mem_peak = 0.0
+    mem_over_s = 0.0
 
     def observe_and_stats():
         stats = {}
@@ -375,7 +391,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                     workers=w, cores=max(1e-3, a.cpus if a else C / max(1, len(active))), batch_size=bs,
                     compute_s_per_step=g, data_wait_s_per_step=wait, cpu_s_per_batch=c,
                     wall_s_per_batch=max(wall, c + b), runq_s_per_batch=runq, blocked_s_per_batch=b,
-                    samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s))))
+                    samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s)),
+                    worker_memory_bytes=cv.worker_memory_bytes))
             stats[jid] = JobStats(
                 job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w, requested_workers=req,
                 max_workers=None, samples_per_s=thr, compute_s_per_step=g, data_wait_s_per_step=wait,
@@ -383,13 +400,15 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
                 blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=getattr(jb, "cores_got", 0.0),
                 age_s=t - jb.start, observed_s=t - jb.start, window_s=cfg.tick_s if thr > 0 else 0.0,
-                applied=a, pids=(), worker_pids=())
+                applied=a, pids=(), worker_pids=(), worker_memory_bytes=cv.worker_memory_bytes,
+                loader_memory_bytes=w * cv.worker_memory_bytes)
         return stats
 
     def decide():
         nonlocal applied, decisions
         stats = observe_and_stats()
-        snap = NodeSnapshot(now=t, loader_cpus=C, cpu_ids=cpu_ids, jobs=stats, max_jobs=cfg.gpus)
+        snap = NodeSnapshot(now=t, loader_cpus=C, cpu_ids=cpu_ids, jobs=stats, max_jobs=cfg.gpus,
+                            loader_memory_bytes=cfg.loader_memory)
         if bank is None:
             curves = {j: active[j].curve for j in active}
         else:
@@ -413,12 +432,14 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         return moved
 
     def physics():
+        nonlocal mem_now
         got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
         for jid, jb in active.items():
             a = applied.get(jid)
             jb.workers = a.workers if a else req
             jb.cores_got = got[jid]
             jb.rate = rates[jid]
+        mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
 
     while pending or active:
         # next event
@@ -430,6 +451,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         if t_next == math.inf:
             raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
         dt = t_next - t
+        if dt > 0:                      # memory held over a stretch of time (not between two same-instant steps)
+            mem_peak = max(mem_peak, mem_now)
+            if cfg.loader_memory is not None and mem_now > cfg.loader_memory + 1.0:
+                mem_over_s += dt
         for jb in active.values():
             done = jb.rate * dt
             jb.remaining -= done
@@ -469,6 +494,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                              if jb.alive_s > 0 else 0.0, "wait_s": jb.wait_s, "alive_s": jb.alive_s,
                              "norm_s": jb.norm_s * max(1, jb.tj.gpus), "changes": jb.changes} for jb in finished},
         "makespan_s": span, "decisions": decisions, "n_jobs": n_jobs,
+        "loader_memory_peak_bytes": mem_peak, "memory_over_budget_s": mem_over_s,
     }
 
 
@@ -497,7 +523,7 @@ def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, sour
     unknown = sorted({tj.kind for tj in trace} - set(curves))
     if unknown:
         raise SimError(f"trace names unknown kinds: {', '.join(unknown)}; known: {', '.join(sorted(curves))}")
-    truth = node_truth(curves, cfg, source)
+    truth = with_memory(node_truth(curves, cfg, source), cfg)
     by_node: dict[str, list] = {}
     for tj in trace:
         by_node.setdefault(tj.node, []).append(tj)
@@ -534,8 +560,19 @@ def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, sour
             "config": cfg.__dict__ | {"loader_cpus_resolved": cfg.loader}}
 
 
+def with_memory(truth: dict, cfg: SimConfig) -> dict:
+    """The curves with ``cfg.worker_memory_bytes`` as every kind's per-worker memory, when it is set."""
+    if cfg.worker_memory_bytes is None:
+        return truth
+    import dataclasses
+
+    return {k: dataclasses.replace(cv, worker_memory_bytes=float(cfg.worker_memory_bytes)) for k, cv in truth.items()}
+
+
 def summarise_policy(nodes: dict) -> dict:
     aggs, spans, jcts, waits, alive, norms, changes, decisions = [], [], [], 0.0, 0.0, [], 0, 0
+    peaks = [r.get("loader_memory_peak_bytes", 0.0) for r in nodes.values()]
+    over = sum(r.get("memory_over_budget_s", 0.0) for r in nodes.values())
     for r in nodes.values():
         if r["makespan_s"] > 0:
             aggs.append(sum(v["norm_s"] for v in r["jobs"].values()) / r["makespan_s"])
@@ -550,7 +587,10 @@ def summarise_policy(nodes: dict) -> dict:
     return {"agg_normalised": M.mean(aggs), "makespan_mean_s": M.mean(spans),
             "makespan_max_s": max(spans) if spans else math.nan, "jct_mean_s": M.mean(jcts),
             "jct_p95_s": M.percentile(jcts, 95), "gpu_idle_frac": M.gpu_idle_fraction([waits], [alive]),
-            "jain": M.jain_index(norms), "worker_changes": changes, "decisions": decisions}
+            "jain": M.jain_index(norms), "worker_changes": changes, "decisions": decisions,
+            "loader_memory_peak_max_bytes": max(peaks) if peaks else 0.0,
+            "loader_memory_peak_p95_bytes": M.percentile(peaks, 95) if peaks else 0.0,
+            "memory_over_budget_frac": over / sum(spans) if spans and sum(spans) > 0 else 0.0}
 
 
 def markdown(result: dict) -> str:
@@ -568,4 +608,11 @@ def markdown(result: dict) -> str:
                      f"| {f(r['jct_mean_s'], '.1f')} / {f(r['jct_p95_s'], '.1f')} | {f(r['gpu_idle_frac'], '.1%')} "
                      f"| {f(r['jain'])} | {f(r.get('fairness_vs_even_min'), '.2f')} ({f(r.get('fairness_vs_even_p5'), '.2f')}) "
                      f"| {r['worker_changes']} | {r['decisions']} |")
+    if any(r.get("loader_memory_peak_max_bytes") for r in s.values()):
+        budget = (result.get("config") or {}).get("loader_memory")
+        lines += ["", "| policy | loader memory peak per node, max / p95 GiB | node-time over the budget"
+                  + (f" ({budget / (1 << 30):.2f} GiB)" if budget else " (no budget)") + " |", "|---|---|---|"]
+        for p, r in s.items():
+            lines.append(f"| {p} | {r['loader_memory_peak_max_bytes'] / (1 << 30):.2f} / "
+                         f"{r['loader_memory_peak_p95_bytes'] / (1 << 30):.2f} | {f(r['memory_over_budget_frac'], '.1%')} |")
     return "\n".join(lines)

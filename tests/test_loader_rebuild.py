@@ -1,0 +1,196 @@
+"""adloader.DataLoader rebuilt by a framework from its instance (Lightning's ``_update_dataloader``,
+Accelerate's ``prepare``), ``set_epoch``, the generic class, and the warning when a framework copies
+the loader into torch's own (component tier: real worker processes, no framework needed; the real
+frameworks run in tests/test_integration_*.py).
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import List
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import adloader.dataloader as dlmod
+from adloader import DataLoader
+from tests.test_loader_data import Indexed
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def _ids(batches) -> list[int]:
+    return torch.cat([b.flatten() for b in batches]).tolist()
+
+
+def _rebuild_from_attributes(loader, **replace):
+    """What Lightning does for a loader it did not see constructed
+    (lightning.fabric.utilities.data._get_dataloader_init_args_and_kwargs, ``was_wrapped`` False):
+    the public instance attributes named like ``__init__`` parameters whose value is not the
+    parameter's default, plus ``dataset`` and the replaced sampler arguments."""
+    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
+    attrs["multiprocessing_context"] = loader.multiprocessing_context
+    params = inspect.signature(loader.__init__).parameters
+    kwargs = {k: v for k, v in attrs.items() if k in params and params[k].default is not v}
+    kwargs["dataset"] = loader.dataset
+    kwargs.update(replace)
+    return type(loader)(**kwargs)
+
+
+def test_generic_class_like_torch():
+    alias = DataLoader[List[torch.Tensor]]
+    assert alias.__origin__ is DataLoader
+    loader: DataLoader[List[torch.Tensor]] = DataLoader(Indexed(4), batch_size=2)
+    assert _ids(list(loader)) == [0, 1, 2, 3]
+
+
+def test_torch_constructor_gets_keyword_arguments_only(monkeypatch):
+    # Lightning records the positional arguments of the outermost patched __init__ and replays them
+    # together with its own keyword arguments: "got multiple values for argument 'sampler'"
+    seen = []
+    orig = tud.DataLoader.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append((args, sorted(kwargs)))
+        orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(tud.DataLoader, "__init__", recording)
+    DataLoader(Indexed(8), 4, True, None, None, 2)
+    assert seen and seen[0][0] == ()
+    assert {"dataset", "batch_size", "shuffle", "num_workers", "sampler"} <= set(seen[0][1])
+
+
+@pytest.mark.parametrize("num_workers", [2, "auto"])
+def test_every_argument_recoverable_and_rebuilt_copy_shares_elastic_state(num_workers):
+    user = DataLoader(Indexed(24), batch_size=4, shuffle=True, num_workers=num_workers, max_workers=3,
+                      prefetch_factor=3, persistent_workers=True)
+    assert vars(user)["num_workers"] == num_workers and vars(user)["max_workers"] == 3
+    assert vars(user)["elastic_state"] is user.elastic_state
+    sampler = tud.SequentialSampler(range(24))
+    copy = _rebuild_from_attributes(user, sampler=sampler, shuffle=False, batch_sampler=None)
+    try:
+        assert copy.elastic_state is user.elastic_state
+        assert vars(copy)["num_workers"] == num_workers and copy.max_workers == 3
+        assert copy.prefetch_factor == 3 and copy.persistent_workers
+        assert copy.requested_workers == user.requested_workers
+        assert _ids(list(copy)) == list(range(24))       # the framework's sampler, in order
+        assert user.stats()["steps"] == copy.stats()["steps"] == 6
+        assert user.resize(1) == 1 and copy.num_workers == 1       # the user's handle is live
+        assert _ids(list(copy)) == list(range(24))
+        assert copy.stats()["workers"] == 1
+        copy.resize(3)
+        assert user.num_workers == 3 and user.stats()["resizes"] == copy.stats()["resizes"]
+        # the user's own object keeps its own sampler and (persistent) worker pool
+        assert sorted(_ids(list(user))) == list(range(24))
+        assert user.stats()["steps"] == 18
+    finally:
+        user.close()
+    assert copy.worker_pids() == []
+    with pytest.raises(ValueError, match="closed"):
+        DataLoader(Indexed(4), elastic_state=user.elastic_state)
+
+
+def test_rebuild_of_a_loader_resized_to_zero_still_builds():
+    user = DataLoader(Indexed(8), batch_size=4, num_workers=2)
+    user.resize(0)           # torch's constructor refuses prefetch_factor with num_workers=0
+    copy = _rebuild_from_attributes(user, sampler=tud.SequentialSampler(range(8)), batch_sampler=None)
+    assert copy.num_workers == 0 and _ids(list(copy)) == list(range(8))
+    user.close()
+
+
+def test_recorded_arguments_get_the_elastic_state():
+    # Lightning's __init__ wrapper stores the outermost call's keyword arguments on the instance
+    # before __init__ runs; the rebuilt loader is built from them
+    class Recorded(DataLoader):
+        def __init__(self, *args, **kwargs):
+            object.__setattr__(self, "__pl_saved_kwargs", kwargs)
+            super().__init__(*args, **kwargs)
+
+    user = Recorded(Indexed(8), batch_size=4, num_workers=1)
+    saved = vars(user)["__pl_saved_kwargs"]
+    assert saved["elastic_state"] is user.elastic_state
+    copy = DataLoader(user.dataset, **saved)
+    assert copy.elastic_state is user.elastic_state
+
+    class OwnSignature(DataLoader):     # cannot take elastic_state: the record stays as it was
+        def __init__(self, ds, n):
+            object.__setattr__(self, "__pl_saved_kwargs", {})
+            super().__init__(ds, batch_size=n)
+
+    assert vars(OwnSignature(Indexed(4), 2))["__pl_saved_kwargs"] == {}
+
+
+def test_elastic_state_must_be_a_loaders():
+    with pytest.raises(TypeError, match="elastic_state"):
+        DataLoader(Indexed(4), elastic_state=object())
+
+
+class _EpochBatches(tud.Sampler):
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        yield [self.epoch]
+
+    def __len__(self):
+        return 1
+
+
+def test_set_epoch_forwards_to_the_sampler_like_accelerate():
+    ds = Indexed(16)
+    sampler = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=1)
+    ref_sampler = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+    ref = tud.DataLoader(ds, batch_size=4, sampler=ref_sampler)
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ref_sampler.set_epoch(epoch)
+        got = _ids(list(loader))
+        assert got == _ids(list(ref))
+        orders.append(got)
+    assert orders[0] != orders[1] or orders[1] != orders[2]     # reshuffled per epoch
+    # a batch sampler with set_epoch gets it
+    bs = _EpochBatches()
+    loader = DataLoader(ds, batch_sampler=bs)
+    loader.set_epoch(5)
+    assert _ids(list(loader)) == [5]
+
+    class EpochDataset(tud.IterableDataset):
+        epoch = None
+
+        def set_epoch(self, e):
+            self.epoch = e
+
+        def __iter__(self):
+            yield self.epoch
+
+    it = EpochDataset()
+    DataLoader(it, batch_size=None).set_epoch(7)      # no sampler with set_epoch: the dataset's
+    assert it.epoch == 7
+    DataLoader(Indexed(4)).set_epoch(1)               # nobody takes it: nothing happens
+
+
+def test_a_framework_copying_the_loader_into_torchs_is_warned_once(monkeypatch):
+    monkeypatch.setattr(dlmod, "_foreign_copy_warned", False)
+    loader = DataLoader(Indexed(4), num_workers=1)
+    assert loader.num_workers == 1          # the user reading it: no warning
+    copier = {"__name__": "accelerate.data_loader", "loader": loader}
+    with pytest.warns(UserWarning, match="adloader.integrations.accelerate.prepare"):
+        exec("loader.num_workers", copier)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec("loader.num_workers", copier)          # once per process
+    monkeypatch.setattr(dlmod, "_foreign_copy_warned", False)
+    dlmod._foreign_copy_allowed.on = True           # an integration copying on purpose
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            exec("loader.num_workers", copier)
+    finally:
+        dlmod._foreign_copy_allowed.on = False
+    loader.close()

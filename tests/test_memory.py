@@ -1,0 +1,269 @@
+"""Memory measurement (``adloader.memory``): readers on small fake /proc and cgroup trees (unit), and
+the loader's per-worker USS/PSS/growth with real worker processes (component).
+
+Nothing here writes to a real memory cgroup: the fake trees live in ``tmp_path``.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from adloader import DataLoader, memory
+
+MiB = 1 << 20
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GiB", 6 << 30), ("512 MiB", 512 << 20), ("2.5G", 2_500_000_000), ("1048576", 1 << 20),
+    ("8gb", 8_000_000_000), (4096, 4096), ("0", 0), ("1KiB", 1024), ("1TiB", 1 << 40),
+])
+def test_parse_bytes_accepts_bytes_and_units(text, expected):
+    assert memory.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "6 GiBs", "-1G", "lots", "1e3", True, None, float("inf"), -5, "G"])
+def test_parse_bytes_refuses_with_the_value_named(bad):
+    with pytest.raises(ValueError) as e:
+        memory.parse_bytes(bad)
+    assert repr(bad) in str(e.value) or str(bad) in str(e.value)
+
+
+# -- fake /proc -----------------------------------------------------------------------------------
+
+ROLLUP = """55d0-7ffd ---p 00000000 00:00 0  [rollup]
+Rss:               20480 kB
+Pss:               12288 kB
+Shared_Clean:       8192 kB
+Shared_Dirty:          0 kB
+Private_Clean:      1024 kB
+Private_Dirty:      7168 kB
+Swap:                512 kB
+"""
+
+
+def test_process_memory_reads_smaps_rollup(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "smaps_rollup").write_text(ROLLUP)
+    m = memory.process_memory(42, str(tmp_path))
+    assert (m.rss, m.pss, m.uss, m.swap, m.source) == (20 * MiB, 12 * MiB, 8 * MiB, 512 * 1024, "smaps_rollup")
+
+
+def test_process_memory_falls_back_to_statm_and_none_when_gone(tmp_path):
+    (tmp_path / "7").mkdir()
+    page = os.sysconf("SC_PAGE_SIZE")
+    (tmp_path / "7" / "statm").write_text("1000 300 100 1 0 200 0\n")
+    m = memory.process_memory(7, str(tmp_path))
+    assert (m.rss, m.uss, m.pss, m.source) == (300 * page, 200 * page, 200 * page, "statm")
+    assert memory.process_memory(8, str(tmp_path)) is None
+
+
+def test_node_memory_reads_meminfo_and_psi(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal:  24000000 kB\nMemFree: 100 kB\nMemAvailable: 1000000 kB\n")
+    (tmp_path / "pressure").mkdir()
+    (tmp_path / "pressure" / "memory").write_text(
+        "some avg10=12.50 avg60=3.00 avg300=1.00 total=123456\nfull avg10=4.00 avg60=1.00 avg300=0.10 total=99\n")
+    n = memory.node_memory(str(tmp_path))
+    assert n.total == 24000000 * 1024 and n.available == 1000000 * 1024
+    assert (n.some_avg10, n.full_avg10, n.some_total_us) == (12.5, 4.0, 123456)
+    empty = memory.node_memory(str(tmp_path / "nothing"))
+    assert (empty.total, empty.available, empty.some_avg10) == (None, None, None)
+
+
+def _cgroup_tree(tmp_path, cgroup_lines: str):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup_lines)
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    return proc, tmp_path / "cg"
+
+
+def test_cgroup_v1_limit_is_the_least_of_the_group_and_its_ancestors(tmp_path):
+    proc, cg = _cgroup_tree(tmp_path, "5:cpu:/\n4:memory:/slurm/job_9/step_0\n")
+    for rel, limit in (("", "9223372036854771712"), ("slurm", "9223372036854771712"),
+                       ("slurm/job_9", str(2 << 30)), ("slurm/job_9/step_0", str(3 << 30))):
+        d = cg / "memory" / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(limit + "\n")
+        (d / "memory.usage_in_bytes").write_text(str(1 << 30) + "\n")
+    got = memory.cgroup_memory("self", str(proc), str(cg))
+    assert got.limit == 2 << 30 and got.usage == 1 << 30 and got.path.endswith("slurm/job_9")
+    # room: min(MemAvailable 8 GiB, limit - usage = 1 GiB)
+    assert memory.memory_room("self", str(proc), str(cg)) == 1 << 30
+
+
+def test_cgroup_v2_memory_max_and_unlimited(tmp_path):
+    proc, cg = _cgroup_tree(tmp_path, "0::/user.slice/job\n")
+    (cg / "user.slice" / "job").mkdir(parents=True)
+    (cg / "user.slice" / "memory.max").write_text("max\n")
+    (cg / "user.slice" / "job" / "memory.max").write_text(f"{512 * MiB}\n")
+    (cg / "user.slice" / "job" / "memory.current").write_text(f"{100 * MiB}\n")
+    got = memory.cgroup_memory("self", str(proc), str(cg))
+    assert (got.limit, got.usage) == (512 * MiB, 100 * MiB)
+    (cg / "user.slice" / "job" / "memory.max").write_text("max\n")
+    assert memory.cgroup_memory("self", str(proc), str(cg)).limit is None
+    assert memory.memory_room("self", str(proc), str(cg)) == 8388608 * 1024      # MemAvailable alone
+
+
+def test_this_process_limit_is_read_without_writing(tmp_path):
+    """On the real machine: reads /proc/self/cgroup and the limit files; no exception, no write."""
+    got = memory.cgroup_memory()
+    assert got.limit is None or got.limit > 0
+    assert memory.memory_room() is None or memory.memory_room() >= 0
+
+
+def test_batch_nbytes_walks_containers():
+    batch = {"x": torch.zeros(4, 8), "y": [torch.zeros(3, dtype=torch.int64), np.zeros(5, dtype=np.uint8)],
+             "name": "ab"}
+    assert memory.batch_nbytes(batch) == 4 * 8 * 4 + 3 * 8 + 5 + 2
+
+
+# -- real workers: copy-on-read seen for Python objects, not for arrays ----------------------------
+
+class ObjectRows(torch.utils.data.Dataset):
+    """The pattern users report: a list of Python objects (dicts of str/list) built before fork."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [{"id": i, "name": f"sample-{i:08d}", "vals": [float(i), 1.0, 2.0, 3.0]} for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return torch.tensor(self.rows[i]["vals"])
+
+
+class ArrayRows(torch.utils.data.Dataset):
+    """The remedy: the same data in one numpy array (no per-object header to write)."""
+
+    def __init__(self, n: int) -> None:
+        self.vals = np.tile(np.arange(4, dtype=np.float64), (n, 1))
+        self.vals[:, 0] = np.arange(n)
+
+    def __len__(self) -> int:
+        return len(self.vals)
+
+    def __getitem__(self, i: int):
+        return torch.from_numpy(self.vals[i].copy())
+
+
+def _run_epoch_and_measure(ds) -> dict:
+    dl = DataLoader(ds, batch_size=500, num_workers=2, persistent_workers=True,
+                    multiprocessing_context="fork")
+    try:
+        it = iter(dl)
+        next(it)
+        dl._core.memory.sample(dl.worker_pids(), force=True)      # each worker's baseline, early
+        for _ in it:
+            pass
+        dl._core.memory.sample(dl.worker_pids(), force=True)
+        s = dl.stats()
+    finally:
+        dl.close()
+    return s
+
+
+def test_worker_memory_growth_seen_for_python_objects_not_for_arrays():
+    objs = _run_epoch_and_measure(ObjectRows(200_000))
+    arrs = _run_epoch_and_measure(ArrayRows(200_000))
+    for s, item_bytes in ((objs, 4), (arrs, 8)):        # float32 tensors from lists; float64 from the array
+        assert s["memory_workers"] == 2
+        assert s["worker_uss_bytes"] > 0 and s["worker_pss_bytes"] >= s["worker_uss_bytes"]
+        assert len(s["memory"]) == 2 and all(v["pss"] > 0 for v in s["memory"].values())
+        assert s["batch_bytes"] == 500 * 4 * item_bytes
+        assert s["shm_inflight_bytes"] == 2 * 2 * s["batch_bytes"]          # prefetch 2 x 2 workers
+    # the object list (~60 MB of dicts) is copied page by page into each worker as it is read
+    assert objs["worker_growth_bytes"] > 10 * MiB, objs["worker_growth_bytes"]
+    # the array is read without writing: its pages stay shared
+    assert arrs["worker_growth_bytes"] < 3 * MiB, arrs["worker_growth_bytes"]
+    assert objs["worker_growth_bytes"] > 5 * arrs["worker_growth_bytes"]
+
+
+def test_sampler_is_rate_limited_and_keeps_a_dead_workers_last_sample():
+    sampler = memory.WorkerMemorySampler(every_s=2.0)
+    me = os.getpid()
+    first = sampler.sample([me], now=100.0)
+    assert first.workers == 1 and first.uss > 0
+    assert sampler.sample([me], now=100.5) is first            # within every_s: no new read
+    later = sampler.sample([me], now=103.0)
+    assert later is not first and later.per_worker[me]["growth"] == later.uss - first.uss
+    gone = sampler.sample([], now=106.0)
+    assert gone.workers == 0 and sampler.last_memory(me) is not None
+    sampler.forget_dead([])
+    assert sampler.last_memory(me) is None
+
+
+def test_stats_document_every_memory_key():
+    from adloader.dataloader import DataLoader as DL
+
+    doc = DL.stats.__doc__
+    for k in memory.STATS_KEYS + ("memory",):
+        assert k in doc, k
+    dl = DataLoader(list(range(8)), batch_size=2, num_workers=0)
+    s = dl.stats()
+    assert set(memory.STATS_KEYS) <= set(s) and s["memory_workers"] == 0 and s["shm_inflight_bytes"] == 0
+
+
+# -- num_workers="auto" without an agent: the process's own memory bounds its workers -------------
+
+def test_memory_cap_from_stats_room_and_limit():
+    from adloader.autotune import MEMORY_RESERVE_MIN, memory_cap
+
+    s = {"memory_workers": 2, "workers": 2, "worker_uss_bytes": 200 * MiB, "shm_inflight_bytes": 0}
+    assert memory_cap(s, None, None) is None                      # room unknown: no bound
+    assert memory_cap({**s, "memory_workers": 0}, 1 << 30, None) is None   # nothing measured yet
+    # 200 MiB held + room 1 GiB - reserve 256 MiB = 968 MiB / 100 MiB per worker -> 9
+    assert memory_cap(s, 1 << 30, None) == (200 * MiB + (1 << 30) - MEMORY_RESERVE_MIN) // (100 * MiB)
+    # the reserve is 10% of a large limit
+    assert memory_cap(s, 1 << 30, 8 << 30) == (200 * MiB + (1 << 30) - (8 << 30) // 10) // (100 * MiB)
+    assert memory_cap(s, 0, None) == 1                             # never below one worker
+
+
+def test_tuner_sheds_workers_over_its_memory_cap_and_never_grows_past_it():
+    from adloader.autotune import AutoTuner
+    from predictor.observation import Observation
+
+    from predictor.bank import PredictorBank
+
+    t = AutoTuner(cpus=8.0, cap=16, current=6, bank=PredictorBank(None))
+    assert t.window(None, memory_cap=3) == 3                       # at once, whatever the hysteresis
+    starved = dict(workers=3, cores=8.0, batch_size=32, compute_s_per_step=0.1, data_wait_s_per_step=0.4,
+                   cpu_s_per_batch=0.5, wall_s_per_batch=0.5, runq_s_per_batch=0.0, blocked_s_per_batch=0.0,
+                   samples_per_s=64.0, duration_s=2.0, steps=4)
+    moves = [t.window(Observation(**starved), memory_cap=3) for _ in range(6)]
+    assert all(m is None for m in moves) and t.current == 3        # data-starved, but memory says 3
+    moves = [t.window(Observation(**starved), memory_cap=5) for _ in range(6)]
+    assert t.current <= 5 and any(m is not None for m in moves)
+
+
+def test_auto_loader_respects_a_small_memory_room(monkeypatch):
+    """Real workers: with no room left under the process's limit, "auto" sheds to one worker."""
+    import time as _time
+
+    from adloader import autotune
+
+    monkeypatch.setattr(autotune, "WINDOW_S", 0.3)
+    monkeypatch.setattr(autotune, "memory_limits", lambda: (0, None))        # no room: the cap is 1
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a: 3.0)             # so "auto" starts at 3
+    ds = ObjectRows(20_000)
+    dl = DataLoader(ds, batch_size=50, num_workers="auto", max_workers=3, persistent_workers=True,
+                    multiprocessing_context="fork")
+    dl._core.memory.every_s = 0.1
+    try:
+        start = dl.num_workers
+        seen = []
+        deadline = _time.monotonic() + 60
+        while _time.monotonic() < deadline and (not seen or seen[-1] > 1):
+            for i, _ in enumerate(dl):
+                if i % 20 == 0:
+                    seen.append(dl.num_workers)
+                    if seen[-1] == 1 and len(seen) > 3:
+                        break
+        assert start == 3 and seen[-1] == 1, (start, seen)
+        assert autotune.tuner_of(dl).memory_cap == 1
+    finally:
+        dl.close()

@@ -1,0 +1,308 @@
+"""Memory as an allocated resource: the adaptive policy within a loader memory budget, the pressure
+guard, and the agent's tick (collector -> guard -> controller -> policy) under an injected pressure
+signal. Unit tier (no processes): the pressure source is a two-line fake, the reports are the loader's
+own stats keys.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adloader.memory import NodeMemory
+from agent.collector import Collector
+from agent.controller import Controller
+from agent.memory import MemoryGuard
+from agent.model import ApplyResult, JobStats, NodeSnapshot
+from agent.policies import PolicyConfig, adaptive, memory_caps
+from agent.registry import Peer, Registry
+from predictor.bank import PredictorBank
+from predictor.curve import ThroughputCurve
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def job(name, g=0.1, c=0.3, b=0.0, mem=200 * MiB, gpus=1, **kw) -> JobStats:
+    base = dict(job=name, uid=1000, ranks=1, gpus=gpus, batch_size=32, workers=2, requested_workers=4,
+                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
+                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=0.0,
+                blocked_s_per_batch=b, worker_cpu_cores=0.5, window_s=2.0, worker_memory_bytes=mem)
+    base.update(kw)
+    return JobStats(**base)
+
+
+def curve(j: JobStats) -> ThroughputCurve:
+    return ThroughputCurve(job=j.job, batch_size=j.batch_size, compute_s_per_step=j.compute_s_per_step,
+                           cpu_s_per_batch=j.cpu_s_per_batch, blocked_s_per_batch=j.blocked_s_per_batch,
+                           confidence=0.5, observed_configs=2, worker_memory_bytes=j.worker_memory_bytes)
+
+
+def node(jobs, cpus=8.0, budget=None, note="") -> NodeSnapshot:
+    return NodeSnapshot(now=0.0, loader_cpus=cpus, cpu_ids=tuple(range(int(cpus))), jobs={j.job: j for j in jobs},
+                        loader_memory_bytes=budget, memory_note=note)
+
+
+def plan_memory(plan, snap) -> float:
+    return sum(a.workers * snap.jobs[j].worker_memory_bytes for j, a in plan.allocations.items())
+
+
+CFG = PolicyConfig()
+
+
+def test_without_a_budget_memory_changes_nothing():
+    jobs = [job("a"), job("b", c=0.05, b=0.3)]
+    s = node(jobs)
+    curves = {j.job: curve(j) for j in jobs}
+    assert adaptive(s, curves, CFG) == adaptive(node(jobs, budget=1 << 50), curves, CFG)
+
+
+def test_budget_smaller_than_the_workers_need_is_respected_and_said():
+    # "io": 0.05 CPU s + 0.3 s blocked per batch -> 7 workers on ~0.5 core; "cpu": 3 cores, 3 workers
+    jobs = [job("cpu", c=0.3, mem=300 * MiB), job("io", c=0.05, b=0.3, mem=300 * MiB)]
+    curves = {j.job: curve(j) for j in jobs}
+    free = adaptive(node(jobs), curves, CFG)
+    need = plan_memory(free, node(jobs))
+    assert need > 2 * GiB
+    s = node(jobs, budget=2 * GiB)
+    plan = adaptive(s, curves, CFG)
+    assert plan_memory(plan, s) <= 2 * GiB
+    assert all(a.workers >= 1 for a in plan.allocations.values())
+    cut = [j for j, a in plan.allocations.items() if a.workers < free.allocations[j].workers]
+    assert cut and all("memory" in plan.allocations[j].reason for j in cut)
+    assert all("loader memory budget allows" in plan.unsatisfied[j] for j in cut)
+
+
+def test_the_worker_that_buys_least_per_byte_goes_first():
+    # same throughput curves; "fat" workers cost 4x the memory: the budget takes fat's workers first
+    lean, fat = job("lean", mem=100 * MiB), job("fat", mem=400 * MiB)
+    curves = {j.job: curve(j) for j in (lean, fat)}
+    free = adaptive(node([lean, fat]), curves, CFG)
+    assert free.allocations["lean"].workers == free.allocations["fat"].workers == 3
+    plan = adaptive(node([lean, fat], budget=1200 * MiB), curves, CFG)
+    assert plan.allocations["lean"].workers == 3
+    assert plan.allocations["fat"].workers == 2                   # 3*100 + 2*400 = 1100 <= 1200
+
+
+def test_a_multi_gpu_job_keeps_its_workers_longer():
+    one, four = job("one-gpu"), job("four-gpu", gpus=4)
+    curves = {j.job: curve(j) for j in (one, four)}
+    plan = adaptive(node([one, four], budget=4 * 200 * MiB), curves, CFG)
+    assert plan.allocations["four-gpu"].workers > plan.allocations["one-gpu"].workers
+
+
+def test_cores_a_memory_capped_job_cannot_use_go_to_the_others():
+    big, small = job("big", c=0.6, mem=1 * GiB), job("small", c=0.4, mem=50 * MiB)
+    curves = {j.job: curve(j) for j in (big, small)}
+    s = node([big, small], cpus=6.0, budget=2 * GiB + 300 * MiB)
+    plan = adaptive(s, curves, CFG)
+    assert plan.allocations["big"].workers == 2
+    # big's 2 workers keep about 2 cores busy; small gets the rest, above its even share of 3
+    assert plan.allocations["small"].cpus > 3.0
+    assert sum(a.cpus for a in plan.allocations.values()) <= 6.0 + 1e-6
+
+
+def test_a_budget_below_one_worker_each_keeps_one_and_says_so():
+    jobs = [job("a", mem=1 * GiB), job("b", mem=1 * GiB)]
+    s = node(jobs, budget=1 * GiB)
+    plan = adaptive(s, {j.job: curve(j) for j in jobs}, CFG)
+    assert all(a.workers == 1 for a in plan.allocations.values())
+    assert all("below 1 worker(s) per job" in plan.unsatisfied[j] for j in ("a", "b"))
+
+
+def test_cold_jobs_are_held_to_the_budget_too():
+    jobs = [job("cold1", mem=500 * MiB), job("cold2", mem=500 * MiB)]
+    s = node(jobs, budget=1500 * MiB)
+    plan = adaptive(s, {}, CFG)
+    assert plan_memory(plan, s) <= 1500 * MiB
+
+
+def test_memory_caps_on_an_even_plan():
+    jobs = [job("a", mem=300 * MiB), job("b", mem=100 * MiB)]
+    s = node(jobs, budget=800 * MiB)
+    curves = {j.job: curve(j) for j in jobs}
+    plan = adaptive(node(jobs), curves, CFG)
+    caps, unfit = memory_caps(plan, s, curves, CFG, 800 * MiB)
+    assert not unfit
+    left = {j: caps.get(j, a.workers) for j, a in plan.allocations.items()}
+    assert left["a"] * 300 + left["b"] * 100 <= 800
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 0.5), st.floats(0.0, 0.4), st.integers(10, 2000), st.integers(1, 4)),
+                min_size=1, max_size=6),
+       st.floats(0.5, 32.0), st.integers(100, 16000))
+def test_property_the_plan_fits_any_budget_that_fits_one_worker_each(specs, cpus, budget_mib):
+    jobs = [job(f"j{i}", c=c, b=b, mem=m * MiB, gpus=g) for i, (c, b, m, g) in enumerate(specs)]
+    s = node(jobs, cpus=cpus, budget=budget_mib * MiB)
+    curves = {j.job: curve(j) for j in jobs[::2]}          # some jobs cold
+    plan = adaptive(s, curves, CFG)
+    floor = sum(j.worker_memory_bytes for j in jobs)
+    if floor <= budget_mib * MiB:
+        assert plan_memory(plan, s) <= budget_mib * MiB + 1
+    assert all(a.workers >= 1 for a in plan.allocations.values())
+    assert sum(a.cpus for a in plan.allocations.values()) <= cpus + 1e-6
+    # idempotent: fed back as applied, the same plan comes out
+    applied = {j: s.jobs[j].__class__(**{**s.jobs[j].__dict__, "applied": a}) for j, a in plan.allocations.items()}
+    again = adaptive(NodeSnapshot(**{**s.__dict__, "jobs": applied}), curves, CFG)
+    assert {j: a.workers for j, a in again.allocations.items()} == {j: a.workers for j, a in plan.allocations.items()}
+
+
+# -- the pressure guard -----------------------------------------------------------------------------
+
+class Pressure:
+    """The injectable source: PSI 'some' stall microseconds accumulate while ``on``."""
+
+    def __init__(self, available=16 * GiB):
+        self.on, self.total_us, self.available = False, 0, available
+
+    def step(self, dt_s=1.0):
+        if self.on:
+            self.total_us += int(0.5 * dt_s * 1e6)      # 50% of the time stalled
+
+    def __call__(self) -> NodeMemory:
+        return NodeMemory(32 * GiB, self.available, 50.0 if self.on else 0.0, None, self.total_us)
+
+
+def test_guard_cuts_under_pressure_and_lifts_after_quiet_ticks():
+    p = Pressure()
+    g = MemoryGuard(8 * GiB, psi_threshold=10, min_available=1 * GiB, source=p)
+    assert g.update(0.0, 4 * GiB).budget == 8 * GiB
+    p.on = True
+    p.step()
+    st1 = g.update(1.0, 4 * GiB)
+    assert st1.under_pressure and st1.budget == 3 * GiB and "PSI memory some 50%" in st1.note
+    p.step()
+    assert g.update(2.0, 3 * GiB).budget == 2.25 * GiB                # still stalling: cut again
+    p.on = False
+    states = [g.update(3.0 + i, 2 * GiB) for i in range(3)]
+    assert states[0].budget == 2.25 * GiB and "held" in states[0].note
+    assert states[-1].budget == 8 * GiB and not states[-1].note
+
+
+def test_guard_frees_the_shortfall_of_available_memory():
+    p = Pressure(available=1 * GiB)
+    g = MemoryGuard(None, psi_threshold=10, min_available=3 * GiB, source=p)
+    st = g.update(0.0, 5 * GiB)
+    assert st.budget == 3 * GiB and "MemAvailable 1.0 GiB < 3.0 GiB" in st.note
+
+
+def test_guard_survives_a_failing_source():
+    def boom():
+        raise OSError("gone")
+
+    assert MemoryGuard(GiB, source=boom).update(0.0, 0.0).budget == GiB
+
+
+# -- the agent's tick under injected pressure: shrink within two ticks, grow back after -----------
+
+class WorkersFollowDirectives:
+    """An actuator standing in for the client: the job's loader takes the planned worker count."""
+    name = "directive"
+    tracks_pids = False
+
+    def __init__(self):
+        self.workers: dict[str, int] = {}
+
+    def apply(self, job, desired):
+        self.workers[job.job] = desired.workers
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def release(self, job_id):
+        self.workers.pop(job_id, None)
+
+    def restore(self):
+        pass
+
+
+def _report(t, workers, per_worker, steps):
+    return {"uptime_s": t, "steps": steps, "samples": 32 * steps, "batches": steps, "data_wait_s": 0.05 * steps,
+            "compute_s": 0.1 * steps, "worker_cpu_s": 0.3 * steps, "worker_wall_s": 0.3 * steps,
+            "worker_runq_s": 0.0, "worker_blocked_s": 0.0, "workers": workers, "memory_workers": workers,
+            "worker_uss_bytes": workers * per_worker, "shm_inflight_bytes": 0, "worker_growth_bytes": 0}
+
+
+def test_injected_pressure_shrinks_workers_within_two_ticks_and_they_grow_back():
+    reg = Registry()
+    me = os.getpid()
+    per_worker = {"heavy": 800 * MiB, "light": 100 * MiB}
+    for i, name in enumerate(per_worker):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % i,
+                  {"job": name, "rank": 0, "pid": me, "gpus": [str(i)], "batch_size": 32, "workers": 3}, 0.0)
+    p = Pressure()
+    guard = MemoryGuard(16 * GiB, psi_threshold=10, min_available=1 * GiB, source=p)
+    col = Collector(reg, loader_cpus=8.0, cpu_ids=tuple(range(8)), memory_guard=guard)
+    act = WorkersFollowDirectives()
+    ctl = Controller(snapshot_source=col.snapshot, policy=adaptive, policy_config=PolicyConfig(),
+                     predictor=PredictorBank(prior=None), actuators=[act])
+    col.applied = ctl.applied
+    steps = {n: 0 for n in per_worker}
+    history = []
+
+    def tick(t):
+        for name in per_worker:
+            w = act.workers.get(name, 3)
+            steps[name] += 10
+            col.on_report(name, 0, me, _report(t, w, per_worker[name], steps[name]), t)
+        p.step()
+        rec = ctl.tick(float(t))
+        history.append({n: act.workers.get(n) for n in per_worker})
+        return rec
+
+    for t in range(1, 8):                       # settle without pressure
+        tick(t)
+    before = dict(history[-1])
+    used_before = sum(before[n] * per_worker[n] for n in per_worker)
+    p.on = True
+    recs = [tick(t) for t in (8, 9)]            # two ticks under pressure
+    after = history[-1]
+    assert sum(after[n] * per_worker[n] for n in per_worker) < used_before
+    assert after["heavy"] < before["heavy"]     # the heavy workers buy least per byte: they go first
+    reason = recs[-1].plan.allocations["heavy"].reason
+    assert "memory pressure" in reason and "PSI memory some" in reason
+    assert col.memory_state.under_pressure
+    p.on = False
+    for t in range(10, 20):
+        tick(t)
+    assert history[-1] == before                # grown back once the pressure is gone
+    assert not col.memory_state.note
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+def test_loader_memory_config_units_sources_and_errors(tmp_path):
+    from agent import config as configmod
+
+    f = tmp_path / "agent.toml"
+    f.write_text('loader_memory = "6GiB"\nmemory_min_available = "512MiB"\n')
+    cfg = configmod.load(str(f), environ={})
+    assert cfg.resolved_loader_memory() == 6 * GiB and cfg.resolved_memory_min_available() == 512 * MiB
+    assert configmod.load(str(f), {"loader_memory": "8000000000"}, environ={}).resolved_loader_memory() == 8_000_000_000
+    assert configmod.load(str(f), environ={"ADLOADER_LOADER_MEMORY": "off"}).resolved_loader_memory() is None
+    with pytest.raises(configmod.ConfigError, match=r"'loader_memory' from the command line: not a size: '6 gigs'"):
+        configmod.load(str(f), {"loader_memory": "6 gigs"}, environ={})
+    with pytest.raises(configmod.ConfigError, match="at least 64 MiB"):
+        configmod.load(str(f), {"loader_memory": "1MiB"}, environ={})
+    with pytest.raises(configmod.ConfigError, match="memory_pressure_psi"):
+        configmod.load(str(f), {"memory_pressure_psi": 0}, environ={})
+
+
+def test_auto_loader_memory_is_node_memory_or_the_cgroup_limit_minus_the_reserve(tmp_path):
+    from agent.config import auto_loader_memory
+
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {32 * GiB // 1024} kB\nMemAvailable: {20 * GiB // 1024} kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/agent\n")
+    assert auto_loader_memory(str(proc), str(cg)) == 24 * GiB                 # 32 GiB - 25%
+    (cg / "memory" / "agent").mkdir(parents=True)
+    (cg / "memory" / "agent" / "memory.limit_in_bytes").write_text(str(4 * GiB))
+    assert auto_loader_memory(str(proc), str(cg)) == 2 * GiB                  # 4 GiB limit - 2 GiB minimum reserve
+
+
+def test_the_agent_command_takes_loader_memory():
+    from agent.cli import build_parser
+
+    args = build_parser().parse_args(["agent", "--loader-memory", "6GiB"])
+    assert args.loader_memory == "6GiB"
