@@ -41,7 +41,7 @@ for the ones the command line offers):
                            when none of its processes has been seen for this long (a missed epilog
                            release); > 0, default 60.0
     max_connections  int   open connections from ordinary users, all together (root is not counted);
-                           more are closed at once; 1..60000, default 4096
+                           more are closed at once; 1..60000, default 1024
     connections_per_uid  int  open connections of one ordinary uid, 1..60000, default 64
     jobs_per_uid    int    jobs one ordinary uid may have on the node, 1..100000, default 32
     idle_jobs_per_uid  int  jobs an ordinary uid registered itself that no process joined yet, 0..100000,
@@ -104,7 +104,7 @@ class AgentConfig:
     memory_min_available: Union[int, str] = "auto"
     unseen_job_timeout_s: float = 60.0
     cgroup_subtree: str = "adloader"
-    max_connections: int = 4096
+    max_connections: int = 1024
     connections_per_uid: int = 64
     jobs_per_uid: int = 32
     idle_jobs_per_uid: int = 4

@@ -459,7 +459,8 @@ class Registry:
     def to_doc(self) -> dict:
         return {
             job.job: {
-                "uid": job.uid, "source": job.source, "registered": job.registered, "seq": job.seq,
+                "uid": job.uid, "source": job.source, "registered": job.registered, "by_root": job.by_root,
+                "seq": job.seq,
                 "last_directive": job.last_directive,
                 "reg_gpus": list(job.reg_gpus), "reg_cpus": job.reg_cpus,
                 "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
@@ -480,7 +481,8 @@ class Registry:
         for job_id, j in (doc or {}).items():
             try:
                 job = Job(job=job_id, uid=int(j["uid"]), arrived_at=now, source="journal", seen_at=now,
-                          registered=bool(j.get("registered")), seq=int(j.get("seq", 0)),
+                          registered=bool(j.get("registered")), by_root=bool(j.get("by_root")),
+                          seq=int(j.get("seq", 0)),
                           reg_gpus=tuple(j.get("reg_gpus") or ()), reg_cpus=j.get("reg_cpus"),
                           reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},
                           last_directive=j.get("last_directive") if isinstance(j.get("last_directive"), dict) else None)

@@ -52,7 +52,7 @@ RESERVED_FDS = 256    # open files kept for the agent itself (journal, /proc, cg
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_connections: int = 4096
+    max_connections: int = 1024
     connections_per_uid: int = 64
     uid_cpu_share: float = 0.1
 

@@ -261,6 +261,25 @@ class CgroupActuator:
             except (CgroupError, ValueError):
                 continue
 
+    def adopt_orphans(self) -> list[str]:
+        """Take every group below the subtree that the journal of originals does not list as ours
+        (it was lost): recorded as created, so ``release``/``restore`` empty and remove them.
+        Returns the job names found."""
+        found: list[str] = []
+        for hier, h in self.h.items():
+            if not h.exists(self.subtree):
+                continue
+            for rel in sorted(_children(h, self.subtree), key=lambda r: r.count("/")):
+                key = Originals.key(hier, rel)
+                if key not in self.originals.created:
+                    self.originals.created.append(key)
+                    name = rel[len(self.subtree) + 1:]
+                    if "/" not in name and job_of_group(name) not in found:
+                        found.append(job_of_group(name))
+        if found:
+            self.originals.save()
+        return found
+
     # -- probing ------------------------------------------------------------------------------
     def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
         """Which IO weight file enforces anything here, and honest notes about what it cannot reach."""
