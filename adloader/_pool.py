@@ -88,6 +88,7 @@ class WorkerPool:
         self._backlog: deque[bytes] = deque()
         self._deaths_without_progress = 0
         self._rr = 0
+        self.describe_death = None          # (pid, exit code) -> text: memory and likely cause (adloader.memory)
         self.max_workers = max(1, max_workers)
         self._current = ctx.RawArray("q", self.max_workers)
         for i in range(len(self._current)):
@@ -332,6 +333,11 @@ class WorkerPool:
         if slot.state != "exiting":
             code = slot.proc.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if self.describe_death is not None:        # last measured memory and the likely cause
+                try:
+                    how += "; " + self.describe_death(slot.pid, code)
+                except Exception:   # noqa: BLE001 — a report never hurts the recovery
+                    pass
             self._deaths_without_progress += 1
             restart = wid < self.target and not self._closed
             if self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS and self.fatal is None:

@@ -11,7 +11,11 @@ decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by 
 
 CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
 cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
-/proc/self/cgroup (never ``os.cpu_count()``, which ignores both).
+/proc/self/cgroup (never ``os.cpu_count()``, which ignores both). The training process shares them:
+its own CPU per step (``main_cpu_s`` of the loader's stats, measured) is fed to the tuner, which takes
+the worker count that is best when the trainer and the workers share those CPUs
+(``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
+them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11).
 
 Memory: the workers this loader may have are also bounded by memory (``memory_cap``): what its
 workers hold now plus the room left (``adloader.memory.memory_room``: the least of MemAvailable and
@@ -202,6 +206,7 @@ class AutoTuner:
     history: list = field(default_factory=list)      # (window index, count) for every move
     came_from: int | None = None                     # the count before the last move
     reversals: dict = field(default_factory=dict)    # (low, high) -> times the tuner turned back between them
+    trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
 
     def __post_init__(self):
         if self.bank is None:
@@ -231,7 +236,7 @@ class AutoTuner:
         curve = self.bank.curve(self.job)
         if curve is None:
             return None
-        want = max(1, min(self.cap, curve.knee_workers(self.cpus)))
+        want = max(1, min(self.cap, self.useful_workers(curve)))
         if self.memory_cap is not None:
             want = min(want, max(1, self.memory_cap))
         if want == self.current:
@@ -239,8 +244,8 @@ class AutoTuner:
         if want > self.current:
             # at most double per move: the curve is refined at each count on the way
             want = min(want, max(self.current + 1, 2 * self.current))
-        now_pred = curve.throughput(self.current, self.cpus)
-        want_pred = curve.throughput(want, self.cpus)
+        now_pred = self.predict(curve, self.current)
+        want_pred = self.predict(curve, want)
         # every time the tuner has turned back between these two counts, the predicted difference
         # that justifies another move between them doubles (growing) or halves (shedding): measurement
         # noise on a flat stretch of the curve cannot keep it hopping; a real change of phase can
@@ -268,6 +273,34 @@ class AutoTuner:
         self.current = want
         self.windows_here = 0
         return want
+
+
+    def useful_workers(self, curve) -> int:
+        """Max useful workers on our CPUs: with a training process that needs CPU, the best count when it
+        shares them with the workers (can be below the count that keeps the queue full)."""
+        if self.trainer_cpu_s_per_step > 0:
+            from predictor.curve import shared_cpu_knee
+
+            return shared_cpu_knee(curve, self.cpus, self.trainer_cpu_s_per_step, self.cap)
+        return curve.knee_workers(self.cpus)
+
+    def predict(self, curve, workers: int) -> float:
+        if self.trainer_cpu_s_per_step > 0:
+            from predictor.curve import shared_cpu_throughput
+
+            return shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step)
+        return curve.throughput(workers, self.cpus)
+
+
+def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:
+    """The training process's own CPU seconds per step between two ``loader.stats()`` totals (None
+    without steps or without the ``main_cpu_s`` total)."""
+    if "main_cpu_s" not in cur or "main_cpu_s" not in prev:
+        return None
+    steps = float(cur.get("steps", 0) or 0) - float(prev.get("steps", 0) or 0)
+    if steps <= 0:
+        return None
+    return max(0.0, float(cur["main_cpu_s"]) - float(prev["main_cpu_s"])) / steps
 
 
 def _pair(a: int, b: int) -> tuple[int, int]:
@@ -301,6 +334,10 @@ class _Thread(threading.Thread):
                     break
                 cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
+                t = trainer_cpu_s_per_step(prev, cur)
+                if t is not None:   # smoothed: one window's figure moves it a third of the way
+                    old = self.tuner.trainer_cpu_s_per_step
+                    self.tuner.trainer_cpu_s_per_step = t if old <= 0 else old + (t - old) / 3.0
                 prev = cur
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
                 try:

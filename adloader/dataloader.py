@@ -410,6 +410,8 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
+        main_cpu_s         CPU seconds of the training process itself (all its threads, not the
+                           workers) since the loader was created (``time.process_time``)
         memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
         ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
             worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
@@ -421,6 +423,8 @@ class DataLoader(tud.DataLoader[T_co]):
             batch_bytes            bytes of tensors/arrays in one delivered batch (sampled)
             shm_inflight_bytes     batches in flight in shared memory: prefetch_factor x workers x batch_bytes
             memory_sample_cost_s   CPU seconds the last sample cost this process
+            last_worker_death      the last worker that died unexpectedly: its last measured memory and
+                                   the likely cause (OOM killer: SIGKILL with much memory held); "" if none
             memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
@@ -439,7 +443,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
-            "uptime_s": time.monotonic() - c.created_mono,
+            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
             "rates": core.rates.rates(now),
         }
         out.update(self._memory_stats())
@@ -458,7 +462,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_growth_bytes": m.growth_per_worker, "memory_workers": m.workers,
             "batch_bytes": core.batch_bytes,
             "shm_inflight_bytes": core.prefetch_factor * workers * core.batch_bytes,
-            "memory_sample_cost_s": m.sample_cost_s,
+            "memory_sample_cost_s": m.sample_cost_s, "last_worker_death": core.memory.last_death,
             "memory": {str(p): dict(v) for p, v in m.per_worker.items()},
         }
 
@@ -729,6 +733,7 @@ class _ElasticIter:
         target = self._epoch_workers if cfg.iterable else core.target
         pool = WorkerPool(ctx=cfg.mp_context, spec=spec, target=target, max_workers=core.max_workers,
                           counters=self._counters)
+        pool.describe_death = core.memory.describe_death
         self._pool = pool
         if cfg.persistent:
             core.persistent_pools.add(pool)
@@ -1006,6 +1011,8 @@ class _ElasticIter:
         if self._done:
             return
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if self._core.memory.last_death.startswith(f"worker pid {pid}:"):
+            how += "; " + self._core.memory.last_death.partition(": ")[2]
         if self._cfg.iterable:
             if wid < len(self._active) and self._active[wid]:
                 self._error = RuntimeError(

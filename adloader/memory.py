@@ -226,6 +226,36 @@ def memory_room(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys/f
     return room
 
 
+def oom_kills(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The OOM-kill count of process ``pid``'s memory cgroup (v2 ``memory.events`` ``oom_kill``, v1
+    ``memory.oom_control`` ``oom_kill``), read only; None where the kernel does not say."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if "memory" in ctrls.split(","):
+            d, name = os.path.join(cgroup_root, "memory", path.strip("/")), "memory.oom_control"
+        elif hid == "0" and ctrls == "":
+            base = os.path.join(cgroup_root, "unified") if os.path.isdir(os.path.join(cgroup_root, "unified")) \
+                else cgroup_root
+            d, name = os.path.join(base, path.strip("/")), "memory.events"
+        else:
+            continue
+        try:
+            with open(os.path.join(d, name)) as f:
+                for row in f:
+                    k, _, v = row.partition(" ")
+                    if k == "oom_kill":
+                        return int(v)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 # -- per-worker sampling in the loader's main process ------------------------------------------
 
 @dataclass
@@ -277,6 +307,11 @@ class WorkerMemorySampler:
         self.last_seen: dict[int, ProcessMemory] = {}
         self.summary = MemorySummary()
         self._next = 0.0
+        self.last_death = ""
+        try:
+            self._oom_kills = oom_kills(proc_root=proc_root)
+        except Exception:   # noqa: BLE001 — never fail a loader for a counter
+            self._oom_kills = None
 
     def sample(self, pids: Iterable[int], now: Optional[float] = None, force: bool = False) -> MemorySummary:
         now = time.monotonic() if now is None else now
@@ -322,6 +357,39 @@ class WorkerMemorySampler:
     def last_memory(self, pid: int) -> Optional[ProcessMemory]:
         return self.last_seen.get(pid)
 
+    def describe_death(self, pid: int, exitcode: Optional[int]) -> str:
+        """What is known of a worker that died: its last measured memory and the likely cause.
+
+        SIGKILL is what the kernel's OOM killer sends. It is called the OOM killer's for certain when
+        this process's memory cgroup counted a new ``oom_kill`` since the last death (or since the
+        sampler started), and "likely" when the worker held much memory at its last sample (at least
+        twice the other workers' mean, or 1 GiB) or the node or cgroup had little left (MemAvailable under
+        10% of MemTotal, or usage within 10% of the cgroup limit). Kept in ``last_death``."""
+        m = self.last_seen.get(pid)
+        if m is not None:
+            mem = f"last measured memory {format_bytes(m.uss)} unique / {format_bytes(m.pss)} proportional"
+        else:
+            mem = "its memory was not measured yet (it died within its first sample period)"
+        cause = ""
+        kills = oom_kills(proc_root=self.proc_root)
+        before, self._oom_kills = self._oom_kills, kills
+        if exitcode == -9:
+            total, avail = meminfo(self.proc_root)
+            cg = cgroup_memory("self", self.proc_root)
+            low = (avail is not None and total and avail < 0.1 * total) or (
+                cg.limit is not None and cg.usage is not None and cg.usage > 0.9 * cg.limit)
+            others = [v["uss"] for p, v in self.summary.per_worker.items() if p != pid]
+            big = m is not None and (m.uss >= (1 << 30) or (bool(others) and m.uss >= 2 * sum(others) / len(others)))
+            if kills is not None and before is not None and kills > before:
+                cause = f"killed by the kernel's OOM killer (SIGKILL; this cgroup's oom_kill count went {before} -> {kills})"
+            elif big or low:
+                why = "it held much memory" if big else "the node or cgroup was nearly out of memory"
+                cause = f"likely killed by the kernel's OOM killer (SIGKILL while {why})"
+            else:
+                cause = "SIGKILL: the OOM killer or a kill -9 (no sign of memory shortage at the last sample)"
+        self.last_death = f"worker pid {pid}: {mem}" + (f"; {cause}" if cause else "")
+        return self.last_death
+
     def forget_dead(self, keep: Iterable[int]) -> None:
         keep = set(keep)
         for pid in [p for p in self.last_seen if p not in keep]:
@@ -347,4 +415,4 @@ def batch_nbytes(data, _depth: int = 0) -> int:
 
 #: Keys that ``adloader.DataLoader.stats()`` adds for memory (bytes; see ``stats`` for their meaning).
 STATS_KEYS = ("worker_uss_bytes", "worker_pss_bytes", "worker_uss_per_worker", "worker_growth_bytes",
-              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s")
+              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s", "last_worker_death")

@@ -11,8 +11,11 @@ makes the per-sample cost vary (a sample's work is scaled by a deterministic fac
 Randomness in ``__getitem__`` uses ``torch``'s global generator, which ``adloader.DataLoader`` seeds per
 batch, so the result does not depend on which worker ran it.
 
-``emulated_step(batch, step_s)``: what stands in for a GPU step: the host-side copy of the batch plus a
-sleep of ``step_s`` seconds.
+``emulated_step(batch, step_s, cpu_s=0, ranks=1)``: what stands in for a training step: the host-side
+copy of the batch, ``cpu_s`` seconds of real CPU work in the training process (per rank, on ``ranks``
+threads in parallel: the Python, kernel launches and collation a real step spends on the CPU), then a
+sleep for the rest of ``step_s`` (the GPU). A training process starved of CPU takes longer than
+``step_s``, as a real one does.
 """
 from __future__ import annotations
 
@@ -103,12 +106,49 @@ class SyntheticImageDataset(torch.utils.data.Dataset):
         return tensor, index % 1000
 
 
-def emulated_step(batch, step_s: float) -> None:
-    """Stand-in for a GPU step: the host-side copy of the batch, then a sleep of ``step_s`` seconds."""
+_BURN_BUF = b"\x5a" * (64 * 1024)
+_burn_pool = None
+
+
+def burn_cpu(cpu_s: float) -> None:
+    """Spend ``cpu_s`` seconds of this thread's CPU time (``time.thread_time``), however long that takes
+    in wall time. sha256 of a 64 KiB buffer releases the GIL, so threads burn in parallel."""
+    import hashlib
+
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        hashlib.sha256(_BURN_BUF).digest()
+
+
+def _burn_parallel(cpu_s: float, ranks: int) -> None:
+    global _burn_pool
+    if ranks <= 1:
+        burn_cpu(cpu_s)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _burn_pool is None or _burn_pool._max_workers < ranks - 1:
+        _burn_pool = ThreadPoolExecutor(max_workers=ranks - 1, thread_name_prefix="rank")
+    futs = [_burn_pool.submit(burn_cpu, cpu_s) for _ in range(ranks - 1)]
+    burn_cpu(cpu_s)
+    for f in futs:              # lockstep: the step ends when every rank has done its CPU work
+        f.result()
+
+
+def emulated_step(batch, step_s: float, cpu_s: float = 0.0, ranks: int = 1) -> None:
+    """Stand-in for a training step: the host-side copy of the batch, ``cpu_s`` seconds of CPU work on
+    each of ``ranks`` threads (the training process's own CPU), then a sleep for the rest of ``step_s``."""
     t0 = time.perf_counter()
     data = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(data, torch.Tensor):
         data.clone()
-    left = step_s - (time.perf_counter() - t0)
+    if cpu_s > 0:
+        copy_s = time.perf_counter() - t0
+        _burn_parallel(cpu_s, ranks)
+        # the GPU part (step_s - cpu_s - copy) starts when the CPU part is done: a CPU part slowed by
+        # contention lengthens the step, as the kernel launches of a starved training process do
+        left = step_s - cpu_s - copy_s
+    else:
+        left = step_s - (time.perf_counter() - t0)
     if left > 0:
         time.sleep(left)

@@ -36,10 +36,11 @@ from agent.registry import Job, Registry
 SMOOTH_TAU_S = 3.0
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
-            "worker_runq_s", "worker_blocked_s")
+            "worker_runq_s", "worker_blocked_s", "main_cpu_s")
 GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
-         "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores")
+         "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
+         "trainer_cpu_s_per_step")
 
 
 def _num(v) -> Optional[float]:
@@ -85,9 +86,13 @@ class RankRates:
              for k in COUNTERS}
         self.prev, self.prev_t = totals, t
         new: dict[str, float] = {"samples_per_s": d["samples"] / dt, "worker_cpu_cores": d["worker_cpu_s"] / dt}
+        if totals["main_cpu_s"] is not None:       # (a client that does not report it: no figure)
+            new["trainer_cpu_cores"] = d["main_cpu_s"] / dt
         if d["steps"] > 0:
             new["data_wait_s_per_step"] = d["data_wait_s"] / d["steps"]
             new["compute_s_per_step"] = d["compute_s"] / d["steps"]
+            if totals["main_cpu_s"] is not None:
+                new["trainer_cpu_s_per_step"] = d["main_cpu_s"] / d["steps"]
         busy = d["data_wait_s"] + d["compute_s"]
         if busy > 0:
             new["data_wait_frac"] = d["data_wait_s"] / busy
@@ -230,9 +235,18 @@ class Collector:
                 observed_s = max(observed_s, rr.observed_s)
                 if rr.windows:
                     window_s = max(window_s, rr.window_s)
+        # GPUs (the job's weight): what the job registered (Slurm), else for a one-process job the GPUs it
+        # reported in its hello (one process may drive several; counting ranks alone gave such a 2-GPU
+        # job the weight of a 1-GPU one), else one per rank (ranks of a multi-process job often each see
+        # every GPU of the node, so their union would overcount).
+        if job.reg_gpus:
+            n_gpus = len(job.reg_gpus)
+        elif len(ranks) == 1:
+            n_gpus = len(ranks[0].gpus)
+        else:
+            n_gpus = len(ranks)
         return JobStats(
-            job=job.job, uid=job.uid, ranks=len(ranks),
-            gpus=max(1, len(job.reg_gpus) if job.reg_gpus else len(ranks)),
+            job=job.job, uid=job.uid, ranks=len(ranks), gpus=max(1, len(ranks), n_gpus),
             batch_size=batch_size, workers=workers, requested_workers=requested, max_workers=max_workers,
             samples_per_s=total("samples_per_s"),
             compute_s_per_step=mean("compute_s_per_step"),
@@ -241,6 +255,7 @@ class Collector:
             cpu_s_per_batch=mean("cpu_s_per_batch"), wall_s_per_batch=mean("wall_s_per_batch"),
             runq_s_per_batch=mean("runq_s_per_batch"), blocked_s_per_batch=mean("blocked_s_per_batch"),
             worker_cpu_cores=total("worker_cpu_cores"),
+            trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative,
             age_s=max(0.0, now - job.arrived_at),

@@ -192,8 +192,14 @@ class Agent:
         from agent.controller import Controller
         from agent.policies import get_policy
 
+        pconf = _policy_config(self.config)
+        # per-job CPU weights in force: a cgroup actuator with the shares knob (not off, not cooperative)
+        weights = any(getattr(a, "name", "").startswith("cgroup") and getattr(a, "cpu_knob", "") == "shares"
+                      for a in self.actuators)
+        if weights:
+            pconf = dataclasses.replace(pconf, cpu_weights=True)
         c = Controller(snapshot_source=self.collector.snapshot, policy=get_policy(self.config.policy),
-                       policy_config=_policy_config(self.config), predictor=self.predictor,
+                       policy_config=pconf, predictor=self.predictor,
                        actuators=self.actuators)
         if applied:
             c.adopt(applied)

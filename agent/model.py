@@ -54,6 +54,8 @@ class JobStats:
     runq_s_per_batch: float
     blocked_s_per_batch: float
     worker_cpu_cores: float               # CPU cores the job's workers used (rate)
+    trainer_cpu_cores: float = 0.0        # CPU cores the job's training processes themselves used (summed over ranks)
+    trainer_cpu_s_per_step: float = 0.0   # their CPU seconds per step (summed over ranks: all run each step)
     gpu_idle_frac: Optional[float] = None # from NVML when available, else None
     gpu_idle_source: str = "client"       # "nvml" or "client" (data_wait_frac stands in)
     allowed_cpus: tuple[int, ...] = ()    # CPUs the job may use (Slurm/affinity); () = all node loader CPUs

@@ -14,7 +14,9 @@ Policies (DESIGN.md, "Allocation"):
   (``enforce_cpu=False``: the OS arbitrates). ``cpus`` is the even share, for display only.
 - ``adaptive`` (default): GPU-weighted greedy on marginal normalised throughput per core over the
   predictor's curves, with a fairness floor, hysteresis that charges worker restarts, a cold-start
-  share for jobs without a curve, and spare cores handed out (work-conserving).
+  share for jobs without a curve, and spare cores handed out (work-conserving). The training
+  processes' own CPU need (learned from their measured CPU, ``trainer_cores_needed``) is kept out of
+  the loaders' budget: loaders never get the cores a trainer needs (ISSUE 11).
 
 Invariants every policy keeps (property-tested in tests/test_policies.py):
 - sum of ``cpus`` over the jobs <= ``snapshot.loader_cpus`` (+1e-6);
@@ -48,7 +50,12 @@ class PolicyConfig:
     min_workers, max_workers_per_job: bounds on every job's worker count.
     hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
         normalised throughput (as a fraction of the total GPU weight) exceeds this plus the restart cost.
-    fairness_floor: adaptive gives no job less than its even share unless its curve says it cannot use it.
+    fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
+        GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
+        budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
+    floor_fraction: see fairness_floor (1.0: the whole share is a floor; below 1, the rest of every
+        share goes to the knapsack, so a job whose cores buy little gives some to one whose cores buy
+        more, and no job loses more than 1 - floor_fraction of its GPU share's throughput).
     min_cpus: cores every job gets at least (lowered to the even share on a crowded node).
     quantum_cpus: the greedy's step in cores (raised to loader_cpus / 256 on big nodes, for speed).
     worker_start_s, decision_horizon_s: the real cost of changing a job's worker count. One worker
@@ -60,12 +67,19 @@ class PolicyConfig:
     min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used).
     io_weights: set io_weight (1..1000, 100 = even) from the CPU share; False leaves IO alone.
     pin_cpusets: give every job an exclusive cpuset (set when the actuators' cpu_knob is "cpuset").
+    cpu_weights: the CPU actuator arbitrates by per-job weights (cgroup ``cpu.shares`` / ``cpu.weight``,
+        work-conserving; set by the agent for the cgroup modes with the ``shares`` knob). adaptive then
+        gives a job the workers its curve can use (up to ``max_useful_workers`` for its useful cores),
+        not just the workers its share of cores keeps busy: the weights decide who gets a contended
+        core, and a worker beyond the share only runs on cores the others leave idle. Without weights
+        (worker counts only, quota, cpuset) the worker count is the CPU control and stays at the share.
     """
 
     min_workers: int = 1
     max_workers_per_job: int = 64
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    floor_fraction: float = 0.9
     min_cpus: float = 0.05
     quantum_cpus: float = 0.05
     worker_start_s: float = 1.0
@@ -74,6 +88,7 @@ class PolicyConfig:
     min_confidence: float = 0.0
     io_weights: bool = True
     pin_cpusets: bool = False
+    cpu_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -84,6 +99,8 @@ class PolicyConfig:
         for name in ("hysteresis", "worker_start_s", "min_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.floor_fraction <= 1.0:
+            raise ValueError(f"PolicyConfig.floor_fraction must be in (0, 1], got {self.floor_fraction}")
         for name in ("min_cpus", "quantum_cpus", "decision_horizon_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PolicyConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -99,6 +116,31 @@ Policy = Callable[[NodeSnapshot, Mapping[str, ThroughputCurve], PolicyConfig], A
 
 
 # -- shared helpers -----------------------------------------------------------------------------
+
+def trainer_cores_needed(job: JobStats) -> float:
+    """Cores the job's training processes need at full speed, learned from what they measured: their
+    CPU seconds per step over the compute time of a step (the step's length when data is ready), at
+    most one core per rank or GPU thread. Under contention the measured compute time is stretched, so
+    this reads low at first and rises as the trainers get their cores back (it converges from below).
+    0 when the clients report no trainer CPU."""
+    t, g = job.trainer_cpu_s_per_step, job.compute_s_per_step
+    cap = float(max(1, job.ranks, job.gpus))
+    if t > 0 and g > 0:
+        return min(cap, t / g)
+    return min(cap, max(0.0, job.trainer_cpu_cores))
+
+
+def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
+    """(cores the loaders may share, cores kept for the training processes): the node's loader CPUs,
+    but never the cores the trainers need: min(loader_cpus, node CPUs - sum of trainer needs), at least
+    ``min_per_job`` per job. Node CPUs: ``snapshot.cpu_ids`` (else the loader CPUs themselves)."""
+    C = snapshot.loader_cpus
+    need = sum(trainer_cores_needed(j) for j in snapshot.jobs.values())
+    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else C
+    floor = min(C, min_per_job * max(1, len(snapshot.jobs)))
+    return max(floor, min(C, node - need)), need
+
+
 
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
     bound = config.max_workers_per_job
@@ -291,15 +333,22 @@ def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: Pol
     return min(cap, need) if math.isfinite(need) else cap
 
 
+def _gain_key(gain: float) -> float:
+    """Heap key of a marginal gain: negated (a min-heap), rounded to 1e-9 so float noise is no tie-break."""
+    return -round(gain, 9)
+
+
 def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
               config: PolicyConfig, wcap: Mapping[str, int]) -> AllocationPlan:
     """``adaptive`` with at most ``wcap[j]`` workers for job j (the workers its memory allows).
 
     Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
 
+    0. The budget: the node's loader CPUs less what the training processes need (``loader_budget``).
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
-    2. Warm jobs first get their floor: min(even share, useful cores) with ``fairness_floor``, else
-       ``min_cpus``.
+    2. Warm jobs first get their floor with ``fairness_floor``: the least cores that reach
+       ``floor_fraction`` of the throughput of min(GPU-proportional share, useful cores) (the share a
+       batch scheduler would give: budget x gpus / all GPUs), else ``min_cpus``.
     3. The rest goes in quanta to the job with the highest ``gpus * d(normalised)/d(cores)``; ties by
        job id. Fractional knapsack: optimal for concave curves.
     4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
@@ -308,13 +357,20 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
        predicted gain beats ``hysteresis`` plus the worker restart cost (fractions of total GPU weight).
     """
     n = len(snapshot.jobs)
-    C = snapshot.loader_cpus
     if not n:
         return AllocationPlan(policy="adaptive", allocations={})
+    q = max(config.quantum_cpus, snapshot.loader_cpus / 256.0)
+    C, trainer_need = loader_budget(snapshot, config.min_cpus)
+    if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
+        C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
     ids = sorted(snapshot.jobs)
+    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
+    total_gpus = float(sum(gpus.values()))
     fair = C / n
     min_c = min(config.min_cpus, fair)
-    q = max(config.quantum_cpus, C / 256.0)
+    # GPU-proportional share of the budget, every job at least min_c (the shares sum to C)
+    share = {j: min_c + (C - n * min_c) * gpus[j] / total_gpus for j in ids}
+    reserve_note = f" (trainers keep {trainer_need:.2f} cores)" if trainer_need >= 0.005 else ""
     warm = {j: curves[j] for j in ids
             if j in curves and curves[j].confidence >= config.min_confidence}
     cap = {j: min(C, float(len(snapshot.jobs[j].allowed_cpus))) if snapshot.jobs[j].allowed_cpus else C
@@ -328,16 +384,15 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         job = snapshot.jobs[j]
         if config.cold_start == "request":
             req = job.requested_cpus if job.requested_cpus else float(max(1, job.requested_workers))
-            cpus[j] = max(min_c, min(req, fair, cap[j]))
+            cpus[j] = max(min_c, min(req, share[j], cap[j]))
             workers[j] = clamp_workers(min(max(1, job.requested_workers), wcap.get(j, 1 << 30)), job, config)
             reason[j] = f"cold start: its request ({cpus[j]:.2f} cores, {workers[j]} workers) until observed"
         else:
-            cpus[j] = max(min_c, min(fair, cap[j]))
+            cpus[j] = max(min_c, min(share[j], cap[j]))
             workers[j] = worker_rule(None, job, config, wcap.get(j))(cpus[j])
-            reason[j] = f"cold start: fair share {cpus[j]:.2f} cores until observed"
+            reason[j] = f"cold start: GPU share {cpus[j]:.2f} cores until observed{reserve_note}"
 
     rule = {j: worker_rule(warm[j], snapshot.jobs[j], config, wcap.get(j)) for j in warm}
-    gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
 
     memo: dict[tuple, float] = {}   # (job, workers, cores) -> normalised throughput, for this decision
 
@@ -353,10 +408,30 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     for j in warm:
-        cpus[j] = max(min_c, min(fair, useful[j], cap[j])) if config.fairness_floor else min_c
+        if not config.fairness_floor:
+            cpus[j] = min_c
+            continue
+        top = max(min_c, min(share[j], useful[j], cap[j]))
+        cpus[j] = top
+        if config.floor_fraction < 1.0 and top > min_c:
+            # the least cores that keep floor_fraction of what the GPU share would give (bisection on the
+            # job's own curve, which is non-decreasing in cores): the rest of the share is the knapsack's
+            want = config.floor_fraction * value(j, top)
+            lo, hi = min_c, top
+            if value(j, lo) < want:
+                for _ in range(24):
+                    mid = 0.5 * (lo + hi)
+                    if value(j, mid) >= want:
+                        hi = mid
+                    else:
+                        lo = mid
+                cpus[j] = hi
+            else:
+                cpus[j] = lo
     remaining = C - sum(cpus.values())
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
-    # step costs one curve evaluation. Ties go to the smaller job id (heap order on (-gain, id)).
+    # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
+    # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
     current = {j: value(j, cpus[j]) for j in warm}
     nxt: dict[str, tuple[float, float]] = {}
     heap = []
@@ -366,14 +441,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx > EPS:
             v = value(j, cpus[j] + dx)
             nxt[j] = (dx, v)
-            heap.append((-gpus[j] * (v - current[j]) / dx, j))
+            heap.append((_gain_key(gpus[j] * (v - current[j]) / dx), cpus[j] / share[j], j))
 
     for j in warm:
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
     while heap and remaining > EPS:
-        neg, j = heapq.heappop(heap)
+        neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
         dx, v = nxt[j]
@@ -391,16 +466,20 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
-            heapq.heappush(heap, (-gpus[j] * (v2 - v) / dx2, j))
+            heapq.heappush(heap, (_gain_key(gpus[j] * (v2 - v) / dx2), cpus[j] / share[j], j))
     for j in sorted(warm):
-        workers[j] = rule[j](min(cpus[j], useful[j]))
+        # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
+        workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])
+        w_note = f", weight {gpus[j]} GPUs" if gpus[j] > 1 else ""
         if j in last_gain:
-            reason[j] = f"marginal gain {last_gain[j]:.3f}/core; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
-        elif config.fairness_floor and cpus[j] >= fair - EPS:
-            reason[j] = f"fairness floor {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
+            reason[j] = (f"marginal gain {last_gain[j]:.3f}/core{w_note}; {cpus[j]:.2f} cores -> {nv:.0%} of "
+                         f"ceiling{reserve_note}")
+        elif config.fairness_floor and cpus[j] >= share[j] - EPS:
+            reason[j] = f"fairness floor (GPU share) {cpus[j]:.2f} cores -> {nv:.0%} of ceiling{reserve_note}"
         else:
-            reason[j] = f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {nv:.0%} of ceiling"
+            reason[j] = (f"uses {useful[j]:.2f} cores at most; {cpus[j]:.2f} cores -> {nv:.0%} of "
+                         f"ceiling{reserve_note}")
     if remaining > EPS and warm:
         weight = {j: max(1, snapshot.jobs[j].gpus) for j in warm if cap[j] - cpus[j] > EPS}
         while remaining > EPS and weight:
@@ -443,10 +522,12 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
         held = sum(a.cpus for a in applied.values())
-        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + 1e-6
+        # (a held plan up to one quantum over the budget still fits: shares are relative, and the
+        # trainers' measured need drifts by hundredths of a core from window to window)
+        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
-        weight_total = float(sum(max(1, snapshot.jobs[j].gpus) for j in ids))
+        weight_total = total_gpus
         gain = (new_total - old_total) / weight_total
         cost = sum(max(1, snapshot.jobs[j].gpus) * abs(workers[j] - applied[j].workers)
                    / max(1, workers[j], applied[j].workers) for j in ids) \
@@ -467,7 +548,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                                   unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
                                   predicted_total=old_total if warm else None)
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j],
-                               io_weight=io_weight_for(cpus[j], fair, config), reason=reason[j]) for j in ids}
+                               io_weight=io_weight_for(cpus[j], share[j], config), reason=reason[j]) for j in ids}
     return _finish("adaptive", allocs, snapshot, config, unsatisfied,
                    predicted_total=new_total if warm else None)
 

@@ -29,6 +29,7 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         pids[]              their pids
         worker_pids[]       loader worker pids (all ranks)
         gpus[]              GPU ids (registration, else what the ranks see)
+        weight              GPUs the policy weighs the job by (JobStats.gpus)
         workers             loader workers now (reported by the clients, max over ranks)
         requested_workers   the user's num_workers
         max_workers         the loader's bound, null if none
@@ -42,6 +43,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         samples_per_s       summed over ranks
         compute_s_per_step  mean over ranks
         worker_cpu_cores    CPU cores the job's workers used
+        trainer_cpu_cores   CPU cores the job's training processes themselves used
+        trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
+                            out of the loaders' budget by adaptive
         max_useful_workers  the predictor's estimate (null before its first curve)
         max_useful_cores
         curve_confidence    0..1
@@ -62,6 +66,12 @@ import math
 from typing import Any, Optional
 
 STATUS_VERSION = 1
+
+
+def trainer_need(st) -> float:
+    from agent.policies import trainer_cores_needed
+
+    return trainer_cores_needed(st)
 
 
 def _r(x: Optional[float], nd: int = 4) -> Optional[float]:
@@ -95,6 +105,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "job": job_id, "uid": job.uid, "source": job.source, "registered": job.registered,
             "ranks": len(job.ranks), "pids": list(job.pids()), "worker_pids": list(job.worker_pids()),
             "gpus": list(job.gpus),
+            "weight": st.gpus if st is not None else None,
             "workers": max((r.workers for r in job.ranks.values()), default=0),
             "requested_workers": max((r.requested_workers for r in job.ranks.values()), default=0),
             "max_workers": st.max_workers if st is not None else None,
@@ -108,6 +119,8 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "samples_per_s": _r(st.samples_per_s, 2) if st is not None else None,
             "compute_s_per_step": _r(st.compute_s_per_step) if st is not None else None,
             "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,
+            "trainer_cpu_cores": _r(st.trainer_cpu_cores, 3) if st is not None else None,
+            "trainer_cores_needed": _r(trainer_need(st), 3) if st is not None else None,
             "max_useful_workers": curve.get("max_useful_workers"),
             "max_useful_cores": _r(curve.get("max_useful_cores")),
             "curve_confidence": _r(curve.get("confidence"), 3),

@@ -2,13 +2,26 @@
 
 A *kind* is a model-like pipeline with a CPU demand per GPU taken from real models (``cores_per_gpu``).
 ``calibrate`` measures, on this machine, the CPU seconds one sample of the kind's pipeline costs
-(single thread, ``time.process_time``), then derives the emulated GPU step so that the job needs
-``demand_cores = cores_per_gpu * loader_cores / reference_cores`` busy cores to never wait:
+(single thread, ``time.process_time``), then derives the emulated GPU step so that one GPU of the job
+needs ``demand_cores = cores_per_gpu * loader_cores / reference_cores`` busy cores to never wait:
 
     step_s = batch_size * cpu_s_per_sample / demand_cores      (clamped to [min_step_s, max_step_s])
 
 so demand scales with the node and nothing depends on hard-coded timings. A ``JobSpec`` is one
 calibrated job instance: everything a job process needs (see ``evaluation.jobproc``).
+
+What a kind says about its training process and its user (the workload model, ISSUE 11):
+- ``trainer_cpu_frac``: the fraction of each step the training process itself is busy on a CPU
+  (kernel launches, collation, host-to-device copies, the optimizer's Python); the rest of the step
+  emulates the GPU. The busy part is real CPU burned in the process, so a trainer starved of CPU
+  makes its step longer, as a real one does.
+- ``gpus``: GPUs (ranks) the job has on this node. Its step consumes one batch per GPU in lockstep (a
+  data-parallel job), so its loader demand and its samples per step scale with ``gpus``, its step
+  time does not, and its normalised throughput counts ``gpus`` times in the node's aggregate.
+- ``num_workers``: what its user sets (0 = the ``cpus // ranks`` habit, as Lightning suggests).
+  ``none`` and ``static-cores`` run with it; the agent's policies start from it.
+- ``worker_ram_mb``: memory one loader worker holds (its copy of the dataset index, decoded buffers);
+  the simulator and the memory budget read it, and ``jobproc`` touches that much in every worker.
 """
 from __future__ import annotations
 
@@ -39,6 +52,10 @@ class JobKind:
     aug_multiplier: int = 1
     io_sleep_s: float = 0.0
     cost_spread: float = 1.0
+    trainer_cpu_frac: float = 0.0     # fraction of a step the training process is busy on a CPU
+    gpus: int = 1                     # GPUs (ranks) on this node
+    num_workers: int = 0              # the user's habitual num_workers (0: node cores // gpus)
+    worker_ram_mb: float = 0.0        # memory one loader worker holds
     note: str = ""
 
 
@@ -66,10 +83,19 @@ class JobSpec:
     workload: dict                 # adloader.synthetic.WorkloadSpec fields
     samples: int | None = None     # fixed amount of work (None: run until stopped)
     arrival_s: float = 0.0
+    gpus: int = 1                  # the step takes one per-GPU batch per GPU: batch_size is their sum
+    trainer_cpu_frac: float = 0.0  # of step_s, burned on CPU by the training process (per GPU rank)
+    num_workers: int = 1           # the user's habitual num_workers (resolved for this node)
+    worker_ram_mb: float = 0.0
 
     @property
     def ceiling_samples_per_s(self) -> float:
         return self.batch_size / self.step_s
+
+    @property
+    def trainer_cpu_cores(self) -> float:
+        """CPU cores the job's training process(es) use at full speed (one busy fraction per GPU rank)."""
+        return self.trainer_cpu_frac * self.gpus
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -101,15 +127,27 @@ def load_catalog(path: str | None = None) -> Catalog:
             raise CatalogError(f"catalogue {path}: [jobs.{name}]: {e}") from None
         if kind.cores_per_gpu <= 0 or kind.batch_size <= 0:
             raise CatalogError(f"catalogue {path}: [jobs.{name}] cores_per_gpu and batch_size must be > 0")
+        if not 0.0 <= kind.trainer_cpu_frac < 1.0:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] trainer_cpu_frac must be in [0, 1), "
+                               f"got {kind.trainer_cpu_frac}")
+        if kind.gpus < 1 or kind.num_workers < 0 or kind.worker_ram_mb < 0:
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] needs gpus >= 1, num_workers >= 0 and "
+                               f"worker_ram_mb >= 0")
         kinds[name] = kind
     if not kinds:
         raise CatalogError(f"catalogue {path}: no [jobs.*] entries")
     mixes = {}
     for mix, members in (doc.get("mixes") or {}).items():
-        missing = [m for m in members if m not in kinds]
+        names = []
+        for m in members:
+            if isinstance(m, dict):      # {kind = "alexnet", num_workers = 8, ...}: a variant of a kind
+                names.append(_variant(path, mix, m, kinds))
+            else:
+                names.append(str(m))
+        missing = [m for m in names if m not in kinds]
         if missing:
             raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {', '.join(missing)}")
-        mixes[mix] = list(members)
+        mixes[mix] = names
     dyn = doc.get("dynamic") or {}
     return Catalog(path=str(path), kinds=kinds, mixes=mixes,
                    reference_cores=float(doc.get("reference_cores", 12.0)),
@@ -118,8 +156,26 @@ def load_catalog(path: str | None = None) -> Catalog:
                    dynamic_work_s=[float(x) for x in dyn.get("work_s", [])])
 
 
+def _variant(path, mix: str, entry: dict, kinds: dict) -> str:
+    """A mix member written as ``{kind = "alexnet", num_workers = 8}``: that kind with those fields
+    changed, registered as ``alexnet[num_workers=8]``."""
+    import dataclasses
+
+    base = entry.get("kind")
+    if base not in kinds:
+        raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {base}")
+    changes = {k: v for k, v in entry.items() if k != "kind"}
+    unknown = set(changes) - (set(JobKind.__dataclass_fields__) - {"name", "note"})
+    if unknown:
+        raise CatalogError(f"catalogue {path}: mix {mix!r}: unknown keys for {base}: {', '.join(sorted(unknown))}")
+    name = base + "[" + ",".join(f"{k}={v}" for k, v in sorted(changes.items())) + "]" if changes else base
+    if name not in kinds:
+        kinds[name] = dataclasses.replace(kinds[base], name=name, **changes)
+    return name
+
+
 def workload_for(kind: JobKind, seed: int, num_images: int = 48) -> dict:
-    return dict(name=kind.name, num_images=num_images, length=1 << 20, image_px=kind.image_px,
+    return dict(name=kind.name.split("[")[0], num_images=num_images, length=1 << 20, image_px=kind.image_px,
                 crop_px=kind.crop_px, aug_multiplier=kind.aug_multiplier, io_sleep_s=kind.io_sleep_s,
                 cost_spread=kind.cost_spread, seed=seed)
 
@@ -146,7 +202,9 @@ def measure_cpu_s_per_sample(kind: JobKind, samples: int = 40, seed: int = 0) ->
 
 
 def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = None) -> dict[str, dict]:
-    """Measure every kind (or ``kinds``) on this machine -> kind -> {cpu_s_per_sample, demand_cores, step_s}."""
+    """Measure every kind (or ``kinds``) on this machine -> kind -> {cpu_s_per_sample, demand_cores, step_s}.
+
+    ``demand_cores`` is the whole job's (all its GPUs); the step is that of one GPU's batch."""
     out = {}
     for name in kinds or list(catalog.kinds):
         kind = catalog.kinds[name]
@@ -156,18 +214,26 @@ def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = N
         clamped = min(catalog.max_step_s, max(catalog.min_step_s, step))
         if clamped != step:  # the demand that this step really implies, reported as such
             demand = kind.batch_size * cpu / clamped
-        out[name] = dict(cpu_s_per_sample=cpu, demand_cores=demand, step_s=clamped, clamped=clamped != step)
+        out[name] = dict(cpu_s_per_sample=cpu, demand_cores=demand * kind.gpus, step_s=clamped,
+                         clamped=clamped != step, trainer_cpu_cores=kind.trainer_cpu_frac * kind.gpus)
     return out
 
 
+def habitual_workers(kind: JobKind, node_cores: int) -> int:
+    """The ``num_workers`` the kind's user sets: the catalogue's figure, else ``cpus // ranks``."""
+    return kind.num_workers if kind.num_workers > 0 else max(1, node_cores // kind.gpus)
+
+
 def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: str, seed: int,
-             samples: int | None = None, arrival_s: float = 0.0) -> JobSpec:
+             samples: int | None = None, arrival_s: float = 0.0, node_cores: int = 1) -> JobSpec:
     kind = catalog.kinds[kind_name]
     c = calib[kind_name]
-    return JobSpec(job_id=job_id, kind=kind_name, batch_size=kind.batch_size, step_s=c["step_s"],
+    return JobSpec(job_id=job_id, kind=kind_name, batch_size=kind.batch_size * kind.gpus, step_s=c["step_s"],
                    demand_cores=c["demand_cores"], cpu_s_per_sample=c["cpu_s_per_sample"],
-                   workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s)
+                   workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s, gpus=kind.gpus,
+                   trainer_cpu_frac=kind.trainer_cpu_frac, num_workers=habitual_workers(kind, node_cores),
+                   worker_ram_mb=kind.worker_ram_mb)
 
 
-__all__ = ["Catalog", "CatalogError", "JobKind", "JobSpec", "load_catalog", "calibrate", "make_job",
+__all__ = ["Catalog", "CatalogError", "JobKind", "JobSpec", "load_catalog", "calibrate", "make_job", "habitual_workers",
            "default_catalog_path", "measure_cpu_s_per_sample"]

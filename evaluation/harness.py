@@ -7,11 +7,16 @@ the records. Phases are interleaved (every policy once per repeat, the order rot
 that the machine's noise hits every policy alike. Metrics are computed afterwards from the records
 (``phase_metrics``), never from the agent's own view.
 
-How each policy runs (the jobs are the same processes in every case):
-    even-static, even, adaptive   the agent with that policy; jobs ask for num_workers = node cores
+How each policy runs (the jobs are the same processes in every case), as users and operators run it:
+    even-static, even, adaptive   the agent with that policy; each job asks for its user's habitual
+                                  num_workers (``JobSpec.num_workers``), which the agent then directs
     oracle                        the agent with the oracle's fixed plan (``evaluation.oracle_agent``)
-    none                          no agent; every job num_workers = node cores; the OS arbitrates
+    none                          no agent; every job keeps its user's habitual num_workers; the OS arbitrates
     autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
+    static-cores                  no agent; every job (training process and workers) in its own cgroup v1
+                                  ``cpu`` group with a hard quota of node cores x its GPUs / the node's GPUs,
+                                  habitual num_workers: what a batch scheduler gives (Slurm
+                                  ``--cpus-per-gpu``, Kubernetes CPU limits); needs root and cgroup v1
 
 Every process the harness starts runs in its own session and is killed with its process group when
 the phase ends (loader workers included); nothing outlives ``run_phase``.
@@ -34,9 +39,12 @@ from typing import Callable, Optional
 from evaluation import metrics as M
 from evaluation.catalog import Catalog, JobSpec, make_job
 
-POLICIES_ALL = ("even-static", "even", "none", "autotune", "adaptive", "oracle")
+POLICIES_ALL = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
-SCENARIOS_ALL = ("heterogeneous", "homogeneous", "light", "dynamic", "reaction", "hog")
+STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
+                    "nothing-to-arbitrate")
+SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog") + STATIC_SCENARIOS[3:]
+STATIC_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 
 
 class BenchError(RuntimeError):
@@ -59,14 +67,23 @@ class Scenario:
     measure_s: float                        # static/timed: length after warm-up; dynamic: timeout
     hog_at_s: Optional[float] = None
     hog_procs: int = 1
+    loader_memory: Optional[int] = None     # the agent's loader memory budget in this scenario (bytes)
 
     @property
     def max_concurrent(self) -> int:
+        return self._peak(lambda l: 1)
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs of the node: the most the scenario's jobs hold at once (a full node)."""
+        return max(1, self._peak(lambda l: l.spec.gpus))
+
+    def _peak(self, size) -> int:
         pts = []
         for l in self.launches:
-            pts.append((l.at_s, 1))
+            pts.append((l.at_s, size(l)))
             if l.depart_at_s is not None:
-                pts.append((l.depart_at_s, -1))
+                pts.append((l.depart_at_s, -size(l)))
         n = best = 0
         for _, d in sorted(pts, key=lambda p: (p[0], p[1])):
             n += d
@@ -90,12 +107,13 @@ class BenchConfig:
     sweep_segment_s: float = 3.0
     python: str = sys.executable
     keep_logs: bool = True
+    memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
 
 
 # -- scenarios -----------------------------------------------------------------------------------
 
 def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
-    """The six scenarios from the catalogue's mixes; ``quick`` shortens every phase."""
+    """The scenarios from the catalogue's mixes; ``quick`` shortens every phase."""
     cat, cal = cfg.catalog, cfg.calib
     warm, meas = (4.0, 12.0) if quick else (6.0, 24.0)
     out = []
@@ -103,8 +121,9 @@ def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
         if name not in cat.mixes:
             raise BenchError(f"scenario {name!r} needs a mix of that name in catalogue {cat.path}")
         kinds = cat.mixes[name]
-        jobs = [make_job(cat, cal, k, f"{name[:4]}-{i}-{k}", seed=100 + i) for i, k in enumerate(kinds)]
-        if name in ("heterogeneous", "homogeneous", "light"):
+        jobs = [make_job(cat, cal, k, f"{name[:4]}-{i}-{k.split('[')[0]}", seed=100 + i, node_cores=cfg.node_cores)
+                for i, k in enumerate(kinds)]
+        if name in STATIC_SCENARIOS:
             out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas))
         elif name == "reaction":
             # two jobs run; the third arrives; the first departs
@@ -123,7 +142,8 @@ def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
             for i, (j, k) in enumerate(zip(jobs, kinds)):
                 a = arr[i % len(arr)] * scale
                 samples = int(work[i % len(work)] * scale * j.ceiling_samples_per_s)
-                spec = make_job(cat, cal, k, j.job_id, seed=100 + i, samples=samples, arrival_s=a)
+                spec = make_job(cat, cal, k, j.job_id, seed=100 + i, samples=samples, arrival_s=a,
+                                node_cores=cfg.node_cores)
                 ls.append(Launch(spec, at_s=a))
             timeout = (max(arr) * scale + sum(work) * scale) * 2 + 30
             out.append(Scenario(name, ls, "dynamic", 0.0, timeout))
@@ -234,11 +254,12 @@ def _socket_path(endpoint: str) -> str:
 
 
 def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max_jobs: int,
-                curves_path: Optional[Path] = None) -> tuple[Proc, str]:
+                curves_path: Optional[Path] = None, loader_memory: Optional[int] = None) -> tuple[Proc, str]:
     endpoint = f"ipc://{sock_dir}/agent.sock"
     flags = ["--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
              "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
-             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info"]
+             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info",
+             "--loader-memory", str(loader_memory) if loader_memory else "off"]
     if policy == "oracle":
         argv = [cfg.python, "-m", "evaluation.oracle_agent", str(curves_path), *flags]
     else:
@@ -258,7 +279,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
     return proc, endpoint
 
 
-STATUS_KEYS = ("workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
+STATUS_KEYS = ("weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
                "apply_error")
 
@@ -280,7 +301,8 @@ def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dic
 def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint: Optional[str],
               extra_args: tuple = ()) -> tuple[Proc, ProgressReader]:
     prog = run_dir / f"{spec.job_id}.jsonl"
-    env = child_env(ADLOADER_JOB_ID=spec.job_id)
+    # the job's GPUs as its ranks see them (the client reports them in its hello; emulated here)
+    env = child_env(ADLOADER_JOB_ID=spec.job_id, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(spec.gpus)))
     if endpoint:
         env["ADLOADER_ENDPOINT"] = endpoint
     else:
@@ -288,6 +310,52 @@ def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint:
     argv = [cfg.python, "-m", "evaluation.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
             "--workers", str(workers), "--device", cfg.device, *extra_args]
     return Proc(argv, env, run_dir / f"{spec.job_id}.log"), ProgressReader(prog)
+
+
+# -- static cores (what a batch scheduler gives) --------------------------------------------------
+
+class StaticCores:
+    """Each job in its own cgroup v1 ``cpu`` group with a hard quota: ``node_cores * gpus / node_gpus``
+    cores for the training process and its loader workers together (Slurm ``--cpus-per-gpu`` with a CPU
+    limit, Kubernetes ``limits.cpu``). Groups live under ``<root>/adl-bench-<pid>/`` and are removed by
+    ``close`` (processes moved back to the root group first)."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, node_cores: int, node_gpus: int, root: str = STATIC_CGROUP_ROOT):
+        self.root = Path(root)
+        self.base = self.root / f"adl-bench-{os.getpid()}"
+        self.per_gpu = node_cores / max(1, node_gpus)
+        if os.geteuid() != 0 or not (self.root / "cpu.cfs_quota_us").exists():
+            raise BenchError("static-cores needs root and a cgroup v1 cpu hierarchy at "
+                             f"{root} (hard per-job quotas); run it as root or leave it out of --policies")
+        self.base.mkdir(exist_ok=True)
+        self.groups: list[Path] = []
+
+    def cores_for(self, spec: JobSpec) -> float:
+        return self.per_gpu * spec.gpus
+
+    def place(self, spec: JobSpec, pid: int) -> float:
+        g = self.base / spec.job_id
+        g.mkdir(exist_ok=True)
+        cores = self.cores_for(spec)
+        (g / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+        (g / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * self.PERIOD_US))))
+        (g / "cgroup.procs").write_text(str(pid))     # before it forks its workers: they inherit it
+        self.groups.append(g)
+        return cores
+
+    def close(self) -> None:
+        for g in self.groups + [self.base]:
+            try:
+                for pid in (g / "cgroup.procs").read_text().split():
+                    try:
+                        (self.root / "cgroup.procs").write_text(pid)
+                    except OSError:
+                        pass
+                g.rmdir()
+            except OSError:
+                pass
 
 
 # -- oracle sweeps -------------------------------------------------------------------------------
@@ -355,22 +423,26 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     agent_cpu = {}
     agent_status = None
     error = None
-    if policy in ("none",):
-        workers = cfg.node_cores
-    elif policy == "autotune":
-        workers = "auto"
-    else:
-        workers = cfg.node_cores
+    memory: list[dict] = []                 # {"t", "total" (bytes), "jobs": {job: bytes}}: workers' USS
+    next_mem = 0.0
+    static: Optional[StaticCores] = None
     t_phase0 = time.monotonic()
     try:
         if policy in AGENT_POLICIES:
-            agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path)
+            agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path,
+                                          sc.loader_memory)
+        if policy == "static-cores":
+            static = StaticCores(cfg.node_cores, sc.node_gpus)
         pending = sorted(sc.launches, key=lambda l: l.at_s)
 
         def launch(l: Launch) -> None:
+            # every policy but autotune starts the job at its user's habitual num_workers
+            workers = "auto" if policy == "autotune" else l.spec.num_workers
             proc, reader = start_job(cfg, l.spec, run_dir, workers, endpoint)
             procs[l.spec.job_id], readers[l.spec.job_id] = proc, reader
             jobs[l.spec.job_id] = {"spec": asdict(l.spec), "launch_t": time.monotonic(), "at_s": l.at_s}
+            if static is not None:
+                jobs[l.spec.job_id]["static_cores"] = static.place(l.spec, proc.pid)
 
         for l in [l for l in pending if l.at_s <= 0]:
             launch(l)
@@ -424,6 +496,9 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                     agent_cpu = {"t0": now, "cpu0": math.nan}
             if agent is not None and not agent.alive():
                 raise BenchError(f"the agent died during the phase; log {agent.log_path}:\n{agent.log_tail()}")
+            if now >= next_mem:
+                next_mem = now + cfg.memory_sample_s
+                memory.append(loader_memory_sample(procs, now))
             if tick:
                 tick(rel, sc.planned_s())
             if sc.kind == "dynamic":
@@ -453,6 +528,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             p.stop()
         if agent is not None:
             agent.stop()
+        if static is not None:
+            static.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
     for jid, r in readers.items():
         r.poll()
@@ -472,7 +549,30 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
-            "warmup_s": sc.warmup_s, "run_dir": str(run_dir)}
+            "warmup_s": sc.warmup_s, "run_dir": str(run_dir), "memory": memory,
+            "loader_memory_budget": sc.loader_memory}
+
+
+def loader_memory_sample(procs: dict, now: float) -> dict:
+    """Every job's loader workers' unique memory (USS, ``/proc/<pid>/smaps_rollup``), now: the children
+    of each job process (its loader workers; the training process itself is not loader memory)."""
+    import psutil
+
+    from adloader.memory import process_memory
+
+    per = {}
+    for jid, p in procs.items():
+        total = 0
+        try:
+            kids = psutil.Process(p.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for k in kids:
+            m = process_memory(k.pid)
+            if m is not None:
+                total += m.uss
+        per[jid] = total
+    return {"t": now, "total": sum(per.values()), "jobs": per}
 
 
 # -- metrics of a phase --------------------------------------------------------------------------
@@ -504,21 +604,32 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
         d = lambda k: max(0.0, M.counter_at(r, k, b) - M.counter_at(r, k, a))
         samples, wait, comp = d("samples"), d("wait_s"), d("compute_s")
         ceil = _ceiling(jobs[j])
-        per_job[j] = {"kind": jobs[j]["spec"]["kind"], "samples_per_s": samples / (b - a),
+        gpus = int(jobs[j]["spec"].get("gpus") or 1)
+        per_job[j] = {"kind": jobs[j]["spec"]["kind"], "gpus": gpus, "samples_per_s": samples / (b - a),
                       "normalised": M.normalised(samples / (b - a), ceil), "ceiling": ceil,
                       "data_wait_frac": wait / (wait + comp) if wait + comp > 0 else math.nan,
                       "resizes": int(r[-1].get("resizes", 0)), "workers_end": r[-1]["workers"],
-                      "worker_cpu_cores": d("cpu_s") / (b - a), "alive_s": b - a}
-        tot_norm_s += samples / ceil
+                      "worker_cpu_cores": d("cpu_s") / (b - a), "trainer_cpu_cores": (d("main_cpu_s") if "main_cpu_s" in r[-1] else math.nan) / (b - a),
+                      "alive_s": b - a}
+        tot_norm_s += gpus * samples / ceil      # GPU-weighted: a job's throughput counts once per GPU
         tot_samples += samples
-        tot_wait += wait
-        tot_alive += wait + comp
+        tot_wait += gpus * wait
+        tot_alive += gpus * (wait + comp)
     span = w1 - w0
     out = {"window_s": span, "agg_normalised": tot_norm_s / span if span > 0 else math.nan,
            "samples_per_s": tot_samples / span if span > 0 else math.nan,
            "gpu_idle_frac": M.gpu_idle_fraction([tot_wait], [tot_alive]),
            "jain": M.jain_index(v["normalised"] for v in per_job.values()),
            "resizes": sum(v["resizes"] for v in per_job.values()), "jobs": per_job, "error": ph.get("error")}
+    mem = [m for m in ph.get("memory") or [] if w0 <= m["t"] <= w1]
+    if mem:
+        budget = ph.get("loader_memory_budget")
+        out["loader_memory_max_bytes"] = max(m["total"] for m in mem)
+        out["loader_memory_mean_bytes"] = M.mean(m["total"] for m in mem)
+        out["loader_memory_samples"] = len(mem)
+        if budget:
+            out["loader_memory_budget_bytes"] = budget
+            out["loader_memory_over_budget_samples"] = sum(1 for m in mem if m["total"] > budget)
     ac = ph.get("agent_cpu") or {}
     if "cpu1" in ac and ac["t1"] > ac["t0"]:
         out["agent_cpu_cores"] = (ac["cpu1"] - ac["cpu0"]) / (ac["t1"] - ac["t0"])
@@ -554,7 +665,7 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
 
 
 def aggregate_series(ph: dict, bin_s: float = 1.0) -> tuple[list, list]:
-    """Aggregate normalised throughput per bin over the phase (absolute monotonic times)."""
+    """Aggregate GPU-weighted normalised throughput per bin over the phase (absolute monotonic times)."""
     recs = {j: v["records"] for j, v in ph["jobs"].items() if v.get("records")}
     if not recs:
         return [], []
@@ -566,7 +677,8 @@ def aggregate_series(ph: dict, bin_s: float = 1.0) -> tuple[list, list]:
         s = 0.0
         for j, r in recs.items():
             if r[0]["t"] <= t and t + bin_s <= r[-1]["t"]:
-                s += M.rate_between(r, "samples", t, t + bin_s) / _ceiling(ph["jobs"][j])
+                s += (M.rate_between(r, "samples", t, t + bin_s) / _ceiling(ph["jobs"][j])
+                      * int(ph["jobs"][j]["spec"].get("gpus") or 1))
         ts.append(t + bin_s / 2)
         tot.append(s)
         t += bin_s

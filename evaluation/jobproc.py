@@ -3,19 +3,21 @@
     python -m evaluation.jobproc --spec JSON --progress FILE [--workers N|auto] [--max-workers N]
                                   [--duration-s S] [--device cpu|cuda] [--sweep 1,2,3 --segment-s S]
 
-The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy + sleep of the calibrated
-``step_s``) or, with ``--device cuda``, runs a small conv net forward/backward on the GPU (its own
+The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy, the spec's
+``trainer_cpu_frac * step_s`` seconds of real CPU work per GPU rank (one thread each, in lockstep), then a
+sleep for the rest of the calibrated ``step_s``) or, with ``--device cuda``, runs a small conv net forward/backward on the GPU (its own
 data-ready step time is measured at start and reported as ``step_s``, the job's ceiling).
 
 It connects to the node agent by itself (the loader's client reads ADLOADER_ENDPOINT/ADLOADER_JOB_ID).
 
 Progress file: JSON lines, appended and flushed, read by the harness while the job runs:
     {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch"}
-    {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s"}   every ~0.25 s
+    {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s", "main_cpu_s"}   every ~0.25 s
     {"event": "segment", "t", "workers"}          (sweep mode: a new worker count from here on)
     {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep")
 ``t`` is ``time.monotonic()`` (system-wide on Linux, so comparable across processes); counters are
-cumulative; ``cpu_s`` is the loader workers' CPU seconds; ``wait_s`` the time blocked in ``next()``.
+cumulative; ``cpu_s`` is the loader workers' CPU seconds, ``main_cpu_s`` the training process's own
+(every thread of it); ``wait_s`` the time blocked in ``next()``.
 """
 from __future__ import annotations
 
@@ -38,7 +40,20 @@ class _Progress:
         self.f.flush()
 
 
-def _make_loader(ds, batch_size: int, workers, max_workers):
+_BALLAST: list = []
+
+
+def hold_worker_ram(mb: float, worker_id: int) -> None:
+    """``worker_init_fn``: the worker holds ``mb`` MiB of private memory, every page touched (what a
+    worker's copy of a dataset index and its decode buffers cost; ``worker_ram_mb`` in the catalogue)."""
+    n = int(mb * 1024 * 1024)
+    if n > 0:
+        buf = bytearray(n)
+        buf[::4096] = b"\x01" * len(range(0, n, 4096))
+        _BALLAST.append(buf)
+
+
+def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float = 0.0):
     """adloader.DataLoader when it exists; else torch's (fixed workers; said in the start record)."""
     try:
         from adloader.dataloader import DataLoader
@@ -51,6 +66,10 @@ def _make_loader(ds, batch_size: int, workers, max_workers):
     kw = {}
     if max_workers is not None:
         kw["max_workers"] = max_workers
+    if worker_ram_mb > 0:
+        import functools
+
+        kw["worker_init_fn"] = functools.partial(hold_worker_ram, worker_ram_mb)
     return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, **kw), "adloader"
 
 
@@ -127,19 +146,21 @@ def main(argv=None) -> int:
     ds = SyntheticImageDataset(WorkloadSpec(**spec["workload"]))
     batch_size = int(spec["batch_size"])
     step_s = float(spec["step_s"])
+    ranks = int(spec.get("gpus") or 1)
+    trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
     if args.device == "cuda":
         cuda_step, step_s = _cuda_step_fn(batch_size, int(spec["workload"]["crop_px"]))
         def do_step(batch):
             cuda_step(batch)
     else:
         def do_step(batch):
-            emulated_step(batch, step_s)
+            emulated_step(batch, step_s, trainer_cpu_s, ranks)
     sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
     workers = sweep[0] if sweep else (args.workers if args.workers == "auto" else int(args.workers))
     max_workers = args.max_workers
     if sweep:  # the loader's default bound is the CPU count; a sweep may go past it
         max_workers = max(max_workers or 0, max(sweep))
-    loader, kind = _make_loader(ds, batch_size, workers, max_workers)
+    loader, kind = _make_loader(ds, batch_size, workers, max_workers, float(spec.get("worker_ram_mb") or 0.0))
     me = psutil.Process()
     target = spec.get("samples")
     t_start = time.monotonic()
@@ -165,7 +186,7 @@ def main(argv=None) -> int:
                 pass
         prog.write({"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
                     "workers": int(loader.num_workers), "live": live_n, "resizes": resizes,
-                    "cpu_s": _worker_cpu_s(loader, kind, me)})
+                    "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time()})
 
     try:
         done = False
@@ -208,7 +229,8 @@ def main(argv=None) -> int:
                         else:  # torch fallback: a new loader at the new count
                             record(t2)
                             del it
-                            loader, kind = _make_loader(ds, batch_size, sweep[seg_i], max_workers)
+                            loader, kind = _make_loader(ds, batch_size, sweep[seg_i], max_workers,
+                                                        float(spec.get("worker_ram_mb") or 0.0))
                             prog.write({"event": "segment", "t": time.monotonic(), "workers": sweep[seg_i]})
                             break
                         prog.write({"event": "segment", "t": t2, "workers": sweep[seg_i]})

@@ -12,15 +12,23 @@ from pathlib import Path
 
 from evaluation import metrics as M
 
-METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "makespan_s",
-           "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores", "resizes")
-BASELINES = ("oracle", "even-static", "even")
+METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "fairness_vs_static",
+           "makespan_s", "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores",
+           "resizes")
+BASELINES = ("oracle", "even-static", "even", "none", "autotune", "static-cores")
+# what users and operators run instead of the agent: "× best" is against the best of these in the same repeat
+USER_BASELINES = ("none", "autotune", "static-cores", "even-static")
 
 GOALS = (
     # (scenario, policy, ratio key, threshold, text)
     ("heterogeneous", "adaptive", "ratio_oracle", 0.95, "heterogeneous: adaptive >= 0.95 x oracle"),
     ("heterogeneous", "adaptive", "ratio_even-static", 1.10, "heterogeneous: adaptive >= 1.10 x even-static"),
     ("homogeneous", "adaptive", "ratio_even", 0.97, "homogeneous: adaptive >= 0.97 x even"),
+    ("gpu-weighted", "adaptive", "ratio_best", 1.10, "gpu-weighted: adaptive >= 1.10 x best user baseline"),
+    ("trainer-cpu", "adaptive", "ratio_best", 1.10, "trainer-cpu: adaptive >= 1.10 x best user baseline"),
+    ("oversubscribed", "adaptive", "ratio_best", 1.10, "oversubscribed: adaptive >= 1.10 x best user baseline"),
+    ("nothing-to-arbitrate", "adaptive", "ratio_best", 0.98,
+     "nothing-to-arbitrate: adaptive >= 0.98 x best user baseline"),
 )
 SETTLE_GOAL_S = 5.0
 
@@ -39,11 +47,16 @@ def summarise(phases: list[dict]) -> dict:
         for rep, pols in reps.items():
             ref = pols.get("even") or pols.get("even-static")
             ref_norm = {j: v["normalised"] for j, v in ((ref or {}).get("metrics") or {}).get("jobs", {}).items()}
+            st = ((pols.get("static-cores") or {}).get("metrics") or {}).get("jobs", {})
+            st_norm = {j: v["normalised"] for j, v in st.items()}
             for ph in pols.values():
                 m = ph.get("metrics") or {}
                 if m.get("jobs") and ref_norm:
                     m["fairness_vs_even"] = M.fairness_vs_even({j: v["normalised"] for j, v in m["jobs"].items()},
                                                                ref_norm)
+                if m.get("jobs") and st_norm:   # the worst job's throughput over its static-cores throughput
+                    m["fairness_vs_static"] = M.fairness_vs_even({j: v["normalised"] for j, v in m["jobs"].items()},
+                                                                 st_norm)
         policies = []
         for pols in reps.values():
             for p in pols:
@@ -53,7 +66,7 @@ def summarise(phases: list[dict]) -> dict:
         for p in policies:
             row = {"reps": 0, "errors": []}
             vals = {k: [] for k in METRICS}
-            ratios = {b: [] for b in BASELINES}
+            ratios = {b: [] for b in BASELINES + ("best",)}
             for rep, pols in sorted(reps.items()):
                 ph = pols.get(p)
                 if not ph:
@@ -71,6 +84,11 @@ def summarise(phases: list[dict]) -> dict:
                     base = ((pols.get(b) or {}).get("metrics") or {}).get("agg_normalised")
                     if base:
                         ratios[b].append(m["agg_normalised"] / base)
+                best = [((pols.get(b) or {}).get("metrics") or {}).get("agg_normalised")
+                        for b in USER_BASELINES if b != p]
+                best = _finite(best)
+                if best and p not in USER_BASELINES:
+                    ratios["best"].append(m["agg_normalised"] / max(best))
             for k, xs in vals.items():
                 xs = _finite(xs)
                 if xs:
@@ -115,23 +133,26 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
     lines = []
     for sc, table in summary.items():
         lines.append(f"### {sc}\n")
-        lines.append("| policy | reps | agg. norm. throughput (median [min–max]) | × oracle | × even-static | × even "
-                     "| samples/s | GPU idle | Jain | min ratio to even | makespan s | JCT mean / p95 s "
+        lines.append("| policy | reps | GPU-weighted agg. norm. throughput (median [min–max]) "
+                     "| × best user baseline (per repeat) | × static-cores | × none | × even-static | × oracle "
+                     "| GPU idle | min job ratio to static-cores | min ratio to even | makespan s | JCT mean / p95 s "
                      "| settle s (alloc / tput) | agent CPU cores | resizes |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p, r in table.items():
             agg = (f"{_fmt(r.get('agg_normalised'))} [{_fmt(r.get('agg_normalised_min'))}–"
                    f"{_fmt(r.get('agg_normalised_max'))}]") if "agg_normalised" in r else "failed"
+            per = r.get("ratio_best_all") or []
+            best = (f"{_fmt(r.get('ratio_best'))} ({', '.join(f'{x:.3f}' for x in per)})" if per else "–")
             lines.append(
-                f"| {p} | {r['reps']} | {agg} | {_fmt(r.get('ratio_oracle'))} | {_fmt(r.get('ratio_even-static'))} "
-                f"| {_fmt(r.get('ratio_even'))} | {_fmt(r.get('samples_per_s'), '.0f')} "
-                f"| {_fmt(r.get('gpu_idle_frac'), '.1%')} | {_fmt(r.get('jain'))} "
+                f"| {p} | {r['reps']} | {agg} | {best} | {_fmt(r.get('ratio_static-cores'))} "
+                f"| {_fmt(r.get('ratio_none'))} | {_fmt(r.get('ratio_even-static'))} | {_fmt(r.get('ratio_oracle'))} "
+                f"| {_fmt(r.get('gpu_idle_frac'), '.1%')} | {_fmt(r.get('fairness_vs_static'), '.2f')} "
                 f"| {_fmt(r.get('fairness_vs_even'), '.2f')} | {_fmt(r.get('makespan_s'), '.1f')} "
                 f"| {_fmt(r.get('jct_mean_s'), '.1f')} / {_fmt(r.get('jct_p95_s'), '.1f')} "
                 f"| {_fmt(r.get('reaction_s_max'), '.1f')} / {_fmt(r.get('tput_settle_s_max'), '.1f')} "
                 f"| {_fmt(r.get('agent_cpu_cores'), '.3f')} | {_fmt(r.get('resizes'), '.0f')} |")
             for e in r.get("errors", [])[:2]:
-                lines.append(f"|  | error: {e.splitlines()[0][:150]} |" + " |" * 13)
+                lines.append(f"|  | error: {e.splitlines()[0][:150]} |" + " |" * 14)
         lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")
@@ -153,6 +174,7 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
     paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
     slim = dict(result)
     slim["phases"] = [{k: v for k, v in ph.items() if k != "jobs"} | {"series": ph.get("series")}
+                      | {"specs": {j: v.get("spec") for j, v in (ph.get("jobs") or {}).items()}}
                       for ph in result["phases"]]
     paths["json"].write_text(json.dumps(slim, indent=1, default=_json_default))
     paths["markdown"].write_text(result.get("markdown", ""))

@@ -149,3 +149,68 @@ class ThroughputCurve:
         """Normalised throughput gained by ``d_cores`` more cores (workers grown to match)."""
         w2 = max(workers, math.ceil(cores + d_cores)) if workers >= 1 else workers
         return self.normalized(w2, cores + d_cores) - self.normalized(workers, cores)
+
+
+def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, trainer_cpu_s_per_step: float,
+                          trainer_threads: int = 1) -> float:
+    """Samples/s when the job's training process and its ``workers`` share ``cpus`` CPUs with no
+    priority between them (the kernel's fair share per runnable thread: no agent, or a job whose loader
+    and trainer sit in one cgroup): the slowdown that extra workers cause the main process.
+
+    Model (a fixed point, found in a few iterations): ``u`` workers are busy on average (Little's law:
+    batches/s x the seconds a batch takes); the training process is runnable a fraction ``r`` of the
+    time (its CPU part of a step over the step). While the trainer's CPU part runs, it shares the CPUs
+    with the busy workers: it gets ``s_t = min(1, cpus / (u + threads))`` of a CPU, so its CPU part
+    (``trainer_cpu_s_per_step``, measured as CPU time, contention-free) takes ``t / s_t``; the rest of
+    the step (``g - t``, the GPU) does not change. A worker gets ``s_w = min(1, cpus / (u + r))`` on
+    average, so a batch takes ``c / s_w + b``. Batches/s is the curve's minimum of its three limits with
+    those figures. Idle workers (a full queue) are not runnable and cost nothing; busy ones past what
+    the CPUs left to the trainer can run only stretch its CPU part: that is what makes the optimum
+    interior. With ``t = 0`` it is ``curve.throughput(workers, cpus)`` (hard minimum) up to the
+    workers' own time-sharing."""
+    if workers < 1:
+        return curve.throughput(0, cpus)
+    g = curve.compute_s_per_step + curve.overhead_s_per_step
+    t = max(0.0, min(trainer_cpu_s_per_step, g))
+    gpu = g - t
+    c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
+    cpus = max(1e-6, float(cpus))
+    n = max(1, int(trainer_threads))
+    u, r = float(workers), 0.0
+    bps = 0.0
+    for _ in range(60):
+        s_t = min(1.0, cpus / (u + n))
+        s_w = min(1.0, cpus / (u + r)) if u + r > 0 else 1.0
+        step = gpu + t / s_t
+        rates = [1.0 / step] if step > 0 else []
+        per_batch = c / s_w + b
+        if per_batch > 0:
+            rates.append(curve.correction * workers / per_batch)
+        new = curve._softmin(rates) if rates else math.inf
+        if new == math.inf:
+            return math.inf
+        u_new = min(float(workers), new * per_batch)
+        r_new = min(float(n), n * new * t / s_t)
+        if abs(new - bps) <= 1e-9 * max(1.0, new) and abs(u_new - u) < 1e-6 and abs(r_new - r) < 1e-6:
+            bps = new
+            break
+        bps, u, r = new, 0.5 * u + 0.5 * u_new, 0.5 * r + 0.5 * r_new
+    return min(bps * curve.batch_size, curve.ceiling_samples_per_s)
+
+
+def shared_cpu_knee(curve: ThroughputCurve, cpus: float, trainer_cpu_s_per_step: float,
+                    max_workers: int, trainer_threads: int = 1) -> int:
+    """The least worker count within KNEE_TOLERANCE of the best ``shared_cpu_throughput`` over
+    1..``max_workers``: max useful workers when the trainer shares the CPUs. Can be well below the count
+    that keeps the loader's queue full (``knee_workers``), because a worker past it slows the trainer."""
+    best_w, best = 1, -1.0
+    vals = {}
+    for w in range(1, max(1, int(max_workers)) + 1):
+        v = shared_cpu_throughput(curve, w, cpus, trainer_cpu_s_per_step, trainer_threads)
+        vals[w] = v
+        if v > best:
+            best, best_w = v, w
+    for w in range(1, best_w + 1):
+        if vals[w] >= (1.0 - KNEE_TOLERANCE) * best:
+            return w
+    return best_w

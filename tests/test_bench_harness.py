@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import psutil
 import pytest
@@ -168,3 +169,75 @@ def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
     assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
     assert m["agent_cpu_cores"] >= 0
     assert _no_children_left() == []
+
+
+def test_catalog_workload_model_fields_and_variants(tmp_path):
+    from evaluation.catalog import habitual_workers, make_job
+
+    cat = load_catalog()
+    for mix in ("gpu-weighted", "trainer-cpu", "oversubscribed", "nothing-to-arbitrate"):
+        assert mix in cat.mixes
+    two = cat.kinds["resnet18x2"]
+    assert two.gpus == 2 and 0 < two.trainer_cpu_frac < 1
+    fracs = [cat.kinds[k].trainer_cpu_frac for k in cat.mixes["trainer-cpu"]]
+    assert all(0.2 <= f <= 0.4 for f in fracs)
+    over = [habitual_workers(cat.kinds[k], 2) for k in cat.mixes["oversubscribed"]]
+    assert sum(over) >= 3 * 2 * 2                                   # several times a 2-core node
+    assert habitual_workers(cat.kinds["alexnet"], 8) == 8           # unset: cpus // ranks
+    assert habitual_workers(two, 8) == 4
+    calib = {two.name: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}
+    spec = make_job(cat, calib, two.name, "x", seed=1, node_cores=8)
+    assert spec.batch_size == 2 * two.batch_size and spec.gpus == 2 and spec.num_workers == 4
+    assert spec.trainer_cpu_cores == pytest.approx(2 * two.trainer_cpu_frac)
+    # a variant is written inline in a mix, and its unknown keys are named
+    p = tmp_path / "v.toml"
+    p.write_text('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{kind = "x", num_workers = 8}, "x"]\n')
+    c = load_catalog(str(p))
+    assert c.mixes["m"] == ["x[num_workers=8]", "x"] and c.kinds["x[num_workers=8]"].num_workers == 8
+    p.write_text('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{kind = "x", speed = 8}]\n')
+    with pytest.raises(CatalogError, match="unknown keys for x: speed"):
+        load_catalog(str(p))
+    p.write_text('[jobs.x]\ncores_per_gpu = 1.0\ntrainer_cpu_frac = 1.5\n')
+    with pytest.raises(CatalogError, match="trainer_cpu_frac must be in"):
+        load_catalog(str(p))
+
+
+def test_emulated_step_burns_the_trainers_cpu_per_rank():
+    import time
+
+    import torch
+
+    from adloader.synthetic import emulated_step
+
+    batch = (torch.zeros(2, 3, 4, 4), 0)
+    c0 = time.process_time()
+    emulated_step(batch, 0.06, cpu_s=0.02, ranks=2)
+    used = time.process_time() - c0
+    assert used >= 2 * 0.02 * 0.9                                   # two rank threads, 20 ms each
+
+
+def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from evaluation.catalog import JobSpec
+    from evaluation.harness import STATIC_CGROUP_ROOT, BenchError, StaticCores
+
+    if os.geteuid() != 0 or not Path(STATIC_CGROUP_ROOT, "cpu.cfs_quota_us").exists():
+        with pytest.raises(BenchError, match="static-cores needs root and a cgroup v1 cpu hierarchy"):
+            StaticCores(2, 4)
+        pytest.skip("needs root and cgroup v1 cpu to place a process (the refusal was checked)")
+    spec = JobSpec(job_id="adl-test-static", kind="x", batch_size=8, step_s=0.1, demand_cores=1.0,
+                   cpu_s_per_sample=0.001, workload={}, gpus=2)
+    st = StaticCores(node_cores=2, node_gpus=4)
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert st.place(spec, p.pid) == pytest.approx(1.0)          # 2 cores x 2 of 4 GPUs
+        group = st.base / spec.job_id
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "100000"
+        assert str(p.pid) in (group / "cgroup.procs").read_text().split()
+    finally:
+        st.close()
+        p.kill()
+        p.wait()
+    assert not st.base.exists()

@@ -267,3 +267,52 @@ def test_auto_loader_respects_a_small_memory_room(monkeypatch):
         assert autotune.tuner_of(dl).memory_cap == 1
     finally:
         dl.close()
+
+
+# -- a worker killed by the kernel is reported with its memory and the likely cause ---------------
+
+class Hoarder(torch.utils.data.Dataset):
+    """Worker 0's second batch makes it hold ~300 MiB of private memory and wait to be sampled."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        import time as _time
+
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 0 and i >= 8 and not hasattr(self, "blob"):
+            self.blob = bytearray(300 * MiB)          # zero-filled: every page touched
+        _time.sleep(0.01)                             # an epoch of a few seconds: the kill lands mid-epoch
+        return torch.tensor([i])
+
+
+def test_a_sigkilled_worker_is_reported_with_its_last_memory_and_the_likely_cause(caplog):
+    import logging
+    import signal
+    import time as _time
+
+    dl = DataLoader(Hoarder(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    sampler = dl._core.memory
+    try:
+        it = iter(dl)
+        got = [next(it) for _ in range(4)]
+        victim = None
+        deadline = _time.monotonic() + 30
+        while victim is None and _time.monotonic() < deadline:
+            s = sampler.sample(dl.worker_pids(), force=True)
+            victim = next((int(p) for p, v in s.per_worker.items() if v["uss"] > 200 * MiB), None)
+            _time.sleep(0.1)
+        assert victim is not None, s.per_worker
+        with caplog.at_level(logging.WARNING, logger="adloader"):
+            os.kill(victim, signal.SIGKILL)                 # what the OOM killer sends
+            got += list(it)
+        assert [int(x) for b in got for x in b] == list(range(256))       # re-dispatched as today
+        text = " ".join(r.getMessage() for r in caplog.records)
+        assert f"pid {victim}" in text and "killed by signal 9" in text
+        assert "last measured memory 3" in text and "unique" in text       # ~300 MiB
+        assert "likely killed by the kernel's OOM killer (SIGKILL while it held much memory)" in text \
+            or "killed by the kernel's OOM killer (SIGKILL; this cgroup's oom_kill count" in text
+        assert dl.stats()["last_worker_death"].startswith(f"worker pid {victim}: last measured memory")
+    finally:
+        dl.close()

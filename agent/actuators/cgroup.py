@@ -22,7 +22,12 @@ v1 ``<subtree>/cpu.shares = 1024 * workers`` (the worker pids in our job groups,
 [2, 262144]); v2 ``cpu.weight = 100 * workers`` ([1, 10000]). Worker processes, not allocated cores:
 the cores add up to the loader budget (e.g. 1.8 on a 2-core node), far less than the workers would
 weigh, and with cores the subtree took CPU away from the loaders as a whole (BENCHMARKS.md, the
-bench's "Reading"). The original value is recorded before the first write and restored by
+bench's "Reading"). Except where the training processes need CPU themselves (``trainer_cpu_s_per_step``
+measured, ``agent.policies.trainer_cores_needed``): then the subtree weighs the cores the plan gave the
+loaders (1024 per core, at most 1024 per worker), so that a runnable training process (a nice-0 task,
+or its job's own group: 1024) takes its core back from the loaders instead of being outweighed by a
+crowd of workers, while the loaders still use every core the trainers leave idle (work-conserving; a
+quota on the subtree would not be). The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
 together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
@@ -65,6 +70,7 @@ from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats
 
 SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
+TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken to need no CPU
 QUOTA_MIN_US = 1000
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
 
@@ -233,6 +239,8 @@ class CgroupActuator:
         self.affinity = affinity or AffinityActuator(self.originals)
         self._shares: dict[str, int] = {}            # job -> shares written to its group
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
+        self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
+        self._trainer: dict[str, float] = {}         # job -> cores its training processes need
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
@@ -475,6 +483,7 @@ class CgroupActuator:
             else:
                 self._set_shares(job.job, rel, shares_for(desired.cpus))
             self._workers[job.job] = self._move_pids("cpu", rel, job)
+            self._note_budget(job, desired)
         else:
             self._ensure("", rel)
             if knob == "cpuset":
@@ -485,6 +494,7 @@ class CgroupActuator:
             else:
                 self._set_shares(job.job, rel, shares_for(desired.cpus))
             self._workers[job.job] = self._move_pids("", rel, job)
+            self._note_budget(job, desired)
         self._set_subtree_weight()
         return notes
 
@@ -495,9 +505,20 @@ class CgroupActuator:
         else:
             self._write("", rel, "cpu.weight", weight_from_shares(shares))
 
+    def _note_budget(self, job: JobStats, desired: JobAllocation) -> None:
+        from agent.policies import trainer_cores_needed
+
+        self._cores[job.job] = float(desired.cpus)
+        self._trainer[job.job] = trainer_cores_needed(job)
+
     def _set_subtree_weight(self) -> None:
-        """The subtree weighs what its workers would unmanaged (module docstring); written on change only."""
-        shares = subtree_shares_for(sum(self._workers.values()))
+        """The subtree weighs what its workers would unmanaged, or, where training processes need CPU,
+        the loaders' cores (module docstring); written on change only."""
+        workers = sum(self._workers.values())
+        shares = subtree_shares_for(workers)
+        if sum(self._trainer.get(j, 0.0) for j in self._workers) >= TRAINER_CPU_MIN:
+            cores = sum(self._cores.get(j, 0.0) for j in self._workers)
+            shares = max(SHARES_MIN, min(shares, int(round(SHARES_DEFAULT * cores))))
         if shares == self._subtree_shares or not self.h[self._cpu_hier].exists(self.subtree):
             return
         if self.version == 1:
@@ -552,6 +573,8 @@ class CgroupActuator:
                 errors.append(str(e))
         self._shares.pop(job_id, None)
         self._workers.pop(job_id, None)
+        self._cores.pop(job_id, None)
+        self._trainer.pop(job_id, None)
         for key in [k for k, v in self.originals.pids.items() if v.get("job") == job_id]:
             del self.originals.pids[key]
         try:

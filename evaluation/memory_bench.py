@@ -1,0 +1,119 @@
+"""What measuring loader memory costs, and what it sees: ``python -m evaluation.memory_bench``.
+
+For a dataset of Python objects (a list of dicts, the copy-on-read pattern) and the same data in one
+numpy array, with W real workers (fork), it runs whole epochs and reports:
+
+- the CPU cost of one memory sample per worker (``smaps_rollup`` read and parse, the sampling
+  thread's CPU time; median and range over the samples), and what that is as a share of one core at
+  the sampler's period (the loader samples at most every 2 s and at most 1% of a core);
+- each worker's USS, PSS and USS growth at the end of the run (copy-on-read shows as growth);
+- the cost of sizing a delivered batch (``batch_nbytes``, done every 16th step).
+
+Prints a table and writes JSON (``--out``). Timing figures on a shared machine are noisy: medians
+and ranges are given, and the machine's load should be stated with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+MiB = 1 << 20
+
+
+def _datasets(n: int):
+    import numpy as np
+    import torch
+
+    class ObjectRows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.rows = [{"id": i, "name": f"sample-{i:08d}", "vals": [float(i), 1.0, 2.0, 3.0]} for i in range(n)]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return torch.tensor(self.rows[i]["vals"])
+
+    class ArrayRows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.vals = np.ones((n, 4))
+
+        def __len__(self):
+            return len(self.vals)
+
+        def __getitem__(self, i):
+            return torch.from_numpy(self.vals[i].copy())
+
+    return {"python-objects": ObjectRows, "numpy-array": ArrayRows}
+
+
+def run_one(make, workers: int, epochs: int, batch_size: int) -> dict:
+    from adloader import DataLoader
+    from adloader.memory import batch_nbytes
+
+    ds = make()
+    dl = DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=True,
+                    multiprocessing_context="fork")
+    sampler = dl._core.memory
+    costs = []
+    nbytes_s = []
+    try:
+        it = iter(dl)
+        next(it)
+        sampler.sample(dl.worker_pids(), force=True)
+        t_last = time.monotonic()
+        for _ in range(epochs):
+            for b in it:
+                if time.monotonic() - t_last > 0.5:
+                    t_last = time.monotonic()
+                    s = sampler.sample(dl.worker_pids(), force=True)
+                    costs.append(s.sample_cost_s / max(1, s.workers))
+                    t0 = time.thread_time()
+                    batch_nbytes(b)
+                    nbytes_s.append(time.thread_time() - t0)
+            it = iter(dl)
+        s = sampler.sample(dl.worker_pids(), force=True)
+    finally:
+        dl.close()
+    return {"workers": s.workers, "uss_per_worker": s.uss_per_worker, "pss_per_worker": s.pss_per_worker,
+            "growth_per_worker": s.growth_per_worker, "samples": len(costs),
+            "sample_cpu_s_per_worker_median": statistics.median(costs) if costs else None,
+            "sample_cpu_s_per_worker_min": min(costs) if costs else None,
+            "sample_cpu_s_per_worker_max": max(costs) if costs else None,
+            "batch_nbytes_s_median": statistics.median(nbytes_s) if nbytes_s else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    res = {}
+    for name, make in _datasets(args.rows).items():
+        res[name] = run_one(make, args.workers, args.epochs, args.batch_size)
+    print(f"memory measurement, {args.workers} workers, {args.rows} rows, {args.epochs} epochs "
+          f"({platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
+    print("| dataset | USS / worker MiB | PSS / worker MiB | USS growth / worker MiB | sample CPU ms / worker, "
+          "median (min-max) | sampling period with 8 workers under the 1% cap | batch_nbytes µs |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        med = r["sample_cpu_s_per_worker_median"] or 0.0
+        print(f"| {name} | {r['uss_per_worker'] / MiB:.1f} | {r['pss_per_worker'] / MiB:.1f} | "
+              f"{r['growth_per_worker'] / MiB:.1f} | {med * 1e3:.2f} ({(r['sample_cpu_s_per_worker_min'] or 0) * 1e3:.2f}"
+              f"-{(r['sample_cpu_s_per_worker_max'] or 0) * 1e3:.2f}) | {max(2.0, 8 * med / 0.01):.1f} s | "
+              f"{(r['batch_nbytes_s_median'] or 0) * 1e6:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": res, "load1": os.getloadavg()[0]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

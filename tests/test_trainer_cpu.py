@@ -1,0 +1,166 @@
+"""The training process's own CPU and its GPUs, end to end through the agent's parts (ISSUE 11):
+the loader reports it, the collector turns it into rates and a GPU weight, the policy keeps it out of
+the loaders' budget, the status shows it, and ``num_workers="auto"`` does not grow workers that take it.
+
+Unit and component tier: pure functions, the real Registry and Collector, no system access.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from adloader.autotune import AutoTuner, trainer_cpu_s_per_step
+from agent.collector import Collector
+from agent.model import JobStats, NodeSnapshot
+from agent.policies import PolicyConfig, get_policy, loader_budget, trainer_cores_needed
+from agent.registry import Registry
+from agent.security import Peer
+from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
+
+
+def _totals(t, steps, main_cpu, compute):
+    return {"uptime_s": t, "steps": steps, "samples": steps * 8, "batches": steps, "data_wait_s": 0.0,
+            "compute_s": compute, "worker_cpu_s": 0.1 * steps, "worker_wall_s": 0.1 * steps,
+            "worker_runq_s": 0.0, "worker_blocked_s": 0.0, "main_cpu_s": main_cpu}
+
+
+def _collector(gpus_per_hello, ranks=1):
+    reg = Registry()
+    me = os.getpid()
+    for rank in range(ranks):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank,
+                  {"job": "j", "rank": rank, "pid": me, "gpus": gpus_per_hello, "batch_size": 8, "workers": 2}, 0.0)
+    return Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1))
+
+
+def test_one_process_with_two_gpus_weighs_two():
+    """A job whose one training process drives two GPUs (CUDA_VISIBLE_DEVICES=0,1 in its hello) weighs 2:
+    counting ranks alone gave it the weight of a 1-GPU job."""
+    col = _collector(["0", "1"])
+    assert col.snapshot(1.0).jobs["j"].gpus == 2
+    # ranks that each see every GPU of the node count one per rank, not the union
+    col = _collector(["0", "1", "2", "3", "4", "5", "6", "7"], ranks=2)
+    assert col.snapshot(1.0).jobs["j"].gpus == 2
+
+
+def test_trainer_cpu_rates_from_the_loaders_main_cpu_total():
+    col = _collector(["0"])
+    me = os.getpid()
+    col.on_report("j", 0, me, _totals(0.0, 0, 0.0, 0.0), 0.0)
+    col.on_report("j", 0, me, _totals(1.0, 10, 0.3, 1.0), 1.0)     # 10 steps, 0.3 CPU s, 1 s of compute
+    js = col.snapshot(2.0).jobs["j"]
+    assert js.trainer_cpu_cores == pytest.approx(0.3)
+    assert js.trainer_cpu_s_per_step == pytest.approx(0.03)
+    assert trainer_cores_needed(js) == pytest.approx(0.3)            # 0.03 s per 0.1 s step
+    # a client that does not report main_cpu_s: no figure, no reserve
+    col = _collector(["0"])
+    old = {k: v for k, v in _totals(0.0, 0, 0.0, 0.0).items() if k != "main_cpu_s"}
+    col.on_report("j", 0, me, old, 0.0)
+    col.on_report("j", 0, me, {**old, "uptime_s": 1.0, "steps": 10, "compute_s": 1.0}, 1.0)
+    assert trainer_cores_needed(col.snapshot(2.0).jobs["j"]) == 0.0
+
+
+def job(name, *, c=0.3, g=0.1, t=0.0, gpus=1, **kw) -> JobStats:
+    base = dict(job=name, uid=1000, ranks=1, gpus=gpus, batch_size=32, workers=2, requested_workers=2,
+                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
+                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c, runq_s_per_batch=0.0,
+                blocked_s_per_batch=0.0, worker_cpu_cores=0.5, window_s=2.0, trainer_cpu_s_per_step=t)
+    base.update(kw)
+    return JobStats(**base)
+
+
+def curve(j: JobStats) -> ThroughputCurve:
+    return ThroughputCurve(job=j.job, batch_size=j.batch_size, compute_s_per_step=j.compute_s_per_step,
+                           cpu_s_per_batch=j.cpu_s_per_batch, blocked_s_per_batch=0.0, confidence=0.5,
+                           observed_configs=2)
+
+
+def snap(jobs, loader=1.8, cpus=(0, 1)):
+    return NodeSnapshot(now=0.0, loader_cpus=loader, cpu_ids=cpus, jobs={j.job: j for j in jobs})
+
+
+def test_trainer_need_is_kept_out_of_the_loader_budget():
+    # two trainers busy 30% of a 0.1 s step: 0.6 cores; the 2-CPU node leaves the loaders 1.4, not 1.8
+    s = snap([job("a", t=0.03), job("b", t=0.03)])
+    budget, need = loader_budget(s)
+    assert need == pytest.approx(0.6) and budget == pytest.approx(1.4)
+    plan = get_policy("adaptive")(s, {j: curve(s.jobs[j]) for j in s.jobs}, PolicyConfig())
+    assert sum(a.cpus for a in plan.allocations.values()) <= 1.4 + 1e-6
+    assert "trainers keep 0.60 cores" in plan.allocations["a"].reason
+    # trainers that need nothing: the whole loader budget, as before
+    s = snap([job("a"), job("b")])
+    plan = get_policy("adaptive")(s, {j: curve(s.jobs[j]) for j in s.jobs}, PolicyConfig())
+    assert sum(a.cpus for a in plan.allocations.values()) == pytest.approx(1.8)
+    # a trainer's need is capped at one core per rank/GPU, and the loaders keep a minimum each
+    assert trainer_cores_needed(job("x", t=0.5, g=0.1)) == 1.0
+    assert trainer_cores_needed(job("x", t=0.5, g=0.1, gpus=2)) == 2.0
+    budget, _ = loader_budget(snap([job("a", t=0.5), job("b", t=0.5), job("c", t=0.5)]))
+    assert budget == pytest.approx(0.15)
+
+
+def test_gpu_weight_takes_effect_a_two_gpu_job_gets_more_cores_and_workers():
+    """The earlier trial's failure: a 2-GPU job beside 1-GPU jobs of the same kind got one worker and the
+    least throughput. Now its weight doubles its floor and its marginal gain."""
+    s = snap([job("two", gpus=2, c=0.6), job("one-a"), job("one-b")], loader=7.0, cpus=tuple(range(8)))
+    plan = get_policy("adaptive")(s, {j: curve(s.jobs[j]) for j in s.jobs}, PolicyConfig())
+    a = plan.allocations
+    assert a["two"].cpus > a["one-a"].cpus and a["two"].workers > a["one-a"].workers
+    # its floor is twice a 1-GPU job's: 90% of the throughput of 2/4 of the budget
+    cv = curve(s.jobs["two"])
+    assert cv.normalized(a["two"].workers, a["two"].cpus) >= 0.9 * cv.normalized(64, 0.05 + 6.85 * 2 / 4) - 1e-6
+
+
+def test_with_cpu_weights_a_job_gets_the_workers_its_curve_can_use():
+    """Per-job CPU weights (cgroup shares) arbitrate the cores; the worker count then does not cap a job
+    at its share (work-conserving), while without weights it is the CPU control and stays at the share."""
+    s = snap([job("heavy", c=0.3), job("other", c=0.3)])
+    cv = {j: curve(s.jobs[j]) for j in s.jobs}
+    plain = get_policy("adaptive")(s, cv, PolicyConfig())
+    weighted = get_policy("adaptive")(s, cv, PolicyConfig(cpu_weights=True))
+    assert plain.allocations["heavy"].workers == 1                 # 0.9 cores -> 1 worker
+    assert weighted.allocations["heavy"].workers == 2              # it could use all 1.8 loader cores
+    assert weighted.allocations["heavy"].cpus == plain.allocations["heavy"].cpus
+
+
+def test_shared_cpu_model_a_worker_past_the_queue_filling_count_only_slows_the_trainer():
+    cv = ThroughputCurve(job="x", batch_size=64, compute_s_per_step=0.1, cpu_s_per_batch=0.05,
+                         blocked_s_per_batch=0.0)
+    # no trainer CPU: the shared model is the curve (hard minimum) where workers fit the CPUs
+    for w in (1, 2):
+        assert shared_cpu_throughput(cv, w, 2.0, 0.0) == pytest.approx(cv.throughput(w, 2.0))
+    # a trainer busy half its step on a 1-CPU share: more busy workers stretch its CPU part
+    vals = [shared_cpu_throughput(cv, w, 1.0, 0.05) for w in range(1, 9)]
+    assert all(v <= cv.ceiling_samples_per_s + 1e-9 for v in vals)
+    assert max(vals) < cv.throughput(8, 1.0)                       # below what the loader alone could feed
+    assert shared_cpu_knee(cv, 1.0, 0.05, 8) <= cv.knee_workers(1.0)
+
+
+def test_autotune_reads_its_trainers_cpu_and_does_not_grow_past_it():
+    prev = {"steps": 10, "main_cpu_s": 1.0}
+    assert trainer_cpu_s_per_step(prev, {"steps": 30, "main_cpu_s": 1.6}) == pytest.approx(0.03)
+    assert trainer_cpu_s_per_step(prev, {"steps": 10, "main_cpu_s": 1.6}) is None
+    assert trainer_cpu_s_per_step({"steps": 1}, {"steps": 2}) is None
+    cv = ThroughputCurve(job="x", batch_size=64, compute_s_per_step=0.1, cpu_s_per_batch=0.2,
+                         blocked_s_per_batch=0.0)
+    alone = AutoTuner(cpus=2.0, cap=8, current=1, bank=object())
+    busy = AutoTuner(cpus=2.0, cap=8, current=1, bank=object(), trainer_cpu_s_per_step=0.05)
+    assert busy.useful_workers(cv) <= alone.useful_workers(cv)
+    assert busy.predict(cv, 2) <= alone.predict(cv, 2)
+
+
+def test_loader_reports_its_training_process_cpu():
+    import torch
+
+    from adloader.dataloader import DataLoader
+
+    ds = torch.utils.data.TensorDataset(torch.arange(64.0))
+    loader = DataLoader(ds, batch_size=8, num_workers=0)
+    before = loader.stats()["main_cpu_s"]
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    for _ in loader:
+        pass
+    assert loader.stats()["main_cpu_s"] >= before + 0.04
