@@ -1,4 +1,4 @@
-"""The security tier: a real agent as root, a hostile ordinary user (uid 65534, ``tests.agentd_attacks``)
+"""The security tier: a real agent as root, a hostile ordinary user (uid 65534, ``evaluation.attacks``)
 and a victim running as a second ordinary uid (65533; ``setuid`` needs no passwd entry, so no user is
 created). Each test is one attack from issue #16; each measures what the victim still gets (its
 reports flowing, its connection never lost, its allocation, the status answer time, how late the
@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def attack(agent: AgentProc, *args: str, timeout: float = 120) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.agentd_attacks", agent.endpoint, str(ATTACKER), *args],
+    return subprocess.Popen([sys.executable, "-m", "evaluation.attacks", agent.endpoint, str(ATTACKER), *args],
                             env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=agent.base)
 

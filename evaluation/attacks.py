@@ -1,8 +1,14 @@
 """A hostile ordinary user against the agent, run as its own process by the security tier
-(``python -m tests.agentd_attacks ENDPOINT UID ATTACK [ARG...]``). As root it first drops to UID. Each
+(tests/test_security_tier.py) and the security benchmark (``evaluation.security_bench``):
+``python -m evaluation.attacks ENDPOINT UID ATTACK [ARG...]``. As root it first drops to UID. Each
 attack runs for a bounded time and prints one JSON object with what it did and what it got back.
 
 Attacks:
+    messages K SECONDS       K connections sending small valid messages round-robin, as fast as
+                             libzmq takes them (each is answered: an unknown connection's report)
+    churn SECONDS            open and close raw connections one after the other, as fast as it can
+    expensive SECONDS        ``register`` messages of 200 live pids of its own each (a /proc read per
+                             pid), as fast as it can
     connections N HOLD_S     open N raw unix connections to the agent's socket and hold them
     register N [PIDS]        N ``register`` messages for distinct job ids (PIDS: "dup" = 1024 copies of
                              its own pid, "own" = the pids of 200 children it starts, default none)
@@ -133,6 +139,80 @@ def bigframes(endpoint: str, conns: int, seconds: float) -> dict:
     return {"sent": sent, "bytes": sent * len(frame)}
 
 
+def messages(endpoint: str, k: int, seconds: float) -> dict:
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(k):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 1000)
+        s.setsockopt(zmq.RCVHWM, 10)        # replies pile up unread beyond this: dropped by libzmq
+        s.connect(endpoint)
+        socks.append(s)
+    msg = protocol.encode(protocol.make("report", job="atk", rank=0, pid=os.getpid(), stats={}))
+    sent = 0
+    t0 = time.monotonic()
+    t_end = t0 + seconds
+    while time.monotonic() < t_end:
+        for s in socks:
+            try:
+                s.send(msg, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+            while s.poll(0):
+                s.recv()
+    ctx.destroy(0)
+    return {"sent": sent, "per_s": round(sent / (time.monotonic() - t0))}
+
+
+def churn(endpoint: str, seconds: float) -> dict:
+    path = env.ipc_path(endpoint)
+    n = failed = 0
+    t0 = time.monotonic()
+    t_end = t0 + seconds
+    while time.monotonic() < t_end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+            n += 1
+        except OSError:
+            failed += 1
+        s.close()
+    return {"connections": n, "failed": failed, "per_s": round(n / (time.monotonic() - t0))}
+
+
+def expensive(endpoint: str, seconds: float) -> dict:
+    ctx = zmq.Context()
+    children = [subprocess.Popen(["sleep", str(int(seconds) + 30)]) for _ in range(200)]
+    plist = [c.pid for c in children]
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.connect(endpoint)
+    got: dict = {}
+    sent = 0
+    t0 = time.monotonic()
+    t_end = t0 + seconds
+    i = 0
+    while time.monotonic() < t_end:
+        try:
+            s.send(protocol.encode(protocol.make("register", job=f"exp-{i % 4}", uid=os.getuid(), pids=plist)),
+                   zmq.NOBLOCK)
+            sent += 1
+            i += 1
+        except zmq.Again:
+            time.sleep(0.001)
+        while s.poll(0):
+            _count(got, s.recv())
+    for c in children:
+        c.kill()
+        c.wait()
+    ctx.destroy(0)
+    return {"sent": sent, "per_s": round(sent / (time.monotonic() - t0)), "replies": got}
+
+
 def squat(endpoint: str, job: str) -> dict:
     ctx = zmq.Context()
     got = _ask(ctx, endpoint, [protocol.make("register", job=job, uid=os.getuid(), pids=[])])
@@ -152,6 +232,12 @@ def main() -> None:
         out = register(endpoint, int(args[0]), args[1] if len(args) > 1 else "none")
     elif attack == "bigframes":
         out = bigframes(endpoint, int(args[0]), float(args[1]))
+    elif attack == "messages":
+        out = messages(endpoint, int(args[0]), float(args[1]))
+    elif attack == "churn":
+        out = churn(endpoint, float(args[0]))
+    elif attack == "expensive":
+        out = expensive(endpoint, float(args[0]))
     elif attack == "squat":
         out = squat(endpoint, args[0])
     else:
