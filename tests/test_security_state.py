@@ -16,10 +16,11 @@ import pytest
 
 from agent import journal, statefile
 from agent.actuators.originals import Originals
-from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
+from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import wait_for
 
 
+@pytest.mark.unit
 def test_write_atomic_writes_every_byte_when_os_write_writes_less(tmp_path, monkeypatch):
     real = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: real(fd, bytes(data[:7])))
@@ -28,6 +29,7 @@ def test_write_atomic_writes_every_byte_when_os_write_writes_less(tmp_path, monk
     assert open(p, "rb").read() == b"x" * 1000
 
 
+@pytest.mark.unit
 def test_a_failed_write_keeps_the_good_file_and_leaves_no_temporary(tmp_path, monkeypatch):
     p = str(tmp_path / "f.json")
     statefile.write_atomic(p, b"good")
@@ -47,6 +49,7 @@ def test_a_failed_write_keeps_the_good_file_and_leaves_no_temporary(tmp_path, mo
     assert sorted(os.listdir(tmp_path)) == ["f.json", "f.json.prev"] or sorted(os.listdir(tmp_path)) == ["f.json"]
 
 
+@pytest.mark.unit
 def test_write_atomic_keeps_the_last_good_copy(tmp_path):
     p = str(tmp_path / "f.json")
     statefile.write_atomic(p, b"one")
@@ -61,6 +64,7 @@ def _journal(tmp_path, doc) -> str:
     return p
 
 
+@pytest.mark.unit
 def test_a_corrupt_journal_is_set_aside_named_and_the_previous_copy_adopted(tmp_path):
     journal.save(str(tmp_path), {}, {"older": {"uid": 5, "registered": True}})
     journal.save(str(tmp_path), {}, {"newer": {"uid": 5, "registered": True}})
@@ -73,6 +77,7 @@ def test_a_corrupt_journal_is_set_aside_named_and_the_previous_copy_adopted(tmp_
     assert any(n.startswith("journal.json.bad-") for n in os.listdir(tmp_path))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("doc, where", [
     ({"version": 1, "jobs": [], "applied": {}}, "jobs must be an object"),
     ({"version": "1", "jobs": {}, "applied": {}}, "version must be 1"),
@@ -85,6 +90,7 @@ def test_a_journal_with_wrong_types_at_the_top_is_set_aside(tmp_path, doc, where
     assert any(p in x and where in x for x in got["problems"]), got["problems"]
 
 
+@pytest.mark.unit
 def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_path):
     p = _journal(tmp_path, {"version": 1, "applied": {
         "a": {"job": "a", "workers": 2, "cpus": "two"},
@@ -103,6 +109,7 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
     assert text.count(p) == 4
 
 
+@pytest.mark.unit
 def test_originals_with_wrong_types_raise_naming_the_file_and_field(tmp_path):
     p = str(tmp_path / "cgroup-originals.json")
     with open(p, "w") as f:
@@ -112,6 +119,7 @@ def test_originals_with_wrong_types_raise_naming_the_file_and_field(tmp_path):
     assert p in str(e.value) and "created" in str(e.value)
 
 
+@pytest.mark.unit
 def test_an_unwritable_originals_file_is_not_an_apply_failure(tmp_path, monkeypatch):
     o = Originals(str(tmp_path / "cgroup-originals.json"))
     o.created.append("cpu|adloader/a")
@@ -129,7 +137,9 @@ def test_an_unwritable_originals_file_is_not_an_apply_failure(tmp_path, monkeypa
 
 # --- real agents ------------------------------------------------------------------------------------
 
-needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root (mount a tmpfs / read-only bind, cgroup v1)")
+def needs_root(fn):
+    return pytest.mark.system(pytest.mark.security(pytest.mark.skipif(
+        os.getuid() != 0, reason="needs root (mount a tmpfs / read-only bind, cgroup v1)")(fn)))
 CPU = "/sys/fs/cgroup/cpu"
 
 

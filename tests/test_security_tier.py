@@ -15,13 +15,14 @@ import time
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
+from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import repo_env, wait_for
 
 ATTACKER = 65534
 VICTIM = 65533
 
 pytestmark = [
+    pytest.mark.system,
     pytest.mark.security,
     pytest.mark.skipif(os.getuid() != 0, reason="security tier: needs root to run the agent as root and the "
                                                 "attacker and victim as other uids (os.setuid)"),
