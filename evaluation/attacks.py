@@ -14,6 +14,9 @@ Attacks:
                              its own pid, "own" = the pids of 200 children it starts, default none)
     bigframes CONNS SECONDS  CONNS connections each sending ~60 KB frames as fast as libzmq takes them
     squat JOB                ``register`` JOB for itself (before the real owner's prolog)
+    impostor SECONDS         (ENDPOINT is where to bind) pose as the agent: bind a ROUTER there
+                             (creating its directory), answer every hello with a welcome and a
+                             directive of 0 workers; report what it heard
 """
 from __future__ import annotations
 
@@ -213,6 +216,33 @@ def expensive(endpoint: str, seconds: float) -> dict:
     return {"sent": sent, "per_s": round(sent / (time.monotonic() - t0)), "replies": got}
 
 
+def impostor(endpoint: str, seconds: float) -> dict:
+    path = env.ipc_path(endpoint)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(endpoint)
+    os.chmod(path, 0o666)
+    heard: list = []
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        if not s.poll(100):
+            continue
+        ident, data = s.recv_multipart()
+        try:
+            m = protocol.decode(data)
+        except protocol.ProtocolError:
+            continue
+        heard.append({k: m.get(k) for k in ("type", "job", "pid", "uid", "hostname", "worker_pids")})
+        if m["type"] == "hello":
+            s.send_multipart([ident, protocol.encode(protocol.make("welcome", job=m["job"], heartbeat_s=2.0))])
+            s.send_multipart([ident, protocol.encode(protocol.make("directive", job=m["job"], seq=1, workers=0,
+                                                                   cpus=None, cpuset=None, reason="impostor"))])
+    ctx.destroy(0)
+    return {"heard": heard}
+
+
 def squat(endpoint: str, job: str) -> dict:
     ctx = zmq.Context()
     got = _ask(ctx, endpoint, [protocol.make("register", job=job, uid=os.getuid(), pids=[])])
@@ -238,6 +268,8 @@ def main() -> None:
         out = churn(endpoint, float(args[0]))
     elif attack == "expensive":
         out = expensive(endpoint, float(args[0]))
+    elif attack == "impostor":
+        out = impostor(endpoint, float(args[0]))
     elif attack == "squat":
         out = squat(endpoint, args[0])
     else:

@@ -236,3 +236,75 @@ def test_job_ids_outside_the_grammar_are_refused(base, trainers):
         assert agent.status()["jobs"] == []
     finally:
         assert agent.stop() == 0
+
+
+def test_client_refuses_an_impostor_at_the_predictable_fallback_socket(base, trainers):
+    """Issue 16.8: another user who binds /tmp/adloader-<uid>/agent.sock first received the job's id,
+    pid, uid, host and worker pids, and its directives (0 workers) were obeyed."""
+    fallback = f"/tmp/adloader-{VICTIM}"
+    if os.path.exists(fallback):
+        pytest.skip(f"{fallback} exists already (another run?)")
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "evaluation.attacks", f"ipc://{fallback}/agent.sock", str(ATTACKER),
+                              "impostor", "12"], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=base)
+        wait_for(lambda: os.path.exists(f"{fallback}/agent.sock") or p.poll() is not None, 20, what="impostor bound")
+        victim = Trainer(base, "", job="victim", workers=2, user=VICTIM,
+                         env={"ADLOADER_ENDPOINT": "", "XDG_RUNTIME_DIR": ""})
+        trainers.append(victim)
+        wait_for(lambda: "untrusted agent" in (victim.state().get("last_error") or ""), 20, what="victim refuses")
+        st = victim.state()
+        assert st["endpoint"] == f"ipc://{fallback}/agent.sock" and f"uid {ATTACKER}" in st["last_error"], st
+        time.sleep(2)
+        assert victim.state()["num_workers"] == 2 and not victim.state()["connected"]   # nothing obeyed
+        heard = result(p)["heard"]
+        assert heard == [], heard                       # not a word: no job id, pid, uid or host leaked
+    finally:
+        import shutil
+
+        shutil.rmtree(fallback, ignore_errors=True)
+
+
+def test_agent_trust_checks_owner_mode_and_the_listening_process(base):
+    """The client-side check (``adloader.client.agent_untrusted``) case by case, on real sockets."""
+    import socket as so
+
+    from adloader.client import agent_untrusted
+
+    assert "not ipc://" in agent_untrusted("tcp://127.0.0.1:5555")
+    assert agent_untrusted(f"ipc://{base}/none.sock") == "no socket"
+    own = f"{base}/own"
+    os.makedirs(own)
+    s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    s.bind(f"{own}/agent.sock")
+    s.listen(4)
+    try:
+        assert agent_untrusted(f"ipc://{own}/agent.sock") is None            # root's, in root's directory
+        os.chmod(own, 0o777)
+        assert "writable by other users" in agent_untrusted(f"ipc://{own}/agent.sock")
+        os.chmod(own, 0o755)
+        os.chown(own, ATTACKER, ATTACKER)
+        assert f"belongs to uid {ATTACKER}" in agent_untrusted(f"ipc://{own}/agent.sock")
+        assert agent_untrusted(f"ipc://{own}/agent.sock", uid=ATTACKER) is None   # the user's own agent
+        os.chown(own, 0, 0)
+        os.chown(f"{own}/agent.sock", ATTACKER, ATTACKER)
+        assert "socket" in agent_untrusted(f"ipc://{own}/agent.sock") and f"uid {ATTACKER}" in \
+            agent_untrusted(f"ipc://{own}/agent.sock")
+    finally:
+        s.close()
+    # a socket file owned by root, in root's directory, but served by another uid's process
+    served = f"{base}/served"
+    os.makedirs(served)
+    p = subprocess.Popen([sys.executable, "-c", (
+        "import os, socket, sys, time\n"
+        f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind('{served}/agent.sock')\n"
+        f"os.setgroups([]); os.setgid({ATTACKER}); os.setuid({ATTACKER})\n"
+        "s.listen(4)\n"   # SO_PEERCRED of a listener: its credentials when it called listen() (unix(7))
+        "print('up', flush=True); time.sleep(30)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        why = agent_untrusted(f"ipc://{served}/agent.sock")
+        assert why is not None and f"runs as uid {ATTACKER}" in why, why
+    finally:
+        p.kill()
+        p.wait()
