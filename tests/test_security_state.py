@@ -229,6 +229,7 @@ def test_corrupt_originals_are_quarantined_the_mode_kept_and_found_groups_restor
     subtree = f"adlsec{os.getpid()}"
     env = {"ADLOADER_CGROUP_SUBTREE": subtree}
     state = f"{base}/state"
+    agent = again = None
     try:
         agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2", "--cgroup-mode", "auto", env=env).start()
         t = Trainer(base, agent.endpoint, job="left", workers=1)
@@ -253,6 +254,9 @@ def test_corrupt_originals_are_quarantined_the_mode_kept_and_found_groups_restor
         assert not os.path.exists(f"{CPU}/{subtree}/left")           # the dead agent's group is gone
         assert not again.events("agent_failed")
     finally:
+        for a in (agent, again):
+            if a is not None and a.proc is not None and a.proc.poll() is None:
+                a.stop()
         if os.path.isdir(f"{CPU}/{subtree}"):
             for d in sorted((os.path.join(r, x) for r, ds, _ in os.walk(f"{CPU}/{subtree}") for x in ds),
                             key=lambda d: -d.count("/")):
