@@ -422,6 +422,10 @@ class DataLoader(tud.DataLoader[T_co]):
         uptime_s           seconds since the loader was created
         main_cpu_s         CPU seconds of the training process itself (all its threads, not the
                            workers) since the loader was created (``time.process_time``)
+        main_runq_s        seconds the training process's main thread waited for a CPU while runnable
+                           (/proc/self/schedstat field 2, monotonic since the process started; 0 where
+                           the kernel does not provide it): how much of ``compute_s`` is the trainer
+                           starved of CPU rather than computing
         memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
         ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
             worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
@@ -454,10 +458,20 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
+            "main_runq_s": self._main_runq_s(),
             "rates": core.rates.rates(now),
         }
         out.update(self._memory_stats())
         return out
+
+    def _main_runq_s(self) -> float:
+        core = self._core
+        clock = getattr(core, "main_runq_clock", None)
+        if clock is None:
+            from adloader._worker import RunQueueClock
+
+            clock = core.main_runq_clock = RunQueueClock()   # opened here: /proc/self is this process
+        return clock.read_ns() * 1e-9
 
     def _memory_stats(self) -> dict:
         core = self._core
