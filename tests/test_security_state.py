@@ -193,6 +193,7 @@ def test_a_read_only_state_dir_opens_no_breaker_and_sigterm_exits_cleanly(base, 
     os.makedirs(state)
     _mount("--bind", state, state)
     _mount("-o", "remount,bind,ro", state)
+    agent = None
     try:
         agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2", "--cgroup-mode", "v1", state_dir=state,
                           env={"ADLOADER_CGROUP_SUBTREE": subtree}).start()
@@ -212,6 +213,8 @@ def test_a_read_only_state_dir_opens_no_breaker_and_sigterm_exits_cleanly(base, 
         assert agent.stop() == 0                          # restores from memory, exits 0
         assert not os.path.exists(f"{CPU}/{subtree}")
     finally:
+        if agent is not None and agent.proc is not None and agent.proc.poll() is None:
+            agent.stop()
         subprocess.run(["umount", state], capture_output=True)
         if os.path.isdir(f"{CPU}/{subtree}"):
             for d in sorted((os.path.join(r, x) for r, ds, _ in os.walk(f"{CPU}/{subtree}") for x in ds),
