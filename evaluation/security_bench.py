@@ -248,9 +248,14 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--tick-s", type=float, default=1.0, help="the agent's tick (default 1 s, as deployed)")
-    ap.add_argument("--nofile", default="1024:524288",
-                    help="the agent's open-files limit SOFT:HARD (default systemd's default without "
-                         "LimitNOFILE=, 1024:524288; '' = inherit)")
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 524288 if hard == resource.RLIM_INFINITY else min(hard, 524288)
+    ap.add_argument("--nofile", default=f"1024:{hard}",
+                    help="the agent's open-files limit SOFT:HARD (default as systemd gives a service without "
+                         f"LimitNOFILE=: soft 1024, hard 524288 or this process's hard limit, here {hard}; "
+                         "'' = inherit)")
     ap.add_argument("--agent-repo", default=str(REPO), help="checkout whose agent to run (default this one)")
     ap.add_argument("--out", default="bench-out/security_bench.json")
     args = ap.parse_args(argv)
