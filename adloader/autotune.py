@@ -52,6 +52,7 @@ SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
 HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
+TRAINER_BUSY_MIN = 0.05  # a training process busy less than this share of its step is not modelled as a CPU user
 MEMORY_RESERVE_FRAC = 0.10   # of the memory limit (cgroup, else MemTotal) kept free of loader workers
 MEMORY_RESERVE_MIN = 256 << 20
 
@@ -286,17 +287,24 @@ class AutoTuner:
         return want
 
 
+    def _trainer_busy(self, curve) -> bool:
+        """The training process needs CPU worth modelling: at least TRAINER_BUSY_MIN of its step."""
+        # (under a CPU quota below one core the per-thread sharing model does not hold: the quota
+        # throttles the whole group, trainer and workers alike; there the plain curve decides)
+        return self.cpus >= 1.0 and \
+            self.trainer_cpu_s_per_step >= TRAINER_BUSY_MIN * max(curve.compute_s_per_step, 1e-9)
+
     def useful_workers(self, curve) -> int:
         """Max useful workers on our CPUs: with a training process that needs CPU, the best count when it
         shares them with the workers (can be below the count that keeps the queue full)."""
-        if self.trainer_cpu_s_per_step > 0:
+        if self._trainer_busy(curve):
             from predictor.curve import shared_cpu_knee
 
             return shared_cpu_knee(curve, self.cpus, self.trainer_cpu_s_per_step, self.cap)
         return curve.knee_workers(self.cpus)
 
     def predict(self, curve, workers: int) -> float:
-        if self.trainer_cpu_s_per_step > 0:
+        if self._trainer_busy(curve):
             from predictor.curve import shared_cpu_throughput
 
             return shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step)

@@ -152,10 +152,10 @@ def trainer_cores_expected(job: JobStats) -> float:
 def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
     """(cores the loaders may share, cores kept for the training processes): the node's loader CPUs,
     but never the cores the trainers need: min(loader_cpus, node CPUs - sum of trainer needs), at least
-    ``min_per_job`` per job. Node CPUs: ``snapshot.cpu_ids`` (else the loader CPUs themselves)."""
+    ``min_per_job`` per job. Node CPUs: ``snapshot.cpu_ids``, never fewer than the loader CPUs."""
     C = snapshot.loader_cpus
     need = sum(trainer_cores_needed(j) for j in snapshot.jobs.values())
-    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else C
+    node = max(float(len(snapshot.cpu_ids)), C)      # (never fewer CPUs than the loaders' own budget)
     floor = min(C, min_per_job * max(1, len(snapshot.jobs)))
     return max(floor, min(C, node - need)), need
 
@@ -462,7 +462,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned
     # throughput) have room; a step's cost is its loader cores plus the trainer CPU its gain brings.
     # (The shares above are conservative: they reserve every trainer's full-speed need.)
-    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else snapshot.loader_cpus
+    node = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
     need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}
     current = {j: value(j, cpus[j]) for j in warm}
     trainer_use = sum(need[j] * (current[j] if j in warm else 1.0) for j in ids)

@@ -157,8 +157,9 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
     priority between them (the kernel's fair share per runnable thread: no agent, or a job whose loader
     and trainer sit in one cgroup): the slowdown that extra workers cause the main process.
 
-    Model (a fixed point, found in a few iterations): ``u`` workers are busy on average (Little's law:
-    batches/s x the seconds a batch takes); the training process is runnable a fraction ``r`` of the
+    Model (a fixed point, found in a few iterations): ``u`` workers are runnable on average (Little's
+    law: batches/s x the CPU seconds of a batch at their share; blocked time is not runnable); the
+    training process is runnable a fraction ``r`` of the
     time (its CPU part of a step over the step). While the trainer's CPU part runs, it shares the CPUs
     with the busy workers: it gets ``s_t = min(1, cpus / (u + threads))`` of a CPU, so its CPU part
     (``trainer_cpu_s_per_step``, measured as CPU time, contention-free) takes ``t / s_t``; the rest of
@@ -189,7 +190,8 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
         new = curve._softmin(rates) if rates else math.inf
         if new == math.inf:
             return math.inf
-        u_new = min(float(workers), new * per_batch)
+        # busy workers compete for CPUs only while they compute: a worker blocked on IO is not runnable
+        u_new = min(float(workers), new * (c / s_w))
         r_new = min(float(n), n * new * t / s_t)
         if abs(new - bps) <= 1e-7 * max(1e-3, new) and abs(u_new - u) < 1e-6 and abs(r_new - r) < 1e-6:
             bps = new
