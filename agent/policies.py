@@ -281,7 +281,7 @@ def even_static(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         for job_id in snapshot.jobs:
             unsatisfied[job_id] = f"node sized for {snapshot.max_jobs} jobs, {n} present: share cut to {share:.2f}"
     else:
-        kept = {j: s.applied for j, s in snapshot.jobs.items() if s.applied is not None and s.applied.cpus > 0}
+        kept = {j: a for j in snapshot.jobs if (a := snapshot.applied.get(j)) is not None and a.cpus > 0}
         new = [j for j in snapshot.jobs if j not in kept]
         free = C - sum(a.cpus for a in kept.values())
         new_share = min(share, free / len(new)) if new else 0.0
@@ -517,7 +517,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
-    applied = {j: snapshot.jobs[j].applied for j in ids}
+    applied = {j: snapshot.applied.get(j) for j in ids}
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:

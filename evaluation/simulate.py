@@ -1,7 +1,11 @@
 """Trace-driven simulation of the allocation policies over many nodes (``adloader simulate``).
 
-The same policy code as the agent (``agent.policies.get_policy``) and the same predictor
-(``predictor.bank.PredictorBank``, fed synthetic observation windows) decide; jobs are modelled by
+The agent's own loop decides: on each simulated node, ``agent.controller.Controller.tick(now)`` with
+the agent's policies (``agent.policies.get_policy``, injected) and predictor
+(``predictor.bank.PredictorBank``), reading a simulated snapshot source (what the collector would
+report: rates over the window since they last changed) and applying through a simulated actuator
+(the allocation is in force at once). So the observation spacing and hygiene, the tolerance for what
+counts as a change, cold start and departures are the controller's, not a copy. Jobs are modelled by
 throughput curves (``predictor.curve.ThroughputCurve``):
 
 - ``curves="corpus"``: one curve per job of the predictor's measured corpus
@@ -57,7 +61,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -101,6 +105,7 @@ class _Job:
     workers: int = 0
     changes: int = 0
     cores_got: float = 0.0
+    since: float = 0.0              # when its rates last changed (the collector's window starts there)
 
 
 # -- curves ------------------------------------------------------------------------------------
@@ -341,105 +346,138 @@ def _policy(name: str):
     return get_policy(name)
 
 
-def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig) -> dict:
-    """One node under one policy: per-job results and node totals."""
-    from agent.model import JobStats, NodeSnapshot
-    from agent.policies import PolicyConfig
-    from predictor.observation import Observation
+class _TruePredictor:
+    """The predictor slot filled with the true curves: for ``--predictor perfect`` and for the policies
+    that decide without a learned curve (the oracle reads the truth)."""
 
-    policy = _policy(policy_name)
-    pconf = PolicyConfig()
-    bank = None
+    def __init__(self, active: dict):
+        self._active = active
+
+    def observe(self, job_id, obs) -> None:
+        pass
+
+    def curve(self, job_id):
+        jb = self._active.get(job_id)
+        return jb.curve if jb is not None else None
+
+    def forget(self, job_id) -> None:
+        pass
+
+
+class _SimActuator:
+    """The node side of an apply: the allocation is in force at once (no worker restart cost); the
+    controller owns what is applied, this only keeps what the physics reads."""
+    name = "sim"
+    tracks_pids = False
+
+    def __init__(self, cpu_knob: str, active: dict):
+        self.cpu_knob = cpu_knob          # the controller reads it: a quota is a cap, a share is not
+        self.in_force: dict = {}
+        self._active = active
+
+    def apply(self, job, desired):
+        from agent.model import ApplyResult
+
+        old = self.in_force.get(job.job)
+        jb = self._active.get(job.job)
+        if old is not None and jb is not None and old.workers != desired.workers:
+            jb.changes += 1
+        self.in_force[job.job] = desired
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def release(self, job_id) -> None:
+        self.in_force.pop(job_id, None)
+
+    def restore(self) -> None:
+        self.in_force.clear()
+
+
+def _job_stats(jb: _Job, now: float, window_s: float, requested: int):
+    """What the collector would report for a simulated job: its rates over the window since they last
+    changed. Workers are taken as busy for the whole batch (the wall time per batch is workers over
+    batches per second, never under c + b; the excess is run-queue delay)."""
+    from agent.model import JobStats
+
+    cv = jb.curve
+    bs, g, thr = cv.batch_size, cv.compute_s_per_step, jb.rate
+    c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+    wait = max(0.0, bs / thr - g) if thr > 0 else 0.0
+    bps = thr / bs
+    wall = max(jb.workers / bps if bps > 0 else 0.0, c + b)
+    return JobStats(
+        job=jb.tj.job, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=jb.workers,
+        requested_workers=requested, max_workers=None, samples_per_s=thr, compute_s_per_step=g,
+        data_wait_s_per_step=wait, data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=c,
+        wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
+        worker_cpu_cores=jb.cores_got, age_s=now - jb.start, observed_s=now - jb.start,
+        window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
+        loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
+
+
+def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig) -> dict:
+    """One node under one policy: per-job results and node totals.
+
+    The agent's own ``Controller`` decides, tick by tick (``tick(now)``), from a simulated snapshot
+    source and through a simulated actuator: the same observation spacing and hygiene, the same
+    tolerance for what counts as a change (``CPUS_TOLERANCE``), the same departure handling. Ticks
+    are event-driven: one at each arrival or departure, then every ``tick_s`` while the predictor is
+    learning, until the plan has held for ``settle_ticks`` plus one observation interval."""
+    from agent.controller import OBSERVE_INTERVAL_S, Controller
+    from agent.model import NodeSnapshot
+    from agent.policies import PolicyConfig
+
     if cfg.predictor not in PREDICTORS:
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
-    if cfg.predictor != "perfect" and policy_name not in CURVE_FREE_POLICIES:
-        from predictor.bank import PredictorBank
-
-        bank = PredictorBank(prior="default" if cfg.predictor == "agent" else None)
     C = cfg.loader
     cpu_ids = tuple(range(int(cfg.cores)))
     req = cfg.requested_workers or max(1, int(cfg.cores // cfg.gpus))
     pending = sorted(jobs_in, key=lambda j: j.arrival_s)
     active: dict[str, _Job] = {}
     finished: list[_Job] = []
-    applied: dict = {}
+    learning = cfg.predictor != "perfect" and policy_name not in CURVE_FREE_POLICIES
+    if learning:
+        from predictor.bank import PredictorBank
+
+        predictor = PredictorBank(prior="default" if cfg.predictor == "agent" else None)
+    else:
+        predictor = _TruePredictor(active)
+    act = _SimActuator(cfg.cpu_knob, active)
     t = 0.0
+
+    def snapshot(now: float) -> NodeSnapshot:
+        jobs = {jid: _job_stats(jb, now, min(cfg.tick_s, now - jb.since), req) for jid, jb in active.items()}
+        return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
+                            loader_memory_bytes=cfg.loader_memory)
+
+    controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name), policy_config=PolicyConfig(),
+                            predictor=predictor, actuators=[act])
+    settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0
     ticks_left = 0
     n_jobs = len(pending)
     mem_now = mem_peak = 0.0
     mem_over_s = 0.0
 
-    def observe_and_stats():
-        stats = {}
-        for jid, jb in active.items():
-            cv = jb.curve
-            bs = cv.batch_size
-            thr = jb.rate
-            g = cv.compute_s_per_step
-            step_s = bs / thr if thr > 0 else math.inf
-            wait = max(0.0, step_s - g) if thr > 0 else 0.0
-            a = applied.get(jid)
-            w = a.workers if a else req
-            if bank is not None and thr > 0:
-                bps = thr / bs
-                wall = w / bps if bps > 0 else 0.0
-                c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
-                runq = max(0.0, wall - c - b)
-                got = getattr(jb, "cores_got", 0.0)
-                bank.observe(jid, Observation(
-                    workers=w, cores=max(1e-3, a.cpus if a else C / max(1, len(active))), batch_size=bs,
-                    compute_s_per_step=g, data_wait_s_per_step=wait, cpu_s_per_batch=c,
-                    wall_s_per_batch=max(wall, c + b), runq_s_per_batch=runq, blocked_s_per_batch=b,
-                    samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s)),
-                    worker_memory_bytes=cv.worker_memory_bytes))
-            stats[jid] = JobStats(
-                job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w, requested_workers=req,
-                max_workers=None, samples_per_s=thr, compute_s_per_step=g, data_wait_s_per_step=wait,
-                data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=cv.cpu_s_per_batch,
-                wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
-                blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=getattr(jb, "cores_got", 0.0),
-                age_s=t - jb.start, observed_s=t - jb.start, window_s=cfg.tick_s if thr > 0 else 0.0,
-                applied=a, pids=(), worker_pids=(), worker_memory_bytes=cv.worker_memory_bytes,
-                loader_memory_bytes=w * cv.worker_memory_bytes)
-        return stats
-
-    def decide():
-        nonlocal applied, decisions
-        stats = observe_and_stats()
-        snap = NodeSnapshot(now=t, loader_cpus=C, cpu_ids=cpu_ids, jobs=stats, max_jobs=cfg.gpus,
-                            loader_memory_bytes=cfg.loader_memory)
-        if bank is None:
-            curves = {j: active[j].curve for j in active}
-        else:
-            curves = {j: c for j in active if (c := bank.curve(j)) is not None}
-        plan = policy(snap, curves, pconf)
-        decisions += 1
-        moved = False
-        new = {}
-        for jid in active:
-            a = plan.allocations.get(jid)
-            if a is None:
-                continue
-            old = applied.get(jid)
-            if old is None or old.workers != a.workers or abs(old.cpus - a.cpus) > 1e-6:
-                moved = True
-                if old is not None and old.workers != a.workers:
-                    active[jid].changes += 1
-            new[jid] = a
-        applied = new
-        physics()
-        return moved
-
     def physics():
         nonlocal mem_now
-        got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
+        got, rates = node_rates({j: jb.curve for j, jb in active.items()}, act.in_force, C, cfg.cpu_knob, req)
         for jid, jb in active.items():
-            a = applied.get(jid)
-            jb.workers = a.workers if a else req
-            jb.cores_got = got[jid]
-            jb.rate = rates[jid]
+            a = act.in_force.get(jid)
+            workers = a.workers if a else req
+            if workers != jb.workers or abs(rates[jid] - jb.rate) > 1e-9 * max(1.0, jb.rate):
+                jb.since = t                   # a new window starts: the collector's rates restart here
+            jb.workers, jb.cores_got, jb.rate = workers, got[jid], rates[jid]
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
+
+    def tick() -> bool:
+        nonlocal decisions
+        record = controller.tick(t)
+        decisions += 1
+        if record.errors:
+            raise SimError(f"node {jobs_in[0].node} at t={t:g} under {policy_name}: {'; '.join(record.errors)}")
+        if record.results:
+            physics()
+        return bool(record.results)
 
     while pending or active:
         # next event
@@ -469,23 +507,19 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             jb = active.pop(jid)
             jb.done = t
             finished.append(jb)
-            applied.pop(jid, None)
-            if bank is not None:
-                bank.forget(jid)
             changed = True
         while pending and pending[0].arrival_s <= t + 1e-12:
             tj = pending.pop(0)
             cv = truth[tj.kind]
-            jb = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s), start=t)
-            active[tj.job] = jb
+            active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
+                                  start=t, since=t)
             changed = True
         if changed:
-            physics()          # rates before the first decision (cold jobs at their own request)
-            decide()
-            ticks_left = cfg.settle_ticks if bank is not None else 0
+            physics()          # rates before the tick (a new job at its own request, unmanaged)
+            tick()             # the controller forgets departed jobs and places new ones
+            ticks_left = settle
         elif t == t_tick:
-            moved = decide()
-            ticks_left = ticks_left - 1 if not moved else max(ticks_left - 1, 1)
+            ticks_left = settle if tick() else ticks_left - 1
     starts = [jb.start for jb in finished]
     ends = [jb.done for jb in finished]
     span = max(ends) - min(starts) if finished else 0.0

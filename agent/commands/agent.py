@@ -33,7 +33,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args, policy=None) -> int:
+    """``policy``: a policy function used instead of ``--policy`` (``evaluation.oracle_agent``)."""
     from agent import config as configmod
     from agent import logs
 
@@ -48,7 +49,7 @@ def run(args) -> int:
     from agent.server import EndpointBusy
 
     try:
-        agent = Agent(cfg, config_path=args.config, cli=cli)
+        agent = Agent(cfg, config_path=args.config, cli=cli, policy=policy)
         return agent.run()
     except EndpointBusy as e:
         print(f"adloader agent: {e}", file=sys.stderr)
