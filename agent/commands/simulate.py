@@ -14,8 +14,7 @@ NAME = "simulate"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="trace-driven simulation of policies over many nodes",
-                       description=__doc__.split("\n\n", 1)[1])
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see evaluation.simulate)")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--jobs-per-node", type=int, default=8)
