@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "job": ("agent.commands.job", "register or release a job with the agent (Slurm prolog/epilog)"),
     "profile": ("agent.commands.profile", "run a training command with the hook and show where time goes"),
     "bench": ("agent.commands.bench", "co-located jobs under each policy, side by side"),
-    "demo": ("agent.commands.demo", "three co-located jobs under even-static then adaptive"),
+    "demo": ("agent.commands.demo", "three co-located jobs under none, even-static and adaptive"),
     "simulate": ("agent.commands.simulate", "trace-driven simulation of policies over many nodes"),
     "install-service": ("agent.commands.install_service", "install the systemd unit, config and venv"),
 }

@@ -41,6 +41,7 @@ from agent.model import AllocationPlan, JobAllocation, JobStats, NodeSnapshot
 from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
+BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,19 @@ Policy = Callable[[NodeSnapshot, Mapping[str, ThroughputCurve], PolicyConfig], A
 
 # -- shared helpers -----------------------------------------------------------------------------
 
+def trainer_compute_s(job: JobStats) -> float:
+    """The step's compute time with the training process not starved of CPU: the measured compute time
+    less the time its main thread waited for a CPU while runnable (at least half the measured)."""
+    g = job.compute_s_per_step
+    return max(0.5 * g, g - max(0.0, job.trainer_runq_s_per_step))
+
+
 def trainer_cores_needed(job: JobStats) -> float:
     """Cores the job's training processes need at full speed, learned from what they measured: their
-    CPU seconds per step over the compute time of a step (the step's length when data is ready), at
-    most one core per rank or GPU thread. Under contention the measured compute time is stretched, so
-    this reads low at first and rises as the trainers get their cores back (it converges from below).
-    0 when the clients report no trainer CPU."""
-    t, g = job.trainer_cpu_s_per_step, job.compute_s_per_step
+    CPU seconds per step over the compute time of a step not starved of CPU (``trainer_compute_s``:
+    the step's length when data is ready and the trainer has its cores), at most one core per rank or
+    GPU thread. 0 when the clients report no trainer CPU."""
+    t, g = job.trainer_cpu_s_per_step, trainer_compute_s(job)
     cap = float(max(1, job.ranks, job.gpus))
     if t > 0 and g > 0:
         return min(cap, t / g)
@@ -363,6 +370,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     C, trainer_need = loader_budget(snapshot, config.min_cpus)
     if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
         C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
+        # ... and sticky: while every job holds an allocation and their total is within BUDGET_TOLERANCE
+        # of the new budget, the held total stays the budget. The trainers' need is measured and moves
+        # by tenths of a core from window to window; a budget that followed it would re-split every
+        # share every tick, and the controller never feeds the predictor a window that spans a change,
+        # so jobs would stay cold (no curve) for good.
+        held = [snapshot.applied.get(j) for j in snapshot.jobs]
+        if all(a is not None and a.enforce_cpu for a in held):
+            total = sum(a.cpus for a in held)
+            if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
+                C = total
     ids = sorted(snapshot.jobs)
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
     total_gpus = float(sum(gpus.values()))

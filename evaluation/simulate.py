@@ -69,10 +69,11 @@ from evaluation import metrics as M
 from predictor.curve import ThroughputCurve
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
-POLICIES_DEFAULT = ("even-static", "even", "none", "adaptive", "oracle")
+POLICIES_DEFAULT = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 PREDICTORS = ("agent", "first-principles", "perfect")
-CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle")   # decide without the predictor's curves
-                                                                   # (the oracle reads the true ones)
+CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle", "autotune", "static-cores")
+# decide without the predictor's curves (the oracle reads the true ones); the last two have no agent:
+NO_AGENT_POLICIES = ("none", "autotune", "static-cores")   # what users run instead, physics only
 MEASURED_LOADER_CPUS = 1.8      # the corpus machine: 2 vCPUs minus the agent's 10% reserve
 
 
@@ -105,23 +106,29 @@ class _Job:
     workers: int = 0
     changes: int = 0
     cores_got: float = 0.0
+    trainer_got: float = 0.0        # cores its training processes got (the workload model)
     since: float = 0.0              # when its rates last changed (the collector's window starts there)
+    model: object = None            # its evaluation.nodemodel.JobModel, made on first use
 
 
 # -- curves ------------------------------------------------------------------------------------
 
 def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
-    """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed."""
+    """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed; a kind
+    with several GPUs takes one batch per GPU per step. ``extra`` carries the rest of the workload
+    model (``evaluation.nodemodel``): the trainer's CPU per step and rank, the GPUs, the user's habit."""
     from evaluation.catalog import load_catalog
 
     cat = load_catalog(catalog_path)
     out = {}
     for name, k in cat.kinds.items():
-        c = k.cores_per_gpu * step_s           # CPU s per batch so that c / g = cores_per_gpu
+        c = k.cores_per_gpu * k.gpus * step_s   # CPU s per step's batches so that c / g = cores_per_gpu x gpus
         b = k.io_sleep_s * batch_size
-        out[name] = ThroughputCurve(job=name, batch_size=batch_size, compute_s_per_step=step_s,
+        out[name] = ThroughputCurve(job=name, batch_size=batch_size * k.gpus, compute_s_per_step=step_s,
                                     cpu_s_per_batch=c, blocked_s_per_batch=b, confidence=1.0,
-                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu},
+                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu, "gpus": k.gpus,
+                                                             "trainer_cpu_s_per_step": k.trainer_cpu_frac * step_s,
+                                                             "num_workers": k.num_workers},
                                     worker_memory_bytes=float(getattr(k, "worker_ram_mb", 0.0) or 0.0) * (1 << 20))
     return out
 
@@ -231,7 +238,8 @@ def read_trace(path: str) -> list[TraceJob]:
 
 
 def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,
-                   seed: int = 0) -> list[TraceJob]:
+                   seed: int = 0, gpus_of: Optional[dict] = None) -> list[TraceJob]:
+    """``gpus_of``: kind -> GPUs of a job of that kind (default 1)."""
     rng = random.Random(seed)
     out = []
     for n in range(nodes):
@@ -240,8 +248,9 @@ def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s:
             if i:
                 t += rng.expovariate(1.0 / mean_gap_s) if mean_gap_s > 0 else 0.0
             work = mean_work_s * rng.lognormvariate(-0.125, 0.5)
-            out.append(TraceJob(node=f"n{n}", job=f"n{n}-j{i}", kind=rng.choice(kinds), arrival_s=round(t, 3),
-                                work_s=round(work, 3)))
+            kind = rng.choice(kinds)
+            out.append(TraceJob(node=f"n{n}", job=f"n{n}-j{i}", kind=kind, arrival_s=round(t, 3),
+                                work_s=round(work, 3), gpus=int((gpus_of or {}).get(kind, 1))))
     return out
 
 
@@ -392,7 +401,7 @@ class _SimActuator:
         self.in_force.clear()
 
 
-def _job_stats(jb: _Job, now: float, window_s: float, requested: int):
+def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
     """What the collector would report for a simulated job: its rates over the window since they last
     changed. Workers are taken as busy for the whole batch (the wall time per batch is workers over
     batches per second, never under c + b; the excess is run-queue delay)."""
@@ -409,7 +418,8 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int):
         requested_workers=requested, max_workers=None, samples_per_s=thr, compute_s_per_step=g,
         data_wait_s_per_step=wait, data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=c,
         wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
-        worker_cpu_cores=jb.cores_got, age_s=now - jb.start, observed_s=now - jb.start,
+        worker_cpu_cores=jb.cores_got, trainer_cpu_cores=jb.trainer_got,
+        trainer_cpu_s_per_step=trainer_cpu_s_per_step, age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
         loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
 
@@ -421,10 +431,13 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     source and through a simulated actuator: the same observation spacing and hygiene, the same
     tolerance for what counts as a change (``CPUS_TOLERANCE``), the same departure handling. Ticks
     are event-driven: one at each arrival or departure, then every ``tick_s`` while the predictor is
-    learning, until the plan has held for ``settle_ticks`` plus one observation interval."""
+    learning, until the plan has held for ``settle_ticks`` plus one observation interval. The
+    no-agent baselines (``NO_AGENT_POLICIES``) decide nothing: the physics alone."""
     from agent.controller import OBSERVE_INTERVAL_S, Controller
     from agent.model import NodeSnapshot
     from agent.policies import PolicyConfig
+
+    from evaluation import nodemodel
 
     if cfg.predictor not in PREDICTORS:
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
@@ -444,35 +457,72 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     act = _SimActuator(cfg.cpu_knob, active)
     t = 0.0
 
+    def model_of(jb) -> "nodemodel.JobModel":
+        if jb.model is None:
+            ex = jb.curve.extra or {}
+            habit = int(ex.get("num_workers") or 0) or max(1, int(cfg.cores // max(1, jb.tj.gpus)))
+            jb.model = nodemodel.JobModel(curve=jb.curve,
+                                          trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
+                                          gpus=max(1, jb.tj.gpus), habitual_workers=cfg.requested_workers or habit)
+        return jb.model
+
     def snapshot(now: float) -> NodeSnapshot:
-        jobs = {jid: _job_stats(jb, now, min(cfg.tick_s, now - jb.since), req) for jid, jb in active.items()}
+        jobs = {}
+        for jid, jb in active.items():
+            m = model_of(jb)
+            jobs[jid] = _job_stats(jb, now, min(cfg.tick_s, now - jb.since), m.habitual_workers,
+                                   m.gpus * m.trainer_cpu_s_per_step)
         return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
                             loader_memory_bytes=cfg.loader_memory)
 
-    controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name), policy_config=PolicyConfig(),
-                            predictor=predictor, actuators=[act])
+    controller = None
+    if policy_name not in NO_AGENT_POLICIES:
+        controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
+                                policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares"),
+                                predictor=predictor, actuators=[act])
     settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0
     ticks_left = 0
     n_jobs = len(pending)
     mem_now = mem_peak = 0.0
     mem_over_s = 0.0
+    mode = {"none": "none", "autotune": "autotune", "static-cores": "static"}.get(policy_name, "agent")
+    rates_cache: dict = {}      # the physics of one set of jobs and allocations, computed once
 
     def physics():
         nonlocal mem_now
-        got, rates = node_rates({j: jb.curve for j, jb in active.items()}, act.in_force, C, cfg.cpu_knob, req)
+        applied = act.in_force
+        models = {j: model_of(jb) for j, jb in active.items()}
+        if mode == "agent" and cfg.cpu_knob == "quota":   # hard caps: the loaders' waterfill alone (no trainer model)
+            got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
+            res = None
+        else:
+            key = (mode, tuple(sorted((j, id(m), getattr(applied.get(j), "workers", 0),
+                                       round(getattr(applied.get(j), "cpus", 0.0), 6)) for j, m in models.items())))
+            res = rates_cache.get(key)
+            if res is None:
+                if len(rates_cache) > 4096:
+                    rates_cache.clear()
+                res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores,
+                                                              applied if mode == "agent" else None, node_gpus=cfg.gpus)
         for jid, jb in active.items():
-            a = act.in_force.get(jid)
-            workers = a.workers if a else req
-            if workers != jb.workers or abs(rates[jid] - jb.rate) > 1e-9 * max(1.0, jb.rate):
+            if res is not None:
+                r = res[jid]
+                workers, cores, trainer, rate = r.workers, r.loader_cores, r.trainer_cores, r.samples_per_s
+            else:
+                a = applied.get(jid)
+                workers, cores, trainer, rate = (a.workers if a else req), got[jid], 0.0, rates[jid]
+            if workers != jb.workers or abs(rate - jb.rate) > 1e-9 * max(1.0, jb.rate):
                 jb.since = t                   # a new window starts: the collector's rates restart here
-            jb.workers, jb.cores_got, jb.rate = workers, got[jid], rates[jid]
+            jb.workers, jb.cores_got, jb.trainer_got, jb.rate = workers, cores, trainer, rate
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
 
     def tick() -> bool:
         nonlocal decisions
-        record = controller.tick(t)
         decisions += 1
+        if controller is None:           # no agent: nothing is decided, the physics alone
+            return False
+        record = controller.tick(t)
         if record.errors:
             raise SimError(f"node {jobs_in[0].node} at t={t:g} under {policy_name}: {'; '.join(record.errors)}")
         if record.results:

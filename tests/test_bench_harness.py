@@ -218,28 +218,40 @@ def test_emulated_step_burns_the_trainers_cpu_per_rank():
     assert used >= 2 * 0.02 * 0.9                                   # two rank threads, 20 ms each
 
 
-def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
-    import subprocess
-    from pathlib import Path
 
-    from evaluation.catalog import JobSpec
-    from evaluation.harness import STATIC_CGROUP_ROOT, BenchError, StaticCores
+TINY_MEMORY = TINY.replace("[mixes]", """[jobs.fat]
+cores_per_gpu = 0.5
+batch_size = 8
+image_px = 32
+crop_px = 16
+worker_ram_mb = 200
 
-    if os.geteuid() != 0 or not Path(STATIC_CGROUP_ROOT, "cpu.cfs_quota_us").exists():
-        with pytest.raises(BenchError, match="static-cores needs root and a cgroup v1 cpu hierarchy"):
-            StaticCores(2, 4)
-        pytest.skip("needs root and cgroup v1 cpu to place a process (the refusal was checked)")
-    spec = JobSpec(job_id="adl-test-static", kind="x", batch_size=8, step_s=0.1, demand_cores=1.0,
-                   cpu_s_per_sample=0.001, workload={}, gpus=2)
-    st = StaticCores(node_cores=2, node_gpus=4)
-    p = subprocess.Popen(["sleep", "30"])
-    try:
-        assert st.place(spec, p.pid) == pytest.approx(1.0)          # 2 cores x 2 of 4 GPUs
-        group = st.base / spec.job_id
-        assert (group / "cpu.cfs_quota_us").read_text().strip() == "100000"
-        assert str(p.pid) in (group / "cgroup.procs").read_text().split()
-    finally:
-        st.close()
-        p.kill()
-        p.wait()
-    assert not st.base.exists()
+[mixes]
+memory = ["fat", "light"]""")
+
+
+@pytest.mark.parametrize("policy", ["none", "adaptive"])
+def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
+    """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
+    `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
+    the measured window under it. The harness reads the workers' memory itself (smaps_rollup)."""
+    ok, missing = setup.agent_available()
+    if not ok:
+        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
+    if setup.node_cores() < 2:
+        pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
+    cat = tmp_path / "mem.toml"
+    cat.write_text(TINY_MEMORY)
+    result, _ = _run(tmp_path, str(cat), "memory", [policy], warmup_s=6.0, measure_s=4.0,
+                     loader_memory=350 << 20)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    m = ph["metrics"]
+    assert m["loader_memory_budget_bytes"] == 350 << 20 and m["loader_memory_samples"] >= 1
+    if policy == "none":
+        assert m["loader_memory_max_bytes"] > 350 << 20 and m["loader_memory_over_budget_samples"] >= 1
+    else:
+        assert m["loader_memory_over_budget_samples"] == 0, ph["memory"]
+        assert m["jobs"]["memo-0-fat"]["workers_end"] == 1
+    assert "samples over the budget" in (tmp_path / "out" / "bench.md").read_text()
+    assert _no_children_left() == []

@@ -191,8 +191,11 @@ def test_sampler_is_rate_limited_and_keeps_a_dead_workers_last_sample():
     first = sampler.sample([me], now=100.0)
     assert first.workers == 1 and first.uss > 0
     assert sampler.sample([me], now=100.5) is first            # within every_s: no new read
+    parent = os.getppid()
+    assert sampler.sample([me, parent], now=100.6).workers == 2   # a new worker is sampled at once
     later = sampler.sample([me], now=103.0)
     assert later is not first and later.per_worker[me]["growth"] == later.uss - first.uss
+    assert parent not in sampler._tracks                       # gone from the set: forgotten
     gone = sampler.sample([], now=106.0)
     assert gone.workers == 0 and sampler.last_memory(me) is not None
     sampler.forget_dead([])
@@ -311,7 +314,7 @@ def test_a_sigkilled_worker_is_reported_with_its_last_memory_and_the_likely_caus
             got += list(it)
         assert [int(x) for b in got for x in b] == list(range(256))       # re-dispatched as today
         text = " ".join(r.getMessage() for r in caplog.records)
-        assert f"pid {victim}" in text and "killed by signal 9" in text
+        assert f"DataLoader worker (pid {victim}) is killed by signal: Killed." in text
         assert "last measured memory 3" in text and "unique" in text       # ~300 MiB
         assert "likely killed by the kernel's OOM killer (SIGKILL while it held much memory)" in text \
             or "killed by the kernel's OOM killer (SIGKILL; this cgroup's oom_kill count" in text
