@@ -137,6 +137,18 @@ def trainer_cores_needed(job: JobStats) -> float:
     return min(cap, max(0.0, job.trainer_cpu_cores))
 
 
+TRAINER_MARGIN = 0.1      # of a trainer's full-speed need, reserved above what its data-limited pace uses
+
+
+def trainer_cores_expected(job: JobStats) -> float:
+    """Cores the job's training processes will use at the pace the data allows now: their full-speed
+    need times the share of the step they are not waiting for data, plus TRAINER_MARGIN of the need
+    (room to speed up; the reserve follows at the next tick). A trainer starved of CPU does not wait
+    for data, so this is then its whole need; a data-starved job's trainer needs only a fraction."""
+    need = trainer_cores_needed(job)
+    return min(need, need * (1.0 - min(1.0, max(0.0, job.data_wait_frac)) + TRAINER_MARGIN))
+
+
 def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
     """(cores the loaders may share, cores kept for the training processes): the node's loader CPUs,
     but never the cores the trainers need: min(loader_cpus, node CPUs - sum of trainer needs), at least

@@ -9,7 +9,8 @@ blocked s), ``trainer_cpu_s_per_step`` = CPU seconds each of its ``gpus`` rank t
 How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, modelled):
 
 - ``agent``: the agent's cgroup subtree holds every loader worker; where trainers need CPU it is
-  capped at ``N`` less their need (``agent.actuators.cgroup``), so each trainer finds its cores; the
+  capped at ``N`` less what they use at their pace plus a margin (``agent.actuators.cgroup``), so each
+  trainer finds its cores; the
   loaders share the rest by the plan's weights (``cpus``), each capped at what its workers can use
   (water-filling: work-conserving). Fixed point over the jobs' rates.
 - ``none`` / ``autotune`` (no agent): the kernel shares CPU fairly between jobs (each job's processes
@@ -129,13 +130,15 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         # (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
         need = sum(models[j].trainer_cores for j in ids)
-        cap = max(sum(weights.values()), N - need) if need >= 0.05 else N
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
         cores = {j: 0.0 for j in ids}
         for _ in range(80):
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             t_total = sum(trainer.values())
             scale = min(1.0, N / t_total) if t_total > 0 else 1.0      # trainers alone over the node
+            # the cap: N less what the trainers use at their pace, with the margin (trainer_cores_expected)
+            pace = sum(min(models[j].trainer_cores, trainer[j] + 0.1 * models[j].trainer_cores) for j in ids)
+            cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
             avail = max(0.0, min(cap, N - t_total * scale))
             cores = waterfill(avail, weights, {j: _loader_demand(models[j], w[j]) for j in ids})
             new = {}

@@ -236,3 +236,12 @@ def test_a_job_slower_than_one_step_per_report_is_still_observed():
     slow = job("two", gpus=2, batch_size=128, samples_per_s=60.0, window_s=1.0)   # ~0.47 steps per window
     obs = observation_from_stats(slow, snap([slow]))
     assert obs is not None and obs.steps == 1
+
+
+def test_a_data_starved_trainer_is_expected_to_use_only_its_pace():
+    from agent.policies import TRAINER_MARGIN, trainer_cores_expected
+
+    busy = job("a", t=0.03, data_wait_frac=0.0)                   # CPU-bound or at full speed: all of it
+    starved = job("b", t=0.03, data_wait_frac=0.8)                # waits for data 80% of its step
+    assert trainer_cores_expected(busy) == pytest.approx(0.3)
+    assert trainer_cores_expected(starved) == pytest.approx(0.3 * (0.2 + TRAINER_MARGIN))
