@@ -107,6 +107,8 @@ def _warn_if_foreign_copy(frame) -> None:
     if getattr(_foreign_copy_allowed, "on", False):
         return
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    if frame is not None and frame.f_code.co_name == "__getattr__":
+        return      # a wrapper forwarding an attribute (accelerate's DataLoaderAdapter), not a copy
     for prefix, advice in _FOREIGN_COPIERS.items():
         if module.startswith(prefix):
             _foreign_copy_warned = True
@@ -187,6 +189,7 @@ class _Core:
         self.auto = False           # num_workers="auto"
         self.requested = target     # the user's count (auto: the initial one)
         self.hooks_attached = False     # agent client / autotune: once per state, not per loader
+        self.owner = None       # weakref to the loader that created this state (the user's object)
         # persistent workers: one pool per loader object sharing this state (a framework's rebuilt
         # copy may carry another dataset); held by their iterators, listed here for resize and close
         self.persistent_pools: weakref.WeakSet = weakref.WeakSet()
@@ -282,7 +285,11 @@ class DataLoader(tud.DataLoader[T_co]):
             core = _Core(min(self._target_init, max_workers), max_workers)
             core.auto = auto
             core.requested = core.target
+            core.owner = weakref.ref(self)
         self._core = core
+        # a copy keeps the state's first loader alive: the agent client and autotune hold that one
+        # (weakly), so they keep working while any copy trains, even if the user dropped theirs
+        self._owner = core.owner() if elastic_state is not None else None
         self._resume: dict | None = None
         self._persistent_iter = None
         self._last_iter = None
@@ -559,10 +566,12 @@ class DataLoader(tud.DataLoader[T_co]):
         """Stop every worker of this loader and detach from the agent/autotune. Idempotent."""
         if self._core.closed:
             return
+        handle = self._core.owner() if self._core.owner is not None else None
+        handle = handle if handle is not None else self      # the loader the hooks were given
         for modname, fn in (("adloader.client", "detach"), ("adloader.autotune", "detach")):
             if modname == "adloader.autotune" and not self._core.auto:
                 continue
-            self._call_hook(modname, fn)
+            handle._call_hook(modname, fn)
         self._core.close()
 
     def __enter__(self):
@@ -604,10 +613,12 @@ class DataLoader(tud.DataLoader[T_co]):
             disabled = bool(importlib.import_module("adloader.env").disabled())
         except Exception:       # never break training over the hook
             disabled = False
+        handle = self._core.owner() if self._core.owner is not None else None
+        handle = handle if handle is not None else self
         if not disabled:
-            self._call_hook("adloader.client", "attach")
+            handle._call_hook("adloader.client", "attach")
         if self._core.auto:
-            self._call_hook("adloader.autotune", "attach")
+            handle._call_hook("adloader.autotune", "attach")
 
 
 class _ElasticIter:

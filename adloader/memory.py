@@ -315,11 +315,11 @@ class WorkerMemorySampler:
 
     def sample(self, pids: Iterable[int], now: Optional[float] = None, force: bool = False) -> MemorySummary:
         now = time.monotonic() if now is None else now
-        if not force and now < self._next:
-            return self.summary
+        pids = list(pids)
+        if not force and now < self._next and all(p in self._tracks for p in pids):
+            return self.summary           # (a new worker is sampled at once: its baseline should be early)
         self._next = now + self.every_s
         t0 = time.thread_time()
-        pids = list(pids)
         alive = set()
         s = MemorySummary(sampled_at=now)
         growth_sum = 0.0

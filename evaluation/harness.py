@@ -42,7 +42,8 @@ from evaluation.catalog import Catalog, JobSpec, make_job
 POLICIES_ALL = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
-                    "nothing-to-arbitrate")
+                    "nothing-to-arbitrate", "memory")
+MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 
@@ -108,6 +109,7 @@ class BenchConfig:
     python: str = sys.executable
     keep_logs: bool = True
     memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
+    loader_memory: Optional[int] = None     # the "memory" scenario's budget (None: MEMORY_SCENARIO_BUDGET)
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -123,7 +125,10 @@ def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
         kinds = cat.mixes[name]
         jobs = [make_job(cat, cal, k, f"{name[:4]}-{i}-{k.split('[')[0]}", seed=100 + i, node_cores=cfg.node_cores)
                 for i, k in enumerate(kinds)]
-        if name in STATIC_SCENARIOS:
+        if name == "memory":
+            out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas,
+                                loader_memory=cfg.loader_memory or MEMORY_SCENARIO_BUDGET))
+        elif name in STATIC_SCENARIOS:
             out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas))
         elif name == "reaction":
             # two jobs run; the third arrives; the first departs

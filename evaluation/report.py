@@ -14,7 +14,7 @@ from evaluation import metrics as M
 
 METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "fairness_vs_static",
            "makespan_s", "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores",
-           "resizes")
+           "resizes", "loader_memory_max_bytes", "loader_memory_over_budget_samples", "loader_memory_samples")
 BASELINES = ("oracle", "even-static", "even", "none", "autotune", "static-cores")
 # what users and operators run instead of the agent: "× best" is against the best of these in the same repeat
 USER_BASELINES = ("none", "autotune", "static-cores", "even-static")
@@ -154,6 +154,15 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
             for e in r.get("errors", [])[:2]:
                 lines.append(f"|  | error: {e.splitlines()[0][:150]} |" + " |" * 14)
         lines.append("")
+        if any("loader_memory_max_bytes" in r for r in table.values()):
+            lines.append("| policy | loader memory peak, MiB (median over repeats) | samples over the budget / samples |")
+            lines.append("|---|---|---|")
+            for p, r in table.items():
+                peak = r.get("loader_memory_max_bytes")
+                lines.append(f"| {p} | {_fmt(peak / (1 << 20) if peak is not None else None, '.0f')} "
+                             f"| {_fmt(r.get('loader_memory_over_budget_samples'), '.0f')} / "
+                             f"{_fmt(r.get('loader_memory_samples'), '.0f')} |")
+            lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")
         for g in goal_rows:

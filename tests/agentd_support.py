@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +14,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
-
-import pytest
 
 from tests.conftest import adloader_cmd, repo_env, wait_for
 
@@ -135,24 +132,6 @@ def short_dir() -> str:
     d = tempfile.mkdtemp(prefix="adl")
     os.chmod(d, 0o755)
     return d
-
-
-@pytest.fixture
-def base():
-    """A fixture: a short directory (``short_dir``) for a test's sockets and files, removed afterwards.
-    Import it into a test module (``from tests.agentd_support import base``) to use it there."""
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def trainers():
-    """A fixture: a list a test appends its ``Trainer`` processes to; each is killed afterwards."""
-    started = []
-    yield started
-    for t in started:
-        t.kill()
 
 
 class AgentProc:

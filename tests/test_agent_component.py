@@ -14,8 +14,10 @@ import time
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
+from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import adloader_cmd, repo_env, wait_for
+
+pytestmark = pytest.mark.component
 
 
 @pytest.fixture

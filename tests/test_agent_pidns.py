@@ -19,7 +19,7 @@ from agent import security
 from agent.registry import Refused, Registry
 from agent.security import Peer
 from adloader import protocol
-from tests.agentd_support import AgentProc, Trainer, base  # noqa: F401 (base: a fixture)
+from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import wait_for
 
 
@@ -35,6 +35,7 @@ def fake_proc(root, procs: dict[int, tuple[int, tuple[int, ...]]]) -> str:
     return str(root)
 
 
+@pytest.mark.component
 def test_host_pid_accepts_only_the_callers_own_namespace_pid(tmp_path):
     proc = fake_proc(tmp_path, {500: (1, (500, 1)), 600: (1, (600,))})
     assert security.host_pid(500, 500, proc) == 500          # the agent's namespace: itself
@@ -45,6 +46,7 @@ def test_host_pid_accepts_only_the_callers_own_namespace_pid(tmp_path):
     assert security.host_pid(1, 999, proc) is None           # gone
 
 
+@pytest.mark.component
 def test_worker_pids_map_through_descendants_only(tmp_path):
     proc = fake_proc(tmp_path, {
         500: (1, (500, 1)),                 # the training process, pid 1 in its container
@@ -69,6 +71,7 @@ def children():
         p.wait()
 
 
+@pytest.mark.component
 def test_registry_takes_namespace_pids_and_keeps_host_pids(tmp_path, children):
     me, (w1, w2, stranger) = os.getpid(), children
     tree = {me: (1, (me, 1)), w1: (me, (w1, 5)), stranger: (1, (stranger, 6))}
@@ -100,6 +103,7 @@ def test_registry_takes_namespace_pids_and_keeps_host_pids(tmp_path, children):
     assert reg.jobs["j"].worker_pids() == (w2,)
 
 
+@pytest.mark.component
 def test_registry_without_namespaces_is_unchanged(tmp_path, children):
     me, (w1, _, _) = os.getpid(), children
     reg = Registry(proc_root=fake_proc(tmp_path, {me: (1, (me,))}))
@@ -118,6 +122,7 @@ def _unshare_works() -> bool:
     return p.returncode == 0
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not _unshare_works(), reason="needs root and a working `unshare --pid` for a real pid namespace")
 def test_client_in_its_own_pid_namespace_is_accepted_with_host_pids(base):
     agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2").start()

@@ -14,8 +14,10 @@ import pytest
 import zmq
 
 from adloader import protocol
-from tests.agentd_support import AgentProc, Trainer, base, trainers  # noqa: F401 (fixtures)
+from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import repo_env, wait_for
+
+pytestmark = pytest.mark.component
 
 NOBODY = 65534
 

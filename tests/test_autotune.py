@@ -8,6 +8,8 @@ import pytest
 from adloader import autotune
 from predictor.observation import Observation
 
+pytestmark = pytest.mark.unit
+
 
 def _v1_tree(tmp_path, quotas):
     """quotas: {relative dir: (quota, period)} under a cpu,cpuacct mount; returns /proc/self/cgroup."""

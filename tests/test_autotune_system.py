@@ -71,6 +71,7 @@ def _settled(trace, from_s):
     return {w for t, w, _r in trace if t >= from_s}
 
 
+@pytest.mark.component
 def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path):
     # b = 16 x 5 ms = 80 ms blocked per batch, little CPU, 20 ms step: ~5 workers hide the fetches,
     # and blocked time needs workers, not cores, so one CPU does not cap them at 1.
@@ -86,6 +87,7 @@ def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path):
     assert end_rate > 2.0 * first_rate, trace
 
 
+@pytest.mark.component
 def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path):
     # pure CPU preprocessing on one CPU: more workers cannot help; the tuner must not pile them up
     res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0)
@@ -126,6 +128,7 @@ def half_cpu_group():
         cpu.rmdir(rel)
 
 
+@pytest.mark.system
 def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tmp_path, half_cpu_group):
     # no affinity pin: the only bound is the group's 0.5-CPU quota, which the loader must read itself
     # (os.cpu_count() would say 2). b = 16 x 10 ms = 160 ms blocked per batch, ~15 ms CPU: ~6 workers
@@ -146,6 +149,7 @@ def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tm
     assert end_rate > 2.0 * first_rate, trace
 
 
+@pytest.mark.system
 def test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker(tmp_path, half_cpu_group):
     res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=half_cpu_group)
     trace = res["trace"]

@@ -17,6 +17,8 @@ import pytest
 from evaluation import report, setup
 from evaluation.catalog import CatalogError, load_catalog
 
+pytestmark = pytest.mark.component
+
 TINY = """
 reference_cores = 4.0
 min_step_s = 0.01
@@ -241,3 +243,41 @@ def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
         p.kill()
         p.wait()
     assert not st.base.exists()
+
+
+TINY_MEMORY = TINY.replace("[mixes]", """[jobs.fat]
+cores_per_gpu = 0.5
+batch_size = 8
+image_px = 32
+crop_px = 16
+worker_ram_mb = 200
+
+[mixes]
+memory = ["fat", "light"]""")
+
+
+@pytest.mark.parametrize("policy", ["none", "adaptive"])
+def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
+    """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
+    `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
+    the measured window under it. The harness reads the workers' memory itself (smaps_rollup)."""
+    ok, missing = setup.agent_available()
+    if not ok:
+        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
+    if setup.node_cores() < 2:
+        pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
+    cat = tmp_path / "mem.toml"
+    cat.write_text(TINY_MEMORY)
+    result, _ = _run(tmp_path, str(cat), "memory", [policy], warmup_s=6.0, measure_s=4.0,
+                     loader_memory=350 << 20)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    m = ph["metrics"]
+    assert m["loader_memory_budget_bytes"] == 350 << 20 and m["loader_memory_samples"] >= 1
+    if policy == "none":
+        assert m["loader_memory_max_bytes"] > 350 << 20 and m["loader_memory_over_budget_samples"] >= 1
+    else:
+        assert m["loader_memory_over_budget_samples"] == 0, ph["memory"]
+        assert m["jobs"]["memo-0-fat"]["workers_end"] == 1
+    assert "samples over the budget" in (tmp_path / "out" / "bench.md").read_text()
+    assert _no_children_left() == []

@@ -10,6 +10,8 @@ from evaluation import metrics as M
 from evaluation.oracle import even_objective, solve, value_from_curve, value_from_sweep
 from predictor.curve import ThroughputCurve
 
+pytestmark = pytest.mark.unit
+
 
 def test_jain_index_equal_and_one_hog():
     assert M.jain_index([0.5, 0.5, 0.5]) == pytest.approx(1.0)
@@ -114,14 +116,12 @@ def test_sweep_value_is_monotone_and_zero_at_zero():
 
 def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
     from evaluation.oracle_agent import make_oracle_policy
-    from agent.model import JobStats, NodeSnapshot
+    from agent.model import NodeSnapshot
+    from tests.fakes import UNMEASURED, job_stats
     from agent.policies import PolicyConfig
 
     def stats(j):
-        return JobStats(job=j, uid=0, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=2,
-                        max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
-                        data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
-                        blocked_s_per_batch=0.0, worker_cpu_cores=0.0)
+        return job_stats(j, **UNMEASURED)
 
     policy = make_oracle_policy({"heavy": [[1, 0.9, 0.45], [2, 1.8, 0.9]], "light": [[1, 0.2, 1.0]]})
     snap = NodeSnapshot(now=0.0, loader_cpus=1.8, cpu_ids=(0, 1),

@@ -15,62 +15,25 @@ import pytest
 
 from agent import cgroupfs
 from agent.actuators import build
-from agent.model import JobAllocation, JobStats
-
-ROOT = "/sys/fs/cgroup"
-SUBTREE = f"adloader-test-{os.getpid()}"
-
-
-def _skip_reason():
-    if os.geteuid() != 0:
-        return "needs root to write cgroups"
-    for ctrl in ("cpu", "cpuset"):
-        why = cgroupfs.v1_controller_available(ROOT, ctrl)
-        if why:
-            return why
-    return None
-
+from agent.model import JobAllocation
+from tests.cgroup_support import ROOT, SUBTREE, skip_reason, wipe
+from tests.fakes import cgroup_job
 
 pytestmark = [pytest.mark.system]
-if _skip_reason():
-    print(f"skipping cgroup system tests: {_skip_reason()}", file=sys.stderr)
-    pytestmark.append(pytest.mark.skip(reason=_skip_reason()))
-
-
-def _wipe(subtree: str = SUBTREE) -> list[str]:
-    """Remove every group under the test subtree (moving its tasks to the root). Returns what was left."""
-    left = []
-    for ctrl in ("cpu", "cpuset", "blkio"):
-        base = os.path.join(ROOT, ctrl, subtree)
-        if not os.path.isdir(base):
-            continue
-        left.append(base)
-        dirs = [d for d, _, _ in os.walk(base)]
-        for d in sorted(dirs, key=lambda p: -p.count("/")):
-            try:
-                with open(os.path.join(d, "cgroup.procs")) as f:
-                    pids = f.read().split()
-                for pid in pids:
-                    try:
-                        with open(os.path.join(ROOT, ctrl, "cgroup.procs"), "w") as f:
-                            f.write(pid)
-                    except OSError:
-                        pass
-                os.rmdir(d)
-            except OSError:
-                pass
-    return left
+if skip_reason():
+    print(f"skipping cgroup system tests: {skip_reason()}", file=sys.stderr)
+    pytestmark.append(pytest.mark.skip(reason=skip_reason()))
 
 
 @pytest.fixture
 def clean():
-    _wipe()
+    wipe()
     procs: list[subprocess.Popen] = []
     yield procs
     for p in procs:
         p.kill()
         p.wait(timeout=10)
-    _wipe()
+    wipe()
 
 
 def busy(procs, cpu: int | None = None, own_session: bool = False) -> int:
@@ -82,12 +45,9 @@ def busy(procs, cpu: int | None = None, own_session: bool = False) -> int:
     return p.pid
 
 
-def stats(job: str, worker_pids, **kw) -> JobStats:
-    return JobStats(job=job, uid=0, ranks=1, gpus=1, batch_size=1, workers=len(worker_pids), requested_workers=1,
-                    max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
-                    data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
-                    blocked_s_per_batch=0.0, worker_cpu_cores=1.0, pids=(os.getpid(),),
-                    worker_pids=tuple(worker_pids), **kw)
+def stats(job: str, worker_pids, **kw):
+    """A job whose training process is this test process (never moved) and whose workers are ``worker_pids``."""
+    return cgroup_job(job, worker_pids, pids=(os.getpid(),), **kw)
 
 
 def cpu_s(pid: int) -> float:

@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 from adloader import client, env, protocol
-from tests.agentd_support import base  # noqa: F401 (base: a fixture)
 from tests.conftest import wait_for
+
+pytestmark = pytest.mark.component
 
 
 class Loader:

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from tests.agentd_support import AgentProc, base  # noqa: F401 (base: a fixture)
+from tests.agentd_support import AgentProc
 from tests.conftest import repo_env, wait_for
+
+pytestmark = pytest.mark.component
 
 pytest.importorskip("torch")
 

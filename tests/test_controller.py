@@ -3,78 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from agent.actuators import DirectiveActuator, build
 from agent.controller import Controller, TickRecord, observation_from_stats
-from agent.model import ApplyResult, JobAllocation, JobStats, NodeSnapshot
+from agent.model import JobAllocation
 from agent.policies import PolicyConfig, get_policy
-from predictor.curve import ThroughputCurve
+from tests.fakes import FakeBank, FakeSink, FakeSource, RecordingActuator, job_stats
 
-
-def stats(job: str, **kw) -> JobStats:
-    base = dict(job=job, uid=1000, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=2,
-                max_workers=None, samples_per_s=320.0, compute_s_per_step=0.1, data_wait_s_per_step=0.05,
-                data_wait_frac=0.33, cpu_s_per_batch=0.2, wall_s_per_batch=0.25, runq_s_per_batch=0.03,
-                blocked_s_per_batch=0.02, worker_cpu_cores=1.5, window_s=2.0, worker_pids=(101, 102))
-    base.update(kw)
-    return JobStats(**base)
-
-
-class FakeSource:
-    def __init__(self, loader_cpus=4.0, jobs=()):
-        self.loader_cpus = loader_cpus
-        self.jobs = {j.job: j for j in jobs}
-
-    def __call__(self, now):
-        return NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=tuple(range(int(self.loader_cpus))),
-                            jobs=dict(self.jobs))
-
-
-class FakeBank:
-    def __init__(self):
-        self.seen, self.forgotten = [], []
-
-    def observe(self, job_id, obs):
-        self.seen.append((job_id, obs))
-
-    def curve(self, job_id):
-        obs = [o for j, o in self.seen if j == job_id]
-        if not obs:
-            return None
-        o = obs[-1]
-        return ThroughputCurve(job=job_id, batch_size=o.batch_size, compute_s_per_step=o.compute_s_per_step,
-                               cpu_s_per_batch=o.cpu_s_per_batch, blocked_s_per_batch=o.blocked_s_per_batch)
-
-    def forget(self, job_id):
-        self.forgotten.append(job_id)
-
-
-class FakeSink:
-    def __init__(self, ok=True):
-        self.sent, self.ok = [], ok
-
-    def send_directive(self, job_id, workers, cpus, cpuset, reason):
-        self.sent.append((job_id, workers, cpus, cpuset, reason))
-        return self.ok
-
-
-class RecordingActuator:
-    name = "rec"
-    tracks_pids = True
-
-    def __init__(self, fail_jobs=()):
-        self.applied, self.released, self.restored, self.fail_jobs = [], [], 0, set(fail_jobs)
-
-    def apply(self, job, desired):
-        self.applied.append((job.job, desired, job.worker_pids))
-        if job.job in self.fail_jobs:
-            return ApplyResult(job=job.job, ok=False, applied=None, error="boom")
-        return ApplyResult(job=job.job, ok=True, applied=desired)
-
-    def release(self, job_id):
-        self.released.append(job_id)
-
-    def restore(self):
-        self.restored += 1
+pytestmark = pytest.mark.unit
 
 
 def make(source, actuators, policy="even", records=None):
@@ -84,7 +21,7 @@ def make(source, actuators, policy="even", records=None):
 
 
 def test_tick_applies_even_split_and_records():
-    src = FakeSource(4.0, [stats("a"), stats("b")])
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     sink, records = FakeSink(), []
     c = make(src, [DirectiveActuator(sink)], records=records)
     rec = c.tick(now=1.0)
@@ -99,20 +36,20 @@ def test_tick_applies_even_split_and_records():
 
 
 def test_only_the_difference_is_applied():
-    src = FakeSource(4.0, [stats("a"), stats("b")])
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     sink = FakeSink()
     c = make(src, [DirectiveActuator(sink)])
     c.tick(now=1.0)
     c.tick(now=2.0)
     assert len(sink.sent) == 2          # second tick: nothing changed, nothing sent
-    src.jobs["c"] = stats("c")
+    src.jobs["c"] = job_stats("c")
     rec = c.tick(now=3.0)
     assert set(rec.results) == {"a", "b", "c"}   # shares changed for all three
     assert len(sink.sent) == 5
 
 
 def test_departure_releases_and_hands_out_share_in_same_tick():
-    src = FakeSource(4.0, [stats("a"), stats("b")])
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     act = RecordingActuator()
     bank = FakeBank()
     c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
@@ -125,7 +62,7 @@ def test_departure_releases_and_hands_out_share_in_same_tick():
 
 
 def test_forget_releases_now():
-    src = FakeSource(4.0, [stats("a")])
+    src = FakeSource(4.0, [job_stats("a")])
     act = RecordingActuator()
     c = make(src, [act])
     c.tick(now=1.0)
@@ -134,7 +71,7 @@ def test_forget_releases_now():
 
 
 def test_breaker_opens_after_three_failures_for_that_job_only():
-    src = FakeSource(4.0, [stats("a"), stats("b")])
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     act = RecordingActuator(fail_jobs={"b"})
     c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
                    predictor=FakeBank(), actuators=[act], breaker_retry_s=30.0)
@@ -175,10 +112,10 @@ def test_tick_never_raises():
         def restore(self):
             raise OSError("gone")
 
-    c = Controller(snapshot_source=FakeSource(2.0, [stats("a")]), policy=bad_policy,
+    c = Controller(snapshot_source=FakeSource(2.0, [job_stats("a")]), policy=bad_policy,
                    policy_config=PolicyConfig(), predictor=FakeBank(), actuators=[Raising()])
     assert "policy: ZeroDivisionError" in c.tick(now=1.0).errors[0]
-    c = make(FakeSource(2.0, [stats("a")]), [Raising()])
+    c = make(FakeSource(2.0, [job_stats("a")]), [Raising()])
     rec = c.tick(now=1.0)
     assert not rec.results["a"].ok and "EPERM" in rec.results["a"].error
     c.forget("a")
@@ -186,11 +123,11 @@ def test_tick_never_raises():
 
 
 def test_new_worker_pids_reapply_to_pid_tracking_actuators_only():
-    src = FakeSource(2.0, [stats("a", worker_pids=(1, 2))])
+    src = FakeSource(2.0, [job_stats("a", worker_pids=(1, 2))])
     act, sink = RecordingActuator(), FakeSink()
     c = make(src, [DirectiveActuator(sink), act])
     c.tick(now=1.0)
-    src.jobs["a"] = stats("a", worker_pids=(1, 2, 3))
+    src.jobs["a"] = job_stats("a", worker_pids=(1, 2, 3))
     rec = c.tick(now=2.0)
     assert rec.results["a"].ok
     assert [x[2] for x in act.applied] == [(1, 2), (1, 2, 3)]
@@ -198,7 +135,7 @@ def test_new_worker_pids_reapply_to_pid_tracking_actuators_only():
 
 
 def test_adopt_and_stop():
-    src = FakeSource(4.0, [stats("a")])
+    src = FakeSource(4.0, [job_stats("a")])
     sink, act = FakeSink(), RecordingActuator()
     c = make(src, [DirectiveActuator(sink), act])
     c.adopt({"a": JobAllocation(job="a", workers=4, cpus=4.0, io_weight=100, reason="journal")})
@@ -209,7 +146,7 @@ def test_adopt_and_stop():
 
 
 def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
-    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(FakeSink(ok=False))])
+    c = make(FakeSource(2.0, [job_stats("a")]), [DirectiveActuator(FakeSink(ok=False))])
     rec = c.tick(now=1.0)
     assert rec.results["a"].ok and "not delivered yet" in rec.results["a"].not_enforced[0]
 
@@ -217,7 +154,7 @@ def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
         def send_directive(self, *a):
             raise ConnectionError("socket closed")
 
-    c = make(FakeSource(2.0, [stats("a")]), [DirectiveActuator(Broken())])
+    c = make(FakeSource(2.0, [job_stats("a")]), [DirectiveActuator(Broken())])
     rec = c.tick(now=1.0)
     assert not rec.results["a"].ok and "socket closed" in rec.results["a"].error
     assert c.applied() == {}
@@ -225,7 +162,7 @@ def test_directive_not_delivered_waits_for_hello_and_a_raising_sink_fails():
 
 def test_none_policy_sends_no_directive_when_the_job_runs_its_own_count():
     sink = FakeSink()
-    src = FakeSource(2.0, [stats("a", workers=3, requested_workers=3), stats("b", workers=5, requested_workers=2)])
+    src = FakeSource(2.0, [job_stats("a", workers=3, requested_workers=3), job_stats("b", workers=5, requested_workers=2)])
     c = make(src, [DirectiveActuator(sink)], policy="none")
     rec = c.tick(now=1.0)
     assert rec.results["a"].ok and rec.results["b"].ok
@@ -233,14 +170,14 @@ def test_none_policy_sends_no_directive_when_the_job_runs_its_own_count():
 
 
 def test_observation_cores():
-    snap = FakeSource(4.0, [stats("a"), stats("b")])(0.0)
+    snap = FakeSource(4.0, [job_stats("a"), job_stats("b")])(0.0)
     assert observation_from_stats(snap.jobs["a"], snap).cores == 2.0
-    j = stats("a", allowed_cpus=(0, 1, 2))
+    j = job_stats("a", allowed_cpus=(0, 1, 2))
     assert observation_from_stats(j, snap).cores == 3.0
     j = dataclasses.replace(j, applied=JobAllocation(job="a", workers=1, cpus=1.5))
     assert observation_from_stats(j, snap).cores == 1.5
-    assert observation_from_stats(stats("a", window_s=0.0), snap) is None
-    assert observation_from_stats(stats("a", cpu_s_per_batch=float("nan")), snap) is None
+    assert observation_from_stats(job_stats("a", window_s=0.0), snap) is None
+    assert observation_from_stats(job_stats("a", cpu_s_per_batch=float("nan")), snap) is None
 
 
 def test_build_off_is_directive_only():
@@ -260,7 +197,7 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
             return super().curve(job_id)
 
     bank = CountingBank()
-    src = FakeSource(2.0, [stats("a", window_s=2.0)])
+    src = FakeSource(2.0, [job_stats("a", window_s=2.0)])
     c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
                    predictor=bank, actuators=[RecordingActuator()], observe_interval_s=0.0)
     recs = [c.tick(now=float(t)) for t in range(5)]
@@ -275,7 +212,7 @@ def test_predictor_sees_one_observation_per_window_and_curves_are_cached():
 def test_observations_are_spaced_by_the_interval_and_spread_over_ticks():
     """Jobs that arrive together are observed at once, then at most once per interval, not all in one tick."""
     bank = FakeBank()
-    jobs = [stats(f"j{i}", window_s=1.0) for i in range(32)]
+    jobs = [job_stats(f"j{i}", window_s=1.0) for i in range(32)]
     src = FakeSource(8.0, jobs)
     c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
                    predictor=bank, actuators=[RecordingActuator()], observe_interval_s=3.0)
@@ -308,7 +245,7 @@ def test_window_spanning_an_allocation_change_is_not_observed():
                 j: JobAllocation(job=j, workers=self.workers, cpus=2.0) for j in snapshot.jobs})
 
     bank, policy, act = FakeBank(), Steered(), RecordingActuator()
-    src = FakeSource(4.0, [stats("a", window_s=2.0)])
+    src = FakeSource(4.0, [job_stats("a", window_s=2.0)])
     c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
                    actuators=[act], observe_interval_s=0.0)
 
@@ -338,15 +275,15 @@ def test_window_spanning_an_allocation_change_is_not_observed():
 
 def test_observed_cores_under_a_work_conserving_share():
     """A share is a floor, not a ceiling: uncontended workers use more, and the window says so."""
-    snap = FakeSource(4.0, [stats("a"), stats("b")])(0.0)
+    snap = FakeSource(4.0, [job_stats("a"), job_stats("b")])(0.0)
     share = JobAllocation(job="a", workers=2, cpus=1.0)
-    busy = dataclasses.replace(stats("a", worker_cpu_cores=2.6), applied=share)
+    busy = dataclasses.replace(job_stats("a", worker_cpu_cores=2.6), applied=share)
     assert observation_from_stats(busy, snap).cores == 2.6                      # used more than its share
-    idle = dataclasses.replace(stats("a", worker_cpu_cores=0.4), applied=share)
+    idle = dataclasses.replace(job_stats("a", worker_cpu_cores=0.4), applied=share)
     assert observation_from_stats(idle, snap).cores == 1.0                      # the share is still there
-    greedy = dataclasses.replace(stats("a", worker_cpu_cores=7.0), applied=share)
+    greedy = dataclasses.replace(job_stats("a", worker_cpu_cores=7.0), applied=share)
     assert observation_from_stats(greedy, snap).cores == 4.0                    # never past the loader CPUs
-    pinned = dataclasses.replace(stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1)), applied=share)
+    pinned = dataclasses.replace(job_stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1)), applied=share)
     assert observation_from_stats(pinned, snap).cores == 2.0                    # nor past its CPU set
     # under a cap (quota / cpuset knob) the applied cores are what the workers could use
     assert observation_from_stats(busy, snap, work_conserving=False).cores == 1.0
@@ -357,7 +294,7 @@ def test_observed_cores_under_a_work_conserving_share():
     coop = dataclasses.replace(busy, cooperative=True)
     assert observation_from_stats(coop, snap).cores == 1.0
     # nothing applied yet: the even split, or more if the workers used more
-    assert observation_from_stats(stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
+    assert observation_from_stats(job_stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
 
 
 def test_controller_knows_share_from_cap_by_its_actuators():
@@ -367,7 +304,7 @@ def test_controller_knows_share_from_cap_by_its_actuators():
     class SharesActuator(RecordingActuator):
         cpu_knob = "shares"
 
-    src = FakeSource(4.0, [stats("a", worker_cpu_cores=3.5), stats("b", worker_cpu_cores=0.1)])
+    src = FakeSource(4.0, [job_stats("a", worker_cpu_cores=3.5), job_stats("b", worker_cpu_cores=0.1)])
     for act, expect in ((SharesActuator(), 3.5), (QuotaActuator(), 2.0), (RecordingActuator(), 3.5)):
         bank = FakeBank()
         c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),

@@ -10,7 +10,9 @@ import pytest
 
 from agent.controller import Controller
 from agent.policies import PolicyConfig, get_policy
-from tests.test_controller import FakeBank, FakeSource, RecordingActuator, stats
+from tests.fakes import FakeBank, FakeSource, RecordingActuator, job_stats
+
+pytestmark = pytest.mark.unit
 
 
 # one observation window per tick (the collector's window as long as the tick), so "two ticks" is
@@ -19,15 +21,15 @@ WINDOW = dict(window_s=1.0)
 
 
 def heavy(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
+    return job_stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def light(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
+    return job_stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.02, blocked_s_per_batch=0.0, **{**WINDOW, **kw})
 
 
 def io_bound(name, **kw):
-    return stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **{**WINDOW, **kw})
+    return job_stats(name, compute_s_per_step=0.1, cpu_s_per_batch=0.05, blocked_s_per_batch=0.3, **{**WINDOW, **kw})
 
 
 def run(controller, t0, n):

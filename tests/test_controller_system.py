@@ -18,26 +18,26 @@ from agent.actuators import build
 from agent.controller import Controller
 from agent.policies import PolicyConfig, get_policy
 from tests.conftest import wait_for
-from tests.test_cgroup_system import ROOT, _skip_reason, _wipe
-from tests.test_controller import FakeBank, FakeSource, FakeSink, stats
+from tests.cgroup_support import ROOT, skip_reason, wipe
+from tests.fakes import FakeBank, FakeSink, FakeSource, job_stats
 
 SUBTREE = f"adloader-test-{os.getpid()}-ctl"
 
 pytestmark = [pytest.mark.system]
-if _skip_reason():
-    print(f"skipping controller system tests: {_skip_reason()}", file=sys.stderr)
-    pytestmark.append(pytest.mark.skip(reason=_skip_reason()))
+if skip_reason():
+    print(f"skipping controller system tests: {skip_reason()}", file=sys.stderr)
+    pytestmark.append(pytest.mark.skip(reason=skip_reason()))
 
 
 @pytest.fixture
 def procs():
-    _wipe(SUBTREE)
+    wipe(SUBTREE)
     ps: list[subprocess.Popen] = []
     yield ps
     for p in ps:
         p.kill()
         p.wait(timeout=10)
-    _wipe(SUBTREE)
+    wipe(SUBTREE)
 
 
 def sleeper(ps) -> int:
@@ -53,7 +53,7 @@ def read(*parts) -> str:
 
 def test_controller_drives_real_groups_through_arrival_departure_and_stop(procs, tmp_path):
     a1, a2, b1 = sleeper(procs), sleeper(procs), sleeper(procs)
-    src = FakeSource(1.8, [stats("a", worker_pids=(a1,)), stats("b", worker_pids=(b1,))])
+    src = FakeSource(1.8, [job_stats("a", worker_pids=(a1,)), job_stats("b", worker_pids=(b1,))])
     sink = FakeSink()
     acts = build("v1", sink=sink, cgroup_root=ROOT, subtree=SUBTREE, state_dir=str(tmp_path))
     c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
@@ -63,7 +63,7 @@ def test_controller_drives_real_groups_through_arrival_departure_and_stop(procs,
     assert read(SUBTREE, "a", "cpu.shares") == read(SUBTREE, "b", "cpu.shares") == str(round(0.9 * 1024))
     assert any("io:" in n for r in rec.results.values() for n in r.not_enforced)   # honest about IO here
     # the job's loader grows a worker: the next tick moves it in without any allocation change
-    src.jobs["a"] = stats("a", worker_pids=(a1, a2))
+    src.jobs["a"] = job_stats("a", worker_pids=(a1, a2))
     rec = c.tick(now=1.0)
     assert set(rec.results) == {"a"} and cgroupfs.proc_cgroups(a2)["cpu"] == f"/{SUBTREE}/a"
     assert [s[0] for s in sink.sent].count("a") == 1          # no directive for a pid change

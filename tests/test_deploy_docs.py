@@ -10,6 +10,8 @@ import pytest
 from agent.cli import COMMANDS, build_parser
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.unit
+
 DOCS = REPO / "docs"
 
 

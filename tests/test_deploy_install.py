@@ -14,6 +14,8 @@ import pytest
 from agent.actuators.cgroup import V2_AGENT_LEAF
 from tests.conftest import REPO, adloader_cmd, repo_env
 
+pytestmark = pytest.mark.component
+
 UNIT = "adloader-agent.service"
 SHIPPED_UNIT = REPO / "deploy" / "systemd" / UNIT
 # Directives in the unit that a still-supported systemd may not know yet (it warns and ignores them),

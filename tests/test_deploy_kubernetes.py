@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.unit
+
 KUBE = REPO / "deploy" / "kubernetes"
 
 

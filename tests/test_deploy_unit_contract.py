@@ -15,8 +15,9 @@ import time
 import pytest
 
 from agent.commands.install_service import config_template
-from tests.agentd_support import base  # noqa: F401 (base: a fixture)
 from tests.conftest import REPO, adloader_cmd, repo_env, wait_for
+
+pytestmark = pytest.mark.component
 
 UNIT = REPO / "deploy" / "systemd" / "adloader-agent.service"
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentd_support import AgentProc, Trainer, short_dir, trainers  # noqa: F401 (fixture)
+from tests.agentd_support import AgentProc, Trainer, short_dir
 from tests.conftest import wait_for
-from tests.test_job_command import one_line, run_job
-from tests.test_slurm_scripts import EPILOG, PROLOG, adloader_bin, log_line, run_script  # noqa: F401 (fixture)
+from tests.slurm_support import EPILOG, PROLOG, log_line, one_line, run_job, run_script
+
+pytestmark = pytest.mark.component
 
 JOB = "31337"
 

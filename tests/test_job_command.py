@@ -7,15 +7,12 @@ correctness property of the Slurm prolog (a hung prolog drains the node), not a 
 from __future__ import annotations
 
 import socket
-import subprocess
-import time
 
 import pytest
 
 from adloader import protocol
 from agent.commands.job import JobSpecError, parse_cpus_per_node, parse_gpus, slurm_job
-from tests.agentd_support import FakeRouter
-from tests.conftest import adloader_cmd, repo_env
+from tests.slurm_support import SLURM_ENV, one_line, run_job
 
 BOUND_S = 10.0  # "returns within a few seconds", loosely, on a noisy shared machine
 
@@ -23,6 +20,7 @@ BOUND_S = 10.0  # "returns within a few seconds", loosely, on a noisy shared mac
 # --- unit: the Slurm environment ------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value, counts",
     [("4", [4]), ("2(x3)", [2, 2, 2]), ("4,2", [4, 2]), ("2(x3),1", [2, 2, 2, 1]), (" 8 ", [8]), ("1(x1)", [1])],
@@ -31,12 +29,14 @@ def test_cpus_per_node_expands_slurm_compression(value, counts):
     assert parse_cpus_per_node(value) == counts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["", "x", "4(x)", "4(3)", "-1", "0", "2(x0)", "4,,2", "4;2", "2(x3"])
 def test_cpus_per_node_refuses_malformed_values(value):
     with pytest.raises(JobSpecError, match="SLURM_JOB_CPUS_PER_NODE"):
         parse_cpus_per_node(value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value, gpus", [("0,1", ["0", "1"]), ("", []), ("NoDevFiles", []), ("-1", []), ("GPU-ab12, GPU-cd34", ["GPU-ab12", "GPU-cd34"])]
 )
@@ -44,6 +44,7 @@ def test_gpus_parse(value, gpus):
     assert parse_gpus(value) == gpus
 
 
+@pytest.mark.unit
 def test_slurm_job_reads_this_nodes_cpu_count():
     env = {"SLURM_JOB_ID": "77", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "2,3", "SLURM_JOB_CPUS_PER_NODE": "8(x2)"}
     spec = slurm_job(env)
@@ -54,6 +55,7 @@ def test_slurm_job_reads_this_nodes_cpu_count():
     assert slurm_job({**env, "SLURM_JOB_CPUS_PER_NODE": ""}).cpus is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, why",
     [
@@ -70,6 +72,7 @@ def test_slurm_job_names_the_bad_variable(env, why):
         slurm_job(env)
 
 
+@pytest.mark.unit
 def test_release_needs_only_id_and_uid():
     spec = slurm_job({"SLURM_JOB_ID": "9", "SLURM_JOB_UID": "0", "SLURM_JOB_CPUS_PER_NODE": "garbage"}, need_resources=False)
     assert (spec.job, spec.uid) == ("9", 0)
@@ -78,76 +81,7 @@ def test_release_needs_only_id_and_uid():
 # --- component: agents that answer, refuse, hang or are absent --------------------------------------
 
 
-class FakeAgent(FakeRouter):
-    """Answers like the agent's documented behaviour: register -> ok (a second register of the same
-    job -> ok "already registered"); release of an unknown job -> error unknown_job; ``refuse`` ->
-    error not_permitted for everything; ``hang`` -> never answers. ``messages`` records every decoded
-    request."""
-
-    def __init__(self, path: str, mode: str = "answer"):
-        self.mode = mode
-        self.jobs: set[str] = set()
-        super().__init__(path)
-
-    @property
-    def messages(self) -> list[dict]:
-        return self.received
-
-    def reply(self, msg: dict) -> list[bytes]:
-        return [] if self.mode == "hang" else [protocol.encode(self._answer(msg))]
-
-    def _answer(self, msg: dict) -> dict:
-        t, job = msg["type"], msg.get("job")
-        if self.mode == "refuse":
-            return protocol.error("not_permitted", f"uid {msg.get('uid')} may not {t} job {job}", re=t)
-        if t == "register":
-            again = job in self.jobs
-            self.jobs.add(job)
-            return protocol.make("ok", re=t, detail="already registered" if again else None)
-        if job not in self.jobs:
-            return protocol.error("unknown_job", f"job {job} is not registered", re=t)
-        self.jobs.discard(job)
-        return protocol.make("ok", re=t)
-
-
-@pytest.fixture
-def fake_agent(tmp_path):
-    agents = []
-
-    def start(mode="answer"):
-        agent = FakeAgent(str(tmp_path / f"agent-{mode}-{len(agents)}.sock"), mode)
-        agents.append(agent)
-        return agent
-
-    yield start
-    for a in agents:
-        a.close()
-
-
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "0,1", "SLURM_JOB_CPUS_PER_NODE": "6(x2)"}
-
-
-def run_job(*args: str, endpoint: str, env: dict | None = None) -> tuple[int, str, float]:
-    """Run the real command; return (exit status, its stderr, wall seconds)."""
-    t0 = time.monotonic()
-    p = subprocess.run(
-        adloader_cmd("job", *args, "--endpoint", endpoint),
-        env=repo_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    wall_s = time.monotonic() - t0
-    assert p.stdout == "", "the command prints only its one log line, on stderr"
-    return p.returncode, p.stderr, wall_s
-
-
-def one_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    assert len(lines) == 1, f"expected exactly one log line, got: {text!r}"
-    return lines[0]
-
-
+@pytest.mark.component
 def test_register_sends_the_slurm_job_and_gets_ok(fake_agent):
     agent = fake_agent()
     rc, err, _ = run_job("register", "--slurm", endpoint=agent.endpoint, env=SLURM_ENV)
@@ -158,6 +92,7 @@ def test_register_sends_the_slurm_job_and_gets_ok(fake_agent):
         "4242", 1000, ["0", "1"], 6, [], "slurm")
 
 
+@pytest.mark.component
 def test_cli_register_then_release(fake_agent):
     agent = fake_agent()
     rc, err, _ = run_job("register", "--job", "j1", "--uid", "7", "--gpus", "3", "--cpus", "2", endpoint=agent.endpoint)
@@ -169,6 +104,7 @@ def test_cli_register_then_release(fake_agent):
     assert agent.messages[-1] == protocol.make("release", job="j1", uid=7)
 
 
+@pytest.mark.component
 def test_double_register_is_harmless(fake_agent):
     agent = fake_agent()
     for _ in range(2):
@@ -178,6 +114,7 @@ def test_double_register_is_harmless(fake_agent):
     assert [m["type"] for m in agent.messages] == ["register", "register"]
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("slurm", [True, False])
 def test_release_of_unknown_job_counts_as_done(fake_agent, slurm):
     agent = fake_agent()
@@ -187,6 +124,7 @@ def test_release_of_unknown_job_counts_as_done(fake_agent, slurm):
     assert "already released" in one_line(err)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
 def test_agent_down_no_socket(tmp_path, slurm, want_rc):
     args = ("register", "--slurm") if slurm else ("register", "--job", "4242")
@@ -196,6 +134,7 @@ def test_agent_down_no_socket(tmp_path, slurm, want_rc):
     assert "agent down" in line and "no socket" in line and "absent.sock" in line
 
 
+@pytest.mark.component
 def test_agent_down_stale_socket_file(tmp_path):
     """The agent crashed and left its socket file: nobody listens behind it."""
     path = tmp_path / "stale.sock"
@@ -208,6 +147,7 @@ def test_agent_down_stale_socket_file(tmp_path):
     assert "agent down" in one_line(err)
 
 
+@pytest.mark.component
 def test_a_listener_that_never_handshakes_is_a_timeout_not_down(tmp_path):
     """A stopped (SIGSTOP) or hung agent: the kernel still queues connections on its socket, but no
     ZeroMQ handshake ever completes. That is "timeout ... hung", not "agent down" (issue 13)."""
@@ -224,6 +164,7 @@ def test_a_listener_that_never_handshakes_is_a_timeout_not_down(tmp_path):
     assert "timeout" in line and "accepts connections but did not answer" in line and "agent down" not in line
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
 def test_agent_hung_never_answers(fake_agent, slurm, want_rc):
     agent = fake_agent("hang")
@@ -234,6 +175,7 @@ def test_agent_hung_never_answers(fake_agent, slurm, want_rc):
     assert agent.messages and agent.messages[0]["job"] == "4242"  # it was sent; the agent just sat on it
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("slurm, want_rc", [(True, 0), (False, 1)])
 def test_error_reply_is_reported(fake_agent, slurm, want_rc):
     agent = fake_agent("refuse")
@@ -243,6 +185,7 @@ def test_error_reply_is_reported(fake_agent, slurm, want_rc):
     assert "agent refused register: not_permitted" in one_line(err)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize(
     "env, why",
     [
@@ -260,6 +203,7 @@ def test_bad_slurm_variable_exits_0_and_sends_nothing(fake_agent, env, why):
     assert agent.messages == []
 
 
+@pytest.mark.component
 def test_cli_usage_errors_exit_2(tmp_path):
     ep = f"ipc://{tmp_path}/x.sock"
     rc, err, _ = run_job("register", endpoint=ep)
@@ -270,6 +214,7 @@ def test_cli_usage_errors_exit_2(tmp_path):
     assert rc == 2 and "--timeout-s" in err
 
 
+@pytest.mark.component
 def test_bad_endpoint_is_a_clear_failure():
     rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
     assert rc == 1 and "bad endpoint" in one_line(err)

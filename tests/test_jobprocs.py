@@ -16,6 +16,8 @@ from agent.policies import PolicyConfig, get_policy
 from agent.registry import Registry
 from agent.security import Peer
 
+pytestmark = pytest.mark.component
+
 ROOT = Peer(0, 0, 1)
 
 

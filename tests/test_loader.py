@@ -20,11 +20,11 @@ from adloader import DataLoader, memory
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.test_loader_data import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
+from tests.loader_datasets import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
                                     collate_keep_views, collate_tuple, init_fails,
                                     init_marks_worker)
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 
 def _ids(batches) -> list[int]:

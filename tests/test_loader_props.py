@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adloader import DataLoader
-from tests.test_loader_data import Indexed, RandomAug
+from tests.loader_datasets import Indexed, RandomAug
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 N = 60
 resize_plans = st.lists(st.tuples(st.integers(0, 14), st.integers(0, 4)), max_size=5)

@@ -15,9 +15,9 @@ import torch.utils.data as tud
 
 import adloader.dataloader as dlmod
 from adloader import DataLoader
-from tests.test_loader_data import Indexed
+from tests.loader_datasets import Indexed
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 
 def _ids(batches) -> list[int]:
@@ -194,3 +194,22 @@ def test_a_framework_copying_the_loader_into_torchs_is_warned_once(monkeypatch):
     finally:
         dlmod._foreign_copy_allowed.on = False
     loader.close()
+
+
+def test_agent_client_holds_the_users_loader_while_a_copy_trains(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("adloader.client")
+    fake.attach = lambda dl: calls.append(("attach", dl))
+    fake.detach = lambda dl: calls.append(("detach", dl))
+    monkeypatch.setitem(sys.modules, "adloader.client", fake)
+    user = DataLoader(Indexed(8), batch_size=4, num_workers=1)
+    copy = DataLoader(Indexed(8), batch_size=4, num_workers=1, elastic_state=user.elastic_state)
+    assert copy._owner is user            # the copy keeps the user's object alive
+    list(copy)
+    list(user)
+    assert calls == [("attach", user)]    # once per state, with the user's object
+    copy.close()
+    assert calls[1:] == [("detach", user)]

@@ -12,11 +12,13 @@ import pytest
 
 from tests.conftest import REPO, repo_env, wait_for
 
+pytestmark = pytest.mark.component
+
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     import torch
     from adloader import DataLoader
-    from tests.test_loader_data import Indexed
+    from tests.loader_datasets import Indexed
     mode = sys.argv[1]
     dl = DataLoader(Indexed(10_000, sleep_s=0.001), batch_size=4, num_workers=2, max_workers=3,
                     persistent_workers=(mode == "persistent"), multiprocessing_context=sys.argv[2])
@@ -86,7 +88,7 @@ FORKED = textwrap.dedent("""
     import gc, json, os, sys
     import torch
     from adloader import DataLoader
-    from tests.test_loader_data import Indexed
+    from tests.loader_datasets import Indexed
     dl = DataLoader(Indexed(400), batch_size=4, num_workers=2)
     it = iter(dl)
     got = [int(x) for x in next(it)]

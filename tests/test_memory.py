@@ -13,6 +13,8 @@ import torch
 
 from adloader import DataLoader, memory
 
+pytestmark = pytest.mark.component
+
 MiB = 1 << 20
 
 
@@ -189,8 +191,11 @@ def test_sampler_is_rate_limited_and_keeps_a_dead_workers_last_sample():
     first = sampler.sample([me], now=100.0)
     assert first.workers == 1 and first.uss > 0
     assert sampler.sample([me], now=100.5) is first            # within every_s: no new read
+    parent = os.getppid()
+    assert sampler.sample([me, parent], now=100.6).workers == 2   # a new worker is sampled at once
     later = sampler.sample([me], now=103.0)
     assert later is not first and later.per_worker[me]["growth"] == later.uss - first.uss
+    assert parent not in sampler._tracks                       # gone from the set: forgotten
     gone = sampler.sample([], now=106.0)
     assert gone.workers == 0 and sampler.last_memory(me) is not None
     sampler.forget_dead([])

@@ -20,17 +20,18 @@ from agent.policies import PolicyConfig, adaptive, memory_caps
 from agent.registry import Peer, Registry
 from predictor.bank import PredictorBank
 from predictor.curve import ThroughputCurve
+from tests.fakes import job_stats
+
+pytestmark = pytest.mark.unit
 
 MiB, GiB = 1 << 20, 1 << 30
 
 
 def job(name, g=0.1, c=0.3, b=0.0, mem=200 * MiB, gpus=1, **kw) -> JobStats:
-    base = dict(job=name, uid=1000, ranks=1, gpus=gpus, batch_size=32, workers=2, requested_workers=4,
-                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
-                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=0.0,
-                blocked_s_per_batch=b, worker_cpu_cores=0.5, window_s=2.0, worker_memory_bytes=mem)
-    base.update(kw)
-    return JobStats(**base)
+    return job_stats(name, **{"gpus": gpus, "requested_workers": 4, "samples_per_s": 100.0, "compute_s_per_step": g,
+                              "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0, "cpu_s_per_batch": c,
+                              "wall_s_per_batch": c + b, "runq_s_per_batch": 0.0, "blocked_s_per_batch": b,
+                              "worker_cpu_cores": 0.5, "worker_memory_bytes": mem, "worker_pids": (), **kw})
 
 
 def curve(j: JobStats) -> ThroughputCurve:

@@ -2,7 +2,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, adloader_cmd, repo_env
+
+pytestmark = pytest.mark.component
 
 
 def _imported_after(code: str) -> set[str]:

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 from agent.model import JobAllocation, JobStats, NodeSnapshot
 from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, workers_for
 from predictor.curve import ThroughputCurve
+from tests.fakes import job_stats
+
+pytestmark = pytest.mark.unit
 
 # -- named node shapes and job kinds ------------------------------------------------------------
 
@@ -34,13 +37,12 @@ KINDS = {
 
 
 def job(name: str, kind: str = "medium", **kw) -> JobStats:
+    """A job of ``kind`` (its g, c, b), observed for one window, asking for 4 workers."""
     g, c, b = KINDS[kind]
-    base = dict(job=name, uid=1000, ranks=1, gpus=1, batch_size=32, workers=2, requested_workers=4,
-                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
-                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=0.0,
-                blocked_s_per_batch=b, worker_cpu_cores=0.5, window_s=2.0)
-    base.update(kw)
-    return JobStats(**base)
+    return job_stats(name, **{"requested_workers": 4, "samples_per_s": 100.0, "compute_s_per_step": g,
+                              "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0, "cpu_s_per_batch": c,
+                              "wall_s_per_batch": c + b, "runq_s_per_batch": 0.0, "blocked_s_per_batch": b,
+                              "worker_cpu_cores": 0.5, "worker_pids": (), **kw})
 
 
 def curve_for(j: JobStats, **kw) -> ThroughputCurve:

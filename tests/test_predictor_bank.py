@@ -257,6 +257,8 @@ def test_prior_invents_no_overhead_an_exact_window_contradicts(workers, cores, p
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 @settings(max_examples=60, deadline=None)
 @given(prior=st.sampled_from(["default", "learned", "learned+m"]), g=st.floats(0.01, 0.5), c_over_g=st.floats(0.05, 12.0), b_over_g=st.sampled_from([0.0, 0.3, 2.0]),

@@ -23,6 +23,7 @@ def _sweep(tmp_path, cores: str, loader: str):
     return load_corpus(out)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("loader", ["torch", "adloader"])
 def test_sweep_records_points_with_worker_side_timing(tmp_path, loader):
     if loader == "adloader":

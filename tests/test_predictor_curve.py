@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from predictor.curve import KNEE_TOLERANCE, ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
+pytestmark = pytest.mark.unit
+
 pos = st.floats(min_value=1e-4, max_value=2.0, allow_nan=False)
 nonneg = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
 corr = st.floats(min_value=0.1, max_value=5.0)

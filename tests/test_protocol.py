@@ -4,6 +4,8 @@ import pytest
 
 from adloader import protocol as p
 
+pytestmark = pytest.mark.unit
+
 
 def test_roundtrip_and_unknown_fields_ignored():
     m = p.make("directive", job="j1", seq=3, workers=4, cpus=1.5, cpuset=None, reason="r")

@@ -10,6 +10,8 @@ from adloader import protocol
 from agent import rpc
 from tests.agentd_support import FakeRouter
 
+pytestmark = pytest.mark.component
+
 
 class ScriptedAgent(FakeRouter):
     """Answers each request with the next list of raw frames from ``script`` (an empty list: no

@@ -20,6 +20,7 @@ def _cv(name, cores_needed, g=0.1, bs=32):
 CURVES = {"heavy": _cv("heavy", 3.0), "mid": _cv("mid", 1.0), "light": _cv("light", 0.25)}
 
 
+@pytest.mark.unit
 def test_waterfill_respects_caps_and_weights():
     got = S.waterfill(4.0, {"a": 1, "b": 1, "c": 2}, {"a": 0.5, "b": 10, "c": 10})
     assert got["a"] == pytest.approx(0.5)
@@ -31,11 +32,13 @@ def test_waterfill_respects_caps_and_weights():
     assert got == pytest.approx({"a": 0.5, "b": 1.0})
 
 
+@pytest.mark.unit
 def test_demand_cores_of_a_first_principles_curve():
     assert S.demand_cores(CURVES["mid"]) == pytest.approx(1.0, rel=0.02)
     assert S.demand_cores(CURVES["heavy"], workers=2) == pytest.approx(2.0, rel=0.02)   # one core per worker
 
 
+@pytest.mark.unit
 def test_trace_files_csv_and_jsonl(tmp_path):
     csv_p = tmp_path / "t.csv"
     csv_p.write_text("node,job,kind,arrival_s,work_s\nn0,a,heavy,0,10\nn0,b,light,5,4\n")
@@ -55,6 +58,7 @@ def _trace():
             S.TraceJob("n1", "e", "mid", 2.0, 8.0)]
 
 
+@pytest.mark.unit
 def test_tiny_trace_every_policy_finishes_and_oracle_is_the_ceiling():
     cfg = S.SimConfig(cores=3.0, gpus=3, loader_cpus=2.0, predictor="perfect")
     res = S.simulate(_trace(), CURVES, ["even-static", "even", "none", "adaptive", "oracle"], cfg, processes=1)
@@ -66,15 +70,14 @@ def test_tiny_trace_every_policy_finishes_and_oracle_is_the_ceiling():
         assert row["makespan_mean_s"] > 0 and row["jct_p95_s"] >= row["jct_mean_s"] - 1e-9
 
 
+@pytest.mark.unit
 def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics():
-    from agent.model import JobStats, NodeSnapshot
+    from agent.model import NodeSnapshot
+    from tests.fakes import UNMEASURED, job_stats
     from agent.policies import PolicyConfig, get_policy
 
     def stats(j):
-        return JobStats(job=j, uid=0, ranks=1, gpus=1, batch_size=32, workers=1, requested_workers=2,
-                        max_workers=None, samples_per_s=0.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0,
-                        data_wait_frac=0.0, cpu_s_per_batch=0.1, wall_s_per_batch=0.1, runq_s_per_batch=0.0,
-                        blocked_s_per_batch=0.0, worker_cpu_cores=0.0)
+        return job_stats(j, **UNMEASURED, workers=1)
 
     snap = NodeSnapshot(now=0.0, loader_cpus=2.0, cpu_ids=(0, 1), jobs={j: stats(j) for j in CURVES}, max_jobs=3)
 
@@ -91,6 +94,7 @@ def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics
     assert total(get_policy("even")(snap, CURVES, PolicyConfig())) == pytest.approx(2.167, abs=0.02)
 
 
+@pytest.mark.unit
 def test_node_arithmetic_of_one_job_alone():
     # one job needing 1 core, 2 loader cores: runs at its ceiling; JCT = work
     cfg = S.SimConfig(cores=2.0, gpus=1, loader_cpus=2.0, predictor="perfect")
@@ -100,6 +104,7 @@ def test_node_arithmetic_of_one_job_alone():
     assert r["makespan_s"] == pytest.approx(10.0, rel=0.002)
 
 
+@pytest.mark.unit
 def test_learning_predictor_runs_the_agents_bank():
     cfg = S.SimConfig(cores=3.0, gpus=3, loader_cpus=2.0, predictor="first-principles")
     res = S.simulate(_trace(), CURVES, ["adaptive"], cfg, processes=1)
@@ -108,6 +113,7 @@ def test_learning_predictor_runs_the_agents_bank():
         S.simulate([S.TraceJob("n", "x", "nope", 0, 1)], CURVES, ["even"], cfg)
 
 
+@pytest.mark.component
 def test_simulate_command_on_a_tiny_trace(tmp_path):
     tr = tmp_path / "t.csv"
     tr.write_text("node,job,kind,arrival_s,work_s\nn0,a,alexnet,0,10\nn0,b,bert,2,5\nn1,c,resnet50,0,6\n")
@@ -123,6 +129,7 @@ def test_simulate_command_on_a_tiny_trace(tmp_path):
     assert doc["nodes"] == 2 and not math.isnan(doc["summary"]["even"]["agg_normalised"])
 
 
+@pytest.mark.unit
 def test_memory_per_worker_and_a_node_budget():
     """The simulator models each worker's memory and the node's loader memory budget: without a budget
     the peak says what the trace needs; under one, adaptive stays within it and none does not."""

@@ -6,49 +6,15 @@ Each call must exit 0, finish within a few seconds whatever the agent does, and 
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_job_command import SLURM_ENV, fake_agent  # noqa: F401  (fixture)
+from tests.slurm_support import BASH, EPILOG, PROLOG, SLURM_ENV, TASKPROLOG, log_line, run_script
 
-SLURM_DIR = REPO / "deploy" / "slurm"
-PROLOG, EPILOG, TASKPROLOG = SLURM_DIR / "prolog.sh", SLURM_DIR / "epilog.sh", SLURM_DIR / "taskprolog.sh"
-BASH = shutil.which("bash") or "/bin/bash"
-ENV_BIN = shutil.which("env") or "/usr/bin/env"
-NO_PATH = "/nonexistent-adloader-test"  # bash would otherwise fall back to its built-in default PATH
+pytestmark = pytest.mark.component
+
 BOUND_S = 10.0
-
-
-@pytest.fixture
-def adloader_bin(tmp_path) -> str:
-    """A wrapper that runs this checkout's `adloader` with absolute paths only (what ADLOADER_BIN
-    replaces: /opt/adloader/venv/bin/adloader)."""
-    wrapper = tmp_path / "adloader"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m agent "$@"\n')
-    wrapper.chmod(0o755)
-    return str(wrapper)
-
-
-def run_script(script: Path, env: dict[str, str]) -> tuple[int, str, str, float]:
-    t0 = time.monotonic()
-    p = subprocess.run(
-        [ENV_BIN, "-i", f"PATH={NO_PATH}", *(f"{k}={v}" for k, v in env.items()), BASH, str(script)],
-        capture_output=True, text=True, timeout=60,
-    )
-    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
-
-
-def log_line(stderr: str, tag: str) -> str:
-    """The script's one log line (always on stderr, whether or not syslog takes it too)."""
-    lines = [l for l in stderr.splitlines() if tag in l]
-    assert len(lines) == 1, f"expected one {tag} line, got {stderr!r}"
-    return lines[0]
 
 
 def test_scripts_are_valid_bash_and_executable():

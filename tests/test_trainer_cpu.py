@@ -18,6 +18,9 @@ from agent.policies import PolicyConfig, get_policy, loader_budget, trainer_core
 from agent.registry import Registry
 from agent.security import Peer
 from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
+from tests.fakes import job_stats
+
+pytestmark = pytest.mark.unit
 
 
 def _totals(t, steps, main_cpu, compute):
@@ -63,12 +66,10 @@ def test_trainer_cpu_rates_from_the_loaders_main_cpu_total():
 
 
 def job(name, *, c=0.3, g=0.1, t=0.0, gpus=1, **kw) -> JobStats:
-    base = dict(job=name, uid=1000, ranks=1, gpus=gpus, batch_size=32, workers=2, requested_workers=2,
-                max_workers=None, samples_per_s=100.0, compute_s_per_step=g, data_wait_s_per_step=0.0,
-                data_wait_frac=0.0, cpu_s_per_batch=c, wall_s_per_batch=c, runq_s_per_batch=0.0,
-                blocked_s_per_batch=0.0, worker_cpu_cores=0.5, window_s=2.0, trainer_cpu_s_per_step=t)
-    base.update(kw)
-    return JobStats(**base)
+    return job_stats(name, **{"gpus": gpus, "samples_per_s": 100.0, "compute_s_per_step": g,
+                              "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0, "cpu_s_per_batch": c,
+                              "wall_s_per_batch": c, "runq_s_per_batch": 0.0, "blocked_s_per_batch": 0.0,
+                              "worker_cpu_cores": 0.5, "trainer_cpu_s_per_step": t, "worker_pids": (), **kw})
 
 
 def curve(j: JobStats) -> ThroughputCurve:

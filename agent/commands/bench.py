@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
     p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
+    p.add_argument("--loader-memory", default=None, metavar="BYTES",
+                   help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
     p.add_argument("--tick-s", type=float, default=1.0)
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep) or a real small model step on CUDA")
@@ -70,6 +72,15 @@ def run(args) -> int:
         print(f"adloader bench: this build lacks: {missing}; policies that need the agent will fail "
               "(run with --policies none,autotune meanwhile)", file=sys.stderr)
     loader_cpus = setup.default_loader_cpus() if args.loader_cpus == "auto" else float(args.loader_cpus)
+    loader_memory = None
+    if args.loader_memory:
+        from adloader.memory import parse_bytes
+
+        try:
+            loader_memory = parse_bytes(args.loader_memory)
+        except ValueError as e:
+            print(f"adloader bench: --loader-memory: {e}", file=sys.stderr)
+            return 2
     reps = args.reps or (1 if quick else 3)
     progress = report.Progress()
     progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
@@ -80,7 +91,8 @@ def run(args) -> int:
                            catalog_path=args.catalog, loader_cpus=loader_cpus,
                            cgroup_mode=args.cgroup_mode or setup.default_cgroup_mode(), tick_s=args.tick_s,
                            device=args.device, sweep_segment_s=args.sweep_segment_s or (2.5 if quick else 4.0),
-                           progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s)
+                           progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
+                           loader_memory=loader_memory)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1

@@ -186,7 +186,7 @@ def analyse(reports: list[dict], cores: float) -> dict:
 
 
 COPY_ON_READ_MIN_BYTES = 8 << 20      # growth per worker below this is noise (allocator, caches)
-COPY_ON_READ_MIN_FRAC = 0.2           # ... or below 20% of what the worker held when first measured
+COPY_ON_READ_MIN_FRAC = 0.05          # ... or below 5% of what the worker held when first measured
 COPY_ON_READ = ("copy-on-read: each worker's private memory grows with the samples it reads. The dataset "
                 "is most likely held as Python objects (lists, dicts, strings) created before the workers "
                 "started: reading an object writes its reference count, so every worker copies each page "

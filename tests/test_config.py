@@ -1,0 +1,62 @@
+"""agent/config.py: precedence defaults <- file <- environment <- command line, errors that name the key."""
+from __future__ import annotations
+
+import pytest
+
+from agent import config as configmod
+
+pytestmark = pytest.mark.unit
+
+
+def test_config_precedence_defaults_file_env_cli(tmp_path):
+    f = tmp_path / "agent.toml"
+    f.write_text('policy = "even"\ntick_s = 2\nmetrics_port = 9100\nloader_cpus = 3.5\nfairness_floor = false\n')
+    env = {"ADLOADER_TICK_S": "0.5", "ADLOADER_MAX_JOBS": "4", "ADLOADER_JOB_ID": "not-a-key"}
+    cfg = configmod.load(str(f), {"metrics_port": 0, "policy": None}, environ=env)
+    assert cfg.policy == "even"                 # file (cli None = not given)
+    assert cfg.tick_s == 0.5                    # env over file
+    assert cfg.max_jobs == 4
+    assert cfg.metrics_port == 0                # cli over file
+    assert cfg.loader_cpus == 3.5 and cfg.fairness_floor is False
+    assert cfg.hysteresis == 0.03 and cfg.cgroup_mode == "auto"    # defaults
+    assert configmod.load(None, {}, environ={}).loader_cpus == "auto"
+
+
+@pytest.mark.parametrize("text,key", [
+    ('tick_s = 1\npolcy = "even"\n', "'polcy'"),
+    ('tick_s = -1\n', "'tick_s'"),
+    ('policy = "fastest"\n', "'policy'"),
+    ('cgroup_mode = "v3"\n', "'cgroup_mode'"),
+    ('max_jobs = 1.5\n', "'max_jobs'"),
+    ('io_weights = "maybe"\n', "'io_weights'"),
+    ('endpoint = "http://x"\n', "'endpoint'"),
+    ('tick_s = \n', "not valid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, text, key):
+    f = tmp_path / "agent.toml"
+    f.write_text(text)
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(str(f), {}, environ={})
+    assert key in str(e.value) and str(f) in str(e.value)
+
+
+def test_config_env_errors_and_missing_explicit_file(tmp_path):
+    with pytest.raises(configmod.ConfigError, match="ADLOADER_TICK_S"):
+        configmod.load(None, {}, environ={"ADLOADER_TICK_S": "fast"})
+    with pytest.raises(configmod.ConfigError, match="cannot read config file"):
+        configmod.load(str(tmp_path / "missing.toml"), {}, environ={})
+
+
+def test_user_defaults_live_under_the_runtime_dir(tmp_path):
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    from adloader import env as envmod
+
+    assert envmod.default_endpoint(1000, env) == f"ipc://{tmp_path}/adloader/agent.sock"
+    assert envmod.default_state_dir(1000, env) == f"{tmp_path}/adloader/state"
+    assert envmod.default_state_dir(0, env) == "/var/lib/adloader"
+
+
+def test_auto_loader_cpus_keeps_a_reserve():
+    n = len(configmod.agent_cpu_ids())
+    assert configmod.auto_loader_cpus() == pytest.approx(max(0.5, round(n * 0.9, 2)))
+

@@ -1,0 +1,25 @@
+"""the transformers Trainer: `adloader.integrations.transformers.Trainer`, with the real framework on CPU (1 process, and 2 over gloo with a live agent). The
+framework tier: `-m frameworks` selects it; it skips with the reason where the framework is absent
+(`./run setup` installs the [frameworks] extra). What each run checks: tests/integration_train.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.integration_train import one_process, two_processes_with_agent
+
+pytestmark = [pytest.mark.component, pytest.mark.frameworks,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers is not installed (pip install -e '.[frameworks]' -c constraints-frameworks.txt)")]
+
+RUNS = {"trainer": 2, "auto": 1}
+
+
+def test_one_process(tmp_path):
+    one_process("transformers", RUNS, str(tmp_path))
+
+
+def test_two_processes_gloo_with_a_live_agent(base, tmp_path):
+    two_processes_with_agent("transformers", RUNS, base, str(tmp_path))

@@ -1,0 +1,24 @@
+"""agent/journal.py: atomic save, round trip, a corrupt or missing journal reads as None."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent import journal
+from agent.model import JobAllocation
+
+pytestmark = pytest.mark.unit
+
+
+def test_journal_atomic_roundtrip_and_corrupt_file(tmp_path):
+    a = JobAllocation(job="j", workers=3, cpus=1.5, cpuset=(0, 1), reason="r")
+    journal.save(str(tmp_path), {"j": a}, {"j": {"uid": 0}})
+    doc = journal.load(str(tmp_path))
+    assert doc["applied"]["j"] == a and doc["jobs"] == {"j": {"uid": 0}}
+    assert [p.name for p in tmp_path.iterdir()] == ["journal.json"]     # no temp file left behind
+    assert oct(os.stat(tmp_path / "journal.json").st_mode & 0o777) == "0o600"
+    (tmp_path / "journal.json").write_text('{"version": 1, "applied": {"j": ')
+    assert journal.load(str(tmp_path)) is None
+    assert journal.load(str(tmp_path / "nothing")) is None
+

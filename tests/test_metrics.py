@@ -1,0 +1,36 @@
+"""agent/metrics.py: Prometheus exposition on a real localhost port."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+
+from tests.fakes import status_doc
+
+pytestmark = pytest.mark.component
+
+
+def test_metrics_exposed_on_localhost():
+    pytest.importorskip("prometheus_client")
+    from agent.metrics import Metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = Metrics(port)
+    m.start()
+    try:
+        m.update(status_doc(), {"report": 7}, {"malformed": 2})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'adloader_job_workers{job="j1"} 2.0' in body
+        assert 'adloader_job_data_wait_fraction{job="j1"} 0.31' in body
+        assert 'adloader_errors_total{code="malformed"} 2.0' in body
+        doc = status_doc()
+        doc["jobs"] = []
+        m.update(doc)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'job="j1"' not in body and "adloader_jobs 0.0" in body
+    finally:
+        m.stop()
+

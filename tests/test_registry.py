@@ -1,0 +1,80 @@
+"""agent/registry.py: adoption from the journal, the sweep that notices dead ranks (real processes),
+ownership and idempotence of register/release."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent.registry import Refused, Registry
+from agent.security import Peer
+
+pytestmark = pytest.mark.component
+
+
+def test_registry_adopts_live_and_drops_dead():
+    me = os.getpid()
+    reg = Registry()
+    reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "live", "rank": 0, "pid": me, "worker_pids": [me]}, 0.0)
+    doc = reg.to_doc()
+    doc["dead"] = json.loads(json.dumps(doc["live"]))
+    doc["dead"]["ranks"]["0"]["pid"] = 2 ** 22 + 17          # no such process
+    doc["reg-only"] = {"uid": 0, "registered": True, "reg_pids": {}, "ranks": {}}
+    doc["garbage"] = {"ranks": "x"}
+    fresh = Registry()
+    adopted, dead = fresh.adopt(doc, 100.0)
+    assert sorted(adopted) == ["live", "reg-only"] and sorted(dead) == ["dead", "garbage"]
+    assert fresh.jobs["live"].ranks[0].pid == me and fresh.jobs["live"].source == "journal"
+
+
+def test_sweep_notices_a_dead_rank_within_two_ticks():
+    """A rank heard from since the previous sweep is not re-read from /proc; one that died is dropped
+    on the first sweep after its last message, and one that died silently on the next sweep."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        reg = Registry(heartbeat_s=100.0)
+        for i, p in enumerate(procs):
+            reg.hello(Peer(os.getuid(), 0, p.pid), b"r%d" % i, {"job": f"j{i}", "rank": 0, "pid": p.pid}, 0.0)
+        reg.sweep(1.0)                                   # both alive
+        assert sorted(reg.jobs) == ["j0", "j1"]
+        reg.report(b"r0", Peer(os.getuid(), 0, procs[0].pid),
+                   {"job": "j0", "rank": 0, "pid": procs[0].pid, "stats": {}}, 1.5)   # j0 reports, then dies
+        for p in procs:
+            p.kill()
+            p.wait()
+        reg.sweep(2.0)      # tick 1 after the deaths: j1 (silent since the last sweep) is read and gone
+        assert sorted(reg.jobs) == ["j0"]
+        reg.sweep(3.0)      # tick 2: j0's last message is older than the previous sweep -> read, gone
+        assert reg.jobs == {}
+        assert sorted(reg.take_departed()) == [("j0", "process gone"), ("j1", "process gone")]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_registry_ownership_and_idempotence():
+    me = os.getpid()
+    reg = Registry()
+    root, user = Peer(0, 0, 1), Peer(1000, 1000, 4242)
+    reg.register(root, {"job": "s1", "uid": 1000, "gpus": ["0"], "cpus": 4, "pids": []}, 0.0)
+    reg.register(root, {"job": "s1", "uid": 1000, "gpus": ["0"], "cpus": 4, "pids": []}, 0.0)
+    assert reg.jobs["s1"].uid == 1000 and reg.jobs["s1"].registered
+    with pytest.raises(Refused) as e:
+        reg.register(user, {"job": "s2", "uid": 0}, 0.0)
+    assert e.value.code == "not_permitted"
+    with pytest.raises(Refused):
+        reg.release(Peer(1001, 1001, 5), {"job": "s1", "uid": 1001})
+    with pytest.raises(Refused, match="only speak for itself"):
+        reg.hello(user, b"x", {"job": "s1", "rank": 0, "pid": me}, 0.0)
+    assert reg.release(user, {"job": "s1", "uid": 1000}) is True
+    assert reg.release(user, {"job": "s1", "uid": 1000}) is False
+    assert reg.take_departed() == [("s1", "released")]
+    with pytest.raises(Refused, match="no peer credentials"):
+        reg.register(None, {"job": "s3", "uid": 0}, 0.0)
+
