@@ -327,8 +327,10 @@ class Cluster:
         for ctl in self.cgroup_mounts:
             target = self.dir / "cgroup" / ctl
             target.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["mount", "-t", "cgroup", "-o", ctl, f"adlslurm-{ctl}", str(target)], check=True,
-                           capture_output=True)
+            r = subprocess.run(["mount", "-t", "cgroup", "-o", ctl, f"adlslurm-{ctl}", str(target)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"cannot mount the cgroup v1 {ctl} hierarchy for slurmd: {r.stderr.strip()}")
             self.mounts.append(target)
             self.cgroup_before[target] = {p.name for p in target.iterdir() if p.is_dir()}
 
