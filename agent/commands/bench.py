@@ -71,6 +71,11 @@ def run(args) -> int:
     if not ok and any(p in ("even-static", "even", "adaptive", "oracle") for p in policies):
         print(f"adloader bench: this build lacks: {missing}; policies that need the agent will fail "
               "(run with --policies none,autotune meanwhile)", file=sys.stderr)
+    import signal
+
+    # SIGTERM (timeout, kill) ends the run through the harness's cleanup (its finally blocks stop every
+    # job, agent and hog it started, and remove its cgroups), as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     loader_cpus = setup.default_loader_cpus() if args.loader_cpus == "auto" else float(args.loader_cpus)
     loader_memory = None
     if args.loader_memory:
