@@ -1,10 +1,12 @@
 """The collector: client reports + NVML + PSI -> ``NodeSnapshot`` (rates, never counters).
 
-Counters become rates here and only here (STYLE 7). Each rank's report carries the loader's monotonic
+In the agent, counters become rates here (STYLE 7), by the one window rule of
+``predictor.observation`` (``counter_deltas``, ``blocked_s``; the autotuner and ``adloader profile`` use
+the same through ``Observation.from_window``). Each rank's report carries the loader's monotonic
 totals (``adloader.DataLoader.stats()``); ``RankRates.update`` takes the difference to the previous
 report over the client's own ``uptime_s`` clock (the agent's receive time when that is missing):
 - a counter that went down (a new loader in the same process) resets the baseline: no window;
-- remaining negative deltas are clamped to 0;
+- remaining negative deltas count 0, and so does a counter the client does not report;
 - each figure is smoothed with an exponential moving average of time constant ``SMOOTH_TAU_S``;
   per-step figures update only in windows with steps, per-batch ones only with finished batches.
 
@@ -32,6 +34,7 @@ from agent import psi
 from agent.memory import MemoryGuard, MemoryState
 from agent.model import JobStats, NodeSnapshot
 from agent.registry import Job, Registry
+from predictor.observation import blocked_s, counter_deltas
 
 SMOOTH_TAU_S = 3.0
 MIN_WINDOW_S = 0.05
@@ -82,8 +85,7 @@ class RankRates:
             return False
         if dt < MIN_WINDOW_S:
             return False
-        d = {k: max(0.0, (totals[k] or 0.0) - (self.prev[k] or 0.0)) if totals[k] is not None else 0.0
-             for k in COUNTERS}
+        d = counter_deltas(self.prev, totals, COUNTERS)     # the one window rule (predictor.observation)
         self.prev, self.prev_t = totals, t
         new: dict[str, float] = {"samples_per_s": d["samples"] / dt, "worker_cpu_cores": d["worker_cpu_s"] / dt}
         if totals["main_cpu_s"] is not None:       # (a client that does not report it: no figure)
@@ -102,9 +104,7 @@ class RankRates:
             new["cpu_s_per_batch"] = d["worker_cpu_s"] / d["batches"]
             new["wall_s_per_batch"] = d["worker_wall_s"] / d["batches"]
             new["runq_s_per_batch"] = d["worker_runq_s"] / d["batches"]
-            blocked = d["worker_blocked_s"] if d["worker_blocked_s"] > 0 else max(
-                0.0, d["worker_wall_s"] - d["worker_cpu_s"] - d["worker_runq_s"])
-            new["blocked_s_per_batch"] = blocked / d["batches"]
+            new["blocked_s_per_batch"] = blocked_s(d, totals["worker_blocked_s"] is not None) / d["batches"]
         alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
         for k, v in new.items():
             old = self.rates.get(k)
