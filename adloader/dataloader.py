@@ -420,8 +420,10 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
-        main_cpu_s         CPU seconds of the training process itself (all its threads, not the
-                           workers) since the loader was created (``time.process_time``)
+        main_cpu_s         CPU seconds the training process itself (all its threads, not the workers)
+                           spent during its steps, i.e. between next() calls (``time.process_time``):
+                           what its step needs on the CPU (background threads' CPU while it waits
+                           for data is not counted)
         main_runq_s        seconds the training process's main thread waited for a CPU while runnable
                            (/proc/self/schedstat field 2, monotonic since the process started; 0 where
                            the kernel does not provide it): how much of ``compute_s`` is the trainer
@@ -457,7 +459,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
-            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
+            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
             "main_runq_s": self._main_runq_s(),
             "rates": core.rates.rates(now),
         }
@@ -683,6 +685,7 @@ class _ElasticIter:
             self._seq = Sequencer(cfg.in_order)
             self._error: BaseException | None = None
             self._t_last: float | None = None
+            self._cpu_last = 0.0
             self._done = False
             self._started = True
 
@@ -746,9 +749,11 @@ class _ElasticIter:
     # ---- delivery ----------------------------------------------------------------------------
     def __next__(self):
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         c = self._counters
         if self._t_last is not None:
             c.compute_s += t0 - self._t_last
+            c.step_cpu_s += cpu0 - self._cpu_last     # the training process's CPU during the step
         try:
             data = self._next_batch()
         except StopIteration:
@@ -756,12 +761,14 @@ class _ElasticIter:
             raise
         except BaseException:
             self._t_last = time.perf_counter()
+            self._cpu_last = time.process_time()
             c.data_wait_s += self._t_last - t0
             raise
         t1 = time.perf_counter()
         c.data_wait_s += t1 - t0
         c.steps += 1
         self._t_last = t1
+        self._cpu_last = time.process_time()
         self._core.rates.maybe_record(t1)
         if c.steps & 15 == 1:                    # batch size in shared memory, sampled (cheap walk)
             self._core.batch_bytes = batch_nbytes(data)

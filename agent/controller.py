@@ -137,6 +137,11 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
         return None
     ranks = max(1, job.ranks)
     steps = int(round(job.samples_per_s / ranks / job.batch_size * job.window_s))
+    if steps == 0 and job.samples_per_s > 0 and job.compute_s_per_step > 0:
+        # a slow job (a step every few seconds: several GPUs' batches per step, or a starved loader)
+        # finishes under half a step per report window; its smoothed per-step figures still describe
+        # steps it took, so the window counts as one step rather than as none (it was never observed)
+        steps = 1
     try:
         return Observation(
             workers=max(0, int(job.workers)),

@@ -44,6 +44,7 @@ from agent.model import AllocationPlan, JobAllocation, JobStats, NodeSnapshot
 from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
+BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     C, trainer_need = loader_budget(snapshot, config.min_cpus)
     if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
         C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
+        # ... and sticky: while every job holds an allocation and their total is within BUDGET_TOLERANCE
+        # of the new budget, the held total stays the budget. The trainers' need is measured and moves
+        # by tenths of a core from window to window; a budget that followed it would re-split every
+        # share every tick, and the controller never feeds the predictor a window that spans a change,
+        # so jobs would stay cold (no curve) for good.
+        held = [snapshot.jobs[j].applied for j in snapshot.jobs]
+        if all(a is not None and a.enforce_cpu for a in held):
+            total = sum(a.cpus for a in held)
+            if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
+                C = total
     ids = sorted(snapshot.jobs)
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
     total_gpus = float(sum(gpus.values()))

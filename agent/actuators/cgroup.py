@@ -75,6 +75,28 @@ QUOTA_MIN_US = 1000
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
 
 
+CGROUP_RESERVED = frozenset({"tasks", "notify_on_release", "release_agent"})   # v1 files without a dot
+_ESCAPE = "~"     # never in a job id (protocol.JOB_ID_GRAMMAR), so escaped names and plain ones never meet
+
+
+def group_name(job_id: str) -> str:
+    """The cgroup directory name of a job: one-to-one (``job_of_group`` inverts it). A job id
+    (``protocol.check_job_id``: no '/', never '.' or '..') is its own name unless it could be a cgroup
+    interface file (every such file has a dot, or is one of ``CGROUP_RESERVED``): then the name is
+    ``~`` + the id with each '.' as '~'. So ``adv_col`` and ``adv.col`` (once ``adv/col`` is refused at
+    the protocol boundary) get two groups, and ``cpu.shares`` cannot collide with the file."""
+    if not job_id or "/" in job_id or "\0" in job_id or job_id.startswith(_ESCAPE) or _ESCAPE in job_id:
+        raise CgroupError(f"job id {job_id!r} cannot name a cgroup (refused by protocol.check_job_id)")
+    if "." in job_id or job_id in CGROUP_RESERVED:
+        return _ESCAPE + job_id.replace(".", _ESCAPE)
+    return job_id
+
+
+def job_of_group(name: str) -> str:
+    """Inverse of ``group_name``."""
+    return name[1:].replace(_ESCAPE, ".") if name.startswith(_ESCAPE) else name
+
+
 def shares_for(cores: float) -> int:
     return max(SHARES_MIN, min(SHARES_MAX, int(round(SHARES_DEFAULT * cores))))
 
@@ -234,9 +256,10 @@ class CgroupActuator:
             return
         created = set(self.originals.created)
         for rel in _children(h, self.subtree):
-            job = rel[len(self.subtree) + 1:]
-            if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
+            name = rel[len(self.subtree) + 1:]
+            if "/" in name or Originals.key(self._cpu_hier, rel) not in created:
                 continue
+            job = job_of_group(name)
             try:
                 self._workers[job] = len(h.procs(rel))
                 if self.version == 1:
@@ -245,6 +268,25 @@ class CgroupActuator:
                     self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
             except (CgroupError, ValueError):
                 continue
+
+    def adopt_orphans(self) -> list[str]:
+        """Take every group below the subtree that the journal of originals does not list as ours
+        (it was lost): recorded as created, so ``release``/``restore`` empty and remove them.
+        Returns the job names found."""
+        found: list[str] = []
+        for hier, h in self.h.items():
+            if not h.exists(self.subtree):
+                continue
+            for rel in sorted(_children(h, self.subtree), key=lambda r: r.count("/")):
+                key = Originals.key(hier, rel)
+                if key not in self.originals.created:
+                    self.originals.created.append(key)
+                    name = rel[len(self.subtree) + 1:]
+                    if "/" not in name and job_of_group(name) not in found:
+                        found.append(job_of_group(name))
+        if found:
+            self.originals.save()
+        return found
 
     # -- probing ------------------------------------------------------------------------------
     def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
@@ -284,8 +326,7 @@ class CgroupActuator:
 
     # -- groups -------------------------------------------------------------------------------
     def _group(self, job_id: str) -> str:
-        safe = "".join(ch if ch.isalnum() or ch in "-_.@" else "_" for ch in job_id) or "_"
-        return f"{self.subtree}/{safe}"
+        return f"{self.subtree}/{group_name(job_id)}"
 
     def _record(self, hier: str, rel: str, file: str) -> None:
         """Remember a file's value before our first write (only for groups we did not create)."""

@@ -44,13 +44,13 @@ def run(args) -> int:
         print(f"adloader agent: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg.log_level)
-    from agent.daemon import Agent
+    from agent.daemon import Agent, CannotStart
     from agent.server import EndpointBusy
 
     try:
         agent = Agent(cfg, config_path=args.config, cli=cli)
         return agent.run()
-    except EndpointBusy as e:
+    except (EndpointBusy, CannotStart) as e:
         print(f"adloader agent: {e}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
