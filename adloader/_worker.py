@@ -204,6 +204,35 @@ class RunQueueClock:
             self._fd = None
 
 
+# ---- DataPipes: what torch's own iterators do to them (torch/utils/data/dataloader.py) ----------
+def is_datapipe(dataset) -> bool:
+    """An ``IterDataPipe`` or ``MapDataPipe`` (torch's DataLoader wraps an IterDataPipe in
+    ``_IterDataPipeSerializationWrapper``, which still is one)."""
+    from torch.utils.data import IterDataPipe, MapDataPipe
+
+    return isinstance(dataset, (IterDataPipe, MapDataPipe))
+
+
+def shard_datapipe(dataset, num_shards: int, world_size: int, wid: int, rank: int) -> None:
+    """torch's ``_sharding_worker_init_fn``: shard over processes first, then over their workers
+    (``num_shards * world_size`` instances, this one ``wid * world_size + rank``)."""
+    from torch.utils.data.graph_settings import apply_sharding
+
+    apply_sharding(dataset, max(1, num_shards) * world_size, wid * world_size + rank)
+
+
+def reseed_datapipe(dataset, shared_seed: int) -> None:
+    """torch's ``apply_random_seed`` with a generator seeded from the epoch's shared seed: every
+    worker (and every rank) shuffles the same way, so ``sharding_filter`` splits one order."""
+    from torch.utils.data import IterDataPipe
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    if isinstance(dataset, IterDataPipe):
+        rng = torch.Generator()
+        rng.manual_seed(shared_seed)
+        apply_random_seed(dataset, rng)
+
+
 def set_worker_info(wid: int, num_workers: int, seed: int, dataset) -> None:
     # The one private touch (allowed by DESIGN.md): torch.utils.data.get_worker_info() returns the
     # module global ``torch.utils.data._utils.worker._worker_info``, which torch's own worker loop
@@ -228,15 +257,20 @@ class WorkerSpec:
     drop_last: bool
     collate_fn: Callable
     worker_init_fn: Callable | None
+    world_size: int = 1         # torch.distributed's, when initialised (DataPipe sharding)
+    rank: int = 0
 
 
 class _ShardPasses:
     """This worker's passes over its own copy of an IterableDataset: a task of a new epoch (a new
-    ``iter_id``) starts a fresh pass, sharded for that epoch's worker count, which the task carries."""
+    ``iter_id``) starts a fresh pass, sharded for that epoch's worker count, which the task carries.
+    A DataPipe is resharded for that count (if it changed) and reseeded from the epoch's shared seed,
+    as torch's worker loop does at each epoch (``_ResumeIteration``)."""
 
-    def __init__(self, spec: WorkerSpec, seed: int) -> None:
+    def __init__(self, spec: WorkerSpec, seed: int, sharded_for: int | None) -> None:
         self.spec = spec
         self.seed = seed
+        self.sharded_for = sharded_for      # the worker count the DataPipe is sharded for
         self.iter_id: int | None = None
         self.fetcher: IterableFetcher | None = None
 
@@ -245,6 +279,11 @@ class _ShardPasses:
         spec = self.spec
         if task.iter_id != self.iter_id:
             set_worker_info(spec.wid, task.num_shards, self.seed, spec.dataset)
+            if self.sharded_for is not None and task.num_shards != self.sharded_for:
+                shard_datapipe(spec.dataset, task.num_shards, spec.world_size, spec.wid, spec.rank)
+                self.sharded_for = task.num_shards
+            if task.shared_seed is not None:
+                reseed_datapipe(spec.dataset, task.shared_seed)
             self.iter_id = task.iter_id
             self.fetcher = IterableFetcher(spec.dataset, spec.auto_collation, spec.batch_size,
                                            spec.collate_fn, spec.drop_last)
@@ -265,7 +304,11 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     seed_all(seed & _MASK63)
     set_worker_info(wid, spec.num_workers, seed, spec.dataset)
     where = f"in DataLoader worker process {wid}"
+    sharded_for = None
     try:
+        if is_datapipe(spec.dataset):       # before worker_init_fn, as torch's sharding init fn does
+            shard_datapipe(spec.dataset, spec.num_workers, spec.world_size, wid, spec.rank)
+            sharded_for = spec.num_workers
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:
@@ -281,7 +324,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     poller.register(ctrl_fd, select.POLLIN)
     if task_sock is not None:
         poller.register(task_sock.fileno(), select.POLLIN)
-    shard = _ShardPasses(spec, seed) if spec.iterable else None
+    shard = _ShardPasses(spec, seed, sharded_for) if spec.iterable else None
     local_tasks: list = []
 
     def run(task) -> None:

@@ -448,45 +448,70 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 cpus[j] = hi
             else:
                 cpus[j] = lo
-    remaining = C - sum(cpus.values())
+    # The trainers' CPU counts against the node: a job at normalised throughput v uses need_j * v cores
+    # in its training processes (need_j at full speed). Cores go to loaders while both the loader CPUs
+    # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned
+    # throughput) have room; a step's cost is its loader cores plus the trainer CPU its gain brings.
+    # (The shares above are conservative: they reserve every trainer's full-speed need.)
+    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else snapshot.loader_cpus
+    need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}
+    current = {j: value(j, cpus[j]) for j in warm}
+    trainer_use = sum(need[j] * (current[j] if j in warm else 1.0) for j in ids)
+    rem_loader = snapshot.loader_cpus - sum(cpus.values())
+    rem_node = node - sum(cpus.values()) - trainer_use
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
     # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
     # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
-    current = {j: value(j, cpus[j]) for j in warm}
     nxt: dict[str, tuple[float, float]] = {}
     heap = []
+
+    def key(j: str, dx: float, dv: float) -> tuple:
+        return (_gain_key(gpus[j] * dv / (dx + need[j] * dv)), cpus[j] / share[j], j)
 
     def offer(j: str) -> None:
         dx = min(q, cap[j] - cpus[j])
         if dx > EPS:
             v = value(j, cpus[j] + dx)
             nxt[j] = (dx, v)
-            heap.append((_gain_key(gpus[j] * (v - current[j]) / dx), cpus[j] / share[j], j))
+            heap.append(key(j, dx, v - current[j]))
 
     for j in warm:
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
-    while heap and remaining > EPS:
+    while heap and min(rem_loader, rem_node) > EPS:
         neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
         dx, v = nxt[j]
-        if dx > remaining:                     # a partial last step: re-evaluate exactly
-            dx = remaining
+        if dx + need[j] * (v - current[j]) > min(rem_loader, rem_node) or dx > rem_loader:
+            # a partial last step: the largest that fits both budgets, re-evaluated exactly
+            lo, hi = 0.0, dx
+            for _ in range(20):
+                mid = 0.5 * (lo + hi)
+                vm = value(j, cpus[j] + mid)
+                if mid <= rem_loader and mid + need[j] * (vm - current[j]) <= rem_node:
+                    lo = mid
+                else:
+                    hi = mid
+            dx = lo
+            if dx <= EPS:
+                continue
             v = value(j, cpus[j] + dx)
         g = gpus[j] * (v - current[j]) / dx
         if g <= EPS:
             continue
         cpus[j] += dx
-        remaining -= dx
+        rem_loader -= dx
+        rem_node -= dx + need[j] * (v - current[j])
         current[j] = v
         last_gain[j] = g
         dx2 = min(q, cap[j] - cpus[j])
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
-            heapq.heappush(heap, (_gain_key(gpus[j] * (v2 - v) / dx2), cpus[j] / share[j], j))
+            heapq.heappush(heap, key(j, dx2, v2 - v))
+    remaining = max(0.0, min(rem_loader, rem_node))
     for j in sorted(warm):
         # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
         workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
@@ -542,9 +567,10 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
         held = sum(a.cpus for a in applied.values())
-        # (a held plan up to one quantum over the budget still fits: shares are relative, and the
-        # trainers' measured need drifts by hundredths of a core from window to window)
-        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + q + 1e-6
+        # (the held total must be about what the new plan hands out, which may exceed the share budget C
+        # by the trainer cores the trainers will not use; one quantum either way: shares are relative)
+        total_new = sum(cpus.values())
+        settled = min(total_new, sum(cap.values())) - q - EPS <= held <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
         weight_total = total_gpus

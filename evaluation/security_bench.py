@@ -1,13 +1,16 @@
 """What the agent holds while one ordinary user floods it, with a victim (another ordinary uid) served.
 
     sudo python -m evaluation.security_bench [--seconds 10] [--scenarios connections,churn,...]
-                                             [--repeats 1] [--tick-s 1.0] [--out bench-out/security_bench.json]
+                                             [--repeats 1] [--tick-s 1.0] [--agent-repo DIR]
+                                             [--out bench-out/security_bench.json]
 
 Needs root (the agent runs as root, the attacker as uid 65534, the victim as uid 65533). For each
 scenario and repeat: a fresh `adloader agent` (cgroup mode off), a victim training process (the real
 ``adloader.client`` over a fake loader: hello, a report a second, directives), a 3 s quiet window,
 then the attack (``evaluation.attacks``) for --seconds while this process samples every 0.25 s:
-``adloader status`` round trip, the agent's RSS, and how late its ticks start (``agent.tick_late_ms``).
+``adloader status`` round trip, the agent's RSS, and its tick counter: the longest time the counter
+did not move, less one tick, is how late a tick started (measured from outside, so the same for an
+older agent; ``--agent-repo`` runs another checkout's agent, e.g. the code before the fix).
 Per scenario it reports the attack rate the attacker achieved (messages/s, connections/s, bytes/s),
 the agent's CPU (% of one core over the attack window) and peak RSS, status p50/max, the latest tick
 start, the victim's reports during the attack and whether it lost its connection (reconnects), and
@@ -121,14 +124,23 @@ def _read(path: str) -> dict:
         return {}
 
 
-def run_one(name: str, seconds: float, tick_s: float) -> dict:
+def _max_tick_gap(samples: list) -> float:
+    """The longest time (s) between two sample times at which the tick counter had moved."""
+    moved = [t for (t, n), (_, m) in zip(samples[1:], samples[:-1]) if n != m]
+    times = [samples[0][0]] + moved + ([samples[-1][0]] if samples else [])
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
+def run_one(name: str, seconds: float, tick_s: float, agent_repo: Path = REPO, nofile: str = "") -> dict:
     base = tempfile.mkdtemp(prefix="adlsb")
     os.chmod(base, 0o755)
     endpoint = f"ipc://{base}/agent.sock"
     log = open(f"{base}/agent.log", "w")
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "agent", "--endpoint", endpoint, "--state-dir",
+    wrap = ["prlimit", f"--nofile={nofile}", "--"] if nofile else []
+    agent = subprocess.Popen([*wrap, sys.executable, "-m", "agent", "agent", "--endpoint", endpoint, "--state-dir",
                               f"{base}/state", "--cgroup-mode", "off", "--policy", "even", "--tick-s", str(tick_s)],
-                             env=_env(), stdout=log, stderr=subprocess.STDOUT)
+                             env=_env(PYTHONPATH=str(agent_repo)), stdout=log, stderr=subprocess.STDOUT,
+                             cwd=str(agent_repo))
     victim = attacker = None
     try:
         _wait(lambda: os.path.exists(f"{base}/agent.sock") or agent.poll() is not None, 30, "agent socket")
@@ -151,7 +163,7 @@ def run_one(name: str, seconds: float, tick_s: float) -> dict:
             attacker = subprocess.Popen([sys.executable, "-m", "evaluation.attacks", endpoint, str(ATTACKER),
                                          *SCENARIOS[name](seconds)], env=_env(), cwd=str(REPO),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        status_s, rss, late = [], [], []
+        status_s, rss, late, ticks = [], [], [], []
         t_end = t0 + seconds
         while time.monotonic() < t_end or (attacker is not None and attacker.poll() is None
                                             and time.monotonic() < t_end + 60):
@@ -160,7 +172,7 @@ def run_one(name: str, seconds: float, tick_s: float) -> dict:
             try:
                 s, doc = _status(endpoint)
                 status_s.append(s)
-                late.append(doc["agent"]["tick_late_ms"]["max_recent"] or 0.0)
+                ticks.append((time.monotonic(), doc["agent"]["ticks"]))
             except RuntimeError:
                 status_s.append(float("inf"))
             try:
@@ -183,6 +195,8 @@ def run_one(name: str, seconds: float, tick_s: float) -> dict:
         reports = v1.get("reports_sent", 0) - v0.get("reports_sent", 0)
         reconnects = v1.get("welcomes", 0) - v0.get("welcomes", 0)
         doc = _status(endpoint)[1] if alive else {}
+        gap = _max_tick_gap(ticks) if len(ticks) > 1 else float("inf")
+        late = [max(0.0, (gap - tick_s) * 1000.0)]
         finite = [s for s in status_s if s != float("inf")]
         row = {
             "scenario": name, "agent_alive": alive, "attack": attack, "window_s": round(wall, 1),
@@ -234,6 +248,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--tick-s", type=float, default=1.0, help="the agent's tick (default 1 s, as deployed)")
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 524288 if hard == resource.RLIM_INFINITY else min(hard, 524288)
+    ap.add_argument("--nofile", default=f"1024:{hard}",
+                    help="the agent's open-files limit SOFT:HARD (default as systemd gives a service without "
+                         f"LimitNOFILE=: soft 1024, hard 524288 or this process's hard limit, here {hard}; "
+                         "'' = inherit)")
+    ap.add_argument("--agent-repo", default=str(REPO), help="checkout whose agent to run (default this one)")
     ap.add_argument("--out", default="bench-out/security_bench.json")
     args = ap.parse_args(argv)
     if os.getuid() != 0:
@@ -246,7 +269,7 @@ def main(argv=None) -> int:
     rows = []
     for r in range(args.repeats):
         for name in names:          # interleaved: every scenario once per repeat
-            row = run_one(name, args.seconds, args.tick_s)
+            row = run_one(name, args.seconds, args.tick_s, Path(args.agent_repo), args.nofile)
             row["repeat"] = r
             rows.append(row)
             print(f"  {name} (repeat {r + 1}/{args.repeats}): held={row['held']}", file=sys.stderr)
@@ -263,7 +286,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
-                               "seconds": args.seconds, "tick_s": args.tick_s, "rows": rows}, indent=1))
+                               "seconds": args.seconds, "tick_s": args.tick_s,
+                               "agent_repo": args.agent_repo, "nofile": args.nofile, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0
 

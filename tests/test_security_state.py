@@ -144,7 +144,9 @@ CPU = "/sys/fs/cgroup/cpu"
 
 
 def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
+    r = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount here (mount {' '.join(args)}: {r.stderr.strip()[:200]})")
 
 
 @needs_root

@@ -104,6 +104,10 @@ def start_victim(agent: AgentProc, base: str, trainers: list, job: str = "victim
 
 def test_connection_flood_is_refused_per_uid_and_the_agent_survives(base, trainers):
     """Issue 16.1: 1,100 connections from one user at the open-files limit 1024 aborted libzmq."""
+    import shutil
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("no prlimit (util-linux) to start the agent at the open-files limit 1024")
     agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2",
                       wrap=("prlimit", "--nofile=1024:1024", "--")).start()
     try:
@@ -308,3 +312,50 @@ def test_agent_trust_checks_owner_mode_and_the_listening_process(base):
     finally:
         p.kill()
         p.wait()
+
+
+CPU = "/sys/fs/cgroup/cpu"
+
+
+def _cgroup_procs(path: str) -> set[int]:
+    try:
+        return {int(x) for x in open(f"{path}/cgroup.procs").read().split()}
+    except OSError:
+        return set()
+
+
+def test_look_alike_job_ids_get_their_own_groups_and_a_leaving_attacker_takes_nothing(base, trainers):
+    """Issue 16.7: 'adv/col' (attacker) and 'adv_col' (victim) shared one cgroup; the attacker's worker
+    joined the victim's group, and when it left the victim's workers were moved out and the group
+    deleted while status still showed its share. Now 'adv/col' is refused and the look-alike that is
+    allowed, 'adv.col', gets a group of its own ('~adv~col')."""
+    if not os.access(f"{CPU}/cgroup.procs", os.W_OK):
+        pytest.skip("no writable cgroup v1 cpu hierarchy")
+    subtree = f"adlsec{os.getpid()}"
+    agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2", "--cgroup-mode", "v1",
+                      env={"ADLOADER_CGROUP_SUBTREE": subtree}).start()
+    try:
+        victim = Trainer(base, agent.endpoint, job="adv_col", workers=2, user=VICTIM)
+        trainers.append(victim)
+        vgroup = f"{CPU}/{subtree}/adv_col"
+        wait_for(lambda: (w := set(victim.state().get("worker_pids") or [])) and w <= _cgroup_procs(vgroup), 30,
+                 what="victim's workers in its group")
+        attacker = Trainer(base, agent.endpoint, job="adv.col", workers=1, user=ATTACKER)
+        trainers.append(attacker)
+        agroup = f"{CPU}/{subtree}/~adv~col"
+        wait_for(lambda: (w := set(attacker.state().get("worker_pids") or [])) and w <= _cgroup_procs(agroup), 30,
+                 what="attacker's worker in its own group")
+        assert not set(attacker.state()["worker_pids"]) & _cgroup_procs(vgroup)
+        shares = {g: int(open(f"{g}/cpu.shares").read()) for g in (vgroup, agroup)}
+        assert shares[vgroup] > 2 and shares[agroup] > 2, shares    # each has its own share
+        attacker.kill()                                   # the attacker leaves
+        wait_for(lambda: not os.path.exists(agroup), 20, what="the attacker's group removed")
+        time.sleep(1.0)
+        assert os.path.isdir(vgroup) and set(victim.state()["worker_pids"]) <= _cgroup_procs(vgroup)
+        v = agent.job("adv_col")
+        assert v["cpus"] and v["apply_ok"] is not False, v
+        r = result(attack(agent, "squat", "adv/col"))
+        assert r["replies"] == {"error:malformed": 1}
+    finally:
+        assert agent.stop() == 0
+        assert not os.path.exists(f"{CPU}/{subtree}")

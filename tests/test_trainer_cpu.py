@@ -83,13 +83,28 @@ def snap(jobs, loader=1.8, cpus=(0, 1)):
 
 
 def test_trainer_need_is_kept_out_of_the_loader_budget():
-    # two trainers busy 30% of a 0.1 s step: 0.6 cores; the 2-CPU node leaves the loaders 1.4, not 1.8
+    # two trainers busy 30% of a 0.1 s step: 0.6 cores at full speed; the 2-CPU node's shares (and the
+    # cold start) leave the loaders 1.4 of it, not 1.8
     s = snap([job("a", t=0.03), job("b", t=0.03)])
     budget, need = loader_budget(s)
     assert need == pytest.approx(0.6) and budget == pytest.approx(1.4)
-    plan = get_policy("adaptive")(s, {j: curve(s.jobs[j]) for j in s.jobs}, PolicyConfig())
-    assert sum(a.cpus for a in plan.allocations.values()) <= 1.4 + 1e-6
-    assert "trainers keep 0.60 cores" in plan.allocations["a"].reason
+    cold = get_policy("adaptive")(s, {}, PolicyConfig())
+    assert sum(a.cpus for a in cold.allocations.values()) == pytest.approx(1.4)
+    assert "trainers keep 0.60 cores" in cold.allocations["a"].reason
+    # warm: loaders and the trainer CPU the planned throughput brings fit the node. These loaders need
+    # 3 cores each, so the jobs run far below full speed and their trainers use far less than 0.6:
+    # the loaders may take those cores (up to loader_cpus), the trainers still find theirs
+    cv = {j: curve(s.jobs[j]) for j in s.jobs}
+    plan = get_policy("adaptive")(s, cv, PolicyConfig())
+    used = sum(a.cpus + trainer_cores_needed(s.jobs[j]) * cv[j].normalized(a.workers, a.cpus)
+               for j, a in plan.allocations.items())
+    assert used <= 2.0 + 1e-6 and sum(a.cpus for a in plan.allocations.values()) <= 1.8 + 1e-6
+    # light loaders that reach full speed: their trainers need all 0.5 + 0.5, the loaders get the rest
+    s = snap([job("a", c=0.05, t=0.05), job("b", c=0.05, t=0.05)])
+    cv = {j: curve(s.jobs[j]) for j in s.jobs}
+    plan = get_policy("adaptive")(s, cv, PolicyConfig())
+    assert sum(a.cpus for a in plan.allocations.values()) <= 1.0 + 0.05      # within one quantum
+    assert all(cv[j].normalized(a.workers, a.cpus) >= 0.95 for j, a in plan.allocations.items())   # (a quantum)
     # trainers that need nothing: the whole loader budget, as before
     s = snap([job("a"), job("b")])
     plan = get_policy("adaptive")(s, {j: curve(s.jobs[j]) for j in s.jobs}, PolicyConfig())

@@ -22,12 +22,14 @@ v1 ``<subtree>/cpu.shares = 1024 * workers`` (the worker pids in our job groups,
 [2, 262144]); v2 ``cpu.weight = 100 * workers`` ([1, 10000]). Worker processes, not allocated cores:
 the cores add up to the loader budget (e.g. 1.8 on a 2-core node), far less than the workers would
 weigh, and with cores the subtree took CPU away from the loaders as a whole (BENCHMARKS.md, the
-bench's "Reading"). Except where the training processes need CPU themselves (``trainer_cpu_s_per_step``
-measured, ``agent.policies.trainer_cores_needed``): then the subtree weighs the cores the plan gave the
-loaders (1024 per core, at most 1024 per worker), so that a runnable training process (a nice-0 task,
-or its job's own group: 1024) takes its core back from the loaders instead of being outweighed by a
-crowd of workers, while the loaders still use every core the trainers leave idle (work-conserving; a
-quota on the subtree would not be). The original value is recorded before the first write and restored by
+bench's "Reading"). Where the training processes need CPU themselves (``trainer_cpu_s_per_step``
+measured, ``agent.policies.trainer_cores_needed``), the subtree is also capped (v1
+``cpu.cfs_quota_us``, v2 ``cpu.max``) at the node's CPUs less what the trainers need (never below the
+cores the plan gave the loaders): the loaders never get the cores a trainer needs, whatever their
+number, while they keep every other core, the agent's 10% reserve included (so the cap is not the
+loader budget). A weight could not do this: against a crowd of busy workers a runnable trainer (one
+nice-0 task) gets a fraction of a core unless the subtree weighs so little that it loses to every
+other process on the node. Without trainer CPU the subtree is not capped (the original quota). The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
 together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
@@ -62,6 +64,7 @@ Where the groups live:
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 from agent import cgroupfs
@@ -114,6 +117,14 @@ def weight_from_shares(shares: int) -> int:
         return 100
     s = max(SHARES_MIN, min(SHARES_MAX, int(shares)))
     return max(1, min(10000, int(round(s * 100 / SHARES_DEFAULT))))
+
+
+def _node_cpus() -> float:
+    """CPUs this agent may run on (the node's, unless it is pinned)."""
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return float(os.cpu_count() or 1)
 
 
 def subtree_shares_for(workers: int) -> int:
@@ -216,7 +227,7 @@ class CgroupActuator:
     def __init__(self, hierarchies: dict[str, Hierarchy], *, version: int, cpu_knob: str = "shares",
                  io: bool = True, subtree: str = "adloader", originals: Optional[Originals] = None,
                  sys_root: str = "/sys", proc_root: str = "/proc",
-                 affinity: Optional[AffinityActuator] = None) -> None:
+                 affinity: Optional[AffinityActuator] = None, node_cpus: Optional[float] = None) -> None:
         if cpu_knob not in ("shares", "quota", "cpuset"):
             raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose shares, quota or cpuset")
         self.h = hierarchies
@@ -242,6 +253,8 @@ class CgroupActuator:
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
         self._trainer: dict[str, float] = {}         # job -> cores its training processes need
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
+        self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
+        self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
@@ -512,20 +525,32 @@ class CgroupActuator:
         self._trainer[job.job] = trainer_cores_needed(job)
 
     def _set_subtree_weight(self) -> None:
-        """The subtree weighs what its workers would unmanaged, or, where training processes need CPU,
-        the loaders' cores (module docstring); written on change only."""
-        workers = sum(self._workers.values())
-        shares = subtree_shares_for(workers)
-        if sum(self._trainer.get(j, 0.0) for j in self._workers) >= TRAINER_CPU_MIN:
-            cores = sum(self._cores.get(j, 0.0) for j in self._workers)
-            shares = max(SHARES_MIN, min(shares, int(round(SHARES_DEFAULT * cores))))
-        if shares == self._subtree_shares or not self.h[self._cpu_hier].exists(self.subtree):
+        """The subtree weighs what its workers would unmanaged; where training processes need CPU it is
+        also capped at the node's CPUs less their need (module docstring); written on change only."""
+        shares = subtree_shares_for(sum(self._workers.values()))
+        need = sum(self._trainer.get(j, 0.0) for j in self._workers)
+        cap = None
+        if need >= TRAINER_CPU_MIN and self.node_cpus:
+            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - need)
+            cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
+        if not self.h[self._cpu_hier].exists(self.subtree):
             return
-        if self.version == 1:
-            self._write("cpu", self.subtree, "cpu.shares", shares)
-        else:
-            self._write("", self.subtree, "cpu.weight", weight_from_shares(shares))
-        self._subtree_shares = shares
+        if shares != self._subtree_shares:
+            if self.version == 1:
+                self._write("cpu", self.subtree, "cpu.shares", shares)
+            else:
+                self._write("", self.subtree, "cpu.weight", weight_from_shares(shares))
+            self._subtree_shares = shares
+        if cap != self._subtree_cap:
+            period = 100000
+            quota = -1 if cap is None else max(QUOTA_MIN_US, int(round(cap * period)))
+            if self.version == 1:
+                if cap is not None:
+                    self._write("cpu", self.subtree, "cpu.cfs_period_us", period)
+                self._write("cpu", self.subtree, "cpu.cfs_quota_us", quota)
+            else:
+                self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
+            self._subtree_cap = cap
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -625,6 +650,7 @@ class CgroupActuator:
         self._shares.clear()
         self._workers.clear()
         self._subtree_shares = None
+        self._subtree_cap = None
         self.affinity.restore()
         self.originals.save()
         if errors:
