@@ -59,6 +59,16 @@ def test_datapipe_reshards_when_the_worker_count_changes_between_epochs():
         assert sorted(x for b in epoch for x in b) == list(range(24))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_map_datapipe_batches_equal_torch(workers):
+    from torch.utils.data.datapipes.map import SequenceWrapper
+
+    kw = dict(batch_size=3, shuffle=True, num_workers=workers)
+    ref = _epochs(tud.DataLoader(SequenceWrapper(list(range(10))), generator=torch.Generator().manual_seed(2), **kw), 2)
+    dl = DataLoader(SequenceWrapper(list(range(10))), generator=torch.Generator().manual_seed(2), max_workers=2, **kw)
+    assert _epochs(dl, 2) == ref
+
+
 class Numbers(tud.Dataset):
     def __len__(self):
         return 12
