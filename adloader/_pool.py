@@ -1,33 +1,16 @@
 """The elastic loader's worker pool: processes that can be added and retired between any two batches.
 
-Channels (all created by the main process; a worker only ever reads tasks and writes results):
-
-- task socket: one ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair shared by every worker of a map-style
-  pool. The main process writes one task per message; any idle worker takes the next one. Why not
-  ``multiprocessing.Queue``: its readers share a lock (a semaphore) that an idle worker holds while
-  it blocks in ``get()``, so one worker killed by SIGKILL or the OOM killer would deadlock every
-  other worker. A SEQPACKET socket keeps message boundaries in the kernel: each ``recv`` returns one
-  whole task to one reader, with no user-space lock that a dead process could keep.
-- control pipe, main -> one worker (``multiprocessing.Pipe``): ``("retire",)``, ``("resume",)``,
-  ``("exit",)`` and tasks meant for that worker only (every task of an IterableDataset, whose
-  workers each iterate their own shard in torch's round-robin order; a map task too large for the
-  socket).
-- result socket, one worker -> main (``AF_UNIX``/``SOCK_SEQPACKET`` pair per worker; framing in
-  ``adloader._worker.send_message``): ``("result", iter_id, seq, ok, n_samples, cpu_s, wall_s,
-  runq_ns)`` with the batch as payload (tensors travel as shared-memory file descriptors passed
-  with the message), ``("stop", iter_id, seq)`` (the worker's iterable shard is exhausted),
-  ``("retired",)``, ``("init_error", RemoteError)``. Per-worker channels mean a dying worker can
-  corrupt nothing but its own.
-
-Task: ``("task", iter_id, seq, seed, index, epoch_workers)``.
+What the pool and its workers say to each other, and over which channel, is ``adloader._messages``;
+how it travels is ``adloader._transport``. The pool turns what workers write into events for the
+iterator (``Batch``, ``ShardEnd``, ``WorkerDied``), in the order they were written.
 
 Invariants:
 - worker ids are stable: a worker keeps its id for life; after ``resize(n)`` the workers that take
   new tasks are exactly ids ``0..n-1`` once retiring ones finished their current task;
-- a worker is retired, never killed, while the main process lives: ``retire`` -> (finishes its
-  current task and any task handed to it personally) -> ``retired`` -> ``exit`` or ``resume``;
-- a worker that dies otherwise is reported once (``("dead", wid, pid, exitcode, (iter_id, seq) or None)``) after
-  every message it wrote was read, and is replaced if its id is still below the target;
+- a worker is retired, never killed, while the main process lives: ``RETIRE`` -> (finishes its
+  current task and any task handed to it personally) -> ``Retired`` -> ``EXIT`` or ``RESUME``;
+- a worker that dies otherwise is reported once (``WorkerDied``) after every message it wrote was
+  read, and is replaced if its id is still below the target;
 - ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded).
 """
 from __future__ import annotations
@@ -36,14 +19,18 @@ import errno
 import logging
 import os
 import select
-import socket
+import signal
 import threading
 import time
 from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 
-from adloader._worker import MAX_TASK_BYTES, MessageReader, PayloadError, RemoteError, WorkerSpec, worker_main
+from adloader._messages import (IDLE, Batch, Control, InitError, Result, Retired, ShardEnd, WorkerDied,
+                                running_task)
+from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, MessageReader, PayloadError, out_of_file_descriptors,
+                                 result_channel, take_tasks, task_channel)
+from adloader._worker import RemoteError, WorkerSpec, worker_main
 from adloader.stats import LoaderCounters
 
 log = logging.getLogger("adloader")
@@ -51,6 +38,23 @@ log = logging.getLogger("adloader")
 # A slot that keeps dying before finishing any batch (a dataset that cannot even be unpickled in a
 # spawned worker, a segfault at import) is not restarted forever.
 MAX_DEATHS_WITHOUT_PROGRESS = 4
+
+
+def worker_exit_reason(pid: int, exitcode: int | None) -> str:
+    """torch's words for a worker's death (torch/csrc/DataLoader.cpp, _error_if_any_worker_fails):
+    "DataLoader worker (pid 123) is killed by signal: Killed." or "... exited unexpectedly with exit
+    code 1."."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
+        except ValueError:
+            name = f"signal {-exitcode}"
+        how = f"DataLoader worker (pid {pid}) is killed by signal: {name}."
+        if -exitcode == signal.SIGBUS:
+            how += (" It is possible that dataloader's workers are out of shared memory. Please try to raise "
+                    "your shared memory limit.")
+        return how
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}."
 
 
 class _Slot:
@@ -64,7 +68,7 @@ class _Slot:
         self.result = result      # main's end of the result socket
         self.reader = MessageReader(result)
         self.sentinel = proc.sentinel
-        self.state = "running"    # running | retiring (retire sent) | parked (retired) | exiting
+        self.state = "running"    # running | retiring (RETIRE sent) | parked (Retired) | exiting
 
 
 class WorkerPool:
@@ -92,20 +96,11 @@ class WorkerPool:
         self.max_workers = max(1, max_workers)
         self._current = ctx.RawArray("q", self.max_workers)
         for i in range(len(self._current)):
-            self._current[i] = -1
+            self._current[i] = IDLE
         if self.iterable:
             self._task_w = self._task_r = None
         else:
-            self._task_w, self._task_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            for opt in (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF):
-                if opt is None:
-                    continue
-                try:
-                    self._task_w.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
-                    break
-                except OSError:
-                    continue
-            self._task_w.setblocking(False)
+            self._task_w, self._task_r = task_channel()
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._fds: dict[int, tuple[str, int]] = {self._wake_r: ("wake", -1)}
@@ -125,10 +120,10 @@ class WorkerPool:
     def _reconcile(self) -> None:
         for wid, slot in list(self.slots.items()):
             if wid >= self.target and slot.state == "running":
-                self._send_ctrl(slot, ("retire",))
+                self._send_ctrl(slot, Control.RETIRE)
                 slot.state = "retiring"
             elif wid < self.target and slot.state == "parked":
-                self._send_ctrl(slot, ("resume",))
+                self._send_ctrl(slot, Control.RESUME)
                 slot.state = "running"
         if self.fatal is not None or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS:
             return
@@ -139,9 +134,9 @@ class WorkerPool:
     def _start(self, wid: int) -> None:
         ctx = self.ctx
         ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-        res_r, res_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        res_r, res_w = result_channel()
         spec = replace(self.spec, wid=wid, num_workers=self.target)
-        self._current[wid] = -1
+        self._current[wid] = IDLE
         proc = ctx.Process(target=worker_main, args=(spec, self._task_r, ctrl_r, res_w, self._current),
                            name=f"adloader-worker-{wid}", daemon=True)
         proc.start()
@@ -219,23 +214,14 @@ class WorkerPool:
             while self._backlog:
                 out.append(ForkingPickler.loads(self._backlog.popleft()))
             if self._task_r is not None:
-                while True:
-                    try:
-                        data = self._task_r.recv(MAX_TASK_BYTES + 1, socket.MSG_DONTWAIT)
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    out.append(ForkingPickler.loads(data))
+                out.extend(take_tasks(self._task_r))
         return out
 
     def running_tasks(self) -> set[tuple[int, int]]:
         """(iter_id, seq) of the tasks that live workers say they are running now."""
         with self.lock:
             cur = [self._current[w] for w in self.slots]
-        return {(c >> 32, c & 0xFFFFFFFF) for c in cur if c >= 0}
-
-    def busy_workers(self) -> int:
-        with self.lock:
-            return sum(1 for w in self.slots if self._current[w] >= 0)
+        return {running_task(c) for c in cur if c != IDLE}
 
     # ---- events -----------------------------------------------------------------------------
     def wake(self) -> None:
@@ -245,7 +231,8 @@ class WorkerPool:
             pass
 
     def poll(self, timeout_s: float) -> list:
-        """Wait up to ``timeout_s`` for worker messages; return result/stop/dead events in order."""
+        """Wait up to ``timeout_s`` for worker messages; return ``Batch``/``ShardEnd``/``WorkerDied``
+        events in order."""
         try:
             ready = self._epoll.poll(timeout_s)
         except InterruptedError:
@@ -285,31 +272,32 @@ class WorkerPool:
         except EOFError:
             return                  # the worker is gone: its sentinel reports it
         for msg, payload in msgs:
-            kind = msg[0]
-            if kind == "result":
+            kind = type(msg)
+            if kind is Result:
                 if isinstance(payload, PayloadError):
                     # Tensors arrive as file descriptors with the message; anything else that
                     # cannot be rebuilt here is the caller's error for that batch.
                     e = payload.error
-                    payload = RemoteError((type(e), e, e.__traceback__),
-                                          where=f"while receiving a batch from DataLoader worker {slot.wid}")
-                    msg = msg[:3] + (False,) + msg[4:]
+                    where = f"while receiving a batch from DataLoader worker {slot.wid}"
+                    if out_of_file_descriptors(e):
+                        where += f" ({TOO_MANY_FILES})"
+                    payload = RemoteError((type(e), e, e.__traceback__), where=where)
+                    msg = msg._replace(ok=False)
                 self._deaths_without_progress = 0
-                # ("result", iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload)
-                out.append(msg + (payload,))
-            elif kind == "stop":
+                out.append(Batch(msg, payload))
+            elif kind is ShardEnd:
                 self._deaths_without_progress = 0
                 out.append(msg)
-            elif kind == "retired":
+            elif kind is Retired:
                 if slot.wid < self.target and self.fatal is None:
-                    self._send_ctrl(slot, ("resume",))
+                    self._send_ctrl(slot, Control.RESUME)
                     slot.state = "running"
                 else:
-                    self._send_ctrl(slot, ("exit",))
+                    self._send_ctrl(slot, Control.EXIT)
                     slot.state = "exiting"
-            elif kind == "init_error":
-                self.fatal = msg[1]
-                self._send_ctrl(slot, ("exit",))
+            elif kind is InitError:
+                self.fatal = msg.error
+                self._send_ctrl(slot, Control.EXIT)
                 slot.state = "exiting"
 
     def drain_results(self) -> list:
@@ -327,27 +315,26 @@ class WorkerPool:
         wid = slot.wid
         self._forget(slot)
         slot.proc.join(timeout=1.0)
-        cur = self._current[wid]
-        self._current[wid] = -1
-        task = (cur >> 32, cur & 0xFFFFFFFF) if cur >= 0 else None
+        running = running_task(self._current[wid])
+        self._current[wid] = IDLE
         if slot.state != "exiting":
             code = slot.proc.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            how = worker_exit_reason(slot.pid, code)
             if self.describe_death is not None:        # last measured memory and the likely cause
                 try:
-                    how += "; " + self.describe_death(slot.pid, code)
+                    how += f" ({self.describe_death(slot.pid, code)})"
                 except Exception:   # noqa: BLE001 — a report never hurts the recovery
                     pass
             self._deaths_without_progress += 1
             restart = wid < self.target and not self._closed
             if self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS and self.fatal is None:
                 self.fatal = RuntimeError(
-                    f"DataLoader worker (pid {slot.pid}) exited unexpectedly ({how}); workers died "
+                    f"DataLoader worker (pid(s) {slot.pid}) exited unexpectedly: {how} Workers died "
                     f"{self._deaths_without_progress} times in a row without finishing a batch, giving up")
                 restart = False
-            log.warning("adloader worker %d (pid %d) exited unexpectedly (%s)%s", wid, slot.pid, how,
-                        "; starting a replacement" if restart else "")
-            out.append(("dead", wid, slot.pid, code, task))
+            log.warning("adloader: worker %d exited unexpectedly: %s%s", wid, how,
+                        " Starting a replacement." if restart else "")
+            out.append(WorkerDied(wid, slot.pid, code, running))
             if restart:
                 self.counters.worker_restarts += 1
         self._reconcile()
@@ -388,7 +375,7 @@ class WorkerPool:
             self._closed = True
             slots = list(self.slots.values())
             for slot in slots:
-                self._send_ctrl(slot, ("exit",))
+                self._send_ctrl(slot, Control.EXIT)
         deadline = time.monotonic() + timeout_s
         for slot in slots:
             slot.proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,27 +1,27 @@
-"""What runs inside one elastic-loader worker process (and the pieces the in-process mode shares).
+"""What runs inside one elastic-loader worker process: seeding, fetching, the task loop (and the
+pieces the in-process mode shares).
 
 Importable at top level so that ``spawn``/``forkserver`` children can unpickle ``worker_main``.
-The messages a worker exchanges with the main process are described once, in ``adloader._pool``.
+The messages a worker exchanges with the main process are described once, in ``adloader._messages``;
+how they travel is ``adloader._transport``.
 
 Invariants kept here:
 - a task's randomness depends only on its seed (``task_seed(base_seed, epoch, seq)``): torch's,
   Python's and NumPy's global generators are reseeded before every task, so the result of a random
   augmentation does not depend on which worker ran the task, nor on how many workers there were;
-- ``current_task[wid]`` holds ``iter_id << 32 | seq`` of the task this worker runs (-1 when idle);
-  it is set right after a task is taken and cleared only after its result was written, so the main
-  process can tell, after a worker died, which task died with it;
-- a worker never exits on its own while the main process lives (except on ``exit``): retiring is a
-  handshake (``retire`` -> ``retired`` -> ``resume``/``exit``) so the main process has unpickled every
-  result (and fetched every shared-memory file descriptor, which the worker serves) before it goes;
+- ``current_task[wid]`` holds ``running_key(iter_id, seq)`` of the task this worker runs (``IDLE``
+  when idle); it is set right after a task is taken and cleared only after its result was written, so
+  the main process can tell, after a worker died, which task died with it;
+- a worker never exits on its own while the main process lives (except on ``EXIT``): retiring is a
+  handshake (``RETIRE`` -> ``Retired`` -> ``RESUME``/``EXIT``) so the main process has unpickled every
+  result (and fetched every shared-memory file descriptor, which the worker serves where storages go
+  torch's way) before it goes;
 - no ZeroMQ socket is ever created here.
 """
 from __future__ import annotations
 
-import array
 import hashlib
-import io
 import os
-import pickle
 import random
 import select
 import signal
@@ -36,209 +36,12 @@ from typing import Any, Callable
 
 import torch
 
-# Largest task message that goes through the shared task socket; larger ones (huge batches of
-# indices) go to one worker's control pipe instead. Workers receive into a buffer this big.
-MAX_TASK_BYTES = 128 * 1024
+from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, Task,
+                                running_key)
+from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, fd_passing_supported, out_of_file_descriptors,
+                                 send_message)
 
 _MASK63 = (1 << 63) - 1
-
-# ---- result channel: one AF_UNIX SOCK_SEQPACKET socket pair per worker --------------------------
-# A logical message is one or more packets: a flag byte (1 = last packet) and up to _CHUNK bytes
-# of pickle; file descriptors ride along as SCM_RIGHTS ancillary data (at most _MAX_FDS a packet).
-#
-# Why not torch's own path (ForkingPickler + multiprocessing.resource_sharer): there a tensor's
-# shared-memory fd is fetched by the receiver over a fresh authenticated connection to a thread in
-# the sending worker, which must win the worker's GIL from the batch being computed (up to the 5 ms
-# switch interval, several times per fetch). Profiled here: ~5 ms per storage, more than half of the
-# main process's time. Passing the fd with the message costs one sendmsg/recvmsg and no round trip.
-# It uses the storage methods torch.multiprocessing.reductions itself uses (``_share_fd_cpu_``,
-# ``_new_shared_fd_cpu``; torch/multiprocessing/reductions.py reduce_storage/rebuild_storage_fd);
-# where they are missing, or the sharing strategy is not file_descriptor, storages go torch's way.
-_CHUNK = 60 * 1024
-_MAX_FDS = 250          # SCM_MAX_FD is 253
-_FD_TAG = "adloader-fd"
-_ANC_SIZE = socket.CMSG_LEN(_MAX_FDS * 4)
-_RECV_FLAGS = int(socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0))
-_TRUNC_FLAGS = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
-
-
-def _fd_passing_supported() -> bool:
-    import torch.multiprocessing as tmp
-
-    return (hasattr(torch.UntypedStorage, "_share_fd_cpu_") and hasattr(torch.UntypedStorage, "_new_shared_fd_cpu")
-            and hasattr(socket, "send_fds") and tmp.get_sharing_strategy() == "file_descriptor")
-
-
-class _FdPickler(ForkingPickler):
-    """ForkingPickler that sends CPU storages as file descriptors alongside the message."""
-
-    def __init__(self, file):
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self.fds: list[int] = []
-        self._index: dict[int, int] = {}
-        self._sizes: dict[int, int] = {}
-
-    def persistent_id(self, obj):
-        if type(obj) is not torch.UntypedStorage or obj.device.type != "cpu":
-            return None
-        if obj.nbytes() == 0:
-            return None                     # cannot be mapped; torch's reduction rebuilds it empty
-        # moves the storage into shared memory if it is not there yet (in place), then returns
-        # the same fd for every view of it: one fd per storage, so aliasing survives the trip
-        fd, size = obj._share_fd_cpu_()
-        idx = self._index.get(fd)
-        if idx is None:
-            idx = self._index[fd] = len(self.fds)
-            self.fds.append(fd)
-            self._sizes[idx] = size
-        return (_FD_TAG, idx, self._sizes[idx])
-
-
-class _FdUnpickler(pickle.Unpickler):
-    def __init__(self, file, fds: list[int]):
-        super().__init__(file)
-        self.fds = fds
-        self.storages: dict[int, torch.UntypedStorage] = {}
-
-    def persistent_load(self, pid):
-        tag, idx, size = pid
-        if tag != _FD_TAG:
-            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
-        st = self.storages.get(idx)
-        if st is None:
-            st = self.storages[idx] = torch.UntypedStorage._new_shared_fd_cpu(self.fds[idx], size)
-        return st
-
-
-class _NoPayload:
-    __slots__ = ()
-
-    def __repr__(self):
-        return "NO_PAYLOAD"
-
-
-NO_PAYLOAD = _NoPayload()       # a message without a payload part (None is a valid batch)
-
-
-class PayloadError:
-    """A payload that arrived but could not be rebuilt in the main process (its header is known)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def send_message(sock: socket.socket, header, payload=NO_PAYLOAD, fd_passing: bool = False) -> None:
-    """Send one logical message: a small header (plain pickle) and an optional payload (the batch;
-    ForkingPickler, storages as passed file descriptors when ``fd_passing``). Usually one packet, so
-    one wakeup of the main process per batch. Layout: u32 header length, header, payload."""
-    h = pickle.dumps(header, pickle.HIGHEST_PROTOCOL)
-    fds: list[int] = []
-    if payload is NO_PAYLOAD:
-        body = memoryview(b"")
-    elif fd_passing:
-        buf = io.BytesIO()
-        pickler = _FdPickler(buf)
-        pickler.dump(payload)
-        body, fds = buf.getbuffer(), pickler.fds
-    else:
-        body = memoryview(ForkingPickler.dumps(payload))
-    segments = [memoryview(struct.pack("<I", len(h))), memoryview(h), body]
-    total = sum(len(x) for x in segments)
-    sent, fd_pos, seg, off = 0, 0, 0, 0
-    while True:
-        parts, room = [], _CHUNK
-        while room and seg < len(segments):
-            piece = segments[seg][off:off + room]
-            parts.append(piece)
-            room -= len(piece)
-            off += len(piece)
-            if off >= len(segments[seg]):
-                seg, off = seg + 1, 0
-        sent += _CHUNK - room
-        batch = fds[fd_pos:fd_pos + _MAX_FDS]
-        fd_pos += len(batch)
-        last = sent >= total and fd_pos >= len(fds)
-        parts.insert(0, b"\x01" if last else b"\x00")
-        if batch:
-            socket.send_fds(sock, parts, batch)
-        else:
-            sock.sendmsg(parts)
-        if last:
-            return
-
-
-class MessageReader:
-    """Reassembles logical messages from one worker's result socket (main process side)."""
-
-    __slots__ = ("sock", "parts", "fds")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.parts: list[bytes] = []
-        self.fds: list[int] = []
-
-    def read_available(self) -> list:
-        """Every complete message now readable, as (header, payload) pairs; payload is NO_PAYLOAD,
-        the rebuilt object, or a PayloadError. Raises EOFError when the worker's end is closed and no
-        complete message came before the close in this call (those are returned first: a worker that
-        sent its last results and exited loses none of them; the next call raises)."""
-        out = []
-        while True:
-            try:
-                # (socket.recv_fds ignores its flags argument before Python 3.12)
-                data, ancdata, flags, _ = self.sock.recvmsg(_CHUNK + 1, _ANC_SIZE, _RECV_FLAGS)
-            except (BlockingIOError, InterruptedError):
-                return out
-            except ConnectionResetError:
-                self._discard()
-                if out:
-                    return out
-                raise EOFError("worker socket reset") from None
-            fds = []
-            for level, kind, anc in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    arr = array.array("i")
-                    arr.frombytes(anc[:len(anc) - len(anc) % arr.itemsize])
-                    fds.extend(arr)
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self._discard()
-                if out:
-                    return out
-                raise EOFError("worker socket closed")
-            self.parts.append(data[1:])
-            self.fds.extend(fds)
-            if flags & _TRUNC_FLAGS:        # cannot happen with our own sender; never trust it
-                self._discard()
-                raise EOFError("truncated message from worker")
-            if data[0] != 1:
-                continue
-            raw, fds = b"".join(self.parts), self.fds
-            self.parts, self.fds = [], []
-            try:
-                (hlen,) = struct.unpack_from("<I", raw)
-                header = pickle.loads(raw[4:4 + hlen])
-                body = memoryview(raw)[4 + hlen:]
-                if not len(body):
-                    payload = NO_PAYLOAD
-                else:
-                    try:
-                        payload = _FdUnpickler(io.BytesIO(body), fds).load() if fds else pickle.loads(body)
-                    except Exception as e:
-                        payload = PayloadError(e)
-                out.append((header, payload))
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-    def _discard(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.parts, self.fds = [], []
-
 
 
 def task_seed(base_seed: int, epoch: int, seq: int) -> int:
@@ -427,8 +230,29 @@ class WorkerSpec:
     worker_init_fn: Callable | None
 
 
+class _ShardPasses:
+    """This worker's passes over its own copy of an IterableDataset: a task of a new epoch (a new
+    ``iter_id``) starts a fresh pass, sharded for that epoch's worker count, which the task carries."""
+
+    def __init__(self, spec: WorkerSpec, seed: int) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.iter_id: int | None = None
+        self.fetcher: IterableFetcher | None = None
+
+    def fetch(self, task: ShardTask):
+        """(batch, n_samples) of this worker's shard; StopIteration when the shard is exhausted."""
+        spec = self.spec
+        if task.iter_id != self.iter_id:
+            set_worker_info(spec.wid, task.num_shards, self.seed, spec.dataset)
+            self.iter_id = task.iter_id
+            self.fetcher = IterableFetcher(spec.dataset, spec.auto_collation, spec.batch_size,
+                                           spec.collate_fn, spec.drop_last)
+        return self.fetcher.fetch()
+
+
 def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:
-    """Worker process entry point. See the module docstring and ``adloader._pool`` for the protocol."""
+    """Worker process entry point. See the module docstring and ``adloader._messages`` for the protocol."""
     # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
     # same process group must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -445,67 +269,59 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:
-        send_message(result, ("init_error", RemoteError(where=where)))
+        send_message(result, InitError(RemoteError(where=where)))
         _wait_for_exit(ctrl, parent)
         return
 
     runq = RunQueueClock()
-    fd_passing = _fd_passing_supported()
+    fd_passing = fd_passing_supported()
     buf = bytearray(MAX_TASK_BYTES + 1)
     poller = select.poll()
     ctrl_fd = ctrl.fileno()
     poller.register(ctrl_fd, select.POLLIN)
     if task_sock is not None:
         poller.register(task_sock.fileno(), select.POLLIN)
-    fetcher: IterableFetcher | None = None
-    fetcher_iter_id = None
+    shard = _ShardPasses(spec, seed) if spec.iterable else None
     local_tasks: list = []
 
     def run(task) -> None:
-        nonlocal fetcher, fetcher_iter_id
-        _, iter_id, seq, tseed, index, epoch_workers = task
-        current_task[wid] = (iter_id << 32) | seq
+        current_task[wid] = running_key(task.iter_id, task.seq)
         t0 = time.perf_counter()
         c0 = time.process_time()
         r0 = runq.read_ns()
         n_samples = 0
-        stopped = False
+        ended = False
         try:
-            seed_all(tseed)
-            if spec.iterable:
-                if fetcher_iter_id != iter_id:
-                    # a new epoch: fresh pass over this worker's copy; sharding follows the epoch's
-                    # worker count, which the task carries
-                    set_worker_info(wid, epoch_workers, seed, spec.dataset)
-                    fetcher_iter_id = iter_id
-                    fetcher = IterableFetcher(spec.dataset, spec.auto_collation, spec.batch_size,
-                                              spec.collate_fn, spec.drop_last)
+            seed_all(task.seed)
+            if shard is not None:
                 try:
-                    data, n_samples = fetcher.fetch()
+                    data, n_samples = shard.fetch(task)
                 except StopIteration:
-                    data, stopped = None, True
+                    data, ended = None, True
             else:
-                data = fetch_map(spec.dataset, index, spec.auto_collation, spec.collate_fn)
-                n_samples = len(index) if spec.auto_collation else 1
+                data = fetch_map(spec.dataset, task.index, spec.auto_collation, spec.collate_fn)
+                n_samples = len(task.index) if spec.auto_collation else 1
             ok = True
         except Exception:
             data, ok = RemoteError(where=where), False
-        if stopped:
-            send_message(result, ("stop", iter_id, seq))
+        if ended:
+            send_message(result, ShardEnd(task.iter_id, task.seq))
         else:
-            header = ("result", iter_id, seq, ok, n_samples, time.process_time() - c0,
-                      time.perf_counter() - t0, max(0, runq.read_ns() - r0))
+            header = Result(task.iter_id, task.seq, ok, n_samples, time.process_time() - c0,
+                            time.perf_counter() - t0, max(0, runq.read_ns() - r0))
             # header and batch travel in one message but are pickled apart: the main process can
             # always tell which task a batch belongs to, even if rebuilding the batch fails there
             try:
                 send_message(result, header, data, fd_passing)
             except (BrokenPipeError, ConnectionResetError):
                 raise
-            except Exception:
-                header = header[:3] + (False,) + header[4:]
-                send_message(result, header, RemoteError(where=f"{where} while pickling the batch for the main process"))
+            except Exception as e:
+                why = f"{where} while pickling the batch for the main process"
+                if out_of_file_descriptors(e):
+                    why += f" ({TOO_MANY_FILES})"
+                send_message(result, header._replace(ok=False), RemoteError(where=why))
             del data
-        current_task[wid] = -1
+        current_task[wid] = IDLE
 
     retiring = False
     while True:
@@ -515,26 +331,26 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 msg = ctrl.recv()
             except EOFError:
                 return
-            if msg[0] == "task":
-                local_tasks.append(msg)
-            elif msg[0] == "retire":
+            if msg is Control.RETIRE:
                 retiring = True
-            elif msg[0] == "exit":
+            elif msg is Control.EXIT:
                 return
+            elif msg is not Control.RESUME:
+                local_tasks.append(msg)         # a task for this worker only
         if local_tasks:
             run(local_tasks.pop(0))
             continue
         if retiring:
             # everything handed to this worker personally is done: hand the slot back and wait
-            send_message(result, ("retired",))
+            send_message(result, Retired())
             while True:
                 msg = _recv_or_orphaned(ctrl, parent)
-                if msg is None or msg[0] == "exit":
+                if msg is None or msg is Control.EXIT:
                     return
-                if msg[0] == "resume":
+                if msg is Control.RESUME:
                     retiring = False
                     break
-                if msg[0] == "task":   # not sent to a retiring worker; kept for safety
+                if isinstance(msg, (Task, ShardTask)):   # not sent to a retiring worker; kept for safety
                     local_tasks.append(msg)
             continue
         events = poller.poll(1000)
@@ -567,5 +383,5 @@ def _recv_or_orphaned(ctrl, parent: int):
 def _wait_for_exit(ctrl, parent: int) -> None:
     while True:
         msg = _recv_or_orphaned(ctrl, parent)
-        if msg is None or msg[0] == "exit":
+        if msg is None or msg is Control.EXIT:
             return

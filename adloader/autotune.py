@@ -182,10 +182,21 @@ def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = 
     blocked = per_b("worker_blocked_s") if "worker_blocked_s" in cur else max(0.0, wall - cpu - runq)
     return Observation(
         workers=int(cur.get("workers") or 0), cores=float(cores), batch_size=int(cur.get("batch_size") or 1),
-        compute_s_per_step=d["compute_s"] / steps, data_wait_s_per_step=d["data_wait_s"] / steps,
+        compute_s_per_step=_unstarved_compute(d["compute_s"], prev, cur) / steps, data_wait_s_per_step=d["data_wait_s"] / steps,
         cpu_s_per_batch=cpu, wall_s_per_batch=wall, runq_s_per_batch=runq,
         blocked_s_per_batch=blocked, samples_per_s=d["samples"] / dur,
         duration_s=dur, steps=steps)
+
+
+def _unstarved_compute(compute_s: float, prev: dict, cur: dict) -> float:
+    """The window's compute time less what the training process's main thread spent waiting for a CPU
+    (``main_runq_s``; at least half of it is kept): the step with data ready and the trainer not starved,
+    which is what the curve's ``g`` means (the agent's controller takes the same out)."""
+    try:
+        runq = max(0.0, float(cur["main_runq_s"]) - float(prev["main_runq_s"]))
+    except (KeyError, TypeError, ValueError):
+        return compute_s
+    return max(0.5 * compute_s, compute_s - runq)
 
 
 # -- the decision (pure) --------------------------------------------------------------------------

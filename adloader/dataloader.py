@@ -53,7 +53,7 @@ Deviations from torch (by design, documented):
   emitted.
 - Batches travel from workers as one message per batch with the tensors' shared-memory file
   descriptors attached (SCM_RIGHTS), not through torch's ``resource_sharer`` round trips (see
-  ``adloader._worker``); the tensors the caller gets are the same shared-memory tensors.
+  ``adloader._transport``); the tensors the caller gets are the same shared-memory tensors.
 """
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
-from adloader._pool import WorkerPool
+from adloader._messages import Batch, ShardEnd, ShardTask, Task, WorkerDied
+from adloader._pool import WorkerPool, worker_exit_reason
+from adloader._sequencer import Sequencer
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec,
                               fetch_map, seed_all, task_seed)
 from adloader.memory import WorkerMemorySampler, batch_nbytes
@@ -164,6 +166,7 @@ class _Config:
     generator: Any
     pin: bool
     timeout_s: float
+    timeout: Any                # as given, for torch's wording of the timeout error
     worker_init_fn: Any
     mp_context: Any
     in_order: bool
@@ -419,6 +422,10 @@ class DataLoader(tud.DataLoader[T_co]):
         uptime_s           seconds since the loader was created
         main_cpu_s         CPU seconds of the training process itself (all its threads, not the
                            workers) since the loader was created (``time.process_time``)
+        main_runq_s        seconds the training process's main thread waited for a CPU while runnable
+                           (/proc/self/schedstat field 2, monotonic since the process started; 0 where
+                           the kernel does not provide it): how much of ``compute_s`` is the trainer
+                           starved of CPU rather than computing
         memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
         ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
             worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
@@ -451,10 +458,20 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
+            "main_runq_s": self._main_runq_s(),
             "rates": core.rates.rates(now),
         }
         out.update(self._memory_stats())
         return out
+
+    def _main_runq_s(self) -> float:
+        core = self._core
+        clock = getattr(core, "main_runq_clock", None)
+        if clock is None:
+            from adloader._worker import RunQueueClock
+
+            clock = core.main_runq_clock = RunQueueClock()   # opened here: /proc/self is this process
+        return clock.read_ns() * 1e-9
 
     def _memory_stats(self) -> dict:
         core = self._core
@@ -485,11 +502,11 @@ class DataLoader(tud.DataLoader[T_co]):
             if self.persistent_workers:
                 it = self._persistent_iter
                 if it is None:
-                    it = self._persistent_iter = _ElasticIter(core, cfg)
+                    it = self._persistent_iter = _new_iter(core, cfg)
                 else:
                     it._cfg = cfg
             else:
-                it = _ElasticIter(core, cfg)
+                it = _new_iter(core, cfg)
             core.iters.add(it)
             self._last_iter = weakref.ref(it)
         it._start_epoch(resume)
@@ -517,7 +534,7 @@ class DataLoader(tud.DataLoader[T_co]):
             dataset=self.dataset, iterable=iterable, index_sampler=self._index_sampler,
             auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
             collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
-            worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
+            timeout=self.timeout, worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
             persistent=self.persistent_workers, prefetch_factor=max(1, self.prefetch_factor or 2))
 
     # ---- checkpointing -----------------------------------------------------------------------
@@ -621,9 +638,19 @@ class DataLoader(tud.DataLoader[T_co]):
             handle._call_hook("adloader.autotune", "attach")
 
 
+def _new_iter(core: _Core, cfg: _Config) -> _ElasticIter:
+    return (_IterableIter if cfg.iterable else _MapIter)(core, cfg)
+
+
 class _ElasticIter:
     """One epoch at a time over a loader (the same object is reset per epoch with persistent workers,
-    as torch does). See the module docstring for the invariants."""
+    as torch does). See the module docstring for the invariants.
+
+    What both dataset kinds share lives here: epoch numbering and seeding, the worker pool, step
+    timing, waiting on the pool, delivery and the end of an epoch. Which batch is where (exactly once,
+    in order) is the epoch's ``Sequencer``; how batches are produced is ``_MapIter`` (a sampler's
+    indices, resizable mid-epoch, re-dispatched when a worker dies) or ``_IterableIter`` (one shard per
+    worker, round-robin, fixed for the epoch)."""
 
     def __init__(self, core: _Core, cfg: _Config) -> None:
         self._core = core
@@ -635,9 +662,7 @@ class _ElasticIter:
         self._done = True
         self._started = False
         self._runq = RunQueueClock()
-        self._pending: dict[int, tuple] = {}
-        self._reorder: dict[int, tuple] = {}
-        self._local: dict[int, tuple] = {}
+        self._seq = Sequencer(cfg.in_order)
 
     def __iter__(self):
         return self
@@ -655,15 +680,7 @@ class _ElasticIter:
                     core.next_epoch = resume["epoch"]
                 self._epoch = core.epoch = core.next_epoch
                 core.next_epoch += 1
-            self._send_seq = 0          # next seq to hand out
-            self._rcvd = 0              # every seq below this was delivered
-            self._ahead: set[int] = set()   # delivered seqs >= _rcvd (in_order=False)
-            self._skip: set[int] = set()    # seqs delivered before a resume (in_order=False)
-            self._pending: dict[int, tuple] = {}   # seq -> task: dispatched, no result yet
-            self._local: dict[int, tuple] = {}     # seq -> task: to run in this process
-            self._reorder: dict[int, tuple] = {}   # seq -> (ok, payload, n_samples)
-            self._peeked: deque = deque()
-            self._exhausted = False
+            self._seq = Sequencer(cfg.in_order)
             self._error: BaseException | None = None
             self._t_last: float | None = None
             self._done = False
@@ -689,51 +706,21 @@ class _ElasticIter:
                 base_seed = resume["base_seed"]
             self._base_seed = base_seed
             try:
-                if cfg.iterable:
-                    self._start_iterable()
-                else:
-                    self._sampler_iter = iter(cfg.index_sampler)
-                    try:
-                        self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
-                    except StopIteration:
-                        self._exhausted = True
-                    if resume is not None:
-                        self._skip_delivered(resume)
+                self._begin(resume)
             finally:
                 if user_global is not None:
                     torch.set_rng_state(user_global)
-            if not cfg.iterable and core.target > 0:
-                self._ensure_pool()
-                if cfg.persistent:
-                    self._pool.resize(core.target)
-                    self._pool.take_queued()      # tasks of an abandoned epoch
-                self._fill()
+            self._start_workers()
 
-    def _skip_delivered(self, resume: dict) -> None:
-        k = int(resume["batches_delivered"])
-        for _ in range(k):
-            if self._pull_index() is None:
-                break
-        self._send_seq = self._rcvd = k
-        self._skip = set(int(s) for s in resume.get("delivered_ahead", ()))
+    def _begin(self, resume: dict | None) -> None:
+        """The kind's own epoch state (the sampler's first draw happens here, under the restored RNG)."""
+        raise NotImplementedError
 
-    def _start_iterable(self) -> None:
-        cfg, core = self._cfg, self._core
-        n = core.target
-        self._epoch_workers = n
-        self._active = [True] * n
-        self._worker_of: dict[int, int] = {}
-        self._next_worker = 0
-        self._fetcher = None
-        if n == 0:
-            self._fetcher = IterableFetcher(cfg.dataset, cfg.auto_collation, cfg.batch_size,
-                                            cfg.collate_fn, cfg.drop_last)
-            return
-        self._ensure_pool()
-        self._pool.resize(n)
-        self._fill()
+    def _start_workers(self) -> None:
+        """Start (or reuse) the pool for this epoch and dispatch the first tasks."""
+        raise NotImplementedError
 
-    def _ensure_pool(self) -> WorkerPool:
+    def _ensure_pool(self, target: int) -> WorkerPool:
         cfg, core = self._cfg, self._core
         if self._pool is not None:
             return self._pool
@@ -741,7 +728,6 @@ class _ElasticIter:
             wid=0, num_workers=core.target, base_seed=self._base_seed, dataset=cfg.dataset,
             iterable=cfg.iterable, auto_collation=cfg.auto_collation, batch_size=cfg.batch_size,
             drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn)
-        target = self._epoch_workers if cfg.iterable else core.target
         pool = WorkerPool(ctx=cfg.mp_context, spec=spec, target=target, max_workers=core.max_workers,
                           counters=self._counters)
         pool.describe_death = core.memory.describe_death
@@ -753,102 +739,9 @@ class _ElasticIter:
         self._pool_finalizer = weakref.finalize(self, pool.shutdown)
         return pool
 
-    # ---- dispatch ----------------------------------------------------------------------------
-    def _pull_index(self):
-        if self._peeked:
-            return self._peeked.popleft()
-        if self._exhausted:
-            return None
-        try:
-            return next(self._sampler_iter)
-        except StopIteration:
-            self._exhausted = True
-            return None
-
-    def _next_task(self):
-        """The next batch of the sampler as a task, or None when the sampler is exhausted."""
-        while True:
-            index = self._pull_index()
-            if index is None and self._exhausted:
-                return None
-            seq = self._send_seq
-            self._send_seq += 1
-            if seq in self._skip:       # delivered before the checkpoint
-                self._skip.discard(seq)
-                self._mark_delivered(seq)
-                continue
-            return ("task", self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), index, 0)
-
-    def _fill(self) -> None:
-        """Top up tasks in flight (dispatched, result not received) to prefetch_factor * target,
-        torch's bound (its ``_tasks_outstanding``); called when a batch is delivered, so a stuck
-        head-of-line batch stops dispatch and the reorder buffer stays bounded (as in torch).
-        IterableDataset: round-robin over the epoch's active workers, like torch."""
-        target = self._core.target
-        pool = self._pool
-        if self._cfg.iterable:
-            if pool is None or self._epoch_workers == 0:
-                return
-            bound = self._cfg.prefetch_factor * self._epoch_workers
-            while len(self._pending) + len(self._reorder) < bound and any(self._active):
-                n = self._epoch_workers
-                for _ in range(n):
-                    wid = self._next_worker
-                    self._next_worker = (wid + 1) % n
-                    if self._active[wid]:
-                        break
-                seq = self._send_seq
-                self._send_seq += 1
-                task = ("task", self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), None, n)
-                self._worker_of[seq] = wid
-                self._pending[seq] = task
-                if not pool.submit_to(wid, task):
-                    self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
-                    return
-            return
-        if target == 0 or pool is None:
-            return
-        bound = self._cfg.prefetch_factor * target
-        while len(self._pending) < bound:
-            task = self._next_task()
-            if task is None:
-                break
-            self._pending[task[2]] = task
-            pool.submit(task)
-
-    def _redispatch(self, tasks) -> None:
-        for task in sorted(tasks, key=lambda t: t[2]):
-            if self._core.target > 0 and self._pool is not None:
-                self._pool.submit(task)
-            else:
-                self._local[task[2]] = task
-
+    # ---- resize ------------------------------------------------------------------------------
     def _on_resize(self, n: int) -> None:
-        with self._lock:
-            if self._done:
-                return
-            if self._cfg.iterable:
-                if n != self._epoch_workers:
-                    msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
-                           f"(this epoch's {self._epoch_workers} worker shards are fixed)")
-                    log.warning(msg)
-                    if not self._core.warned_iterable_resize:
-                        self._core.warned_iterable_resize = True
-                        warnings.warn(msg, stacklevel=4)
-                return
-            if n > 0:
-                pool = self._ensure_pool()
-                pool.resize(n)
-                local, self._local = self._local, {}
-                self._redispatch(local.values())
-                self._fill()
-            elif self._pool is not None:
-                self._pool.resize(0)
-                for task in self._pool.take_queued():
-                    if task[1] == self._iter_id and task[2] in self._pending:
-                        self._local[task[2]] = task
-            if self._pool is not None:
-                self._pool.wake()
+        raise NotImplementedError
 
     # ---- delivery ----------------------------------------------------------------------------
     def __next__(self):
@@ -857,7 +750,7 @@ class _ElasticIter:
         if self._t_last is not None:
             c.compute_s += t0 - self._t_last
         try:
-            data = self._next_iterable() if self._cfg.iterable else self._next_map()
+            data = self._next_batch()
         except StopIteration:
             self._t_last = None
             raise
@@ -874,31 +767,10 @@ class _ElasticIter:
             self._core.batch_bytes = batch_nbytes(data)
         return data
 
-    def _mark_delivered(self, seq: int) -> None:
-        if seq == self._rcvd:
-            self._rcvd += 1
-            while self._rcvd in self._ahead:
-                self._ahead.discard(self._rcvd)
-                self._rcvd += 1
-        else:
-            self._ahead.add(seq)
+    def _next_batch(self):
+        raise NotImplementedError
 
-    def _take_ready(self):
-        if self._cfg.in_order:
-            item = self._reorder.pop(self._rcvd, None)
-            if item is None:
-                return None
-            seq = self._rcvd
-        else:
-            if not self._reorder:
-                return None
-            seq = next(iter(self._reorder))
-            item = self._reorder.pop(seq)
-        self._mark_delivered(seq)
-        return item
-
-    def _deliver(self, item):
-        ok, payload, n_samples = item
+    def _deliver(self, ok: bool, payload, n_samples: int):
         self._counters.samples += n_samples
         if not ok:
             if isinstance(payload, RemoteError):
@@ -907,6 +779,10 @@ class _ElasticIter:
         if self._cfg.pin:
             payload = _pin(payload)
         return payload
+
+    def _deliver_batch(self, batch: Batch):
+        r = batch.result
+        return self._deliver(r.ok, batch.payload, r.n_samples)
 
     def _check(self) -> None:
         if self._done:
@@ -923,67 +799,6 @@ class _ElasticIter:
                 fatal.reraise()
             raise fatal
 
-    def _next_map(self):
-        deadline = None
-        while True:
-            with self._lock:
-                self._check()
-                item = self._take_ready()
-                if item is not None:
-                    self._fill()
-                    return self._deliver(item)
-                task = self._take_local()
-                if task is None and not self._pending:
-                    self._fill()
-                    if not self._pending:
-                        if self._exhausted and not self._local:
-                            self._finish()
-                            raise StopIteration
-                        task = self._take_local()
-                pool = self._pool
-            if task is not None:
-                return self._run_local(task)
-            self._wait(pool, deadline := deadline or self._deadline())
-
-    def _take_local(self):
-        """A task this process should run now: one taken back from the pool, or (num_workers=0)
-        the next one from the sampler."""
-        if self._local:
-            seq = self._rcvd if self._cfg.in_order else min(self._local)
-            if seq in self._local:
-                return self._local.pop(seq)
-        if self._core.target == 0 and (not self._cfg.in_order or self._rcvd == self._send_seq):
-            task = self._next_task()
-            if task is not None:
-                self._pending[task[2]] = task
-            return task
-        return None
-
-    def _run_local(self, task):
-        cfg = self._cfg
-        _, _, seq, seed, index, _ = task
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        r0 = self._runq.read_ns()
-        error = None
-        try:
-            with RngGuard():
-                seed_all(seed)
-                data = fetch_map(cfg.dataset, index, cfg.auto_collation, cfg.collate_fn)
-        except Exception as e:   # num_workers=0: the caller gets the exception itself, as in torch
-            error, data = e, None
-        self._counters.add_batch_timing(time.process_time() - c0, time.perf_counter() - t0,
-                                        max(0, self._runq.read_ns() - r0))
-        with self._lock:
-            if self._pending.pop(seq, None) is None:
-                return self._next_map()         # a worker delivered it meanwhile
-            self._reorder.pop(seq, None)
-            self._mark_delivered(seq)
-            self._fill()
-        if error is not None:
-            raise error
-        return self._deliver((True, data, len(index) if cfg.auto_collation else 1))
-
     def _deadline(self):
         t = self._cfg.timeout_s
         return time.monotonic() + t if t > 0 else float("inf")
@@ -993,7 +808,7 @@ class _ElasticIter:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RuntimeError(f"DataLoader timed out after {self._cfg.timeout_s} seconds")
+            raise RuntimeError(f"DataLoader timed out after {self._cfg.timeout} seconds")
         events = pool.poll(min(_WAIT_SLICE_S, left))
         if events:
             with self._lock:
@@ -1001,105 +816,55 @@ class _ElasticIter:
 
     def _handle(self, events) -> None:
         c = self._counters
+        seq = self._seq
+        iter_id = self._iter_id
         for ev in events:
-            kind = ev[0]
-            if kind == "result":
-                _, iter_id, seq, ok, n_samples, cpu_s, wall_s, runq_ns, payload = ev
-                c.add_batch_timing(cpu_s, wall_s, runq_ns)
-                if iter_id != self._iter_id or self._pending.pop(seq, None) is None:
-                    continue            # an abandoned epoch's batch, or a duplicate
-                self._local.pop(seq, None)
-                self._reorder[seq] = (ok, payload, n_samples)
-            elif kind == "stop":
-                _, iter_id, seq = ev
-                if iter_id != self._iter_id or self._pending.pop(seq, None) is None:
-                    continue
-                self._active[self._worker_of[seq]] = False
-            elif kind == "dead":
-                self._on_worker_death(*ev[1:])
+            kind = type(ev)
+            if kind is Batch:
+                r = ev.result
+                c.add_batch_timing(r.cpu_s, r.wall_s, r.runq_ns)
+                if r.iter_id == iter_id:
+                    seq.receive(r.seq, ev)     # refused: a duplicate
+            elif kind is ShardEnd:
+                if ev.iter_id == iter_id:
+                    self._on_shard_end(ev.seq)
+            elif kind is WorkerDied:
+                if not self._done:
+                    self._on_worker_death(ev)
 
-    def _on_worker_death(self, wid: int, pid: int, code, task) -> None:
-        if self._done:
-            return
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        if self._core.memory.last_death.startswith(f"worker pid {pid}:"):
-            how += "; " + self._core.memory.last_death.partition(": ")[2]
-        if self._cfg.iterable:
-            if wid < len(self._active) and self._active[wid]:
-                self._error = RuntimeError(
-                    f"DataLoader worker {wid} (pid {pid}) exited unexpectedly ({how}) while iterating an "
-                    "IterableDataset: its shard cannot be replayed exactly once, so this epoch is aborted "
-                    "(the worker is replaced for the next epoch)")
-            return
-        pool = self._pool
-        # order matters: a task is either running (snapshot first), still queued, or finished
-        # (results read last); only a task in none of these died with the worker
-        running = {seq for it, seq in pool.running_tasks() if it == self._iter_id}
-        queued = {t[2]: t for t in pool.take_queued() if t[1] == self._iter_id}
-        self._handle(pool.drain_results())
-        lost = [t for s, t in self._pending.items()
-                if s not in queued and s not in running and s not in self._local]
-        self._counters.redispatched += len(lost)
-        self._redispatch(lost + list(queued.values()))
-        log.warning("adloader: worker %d (pid %d) died (%s); re-dispatched %d batch(es): %s",
-                    wid, pid, how, len(lost), sorted(t[2] for t in lost)[:16])
+    def _on_shard_end(self, seq: int) -> None:
+        pass
 
-    def _next_iterable(self):
-        deadline = None
-        while True:
-            with self._lock:
-                self._check()
-                if self._epoch_workers == 0:
-                    return self._run_local_iterable()
-                item = None
-                if self._cfg.in_order:
-                    while self._rcvd < self._send_seq:
-                        if self._rcvd in self._reorder:
-                            item = self._reorder.pop(self._rcvd)
-                            self._rcvd += 1
-                            break
-                        if self._active[self._worker_of[self._rcvd]]:
-                            break
-                        self._rcvd += 1        # its worker's shard ended: nothing will come
-                elif self._reorder:
-                    item = self._reorder.pop(next(iter(self._reorder)))
-                if item is not None:
-                    self._fill()
-                    return self._deliver(item)
-                self._fill()
-                if not self._pending and not self._reorder:
-                    self._finish()
-                    raise StopIteration
-                pool = self._pool
-            self._wait(pool, deadline := deadline or self._deadline())
+    def _on_worker_death(self, ev: WorkerDied) -> None:
+        raise NotImplementedError
 
-    def _run_local_iterable(self):
-        seq = self._send_seq
-        self._send_seq += 1
+    def _death_reason(self, ev: WorkerDied) -> str:
+        """torch's words for the death, with what ``adloader.memory`` knows (memory, likely cause)."""
+        how = worker_exit_reason(ev.pid, ev.exitcode)
+        last = self._core.memory.last_death
+        if last.startswith(f"worker pid {ev.pid}:"):
+            how += f" ({last.partition(': ')[2]})"
+        return how
+
+    def _timed_local(self, fn):
+        """Run ``fn()`` in this process seeded like a worker task (the caller's RNG states restored),
+        counting its timing like a worker's batch."""
         t0 = time.perf_counter()
         c0 = time.process_time()
         r0 = self._runq.read_ns()
         try:
             with RngGuard():
-                seed_all(task_seed(self._base_seed, self._epoch, seq))
-                data, n = self._fetcher.fetch()
-        except StopIteration:
-            self._finish()
-            raise
+                return fn()
         finally:
             self._counters.add_batch_timing(time.process_time() - c0, time.perf_counter() - t0,
                                             max(0, self._runq.read_ns() - r0))
-        self._rcvd = self._send_seq
-        return self._deliver((True, data, n))
 
     # ---- end ---------------------------------------------------------------------------------
     def _finish(self) -> None:
         """End of this epoch (exhausted, failed or abandoned): non-persistent workers stop."""
         with self._lock:
             self._done = True
-            self._pending.clear()
-            self._reorder.clear()
-            self._local.clear()
+            self._seq.clear()
             fin = None
             if not self._cfg.persistent:
                 fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
@@ -1116,12 +881,293 @@ class _ElasticIter:
 
     def _state_dict(self) -> dict:
         with self._lock:
+            delivered, ahead = self._seq.state()
             return {
                 "version": STATE_VERSION,
                 "dataset_kind": "iterable" if self._cfg.iterable else "map",
-                "epoch": self._epoch, "batches_delivered": self._rcvd,
-                "delivered_ahead": sorted(self._ahead | self._skip),
+                "epoch": self._epoch, "batches_delivered": delivered,
+                "delivered_ahead": ahead,
                 "base_seed": self._base_seed,
                 "rng_source": "generator" if self._cfg.generator is not None else "global",
                 "rng_state": self._rng_state.clone(),
             }
+
+
+class _MapIter(_ElasticIter):
+    """A map-style dataset's epochs: the sampler's batches of indices become ``Task``s in one shared
+    queue; the worker count can change between any two batches; a dead worker's tasks run again."""
+
+    # ---- epoch start -------------------------------------------------------------------------
+    def _begin(self, resume: dict | None) -> None:
+        self._peeked: deque = deque()
+        self._exhausted = False
+        self._sampler_iter = iter(self._cfg.index_sampler)
+        try:
+            self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
+        except StopIteration:
+            self._exhausted = True
+        if resume is not None:
+            k = int(resume["batches_delivered"])
+            for _ in range(k):
+                if self._pull_index() is None:
+                    break
+            self._seq.resume_at(k, resume.get("delivered_ahead", ()))
+
+    def _start_workers(self) -> None:
+        core = self._core
+        if core.target > 0:
+            pool = self._ensure_pool(core.target)
+            if self._cfg.persistent:
+                pool.resize(core.target)
+                pool.take_queued()      # tasks of an abandoned epoch
+            self._fill()
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _pull_index(self):
+        if self._peeked:
+            return self._peeked.popleft()
+        if self._exhausted:
+            return None
+        try:
+            return next(self._sampler_iter)
+        except StopIteration:
+            self._exhausted = True
+            return None
+
+    def _next_task(self) -> Task | None:
+        """The next batch of the sampler as a pending task, or None when the sampler is exhausted."""
+        while True:
+            index = self._pull_index()
+            if index is None and self._exhausted:
+                return None
+            seq = self._seq.issue()
+            if seq is None:             # delivered before the checkpoint
+                continue
+            task = Task(self._iter_id, seq, task_seed(self._base_seed, self._epoch, seq), index)
+            self._seq.dispatch(seq, task)
+            return task
+
+    def _fill(self) -> None:
+        """Top up tasks in flight (dispatched, result not received) to prefetch_factor * target,
+        torch's bound (its ``_tasks_outstanding``); called when a batch is delivered, so a stuck
+        head-of-line batch stops dispatch and the reorder buffer stays bounded (as in torch)."""
+        target = self._core.target
+        pool = self._pool
+        if target == 0 or pool is None:
+            return
+        bound = self._cfg.prefetch_factor * target
+        seq = self._seq
+        while seq.in_flight < bound:
+            task = self._next_task()
+            if task is None:
+                break
+            pool.submit(task)
+
+    def _redispatch(self, tasks) -> None:
+        for task in sorted(tasks, key=lambda t: t.seq):
+            if self._core.target > 0 and self._pool is not None:
+                self._pool.submit(task)
+            else:
+                self._seq.run_locally(task)
+
+    def _on_resize(self, n: int) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if n > 0:
+                pool = self._ensure_pool(n)
+                pool.resize(n)
+                self._redispatch(self._seq.reclaim_local())
+                self._fill()
+            elif self._pool is not None:
+                self._pool.resize(0)
+                for task in self._pool.take_queued():
+                    if task.iter_id == self._iter_id:
+                        self._seq.run_locally(task)
+            if self._pool is not None:
+                self._pool.wake()
+
+    def _on_worker_death(self, ev: WorkerDied) -> None:
+        pool = self._pool
+        iter_id = self._iter_id
+        seq = self._seq
+        # order matters: a task is either running (snapshot first), still queued, or finished
+        # (results read last); only a task in none of these died with the worker
+        running = {s for it, s in pool.running_tasks() if it == iter_id}
+        queued = {t.seq: t for t in pool.take_queued() if t.iter_id == iter_id and t.seq in seq.pending}
+        self._handle(pool.drain_results())
+        lost = seq.lost(running, set(queued))
+        self._counters.redispatched += len(lost)
+        self._redispatch(lost + [t for s, t in queued.items() if s in seq.pending])
+        log.warning("adloader: worker %d died (%s); re-dispatched %d batch(es): %s",
+                    ev.wid, self._death_reason(ev), len(lost), [t.seq for t in lost][:16])
+
+    # ---- delivery ----------------------------------------------------------------------------
+    def _next_batch(self):
+        deadline = None
+        seq = self._seq
+        while True:
+            with self._lock:
+                self._check()
+                batch = seq.take_ready()
+                if batch is not None:
+                    self._fill()
+                    return self._deliver_batch(batch)
+                task = self._take_local()
+                if task is None and not seq.in_flight:
+                    self._fill()
+                    if not seq.in_flight:
+                        if self._exhausted:
+                            self._finish()
+                            raise StopIteration
+                        task = self._take_local()
+                pool = self._pool
+            if task is not None:
+                return self._run_local(task)
+            self._wait(pool, deadline := deadline or self._deadline())
+
+    def _take_local(self) -> Task | None:
+        """A task this process should run now: one taken back from the pool, or (num_workers=0)
+        the next one from the sampler."""
+        task = self._seq.take_local()
+        if task is not None:
+            return task
+        if self._core.target == 0 and (not self._cfg.in_order or self._seq.caught_up):
+            return self._next_task()
+        return None
+
+    def _run_local(self, task: Task):
+        cfg = self._cfg
+        error = None
+
+        def fetch():
+            seed_all(task.seed)
+            return fetch_map(cfg.dataset, task.index, cfg.auto_collation, cfg.collate_fn)
+
+        try:
+            data = self._timed_local(fetch)
+        except Exception as e:   # num_workers=0: the caller gets the exception itself, as in torch
+            error, data = e, None
+        with self._lock:
+            if not self._seq.complete_local(task.seq):
+                return self._next_batch()         # a worker delivered it meanwhile
+            self._fill()
+        if error is not None:
+            raise error
+        return self._deliver(True, data, len(task.index) if cfg.auto_collation else 1)
+
+
+class _IterableIter(_ElasticIter):
+    """An IterableDataset's epochs: each worker iterates its own copy (its shard, via
+    ``get_worker_info()``), asked for one batch at a time by ``ShardTask``s dispatched round-robin over
+    the epoch's workers, like torch. The shard layout is fixed for the epoch: a resize waits for the
+    next one, and a worker that dies mid-epoch aborts it (its shard cannot be replayed exactly once)."""
+
+    # ---- epoch start -------------------------------------------------------------------------
+    def _begin(self, resume: dict | None) -> None:
+        cfg = self._cfg
+        n = self._core.target
+        self._epoch_workers = n
+        self._active = [True] * n
+        self._worker_of: dict[int, int] = {}
+        self._next_worker = 0
+        self._fetcher = None
+        if n == 0:
+            self._fetcher = IterableFetcher(cfg.dataset, cfg.auto_collation, cfg.batch_size,
+                                            cfg.collate_fn, cfg.drop_last)
+
+    def _start_workers(self) -> None:
+        n = self._epoch_workers
+        if n > 0:
+            self._ensure_pool(n).resize(n)
+            self._fill()
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Top up tasks in flight plus batches waiting to prefetch_factor * the epoch's workers,
+        round-robin over the workers whose shard has not ended, like torch."""
+        pool = self._pool
+        n = self._epoch_workers
+        if pool is None or n == 0:
+            return
+        seq = self._seq
+        bound = self._cfg.prefetch_factor * n
+        while seq.in_flight + len(seq.ready) < bound and any(self._active):
+            for _ in range(n):
+                wid = self._next_worker
+                self._next_worker = (wid + 1) % n
+                if self._active[wid]:
+                    break
+            s = seq.issue()
+            task = ShardTask(self._iter_id, s, task_seed(self._base_seed, self._epoch, s), n, None)
+            self._worker_of[s] = wid
+            seq.dispatch(s, task)
+            if not pool.submit_to(wid, task):
+                self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
+                return
+
+    def _on_resize(self, n: int) -> None:
+        with self._lock:
+            if self._done or n == self._epoch_workers:
+                return
+            msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
+                   f"(this epoch's {self._epoch_workers} worker shards are fixed)")
+            log.warning(msg)
+            if not self._core.warned_iterable_resize:
+                self._core.warned_iterable_resize = True
+                warnings.warn(msg, stacklevel=4)
+
+    def _on_shard_end(self, s: int) -> None:
+        """Worker ``w``'s shard ended at task ``s``: that task and every later one handed to ``w``
+        carry no batch (``w`` answers them in order; everything before ``s`` was already received)."""
+        seq = self._seq
+        if s not in seq.pending:
+            return
+        wid = self._worker_of[s]
+        self._active[wid] = False
+        for later in [p for p in seq.pending if self._worker_of.get(p) == wid]:
+            seq.void(later)
+
+    def _on_worker_death(self, ev: WorkerDied) -> None:
+        if ev.wid < len(self._active) and self._active[ev.wid]:
+            self._error = RuntimeError(
+                f"DataLoader worker (pid(s) {ev.pid}) exited unexpectedly: "
+                f"{self._death_reason(ev)} It was iterating its shard of an IterableDataset, "
+                "which cannot be replayed exactly once, so this epoch is aborted (worker "
+                f"{ev.wid} is replaced for the next epoch)")
+
+    # ---- delivery ----------------------------------------------------------------------------
+    def _next_batch(self):
+        deadline = None
+        seq = self._seq
+        while True:
+            with self._lock:
+                self._check()
+                if self._epoch_workers == 0:
+                    return self._run_local()
+                batch = seq.take_ready()
+                self._fill()
+                if batch is not None:
+                    return self._deliver_batch(batch)
+                if not seq.in_flight and not seq.ready:
+                    self._finish()
+                    raise StopIteration
+                pool = self._pool
+            self._wait(pool, deadline := deadline or self._deadline())
+
+    def _run_local(self):
+        s = self._seq.issue()
+        seed = task_seed(self._base_seed, self._epoch, s)
+
+        def fetch():
+            seed_all(seed)
+            return self._fetcher.fetch()
+
+        try:
+            data, n = self._timed_local(fetch)
+        except StopIteration:
+            self._finish()
+            raise
+        self._seq.dispatch(s, None)
+        self._seq.complete_local(s)
+        return self._deliver(True, data, n)

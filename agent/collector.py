@@ -36,11 +36,11 @@ from agent.registry import Job, Registry
 SMOOTH_TAU_S = 3.0
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
-            "worker_runq_s", "worker_blocked_s", "main_cpu_s")
+            "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s")
 GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
-         "trainer_cpu_s_per_step")
+         "trainer_cpu_s_per_step", "trainer_runq_s_per_step")
 
 
 def _num(v) -> Optional[float]:
@@ -93,6 +93,8 @@ class RankRates:
             new["compute_s_per_step"] = d["compute_s"] / d["steps"]
             if totals["main_cpu_s"] is not None:
                 new["trainer_cpu_s_per_step"] = d["main_cpu_s"] / d["steps"]
+            if totals["main_runq_s"] is not None:
+                new["trainer_runq_s_per_step"] = d["main_runq_s"] / d["steps"]
         busy = d["data_wait_s"] + d["compute_s"]
         if busy > 0:
             new["data_wait_frac"] = d["data_wait_s"] / busy
@@ -256,6 +258,7 @@ class Collector:
             runq_s_per_batch=mean("runq_s_per_batch"), blocked_s_per_batch=mean("blocked_s_per_batch"),
             worker_cpu_cores=total("worker_cpu_cores"),
             trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
+            trainer_runq_s_per_step=mean("trainer_runq_s_per_step"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative,
             age_s=max(0.0, now - job.arrived_at),

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeSnapshot
-from agent.policies import Policy, PolicyConfig
+from agent.policies import Policy, PolicyConfig, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
@@ -142,7 +142,9 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             workers=max(0, int(job.workers)),
             cores=float(cores),
             batch_size=int(job.batch_size),
-            compute_s_per_step=job.compute_s_per_step,
+            # the step with data ready AND the trainer not starved of CPU: a trainer kept waiting for a core
+            # would make the loader look like it needs fewer cores than it does (ISSUE 11)
+            compute_s_per_step=trainer_compute_s(job),
             data_wait_s_per_step=job.data_wait_s_per_step,
             cpu_s_per_batch=job.cpu_s_per_batch,
             wall_s_per_batch=job.wall_s_per_batch,

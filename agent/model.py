@@ -54,8 +54,11 @@ class JobStats:
     runq_s_per_batch: float
     blocked_s_per_batch: float
     worker_cpu_cores: float               # CPU cores the job's workers used (rate)
+    # (compute_s_per_step less trainer_runq_s_per_step is the step with data ready and the trainer not starved)
     trainer_cpu_cores: float = 0.0        # CPU cores the job's training processes themselves used (summed over ranks)
     trainer_cpu_s_per_step: float = 0.0   # their CPU seconds per step (summed over ranks: all run each step)
+    trainer_runq_s_per_step: float = 0.0  # per step, how long a training process waited for a CPU while runnable
+                                          # (mean over ranks): the part of compute_s_per_step that is CPU starvation
     gpu_idle_frac: Optional[float] = None # from NVML when available, else None
     gpu_idle_source: str = "client"       # "nvml" or "client" (data_wait_frac stands in)
     allowed_cpus: tuple[int, ...] = ()    # CPUs the job may use (Slurm/affinity); () = all node loader CPUs

@@ -117,13 +117,19 @@ Policy = Callable[[NodeSnapshot, Mapping[str, ThroughputCurve], PolicyConfig], A
 
 # -- shared helpers -----------------------------------------------------------------------------
 
+def trainer_compute_s(job: JobStats) -> float:
+    """The step's compute time with the training process not starved of CPU: the measured compute time
+    less the time its main thread waited for a CPU while runnable (at least half the measured)."""
+    g = job.compute_s_per_step
+    return max(0.5 * g, g - max(0.0, job.trainer_runq_s_per_step))
+
+
 def trainer_cores_needed(job: JobStats) -> float:
     """Cores the job's training processes need at full speed, learned from what they measured: their
-    CPU seconds per step over the compute time of a step (the step's length when data is ready), at
-    most one core per rank or GPU thread. Under contention the measured compute time is stretched, so
-    this reads low at first and rises as the trainers get their cores back (it converges from below).
-    0 when the clients report no trainer CPU."""
-    t, g = job.trainer_cpu_s_per_step, job.compute_s_per_step
+    CPU seconds per step over the compute time of a step not starved of CPU (``trainer_compute_s``:
+    the step's length when data is ready and the trainer has its cores), at most one core per rank or
+    GPU thread. 0 when the clients report no trainer CPU."""
+    t, g = job.trainer_cpu_s_per_step, trainer_compute_s(job)
     cap = float(max(1, job.ranks, job.gpus))
     if t > 0 and g > 0:
         return min(cap, t / g)

@@ -39,6 +39,7 @@ from typing import Mapping, Optional
 from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
 
 MODES = ("agent", "none", "autotune", "static")
+TOL = 1e-6          # relative: the fixed points stop when rates move less than this
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,8 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                     b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / speed[j]))
                 new[j] = b
             new_run = {j: min(1.0, new[j] * models[j].trainer_cpu_s_per_step / speed[j]) for j in ids}
-            done = all(abs(new[j] - bps[j]) <= 1e-9 * max(1.0, bps[j]) for j in ids) and \
-                all(abs(new_run[j] - runnable[j]) < 1e-9 for j in ids)
+            done = all(abs(new[j] - bps[j]) <= TOL * max(1e-3, bps[j]) for j in ids) and \
+                all(abs(new_run[j] - runnable[j]) < TOL for j in ids)
             bps = new if done else {j: 0.5 * bps[j] + 0.5 * new[j] for j in ids}
             runnable = new_run if done else {j: 0.5 * runnable[j] + 0.5 * new_run[j] for j in ids}
             if done:

@@ -65,10 +65,11 @@ from evaluation import metrics as M
 from predictor.curve import ThroughputCurve
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
-POLICIES_DEFAULT = ("even-static", "even", "none", "adaptive", "oracle")
+POLICIES_DEFAULT = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 PREDICTORS = ("agent", "first-principles", "perfect")
-CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle")   # decide without the predictor's curves
-                                                                   # (the oracle reads the true ones)
+CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle", "autotune", "static-cores")
+# decide without the predictor's curves (the oracle reads the true ones); the last two have no agent:
+NO_AGENT_POLICIES = ("none", "autotune", "static-cores")   # what users run instead, physics only
 MEASURED_LOADER_CPUS = 1.8      # the corpus machine: 2 vCPUs minus the agent's 10% reserve
 
 
@@ -106,17 +107,21 @@ class _Job:
 # -- curves ------------------------------------------------------------------------------------
 
 def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
-    """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed."""
+    """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed; a kind
+    with several GPUs takes one batch per GPU per step. ``extra`` carries the rest of the workload
+    model (``evaluation.nodemodel``): the trainer's CPU per step and rank, the GPUs, the user's habit."""
     from evaluation.catalog import load_catalog
 
     cat = load_catalog(catalog_path)
     out = {}
     for name, k in cat.kinds.items():
-        c = k.cores_per_gpu * step_s           # CPU s per batch so that c / g = cores_per_gpu
+        c = k.cores_per_gpu * k.gpus * step_s   # CPU s per step's batches so that c / g = cores_per_gpu x gpus
         b = k.io_sleep_s * batch_size
-        out[name] = ThroughputCurve(job=name, batch_size=batch_size, compute_s_per_step=step_s,
+        out[name] = ThroughputCurve(job=name, batch_size=batch_size * k.gpus, compute_s_per_step=step_s,
                                     cpu_s_per_batch=c, blocked_s_per_batch=b, confidence=1.0,
-                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu},
+                                    source="builtin", extra={"cores_per_gpu": k.cores_per_gpu, "gpus": k.gpus,
+                                                             "trainer_cpu_s_per_step": k.trainer_cpu_frac * step_s,
+                                                             "num_workers": k.num_workers},
                                     worker_memory_bytes=float(getattr(k, "worker_ram_mb", 0.0) or 0.0) * (1 << 20))
     return out
 
@@ -226,7 +231,8 @@ def read_trace(path: str) -> list[TraceJob]:
 
 
 def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,
-                   seed: int = 0) -> list[TraceJob]:
+                   seed: int = 0, gpus_of: Optional[dict] = None) -> list[TraceJob]:
+    """``gpus_of``: kind -> GPUs of a job of that kind (default 1)."""
     rng = random.Random(seed)
     out = []
     for n in range(nodes):
@@ -235,8 +241,9 @@ def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s:
             if i:
                 t += rng.expovariate(1.0 / mean_gap_s) if mean_gap_s > 0 else 0.0
             work = mean_work_s * rng.lognormvariate(-0.125, 0.5)
-            out.append(TraceJob(node=f"n{n}", job=f"n{n}-j{i}", kind=rng.choice(kinds), arrival_s=round(t, 3),
-                                work_s=round(work, 3)))
+            kind = rng.choice(kinds)
+            out.append(TraceJob(node=f"n{n}", job=f"n{n}-j{i}", kind=kind, arrival_s=round(t, 3),
+                                work_s=round(work, 3), gpus=int((gpus_of or {}).get(kind, 1))))
     return out
 
 
@@ -347,8 +354,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     from agent.policies import PolicyConfig
     from predictor.observation import Observation
 
-    policy = _policy(policy_name)
-    pconf = PolicyConfig()
+    from evaluation import nodemodel
+
+    policy = _policy(policy_name) if policy_name not in NO_AGENT_POLICIES else None
+    pconf = PolicyConfig(cpu_weights=cfg.cpu_knob == "shares")
     bank = None
     if cfg.predictor not in PREDICTORS:
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
@@ -370,6 +379,17 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     mem_now = mem_peak = 0.0
     mem_over_s = 0.0
 
+    def model_of(jb) -> "nodemodel.JobModel":
+        m = getattr(jb, "model", None)
+        if m is None:
+            ex = jb.curve.extra or {}
+            habit = int(ex.get("num_workers") or 0) or max(1, int(cfg.cores // max(1, jb.tj.gpus)))
+            m = jb.model = nodemodel.JobModel(curve=jb.curve,
+                                              trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
+                                              gpus=max(1, jb.tj.gpus),
+                                              habitual_workers=cfg.requested_workers or habit)
+        return m
+
     def observe_and_stats():
         stats = {}
         for jid, jb in active.items():
@@ -380,7 +400,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             step_s = bs / thr if thr > 0 else math.inf
             wait = max(0.0, step_s - g) if thr > 0 else 0.0
             a = applied.get(jid)
-            w = a.workers if a else req
+            m = model_of(jb)
+            w = a.workers if a else m.habitual_workers
             if bank is not None and thr > 0:
                 bps = thr / bs
                 wall = w / bps if bps > 0 else 0.0
@@ -394,7 +415,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                     samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s)),
                     worker_memory_bytes=cv.worker_memory_bytes))
             stats[jid] = JobStats(
-                job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w, requested_workers=req,
+                job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w,
+                requested_workers=m.habitual_workers, trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step,
+                trainer_cpu_cores=getattr(jb, "trainer_got", 0.0),
                 max_workers=None, samples_per_s=thr, compute_s_per_step=g, data_wait_s_per_step=wait,
                 data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=cv.cpu_s_per_batch,
                 wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
@@ -413,6 +436,11 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             curves = {j: active[j].curve for j in active}
         else:
             curves = {j: c for j in active if (c := bank.curve(j)) is not None}
+        if policy is None:               # no agent: nothing is decided, the physics alone
+            decisions += 1
+            applied = {}
+            physics()
+            return False
         plan = policy(snap, curves, pconf)
         decisions += 1
         moved = False
@@ -431,14 +459,34 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         physics()
         return moved
 
+    mode = {"none": "none", "autotune": "autotune", "static-cores": "static"}.get(policy_name, "agent")
+    rates_cache: dict = {}      # the physics of one set of jobs and allocations, computed once
+
     def physics():
         nonlocal mem_now
-        got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
+        models = {j: model_of(jb) for j, jb in active.items()}
+        if mode == "agent" and cfg.cpu_knob == "quota":   # hard caps: the loaders' waterfill alone (no trainer model)
+            got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
+            res = None
+        else:
+            key = (mode, tuple(sorted((j, id(m), getattr(applied.get(j), "workers", 0),
+                                       round(getattr(applied.get(j), "cpus", 0.0), 6)) for j, m in models.items())))
+            res = rates_cache.get(key)
+            if res is None:
+                if len(rates_cache) > 4096:
+                    rates_cache.clear()
+                res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores,
+                                                              applied if mode == "agent" else None, node_gpus=cfg.gpus)
         for jid, jb in active.items():
             a = applied.get(jid)
-            jb.workers = a.workers if a else req
-            jb.cores_got = got[jid]
-            jb.rate = rates[jid]
+            if res is not None:
+                r = res[jid]
+                jb.workers, jb.cores_got, jb.trainer_got, jb.rate = r.workers, r.loader_cores, r.trainer_cores, \
+                    r.samples_per_s
+            else:
+                jb.workers = a.workers if a else req
+                jb.cores_got = got[jid]
+                jb.rate = rates[jid]
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
 
     while pending or active:

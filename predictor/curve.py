@@ -191,7 +191,7 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
             return math.inf
         u_new = min(float(workers), new * per_batch)
         r_new = min(float(n), n * new * t / s_t)
-        if abs(new - bps) <= 1e-9 * max(1.0, new) and abs(u_new - u) < 1e-6 and abs(r_new - r) < 1e-6:
+        if abs(new - bps) <= 1e-7 * max(1e-3, new) and abs(u_new - u) < 1e-6 and abs(r_new - r) < 1e-6:
             bps = new
             break
         bps, u, r = new, 0.5 * u + 0.5 * u_new, 0.5 * r + 0.5 * r_new

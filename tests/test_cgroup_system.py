@@ -191,3 +191,30 @@ def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
         root_procs = set(int(p) for p in f.read().split())
     assert {m1, m2} <= root_procs
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
+def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from evaluation.catalog import JobSpec
+    from evaluation.harness import STATIC_CGROUP_ROOT, BenchError, StaticCores
+
+    if os.geteuid() != 0 or not Path(STATIC_CGROUP_ROOT, "cpu.cfs_quota_us").exists():
+        with pytest.raises(BenchError, match="static-cores needs root and a cgroup v1 cpu hierarchy"):
+            StaticCores(2, 4)
+        pytest.skip("needs root and cgroup v1 cpu to place a process (the refusal was checked)")
+    spec = JobSpec(job_id="adl-test-static", kind="x", batch_size=8, step_s=0.1, demand_cores=1.0,
+                   cpu_s_per_sample=0.001, workload={}, gpus=2)
+    st = StaticCores(node_cores=2, node_gpus=4)
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert st.place(spec, p.pid) == pytest.approx(1.0)          # 2 cores x 2 of 4 GPUs
+        group = st.base / spec.job_id
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "100000"
+        assert str(p.pid) in (group / "cgroup.procs").read_text().split()
+    finally:
+        st.close()
+        p.kill()
+        p.wait()
+    assert not st.base.exists()

@@ -426,7 +426,7 @@ def test_result_reader_returns_messages_sent_before_the_worker_closed():
     """A worker that sends its last results and exits: both arrive, then the close is reported."""
     import socket
 
-    from adloader._worker import MessageReader, send_message
+    from adloader._transport import MessageReader, send_message
 
     r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     send_message(w, ("result", 0, 1), torch.arange(3))
@@ -509,9 +509,9 @@ def test_resize_churn_is_not_mistaken_for_deaths(caplog):
 
 
 def test_oversized_tasks_go_to_one_worker_and_still_arrive_once():
-    # 50000 indices pickle to more than the shared queue's message limit (adloader._worker.MAX_TASK_BYTES):
+    # 50000 indices pickle to more than the shared queue's message limit (adloader._transport.MAX_TASK_BYTES):
     # such a task goes to one worker's control pipe instead
-    from adloader._worker import MAX_TASK_BYTES
+    from adloader._transport import MAX_TASK_BYTES
     from multiprocessing.reduction import ForkingPickler
 
     assert len(ForkingPickler.dumps(list(range(50000)))) > MAX_TASK_BYTES

@@ -314,7 +314,7 @@ def test_a_sigkilled_worker_is_reported_with_its_last_memory_and_the_likely_caus
             got += list(it)
         assert [int(x) for b in got for x in b] == list(range(256))       # re-dispatched as today
         text = " ".join(r.getMessage() for r in caplog.records)
-        assert f"pid {victim}" in text and "killed by signal 9" in text
+        assert f"DataLoader worker (pid {victim}) is killed by signal: Killed." in text
         assert "last measured memory 3" in text and "unique" in text       # ~300 MiB
         assert "likely killed by the kernel's OOM killer (SIGKILL while it held much memory)" in text \
             or "killed by the kernel's OOM killer (SIGKILL; this cgroup's oom_kill count" in text

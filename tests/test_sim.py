@@ -152,3 +152,49 @@ def test_memory_per_worker_and_a_node_budget():
     assert s["adaptive"]["memory_over_budget_frac"] == 0.0 and s["none"]["memory_over_budget_frac"] > 0.5
     assert s["adaptive"]["agg_normalised"] < free["adaptive"]["agg_normalised"]     # the budget costs throughput
     assert "loader memory peak per node" in S.markdown(tight)
+
+
+@pytest.mark.unit
+def test_node_model_modes_on_a_trainer_heavy_mix():
+    """The workload model's physics (evaluation.nodemodel): with no agent the kernel shares per job and a
+    job's busy workers stretch its trainer's CPU part; static cores idle what a job cannot use; the agent
+    keeps the trainers' cores out of the loaders' budget. Every mode stays within the node's CPUs."""
+    from evaluation import nodemodel as N
+    from predictor.curve import ThroughputCurve
+
+    def model(name, loader_cores, trainer_frac, gpus=1, habit=2):
+        cv = ThroughputCurve(job=name, batch_size=64 * gpus, compute_s_per_step=0.1,
+                             cpu_s_per_batch=loader_cores * 0.1, blocked_s_per_batch=0.0, confidence=1.0)
+        return N.JobModel(curve=cv, trainer_cpu_s_per_step=trainer_frac * 0.1, gpus=gpus, habitual_workers=habit)
+
+    models = {"heavy": model("heavy", 1.5, 0.3), "mid": model("mid", 0.45, 0.2), "light": model("light", 0.15, 0.4)}
+    for mode in ("none", "autotune", "static"):
+        r = N.node_rates(models, mode, 2.0)
+        assert sum(x.loader_cores + x.trainer_cores for x in r.values()) <= 2.0 + 1e-6, mode
+        assert all(0 < x.normalised <= 1 for x in r.values())
+    none = N.node_rates(models, "none", 2.0)
+    static = N.node_rates(models, "static", 2.0)
+    assert static["light"].loader_cores + static["light"].trainer_cores <= 2.0 / 3 + 1e-6
+    assert N.objective(models, static) <= N.objective(models, none) + 1e-9      # hard shares idle cores
+    steady = {p: N.objective(models, N.steady_state(models, p, 2.0, 1.8))
+              for p in ("none", "static-cores", "even-static", "adaptive")}
+    assert steady["adaptive"] >= max(steady.values()) - 1e-6
+    # an unsaturated node: every work-conserving policy reaches every ceiling; a hard quota of one core
+    # per job still makes its trainer share that core with its busy workers (a few percent)
+    small = {"a": model("a", 0.2, 0.1), "b": model("b", 0.2, 0.1)}
+    for p in ("none", "autotune", "adaptive"):
+        assert N.objective(small, N.steady_state(small, p, 2.0, 1.8)) == pytest.approx(2.0, rel=1e-3)
+    assert 1.9 <= N.objective(small, N.steady_state(small, "static-cores", 2.0, 1.8)) < 2.0
+
+
+@pytest.mark.unit
+def test_simulator_runs_the_no_agent_baselines_with_the_workload_model():
+    curves = S.builtin_curves()
+    assert curves["resnet18x2"].batch_size == 128 and curves["resnet18x2"].extra["gpus"] == 2
+    trace = [S.TraceJob("n0", "a", "alexnet", 0.0, 5.0), S.TraceJob("n0", "b", "resnet18x2", 1.0, 5.0, gpus=2),
+             S.TraceJob("n0", "c", "bert", 2.0, 5.0)]
+    cfg = S.SimConfig(cores=4.0, gpus=4, predictor="perfect")
+    res = S.simulate(trace, curves, ["none", "autotune", "static-cores", "adaptive"], cfg, processes=1)
+    for p, r in res["summary"].items():
+        assert r["agg_normalised"] > 0, p
+        assert r["jct_mean_s"] > 0, p

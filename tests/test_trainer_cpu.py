@@ -165,3 +165,24 @@ def test_loader_reports_its_training_process_cpu():
     for _ in loader:
         pass
     assert loader.stats()["main_cpu_s"] >= before + 0.04
+
+
+def test_a_starved_trainers_wait_for_a_cpu_is_not_taken_for_compute():
+    """A trainer kept waiting for a core stretches the measured compute time; that wait (its main
+    thread's run-queue delay, ``main_runq_s``) comes out of the step the predictor sees and of the
+    trainer's need, else a loader would look cheap (c / g small) exactly when the node is starved."""
+    from agent.controller import observation_from_stats
+
+    j = job("a", g=0.3, t=0.03, trainer_runq_s_per_step=0.1)
+    s = snap([j])
+    assert observation_from_stats(j, s).compute_s_per_step == pytest.approx(0.2)
+    assert trainer_cores_needed(j) == pytest.approx(0.15)
+    # at most half of the measured compute time is taken out (a bad reading cannot zero the step)
+    assert observation_from_stats(job("b", g=0.3, trainer_runq_s_per_step=5.0), s).compute_s_per_step == \
+        pytest.approx(0.15)
+    from adloader.autotune import observation_from_totals
+
+    prev = {"steps": 0, "samples": 0, "batches": 0, "compute_s": 0.0, "uptime_s": 0.0, "main_runq_s": 1.0,
+            "workers": 1, "batch_size": 8}
+    cur = {**prev, "steps": 10, "samples": 80, "batches": 10, "compute_s": 3.0, "uptime_s": 3.0, "main_runq_s": 2.0}
+    assert observation_from_totals(prev, cur, 1.0).compute_s_per_step == pytest.approx(0.2)

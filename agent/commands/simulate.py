@@ -26,7 +26,7 @@ def register(sub) -> None:
                    help="job models: the predictor's measured corpus, or first-principles catalogue kinds "
                         "(auto: corpus when present)")
     p.add_argument("--catalog", default=None, help="catalogue TOML for --curves builtin")
-    p.add_argument("--policies", default="even-static,even,none,adaptive,oracle")
+    p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle")
     p.add_argument("--predictor", choices=("agent", "first-principles", "perfect"), default="first-principles",
                    help="what adaptive sees: the agent's PredictorBank (default prior), the bank without "
                         "its prior, or the true curves")
@@ -63,14 +63,16 @@ def run(args) -> int:
             trace = S.read_trace(args.trace)
         else:
             trace = S.generate_trace(sorted(curves), args.nodes, args.jobs_per_node, args.mean_gap_s,
-                                     args.mean_work_s, args.seed)
+                                     args.mean_work_s, args.seed,
+                                     gpus_of={k: (cv.extra or {}).get("gpus", 1) for k, cv in curves.items()})
         policies = [p for p in args.policies.split(",") if p]
         from agent.policies import POLICIES
 
-        bad = [p for p in policies if p not in POLICIES and p != "oracle"]
+        extra = ["oracle", *S.NO_AGENT_POLICIES]
+        bad = [p for p in policies if p not in POLICIES and p not in extra]
         if bad:
             raise S.SimError(f"unknown policies: {', '.join(bad)}; choose from: "
-                             f"{', '.join(sorted(POLICIES) + ['oracle'])}")
+                             f"{', '.join(sorted(set(POLICIES) | set(extra)))}")
         from adloader.memory import parse_bytes
 
         try:
