@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, Task,
-                                running_key)
+from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, from_wire,
+                                running_key, to_wire)
 from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, fd_passing_supported, out_of_file_descriptors,
                                  send_message)
 
@@ -204,6 +204,35 @@ class RunQueueClock:
             self._fd = None
 
 
+# ---- DataPipes: what torch's own iterators do to them (torch/utils/data/dataloader.py) ----------
+def is_datapipe(dataset) -> bool:
+    """An ``IterDataPipe`` or ``MapDataPipe`` (torch's DataLoader wraps an IterDataPipe in
+    ``_IterDataPipeSerializationWrapper``, which still is one)."""
+    from torch.utils.data import IterDataPipe, MapDataPipe
+
+    return isinstance(dataset, (IterDataPipe, MapDataPipe))
+
+
+def shard_datapipe(dataset, num_shards: int, world_size: int, wid: int, rank: int) -> None:
+    """torch's ``_sharding_worker_init_fn``: shard over processes first, then over their workers
+    (``num_shards * world_size`` instances, this one ``wid * world_size + rank``)."""
+    from torch.utils.data.graph_settings import apply_sharding
+
+    apply_sharding(dataset, max(1, num_shards) * world_size, wid * world_size + rank)
+
+
+def reseed_datapipe(dataset, shared_seed: int) -> None:
+    """torch's ``apply_random_seed`` with a generator seeded from the epoch's shared seed: every
+    worker (and every rank) shuffles the same way, so ``sharding_filter`` splits one order."""
+    from torch.utils.data import IterDataPipe
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    if isinstance(dataset, IterDataPipe):
+        rng = torch.Generator()
+        rng.manual_seed(shared_seed)
+        apply_random_seed(dataset, rng)
+
+
 def set_worker_info(wid: int, num_workers: int, seed: int, dataset) -> None:
     # The one private touch (allowed by DESIGN.md): torch.utils.data.get_worker_info() returns the
     # module global ``torch.utils.data._utils.worker._worker_info``, which torch's own worker loop
@@ -228,15 +257,20 @@ class WorkerSpec:
     drop_last: bool
     collate_fn: Callable
     worker_init_fn: Callable | None
+    world_size: int = 1         # torch.distributed's, when initialised (DataPipe sharding)
+    rank: int = 0
 
 
 class _ShardPasses:
     """This worker's passes over its own copy of an IterableDataset: a task of a new epoch (a new
-    ``iter_id``) starts a fresh pass, sharded for that epoch's worker count, which the task carries."""
+    ``iter_id``) starts a fresh pass, sharded for that epoch's worker count, which the task carries.
+    A DataPipe is resharded for that count (if it changed) and reseeded from the epoch's shared seed,
+    as torch's worker loop does at each epoch (``_ResumeIteration``)."""
 
-    def __init__(self, spec: WorkerSpec, seed: int) -> None:
+    def __init__(self, spec: WorkerSpec, seed: int, sharded_for: int | None) -> None:
         self.spec = spec
         self.seed = seed
+        self.sharded_for = sharded_for      # the worker count the DataPipe is sharded for
         self.iter_id: int | None = None
         self.fetcher: IterableFetcher | None = None
 
@@ -245,6 +279,11 @@ class _ShardPasses:
         spec = self.spec
         if task.iter_id != self.iter_id:
             set_worker_info(spec.wid, task.num_shards, self.seed, spec.dataset)
+            if self.sharded_for is not None and task.num_shards != self.sharded_for:
+                shard_datapipe(spec.dataset, task.num_shards, spec.world_size, spec.wid, spec.rank)
+                self.sharded_for = task.num_shards
+            if task.shared_seed is not None:
+                reseed_datapipe(spec.dataset, task.shared_seed)
             self.iter_id = task.iter_id
             self.fetcher = IterableFetcher(spec.dataset, spec.auto_collation, spec.batch_size,
                                            spec.collate_fn, spec.drop_last)
@@ -265,11 +304,15 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     seed_all(seed & _MASK63)
     set_worker_info(wid, spec.num_workers, seed, spec.dataset)
     where = f"in DataLoader worker process {wid}"
+    sharded_for = None
     try:
+        if is_datapipe(spec.dataset):       # before worker_init_fn, as torch's sharding init fn does
+            shard_datapipe(spec.dataset, spec.num_workers, spec.world_size, wid, spec.rank)
+            sharded_for = spec.num_workers
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:
-        send_message(result, InitError(RemoteError(where=where)))
+        send_message(result, to_wire(InitError(RemoteError(where=where))))
         _wait_for_exit(ctrl, parent)
         return
 
@@ -281,7 +324,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     poller.register(ctrl_fd, select.POLLIN)
     if task_sock is not None:
         poller.register(task_sock.fileno(), select.POLLIN)
-    shard = _ShardPasses(spec, seed) if spec.iterable else None
+    shard = _ShardPasses(spec, seed, sharded_for) if spec.iterable else None
     local_tasks: list = []
 
     def run(task) -> None:
@@ -305,21 +348,21 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
         except Exception:
             data, ok = RemoteError(where=where), False
         if ended:
-            send_message(result, ShardEnd(task.iter_id, task.seq))
+            send_message(result, to_wire(ShardEnd(task.iter_id, task.seq)))
         else:
             header = Result(task.iter_id, task.seq, ok, n_samples, time.process_time() - c0,
                             time.perf_counter() - t0, max(0, runq.read_ns() - r0))
             # header and batch travel in one message but are pickled apart: the main process can
             # always tell which task a batch belongs to, even if rebuilding the batch fails there
             try:
-                send_message(result, header, data, fd_passing)
+                send_message(result, to_wire(header), data, fd_passing)
             except (BrokenPipeError, ConnectionResetError):
                 raise
             except Exception as e:
                 why = f"{where} while pickling the batch for the main process"
                 if out_of_file_descriptors(e):
                     why += f" ({TOO_MANY_FILES})"
-                send_message(result, header._replace(ok=False), RemoteError(where=why))
+                send_message(result, to_wire(header._replace(ok=False)), RemoteError(where=why))
             del data
         current_task[wid] = IDLE
 
@@ -335,14 +378,14 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 retiring = True
             elif msg is Control.EXIT:
                 return
-            elif msg is not Control.RESUME:
-                local_tasks.append(msg)         # a task for this worker only
+            elif type(msg) is tuple:
+                local_tasks.append(from_wire(msg))     # a task for this worker only
         if local_tasks:
             run(local_tasks.pop(0))
             continue
         if retiring:
             # everything handed to this worker personally is done: hand the slot back and wait
-            send_message(result, Retired())
+            send_message(result, to_wire(Retired()))
             while True:
                 msg = _recv_or_orphaned(ctrl, parent)
                 if msg is None or msg is Control.EXIT:
@@ -350,8 +393,8 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 if msg is Control.RESUME:
                     retiring = False
                     break
-                if isinstance(msg, (Task, ShardTask)):   # not sent to a retiring worker; kept for safety
-                    local_tasks.append(msg)
+                if type(msg) is tuple:     # a task: not sent to a retiring worker; kept for safety
+                    local_tasks.append(from_wire(msg))
             continue
         events = poller.poll(1000)
         if not events:
@@ -367,7 +410,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 continue           # another worker took it
             if n == 0:
                 return             # socket closed: the main process is gone
-            run(ForkingPickler.loads(memoryview(buf)[:n]))
+            run(from_wire(ForkingPickler.loads(memoryview(buf)[:n])))
 
 
 def _recv_or_orphaned(ctrl, parent: int):

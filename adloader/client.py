@@ -25,6 +25,14 @@ Invariants (STYLE 8):
   this session (since the last welcome) is ignored.
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
+- The agent is authenticated before the client says anything (``agent_untrusted``): the endpoint
+  must be ipc://; the socket's directory (symlinks resolved) must be owned by root or by this
+  process's uid and writable by nobody else, the socket file owned by one of those two, and the
+  process listening on it (``SO_PEERCRED`` of a probe connection) must run as root or as this uid.
+  Anything else (a socket another user bound first at the predictable ``/tmp/adloader-<uid>`` path,
+  a tcp:// endpoint nobody can authenticate) is refused and logged once per reason at WARNING;
+  training goes on without the agent, the check is repeated with the missing-socket backoff.
+- The job id must satisfy ``protocol.check_job_id``; if not, one WARNING and no agent contact.
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ import math
 import os
 import secrets
 import socket as _socket
+import stat
+import struct
 import threading
 import time
 import weakref
@@ -57,6 +67,57 @@ REFUSED_BACKOFF_S = 60.0
 
 _lock = threading.Lock()
 _client: Optional["_Client"] = None
+_warned: set = set()
+PROBE_TIMEOUT_S = 1.0
+
+
+def _warn_once(key: str, text: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(text, *args)
+
+
+def _peer_uid(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[int]:
+    """The uid of the process listening on the unix socket ``path`` (SO_PEERCRED of a connection)."""
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        creds = s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[1]
+    finally:
+        s.close()
+
+
+def agent_untrusted(endpoint: str, uid: Optional[int] = None) -> Optional[str]:
+    """None if the agent at ``endpoint`` may be trusted by a process of ``uid`` (module docstring),
+    else why not. Never raises. Returns the reason also when the socket is missing (\"no socket\")."""
+    uid = os.getuid() if uid is None else uid
+    trusted = {0, uid}
+    path = env.ipc_path(endpoint)
+    if path is None:
+        return f"endpoint {endpoint!r} is not ipc://: the agent behind it cannot be authenticated"
+    try:
+        real = os.path.realpath(path)
+        d = os.path.dirname(real) or "/"
+        st_d = os.stat(d)
+        if st_d.st_uid not in trusted:
+            return f"the agent's directory {d} belongs to uid {st_d.st_uid}, not to root or uid {uid}"
+        if st_d.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"the agent's directory {d} is writable by other users (mode {stat.S_IMODE(st_d.st_mode):o})"
+        st = os.lstat(real)
+        if not stat.S_ISSOCK(st.st_mode):
+            return f"{real} is not a socket"
+        if st.st_uid not in trusted:
+            return f"the agent's socket {real} belongs to uid {st.st_uid}, not to root or uid {uid}"
+        peer = _peer_uid(real)
+    except FileNotFoundError:
+        return "no socket"
+    except OSError as e:
+        return f"cannot check the agent's socket {path}: {e.strerror or e}"
+    if peer not in trusted:
+        return f"the process serving {real} runs as uid {peer}, not as root or uid {uid}"
+    return None
 
 
 def attach(loader: Any) -> None:
@@ -195,10 +256,21 @@ class _Client:
                     pass
 
     def _loop(self, zmq, ctx) -> None:
+        why = protocol.check_job_id(self.job)
+        if why is not None:
+            _warn_once(f"job:{self.job}", "adloader: not contacting the node agent: %s (set ADLOADER_JOB_ID); "
+                       "training goes on without it", why)
+            self._set(last_error=f"job id: {why}")
+            return
         path = env.ipc_path(self.endpoint)
         recheck_s = RECHECK_S
         while not self._stop.is_set():
-            if path is not None and not os.path.exists(path):
+            untrusted = "no socket" if path is not None and not os.path.exists(path) else agent_untrusted(self.endpoint)
+            if untrusted is not None:
+                if untrusted != "no socket":
+                    _warn_once(f"trust:{untrusted}", "adloader: not talking to the agent at %s: %s; training goes "
+                               "on without it", self.endpoint, untrusted)
+                    self._set(last_error=f"untrusted agent: {untrusted}")
                 if self._primary() is None:     # every loader dropped while no agent was there
                     self._stop.set()
                     break
@@ -206,6 +278,8 @@ class _Client:
                 recheck_s = min(RECHECK_MAX_S, recheck_s * 2)
                 continue
             recheck_s = RECHECK_S
+            # connect to the path just checked, symlinks resolved (a link cannot be re-pointed after the check)
+            self._connect_to = "ipc://" + os.path.realpath(path) if path is not None else self.endpoint
             pause_s = self._session(zmq, ctx)
             if pause_s:
                 self._stop.wait(pause_s)
@@ -222,7 +296,7 @@ class _Client:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         said_bye = False
         try:
-            sock.connect(self.endpoint)
+            sock.connect(getattr(self, "_connect_to", self.endpoint))
             heartbeat_s = DEFAULT_HEARTBEAT_S
             welcomed = False
             hello_retry_s = HELLO_RETRY_S
@@ -313,7 +387,7 @@ class _Client:
     def _on_error(self, msg: dict) -> Optional[float]:
         code, text = msg.get("code"), msg.get("message")
         self._set(last_error=f"{code}: {text}")
-        if code in ("version", "not_permitted"):
+        if code in ("version", "not_permitted", "over_limit"):
             log.warning("adloader: the node agent refused this process (%s): %s; training goes on "
                         "without it", code, text)
             if code == "version":

@@ -22,9 +22,11 @@ Same constructor, same batches in the same order as torch's DataLoader; in addit
 
 Invariants:
 - the index sampler is torch's own (``RandomSampler``/``SequentialSampler``/``BatchSampler`` built by
-  torch's constructor, which this class calls), and each epoch draws its base seed from ``generator``
-  (or torch's global generator) before the sampler's first draw, exactly as torch does; so for one
-  seed the sequence of batches equals torch's ``DataLoader(num_workers=0)``.
+  torch's constructor, which this class calls), and each epoch draws from ``generator`` (or torch's
+  global generator) exactly what torch's iterator draws, in its order, before the sampler's first draw
+  (a new iterator: an IterDataPipe's shared seed, the base seed, with workers a second shared seed; a
+  persistent iterator's later epochs: the shared seed only, keeping its base seed); so for one seed
+  the sequence of batches equals torch's, with or without persistent workers.
 - batch ``seq`` of epoch ``e`` is computed with torch, ``random`` and NumPy seeded from
   ``task_seed(base_seed, e, seq)``, in a worker or in the main process alike (in the main process the
   caller's generator states are saved and restored around it), so random augmentation does not depend
@@ -39,9 +41,23 @@ Deviations from torch (by design, documented):
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
   says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
   ``load_state_dict`` can resume an IterableDataset only at an epoch boundary (ValueError otherwise).
+- Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
+  seeded from ``task_seed(base_seed, epoch, seq)``, so a seed set in ``worker_init_fn`` is overwritten
+  before ``__getitem__`` runs, and ``torch.initial_seed()`` in a worker is the batch's seed (torch:
+  ``base_seed + worker_id`` for the worker's life). ``get_worker_info().seed`` is torch's
+  ``base_seed + worker_id``.
 - ``num_workers=0``: per-batch seeding is done in the main process too (caller's RNG state restored
   after each batch), so the dataset's random draws differ from torch's (which uses the caller's
   stream directly); ``timeout`` is ignored there (torch asserts it is 0 at iteration).
+- DataPipes as torch: ``apply_sharding`` over the workers (times the ranks of torch.distributed)
+  before ``worker_init_fn``, ``apply_random_seed`` from the epoch's shared seed at every epoch, in the
+  workers and (``num_workers=0``) in the main process; an IterDataPipe is resharded at the next epoch
+  when the worker count changed.
+- Errors use torch's words where people search for them: "DataLoader timed out after {timeout}
+  seconds", "DataLoader worker (pid(s) N) exited unexpectedly" / "DataLoader worker (pid N) is killed
+  by signal: Killed.", and torch's ``ulimit -n`` / ``set_sharing_strategy('file_system')`` advice
+  when a batch cannot cross for lack of file descriptors. A death the loader recovers from (map-style)
+  is a warning on the ``adloader`` logger, not an error.
 - ``persistent_workers=False`` stops the workers at the end of each epoch, as torch does (so changes
   made to the dataset between epochs reach fresh workers); ``True`` keeps them.
 - ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
@@ -78,8 +94,8 @@ import torch.utils.data as tud
 from adloader._messages import Batch, ShardEnd, ShardTask, Task, WorkerDied
 from adloader._pool import WorkerPool, worker_exit_reason
 from adloader._sequencer import Sequencer
-from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec,
-                              fetch_map, seed_all, task_seed)
+from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec, fetch_map,
+                              is_datapipe, reseed_datapipe, seed_all, shard_datapipe, task_seed)
 from adloader.memory import WorkerMemorySampler, batch_nbytes
 from adloader.stats import LoaderCounters, RateWindow
 
@@ -167,6 +183,7 @@ class _Config:
     pin: bool
     timeout_s: float
     timeout: Any                # as given, for torch's wording of the timeout error
+    datapipe: bool              # an IterDataPipe or MapDataPipe: sharded and seeded as torch does
     worker_init_fn: Any
     mp_context: Any
     in_order: bool
@@ -420,8 +437,10 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
         uptime_s           seconds since the loader was created
-        main_cpu_s         CPU seconds of the training process itself (all its threads, not the
-                           workers) since the loader was created (``time.process_time``)
+        main_cpu_s         CPU seconds the training process itself (all its threads, not the workers)
+                           spent during its steps, i.e. between next() calls (``time.process_time``):
+                           what its step needs on the CPU (background threads' CPU while it waits
+                           for data is not counted)
         main_runq_s        seconds the training process's main thread waited for a CPU while runnable
                            (/proc/self/schedstat field 2, monotonic since the process started; 0 where
                            the kernel does not provide it): how much of ``compute_s`` is the trainer
@@ -457,7 +476,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
-            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.main_cpu_s(),
+            "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
             "main_runq_s": self._main_runq_s(),
             "rates": core.rates.rates(now),
         }
@@ -534,14 +553,16 @@ class DataLoader(tud.DataLoader[T_co]):
             dataset=self.dataset, iterable=iterable, index_sampler=self._index_sampler,
             auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
             collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
-            timeout=self.timeout, worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
+            timeout=self.timeout, datapipe=is_datapipe(self.dataset), worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
             persistent=self.persistent_workers, prefetch_factor=max(1, self.prefetch_factor or 2))
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position in the epoch: ``{"version", "dataset_kind", "epoch", "batches_delivered",
-        "delivered_ahead", "base_seed", "rng_source", "rng_state"}`` (plain values and one CPU
-        tensor, fit for ``torch.save``). Between epochs it describes the start of the next one.
+        "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}`` (plain values
+        and one CPU tensor, fit for ``torch.save``; ``base_seed_drawn`` False: the epoch reuses the base
+        seed of a persistent iterator, as torch's does, and a state without it counts as True).
+        Between epochs it describes the start of the next one.
 
         Resuming (``load_state_dict`` on a fresh loader with the same dataset and sampler
         arguments, any worker count) yields every batch not yet delivered exactly once, in the same
@@ -552,11 +573,14 @@ class DataLoader(tud.DataLoader[T_co]):
         if it is not None and not it._done and it._started:
             return it._state_dict()
         gen = self.generator
+        # a persistent iterator keeps its base seed into the next epoch (as torch's does): say so
+        kept = it is not None and it._base_kept
         return {
             "version": STATE_VERSION,
             "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
             "epoch": self._core.next_epoch, "batches_delivered": 0, "delivered_ahead": [],
-            "base_seed": None, "rng_source": "generator" if gen is not None else "global",
+            "base_seed": it._base_seed if kept else None, "base_seed_drawn": not kept,
+            "rng_source": "generator" if gen is not None else "global",
             "rng_state": gen.get_state() if gen is not None else torch.get_rng_state(),
         }
 
@@ -638,6 +662,15 @@ class DataLoader(tud.DataLoader[T_co]):
             handle._call_hook("adloader.autotune", "attach")
 
 
+def _distributed() -> tuple[int, int]:
+    """(world size, rank) of torch.distributed, (1, 0) when it is not running (torch's
+    ``_get_distributed_settings``)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def _new_iter(core: _Core, cfg: _Config) -> _ElasticIter:
     return (_IterableIter if cfg.iterable else _MapIter)(core, cfg)
 
@@ -663,6 +696,11 @@ class _ElasticIter:
         self._started = False
         self._runq = RunQueueClock()
         self._seq = Sequencer(cfg.in_order)
+        self._shared_seed: int | None = None
+        self._pg = None                 # gloo group for the DataPipe seed (torch.distributed runs)
+        self._base_seed = 0
+        self._base_drawn = True         # this epoch drew its base seed (False: a persistent iterator's)
+        self._base_kept = False         # the next epoch keeps the base seed (persistent, with workers)
 
     def __iter__(self):
         return self
@@ -683,6 +721,7 @@ class _ElasticIter:
             self._seq = Sequencer(cfg.in_order)
             self._error: BaseException | None = None
             self._t_last: float | None = None
+            self._cpu_last = 0.0
             self._done = False
             self._started = True
 
@@ -697,24 +736,70 @@ class _ElasticIter:
                 self._rng_state = resume["rng_state"].clone()
             else:
                 self._rng_state = gen.get_state() if gen is not None else torch.get_rng_state()
-            # torch: base seed drawn from the loader's generator when the iterator is created
-            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
-            if resume is not None and resume.get("base_seed") is not None:
-                if resume["base_seed"] != base_seed:
-                    warnings.warn("adloader: the restored RNG state does not reproduce the saved base "
-                                  "seed; the sampler order may differ from the original run", stacklevel=3)
-                base_seed = resume["base_seed"]
-            self._base_seed = base_seed
             try:
+                self._draw_seeds(gen, resume)
                 self._begin(resume)
             finally:
                 if user_global is not None:
                     torch.set_rng_state(user_global)
             self._start_workers()
 
+    def _draw_seeds(self, gen, resume: dict | None) -> None:
+        """Draw from the loader's generator exactly what torch's iterator draws, in its order, so the
+        sampler's draws that follow (and so the batches) equal torch's (torch/utils/data/dataloader.py):
+
+        - a new iterator (every epoch without persistent workers): an IterDataPipe's shared seed, the
+          base seed, and with workers a second shared seed (``_reset(first_iter=True)``; its workers
+          already got the first one);
+        - a persistent iterator's later epochs (``_reset``): the shared seed only; the base seed is
+          the one drawn when it was created.
+        """
+        cfg, core = self._cfg, self._core
+        workers = core.target > 0
+        keep_base = cfg.persistent and workers and self._base_kept
+        if resume is not None:
+            keep_base = resume.get("base_seed") is not None and not resume.get("base_seed_drawn", True)
+        if cfg.iterable and cfg.datapipe:
+            self._shared_seed = self._share_seed(gen)
+            reseed_datapipe(cfg.dataset, self._shared_seed)
+        if keep_base:
+            if resume is not None:
+                self._base_seed = resume["base_seed"]
+        else:
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
+            if resume is not None and resume.get("base_seed") is not None:
+                if resume["base_seed"] != base_seed:
+                    warnings.warn("adloader: the restored RNG state does not reproduce the saved base "
+                                  "seed; the sampler order may differ from the original run", stacklevel=4)
+                base_seed = resume["base_seed"]
+            self._base_seed = base_seed
+            if cfg.iterable and cfg.datapipe and workers:
+                self._share_seed(gen)
+        self._base_drawn = not keep_base
+        # torch reuses the base seed of a persistent iterator that started with workers
+        self._base_kept = cfg.persistent and workers
+
+    def _share_seed(self, gen) -> int:
+        """torch's ``_share_dist_seed``: one draw from the loader's generator, broadcast from rank 0 over
+        a gloo group (created once per iterator, as torch does) when torch.distributed is running."""
+        seed = torch.empty((), dtype=torch.int64).random_(generator=gen)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            if self._pg is None:
+                self._pg = dist.new_group(backend="gloo")
+            dist.broadcast(seed, src=0, group=self._pg)
+        return int(seed.item())
+
     def _begin(self, resume: dict | None) -> None:
         """The kind's own epoch state (the sampler's first draw happens here, under the restored RNG)."""
         raise NotImplementedError
+
+    def _shard_in_process(self) -> None:
+        """An epoch loaded in this process: a DataPipe is sharded over the ranks only, as torch's
+        ``_SingleProcessDataLoaderIter`` does (workers shard their own copies)."""
+        if self._cfg.datapipe:
+            world_size, rank = _distributed()
+            shard_datapipe(self._cfg.dataset, 1, world_size, 0, rank)
 
     def _start_workers(self) -> None:
         """Start (or reuse) the pool for this epoch and dispatch the first tasks."""
@@ -727,7 +812,8 @@ class _ElasticIter:
         spec = WorkerSpec(
             wid=0, num_workers=core.target, base_seed=self._base_seed, dataset=cfg.dataset,
             iterable=cfg.iterable, auto_collation=cfg.auto_collation, batch_size=cfg.batch_size,
-            drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn)
+            drop_last=cfg.drop_last, collate_fn=cfg.collate_fn, worker_init_fn=cfg.worker_init_fn,
+            **dict(zip(("world_size", "rank"), _distributed())))
         pool = WorkerPool(ctx=cfg.mp_context, spec=spec, target=target, max_workers=core.max_workers,
                           counters=self._counters)
         pool.describe_death = core.memory.describe_death
@@ -746,9 +832,11 @@ class _ElasticIter:
     # ---- delivery ----------------------------------------------------------------------------
     def __next__(self):
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         c = self._counters
         if self._t_last is not None:
             c.compute_s += t0 - self._t_last
+            c.step_cpu_s += cpu0 - self._cpu_last     # the training process's CPU during the step
         try:
             data = self._next_batch()
         except StopIteration:
@@ -756,12 +844,14 @@ class _ElasticIter:
             raise
         except BaseException:
             self._t_last = time.perf_counter()
+            self._cpu_last = time.process_time()
             c.data_wait_s += self._t_last - t0
             raise
         t1 = time.perf_counter()
         c.data_wait_s += t1 - t0
         c.steps += 1
         self._t_last = t1
+        self._cpu_last = time.process_time()
         self._core.rates.maybe_record(t1)
         if c.steps & 15 == 1:                    # batch size in shared memory, sampled (cheap walk)
             self._core.batch_bytes = batch_nbytes(data)
@@ -887,7 +977,7 @@ class _ElasticIter:
                 "dataset_kind": "iterable" if self._cfg.iterable else "map",
                 "epoch": self._epoch, "batches_delivered": delivered,
                 "delivered_ahead": ahead,
-                "base_seed": self._base_seed,
+                "base_seed": self._base_seed, "base_seed_drawn": self._base_drawn,
                 "rng_source": "generator" if self._cfg.generator is not None else "global",
                 "rng_state": self._rng_state.clone(),
             }
@@ -899,6 +989,8 @@ class _MapIter(_ElasticIter):
 
     # ---- epoch start -------------------------------------------------------------------------
     def _begin(self, resume: dict | None) -> None:
+        if self._core.target == 0:
+            self._shard_in_process()
         self._peeked: deque = deque()
         self._exhausted = False
         self._sampler_iter = iter(self._cfg.index_sampler)
@@ -1073,6 +1165,7 @@ class _IterableIter(_ElasticIter):
         self._next_worker = 0
         self._fetcher = None
         if n == 0:
+            self._shard_in_process()
             self._fetcher = IterableFetcher(cfg.dataset, cfg.auto_collation, cfg.batch_size,
                                             cfg.collate_fn, cfg.drop_last)
 
@@ -1099,7 +1192,7 @@ class _IterableIter(_ElasticIter):
                 if self._active[wid]:
                     break
             s = seq.issue()
-            task = ShardTask(self._iter_id, s, task_seed(self._base_seed, self._epoch, s), n, None)
+            task = ShardTask(self._iter_id, s, task_seed(self._base_seed, self._epoch, s), n, self._shared_seed)
             self._worker_of[s] = wid
             seq.dispatch(s, task)
             if not pool.submit_to(wid, task):

@@ -43,6 +43,17 @@ Notes on use (v1.0, no wire change; agentd):
   with job/rank/pid is accepted too. The agent sends ``heartbeat`` to every client each heartbeat_s;
   a client that hears nothing for 3 periods reconnects and says hello again. On ``error`` with code
   ``unknown_job`` (the agent restarted and does not know the connection) the client says hello again.
+- Error code ``over_limit`` (v1.0, added): the caller's uid is over a per-user bound of the agent
+  (jobs, jobs registered without a process); the message says which and the agent key that sets it.
+  A client backs off as for ``not_permitted``.
+- Job ids (``check_job_id``): 1 to 128 characters from ``A-Z a-z 0-9 _ . : @ + = -``, starting with a
+  letter, digit or ``_`` (so never ``.``, ``..`` or a hidden name); no ``/``, no whitespace, no control
+  characters. Slurm ids (``4242``, array ``4242_7``), ``pid-<pid>`` and ``torchrun-<run id>`` fit. The
+  agent refuses any other id with ``malformed`` before it touches its registry; a cgroup name is made
+  from the id one-to-one (``agent.actuators.cgroup.group_name``).
+- Integers are at most ``MAX_INT_DIGITS`` digits (a 4,000-digit number is ``malformed``, not an
+  ``OverflowError`` deep inside the agent); ``NaN``, ``Infinity`` and numbers that overflow a float
+  are ``malformed`` too.
 - The ``status`` reply may exceed MAX_MESSAGE_BYTES (many jobs): readers of it parse it without the
   limit (``agent.status.query``); the limit guards the agent's socket, not the clients'.
 
@@ -53,11 +64,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import re
+from typing import Any, Optional
 
 VERSION = "1.0"
 MAJOR = int(VERSION.split(".")[0])
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_JOB_ID_CHARS = 128
+MAX_INT_DIGITS = 20          # JSON integers beyond this are refused (int64 has 19 digits)
+JOB_ID_GRAMMAR = "[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,127}"
+_JOB_ID_RE = re.compile(JOB_ID_GRAMMAR)
 
 # type -> required fields and their JSON types (int means int and not bool)
 _STR, _INT, _NUM, _LIST, _DICT = "str", "int", "num", "list", "dict"
@@ -76,7 +92,8 @@ SCHEMA: dict[str, dict[str, str]] = {
 }
 MESSAGE_TYPES = frozenset(SCHEMA)
 ERROR_CODES = frozenset(
-    {"malformed", "version", "too_large", "unknown_type", "unknown_job", "not_permitted", "rate_limited", "internal"}
+    {"malformed", "version", "too_large", "unknown_type", "unknown_job", "not_permitted", "rate_limited", "over_limit",
+     "internal"}
 )
 
 
@@ -86,6 +103,35 @@ class ProtocolError(ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+def check_job_id(job: Any) -> Optional[str]:
+    """None if ``job`` is a valid job id (module docstring), else why not (for an error message)."""
+    if not isinstance(job, str):
+        return f"a job id must be a string, got {type(job).__name__}"
+    if not job or len(job) > MAX_JOB_ID_CHARS:
+        return f"a job id must be 1 to {MAX_JOB_ID_CHARS} characters, got {len(job)}"
+    if _JOB_ID_RE.fullmatch(job) is None:
+        return (f"job id {job[:64]!r} is not allowed: use letters, digits and _ . : @ + = - only, "
+                f"starting with a letter, digit or _ (grammar {JOB_ID_GRAMMAR})")
+    return None
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return v
+
+
+def _parse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def _type_ok(value: Any, kind: str) -> bool:
@@ -148,7 +194,8 @@ def decode(data: bytes, max_bytes: int | None = MAX_MESSAGE_BYTES) -> dict:
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
-        msg = json.loads(bytes(data).decode("utf-8"))
+        msg = json.loads(bytes(data).decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                         parse_constant=_parse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ProtocolError("malformed", f"not a UTF-8 JSON object: {e}") from None
     return validate(msg)

@@ -38,7 +38,7 @@ class LoaderCounters:
 
     __slots__ = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
                  "worker_wall_s", "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts",
-                 "redispatched", "created_mono", "created_cpu")
+                 "redispatched", "created_mono", "step_cpu_s")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -54,12 +54,7 @@ class LoaderCounters:
         self.worker_restarts = 0
         self.redispatched = 0
         self.created_mono = time.monotonic()
-        self.created_cpu = time.process_time()   # the training process's CPU (all its threads) at creation
-
-    def main_cpu_s(self) -> float:
-        """CPU seconds the training process (every thread of it, not the worker processes) used since the
-        loader was created: what the trainer itself needs besides its loader (ISSUE 11)."""
-        return max(0.0, time.process_time() - self.created_cpu)
+        self.step_cpu_s = 0.0       # the training process's CPU (all its threads) during its steps (ISSUE 11)
 
     def add_batch_timing(self, cpu_s: float, wall_s: float, runq_ns: int) -> None:
         """One batch finished by a worker (or in-process): blocked = wall - cpu - run-queue delay,

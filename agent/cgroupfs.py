@@ -298,10 +298,6 @@ def own_v2_cgroup(proc_root: str = "/proc") -> str:
     return "/"
 
 
-def pid_alive(pid: int, proc_root: str = "/proc") -> bool:
-    return os.path.exists(os.path.join(proc_root, str(int(pid))))
-
-
 def get_affinity(pid: int) -> tuple[int, ...]:
     try:
         return tuple(sorted(os.sched_getaffinity(int(pid))))

@@ -9,17 +9,21 @@ for the ones the command line offers):
     endpoint        str    where the agent binds (ipc://...); default ``adloader.env.default_endpoint()``
     state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"
-    tick_s          float  controller period, > 0, default 1.0
+    tick_s          float  controller period, 0.05..60 s, default 1.0
     loader_cpus     float|"auto"  CPU cores for all jobs' loaders together; "auto" (default):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
-                           processes and the system (``auto_loader_cpus``)
+                           processes and the system (``auto_loader_cpus``); at most 4096
     max_jobs        int    jobs the node is sized for (even-static divides by it), 0 = by jobs present
+                           (at most 4096)
     cgroup_mode     str    auto|v1|v2|cooperative|off, default "auto"
     cgroup_root     str    default /sys/fs/cgroup
+    cgroup_subtree  str    the agent's group in each hierarchy, job groups below it; one name (letters,
+                           digits, _ - only), default "adloader"; give each agent on a machine its own
     cpu_knob        str    shares|quota|cpuset, default "shares"
     io_weights      bool   set IO weights where the kernel enforces them, default true
     metrics_port    int    Prometheus on 127.0.0.1:<port>; 0 = off (the default)
-    heartbeat_s     float  agent heartbeat period; a rank silent for 3x this has departed; default 2.0
+    heartbeat_s     float  agent heartbeat period, 0.1..300 s; a rank silent for 3x this has departed;
+                           default 2.0
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     fairness_floor  bool   adaptive: no job below its even share unless it cannot use it, default true
@@ -36,24 +40,42 @@ for the ones the command line offers):
     unseen_job_timeout_s  float  a registered job (Slurm prolog) with no connected rank is forgotten
                            when none of its processes has been seen for this long (a missed epilog
                            release); > 0, default 60.0
+    max_connections  int   open connections from ordinary users, all together (root is not counted);
+                           more are closed at once; 1..60000, default 1024
+    connections_per_uid  int  open connections of one ordinary uid, 1..60000, default 64
+    jobs_per_uid    int    jobs one ordinary uid may have on the node, 1..100000, default 32
+    idle_jobs_per_uid  int  jobs an ordinary uid registered itself that no process joined yet, 0..100000,
+                           default 4
+    uid_cpu_share   float  agent CPU (seconds per second) one ordinary uid's messages may cost, averaged
+                           over a few seconds; over it the uid's messages are dropped (rate_limited);
+                           0.001..1, default 0.1
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
 from adloader import env, memory
+from agent.actuators import CPU_KNOBS
+from agent.actuators import MODES as CGROUP_MODES
 
 DEFAULT_CONFIG_PATH = "/etc/adloader/agent.toml"
-CGROUP_MODES = ("auto", "v1", "v2", "cooperative", "off")
-CPU_KNOBS = ("shares", "quota", "cpuset")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOADER_CPU_RESERVE = 0.10
 LOADER_MEMORY_RESERVE = 0.25
 LOADER_MEMORY_RESERVE_MIN = 2 << 30
+SUBTREE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+# key -> (lowest, highest) accepted; every number an operator can set has both ends
+BOUNDS: dict[str, tuple[float, float]] = {
+    "tick_s": (0.05, 60.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096), "metrics_port": (0, 65535),
+    "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
+    "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0),
+}
+MAX_LOADER_CPUS = 4096.0
 
 
 class ConfigError(ValueError):
@@ -81,6 +103,12 @@ class AgentConfig:
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
     unseen_job_timeout_s: float = 60.0
+    cgroup_subtree: str = "adloader"
+    max_connections: int = 1024
+    connections_per_uid: int = 64
+    jobs_per_uid: int = 32
+    idle_jobs_per_uid: int = 4
+    uid_cpu_share: float = 0.1
 
     def resolved_loader_cpus(self) -> float:
         return auto_loader_cpus() if self.loader_cpus == "auto" else float(self.loader_cpus)
@@ -154,18 +182,20 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             raise ConfigError(f"{where} must be a number, got {value!r}")
         try:
             v = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{where} must be a number, got {str(value)[:40]!r}") from None
         if not math.isfinite(v):
             raise ConfigError(f"{where} must be finite, got {value!r}")
         return v
     if kind in ("int", int):
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, str) and len(value.strip().lstrip("+-")) > 20:
+            raise ConfigError(f"{where} must be an integer of at most 20 digits, got {value[:40]!r}...")
         try:
             return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{where} must be an integer, got {str(value)[:40]!r}") from None
     if kind in ("bool", bool):
         if isinstance(value, bool):
             return value
@@ -203,20 +233,17 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         POLICIES = {}
     if cfg.policy not in POLICIES:
         bad("policy", f"unknown policy; choose one of: {', '.join(sorted(POLICIES))}")
-    if not cfg.tick_s > 0:
-        bad("tick_s", "must be > 0")
-    if cfg.loader_cpus != "auto" and not float(cfg.loader_cpus) > 0:
-        bad("loader_cpus", "must be > 0 or \"auto\"")
-    if cfg.max_jobs < 0:
-        bad("max_jobs", "must be >= 0")
+    for key, (lo, hi) in BOUNDS.items():
+        if not lo <= getattr(cfg, key) <= hi:
+            bad(key, f"must be between {lo:g} and {hi:g}")
+    if cfg.loader_cpus != "auto" and not 0 < float(cfg.loader_cpus) <= MAX_LOADER_CPUS:
+        bad("loader_cpus", f"must be > 0 and at most {MAX_LOADER_CPUS:g} cores, or \"auto\"")
+    if not SUBTREE_RE.fullmatch(cfg.cgroup_subtree):
+        bad("cgroup_subtree", "must be one name of letters, digits, _ and - (at most 64, not starting with -)")
     if cfg.cgroup_mode not in CGROUP_MODES:
         bad("cgroup_mode", f"must be one of {', '.join(CGROUP_MODES)}")
     if cfg.cpu_knob not in CPU_KNOBS:
         bad("cpu_knob", f"must be one of {', '.join(CPU_KNOBS)}")
-    if not 0 <= cfg.metrics_port <= 65535:
-        bad("metrics_port", "must be 0 (off) or a TCP port")
-    if not cfg.heartbeat_s > 0:
-        bad("heartbeat_s", "must be > 0")
     if cfg.log_level not in LOG_LEVELS:
         bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.hysteresis < 1:
@@ -225,8 +252,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:
         bad("memory_pressure_psi", "must be a percentage in (0, 100]")
-    if not cfg.unseen_job_timeout_s > 0:
-        bad("unseen_job_timeout_s", "must be > 0")
+    if not 0 < cfg.unseen_job_timeout_s <= 30 * 86400:
+        bad("unseen_job_timeout_s", "must be > 0 and at most 30 days")
 
 
 def read_toml(path: str) -> dict:

@@ -3,11 +3,14 @@
 ``Agent(config)`` builds every part from the typed config and hands each its collaborators:
 
     registry  = Registry(heartbeat_s)
-    collector = Collector(registry, loader_cpus, cpu_ids, gpu_sampler=GpuSampler(), applied=controller.applied)
+    collector = Collector(registry, loader_cpus, cpu_ids, gpu_sampler=GpuSampler())
     server    = Server(endpoint, registry, on_report=collector.on_report, status_doc=self.status_doc)
-    controller = Controller(snapshot_source=collector.snapshot, policy=get_policy(config.policy),
-                            policy_config=PolicyConfig(...), predictor=PredictorBank(),
+    controller = Controller(snapshot_source=collector.snapshot, policy=policy or get_policy(config.policy),
+                            policy_config=PolicyConfig(...), predictor=predictor or PredictorBank(),
                             actuators=agent.actuators.build(config.cgroup_mode, sink=server, ...))
+
+Data flows one way: server -> collector (reports) -> controller (snapshot, plus its own applied state)
+-> policy -> actuators. The predictor and the policy can be injected (the bench's oracle, tests).
 
 The loop (``run``) is the only place that sleeps: it polls the ROUTER socket and a signal wake-up
 pipe until the next tick is due, then calls ``tick(now)``: sweep the registry (departures: silent,
@@ -54,13 +57,17 @@ from agent.collector import Collector
 from agent.memory import MemoryGuard
 from agent.config import AgentConfig
 from agent.nvml import GpuSampler
-from agent.registry import Registry
-from agent.server import Server
+from agent.registry import Limits, Registry
+from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
               "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
               "memory_min_available")
+
+
+class CannotStart(RuntimeError):
+    """The agent cannot start with this config; the message names the key (no traceback)."""
 
 
 def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -112,9 +119,12 @@ def _tick_summary(ticks) -> dict:
 class Agent:
     def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
                  cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
-                 predictor: Any = None, memory_source: Any = None):
-        """``memory_source``: a callable returning ``adloader.memory.NodeMemory`` (tests inject pressure);
-        default: this node's /proc/meminfo and /proc/pressure/memory under ``proc_root``."""
+                 predictor: Any = None, policy: Any = None, memory_source: Any = None):
+        """``predictor``: default ``PredictorBank()``. ``policy``: a policy function
+        (``agent.policies.Policy``) used instead of ``config.policy`` (the bench's oracle); its
+        ``__name__`` is the name status shows, and a reload keeps it. ``memory_source``: a callable
+        returning ``adloader.memory.NodeMemory`` (tests inject pressure); default: this node's
+        /proc/meminfo and /proc/pressure/memory under ``proc_root``."""
         self.config = config
         self.config_path = config_path
         self.cli = dict(cli or {})
@@ -123,29 +133,44 @@ class Agent:
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
+        self.recent_late_ms: collections.deque = collections.deque(maxlen=60)  # how late each tick started
+        self.max_tick_late_ms = 0.0
         self._stop = False
         self._hup = False
         self._journal_key: Any = None
         self.registry = Registry(heartbeat_s=config.heartbeat_s, proc_root=proc_root,
-                                 unseen_timeout_s=config.unseen_job_timeout_s)
+                                 unseen_timeout_s=config.unseen_job_timeout_s,
+                                 limits=Limits(jobs_per_uid=config.jobs_per_uid,
+                                               idle_jobs_per_uid=config.idle_jobs_per_uid))
         self.gpu = GpuSampler(gpu_module)
         self._memory_source = memory_source or (lambda: adl_memory.node_memory(proc_root))
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
-                                   gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied,
+                                   gpu_sampler=self.gpu, proc_root=proc_root,
                                    memory_guard=self._build_memory_guard())
         self.ctx = zmq.Context()
         self.server = Server(config.endpoint, self.registry, heartbeat_s=config.heartbeat_s,
-                             on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx)
+                             on_report=self.collector.on_report, status_doc=self.status_doc, ctx=self.ctx,
+                             limits=ServerLimits(max_connections=config.max_connections,
+                                                 connections_per_uid=config.connections_per_uid,
+                                                 uid_cpu_share=config.uid_cpu_share))
         if predictor is None:
             from predictor.bank import PredictorBank
 
             predictor = PredictorBank()
         self.predictor = predictor
+        self.policy = policy
         os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
+        self.journal_error: Optional[str] = None
+        self.state_problems: list[str] = []   # state files set aside or not writable (status: state_problems)
         self.actuators, self.cgroup_mode = self._build_actuators()
         self.controller = self._build_controller()
         self.metrics = None
+
+    @property
+    def policy_name(self) -> str:
+        """The policy in force: the configured one, or an injected policy's ``__name__``."""
+        return self.config.policy if self.policy is None else getattr(self.policy, "__name__", "custom")
 
     # --- composition ------------------------------------------------------------------------------
     def _build_actuators(self):
@@ -153,15 +178,22 @@ class Agent:
 
         cfg = self.config
         kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
-                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root)
+                  state_dir=cfg.state_dir, proc_root=self.collector.proc_root, subtree=cfg.cgroup_subtree,
+                  problems=self.state_problems)
+        from agent import cgroupfs
+
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
-        except Exception as e:
+        except cgroupfs.CgroupError as e:
             if cfg.cgroup_mode != "auto":
-                raise
+                raise CannotStart(f"config key 'cgroup_mode' = {cfg.cgroup_mode!r} (cgroup_root "
+                                  f"{cfg.cgroup_root!r}): {e}") from None
             logs.event(log, "cgroups_unavailable", logging.WARNING, error=f"{type(e).__name__}: {e}",
                        detail="cgroup_mode auto: running with worker-count directives only (mode off)")
             return actuators.build("off", **kw), "off"
+        except (OSError, ValueError) as e:   # a state file that could not be set aside, a bad root...
+            raise CannotStart(f"cgroup_mode {cfg.cgroup_mode!r} (cgroup_root {cfg.cgroup_root!r}, state_dir "
+                              f"{cfg.state_dir!r}): {type(e).__name__}: {e}") from None
 
     def _build_memory_guard(self) -> MemoryGuard:
         cfg = self.config
@@ -178,16 +210,13 @@ class Agent:
                       for a in self.actuators)
         if weights:
             pconf = dataclasses.replace(pconf, cpu_weights=True)
-        c = Controller(snapshot_source=self.collector.snapshot, policy=get_policy(self.config.policy),
+        c = Controller(snapshot_source=self.collector.snapshot,
+                       policy=self.policy if self.policy is not None else get_policy(self.config.policy),
                        policy_config=pconf, predictor=self.predictor,
                        actuators=self.actuators)
         if applied:
             c.adopt(applied)
         return c
-
-    def _applied(self) -> dict:
-        c = getattr(self, "controller", None)
-        return c.applied() if c is not None else {}
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,9 +229,13 @@ class Agent:
             from agent.metrics import Metrics
 
             self.metrics = Metrics(cfg.metrics_port)
-            self.metrics.start()
+            try:
+                self.metrics.start()
+            except OSError as e:
+                raise CannotStart(f"config key 'metrics_port' = {cfg.metrics_port}: cannot serve metrics on "
+                                  f"127.0.0.1:{cfg.metrics_port}: {e.strerror or e}") from None
         logs.event(log, "agent_started", pid=os.getpid(), uid=os.getuid(), endpoint=cfg.endpoint,
-                   state_dir=cfg.state_dir, policy=cfg.policy, tick_s=cfg.tick_s,
+                   state_dir=cfg.state_dir, policy=self.policy_name, tick_s=cfg.tick_s,
                    loader_cpus=self.collector.loader_cpus, cgroup_mode=self.cgroup_mode,
                    loader_memory_bytes=self.collector.memory_guard.configured if self.collector.memory_guard else None,
                    actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
@@ -224,13 +257,18 @@ class Agent:
         doc = journal.load(self.config.state_dir)
         if not doc:
             return
+        self.state_problems.extend(doc.get("problems") or [])
         adopted, dead = self.registry.adopt(doc["jobs"], now)
         self.controller.adopt(doc["applied"])
         for job in set(dead) | (set(doc["applied"]) - set(adopted)):
             self.controller.forget(job)
         logs.event(log, "journal_adopted", adopted=adopted, forgotten=sorted(set(dead) | (set(doc["applied"]) - set(adopted))),
                    previous_agent_pid=doc.get("agent_pid"))
-        self._write_journal(force=True)
+        try:
+            self._write_journal(force=True)
+        except OSError as e:
+            self.journal_error = str(e)
+            logs.event(log, "journal_write_failed", logging.ERROR, error=str(e))
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
@@ -244,7 +282,10 @@ class Agent:
             self.controller.stop()
         except Exception as e:
             logs.event(log, "restore_failed", logging.ERROR, error=str(e))
-        self._write_journal(force=True)
+        try:
+            self._write_journal(force=True)
+        except OSError as e:        # a read-only or full state dir: the restore above is what matters
+            logs.event(log, "journal_write_failed", logging.ERROR, error=str(e))
         if self.metrics is not None:
             self.metrics.stop()
         self.server.close()
@@ -308,6 +349,7 @@ class Agent:
         try:
             self._write_journal()
         except OSError as e:
+            self.journal_error = str(e)
             logs.once("journal_write_failed", log, "journal_write_failed", logging.ERROR, error=str(e))
         if self.metrics is not None:
             try:
@@ -324,6 +366,7 @@ class Agent:
         try:
             self._write_journal()
         except OSError as e:
+            self.journal_error = str(e)
             logs.once("journal_write_failed", log, "journal_write_failed", logging.ERROR, error=str(e))
 
     def _write_journal(self, force: bool = False) -> None:
@@ -333,15 +376,27 @@ class Agent:
             return
         t0 = time.perf_counter()
         journal.save(self.config.state_dir, applied, self.registry.to_doc())
+        self.journal_error = None
         self.last_journal_ms = (time.perf_counter() - t0) * 1000.0
         self._journal_key = key
+
+    def _state_problems(self) -> list[str]:
+        out = list(self.state_problems)
+        for a in self.actuators:
+            err = getattr(getattr(a, "originals", None), "save_error", None)
+            if err:
+                out.append(f"cgroup originals not saved: {err}")
+                break
+        if self.journal_error:
+            out.append(f"journal not saved: {self.journal_error}")
+        return out
 
     def status_doc(self) -> dict:
         cfg = self.config
         snap = self.collector.last
         info = {
             "pid": os.getpid(), "uid": os.getuid(), "version": __version__, "protocol": protocol.VERSION,
-            "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": cfg.policy, "tick_s": cfg.tick_s,
+            "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": self.policy_name, "tick_s": cfg.tick_s,
             "heartbeat_s": cfg.heartbeat_s, "uptime_s": round(time.monotonic() - self.started_at, 1),
             "ticks": self.ticks, "last_tick_ms": round(self.last_tick_ms, 3) if self.last_tick_ms is not None else None,
             "loader_cpus": self.collector.loader_cpus, "cpu_ids": list(self.collector.cpu_ids),
@@ -354,6 +409,12 @@ class Agent:
             "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
             "unseen_job_timeout_s": cfg.unseen_job_timeout_s, "job_scans": self.registry.scans,
             "memory": self.collector.memory_state.to_dict() if self.collector.memory_state else None,
+            "state_problems": self._state_problems()[:20],
+            "connections": self.server.guard.snapshot() if self.server.guard is not None else None,
+            "open_files_limit": self.server.fd_limit, "message_budget_hits": self.server.budget_hits,
+            "tick_late_ms": {"p50": _pct(list(self.recent_late_ms), 0.5),
+                             "max_recent": round(max(self.recent_late_ms), 3) if self.recent_late_ms else None,
+                             "max": round(self.max_tick_late_ms, 3)},
         }
         return statusmod.build(agent_info=info, registry=self.registry, snapshot=snap,
                                record=self.controller.last_record, applied=self.controller.applied())
@@ -383,6 +444,9 @@ class Agent:
             while not self._stop:
                 now = time.monotonic()
                 if now >= next_tick:
+                    late_ms = (now - next_tick) * 1000.0
+                    self.recent_late_ms.append(late_ms)
+                    self.max_tick_late_ms = max(self.max_tick_late_ms, late_ms)
                     self.server.handle_ready(now)   # messages already here count for this tick (a bye
                     self._journal_now()             # before the process is seen gone)
                     self.tick(now)

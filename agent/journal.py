@@ -8,8 +8,13 @@ Document (``JOURNAL_VERSION`` 1):
     {"version": 1, "written_at": <UNIX s>, "agent_pid": <pid>,
      "applied": {job: JobAllocation fields}, "jobs": Registry.to_doc()}
 
-``load`` returns None for a missing journal, and None with one log line for an unreadable, corrupt
-or newer-major one (the agent then starts empty; live clients say hello again by themselves).
+``load`` returns None for a missing journal. Every field is checked by type (``_check_alloc``,
+``_check_job``): an entry that fails is dropped and named in ``problems``; a file that cannot be
+parsed at all (corrupt, torn by an old agent, newer major version, wrong types at the top) is
+quarantined (``statefile.quarantine``: renamed ``journal.json.bad-<time>``) and the last good copy
+``journal.json.prev`` (kept by every write) is tried instead. What was set aside is returned in
+``problems`` (the daemon reports it in ``status`` as ``agent.state_problems``); the agent starts
+in every case.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import os
 import time
 from typing import Optional
 
-from agent import logs
+from adloader import protocol
+from agent import logs, statefile
 from agent.model import JobAllocation
+from agent.statefile import StateFileError, is_int, is_num, need
 
 JOURNAL_VERSION = 1
 FILENAME = "journal.json"
@@ -32,21 +39,7 @@ def path_in(state_dir: str) -> str:
     return os.path.join(state_dir, FILENAME)
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    d = os.path.dirname(path) or "."
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+write_atomic = statefile.write_atomic
 
 
 _ALLOC_FIELDS = tuple(f.name for f in dataclasses.fields(JobAllocation))
@@ -68,31 +61,118 @@ def alloc_from_dict(d: dict) -> JobAllocation:
     return JobAllocation(**kw)
 
 
+def _check_alloc(p: str, job: str, a) -> JobAllocation:
+    w = f"applied[{job!r}]"
+    need(isinstance(a, dict), p, w, "an object", a)
+    need(a.get("job", job) == job, p, f"{w}.job", f"{job!r}", a.get("job"))
+    need(is_int(a.get("workers"), 0, 1_000_000), p, f"{w}.workers", "an integer >= 0", a.get("workers"))
+    need(is_num(a.get("cpus")) and a["cpus"] >= 0, p, f"{w}.cpus", "a number >= 0", a.get("cpus"))
+    cs = a.get("cpuset")
+    need(cs is None or (isinstance(cs, list) and all(is_int(c, 0, 1 << 20) for c in cs)), p, f"{w}.cpuset",
+         "null or a list of CPU numbers", cs)
+    need(a.get("io_weight") is None or is_int(a.get("io_weight"), 1, 10000), p, f"{w}.io_weight",
+         "null or an integer", a.get("io_weight"))
+    need(isinstance(a.get("reason", ""), str), p, f"{w}.reason", "a string", a.get("reason"))
+    need(isinstance(a.get("enforce_cpu", True), bool), p, f"{w}.enforce_cpu", "true or false", a.get("enforce_cpu"))
+    return alloc_from_dict(dict(a, job=job))
+
+
+_RANK_INTS = {"pid": (1, 2 ** 31), "uid": (0, 2 ** 32), "batch_size": (1, 10 ** 9), "workers": (0, 10 ** 6),
+              "requested_workers": (0, 10 ** 6), "world_size": (1, 10 ** 9), "local_rank": (0, 10 ** 9)}
+
+
+def _check_job(p: str, job: str, j) -> dict:
+    """A registry entry (``Registry.to_doc``) with every field the registry reads checked by type."""
+    w = f"jobs[{job[:64]!r}]"
+    need(protocol.check_job_id(job) is None, p, "a job id", "valid (protocol.check_job_id)", job)
+    need(isinstance(j, dict), p, w, "an object", j)
+    need(is_int(j.get("uid"), 0, 2 ** 32), p, f"{w}.uid", "a uid", j.get("uid"))
+    for key in ("registered", "by_root"):
+        need(isinstance(j.get(key, False), bool), p, f"{w}.{key}", "true or false", j.get(key))
+    need(is_int(j.get("seq", 0), 0), p, f"{w}.seq", "an integer >= 0", j.get("seq"))
+    need(isinstance(j.get("reg_gpus") or [], list) and all(isinstance(g, str) for g in j.get("reg_gpus") or []),
+         p, f"{w}.reg_gpus", "a list of strings", j.get("reg_gpus"))
+    need(j.get("reg_cpus") is None or is_int(j.get("reg_cpus"), 1, 10 ** 6), p, f"{w}.reg_cpus",
+         "null or a positive integer", j.get("reg_cpus"))
+    rp = j.get("reg_pids") or {}
+    need(isinstance(rp, dict) and all(statefile.int_key(k) and (v is None or is_int(v, 0)) for k, v in rp.items()),
+         p, f"{w}.reg_pids", "an object of pid -> start ticks", rp)
+    ld = j.get("last_directive")
+    need(ld is None or isinstance(ld, dict), p, f"{w}.last_directive", "null or an object", ld)
+    ranks = j.get("ranks") or {}
+    need(isinstance(ranks, dict), p, f"{w}.ranks", "an object", ranks)
+    for rk, r in ranks.items():
+        rw = f"{w}.ranks[{rk[:16]!r}]"
+        need(statefile.int_key(rk), p, rw, "keyed by a rank number", rk)
+        need(isinstance(r, dict), p, rw, "an object", r)
+        for key, (lo, hi) in _RANK_INTS.items():
+            if key in ("pid", "uid") or r.get(key) is not None:
+                need(is_int(r.get(key), lo, hi), p, f"{rw}.{key}", f"an integer in [{lo}, {hi}]", r.get(key))
+        need(r.get("start_ticks") is None or is_int(r.get("start_ticks"), 0), p, f"{rw}.start_ticks",
+             "null or an integer", r.get("start_ticks"))
+        need(r.get("max_workers") is None or is_int(r.get("max_workers"), 0, 10 ** 6), p, f"{rw}.max_workers",
+             "null or an integer", r.get("max_workers"))
+        wp = r.get("worker_pids") or []
+        need(isinstance(wp, list) and all(is_int(x, 1, 2 ** 31) for x in wp), p, f"{rw}.worker_pids",
+             "a list of pids", wp)
+        g = r.get("gpus") or []
+        need(isinstance(g, list) and all(isinstance(x, str) for x in g), p, f"{rw}.gpus", "a list of strings", g)
+    return j
+
+
 def save(state_dir: str, applied: dict, jobs_doc: dict) -> None:
     doc = {"version": JOURNAL_VERSION, "written_at": time.time(), "agent_pid": os.getpid(),
            "applied": {j: alloc_to_dict(a) for j, a in applied.items()}, "jobs": jobs_doc}
     write_atomic(path_in(state_dir), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def load(state_dir: str) -> Optional[dict]:
-    """The journal as ``{"applied": {job: JobAllocation}, "jobs": {...}}``, or None."""
-    p = path_in(state_dir)
+def _read(p: str) -> dict:
+    """Parse and check one journal file; raises StateFileError (naming the file) or OSError."""
     try:
         with open(p, "rb") as f:
             doc = json.loads(f.read())
-        if not isinstance(doc, dict) or int(doc.get("version", 0)) != JOURNAL_VERSION:
-            raise ValueError(f"journal version {doc.get('version') if isinstance(doc, dict) else '?'} "
-                             f"is not {JOURNAL_VERSION}")
-        applied = {}
-        for j, a in (doc.get("applied") or {}).items():
-            try:
-                applied[j] = alloc_from_dict(a)
-            except (TypeError, ValueError):
-                logs.event(log, "journal_entry_skipped", logging.WARNING, job=j, path=p)
-        return {"applied": applied, "jobs": doc.get("jobs") or {}, "agent_pid": doc.get("agent_pid")}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        logs.event(log, "journal_unreadable", logging.WARNING, path=p, error=str(e),
-                   detail="starting with no jobs; live clients will say hello again")
-        return None
+    except (ValueError, RecursionError) as e:
+        raise StateFileError(f"{p}: not valid JSON ({e})") from None
+    need(isinstance(doc, dict), p, "the document", "an object", type(doc).__name__)
+    need(doc.get("version") == JOURNAL_VERSION, p, "version", f"{JOURNAL_VERSION}", doc.get("version"))
+    for key in ("applied", "jobs"):
+        need(doc.get(key) is None or isinstance(doc.get(key), dict), p, key, "an object", doc.get(key))
+    need(doc.get("agent_pid") is None or is_int(doc.get("agent_pid"), 1), p, "agent_pid", "a pid", doc.get("agent_pid"))
+    return doc
+
+
+def load(state_dir: str) -> Optional[dict]:
+    """``{"applied": {job: JobAllocation}, "jobs": {...}, "agent_pid", "problems": [str]}``, or None when
+    there is no journal (module docstring: what is checked, what is set aside)."""
+    p = path_in(state_dir)
+    problems: list[str] = []
+    doc = None
+    for candidate in (p, p + ".prev"):
+        try:
+            doc = _read(candidate)
+        except FileNotFoundError:
+            continue
+        except (OSError, StateFileError) as e:
+            moved = statefile.quarantine(candidate) if isinstance(e, StateFileError) else None
+            problems.append(f"{e}" + (f"; set aside as {moved}" if moved else ""))
+            logs.event(log, "journal_unusable", logging.ERROR, path=candidate, error=str(e), quarantined=moved)
+            continue
+        if candidate != p:
+            problems.append(f"{p} was unusable; the previous copy {candidate} was adopted instead")
+        break
+    if doc is None:
+        return {"applied": {}, "jobs": {}, "agent_pid": None, "problems": problems} if problems else None
+    applied, jobs = {}, {}
+    for j, a in (doc.get("applied") or {}).items():
+        try:
+            applied[j] = _check_alloc(p, j, a)
+        except (StateFileError, TypeError, ValueError) as e:
+            problems.append(str(e))
+            logs.event(log, "journal_entry_skipped", logging.WARNING, job=str(j)[:64], path=p, error=str(e))
+    for j, entry in (doc.get("jobs") or {}).items():
+        try:
+            jobs[j] = _check_job(p, j, entry)
+        except StateFileError as e:
+            problems.append(str(e))
+            logs.event(log, "journal_entry_skipped", logging.WARNING, job=str(j)[:64], path=p, error=str(e))
+    return {"applied": applied, "jobs": jobs, "agent_pid": doc.get("agent_pid"), "problems": problems}

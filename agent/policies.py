@@ -41,6 +41,7 @@ from agent.model import AllocationPlan, JobAllocation, JobStats, NodeSnapshot
 from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
+BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,18 @@ def trainer_cores_needed(job: JobStats) -> float:
     if t > 0 and g > 0:
         return min(cap, t / g)
     return min(cap, max(0.0, job.trainer_cpu_cores))
+
+
+TRAINER_MARGIN = 0.1      # of a trainer's full-speed need, reserved above what its data-limited pace uses
+
+
+def trainer_cores_expected(job: JobStats) -> float:
+    """Cores the job's training processes will use at the pace the data allows now: their full-speed
+    need times the share of the step they are not waiting for data, plus TRAINER_MARGIN of the need
+    (room to speed up; the reserve follows at the next tick). A trainer starved of CPU does not wait
+    for data, so this is then its whole need; a data-starved job's trainer needs only a fraction."""
+    need = trainer_cores_needed(job)
+    return min(need, need * (1.0 - min(1.0, max(0.0, job.data_wait_frac)) + TRAINER_MARGIN))
 
 
 def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
@@ -287,7 +300,7 @@ def even_static(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         for job_id in snapshot.jobs:
             unsatisfied[job_id] = f"node sized for {snapshot.max_jobs} jobs, {n} present: share cut to {share:.2f}"
     else:
-        kept = {j: s.applied for j, s in snapshot.jobs.items() if s.applied is not None and s.applied.cpus > 0}
+        kept = {j: a for j in snapshot.jobs if (a := snapshot.applied.get(j)) is not None and a.cpus > 0}
         new = [j for j in snapshot.jobs if j not in kept]
         free = C - sum(a.cpus for a in kept.values())
         new_share = min(share, free / len(new)) if new else 0.0
@@ -369,6 +382,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     C, trainer_need = loader_budget(snapshot, config.min_cpus)
     if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
         C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
+        # ... and sticky: while every job holds an allocation and their total is within BUDGET_TOLERANCE
+        # of the new budget, the held total stays the budget. The trainers' need is measured and moves
+        # by tenths of a core from window to window; a budget that followed it would re-split every
+        # share every tick, and the controller never feeds the predictor a window that spans a change,
+        # so jobs would stay cold (no curve) for good.
+        held = [snapshot.applied.get(j) for j in snapshot.jobs]
+        if all(a is not None and a.enforce_cpu for a in held):
+            total = sum(a.cpus for a in held)
+            if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
+                C = total
     ids = sorted(snapshot.jobs)
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in ids}
     total_gpus = float(sum(gpus.values()))
@@ -434,45 +457,70 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 cpus[j] = hi
             else:
                 cpus[j] = lo
-    remaining = C - sum(cpus.values())
+    # The trainers' CPU counts against the node: a job at normalised throughput v uses need_j * v cores
+    # in its training processes (need_j at full speed). Cores go to loaders while both the loader CPUs
+    # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned
+    # throughput) have room; a step's cost is its loader cores plus the trainer CPU its gain brings.
+    # (The shares above are conservative: they reserve every trainer's full-speed need.)
+    node = float(len(snapshot.cpu_ids)) if snapshot.cpu_ids else snapshot.loader_cpus
+    need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}
+    current = {j: value(j, cpus[j]) for j in warm}
+    trainer_use = sum(need[j] * (current[j] if j in warm else 1.0) for j in ids)
+    rem_loader = snapshot.loader_cpus - sum(cpus.values())
+    rem_node = node - sum(cpus.values()) - trainer_use
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
     # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
     # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
-    current = {j: value(j, cpus[j]) for j in warm}
     nxt: dict[str, tuple[float, float]] = {}
     heap = []
+
+    def key(j: str, dx: float, dv: float) -> tuple:
+        return (_gain_key(gpus[j] * dv / (dx + need[j] * dv)), cpus[j] / share[j], j)
 
     def offer(j: str) -> None:
         dx = min(q, cap[j] - cpus[j])
         if dx > EPS:
             v = value(j, cpus[j] + dx)
             nxt[j] = (dx, v)
-            heap.append((_gain_key(gpus[j] * (v - current[j]) / dx), cpus[j] / share[j], j))
+            heap.append(key(j, dx, v - current[j]))
 
     for j in warm:
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
-    while heap and remaining > EPS:
+    while heap and min(rem_loader, rem_node) > EPS:
         neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
         dx, v = nxt[j]
-        if dx > remaining:                     # a partial last step: re-evaluate exactly
-            dx = remaining
+        if dx + need[j] * (v - current[j]) > min(rem_loader, rem_node) or dx > rem_loader:
+            # a partial last step: the largest that fits both budgets, re-evaluated exactly
+            lo, hi = 0.0, dx
+            for _ in range(20):
+                mid = 0.5 * (lo + hi)
+                vm = value(j, cpus[j] + mid)
+                if mid <= rem_loader and mid + need[j] * (vm - current[j]) <= rem_node:
+                    lo = mid
+                else:
+                    hi = mid
+            dx = lo
+            if dx <= EPS:
+                continue
             v = value(j, cpus[j] + dx)
         g = gpus[j] * (v - current[j]) / dx
         if g <= EPS:
             continue
         cpus[j] += dx
-        remaining -= dx
+        rem_loader -= dx
+        rem_node -= dx + need[j] * (v - current[j])
         current[j] = v
         last_gain[j] = g
         dx2 = min(q, cap[j] - cpus[j])
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
-            heapq.heappush(heap, (_gain_key(gpus[j] * (v2 - v) / dx2), cpus[j] / share[j], j))
+            heapq.heappush(heap, key(j, dx2, v2 - v))
+    remaining = max(0.0, min(rem_loader, rem_node))
     for j in sorted(warm):
         # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
         workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
@@ -523,14 +571,15 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
-    applied = {j: snapshot.jobs[j].applied for j in ids}
+    applied = {j: snapshot.applied.get(j) for j in ids}
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
         held = sum(a.cpus for a in applied.values())
-        # (a held plan up to one quantum over the budget still fits: shares are relative, and the
-        # trainers' measured need drifts by hundredths of a core from window to window)
-        settled = min(C, sum(cap.values())) - q - EPS <= held <= C + q + 1e-6
+        # (the held total must be about what the new plan hands out, which may exceed the share budget C
+        # by the trainer cores the trainers will not use; one quantum either way: shares are relative)
+        total_new = sum(cpus.values())
+        settled = min(total_new, sum(cap.values())) - q - EPS <= held <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
         weight_total = total_gpus

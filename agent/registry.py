@@ -28,7 +28,15 @@ Invariants:
   container (its own pid namespace) claims namespace-local pids; the agent accepts them only through
   ``security.host_pid`` / ``security.map_ns_pids`` (NSpid of the peer and of its descendants) and keeps
   the pid the process knows itself by in ``Rank.claimed_pid`` and its worker mapping in ``Rank.ns_workers``;
-- register and release are idempotent.
+- register and release are idempotent;
+- every job id in the registry satisfies ``protocol.check_job_id`` (checked here, at the boundary);
+- ownership is settled by who has the right to the id: root's ``register`` (the Slurm prolog) takes a
+  job id over from an ordinary user who claimed it first (the squatter's ranks are dropped and the job
+  departs, so its cgroup goes, before the new owner's job is made); an ordinary user never takes an
+  id from another uid;
+- per ordinary uid (root is exempt): at most ``Limits.jobs_per_uid`` jobs, of which at most
+  ``Limits.idle_jobs_per_uid`` registered by the user itself with no rank connected; at most
+  ``MAX_PIDS_PER_MESSAGE`` pids in one message, no duplicates. Over a bound: ``Refused("over_limit")``.
 """
 from __future__ import annotations
 
@@ -38,9 +46,19 @@ from typing import Callable, Mapping, Optional
 from agent import jobprocs, security
 from agent.security import Peer
 
+from adloader import protocol
+
 LOST_AFTER_BEATS = 3
-MAX_WORKER_PIDS = 1024
+MAX_PIDS_PER_MESSAGE = 256    # worker or registered pids in one message (each is one /proc read)
+MAX_WORKER_PIDS = MAX_PIDS_PER_MESSAGE
 UNSEEN_TIMEOUT_S = 60.0   # default of config key unseen_job_timeout_s
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-uid bounds on what an ordinary user may hold in the registry (root is exempt)."""
+    jobs_per_uid: int = 32
+    idle_jobs_per_uid: int = 4
 
 
 class Refused(Exception):
@@ -83,6 +101,7 @@ class Job:
     arrived_at: float                      # monotonic
     source: str                            # "hello" | "register" | "journal"
     registered: bool = False
+    by_root: bool = False                  # registered by root (the Slurm prolog)
     reg_gpus: tuple[str, ...] = ()
     reg_cpus: Optional[int] = None
     reg_pids: dict[int, Optional[int]] = field(default_factory=dict)   # pid -> start ticks (security.pid_start_ticks)
@@ -109,8 +128,10 @@ def _int_list(value, name: str, limit: int = MAX_WORKER_PIDS) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list) or len(value) > limit or not all(
-            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in value):
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 2 ** 31 for p in value):
         raise Refused("malformed", f"{name} must be a list of at most {limit} positive integers")
+    if len(set(value)) != len(value):
+        raise Refused("malformed", f"{name} lists a pid more than once")
     return value
 
 
@@ -133,18 +154,21 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
 
 def _job_id(msg: dict) -> str:
     job = msg["job"]
-    if not job or len(job) > 128 or not job.isprintable():
-        raise Refused("malformed", "job id must be 1..128 printable characters")
+    why = protocol.check_job_id(job)
+    if why is not None:
+        raise Refused("malformed", why)
     return job
 
 
 class Registry:
     def __init__(self, heartbeat_s: float = 2.0, proc_root: str = "/proc",
                  unseen_timeout_s: float = UNSEEN_TIMEOUT_S,
-                 find_jobs: Optional[Callable[[Mapping[str, int]], set[str]]] = None):
+                 find_jobs: Optional[Callable[[Mapping[str, int]], set[str]]] = None,
+                 limits: Optional[Limits] = None):
         """``find_jobs(wanted job -> uid) -> the jobs with a process on this node`` (default
         ``agent.jobprocs.find_jobs`` on ``proc_root``); tests pass a two-line fake."""
         self.heartbeat_s = heartbeat_s
+        self.limits = limits or Limits()
         self.proc_root = proc_root           # where NSpid is read for clients in their own pid namespace
         self.unseen_timeout_s = unseen_timeout_s
         self._find_jobs = find_jobs or (lambda wanted: jobprocs.find_jobs(wanted, proc_root))
@@ -162,6 +186,22 @@ class Registry:
             raise Refused("not_permitted", "the agent cannot identify the caller (no peer credentials on "
                                            "this transport); use the ipc:// endpoint")
         return peer
+
+    def _room_for(self, uid: int, idle: bool) -> None:
+        """Refuse a new job of ordinary user ``uid`` over its per-uid bounds (``idle``: a registration
+        by the user itself that has no rank yet)."""
+        if uid == 0:
+            return
+        mine = [j for j in self.jobs.values() if j.uid == uid]
+        if len(mine) >= self.limits.jobs_per_uid:
+            raise Refused("over_limit", f"uid {uid} already has {len(mine)} jobs on this node "
+                                        f"(at most {self.limits.jobs_per_uid}; agent key jobs_per_uid)")
+        if idle:
+            n = sum(1 for j in mine if not j.ranks and j.registered and not j.by_root)
+            if n >= self.limits.idle_jobs_per_uid:
+                raise Refused("over_limit", f"uid {uid} already registered {n} jobs that no process has "
+                                            f"joined (at most {self.limits.idle_jobs_per_uid}; agent key "
+                                            "idle_jobs_per_uid)")
 
     def _owned(self, job_id: str, uid: int) -> Optional[Job]:
         job = self.jobs.get(job_id)
@@ -194,14 +234,22 @@ class Registry:
             raise Refused("not_permitted", f"worker_pids: {why}")
         job = self._owned(job_id, uid)
         if job is None:
+            self._room_for(uid, idle=False)
+        prev = self.by_identity.get(identity)
+        if prev is not None and prev != (job_id, rank_no):   # one connection is one rank: the old one goes
+            pj = self.jobs.get(prev[0])
+            if pj is not None:
+                self._drop_rank(pj, prev[1], "hello for another job")
+            job = self.jobs.get(job_id)
+        if job is None:
             job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello", seen_at=now)
         old = job.ranks.get(rank_no)
-        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks):
+        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks, self.proc_root):
             raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
         if old is not None:
             self.by_identity.pop(old.identity, None)
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
-                 start_ticks=security.pid_start_ticks(pid), last_seen=now,
+                 start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids),
                  local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
@@ -293,16 +341,26 @@ class Registry:
         ok, why = security.pids_owned_by(pids, uid)
         if not ok:
             raise Refused("not_permitted", f"pids: {why}")
-        job = self._owned(job_id, uid)
+        cpus = msg.get("cpus")
+        if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or not 0 < cpus <= 1_000_000):
+            raise Refused("malformed", f"cpus must be a positive integer or null, got {cpus!r}")
+        gpus = tuple(_str_list(msg.get("gpus"), "gpus"))
+        job = self.jobs.get(job_id)
+        if job is not None and job.uid != uid:
+            if not peer.root:
+                raise Refused("not_permitted", f"job {job_id!r} belongs to uid {job.uid}, not uid {uid}")
+            # root (the prolog) has the right to the id: an earlier claim by another uid is dropped
+            self._depart(job_id, f"job id taken over by root's registration for uid {uid} "
+                                 f"(it was claimed by uid {job.uid})")
+            job = None
         if job is None:
+            self._room_for(uid, idle=not peer.root)
             job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="register", seen_at=now)
         job.registered = True
-        job.reg_gpus = tuple(_str_list(msg.get("gpus"), "gpus"))
-        cpus = msg.get("cpus")
-        if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or cpus <= 0):
-            raise Refused("malformed", f"cpus must be a positive integer or null, got {cpus!r}")
+        job.by_root = job.by_root or peer.root
+        job.reg_gpus = gpus
         job.reg_cpus = cpus
-        job.reg_pids = {p: security.pid_start_ticks(p) for p in pids}
+        job.reg_pids = {p: security.pid_start_ticks(p, self.proc_root) for p in pids}
         self.version += 1
         return job
 
@@ -329,7 +387,7 @@ class Registry:
             return
         if not job.registered:
             self._depart(job.job, why)
-        elif job.reg_pids and not any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+        elif job.reg_pids and not any(security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()):
             self._depart(job.job, why)
         # a registered job without known pids stays until release (the Slurm epilog) or until none of
         # its processes has been seen for unseen_timeout_s (``sweep``)
@@ -352,7 +410,7 @@ class Registry:
         unseen: list[Job] = []
         for job in list(self.jobs.values()):
             for r in list(job.ranks.values()):
-                if not (r.last_seen > since or security.alive(r.pid, r.start_ticks)):
+                if not (r.last_seen > since or security.alive(r.pid, r.start_ticks, self.proc_root)):
                     self._drop_rank(job, r.rank, "process gone")
                 elif now - r.last_seen > lost_s:
                     self._drop_rank(job, r.rank, "heartbeat lost")
@@ -361,7 +419,7 @@ class Registry:
             if job.ranks:
                 job.seen_at = now
             elif job.registered and job.reg_pids:
-                if any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+                if any(security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()):
                     job.seen_at = now
                 else:
                     self._depart(job.job, "process gone")
@@ -401,7 +459,8 @@ class Registry:
     def to_doc(self) -> dict:
         return {
             job.job: {
-                "uid": job.uid, "source": job.source, "registered": job.registered, "seq": job.seq,
+                "uid": job.uid, "source": job.source, "registered": job.registered, "by_root": job.by_root,
+                "seq": job.seq,
                 "last_directive": job.last_directive,
                 "reg_gpus": list(job.reg_gpus), "reg_cpus": job.reg_cpus,
                 "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
@@ -422,12 +481,13 @@ class Registry:
         for job_id, j in (doc or {}).items():
             try:
                 job = Job(job=job_id, uid=int(j["uid"]), arrived_at=now, source="journal", seen_at=now,
-                          registered=bool(j.get("registered")), seq=int(j.get("seq", 0)),
+                          registered=bool(j.get("registered")), by_root=bool(j.get("by_root")),
+                          seq=int(j.get("seq", 0)),
                           reg_gpus=tuple(j.get("reg_gpus") or ()), reg_cpus=j.get("reg_cpus"),
                           reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},
                           last_directive=j.get("last_directive") if isinstance(j.get("last_directive"), dict) else None)
                 for rk, r in (j.get("ranks") or {}).items():
-                    if not security.alive(int(r["pid"]), r.get("start_ticks")):
+                    if not security.alive(int(r["pid"]), r.get("start_ticks"), self.proc_root):
                         continue
                     job.ranks[int(rk)] = Rank(
                         job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
@@ -441,7 +501,7 @@ class Registry:
                 dead.append(job_id)
                 continue
             reg_alive = job.registered and (not job.reg_pids or any(
-                security.alive(p, ct) for p, ct in job.reg_pids.items()))
+                security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()))
             if job.ranks or reg_alive:
                 self.jobs[job_id] = job
                 adopted.append(job_id)

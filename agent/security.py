@@ -25,17 +25,40 @@ use fake trees); the kernel writes ``NSpid`` (Linux >= 4.1), so a client cannot 
 
 How much: a token bucket per ZeroMQ identity (``RATE_PER_S`` sustained, ``BURST``) and one per uid
 (``UID_RATE_PER_S``, ``UID_BURST``; root exempt); a caller over either gets one ``rate_limited``
-reply per second and its messages are dropped unparsed.
+reply per second and its messages are dropped unparsed. A third bucket per uid counts the agent's own
+CPU seconds spent on that uid's messages (``CpuBuckets``: ``uid_cpu_share`` seconds per second, a few
+seconds of burst): a user whose messages are expensive (hundreds of pids each) is cut off by what they
+cost, not by how many they are.
+
+Connections (``ConnectionGuard``): libzmq accepts every connection on its own I/O thread and keeps a
+file descriptor for each; at the open-files limit it cannot make the descriptors it needs and aborts
+the process. The guard watches the ROUTER's monitor events (``ZMQ_EVENT_ACCEPTED`` carries the new
+connection's fd, ``DISCONNECTED``/``CLOSED`` its end), reads the peer's uid from that fd with
+``SO_PEERCRED`` on a duplicate of it, and shuts down (``shutdown(2)`` on the duplicate reaches the
+shared socket; libzmq then closes its own fd) every connection over ``connections_per_uid`` for its
+uid or over ``max_connections`` for all ordinary users together. Root is not counted. It runs on its
+own thread, so a busy service loop does not delay it; the agent raises its soft open-files limit to
+the hard one at start and lowers ``max_connections`` to fit under it with a reserve for its own files.
+A descriptor is only touched when ``getsockname`` says it is a connection to the agent's own socket
+(an fd number reused by the time the event is read is left alone).
 """
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import struct
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-import psutil
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("agent.security")
+
 
 RATE_PER_S = 50.0          # per ZeroMQ identity (a training process reports about once a second)
 BURST = 100.0
@@ -78,12 +101,20 @@ def peer_of(frame) -> Optional[Peer]:
         return None
 
 
-def pid_uid(pid: int) -> Optional[int]:
-    """Real uid of a live process, None if it is gone or cannot be read."""
-    try:
-        return psutil.Process(pid).uids().real
-    except (psutil.Error, ValueError, OverflowError):
+def pid_uid(pid: int, proc_root: str = "/proc") -> Optional[int]:
+    """Real uid of a live process (the first field of the ``Uid:`` line of /proc/<pid>/status, proc(5)),
+    None if it is gone or cannot be read. One open and read: a register with the most pids a message
+    may carry costs milliseconds, not the 0.2 s it took through psutil."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2 ** 31:
         return None
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int, int]]:
@@ -101,17 +132,17 @@ def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int, int]]:
         return None
 
 
-def pid_start_ticks(pid: int) -> Optional[int]:
+def pid_start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
     """The process's start time (clock ticks since boot): with the pid, a process identity that
     survives pid reuse. None if the process is gone."""
-    st = _stat(pid)
+    st = _stat(pid, proc_root)
     return st[2] if st is not None else None
 
 
-def alive(pid: int, start_ticks: Optional[int]) -> bool:
+def alive(pid: int, start_ticks: Optional[int], proc_root: str = "/proc") -> bool:
     """True if ``pid`` is the same live process as when first seen (not a zombie, not a reused pid).
-    One read of /proc/<pid>/stat: cheap enough for every rank on every tick."""
-    st = _stat(pid)
+    One read of <proc_root>/<pid>/stat: cheap enough for every rank on every tick."""
+    st = _stat(pid, proc_root)
     if st is None or st[0] in ("Z", "X", "x"):
         return False
     return start_ticks is None or st[2] == start_ticks
@@ -219,3 +250,171 @@ class TokenBuckets:
             return True
         b[0] = tokens
         return False
+
+
+class CpuBuckets:
+    """Agent CPU seconds per uid: ``allowed(uid, now)`` before handling a message, ``charge(uid, s)``
+    after. A uid may spend ``share`` CPU-seconds per second, with ``burst_s`` in hand; once its bucket
+    is empty its messages are dropped until it refills."""
+
+    def __init__(self, share: float = 0.1, burst_s: Optional[float] = None, max_keys: int = MAX_BUCKETS):
+        self.share = share
+        self.burst_s = burst_s if burst_s is not None else max(0.25, 5.0 * share)
+        self.max_keys = max_keys
+        self._b: "OrderedDict[int, list[float]]" = OrderedDict()
+
+    def _refill(self, uid: int, now: float) -> list[float]:
+        b = self._b.get(uid)
+        if b is None:
+            if len(self._b) >= self.max_keys:
+                self._b.popitem(last=False)
+            b = self._b[uid] = [self.burst_s, now]
+        else:
+            self._b.move_to_end(uid)
+            b[0] = min(self.burst_s, b[0] + max(0.0, now - b[1]) * self.share)
+            b[1] = now
+        return b
+
+    def allowed(self, uid: int, now: float) -> bool:
+        return self._refill(uid, now)[0] > 0.0
+
+    def charge(self, uid: int, cpu_s: float, now: float) -> None:
+        self._refill(uid, now)[0] -= max(0.0, cpu_s)
+
+
+_UCRED = struct.Struct("3i")     # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def socket_peer(sock: socket.socket) -> Optional[Peer]:
+    """The credentials of the other end of a connected AF_UNIX socket (SO_PEERCRED), None if unknown."""
+    try:
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return None
+    if pid <= 0 or uid < 0:
+        return None
+    return Peer(uid, gid, pid)
+
+
+class ConnectionGuard:
+    """Per-uid and global bounds on the connections an ipc ROUTER holds (module docstring)."""
+
+    def __init__(self, sock, path: str, *, max_connections: int, per_uid: int,
+                 on_refused=None):
+        self._zmq = zmq
+        self._parse = parse_monitor_message
+        self.path = path
+        self.max_connections = max_connections
+        self.per_uid = per_uid
+        self.on_refused = on_refused
+        self.by_fd: dict[int, Optional[int]] = {}      # fd -> uid counted (None: root, refused or unknown)
+        self.by_uid: dict[int, int] = {}
+        self.total = 0
+        self.refused: dict[int, int] = {}
+        self.accepted = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        self._mon = sock.get_monitor_socket(events)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="adloader-connection-guard", daemon=True)
+        self._thread.start()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            top = sorted(self.by_uid.items(), key=lambda kv: -kv[1])[:5]
+            return {"open": self.total, "max_connections": self.max_connections, "per_uid": self.per_uid,
+                    "accepted": self.accepted, "by_uid_top": {str(u): n for u, n in top},
+                    "refused_by_uid": {str(u): n for u, n in sorted(self.refused.items())[:20]}}
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        while not self._stop.is_set():
+            try:
+                if not self._mon.poll(200):
+                    continue
+                while True:
+                    try:
+                        frames = self._mon.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    ev = self._parse(frames)
+                    self._event(ev["event"], ev["value"])
+            except zmq.ContextTerminated:
+                return
+            except Exception as e:   # never let the guard die silently: log and keep going
+                log.error("connection guard: %s: %s", type(e).__name__, e)
+                time.sleep(0.05)
+
+    def _event(self, event: int, fd: int) -> None:
+        zmq = self._zmq
+        if event == zmq.EVENT_ACCEPTED:
+            self._accepted(fd)
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            with self._lock:
+                uid = self.by_fd.pop(fd, None)
+                if uid is not None:
+                    self.total -= 1
+                    left = self.by_uid.get(uid, 1) - 1
+                    if left > 0:
+                        self.by_uid[uid] = left
+                    else:
+                        self.by_uid.pop(uid, None)
+
+    def _accepted(self, fd: int) -> None:
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return            # already closed by libzmq
+        try:
+            try:
+                if dup.family != socket.AF_UNIX or dup.getsockname() != self.path:
+                    return    # the fd number was reused for something else by now
+            except OSError:
+                return
+            peer = socket_peer(dup)
+            with self._lock:
+                self.accepted += 1
+                if fd in self.by_fd:       # a missed close of the same number: forget the old one
+                    old = self.by_fd.pop(fd)
+                    if old is not None:
+                        self.total -= 1
+                        self.by_uid[old] = self.by_uid.get(old, 1) - 1
+                if peer is None or peer.uid == 0:
+                    self.by_fd[fd] = None
+                    return
+                uid = peer.uid
+                over = None
+                if self.by_uid.get(uid, 0) >= self.per_uid:
+                    over = f"uid {uid} has {self.by_uid.get(uid, 0)} connections open (connections_per_uid {self.per_uid})"
+                elif self.total >= self.max_connections:
+                    over = f"{self.total} connections open from ordinary users (max_connections {self.max_connections})"
+                if over is None:
+                    self.by_fd[fd] = uid
+                    self.by_uid[uid] = self.by_uid.get(uid, 0) + 1
+                    self.total += 1
+                    return
+                self.by_fd[fd] = None
+                self.refused[uid] = self.refused.get(uid, 0) + 1
+                if len(self.refused) > 4096:
+                    self.refused.clear()
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if self.on_refused is not None:
+                self.on_refused(uid, peer.pid, over)
+        finally:
+            dup.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        try:
+            self._mon.close(0)
+        except Exception:
+            pass

@@ -2,15 +2,21 @@
 
 Socket: ROUTER bound on the configured endpoint with ROUTER_MANDATORY (a send to a vanished client
 fails at once instead of vanishing), LINGER=0, MAXMSGSIZE=protocol.MAX_MESSAGE_BYTES (libzmq drops
-the connection of a peer that sends more; it never reaches us), SNDHWM bounded, sends non-blocking:
+the connection of a peer that sends more; it never reaches us), RCVHWM=``RCVHWM`` messages per
+connection (what libzmq may hold for us from one peer before it stops reading that peer's socket, so
+queued bytes are at most connections x (RCVHWM + 1) x MAXMSGSIZE, and connections are bounded per uid
+and in all by ``security.ConnectionGuard``), SNDHWM bounded, sends non-blocking:
 a directive or reply that cannot go out now is dropped (the client re-asks; directives are resent on
 hello). The ipc socket's directory is created 0755; the socket is made 0666 when the agent runs as
 root (any user's training process may connect; peer credentials decide what each may do) and 0600
 otherwise (only the agent's user).
 
-Per message (``handle_ready``): token bucket per identity, then one per uid (root exempt) so that
-rotating identities does not help a flood (over either: dropped unparsed, one ``rate_limited`` reply
-per second and one log line per period) -> exactly one frame -> ``protocol.decode``
+Per message (``handle_ready``, which stops after ``budget_s`` of wall time, however many messages wait:
+the service loop's ticks, heartbeats and watchdog pings are due by the clock, not by a message
+count): token bucket per identity, then one per uid (root exempt) so that rotating identities does
+not help a flood, then the uid's agent-CPU bucket (``security.CpuBuckets``; each message's CPU time
+is charged to its uid) (over any: dropped unparsed, one ``rate_limited`` reply per second and one log
+line per period) -> exactly one frame -> ``protocol.decode``
 (size, JSON, version, schema; a ``ProtocolError`` becomes an ``error`` reply with its code) ->
 peer credentials (``agent.security``) -> the registry. A ``Refused`` from the registry becomes an
 ``error`` reply; any other exception is logged and answered ``internal``: one bad message never
@@ -25,7 +31,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import stat
+import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import zmq
@@ -36,18 +45,31 @@ from agent.registry import Refused, Registry
 
 log = logging.getLogger("agent.server")
 CLIENT_TO_AGENT = frozenset({"hello", "report", "heartbeat", "bye", "register", "release", "status"})
-MAX_PER_POLL = 2000
+BUDGET_S = 0.05       # wall time one handle_ready may spend before the loop gets its turn
+RCVHWM = 8            # messages libzmq queues per connection for us
+RESERVED_FDS = 256    # open files kept for the agent itself (journal, /proc, cgroup files, metrics)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_connections: int = 1024
+    connections_per_uid: int = 64
+    uid_cpu_share: float = 0.1
 
 
 class EndpointBusy(RuntimeError):
     pass
 
 
+class EndpointUnsafe(EndpointBusy):
+    """The socket's directory is controlled by another user: clients would (rightly) refuse it."""
+
+
 class Server:
     def __init__(self, endpoint: str, registry: Registry, *, heartbeat_s: float,
                  on_report: Callable[[str, int, int, dict, float], None],
                  status_doc: Callable[[], dict], ctx: Optional[zmq.Context] = None,
-                 buckets: Optional[security.TokenBuckets] = None):
+                 buckets: Optional[security.TokenBuckets] = None, limits: Optional[ServerLimits] = None):
         self.endpoint = endpoint
         self.registry = registry
         self.heartbeat_s = heartbeat_s
@@ -56,6 +78,11 @@ class Server:
         self.ctx = ctx or zmq.Context.instance()
         self.buckets = buckets or security.TokenBuckets()
         self.uid_buckets = security.TokenBuckets(security.UID_RATE_PER_S, security.UID_BURST)
+        self.limits = limits or ServerLimits()
+        self.cpu_buckets = security.CpuBuckets(self.limits.uid_cpu_share)
+        self.guard: Optional[security.ConnectionGuard] = None
+        self.fd_limit: Optional[int] = None
+        self.budget_hits = 0          # handle_ready calls that stopped on the time budget
         self.sock: Optional[zmq.Socket] = None
         self._lock_fd: Optional[int] = None
         self._last_heartbeat = 0.0
@@ -71,17 +98,50 @@ class Server:
         if path is not None:
             d = os.path.dirname(path)
             os.makedirs(d, mode=0o755, exist_ok=True)
+            st = os.stat(d)
+            if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise EndpointUnsafe(
+                    f"the socket directory {d} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
+                    f"another user could replace the socket, and clients refuse such an agent; remove it or "
+                    f"set endpoint to a directory owned by uid {os.getuid()} (or root) that only it can write")
             self._lock(path + ".lock")
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         s.setsockopt(zmq.SNDHWM, 100)
-        s.setsockopt(zmq.RCVHWM, 10000)
+        s.setsockopt(zmq.RCVHWM, RCVHWM)
         s.bind(self.endpoint)
         if path is not None:
             os.chmod(path, 0o666 if os.getuid() == 0 else 0o600)
+            max_conn = self._fit_fd_limit(self.limits.max_connections)
+            self.guard = security.ConnectionGuard(
+                s, path, max_connections=max_conn, per_uid=min(self.limits.connections_per_uid, max_conn),
+                on_refused=self._connection_refused)
         self.sock = s
+
+    def _fit_fd_limit(self, wanted: int) -> int:
+        """Raise the soft open-files limit to the hard one, and keep the connection bound under it."""
+        try:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if hard == resource.RLIM_INFINITY or hard > soft:
+                target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+        except (OSError, ValueError):
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.fd_limit = soft
+        # each connection holds one fd; root's connections and the agent's own files use the reserve
+        fit = max(1, soft - 2 * RESERVED_FDS)
+        if fit < wanted:
+            logs.event(log, "connections_bounded_by_fd_limit", logging.WARNING, max_connections=wanted,
+                       open_files_limit=soft, used=fit,
+                       detail="raise LimitNOFILE in the unit to allow more connections")
+        return min(wanted, fit)
+
+    def _connection_refused(self, uid: int, pid: int, why: str) -> None:
+        self.errors["connection_refused"] = self.errors.get("connection_refused", 0) + 1
+        self._limited_log.event(f"conn:{uid}", "connection_refused", logging.WARNING, uid=uid, pid=pid, why=why)
 
     def _lock(self, lock_path: str) -> None:
         """One agent per endpoint: libzmq would silently unlink a live agent's socket on bind."""
@@ -103,6 +163,9 @@ class Server:
         self._lock_fd = fd
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -172,11 +235,17 @@ class Server:
                 self._send(identity, hb)
 
     # --- receiving --------------------------------------------------------------------------------
-    def handle_ready(self, now: float, budget: int = MAX_PER_POLL) -> int:
-        """Handle the messages waiting now (at most ``budget``); returns how many."""
+    def handle_ready(self, now: float, budget_s: float = BUDGET_S) -> int:
+        """Handle the messages waiting now, for at most ``budget_s`` seconds of wall time; returns
+        how many. Messages left over stay queued (libzmq's fair queue serves every connection in
+        turn) for the next call."""
         self.now = now
         n = 0
-        while n < budget:
+        t_end = time.monotonic() + budget_s
+        while True:
+            if n and time.monotonic() >= t_end:
+                self.budget_hits += 1
+                break
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -199,9 +268,23 @@ class Server:
             return
         peer = security.peer_of(frames[-1])   # (after the per-connection bucket: a flood pays for no parse)
         # a second bucket per uid: one user rotating identities cannot flood either (root exempt)
-        if peer is not None and not peer.root and not self.uid_buckets.take(b"uid:%d" % peer.uid, now):
-            self._limited(identity, now, f"more than {security.UID_RATE_PER_S:g} messages/s from uid {peer.uid}")
+        if peer is not None and not peer.root:
+            if not self.uid_buckets.take(b"uid:%d" % peer.uid, now):
+                self._limited(identity, now, f"more than {security.UID_RATE_PER_S:g} messages/s from uid {peer.uid}")
+                return
+            if not self.cpu_buckets.allowed(peer.uid, now):
+                self._limited(identity, now, f"messages from uid {peer.uid} cost the agent more than "
+                                             f"{self.limits.uid_cpu_share:g} CPU seconds per second (uid_cpu_share)")
+                return
+            c0 = time.thread_time()
+            try:
+                self._dispatch(identity, peer, frames, now)
+            finally:
+                self.cpu_buckets.charge(peer.uid, time.thread_time() - c0, now)
             return
+        self._dispatch(identity, peer, frames, now)
+
+    def _dispatch(self, identity: bytes, peer, frames, now: float) -> None:
         if len(frames) != 2:
             self._bad(identity, "malformed", f"expected one frame per message, got {len(frames) - 1}")
             return

@@ -16,7 +16,12 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          configured_bytes, used_bytes (all loaders' workers + batches in flight),
                          available_bytes (MemAvailable), pressure_pct (PSI memory some over the last
                          tick), under_pressure, note (why the budget in force is below the
-                         configured one, "" if it is not)} (null before the first tick)}
+                         configured one, "" if it is not)} (null before the first tick),
+                         state_problems [str] (state files set aside, or not writable: the file named),
+                         connections {open, max_connections, per_uid, accepted, by_uid_top{uid: n},
+                         refused_by_uid{uid: n}} (ordinary users' connections; null without ipc),
+                         open_files_limit, message_budget_hits (message handling that yielded to the
+                         loop), tick_late_ms {p50, max_recent (last 60 ticks), max (since start)}}
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -61,7 +66,6 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional
 
@@ -202,7 +206,3 @@ def query(endpoint: str, timeout_s: float = 3.0) -> dict:
     # the status document may exceed MAX_MESSAGE_BYTES (many jobs): read it without the limit
     reply = rpc.request(endpoint, protocol.make("status"), timeout_s, expect="status", max_reply_bytes=None)
     return reply.get("doc") or {}
-
-
-def allocation_dict(a) -> Optional[dict]:
-    return None if a is None else dataclasses.asdict(a)

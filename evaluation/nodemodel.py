@@ -8,15 +8,11 @@ blocked s), ``trainer_cpu_s_per_step`` = CPU seconds each of its ``gpus`` rank t
 
 How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, modelled):
 
-- ``agent``: the agent's cgroup subtree holds every loader worker, weighted by the loaders' budget
-  (1024 per budgeted core where trainers need CPU, else 1024 per worker); each job's training
-  processes sit outside it in their own group (1024), so a runnable trainer gets
-  its weighted share of the CPUs while it runs (water-filled against the subtree, capped at what the
-  loaders can use, and the other trainers, scaled by the time they are runnable; shared by its rank
-  threads).
-  Trainers use ``bps * t * gpus`` cores; the loaders share the rest by the plan's weights (``cpus``),
-  each capped at what its workers can use (water-filling: work-conserving). Fixed point over the
-  jobs' rates and the trainers' runnable fractions.
+- ``agent``: the agent's cgroup subtree holds every loader worker; where trainers need CPU it is
+  capped at ``N`` less what they use at their pace plus a margin (``agent.actuators.cgroup``), so each
+  trainer finds its cores; the
+  loaders share the rest by the plan's weights (``cpus``), each capped at what its workers can use
+  (water-filling: work-conserving). Fixed point over the jobs' rates.
 - ``none`` / ``autotune`` (no agent): the kernel shares CPU fairly between jobs (each job's processes
   form one group: a Slurm job cgroup, a pod, or one session's autogroup), water-filled up to what each
   job can use; inside a job, its trainer and its workers share the job's CPUs per runnable thread
@@ -129,48 +125,32 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     w = {j: workers_of(j) for j in ids}
     out: dict[str, JobRate] = {}
     if mode == "agent":
-        # Trainers each weigh 1024 (their job's group) against the loaders' subtree, which weighs its
-        # budgeted cores (1024 per core: agent.actuators.cgroup) where trainers need CPU. A runnable trainer
-        # gets N * 1 / (1 + subtree + other runnable trainers) of a CPU, shared by its rank threads.
+        # The loaders' subtree is capped at N less the trainers' need (agent.actuators.cgroup) when they
+        # need CPU, so a trainer always finds its cores; the loaders share the rest by the plan's weights
+        # (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
-        subtree = sum(weights.values()) if any(models[j].trainer_cpu_s_per_step > 0 for j in ids) \
-            else float(sum(w.values()))
+        need = sum(models[j].trainer_cores for j in ids)
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
-        runnable = {j: 0.0 for j in ids}
-        speed = {j: 1.0 for j in ids}
         cores = {j: 0.0 for j in ids}
         for _ in range(80):
-            sub_demand = sum(_loader_demand(models[k], w[k]) for k in ids)
-            for j in ids:
-                m = models[j]
-                if m.trainer_cpu_s_per_step <= 0:
-                    continue
-                # while j's trainer runs: N water-filled over it (weight 1, wants its rank threads), the
-                # subtree (its weight, wants what its loaders can use) and the other trainers (weight and
-                # want scaled by the time they are runnable)
-                ws = {"me": 1.0, "sub": subtree}
-                caps = {"me": float(m.gpus), "sub": sub_demand}
-                for k in ids:
-                    if k != j and runnable[k] > 0:
-                        ws[k], caps[k] = runnable[k], runnable[k] * models[k].gpus
-                speed[j] = min(1.0, waterfill(N, ws, caps)["me"] / m.gpus)
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
-            avail = max(0.0, N - sum(trainer.values()))
-            caps = {j: _loader_demand(models[j], w[j]) for j in ids}
-            cores = waterfill(avail, weights, caps)
+            t_total = sum(trainer.values())
+            scale = min(1.0, N / t_total) if t_total > 0 else 1.0      # trainers alone over the node
+            # the cap: N less what the trainers use at their pace, with the margin (trainer_cores_expected)
+            pace = sum(min(models[j].trainer_cores, trainer[j] + 0.1 * models[j].trainer_cores) for j in ids)
+            cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
+            avail = max(0.0, min(cap, N - t_total * scale))
+            cores = waterfill(avail, weights, {j: _loader_demand(models[j], w[j]) for j in ids})
             new = {}
             for j in ids:
                 m = models[j]
                 b = m.loader_bps(w[j], cores[j])
                 t = m.trainer_cpu_s_per_step
-                if t > 0:
-                    b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / speed[j]))
+                if scale < 1.0 and t > 0:
+                    b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / scale))
                 new[j] = b
-            new_run = {j: min(1.0, new[j] * models[j].trainer_cpu_s_per_step / speed[j]) for j in ids}
-            done = all(abs(new[j] - bps[j]) <= TOL * max(1e-3, bps[j]) for j in ids) and \
-                all(abs(new_run[j] - runnable[j]) < TOL for j in ids)
+            done = all(abs(new[j] - bps[j]) <= TOL * max(1e-3, bps[j]) for j in ids)
             bps = new if done else {j: 0.5 * bps[j] + 0.5 * new[j] for j in ids}
-            runnable = new_run if done else {j: 0.5 * runnable[j] + 0.5 * new_run[j] for j in ids}
             if done:
                 break
         for j in ids:
@@ -237,8 +217,7 @@ def _stats(job_id: str, m: JobModel, r: Optional[JobRate], applied, requested: i
         wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
         blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=r.loader_cores if r is not None else 0.0,
         trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
-        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0,
-        applied=applied)
+        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0)
 
 
 def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float, loader_cpus: float,
@@ -266,7 +245,7 @@ def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float,
     for _ in range(rounds):
         jobs = {j: _stats(j, models[j], rates.get(j), applied.get(j), models[j].habitual_workers) for j in ids}
         snap = NodeSnapshot(now=0.0, loader_cpus=loader_cpus, cpu_ids=tuple(range(int(math.ceil(node_cores)))),
-                            jobs=jobs, max_jobs=len(ids))
+                            jobs=jobs, max_jobs=len(ids), applied=dict(applied))
         plan = pol(snap, {j: models[j].curve for j in ids}, config)
         applied = dict(plan.allocations)
         rates = node_rates(models, "agent", node_cores, applied)

@@ -64,6 +64,8 @@ def main():
     sock = None
     while sent < 5000 and time.monotonic() < t_end:
         if sent % 60 == 0:   # a fresh identity now and then (each gets its own token bucket)
+            if len(socks) >= 8:   # the agent holds at most connections_per_uid (64) of one uid open
+                socks.pop(0).close(0)
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100000)

@@ -138,8 +138,11 @@ def short_dir() -> str:
 class AgentProc:
     """A real `adloader agent` process on an ipc endpoint under ``base``."""
 
-    def __init__(self, base: str, *extra: str, env: Optional[dict] = None, state_dir: Optional[str] = None):
+    def __init__(self, base: str, *extra: str, env: Optional[dict] = None, state_dir: Optional[str] = None,
+                 wrap: tuple[str, ...] = ()):
+        """``wrap``: a command line the agent runs under (e.g. ``prlimit --nofile=1024:1024 --``)."""
         self.base = base
+        self.wrap = tuple(wrap)
         self.endpoint = f"ipc://{base}/agent.sock"
         self.sock_path = f"{base}/agent.sock"
         self.state_dir = state_dir or f"{base}/state"
@@ -152,7 +155,7 @@ class AgentProc:
 
     def start(self, wait: bool = True) -> "AgentProc":
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(adloader_cmd("agent", *self.args), env=self.env, stdout=self._log,
+        self.proc = subprocess.Popen([*self.wrap, *adloader_cmd("agent", *self.args)], env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
         if wait:
             wait_for(lambda: self.events("agent_started") or self.proc.poll() is not None, 20, what="agent start")

@@ -39,3 +39,21 @@ def test_build_modes(tmp_path):
                  sys_root=str(tmp_path), proc_root=proc)
     assert [a.name for a in acts] == ["directive", "cgroup-v2"]
 
+
+
+@pytest.mark.unit
+def test_group_names_are_one_to_one_and_never_an_interface_file():
+    """Issue 16.7: 'adv/col' and 'adv_col' mapped to the same group. Ids are checked at the protocol
+    boundary; the name is the id, escaped where it could be a cgroup file."""
+    from adloader import protocol
+    from agent.actuators.cgroup import group_name, job_of_group
+
+    ids = ["adv_col", "adv.col", "adv~col", "cpu.shares", "tasks", "notify_on_release", "release_agent",
+           "cgroup.procs", "4242", "4242_7", "pid-1", "a.b.c", "a_b_c", "_", "x" * 128]
+    valid = [i for i in ids if protocol.check_job_id(i) is None]
+    names = [group_name(i) for i in valid]
+    assert len(set(names)) == len(valid)
+    assert all(job_of_group(n) == i for n, i in zip(names, valid))
+    assert all("." not in n and n not in ("tasks", "notify_on_release", "release_agent") and "/" not in n
+               for n in names)
+    assert group_name("adv_col") == "adv_col" and group_name("4242") == "4242"

@@ -258,3 +258,25 @@ def test_v2_own_cgroup_not_in_this_tree_fails_clearly(delegated):
     r = act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
     assert not r.ok and "own cgroup /machine.slice/other.scope" in r.error and "cgroup_root" in r.error
     assert not kernel.exists("machine.slice")
+
+
+def test_v2_subtree_is_capped_at_the_node_less_the_trainers_need(v2):
+    """Where training processes need CPU, the subtree's cpu.max caps the loaders at the node's CPUs less
+    that need (never below the plan's cores), so a trainer always finds its cores whatever the workers'
+    number; without trainer CPU there is no cap ("max"), and restore puts the original back."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=4.0)
+    busy = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)          # 0.3 cores each
+    act.apply(cgroup_job("a", [101, 102], **busy), JobAllocation(job="a", workers=2, cpus=1.0))
+    act.apply(cgroup_job("b", [103], **busy), JobAllocation(job="b", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max") == "340000 100000"             # 4 - 0.6 cores
+    assert read(kernel, "adloader", "cpu.weight") == "300"                   # the weight still counts workers
+    act.apply(cgroup_job("a", [101, 102], **busy), JobAllocation(job="a", workers=2, cpus=3.0))
+    assert read(kernel, "adloader", "cpu.max") == "400000 100000" or read(kernel, "adloader", "cpu.max") == \
+        "max 100000"                                                         # the plan's 4 cores: no cap
+    act.release("a")
+    act.release("b")
+    act.apply(cgroup_job("c", [101]), JobAllocation(job="c", workers=1, cpus=1.0))   # no trainer CPU
+    assert read(kernel, "adloader", "cpu.max").startswith("max")
+    act.restore()
+    assert not kernel.exists("adloader")

@@ -60,3 +60,28 @@ def test_auto_loader_cpus_keeps_a_reserve():
     n = len(configmod.agent_cpu_ids())
     assert configmod.auto_loader_cpus() == pytest.approx(max(0.5, round(n * 0.9, 2)))
 
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("loader_cpus", "1e9", "at most 4096"),
+    ("tick_s", "1e-9", "between 0.05 and 60"),
+    ("heartbeat_s", "1e9", "between 0.1 and 300"),
+    ("max_jobs", "9" * 4000, "at most 20 digits"),
+    ("connections_per_uid", "0", "between 1 and 60000"),
+    ("uid_cpu_share", "5", "between 0.001 and 1"),
+    ("cgroup_subtree", "../etc", "one name"),
+    ("cgroup_subtree", "a/b", "one name"),
+    ("metrics_port", "70000", "between 0 and 65535"),
+])
+def test_every_number_and_name_is_bounded_and_the_error_names_the_key(key, value, why):
+    """Issue 16.10: loader_cpus = 1e9 and tick_s = 1e-9 were accepted (the agent spun at a quarter core)."""
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(None, {}, environ={f"ADLOADER_{key.upper()}": value})
+    msg = str(e.value)
+    assert f"'{key}'" in msg and why in msg and f"ADLOADER_{key.upper()}" in msg, msg
+    assert len(msg) < 400, msg
+
+
+def test_the_cgroup_subtree_is_a_config_key():
+    assert configmod.load(None, {}, environ={"ADLOADER_CGROUP_SUBTREE": "adl-b_2"}).cgroup_subtree == "adl-b_2"
+    assert configmod.AgentConfig().cgroup_subtree == "adloader"

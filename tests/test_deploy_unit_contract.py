@@ -91,3 +91,54 @@ def test_agent_keeps_the_units_notify_watchdog_reload_and_stop_contract(base):
             proc.wait()
         log.close()
         sock.close()
+
+
+def test_unit_bounds_what_a_client_could_exhaust():
+    """Issue 16: the unit raises the open-files limit well above what the agent's connection
+    accounting lets clients hold, bounds the agent's own memory per process (not with MemoryMax=,
+    which on cgroup v2 would also cap the loader workers in the delegated subtree), and shields the
+    agent from the OOM killer only partly, with its reason written next to it."""
+    from agent.config import AgentConfig
+    from agent.server import RESERVED_FDS
+
+    nofile = int(unit_setting("LimitNOFILE"))
+    assert nofile >= AgentConfig().max_connections + 2 * RESERVED_FDS + 1024, nofile
+    m = re.fullmatch(r"(\d+)([KMG])", unit_setting("LimitDATA"))
+    assert m, "LimitDATA= must be a size"
+    data_bytes = int(m.group(1)) << {"K": 10, "M": 20, "G": 30}[m.group(2)]
+    assert 1 << 30 <= data_bytes <= 16 << 30
+    text = UNIT.read_text()
+    assert not re.search(r"^Memory(Max|High)=", text, re.MULTILINE), "a unit memory limit caps loader workers on v2"
+    assert "MemoryMax=, MemoryHigh=" in text          # listed among the deliberate omissions, with the reason
+    adj = int(unit_setting("OOMScoreAdjust"))
+    assert -1000 < adj < 0
+    comment = text[:text.index("OOMScoreAdjust=")].rsplit("\n\n", 1)[-1]
+    assert "OOM" in comment and "bounded" in comment
+
+
+def test_agent_raises_its_soft_open_files_limit_to_the_hard_one(base):
+    import resource
+    import shutil
+
+    from tests.agentd_support import AgentProc
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("no prlimit (util-linux) to start the agent with a low soft limit")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    if hard < 1024:
+        pytest.skip(f"the hard open-files limit here is {hard}: too low to show the raise")
+    agent = AgentProc(base, "--tick-s", "0.2", wrap=("prlimit", f"--nofile=512:{hard}", "--")).start()
+    try:
+        doc = agent.status()["agent"]
+        assert doc["open_files_limit"] == hard
+        assert doc["connections"]["max_connections"] == min(1024, hard - 2 * 256)
+    finally:
+        assert agent.stop() == 0
+    low = AgentProc(base, "--tick-s", "0.2", wrap=("prlimit", "--nofile=700:700", "--")).start()
+    try:
+        doc = low.status()["agent"]
+        assert doc["open_files_limit"] == 700 and doc["connections"]["max_connections"] == 700 - 2 * 256
+        assert low.events("connections_bounded_by_fd_limit")
+    finally:
+        assert low.stop() == 0

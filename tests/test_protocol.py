@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from adloader import protocol
 from adloader import protocol as p
 
 pytestmark = pytest.mark.unit
@@ -30,3 +31,24 @@ def test_bad_frames_give_named_errors(frame, code):
     with pytest.raises(p.ProtocolError) as e:
         p.decode(frame)
     assert e.value.code == code
+
+
+@pytest.mark.parametrize("job", ["4242", "4242_7", "pid-123", "torchrun-abc.def", "a@b:c+d=e", "_x", "x" * 128])
+def test_job_id_grammar_accepts_what_schedulers_use(job):
+    assert protocol.check_job_id(job) is None
+
+
+@pytest.mark.parametrize("job", ["", ".", "..", ".hidden", "a/b", "a b", "a\x00b", "a\nb", "-x", "~x", "x" * 129, 5])
+def test_job_id_grammar_refuses_paths_dots_separators_and_control_characters(job):
+    assert protocol.check_job_id(job) is not None
+
+
+def test_huge_integers_and_non_finite_numbers_are_malformed_not_overflow():
+    """Issue 16.10: a 4,000-digit integer in a report raised OverflowError inside the collector."""
+    for body in ('"steps": ' + "9" * 4000, '"data_wait_s": 1e400', '"x": NaN', '"x": -Infinity'):
+        data = ('{"v": "1.0", "type": "report", "job": "j", "rank": 0, "pid": 1, "stats": {' + body + "}}").encode()
+        with pytest.raises(protocol.ProtocolError) as e:
+            protocol.decode(data)
+        assert e.value.code == "malformed"
+    ok = protocol.decode(b'{"v": "1.0", "type": "report", "job": "j", "rank": 0, "pid": 1, "stats": {"steps": 12345678901234567890}}')
+    assert ok["stats"]["steps"] == 12345678901234567890

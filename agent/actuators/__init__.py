@@ -16,6 +16,7 @@ An actuator never raises out of ``apply``: failures come back as ``ApplyResult(o
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Protocol, runtime_checkable
 
@@ -35,13 +36,14 @@ class Actuator(Protocol):
 
 from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
 
+# the one list of each: config validation and every command's argparse choices read these
 MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
 
 
 def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str = "shares",
           io: bool = True, subtree: str = "adloader", state_dir: Optional[str] = None,
-          sys_root: str = "/sys", proc_root: str = "/proc") -> list:
+          sys_root: str = "/sys", proc_root: str = "/proc", problems: Optional[list] = None) -> list:
     """The actuators for a cgroup mode; the directive actuator (worker counts) always comes first.
 
     - ``off``: worker counts only.
@@ -53,6 +55,11 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     ``cpu_knob`` (default ``shares``, work-conserving; ``quota`` caps hard; ``cpuset`` pins, with
     ``PolicyConfig.pin_cpusets``). With ``state_dir`` the journal of originals lives in
     ``<state_dir>/cgroup-originals.json``, so a restarted agent restores what a dead one changed.
+    A journal of originals that cannot be trusted (``StateFileError``: corrupt, wrong types) is set
+    aside (``statefile.quarantine``), said in ``problems``, and the groups still found in the subtree
+    are taken as the dead agent's (``CgroupActuator.adopt_orphans``), so they are emptied (their
+    processes to the hierarchy's root: where they came from is lost) and removed as jobs leave or on
+    stop. The mode is never changed because of it: ``auto`` does not fall back to ``off``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -65,7 +72,23 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     from agent.actuators.cgroup import AffinityActuator, CgroupActuator
     from agent.actuators.originals import Originals
 
-    originals = Originals(os.path.join(state_dir, "cgroup-originals.json") if state_dir else None)
+    from agent import logs, statefile
+
+    problems = problems if problems is not None else []
+    orig_path = os.path.join(state_dir, "cgroup-originals.json") if state_dir else None
+    orphans = False
+    try:
+        originals = Originals(orig_path)
+    except statefile.StateFileError as e:
+        moved = statefile.quarantine(orig_path)
+        problems.append(f"{e}; set aside as {moved}; the groups still in the subtree are emptied and removed"
+                        if moved else f"{e}; it could not be set aside")
+        logs.event(logging.getLogger("agent.actuators"), "originals_unusable", logging.ERROR, path=orig_path,
+                   error=str(e), quarantined=moved)
+        if moved is None:
+            raise
+        originals = Originals(orig_path)
+        orphans = True
     affinity = AffinityActuator(originals)
     if mode == "cooperative":
         return actuators + [affinity]
@@ -74,10 +97,17 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
         if mode == "off":
             return actuators
     version = 2 if mode == "v2" else 1
+    if version == 2 and not os.path.isfile(os.path.join(cgroup_root, "cgroup.controllers")):
+        raise cgroupfs.NotSupported(f"{cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers there); "
+                                    f"use cgroup_mode auto, v1 or off, or set cgroup_root to the cgroup2 mount")
     hierarchies = cgroupfs.open_hierarchies(cgroup_root, version)
-    actuators.append(CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
-                                    originals=originals, sys_root=sys_root, proc_root=proc_root,
-                                    affinity=affinity))
+    act = CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
+                         originals=originals, sys_root=sys_root, proc_root=proc_root, affinity=affinity)
+    if orphans:
+        found = act.adopt_orphans()
+        if found:
+            problems.append(f"found {len(found)} group(s) of a previous agent: {', '.join(found[:10])}")
+    actuators.append(act)
     return actuators
 
 

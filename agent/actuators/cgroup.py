@@ -22,12 +22,16 @@ v1 ``<subtree>/cpu.shares = 1024 * workers`` (the worker pids in our job groups,
 [2, 262144]); v2 ``cpu.weight = 100 * workers`` ([1, 10000]). Worker processes, not allocated cores:
 the cores add up to the loader budget (e.g. 1.8 on a 2-core node), far less than the workers would
 weigh, and with cores the subtree took CPU away from the loaders as a whole (BENCHMARKS.md, the
-bench's "Reading"). Except where the training processes need CPU themselves (``trainer_cpu_s_per_step``
-measured, ``agent.policies.trainer_cores_needed``): then the subtree weighs the cores the plan gave the
-loaders (1024 per core, at most 1024 per worker), so that a runnable training process (a nice-0 task,
-or its job's own group: 1024) takes its core back from the loaders instead of being outweighed by a
-crowd of workers, while the loaders still use every core the trainers leave idle (work-conserving; a
-quota on the subtree would not be). The original value is recorded before the first write and restored by
+bench's "Reading"). Where the training processes need CPU themselves (``trainer_cpu_s_per_step``
+measured, ``agent.policies.trainer_cores_needed``), the subtree is also capped (v1
+``cpu.cfs_quota_us``, v2 ``cpu.max``) at the node's CPUs less what the trainers will use at the pace
+their data allows (``trainer_cores_expected``: a data-starved job's trainer needs a fraction of its
+full-speed need; a CPU-starved one, which does not wait for data, all of it; plus a margin), never
+below the cores the plan gave the loaders: the loaders never get the cores a trainer needs, whatever
+their number, while they keep every other core, the agent's 10% reserve included (so the cap is not
+the loader budget). A weight could not do this: against a crowd of busy workers a runnable trainer (one
+nice-0 task) gets a fraction of a core unless the subtree weighs so little that it loses to every
+other process on the node. Without trainer CPU the subtree is not capped (the original quota). The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
 together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
@@ -62,9 +66,11 @@ Where the groups live:
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 from agent import cgroupfs
+from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats
@@ -73,6 +79,28 @@ SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
 TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken to need no CPU
 QUOTA_MIN_US = 1000
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
+
+
+CGROUP_RESERVED = frozenset({"tasks", "notify_on_release", "release_agent"})   # v1 files without a dot
+_ESCAPE = "~"     # never in a job id (protocol.JOB_ID_GRAMMAR), so escaped names and plain ones never meet
+
+
+def group_name(job_id: str) -> str:
+    """The cgroup directory name of a job: one-to-one (``job_of_group`` inverts it). A job id
+    (``protocol.check_job_id``: no '/', never '.' or '..') is its own name unless it could be a cgroup
+    interface file (every such file has a dot, or is one of ``CGROUP_RESERVED``): then the name is
+    ``~`` + the id with each '.' as '~'. So ``adv_col`` and ``adv.col`` (once ``adv/col`` is refused at
+    the protocol boundary) get two groups, and ``cpu.shares`` cannot collide with the file."""
+    if not job_id or "/" in job_id or "\0" in job_id or job_id.startswith(_ESCAPE) or _ESCAPE in job_id:
+        raise CgroupError(f"job id {job_id!r} cannot name a cgroup (refused by protocol.check_job_id)")
+    if "." in job_id or job_id in CGROUP_RESERVED:
+        return _ESCAPE + job_id.replace(".", _ESCAPE)
+    return job_id
+
+
+def job_of_group(name: str) -> str:
+    """Inverse of ``group_name``."""
+    return name[1:].replace(_ESCAPE, ".") if name.startswith(_ESCAPE) else name
 
 
 def shares_for(cores: float) -> int:
@@ -92,6 +120,14 @@ def weight_from_shares(shares: int) -> int:
         return 100
     s = max(SHARES_MIN, min(SHARES_MAX, int(shares)))
     return max(1, min(10000, int(round(s * 100 / SHARES_DEFAULT))))
+
+
+def _node_cpus() -> float:
+    """CPUs this agent may run on (the node's, unless it is pinned)."""
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return float(os.cpu_count() or 1)
 
 
 def subtree_shares_for(workers: int) -> int:
@@ -194,9 +230,9 @@ class CgroupActuator:
     def __init__(self, hierarchies: dict[str, Hierarchy], *, version: int, cpu_knob: str = "shares",
                  io: bool = True, subtree: str = "adloader", originals: Optional[Originals] = None,
                  sys_root: str = "/sys", proc_root: str = "/proc",
-                 affinity: Optional[AffinityActuator] = None) -> None:
-        if cpu_knob not in ("shares", "quota", "cpuset"):
-            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose shares, quota or cpuset")
+                 affinity: Optional[AffinityActuator] = None, node_cpus: Optional[float] = None) -> None:
+        if cpu_knob not in CPU_KNOBS:
+            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
         self.h = hierarchies
         self.version = version
         self.name = f"cgroup-v{version}"
@@ -219,7 +255,10 @@ class CgroupActuator:
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
         self._trainer: dict[str, float] = {}         # job -> cores its training processes need
+        self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
+        self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
+        self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
@@ -234,9 +273,10 @@ class CgroupActuator:
             return
         created = set(self.originals.created)
         for rel in _children(h, self.subtree):
-            job = rel[len(self.subtree) + 1:]
-            if "/" in job or Originals.key(self._cpu_hier, rel) not in created:
+            name = rel[len(self.subtree) + 1:]
+            if "/" in name or Originals.key(self._cpu_hier, rel) not in created:
                 continue
+            job = job_of_group(name)
             try:
                 self._workers[job] = len(h.procs(rel))
                 if self.version == 1:
@@ -245,6 +285,25 @@ class CgroupActuator:
                     self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
             except (CgroupError, ValueError):
                 continue
+
+    def adopt_orphans(self) -> list[str]:
+        """Take every group below the subtree that the journal of originals does not list as ours
+        (it was lost): recorded as created, so ``release``/``restore`` empty and remove them.
+        Returns the job names found."""
+        found: list[str] = []
+        for hier, h in self.h.items():
+            if not h.exists(self.subtree):
+                continue
+            for rel in sorted(_children(h, self.subtree), key=lambda r: r.count("/")):
+                key = Originals.key(hier, rel)
+                if key not in self.originals.created:
+                    self.originals.created.append(key)
+                    name = rel[len(self.subtree) + 1:]
+                    if "/" not in name and job_of_group(name) not in found:
+                        found.append(job_of_group(name))
+        if found:
+            self.originals.save()
+        return found
 
     # -- probing ------------------------------------------------------------------------------
     def _probe_io(self, io: bool, sys_root: str, proc_root: str) -> tuple[Optional[str], tuple[str, ...]]:
@@ -284,8 +343,7 @@ class CgroupActuator:
 
     # -- groups -------------------------------------------------------------------------------
     def _group(self, job_id: str) -> str:
-        safe = "".join(ch if ch.isalnum() or ch in "-_.@" else "_" for ch in job_id) or "_"
-        return f"{self.subtree}/{safe}"
+        return f"{self.subtree}/{group_name(job_id)}"
 
     def _record(self, hier: str, rel: str, file: str) -> None:
         """Remember a file's value before our first write (only for groups we did not create)."""
@@ -465,26 +523,41 @@ class CgroupActuator:
             self._write("", rel, "cpu.weight", weight_from_shares(shares))
 
     def _note_budget(self, job: JobStats, desired: JobAllocation) -> None:
-        from agent.policies import trainer_cores_needed
+        from agent.policies import trainer_cores_expected, trainer_cores_needed
 
         self._cores[job.job] = float(desired.cpus)
         self._trainer[job.job] = trainer_cores_needed(job)
+        self._trainer_pace[job.job] = trainer_cores_expected(job)
 
     def _set_subtree_weight(self) -> None:
-        """The subtree weighs what its workers would unmanaged, or, where training processes need CPU,
-        the loaders' cores (module docstring); written on change only."""
-        workers = sum(self._workers.values())
-        shares = subtree_shares_for(workers)
-        if sum(self._trainer.get(j, 0.0) for j in self._workers) >= TRAINER_CPU_MIN:
-            cores = sum(self._cores.get(j, 0.0) for j in self._workers)
-            shares = max(SHARES_MIN, min(shares, int(round(SHARES_DEFAULT * cores))))
-        if shares == self._subtree_shares or not self.h[self._cpu_hier].exists(self.subtree):
+        """The subtree weighs what its workers would unmanaged; where training processes need CPU it is
+        also capped at the node's CPUs less their need (module docstring); written on change only."""
+        shares = subtree_shares_for(sum(self._workers.values()))
+        need = sum(self._trainer.get(j, 0.0) for j in self._workers)
+        cap = None
+        if need >= TRAINER_CPU_MIN and self.node_cpus:
+            pace = sum(self._trainer_pace.get(j, 0.0) for j in self._workers)
+            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
+            cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
+            cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
+        if not self.h[self._cpu_hier].exists(self.subtree):
             return
-        if self.version == 1:
-            self._write("cpu", self.subtree, "cpu.shares", shares)
-        else:
-            self._write("", self.subtree, "cpu.weight", weight_from_shares(shares))
-        self._subtree_shares = shares
+        if shares != self._subtree_shares:
+            if self.version == 1:
+                self._write("cpu", self.subtree, "cpu.shares", shares)
+            else:
+                self._write("", self.subtree, "cpu.weight", weight_from_shares(shares))
+            self._subtree_shares = shares
+        if cap != self._subtree_cap:
+            period = 100000
+            quota = -1 if cap is None else max(QUOTA_MIN_US, int(round(cap * period)))
+            if self.version == 1:
+                if cap is not None:
+                    self._write("cpu", self.subtree, "cpu.cfs_period_us", period)
+                self._write("cpu", self.subtree, "cpu.cfs_quota_us", quota)
+            else:
+                self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
+            self._subtree_cap = cap
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -534,6 +607,7 @@ class CgroupActuator:
         self._workers.pop(job_id, None)
         self._cores.pop(job_id, None)
         self._trainer.pop(job_id, None)
+        self._trainer_pace.pop(job_id, None)
         for key in [k for k, v in self.originals.pids.items() if v.get("job") == job_id]:
             del self.originals.pids[key]
         try:
@@ -584,6 +658,7 @@ class CgroupActuator:
         self._shares.clear()
         self._workers.clear()
         self._subtree_shares = None
+        self._subtree_cap = None
         self.affinity.restore()
         self.originals.save()
         if errors:

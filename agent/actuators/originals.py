@@ -9,14 +9,25 @@ Contents:
 - created:  groups we created, "hierarchy|group", in creation order (removed children first)
 - pids:     pid -> {"job": job id, "origins": {hierarchy: the group the process came from}}
 - affinity: pid -> {"job": job id, "cpus": the CPU affinity before our first change}
+
+Loading checks every field by type; a file that fails raises ``StateFileError`` naming the file and
+the field (``actuators.build`` then sets it aside and recovers what it can: see there). Saving uses
+``statefile.write_atomic`` (whole or nothing, the last good copy kept as ``.prev``); a save that
+fails (read-only or full state directory) is not an apply failure: the values stay in memory, so
+``restore()`` on stop still works, and ``save_error`` says why the file is stale (status reports it).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Optional
 
+from agent import logs, statefile
+from agent.statefile import StateFileError, is_int, need
+
 VERSION = 1
+log = logging.getLogger("agent.originals")
 
 
 class Originals:
@@ -26,16 +37,43 @@ class Originals:
         self.created: list[str] = []
         self.pids: dict[str, dict] = {}
         self.affinity: dict[str, dict] = {}
+        self.save_error: Optional[str] = None
         if path and os.path.exists(path):
-            with open(path) as f:
-                data = json.load(f)
-            if int(data.get("version", 0)) > VERSION:
-                raise ValueError(f"journal of originals {path} has version {data.get('version')}, newer than "
-                                 f"this agent understands ({VERSION}); upgrade adloader")
-            self.files = dict(data.get("files", {}))
-            self.created = list(data.get("created", []))
-            self.pids = dict(data.get("pids", {}))
-            self.affinity = dict(data.get("affinity", {}))
+            self._load(path)
+
+    def _load(self, p: str) -> None:
+        try:
+            with open(p, "rb") as f:
+                data = json.loads(f.read())
+        except OSError as e:
+            raise StateFileError(f"{p}: cannot read: {e.strerror or e}") from None
+        except (ValueError, RecursionError) as e:
+            raise StateFileError(f"{p}: not valid JSON ({e})") from None
+        need(isinstance(data, dict), p, "the document", "an object", type(data).__name__)
+        need(is_int(data.get("version"), 1), p, "version", "an integer", data.get("version"))
+        if data["version"] > VERSION:
+            raise StateFileError(f"{p}: version {data['version']} is newer than this agent understands "
+                                 f"({VERSION}); upgrade adloader")
+        files, created = data.get("files", {}), data.get("created", [])
+        pids, affinity = data.get("pids", {}), data.get("affinity", {})
+        need(isinstance(files, dict) and all(isinstance(k, str) and k.count("|") == 2 and isinstance(v, str)
+                                             for k, v in files.items()), p, "files", "hierarchy|group|file -> value", files)
+        need(isinstance(created, list) and all(isinstance(k, str) and k.count("|") == 1 for k in created),
+             p, "created", "a list of hierarchy|group", created)
+        need(isinstance(pids, dict), p, "pids", "an object", pids)
+        for k, v in pids.items():
+            need(statefile.int_key(k) and isinstance(v, dict) and isinstance(v.get("job"), str)
+                 and isinstance(v.get("origins", {}), dict)
+                 and all(isinstance(h, str) and isinstance(g, str) for h, g in v.get("origins", {}).items()),
+                 p, f"pids[{k[:16]!r}]", "{job, origins: {hierarchy: group}}", v)
+        need(isinstance(affinity, dict), p, "affinity", "an object", affinity)
+        for k, v in affinity.items():
+            need(statefile.int_key(k) and isinstance(v, dict) and isinstance(v.get("job"), str)
+                 and isinstance(v.get("cpus"), list) and all(is_int(c, 0, 1 << 20) for c in v["cpus"]),
+                 p, f"affinity[{k[:16]!r}]", "{job, cpus: [int]}", v)
+        for key in created:
+            need(".." not in key.split("|", 1)[1].split("/"), p, "created", "group paths without '..'", key)
+        self.files, self.created, self.pids, self.affinity = dict(files), list(created), dict(pids), dict(affinity)
 
     @staticmethod
     def key(hier: str, rel: str, file: str = "") -> str:
@@ -47,17 +85,23 @@ class Originals:
     def save(self) -> None:
         if not self.path:
             return
-        if self.empty():
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = f"{self.path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"version": VERSION, "files": self.files, "created": self.created, "pids": self.pids,
-                       "affinity": self.affinity}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            if self.empty():
+                for p in (self.path, self.path + ".prev"):
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+            else:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                data = json.dumps({"version": VERSION, "files": self.files, "created": self.created,
+                                   "pids": self.pids, "affinity": self.affinity}, indent=1, sort_keys=True)
+                statefile.write_atomic(self.path, data.encode())
+            if self.save_error is not None:
+                logs.event(log, "originals_saved_again", path=self.path)
+            self.save_error = None
+        except OSError as e:
+            if self.save_error is None:
+                logs.event(log, "originals_save_failed", logging.ERROR, path=self.path, error=str(e),
+                           detail="kept in memory: restore on stop still works; a crash now would lose them")
+            self.save_error = f"{self.path}: {e.strerror or e}"

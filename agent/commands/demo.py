@@ -21,12 +21,12 @@ NAME = "demo"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="three co-located jobs under none, even-static and adaptive",
-                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    from agent.actuators import MODES as CGROUP_MODES
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("--out", default="bench-out/demo", help="where the table, JSON and plots go")
     p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per policy")
     p.add_argument("--warmup-s", type=float, default=6.0, help="seconds before measuring (agent settles)")
-    p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
+    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES,
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (its --mix is used)")
     p.add_argument("--mix", default="demo", help="which catalogue mix runs (default: demo)")

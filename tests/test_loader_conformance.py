@@ -1,0 +1,221 @@
+"""adloader.DataLoader next to torch's own DataLoader, side by side, where issue 12's conformance run
+found them apart: DataPipe sharding and per-epoch reseeding, the generator draws of persistent
+iterators, torch's error wording (timeout, killed worker, out of file descriptors), and the documented
+per-batch seeding that overrides a seed set in ``worker_init_fn``."""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+from adloader import DataLoader
+
+pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+              pytest.mark.filterwarnings("ignore::UserWarning:torch.utils.data.datapipes")]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _epochs(loader, n):
+    return [[b.tolist() for b in loader] for _ in range(n)]
+
+
+def _datapipe(n=24):
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(range(n)).shuffle().sharding_filter()
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True), (3, True)])
+def test_datapipe_is_sharded_and_reshuffled_per_epoch_as_torch_does(workers, persistent):
+    kw = dict(batch_size=4, num_workers=workers, persistent_workers=persistent)
+    ref = _epochs(tud.DataLoader(_datapipe(), generator=torch.Generator().manual_seed(7), **kw), 3)
+    dl = DataLoader(_datapipe(), generator=torch.Generator().manual_seed(7), max_workers=max(workers, 1), **kw)
+    got = _epochs(dl, 3)
+    dl.close()
+    assert got == ref
+    for epoch in got:                                   # every sample once per epoch, not once per worker
+        assert sorted(x for b in epoch for x in b) == list(range(24))
+    assert got[0] != got[1] != got[2]                   # reseeded from the loader's generator each epoch
+
+
+def test_datapipe_reshards_when_the_worker_count_changes_between_epochs():
+    dl = DataLoader(_datapipe(), batch_size=4, num_workers=2, max_workers=3, persistent_workers=True,
+                    generator=torch.Generator().manual_seed(1))
+    first = [b.tolist() for b in dl]
+    dl.resize(3)
+    second = [b.tolist() for b in dl]
+    dl.close()
+    for epoch in (first, second):
+        assert sorted(x for b in epoch for x in b) == list(range(24))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_map_datapipe_batches_equal_torch(workers):
+    from torch.utils.data.datapipes.map import SequenceWrapper
+
+    kw = dict(batch_size=3, shuffle=True, num_workers=workers)
+    ref = _epochs(tud.DataLoader(SequenceWrapper(list(range(10))), generator=torch.Generator().manual_seed(2), **kw), 2)
+    dl = DataLoader(SequenceWrapper(list(range(10))), generator=torch.Generator().manual_seed(2), max_workers=2, **kw)
+    assert _epochs(dl, 2) == ref
+
+
+class Numbers(tud.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_sampler_order_every_epoch_equals_torch_with_and_without_persistent_workers(persistent):
+    # torch's persistent iterator draws its base seed once, at creation; later epochs draw only the
+    # sampler's seed: the same generator must give the same order from the second epoch on
+    kw = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent)
+    ref = _epochs(tud.DataLoader(Numbers(), generator=torch.Generator().manual_seed(3), **kw), 3)
+    dl = DataLoader(Numbers(), generator=torch.Generator().manual_seed(3), max_workers=2, **kw)
+    assert _epochs(dl, 3) == ref
+    dl.close()
+
+
+def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
+    kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
+    ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
+    dl = DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw)
+    list(dl)
+    between = dl.state_dict()
+    it = iter(dl)
+    head = [next(it).tolist() for _ in range(2)]
+    within = dl.state_dict()
+    dl.close()
+    assert head == ref[1][:2] and within["base_seed_drawn"] is False and between["base_seed_drawn"] is False
+    for state, skip in ((between, 0), (within, 2)):
+        again = DataLoader(Numbers(), generator=torch.Generator().manual_seed(12345), **kw)
+        again.load_state_dict(state)
+        assert [b.tolist() for b in again] == ref[1][skip:]
+        assert [b.tolist() for b in again] == ref[2]
+        again.close()
+
+
+class Sleepy(tud.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        time.sleep(5.0)
+        return i
+
+
+def test_timeout_error_reads_as_torch_s():
+    texts = []
+    for cls in (tud.DataLoader, DataLoader):
+        dl = cls(Sleepy(), batch_size=None, num_workers=1, timeout=1)
+        with pytest.raises(RuntimeError) as e:
+            next(iter(dl))
+        texts.append(str(e.value))
+        del dl
+    assert texts[0] == texts[1] == "DataLoader timed out after 1 seconds"
+
+
+class KillsItself(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ShardKilledMidway(tud.IterableDataset):
+    def __iter__(self):
+        for i in range(1000):
+            if i == 3 and tud.get_worker_info().id == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield i
+
+
+def test_dead_worker_errors_carry_torch_s_words():
+    # torch: "DataLoader worker (pid(s) N) exited unexpectedly" (its queue read) or "DataLoader worker
+    # (pid N) is killed by signal: Killed." (its SIGCHLD handler), whichever notices first
+    torch_words = r"DataLoader worker \(pid(\(s\))? \d+\) (exited unexpectedly|is killed by signal: Killed\.)"
+    with pytest.raises(RuntimeError) as e:
+        list(tud.DataLoader(KillsItself(), batch_size=None, num_workers=1))
+    assert re.search(torch_words, str(e.value)), str(e.value)
+    for ds, kw in ((KillsItself(), dict(batch_size=None)), (ShardKilledMidway(), dict(batch_size=2))):
+        with pytest.raises(RuntimeError) as e:
+            list(DataLoader(ds, num_workers=2, max_workers=2, **kw))
+        text = str(e.value)
+        assert re.search(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", text), text
+        assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Killed\.", text), text
+
+
+FD_SCRIPT = textwrap.dedent('''
+    import resource, sys, torch, torch.utils.data as tud
+    sys.path.insert(0, sys.argv[1])
+    from adloader import DataLoader
+    class ManyTensors(tud.Dataset):
+        def __len__(self): return 400
+        def __getitem__(self, i): return {f"k{j}": torch.full((3,), i) for j in range(40)}
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
+    keep = []
+    try:
+        for b in DataLoader(ManyTensors(), batch_size=None, num_workers=2, timeout=60):
+            keep.append(b)                      # every batch holds 40 shared-memory descriptors
+    except Exception as e:
+        print(type(e).__name__, e)
+''')
+
+
+@pytest.mark.parametrize("limit", [60, 200])
+def test_running_out_of_file_descriptors_gives_torch_s_advice(tmp_path, limit):
+    # 60: the kernel drops the descriptors passed with a batch (MSG_CTRUNC); 200: they arrive but
+    # cannot be duplicated into tensors. Either way the batch fails with torch's advice, no hang.
+    script = tmp_path / "fds.py"
+    script.write_text(FD_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(REPO), str(limit)], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "Too many open files. Communication with the workers is no longer possible." in out, out[-2000:]
+    assert "`ulimit -n`" in out and "set_sharing_strategy('file_system')" in out
+
+
+class Draws(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([random.randrange(1 << 30), torch.initial_seed() & 0xFFFFFFFF])
+
+
+def seed_python_per_worker(worker_id):
+    random.seed(1000 + worker_id)
+
+
+def test_documented_deviation_per_batch_seeding_overrides_worker_init_fn():
+    """A seed set in worker_init_fn does not reach __getitem__ and torch.initial_seed() is a per-batch
+    value (docs/users.md, the DataLoader docstring): the batches equal num_workers=0's, whatever
+    worker ran them; torch keeps the worker_init_fn seed and one initial seed per worker."""
+    def run(cls, workers, **kw):
+        dl = cls(Draws(), batch_size=2, num_workers=workers, generator=torch.Generator().manual_seed(5),
+                 worker_init_fn=seed_python_per_worker if workers else None, **kw)
+        return [b.tolist() for b in dl]
+
+    ours = run(DataLoader, 2, max_workers=2)
+    assert ours == run(DataLoader, 0)
+    seeds = [row[1] for b in ours for row in b]
+    assert len(set(seeds)) == 4 and seeds[0::2] == seeds[1::2]          # one per batch
+    theirs = run(tud.DataLoader, 2)
+    assert len({row[1] for b in theirs for row in b}) == 2              # one per worker
+    random.seed(1000)
+    assert theirs[0][0][0] == random.randrange(1 << 30)                 # worker 0 kept its init seed
+    for doc in (REPO / "docs" / "users.md", REPO / "adloader" / "dataloader.py"):
+        text = doc.read_text()
+        assert "worker_init_fn" in text and "initial_seed()" in text, doc
