@@ -67,10 +67,6 @@ def run(args) -> int:
         if why:
             print(f"adloader bench: --device cuda needs a CUDA GPU: {why}. Use --device emulated.", file=sys.stderr)
             return 2
-    ok, missing = setup.agent_available()
-    if not ok and any(p in ("even-static", "even", "adaptive", "oracle") for p in policies):
-        print(f"adloader bench: this build lacks: {missing}; policies that need the agent will fail "
-              "(run with --policies none,autotune meanwhile)", file=sys.stderr)
     import signal
 
     # SIGTERM (timeout, kill) ends the run through the harness's cleanup (its finally blocks stop every

@@ -61,14 +61,8 @@ def run(args) -> int:
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
-    ok, missing = setup.agent_available()
-    if ok:
-        policies = ["none", "even-static", "adaptive"]
-        what = "none (habitual num_workers, no agent), even-static, then adaptive"
-    else:
-        policies = ["none", "autotune"]
-        what = ("INTERIM: this build lacks the " + missing + ", so the demo runs what exists: every job at "
-                "num_workers = cores (none) vs each job's own tuner (autotune), no agent")
+    policies = ["none", "even-static", "adaptive"]
+    what = "none (habitual num_workers, no agent), even-static, then adaptive"
     progress = report.Progress()
     loader_cpus = setup.default_loader_cpus()
     mode = args.cgroup_mode or setup.default_cgroup_mode()
@@ -97,7 +91,5 @@ def run(args) -> int:
     print(f"table/JSON: {paths['markdown']}, {paths['json']}")
     for p in paths.get("plots", []):
         print(f"plot: {p}")
-    if not ok:
-        print(f"(interim demo: {missing} not in this build yet)")
     failed = [ph for ph in result["phases"] if "agg_normalised" not in (ph.get("metrics") or {})]
     return 1 if failed else 0
