@@ -273,7 +273,7 @@ def test_agent_trust_checks_owner_mode_and_the_listening_process(base):
     """The client-side check (``adloader.client.agent_untrusted``) case by case, on real sockets."""
     import socket as so
 
-    from adloader.client import agent_untrusted
+    from adloader.trust import agent_untrusted
 
     assert "not ipc://" in agent_untrusted("tcp://127.0.0.1:5555")
     assert agent_untrusted(f"ipc://{base}/none.sock") == "no socket"
@@ -359,3 +359,20 @@ def test_look_alike_job_ids_get_their_own_groups_and_a_leaving_attacker_takes_no
     finally:
         assert agent.stop() == 0
         assert not os.path.exists(f"{CPU}/{subtree}")
+
+
+def test_adloader_job_as_root_says_nothing_to_another_users_socket(base):
+    """The prolog's command (root) checks the socket as the client does: an impostor that another
+    user bound at a configured endpoint hears nothing, and the command says why."""
+    d = f"{base}/impostor"
+    os.makedirs(d)
+    os.chown(d, ATTACKER, ATTACKER)
+    p = subprocess.Popen([sys.executable, "-m", "evaluation.attacks", f"ipc://{d}/agent.sock", str(ATTACKER),
+                          "impostor", "8"], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=base)
+    wait_for(lambda: os.path.exists(f"{d}/agent.sock") or p.poll() is not None, 20, what="impostor bound")
+    out = subprocess.run([sys.executable, "-m", "agent", "job", "register", "--job", "4244", "--uid", str(VICTIM),
+                          "--endpoint", f"ipc://{d}/agent.sock"], env=repo_env(), capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1 and f"belongs to uid {ATTACKER}" in out.stdout + out.stderr, out
+    assert result(p)["heard"] == []
