@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 
-from adloader._messages import (IDLE, Batch, Control, InitError, Result, Retired, ShardEnd, WorkerDied,
-                                running_task)
+from adloader._messages import (IDLE, Batch, Control, InitError, Result, Retired, ShardEnd, WorkerDied, from_wire,
+                                running_task, to_wire)
 from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, MessageReader, PayloadError, out_of_file_descriptors,
                                  result_channel, take_tasks, task_channel)
 from adloader._worker import RemoteError, WorkerSpec, worker_main
@@ -160,7 +160,7 @@ class WorkerPool:
     # ---- tasks ------------------------------------------------------------------------------
     def submit(self, task) -> None:
         """Queue a map-style task for whichever worker is free first."""
-        payload = ForkingPickler.dumps(task)
+        payload = ForkingPickler.dumps(to_wire(task))
         with self.lock:
             if len(payload) > MAX_TASK_BYTES:
                 self._send_direct(task, payload)
@@ -174,7 +174,7 @@ class WorkerPool:
             self._backlog.append(payload)
             return
         self._rr = (self._rr + 1) % len(running)
-        if not self._send_ctrl(running[self._rr], task):
+        if not self._send_ctrl(running[self._rr], to_wire(task)):
             self._backlog.append(payload)
 
     def _flush(self) -> None:
@@ -185,7 +185,7 @@ class WorkerPool:
                 if not running:
                     return
                 self._backlog.popleft()
-                self._send_direct(ForkingPickler.loads(payload), payload)
+                self._send_direct(from_wire(ForkingPickler.loads(payload)), payload)
                 continue
             try:
                 self._task_w.send(payload)
@@ -194,7 +194,7 @@ class WorkerPool:
             except OSError as e:
                 if e.errno == errno.EMSGSIZE:
                     self._backlog.popleft()
-                    self._send_direct(ForkingPickler.loads(payload), payload)
+                    self._send_direct(from_wire(ForkingPickler.loads(payload)), payload)
                     continue
                 raise
             self._backlog.popleft()
@@ -205,16 +205,16 @@ class WorkerPool:
             slot = self.slots.get(wid)
             if slot is None:
                 return False
-            return self._send_ctrl(slot, task)
+            return self._send_ctrl(slot, to_wire(task))
 
     def take_queued(self) -> list:
         """Take back every task still waiting in the shared queue (none was started)."""
         out = []
         with self.lock:
             while self._backlog:
-                out.append(ForkingPickler.loads(self._backlog.popleft()))
+                out.append(from_wire(ForkingPickler.loads(self._backlog.popleft())))
             if self._task_r is not None:
-                out.extend(take_tasks(self._task_r))
+                out.extend(from_wire(t) for t in take_tasks(self._task_r))
         return out
 
     def running_tasks(self) -> set[tuple[int, int]]:
@@ -271,7 +271,8 @@ class WorkerPool:
             msgs = slot.reader.read_available()
         except EOFError:
             return                  # the worker is gone: its sentinel reports it
-        for msg, payload in msgs:
+        for wire, payload in msgs:
+            msg = from_wire(wire)
             kind = type(msg)
             if kind is Result:
                 if isinstance(payload, PayloadError):

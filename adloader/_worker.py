@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, Task,
-                                running_key)
+from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, from_wire,
+                                running_key, to_wire)
 from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, fd_passing_supported, out_of_file_descriptors,
                                  send_message)
 
@@ -312,7 +312,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:
-        send_message(result, InitError(RemoteError(where=where)))
+        send_message(result, to_wire(InitError(RemoteError(where=where))))
         _wait_for_exit(ctrl, parent)
         return
 
@@ -348,21 +348,21 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
         except Exception:
             data, ok = RemoteError(where=where), False
         if ended:
-            send_message(result, ShardEnd(task.iter_id, task.seq))
+            send_message(result, to_wire(ShardEnd(task.iter_id, task.seq)))
         else:
             header = Result(task.iter_id, task.seq, ok, n_samples, time.process_time() - c0,
                             time.perf_counter() - t0, max(0, runq.read_ns() - r0))
             # header and batch travel in one message but are pickled apart: the main process can
             # always tell which task a batch belongs to, even if rebuilding the batch fails there
             try:
-                send_message(result, header, data, fd_passing)
+                send_message(result, to_wire(header), data, fd_passing)
             except (BrokenPipeError, ConnectionResetError):
                 raise
             except Exception as e:
                 why = f"{where} while pickling the batch for the main process"
                 if out_of_file_descriptors(e):
                     why += f" ({TOO_MANY_FILES})"
-                send_message(result, header._replace(ok=False), RemoteError(where=why))
+                send_message(result, to_wire(header._replace(ok=False)), RemoteError(where=why))
             del data
         current_task[wid] = IDLE
 
@@ -378,14 +378,14 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 retiring = True
             elif msg is Control.EXIT:
                 return
-            elif msg is not Control.RESUME:
-                local_tasks.append(msg)         # a task for this worker only
+            elif type(msg) is tuple:
+                local_tasks.append(from_wire(msg))     # a task for this worker only
         if local_tasks:
             run(local_tasks.pop(0))
             continue
         if retiring:
             # everything handed to this worker personally is done: hand the slot back and wait
-            send_message(result, Retired())
+            send_message(result, to_wire(Retired()))
             while True:
                 msg = _recv_or_orphaned(ctrl, parent)
                 if msg is None or msg is Control.EXIT:
@@ -393,8 +393,8 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 if msg is Control.RESUME:
                     retiring = False
                     break
-                if isinstance(msg, (Task, ShardTask)):   # not sent to a retiring worker; kept for safety
-                    local_tasks.append(msg)
+                if type(msg) is tuple:     # a task: not sent to a retiring worker; kept for safety
+                    local_tasks.append(from_wire(msg))
             continue
         events = poller.poll(1000)
         if not events:
@@ -410,7 +410,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
                 continue           # another worker took it
             if n == 0:
                 return             # socket closed: the main process is gone
-            run(ForkingPickler.loads(memoryview(buf)[:n]))
+            run(from_wire(ForkingPickler.loads(memoryview(buf)[:n])))
 
 
 def _recv_or_orphaned(ctrl, parent: int):

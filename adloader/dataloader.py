@@ -124,9 +124,9 @@ def _warn_if_foreign_copy(frame) -> None:
     global _foreign_copy_warned
     if getattr(_foreign_copy_allowed, "on", False):
         return
-    module = frame.f_globals.get("__name__", "") if frame is not None else ""
     if frame is not None and frame.f_code.co_name == "__getattr__":
-        return      # a wrapper forwarding an attribute (accelerate's DataLoaderAdapter), not a copy
+        frame = frame.f_back    # a wrapper forwarding the attribute (accelerate's DataLoaderAdapter): who asked?
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
     for prefix, advice in _FOREIGN_COPIERS.items():
         if module.startswith(prefix):
             _foreign_copy_warned = True
@@ -794,6 +794,13 @@ class _ElasticIter:
         """The kind's own epoch state (the sampler's first draw happens here, under the restored RNG)."""
         raise NotImplementedError
 
+    def _shard_in_process(self) -> None:
+        """An epoch loaded in this process: a DataPipe is sharded over the ranks only, as torch's
+        ``_SingleProcessDataLoaderIter`` does (workers shard their own copies)."""
+        if self._cfg.datapipe:
+            world_size, rank = _distributed()
+            shard_datapipe(self._cfg.dataset, 1, world_size, 0, rank)
+
     def _start_workers(self) -> None:
         """Start (or reuse) the pool for this epoch and dispatch the first tasks."""
         raise NotImplementedError
@@ -982,6 +989,8 @@ class _MapIter(_ElasticIter):
 
     # ---- epoch start -------------------------------------------------------------------------
     def _begin(self, resume: dict | None) -> None:
+        if self._core.target == 0:
+            self._shard_in_process()
         self._peeked: deque = deque()
         self._exhausted = False
         self._sampler_iter = iter(self._cfg.index_sampler)
@@ -1156,9 +1165,7 @@ class _IterableIter(_ElasticIter):
         self._next_worker = 0
         self._fetcher = None
         if n == 0:
-            if cfg.datapipe:      # torch's _SingleProcessDataLoaderIter shards over the ranks only
-                world_size, rank = _distributed()
-                shard_datapipe(cfg.dataset, 1, world_size, 0, rank)
+            self._shard_in_process()
             self._fetcher = IterableFetcher(cfg.dataset, cfg.auto_collation, cfg.batch_size,
                                             cfg.collate_fn, cfg.drop_last)
 

@@ -140,6 +140,18 @@ def trainer_cores_needed(job: JobStats) -> float:
     return min(cap, max(0.0, job.trainer_cpu_cores))
 
 
+TRAINER_MARGIN = 0.1      # of a trainer's full-speed need, reserved above what its data-limited pace uses
+
+
+def trainer_cores_expected(job: JobStats) -> float:
+    """Cores the job's training processes will use at the pace the data allows now: their full-speed
+    need times the share of the step they are not waiting for data, plus TRAINER_MARGIN of the need
+    (room to speed up; the reserve follows at the next tick). A trainer starved of CPU does not wait
+    for data, so this is then its whole need; a data-starved job's trainer needs only a fraction."""
+    need = trainer_cores_needed(job)
+    return min(need, need * (1.0 - min(1.0, max(0.0, job.data_wait_frac)) + TRAINER_MARGIN))
+
+
 def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[float, float]:
     """(cores the loaders may share, cores kept for the training processes): the node's loader CPUs,
     but never the cores the trainers need: min(loader_cpus, node CPUs - sum of trainer needs), at least
@@ -291,7 +303,7 @@ def even_static(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         for job_id in snapshot.jobs:
             unsatisfied[job_id] = f"node sized for {snapshot.max_jobs} jobs, {n} present: share cut to {share:.2f}"
     else:
-        kept = {j: s.applied for j, s in snapshot.jobs.items() if s.applied is not None and s.applied.cpus > 0}
+        kept = {j: a for j in snapshot.jobs if (a := snapshot.applied.get(j)) is not None and a.cpus > 0}
         new = [j for j in snapshot.jobs if j not in kept]
         free = C - sum(a.cpus for a in kept.values())
         new_share = min(share, free / len(new)) if new else 0.0
@@ -378,7 +390,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # by tenths of a core from window to window; a budget that followed it would re-split every
         # share every tick, and the controller never feeds the predictor a window that spans a change,
         # so jobs would stay cold (no curve) for good.
-        held = [snapshot.jobs[j].applied for j in snapshot.jobs]
+        held = [snapshot.applied.get(j) for j in snapshot.jobs]
         if all(a is not None and a.enforce_cpu for a in held):
             total = sum(a.cpus for a in held)
             if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
@@ -562,7 +574,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
-    applied = {j: snapshot.jobs[j].applied for j in ids}
+    applied = {j: snapshot.applied.get(j) for j in ids}
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:

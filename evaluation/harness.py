@@ -150,7 +150,9 @@ def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
                 spec = make_job(cat, cal, k, j.job_id, seed=100 + i, samples=samples, arrival_s=a,
                                 node_cores=cfg.node_cores)
                 ls.append(Launch(spec, at_s=a))
-            timeout = (max(arr) * scale + sum(work) * scale) * 2 + 30
+            # generous: on a loaded machine (or with trainers starved under some policy) a job may take
+            # several times its work at the ceiling; an unfinished phase has no makespan at all
+            timeout = (max(arr) * scale + sum(work) * scale) * 5 + 60
             out.append(Scenario(name, ls, "dynamic", 0.0, timeout))
         else:
             out.append(Scenario(name, [Launch(j) for j in jobs], "static", warm, meas))

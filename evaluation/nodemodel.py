@@ -9,7 +9,8 @@ blocked s), ``trainer_cpu_s_per_step`` = CPU seconds each of its ``gpus`` rank t
 How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, modelled):
 
 - ``agent``: the agent's cgroup subtree holds every loader worker; where trainers need CPU it is
-  capped at ``N`` less their need (``agent.actuators.cgroup``), so each trainer finds its cores; the
+  capped at ``N`` less what they use at their pace plus a margin (``agent.actuators.cgroup``), so each
+  trainer finds its cores; the
   loaders share the rest by the plan's weights (``cpus``), each capped at what its workers can use
   (water-filling: work-conserving). Fixed point over the jobs' rates.
 - ``none`` / ``autotune`` (no agent): the kernel shares CPU fairly between jobs (each job's processes
@@ -129,13 +130,15 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         # (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
         need = sum(models[j].trainer_cores for j in ids)
-        cap = max(sum(weights.values()), N - need) if need >= 0.05 else N
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
         cores = {j: 0.0 for j in ids}
         for _ in range(80):
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             t_total = sum(trainer.values())
             scale = min(1.0, N / t_total) if t_total > 0 else 1.0      # trainers alone over the node
+            # the cap: N less what the trainers use at their pace, with the margin (trainer_cores_expected)
+            pace = sum(min(models[j].trainer_cores, trainer[j] + 0.1 * models[j].trainer_cores) for j in ids)
+            cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
             avail = max(0.0, min(cap, N - t_total * scale))
             cores = waterfill(avail, weights, {j: _loader_demand(models[j], w[j]) for j in ids})
             new = {}
@@ -214,8 +217,7 @@ def _stats(job_id: str, m: JobModel, r: Optional[JobRate], applied, requested: i
         wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
         blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=r.loader_cores if r is not None else 0.0,
         trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
-        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0,
-        applied=applied)
+        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0)
 
 
 def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float, loader_cpus: float,
@@ -243,7 +245,7 @@ def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float,
     for _ in range(rounds):
         jobs = {j: _stats(j, models[j], rates.get(j), applied.get(j), models[j].habitual_workers) for j in ids}
         snap = NodeSnapshot(now=0.0, loader_cpus=loader_cpus, cpu_ids=tuple(range(int(math.ceil(node_cores)))),
-                            jobs=jobs, max_jobs=len(ids))
+                            jobs=jobs, max_jobs=len(ids), applied=dict(applied))
         plan = pol(snap, {j: models[j].curve for j in ids}, config)
         applied = dict(plan.allocations)
         rates = node_rates(models, "agent", node_cores, applied)

@@ -208,6 +208,8 @@ def run_one(name: str, seconds: float, tick_s: float, agent_repo: Path = REPO, n
             "tick_late_ms_max": round(max(late), 1) if late else None,
             "victim_reports": reports, "victim_reconnects": reconnects,
             "errors": (doc.get("agent") or {}).get("errors"),
+            "jobs": len(doc.get("jobs") or []),
+            "victim_cpus": next((j.get("cpus") for j in doc.get("jobs") or [] if j.get("job") == "victim"), None),
             "connections": (doc.get("agent") or {}).get("connections"),
         }
         row["held"] = bool(alive and late and max(late) < 2000 and status_s and max(status_s) < 1.0

@@ -18,6 +18,7 @@ node) and ``cpus // ranks`` habits for the node, and the same policies are simul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -78,6 +79,77 @@ def validate(bench: dict) -> list[dict]:
                 row[f"sim_{k}"] = srat[k]
             rows.append(row)
     return rows
+
+
+def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0) -> dict:
+    """The bench's dynamic scenario through ``evaluation.simulate`` (same jobs: arrivals, samples of work,
+    the workload model; a perfect predictor): policy -> {agg, makespan_s, jct_mean_s}. ``startup_s`` (the
+    measured seconds from a job's launch to its first batch, the same under every policy) is added to
+    every JCT and to the makespan, as the bench counts them from the launch."""
+    from evaluation import simulate as S
+
+    models = models_from_bench_specs(specs)
+    truth, trace = {}, []
+    for j, sp in specs.items():
+        m = models[j]
+        truth[j] = dataclasses.replace(m.curve, extra={"gpus": m.gpus, "trainer_cpu_s_per_step": m.trainer_cpu_s_per_step,
+                                                       "num_workers": m.habitual_workers})
+        work_s = float(sp.get("samples") or 0) / m.curve.ceiling_samples_per_s
+        trace.append(S.TraceJob("bench", j, j, float(sp.get("arrival_s") or 0.0), max(1e-3, work_s), m.gpus))
+    cfg = S.SimConfig(cores=float(node_cores), gpus=sum(m.gpus for m in models.values()), loader_cpus=loader_cpus,
+                      predictor="perfect", tick_s=1.0)
+    out = {}
+    for p in policies:
+        r = S.simulate_node(trace, truth, p, cfg)
+        jct = [v["jct_s"] + startup_s for v in r["jobs"].values()]
+        out[p] = {"makespan_s": r["makespan_s"] + startup_s, "jct_mean_s": sum(jct) / len(jct),
+                  "agg": sum(v["norm_s"] for v in r["jobs"].values()) / r["makespan_s"] if r["makespan_s"] else None}
+    return out
+
+
+def validate_dynamic(bench: dict) -> list[dict]:
+    """Rows for the dynamic scenario: measured (median over repeats) and simulated makespan and mean JCT,
+    and their ratios to ``none``."""
+    meta = bench.get("meta") or {}
+    node, loader = float(meta.get("node_cores") or 2), float(meta.get("loader_cpus") or 1.8)
+    phases = [ph for ph in bench.get("phases", []) if ph.get("kind") == "dynamic" and ph.get("specs")
+              and (ph.get("metrics") or {}).get("makespan_s")]
+    if not phases:
+        return []
+    specs = {j: s for j, s in phases[0]["specs"].items() if s}
+    delays = [e["t"] - e["launch_t"] for ph in phases for e in ph.get("events") or []
+              if e.get("kind") == "arrival" and "launch_t" in e]
+    startup = _median(delays) or 0.0
+    policies = sorted({ph["policy"] for ph in phases})
+    sim = simulate_dynamic(specs, node, loader, [p for p in policies if p in USER_POLICIES + AGENT_POLICIES], startup)
+    meas = {p: {k: _median([ph["metrics"][k] for ph in phases if ph["policy"] == p]) for k in ("makespan_s", "jct_mean_s")}
+            for p in policies}
+    rows = []
+    for p in policies:
+        if p not in sim:
+            continue
+        row = {"scenario": "dynamic", "policy": p, "startup_s": startup}
+        for k in ("makespan_s", "jct_mean_s"):
+            row[f"measured_{k}"], row[f"sim_{k}"] = meas[p][k], sim[p][k]
+            if "none" in meas and "none" in sim and meas["none"][k] and sim["none"][k]:
+                row[f"measured_{k}_x_none"] = meas[p][k] / meas["none"][k]
+                row[f"sim_{k}_x_none"] = sim[p][k] / sim["none"][k]
+        rows.append(row)
+    return rows
+
+
+def markdown_dynamic(rows: list[dict]) -> str:
+    lines = ["| policy | makespan s: measured / sim | × none: measured / sim | mean JCT s: measured / sim "
+             "| × none: measured / sim |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {_f(r['measured_makespan_s'], '.1f')} / {_f(r['sim_makespan_s'], '.1f')} "
+                     f"| {_f(r.get('measured_makespan_s_x_none'))} / {_f(r.get('sim_makespan_s_x_none'))} "
+                     f"| {_f(r['measured_jct_mean_s'], '.1f')} / {_f(r['sim_jct_mean_s'], '.1f')} "
+                     f"| {_f(r.get('measured_jct_mean_s_x_none'))} / {_f(r.get('sim_jct_mean_s_x_none'))} |")
+    if rows:
+        lines.append(f"\n(start-up, launch to first batch, measured median {rows[0]['startup_s']:.1f} s, added to the "
+                     "simulated JCTs and makespan)")
+    return "\n".join(lines)
 
 
 def _median(xs):
@@ -161,12 +233,17 @@ def main(argv=None) -> int:
     doc: dict = {"validation": [], "study": {}}
     for path in args.bench:
         with open(path) as f:
-            rows = validate(json.load(f))
-        for r in rows:
+            bench = json.load(f)
+        rows = validate(bench)
+        dyn = validate_dynamic(bench)
+        for r in rows + dyn:
             r["bench"] = path
-        doc["validation"] += rows
+        doc["validation"] += rows + dyn
         print(f"\n{path}\n")
-        print(markdown_validation(rows))
+        if rows:
+            print(markdown_validation(rows))
+        if dyn:
+            print(markdown_dynamic(dyn))
     if args.nodes:
         for shape in args.nodes.split(","):
             c, g = (int(x) for x in shape.split(":"))

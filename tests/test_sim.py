@@ -155,6 +155,25 @@ def test_memory_per_worker_and_a_node_budget():
 
 
 @pytest.mark.unit
+def test_every_decision_is_a_tick_of_the_agents_controller(monkeypatch):
+    """The simulator runs the real Controller.tick (its tolerance, observation spacing, cold start),
+    not a copy of it: every decision it counts is one controller tick."""
+    from agent.controller import Controller
+
+    ticks = []
+    real = Controller.tick
+
+    def counting(self, now):
+        ticks.append(now)
+        return real(self, now)
+
+    monkeypatch.setattr(Controller, "tick", counting)
+    cfg = S.SimConfig(cores=4.0, gpus=2, loader_cpus=3.0, tick_s=1.0)
+    res = S.simulate_node(_trace()[:2], CURVES, "adaptive", cfg)
+    assert res["decisions"] == len(ticks) > 2 and ticks == sorted(ticks)
+
+
+@pytest.mark.unit
 def test_node_model_modes_on_a_trainer_heavy_mix():
     """The workload model's physics (evaluation.nodemodel): with no agent the kernel shares per job and a
     job's busy workers stretch its trainer's CPU part; static cores idle what a job cannot use; the agent
@@ -198,3 +217,28 @@ def test_simulator_runs_the_no_agent_baselines_with_the_workload_model():
     for p, r in res["summary"].items():
         assert r["agg_normalised"] > 0, p
         assert r["jct_mean_s"] > 0, p
+
+
+@pytest.mark.unit
+def test_validate_sim_puts_the_node_model_next_to_a_measured_run():
+    """evaluation.validate_sim: a bench run's static phases (with the specs the jobs ran) -> one row per
+    policy with the measured and the simulated ratios; and the bigger-node study fills the GPUs."""
+    from evaluation import validate_sim as V
+
+    spec = lambda k, demand, frac, gpus=1: {"kind": k, "batch_size": 64 * gpus, "step_s": 0.1, "demand_cores": demand,
+                                            "trainer_cpu_frac": frac, "gpus": gpus, "num_workers": 2}
+    specs = {"a": spec("heavy", 1.8, 0.2, gpus=2), "b": spec("mid", 0.5, 0.3), "c": spec("light", 0.15, 0.35)}
+    phases = []
+    for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8}, {"none": 1.6, "adaptive": 1.7})):
+        for p, v in vals.items():
+            phases.append({"scenario": "gpu-weighted", "kind": "static", "policy": p, "rep": rep,
+                           "metrics": {"agg_normalised": v}, "specs": specs})
+    rows = V.validate({"meta": {"node_cores": 2, "loader_cpus": 1.8}, "phases": phases})
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"none", "adaptive"}
+    assert by["adaptive"]["measured_none"] == pytest.approx((1.8 / 1.5 + 1.7 / 1.6) / 2)
+    assert by["adaptive"]["sim_none"] > 1.0 and by["adaptive"]["sim_agg"] > by["none"]["sim_agg"]
+    assert "| gpu-weighted | adaptive |" in V.markdown_validation(rows)
+    study = V.node_study(16, 8)
+    assert all(v["_gpus"] == 8 for v in study.values())
+    assert all(v["adaptive"] >= 0.9 * max(v[p] for p in V.BASELINES) for v in study.values())

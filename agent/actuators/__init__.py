@@ -36,6 +36,7 @@ class Actuator(Protocol):
 
 from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
 
+# the one list of each: config validation and every command's argparse choices read these
 MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
 
@@ -96,6 +97,9 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
         if mode == "off":
             return actuators
     version = 2 if mode == "v2" else 1
+    if version == 2 and not os.path.isfile(os.path.join(cgroup_root, "cgroup.controllers")):
+        raise cgroupfs.NotSupported(f"{cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers there); "
+                                    f"use cgroup_mode auto, v1 or off, or set cgroup_root to the cgroup2 mount")
     hierarchies = cgroupfs.open_hierarchies(cgroup_root, version)
     act = CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
                          originals=originals, sys_root=sys_root, proc_root=proc_root, affinity=affinity)

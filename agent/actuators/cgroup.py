@@ -24,10 +24,12 @@ the cores add up to the loader budget (e.g. 1.8 on a 2-core node), far less than
 weigh, and with cores the subtree took CPU away from the loaders as a whole (BENCHMARKS.md, the
 bench's "Reading"). Where the training processes need CPU themselves (``trainer_cpu_s_per_step``
 measured, ``agent.policies.trainer_cores_needed``), the subtree is also capped (v1
-``cpu.cfs_quota_us``, v2 ``cpu.max``) at the node's CPUs less what the trainers need (never below the
-cores the plan gave the loaders): the loaders never get the cores a trainer needs, whatever their
-number, while they keep every other core, the agent's 10% reserve included (so the cap is not the
-loader budget). A weight could not do this: against a crowd of busy workers a runnable trainer (one
+``cpu.cfs_quota_us``, v2 ``cpu.max``) at the node's CPUs less what the trainers will use at the pace
+their data allows (``trainer_cores_expected``: a data-starved job's trainer needs a fraction of its
+full-speed need; a CPU-starved one, which does not wait for data, all of it; plus a margin), never
+below the cores the plan gave the loaders: the loaders never get the cores a trainer needs, whatever
+their number, while they keep every other core, the agent's 10% reserve included (so the cap is not
+the loader budget). A weight could not do this: against a crowd of busy workers a runnable trainer (one
 nice-0 task) gets a fraction of a core unless the subtree weighs so little that it loses to every
 other process on the node. Without trainer CPU the subtree is not capped (the original quota). The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
@@ -68,6 +70,7 @@ import os
 from typing import Optional
 
 from agent import cgroupfs
+from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats
@@ -228,8 +231,8 @@ class CgroupActuator:
                  io: bool = True, subtree: str = "adloader", originals: Optional[Originals] = None,
                  sys_root: str = "/sys", proc_root: str = "/proc",
                  affinity: Optional[AffinityActuator] = None, node_cpus: Optional[float] = None) -> None:
-        if cpu_knob not in ("shares", "quota", "cpuset"):
-            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose shares, quota or cpuset")
+        if cpu_knob not in CPU_KNOBS:
+            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
         self.h = hierarchies
         self.version = version
         self.name = f"cgroup-v{version}"
@@ -252,6 +255,7 @@ class CgroupActuator:
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
         self._trainer: dict[str, float] = {}         # job -> cores its training processes need
+        self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
@@ -519,10 +523,11 @@ class CgroupActuator:
             self._write("", rel, "cpu.weight", weight_from_shares(shares))
 
     def _note_budget(self, job: JobStats, desired: JobAllocation) -> None:
-        from agent.policies import trainer_cores_needed
+        from agent.policies import trainer_cores_expected, trainer_cores_needed
 
         self._cores[job.job] = float(desired.cpus)
         self._trainer[job.job] = trainer_cores_needed(job)
+        self._trainer_pace[job.job] = trainer_cores_expected(job)
 
     def _set_subtree_weight(self) -> None:
         """The subtree weighs what its workers would unmanaged; where training processes need CPU it is
@@ -531,7 +536,9 @@ class CgroupActuator:
         need = sum(self._trainer.get(j, 0.0) for j in self._workers)
         cap = None
         if need >= TRAINER_CPU_MIN and self.node_cpus:
-            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - need)
+            pace = sum(self._trainer_pace.get(j, 0.0) for j in self._workers)
+            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
+            cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
             cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
         if not self.h[self._cpu_hier].exists(self.subtree):
             return
@@ -600,6 +607,7 @@ class CgroupActuator:
         self._workers.pop(job_id, None)
         self._cores.pop(job_id, None)
         self._trainer.pop(job_id, None)
+        self._trainer_pace.pop(job_id, None)
         for key in [k for k, v in self.originals.pids.items() if v.get("job") == job_id]:
             del self.originals.pids[key]
         try:

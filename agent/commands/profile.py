@@ -38,8 +38,7 @@ WINDOW_MIN_STEPS = 20
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="run a training command with the hook and show where time goes",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, metavar="S",
                    help=f"stop the command after S seconds (default {DEFAULT_DURATION_S:g})")
     p.add_argument("--cores", type=float, default=None, metavar="N",
