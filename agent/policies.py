@@ -22,6 +22,9 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
 - sum of ``cpus`` over the jobs <= ``snapshot.loader_cpus`` (+1e-6);
 - every registered job gets ``workers >= 1`` and ``cpus > 0`` (no job starves), and workers within
   ``[min_workers, min(max_workers_per_job, job.max_workers)]``;
+- ``adaptive`` with a loader memory budget (``snapshot.loader_memory_bytes``): the sum over jobs of
+  workers x one worker's memory stays within it whenever one worker per job fits
+  (``memory_caps``; property-tested in tests/test_memory_policy.py); the baselines ignore memory;
 - ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
   returns the same allocations (no oscillation).
 
