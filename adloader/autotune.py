@@ -160,33 +160,22 @@ def memory_limits() -> tuple[float | None, float | None]:
 
 # -- stats totals -> Observation ------------------------------------------------------------------
 
-_TOTALS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
-           "worker_runq_s", "worker_blocked_s", "uptime_s")
+def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = True, unstarved: bool = True):
+    """One window from two ``loader.stats()`` totals (``Observation.from_window``: negative deltas
+    count 0, one rule for blocked time); None if the window is unusable (no steps; and when
+    ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the compute
+    time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the compute
+    time as measured (what a report shows the user)."""
+    from predictor.observation import Observation, counter_deltas
 
-
-def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = True):
-    """One window from two ``loader.stats()`` totals; None if the window is unusable (no steps; and
-    when ``strict``, a resize in between or workers not yet at their target). Negative deltas are
-    clamped to 0."""
-    from predictor.observation import Observation
-
-    d = {k: max(0.0, float(cur.get(k, 0) or 0) - float(prev.get(k, 0) or 0)) for k in _TOTALS}
     if strict and (cur.get("resizes", 0) != prev.get("resizes", 0) or cur.get("workers") != prev.get("workers")):
         return None
     if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
         return None
-    steps, batches, dur = int(d["steps"]), int(d["batches"]), d["uptime_s"]
-    if steps <= 0 or dur <= 0:
-        return None
-    per_b = (lambda k: d[k] / batches) if batches > 0 else (lambda k: 0.0)
-    cpu, wall, runq = per_b("worker_cpu_s"), per_b("worker_wall_s"), per_b("worker_runq_s")
-    blocked = per_b("worker_blocked_s") if "worker_blocked_s" in cur else max(0.0, wall - cpu - runq)
-    return Observation(
-        workers=int(cur.get("workers") or 0), cores=float(cores), batch_size=int(cur.get("batch_size") or 1),
-        compute_s_per_step=_unstarved_compute(d["compute_s"], prev, cur) / steps, data_wait_s_per_step=d["data_wait_s"] / steps,
-        cpu_s_per_batch=cpu, wall_s_per_batch=wall, runq_s_per_batch=runq,
-        blocked_s_per_batch=blocked, samples_per_s=d["samples"] / dur,
-        duration_s=dur, steps=steps)
+    compute = counter_deltas(prev, cur, ("compute_s",))["compute_s"]
+    return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
+                                   batch_size=int(cur.get("batch_size") or 1),
+                                   compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
 
 
 def _unstarved_compute(compute_s: float, prev: dict, cur: dict) -> float:

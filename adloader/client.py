@@ -25,10 +25,10 @@ Invariants (STYLE 8):
   this session (since the last welcome) is ignored.
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
-- The agent is authenticated before the client says anything (``agent_untrusted``): the endpoint
-  must be ipc://; the socket's directory (symlinks resolved) must be owned by root or by this
-  process's uid and writable by nobody else, the socket file owned by one of those two, and the
-  process listening on it (``SO_PEERCRED`` of a probe connection) must run as root or as this uid.
+- The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
+  the endpoint must be ipc://; the socket's directory (symlinks resolved) must be owned by root or
+  by this process's uid and writable by nobody else, the socket file owned by one of those two, and
+  the process listening on it (``SO_PEERCRED`` of a probe connection) must run as root or as this uid.
   Anything else (a socket another user bound first at the predictable ``/tmp/adloader-<uid>`` path,
   a tcp:// endpoint nobody can authenticate) is refused and logged once per reason at WARNING;
   training goes on without the agent, the check is repeated with the missing-socket backoff.
@@ -42,14 +42,13 @@ import math
 import os
 import secrets
 import socket as _socket
-import stat
-import struct
 import threading
 import time
 import weakref
 from typing import Any, Optional
 
-from adloader import env, protocol
+from adloader import env, protocol, trust
+from adloader.trust import agent_untrusted  # noqa: F401 (re-exported: the check the client makes)
 
 log = logging.getLogger("adloader.client")
 
@@ -75,49 +74,6 @@ def _warn_once(key: str, text: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(text, *args)
-
-
-def _peer_uid(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[int]:
-    """The uid of the process listening on the unix socket ``path`` (SO_PEERCRED of a connection)."""
-    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    try:
-        s.settimeout(timeout_s)
-        s.connect(path)
-        creds = s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[1]
-    finally:
-        s.close()
-
-
-def agent_untrusted(endpoint: str, uid: Optional[int] = None) -> Optional[str]:
-    """None if the agent at ``endpoint`` may be trusted by a process of ``uid`` (module docstring),
-    else why not. Never raises. Returns the reason also when the socket is missing (\"no socket\")."""
-    uid = os.getuid() if uid is None else uid
-    trusted = {0, uid}
-    path = env.ipc_path(endpoint)
-    if path is None:
-        return f"endpoint {endpoint!r} is not ipc://: the agent behind it cannot be authenticated"
-    try:
-        real = os.path.realpath(path)
-        d = os.path.dirname(real) or "/"
-        st_d = os.stat(d)
-        if st_d.st_uid not in trusted:
-            return f"the agent's directory {d} belongs to uid {st_d.st_uid}, not to root or uid {uid}"
-        if st_d.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"the agent's directory {d} is writable by other users (mode {stat.S_IMODE(st_d.st_mode):o})"
-        st = os.lstat(real)
-        if not stat.S_ISSOCK(st.st_mode):
-            return f"{real} is not a socket"
-        if st.st_uid not in trusted:
-            return f"the agent's socket {real} belongs to uid {st.st_uid}, not to root or uid {uid}"
-        peer = _peer_uid(real)
-    except FileNotFoundError:
-        return "no socket"
-    except OSError as e:
-        return f"cannot check the agent's socket {path}: {e.strerror or e}"
-    if peer not in trusted:
-        return f"the process serving {real} runs as uid {peer}, not as root or uid {uid}"
-    return None
 
 
 def attach(loader: Any) -> None:
@@ -265,9 +221,10 @@ class _Client:
         path = env.ipc_path(self.endpoint)
         recheck_s = RECHECK_S
         while not self._stop.is_set():
-            untrusted = "no socket" if path is not None and not os.path.exists(path) else agent_untrusted(self.endpoint)
+            untrusted = trust.NO_SOCKET if path is not None and not os.path.exists(path) else \
+                trust.agent_untrusted(self.endpoint, timeout_s=PROBE_TIMEOUT_S)
             if untrusted is not None:
-                if untrusted != "no socket":
+                if untrusted != trust.NO_SOCKET and not untrusted.startswith(trust.UNCHECKED):
                     _warn_once(f"trust:{untrusted}", "adloader: not talking to the agent at %s: %s; training goes "
                                "on without it", self.endpoint, untrusted)
                     self._set(last_error=f"untrusted agent: {untrusted}")

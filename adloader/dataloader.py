@@ -124,9 +124,9 @@ def _warn_if_foreign_copy(frame) -> None:
     global _foreign_copy_warned
     if getattr(_foreign_copy_allowed, "on", False):
         return
-    module = frame.f_globals.get("__name__", "") if frame is not None else ""
     if frame is not None and frame.f_code.co_name == "__getattr__":
-        return      # a wrapper forwarding an attribute (accelerate's DataLoaderAdapter), not a copy
+        frame = frame.f_back    # a wrapper forwarding the attribute (accelerate's DataLoaderAdapter): who asked?
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
     for prefix, advice in _FOREIGN_COPIERS.items():
         if module.startswith(prefix):
             _foreign_copy_warned = True

@@ -128,11 +128,6 @@ def gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     return []
 
 
-def slurm_job_gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
-    v = _env(environ).get("SLURM_JOB_GPUS", "").strip()
-    return [g.strip() for g in v.split(",") if g.strip()] if v else []
-
-
 def agent_overrides(keys, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """``{key: raw string}`` for every config key with ADLOADER_<KEY upper> set (config parses them)."""
     env = _env(environ)

@@ -1,7 +1,13 @@
-"""The one module that touches /proc, /sys/fs/cgroup, /sys/block and CPU affinity.
+"""The one module that writes cgroups (/sys/fs/cgroup) and CPU affinity, and reads what they need:
+cgroup trees, ``/proc/<pid>/cgroup`` of the processes it moves, /sys/block schedulers, mounts.
 
 Every root path is a parameter, so tests run this against small fake trees in ``tmp_path`` and, as
-root on a cgroup v1 machine, against the real thing. Every ``OSError`` leaves this module as a domain
+root on a cgroup v1 machine, against the real thing. Other modules read /proc for facts of their own,
+each with its root a parameter too: ``agent.security`` (a process's stat, NSpid, children),
+``agent.jobprocs`` (a registered job's processes: environ, cmdline, cgroup), ``agent.collector`` (a
+rank's cgroup, to tell a cooperative job), ``agent.psi`` and ``adloader.memory`` (pressure, meminfo,
+smaps_rollup), and in the training process ``adloader.autotune`` (its own CPU quota) and the loader's
+workers (``/proc/self/schedstat``). None of them writes. Every ``OSError`` leaves this module as a domain
 error (``CgroupError`` and its subclasses), named after what it means for the caller:
 
     ESRCH                   -> JobGone       (the process exited; moving it is moot)
@@ -296,10 +302,6 @@ def own_v2_cgroup(proc_root: str = "/proc") -> str:
         if line.startswith("0::"):
             return line[3:].strip() or "/"
     return "/"
-
-
-def pid_alive(pid: int, proc_root: str = "/proc") -> bool:
-    return os.path.exists(os.path.join(proc_root, str(int(pid))))
 
 
 def get_affinity(pid: int) -> tuple[int, ...]:

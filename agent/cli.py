@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module under ``agent.commands`` with ``register(subparsers)``,
 which adds its parser and sets ``func(args) -> int``. Modules are imported lazily per command so
-``adloader status`` never pays for torch or scikit-learn.
+``adloader status`` never pays for torch or scikit-learn. A command's one-line help is written once,
+in ``COMMANDS`` (``adloader --help`` lists every command without importing them).
 """
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "job": ("agent.commands.job", "register or release a job with the agent (Slurm prolog/epilog)"),
     "profile": ("agent.commands.profile", "run a training command with the hook and show where time goes"),
     "bench": ("agent.commands.bench", "co-located jobs under each policy, side by side"),
-    "demo": ("agent.commands.demo", "three co-located jobs under even-static then adaptive"),
+    "demo": ("agent.commands.demo", "three co-located jobs under none, even-static and adaptive"),
     "simulate": ("agent.commands.simulate", "trace-driven simulation of policies over many nodes"),
     "install-service": ("agent.commands.install_service", "install the systemd unit, config and venv"),
 }
+
+
+class _Subparsers:
+    """What ``register`` sees: argparse's subparsers, adding the command's one-line help from ``COMMANDS``."""
+
+    def __init__(self, sub, help_: str):
+        self._sub, self._help = sub, help_
+
+    def add_parser(self, name: str, **kw):
+        kw.setdefault("help", self._help)
+        return self._sub.add_parser(name, **kw)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -36,7 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             sub.add_parser(name, help=help_, add_help=False)
             continue
-        importlib.import_module(module).register(sub)
+        importlib.import_module(module).register(_Subparsers(sub, help_))
     return parser
 
 

@@ -1,10 +1,12 @@
 """The collector: client reports + NVML + PSI -> ``NodeSnapshot`` (rates, never counters).
 
-Counters become rates here and only here (STYLE 7). Each rank's report carries the loader's monotonic
+In the agent, counters become rates here (STYLE 7), by the one window rule of
+``predictor.observation`` (``counter_deltas``, ``blocked_s``; the autotuner and ``adloader profile`` use
+the same through ``Observation.from_window``). Each rank's report carries the loader's monotonic
 totals (``adloader.DataLoader.stats()``); ``RankRates.update`` takes the difference to the previous
 report over the client's own ``uptime_s`` clock (the agent's receive time when that is missing):
 - a counter that went down (a new loader in the same process) resets the baseline: no window;
-- remaining negative deltas are clamped to 0;
+- remaining negative deltas count 0, and so does a counter the client does not report;
 - each figure is smoothed with an exponential moving average of time constant ``SMOOTH_TAU_S``;
   per-step figures update only in windows with steps, per-batch ones only with finished batches.
 
@@ -26,12 +28,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 from agent import psi
 from agent.memory import MemoryGuard, MemoryState
-from agent.model import JobAllocation, JobStats, NodeSnapshot
+from agent.model import JobStats, NodeSnapshot
 from agent.registry import Job, Registry
+from predictor.observation import blocked_s, counter_deltas
 
 SMOOTH_TAU_S = 3.0
 MIN_WINDOW_S = 0.05
@@ -82,8 +85,7 @@ class RankRates:
             return False
         if dt < MIN_WINDOW_S:
             return False
-        d = {k: max(0.0, (totals[k] or 0.0) - (self.prev[k] or 0.0)) if totals[k] is not None else 0.0
-             for k in COUNTERS}
+        d = counter_deltas(self.prev, totals, COUNTERS)     # the one window rule (predictor.observation)
         self.prev, self.prev_t = totals, t
         new: dict[str, float] = {"samples_per_s": d["samples"] / dt, "worker_cpu_cores": d["worker_cpu_s"] / dt}
         if totals["main_cpu_s"] is not None:       # (a client that does not report it: no figure)
@@ -102,9 +104,7 @@ class RankRates:
             new["cpu_s_per_batch"] = d["worker_cpu_s"] / d["batches"]
             new["wall_s_per_batch"] = d["worker_wall_s"] / d["batches"]
             new["runq_s_per_batch"] = d["worker_runq_s"] / d["batches"]
-            blocked = d["worker_blocked_s"] if d["worker_blocked_s"] > 0 else max(
-                0.0, d["worker_wall_s"] - d["worker_cpu_s"] - d["worker_runq_s"])
-            new["blocked_s_per_batch"] = blocked / d["batches"]
+            new["blocked_s_per_batch"] = blocked_s(d, totals["worker_blocked_s"] is not None) / d["batches"]
         alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
         for k, v in new.items():
             old = self.rates.get(k)
@@ -116,13 +116,11 @@ class RankRates:
 
 
 class Collector:
-    """Builds the ``NodeSnapshot`` the controller reads each tick.
-
-    ``applied`` (a callable returning job -> JobAllocation) lets policies see what is in force."""
+    """Builds the ``NodeSnapshot`` the controller reads each tick: measurements only. What is applied
+    is the controller's own state; it adds it to the snapshot itself (``NodeSnapshot.applied``)."""
 
     def __init__(self, registry: Registry, *, loader_cpus: float, cpu_ids: tuple[int, ...], max_jobs: int = 0,
                  gpu_sampler=None, proc_root: str = "/proc",
-                 applied: Optional[Callable[[], Mapping[str, JobAllocation]]] = None,
                  memory_guard: Optional[MemoryGuard] = None):
         self.registry = registry
         self.loader_cpus = loader_cpus
@@ -130,7 +128,6 @@ class Collector:
         self.max_jobs = max_jobs
         self.gpu = gpu_sampler
         self.proc_root = proc_root
-        self.applied = applied or (lambda: {})
         self.rank_rates: dict[tuple[str, int, int], RankRates] = {}
         self.pressure = psi.Pressure(None, None)
         self._allowed_cache: dict[int, tuple[tuple[int, ...], bool]] = {}
@@ -171,7 +168,7 @@ class Collector:
         self._allowed_cache[pid] = (allowed, cooperative)
         return allowed, cooperative
 
-    def job_stats(self, job: Job, now: float, applied: Optional[JobAllocation]) -> JobStats:
+    def job_stats(self, job: Job, now: float) -> JobStats:
         ranks = list(job.ranks.values())
         per = [self.rank_rates.get((job.job, r.rank, r.pid)) for r in ranks]
         rates = [rr.rates for rr in per if rr is not None and rr.windows > 0]
@@ -263,7 +260,7 @@ class Collector:
             allowed_cpus=allowed, cooperative=cooperative,
             age_s=max(0.0, now - job.arrived_at),
             observed_s=observed_s, window_s=window_s,
-            applied=applied, requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
+            requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(),
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth,
@@ -274,10 +271,9 @@ class Collector:
         if self.gpu is not None:
             self.gpu.sample(now)
         self.pressure = psi.read(self.proc_root)
-        applied = self.applied()
         # only jobs with a connected rank: a registered job none of whose ranks has said hello (yet, or
         # any more) has no loader to give a share to, and must cost its neighbours nothing
-        jobs = {j.job: self.job_stats(j, now, applied.get(j.job)) for j in self.registry.jobs.values() if j.ranks}
+        jobs = {j.job: self.job_stats(j, now) for j in self.registry.jobs.values() if j.ranks}
         mem = None
         if self.memory_guard is not None:
             mem = self.memory_state = self.memory_guard.update(

@@ -60,10 +60,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
 from adloader import env, memory
+from agent.actuators import CPU_KNOBS
+from agent.actuators import MODES as CGROUP_MODES
 
 DEFAULT_CONFIG_PATH = "/etc/adloader/agent.toml"
-CGROUP_MODES = ("auto", "v1", "v2", "cooperative", "off")
-CPU_KNOBS = ("shares", "quota", "cpuset")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOADER_CPU_RESERVE = 0.10
 LOADER_MEMORY_RESERVE = 0.25

@@ -23,8 +23,9 @@ Invariants (what the tests hold it to):
   (``now - window_s < applied_at``) mixes two configurations and is not fed to the predictor; the
   job is observed again once a whole window lies after the change. Only a change of the allocation
   counts (workers, cores, cpuset, IO weight), not re-applying the same one to new worker pids.
-- The policy sees ``JobStats.applied`` as the controller's own applied state (the collector does
-  not know it), so hysteresis is judged against what is really in force.
+- ``applied`` is the controller's alone: the snapshot source measures, the controller adds what is in
+  force on every actuator (``NodeSnapshot.applied``) before it observes and decides, so hysteresis is
+  judged against what is really in force and nothing upstream needs to know it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from predictor.observation import BadObservation, Observation
 
 BREAKER_FAILURES = 3
 CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
+OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at most this often
 
 
 class PredictorLike(Protocol):
@@ -107,7 +109,8 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
                            work_conserving: bool = True) -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet.
 
-    Cores the loader could use (``Observation.cores``): the applied CPU allocation, else the job's
+    Cores the loader could use (``Observation.cores``): the applied CPU allocation
+    (``snapshot.applied``), else the job's
     allowed CPUs (a CPU set: a hard bound), else an even share of the node's loader CPUs. An applied
     cap (cpu_knob ``quota`` or ``cpuset``: ``work_conserving=False``) is what the workers could use.
     A share (``shares`` knob, or no CPU actuator at all) is not: it is
@@ -120,13 +123,14 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     if job.window_s <= 0 or job.batch_size <= 0:
         return None
     share = True                           # the figure is a share or an even split, not a CPU set
-    if job.applied is not None and job.applied.cpus > 0:
-        cores = job.applied.cpus
+    applied = snapshot.applied.get(job.job)
+    if applied is not None and applied.cpus > 0:
+        cores = applied.cpus
     elif job.allowed_cpus:
         cores, share = float(len(job.allowed_cpus)), False
     else:
         cores = snapshot.loader_cpus / max(1, len(snapshot.jobs))
-    capped = not work_conserving and job.applied is not None and job.applied.enforce_cpu
+    capped = not work_conserving and applied is not None and applied.enforce_cpu
     if share and not capped and not job.cooperative:          # cooperative jobs are pinned (affinity)
         cap = snapshot.loader_cpus
         if job.allowed_cpus:
@@ -173,15 +177,6 @@ def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> b
             and a.io_weight == b.io_weight)
 
 
-def _with_field(obj, name: str, value):
-    """``dataclasses.replace`` for one field of a frozen dataclass without __post_init__, ~20x cheaper
-    (the controller does this for every job on every tick)."""
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__[name] = value
-    return new
-
-
 class _Breaker:
     __slots__ = ("failures", "opened_at", "last_error")
 
@@ -198,7 +193,7 @@ class Controller:
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
                  breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None,
-                 observe_interval_s: float = 3.0) -> None:
+                 observe_interval_s: float = OBSERVE_INTERVAL_S) -> None:
         """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
         ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset."""
         self._snapshot_source = snapshot_source
@@ -274,7 +269,7 @@ class Controller:
             for job_id in [j for j in self._applied if j not in snapshot.jobs]:
                 self.forget(job_id)
                 departed.append(job_id)
-            snapshot = self._with_applied(snapshot)
+            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied))
             model: dict[str, ThroughputCurve] = {}
             for job_id, job in snapshot.jobs.items():
                 curve = self._observe(job_id, job, snapshot, now, errors)
@@ -308,17 +303,6 @@ class Controller:
         return record
 
     # -- internals --------------------------------------------------------------------------
-    def _with_applied(self, snapshot: NodeSnapshot) -> NodeSnapshot:
-        jobs = {}
-        changed = False
-        for job_id, job in snapshot.jobs.items():
-            mine = self._applied.get(job_id)
-            if mine is not None and job.applied is not mine:
-                job = _with_field(job, "applied", mine)
-                changed = True
-            jobs[job_id] = job
-        return dataclasses.replace(snapshot, jobs=jobs) if changed else snapshot
-
     def _observe(self, job_id: str, job: JobStats, snapshot: NodeSnapshot, now: float,
                  errors: list[str]) -> Optional[ThroughputCurve]:
         """Feed the job's window to the predictor once per window length; return its curve.

@@ -3,11 +3,14 @@
 ``Agent(config)`` builds every part from the typed config and hands each its collaborators:
 
     registry  = Registry(heartbeat_s)
-    collector = Collector(registry, loader_cpus, cpu_ids, gpu_sampler=GpuSampler(), applied=controller.applied)
+    collector = Collector(registry, loader_cpus, cpu_ids, gpu_sampler=GpuSampler())
     server    = Server(endpoint, registry, on_report=collector.on_report, status_doc=self.status_doc)
-    controller = Controller(snapshot_source=collector.snapshot, policy=get_policy(config.policy),
-                            policy_config=PolicyConfig(...), predictor=PredictorBank(),
+    controller = Controller(snapshot_source=collector.snapshot, policy=policy or get_policy(config.policy),
+                            policy_config=PolicyConfig(...), predictor=predictor or PredictorBank(),
                             actuators=agent.actuators.build(config.cgroup_mode, sink=server, ...))
+
+Data flows one way: server -> collector (reports) -> controller (snapshot, plus its own applied state)
+-> policy -> actuators. The predictor and the policy can be injected (the bench's oracle, tests).
 
 The loop (``run``) is the only place that sleeps: it polls the ROUTER socket and a signal wake-up
 pipe until the next tick is due, then calls ``tick(now)``: sweep the registry (departures: silent,
@@ -116,9 +119,12 @@ def _tick_summary(ticks) -> dict:
 class Agent:
     def __init__(self, config: AgentConfig, *, config_path: Optional[str] = None,
                  cli: Optional[Mapping[str, Any]] = None, gpu_module: Any = None, proc_root: str = "/proc",
-                 predictor: Any = None, memory_source: Any = None):
-        """``memory_source``: a callable returning ``adloader.memory.NodeMemory`` (tests inject pressure);
-        default: this node's /proc/meminfo and /proc/pressure/memory under ``proc_root``."""
+                 predictor: Any = None, policy: Any = None, memory_source: Any = None):
+        """``predictor``: default ``PredictorBank()``. ``policy``: a policy function
+        (``agent.policies.Policy``) used instead of ``config.policy`` (the bench's oracle); its
+        ``__name__`` is the name status shows, and a reload keeps it. ``memory_source``: a callable
+        returning ``adloader.memory.NodeMemory`` (tests inject pressure); default: this node's
+        /proc/meminfo and /proc/pressure/memory under ``proc_root``."""
         self.config = config
         self.config_path = config_path
         self.cli = dict(cli or {})
@@ -140,7 +146,7 @@ class Agent:
         self._memory_source = memory_source or (lambda: adl_memory.node_memory(proc_root))
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
-                                   gpu_sampler=self.gpu, proc_root=proc_root, applied=self._applied,
+                                   gpu_sampler=self.gpu, proc_root=proc_root,
                                    memory_guard=self._build_memory_guard())
         self.ctx = zmq.Context()
         self.server = Server(config.endpoint, self.registry, heartbeat_s=config.heartbeat_s,
@@ -153,12 +159,18 @@ class Agent:
 
             predictor = PredictorBank()
         self.predictor = predictor
+        self.policy = policy
         os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
         self.journal_error: Optional[str] = None
         self.state_problems: list[str] = []   # state files set aside or not writable (status: state_problems)
         self.actuators, self.cgroup_mode = self._build_actuators()
         self.controller = self._build_controller()
         self.metrics = None
+
+    @property
+    def policy_name(self) -> str:
+        """The policy in force: the configured one, or an injected policy's ``__name__``."""
+        return self.config.policy if self.policy is None else getattr(self.policy, "__name__", "custom")
 
     # --- composition ------------------------------------------------------------------------------
     def _build_actuators(self):
@@ -198,16 +210,13 @@ class Agent:
                       for a in self.actuators)
         if weights:
             pconf = dataclasses.replace(pconf, cpu_weights=True)
-        c = Controller(snapshot_source=self.collector.snapshot, policy=get_policy(self.config.policy),
+        c = Controller(snapshot_source=self.collector.snapshot,
+                       policy=self.policy if self.policy is not None else get_policy(self.config.policy),
                        policy_config=pconf, predictor=self.predictor,
                        actuators=self.actuators)
         if applied:
             c.adopt(applied)
         return c
-
-    def _applied(self) -> dict:
-        c = getattr(self, "controller", None)
-        return c.applied() if c is not None else {}
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -226,7 +235,7 @@ class Agent:
                 raise CannotStart(f"config key 'metrics_port' = {cfg.metrics_port}: cannot serve metrics on "
                                   f"127.0.0.1:{cfg.metrics_port}: {e.strerror or e}") from None
         logs.event(log, "agent_started", pid=os.getpid(), uid=os.getuid(), endpoint=cfg.endpoint,
-                   state_dir=cfg.state_dir, policy=cfg.policy, tick_s=cfg.tick_s,
+                   state_dir=cfg.state_dir, policy=self.policy_name, tick_s=cfg.tick_s,
                    loader_cpus=self.collector.loader_cpus, cgroup_mode=self.cgroup_mode,
                    loader_memory_bytes=self.collector.memory_guard.configured if self.collector.memory_guard else None,
                    actuators=[getattr(a, "name", type(a).__name__) for a in self.actuators],
@@ -387,7 +396,7 @@ class Agent:
         snap = self.collector.last
         info = {
             "pid": os.getpid(), "uid": os.getuid(), "version": __version__, "protocol": protocol.VERSION,
-            "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": cfg.policy, "tick_s": cfg.tick_s,
+            "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": self.policy_name, "tick_s": cfg.tick_s,
             "heartbeat_s": cfg.heartbeat_s, "uptime_s": round(time.monotonic() - self.started_at, 1),
             "ticks": self.ticks, "last_tick_ms": round(self.last_tick_ms, 3) if self.last_tick_ms is not None else None,
             "loader_cpus": self.collector.loader_cpus, "cpu_ids": list(self.collector.cpu_ids),

@@ -6,8 +6,12 @@ policy    -> ``AllocationPlan`` (one ``JobAllocation`` per job, each with its re
              be satisfied is data in ``unsatisfied``, not a log line)
 actuators -> ``ApplyResult`` per job
 
-Policies are pure: ``decide(snapshot, curves, config) -> AllocationPlan``. They see the currently
-applied allocation of each job in ``JobStats.applied`` (for hysteresis), never a clock or a file.
+Policies are pure: ``decide(snapshot, curves, config) -> AllocationPlan``. They see the allocation in
+force for each job in ``NodeSnapshot.applied`` (for hysteresis), never a clock or a file.
+
+Data flows one way: the collector measures (``JobStats``, ``NodeSnapshot`` without ``applied``), the
+controller adds what it alone knows, the allocation it has applied (``NodeSnapshot.applied``), and
+hands that snapshot to the policy.
 """
 from __future__ import annotations
 
@@ -66,7 +70,6 @@ class JobStats:
     age_s: float = 0.0                    # since arrival
     observed_s: float = 0.0               # how long we have reports for
     window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
-    applied: Optional[JobAllocation] = None   # what is applied now (None = nothing yet)
     requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
     pids: tuple[int, ...] = ()            # training processes (ranks) on this node: never throttled
     worker_pids: tuple[int, ...] = ()     # the loader worker processes: what CPU actuators move/pin
@@ -90,6 +93,8 @@ class NodeSnapshot:
     memory_pressure: Optional[float] = None       # PSI memory some avg10 (percent), when present
     memory_available_bytes: Optional[float] = None   # MemAvailable
     memory_note: str = ""                 # why the budget in force differs from the configured one
+    applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
+                                          # set by the controller alone (the collector leaves it empty)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
 - sum of ``cpus`` over the jobs <= ``snapshot.loader_cpus`` (+1e-6);
 - every registered job gets ``workers >= 1`` and ``cpus > 0`` (no job starves), and workers within
   ``[min_workers, min(max_workers_per_job, job.max_workers)]``;
+- ``adaptive`` with a loader memory budget (``snapshot.loader_memory_bytes``): the sum over jobs of
+  workers x one worker's memory stays within it whenever one worker per job fits
+  (``memory_caps``; property-tested in tests/test_memory_policy.py); the baselines ignore memory;
 - ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
   returns the same allocations (no oscillation).
 
@@ -300,7 +303,7 @@ def even_static(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         for job_id in snapshot.jobs:
             unsatisfied[job_id] = f"node sized for {snapshot.max_jobs} jobs, {n} present: share cut to {share:.2f}"
     else:
-        kept = {j: s.applied for j, s in snapshot.jobs.items() if s.applied is not None and s.applied.cpus > 0}
+        kept = {j: a for j in snapshot.jobs if (a := snapshot.applied.get(j)) is not None and a.cpus > 0}
         new = [j for j in snapshot.jobs if j not in kept]
         free = C - sum(a.cpus for a in kept.values())
         new_share = min(share, free / len(new)) if new else 0.0
@@ -387,7 +390,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # by tenths of a core from window to window; a budget that followed it would re-split every
         # share every tick, and the controller never feeds the predictor a window that spans a change,
         # so jobs would stay cold (no curve) for good.
-        held = [snapshot.jobs[j].applied for j in snapshot.jobs]
+        held = [snapshot.applied.get(j) for j in snapshot.jobs]
         if all(a is not None and a.enforce_cpu for a in held):
             total = sum(a.cpus for a in held)
             if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
@@ -571,7 +574,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     unsatisfied = shortfalls(lambda j: (workers[j], cpus[j]))
 
     # Hysteresis: hold a settled allocation that still fits unless the move pays for itself.
-    applied = {j: snapshot.jobs[j].applied for j in ids}
+    applied = {j: snapshot.applied.get(j) for j in ids}
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:

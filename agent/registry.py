@@ -244,12 +244,12 @@ class Registry:
         if job is None:
             job = self.jobs[job_id] = Job(job=job_id, uid=uid, arrived_at=now, source="hello", seen_at=now)
         old = job.ranks.get(rank_no)
-        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks):
+        if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks, self.proc_root):
             raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
         if old is not None:
             self.by_identity.pop(old.identity, None)
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
-                 start_ticks=security.pid_start_ticks(pid), last_seen=now,
+                 start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids),
                  local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
@@ -360,7 +360,7 @@ class Registry:
         job.by_root = job.by_root or peer.root
         job.reg_gpus = gpus
         job.reg_cpus = cpus
-        job.reg_pids = {p: security.pid_start_ticks(p) for p in pids}
+        job.reg_pids = {p: security.pid_start_ticks(p, self.proc_root) for p in pids}
         self.version += 1
         return job
 
@@ -387,7 +387,7 @@ class Registry:
             return
         if not job.registered:
             self._depart(job.job, why)
-        elif job.reg_pids and not any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+        elif job.reg_pids and not any(security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()):
             self._depart(job.job, why)
         # a registered job without known pids stays until release (the Slurm epilog) or until none of
         # its processes has been seen for unseen_timeout_s (``sweep``)
@@ -410,7 +410,7 @@ class Registry:
         unseen: list[Job] = []
         for job in list(self.jobs.values()):
             for r in list(job.ranks.values()):
-                if not (r.last_seen > since or security.alive(r.pid, r.start_ticks)):
+                if not (r.last_seen > since or security.alive(r.pid, r.start_ticks, self.proc_root)):
                     self._drop_rank(job, r.rank, "process gone")
                 elif now - r.last_seen > lost_s:
                     self._drop_rank(job, r.rank, "heartbeat lost")
@@ -419,7 +419,7 @@ class Registry:
             if job.ranks:
                 job.seen_at = now
             elif job.registered and job.reg_pids:
-                if any(security.alive(p, ct) for p, ct in job.reg_pids.items()):
+                if any(security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()):
                     job.seen_at = now
                 else:
                     self._depart(job.job, "process gone")
@@ -487,7 +487,7 @@ class Registry:
                           reg_pids={int(p): ct for p, ct in (j.get("reg_pids") or {}).items()},
                           last_directive=j.get("last_directive") if isinstance(j.get("last_directive"), dict) else None)
                 for rk, r in (j.get("ranks") or {}).items():
-                    if not security.alive(int(r["pid"]), r.get("start_ticks")):
+                    if not security.alive(int(r["pid"]), r.get("start_ticks"), self.proc_root):
                         continue
                     job.ranks[int(rk)] = Rank(
                         job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
@@ -501,7 +501,7 @@ class Registry:
                 dead.append(job_id)
                 continue
             reg_alive = job.registered and (not job.reg_pids or any(
-                security.alive(p, ct) for p, ct in job.reg_pids.items()))
+                security.alive(p, ct, self.proc_root) for p, ct in job.reg_pids.items()))
             if job.ranks or reg_alive:
                 self.jobs[job_id] = job
                 adopted.append(job_id)

@@ -11,6 +11,8 @@ that answers it, or raises a ``RequestError`` subclass whose message says what w
                   a hung agent, not a missing one
     BadReply      the reply could not be read (not JSON, wrong protocol major, over the size limit)
     AgentRefused  the agent answered ``error``; ``.code`` is its code (``adloader.protocol.ERROR_CODES``)
+    AgentUntrusted  the socket is not one a process of this uid may trust (``adloader.trust``: another
+                  user's file, directory or listening process): nothing is sent
 
 Invariants:
 - Bounded: every call is NOBLOCK or polled against one monotonic deadline ``timeout_s`` from the
@@ -20,7 +22,8 @@ Invariants:
 - Own context, closed before returning: never shared with the caller (fork safety, DESIGN "ZeroMQ").
 - The answer to a request of type T is a reply of type ``expect`` (``"ok"`` by default) whose ``re`` is
   absent or T, or an ``error`` whose ``re`` is absent or T; anything else arriving meanwhile is ignored.
-- Nothing heavier than pyzmq and ``adloader.protocol`` is imported (the prolog pays for every import).
+- Nothing heavier than pyzmq, ``adloader.protocol`` and ``adloader.trust`` (stdlib) is imported (the
+  prolog pays for every import).
 """
 from __future__ import annotations
 
@@ -47,6 +50,10 @@ class BadReply(RequestError):
     """The agent's reply could not be read (malformed, incompatible protocol version, too large)."""
 
 
+class AgentUntrusted(RequestError):
+    """The endpoint's socket is not the agent's (``adloader.trust.agent_untrusted``); nothing was sent."""
+
+
 class AgentRefused(RequestError):
     """The agent answered with an ``error`` message."""
 
@@ -70,6 +77,12 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
     path = env.ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
         raise AgentDown(f"agent down: no socket at {path} (is `adloader agent` running?)")
+    from adloader import trust
+
+    why = None if path is None else trust.agent_untrusted(  # (tcp://: the operator's explicit choice)
+        endpoint, timeout_s=max(0.05, min(1.0, deadline - time.monotonic())))
+    if why is not None and why != trust.NO_SOCKET and not why.startswith(trust.UNCHECKED):
+        raise AgentUntrusted(f"not talking to {endpoint}: {why}")
     ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
     sock = ctx.socket(zmq.DEALER)
     try:

@@ -132,17 +132,17 @@ def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int, int]]:
         return None
 
 
-def pid_start_ticks(pid: int) -> Optional[int]:
+def pid_start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
     """The process's start time (clock ticks since boot): with the pid, a process identity that
     survives pid reuse. None if the process is gone."""
-    st = _stat(pid)
+    st = _stat(pid, proc_root)
     return st[2] if st is not None else None
 
 
-def alive(pid: int, start_ticks: Optional[int]) -> bool:
+def alive(pid: int, start_ticks: Optional[int], proc_root: str = "/proc") -> bool:
     """True if ``pid`` is the same live process as when first seen (not a zombie, not a reused pid).
-    One read of /proc/<pid>/stat: cheap enough for every rank on every tick."""
-    st = _stat(pid)
+    One read of <proc_root>/<pid>/stat: cheap enough for every rank on every tick."""
+    st = _stat(pid, proc_root)
     if st is None or st[0] in ("Z", "X", "x"):
         return False
     return start_ticks is None or st[2] == start_ticks

@@ -66,7 +66,6 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional
 
@@ -207,7 +206,3 @@ def query(endpoint: str, timeout_s: float = 3.0) -> dict:
     # the status document may exceed MAX_MESSAGE_BYTES (many jobs): read it without the limit
     reply = rpc.request(endpoint, protocol.make("status"), timeout_s, expect="status", max_reply_bytes=None)
     return reply.get("doc") or {}
-
-
-def allocation_dict(a) -> Optional[dict]:
-    return None if a is None else dataclasses.asdict(a)

@@ -13,7 +13,7 @@ Attacks:
     register N [PIDS]        N ``register`` messages for distinct job ids (PIDS: "dup" = 1024 copies of
                              its own pid, "own" = the pids of 200 children it starts, default none)
     bigframes CONNS SECONDS  CONNS connections each sending ~60 KB frames as fast as libzmq takes them
-    squat JOB                ``register`` JOB for itself (before the real owner's prolog)
+    squat JOB...             ``register`` each JOB for itself (before the real owner's prolog)
     impostor SECONDS         (ENDPOINT is where to bind) pose as the agent: bind a ROUTER there
                              (creating its directory), answer every hello with a welcome and a
                              directive of 0 workers; report what it heard
@@ -243,11 +243,20 @@ def impostor(endpoint: str, seconds: float) -> dict:
     return {"heard": heard}
 
 
-def squat(endpoint: str, job: str) -> dict:
+def squat(endpoint: str, jobs: list) -> dict:
+    """``register`` each job for itself, one connection each; the reply to each, and all counted."""
     ctx = zmq.Context()
-    got = _ask(ctx, endpoint, [protocol.make("register", job=job, uid=os.getuid(), pids=[])])
+    by_job, total = {}, {}
+    for job in jobs:
+        # built by hand: protocol.make would not let a malformed job id leave (the agent must refuse it)
+        msg = json.dumps({"v": protocol.VERSION, "type": "register", "job": job, "uid": os.getuid(),
+                          "pids": []}).encode()
+        got = _ask(ctx, endpoint, [msg])
+        by_job[job] = got
+        for k, n in got.items():
+            total[k] = total.get(k, 0) + n
     ctx.destroy(0)
-    return {"replies": got}
+    return {"replies": total, "by_job": by_job}
 
 
 def main() -> None:
@@ -271,7 +280,7 @@ def main() -> None:
     elif attack == "impostor":
         out = impostor(endpoint, float(args[0]))
     elif attack == "squat":
-        out = squat(endpoint, args[0])
+        out = squat(endpoint, args)
     else:
         raise SystemExit(f"unknown attack {attack!r}")
     print(json.dumps(out))

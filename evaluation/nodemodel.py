@@ -217,8 +217,7 @@ def _stats(job_id: str, m: JobModel, r: Optional[JobRate], applied, requested: i
         wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
         blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=r.loader_cores if r is not None else 0.0,
         trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
-        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0,
-        applied=applied)
+        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0)
 
 
 def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float, loader_cpus: float,
@@ -246,7 +245,7 @@ def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float,
     for _ in range(rounds):
         jobs = {j: _stats(j, models[j], rates.get(j), applied.get(j), models[j].habitual_workers) for j in ids}
         snap = NodeSnapshot(now=0.0, loader_cpus=loader_cpus, cpu_ids=tuple(range(int(math.ceil(node_cores)))),
-                            jobs=jobs, max_jobs=len(ids))
+                            jobs=jobs, max_jobs=len(ids), applied=dict(applied))
         plan = pol(snap, {j: models[j].curve for j in ids}, config)
         applied = dict(plan.allocations)
         rates = node_rates(models, "agent", node_cores, applied)

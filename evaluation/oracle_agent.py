@@ -7,7 +7,7 @@ CURVES.json: ``{"budget_note": str, "jobs": {job_id: [[workers, cores_used, norm
 each job's measured sweep (see ``evaluation.harness.measure_sweeps``). At each tick the policy solves
 the exact knapsack (``evaluation.oracle.solve``) over the jobs present with the snapshot's loader
 CPUs (cached per set of jobs, so the plan is fixed while the set is). A job with no curve gets the
-even share. The policy is registered into ``agent.policies.POLICIES`` in this process only.
+even share. The policy is handed to the agent (``Agent(policy=...)``); no global registry is touched.
 """
 from __future__ import annotations
 
@@ -57,13 +57,11 @@ def main(argv=None) -> int:
         return 2
     with open(argv[0]) as f:
         doc = json.load(f)
-    from agent import policies
+    from agent.cli import build_parser
+    from agent.commands import agent as agent_command
 
-    policies.POLICIES["oracle"] = make_oracle_policy(doc.get("jobs", {}))
-    from agent.cli import main as cli_main
-
-    rest = [a for a in argv[1:]]
-    return cli_main(["agent", *rest, "--policy", "oracle"])
+    args = build_parser("agent").parse_args(["agent", *argv[1:]])
+    return agent_command.run(args, policy=make_oracle_policy(doc.get("jobs", {})))
 
 
 if __name__ == "__main__":

@@ -35,18 +35,6 @@ def default_cgroup_mode() -> str:
         return "off"
 
 
-def agent_available() -> tuple[bool, str]:
-    """Whether this build has the agent daemon, the controller and the elastic loader."""
-    missing = []
-    for mod, what in (("agent.daemon", "agent daemon"), ("agent.controller", "controller"),
-                      ("adloader.dataloader", "elastic DataLoader"), ("adloader.client", "agent client")):
-        try:
-            __import__(mod)
-        except ImportError:
-            missing.append(what)
-    return (not missing, ", ".join(missing))
-
-
 def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, quick: bool,
         catalog_path: str | None, loader_cpus: float, cgroup_mode: str, tick_s: float, device: str,
         sweep_segment_s: float, progress: report.Progress, warmup_s: float | None = None,
@@ -99,4 +87,4 @@ def _loader_kind(phases) -> str:
     return ",".join(sorted(k for k in kinds if k)) or "unknown"
 
 
-__all__ = ["run", "node_cores", "default_loader_cpus", "default_cgroup_mode", "agent_available"]
+__all__ = ["run", "node_cores", "default_loader_cpus", "default_cgroup_mode"]

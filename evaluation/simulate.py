@@ -1,7 +1,11 @@
 """Trace-driven simulation of the allocation policies over many nodes (``adloader simulate``).
 
-The same policy code as the agent (``agent.policies.get_policy``) and the same predictor
-(``predictor.bank.PredictorBank``, fed synthetic observation windows) decide; jobs are modelled by
+The agent's own loop decides: on each simulated node, ``agent.controller.Controller.tick(now)`` with
+the agent's policies (``agent.policies.get_policy``, injected) and predictor
+(``predictor.bank.PredictorBank``), reading a simulated snapshot source (what the collector would
+report: rates over the window since they last changed) and applying through a simulated actuator
+(the allocation is in force at once). So the observation spacing and hygiene, the tolerance for what
+counts as a change, cold start and departures are the controller's, not a copy. Jobs are modelled by
 throughput curves (``predictor.curve.ThroughputCurve``):
 
 - ``curves="corpus"``: one curve per job of the predictor's measured corpus
@@ -57,7 +61,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -102,6 +106,9 @@ class _Job:
     workers: int = 0
     changes: int = 0
     cores_got: float = 0.0
+    trainer_got: float = 0.0        # cores its training processes got (the workload model)
+    since: float = 0.0              # when its rates last changed (the collector's window starts there)
+    model: object = None            # its evaluation.nodemodel.JobModel, made on first use
 
 
 # -- curves ------------------------------------------------------------------------------------
@@ -348,122 +355,143 @@ def _policy(name: str):
     return get_policy(name)
 
 
+class _TruePredictor:
+    """The predictor slot filled with the true curves: for ``--predictor perfect`` and for the policies
+    that decide without a learned curve (the oracle reads the truth)."""
+
+    def __init__(self, active: dict):
+        self._active = active
+
+    def observe(self, job_id, obs) -> None:
+        pass
+
+    def curve(self, job_id):
+        jb = self._active.get(job_id)
+        return jb.curve if jb is not None else None
+
+    def forget(self, job_id) -> None:
+        pass
+
+
+class _SimActuator:
+    """The node side of an apply: the allocation is in force at once (no worker restart cost); the
+    controller owns what is applied, this only keeps what the physics reads."""
+    name = "sim"
+    tracks_pids = False
+
+    def __init__(self, cpu_knob: str, active: dict):
+        self.cpu_knob = cpu_knob          # the controller reads it: a quota is a cap, a share is not
+        self.in_force: dict = {}
+        self._active = active
+
+    def apply(self, job, desired):
+        from agent.model import ApplyResult
+
+        old = self.in_force.get(job.job)
+        jb = self._active.get(job.job)
+        if old is not None and jb is not None and old.workers != desired.workers:
+            jb.changes += 1
+        self.in_force[job.job] = desired
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def release(self, job_id) -> None:
+        self.in_force.pop(job_id, None)
+
+    def restore(self) -> None:
+        self.in_force.clear()
+
+
+def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
+    """What the collector would report for a simulated job: its rates over the window since they last
+    changed. Workers are taken as busy for the whole batch (the wall time per batch is workers over
+    batches per second, never under c + b; the excess is run-queue delay)."""
+    from agent.model import JobStats
+
+    cv = jb.curve
+    bs, g, thr = cv.batch_size, cv.compute_s_per_step, jb.rate
+    c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+    wait = max(0.0, bs / thr - g) if thr > 0 else 0.0
+    bps = thr / bs
+    wall = max(jb.workers / bps if bps > 0 else 0.0, c + b)
+    return JobStats(
+        job=jb.tj.job, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=jb.workers,
+        requested_workers=requested, max_workers=None, samples_per_s=thr, compute_s_per_step=g,
+        data_wait_s_per_step=wait, data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=c,
+        wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
+        worker_cpu_cores=jb.cores_got, trainer_cpu_cores=jb.trainer_got,
+        trainer_cpu_s_per_step=trainer_cpu_s_per_step, age_s=now - jb.start, observed_s=now - jb.start,
+        window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
+        loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
+
+
 def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig) -> dict:
-    """One node under one policy: per-job results and node totals."""
-    from agent.model import JobStats, NodeSnapshot
+    """One node under one policy: per-job results and node totals.
+
+    The agent's own ``Controller`` decides, tick by tick (``tick(now)``), from a simulated snapshot
+    source and through a simulated actuator: the same observation spacing and hygiene, the same
+    tolerance for what counts as a change (``CPUS_TOLERANCE``), the same departure handling. Ticks
+    are event-driven: one at each arrival or departure, then every ``tick_s`` while the predictor is
+    learning, until the plan has held for ``settle_ticks`` plus one observation interval. The
+    no-agent baselines (``NO_AGENT_POLICIES``) decide nothing: the physics alone."""
+    from agent.controller import OBSERVE_INTERVAL_S, Controller
+    from agent.model import NodeSnapshot
     from agent.policies import PolicyConfig
-    from predictor.observation import Observation
 
     from evaluation import nodemodel
 
-    policy = _policy(policy_name) if policy_name not in NO_AGENT_POLICIES else None
-    pconf = PolicyConfig(cpu_weights=cfg.cpu_knob == "shares")
-    bank = None
     if cfg.predictor not in PREDICTORS:
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
-    if cfg.predictor != "perfect" and policy_name not in CURVE_FREE_POLICIES:
-        from predictor.bank import PredictorBank
-
-        bank = PredictorBank(prior="default" if cfg.predictor == "agent" else None)
     C = cfg.loader
     cpu_ids = tuple(range(int(cfg.cores)))
     req = cfg.requested_workers or max(1, int(cfg.cores // cfg.gpus))
     pending = sorted(jobs_in, key=lambda j: j.arrival_s)
     active: dict[str, _Job] = {}
     finished: list[_Job] = []
-    applied: dict = {}
+    learning = cfg.predictor != "perfect" and policy_name not in CURVE_FREE_POLICIES
+    if learning:
+        from predictor.bank import PredictorBank
+
+        predictor = PredictorBank(prior="default" if cfg.predictor == "agent" else None)
+    else:
+        predictor = _TruePredictor(active)
+    act = _SimActuator(cfg.cpu_knob, active)
     t = 0.0
+
+    def model_of(jb) -> "nodemodel.JobModel":
+        if jb.model is None:
+            ex = jb.curve.extra or {}
+            habit = int(ex.get("num_workers") or 0) or max(1, int(cfg.cores // max(1, jb.tj.gpus)))
+            jb.model = nodemodel.JobModel(curve=jb.curve,
+                                          trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
+                                          gpus=max(1, jb.tj.gpus), habitual_workers=cfg.requested_workers or habit)
+        return jb.model
+
+    def snapshot(now: float) -> NodeSnapshot:
+        jobs = {}
+        for jid, jb in active.items():
+            m = model_of(jb)
+            jobs[jid] = _job_stats(jb, now, min(cfg.tick_s, now - jb.since), m.habitual_workers,
+                                   m.gpus * m.trainer_cpu_s_per_step)
+        return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
+                            loader_memory_bytes=cfg.loader_memory)
+
+    controller = None
+    if policy_name not in NO_AGENT_POLICIES:
+        controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
+                                policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares"),
+                                predictor=predictor, actuators=[act])
+    settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0
     ticks_left = 0
     n_jobs = len(pending)
     mem_now = mem_peak = 0.0
     mem_over_s = 0.0
-
-    def model_of(jb) -> "nodemodel.JobModel":
-        m = getattr(jb, "model", None)
-        if m is None:
-            ex = jb.curve.extra or {}
-            habit = int(ex.get("num_workers") or 0) or max(1, int(cfg.cores // max(1, jb.tj.gpus)))
-            m = jb.model = nodemodel.JobModel(curve=jb.curve,
-                                              trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
-                                              gpus=max(1, jb.tj.gpus),
-                                              habitual_workers=cfg.requested_workers or habit)
-        return m
-
-    def observe_and_stats():
-        stats = {}
-        for jid, jb in active.items():
-            cv = jb.curve
-            bs = cv.batch_size
-            thr = jb.rate
-            g = cv.compute_s_per_step
-            step_s = bs / thr if thr > 0 else math.inf
-            wait = max(0.0, step_s - g) if thr > 0 else 0.0
-            a = applied.get(jid)
-            m = model_of(jb)
-            w = a.workers if a else m.habitual_workers
-            if bank is not None and thr > 0:
-                bps = thr / bs
-                wall = w / bps if bps > 0 else 0.0
-                c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
-                runq = max(0.0, wall - c - b)
-                got = getattr(jb, "cores_got", 0.0)
-                bank.observe(jid, Observation(
-                    workers=w, cores=max(1e-3, a.cpus if a else C / max(1, len(active))), batch_size=bs,
-                    compute_s_per_step=g, data_wait_s_per_step=wait, cpu_s_per_batch=c,
-                    wall_s_per_batch=max(wall, c + b), runq_s_per_batch=runq, blocked_s_per_batch=b,
-                    samples_per_s=thr, duration_s=cfg.tick_s, steps=max(1, int(bps * cfg.tick_s)),
-                    worker_memory_bytes=cv.worker_memory_bytes))
-            stats[jid] = JobStats(
-                job=jid, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=w,
-                requested_workers=m.habitual_workers, trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step,
-                trainer_cpu_cores=getattr(jb, "trainer_got", 0.0),
-                max_workers=None, samples_per_s=thr, compute_s_per_step=g, data_wait_s_per_step=wait,
-                data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=cv.cpu_s_per_batch,
-                wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
-                blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=getattr(jb, "cores_got", 0.0),
-                age_s=t - jb.start, observed_s=t - jb.start, window_s=cfg.tick_s if thr > 0 else 0.0,
-                applied=a, pids=(), worker_pids=(), worker_memory_bytes=cv.worker_memory_bytes,
-                loader_memory_bytes=w * cv.worker_memory_bytes)
-        return stats
-
-    def decide():
-        nonlocal applied, decisions
-        stats = observe_and_stats()
-        snap = NodeSnapshot(now=t, loader_cpus=C, cpu_ids=cpu_ids, jobs=stats, max_jobs=cfg.gpus,
-                            loader_memory_bytes=cfg.loader_memory)
-        if bank is None:
-            curves = {j: active[j].curve for j in active}
-        else:
-            curves = {j: c for j in active if (c := bank.curve(j)) is not None}
-        if policy is None:               # no agent: nothing is decided, the physics alone
-            decisions += 1
-            applied = {}
-            physics()
-            return False
-        plan = policy(snap, curves, pconf)
-        decisions += 1
-        moved = False
-        new = {}
-        for jid in active:
-            a = plan.allocations.get(jid)
-            if a is None:
-                continue
-            old = applied.get(jid)
-            if old is None or old.workers != a.workers or abs(old.cpus - a.cpus) > 1e-6:
-                moved = True
-                if old is not None and old.workers != a.workers:
-                    active[jid].changes += 1
-            new[jid] = a
-        applied = new
-        physics()
-        return moved
-
     mode = {"none": "none", "autotune": "autotune", "static-cores": "static"}.get(policy_name, "agent")
     rates_cache: dict = {}      # the physics of one set of jobs and allocations, computed once
 
     def physics():
         nonlocal mem_now
+        applied = act.in_force
         models = {j: model_of(jb) for j, jb in active.items()}
         if mode == "agent" and cfg.cpu_knob == "quota":   # hard caps: the loaders' waterfill alone (no trainer model)
             got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
@@ -478,16 +506,28 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores,
                                                               applied if mode == "agent" else None, node_gpus=cfg.gpus)
         for jid, jb in active.items():
-            a = applied.get(jid)
             if res is not None:
                 r = res[jid]
-                jb.workers, jb.cores_got, jb.trainer_got, jb.rate = r.workers, r.loader_cores, r.trainer_cores, \
-                    r.samples_per_s
+                workers, cores, trainer, rate = r.workers, r.loader_cores, r.trainer_cores, r.samples_per_s
             else:
-                jb.workers = a.workers if a else req
-                jb.cores_got = got[jid]
-                jb.rate = rates[jid]
+                a = applied.get(jid)
+                workers, cores, trainer, rate = (a.workers if a else req), got[jid], 0.0, rates[jid]
+            if workers != jb.workers or abs(rate - jb.rate) > 1e-9 * max(1.0, jb.rate):
+                jb.since = t                   # a new window starts: the collector's rates restart here
+            jb.workers, jb.cores_got, jb.trainer_got, jb.rate = workers, cores, trainer, rate
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
+
+    def tick() -> bool:
+        nonlocal decisions
+        decisions += 1
+        if controller is None:           # no agent: nothing is decided, the physics alone
+            return False
+        record = controller.tick(t)
+        if record.errors:
+            raise SimError(f"node {jobs_in[0].node} at t={t:g} under {policy_name}: {'; '.join(record.errors)}")
+        if record.results:
+            physics()
+        return bool(record.results)
 
     while pending or active:
         # next event
@@ -517,23 +557,19 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             jb = active.pop(jid)
             jb.done = t
             finished.append(jb)
-            applied.pop(jid, None)
-            if bank is not None:
-                bank.forget(jid)
             changed = True
         while pending and pending[0].arrival_s <= t + 1e-12:
             tj = pending.pop(0)
             cv = truth[tj.kind]
-            jb = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s), start=t)
-            active[tj.job] = jb
+            active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
+                                  start=t, since=t)
             changed = True
         if changed:
-            physics()          # rates before the first decision (cold jobs at their own request)
-            decide()
-            ticks_left = cfg.settle_ticks if bank is not None else 0
+            physics()          # rates before the tick (a new job at its own request, unmanaged)
+            tick()             # the controller forgets departed jobs and places new ones
+            ticks_left = settle
         elif t == t_tick:
-            moved = decide()
-            ticks_left = ticks_left - 1 if not moved else max(ticks_left - 1, 1)
+            ticks_left = settle if tick() else ticks_left - 1
     starts = [jb.start for jb in finished]
     ends = [jb.done for jb in finished]
     span = max(ends) - min(starts) if finished else 0.0

@@ -1,8 +1,13 @@
 """The predictor's input record: one observation window of one job.
 
 A window is what a job did over a few seconds at one configuration (worker count, CPU cores its
-loader may use). The loader (``adloader.DataLoader.stats()``) and the agent's collector produce the
-totals; whoever holds two successive totals turns them into a window with :meth:`Observation.from_window`.
+loader may use). The loader (``adloader.DataLoader.stats()``) keeps monotonic totals; whoever holds two
+successive totals turns them into a window with :meth:`Observation.from_window` (the autotuner and
+``adloader profile``), or takes the differences and per-batch figures the same way (``counter_deltas``,
+``blocked_s``: the agent's collector, which then smooths them per rank). One rule for all of them: a
+counter that went down counts as 0 (no negative delta), a counter missing from either total counts
+as 0, and blocked time is the loader's own counter when the client reports it, else wall - cpu - runq
+over the window, at least 0.
 
 Units are in the names. Per-step figures are means over the window; per-batch figures are means over
 the batches the loader's workers finished in the window (measured inside the worker).
@@ -16,6 +21,38 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 OBSERVATION_VERSION = 1
+# the loader's monotonic totals a window is made of (``adloader.DataLoader.stats()``)
+WINDOW_COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
+                   "worker_runq_s", "worker_blocked_s", "uptime_s")
+
+
+def _count(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def counter_deltas(prev, cur, keys=WINDOW_COUNTERS) -> dict:
+    """Each counter's increase from ``prev`` to ``cur`` (mappings of totals): a counter that went down
+    counts 0, one missing (or not a number) in either counts 0."""
+    out = {}
+    for k in keys:
+        a, b = _count(prev.get(k)), _count(cur.get(k))
+        out[k] = max(0.0, b - a) if a is not None and b is not None else 0.0
+    return out
+
+
+def blocked_s(d, reported: bool) -> float:
+    """Blocked (mostly IO) seconds in a window of ``counter_deltas`` ``d``: the loader's own counter when
+    the client reports it (it clamps wall - cpu - runq at 0 batch by batch), else wall - cpu - runq over
+    the window, at least 0."""
+    if reported:
+        return d["worker_blocked_s"]
+    return max(0.0, d["worker_wall_s"] - d["worker_cpu_s"] - d["worker_runq_s"])
 
 
 _OPTIONAL = ("worker_memory_bytes",)   # fields added after version 1's first records
@@ -70,6 +107,27 @@ class Observation:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_window(cls, prev, cur, *, workers: int, cores: float, batch_size: int,
+                    compute_s: float | None = None, duration_s: float | None = None) -> "Observation | None":
+        """The window between two loader totals (``WINDOW_COUNTERS``), or None when it holds no step or
+        no time. ``duration_s``: default the totals' own ``uptime_s`` difference. ``compute_s``: the
+        window's compute time when the caller corrects it (default the counters')."""
+        d = counter_deltas(prev, cur)
+        steps, batches = int(d["steps"]), int(d["batches"])
+        dur = d["uptime_s"] if duration_s is None else float(duration_s)
+        if steps <= 0 or dur <= 0:
+            return None
+        per_b = (lambda x: x / batches) if batches > 0 else (lambda x: 0.0)
+        return cls(
+            workers=int(workers), cores=float(cores), batch_size=int(batch_size),
+            compute_s_per_step=(d["compute_s"] if compute_s is None else compute_s) / steps,
+            data_wait_s_per_step=d["data_wait_s"] / steps,
+            cpu_s_per_batch=per_b(d["worker_cpu_s"]), wall_s_per_batch=per_b(d["worker_wall_s"]),
+            runq_s_per_batch=per_b(d["worker_runq_s"]),
+            blocked_s_per_batch=per_b(blocked_s(d, _count(cur.get("worker_blocked_s")) is not None)),
+            samples_per_s=d["samples"] / dur, duration_s=dur, steps=steps)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Observation":

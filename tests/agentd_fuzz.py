@@ -12,6 +12,7 @@ import time
 
 import zmq
 
+import agent  # noqa: F401  (declares this process torch-free: importing adloader then skips torch)
 from adloader import protocol
 
 

@@ -26,6 +26,7 @@ FAKE_TRAINER = textwrap.dedent('''
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import logging
     logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(message)s")
+    import agent  # a client-only process: declares itself torch-free (adloader/__init__.py), saves ~1 s per start
     from adloader import client
 
     if os.environ.get("FAKE_SETUID"):

@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from evaluation.poll import wait_for  # noqa: F401  (re-exported: one poll-with-deadline for tests and harnesses)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,18 +65,6 @@ def repo_env(**extra: str) -> dict[str, str]:
 def adloader_cmd(*args: str) -> list[str]:
     """argv that runs the `adloader` command from this checkout (no install needed)."""
     return [sys.executable, "-m", "agent", *args]
-
-
-def wait_for(cond, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``cond()`` until it returns a truthy value; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture

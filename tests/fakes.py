@@ -10,10 +10,12 @@ One place for them (tests import from here, never from another test module):
 from __future__ import annotations
 
 import errno
+import math
 import os
 from types import SimpleNamespace
 
 from agent.cgroupfs import V2Hierarchy, domain_error
+from agent.config import LOADER_CPU_RESERVE
 from agent.model import ApplyResult, JobStats, NodeSnapshot
 from predictor.curve import ThroughputCurve
 
@@ -50,7 +52,10 @@ class FakeSource:
         self.jobs = {j.job: j for j in jobs}
 
     def __call__(self, now):
-        return NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=tuple(range(int(self.loader_cpus))),
+        # a node as the agent sees it: loader_cpus is 90% of its CPUs (``config.auto_loader_cpus``), so
+        # 1.8 loader cores sit on a 2-CPU node, not on one CPU (a 1-CPU node cannot hold 1.8 loader cores)
+        n = max(1, math.ceil(self.loader_cpus / (1.0 - LOADER_CPU_RESERVE) - 1e-9))
+        return NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=tuple(range(n)),
                             jobs=dict(self.jobs))
 
 

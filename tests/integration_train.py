@@ -257,7 +257,7 @@ def run_transformers() -> dict:
             output_dir=tempfile.mkdtemp(prefix="adl-fw-hf-"), per_device_train_batch_size=BATCH,
             num_train_epochs=epochs, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
             disable_tqdm=True, seed=SEED, ddp_backend="gloo" if WORLD > 1 else None, learning_rate=0.01,
-            dataloader_num_workers=torch_workers)
+            dataloader_num_workers=torch_workers, per_device_eval_batch_size=BATCH)
         trainer = cls(model=Model(rec), args=args, train_dataset=Points(as_dict=True),
                       callbacks=[Epochs(rec)], **extra)
         resizer = None
@@ -267,7 +267,15 @@ def run_transformers() -> dict:
         trainer.train()
         user = trainer.adloader_loaders.get("train") if extra else None
         fw = trainer.callback_handler.train_dataloader if extra else None     # what the Trainer iterated
-        return _summary(rec, user, fw, resizer), user
+        summary = _summary(rec, user, fw, resizer)
+        if extra:
+            # the eval loader too: built by the Trainer, prepared, with an A-Dloader loader inside
+            trainer.evaluate(eval_dataset=Points(as_dict=True))
+            ev = trainer.adloader_loaders["eval"]
+            summary["eval"] = {"steps": ev.stats()["steps"], "is_adloader": type(ev).__module__ == "adloader.dataloader",
+                               "workers": ev.num_workers}
+            ev.close()
+        return summary, user
 
     run, user = train(Trainer, EPOCHS, adloader_num_workers=1, adloader_max_workers=2)
     auto_run, auto = train(Trainer, 1, adloader_num_workers="auto", adloader_max_workers=2)

@@ -51,7 +51,6 @@ SCRIPT = textwrap.dedent('''
 
 def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None):
     """Run the job; pinned to one CPU, or (``cgroup_procs``: a cgroup.procs file) started in that group."""
-    pytest.importorskip("adloader.dataloader", reason="the elastic adloader.DataLoader has not landed yet")
     script = tmp_path / "auto_job.py"
     script.write_text(SCRIPT)
 

@@ -156,9 +156,6 @@ def test_cuda_device_without_cuda_fails_with_a_clear_message(tmp_path):
 def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
     """The real agent (policy `even`, worker counts only) resizes the real jobs' loaders: two jobs that
     start at num_workers = node cores end at the even split of 1 loader core: one worker each."""
-    ok, missing = setup.agent_available()
-    if not ok:
-        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
     if setup.node_cores() < 2:
         pytest.skip("needs >= 2 cores so that the jobs start above the even split")
     result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["even"], warmup_s=2.0, measure_s=2.0)
@@ -235,9 +232,6 @@ def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, poli
     """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
     `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
     the measured window under it. The harness reads the workers' memory itself (smaps_rollup)."""
-    ok, missing = setup.agent_available()
-    if not ok:
-        pytest.skip(f"needs the whole stack; this build lacks: {missing}")
     if setup.node_cores() < 2:
         pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
     cat = tmp_path / "mem.toml"

@@ -174,8 +174,8 @@ def test_observation_cores():
     assert observation_from_stats(snap.jobs["a"], snap).cores == 2.0
     j = job_stats("a", allowed_cpus=(0, 1, 2))
     assert observation_from_stats(j, snap).cores == 3.0
-    j = dataclasses.replace(j, applied=JobAllocation(job="a", workers=1, cpus=1.5))
-    assert observation_from_stats(j, snap).cores == 1.5
+    applied = dataclasses.replace(snap, applied={"a": JobAllocation(job="a", workers=1, cpus=1.5)})
+    assert observation_from_stats(j, applied).cores == 1.5
     assert observation_from_stats(job_stats("a", window_s=0.0), snap) is None
     assert observation_from_stats(job_stats("a", cpu_s_per_batch=float("nan")), snap) is None
 
@@ -277,22 +277,23 @@ def test_observed_cores_under_a_work_conserving_share():
     """A share is a floor, not a ceiling: uncontended workers use more, and the window says so."""
     snap = FakeSource(4.0, [job_stats("a"), job_stats("b")])(0.0)
     share = JobAllocation(job="a", workers=2, cpus=1.0)
-    busy = dataclasses.replace(job_stats("a", worker_cpu_cores=2.6), applied=share)
-    assert observation_from_stats(busy, snap).cores == 2.6                      # used more than its share
-    idle = dataclasses.replace(job_stats("a", worker_cpu_cores=0.4), applied=share)
-    assert observation_from_stats(idle, snap).cores == 1.0                      # the share is still there
-    greedy = dataclasses.replace(job_stats("a", worker_cpu_cores=7.0), applied=share)
-    assert observation_from_stats(greedy, snap).cores == 4.0                    # never past the loader CPUs
-    pinned = dataclasses.replace(job_stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1)), applied=share)
-    assert observation_from_stats(pinned, snap).cores == 2.0                    # nor past its CPU set
+    shared = dataclasses.replace(snap, applied={"a": share})           # what the controller adds
+    busy = job_stats("a", worker_cpu_cores=2.6)
+    assert observation_from_stats(busy, shared).cores == 2.6                    # used more than its share
+    idle = job_stats("a", worker_cpu_cores=0.4)
+    assert observation_from_stats(idle, shared).cores == 1.0                    # the share is still there
+    greedy = job_stats("a", worker_cpu_cores=7.0)
+    assert observation_from_stats(greedy, shared).cores == 4.0                  # never past the loader CPUs
+    pinned = job_stats("a", worker_cpu_cores=2.6, allowed_cpus=(0, 1))
+    assert observation_from_stats(pinned, shared).cores == 2.0                  # nor past its CPU set
     # under a cap (quota / cpuset knob) the applied cores are what the workers could use
-    assert observation_from_stats(busy, snap, work_conserving=False).cores == 1.0
+    assert observation_from_stats(busy, shared, work_conserving=False).cores == 1.0
     # an informational allocation (enforce_cpu=False) caps nothing
-    info = dataclasses.replace(busy, applied=dataclasses.replace(share, enforce_cpu=False))
-    assert observation_from_stats(info, snap, work_conserving=False).cores == 2.6
+    info = dataclasses.replace(snap, applied={"a": dataclasses.replace(share, enforce_cpu=False)})
+    assert observation_from_stats(busy, info, work_conserving=False).cores == 2.6
     # a cooperative job is pinned by affinity: its applied cores stand
     coop = dataclasses.replace(busy, cooperative=True)
-    assert observation_from_stats(coop, snap).cores == 1.0
+    assert observation_from_stats(coop, shared).cores == 1.0
     # nothing applied yet: the even split, or more if the workers used more
     assert observation_from_stats(job_stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
 

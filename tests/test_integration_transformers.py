@@ -18,7 +18,10 @@ RUNS = {"trainer": 2, "auto": 1}
 
 
 def test_one_process(tmp_path):
-    one_process("transformers", RUNS, str(tmp_path))
+    results = one_process("transformers", RUNS, str(tmp_path))
+    for run in ("trainer", "auto"):      # trainer.evaluate() ran on an A-Dloader loader as well
+        ev = results[0]["runs"][run]["eval"]
+        assert ev["is_adloader"] and ev["steps"] == 192 // 4 and ev["workers"] >= 1, ev
 
 
 def test_two_processes_gloo_with_a_live_agent(base, tmp_path):

@@ -139,3 +139,39 @@ def test_a_registration_adopted_after_a_restart_is_forgotten_when_nothing_runs()
         if a.proc.poll() is None:
             a.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_non_default_endpoint_set_only_in_the_agents_config_works_end_to_end(tmp_path, adloader_bin, trainers):  # noqa: F811
+    """The agent reads its endpoint from its config file only; the installed prolog registers there, the
+    TaskProlog exports it, a training process started with that environment joins the registered job,
+    and the epilog releases it there (component tier: the scripts as slurmd runs them, no Slurm)."""
+    from agent.commands.install_service import SLURM_SCRIPTS, slurm_script
+
+    base = short_dir()
+    config = Path(base) / "agent.toml"
+    endpoint = f"ipc://{base}/elsewhere/agent.sock"
+    os.makedirs(f"{base}/elsewhere")
+    config.write_text(f'endpoint = "{endpoint}"\nstate_dir = "{base}/state"\ntick_s = 0.2\ncgroup_mode = "off"\n')
+    a = AgentProc(base)
+    a.endpoint, a.args = endpoint, ["--config", str(config)]
+    a.start()
+    try:
+        scripts = tmp_path / "slurm"
+        scripts.mkdir()
+        for name in SLURM_SCRIPTS:
+            (scripts / name).write_text(slurm_script(name, "/opt/adloader", config=str(config), log_file=str(tmp_path / "log")))
+        env = {"SLURM_JOB_ID": JOB, "SLURM_JOB_UID": str(os.getuid()), "SLURM_JOB_CPUS_PER_NODE": "2"}
+        rc, _, err, _ = run_script(scripts / "prolog.sh", {**env, "ADLOADER_BIN": adloader_bin})
+        assert rc == 0 and log_line(err, "adloader-prolog").endswith(": ok"), err
+        rc, out, err, _ = run_script(scripts / "taskprolog.sh", env)
+        exported = dict(line[len("export "):].split("=", 1) for line in out.splitlines())
+        assert rc == 0 and exported == {"ADLOADER_ENDPOINT": endpoint, "ADLOADER_JOB_ID": JOB}, (out, err)
+        trainers.append(Trainer(base, exported["ADLOADER_ENDPOINT"], env=exported))
+        joined = wait_for(lambda: (j := a.job(JOB)) and j["ranks"] == 1 and j, 20, what="the trainer joining")
+        assert joined["registered"] is True
+        rc, _, err, _ = run_script(scripts / "epilog.sh", {**env, "ADLOADER_BIN": adloader_bin})
+        assert rc == 0 and ": ok" in log_line(err, "adloader-epilog"), err
+        wait_for(lambda: any(e["why"] == "released" for e in _departed(a, JOB)), 10, what="the release")
+    finally:
+        a.stop()
+        shutil.rmtree(base, ignore_errors=True)

@@ -218,3 +218,28 @@ def test_cli_usage_errors_exit_2(tmp_path):
 def test_bad_endpoint_is_a_clear_failure():
     rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
     assert rc == 1 and "bad endpoint" in one_line(err)
+
+
+@pytest.mark.unit
+def test_endpoint_precedence_flag_environment_config_default(tmp_path):
+    """One source of truth for commands on the node: --endpoint, else ADLOADER_ENDPOINT, else the agent
+    config's endpoint key, else the default; a bad config is named and the default used."""
+    from adloader import env
+    from agent.config import client_endpoint
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('endpoint = "ipc:///srv/from-config.sock"\n')
+    e = {"ADLOADER_ENDPOINT": "ipc:///srv/from-env.sock"}
+    assert client_endpoint("ipc:///srv/flag.sock", str(cfg), e) == ("ipc:///srv/flag.sock", "")
+    assert client_endpoint(None, str(cfg), e) == ("ipc:///srv/from-env.sock", "")
+    assert client_endpoint(None, str(cfg), {}) == ("ipc:///srv/from-config.sock", "")
+    cfg.write_text('policy = "even"\n')
+    assert client_endpoint(None, str(cfg), {}) == (env.endpoint({}), "")
+    cfg.write_text("endpoint = 42\n")
+    ep, note = client_endpoint(None, str(cfg), {})
+    assert ep == env.endpoint({}) and "must be a string" in note and str(cfg) in note
+    cfg.write_text("endpoint = \n")
+    ep, note = client_endpoint(None, str(cfg), {})
+    assert ep == env.endpoint({}) and "not valid TOML" in note
+    ep, note = client_endpoint(None, str(tmp_path / "absent.toml"), {})
+    assert ep == env.endpoint({}) and "no agent config" in note

@@ -4,6 +4,7 @@ iterators, torch's error wording (timeout, killed worker, out of file descriptor
 per-batch seeding that overrides a seed set in ``worker_init_fn``."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -219,3 +220,39 @@ def test_documented_deviation_per_batch_seeding_overrides_worker_init_fn():
     for doc in (REPO / "docs" / "users.md", REPO / "adloader" / "dataloader.py"):
         text = doc.read_text()
         assert "worker_init_fn" in text and "initial_seed()" in text, doc
+
+
+DIST_SCRIPT = textwrap.dedent('''
+    import json, sys, torch, torch.distributed as dist, torch.utils.data as tud
+    sys.path.insert(0, sys.argv[1])
+    from torch.utils.data.datapipes.iter import IterableWrapper
+    from adloader import DataLoader
+    rank, init = int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    out = {}
+    for name, cls in (("torch", tud.DataLoader), ("adloader", DataLoader)):
+        pipe = IterableWrapper(range(40)).shuffle().sharding_filter()
+        # each rank its own generator: the shared seed is broadcast from rank 0, as torch does
+        dl = cls(pipe, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(100 + rank))
+        out[name] = [[b.tolist() for b in dl] for _ in range(2)]
+    dist.destroy_process_group()
+    print(json.dumps(out))
+''')
+
+
+def test_datapipe_in_a_two_rank_gloo_run_shards_over_ranks_and_workers_as_torch(tmp_path):
+    script = tmp_path / "dist.py"
+    script.write_text(DIST_SCRIPT)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(REPO), str(r), init], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for rank_out in outs:
+        assert rank_out["adloader"] == rank_out["torch"]
+    for epoch in range(2):                  # the ranks split one shuffled order: every sample once
+        seen = [x for o in outs for b in o["adloader"][epoch] for x in b]
+        assert sorted(seen) == list(range(40))

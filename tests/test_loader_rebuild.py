@@ -185,6 +185,17 @@ def test_a_framework_copying_the_loader_into_torchs_is_warned_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exec("loader.num_workers", copier)          # once per process
+    # through a wrapper that forwards attributes (accelerate's prepared loader): the asker decides
+    monkeypatch.setattr(dlmod, "_foreign_copy_warned", False)
+    wrapper = {"__name__": "accelerate.data_loader"}
+    exec("class Adapter:\n    def __init__(self, base): self.base = base\n"
+         "    def __getattr__(self, name): return getattr(self.base, name)\n", wrapper)
+    prepared = wrapper["Adapter"](loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prepared.num_workers == 1            # the user reading through the wrapper
+    with pytest.warns(UserWarning, match="rebuilding"):
+        exec("prepared.num_workers", {"__name__": "accelerate.data_loader", "prepared": prepared})
     monkeypatch.setattr(dlmod, "_foreign_copy_warned", False)
     dlmod._foreign_copy_allowed.on = True           # an integration copying on purpose
     try:

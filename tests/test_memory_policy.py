@@ -145,8 +145,7 @@ def test_property_the_plan_fits_any_budget_that_fits_one_worker_each(specs, cpus
     assert all(a.workers >= 1 for a in plan.allocations.values())
     assert sum(a.cpus for a in plan.allocations.values()) <= cpus + 1e-6
     # idempotent: fed back as applied, the same plan comes out
-    applied = {j: s.jobs[j].__class__(**{**s.jobs[j].__dict__, "applied": a}) for j, a in plan.allocations.items()}
-    again = adaptive(NodeSnapshot(**{**s.__dict__, "jobs": applied}), curves, CFG)
+    again = adaptive(NodeSnapshot(**{**s.__dict__, "applied": dict(plan.allocations)}), curves, CFG)
     assert {j: a.workers for j, a in again.allocations.items()} == {j: a.workers for j, a in plan.allocations.items()}
 
 
@@ -237,7 +236,6 @@ def test_injected_pressure_shrinks_workers_within_two_ticks_and_they_grow_back()
     act = WorkersFollowDirectives()
     ctl = Controller(snapshot_source=col.snapshot, policy=adaptive, policy_config=PolicyConfig(),
                      predictor=PredictorBank(prior=None), actuators=[act])
-    col.applied = ctl.applied
     steps = {n: 0 for n in per_worker}
     history = []
 

@@ -92,3 +92,8 @@ def test_unknown_command_is_named():
     out = subprocess.run(adloader_cmd("frobnicate"), env=repo_env(), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
     assert "frobnicate" in out.stderr
+
+
+def test_framework_integrations_are_imported_only_when_used():
+    mods = _imported_after("import adloader")
+    assert not {"lightning", "accelerate", "transformers", "adloader.integrations"} & mods

@@ -61,10 +61,9 @@ def curves_of(s: NodeSnapshot, cold=()) -> dict:
 
 
 def settle(policy, s: NodeSnapshot, curves, config=PolicyConfig()):
-    """Apply the plan as the jobs' applied state (what the controller does) and return both."""
+    """Apply the plan as the applied state (what the controller does) and return both."""
     plan = policy(s, curves, config)
-    jobs = {j: dataclasses.replace(s.jobs[j], applied=plan.allocations[j]) for j in s.jobs}
-    return plan, dataclasses.replace(s, jobs=jobs)
+    return plan, dataclasses.replace(s, applied={j: plan.allocations[j] for j in s.jobs})
 
 
 def check_invariants(plan, s: NodeSnapshot, config=PolicyConfig()):

@@ -26,8 +26,6 @@ def _sweep(tmp_path, cores: str, loader: str):
 @pytest.mark.component
 @pytest.mark.parametrize("loader", ["torch", "adloader"])
 def test_sweep_records_points_with_worker_side_timing(tmp_path, loader):
-    if loader == "adloader":
-        pytest.importorskip("adloader.dataloader", reason="the elastic loader has not landed")
     header, points = _sweep(tmp_path, "1", loader)
     assert "evaluation.predictor_corpus" in header["command"] and loader in header["loader"].split(".")[0]
     (p,) = points

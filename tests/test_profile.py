@@ -95,8 +95,6 @@ TRAIN = textwrap.dedent('''
 
 
 def test_profile_a_real_training_script(tmp_path):
-    pytest.importorskip("adloader.dataloader", reason="the elastic adloader.DataLoader has not landed")
-    pytest.importorskip("adloader.client", reason="the agent client has not landed")
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     proc, doc = _profile(tmp_path, "--duration", "8", "--", sys.executable, str(script))

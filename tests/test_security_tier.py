@@ -230,9 +230,9 @@ def test_job_ids_outside_the_grammar_are_refused(base, trainers):
     Refused at the boundary, by the agent (``malformed``) and by the client before it connects."""
     agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2").start()
     try:
+        r = result(attack(agent, "squat", *BAD_IDS))
         for job in BAD_IDS:
-            r = result(attack(agent, "squat", job))
-            assert r["replies"] == {"error:malformed": 1}, (job, r)
+            assert r["by_job"][job] == {"error:malformed": 1}, (job, r)
         for job in (".", "adv/col"):
             t = Trainer(base, agent.endpoint, job=job, workers=1, user=ATTACKER)
             trainers.append(t)
@@ -273,7 +273,7 @@ def test_agent_trust_checks_owner_mode_and_the_listening_process(base):
     """The client-side check (``adloader.client.agent_untrusted``) case by case, on real sockets."""
     import socket as so
 
-    from adloader.client import agent_untrusted
+    from adloader.trust import agent_untrusted
 
     assert "not ipc://" in agent_untrusted("tcp://127.0.0.1:5555")
     assert agent_untrusted(f"ipc://{base}/none.sock") == "no socket"
@@ -350,8 +350,11 @@ def test_look_alike_job_ids_get_their_own_groups_and_a_leaving_attacker_takes_no
         assert shares[vgroup] > 2 and shares[agroup] > 2, shares    # each has its own share
         attacker.kill()                                   # the attacker leaves
         wait_for(lambda: not os.path.exists(agroup), 20, what="the attacker's group removed")
+        # the victim's group stays and keeps its workers (a resize may add one: it joins on the next tick)
+        wait_for(lambda: os.path.isdir(vgroup) and (w := set(victim.state().get("worker_pids") or []))
+                 and w <= _cgroup_procs(vgroup), 10, what="victim's workers still in its group")
         time.sleep(1.0)
-        assert os.path.isdir(vgroup) and set(victim.state()["worker_pids"]) <= _cgroup_procs(vgroup)
+        assert os.path.isdir(vgroup) and _cgroup_procs(vgroup) & set(victim.state()["worker_pids"])
         v = agent.job("adv_col")
         assert v["cpus"] and v["apply_ok"] is not False, v
         r = result(attack(agent, "squat", "adv/col"))
@@ -359,3 +362,20 @@ def test_look_alike_job_ids_get_their_own_groups_and_a_leaving_attacker_takes_no
     finally:
         assert agent.stop() == 0
         assert not os.path.exists(f"{CPU}/{subtree}")
+
+
+def test_adloader_job_as_root_says_nothing_to_another_users_socket(base):
+    """The prolog's command (root) checks the socket as the client does: an impostor that another
+    user bound at a configured endpoint hears nothing, and the command says why."""
+    d = f"{base}/impostor"
+    os.makedirs(d)
+    os.chown(d, ATTACKER, ATTACKER)
+    p = subprocess.Popen([sys.executable, "-m", "evaluation.attacks", f"ipc://{d}/agent.sock", str(ATTACKER),
+                          "impostor", "8"], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=base)
+    wait_for(lambda: os.path.exists(f"{d}/agent.sock") or p.poll() is not None, 20, what="impostor bound")
+    out = subprocess.run([sys.executable, "-m", "agent", "job", "register", "--job", "4244", "--uid", str(VICTIM),
+                          "--endpoint", f"ipc://{d}/agent.sock"], env=repo_env(), capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1 and f"belongs to uid {ATTACKER}" in out.stdout + out.stderr, out
+    assert result(p)["heard"] == []

@@ -155,6 +155,25 @@ def test_memory_per_worker_and_a_node_budget():
 
 
 @pytest.mark.unit
+def test_every_decision_is_a_tick_of_the_agents_controller(monkeypatch):
+    """The simulator runs the real Controller.tick (its tolerance, observation spacing, cold start),
+    not a copy of it: every decision it counts is one controller tick."""
+    from agent.controller import Controller
+
+    ticks = []
+    real = Controller.tick
+
+    def counting(self, now):
+        ticks.append(now)
+        return real(self, now)
+
+    monkeypatch.setattr(Controller, "tick", counting)
+    cfg = S.SimConfig(cores=4.0, gpus=2, loader_cpus=3.0, tick_s=1.0)
+    res = S.simulate_node(_trace()[:2], CURVES, "adaptive", cfg)
+    assert res["decisions"] == len(ticks) > 2 and ticks == sorted(ticks)
+
+
+@pytest.mark.unit
 def test_node_model_modes_on_a_trainer_heavy_mix():
     """The workload model's physics (evaluation.nodemodel): with no agent the kernel shares per job and a
     job's busy workers stretch its trainer's CPU part; static cores idle what a job cannot use; the agent

@@ -219,14 +219,14 @@ def test_the_budget_does_not_follow_every_wiggle_of_the_trainers_need():
     s = snap([job("a", t=0.03), job("b", t=0.03)])
     cold = get_policy("adaptive")(s, {}, PolicyConfig())             # no curves yet: cold shares
     assert sum(a.cpus for a in cold.allocations.values()) == pytest.approx(1.4)
-    held = {j: dataclasses.replace(s.jobs[j], applied=cold.allocations[j]) for j in s.jobs}
+    held = dict(cold.allocations)                                     # what the controller would hold
     for t in (0.025, 0.035):                                          # need 0.5 or 0.7 cores: budget 1.5 or 1.3
-        wiggled = {j: dataclasses.replace(v, trainer_cpu_s_per_step=t) for j, v in held.items()}
-        plan = get_policy("adaptive")(dataclasses.replace(s, jobs=wiggled), {}, PolicyConfig())
+        wiggled = {j: dataclasses.replace(v, trainer_cpu_s_per_step=t) for j, v in s.jobs.items()}
+        plan = get_policy("adaptive")(dataclasses.replace(s, jobs=wiggled, applied=held), {}, PolicyConfig())
         assert {j: a.cpus for j, a in plan.allocations.items()} == {j: a.cpus for j, a in cold.allocations.items()}
     # a real change (the need doubles) moves it
-    moved = {j: dataclasses.replace(v, trainer_cpu_s_per_step=0.06) for j, v in held.items()}
-    plan = get_policy("adaptive")(dataclasses.replace(s, jobs=moved), {}, PolicyConfig())
+    moved = {j: dataclasses.replace(v, trainer_cpu_s_per_step=0.06) for j, v in s.jobs.items()}
+    plan = get_policy("adaptive")(dataclasses.replace(s, jobs=moved, applied=held), {}, PolicyConfig())
     assert sum(a.cpus for a in plan.allocations.values()) < 1.4 * (1 - BUDGET_TOLERANCE)
 
 

@@ -36,6 +36,7 @@ class Actuator(Protocol):
 
 from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
 
+# the one list of each: config validation and every command's argparse choices read these
 MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
 

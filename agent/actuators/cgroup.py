@@ -70,6 +70,7 @@ import os
 from typing import Optional
 
 from agent import cgroupfs
+from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats
@@ -230,8 +231,8 @@ class CgroupActuator:
                  io: bool = True, subtree: str = "adloader", originals: Optional[Originals] = None,
                  sys_root: str = "/sys", proc_root: str = "/proc",
                  affinity: Optional[AffinityActuator] = None, node_cpus: Optional[float] = None) -> None:
-        if cpu_knob not in ("shares", "quota", "cpuset"):
-            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose shares, quota or cpuset")
+        if cpu_knob not in CPU_KNOBS:
+            raise ValueError(f"unknown cpu_knob {cpu_knob!r}; choose one of: {', '.join(CPU_KNOBS)}")
         self.h = hierarchies
         self.version = version
         self.name = f"cgroup-v{version}"

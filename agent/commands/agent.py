@@ -9,8 +9,10 @@ FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "loader_mem
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="run the node agent in the foreground (systemd runs this)",
-                       description="Run the A-Dloader node agent in the foreground. Config: defaults <- TOML "
+    from agent.actuators import MODES as CGROUP_MODES
+    from agent.policies import POLICIES
+
+    p = sub.add_parser(NAME, description="Run the A-Dloader node agent in the foreground. Config: defaults <- TOML "
                                    "file <- ADLOADER_<KEY> environment <- these flags. Logs one JSON object "
                                    "per line on stdout. SIGTERM stops (restoring what it changed), SIGHUP "
                                    "reloads the config file.")
@@ -18,22 +20,22 @@ def register(sub) -> None:
                    help="TOML config file (default /etc/adloader/agent.toml if it exists)")
     p.add_argument("--endpoint", metavar="EP", help="ipc:// endpoint to bind")
     p.add_argument("--state-dir", metavar="DIR", help="journal directory")
-    p.add_argument("--policy", metavar="NAME", help="allocation policy: adaptive, even, even-static, none")
+    p.add_argument("--policy", metavar="NAME", help=f"allocation policy: {', '.join(sorted(POLICIES))}")
     p.add_argument("--tick-s", metavar="S", type=float, help="controller period in seconds (default 1)")
     p.add_argument("--loader-cpus", metavar="CORES", help="CPU cores for all loaders, or 'auto'")
     p.add_argument("--loader-memory", metavar="BYTES",
                    help="memory for all loaders' workers: bytes or a size such as 6GiB, 'auto' (node memory or "
                         "the agent's cgroup limit, minus 25%% and at least 2 GiB) or 'off'")
     p.add_argument("--max-jobs", metavar="N", type=int, help="jobs the node is sized for (even-static)")
-    p.add_argument("--cgroup-mode", metavar="MODE", choices=("auto", "v1", "v2", "cooperative", "off"),
-                   help="auto|v1|v2|cooperative|off")
+    p.add_argument("--cgroup-mode", metavar="MODE", choices=CGROUP_MODES, help="|".join(CGROUP_MODES))
     p.add_argument("--metrics-port", metavar="N", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
     p.add_argument("--log-level", metavar="LEVEL", choices=("debug", "info", "warning", "error"),
                    help="debug|info|warning|error")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args, policy=None) -> int:
+    """``policy``: a policy function used instead of ``--policy`` (``evaluation.oracle_agent``)."""
     from agent import config as configmod
     from agent import logs
 
@@ -48,7 +50,7 @@ def run(args) -> int:
     from agent.server import EndpointBusy
 
     try:
-        agent = Agent(cfg, config_path=args.config, cli=cli)
+        agent = Agent(cfg, config_path=args.config, cli=cli, policy=policy)
         return agent.run()
     except (EndpointBusy, CannotStart) as e:
         print(f"adloader agent: {e}", file=sys.stderr)

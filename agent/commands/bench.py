@@ -13,10 +13,10 @@ NAME = "bench"
 
 
 def register(sub) -> None:
+    from agent.actuators import MODES as CGROUP_MODES
     from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL
 
-    p = sub.add_parser(NAME, help="co-located jobs under each policy, side by side",
-                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
     p.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
     p.add_argument("--scenarios", default=None,
@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
     p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
     p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
-    p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
+    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES,
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
@@ -67,10 +67,6 @@ def run(args) -> int:
         if why:
             print(f"adloader bench: --device cuda needs a CUDA GPU: {why}. Use --device emulated.", file=sys.stderr)
             return 2
-    ok, missing = setup.agent_available()
-    if not ok and any(p in ("even-static", "even", "adaptive", "oracle") for p in policies):
-        print(f"adloader bench: this build lacks: {missing}; policies that need the agent will fail "
-              "(run with --policies none,autotune meanwhile)", file=sys.stderr)
     import signal
 
     # SIGTERM (timeout, kill) ends the run through the harness's cleanup (its finally blocks stop every

@@ -21,12 +21,12 @@ NAME = "demo"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="three co-located jobs under none, even-static and adaptive",
-                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    from agent.actuators import MODES as CGROUP_MODES
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("--out", default="bench-out/demo", help="where the table, JSON and plots go")
     p.add_argument("--measure-s", type=float, default=20.0, help="measured seconds per policy")
     p.add_argument("--warmup-s", type=float, default=6.0, help="seconds before measuring (agent settles)")
-    p.add_argument("--cgroup-mode", default=None, choices=("auto", "v1", "v2", "cooperative", "off"),
+    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES,
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (its --mix is used)")
     p.add_argument("--mix", default="demo", help="which catalogue mix runs (default: demo)")
@@ -61,14 +61,8 @@ def run(args) -> int:
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
-    ok, missing = setup.agent_available()
-    if ok:
-        policies = ["none", "even-static", "adaptive"]
-        what = "none (habitual num_workers, no agent), even-static, then adaptive"
-    else:
-        policies = ["none", "autotune"]
-        what = ("INTERIM: this build lacks the " + missing + ", so the demo runs what exists: every job at "
-                "num_workers = cores (none) vs each job's own tuner (autotune), no agent")
+    policies = ["none", "even-static", "adaptive"]
+    what = "none (habitual num_workers, no agent), even-static, then adaptive"
     progress = report.Progress()
     loader_cpus = setup.default_loader_cpus()
     mode = args.cgroup_mode or setup.default_cgroup_mode()
@@ -97,7 +91,5 @@ def run(args) -> int:
     print(f"table/JSON: {paths['markdown']}, {paths['json']}")
     for p in paths.get("plots", []):
         print(f"plot: {p}")
-    if not ok:
-        print(f"(interim demo: {missing} not in this build yet)")
     failed = [ph for ph in result["phases"] if "agg_normalised" not in (ph.get("metrics") or {})]
     return 1 if failed else 0

@@ -250,7 +250,6 @@ def plan(args: argparse.Namespace) -> list[Action]:
 def register(sub) -> None:
     p = sub.add_parser(
         NAME,
-        help="install the systemd unit, config and venv",
         description="Install the node agent as a systemd service: unit, /etc/adloader/agent.toml, "
         "Slurm scripts and a virtualenv with the project (without torch).",
     )

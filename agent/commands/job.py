@@ -187,7 +187,6 @@ def request(endpoint: str, message: dict, timeout_s: float) -> Outcome:
 def register(sub) -> None:
     p = sub.add_parser(
         NAME,
-        help="register or release a job with the agent (Slurm prolog/epilog)",
         description="Tell the node agent that a job starts (register) or ends (release) on this node. "
         "With --slurm the job comes from the SLURM_* variables and the exit status is always 0.",
     )

@@ -38,8 +38,7 @@ WINDOW_MIN_STEPS = 20
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="run a training command with the hook and show where time goes",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, metavar="S",
                    help=f"stop the command after S seconds (default {DEFAULT_DURATION_S:g})")
     p.add_argument("--cores", type=float, default=None, metavar="N",
@@ -127,6 +126,14 @@ class Collector:
 # -- analysis -------------------------------------------------------------------------------------
 
 
+def _per_step_delta(first: dict, last: dict, key: str, steps: int) -> float | None:
+    """A counter's growth per step between two reports; None when the loader does not report it."""
+    if key not in first or key not in last or steps <= 0:
+        return None
+    from predictor.observation import counter_deltas
+    return counter_deltas(first, last, (key,))[key] / steps
+
+
 def analyse(reports: list[dict], cores: float) -> dict:
     """Profile document from one training process's successive ``stats()`` totals."""
     from adloader.autotune import observation_from_totals
@@ -137,7 +144,9 @@ def analyse(reports: list[dict], cores: float) -> dict:
         return {"error": "fewer than two reports with finished steps: run longer (--duration) or check "
                          "that the command iterates an adloader.DataLoader"}
     first, last = usable[0], usable[-1]
-    whole = observation_from_totals(first, last, cores, strict=False)
+    # the whole run as measured (compute time as the training loop saw it, run-queue wait included);
+    # the predictor's windows below take the trainer's run-queue wait out, as the agent does
+    whole = observation_from_totals(first, last, cores, strict=False, unstarved=False)
     if whole is None:
         return {"error": "no steps between the first and the last report"}
     bank = PredictorBank(prior="default")
@@ -164,7 +173,8 @@ def analyse(reports: list[dict], cores: float) -> dict:
         "window_s": whole.duration_s, "steps": whole.steps, "batch_size": whole.batch_size,
         "workers": w, "cores": cores, "samples_per_s": whole.samples_per_s,
         "per_step": {"step_s": step, "compute_s": whole.compute_s_per_step, "data_wait_s": whole.data_wait_s_per_step,
-                     "data_wait_frac": whole.data_wait_frac},
+                     "data_wait_frac": whole.data_wait_frac,
+                     "trainer_runq_s": _per_step_delta(first, last, "main_runq_s", whole.steps)},
         "per_batch_in_workers": {"wall_s": spb, "cpu_s": whole.cpu_s_per_batch,
                                  "blocked_s": whole.blocked_s_per_batch, "runq_s": whole.runq_s_per_batch},
         "worker_cpu_cores": whole.cpu_s_per_batch * whole.samples_per_s / max(1, whole.batch_size),
@@ -283,6 +293,8 @@ def render(doc: dict) -> str:
         "where a step goes (training process)",
         f"  compute (outside next())   {ms(ps['compute_s'])}  {ps['compute_s'] / step:6.1%}",
         f"  data wait (in next())      {ms(ps['data_wait_s'])}  {ps['data_wait_s'] / step:6.1%}",
+        *([f"  of compute, trainer waiting for a CPU  {ms(ps['trainer_runq_s'])}"]
+          if ps.get("trainer_runq_s") else []),
         "where a batch goes (inside the loader's workers)",
         f"  preprocessing CPU          {ms(pb['cpu_s'])}  {pb['cpu_s'] / wall:6.1%}",
         f"  fetch / IO wait (blocked)  {ms(pb['blocked_s'])}  {pb['blocked_s'] / wall:6.1%}",

@@ -14,8 +14,7 @@ NAME = "simulate"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="trace-driven simulation of policies over many nodes",
-                       description=__doc__.split("\n\n", 1)[1])
+    p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see evaluation.simulate)")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--jobs-per-node", type=int, default=8)
@@ -39,7 +38,9 @@ def register(sub) -> None:
                    help="memory one worker holds, for every kind (default: the catalogue's worker_ram_mb; 0 for corpus curves)")
     p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares")
     p.add_argument("--tick-s", type=float, default=2.0)
-    p.add_argument("--settle-ticks", type=int, default=2, help="re-decisions after each event while the plan moves")
+    p.add_argument("--settle-ticks", type=int, default=2,
+                   help="after each event or move, ticks the plan must hold (plus one observation interval) "
+                        "before a learning node stops ticking")
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: CPUs)")
     p.add_argument("--list-kinds", action="store_true")
     p.add_argument("--out", default=None, help="write the JSON result here")

@@ -9,8 +9,7 @@ NAME = "status"
 
 
 def register(sub) -> None:
-    p = sub.add_parser(NAME, help="show each job's allocation, data wait and GPU idle",
-                       description="Ask the node agent for its status. --json prints the status document "
+    p = sub.add_parser(NAME, description="Ask the node agent for its status. --json prints the status document "
                                    "(fields documented in agent/status.py).")
     p.add_argument("--endpoint", metavar="EP", default=None,
                    help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of "

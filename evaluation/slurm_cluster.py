@@ -1,4 +1,5 @@
-"""A real single-node Slurm cluster for the Slurm test tier (tests/test_slurm_cluster.py). Not a test module.
+"""A real single-node Slurm cluster: the harness of the Slurm test tier (tests/test_slurm_cluster.py) and of
+``python -m evaluation.slurm_bench`` (prolog/epilog wall times with the agent up, down and hung).
 
 Debian 12's slurm-wlm 22.05 (slurmctld, slurmd, slurm-client) and munge, started by the test as root
 on loopback with everything of its own: a temporary directory (``/tmp/adlslurm-*``) holding
@@ -33,7 +34,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from tests.conftest import REPO, wait_for
+from evaluation.poll import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 JOB_USER = 65534            # nobody
 DAEMONS = ("slurmctld", "slurmd", "munged")
@@ -80,6 +84,13 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def find_program(name: str) -> Optional[str]:
     for d in SEARCH:
         p = os.path.join(d, name)
@@ -105,6 +116,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def terminate(p: subprocess.Popen, wait_s: float = 15) -> None:
+    """SIGTERM (after SIGCONT, for a stopped process), then SIGKILL if it is still there after ``wait_s``."""
+    if p.poll() is not None:
+        return
+    p.send_signal(signal.SIGCONT)
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def _kill_tree_of(pids) -> None:
@@ -303,8 +327,10 @@ class Cluster:
         for ctl in self.cgroup_mounts:
             target = self.dir / "cgroup" / ctl
             target.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["mount", "-t", "cgroup", "-o", ctl, f"adlslurm-{ctl}", str(target)], check=True,
-                           capture_output=True)
+            r = subprocess.run(["mount", "-t", "cgroup", "-o", ctl, f"adlslurm-{ctl}", str(target)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"cannot mount the cgroup v1 {ctl} hierarchy for slurmd: {r.stderr.strip()}")
             self.mounts.append(target)
             self.cgroup_before[target] = {p.name for p in target.iterdir() if p.is_dir()}
 
@@ -363,7 +389,9 @@ class Cluster:
         return job
 
     def hook_seconds(self, job: str, hook: str) -> Optional[float]:
-        """Wall seconds from the first to the last program of ``hook``'s glob for ``job`` (ours runs between)."""
+        """Wall seconds between the glob's two marker programs (``00-first``, ``99-last``) for ``job``: ours
+        (``50-adloader``) runs between them. Order-blind: slurmd 22.05 runs a glob's matches one after
+        another in reverse name order (99-last first), see ``hook_order``."""
         t = {}
         try:
             for line in self.hook_times.read_text().splitlines():
@@ -372,7 +400,16 @@ class Cluster:
                     t[what.split("-")[1]] = float(ts)
         except (OSError, ValueError):
             return None
-        return t["end"] - t["start"] if {"start", "end"} <= set(t) else None
+        return abs(t["end"] - t["start"]) if {"start", "end"} <= set(t) else None
+
+    def hook_order(self, job: str, hook: str) -> list[str]:
+        """The markers of ``hook`` for ``job`` in the order they ran (``["end", "start"]``: reverse order)."""
+        seen = []
+        for line in _read_text(self.hook_times).splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == job and parts[1].startswith(hook + "-"):
+                seen.append((float(parts[0]), parts[1].split("-")[1]))
+        return [what for _, what in sorted(seen)]
 
     def slurmd_log(self) -> str:
         try:
@@ -399,15 +436,8 @@ class Cluster:
             except (AssertionError, RuntimeError, subprocess.TimeoutExpired):
                 pass
         for name in ("slurmd", "slurmctld", "munged"):
-            p = self.procs.get(name)
-            if p is None or p.poll() is not None:
-                continue
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            if name in self.procs:
+                terminate(self.procs[name])
         # anything of this cluster's jobs still alive: slurmstepd (by its title) and the jobs' processes
         ids = {j: JOB_USER for j in self.job_ids}
         for _ in range(3):

@@ -1,0 +1,73 @@
+"""Is the process behind an agent endpoint one this process may talk to? Stdlib only.
+
+``agent_untrusted(endpoint, uid=None, timeout_s=1.0)`` returns None when it is, else why not:
+- the endpoint must be ipc:// (nothing can be authenticated over tcp://);
+- the socket's directory (symlinks resolved) must belong to root or to ``uid`` and be writable by
+  nobody else (so nobody else can replace the socket between this check and the connect);
+- the socket file must belong to root or to ``uid``;
+- the process listening on it must run as root or as ``uid``: ``SO_PEERCRED`` of a probe connection
+  (for a listening unix socket, the credentials its owner had when it called ``listen()``, unix(7)).
+``NO_SOCKET`` and reasons starting with ``UNCHECKED`` mean there is nothing to judge yet (no file,
+nobody listening, a probe that timed out): callers treat them as "no agent", not as an impostor.
+
+Used by the client in training processes (``adloader.client``, before it says anything) and by the
+agent's short-lived commands (``agent.rpc``: ``adloader job``, ``adloader status``).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from typing import Optional
+
+from adloader import env
+
+NO_SOCKET = "no socket"
+UNCHECKED = "cannot check"
+
+
+def peer_uid(path: str, timeout_s: float = 1.0) -> int:
+    """The uid of the process listening on the unix socket ``path`` (SO_PEERCRED of a connection)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[1]
+    finally:
+        s.close()
+
+
+def agent_untrusted(endpoint: str, uid: Optional[int] = None, timeout_s: float = 1.0) -> Optional[str]:
+    """None if the agent at ``endpoint`` may be trusted by a process of ``uid`` (module docstring),
+    else why not. Never raises."""
+    uid = os.getuid() if uid is None else uid
+    trusted = {0, uid}
+    path = env.ipc_path(endpoint)
+    if path is None:
+        return f"endpoint {endpoint!r} is not ipc://: the agent behind it cannot be authenticated"
+    try:
+        real = os.path.realpath(path)
+        d = os.path.dirname(real) or "/"
+        st_d = os.stat(d)
+        if st_d.st_uid not in trusted:
+            return f"the agent's directory {d} belongs to uid {st_d.st_uid}, not to root or uid {uid}"
+        if st_d.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"the agent's directory {d} is writable by other users (mode {stat.S_IMODE(st_d.st_mode):o})"
+        st = os.lstat(real)
+        if not stat.S_ISSOCK(st.st_mode):
+            return f"{real} is not a socket"
+        if st.st_uid not in trusted:
+            return f"the agent's socket {real} belongs to uid {st.st_uid}, not to root or uid {uid}"
+    except FileNotFoundError:
+        return NO_SOCKET
+    except OSError as e:
+        return f"{UNCHECKED} the agent's socket {path}: {e.strerror or e}"
+    try:
+        peer = peer_uid(real, timeout_s)
+    except OSError as e:   # nobody listening (a dead agent's file), or a full backlog: no agent now
+        return f"{UNCHECKED} the agent's socket {path}: {e.strerror or e}"
+    if peer not in trusted:
+        return f"the process serving {real} runs as uid {peer}, not as root or uid {uid}"
+    return None
