@@ -411,7 +411,9 @@ class _Client:
             if isinstance(cap, int) and not isinstance(cap, bool):
                 n = min(n, cap)
             n = max(0, n)
-            loader.resize(n)
+            # an agent's directive is not the job's own choice: requested_workers stays
+            resize = getattr(loader, "_resize", None)
+            resize(n, own=False) if resize is not None else loader.resize(n)
             with self._lock:
                 self._info["directives"] += 1
                 self._info["last_directive"] = {k: msg.get(k) for k in ("seq", "workers", "cpus", "cpuset", "reason")}

@@ -207,7 +207,7 @@ class _Core:
         self.epoch = 0
         self.iters: weakref.WeakSet = weakref.WeakSet()
         self.auto = False           # num_workers="auto"
-        self.requested = target     # the user's count (auto: the initial one)
+        self.requested = target     # the job's own count: num_workers, then its own resize()/auto moves
         self.hooks_attached = False     # agent client / autotune: once per state, not per loader
         self.owner = None       # weakref to the loader that created this state (the user's object)
         # persistent workers: one pool per loader object sharing this state (a framework's rebuilt
@@ -364,7 +364,9 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def requested_workers(self) -> int:
-        """What the user asked for (for ``num_workers='auto'``: the initial count)."""
+        """The job's own worker count: ``num_workers`` as given, then the last ``resize()`` the job made
+        itself (the user's code, or ``num_workers="auto"``'s tuner). An agent's directive does not change
+        it: this is the count an observe-only agent (policy ``none``) leaves the job at."""
         return self._core.requested
 
     def set_epoch(self, epoch: int) -> None:
@@ -384,7 +386,12 @@ class DataLoader(tud.DataLoader[T_co]):
 
         Callable from any thread at any time. Map-style datasets: takes effect between two batches
         (new workers take queued batches at once; retired ones finish their current batch first).
-        IterableDataset: at the next epoch (a warning says so)."""
+        IterableDataset: at the next epoch (a warning says so). The count becomes the job's own
+        (``requested_workers``), which an observe-only agent keeps."""
+        return self._resize(n, own=True)
+
+    def _resize(self, n: int, own: bool) -> int:
+        """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"resize() needs an int, got {n!r}")
         if n < 0:
@@ -396,6 +403,8 @@ class DataLoader(tud.DataLoader[T_co]):
         with core.lock:
             if core.closed:
                 return core.target
+            if own:
+                core.requested = n
             if n == core.target:
                 return n
             core.target = n
@@ -425,7 +434,8 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch              index of the current (latest started) epoch, 0-based
         workers            target worker count (``num_workers``)
         live_workers       worker processes that currently take tasks (not retiring)
-        max_workers, requested_workers, batch_size   (batch_size None without auto-batching)
+        max_workers, requested_workers, batch_size   (batch_size None without auto-batching;
+                           requested_workers: the job's own count, see ``requested_workers``)
         data_wait_s        time the caller spent blocked in ``next()``
         compute_s          time between two ``next()`` calls (the training step)
         worker_cpu_s       CPU seconds spent on batches (``time.process_time`` in the worker)

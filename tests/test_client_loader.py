@@ -106,3 +106,25 @@ def test_two_rank_torchrun_gloo_job_registers_as_one_job(base):
                 p.kill()
                 p.wait()
         agent.stop()
+
+
+def test_own_resize_is_the_jobs_count_and_a_directive_is_not():
+    """An observe-only agent (policy none) puts a job back on its own count: a user's resize() (or
+    auto's) is the job's own count from then on, a directive never is (it would lock the count in)."""
+    import threading
+
+    from adloader import DataLoader
+    from adloader.client import _Client
+
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, max_workers=4)
+    try:
+        assert loader.requested_workers == 2
+        assert loader.resize(3) == 3 and loader.requested_workers == 3
+        client = _Client.__new__(_Client)           # only the directive path: no thread, no socket
+        client._lock, client._info = threading.Lock(), {"directives": 0}
+        client._apply(loader, {"workers": 1, "seq": 1, "cpus": 0.5, "cpuset": None, "reason": "test"})
+        assert loader.num_workers == 1 and loader.requested_workers == 3
+        assert loader.stats()["requested_workers"] == 3
+        assert sorted(sum((b.tolist() for b in loader), [])) == list(range(64))
+    finally:
+        loader.close() if hasattr(loader, "close") else None
