@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Optional
 
 from evaluation import metrics as M
+from evaluation.nodemodel import waterfill  # noqa: F401  (one water-filling for both models; tests use S.waterfill)
 from predictor.curve import ThroughputCurve
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "predictor" / "data" / "corpus.jsonl"
@@ -255,25 +256,6 @@ def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s:
 
 
 # -- one node ------------------------------------------------------------------------------------
-
-def waterfill(capacity: float, weights: dict, caps: dict) -> dict:
-    """Split ``capacity`` by ``weights``, nobody above its cap; what a capped job leaves is re-split."""
-    got = {j: 0.0 for j in weights}
-    active = {j for j in weights if caps[j] > 1e-12 and weights[j] > 0}
-    left = capacity
-    while active and left > 1e-12:
-        tw = sum(weights[j] for j in active)
-        full = {j for j in active if got[j] + left * weights[j] / tw >= caps[j] - 1e-12}
-        if not full:
-            for j in active:
-                got[j] += left * weights[j] / tw
-            break
-        for j in full:
-            left -= caps[j] - got[j]
-            got[j] = caps[j]
-        active -= full
-    return got
-
 
 def node_rates(curves: dict, allocations: dict, loader_cpus: float, cpu_knob: str = "shares",
                default_workers: int = 1) -> tuple[dict, dict]:
