@@ -279,6 +279,7 @@ def test_bigger_node_study_fills_the_gpus_and_keeps_the_controllers_records():
     study = V.node_study(16, 8, mixes=("gpu-weighted", "nothing-to-arbitrate"), warmup_s=10, measure_s=10)
     assert all(v["_gpus"] == 8 for v in study.values())
     assert study["nothing-to-arbitrate"]["adaptive"] == pytest.approx(8.0)     # nothing to arbitrate: costs nothing
+    assert all(v["adaptive"] >= 0.9 * max(v[p] for p in V.BASELINES) for v in study.values())
     rec = study["gpu-weighted"]["_records"]["adaptive"]
     assert rec["plan"] and set(rec["plan"]) == set(rec["window"]) == set(rec["desired"])
     assert all(a["reason"] for a in rec["plan"].values()) and all(a["reason"] for a in rec["desired"].values())
