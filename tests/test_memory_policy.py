@@ -235,7 +235,7 @@ class Pressure:
         return NodeMemory(32 * GiB, self.available, 50.0 if self.on else 0.0, None, self.total_us)
 
 
-def test_guard_cuts_under_pressure_and_lifts_after_quiet_ticks():
+def test_guard_cuts_under_pressure_holds_then_grows_back_a_step_a_tick():
     p = Pressure()
     g = MemoryGuard(8 * GiB, psi_threshold=10, min_available=1 * GiB, source=p)
     assert g.update(0.0, 4 * GiB).budget == 8 * GiB
@@ -246,9 +246,44 @@ def test_guard_cuts_under_pressure_and_lifts_after_quiet_ticks():
     p.step()
     assert g.update(2.0, 3 * GiB).budget == 2.25 * GiB                # still stalling: cut again
     p.on = False
-    states = [g.update(3.0 + i, 2 * GiB) for i in range(3)]
-    assert states[0].budget == 2.25 * GiB and "held" in states[0].note
-    assert states[-1].budget == 8 * GiB and not states[-1].note
+    states = [g.update(3.0 + i, 2 * GiB) for i in range(8)]
+    budgets = [s.budget / GiB for s in states]
+    # held for 3 quiet ticks, then 10% of the 4 GiB the loaders held before the pressure per tick, then lifted
+    assert budgets == pytest.approx([2.25, 2.25, 2.25, 2.65, 3.05, 3.45, 3.85, 8.0])
+    assert all("held" in s.note for s in states[:3])
+    assert all("growing back by 409.6 MiB a tick" in s.note and "of 4.0 GiB before the pressure" in s.note
+               for s in states[3:7])
+    assert not states[-1].note and g.cap is None
+
+
+def test_guard_grows_only_while_pressure_stays_low_and_cuts_again_at_once():
+    p = Pressure()
+    g = MemoryGuard(None, psi_threshold=10, min_available=1 * GiB, source=p)
+    p.on = True
+    p.step()
+    assert g.update(1.0, 4 * GiB).budget == 3 * GiB
+    p.on = False
+    for t in range(2, 6):
+        st = g.update(float(t), 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB)                      # 3 held, one step up
+    # PSI at 7%: not pressure (under 10%), not low (over 5%): held, and said
+    p.total_us += int(0.07 * 1e6)
+    st = g.update(6.0, 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB) and not st.under_pressure
+    assert "eased but not low (PSI memory some 7% >= 5%)" in st.note
+    # little memory left above the pressure line: held too
+    p.available = 1 * GiB + 100 * MiB
+    st = g.update(7.0, 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB) and "MemAvailable 1.1 GiB < 1.4 GiB" in st.note
+    p.available = 16 * GiB
+    assert g.update(8.0, 3 * GiB).budget == pytest.approx(3.8 * GiB)
+    # the pressure comes back during the growth: cut at once from what is used now
+    p.on = True
+    p.step()
+    st = g.update(9.0, 3.6 * GiB)
+    assert st.under_pressure and st.budget == pytest.approx(2.7 * GiB)
+    with pytest.raises(ValueError, match="grow_frac"):
+        MemoryGuard(GiB, grow_frac=0)
 
 
 def test_guard_frees_the_shortfall_of_available_memory():
@@ -332,10 +367,17 @@ def test_injected_pressure_shrinks_workers_within_two_ticks_and_they_grow_back()
     assert "memory pressure" in reason and "PSI memory some" in reason
     assert col.memory_state.under_pressure
     p.on = False
-    for t in range(10, 20):
-        tick(t)
+    notes = []
+    for t in range(10, 24):
+        rec = tick(t)
+        notes.append((col.memory_state.note, rec.plan.allocations["heavy"].reason))
     assert history[-1] == before                # grown back once the pressure is gone
     assert not col.memory_state.note
+    # ... gradually: the loaders' memory never falls and rises over at least two ticks, not in one jump
+    used = [sum(h[n] * per_worker[n] for n in per_worker) for h in history[9:]]
+    assert all(b >= a for a, b in zip(used, used[1:]))
+    assert sum(1 for a, b in zip(used, used[1:]) if b > a) >= 2, used
+    assert any("growing back" in note and "growing back" in why for note, why in notes)
 
 
 # -- config ----------------------------------------------------------------------------------------
