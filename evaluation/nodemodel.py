@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
+from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_state, shared_cpu_throughput
 
 MODES = ("agent", "none", "autotune", "static")
 TOL = 1e-6          # relative: the fixed points stop when rates move less than this
@@ -86,11 +86,16 @@ def waterfill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, 
 
 @dataclass(frozen=True)
 class JobRate:
+    """One job's steady state: its rates, and the figures its collector would report."""
     workers: int
-    loader_cores: float
-    trainer_cores: float
+    loader_cores: float             # CPU its workers use
+    trainer_cores: float            # CPU its training process(es) use
     samples_per_s: float
-    normalised: float
+    normalised: float               # samples/s over the ceiling
+    compute_s_per_step: float = 0.0         # the step less data wait (the trainer's CPU wait included)
+    trainer_runq_s_per_step: float = 0.0    # the part of it the trainer waited for a CPU
+    data_wait_s_per_step: float = 0.0
+    wall_s_per_batch: float = 0.0           # in a worker: c / its share of a core + b
 
 
 def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) -> int:
@@ -103,13 +108,20 @@ def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) 
 
 
 def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
-               allocations: Optional[Mapping] = None, node_gpus: Optional[int] = None) -> dict[str, JobRate]:
+               allocations: Optional[Mapping] = None, node_gpus: Optional[int] = None,
+               available_cores: Optional[float] = None, hard_caps: bool = False) -> dict[str, JobRate]:
     """Steady rates of the jobs on one node. ``allocations``: job -> JobAllocation (``agent`` mode:
-    workers and cpus weights; other modes: the workers, default the habitual count)."""
+    workers and cpus weights, a job without one runs its habitual workers; other modes: the workers,
+    default the habitual count). ``available_cores``: the CPU the jobs can get at most (default
+    ``node_cores``; less where other tenants take the rest); ``node_cores`` stays what the node is
+    configured with (the agent's subtree cap and static quotas are computed from it). ``hard_caps``
+    (``agent`` mode): a plan's ``cpus`` is a hard quota on the job's loader (``cpu_knob="quota"``), not
+    a weight."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     allocations = allocations or {}
     N = float(node_cores)
+    A = min(N, float(available_cores)) if available_cores is not None else N
     ids = sorted(models)
     if not ids:
         return {}
@@ -125,22 +137,26 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     w = {j: workers_of(j) for j in ids}
     out: dict[str, JobRate] = {}
     if mode == "agent":
-        # The loaders' subtree is capped at N less the trainers' need (agent.actuators.cgroup) when they
+        # The loaders' subtree is capped at N less the trainers' pace (agent.actuators.cgroup) when they
         # need CPU, so a trainer always finds its cores; the loaders share the rest by the plan's weights
         # (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
         need = sum(models[j].trainer_cores for j in ids)
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
         cores = {j: 0.0 for j in ids}
+        caps = {j: _loader_demand(models[j], w[j]) for j in ids}
+        if hard_caps:
+            caps = {j: min(caps[j], weights[j]) if j in allocations else caps[j] for j in ids}
+        scale = 1.0
         for _ in range(80):
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             t_total = sum(trainer.values())
-            scale = min(1.0, N / t_total) if t_total > 0 else 1.0      # trainers alone over the node
+            scale = min(1.0, A / t_total) if t_total > 0 else 1.0      # trainers alone over the CPU they get
             # the cap: N less what the trainers use at their pace, with the margin (trainer_cores_expected)
             pace = sum(min(models[j].trainer_cores, trainer[j] + 0.1 * models[j].trainer_cores) for j in ids)
             cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
-            avail = max(0.0, min(cap, N - t_total * scale))
-            cores = waterfill(avail, weights, {j: _loader_demand(models[j], w[j]) for j in ids})
+            avail = max(0.0, min(cap, A - t_total * scale))
+            cores = waterfill(avail, weights, caps)
             new = {}
             for j in ids:
                 m = models[j]
@@ -154,24 +170,38 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             if done:
                 break
         for j in ids:
-            m = models[j]
-            out[j] = _rate(m, w[j], cores[j], bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j])
+            m, c = models[j], models[j].curve.cpu_s_per_batch
+            # a busy worker's share of a core: all of one unless the loader is held to fewer cores than workers
+            core_bound = c > 0 and bps[j] * c >= cores[j] * (1 - 1e-6) and cores[j] < w[j]
+            s_w = max(1e-6, cores[j] / w[j]) if core_bound else 1.0
+            out[j] = _rate(m, w[j], cores[j], bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j],
+                           trainer_share=scale, worker_share=s_w)
         return out
     if mode == "static":
+        # a hard quota per job (node cores x its GPUs / the node's GPUs); where other tenants leave the
+        # jobs less than the node, each job gets at most the fair level of what is left
         gpus_total = float(node_gpus or sum(models[j].gpus for j in ids))
-        share = {j: N * models[j].gpus / gpus_total for j in ids}
+        quota = {j: N * models[j].gpus / gpus_total for j in ids}
+        if A >= N - 1e-12:
+            share = quota
+        else:
+            got = waterfill(A, {j: 1.0 for j in ids}, {j: min(quota[j], models[j].demand(w[j])) for j in ids})
+            level = max(got.values()) if sum(got.values()) >= A * (1.0 - 1e-9) else N
+            share = {j: min(quota[j], max(got[j], level)) for j in ids}
     else:
         # fair between jobs: what a job runs on while it is runnable is the water level (the share of a
         # job that wants more than the others leave), not its average use
-        got = waterfill(N, {j: 1.0 for j in ids}, {j: models[j].demand(w[j]) for j in ids})
-        saturated = sum(got.values()) >= N * (1.0 - 1e-9)
-        level = max(got.values()) if got and saturated else N     # not saturated: nobody is held back
+        got = waterfill(A, {j: 1.0 for j in ids}, {j: models[j].demand(w[j]) for j in ids})
+        saturated = sum(got.values()) >= A * (1.0 - 1e-9)
+        level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
         share = {j: max(got[j], level) for j in ids}
     for j in ids:
         m = models[j]
-        b = m.shared_bps(w[j], share[j])
+        st = shared_cpu_state(m.curve, w[j], share[j], m.trainer_cpu_s_per_step, m.gpus)
+        b = st.samples_per_s / m.curve.batch_size
         t = b * m.gpus * m.trainer_cpu_s_per_step
-        out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b)
+        out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b,
+                       trainer_share=st.trainer_share, worker_share=st.worker_share)
     return out
 
 
@@ -180,11 +210,22 @@ def _loader_demand(m: JobModel, workers: int) -> float:
     return m.loader_bps(workers, math.inf) * m.curve.cpu_s_per_batch
 
 
-def _rate(m: JobModel, workers: int, loader: float, trainer: float, bps: float) -> JobRate:
-    sps = bps * m.curve.batch_size
-    ceil = m.curve.ceiling_samples_per_s
+def _rate(m: JobModel, workers: int, loader: float, trainer: float, bps: float, trainer_share: float = 1.0,
+          worker_share: float = 1.0) -> JobRate:
+    """A job's rates and what its collector would read: the trainer's CPU part stretched to ``t /
+    trainer_share`` (the stretch is run-queue wait), a batch taking ``c / worker_share + b`` in a worker."""
+    cv = m.curve
+    sps = bps * cv.batch_size
+    ceil = cv.ceiling_samples_per_s
+    g, t = cv.compute_s_per_step, min(m.trainer_cpu_s_per_step, cv.compute_s_per_step)
+    runq = t / max(1e-9, min(1.0, trainer_share)) - t if t > 0 else 0.0
+    step = 1.0 / bps if bps > 0 else math.inf
+    compute = min(step, g + runq)
     return JobRate(workers=workers, loader_cores=loader, trainer_cores=trainer, samples_per_s=sps,
-                   normalised=min(1.0, sps / ceil) if ceil > 0 and math.isfinite(ceil) else 1.0)
+                   normalised=min(1.0, sps / ceil) if ceil > 0 and math.isfinite(ceil) else 1.0,
+                   compute_s_per_step=compute, trainer_runq_s_per_step=max(0.0, compute - g),
+                   data_wait_s_per_step=max(0.0, step - compute) if bps > 0 else 0.0,
+                   wall_s_per_batch=cv.cpu_s_per_batch / max(1e-9, min(1.0, worker_share)) + cv.blocked_s_per_batch)
 
 
 def objective(models: Mapping[str, JobModel], rates: Mapping[str, JobRate]) -> float:
@@ -192,79 +233,39 @@ def objective(models: Mapping[str, JobModel], rates: Mapping[str, JobRate]) -> f
     return sum(models[j].gpus * r.normalised for j, r in rates.items())
 
 
+def curve_with_workload(curve: ThroughputCurve, trainer_cpu_s_per_step: float = 0.0, gpus: int = 1,
+                        num_workers: int = 0) -> ThroughputCurve:
+    """``curve`` carrying the rest of a job's workload model in its ``extra`` (what the simulator's
+    ``job_model`` reads): its trainer's CPU per step and rank, its GPUs, its user's ``num_workers``."""
+    import dataclasses
+
+    extra = dict(curve.extra or {})
+    extra.update(trainer_cpu_s_per_step=float(trainer_cpu_s_per_step), gpus=int(gpus), num_workers=int(num_workers))
+    return dataclasses.replace(curve, extra=extra)
 
 
-# -- steady state of a static mix under each policy (what the bench's static scenarios measure) -----
-
-AGENT_POLICIES = ("even-static", "even", "adaptive")
-USER_POLICIES = ("none", "autotune", "static-cores")
-
-
-def _stats(job_id: str, m: JobModel, r: Optional[JobRate], applied, requested: int):
-    from agent.model import JobStats
-
-    cv = m.curve
-    sps = r.samples_per_s if r is not None else 0.0
-    bps = sps / cv.batch_size
-    step = 1.0 / bps if bps > 0 else 0.0
-    g = cv.compute_s_per_step
-    wait = max(0.0, step - g) if bps > 0 else 0.0
-    return JobStats(
-        job=job_id, uid=0, ranks=1, gpus=m.gpus, batch_size=cv.batch_size,
-        workers=applied.workers if applied is not None else requested, requested_workers=requested,
-        max_workers=None, samples_per_s=sps, compute_s_per_step=g, data_wait_s_per_step=wait,
-        data_wait_frac=wait / step if step > 0 else 0.0, cpu_s_per_batch=cv.cpu_s_per_batch,
-        wall_s_per_batch=cv.cpu_s_per_batch + cv.blocked_s_per_batch, runq_s_per_batch=0.0,
-        blocked_s_per_batch=cv.blocked_s_per_batch, worker_cpu_cores=r.loader_cores if r is not None else 0.0,
-        trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
-        trainer_cpu_s_per_step=m.gpus * m.trainer_cpu_s_per_step, window_s=2.0 if r is not None else 0.0)
+def job_model(curve: ThroughputCurve, gpus: int, default_workers: int) -> JobModel:
+    """The JobModel of a curve that carries its workload in ``extra`` (``curve_with_workload``); a
+    curve without a habitual worker count gets ``default_workers``."""
+    ex = curve.extra or {}
+    return JobModel(curve=curve, trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
+                    gpus=max(1, int(gpus)), habitual_workers=int(ex.get("num_workers") or 0) or max(1, default_workers))
 
 
-def steady_state(models: Mapping[str, JobModel], policy: str, node_cores: float, loader_cpus: float,
-                 config=None, rounds: int = 12) -> dict[str, JobRate]:
-    """Rates a static mix settles at under ``policy`` (one of ``USER_POLICIES + AGENT_POLICIES``).
-    Agent policies are the real ``agent.policies`` functions fed the true curves (a perfect predictor)
-    and the jobs' stats as the collector would see them, re-decided ``rounds`` times against their own
-    applied plan (hysteresis included) with the physics in between."""
-    if policy == "none":
-        return node_rates(models, "none", node_cores)
-    if policy == "autotune":
-        return node_rates(models, "autotune", node_cores)
-    if policy == "static-cores":
-        return node_rates(models, "static", node_cores)
-    if policy not in AGENT_POLICIES:
-        raise ValueError(f"unknown policy {policy!r}")
-    from agent.model import NodeSnapshot
-    from agent.policies import PolicyConfig, get_policy
-
-    config = config or PolicyConfig(cpu_weights=True)
-    pol = get_policy(policy)
-    ids = sorted(models)
-    applied: dict = {}
-    rates: dict[str, JobRate] = {}
-    for _ in range(rounds):
-        jobs = {j: _stats(j, models[j], rates.get(j), applied.get(j), models[j].habitual_workers) for j in ids}
-        snap = NodeSnapshot(now=0.0, loader_cpus=loader_cpus, cpu_ids=tuple(range(int(math.ceil(node_cores)))),
-                            jobs=jobs, max_jobs=len(ids), applied=dict(applied))
-        plan = pol(snap, {j: models[j].curve for j in ids}, config)
-        applied = dict(plan.allocations)
-        rates = node_rates(models, "agent", node_cores, applied)
-    return rates
-
-
-def models_from_bench_specs(specs: Mapping[str, dict]) -> dict[str, JobModel]:
-    """JobModels from the bench's calibrated job specs (``evaluation.catalog.JobSpec`` as dicts): the
-    same step, loader demand, trainer fraction, GPUs and habitual workers the real jobs ran with."""
+def curves_from_bench_specs(specs: Mapping[str, dict]) -> dict[str, ThroughputCurve]:
+    """Curves (with their workload, ``curve_with_workload``) from the bench's calibrated job specs
+    (``evaluation.catalog.JobSpec`` as dicts): the same step, loader demand, trainer fraction, GPUs and
+    habitual workers the real jobs ran with."""
     out = {}
     for j, sp in specs.items():
         step = float(sp["step_s"])
         curve = ThroughputCurve(job=j, batch_size=int(sp["batch_size"]), compute_s_per_step=step,
                                 cpu_s_per_batch=float(sp["demand_cores"]) * step, blocked_s_per_batch=0.0,
                                 confidence=1.0, observed_configs=3, source="bench-calibration")
-        out[j] = JobModel(curve=curve, trainer_cpu_s_per_step=float(sp.get("trainer_cpu_frac") or 0.0) * step,
-                          gpus=int(sp.get("gpus") or 1), habitual_workers=int(sp.get("num_workers") or 1))
+        out[j] = curve_with_workload(curve, float(sp.get("trainer_cpu_frac") or 0.0) * step, int(sp.get("gpus") or 1),
+                                     int(sp.get("num_workers") or 1))
     return out
 
 
-__all__ = ["JobModel", "JobRate", "MODES", "AGENT_POLICIES", "USER_POLICIES", "autotune_workers", "node_rates",
-           "objective", "waterfill", "steady_state", "models_from_bench_specs"]
+__all__ = ["JobModel", "JobRate", "MODES", "autotune_workers", "node_rates", "objective", "waterfill",
+           "curve_with_workload", "job_model", "curves_from_bench_specs"]

@@ -15,13 +15,19 @@ throughput curves (``predictor.curve.ThroughputCurve``):
 - ``curves="builtin"``: first-principles curves for the bench's job kinds (``evaluation/catalog.toml``:
   cores per GPU from ~1 (NLP-like) to ~12 (AlexNet-like), step 0.1 s).
 
-Physics of a node (what a policy's plan turns into): job j with w workers wants
-``d_j = rate_max * c / correction`` cores, ``rate_max = min(1/g, correction * w / (c + b))`` batches/s.
-The node's loader cores are water-filled over jobs by weight, each capped at its demand:
-weight = the plan's ``cpus`` with ``cpu_knob="shares"`` (work-conserving, the agent's default), or a
-hard cap at ``cpus`` with ``"quota"``; a plan entry with ``enforce_cpu=False`` (policy ``none``)
-weighs by its worker count (the kernel's fair scheduler shares per runnable thread). Throughput is
-then the true curve at (w, cores got). Worker restarts cost nothing here (the bench measures that).
+Physics of a node (what a policy's plan turns into): ``evaluation.nodemodel.node_rates``, the one node
+model, with the workload model of issue 11 (a job's training process burns CPU per step and rank, a job
+has ``gpus``, each user has a habitual ``num_workers``; ``builtin_curves`` carries them in a curve's
+``extra``). The agent's policies: the loaders' subtree capped at the node less the trainers' pace, the
+loaders water-filled by the plan's ``cpus`` (weights with ``cpu_knob="shares"``, the agent's default;
+hard caps with ``"quota"``), each up to what its workers can use. ``none``: the users' habitual workers,
+the kernel fair between jobs and per runnable thread inside one (busy workers stretch the trainer's CPU
+part). ``autotune``: each job's own tuner's count on the CPUs it sees. ``static-cores``: a hard quota
+per job of the node's cores x its GPUs / the node's GPUs. ``SimConfig.available_cores`` models other
+tenants (the jobs get at most that; the agent still sees the node). The snapshot the controller reads
+carries what the real collector reports (``_job_stats``): the step with the trainer's CPU wait in it
+and that wait, data wait, trainer CPU per step, GPUs, worker CPU and run-queue wait per batch. Worker
+restarts cost nothing here (the bench measures that).
 
 Time: event-driven per node. A node re-decides at every arrival and departure and then every
 ``tick_s`` while the plan still moves (at most ``settle_ticks`` times), so the predictor gets fresh
@@ -56,6 +62,7 @@ job), decisions and worker changes. ``oracle``: the exact knapsack (``evaluation
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -106,8 +113,9 @@ class _Job:
     rate: float = 0.0
     workers: int = 0
     changes: int = 0
-    cores_got: float = 0.0
-    trainer_got: float = 0.0        # cores its training processes got (the workload model)
+    phys: object = None             # its evaluation.nodemodel.JobRate now (what the collector reads)
+    win_norm_s: float = 0.0         # integral of normalised throughput over the measured window
+    win_s: float = 0.0
     since: float = 0.0              # when its rates last changed (the collector's window starts there)
     model: object = None            # its evaluation.nodemodel.JobModel, made on first use
 
@@ -168,43 +176,8 @@ def corpus_curves(path: Path = CORPUS_PATH) -> dict:
 
 def _scale(curve: ThroughputCurve, factor: float) -> ThroughputCurve:
     """The same job on a node where its GPU's share of loader cores is ``factor`` x the measuring one's."""
-    import dataclasses
-
     return dataclasses.replace(curve, cpu_s_per_batch=curve.cpu_s_per_batch * factor,
                                blocked_s_per_batch=curve.blocked_s_per_batch)
-
-
-_DEMAND_CACHE: dict = {}
-
-
-def demand_cores(curve: ThroughputCurve, workers: int = 1 << 10, tol: float = 0.001) -> float:
-    """Cores the job uses with ``workers`` workers and unlimited cores: the least core amount at which
-    the curve's throughput is within ``tol`` of its value with unlimited cores (bisection on the
-    curve itself, so learned corrections and soft minimums count; cached per curve and workers)."""
-    key = (id(curve), workers)
-    hit = _DEMAND_CACHE.get(key)
-    if hit is not None and hit[0] is curve:
-        return hit[1]
-    if workers < 1:
-        return 0.0
-    top = curve.throughput(workers, 1e9)
-    if top <= 0 or curve.cpu_s_per_batch <= 0:
-        d = 0.0
-    else:
-        lo, hi = 0.0, max(1.0, workers * 1.0)
-        while curve.throughput(workers, hi) < (1 - tol) * top and hi < 1e6:
-            hi *= 2
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            if curve.throughput(workers, mid) >= (1 - tol) * top:
-                hi = mid
-            else:
-                lo = mid
-        d = hi
-    if len(_DEMAND_CACHE) > 100_000:
-        _DEMAND_CACHE.clear()
-    _DEMAND_CACHE[key] = (curve, d)
-    return d
 
 
 # -- traces --------------------------------------------------------------------------------------
@@ -257,25 +230,6 @@ def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s:
 
 # -- one node ------------------------------------------------------------------------------------
 
-def node_rates(curves: dict, allocations: dict, loader_cpus: float, cpu_knob: str = "shares",
-               default_workers: int = 1) -> tuple[dict, dict]:
-    """The node's physics: (cores each job gets, its samples/s) under ``allocations`` (job ->
-    JobAllocation; a job without one runs ``default_workers`` workers unmanaged). See the module doc."""
-    weights, caps, workers = {}, {}, {}
-    for jid, cv in curves.items():
-        a = allocations.get(jid)
-        w = workers[jid] = a.workers if a else default_workers
-        caps[jid] = demand_cores(cv, w)
-        if a is None or not getattr(a, "enforce_cpu", True):
-            weights[jid] = float(w)
-        else:
-            weights[jid] = max(1e-6, a.cpus)
-            if cpu_knob == "quota":
-                caps[jid] = min(caps[jid], a.cpus)
-    got = waterfill(loader_cpus, weights, caps)
-    return got, {jid: cv.throughput(workers[jid], got[jid]) for jid, cv in curves.items()}
-
-
 @dataclass
 class SimConfig:
     cores: float = 48.0             # node CPUs
@@ -285,6 +239,8 @@ class SimConfig:
     tick_s: float = 2.0
     settle_ticks: int = 2
     requested_workers: Optional[int] = None   # each job's own num_workers (none keeps it); default cores/gpus
+    available_cores: Optional[float] = None   # CPU the jobs can get (other tenants take the rest); None = cores.
+                                    # The policies still see ``cores`` (the agent does not know the tenants).
     loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
@@ -384,29 +340,35 @@ class _SimActuator:
 
 
 def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
-    """What the collector would report for a simulated job: its rates over the window since they last
-    changed. Workers are taken as busy for the whole batch (the wall time per batch is workers over
-    batches per second, never under c + b; the excess is run-queue delay)."""
+    """What the collector would report for a simulated job (``agent.collector``): its rates over the
+    window since they last changed, from the node physics' ``JobRate``: the step less data wait with the
+    trainer's CPU wait in it (``compute_s_per_step``) and that wait alone (``trainer_runq_s_per_step``,
+    the loader's ``main_runq_s`` per step), the data wait, the trainer's CPU per step and cores, a
+    worker's wall time per batch (its run-queue wait when it gets less than a core) and CPU cores."""
     from agent.model import JobStats
 
-    cv = jb.curve
-    bs, g, thr = cv.batch_size, cv.compute_s_per_step, jb.rate
+    cv, r = jb.curve, jb.phys
+    bs, thr = cv.batch_size, jb.rate
     c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
-    wait = max(0.0, bs / thr - g) if thr > 0 else 0.0
-    bps = thr / bs
-    wall = max(jb.workers / bps if bps > 0 else 0.0, c + b)
+    compute = r.compute_s_per_step if r is not None and thr > 0 else cv.compute_s_per_step
+    wait = r.data_wait_s_per_step if r is not None and thr > 0 else 0.0
+    wall = max(r.wall_s_per_batch if r is not None else 0.0, c + b)
     return JobStats(
         job=jb.tj.job, uid=0, ranks=1, gpus=jb.tj.gpus, batch_size=bs, workers=jb.workers,
-        requested_workers=requested, max_workers=None, samples_per_s=thr, compute_s_per_step=g,
-        data_wait_s_per_step=wait, data_wait_frac=wait / (wait + g) if thr > 0 else 0.0, cpu_s_per_batch=c,
-        wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
-        worker_cpu_cores=jb.cores_got, trainer_cpu_cores=jb.trainer_got,
-        trainer_cpu_s_per_step=trainer_cpu_s_per_step, age_s=now - jb.start, observed_s=now - jb.start,
+        requested_workers=requested, max_workers=None, samples_per_s=thr, compute_s_per_step=compute,
+        data_wait_s_per_step=wait, data_wait_frac=wait / (wait + compute) if thr > 0 and wait + compute > 0 else 0.0,
+        cpu_s_per_batch=c, wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b), blocked_s_per_batch=b,
+        worker_cpu_cores=r.loader_cores if r is not None else 0.0,
+        trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
+        trainer_cpu_s_per_step=trainer_cpu_s_per_step,
+        trainer_runq_s_per_step=r.trainer_runq_s_per_step if r is not None and thr > 0 else 0.0,
+        age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
         loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
 
 
-def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig) -> dict:
+def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig,
+                  until_s: Optional[float] = None, measure_from_s: float = 0.0) -> dict:
     """One node under one policy: per-job results and node totals.
 
     The agent's own ``Controller`` decides, tick by tick (``tick(now)``), from a simulated snapshot
@@ -414,7 +376,15 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     tolerance for what counts as a change (``CPUS_TOLERANCE``), the same departure handling. Ticks
     are event-driven: one at each arrival or departure, then every ``tick_s`` while the predictor is
     learning, until the plan has held for ``settle_ticks`` plus one observation interval. The
-    no-agent baselines (``NO_AGENT_POLICIES``) decide nothing: the physics alone."""
+    no-agent baselines (``NO_AGENT_POLICIES``) decide nothing: the physics alone
+    (``evaluation.nodemodel.node_rates``, the one node model: trainer CPU, GPUs, habitual workers,
+    static quotas, per-job autotune).
+
+    ``until_s``: stop there even if jobs are left (a steady-state run; ``jobs`` holds the finished
+    ones); ``window`` then holds every job's mean normalised throughput over [``measure_from_s``,
+    ``until_s``] and ``window_agg`` their GPU-weighted sum, what the bench's static phases measure.
+    ``plan`` is the allocation in force at the end, with each decision's reason (the controller's own
+    record), and ``rates`` each job's physics then."""
     from agent.controller import OBSERVE_INTERVAL_S, Controller
     from agent.model import NodeSnapshot
     from agent.policies import PolicyConfig
@@ -423,9 +393,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
 
     if cfg.predictor not in PREDICTORS:
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
+    if cfg.cpu_knob not in ("shares", "quota"):
+        raise SimError(f"unknown cpu knob {cfg.cpu_knob!r}; choose shares or quota")
     C = cfg.loader
     cpu_ids = tuple(range(int(cfg.cores)))
-    req = cfg.requested_workers or max(1, int(cfg.cores // cfg.gpus))
     pending = sorted(jobs_in, key=lambda j: j.arrival_s)
     active: dict[str, _Job] = {}
     finished: list[_Job] = []
@@ -438,14 +409,13 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         predictor = _TruePredictor(active)
     act = _SimActuator(cfg.cpu_knob, active)
     t = 0.0
+    end = math.inf if until_s is None else float(until_s)
+    m0 = min(max(0.0, measure_from_s), end)
 
     def model_of(jb) -> "nodemodel.JobModel":
         if jb.model is None:
-            ex = jb.curve.extra or {}
-            habit = int(ex.get("num_workers") or 0) or max(1, int(cfg.cores // max(1, jb.tj.gpus)))
-            jb.model = nodemodel.JobModel(curve=jb.curve,
-                                          trainer_cpu_s_per_step=float(ex.get("trainer_cpu_s_per_step") or 0.0),
-                                          gpus=max(1, jb.tj.gpus), habitual_workers=cfg.requested_workers or habit)
+            m = nodemodel.job_model(jb.curve, jb.tj.gpus, int(cfg.cores // max(1, jb.tj.gpus)))
+            jb.model = dataclasses.replace(m, habitual_workers=cfg.requested_workers) if cfg.requested_workers else m
         return jb.model
 
     def snapshot(now: float) -> NodeSnapshot:
@@ -473,30 +443,22 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
 
     def physics():
         nonlocal mem_now
-        applied = act.in_force
+        applied = act.in_force if mode == "agent" else None
         models = {j: model_of(jb) for j, jb in active.items()}
-        if mode == "agent" and cfg.cpu_knob == "quota":   # hard caps: the loaders' waterfill alone (no trainer model)
-            got, rates = node_rates({j: jb.curve for j, jb in active.items()}, applied, C, cfg.cpu_knob, req)
-            res = None
-        else:
-            key = (mode, tuple(sorted((j, id(m), getattr(applied.get(j), "workers", 0),
-                                       round(getattr(applied.get(j), "cpus", 0.0), 6)) for j, m in models.items())))
-            res = rates_cache.get(key)
-            if res is None:
-                if len(rates_cache) > 4096:
-                    rates_cache.clear()
-                res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores,
-                                                              applied if mode == "agent" else None, node_gpus=cfg.gpus)
+        key = (tuple(sorted((j, id(m), getattr((applied or {}).get(j), "workers", 0),
+                             round(getattr((applied or {}).get(j), "cpus", 0.0), 6)) for j, m in models.items())))
+        res = rates_cache.get(key)
+        if res is None:
+            if len(rates_cache) > 4096:
+                rates_cache.clear()
+            res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores, applied, node_gpus=cfg.gpus,
+                                                          available_cores=cfg.available_cores,
+                                                          hard_caps=cfg.cpu_knob == "quota")
         for jid, jb in active.items():
-            if res is not None:
-                r = res[jid]
-                workers, cores, trainer, rate = r.workers, r.loader_cores, r.trainer_cores, r.samples_per_s
-            else:
-                a = applied.get(jid)
-                workers, cores, trainer, rate = (a.workers if a else req), got[jid], 0.0, rates[jid]
-            if workers != jb.workers or abs(rate - jb.rate) > 1e-9 * max(1.0, jb.rate):
+            r = res[jid]
+            if r.workers != jb.workers or abs(r.samples_per_s - jb.rate) > 1e-9 * max(1.0, jb.rate):
                 jb.since = t                   # a new window starts: the collector's rates restart here
-            jb.workers, jb.cores_got, jb.trainer_got, jb.rate = workers, cores, trainer, rate
+            jb.workers, jb.rate, jb.phys = r.workers, r.samples_per_s, r
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
 
     def tick() -> bool:
@@ -511,13 +473,13 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             physics()
         return bool(record.results)
 
-    while pending or active:
+    while (pending or active) and t < end:
         # next event
         t_arr = pending[0].arrival_s if pending else math.inf
         t_fin = min((t + jb.remaining / jb.rate if jb.rate > 0 else math.inf) for jb in active.values()) \
             if active else math.inf
         t_tick = t + cfg.tick_s if ticks_left > 0 else math.inf
-        t_next = min(t_arr, t_fin, t_tick)
+        t_next = min(t_arr, t_fin, t_tick, end, m0 if t < m0 else math.inf)
         if t_next == math.inf:
             raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
         dt = t_next - t
@@ -525,6 +487,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             mem_peak = max(mem_peak, mem_now)
             if cfg.loader_memory is not None and mem_now > cfg.loader_memory + 1.0:
                 mem_over_s += dt
+        in_window = dt if t >= m0 - 1e-12 else 0.0     # m0 is an event: a step never straddles it
         for jb in active.values():
             done = jb.rate * dt
             jb.remaining -= done
@@ -533,7 +496,11 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             jb.norm_s += (jb.rate / ceil) * dt
             jb.alive_s += dt
             jb.wait_s += (1.0 - jb.rate / ceil) * dt
+            jb.win_norm_s += (jb.rate / ceil) * in_window
+            jb.win_s += in_window
         t = t_next
+        if t >= end:
+            break
         changed = False
         for jid in [j for j, jb in active.items() if jb.remaining <= 1e-6 * jb.curve.batch_size]:
             jb = active.pop(jid)
@@ -555,13 +522,31 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     starts = [jb.start for jb in finished]
     ends = [jb.done for jb in finished]
     span = max(ends) - min(starts) if finished else 0.0
+    everyone = finished + list(active.values())
+    window = {jb.tj.job: jb.win_norm_s / jb.win_s for jb in everyone if jb.win_s > 0}
     return {
         "jobs": {jb.tj.job: {"kind": jb.tj.kind, "jct_s": jb.done - jb.start, "norm_mean": jb.norm_s / jb.alive_s
                              if jb.alive_s > 0 else 0.0, "wait_s": jb.wait_s, "alive_s": jb.alive_s,
                              "norm_s": jb.norm_s * max(1, jb.tj.gpus), "changes": jb.changes} for jb in finished},
         "makespan_s": span, "decisions": decisions, "n_jobs": n_jobs,
         "loader_memory_peak_bytes": mem_peak, "memory_over_budget_s": mem_over_s,
+        "window": window,
+        "window_agg": sum(max(1, jb.tj.gpus) * window[jb.tj.job] for jb in everyone if jb.tj.job in window),
+        "plan": {j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason} for j, a in act.in_force.items()},
+        "rates": {jb.tj.job: dataclasses.asdict(jb.phys) for jb in active.values() if jb.phys is not None},
     }
+
+
+def steady_state(truth: dict, policy_name: str, cfg: SimConfig, warmup_s: float = 6.0, measure_s: float = 12.0,
+                 gpus_of: Optional[dict] = None) -> dict:
+    """A static mix (what the bench's static phases run): every job of ``truth`` (name -> curve with its
+    workload, ``evaluation.nodemodel.curve_with_workload``) arrives at 0 on one node and runs under
+    ``policy_name`` for ``warmup_s`` + ``measure_s``; ``simulate_node``'s result, whose ``window_agg``
+    is the GPU-weighted normalised throughput over the measured part. ``gpus_of``: job -> GPUs
+    (default: the curve's ``extra["gpus"]``, else 1)."""
+    trace = [TraceJob("node", j, j, 0.0, 1e9,
+                      int((gpus_of or {}).get(j) or (cv.extra or {}).get("gpus") or 1)) for j, cv in truth.items()]
+    return simulate_node(trace, truth, policy_name, cfg, until_s=warmup_s + measure_s, measure_from_s=warmup_s)
 
 
 # -- many nodes ----------------------------------------------------------------------------------
@@ -630,8 +615,6 @@ def with_memory(truth: dict, cfg: SimConfig) -> dict:
     """The curves with ``cfg.worker_memory_bytes`` as every kind's per-worker memory, when it is set."""
     if cfg.worker_memory_bytes is None:
         return truth
-    import dataclasses
-
     return {k: dataclasses.replace(cv, worker_memory_bytes=float(cfg.worker_memory_bytes)) for k, cv in truth.items()}
 
 

@@ -1,103 +1,138 @@
-"""The simulator's node model checked against measured bench runs, and the same mixes on bigger nodes.
+"""The simulator checked against measured bench runs, and the same mixes on bigger nodes.
 
-    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--out FILE.json]
+    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--capacity measured|node] [--out FILE.json]
     python -m evaluation.validate_sim --nodes 16:8,96:8 [--out FILE.json]
 
 Validation: for every static scenario of the given ``adloader bench`` runs, the same jobs (the specs
 the bench calibrated and ran: step, loader demand, trainer CPU fraction, GPUs, habitual workers) go
-through ``evaluation.nodemodel.steady_state`` on a node of the bench's cores and loader budget under
-each policy the bench measured, and the simulated ratios (policy / best user baseline, policy / none,
-policy / static-cores, policy / even-static) are printed next to the measured medians, with the
-difference. What the model leaves out is said in ``evaluation.nodemodel``'s docstring (quota
-throttling latency, worker start-up, the machine's other tenants).
+through the simulator (``evaluation.simulate.steady_state``: the agent's real ``Controller.tick`` with
+its policies and predictor for the agent policies, the node model ``evaluation.nodemodel`` for the
+physics and for the no-agent baselines: ``none`` with the users' habitual workers, per-job
+``autotune``, ``static-cores`` as hard per-job quotas) on a node of the bench's cores and loader
+budget, for the bench's warm-up and measured window, under each policy the bench measured. Ratios are
+taken within a repeat, as the bench takes them (a phase against the best of ``none``, ``autotune``,
+``static-cores``, ``even-static`` in the same repeat), then the median over repeats, and printed next to
+the measured ones, with the difference.
+
+``--capacity measured`` (the default) gives each simulated phase the CPU the jobs of the measured phase
+actually used (their workers and training processes together, from the bench's per-job figures) when
+that phase left a GPU short of its ceiling: on a node with other tenants this is the CPU the jobs could
+get, which the simulator cannot know (the agent does not either: it still sees the whole node). Where
+every GPU was at its ceiling, the node's cores. ``--capacity node``: the node's cores always (a quiet,
+dedicated node). Both columns are printed; the JSON has both.
 
 Bigger nodes: each catalogue mix is filled to the node's GPUs (its members repeated in order until
 the GPUs are used) with the kinds' real demands (``cores_per_gpu`` as published, not scaled to the
-node) and ``cpus // ranks`` habits for the node, and the same policies are simulated.
+node) and ``cpus // ranks`` habits for the node, and the same policies are simulated; with
+``--explain``, adaptive's plan at the end (the controller's own record) and each job's rates.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 from typing import Optional
 
-from evaluation.nodemodel import AGENT_POLICIES, USER_POLICIES, JobModel, models_from_bench_specs, objective, \
-    steady_state
+from evaluation import simulate as S
+from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 
 BASELINES = ("none", "autotune", "static-cores", "even-static")
-RATIOS = ("best", "none", "static-cores", "even-static")
+SIM_POLICIES = ("none", "autotune", "static-cores", "even-static", "even", "adaptive")
+FULL = 0.98            # a phase whose every GPU is at >= 98% of its ceiling was not short of CPU
 
 
 def _ratios(values: dict[str, float], policy: str) -> dict[str, Optional[float]]:
-    out: dict[str, Optional[float]] = {}
+    """``policy``'s value over the best baseline other than itself, over none, over static-cores."""
     v = values.get(policy)
     base = [values[b] for b in BASELINES if b in values and b != policy and values[b] > 0]
-    out["best"] = v / max(base) if v is not None and base else None
-    for b in RATIOS[1:]:
-        out[b] = v / values[b] if v is not None and values.get(b) and b != policy else None
-    return out
+    return {"best": v / max(base) if v is not None and base else None,
+            "none": v / values["none"] if v is not None and values.get("none") and policy != "none" else None,
+            "static-cores": (v / values["static-cores"] if v is not None and values.get("static-cores")
+                             and policy != "static-cores" else None)}
 
 
-def simulate_specs(specs: dict, node_cores: float, loader_cpus: float, policies) -> dict[str, float]:
-    models = models_from_bench_specs(specs)
-    return {p: objective(models, steady_state(models, p, node_cores, loader_cpus))
-            for p in policies if p in USER_POLICIES + AGENT_POLICIES}
+def phase_capacity(phase: dict, node_cores: float) -> float:
+    """The CPU the jobs of a measured phase could get: what they used (workers + training processes)
+    if some GPU was short of its ceiling, else the node's cores."""
+    jobs = (phase.get("metrics") or {}).get("jobs") or {}
+    used = sum(float(m.get("worker_cpu_cores") or 0.0) + float(m.get("trainer_cpu_cores") or 0.0) for m in jobs.values())
+    short = any(float(m.get("normalised") or 0.0) < FULL for m in jobs.values())
+    if not jobs or not short or used <= 0:
+        return float(node_cores)
+    return min(float(node_cores), used)
 
 
-def validate(bench: dict) -> list[dict]:
-    """Rows: scenario, policy, measured and simulated aggregate and ratios."""
+def sim_config(node_cores: float, loader_cpus: float, gpus: int, tick_s: float = 1.0,
+               available: Optional[float] = None) -> S.SimConfig:
+    return S.SimConfig(cores=float(node_cores), gpus=int(gpus), loader_cpus=float(loader_cpus), tick_s=tick_s,
+                       predictor="agent", available_cores=available)
+
+
+def validate(bench: dict, capacity: str = "measured") -> list[dict]:
+    """Rows: scenario, policy, measured and simulated aggregates and ratios (medians over repeats), with
+    the capacity the simulation used (``capacity``) and with the node's cores."""
+    if capacity not in ("measured", "node"):
+        raise ValueError(f"unknown capacity {capacity!r}; choose measured or node")
     meta = bench.get("meta") or {}
     node, loader = float(meta.get("node_cores") or 2), float(meta.get("loader_cpus") or 1.8)
-    rows = []
+    tick = float(meta.get("tick_s") or 1.0)
     by_sc: dict[str, list] = {}
     for ph in bench.get("phases", []):
         if ph.get("kind") == "static" and (ph.get("metrics") or {}).get("agg_normalised") and ph.get("specs"):
             by_sc.setdefault(ph["scenario"], []).append(ph)
+    rows = []
     for sc, phases in by_sc.items():
-        specs = {j: s for j, s in phases[0]["specs"].items() if s}
-        policies = sorted({ph["policy"] for ph in phases})
-        sim = simulate_specs(specs, node, loader, policies)
-        reps: dict[int, dict[str, float]] = {}
+        truth = curves_from_bench_specs({j: s for j, s in phases[0]["specs"].items() if s})
+        gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
+        cache: dict = {}
+
+        def sim(policy: str, avail: Optional[float], warm: float, meas: float) -> float:
+            key = (policy, None if avail is None else round(avail, 3), warm, meas)
+            if key not in cache:
+                cfg = sim_config(node, loader, gpus, tick, avail)
+                cache[key] = S.steady_state(truth, policy, cfg, warm, meas)["window_agg"]
+            return cache[key]
+
+        reps: dict[int, dict[str, dict]] = {}
         for ph in phases:
-            reps.setdefault(ph["rep"], {})[ph["policy"]] = ph["metrics"]["agg_normalised"]
-        for p in policies:
-            if p not in sim:
+            if ph["policy"] not in SIM_POLICIES:
                 continue
-            meas = {k: [] for k in RATIOS}
-            for vals in reps.values():
-                for k, v in _ratios(vals, p).items():
-                    if v is not None:
-                        meas[k].append(v)
-            srat = _ratios(sim, p)
-            row = {"scenario": sc, "policy": p, "sim_agg": sim[p],
-                   "measured_agg": _median([vals[p] for vals in reps.values() if p in vals])}
-            for k in RATIOS:
-                row[f"measured_{k}"] = _median(meas[k])
-                row[f"sim_{k}"] = srat[k]
+            warm = float(ph.get("warmup_s") or 6.0)
+            win = ph.get("window") or [0.0, 12.0]
+            meas = max(1.0, float(win[1]) - float(win[0]))
+            cap = phase_capacity(ph, node) if capacity == "measured" else node
+            reps.setdefault(ph["rep"], {})[ph["policy"]] = {
+                "measured": ph["metrics"]["agg_normalised"], "capacity": cap,
+                "sim": sim(ph["policy"], cap if cap < node else None, warm, meas),
+                "sim_node": sim(ph["policy"], None, warm, meas)}
+        policies = sorted({p for vals in reps.values() for p in vals})
+        for p in policies:
+            row = {"scenario": sc, "policy": p}
+            for src in ("measured", "sim", "sim_node"):
+                per_rep = [_ratios({q: v[src] for q, v in vals.items()}, p) for vals in reps.values() if p in vals]
+                for k in ("best", "none", "static-cores"):
+                    row[f"{src}_{k}"] = _median([r[k] for r in per_rep])
+                row[f"{src}_agg"] = _median([vals[p][src] for vals in reps.values() if p in vals])
+            row["capacity"] = _median([vals[p]["capacity"] for vals in reps.values() if p in vals])
+            row["reps"] = sum(1 for vals in reps.values() if p in vals)
             rows.append(row)
     return rows
 
 
 def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0) -> dict:
-    """The bench's dynamic scenario through ``evaluation.simulate`` (same jobs: arrivals, samples of work,
-    the workload model; a perfect predictor): policy -> {agg, makespan_s, jct_mean_s}. ``startup_s`` (the
+    """The bench's dynamic scenario through the simulator (same jobs: arrivals, samples of work, the
+    workload model; the agent's predictor): policy -> {agg, makespan_s, jct_mean_s}. ``startup_s`` (the
     measured seconds from a job's launch to its first batch, the same under every policy) is added to
     every JCT and to the makespan, as the bench counts them from the launch."""
-    from evaluation import simulate as S
-
-    models = models_from_bench_specs(specs)
-    truth, trace = {}, []
+    truth = curves_from_bench_specs(specs)
+    trace = []
     for j, sp in specs.items():
-        m = models[j]
-        truth[j] = dataclasses.replace(m.curve, extra={"gpus": m.gpus, "trainer_cpu_s_per_step": m.trainer_cpu_s_per_step,
-                                                       "num_workers": m.habitual_workers})
-        work_s = float(sp.get("samples") or 0) / m.curve.ceiling_samples_per_s
-        trace.append(S.TraceJob("bench", j, j, float(sp.get("arrival_s") or 0.0), max(1e-3, work_s), m.gpus))
-    cfg = S.SimConfig(cores=float(node_cores), gpus=sum(m.gpus for m in models.values()), loader_cpus=loader_cpus,
-                      predictor="perfect", tick_s=1.0)
+        cv = truth[j]
+        work_s = float(sp.get("samples") or 0) / cv.ceiling_samples_per_s
+        trace.append(S.TraceJob("bench", j, j, float(sp.get("arrival_s") or 0.0), max(1e-3, work_s),
+                                int(cv.extra["gpus"])))
+    cfg = sim_config(node_cores, loader_cpus, sum(t.gpus for t in trace))
     out = {}
     for p in policies:
         r = S.simulate_node(trace, truth, p, cfg)
@@ -121,7 +156,7 @@ def validate_dynamic(bench: dict) -> list[dict]:
               if e.get("kind") == "arrival" and "launch_t" in e]
     startup = _median(delays) or 0.0
     policies = sorted({ph["policy"] for ph in phases})
-    sim = simulate_dynamic(specs, node, loader, [p for p in policies if p in USER_POLICIES + AGENT_POLICIES], startup)
+    sim = simulate_dynamic(specs, node, loader, [p for p in policies if p in SIM_POLICIES], startup)
     meas = {p: {k: _median([ph["metrics"][k] for ph in phases if ph["policy"] == p]) for k in ("makespan_s", "jct_mean_s")}
             for p in policies}
     rows = []
@@ -148,7 +183,7 @@ def markdown_dynamic(rows: list[dict]) -> str:
                      f"| {_f(r.get('measured_jct_mean_s_x_none'))} / {_f(r.get('sim_jct_mean_s_x_none'))} |")
     if rows:
         lines.append(f"\n(start-up, launch to first batch, measured median {rows[0]['startup_s']:.1f} s, added to the "
-                     "simulated JCTs and makespan)")
+                     "simulated JCTs and makespan; the simulated node has all its cores)")
     return "\n".join(lines)
 
 
@@ -160,36 +195,54 @@ def _median(xs):
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
-def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
-               step_s: float = 0.1) -> dict[str, dict[str, float]]:
-    """Each catalogue mix filled to ``node_gpus`` GPUs with the kinds' real demands -> policy -> aggregate."""
+MIXES = ("heterogeneous", "gpu-weighted", "trainer-cpu", "oversubscribed", "nothing-to-arbitrate")
+
+
+def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, step_s: float = 0.1) -> dict:
+    """A catalogue mix filled to ``node_gpus`` GPUs (members repeated in order) with the kinds' real
+    demands and ``cpus // ranks`` habits for the node: job -> curve with its workload."""
     from evaluation.catalog import habitual_workers, load_catalog
     from predictor.curve import ThroughputCurve
 
     cat = load_catalog(catalog_path)
+    if mix not in cat.mixes:
+        raise ValueError(f"unknown mix {mix!r}; the catalogue has: {', '.join(sorted(cat.mixes))}")
+    out, gpus, i = {}, 0, 0
+    while gpus < node_gpus:
+        k = cat.mixes[mix][i % len(cat.mixes[mix])]
+        kd = cat.kinds[k]
+        if gpus + kd.gpus > node_gpus:
+            break
+        cv = ThroughputCurve(job=f"{i}-{k}", batch_size=64 * kd.gpus, compute_s_per_step=step_s,
+                             cpu_s_per_batch=kd.cores_per_gpu * kd.gpus * step_s, blocked_s_per_batch=0.0,
+                             confidence=1.0, observed_configs=3)
+        out[f"{i}-{k}"] = curve_with_workload(cv, kd.trainer_cpu_frac * step_s, kd.gpus,
+                                              habitual_workers(kd, node_cores))
+        gpus += kd.gpus
+        i += 1
+    return out
+
+
+def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
+               warmup_s: float = 30.0, measure_s: float = 30.0, mixes=MIXES) -> dict[str, dict]:
+    """Each catalogue mix filled to ``node_gpus`` GPUs -> policy -> aggregate over the measured window
+    (the simulator, controller and all), with ``_demand_cores``, ``_gpus`` and ``_records`` (per policy:
+    the plan in force at the end and each job's rates)."""
     loader = round(node_cores * 0.9, 2)
     out = {}
-    for mix in ("heterogeneous", "gpu-weighted", "trainer-cpu", "oversubscribed", "nothing-to-arbitrate"):
-        if mix not in cat.mixes:
-            continue
-        models: dict[str, JobModel] = {}
-        gpus, i = 0, 0
-        while gpus < node_gpus:
-            k = cat.mixes[mix][i % len(cat.mixes[mix])]
-            kd = cat.kinds[k]
-            if gpus + kd.gpus > node_gpus:
-                break
-            cv = ThroughputCurve(job=f"{i}-{k}", batch_size=64 * kd.gpus, compute_s_per_step=step_s,
-                                 cpu_s_per_batch=kd.cores_per_gpu * kd.gpus * step_s, blocked_s_per_batch=0.0,
-                                 confidence=1.0, observed_configs=3)
-            models[f"{i}-{k}"] = JobModel(curve=cv, trainer_cpu_s_per_step=kd.trainer_cpu_frac * step_s,
-                                          gpus=kd.gpus, habitual_workers=habitual_workers(kd, node_cores))
-            gpus += kd.gpus
-            i += 1
-        out[mix] = {p: objective(models, steady_state(models, p, node_cores, loader)) for p in policies}
-        out[mix]["_demand_cores"] = sum(m.curve.cpu_s_per_batch / m.curve.compute_s_per_step + m.trainer_cores
-                                        for m in models.values())
+    for mix in mixes:
+        truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
+        gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
+        cfg = sim_config(node_cores, loader, node_gpus)
+        res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
+        out[mix] = {p: r["window_agg"] for p, r in res.items()}
+        out[mix]["_demand_cores"] = sum(cv.cpu_s_per_batch / cv.compute_s_per_step
+                                        + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
+                                        for cv in truth.values())
         out[mix]["_gpus"] = gpus
+        out[mix]["_records"] = {p: {"plan": r["plan"], "window": r["window"],
+                                    "rates": {j: {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
+                                              for j, x in r["rates"].items()}} for p, r in res.items()}
     return out
 
 
@@ -197,16 +250,21 @@ def _f(v, spec=".3f"):
     return "–" if v is None else format(v, spec)
 
 
+def _diff(a, b):
+    return abs(b / a - 1) if a and b else None
+
+
 def markdown_validation(rows: list[dict]) -> str:
-    lines = ["| scenario | policy | measured agg. | sim agg. | × best baseline: measured / sim | × none: measured / sim "
-             "| × static-cores: measured / sim | × even-static: measured / sim | worst ratio difference |",
+    lines = ["| scenario | policy | reps | jobs' CPU (measured) | agg. measured / sim | × best baseline: measured / sim "
+             "(difference) | sim on the whole node | × none: measured / sim | × static-cores: measured / sim |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        diffs = [abs(r[f"sim_{k}"] / r[f"measured_{k}"] - 1) for k in RATIOS
-                 if r.get(f"sim_{k}") and r.get(f"measured_{k}")]
-        lines.append(f"| {r['scenario']} | {r['policy']} | {_f(r['measured_agg'])} | {_f(r['sim_agg'])} | "
-                     + " | ".join(f"{_f(r[f'measured_{k}'])} / {_f(r[f'sim_{k}'])}" for k in RATIOS)
-                     + f" | {_f(max(diffs) if diffs else None, '.1%')} |")
+        d = _diff(r["measured_best"], r["sim_best"])
+        lines.append(f"| {r['scenario']} | {r['policy']} | {r['reps']} | {_f(r['capacity'], '.2f')} "
+                     f"| {_f(r['measured_agg'])} / {_f(r['sim_agg'])} "
+                     f"| {_f(r['measured_best'])} / {_f(r['sim_best'])} ({_f(d, '.1%')}) | {_f(r['sim_node_best'])} "
+                     f"| {_f(r['measured_none'])} / {_f(r['sim_none'])} "
+                     f"| {_f(r['measured_static-cores'])} / {_f(r['sim_static-cores'])} |")
     return "\n".join(lines)
 
 
@@ -216,25 +274,66 @@ def markdown_study(study: dict, node_cores: int, node_gpus: int) -> str:
              "| mix (filled to the GPUs) | demand, cores | " + " | ".join(pols) + " | adaptive × best baseline |",
              "|---|---|" + "---|" * (len(pols) + 1)]
     for mix, vals in study.items():
-        best = max(vals[p] for p in BASELINES)
+        best = max(vals[p] for p in BASELINES if p in vals)
         lines.append(f"| {mix} ({vals['_gpus']} GPUs) | {vals['_demand_cores']:.1f} | "
-                     + " | ".join(_f(vals[p]) for p in pols) + f" | {_f(vals['adaptive'] / best)} |")
+                     + " | ".join(_f(vals.get(p)) for p in pols) + f" | {_f(vals['adaptive'] / best)} |")
     return "\n".join(lines)
+
+
+def markdown_records(study: dict, policies=("adaptive",)) -> str:
+    """The controller's records at the end of each mix: per job, the plan (workers, cpus, reason) and
+    what it got (loader and trainer cores, normalised throughput over the window)."""
+    lines = []
+    for mix, vals in study.items():
+        for p in policies:
+            rec = vals["_records"].get(p)
+            if not rec:
+                continue
+            lines += [f"\n{mix}, {p}:\n", "| job | workers | cpus (plan) | loader cores | trainer cores | normalised | reason |",
+                      "|---|---|---|---|---|---|---|"]
+            for j in sorted(rec["window"]):
+                a, r = rec["plan"].get(j, {}), rec["rates"].get(j, {})
+                lines.append(f"| {j} | {r.get('workers', '–')} | {_f(a.get('cpus'), '.2f')} | {_f(r.get('loader_cores'), '.2f')} "
+                             f"| {_f(r.get('trainer_cores'), '.2f')} | {_f(rec['window'][j])} | {a.get('reason', '')} |")
+    return "\n".join(lines)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        c, g = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"node shape {text!r}: expected CORES:GPUS, e.g. 16:8") from None
+    if c < 1 or g < 1:
+        raise argparse.ArgumentTypeError(f"node shape {text!r}: cores and GPUs must be >= 1")
+    return c, g
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.validate_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
+    ap.add_argument("--capacity", choices=("measured", "node"), default="measured",
+                    help="CPU the simulated jobs get: what the measured phase's jobs used when short of it "
+                         "(default), or the node's cores")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
+    ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
         ap.error("give bench.json files and/or --nodes")
+    shapes = []
+    if args.nodes:
+        try:
+            shapes = [_shape(x) for x in args.nodes.split(",")]
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
     doc: dict = {"validation": [], "study": {}}
     for path in args.bench:
-        with open(path) as f:
-            bench = json.load(f)
-        rows = validate(bench)
+        try:
+            with open(path) as f:
+                bench = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"{path}: {e}")
+        rows = validate(bench, args.capacity)
         dyn = validate_dynamic(bench)
         for r in rows + dyn:
             r["bench"] = path
@@ -244,13 +343,13 @@ def main(argv=None) -> int:
             print(markdown_validation(rows))
         if dyn:
             print(markdown_dynamic(dyn))
-    if args.nodes:
-        for shape in args.nodes.split(","):
-            c, g = (int(x) for x in shape.split(":"))
-            st = node_study(c, g)
-            doc["study"][shape] = st
-            print()
-            print(markdown_study(st, c, g))
+    for c, g in shapes:
+        st = node_study(c, g)
+        doc["study"][f"{c}:{g}"] = st
+        print()
+        print(markdown_study(st, c, g))
+        if args.explain:
+            print(markdown_records(st))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

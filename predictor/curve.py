@@ -151,6 +151,18 @@ class ThroughputCurve:
         return self.normalized(w2, cores + d_cores) - self.normalized(workers, cores)
 
 
+@dataclass(frozen=True)
+class SharedCpuState:
+    """Where ``shared_cpu_throughput``'s fixed point settles: samples/s, the share of a CPU the trainer
+    gets while its CPU part runs (its CPU part takes ``t / trainer_share``: the rest is run-queue wait),
+    the share a busy worker gets (a batch takes ``c / worker_share + b``), and the workers runnable on
+    average."""
+    samples_per_s: float
+    trainer_share: float
+    worker_share: float
+    runnable_workers: float
+
+
 def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, trainer_cpu_s_per_step: float,
                           trainer_threads: int = 1) -> float:
     """Samples/s when the job's training process and its ``workers`` share ``cpus`` CPUs with no
@@ -169,8 +181,14 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
     the CPUs left to the trainer can run only stretch its CPU part: that is what makes the optimum
     interior. With ``t = 0`` it is ``curve.throughput(workers, cpus)`` (hard minimum) up to the
     workers' own time-sharing."""
+    return shared_cpu_state(curve, workers, cpus, trainer_cpu_s_per_step, trainer_threads).samples_per_s
+
+
+def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_cpu_s_per_step: float,
+                     trainer_threads: int = 1) -> SharedCpuState:
+    """``shared_cpu_throughput`` with the shares it settles at (``SharedCpuState``)."""
     if workers < 1:
-        return curve.throughput(0, cpus)
+        return SharedCpuState(curve.throughput(0, cpus), 1.0, 1.0, 0.0)
     g = curve.compute_s_per_step + curve.overhead_s_per_step
     t = max(0.0, min(trainer_cpu_s_per_step, g))
     gpu = g - t
@@ -189,7 +207,7 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
             rates.append(curve.correction * workers / per_batch)
         new = curve._softmin(rates) if rates else math.inf
         if new == math.inf:
-            return math.inf
+            return SharedCpuState(math.inf, s_t, s_w, u)
         # busy workers compete for CPUs only while they compute: a worker blocked on IO is not runnable
         u_new = min(float(workers), new * (c / s_w))
         r_new = min(float(n), n * new * t / s_t)
@@ -197,7 +215,7 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
             bps = new
             break
         bps, u, r = new, 0.5 * u + 0.5 * u_new, 0.5 * r + 0.5 * r_new
-    return min(bps * curve.batch_size, curve.ceiling_samples_per_s)
+    return SharedCpuState(min(bps * curve.batch_size, curve.ceiling_samples_per_s), s_t, s_w, u)
 
 
 def shared_cpu_knee(curve: ThroughputCurve, cpus: float, trainer_cpu_s_per_step: float,

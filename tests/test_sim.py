@@ -33,12 +33,6 @@ def test_waterfill_respects_caps_and_weights():
 
 
 @pytest.mark.unit
-def test_demand_cores_of_a_first_principles_curve():
-    assert S.demand_cores(CURVES["mid"]) == pytest.approx(1.0, rel=0.02)
-    assert S.demand_cores(CURVES["heavy"], workers=2) == pytest.approx(2.0, rel=0.02)   # one core per worker
-
-
-@pytest.mark.unit
 def test_trace_files_csv_and_jsonl(tmp_path):
     csv_p = tmp_path / "t.csv"
     csv_p.write_text("node,job,kind,arrival_s,work_s\nn0,a,heavy,0,10\nn0,b,light,5,4\n")
@@ -81,9 +75,13 @@ def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics
 
     snap = NodeSnapshot(now=0.0, loader_cpus=2.0, cpu_ids=(0, 1), jobs={j: stats(j) for j in CURVES}, max_jobs=3)
 
+    from evaluation.nodemodel import JobModel, node_rates
+
+    models = {j: JobModel(curve=cv) for j, cv in CURVES.items()}      # no trainer CPU: the loaders alone
+
     def total(plan):
-        _, rates = S.node_rates(CURVES, plan.allocations, 2.0)
-        return sum(rates[j] / CURVES[j].ceiling_samples_per_s for j in CURVES)
+        rates = node_rates(models, "agent", 2.0, plan.allocations)
+        return sum(r.normalised for r in rates.values())
 
     best = total(S._policy("oracle")(snap, CURVES, PolicyConfig()))
     # light 0.25 + mid 1.0 saturate, heavy gets 0.75 of its 3 cores: 1 + 1 + 0.25
@@ -195,15 +193,19 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     static = N.node_rates(models, "static", 2.0)
     assert static["light"].loader_cores + static["light"].trainer_cores <= 2.0 / 3 + 1e-6
     assert N.objective(models, static) <= N.objective(models, none) + 1e-9      # hard shares idle cores
-    steady = {p: N.objective(models, N.steady_state(models, p, 2.0, 1.8))
-              for p in ("none", "static-cores", "even-static", "adaptive")}
+    truth = {j: N.curve_with_workload(m.curve, m.trainer_cpu_s_per_step, m.gpus, m.habitual_workers)
+             for j, m in models.items()}
+    cfg = S.SimConfig(cores=2.0, gpus=3, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
+    steady = {p: S.steady_state(truth, p, cfg)["window_agg"] for p in ("none", "static-cores", "even-static", "adaptive")}
+    assert steady["none"] == pytest.approx(N.objective(models, none), rel=1e-9)      # the physics alone
     assert steady["adaptive"] >= max(steady.values()) - 1e-6
     # an unsaturated node: every work-conserving policy reaches every ceiling; a hard quota of one core
     # per job still makes its trainer share that core with its busy workers (a few percent)
-    small = {"a": model("a", 0.2, 0.1), "b": model("b", 0.2, 0.1)}
+    small = {j: N.curve_with_workload(model(j, 0.2, 0.1).curve, 0.01, 1, 2) for j in ("a", "b")}
+    cfg2 = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
     for p in ("none", "autotune", "adaptive"):
-        assert N.objective(small, N.steady_state(small, p, 2.0, 1.8)) == pytest.approx(2.0, rel=1e-3)
-    assert 1.9 <= N.objective(small, N.steady_state(small, "static-cores", 2.0, 1.8)) < 2.0
+        assert S.steady_state(small, p, cfg2)["window_agg"] == pytest.approx(2.0, rel=1e-3)
+    assert 1.9 <= S.steady_state(small, "static-cores", cfg2)["window_agg"] < 2.0
 
 
 @pytest.mark.unit
@@ -220,25 +222,86 @@ def test_simulator_runs_the_no_agent_baselines_with_the_workload_model():
 
 
 @pytest.mark.unit
-def test_validate_sim_puts_the_node_model_next_to_a_measured_run():
-    """evaluation.validate_sim: a bench run's static phases (with the specs the jobs ran) -> one row per
-    policy with the measured and the simulated ratios; and the bigger-node study fills the GPUs."""
+def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
+    """evaluation.validate_sim on a small synthetic bench JSON: every static phase goes through the
+    simulator (the controller for the agent policies), one row per policy with the measured and the
+    simulated ratios, taken within each repeat; a phase that left a GPU short gets the CPU its jobs used."""
     from evaluation import validate_sim as V
 
     spec = lambda k, demand, frac, gpus=1: {"kind": k, "batch_size": 64 * gpus, "step_s": 0.1, "demand_cores": demand,
                                             "trainer_cpu_frac": frac, "gpus": gpus, "num_workers": 2}
     specs = {"a": spec("heavy", 1.8, 0.2, gpus=2), "b": spec("mid", 0.5, 0.3), "c": spec("light", 0.15, 0.35)}
+
+    def jobs(cpu):     # per-job figures as the bench writes them; the jobs used `cpu` cores in all
+        return {j: {"worker_cpu_cores": cpu / 6, "trainer_cpu_cores": cpu / 6, "normalised": 0.5} for j in specs}
+
     phases = []
-    for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8}, {"none": 1.6, "adaptive": 1.7})):
+    for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8, "static-cores": 1.2},
+                                {"none": 1.6, "adaptive": 1.7, "static-cores": 1.1})):
         for p, v in vals.items():
-            phases.append({"scenario": "gpu-weighted", "kind": "static", "policy": p, "rep": rep,
-                           "metrics": {"agg_normalised": v}, "specs": specs})
-    rows = V.validate({"meta": {"node_cores": 2, "loader_cpus": 1.8}, "phases": phases})
+            phases.append({"scenario": "gpu-weighted", "kind": "static", "policy": p, "rep": rep, "warmup_s": 6,
+                           "window": [100.0, 112.0], "metrics": {"agg_normalised": v, "jobs": jobs(2.0)},
+                           "specs": specs})
+    bench = {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": phases}
+    rows = V.validate(bench, capacity="node")
     by = {r["policy"]: r for r in rows}
-    assert set(by) == {"none", "adaptive"}
+    assert set(by) == {"none", "adaptive", "static-cores"} and by["adaptive"]["reps"] == 2
     assert by["adaptive"]["measured_none"] == pytest.approx((1.8 / 1.5 + 1.7 / 1.6) / 2)
+    assert by["adaptive"]["measured_best"] == pytest.approx((1.8 / 1.5 + 1.7 / 1.6) / 2)
+    assert by["none"]["measured_best"] == pytest.approx((1.5 / 1.2 + 1.6 / 1.1) / 2)
+    # the simulated side: the same jobs in the simulator, the agent ahead of both user baselines here
     assert by["adaptive"]["sim_none"] > 1.0 and by["adaptive"]["sim_agg"] > by["none"]["sim_agg"]
-    assert "| gpu-weighted | adaptive |" in V.markdown_validation(rows)
-    study = V.node_study(16, 8)
+    assert by["adaptive"]["sim_agg"] == pytest.approx(by["adaptive"]["sim_node_agg"])
+    assert "| gpu-weighted | adaptive | 2 |" in V.markdown_validation(rows)
+    # measured capacity: a phase whose jobs used 1.2 of 2 cores while short of their ceilings is
+    # simulated with 1.2 cores, which lowers every simulated aggregate
+    for ph in phases:
+        ph["metrics"]["jobs"] = jobs(1.2)
+    low = {r["policy"]: r for r in V.validate(bench)}
+    assert low["none"]["capacity"] == pytest.approx(1.2)
+    assert all(low[p]["sim_agg"] < by[p]["sim_agg"] for p in by)
+    with pytest.raises(ValueError, match="unknown capacity"):
+        V.validate(bench, capacity="nope")
+
+
+@pytest.mark.unit
+def test_bigger_node_study_fills_the_gpus_and_keeps_the_controllers_records():
+    from evaluation import validate_sim as V
+
+    study = V.node_study(16, 8, mixes=("gpu-weighted", "nothing-to-arbitrate"), warmup_s=10, measure_s=10)
     assert all(v["_gpus"] == 8 for v in study.values())
     assert all(v["adaptive"] >= 0.9 * max(v[p] for p in V.BASELINES) for v in study.values())
+    rec = study["gpu-weighted"]["_records"]["adaptive"]
+    assert rec["plan"] and set(rec["plan"]) == set(rec["window"])
+    assert all(a["reason"] for a in rec["plan"].values())
+    assert "| 0-resnet18x2 |" in V.markdown_records(study)
+
+
+@pytest.mark.unit
+def test_unified_simulator_invariants():
+    """Whatever the policy: the jobs never use more CPU than the node (or than the CPU other tenants
+    leave them), no job runs above its ceiling, the snapshot figures the controller reads are
+    consistent (compute + data wait = the step; the trainer's CPU wait is part of compute), and a
+    static quota never gives a job more than its GPU share of the node."""
+    from evaluation import nodemodel as N
+
+    truth = S.builtin_curves()
+    mix = {j: truth[k] for j, k in (("a", "resnet18x2"), ("b", "alexnet"), ("c", "bert"))}
+    for avail in (None, 1.2):
+        cfg = S.SimConfig(cores=2.0, gpus=4, loader_cpus=1.8, tick_s=1.0, available_cores=avail)
+        for p in ("none", "autotune", "static-cores", "even-static", "adaptive"):
+            r = S.steady_state(mix, p, cfg, warmup_s=5, measure_s=5)
+            used = sum(x["loader_cores"] + x["trainer_cores"] for x in r["rates"].values())
+            assert used <= (avail or 2.0) + 1e-6, (p, avail)
+            assert all(0 < v <= 1 + 1e-9 for v in r["window"].values()), p
+            for j, x in r["rates"].items():
+                step = 1.0 / (x["samples_per_s"] / mix[j].batch_size)
+                assert x["compute_s_per_step"] + x["data_wait_s_per_step"] == pytest.approx(step, rel=1e-6)
+                assert x["compute_s_per_step"] >= mix[j].compute_s_per_step - 1e-9
+                assert x["trainer_runq_s_per_step"] == pytest.approx(x["compute_s_per_step"] - mix[j].compute_s_per_step,
+                                                                     abs=1e-9)
+                if p == "static-cores":
+                    assert x["loader_cores"] + x["trainer_cores"] <= 2.0 * mix[j].extra["gpus"] / 4 + 1e-6
+    models = {j: N.job_model(cv, cv.extra["gpus"], 1) for j, cv in mix.items()}
+    with pytest.raises(ValueError, match="unknown mode"):
+        N.node_rates(models, "nope", 2.0)
