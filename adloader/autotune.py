@@ -37,6 +37,7 @@ Never raises into training.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -254,6 +255,15 @@ class AutoTuner:
         if want > self.current:
             if now_pred > 0 and want_pred < now_pred * (1 + h):
                 return None
+            if curve.observed_configs < 2 and curve.core_correction is not None:
+                # from one configuration the job's windows cannot tell the worker term's correction
+                # from the core term's (on one CPU both are the same CPU): a gain that exists only in
+                # the prior's ratio between the two is not the job's evidence. Grow on the gain its own
+                # costs promise with one correction for both terms.
+                same = dataclasses.replace(curve, core_correction=None)
+                now_same = self.predict(same, self.current)
+                if now_same > 0 and self.predict(same, want) < now_same * (1 + h):
+                    return None
         else:
             if want_pred < now_pred * (1 - HYSTERESIS * HYSTERESIS / h):
                 return None

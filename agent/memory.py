@@ -13,12 +13,19 @@ read only) and decides the budget the policy must plan within this tick:
   memory. Each tick that still sees pressure cuts again from what is used then, so a cut that was not
   enough is followed by another within a tick. The policy takes the workers away where the least
   GPU-weighted throughput is lost per byte freed (``agent.policies.memory_caps``);
-- after ``clear_ticks`` (3) ticks without pressure the cut is lifted and the configured budget is in
-  force again (workers grow back as the policy sees fit).
+- once the pressure is gone, the cut is held for ``clear_ticks`` (3) ticks, then grows back one step
+  per tick: ``grow_frac`` (10%) of what the loaders held when the pressure began (the pre-pressure
+  plan), so workers come back a few at a time and a plan that brought the pressure on is not
+  restored in one jump (which could bring it straight back). A step is taken only while the pressure
+  stays low: PSI under half the threshold and MemAvailable above ``min_available`` plus the step;
+  otherwise the cut is held and the note says why. When the cut reaches the pre-pressure use (or the
+  configured budget) it is lifted and the configured budget is in force again. Pressure during the
+  growth cuts again at once, from what is used then; the shrink is never slowed by the growth.
 
-Every change of state is logged (``memory_pressure``, ``memory_pressure_cleared``) and the current one
-is in ``MemoryState.note``, which the policy puts in the reasons of the jobs that lost workers and
-``adloader status`` shows. Nothing here writes anywhere: memory is acted on through worker counts only.
+Every change of state is logged (``memory_pressure``, ``memory_pressure_easing`` at each step,
+``memory_pressure_cleared``) and the current one is in ``MemoryState.note``, which the policy puts in
+the reasons of the jobs whose workers it holds back and ``adloader status`` shows. Nothing here writes
+anywhere: memory is acted on through worker counts only.
 """
 from __future__ import annotations
 
@@ -52,14 +59,18 @@ class MemoryState:
 class MemoryGuard:
     def __init__(self, budget: Optional[float], *, psi_threshold: float = 10.0, min_available: float = 256 << 20,
                  source: Callable[[], NodeMemory] = memmod.node_memory, clear_ticks: int = 3,
-                 shrink_frac: float = 0.25) -> None:
+                 shrink_frac: float = 0.25, grow_frac: float = 0.1) -> None:
+        if not 0 < grow_frac <= 1:
+            raise ValueError(f"MemoryGuard.grow_frac must be in (0, 1], got {grow_frac}")
         self.configured = budget
         self.psi_threshold = psi_threshold
         self.min_available = min_available
         self.source = source
         self.clear_ticks = clear_ticks
         self.shrink_frac = shrink_frac
+        self.grow_frac = grow_frac
         self.cap: Optional[float] = None         # the cut in force (None = none)
+        self.before = 0.0                        # the loaders' memory when the pressure began (restore target)
         self.quiet = 0
         self._prev: Optional[tuple[float, int]] = None    # (now, PSI some total µs)
         self.state = MemoryState(budget, budget, 0.0, None, None, False)
@@ -90,6 +101,8 @@ class MemoryGuard:
             to_free = max(short, self.shrink_frac * loader_used)
             cut = max(0.0, loader_used - to_free)
             first = self.cap is None
+            if first:
+                self.before = loader_used
             self.cap = cut if first else min(self.cap, cut)
             self.quiet = 0
             note = (f"memory pressure ({'; '.join(why)}): loader memory cut to {format_bytes(self.cap)} "
@@ -98,17 +111,40 @@ class MemoryGuard:
                        available_bytes=node.available, loader_used_bytes=loader_used, budget_bytes=self.cap,
                        first=first)
         elif self.cap is not None:
-            self.quiet += 1
-            if self.quiet >= self.clear_ticks:
-                logs.event(log, "memory_pressure_cleared", detail=f"no memory pressure for {self.quiet} ticks: "
-                           f"loader memory budget back to {format_bytes(self.configured)}")
-                self.cap = None
-                self.quiet = 0
-            else:
-                note = (f"memory pressure gone {self.quiet} tick(s) ago: loader memory held at "
-                        f"{format_bytes(self.cap)} for {self.clear_ticks - self.quiet} more")
+            note = self._ease(pct, node)
         budget = self.configured
         if self.cap is not None:
             budget = self.cap if budget is None else min(budget, self.cap)
         self.state = MemoryState(budget, self.configured, loader_used, node.available, pct, bool(why), note)
         return self.state
+
+    def _ease(self, pct: Optional[float], node: NodeMemory) -> str:
+        """A tick without pressure while a cut is in force: hold it, grow it one step, or lift it."""
+        self.quiet += 1
+        target = self.before if self.configured is None else min(self.configured, self.before)
+        if self.quiet <= self.clear_ticks:
+            return (f"memory pressure gone {self.quiet} tick(s) ago: loader memory held at "
+                    f"{format_bytes(self.cap)}; it grows back after {self.clear_ticks} quiet ticks")
+        step = max(1.0, self.grow_frac * target)
+        low = []
+        if pct is not None and pct >= self.psi_threshold / 2:
+            low.append(f"PSI memory some {pct:.0f}% >= {self.psi_threshold / 2:g}%")
+        if node.available is not None and node.available < self.min_available + step:
+            low.append(f"MemAvailable {format_bytes(node.available)} < {format_bytes(self.min_available + step)}")
+        if low:
+            return (f"memory pressure eased but not low ({'; '.join(low)}): loader memory held at "
+                    f"{format_bytes(self.cap)}")
+        self.cap += step
+        if self.cap >= target - 1.0:
+            logs.event(log, "memory_pressure_cleared",
+                       detail=f"no memory pressure for {self.quiet} ticks: loader memory back to "
+                              f"{format_bytes(target)} (its use before the pressure); budget "
+                              f"{format_bytes(self.configured) if self.configured is not None else 'none'} in force")
+            self.cap = None
+            self.quiet = 0
+            self.before = 0.0
+            return ""
+        note = (f"memory pressure gone {self.quiet} ticks: loader memory growing back by {format_bytes(step)} a tick, "
+                f"now {format_bytes(self.cap)} of {format_bytes(target)} before the pressure")
+        logs.event(log, "memory_pressure_easing", detail=note, budget_bytes=self.cap, target_bytes=target)
+        return note

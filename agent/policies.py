@@ -631,6 +631,37 @@ def _worker_memory(j: str, snapshot: NodeSnapshot, curves: Mapping[str, Throughp
     return max(0.0, m)
 
 
+def memory_floors(workers: Mapping[str, int], cores: Mapping[str, float], mem: Mapping[str, float],
+                  gpus: Mapping[str, int], curves: Mapping[str, ThroughputCurve], config: PolicyConfig,
+                  budget: float) -> dict[str, int]:
+    """Each job's fairness floor in workers under the loader memory ``budget``: the workers its
+    GPU-proportional share of the budget holds (budget x its GPUs / all GPUs, at least ``min_workers``),
+    or fewer where its curve says fewer keep ``floor_fraction`` of what that share would give at its
+    planned cores (the CPU floor's rule: a worker that buys nothing is no one's fair share). A job with
+    no usable curve is taken as linear in workers. Never above the planned workers; ``min_workers``
+    everywhere without ``fairness_floor``."""
+    lo = config.min_workers
+    if not config.fairness_floor:
+        return {j: lo for j in workers}
+    total = float(sum(gpus[j] for j in workers)) or 1.0
+    out = {}
+    for j, w in workers.items():
+        if mem[j] <= 0:
+            out[j] = w
+            continue
+        top = min(w, int(budget * gpus[j] / total // mem[j]))
+        if top <= lo:
+            out[j] = lo
+            continue
+        c = curves.get(j)
+        if c is not None and c.confidence >= config.min_confidence:
+            want = config.floor_fraction * c.normalized(top, cores[j])
+            out[j] = next(k for k in range(lo, top + 1) if c.normalized(k, cores[j]) >= want - 1e-12)
+        else:
+            out[j] = max(lo, math.ceil(config.floor_fraction * top - 1e-9))
+    return out
+
+
 def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 config: PolicyConfig, budget: float) -> tuple[dict[str, int], dict[str, str]]:
     """Workers per job that fit the loader memory ``budget`` (bytes), from ``plan``'s worker counts.
@@ -638,40 +669,50 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     While the plan's workers cost more than the budget, one worker is taken from the job whose
     GPU-weighted normalised throughput loses least per byte freed (at the job's planned cores);
     a job without a curve is charged 1/workers of its throughput per worker (as if linear), so a
-    worker that buys little and costs much goes first. No job drops below ``min_workers``.
-    Returns (caps for the jobs that lost workers, what could not fit: job -> text).
+    worker that buys little and costs much goes first. Fairness: no job is taken below its floor
+    (``memory_floors``: its GPU share of the budget) while another job above its own floor can give;
+    only when every job is at its floor and the budget is still short are floors cut, in the same
+    order (and that is reported). No job drops below ``min_workers``.
+    Returns (caps for the jobs that lost workers, what could not be kept: job -> text).
     """
     workers = {j: a.workers for j, a in plan.allocations.items() if j in snapshot.jobs}
     cores = {j: plan.allocations[j].cpus for j in workers}
     mem = {j: _worker_memory(j, snapshot, curves) for j in workers}
     used = sum(workers[j] * mem[j] for j in workers)
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in workers}
+    floor = memory_floors(workers, cores, mem, gpus, curves, config, budget)
 
-    def loss(j: str) -> float:
+    def key(j: str) -> tuple:
         w = workers[j]
         c = curves.get(j)
         if c is not None and c.confidence >= config.min_confidence:
             lost = c.normalized(w, cores[j]) - c.normalized(w - 1, cores[j])
         else:
             lost = 1.0 / w
-        return gpus[j] * max(0.0, lost) / mem[j]
+        # jobs above their fairness floor give first (level 0), floors only once nobody else can (level 1)
+        return (0 if w > floor[j] else 1, gpus[j] * max(0.0, lost) / mem[j], -mem[j], j)
 
-    heap = [(loss(j), -mem[j], j) for j in workers if mem[j] > 0 and workers[j] > config.min_workers]
+    heap = [key(j) for j in workers if mem[j] > 0 and workers[j] > config.min_workers]
     heapq.heapify(heap)
     caps: dict[str, int] = {}
     while used > budget + 1e-6 and heap:
-        _, _, j = heapq.heappop(heap)
+        j = heapq.heappop(heap)[-1]
         workers[j] -= 1
         used -= mem[j]
         caps[j] = workers[j]
         if workers[j] > config.min_workers:
-            heapq.heappush(heap, (loss(j), -mem[j], j))
+            heapq.heappush(heap, key(j))
     unfit = {}
     if used > budget + 1e-6:
         for j in workers:
             if mem[j] > 0:
                 unfit[j] = (f"loader memory budget {_gib(budget)} is below {config.min_workers} worker(s) per job "
                             f"({_gib(used)} needed)")
+    else:
+        for j in workers:
+            if workers[j] < floor[j]:
+                unfit[j] = (f"below its fair share of the loader memory budget ({floor[j]} workers): every job "
+                            f"is at its floor and {_gib(budget)} is still short")
     return caps, unfit
 
 

@@ -383,11 +383,17 @@ def sweep_points(reader: ProgressReader, ceiling: float, settle_s: float = 1.0) 
     return pts
 
 
-def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progress=None) -> dict[str, list]:
-    """Each distinct kind alone on the node at worker counts 1..ceil(loader_cpus)+1 -> points per job."""
+def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progress=None,
+                   memory_out: Optional[dict] = None) -> dict[str, list]:
+    """Each distinct kind alone on the node at worker counts 1..ceil(loader_cpus)+1 -> points per job.
+
+    ``memory_out``: filled with job -> one worker's memory (bytes): the most unique memory (USS) per
+    loader worker seen in any sample of the kind's sweep (every ``cfg.memory_sample_s``), so the
+    budget oracle plans with what the harness itself will measure."""
     top = min(6, math.ceil(cfg.loader_cpus) + 1)
     workers = ",".join(str(w) for w in range(1, top + 1))
     by_kind: dict[str, list] = {}
+    mem_kind: dict[str, float] = {}
     run_dir.mkdir(parents=True, exist_ok=True)
     for spec in specs:
         if spec.kind in by_kind:
@@ -397,8 +403,15 @@ def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progre
         proc, reader = start_job(cfg, spec, run_dir, workers=1, endpoint=None,
                                  extra_args=("--sweep", workers, "--segment-s", f"{cfg.sweep_segment_s:g}"))
         deadline = time.monotonic() + 60 + top * cfg.sweep_segment_s * 3
+        per_worker = 0.0
+        next_mem = 0.0
         try:
             while proc.alive() and time.monotonic() < deadline:
+                if memory_out is not None and time.monotonic() >= next_mem:
+                    n, total = worker_memory(proc.pid)
+                    if n:
+                        per_worker = max(per_worker, total / n)
+                    next_mem = time.monotonic() + cfg.memory_sample_s
                 time.sleep(0.2)
             reader.poll()
         finally:
@@ -408,6 +421,9 @@ def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progre
                              f"{proc.log_tail()}")
         ceiling = spec.batch_size / float(reader.start["step_s"])
         by_kind[spec.kind] = sweep_points(reader, ceiling)
+        mem_kind[spec.kind] = per_worker
+    if memory_out is not None:
+        memory_out.update({s.job_id: mem_kind[s.kind] for s in specs})
     return {s.job_id: by_kind[s.kind] for s in specs}
 
 
@@ -560,25 +576,29 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             "loader_memory_budget": sc.loader_memory}
 
 
-def loader_memory_sample(procs: dict, now: float) -> dict:
-    """Every job's loader workers' unique memory (USS, ``/proc/<pid>/smaps_rollup``), now: the children
-    of each job process (its loader workers; the training process itself is not loader memory)."""
+def worker_memory(pid: int) -> tuple[int, int]:
+    """(loader workers measured, their unique memory (USS, ``/proc/<pid>/smaps_rollup``) in bytes) of
+    one job process: its children (the training process itself is not loader memory)."""
     import psutil
 
     from adloader.memory import process_memory
 
-    per = {}
-    for jid, p in procs.items():
-        total = 0
-        try:
-            kids = psutil.Process(p.pid).children(recursive=True)
-        except psutil.Error:
-            kids = []
-        for k in kids:
-            m = process_memory(k.pid)
-            if m is not None:
-                total += m.uss
-        per[jid] = total
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    n = total = 0
+    for k in kids:
+        m = process_memory(k.pid)
+        if m is not None:
+            n += 1
+            total += m.uss
+    return n, total
+
+
+def loader_memory_sample(procs: dict, now: float) -> dict:
+    """Every job's loader workers' unique memory (``worker_memory``), now."""
+    per = {jid: worker_memory(p.pid)[1] for jid, p in procs.items()}
     return {"t": now, "total": sum(per.values()), "jobs": per}
 
 
@@ -723,10 +743,13 @@ def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], 
         curves_path = None
         sweeps = None
         if "oracle" in policies:
+            sweep_memory: dict = {}
             sweeps = measure_sweeps(cfg, [l.spec for l in sc.launches], cfg.out_dir / "runs" / sc.name / "sweep",
-                                    progress)
+                                    progress, memory_out=sweep_memory)
             curves_path = cfg.out_dir / "runs" / sc.name / "oracle-curves.json"
-            curves_path.write_text(json.dumps({"jobs": sweeps, "note": "each kind measured alone on the node"}))
+            curves_path.write_text(json.dumps({"jobs": sweeps, "memory": sweep_memory,
+                                               "note": "each kind measured alone on the node; memory: one "
+                                                       "worker's USS, the most seen in its sweep"}))
         for rep in range(reps):
             for policy in policy_order(policies, rep):
                 i += 1

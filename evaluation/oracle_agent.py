@@ -3,24 +3,31 @@ controller and actuators, with a policy that returns the oracle's plan for the j
 
     python -m evaluation.oracle_agent CURVES.json [agent flags...]
 
-CURVES.json: ``{"budget_note": str, "jobs": {job_id: [[workers, cores_used, normalised], ...]}}`` —
-each job's measured sweep (see ``evaluation.harness.measure_sweeps``). At each tick the policy solves
-the exact knapsack (``evaluation.oracle.solve``) over the jobs present with the snapshot's loader
-CPUs (cached per set of jobs, so the plan is fixed while the set is). A job with no curve gets the
-even share. The policy is handed to the agent (``Agent(policy=...)``); no global registry is touched.
+CURVES.json: ``{"note": str, "jobs": {job_id: [[workers, cores_used, normalised], ...]},
+"memory": {job_id: bytes}}`` — each job's measured sweep and the most unique memory one of its
+workers held in it (see ``evaluation.harness.measure_sweeps``). At each tick the policy solves the
+exact knapsack (``evaluation.oracle.solve``) over the jobs present with the snapshot's loader CPUs,
+or, when the agent has a loader memory budget (``--loader-memory``, in the snapshot as
+``loader_memory_bytes``), the budget oracle (``evaluation.oracle.solve_memory``: worker counts and
+cores together, each job's workers at its measured memory, GPU-weighted): the best static plan the
+budget allows. Plans are cached per set of jobs and budget, so the plan is fixed while they are. A
+job with no curve gets the even share (and, under a budget, one worker at its own measured memory).
+The policy is handed to the agent (``Agent(policy=...)``); no global registry is touched.
 """
 from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 
-from evaluation.oracle import solve, value_from_sweep
+from evaluation.oracle import options_from_sweep, solve, solve_memory, value_from_sweep
 
 
-def make_oracle_policy(points_by_job: dict):
+def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None):
     from agent.model import AllocationPlan, JobAllocation
 
     values = {j: value_from_sweep([tuple(p) for p in pts]) for j, pts in points_by_job.items() if pts}
+    memory_by_job = dict(memory_by_job or {})
     cache: dict = {}
 
     def oracle(snapshot, curves, config):
@@ -31,17 +38,34 @@ def make_oracle_policy(points_by_job: dict):
         unknown = [j for j in present if j not in values]
         budget = snapshot.loader_cpus
         share = budget / len(present)
-        key = (tuple(present), round(budget, 3))
+        memory = snapshot.loader_memory_bytes
+        key = (tuple(present), round(budget, 3), None if memory is None else int(memory))
         if key not in cache:
-            plan = solve({j: values[j] for j in known}, budget - share * len(unknown)) if known else None
             allocs = {}
-            for j in known:
-                allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, plan.workers[j]),
-                                          cpus=max(0.01, plan.cpus[j]),
-                                          reason=f"oracle: {plan.cores[j]:.2f} cores from measured curve, "
-                                                 f"predicted {plan.predicted[j]:.0%} of ceiling")
+            if memory is None:
+                plan = solve({j: values[j] for j in known}, budget - share * len(unknown)) if known else None
+                for j in known:
+                    allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, plan.workers[j]),
+                                              cpus=max(0.01, plan.cpus[j]),
+                                              reason=f"oracle: {plan.cores[j]:.2f} cores from measured curve, "
+                                                     f"predicted {plan.predicted[j]:.0%} of ceiling")
+            else:
+                # jobs without a curve: one worker at their own measured memory, out of the budget first
+                held = sum(snapshot.jobs[j].worker_memory_bytes for j in unknown)
+                per = {j: memory_by_job.get(j) or snapshot.jobs[j].worker_memory_bytes for j in known}
+                opts = {j: options_from_sweep([tuple(p) for p in points_by_job[j]], per[j],
+                                              weight=max(1, snapshot.jobs[j].gpus)) for j in known}
+                plan = solve_memory(opts, budget - share * len(unknown), max(1.0, memory - held)) if known else None
+                for j in known:
+                    allocs[j] = JobAllocation(
+                        job=j, workers=plan.workers[j], cpus=max(0.01, plan.cpus[j]),
+                        reason=f"oracle within the loader memory budget {memory / (1 << 30):.2f} GiB: "
+                               f"{plan.workers[j]} workers of {per[j] / (1 << 20):.0f} MiB, {plan.cores[j]:.2f} "
+                               f"cores from measured curve, predicted {plan.predicted[j]:.0%} of ceiling"
+                               + (f"; {plan.note}" if plan.note else ""))
             for j in unknown:
-                allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(share) or 1), cpus=share,
+                allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(share) or 1) if memory is None
+                                          else config.min_workers, cpus=share,
                                           reason="oracle: no measured curve, even share")
             cache[key] = AllocationPlan(policy="oracle", allocations=allocs,
                                         predicted_total=plan.objective if plan else None)
@@ -61,7 +85,7 @@ def main(argv=None) -> int:
     from agent.commands import agent as agent_command
 
     args = build_parser("agent").parse_args(["agent", *argv[1:]])
-    return agent_command.run(args, policy=make_oracle_policy(doc.get("jobs", {})))
+    return agent_command.run(args, policy=make_oracle_policy(doc.get("jobs", {}), doc.get("memory")))
 
 
 if __name__ == "__main__":

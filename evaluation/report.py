@@ -29,6 +29,8 @@ GOALS = (
     ("oversubscribed", "adaptive", "ratio_best", 1.10, "oversubscribed: adaptive >= 1.10 x best user baseline"),
     ("nothing-to-arbitrate", "adaptive", "ratio_best", 0.98,
      "nothing-to-arbitrate: adaptive >= 0.98 x best user baseline"),
+    # under the loader memory budget the oracle is the budget oracle: the best plan the budget allows
+    ("memory", "adaptive", "ratio_oracle", 0.95, "memory: adaptive >= 0.95 x the budget oracle"),
 )
 SETTLE_GOAL_S = 5.0
 

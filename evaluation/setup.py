@@ -65,7 +65,9 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
             "catalog": catalog.path, "calibration": calib, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": time.time() - t0, "loader": _loader_kind(result["phases"]),
             "oracle": "exact knapsack over each job kind's curve measured alone on this node "
-                      "(worker sweeps), replayed by the real agent and actuators"}
+                      "(worker sweeps), replayed by the real agent and actuators; in a scenario with a loader "
+                      "memory budget, worker counts and cores together within it (each worker at the most "
+                      "memory it held in its sweep)"}
     result.update(meta=meta, summary=summary, goals=goal_rows)
     result["markdown"] = report.markdown(summary, goal_rows, meta)
     paths = report.write_outputs(result, out_dir)

@@ -47,7 +47,8 @@ Memory: a curve's ``worker_memory_bytes`` is what one of its workers holds (buil
 catalogue's ``worker_ram_mb`` where it has one; ``SimConfig.worker_memory_bytes`` sets it for every
 kind, e.g. for the corpus curves, which carry none). A node's loader memory is the sum over its jobs of
 workers x that; ``SimConfig.loader_memory`` (bytes, None = no budget) is the node's loader memory
-budget, in the snapshot the policies see (``adaptive`` plans within it; the baselines and the oracle
+budget, in the snapshot the policies see (``adaptive`` plans within it, and so does the oracle, which
+then searches worker counts and cores together: ``evaluation.oracle.solve_memory``; the baselines
 ignore it). Reported per policy: the peak loader memory of a node (max and p95 over nodes) and the
 share of node-time spent above the budget. To ask what budget a trace needs: run without a budget and
 read the peak of ``adaptive`` (and of ``none``, the users' own worker counts); then run with budgets
@@ -253,31 +254,11 @@ class SimConfig:
 
 
 def _oracle_policy(grid: int = 192):
-    """The exact knapsack on the curves it is given (the true ones in the simulator); value grids are
-    cached per curve object, budget and weight, so a node's repeated decisions cost one DP each."""
-    from evaluation.oracle import solve, value_from_curve, value_grid
-    from agent.model import AllocationPlan, JobAllocation
+    """The oracle on the curves it is given (the true ones here), within the node's loader memory
+    budget when there is one: ``evaluation.oracle.curve_policy``."""
+    from evaluation.oracle import curve_policy
 
-    cache: dict = {}
-
-    def oracle(snapshot, curves, config):
-        jobs, grids = {}, {}
-        for j, s in snapshot.jobs.items():
-            cv, weight = curves[j], max(1, s.gpus)
-            key = (id(cv), weight, snapshot.loader_cpus)
-            hit = cache.get(key)
-            if hit is None or hit[0] is not cv:
-                jv = value_from_curve(cv, weight=weight)
-                hit = cache[key] = (cv, jv, value_grid(jv, snapshot.loader_cpus, grid))
-            jobs[j], grids[j] = hit[1], hit[2]
-        if not jobs:
-            return AllocationPlan(policy="oracle", allocations={})
-        plan = solve(jobs, snapshot.loader_cpus, grid=grid, grids=grids)
-        return AllocationPlan(policy="oracle", allocations={
-            j: JobAllocation(job=j, workers=plan.workers[j], cpus=max(1e-3, plan.cpus[j]), reason="oracle")
-            for j in jobs}, predicted_total=plan.objective)
-
-    return oracle
+    return curve_policy(grid)
 
 
 _ORACLE = []

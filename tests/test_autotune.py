@@ -179,3 +179,34 @@ def test_a_dropped_loader_is_collected_and_its_tuner_thread_ends():
     assert ref() is None
     ours.pop().join(2.0)
     assert not (tuner_threads() - before)
+
+
+class _OneCurveBank:
+    """A bank whose curve is fixed: what the predictor said in a CI run that moved a CPU-bound job."""
+
+    def __init__(self, curve):
+        self.c = curve
+
+    def observe(self, job, obs):
+        pass
+
+    def curve(self, job):
+        return self.c
+
+
+@pytest.mark.parametrize("configs,grows", [(1, False), (2, True)])
+def test_tuner_does_not_grow_on_the_priors_term_ratio_alone(configs, grows):
+    # A CPU-bound job on one CPU (c = 12.9 ms, b = 0.13 ms per batch): measured at 1 worker only, the
+    # prior put 0.929 on the worker term and 0.981 on the core term, so the curve promised +5.6% for a
+    # second worker that first principles say gains 1% (b / c). From one configuration the job's windows
+    # cannot tell the two corrections apart; the tuner must stay. With the ratio learned from two of
+    # the job's own configurations it is the job's evidence, and the tuner acts on it.
+    from predictor.curve import ThroughputCurve
+
+    curve = ThroughputCurve(job="self", batch_size=16, compute_s_per_step=0.0052, cpu_s_per_batch=0.0129,
+                            blocked_s_per_batch=0.00013, correction=0.929, core_correction=0.981,
+                            observed_configs=configs)
+    tuner = autotune.AutoTuner(cpus=1.0, cap=4, current=1, bank=_OneCurveBank(curve))
+    for _ in range(6):
+        tuner.window(simulated_window(tuner.current, 1.0, g=0.0052, c=0.0129, b=0.00013, bs=16, dur=1.0))
+    assert (tuner.current > 1) == grows, tuner.history

@@ -2,7 +2,14 @@
 processes, real JPEG decode, the process confined to ONE CPU by affinity, or (root, cgroup v1 cpu
 controller) to half a CPU by a real CFS quota in a group of its own, so the tuner's CPU bound is
 exercised; 1-second windows. Needs the elastic loader; skipped with a reason when it is not importable.
+
+Where it can (root, cgroup v1 cpu controller), each job runs in a cpu group of its own with the most
+``cpu.shares`` v1 allows, so that other work on the machine (CI may share it) hardly takes the job's
+CPU: these tests are about what the tuner does with the CPU it was given, and a neighbour that
+appears mid-run turns "one CPU" into a fraction of one that changes from window to window (more
+workers then really do win a bigger share of it). Without root they run unprotected.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -49,8 +56,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None):
-    """Run the job; pinned to one CPU, or (``cgroup_procs``: a cgroup.procs file) started in that group."""
+def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None, pin=True):
+    """Run the job; pinned to one CPU (``pin``), started in a cgroup (``cgroup_procs``: its cgroup.procs
+    file) when given."""
     script = tmp_path / "auto_job.py"
     script.write_text(SCRIPT)
 
@@ -59,7 +67,7 @@ def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None):
             f.write(str(os.getpid()))
 
     out = subprocess.run([sys.executable, str(script), str(io_sleep_s), str(aug), str(step_s), str(run_s),
-                          "group" if cgroup_procs else "pin"],
+                          "pin" if pin else "group"],
                          env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO, capture_output=True, text=True,
                          timeout=run_s + 60, preexec_fn=join_group if cgroup_procs else None)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -71,10 +79,10 @@ def _settled(trace, from_s):
 
 
 @pytest.mark.component
-def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path):
+def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path, shielded):
     # b = 16 x 5 ms = 80 ms blocked per batch, little CPU, 20 ms step: ~5 workers hide the fetches,
     # and blocked time needs workers, not cores, so one CPU does not cap them at 1.
-    res = _run(tmp_path, io_sleep_s=0.005, aug=1, step_s=0.02, run_s=20.0)
+    res = _run(tmp_path, io_sleep_s=0.005, aug=1, step_s=0.02, run_s=20.0, cgroup_procs=shielded)
     trace = res["trace"]
     assert res["usable_cpus"] == 1.0
     assert res["start_workers"] == 1
@@ -87,9 +95,9 @@ def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path):
 
 
 @pytest.mark.component
-def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path):
+def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path, shielded):
     # pure CPU preprocessing on one CPU: more workers cannot help; the tuner must not pile them up
-    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0)
+    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=shielded)
     trace = res["trace"]
     assert res["start_workers"] == 1
     assert max(w for _t, w, _r in trace) <= 2, trace
@@ -103,20 +111,22 @@ def _quota_skip_reason():
     return cgroupfs.v1_controller_available("/sys/fs/cgroup", "cpu")
 
 
-@pytest.fixture
-def half_cpu_group():
-    """A real cgroup v1 cpu group with a CFS quota of 0.5 CPU, removed afterwards (its tasks moved out)."""
-    why = _quota_skip_reason()
-    if why:
-        print(f"skipping: {why}", file=sys.stderr)
-        pytest.skip(why)
+V1_MAX_SHARES = 262144      # the most cpu.shares cgroup v1 accepts (1024 is one default task group)
+
+
+@contextlib.contextmanager
+def _own_cpu_group(name, quota_us=None):
+    """A real cgroup v1 cpu group with the most cpu.shares (and a CFS quota of ``quota_us`` per 100 ms
+    when given); yields its cgroup.procs path and removes it afterwards (its tasks moved out)."""
     from agent import cgroupfs
 
-    cpu, rel = cgroupfs.V1Hierarchy("/sys/fs/cgroup", "cpu"), f"adloader-test-{os.getpid()}-auto"
+    cpu, rel = cgroupfs.V1Hierarchy("/sys/fs/cgroup", "cpu"), f"adloader-test-{os.getpid()}-{name}"
     cpu.mkdir(rel)
     try:
-        cpu.write(rel, "cpu.cfs_period_us", 100000)
-        cpu.write(rel, "cpu.cfs_quota_us", 50000)
+        cpu.write(rel, "cpu.shares", V1_MAX_SHARES)
+        if quota_us is not None:
+            cpu.write(rel, "cpu.cfs_period_us", 100000)
+            cpu.write(rel, "cpu.cfs_quota_us", quota_us)
         yield cpu.path(rel, "cgroup.procs")
     finally:
         for pid in cpu.procs(rel):
@@ -127,13 +137,37 @@ def half_cpu_group():
         cpu.rmdir(rel)
 
 
+@pytest.fixture
+def shielded():
+    """cgroup.procs of a high-shares group for a one-CPU job, or None (no root or no v1 cpu controller:
+    the job then runs unprotected from other work on the machine, and says so)."""
+    why = _quota_skip_reason()
+    if why:
+        print(f"running unshielded from other work: {why}", file=sys.stderr)
+        yield None
+        return
+    with _own_cpu_group("solo") as procs:
+        yield procs
+
+
+@pytest.fixture
+def half_cpu_group():
+    """A real cgroup v1 cpu group with a CFS quota of 0.5 CPU (and the most shares), removed afterwards."""
+    why = _quota_skip_reason()
+    if why:
+        print(f"skipping: {why}", file=sys.stderr)
+        pytest.skip(why)
+    with _own_cpu_group("auto", quota_us=50000) as procs:
+        yield procs
+
+
 @pytest.mark.system
 def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tmp_path, half_cpu_group):
     # no affinity pin: the only bound is the group's 0.5-CPU quota, which the loader must read itself
     # (os.cpu_count() would say 2). b = 16 x 10 ms = 160 ms blocked per batch, ~15 ms CPU: ~6 workers
     # would hide the fetches; blocked time justifies workers beyond cores, but only up to 4 per quota CPU
     # (the script's max_workers is 8), so the tuner must end at exactly that bound, and stay there.
-    res = _run(tmp_path, io_sleep_s=0.01, aug=1, step_s=0.02, run_s=25.0, cgroup_procs=half_cpu_group)
+    res = _run(tmp_path, io_sleep_s=0.01, aug=1, step_s=0.02, run_s=25.0, cgroup_procs=half_cpu_group, pin=False)
     trace = res["trace"]
     assert res["usable_cpus"] == 0.5
     assert res["start_workers"] == 1
@@ -150,7 +184,7 @@ def test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound(tm
 
 @pytest.mark.system
 def test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker(tmp_path, half_cpu_group):
-    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=half_cpu_group)
+    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=half_cpu_group, pin=False)
     trace = res["trace"]
     assert res["usable_cpus"] == 0.5
     assert {w for _t, w, _r in trace} == {1}, (trace, res["tuner"])

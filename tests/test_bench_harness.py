@@ -227,11 +227,12 @@ worker_ram_mb = 200
 memory = ["fat", "light"]""")
 
 
-@pytest.mark.parametrize("policy", ["none", "adaptive"])
+@pytest.mark.parametrize("policy", ["none", "adaptive", "oracle"])
 def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
     """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
     `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
-    the measured window under it. The harness reads the workers' memory itself (smaps_rollup)."""
+    the measured window under it, and so does the budget oracle's (its sweeps measure each worker's
+    memory). The harness reads the workers' memory itself (smaps_rollup)."""
     if setup.node_cores() < 2:
         pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
     cat = tmp_path / "mem.toml"
@@ -247,5 +248,9 @@ def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, poli
     else:
         assert m["loader_memory_over_budget_samples"] == 0, ph["memory"]
         assert m["jobs"]["memo-0-fat"]["workers_end"] == 1
+    if policy == "oracle":
+        curves = json.loads((tmp_path / "out" / "runs" / "memory" / "oracle-curves.json").read_text())
+        assert 200 << 20 < curves["memory"]["memo-0-fat"] < 400 << 20      # one worker: its 200 MiB and more
+        assert "within the loader memory budget" in ph["agent_status"]["jobs"]["memo-0-fat"]["reason"]
     assert "samples over the budget" in (tmp_path / "out" / "bench.md").read_text()
     assert _no_children_left() == []

@@ -16,7 +16,8 @@ from agent.collector import Collector
 from agent.controller import Controller
 from agent.memory import MemoryGuard
 from agent.model import ApplyResult, JobStats, NodeSnapshot
-from agent.policies import PolicyConfig, adaptive, memory_caps
+from agent.model import AllocationPlan, JobAllocation
+from agent.policies import PolicyConfig, adaptive, memory_caps, memory_floors
 from agent.registry import Peer, Registry
 from predictor.bank import PredictorBank
 from predictor.curve import ThroughputCurve
@@ -149,6 +150,75 @@ def test_property_the_plan_fits_any_budget_that_fits_one_worker_each(specs, cpus
     assert {j: a.workers for j, a in again.allocations.items()} == {j: a.workers for j, a in plan.allocations.items()}
 
 
+# -- fairness: no job below its share of the budget while another above its own can give ----------
+
+def _plan(workers, cores):
+    return AllocationPlan(policy="adaptive", allocations={j: JobAllocation(job=j, workers=w, cpus=cores[j])
+                                                          for j, w in workers.items()})
+
+
+def test_trimming_stops_at_a_jobs_fair_share_while_another_is_above_its_own():
+    # fat: 1 GiB workers, 4 of them on 4 cores, each buys 1/4 of its ceiling: 0.25 per GiB freed.
+    # lean: 100 MiB workers, 30 of them (3 s of IO per batch), each buys 1/30: 0.34 per GiB freed.
+    # Least loss per byte alone would take fat down to 1 worker. The 4 GiB budget's GPU shares are
+    # 2 GiB each: fat keeps 2 workers (its share), lean gives the rest from its 30 (share: 20).
+    fat, lean = job("fat", c=0.4, mem=GiB), job("lean", c=0.05, b=2.95, mem=100 * MiB)
+    curves = {j.job: curve(j) for j in (fat, lean)}
+    s = node([fat, lean], cpus=8.0, budget=4 * GiB)
+    plan = _plan({"fat": 4, "lean": 30}, {"fat": 4.0, "lean": 0.5})
+    floors = memory_floors({"fat": 4, "lean": 30}, {"fat": 4.0, "lean": 0.5}, {"fat": GiB, "lean": 100 * MiB},
+                           {"fat": 1, "lean": 1}, curves, CFG, 4 * GiB)
+    assert floors == {"fat": 2, "lean": 18}          # lean: 18 workers keep 90% of what 20 give
+    caps, unfit = memory_caps(plan, s, curves, CFG, 4 * GiB)
+    assert caps == {"fat": 2, "lean": 20} and not unfit
+    # without the fairness floor: the old order, fat down to one worker
+    unfair = PolicyConfig(fairness_floor=False)
+    assert memory_caps(plan, s, curves, unfair, 4 * GiB)[0] == {"fat": 1}
+    # 1.5 GiB: fat's share (0.75 GiB) is below one of its workers, so its floor is 1; lean's is 7
+    # workers. fat goes down to 1, lean to 7, and the budget is still short: lean's floor is cut, and said
+    caps, unfit = memory_caps(plan, s, curves, CFG, int(1.5 * GiB))
+    assert caps == {"fat": 1, "lean": 5}
+    assert "below its fair share of the loader memory budget (7 workers)" in unfit["lean"] and "fat" not in unfit
+
+
+def test_a_worker_that_buys_nothing_is_no_ones_fair_share():
+    # idle: its 4 workers keep 1 busy core's worth of work; on 1 core, 1 worker does as well as 4
+    idle, busy = job("idle", c=0.1, mem=GiB), job("busy", c=0.4, mem=GiB)
+    curves = {j.job: curve(j) for j in (idle, busy)}
+    s = node([idle, busy], cpus=8.0, budget=5 * GiB)
+    caps, _ = memory_caps(_plan({"idle": 4, "busy": 4}, {"idle": 1.0, "busy": 4.0}), s, curves, CFG, 5 * GiB)
+    assert caps == {"idle": 1}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 0.5), st.floats(0.0, 2.0), st.integers(10, 2000), st.integers(1, 4),
+                          st.integers(1, 12), st.floats(0.1, 4.0)), min_size=1, max_size=6),
+       st.integers(100, 16000), st.booleans())
+def test_property_no_job_below_its_floor_while_another_above_its_own_could_give(specs, budget_mib, cold):
+    jobs = [job(f"j{i}", c=c, b=b, mem=m * MiB, gpus=g) for i, (c, b, m, g, _, _) in enumerate(specs)]
+    workers = {f"j{i}": w for i, (*_, w, _) in enumerate(specs)}
+    cores = {f"j{i}": x for i, (*_, x) in enumerate(specs)}
+    curves = {j.job: curve(j) for j in (jobs[::2] if cold else jobs)}
+    budget = budget_mib * MiB
+    s = node(jobs, budget=budget)
+    mem = {j.job: j.worker_memory_bytes for j in jobs}
+    floors = memory_floors(workers, cores, mem, {j.job: j.gpus for j in jobs}, curves, CFG, budget)
+    caps, unfit = memory_caps(_plan(workers, cores), s, curves, CFG, budget)
+    left = {j: caps.get(j, w) for j, w in workers.items()}
+    assert all(1 <= left[j] <= workers[j] for j in workers)
+    if sum(mem.values()) <= budget:
+        assert sum(left[j] * mem[j] for j in left) <= budget + 1
+    below = [j for j in left if left[j] < floors[j]]
+    if below:
+        assert all(left[k] <= floors[k] for k in left), (left, floors)
+        assert all("fair share" in unfit[j] or "below 1 worker" in unfit[j] for j in below)
+    # the floors themselves: within [1, planned] and within the job's GPU share of the budget (or 1)
+    total_gpus = sum(j.gpus for j in jobs)
+    for j in jobs:
+        assert 1 <= floors[j.job] <= workers[j.job]
+        assert floors[j.job] == 1 or floors[j.job] * mem[j.job] <= budget * j.gpus / total_gpus + 1
+
+
 # -- the pressure guard -----------------------------------------------------------------------------
 
 class Pressure:
@@ -165,7 +235,7 @@ class Pressure:
         return NodeMemory(32 * GiB, self.available, 50.0 if self.on else 0.0, None, self.total_us)
 
 
-def test_guard_cuts_under_pressure_and_lifts_after_quiet_ticks():
+def test_guard_cuts_under_pressure_holds_then_grows_back_a_step_a_tick():
     p = Pressure()
     g = MemoryGuard(8 * GiB, psi_threshold=10, min_available=1 * GiB, source=p)
     assert g.update(0.0, 4 * GiB).budget == 8 * GiB
@@ -176,9 +246,44 @@ def test_guard_cuts_under_pressure_and_lifts_after_quiet_ticks():
     p.step()
     assert g.update(2.0, 3 * GiB).budget == 2.25 * GiB                # still stalling: cut again
     p.on = False
-    states = [g.update(3.0 + i, 2 * GiB) for i in range(3)]
-    assert states[0].budget == 2.25 * GiB and "held" in states[0].note
-    assert states[-1].budget == 8 * GiB and not states[-1].note
+    states = [g.update(3.0 + i, 2 * GiB) for i in range(8)]
+    budgets = [s.budget / GiB for s in states]
+    # held for 3 quiet ticks, then 10% of the 4 GiB the loaders held before the pressure per tick, then lifted
+    assert budgets == pytest.approx([2.25, 2.25, 2.25, 2.65, 3.05, 3.45, 3.85, 8.0])
+    assert all("held" in s.note for s in states[:3])
+    assert all("growing back by 409.6 MiB a tick" in s.note and "of 4.0 GiB before the pressure" in s.note
+               for s in states[3:7])
+    assert not states[-1].note and g.cap is None
+
+
+def test_guard_grows_only_while_pressure_stays_low_and_cuts_again_at_once():
+    p = Pressure()
+    g = MemoryGuard(None, psi_threshold=10, min_available=1 * GiB, source=p)
+    p.on = True
+    p.step()
+    assert g.update(1.0, 4 * GiB).budget == 3 * GiB
+    p.on = False
+    for t in range(2, 6):
+        st = g.update(float(t), 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB)                      # 3 held, one step up
+    # PSI at 7%: not pressure (under 10%), not low (over 5%): held, and said
+    p.total_us += int(0.07 * 1e6)
+    st = g.update(6.0, 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB) and not st.under_pressure
+    assert "eased but not low (PSI memory some 7% >= 5%)" in st.note
+    # little memory left above the pressure line: held too
+    p.available = 1 * GiB + 100 * MiB
+    st = g.update(7.0, 3 * GiB)
+    assert st.budget == pytest.approx(3.4 * GiB) and "MemAvailable 1.1 GiB < 1.4 GiB" in st.note
+    p.available = 16 * GiB
+    assert g.update(8.0, 3 * GiB).budget == pytest.approx(3.8 * GiB)
+    # the pressure comes back during the growth: cut at once from what is used now
+    p.on = True
+    p.step()
+    st = g.update(9.0, 3.6 * GiB)
+    assert st.under_pressure and st.budget == pytest.approx(2.7 * GiB)
+    with pytest.raises(ValueError, match="grow_frac"):
+        MemoryGuard(GiB, grow_frac=0)
 
 
 def test_guard_frees_the_shortfall_of_available_memory():
@@ -262,10 +367,17 @@ def test_injected_pressure_shrinks_workers_within_two_ticks_and_they_grow_back()
     assert "memory pressure" in reason and "PSI memory some" in reason
     assert col.memory_state.under_pressure
     p.on = False
-    for t in range(10, 20):
-        tick(t)
+    notes = []
+    for t in range(10, 24):
+        rec = tick(t)
+        notes.append((col.memory_state.note, rec.plan.allocations["heavy"].reason))
     assert history[-1] == before                # grown back once the pressure is gone
     assert not col.memory_state.note
+    # ... gradually: the loaders' memory never falls and rises over at least two ticks, not in one jump
+    used = [sum(h[n] * per_worker[n] for n in per_worker) for h in history[9:]]
+    assert all(b >= a for a, b in zip(used, used[1:]))
+    assert sum(1 for a, b in zip(used, used[1:]) if b > a) >= 2, used
+    assert any("growing back" in note and "growing back" in why for note, why in notes)
 
 
 # -- config ----------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """`adloader simulate`: trace-driven simulation of the policies over many nodes (see evaluation.simulate).
 
 Without --trace, a generated trace: --nodes nodes with --jobs-per-node jobs each (Poisson arrivals,
-lognormal work). Prints a markdown table per policy and writes JSON with --out.
+lognormal work). Prints a markdown table per policy and writes JSON with --out. With --loader-memory
+the oracle plans worker counts and cores within the budget (the budget oracle), and every policy is
+also reported as a fraction of it.
 """
 from __future__ import annotations
 
@@ -93,6 +95,14 @@ def run(args) -> int:
           f"{cfg.cores:g} cores / {cfg.gpus} GPUs per node ({cfg.loader:g} for loaders), "
           f"{result['processes']} processes: {wall:.1f}s")
     print(S.markdown(result))
+    s = result["summary"]
+    if cfg.loader_memory is not None and "oracle" in s:
+        # under a budget the oracle is the budget oracle: the best static plan the CPU and memory allow
+        ratios = "; ".join(f"{p} {r['ratio_oracle']:.3f}x" + (f" (but over the budget {r['memory_over_budget_frac']:.0%} "
+                                                            f"of node-time)" if r["memory_over_budget_frac"] > 0 else "")
+                           for p, r in s.items() if "ratio_oracle" in r)
+        print(f"\nWithin the loader memory budget ({cfg.loader_memory / (1 << 30):.2f} GiB per node), against the "
+              f"budget oracle (the best static plan of worker counts and cores the budget allows): {ratios}")
     if args.out:
         result["meta"] = {"argv": sys.argv[1:], "curves": source, "wall_s": wall}
         with open(args.out, "w") as f:
