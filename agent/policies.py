@@ -726,8 +726,9 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     Memory (``snapshot.loader_memory_bytes``, None = no budget): a plan whose workers cost more than
     the budget (each worker at its measured cost, ``JobStats.worker_memory_bytes``, else the curve's)
-    loses workers where the least GPU-weighted throughput is lost per byte freed (``memory_caps``);
-    the cores are then planned again with those worker caps, so cores a capped job can no longer use
+    loses workers where the least GPU-weighted throughput is lost per byte freed, never taking a job
+    below its fair share of the budget while another above its own can give (``memory_caps``,
+    ``memory_floors``); the cores are then planned again with those worker caps, so cores a capped job can no longer use
     go to the others. Under memory pressure the collector lowers the budget in force below the
     configured one (``agent.memory.MemoryGuard``) and ``snapshot.memory_note`` says why; the reasons
     of the jobs that lost workers say so.
