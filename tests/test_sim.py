@@ -314,3 +314,22 @@ def test_unified_simulator_invariants():
     models = {j: N.job_model(cv, cv.extra["gpus"], 1) for j, cv in mix.items()}
     with pytest.raises(ValueError, match="unknown mode"):
         N.node_rates(models, "nope", 2.0)
+
+
+@pytest.mark.unit
+def test_wakeup_share_of_a_trainer():
+    """A trainer that wakes on a CPU: a whole core where a CPU is idle, less the more weight runs where
+    it wakes; the loaders' subtree weighs only on the CPUs its busy workers use."""
+    from evaluation.nodemodel import wakeup_share
+
+    assert wakeup_share(16.0, others_threads=4.0, spread_weight=4.0) == 1.0              # idle CPUs left
+    assert wakeup_share(2.0, others_threads=2.0, spread_weight=2.0) == pytest.approx(0.5)  # 1 / (1 + 2/2)
+    heavy = wakeup_share(2.0, 3.0, group_weight=12.0, group_threads=3.0)
+    light = wakeup_share(2.0, 3.0, group_weight=3.0, group_threads=3.0)
+    assert 0 < heavy < light < 1
+    # one busy worker of a heavy subtree sits on one of 16 CPUs: most wake-ups miss it
+    assert wakeup_share(16.0, 16.0, group_weight=40.0, group_threads=1.0) > 0.9
+    for cpus in (1.0, 2.0, 16.0):
+        for w in (0.0, 1.0, 8.0, 100.0):
+            s = wakeup_share(cpus, cpus + 1.0, spread_weight=w / 2, group_weight=w, group_threads=min(w, cpus))
+            assert 0 < s <= 1
