@@ -75,8 +75,10 @@ class PolicyConfig:
         work-conserving; set by the agent for the cgroup modes with the ``shares`` knob). adaptive then
         gives a job the workers its curve can use (up to ``max_useful_workers`` for its useful cores),
         not just the workers its share of cores keeps busy: the weights decide who gets a contended
-        core, and a worker beyond the share only runs on cores the others leave idle. Without weights
-        (worker counts only, quota, cpuset) the worker count is the CPU control and stays at the share.
+        core, and a worker beyond the share only runs on cores the others leave idle. Not where the
+        training processes need CPU: there busy workers past the share slow the trainers (each weighs
+        a nice-0 task against a waking trainer). Without weights (worker counts only, quota, cpuset)
+        the worker count is the CPU control and stays at the share.
     """
 
     min_workers: int = 1
@@ -524,9 +526,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             nxt[j] = (dx2, v2)
             heapq.heappush(heap, key(j, dx2, v2 - v))
     remaining = max(0.0, min(rem_loader, rem_node))
+    # With per-job CPU weights the count is not the CPU control: enough workers for the useful cores,
+    # unless training processes need CPU: every busy worker weighs one nice-0 task in the loaders'
+    # subtree, and a trainer waking on a CPU time-shares it by weight with the workers there, so
+    # workers past the job's cores slow the trainers (evaluation.nodemodel.wakeup_share) and only
+    # time-share the cores the job has.
+    beyond_share = config.cpu_weights and trainer_need < 0.005
     for j in sorted(warm):
-        # with per-job CPU weights the count is not the CPU control: enough workers for the useful cores
-        workers[j] = rule[j](useful[j] if config.cpu_weights else min(cpus[j], useful[j]))
+        workers[j] = rule[j](useful[j] if beyond_share else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])
         w_note = f", weight {gpus[j]} GPUs" if gpus[j] > 1 else ""
         if j in last_gain:
@@ -591,7 +598,12 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                    / max(1, workers[j], applied[j].workers) for j in ids) \
             * config.restart_cost_per_worker / weight_total
         moved = any(abs(cpus[j] - applied[j].cpus) >= 0.01 or workers[j] != applied[j].workers for j in ids)
-        if not moved or gain < config.hysteresis + cost:
+        # A move that leaves no job worse off (every job warm and predicted at least where it is) cannot
+        # be undone by the next decision's noise the way a trade between jobs can: it pays for itself
+        # once it beats the restart cost (e.g. a job growing into cores nobody else can use).
+        pareto = set(warm) == set(ids) and all(
+            norm(j, workers[j], cpus[j]) >= norm(j, applied[j].workers, applied[j].cpus) - 1e-3 for j in ids)
+        if not moved or gain < (0.0 if pareto else config.hysteresis) + cost:
             # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
             # so measurement noise never turns into a stream of tiny re-applies.
             allocs = {}
@@ -714,8 +726,9 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     Memory (``snapshot.loader_memory_bytes``, None = no budget): a plan whose workers cost more than
     the budget (each worker at its measured cost, ``JobStats.worker_memory_bytes``, else the curve's)
-    loses workers where the least GPU-weighted throughput is lost per byte freed (``memory_caps``);
-    the cores are then planned again with those worker caps, so cores a capped job can no longer use
+    loses workers where the least GPU-weighted throughput is lost per byte freed, never taking a job
+    below its fair share of the budget while another above its own can give (``memory_caps``,
+    ``memory_floors``); the cores are then planned again with those worker caps, so cores a capped job can no longer use
     go to the others. Under memory pressure the collector lowers the budget in force below the
     configured one (``agent.memory.MemoryGuard``) and ``snapshot.memory_note`` says why; the reasons
     of the jobs that lost workers say so.

@@ -6,23 +6,34 @@ the step with data ready, c = loader CPU s per step's batch, all its GPUs' batch
 blocked s), ``trainer_cpu_s_per_step`` = CPU seconds each of its ``gpus`` rank threads spends per step
 (the busy part of the step; the rest, g - t, is the GPU), and ``habitual_workers``.
 
-How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, modelled):
+How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, modelled); ``A`` <= ``N``
+is the CPU the jobs can get (``available_cores``: other tenants take the rest):
 
-- ``agent``: the agent's cgroup subtree holds every loader worker; where trainers need CPU it is
-  capped at ``N`` less what they use at their pace plus a margin (``agent.actuators.cgroup``), so each
-  trainer finds its cores; the
-  loaders share the rest by the plan's weights (``cpus``), each capped at what its workers can use
-  (water-filling: work-conserving). Fixed point over the jobs' rates.
+- ``agent``: the agent's cgroup subtree holds every loader worker and weighs one nice-0 task per
+  worker; where trainers need CPU it is capped (quota) at ``N`` less each trainer's expected need
+  (``agent.policies.trainer_cores_expected``: its full need times the part of its step it does not
+  wait for data, plus a margin), never below the plan's cores. The loaders share what they get by the
+  plan's weights (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
+  Each trainer is one nice-0 task in its own session: it is NOT sheltered by the cap from the busy
+  workers on the CPU it wakes on (``wakeup_share``: the subtree's weight sits on the CPUs its busy
+  workers run on, and counts for the part of each period its quota leaves it running). Fixed point
+  over the jobs' rates and trainer shares.
 - ``none`` / ``autotune`` (no agent): the kernel shares CPU fairly between jobs (each job's processes
   form one group: a Slurm job cgroup, a pod, or one session's autogroup), water-filled up to what each
   job can use; inside a job, its trainer and its workers share the job's CPUs per runnable thread
-  (``predictor.curve.shared_cpu_throughput``: busy workers stretch the trainer's CPU part).
+  (``predictor.curve.shared_cpu_state``: busy workers stretch the trainer's CPU part), and a trainer
+  waking on a CPU time-shares it with the other jobs' groups there (``wakeup_share``).
   ``autotune``: each job's worker count is what its own tuner picks on the CPUs it may use
   (``shared_cpu_knee`` on ``N``), seeing nobody else.
 - ``static``: each job gets ``N * gpus / node_gpus`` cores and no more (a hard quota or exclusive
-  cores), shared inside the job as in ``none``. Not modelled: CFS quota throttling latency (a trainer
-  throttled for the rest of a 100 ms period after its workers spent the quota), which the bench shows
-  to cost more than the share alone.
+  cores; at most the fair level of ``A``), shared inside the job as in ``none``. The quota is modelled
+  as its average; CFS throttling (a group stopped for the rest of a 100 ms period once its quota is
+  spent) changes when a trainer runs within a period more than how much: not modelled.
+
+A trainer's CPU wait (its CPU part stretched past ``t``) is reported as ``trainer_runq_s_per_step``
+and inside ``compute_s_per_step``, as the real loader reports it (``main_runq_s``); a worker's
+run-queue wait inside ``wall_s_per_batch``. ``evaluation.simulate`` builds the controller's snapshot
+from these (``JobRate``).
 
 Throughput counts once per GPU: the node's objective is ``sum(gpus * normalised)``.
 """
@@ -35,6 +46,7 @@ from typing import Mapping, Optional
 from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_state, shared_cpu_throughput
 
 MODES = ("agent", "none", "autotune", "static")
+TRAINER_MARGIN = 0.1    # agent.policies.TRAINER_MARGIN (not imported: the model stays a model of the agent)
 TOL = 1e-6          # relative: the fixed points stop when rates move less than this
 
 
@@ -98,6 +110,27 @@ class JobRate:
     wall_s_per_batch: float = 0.0           # in a worker: c / its share of a core + b
 
 
+def wakeup_share(cpus: float, others_threads: float, spread_weight: float = 0.0, group_weight: float = 0.0,
+                 group_threads: float = 0.0) -> float:
+    """The share of a CPU a training process gets while its CPU part runs, from what else runs on the
+    CPU it wakes on (CFS: a thread that sleeps every step, as a trainer does during its GPU part, gains
+    nothing from load balancing; it wakes on a CPU and time-shares it by weight with what is there).
+    ``others_threads``: threads of other entities runnable on the node; ``spread_weight``: their
+    weight in nice-0 tasks when spread over all ``cpus`` (other jobs' groups, other trainers);
+    ``group_weight`` on ``group_threads`` busy threads: one group whose weight sits on the CPUs those
+    threads run on (the agent's loader subtree: one nice-0 task per worker, however few are busy).
+    Where an idle CPU is left (others fewer than the CPUs), the trainer takes it: a whole core."""
+    cpus = max(1e-6, float(cpus))
+    o = max(0.0, spread_weight) / cpus
+    share = 1.0 / (1.0 + o)
+    if group_weight > 0 and group_threads > 0:
+        m = min(cpus, max(1.0, group_threads))           # CPUs the group's weight sits on while it runs
+        p = min(cpus, group_threads) / cpus              # the chance it runs on the trainer's CPU
+        share = p / (1.0 + group_weight / m + o) + (1.0 - p) / (1.0 + o)
+    idle = max(0.0, cpus - others_threads)
+    return share + (1.0 - share) * min(1.0, idle)
+
+
 def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) -> int:
     """What the job's own ``num_workers="auto"`` tuner settles at: the best count on the CPUs it may
     use (the whole node: it cannot see the other jobs), its trainer sharing them."""
@@ -137,9 +170,13 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     w = {j: workers_of(j) for j in ids}
     out: dict[str, JobRate] = {}
     if mode == "agent":
-        # The loaders' subtree is capped at N less the trainers' pace (agent.actuators.cgroup) when they
-        # need CPU, so a trainer always finds its cores; the loaders share the rest by the plan's weights
-        # (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
+        # The loaders' subtree weighs one nice-0 task per worker and is capped at N less the trainers'
+        # pace plus a margin (agent.actuators.cgroup) when they need CPU; each trainer is one nice-0
+        # task in its own session. So while a trainer's CPU part runs it competes per runnable thread
+        # with the busy workers (``s``, fair per thread over the CPU the jobs get) and gets more only
+        # where the cap holds the loaders back (the CPU they leave, over the runnable trainers). The
+        # loaders share what they get by the plan's weights (``cpus``), each capped at what its workers
+        # can use (water-filling: work-conserving). A fixed point over the jobs' rates.
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
         need = sum(models[j].trainer_cores for j in ids)
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
@@ -147,35 +184,59 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         caps = {j: _loader_demand(models[j], w[j]) for j in ids}
         if hard_caps:
             caps = {j: min(caps[j], weights[j]) if j in allocations else caps[j] for j in ids}
-        scale = 1.0
-        for _ in range(80):
+        s_t = {j: 1.0 for j in ids}
+        s_w = {j: 1.0 for j in ids}
+        W = float(sum(w.values()))          # the subtree's weight: one nice-0 task per worker
+        for _ in range(300):
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             t_total = sum(trainer.values())
-            scale = min(1.0, A / t_total) if t_total > 0 else 1.0      # trainers alone over the CPU they get
-            # the cap: N less what the trainers use at their pace, with the margin (trainer_cores_expected)
-            pace = sum(min(models[j].trainer_cores, trainer[j] + 0.1 * models[j].trainer_cores) for j in ids)
+            busy = {j: min(float(w[j]), bps[j] * models[j].curve.cpu_s_per_batch / s_w[j]) for j in ids}
+            run_t = {j: min(float(models[j].gpus), trainer[j] / s_t[j]) for j in ids}
+            U = sum(busy.values())
+            threads = U + sum(run_t.values())
+            s = min(1.0, A / threads) if threads > 0 else 1.0
+            # the cap (agent.policies.trainer_cores_expected): N less each trainer's full-speed need times
+            # the part of its step it does not wait for data, plus the margin; never below the plan's cores
+            pace = 0.0
+            for j in ids:
+                m = models[j]
+                t = min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step)
+                compute = m.curve.compute_s_per_step - t + t / max(1e-6, s_t[j])
+                step = 1.0 / bps[j] if bps[j] > 0 else math.inf
+                dwf = max(0.0, 1.0 - compute / step) if step < math.inf else 1.0
+                pace += min(m.trainer_cores, m.trainer_cores * (1.0 - dwf + TRAINER_MARGIN))
             cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
-            avail = max(0.0, min(cap, A - t_total * scale))
-            cores = waterfill(avail, weights, caps)
+            # the subtree is throttled (absent) for the part of each period its quota does not cover
+            present = min(1.0, cap / (U * s)) if U * s > 0 else 0.0
+            new_s_t = {}
+            for j in ids:
+                others_t = sum(run_t[k] for k in ids if k != j)
+                new_s_t[j] = wakeup_share(A, U * present + others_t, spread_weight=others_t,
+                                          group_weight=W * present, group_threads=U)
+            cores = waterfill(max(0.0, min(cap, A - min(A, t_total))), weights, caps)
             new = {}
             for j in ids:
                 m = models[j]
                 b = m.loader_bps(w[j], cores[j])
-                t = m.trainer_cpu_s_per_step
-                if scale < 1.0 and t > 0:
-                    b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / scale))
+                t = min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step)
+                if t > 0 and new_s_t[j] < 1.0:
+                    b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / new_s_t[j]))
                 new[j] = b
-            done = all(abs(new[j] - bps[j]) <= TOL * max(1e-3, bps[j]) for j in ids)
+            done = all(abs(new[j] - bps[j]) <= TOL * max(1e-3, bps[j]) and abs(new_s_t[j] - s_t[j]) < 1e-6
+                       for j in ids)
             bps = new if done else {j: 0.5 * bps[j] + 0.5 * new[j] for j in ids}
+            s_t = new_s_t if done else {j: 0.5 * s_t[j] + 0.5 * new_s_t[j] for j in ids}
+            for j in ids:
+                c = models[j].curve.cpu_s_per_batch
+                # a busy worker's share of a core: all of one unless the loader is held to fewer cores than workers
+                core_bound = c > 0 and bps[j] * c >= cores[j] * (1 - 1e-6) and cores[j] < w[j]
+                s_w[j] = max(1e-6, cores[j] / w[j]) if core_bound else 1.0
             if done:
                 break
         for j in ids:
-            m, c = models[j], models[j].curve.cpu_s_per_batch
-            # a busy worker's share of a core: all of one unless the loader is held to fewer cores than workers
-            core_bound = c > 0 and bps[j] * c >= cores[j] * (1 - 1e-6) and cores[j] < w[j]
-            s_w = max(1e-6, cores[j] / w[j]) if core_bound else 1.0
-            out[j] = _rate(m, w[j], cores[j], bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j],
-                           trainer_share=scale, worker_share=s_w)
+            m = models[j]
+            out[j] = _rate(m, w[j], min(cores[j], bps[j] * m.curve.cpu_s_per_batch),
+                           bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j], trainer_share=s_t[j], worker_share=s_w[j])
         return out
     if mode == "static":
         # a hard quota per job (node cores x its GPUs / the node's GPUs); where other tenants leave the
@@ -195,13 +256,28 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         saturated = sum(got.values()) >= A * (1.0 - 1e-9)
         level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
         share = {j: max(got[j], level) for j in ids}
+    # a trainer waking on a CPU time-shares it with the other jobs' groups there (weight 1 each while
+    # they have a runnable thread): a fixed point over the jobs' runnable threads
+    xcap = {j: 1.0 for j in ids}
+    st = {}
+    for _ in range(100):
+        st = {j: shared_cpu_state(models[j].curve, w[j], share[j], models[j].trainer_cpu_s_per_step, models[j].gpus,
+                                  xcap[j]) for j in ids}
+        threads = {j: st[j].runnable_workers + st[j].runnable_trainers for j in ids}
+        new = {}
+        for j in ids:
+            others = [k for k in ids if k != j]
+            new[j] = wakeup_share(A, sum(threads[k] for k in others) + st[j].runnable_workers,
+                                  spread_weight=sum(min(1.0, threads[k]) for k in others))
+        if all(abs(new[j] - xcap[j]) < 1e-6 for j in ids):
+            break
+        xcap = {j: 0.5 * xcap[j] + 0.5 * new[j] for j in ids}
     for j in ids:
         m = models[j]
-        st = shared_cpu_state(m.curve, w[j], share[j], m.trainer_cpu_s_per_step, m.gpus)
-        b = st.samples_per_s / m.curve.batch_size
+        b = st[j].samples_per_s / m.curve.batch_size
         t = b * m.gpus * m.trainer_cpu_s_per_step
         out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b,
-                       trainer_share=st.trainer_share, worker_share=st.worker_share)
+                       trainer_share=st[j].trainer_share, worker_share=st[j].worker_share)
     return out
 
 

@@ -364,8 +364,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     ``until_s``: stop there even if jobs are left (a steady-state run; ``jobs`` holds the finished
     ones); ``window`` then holds every job's mean normalised throughput over [``measure_from_s``,
     ``until_s``] and ``window_agg`` their GPU-weighted sum, what the bench's static phases measure.
-    ``plan`` is the allocation in force at the end, with each decision's reason (the controller's own
-    record), and ``rates`` each job's physics then."""
+    ``plan`` is the allocation in force at the end (with the reason it was applied for), ``desired``
+    and ``curves`` the controller's latest tick record (its plan, with reasons, and the curve it
+    decided on per job: held back by its hysteresis where it differs from ``plan``), and ``rates``
+    each job's physics then."""
     from agent.controller import OBSERVE_INTERVAL_S, Controller
     from agent.model import NodeSnapshot
     from agent.policies import PolicyConfig
@@ -442,12 +444,15 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             jb.workers, jb.rate, jb.phys = r.workers, r.samples_per_s, r
         mem_now = sum(jb.workers * jb.curve.worker_memory_bytes for jb in active.values())
 
+    last: list = []                     # the controller's latest tick record
+
     def tick() -> bool:
         nonlocal decisions
         decisions += 1
         if controller is None:           # no agent: nothing is decided, the physics alone
             return False
         record = controller.tick(t)
+        last[:] = [record]
         if record.errors:
             raise SimError(f"node {jobs_in[0].node} at t={t:g} under {policy_name}: {'; '.join(record.errors)}")
         if record.results:
@@ -514,6 +519,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         "window": window,
         "window_agg": sum(max(1, jb.tj.gpus) * window[jb.tj.job] for jb in everyone if jb.tj.job in window),
         "plan": {j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason} for j, a in act.in_force.items()},
+        "desired": ({j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason}
+                     for j, a in last[0].plan.allocations.items()} if last else {}),
+        "curves": dict(last[0].curves) if last else {},
         "rates": {jb.tj.job: dataclasses.asdict(jb.phys) for jb in active.values() if jb.phys is not None},
     }
 
@@ -527,6 +535,8 @@ def steady_state(truth: dict, policy_name: str, cfg: SimConfig, warmup_s: float 
     (default: the curve's ``extra["gpus"]``, else 1)."""
     trace = [TraceJob("node", j, j, 0.0, 1e9,
                       int((gpus_of or {}).get(j) or (cv.extra or {}).get("gpus") or 1)) for j, cv in truth.items()]
+    # the agent ticks every tick_s for the whole run, as a real one does (not only while its plan moves)
+    cfg = dataclasses.replace(cfg, settle_ticks=max(cfg.settle_ticks, int(math.ceil((warmup_s + measure_s) / cfg.tick_s)) + 1))
     return simulate_node(trace, truth, policy_name, cfg, until_s=warmup_s + measure_s, measure_from_s=warmup_s)
 
 

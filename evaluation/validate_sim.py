@@ -240,7 +240,7 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
                                         + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
                                         for cv in truth.values())
         out[mix]["_gpus"] = gpus
-        out[mix]["_records"] = {p: {"plan": r["plan"], "window": r["window"],
+        out[mix]["_records"] = {p: {"plan": r["plan"], "desired": r["desired"], "window": r["window"],
                                     "rates": {j: {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
                                               for j, x in r["rates"].items()}} for p, r in res.items()}
     return out
@@ -289,12 +289,13 @@ def markdown_records(study: dict, policies=("adaptive",)) -> str:
             rec = vals["_records"].get(p)
             if not rec:
                 continue
-            lines += [f"\n{mix}, {p}:\n", "| job | workers | cpus (plan) | loader cores | trainer cores | normalised | reason |",
-                      "|---|---|---|---|---|---|---|"]
+            lines += [f"\n{mix}, {p}:\n", "| job | workers | cpus (in force) | loader cores | trainer cores | trainer wait s/step "
+                      "| normalised | latest plan: workers, cpus, reason |", "|---|---|---|---|---|---|---|---|"]
             for j in sorted(rec["window"]):
-                a, r = rec["plan"].get(j, {}), rec["rates"].get(j, {})
+                a, r, d = rec["plan"].get(j, {}), rec["rates"].get(j, {}), rec.get("desired", {}).get(j, {})
                 lines.append(f"| {j} | {r.get('workers', '–')} | {_f(a.get('cpus'), '.2f')} | {_f(r.get('loader_cores'), '.2f')} "
-                             f"| {_f(r.get('trainer_cores'), '.2f')} | {_f(rec['window'][j])} | {a.get('reason', '')} |")
+                             f"| {_f(r.get('trainer_cores'), '.2f')} | {_f(r.get('trainer_runq_s_per_step'))} "
+                             f"| {_f(rec['window'][j])} | {d.get('workers', '–')}, {_f(d.get('cpus'), '.2f')}, {d.get('reason', '')} |")
     return "\n".join(lines)
 
 

@@ -161,6 +161,7 @@ class SharedCpuState:
     trainer_share: float
     worker_share: float
     runnable_workers: float
+    runnable_trainers: float = 0.0
 
 
 def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, trainer_cpu_s_per_step: float,
@@ -185,10 +186,13 @@ def shared_cpu_throughput(curve: ThroughputCurve, workers: int, cpus: float, tra
 
 
 def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_cpu_s_per_step: float,
-                     trainer_threads: int = 1) -> SharedCpuState:
-    """``shared_cpu_throughput`` with the shares it settles at (``SharedCpuState``)."""
+                     trainer_threads: int = 1, trainer_share_cap: float = 1.0) -> SharedCpuState:
+    """``shared_cpu_throughput`` with the shares it settles at (``SharedCpuState``). ``trainer_share_cap``:
+    the most of a CPU the trainer gets while runnable whatever its own job does (what other jobs'
+    threads on its CPU leave it; 1 = nothing else competes)."""
     if workers < 1:
         return SharedCpuState(curve.throughput(0, cpus), 1.0, 1.0, 0.0)
+    cap_t = min(1.0, max(1e-6, float(trainer_share_cap)))
     g = curve.compute_s_per_step + curve.overhead_s_per_step
     t = max(0.0, min(trainer_cpu_s_per_step, g))
     gpu = g - t
@@ -198,7 +202,7 @@ def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_
     u, r = float(workers), 0.0
     bps = 0.0
     for _ in range(60):
-        s_t = min(1.0, cpus / (u + n))
+        s_t = min(cap_t, cpus / (u + n))
         s_w = min(1.0, cpus / (u + r)) if u + r > 0 else 1.0
         step = gpu + t / s_t
         rates = [1.0 / step] if step > 0 else []
@@ -207,7 +211,7 @@ def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_
             rates.append(curve.correction * workers / per_batch)
         new = curve._softmin(rates) if rates else math.inf
         if new == math.inf:
-            return SharedCpuState(math.inf, s_t, s_w, u)
+            return SharedCpuState(math.inf, s_t, s_w, u, r)
         # busy workers compete for CPUs only while they compute: a worker blocked on IO is not runnable
         u_new = min(float(workers), new * (c / s_w))
         r_new = min(float(n), n * new * t / s_t)
@@ -215,7 +219,7 @@ def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_
             bps = new
             break
         bps, u, r = new, 0.5 * u + 0.5 * u_new, 0.5 * r + 0.5 * r_new
-    return SharedCpuState(min(bps * curve.batch_size, curve.ceiling_samples_per_s), s_t, s_w, u)
+    return SharedCpuState(min(bps * curve.batch_size, curve.ceiling_samples_per_s), s_t, s_w, u, r)
 
 
 def shared_cpu_knee(curve: ThroughputCurve, cpus: float, trainer_cpu_s_per_step: float,

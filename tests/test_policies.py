@@ -196,6 +196,40 @@ def test_hysteresis_holds_small_gains_and_takes_big_ones():
     assert moved.allocations["a"].cpus > plan.allocations["a"].cpus + 0.3
 
 
+def test_a_move_that_leaves_no_job_worse_needs_no_hysteresis():
+    """Hysteresis guards trades between jobs against noise; a move in which no job is predicted worse
+    (here: a job grows into cores that nobody else can use) only has to pay its restart cost."""
+    s = snap("gpu-8core", [job("a", "light"), job("b", "light")])
+    cv = curves_of(s)
+    plan, settled = settle(get_policy("adaptive"), s, cv)
+    # b turns out to need a little more than it holds; a keeps what it has: a gain for b alone
+    need = plan.allocations["b"].cpus * 1.04
+    cv2 = dict(cv, b=dataclasses.replace(cv["b"], cpu_s_per_batch=need * cv["b"].compute_s_per_step))
+    again = get_policy("adaptive")(settled, cv2, PolicyConfig(hysteresis=0.5))
+    assert again.allocations["b"].cpus > plan.allocations["b"].cpus
+    assert not again.allocations["b"].reason.startswith("hold")
+    # a trade (the gain taken from another job) still has to beat the hysteresis
+    s3 = snap("dev-2vcpu", [job("a", "heavy"), job("b", "medium")])
+    cv3 = curves_of(s3)
+    NOFLOOR = PolicyConfig(fairness_floor=False)
+    plan3, settled3 = settle(get_policy("adaptive"), s3, cv3, NOFLOOR)
+    cv4 = dict(cv3, b=dataclasses.replace(cv3["b"], cpu_s_per_batch=0.104))
+    held = get_policy("adaptive")(settled3, cv4, NOFLOOR)
+    assert all(a.reason.startswith("hold") for a in held.allocations.values())
+
+
+def test_with_cpu_weights_workers_beyond_the_share_only_where_no_trainer_needs_cpu():
+    """With per-job CPU weights a job gets workers for the cores its curve can use, beyond its share;
+    not where training processes need CPU (busy workers past the share would slow them)."""
+    s = snap("gpu-8core", [job(j, "heavy") for j in "abcd"])          # 1.75 cores each, 3 useful
+    cfg = PolicyConfig(cpu_weights=True, fairness_floor=False)
+    plan = get_policy("adaptive")(s, curves_of(s), cfg)
+    assert any(a.workers > math.ceil(a.cpus - 1e-6) for a in plan.allocations.values())
+    busy = snap("gpu-8core", [job(j, "heavy", trainer_cpu_s_per_step=0.03) for j in "abcd"])
+    plan = get_policy("adaptive")(busy, curves_of(busy), cfg)
+    assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values())
+
+
 def test_restart_cost_is_charged():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
     cv = curves_of(s)
