@@ -45,6 +45,7 @@ from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
+HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class PolicyConfig:
 
     min_workers, max_workers_per_job: bounds on every job's worker count.
     hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
-        normalised throughput (as a fraction of the total GPU weight) exceeds this plus the restart cost.
+        normalised throughput (as a fraction of what the held allocation is predicted to give) exceeds
+        this plus the restart cost (the throughput the changed workers' restarts lose, same units).
     fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
         GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
         budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
@@ -378,7 +380,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
        understate co-located demand, and a share that is not used costs nobody anything).
     5. Hysteresis: when every job already has an allocation that fits the node, keep it unless the
-       predicted gain beats ``hysteresis`` plus the worker restart cost (fractions of total GPU weight).
+       predicted gain beats ``hysteresis`` plus the worker restart cost (fractions of the GPU-weighted
+       throughput the held allocation is predicted to give).
     """
     n = len(snapshot.jobs)
     if not n:
@@ -592,11 +595,15 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         settled = min(total_new, sum(cap.values())) - q - EPS <= held <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
-        weight_total = total_gpus
-        gain = (new_total - old_total) / weight_total
-        cost = sum(max(1, snapshot.jobs[j].gpus) * abs(workers[j] - applied[j].workers)
-                   / max(1, workers[j], applied[j].workers) for j in ids) \
-            * config.restart_cost_per_worker / weight_total
+        # Gain and cost relative to what the held plan gives (GPU-weighted normalised throughput; at
+        # least HOLD_BASE_MIN of the node's GPU weight), not to the node's GPU weight: on a node starved
+        # of CPU, where the split matters most, a move worth 10% more throughput is a few percent of the
+        # GPU weight, and a band in units of the weight held the first plan for good.
+        base = max(old_total, HOLD_BASE_MIN * total_gpus)
+        gain = (new_total - old_total) / base
+        cost = sum(gpus[j] * (norm(j, applied[j].workers, applied[j].cpus) if j in warm else 1.0)
+                   * abs(workers[j] - applied[j].workers) / max(1, workers[j], applied[j].workers) for j in ids) \
+            * config.restart_cost_per_worker / base
         moved = any(abs(cpus[j] - applied[j].cpus) >= 0.01 or workers[j] != applied[j].workers for j in ids)
         # A move that leaves no job worse off (every job warm and predicted at least where it is) cannot
         # be undone by the next decision's noise the way a trade between jobs can: it pays for itself

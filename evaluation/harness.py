@@ -10,7 +10,10 @@ that the machine's noise hits every policy alike. Metrics are computed afterward
 How each policy runs (the jobs are the same processes in every case), as users and operators run it:
     even-static, even, adaptive   the agent with that policy; each job asks for its user's habitual
                                   num_workers (``JobSpec.num_workers``), which the agent then directs
-    oracle                        the agent with the oracle's fixed plan (``evaluation.oracle_agent``)
+    oracle                        the agent with the oracle's fixed plan (``evaluation.oracle_agent``): the
+                                  best static plan for each job's measured points, from co-located probes
+                                  of the mix (``measure_colocated``; repeated) or, for scenarios with
+                                  arrivals or ``--oracle solo``, each kind's sweep alone on the node
     none                          no agent; every job keeps its user's habitual num_workers; the OS arbitrates
     autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
     static-cores                  no agent; every job (training process and workers) in its own cgroup v1
@@ -106,6 +109,8 @@ class BenchConfig:
     tick_s: float = 1.0
     device: str = "emulated"
     sweep_segment_s: float = 3.0
+    oracle_source: str = "colocated"        # the oracle's curves: "colocated" probes of the mix, or "solo" sweeps
+    oracle_probe_reps: int = 2              # repeats of each co-located probe plan
     python: str = sys.executable
     keep_logs: bool = True
     memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
@@ -427,6 +432,74 @@ def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progre
     return {s.job_id: by_kind[s.kind] for s in specs}
 
 
+PROBE_NOTE = ("co-located probes: the whole mix under fixed plans (the even split, then each job given "
+              "(N+1)/2N of the loader cores), each repeated; per job the median cores its workers used and "
+              "its normalised throughput per plan; budget_cores: the median cores the loaders got in all")
+
+
+def probe_plans(specs: list[JobSpec], budget: float) -> list[dict]:
+    """The fixed plans the co-located oracle measures: the even split of ``budget``, and for each job one
+    plan that gives it (N+1)/2N of the budget and the others the rest evenly (N = 3: 2/3 and 1/6 each),
+    so each job is seen at three core levels beside its real neighbours. Workers: one more than the
+    cores (the share, not the count, bounds its CPU), at least 2."""
+    ids = [s.job_id for s in specs]
+    n = len(ids)
+    shares = [{j: budget / n for j in ids}]
+    if n > 1:
+        hi = budget * (n + 1) / (2 * n)
+        lo = (budget - hi) / (n - 1)
+        shares += [{k: hi if k == j else lo for k in ids} for j in ids]
+    return [{j: {"cpus": round(c, 3), "workers": max(2, math.ceil(c) + 1)} for j, c in p.items()} for p in shares]
+
+
+def colocated_applies(sc: Scenario) -> bool:
+    """Co-located probes need the whole mix present for the whole phase (no arrivals, departures, hog),
+    and no loader memory budget: the budget oracle chooses worker counts, so it needs each job's points
+    at every count (1 included), which the solo sweeps measure and the probes do not."""
+    return sc.kind == "static" and sc.hog_at_s is None and sc.loader_memory is None and \
+        all(l.at_s <= 0 and l.depart_at_s is None for l in sc.launches)
+
+
+def measure_colocated(cfg: BenchConfig, sc: Scenario, run_dir: Path, progress=None,
+                      memory_out: Optional[dict] = None) -> tuple[dict[str, list], float]:
+    """The oracle's curves from the mix itself: every ``probe_plans`` plan run as a phase of its own
+    (the real agent applying it), ``cfg.oracle_probe_reps`` times (order rotated per repeat); per job
+    and plan one point ``(workers, median cores used, median normalised)``. Returns (points per job, the
+    median total cores the loaders used: the budget the plans really had beside the trainers).
+    ``memory_out``: job -> one worker's memory, the most unique memory per worker seen in any sample."""
+    plans = probe_plans([l.spec for l in sc.launches], cfg.loader_cpus)
+    seen: dict[str, dict[int, list]] = {l.spec.job_id: {} for l in sc.launches}
+    used: list[float] = []
+    mem: dict[str, float] = {}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for rep in range(max(1, cfg.oracle_probe_reps)):
+        for k in policy_order(list(range(len(plans))), rep):
+            plan = plans[k]
+            if progress:
+                progress.note(f"oracle probe {k + 1}/{len(plans)} rep {rep + 1}: " +
+                              ", ".join(f"{j} {p['cpus']:g}c/{p['workers']}w" for j, p in plan.items()))
+            path = run_dir / f"probe{k}.json"
+            path.write_text(json.dumps({"plan": plan}))
+            ph = run_phase(cfg, sc, "oracle", rep, run_dir / f"probe{k}-rep{rep + 1}", path)
+            m = phase_metrics(ph)
+            if not m.get("jobs"):
+                raise BenchError(f"oracle probe {k} of {sc.name} measured nothing: {m.get('error')}; "
+                                 f"logs in {run_dir}")
+            for j, v in m["jobs"].items():
+                seen[j].setdefault(k, []).append((v["worker_cpu_cores"], v["normalised"]))
+            used.append(sum(v["worker_cpu_cores"] for v in m["jobs"].values()))
+            for smp in ph.get("memory") or []:
+                for j, b in smp["jobs"].items():
+                    if j in plan and b:
+                        mem[j] = max(mem.get(j, 0.0), b / plan[j]["workers"])
+    points = {j: [(plans[k][j]["workers"], round(M.median([c for c, _ in xs]), 4),
+                   round(min(1.0, M.median([v for _, v in xs])), 4)) for k, xs in sorted(per.items())]
+              for j, per in seen.items()}
+    if memory_out is not None:
+        memory_out.update(mem)
+    return points, M.median(used)
+
+
 # -- one phase -----------------------------------------------------------------------------------
 
 def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Path,
@@ -744,12 +817,17 @@ def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], 
         sweeps = None
         if "oracle" in policies:
             sweep_memory: dict = {}
-            sweeps = measure_sweeps(cfg, [l.spec for l in sc.launches], cfg.out_dir / "runs" / sc.name / "sweep",
-                                    progress, memory_out=sweep_memory)
+            doc: dict = {}
+            if cfg.oracle_source == "colocated" and colocated_applies(sc):
+                sweeps, doc["budget_cores"] = measure_colocated(cfg, sc, cfg.out_dir / "runs" / sc.name / "probes",
+                                                                progress, memory_out=sweep_memory)
+                doc["note"] = PROBE_NOTE
+            else:
+                sweeps = measure_sweeps(cfg, [l.spec for l in sc.launches], cfg.out_dir / "runs" / sc.name / "sweep",
+                                        progress, memory_out=sweep_memory)
+                doc["note"] = "each kind measured alone on the node; memory: one worker's USS, the most seen in its sweep"
             curves_path = cfg.out_dir / "runs" / sc.name / "oracle-curves.json"
-            curves_path.write_text(json.dumps({"jobs": sweeps, "memory": sweep_memory,
-                                               "note": "each kind measured alone on the node; memory: one "
-                                                       "worker's USS, the most seen in its sweep"}))
+            curves_path.write_text(json.dumps({"jobs": sweeps, "memory": sweep_memory, **doc}))
         for rep in range(reps):
             for policy in policy_order(policies, rep):
                 i += 1

@@ -4,14 +4,17 @@ controller and actuators, with a policy that returns the oracle's plan for the j
     python -m evaluation.oracle_agent CURVES.json [agent flags...]
 
 CURVES.json: ``{"note": str, "jobs": {job_id: [[workers, cores_used, normalised], ...]},
-"memory": {job_id: bytes}}`` — each job's measured sweep and the most unique memory one of its
-workers held in it (see ``evaluation.harness.measure_sweeps``). At each tick the policy solves the
-exact knapsack (``evaluation.oracle.solve``) over the jobs present with the snapshot's loader CPUs,
-or, when the agent has a loader memory budget (``--loader-memory``, in the snapshot as
+"memory": {job_id: bytes}, "budget_cores": float}`` — each job's measured points (co-located probes,
+``evaluation.harness.measure_colocated``, or solo sweeps, ``measure_sweeps``), the most unique memory
+one of its workers held in them, and (probes only) the cores the loaders really got beside the
+trainers. At each tick the policy solves the exact knapsack (``evaluation.oracle.solve``, GPU-weighted
+by each job's GPUs) over the jobs present with those cores (default: the snapshot's loader CPUs), or, when the agent has a loader memory budget (``--loader-memory``, in the snapshot as
 ``loader_memory_bytes``), the budget oracle (``evaluation.oracle.solve_memory``: worker counts and
 cores together, each job's workers at its measured memory, GPU-weighted): the best static plan the
 budget allows. Plans are cached per set of jobs and budget, so the plan is fixed while they are. A
 job with no curve gets the even share (and, under a budget, one worker at its own measured memory).
+CURVES.json may instead be ``{"plan": {job_id: {"workers": int, "cpus": float}}}``: that fixed plan,
+as it is (the co-located probes themselves); a job not in it gets the even share.
 The policy is handed to the agent (``Agent(policy=...)``); no global registry is touched.
 """
 from __future__ import annotations
@@ -20,10 +23,32 @@ import json
 import sys
 from typing import Optional
 
-from evaluation.oracle import options_from_sweep, solve, solve_memory, value_from_sweep
+from evaluation.oracle import JobValue, options_from_sweep, solve, solve_memory, value_from_sweep
 
 
-def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None):
+def make_fixed_policy(plan_by_job: dict):
+    """A policy that applies ``{job: {"workers": w, "cpus": c}}`` as it is (the co-located probes)."""
+    from agent.model import AllocationPlan, JobAllocation
+
+    def fixed(snapshot, curves, config):
+        present = sorted(snapshot.jobs)
+        share = snapshot.loader_cpus / max(1, len(present))
+        allocs = {}
+        for j in present:
+            p = plan_by_job.get(j)
+            if p is None:
+                allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(share) or 1), cpus=share,
+                                          reason="probe: not in the plan, even share")
+            else:
+                allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(p["workers"])),
+                                          cpus=max(0.01, float(p["cpus"])), reason="probe: fixed plan")
+        return AllocationPlan(policy="oracle", allocations=allocs)
+
+    return fixed
+
+
+def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None,
+                       budget_cores: Optional[float] = None):
     from agent.model import AllocationPlan, JobAllocation
 
     values = {j: value_from_sweep([tuple(p) for p in pts]) for j, pts in points_by_job.items() if pts}
@@ -36,14 +61,16 @@ def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None
             return AllocationPlan(policy="oracle", allocations={})
         known = [j for j in present if j in values]
         unknown = [j for j in present if j not in values]
-        budget = snapshot.loader_cpus
+        budget = min(snapshot.loader_cpus, budget_cores) if budget_cores else snapshot.loader_cpus
         share = budget / len(present)
         memory = snapshot.loader_memory_bytes
         key = (tuple(present), round(budget, 3), None if memory is None else int(memory))
         if key not in cache:
             allocs = {}
             if memory is None:
-                plan = solve({j: values[j] for j in known}, budget - share * len(unknown)) if known else None
+                weighted = {j: JobValue(values[j].value, values[j].workers, weight=max(1, snapshot.jobs[j].gpus))
+                            for j in known}
+                plan = solve(weighted, budget - share * len(unknown)) if known else None
                 for j in known:
                     allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, plan.workers[j]),
                                               cpus=max(0.01, plan.cpus[j]),
@@ -85,7 +112,11 @@ def main(argv=None) -> int:
     from agent.commands import agent as agent_command
 
     args = build_parser("agent").parse_args(["agent", *argv[1:]])
-    return agent_command.run(args, policy=make_oracle_policy(doc.get("jobs", {}), doc.get("memory")))
+    if "plan" in doc:
+        policy = make_fixed_policy(doc["plan"])
+    else:
+        policy = make_oracle_policy(doc.get("jobs", {}), doc.get("memory"), doc.get("budget_cores"))
+    return agent_command.run(args, policy=policy)
 
 
 if __name__ == "__main__":

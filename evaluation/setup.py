@@ -38,7 +38,8 @@ def default_cgroup_mode() -> str:
 def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, quick: bool,
         catalog_path: str | None, loader_cpus: float, cgroup_mode: str, tick_s: float, device: str,
         sweep_segment_s: float, progress: report.Progress, warmup_s: float | None = None,
-        measure_s: float | None = None, title: str = "bench", loader_memory: int | None = None) -> dict:
+        measure_s: float | None = None, title: str = "bench", loader_memory: int | None = None,
+        oracle_source: str = "colocated", oracle_probe_reps: int = 2) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     catalog = load_catalog(catalog_path)
     kinds = sorted({k for s in scenarios for k in catalog.mixes.get(s, [])})
@@ -46,7 +47,8 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
     calib = calibrate(catalog, loader_cpus, kinds)
     cfg = harness.BenchConfig(catalog=catalog, calib=calib, loader_cpus=loader_cpus, node_cores=node_cores(),
                               out_dir=out_dir, cgroup_mode=cgroup_mode, tick_s=tick_s, device=device,
-                              sweep_segment_s=sweep_segment_s, loader_memory=loader_memory)
+                              sweep_segment_s=sweep_segment_s, loader_memory=loader_memory,
+                              oracle_source=oracle_source, oracle_probe_reps=oracle_probe_reps)
     scs = harness.build_scenarios(cfg, scenarios, quick)
     for sc in scs:
         if warmup_s is not None:
@@ -64,8 +66,11 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
             "cgroup_mode": cgroup_mode, "tick_s": tick_s, "device": device, "reps": reps, "quick": quick,
             "catalog": catalog.path, "calibration": calib, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": time.time() - t0, "loader": _loader_kind(result["phases"]),
-            "oracle": "exact knapsack over each job kind's curve measured alone on this node "
-                      "(worker sweeps), replayed by the real agent and actuators; in a scenario with a loader "
+            "oracle": ("GPU-weighted exact knapsack over each job's points measured co-located (the whole mix "
+                       f"under fixed probe plans, {oracle_probe_reps} repeats each; scenarios with arrivals: "
+                       "each kind swept alone)" if oracle_source == "colocated" else
+                       "GPU-weighted exact knapsack over each job kind's curve measured alone on this node "
+                       "(worker sweeps)") + ", replayed by the real agent and actuators; in a scenario with a loader "
                       "memory budget, worker counts and cores together within it (each worker at the most "
                       "memory it held in its sweep)"}
     result.update(meta=meta, summary=summary, goals=goal_rows)

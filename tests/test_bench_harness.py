@@ -104,6 +104,27 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     assert _no_children_left() == []
 
 
+def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_catalog):
+    """The oracle's points are measured with the whole mix running, under fixed probe plans that the real
+    agent applies (the even split, then each job given 3/4 of the loader cores): one point per job and
+    plan, the cores its workers really used, and the cores all loaders got as the plan's budget."""
+    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["oracle"], warmup_s=0.5, measure_s=1.5,
+                            oracle_probe_reps=1)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["metrics"]["agg_normalised"] > 0
+    doc = json.loads((tmp_path / "out" / "runs" / "heterogeneous" / "oracle-curves.json").read_text())
+    assert "co-located probes" in doc["note"] and doc["budget_cores"] > 0
+    assert set(doc["jobs"]) == {"hete-0-heavy", "hete-1-light"}
+    for pts in doc["jobs"].values():
+        assert len(pts) == 3                                   # even, heavy-skewed, light-skewed
+        assert all(w >= 2 and c >= 0 and 0 <= v <= 1 for w, c, v in pts)
+    probes = sorted(p.name for p in (tmp_path / "out" / "runs" / "heterogeneous" / "probes").iterdir() if p.is_dir())
+    assert probes == ["probe0-rep1", "probe1-rep1", "probe2-rep1"]
+    assert "oracle probe 3/3 rep 1" in progress
+    assert all(j["reason"].startswith("oracle:") for j in ph["agent_status"]["jobs"].values())
+    assert _no_children_left() == []
+
+
 def test_dynamic_scenario_reports_makespan_and_jct(tmp_path, tiny_catalog):
     result, _ = _run(tmp_path, tiny_catalog, "dynamic", ["none"])
     (ph,) = result["phases"]

@@ -152,3 +152,65 @@ def test_goal_reports_the_per_repeat_spread_of_its_ratio():
     assert "measured 0.980 (per repeat 0.950–1.050, 3 repeats) — met" in md
     one = report.goals(report.summarise(phases[:2]))
     assert "(one repeat: indicative only)" in report.markdown(report.summarise(phases[:2]), one, {})
+
+
+def test_probe_plans_spend_the_budget_and_show_each_job_three_levels():
+    from evaluation.catalog import JobSpec
+    from evaluation.harness import probe_plans
+
+    specs = [JobSpec(job_id=f"j{i}", kind="k", batch_size=8, step_s=0.1, demand_cores=0.5, cpu_s_per_sample=0.01,
+                     workload={}, num_workers=2) for i in range(3)]
+    plans = probe_plans(specs, 1.8)
+    assert len(plans) == 4                                     # even, then one skewed plan per job
+    for p in plans:
+        assert sum(x["cpus"] for x in p.values()) == pytest.approx(1.8, abs=0.01)
+        assert all(x["workers"] >= 2 for x in p.values())
+    for j in ("j0", "j1", "j2"):
+        levels = sorted({p[j]["cpus"] for p in plans})
+        assert levels == pytest.approx([0.3, 0.6, 1.2], abs=0.01)
+    assert len(probe_plans(specs[:1], 1.8)) == 1
+
+
+def test_colocated_probes_only_where_the_whole_mix_runs_the_whole_phase():
+    from evaluation.catalog import JobSpec
+    from evaluation.harness import Launch, Scenario, colocated_applies
+
+    spec = JobSpec(job_id="a", kind="k", batch_size=8, step_s=0.1, demand_cores=0.5, cpu_s_per_sample=0.01,
+                   workload={}, num_workers=2)
+    assert colocated_applies(Scenario("s", [Launch(spec)], "static", 1.0, 2.0))
+    assert not colocated_applies(Scenario("s", [Launch(spec, at_s=3.0)], "dynamic", 1.0, 2.0))
+    assert not colocated_applies(Scenario("s", [Launch(spec)], "timed", 1.0, 2.0, hog_at_s=1.0))
+    assert not colocated_applies(Scenario("s", [Launch(spec)], "static", 1.0, 2.0, loader_memory=1 << 30))
+
+
+def test_fixed_probe_policy_applies_the_plan_and_shares_evenly_otherwise():
+    from agent.model import NodeSnapshot
+    from agent.policies import PolicyConfig
+    from evaluation.oracle_agent import make_fixed_policy
+    from tests.fakes import UNMEASURED, job_stats
+
+    policy = make_fixed_policy({"a": {"workers": 3, "cpus": 1.2}, "b": {"workers": 2, "cpus": 0.3}})
+    snap = NodeSnapshot(now=0.0, loader_cpus=1.8, cpu_ids=(0, 1),
+                        jobs={j: job_stats(j, **UNMEASURED) for j in ("a", "b", "c")})
+    a = policy(snap, {}, PolicyConfig()).allocations
+    assert (a["a"].workers, a["a"].cpus, a["b"].workers, a["b"].cpus) == (3, 1.2, 2, 0.3)
+    assert a["c"].cpus == pytest.approx(0.6) and "even share" in a["c"].reason
+
+
+def test_oracle_weighs_a_job_by_its_gpus_and_plans_within_the_probed_budget():
+    # two jobs with the same measured points: the one with 2 GPUs is worth twice as much per unit of
+    # normalised throughput, so it gets the cores; the plan never spends more than the cores the
+    # loaders really got in the probes (budget_cores), whatever the snapshot's loader CPUs say
+    from agent.model import NodeSnapshot
+    from agent.policies import PolicyConfig
+    from evaluation.oracle_agent import make_oracle_policy
+    from tests.fakes import UNMEASURED, job_stats
+
+    pts = [[2, 0.2, 0.2], [2, 0.5, 0.5], [3, 1.0, 1.0]]
+    policy = make_oracle_policy({"one": pts, "two": pts}, budget_cores=1.0)
+    snap = NodeSnapshot(now=0.0, loader_cpus=1.8, cpu_ids=(0, 1),
+                        jobs={"one": job_stats("one", **UNMEASURED), "two": job_stats("two", gpus=2, **UNMEASURED)})
+    plan = policy(snap, {}, PolicyConfig())
+    a = plan.allocations
+    assert a["two"].cpus == pytest.approx(1.0) and a["one"].cpus == pytest.approx(0.01)   # (the floor)
+    assert plan.predicted_total == pytest.approx(2 * 1.0)   # an even split would be 2 x 0.5 + 0.5

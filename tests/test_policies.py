@@ -196,6 +196,27 @@ def test_hysteresis_holds_small_gains_and_takes_big_ones():
     assert moved.allocations["a"].cpus > plan.allocations["a"].cpus + 0.3
 
 
+def test_hysteresis_is_relative_to_what_the_held_plan_gives():
+    """On a node starved of CPU (two jobs needing 12 and 24 cores share 1.8) the held even split gives
+    0.11 of 2 GPUs' worth. Moving every core to the cheaper job is worth a third more throughput, but
+    only 1.9% of the node's GPU weight: a band in units of the weight held it for good. A move worth
+    under 1% of the held throughput is still held."""
+    NOFLOOR = PolicyConfig(fairness_floor=False)
+
+    def held_even(c_b):
+        a = job("a", "medium", cpu_s_per_batch=1.2, wall_s_per_batch=1.2)
+        b = job("b", "medium", cpu_s_per_batch=c_b, wall_s_per_batch=c_b)
+        s = snap("dev-2vcpu", [a, b])
+        even = {j: JobAllocation(job=j, workers=1, cpus=0.9, reason="held") for j in "ab"}
+        return get_policy("adaptive")(dataclasses.replace(s, applied=even), curves_of(s), NOFLOOR)
+
+    moved = held_even(2.4)
+    assert moved.allocations["a"].cpus > 1.7, moved.allocations
+    assert not moved.allocations["a"].reason.startswith("hold")
+    held = held_even(1.22)
+    assert all(a.reason.startswith("hold") and a.cpus == 0.9 for a in held.allocations.values()), held.allocations
+
+
 def test_a_move_that_leaves_no_job_worse_needs_no_hysteresis():
     """Hysteresis guards trades between jobs against noise; a move in which no job is predicted worse
     (here: a job grows into cores that nobody else can use) only has to pay its restart cost."""

@@ -36,6 +36,10 @@ def register(sub) -> None:
     p.add_argument("--warmup-s", type=float, default=None)
     p.add_argument("--measure-s", type=float, default=None)
     p.add_argument("--sweep-segment-s", type=float, default=None, help="oracle sweep: seconds per worker count")
+    p.add_argument("--oracle", choices=("colocated", "solo"), default="colocated",
+                   help="the oracle's curves: probes of the whole mix under fixed plans (default; scenarios "
+                        "with arrivals use solo) or each job kind swept alone on the node")
+    p.add_argument("--oracle-probe-reps", type=int, default=2, help="repeats of each co-located oracle probe")
     p.set_defaults(func=run)
 
 
@@ -82,6 +86,9 @@ def run(args) -> int:
         except ValueError as e:
             print(f"adloader bench: --loader-memory: {e}", file=sys.stderr)
             return 2
+    if args.oracle_probe_reps < 1:
+        print(f"adloader bench: --oracle-probe-reps must be >= 1, got {args.oracle_probe_reps}", file=sys.stderr)
+        return 2
     reps = args.reps or (1 if quick else 3)
     progress = report.Progress()
     progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
@@ -93,7 +100,8 @@ def run(args) -> int:
                            cgroup_mode=args.cgroup_mode or setup.default_cgroup_mode(), tick_s=args.tick_s,
                            device=args.device, sweep_segment_s=args.sweep_segment_s or (2.5 if quick else 4.0),
                            progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
-                           loader_memory=loader_memory)
+                           loader_memory=loader_memory, oracle_source=args.oracle,
+                           oracle_probe_reps=args.oracle_probe_reps)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
