@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_state, shared_cpu_throughput
+from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_state
 
 MODES = ("agent", "none", "autotune", "static")
 TRAINER_MARGIN = 0.1    # agent.policies.TRAINER_MARGIN (not imported: the model stays a model of the agent)
@@ -71,10 +71,6 @@ class JobModel:
         """Cores the whole job (trainers + loader) uses with ``workers`` and no CPU limit."""
         bps = self.loader_bps(workers, math.inf)
         return bps * (self.curve.cpu_s_per_batch + self.gpus * self.trainer_cpu_s_per_step)
-
-    def shared_bps(self, workers: int, cpus: float) -> float:
-        return shared_cpu_throughput(self.curve, workers, cpus, self.trainer_cpu_s_per_step,
-                                     self.gpus) / self.curve.batch_size
 
 
 def waterfill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, float]) -> dict:
