@@ -10,7 +10,7 @@ How the node's CPUs ``N`` are shared, per mode (what ``adloader bench`` runs, mo
 is the CPU the jobs can get (``available_cores``: other tenants take the rest):
 
 - ``agent``: the agent's cgroup subtree holds every loader worker and weighs one nice-0 task per
-  worker; where trainers need CPU it is capped (quota) at ``N`` less each trainer's expected need
+  worker, at most one per planned loader core where trainers need CPU; there it is also capped (quota) at ``N`` less each trainer's expected need
   (``agent.policies.trainer_cores_expected``: its full need times the part of its step it does not
   wait for data, plus a margin), never below the plan's cores. The loaders share what they get by the
   plan's weights (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
@@ -166,7 +166,8 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     w = {j: workers_of(j) for j in ids}
     out: dict[str, JobRate] = {}
     if mode == "agent":
-        # The loaders' subtree weighs one nice-0 task per worker and is capped at N less the trainers'
+        # The loaders' subtree weighs one nice-0 task per worker (per planned core where trainers need
+        # CPU) and is capped at N less the trainers'
         # pace plus a margin (agent.actuators.cgroup) when they need CPU; each trainer is one nice-0
         # task in its own session. So while a trainer's CPU part runs it competes per runnable thread
         # with the busy workers (``s``, fair per thread over the CPU the jobs get) and gets more only
@@ -182,7 +183,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             caps = {j: min(caps[j], weights[j]) if j in allocations else caps[j] for j in ids}
         s_t = {j: 1.0 for j in ids}
         s_w = {j: 1.0 for j in ids}
-        W = float(sum(w.values()))          # the subtree's weight: one nice-0 task per worker
+        W = float(sum(w.values()))          # the subtree's weight: one nice-0 task per worker ...
+        if need >= 0.05:                    # ... at most one per planned core where trainers need CPU
+            W = min(W, max(1.0, sum(weights.values())))      # (agent.actuators.cgroup.subtree_shares_for_cores)
         for _ in range(300):
             trainer = {j: bps[j] * models[j].gpus * models[j].trainer_cpu_s_per_step for j in ids}
             t_total = sum(trainer.values())

@@ -18,6 +18,9 @@ def test_shares_and_weight_mapping():
     assert weight_from_shares(3072) == 300 and weight_from_shares(shares_for(0.6)) == 60
     from agent.actuators.cgroup import subtree_shares_for
     assert subtree_shares_for(0) == 2 and subtree_shares_for(3) == 3072 and subtree_shares_for(10 ** 6) == 262144
+    from agent.actuators.cgroup import subtree_shares_for_cores
+    assert subtree_shares_for_cores(0.3) == 1024 and subtree_shares_for_cores(1.8) == 1843
+    assert subtree_shares_for_cores(1e6) == 262144
     ws = [weight_from_shares(s) for s in range(2, 262145, 997)]
     assert ws == sorted(ws)
     assert shares_for(0.0) == 2 and shares_for(1.0) == 1024 and shares_for(1e6) == 262144

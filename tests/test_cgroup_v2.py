@@ -270,13 +270,17 @@ def test_v2_subtree_is_capped_at_the_node_less_the_trainers_need(v2):
     act.apply(cgroup_job("a", [101, 102], **busy), JobAllocation(job="a", workers=2, cpus=1.0))
     act.apply(cgroup_job("b", [103], **busy), JobAllocation(job="b", workers=1, cpus=1.0))
     assert read(kernel, "adloader", "cpu.max") == "340000 100000"             # 4 - 0.6 cores
-    assert read(kernel, "adloader", "cpu.weight") == "300"                   # the weight still counts workers
+    # with trainers, the weight is one task per planned loader core (2 cores), not per worker (3): a
+    # trainer waking on a CPU the workers use is not held back by their number
+    assert read(kernel, "adloader", "cpu.weight") == "200"
     act.apply(cgroup_job("a", [101, 102], **busy), JobAllocation(job="a", workers=2, cpus=3.0))
     assert read(kernel, "adloader", "cpu.max") == "400000 100000" or read(kernel, "adloader", "cpu.max") == \
         "max 100000"                                                         # the plan's 4 cores: no cap
+    assert read(kernel, "adloader", "cpu.weight") == "300"                   # 4 cores, but 3 workers at most
     act.release("a")
     act.release("b")
     act.apply(cgroup_job("c", [101]), JobAllocation(job="c", workers=1, cpus=1.0))   # no trainer CPU
     assert read(kernel, "adloader", "cpu.max").startswith("max")
+    assert read(kernel, "adloader", "cpu.weight") == "100"                   # its one worker
     act.restore()
     assert not kernel.exists("adloader")

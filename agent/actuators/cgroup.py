@@ -31,7 +31,18 @@ below the cores the plan gave the loaders: the loaders never get the cores a tra
 their number, while they keep every other core, the agent's 10% reserve included (so the cap is not
 the loader budget). A weight could not do this: against a crowd of busy workers a runnable trainer (one
 nice-0 task) gets a fraction of a core unless the subtree weighs so little that it loses to every
-other process on the node. Without trainer CPU the subtree is not capped (the original quota). The original value is recorded before the first write and restored by
+other process on the node. The cap bounds the loaders' CPU per period, not who runs first: a trainer
+sleeps through its GPU part every step and, when it wakes, time-shares the CPU it lands on with the
+subtree by weight, so while it is there its CPU part (on the step's critical path; the loaders have a
+queue of batches) stretches by the subtree's weight on that CPU. So where trainers need CPU the
+subtree weighs the cores the plan gives the loaders, one nice-0 task per planned core
+(``subtree_shares_for_cores``), as each trainer (one task) weighs the core it needs, not one task per
+worker (issue 11: the controller-driven simulator, validated against the measured runs, put adaptive
+at 1.03x / 0.91x / 1.04x the best baseline on the 2-core gpu-weighted / trainer-cpu / oversubscribed
+mixes with one task per worker, 1.14x / 0.98x / 1.08x with one per planned core). The cost: against
+processes the agent does not manage (a CPU hog, a daemon) the loaders then claim their planned cores,
+not their worker count. Without trainer CPU the subtree weighs its workers and is not capped (the
+original quota). The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
 together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
@@ -133,6 +144,12 @@ def _node_cpus() -> float:
 def subtree_shares_for(workers: int) -> int:
     """What ``workers`` busy worker processes weigh in the root group, as v1 cpu.shares (clamped)."""
     return max(SHARES_MIN, min(SHARES_MAX, SHARES_DEFAULT * int(workers)))
+
+
+def subtree_shares_for_cores(cores: float) -> int:
+    """One nice-0 task per planned loader core (at least one), as v1 cpu.shares (clamped): the subtree's
+    weight where training processes need CPU (module docstring)."""
+    return max(SHARES_MIN, min(SHARES_MAX, int(round(SHARES_DEFAULT * max(1.0, float(cores))))))
 
 
 def shares_from_weight(weight: int) -> int:
@@ -530,11 +547,14 @@ class CgroupActuator:
         self._trainer_pace[job.job] = trainer_cores_expected(job)
 
     def _set_subtree_weight(self) -> None:
-        """The subtree weighs what its workers would unmanaged; where training processes need CPU it is
-        also capped at the node's CPUs less their need (module docstring); written on change only."""
+        """The subtree weighs what its workers would unmanaged; where training processes need CPU, at
+        most one task per planned loader core, and capped at the node's CPUs less what the trainers use
+        (module docstring); written on change only."""
         shares = subtree_shares_for(sum(self._workers.values()))
         need = sum(self._trainer.get(j, 0.0) for j in self._workers)
         cap = None
+        if need >= TRAINER_CPU_MIN:
+            shares = min(shares, subtree_shares_for_cores(sum(self._cores.get(j, 0.0) for j in self._workers)))
         if need >= TRAINER_CPU_MIN and self.node_cpus:
             pace = sum(self._trainer_pace.get(j, 0.0) for j in self._workers)
             cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
