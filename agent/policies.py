@@ -77,10 +77,13 @@ class PolicyConfig:
         work-conserving; set by the agent for the cgroup modes with the ``shares`` knob). adaptive then
         gives a job the workers its curve can use (up to ``max_useful_workers`` for its useful cores),
         not just the workers its share of cores keeps busy: the weights decide who gets a contended
-        core, and a worker beyond the share only runs on cores the others leave idle. Not where the
-        training processes need CPU: there busy workers past the share slow the trainers (each weighs
-        a nice-0 task against a waking trainer). Without weights (worker counts only, quota, cpuset)
-        the worker count is the CPU control and stays at the share.
+        core, and a worker beyond the share only runs on cores the others leave idle; and a share is
+        realised only by enough threads (one worker alone on a CPU beside a trainer got 0.61 of its
+        0.89-core share and waited for data half its steps; two got 0.85 and did not wait). Also where
+        the training processes need CPU: there the loaders' subtree weighs its planned cores, not its
+        workers (``agent.actuators.cgroup``), so workers past the share add no weight against a waking
+        trainer. Without weights (worker counts only, quota, cpuset) the worker count is the CPU
+        control and stays at the share.
     """
 
     min_workers: int = 1
@@ -529,12 +532,10 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             nxt[j] = (dx2, v2)
             heapq.heappush(heap, key(j, dx2, v2 - v))
     remaining = max(0.0, min(rem_loader, rem_node))
-    # With per-job CPU weights the count is not the CPU control: enough workers for the useful cores,
-    # unless training processes need CPU: every busy worker weighs one nice-0 task in the loaders'
-    # subtree, and a trainer waking on a CPU time-shares it by weight with the workers there, so
-    # workers past the job's cores slow the trainers (evaluation.nodemodel.wakeup_share) and only
-    # time-share the cores the job has.
-    beyond_share = config.cpu_weights and trainer_need < 0.005
+    # With per-job CPU weights the count is not the CPU control: enough workers for the useful cores
+    # (see PolicyConfig.cpu_weights; where trainers need CPU the subtree weighs planned cores, so the
+    # extra workers add no weight against them).
+    beyond_share = config.cpu_weights
     for j in sorted(warm):
         workers[j] = rule[j](useful[j] if beyond_share else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])

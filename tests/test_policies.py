@@ -239,16 +239,17 @@ def test_a_move_that_leaves_no_job_worse_needs_no_hysteresis():
     assert all(a.reason.startswith("hold") for a in held.allocations.values())
 
 
-def test_with_cpu_weights_workers_beyond_the_share_only_where_no_trainer_needs_cpu():
-    """With per-job CPU weights a job gets workers for the cores its curve can use, beyond its share;
-    not where training processes need CPU (busy workers past the share would slow them)."""
-    s = snap("gpu-8core", [job(j, "heavy") for j in "abcd"])          # 1.75 cores each, 3 useful
-    cfg = PolicyConfig(cpu_weights=True, fairness_floor=False)
-    plan = get_policy("adaptive")(s, curves_of(s), cfg)
-    assert any(a.workers > math.ceil(a.cpus - 1e-6) for a in plan.allocations.values())
-    busy = snap("gpu-8core", [job(j, "heavy", trainer_cpu_s_per_step=0.03) for j in "abcd"])
-    plan = get_policy("adaptive")(busy, curves_of(busy), cfg)
-    assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values())
+def test_with_cpu_weights_workers_for_the_useful_cores_trainers_or_not():
+    """With per-job CPU weights a job gets workers for the cores its curve can use, beyond its share,
+    also where training processes need CPU (the loaders' subtree then weighs its planned cores, not its
+    workers, so the extra workers add no weight against a waking trainer; and one worker alone cannot
+    realise a fractional share beside a trainer). Without weights the count stays at the share."""
+    for kw in ({}, {"trainer_cpu_s_per_step": 0.03}):
+        s = snap("gpu-8core", [job(j, "heavy", **kw) for j in "abcd"])          # 1.75 cores each, 3 useful
+        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=True, fairness_floor=False))
+        assert any(a.workers > math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
+        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=False, fairness_floor=False))
+        assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
 
 
 def test_restart_cost_is_charged():
