@@ -540,10 +540,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     # (see PolicyConfig.cpu_weights; where trainers need CPU the subtree weighs planned cores, so the
     # extra workers add no weight against them).
     beyond_share = config.cpu_weights
-    target: dict[str, float] = {}        # the cores each warm job's workers are sized for
     for j in sorted(warm):
-        target[j] = useful[j] if beyond_share else min(cpus[j], useful[j])
-        workers[j] = rule[j](target[j])
+        workers[j] = rule[j](useful[j] if beyond_share else min(cpus[j], useful[j]))
         nv = norm(j, workers[j], cpus[j])
         w_note = f", weight {gpus[j]} GPUs" if gpus[j] > 1 else ""
         if j in last_gain:
@@ -617,15 +615,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # once it beats the restart cost (e.g. a job growing into cores nobody else can use).
         pareto = set(warm) == set(ids) and all(
             norm(j, workers[j], cpus[j]) >= norm(j, applied[j].workers, applied[j].cpus) - 1e-3 for j in ids)
-        # A held plan with fewer workers than the cores they are sized for (one thread per core at least)
-        # cannot use them, and a curve that read a starved single worker as slow cores sees no gain in
-        # the fix: not held.
-        # (within 10% of the target: a target that drifts across a whole core by noise is a normal move)
-        short = any(applied[j].workers < min(workers[j], math.ceil(applied[j].cpus - 1e-6),
-                                             math.ceil(0.9 * target[j] - 1e-6))
-                    or (beyond_share and applied[j].workers < min(workers[j], math.ceil(0.9 * target[j] - 1e-6)))
-                    for j in target)
-        if not short and (not moved or gain < (0.0 if pareto else config.hysteresis) + cost):
+        if not moved or gain < (0.0 if pareto else config.hysteresis) + cost:
             # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
             # so measurement noise never turns into a stream of tiny re-applies.
             allocs = {}

@@ -263,25 +263,6 @@ def test_never_fewer_workers_than_cores_whatever_the_corrections_say():
     assert workers_for(0.9, cv, j, PolicyConfig()) == 1
 
 
-def test_a_held_plan_with_fewer_workers_than_cores_is_not_held():
-    """The quiet bench: the 2-GPU job held 0.95 cores with one worker; its curve (core correction learned
-    low while that worker was starved) predicted nothing from a second, so the restart cost held the
-    plan. A plan whose workers cannot use its cores is corrected whatever the predicted gain."""
-    s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "heavy")])
-    cv = {j: dataclasses.replace(c, correction=1.0, core_correction=0.5) for j, c in curves_of(s).items()}
-    cfg = PolicyConfig(cpu_weights=True)
-    plan, settled = settle(get_policy("adaptive"), s, cv, cfg)
-    assert all(a.workers >= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), plan.allocations
-    assert all(a.workers == 2 for a in plan.allocations.values()), plan.allocations    # 0.9 cores, 3 useful
-    starved = dataclasses.replace(settled, applied={j: dataclasses.replace(a, workers=1)
-                                                    for j, a in settled.applied.items()})
-    again = get_policy("adaptive")(starved, cv, cfg)
-    assert all(a.workers == 2 for a in again.allocations.values()), again.allocations
-    assert not any(a.reason.startswith("hold") for a in again.allocations.values())
-    # the corrected plan, fed back, holds (no oscillation)
-    assert get_policy("adaptive")(settled, cv, cfg).allocations == plan.allocations
-
-
 def test_restart_cost_is_charged():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
     cv = curves_of(s)
