@@ -29,8 +29,8 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
   returns the same allocations (no oscillation).
 
 Workers for a job = enough to use its cores: ``ceil(cores * (c + b) / c)`` (a worker is on CPU
-``c / (c + b)`` of the time), never fewer than ``ceil(cores)`` (a worker is one thread), bounded by
-``curve.max_useful_workers`` and by ``max_workers``; without a curve ``ceil(cores)``.
+``c / (c + b)`` of the time), bounded by ``curve.max_useful_workers`` and by ``max_workers``; without a
+curve ``ceil(cores)``.
 """
 from __future__ import annotations
 
@@ -201,18 +201,14 @@ def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyC
     k_w = curve.correction
     k_c = getattr(curve, "core_correction", None) or k_w
     ratio = (c + b) / c * k_c / k_w
-    # at least one worker per core: a worker is one thread and never runs on more than one CPU, whatever
-    # the learned corrections say (a core correction below the worker one, learned while one worker
-    # could not get its share, would otherwise have one worker "use" 1.7 cores)
-    return lambda cores: max(lo, min(top, math.ceil(min(max(cores, cores * ratio), 1e9) - 1e-6)))
+    return lambda cores: max(lo, min(top, math.ceil(min(cores * ratio, 1e9) - 1e-6)))
 
 
 def workers_for(cores: float, curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig) -> int:
     """Enough workers to use ``cores`` (blocked time included), at most curve.max_useful_workers.
 
     With a curve: ceil(cores * (c + b) / c), since a worker is on CPU c / (c + b) of the time (scaled
-    by core_correction / correction when the curve learned them apart), never fewer than ceil(cores): a
-    worker is one thread, on one CPU at most. Deliberately the ceiling, not
+    by core_correction / correction when the curve learned them apart). Deliberately the ceiling, not
     the knee: with work-conserving shares a job may get more than its cores when others idle.
     Without a curve: ceil(cores). Always within [min_workers, min(max_workers_per_job, max_workers)].
     """

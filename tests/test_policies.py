@@ -252,17 +252,6 @@ def test_with_cpu_weights_workers_for_the_useful_cores_trainers_or_not():
         assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
 
 
-def test_never_fewer_workers_than_cores_whatever_the_corrections_say():
-    """A worker is one thread: a job given 1.7 cores needs 2 workers even when its curve learned a core
-    correction far below the worker one (the quiet demo: the 2-GPU job's single worker could not get its
-    0.9-core share, the shortfall was read as slow cores, and the curve then said one worker keeps 1.7
-    cores busy)."""
-    j = job("a", "heavy")
-    cv = dataclasses.replace(curve_for(j), correction=1.0, core_correction=0.5)
-    assert workers_for(1.7, cv, j, PolicyConfig()) == 2
-    assert workers_for(0.9, cv, j, PolicyConfig()) == 1
-
-
 def test_restart_cost_is_charged():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
     cv = curves_of(s)
