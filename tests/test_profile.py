@@ -152,3 +152,17 @@ def test_profile_names_copy_on_read_for_python_objects_only(tmp_path, kind):
     else:
         assert not m["copy_on_read"] and m["growth_per_worker"] < 4 << 20, m
         assert "no copy-on-read seen" in proc.stdout
+
+
+def test_memory_analysis_reads_the_last_report_that_measured_every_worker():
+    """A report sent while the loader shut its workers down measures only the ones left (CI saw 1 of 2):
+    the summary comes from the last report that measured all the loader's workers."""
+    from agent.commands.profile import memory_analysis
+
+    def rep(samples, measured, uss):
+        return {"samples": samples, "workers": 2, "memory_workers": measured, "worker_uss_bytes": uss,
+                "worker_pss_bytes": uss, "worker_growth_bytes": 0.0}
+
+    doc = memory_analysis([rep(0, 2, 200 << 20), rep(100, 2, 220 << 20), rep(150, 1, 110 << 20)])
+    assert doc["workers"] == 2 and doc["uss_per_worker"] == 110 << 20
+    assert memory_analysis([rep(0, 1, 100 << 20)])["workers"] == 1     # none whole: the last one

@@ -214,7 +214,10 @@ def memory_analysis(reports: list[dict]) -> dict | None:
     measured = [r for r in reports if (r.get("memory_workers") or 0) > 0]
     if not measured:
         return None
-    first, last = measured[0], measured[-1]
+    # the last report that measured every worker the loader had: one taken while the loader shut its
+    # workers down (the script's end) or while one was being replaced measures only the ones left
+    whole = [r for r in measured if r["memory_workers"] >= (r.get("workers") or 0)]
+    first, last = measured[0], (whole or measured)[-1]
     n = last["memory_workers"]
     uss, pss = last.get("worker_uss_bytes", 0) / n, last.get("worker_pss_bytes", 0) / n
     growth = float(last.get("worker_growth_bytes") or 0.0)
