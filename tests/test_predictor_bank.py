@@ -315,3 +315,40 @@ def test_default_prior_is_learned_only_where_validation_says_it_beats_first_prin
     assert validation_verdict(rows)
     rows[0]["all_knee_hit"] = 0.7                               # better MAPE, worse knees: not enough
     assert not validation_verdict(rows)
+
+
+def test_one_worker_that_leaves_its_cores_unused_asks_for_a_second_worker():
+    """One worker on most of a core (0.89) used 0.65 of it and the loop waited for data (measured in
+    the quiet issue-11 runs: a second worker on the same share used 0.75-0.85). The shortfall is the
+    worker's one thread, not the cores: the curve must promise a second worker more at the same
+    cores, and must not learn that the cores deliver less (which once held such a job at one worker)."""
+    g, c, cores, used = 0.05, 0.08, 0.89, 0.65
+    bps = used / c
+    step = 1.0 / bps
+    one = Observation(workers=1, cores=cores, batch_size=32, compute_s_per_step=g,
+                      data_wait_s_per_step=step - g, cpu_s_per_batch=c, wall_s_per_batch=step,
+                      runq_s_per_batch=step - c, blocked_s_per_batch=0.0, samples_per_s=32 * bps,
+                      duration_s=3.0, steps=int(3.0 / step))
+    bank = PredictorBank(prior="default")
+    bank.observe("j", one)
+    cur = bank.curve("j")
+    assert cur.throughput(2, cores) > 1.1 * cur.throughput(1, cores)
+    assert cur.core_correction is None or cur.core_correction > 0.9
+    assert cur.throughput(1, cores) == pytest.approx(32 * bps, rel=0.1)   # still anchored where measured
+
+
+def test_many_workers_short_of_their_cores_still_teach_the_cores():
+    """Four workers on one core (a quarter each) that used 0.6 of it: not one thread's limit, so the
+    shortfall is the cores', as before (more workers would not help)."""
+    g, c, cores, used = 0.02, 0.08, 1.0, 0.6
+    bps = used / c
+    step = 1.0 / bps
+    o = Observation(workers=4, cores=cores, batch_size=32, compute_s_per_step=g,
+                    data_wait_s_per_step=step - g, cpu_s_per_batch=c, wall_s_per_batch=4 * step,
+                    runq_s_per_batch=4 * step - c, blocked_s_per_batch=0.0, samples_per_s=32 * bps,
+                    duration_s=3.0, steps=int(3.0 / step))
+    bank = PredictorBank(prior="default")
+    bank.observe("j", o)
+    cur = bank.curve("j")
+    assert cur.core_correction is not None and cur.core_correction < 0.9
+    assert cur.throughput(8, cores) < 1.05 * cur.throughput(4, cores)
