@@ -9,6 +9,15 @@ Invariants:
   new tasks are exactly ids ``0..n-1`` once retiring ones finished their current task;
 - a worker is retired, never killed, while the main process lives: ``RETIRE`` -> (finishes its
   current task and any task handed to it personally) -> ``Retired`` -> ``EXIT`` or ``RESUME``;
+- a retired worker exits and is reaped promptly whether or not anyone polls (between epochs of a
+  persistent pool, or while the caller spends long between two ``next()``): while some worker is
+  retiring or exiting, a reaper thread waits on those workers' channels and handles them as ``poll``
+  would (reads what they wrote, answers ``Retired``, joins the exited process); what it read is
+  returned, in the order read, before anything newer by the next ``poll`` (``drain_results`` returns
+  its messages too but leaves a death it saw to ``poll``: it is called while handling a death);
+- one thread at a time waits on and handles worker events (``poll`` or the reaper, holding
+  ``_poll_lock``): a worker's fds are closed, and their numbers reused, only by that thread (or by
+  ``shutdown``), so an event is never read as one of a newer worker's;
 - a worker that dies otherwise is reported once (``WorkerDied``) after every message it wrote was
   read, and is replaced if its id is still below the target;
 - ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded).
@@ -38,6 +47,8 @@ log = logging.getLogger("adloader")
 # A slot that keeps dying before finishing any batch (a dataset that cannot even be unpickled in a
 # spawned worker, a segfault at import) is not restarted forever.
 MAX_DEATHS_WITHOUT_PROGRESS = 4
+# The reaper's longest single wait (it is woken by its workers' fds and by shutdown; this is a backstop).
+_REAP_WAIT_S = 5.0
 
 
 def worker_exit_reason(pid: int, exitcode: int | None) -> str:
@@ -68,14 +79,15 @@ class _Slot:
         self.result = result      # main's end of the result socket
         self.reader = MessageReader(result)
         self.sentinel = proc.sentinel
-        self.state = "running"    # running | retiring (RETIRE sent) | parked (Retired) | exiting
+        self.state = "running"    # running | retiring (RETIRE sent) | exiting (EXIT sent); see _set_state
 
 
 class WorkerPool:
     """Worker processes for one loader (persistent workers) or one epoch (otherwise).
 
     Thread safety: ``resize``, ``submit*``, ``take_queued``, ``worker_pids`` may be called from any
-    thread (they take ``self.lock``); ``poll`` is called by the one thread that iterates."""
+    thread (they take ``self.lock``); ``poll`` is called by the one thread that iterates. Lock order:
+    ``_poll_lock`` before ``lock``."""
 
     def __init__(self, *, ctx, spec: WorkerSpec, target: int, max_workers: int,
                  counters: LoaderCounters) -> None:
@@ -105,6 +117,14 @@ class WorkerPool:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._fds: dict[int, tuple[str, int]] = {self._wake_r: ("wake", -1)}
         self._epoll.register(self._wake_r, select.EPOLLIN)
+        # the reaper: its own epoll over the fds of retiring/exiting workers (see _set_state)
+        self._poll_lock = threading.Lock()
+        self._events: list = []             # read by the reaper, not yet returned by poll
+        self._reaper: threading.Thread | None = None
+        self._reap_epoll = select.epoll()
+        self._reap_wake_r, self._reap_wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._reap_fds: dict[int, tuple[str, int]] = {self._reap_wake_r: ("wake", -1)}
+        self._reap_epoll.register(self._reap_wake_r, select.EPOLLIN)
         self.resize(target)
 
     # ---- size -------------------------------------------------------------------------------
@@ -121,10 +141,8 @@ class WorkerPool:
         for wid, slot in list(self.slots.items()):
             if wid >= self.target and slot.state == "running":
                 self._send_ctrl(slot, Control.RETIRE)
-                slot.state = "retiring"
-            elif wid < self.target and slot.state == "parked":
-                self._send_ctrl(slot, Control.RESUME)
-                slot.state = "running"
+                self._set_state(slot, "retiring")
+            # a retiring one back under the target is resumed when its Retired arrives (_drain)
         if self.fatal is not None or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS:
             return
         for wid in range(self.target):
@@ -149,6 +167,34 @@ class WorkerPool:
         self._epoll.register(res_r.fileno(), select.EPOLLIN)
         self._epoll.register(slot.sentinel, select.EPOLLIN)
         log.debug("adloader worker %d started (pid %d)", wid, proc.pid)
+
+    def _set_state(self, slot: _Slot, state: str) -> None:
+        """Every change of ``slot.state``. The reaper watches a retiring worker's result channel and
+        sentinel, an exiting worker's sentinel (its last message was read), a running one's nothing
+        (``poll`` does); it is started when it gets something to watch and ends when it has none."""
+        slot.state = state
+        want = {"retiring": ("result", "sentinel"), "exiting": ("sentinel",)}.get(state, ())
+        for kind, fd in (("result", slot.result.fileno()), ("sentinel", slot.sentinel)):
+            if kind in want and fd not in self._reap_fds:
+                self._reap_fds[fd] = (kind, slot.wid)
+                self._reap_epoll.register(fd, select.EPOLLIN)
+            elif kind not in want and fd in self._reap_fds:
+                self._unwatch(fd)
+        if len(self._reap_fds) > 1 and self._reaper is None and not self._closed:
+            self._reaper = threading.Thread(target=self._reap, name="adloader-reaper", daemon=True)
+            self._reaper.start()
+
+    def _unwatch(self, fd: int) -> None:
+        if self._reap_fds.pop(fd, None) is not None:
+            try:
+                self._reap_epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+            if len(self._reap_fds) <= 1 and self._reaper is not None:
+                try:
+                    os.write(self._reap_wake_w, b"x")     # nothing left to watch: let it end now
+                except OSError:
+                    pass
 
     def _send_ctrl(self, slot: _Slot, msg) -> bool:
         try:
@@ -232,39 +278,80 @@ class WorkerPool:
 
     def poll(self, timeout_s: float) -> list:
         """Wait up to ``timeout_s`` for worker messages; return ``Batch``/``ShardEnd``/``WorkerDied``
-        events in order."""
-        try:
-            ready = self._epoll.poll(timeout_s)
-        except InterruptedError:
-            ready = []
-        except (ValueError, OSError):    # closed under us
-            return []
-        out: list = []
-        with self.lock:
-            if self._closed:
-                return out
-            # Resolve every ready fd to its slot *before* handling any: handling a death closes that
-            # worker's fds and starts a replacement, which may reuse the same fd numbers; an event
-            # of this batch must never be read as one of the new worker's.
-            resolved = []
-            for fd, _ in ready:
-                kind, wid = self._fds.get(fd, (None, -1))
-                resolved.append((kind, self.slots.get(wid) if kind != "wake" else None, fd))
-            for kind, slot, fd in resolved:
-                if kind == "wake":
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except (BlockingIOError, OSError):
+        events in order, except that deaths come last: the caller has every result read so far before
+        it works out which tasks died with a worker (the reaper may have read many after one)."""
+        with self._poll_lock:
+            with self.lock:
+                if self._events:            # the reaper read some: return them now
+                    timeout_s = 0
+            try:
+                ready = self._epoll.poll(timeout_s)
+            except InterruptedError:
+                ready = []
+            except (ValueError, OSError):    # closed under us
+                return []
+            with self.lock:
+                if self._closed:
+                    return []
+                out, self._events = self._events, []
+                self._handle_ready(ready, self._fds, self._wake_r, out)
+                self._flush()
+            deaths = [ev for ev in out if type(ev) is WorkerDied]
+            if deaths:
+                out = [ev for ev in out if type(ev) is not WorkerDied] + deaths
+            return out
+
+    def _handle_ready(self, ready, fds: dict, wake_r: int, out: list) -> None:
+        """Handle one ``epoll.poll`` answer (``fds``: that epoll's fd -> (kind, wid)); called with
+        ``_poll_lock`` and ``lock`` held."""
+        # Resolve every ready fd to its slot *before* handling any: handling a death closes that
+        # worker's fds and starts a replacement, which may reuse the same fd numbers; an event
+        # of this batch must never be read as one of the new worker's.
+        resolved = []
+        for fd, _ in ready:
+            kind, wid = fds.get(fd, (None, -1))
+            resolved.append((kind, self.slots.get(wid) if kind != "wake" else None, fd))
+        for kind, slot, fd in resolved:
+            if kind == "wake":
+                try:
+                    while os.read(wake_r, 4096):
                         pass
-                elif kind == "result" and slot is not None and self.slots.get(slot.wid) is slot:
-                    self._drain(slot, out)
-            for kind, slot, fd in resolved:
-                if (kind == "sentinel" and slot is not None and self.slots.get(slot.wid) is slot
-                        and slot.sentinel == fd):
-                    self._on_exit(slot, out)
-            self._flush()
-        return out
+                except (BlockingIOError, OSError):
+                    pass
+            elif kind == "result" and slot is not None and self.slots.get(slot.wid) is slot:
+                self._drain(slot, out)
+        for kind, slot, fd in resolved:
+            if (kind == "sentinel" and slot is not None and self.slots.get(slot.wid) is slot
+                    and slot.sentinel == fd):
+                self._on_exit(slot, out)
+
+    def _reap(self) -> None:
+        """The reaper thread (module docstring): handles retiring and exiting workers when ``poll``
+        does not; what it reads waits in ``_events`` for the next ``poll`` (woken at once)."""
+        while True:
+            try:
+                self._reap_epoll.poll(_REAP_WAIT_S)     # only to wake: handled below, under the locks
+            except InterruptedError:
+                pass
+            except (ValueError, OSError):               # closed: shut down
+                return
+            with self._poll_lock, self.lock:
+                if self._closed or len(self._reap_fds) <= 1:
+                    self._reaper = None
+                    return
+                out: list = []
+                try:
+                    # polled again now: poll() may have handled what woke us while we waited
+                    self._handle_ready(self._reap_epoll.poll(0), self._reap_fds, self._reap_wake_r, out)
+                except Exception:   # noqa: BLE001 — the next poll() handles these workers as before
+                    log.warning("adloader: the worker reaper failed; retired workers now wait for the "
+                                "loader's next poll", exc_info=True)
+                    self._reaper = None
+                    return
+                finally:
+                    self._events.extend(out)
+            if out:
+                self.wake()
 
     def _drain(self, slot: _Slot, out: list) -> None:
         try:
@@ -290,21 +377,23 @@ class WorkerPool:
                 self._deaths_without_progress = 0
                 out.append(msg)
             elif kind is Retired:
-                if slot.wid < self.target and self.fatal is None:
+                if slot.wid < self.target and self.fatal is None and not self._closed:
                     self._send_ctrl(slot, Control.RESUME)
-                    slot.state = "running"
+                    self._set_state(slot, "running")
                 else:
                     self._send_ctrl(slot, Control.EXIT)
-                    slot.state = "exiting"
+                    self._set_state(slot, "exiting")
             elif kind is InitError:
                 self.fatal = msg.error
                 self._send_ctrl(slot, Control.EXIT)
-                slot.state = "exiting"
+                self._set_state(slot, "exiting")
 
     def drain_results(self) -> list:
-        """Read every message already written by any worker, without waiting."""
-        out: list = []
+        """Read every message already written by any worker, without waiting (what the reaper read
+        first; a death it saw stays for the next ``poll``, see the module docstring)."""
         with self.lock:
+            out = [ev for ev in self._events if type(ev) is not WorkerDied]
+            self._events = [ev for ev in self._events if type(ev) is WorkerDied]
             for slot in list(self.slots.values()):
                 self._drain(slot, out)
         return out
@@ -342,6 +431,7 @@ class WorkerPool:
 
     def _forget(self, slot: _Slot) -> None:
         for fd in (slot.result.fileno(), slot.sentinel):
+            self._unwatch(fd)
             self._fds.pop(fd, None)
             try:
                 self._epoll.unregister(fd)
@@ -394,10 +484,19 @@ class WorkerPool:
             for s in (self._task_w, self._task_r):
                 if s is not None:
                     s.close()
-            for fd in (self._wake_r, self._wake_w):
+            reaper = self._reaper
+        if reaper is not None and reaper is not threading.current_thread():
+            try:
+                os.write(self._reap_wake_w, b"x")
+            except OSError:
+                pass
+            reaper.join(timeout=2.0)    # it takes _poll_lock: a poll() waits 1 s at most
+        with self.lock:
+            for fd in (self._wake_r, self._wake_w, self._reap_wake_r, self._reap_wake_w):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             self._epoll.close()
+            self._reap_epoll.close()
 

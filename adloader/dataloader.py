@@ -419,7 +419,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return n
 
     def worker_pids(self) -> list[int]:
-        """PIDs of this loader's live worker processes (including ones finishing before retiring)."""
+        """PIDs of this loader's live worker processes (including ones finishing before retiring; a
+        retired one leaves as soon as it is told to exit, whether or not the loader is being iterated)."""
         pids: list[int] = []
         for pool in self._core.pools():
             pids.extend(pool.worker_pids())
@@ -457,7 +458,9 @@ class DataLoader(tud.DataLoader[T_co]):
                            starved of CPU rather than computing
         memory (bytes, ``adloader.memory``; the workers are sampled at most every 2 s, from
         ``/proc/<pid>/smaps_rollup``, by this process; 0 before the first sample):
-            worker_uss_bytes       unique memory of the live workers, summed (what retiring them frees)
+            worker_uss_bytes       unique memory of the live workers (``worker_pids()``), summed (what
+                                   retiring them frees); a retired worker leaves it when it leaves
+                                   ``worker_pids()``, without waiting for the next sample
             worker_pss_bytes       proportional memory of the live workers, summed (shared pages divided)
             worker_uss_per_worker  mean USS of a worker
             worker_growth_bytes    mean growth of a worker's USS since its first sample: private pages it

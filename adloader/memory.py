@@ -317,12 +317,15 @@ class WorkerMemorySampler:
         now = time.monotonic() if now is None else now
         pids = list(pids)
         if not force and now < self._next and all(p in self._tracks for p in pids):
-            return self.summary           # (a new worker is sampled at once: its baseline should be early)
+            # (a new worker is sampled at once: its baseline should be early); a worker that left the
+            # set (retired) leaves the summary at once too, from the others' last samples, reading nothing
+            if len(self._tracks) > len(set(pids)):
+                self._drop_all_but(set(pids))
+                self.summary = self._summarize(self.summary.sampled_at, self.summary.sample_cost_s)
+            return self.summary
         self._next = now + self.every_s
         t0 = time.thread_time()
         alive = set()
-        s = MemorySummary(sampled_at=now)
-        growth_sum = 0.0
         for pid in pids:
             m = process_memory(pid, self.proc_root)
             if m is None:
@@ -330,10 +333,28 @@ class WorkerMemorySampler:
             alive.add(pid)
             tr = self._tracks.get(pid)
             if tr is None:
-                tr = self._tracks[pid] = _WorkerTrack(m, m, now, now)
+                self._tracks[pid] = _WorkerTrack(m, m, now, now)
             else:
                 tr.last, tr.last_t = m, now
             self.last_seen[pid] = m
+        self._drop_all_but(alive)
+        cost = time.thread_time() - t0          # CPU time this thread spent (not wall: a loaded
+                                                # node's run-queue wait is no cost to training)
+        s = self._summarize(now, cost)
+        self._next = now + max(self.every_s, cost / self.max_overhead)
+        self.summary = s
+        return s
+
+    def _drop_all_but(self, pids: set) -> None:
+        for pid in [p for p in self._tracks if p not in pids]:
+            del self._tracks[pid]
+
+    def _summarize(self, sampled_at: float, cost_s: float) -> MemorySummary:
+        """The summary of every tracked worker's last sample."""
+        s = MemorySummary(sampled_at=sampled_at, sample_cost_s=cost_s)
+        growth_sum = 0.0
+        for pid, tr in self._tracks.items():
+            m = tr.last
             growth = m.uss - tr.first.uss
             s.workers += 1
             s.uss += m.uss
@@ -342,16 +363,10 @@ class WorkerMemorySampler:
             s.max_uss = max(s.max_uss, m.uss)
             growth_sum += growth
             s.per_worker[pid] = {"uss": m.uss, "pss": m.pss, "growth": growth}
-        for pid in [p for p in self._tracks if p not in alive]:
-            del self._tracks[pid]
         if s.workers:
             s.uss_per_worker = s.uss / s.workers
             s.pss_per_worker = s.pss / s.workers
             s.growth_per_worker = growth_sum / s.workers
-        s.sample_cost_s = time.thread_time() - t0          # CPU time this thread spent (not wall: a loaded
-                                                            # node's run-queue wait is no cost to training)
-        self._next = now + max(self.every_s, s.sample_cost_s / self.max_overhead)
-        self.summary = s
         return s
 
     def last_memory(self, pid: int) -> Optional[ProcessMemory]:

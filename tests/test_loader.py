@@ -347,6 +347,58 @@ def test_persistent_workers_keep_processes_across_epochs():
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
 
 
+def _exited(pid: int) -> bool:
+    """The process is gone and reaped (not even a zombie): its memory is free."""
+    return not psutil.pid_exists(pid)
+
+
+def _epoch_matches_torch(dl, ds, num_workers: int) -> bool:
+    """One epoch of ``dl`` equals torch's over ``ds`` with ``num_workers`` (every sample once, in order)."""
+    got = list(dl)
+    ref = _torch_batches(ds, batch_size=4, num_workers=num_workers)
+    return len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_persistent_pool_shrunk_between_epochs_lets_the_retired_workers_exit_before_the_next_epoch(iterable):
+    # the agent shrinks a job between epochs to free memory: nobody reads the workers' channels then,
+    # and a retired worker must still go (and be reaped) without waiting for the next epoch
+    ds = Shards(40) if iterable else Indexed(40)
+    dl = DataLoader(ds, batch_size=4, num_workers=3, max_workers=3, persistent_workers=True)
+    assert _epoch_matches_torch(dl, ds, 3)
+    pids = dl.worker_pids()
+    assert len(pids) == 3
+    dl.stats()                                  # a memory sample of all three
+    dl.resize(1)
+    wait_for(lambda: all(_exited(p) for p in pids[1:]), timeout=10, what=f"retired workers {pids[1:]} to exit")
+    assert dl.worker_pids() == pids[:1]
+    s = dl.stats()
+    assert s["live_workers"] == 1 and s["workers"] == 1
+    assert s["memory_workers"] <= 1 and set(s["memory"]) <= {str(pids[0])}   # the retired ones' memory is gone
+    assert _epoch_matches_torch(dl, ds, 1)
+    assert dl.worker_pids() == pids[:1]         # the survivor kept its process
+    dl.resize(3)                                # growing back starts new processes
+    assert _epoch_matches_torch(dl, ds, 3)
+    now = dl.worker_pids()
+    assert len(now) == 3 and now[0] == pids[0] and not set(now) & set(pids[1:])
+    dl.close()
+    wait_for(lambda: all(_exited(p) for p in now), timeout=10, what=f"workers {now} to exit after close()")
+
+
+def test_a_worker_retired_mid_epoch_exits_while_the_consumer_is_not_calling_next():
+    # a long training step: the consumer holds its batch and does not call next() for a while
+    dl = DataLoader(Indexed(60, sleep_s=0.001), batch_size=2, num_workers=3, max_workers=3)
+    it = iter(dl)
+    got = [next(it) for _ in range(3)]
+    pids = dl.worker_pids()
+    assert len(pids) == 3
+    dl.resize(1)
+    wait_for(lambda: all(_exited(p) for p in pids[1:]), timeout=10, what=f"retired workers {pids[1:]} to exit")
+    assert dl.worker_pids() == pids[:1] and dl.stats()["live_workers"] == 1
+    got += list(it)
+    assert _ids(got) == list(range(60))         # what the retired workers finished still arrives, once
+
+
 def test_abandoned_iterator_stops_its_workers():
     dl = DataLoader(Indexed(200, sleep_s=0.001), batch_size=2, num_workers=2)
     it = iter(dl)

@@ -192,7 +192,11 @@ def test_sampler_is_rate_limited_and_keeps_a_dead_workers_last_sample():
     assert first.workers == 1 and first.uss > 0
     assert sampler.sample([me], now=100.5) is first            # within every_s: no new read
     parent = os.getppid()
-    assert sampler.sample([me, parent], now=100.6).workers == 2   # a new worker is sampled at once
+    both = sampler.sample([me, parent], now=100.6)
+    assert both.workers == 2                                   # a new worker is sampled at once
+    left = sampler.sample([me], now=100.7)                     # a worker that left (retired): gone at once,
+    assert left.workers == 1 and set(left.per_worker) == {me}  # from the last samples, nothing re-read
+    assert left.uss == both.per_worker[me]["uss"] and left.sampled_at == both.sampled_at
     later = sampler.sample([me], now=103.0)
     assert later is not first and later.per_worker[me]["growth"] == later.uss - first.uss
     assert parent not in sampler._tracks                       # gone from the set: forgotten
