@@ -25,10 +25,22 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   waking on a CPU time-shares it with the other jobs' groups there (``wakeup_share``).
   ``autotune``: each job's worker count is what its own tuner picks on the CPUs it may use
   (``shared_cpu_knee`` on ``N``), seeing nobody else.
-- ``static``: each job gets ``N * gpus / node_gpus`` cores and no more (a hard quota or exclusive
-  cores; at most the fair level of ``A``), shared inside the job as in ``none``. The quota is modelled
-  as its average; CFS throttling (a group stopped for the rest of a 100 ms period once its quota is
-  spent) changes when a trainer runs within a period more than how much: not modelled.
+- ``static``: each job (its training process and its workers) in a CPU group with a hard CFS quota of
+  ``Q = N * gpus / node_gpus`` cores per period ``P`` (``CFS_PERIOD_S``, the bench's 100 ms: what a
+  batch scheduler gives). A quota is a budget per period, not a slower CPU. While the group is not
+  throttled its threads run as with no quota: on the fair level of what the other jobs leave, each of
+  them using at most its own quota (``got`` water-filled with caps ``min(Q, demand)``), shared inside
+  the job as in ``none``. A job whose unthrottled use ``U`` (loader and trainers) fits its quota runs
+  exactly so. One that would use more is throttled: it runs the first ``f = Q / U`` of each period,
+  the loader and trainers together get ``Q`` (``Q / (c + gpus * t)`` batches/s at most), and a
+  trainer's CPU part of ``x`` unthrottled seconds takes ``throttled_wall_s(x, f)``: ``x / f`` on
+  average, more for a part shorter than ``f P`` (it may wake after the group's workers spent the
+  quota and wait for the next period). Approximations: ``f`` comes from the unthrottled state (a
+  trainer-bound throttled job is taken as throttled as a loader-bound one), a group's demand is its mean
+  (a job under its quota on average is not throttled by bursts within a period), and a throttled
+  group's threads weigh on the other trainers' wake-ups as when it runs (``wakeup_share``: it counts
+  once wherever it has a runnable thread, and while it runs its backlog is runnable); the quiet 2-core
+  bench measured the under-quota jobs next to a throttled one no faster than under ``none``.
 
 A trainer's CPU wait (its CPU part stretched past ``t``) is reported as ``trainer_runq_s_per_step``
 and inside ``compute_s_per_step``, as the real loader reports it (``main_runq_s``); a worker's
@@ -43,11 +55,12 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_state
+from predictor.curve import SharedCpuState, ThroughputCurve, shared_cpu_knee, shared_cpu_state
 
 MODES = ("agent", "none", "autotune", "static")
 TRAINER_MARGIN = 0.1    # agent.policies.TRAINER_MARGIN (not imported: the model stays a model of the agent)
 TOL = 1e-6          # relative: the fixed points stop when rates move less than this
+CFS_PERIOD_S = 0.1  # the bench's cfs_period_us (evaluation.harness.StaticCores.PERIOD_US), the kernel's default
 
 
 @dataclass(frozen=True)
@@ -237,31 +250,27 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             out[j] = _rate(m, w[j], min(cores[j], bps[j] * m.curve.cpu_s_per_batch),
                            bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j], trainer_share=s_t[j], worker_share=s_w[j])
         return out
+    quota: dict[str, float] = {}
     if mode == "static":
-        # a hard quota per job (node cores x its GPUs / the node's GPUs); where other tenants leave the
-        # jobs less than the node, each job gets at most the fair level of what is left
+        # a hard quota per job (node cores x its GPUs / the node's GPUs). While the group is not
+        # throttled its threads run as they would with no quota: at the fair level of what the other
+        # jobs leave (each of them using at most its own quota)
         gpus_total = float(node_gpus or sum(models[j].gpus for j in ids))
         quota = {j: N * models[j].gpus / gpus_total for j in ids}
-        if A >= N - 1e-12:
-            share = quota
-        else:
-            got = waterfill(A, {j: 1.0 for j in ids}, {j: min(quota[j], models[j].demand(w[j])) for j in ids})
-            level = max(got.values()) if sum(got.values()) >= A * (1.0 - 1e-9) else N
-            share = {j: min(quota[j], max(got[j], level)) for j in ids}
+        got = waterfill(A, {j: 1.0 for j in ids}, {j: min(quota[j], models[j].demand(w[j])) for j in ids})
     else:
         # fair between jobs: what a job runs on while it is runnable is the water level (the share of a
         # job that wants more than the others leave), not its average use
         got = waterfill(A, {j: 1.0 for j in ids}, {j: models[j].demand(w[j]) for j in ids})
-        saturated = sum(got.values()) >= A * (1.0 - 1e-9)
-        level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
-        share = {j: max(got[j], level) for j in ids}
+    saturated = sum(got.values()) >= A * (1.0 - 1e-9)
+    level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
+    share = {j: max(got[j], level) for j in ids}
     # a trainer waking on a CPU time-shares it with the other jobs' groups there (weight 1 each while
     # they have a runnable thread): a fixed point over the jobs' runnable threads
     xcap = {j: 1.0 for j in ids}
     st = {}
     for _ in range(100):
-        st = {j: shared_cpu_state(models[j].curve, w[j], share[j], models[j].trainer_cpu_s_per_step, models[j].gpus,
-                                  xcap[j]) for j in ids}
+        st = {j: _job_state(models[j], w[j], share[j], xcap[j], quota.get(j)) for j in ids}
         threads = {j: st[j].runnable_workers + st[j].runnable_trainers for j in ids}
         new = {}
         for j in ids:
@@ -278,6 +287,51 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b,
                        trainer_share=st[j].trainer_share, worker_share=st[j].worker_share)
     return out
+
+
+def throttled_wall_s(cpu_s: float, on_fraction: float, period_s: float = CFS_PERIOD_S) -> float:
+    """Mean wall time a thread of a throttled group takes to get ``cpu_s`` (``x``) of run time, starting
+    at a uniformly random point of the period: the group runs for the first ``a = f P`` of each period
+    and, its quota spent, is stopped for the rest ``b = (1 - f) P``. Exactly
+    ``x + (1 - f) x + (1 - f)^2 P (ceil(x / a) - 1/2)``: ``x / f`` on average over ``x`` (the quota as
+    a slower CPU), but a CPU part shorter than ``a`` pays ``(1 - f) x + (1 - f)^2 P / 2``: the chance it
+    wakes after the quota is spent, or runs into its end, times the wait for the next period."""
+    x, f = max(0.0, cpu_s), min(1.0, max(1e-6, on_fraction))
+    if f >= 1.0 or x <= 0.0:
+        return x
+    k = math.ceil(x / (f * period_s) - 1e-9)
+    return x + (1.0 - f) * x + (1.0 - f) ** 2 * period_s * (k - 0.5)
+
+
+def _job_state(m: JobModel, workers: int, cpus: float, xcap: float, quota: Optional[float]) -> SharedCpuState:
+    """A job's trainer and workers sharing the ``cpus`` it runs on (``shared_cpu_state``); with a hard
+    ``quota`` (CFS bandwidth control), that state while the group is not throttled, and where it would
+    use more than the quota, throttled: the group runs ``f = quota / its unthrottled use`` of each
+    period, the loader gets the quota less the trainer's use, and the trainer's CPU part takes
+    ``throttled_wall_s`` of its unthrottled time."""
+    cv = m.curve
+    free = shared_cpu_state(cv, workers, cpus, m.trainer_cpu_s_per_step, m.gpus, xcap)
+    if quota is None or not math.isfinite(free.samples_per_s):
+        return free
+    c = cv.cpu_s_per_batch
+    tn = m.gpus * min(m.trainer_cpu_s_per_step, cv.compute_s_per_step)
+    bps = free.samples_per_s / cv.batch_size
+    use = bps * (c + tn)
+    if use <= quota * (1.0 + 1e-9) or use <= 0:
+        return free
+    f = quota / use
+    t = min(m.trainer_cpu_s_per_step, cv.compute_s_per_step)
+    rates = [quota / (c + tn)]                      # the loader and trainers within the quota
+    if t > 0:
+        x = t / max(1e-6, free.trainer_share)
+        wall = throttled_wall_s(x, f)
+        rates.append(1.0 / (cv.compute_s_per_step + cv.overhead_s_per_step - t + wall))
+        s_t = t / wall
+    else:
+        s_t = free.trainer_share
+    b = cv._softmin(rates)
+    sps = min(b * cv.batch_size, cv.ceiling_samples_per_s)
+    return SharedCpuState(sps, s_t, free.worker_share * f, free.runnable_workers, free.runnable_trainers)
 
 
 def _loader_demand(m: JobModel, workers: int) -> float:
@@ -342,5 +396,5 @@ def curves_from_bench_specs(specs: Mapping[str, dict]) -> dict[str, ThroughputCu
     return out
 
 
-__all__ = ["JobModel", "JobRate", "MODES", "autotune_workers", "node_rates", "objective", "waterfill",
+__all__ = ["JobModel", "JobRate", "MODES", "autotune_workers", "node_rates", "objective", "throttled_wall_s", "waterfill",
            "curve_with_workload", "job_model", "curves_from_bench_specs"]

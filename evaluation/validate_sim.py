@@ -18,7 +18,8 @@ the measured ones, with the difference.
 actually used (their workers and training processes together, from the bench's per-job figures) when
 that phase left a GPU short of its ceiling: on a node with other tenants this is the CPU the jobs could
 get, which the simulator cannot know (the agent does not either: it still sees the whole node). Where
-every GPU was at its ceiling, the node's cores. ``--capacity node``: the node's cores always (a quiet,
+every GPU was at its ceiling, the node's cores. A ``static-cores`` phase leaves CPU idle because of
+its quotas, not other tenants: it gets the most any other phase of its repeat used, if more. ``--capacity node``: the node's cores always (a quiet,
 dedicated node). Both columns are printed; the JSON has both.
 
 Bigger nodes: each catalogue mix is filled to the node's GPUs (its members repeated in order until
@@ -95,6 +96,12 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
             return cache[key]
 
         reps: dict[int, dict[str, dict]] = {}
+        # a static-cores phase's idle CPU is its quotas' doing, not other tenants': it gets the most any
+        # phase of its repeat could use
+        rep_cap: dict[int, float] = {}
+        for ph in phases:
+            if ph["policy"] != "static-cores":
+                rep_cap[ph["rep"]] = max(rep_cap.get(ph["rep"], 0.0), phase_capacity(ph, node))
         for ph in phases:
             if ph["policy"] not in SIM_POLICIES:
                 continue
@@ -102,6 +109,8 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
             win = ph.get("window") or [0.0, 12.0]
             meas = max(1.0, float(win[1]) - float(win[0]))
             cap = phase_capacity(ph, node) if capacity == "measured" else node
+            if capacity == "measured" and ph["policy"] == "static-cores":
+                cap = max(cap, rep_cap.get(ph["rep"], cap))
             reps.setdefault(ph["rep"], {})[ph["policy"]] = {
                 "measured": ph["metrics"]["agg_normalised"], "capacity": cap,
                 "sim": sim(ph["policy"], cap if cap < node else None, warm, meas),
