@@ -21,8 +21,7 @@ where ``evaluation/predictor_accuracy.py`` validated it leave-one-job-out agains
 the same corpus (``predictor/data/prior_validation.json``); otherwise the default is first principles.
 
 Per job, each of the job's own loader-bound windows is solved exactly for the correction of the term
-that binds there (the cores' where first principles say so, except where workers with half a core or
-more each left cores unused: one thread each, the workers' shortfall, ``thread_bound``), and the log-corrections are averaged with the prior's (a ridge in log space; closed
+that binds there, and the log-corrections are averaged with the prior's (a ridge in log space; closed
 form, microseconds, so 64 jobs per tick stay cheap). The prior shapes the curve between observed
 configurations; at each observed one the curve stays within ANCHOR_TOL of the measurement
 (``Prior.correct_from`` falls back toward first principles where the prior would move it further).
