@@ -44,7 +44,6 @@ SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
 TERMS_AMBIGUOUS = 0.05      # a window whose two loader terms are this close votes on both corrections
 CORE_BINDS = 0.8            # a corpus point informs theta_c where c / cores >= this * the other terms
-THREAD_BOUND = 0.5          # cores per worker from which a worker's one thread, not the cores, may bind
 
 
 def worker_utilization(o: Observation) -> float:
@@ -62,22 +61,6 @@ def loader_bound(o: Observation) -> bool:
     """The window's throughput was set by the loader: workers saturated AND the loop waited for data.
     (Saturated workers with no wait only bound the loader's speed from below: not fitted.)"""
     return saturated(o) and o.data_wait_frac >= LOADER_BOUND_WAIT
-
-
-def thread_bound(o: Observation) -> bool:
-    """A loader-bound window whose workers had at least THREAD_BOUND of a core each and used visibly
-    less than the cores they had (worker CPU under ``cores`` by more than TERMS_AMBIGUOUS). A worker is
-    one thread: a share of most of a core is realised by one task only while it never waits behind the
-    trainer or another job's tasks on its CPU, and measured quiet (BENCHMARKS.md, issue 11) one worker
-    on a 0.89-core share used 0.61-0.68 cores while two on 0.86 used 0.75-0.85. Such a window says the
-    workers, not the cores, fell short; solving it for the core correction instead taught the curve
-    that one worker keeps more cores busy, and a starved job stayed at one worker. Self-limiting: it
-    applies only down to THREAD_BOUND cores per worker, so it asks for at most 1 / THREAD_BOUND workers
-    per core."""
-    if o.workers < 1 or o.cores / o.workers < THREAD_BOUND:
-        return False
-    used = o.samples_per_s / o.batch_size * o.cpu_s_per_batch
-    return used < o.cores * (1.0 - TERMS_AMBIGUOUS)
 
 
 def spare_loader(o: Observation) -> bool:
@@ -169,13 +152,7 @@ class Prior:
                 continue
             # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
             # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
-            if tc >= tw and xc > 0 and thread_bound(o):
-                # first principles say the cores bind, but the workers left cores unused: each worker
-                # is one thread, so the shortfall is the workers' (see ``thread_bound``)
-                rest = _rest(t, p, base, tc ** p if p > 0 else tc, g + m)
-                if rest > 0:
-                    per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest))))
-            elif tc >= tw and xc > 0:                # cores bind: solve for core_correction
+            if tc >= tw and xc > 0:                  # cores bind: solve for core_correction
                 rest = _rest(t, p, base, tw ** p if p > 0 else tw, g + m)
                 if rest > 0:
                     per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest))))
