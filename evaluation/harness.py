@@ -44,6 +44,48 @@ from evaluation.catalog import Catalog, JobSpec, make_job
 
 POLICIES_ALL = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
+
+
+def split_policies(text: str) -> list[str]:
+    """``--policies``: comma-separated, commas inside a variant's brackets kept (see ``parse_policy``)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [p for p in out if p]
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
+    """``adaptive[loaders_yield=never,hysteresis=0.05]`` -> ("adaptive", {"loaders_yield": "never", ...}).
+
+    A variant runs the agent policy with those agent config keys (``agent.config``) set in a config file
+    of its own, so an A/B of one mechanism is one interleaved bench run. Raises ``BenchError`` for a
+    variant of a policy that runs no agent (or the oracle), a malformed entry, or an unknown key."""
+    base, _, rest = spec.partition("[")
+    if not rest:
+        return spec, {}
+    if not rest.endswith("]"):
+        raise BenchError(f"policy {spec!r}: a variant is name[key=value,...]")
+    if base not in AGENT_POLICIES or base == "oracle":
+        raise BenchError(f"policy {spec!r}: only the agent's own policies take config keys "
+                         f"({', '.join(p for p in AGENT_POLICIES if p != 'oracle')})")
+    from agent.config import KEYS
+
+    overrides = {}
+    for item in rest[:-1].split(","):
+        k, eq, v = item.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or not k:
+            raise BenchError(f"policy {spec!r}: {item!r} is not key=value")
+        if k not in KEYS or k in ("policy", "endpoint", "state_dir"):
+            raise BenchError(f"policy {spec!r}: {k!r} is not an agent config key a variant may set")
+        overrides[k] = v
+    return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
                     "nothing-to-arbitrate", "memory")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
@@ -268,7 +310,13 @@ def _socket_path(endpoint: str) -> str:
 def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max_jobs: int,
                 curves_path: Optional[Path] = None, loader_memory: Optional[int] = None) -> tuple[Proc, str]:
     endpoint = f"ipc://{sock_dir}/agent.sock"
-    flags = ["--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
+    policy, overrides = parse_policy(policy)
+    config = []
+    if overrides:       # a variant: its keys in a config file of its own (file < command line: no clash below)
+        path = Path(sock_dir) / "variant.toml"
+        path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in overrides.items()))
+        config = ["--config", str(path)]
+    flags = [*config, "--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
              "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
              "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info",
              "--loader-memory", str(loader_memory) if loader_memory else "off"]
@@ -524,7 +572,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     static: Optional[StaticCores] = None
     t_phase0 = time.monotonic()
     try:
-        if policy in AGENT_POLICIES:
+        if parse_policy(policy)[0] in AGENT_POLICIES:
             agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path,
                                           sc.loader_memory)
         if policy == "static-cores":
@@ -710,6 +758,7 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
                       "data_wait_frac": wait / (wait + comp) if wait + comp > 0 else math.nan,
                       "resizes": int(r[-1].get("resizes", 0)), "workers_end": r[-1]["workers"],
                       "worker_cpu_cores": d("cpu_s") / (b - a), "trainer_cpu_cores": (d("main_cpu_s") if "main_cpu_s" in r[-1] else math.nan) / (b - a),
+                      "trainer_runq_cores": (d("main_runq_s") if "main_runq_s" in r[-1] else math.nan) / (b - a),
                       "alive_s": b - a}
         tot_norm_s += gpus * samples / ceil      # GPU-weighted: a job's throughput counts once per GPU
         tot_samples += samples

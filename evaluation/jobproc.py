@@ -12,12 +12,12 @@ It connects to the node agent by itself (the loader's client reads ADLOADER_ENDP
 
 Progress file: JSON lines, appended and flushed, read by the harness while the job runs:
     {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch"}
-    {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s", "main_cpu_s"}   every ~0.25 s
+    {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s", "main_cpu_s", "main_runq_s"}   every ~0.25 s
     {"event": "segment", "t", "workers"}          (sweep mode: a new worker count from here on)
     {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep")
 ``t`` is ``time.monotonic()`` (system-wide on Linux, so comparable across processes); counters are
 cumulative; ``cpu_s`` is the loader workers' CPU seconds, ``main_cpu_s`` the training process's own
-(every thread of it); ``wait_s`` the time blocked in ``next()``.
+(every thread of it); ``main_runq_s`` the time its threads waited runnable for a CPU; ``wait_s`` the time blocked in ``next()``.
 """
 from __future__ import annotations
 
@@ -71,6 +71,22 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
 
         kw["worker_init_fn"] = functools.partial(hold_worker_ram, worker_ram_mb)
     return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, **kw), "adloader"
+
+
+def _main_runq_s() -> float:
+    """Seconds the training process's threads waited runnable for a CPU (second field of each
+    ``/proc/self/task/<tid>/schedstat``, nanoseconds; summed over its threads); 0 where unreadable."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    except OSError:
+        return 0.0
+    return total * 1e-9
 
 
 def _worker_cpu_s(loader, kind: str, me) -> float:
@@ -186,7 +202,8 @@ def main(argv=None) -> int:
                 pass
         prog.write({"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
                     "workers": int(loader.num_workers), "live": live_n, "resizes": resizes,
-                    "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time()})
+                    "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time(),
+                    "main_runq_s": _main_runq_s()})
 
     try:
         done = False

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 
 import psutil
 import pytest
@@ -188,6 +189,38 @@ def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
         assert j["resizes"] >= 1
     assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
     assert m["agent_cpu_cores"] >= 0
+    assert _no_children_left() == []
+
+
+def test_policy_variants_parse_and_bad_ones_are_refused():
+    from evaluation.harness import BenchError, parse_policy, split_policies
+
+    assert split_policies("none,adaptive[loaders_yield=never,hysteresis=0.05],even") == [
+        "none", "adaptive[loaders_yield=never,hysteresis=0.05]", "even"]
+    assert parse_policy("adaptive[loaders_yield=never,hysteresis=0.05]") == (
+        "adaptive", {"loaders_yield": "never", "hysteresis": "0.05"})
+    assert parse_policy("none") == ("none", {})
+    for bad, why in (("none[hysteresis=0.1]", "only the agent's own policies"),
+                     ("oracle[hysteresis=0.1]", "only the agent's own policies"),
+                     ("adaptive[bogus=1]", "not an agent config key"),
+                     ("adaptive[endpoint=ipc:///x]", "not an agent config key"),
+                     ("adaptive[hysteresis]", "not key=value"),
+                     ("adaptive[hysteresis=0.1", "name[key=value")):
+        with pytest.raises(BenchError, match=re.escape(why)):
+            parse_policy(bad)
+
+
+def test_a_policy_variant_runs_the_agent_with_its_config_keys(tmp_path, tiny_catalog):
+    """``even[loaders_yield=never]``: the real agent runs with that key (its status says so)."""
+    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["even[loaders_yield=never]"],
+                            warmup_s=1.5, measure_s=1.5)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["policy"] == "even[loaders_yield=never]"
+    doc = json.loads((tmp_path / "out" / "runs" / "heterogeneous" / "even[loaders_yield=never]-rep1"
+                      / "agent-status.json").read_text())
+    assert doc["agent"]["policy"] == "even"
+    assert "loaders_yield = never" in doc["node"]["reason"]
+    assert "[1/1] heterogeneous even[loaders_yield=never] rep 1:" in progress
     assert _no_children_left() == []
 
 

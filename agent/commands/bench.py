@@ -21,7 +21,9 @@ def register(sub) -> None:
     p.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
     p.add_argument("--scenarios", default=None,
                    help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
-    p.add_argument("--policies", default=",".join(POLICIES_ALL), help="comma-separated policies to compare")
+    p.add_argument("--policies", default=",".join(POLICIES_ALL),
+                   help="comma-separated policies to compare; an agent policy may be a variant with agent "
+                        "config keys, e.g. 'adaptive[loaders_yield=never]' (an A/B in one interleaved run)")
     p.add_argument("--reps", type=int, default=None, help="repeats (quick: 1, full: 3)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
     p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
@@ -55,13 +57,18 @@ def _check_cuda() -> str | None:
 
 def run(args) -> int:
     from evaluation import report, setup
-    from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError
+    from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError, parse_policy, split_policies
 
     quick = not args.full
     scenarios = args.scenarios.split(",") if args.scenarios else (
         ["heterogeneous"] if quick else list(SCENARIOS_ALL))
-    policies = [p for p in args.policies.split(",") if p]
-    bad = [s for s in scenarios if s not in SCENARIOS_ALL] + [p for p in policies if p not in POLICIES_ALL]
+    policies = split_policies(args.policies)
+    try:
+        bases = [parse_policy(p)[0] for p in policies]
+    except BenchError as e:
+        print(f"adloader bench: {e}", file=sys.stderr)
+        return 2
+    bad = [s for s in scenarios if s not in SCENARIOS_ALL] + [p for p in bases if p not in POLICIES_ALL]
     if bad:
         print(f"adloader bench: unknown scenario/policy: {', '.join(bad)}; scenarios: {', '.join(SCENARIOS_ALL)}; "
               f"policies: {', '.join(POLICIES_ALL)}", file=sys.stderr)
