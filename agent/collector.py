@@ -22,13 +22,20 @@ force comes from ``agent.memory.MemoryGuard`` (configured budget, lowered under 
 
 GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle_source="nvml"``);
 otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
+
+The node's CPU (``NodeSnapshot.busy_cpu_cores``): the busy time of the node's CPUs (``psi.busy_cpu_s``)
+over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``). What the node used
+beyond the jobs' training processes and loader workers and the agent itself is
+``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
+policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
 """
 from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from agent import psi
 from agent.memory import MemoryGuard, MemoryState
@@ -121,7 +128,8 @@ class Collector:
 
     def __init__(self, registry: Registry, *, loader_cpus: float, cpu_ids: tuple[int, ...], max_jobs: int = 0,
                  gpu_sampler=None, proc_root: str = "/proc",
-                 memory_guard: Optional[MemoryGuard] = None):
+                 memory_guard: Optional[MemoryGuard] = None,
+                 own_cpu_s: Callable[[], float] = time.process_time):
         self.registry = registry
         self.loader_cpus = loader_cpus
         self.cpu_ids = tuple(cpu_ids)
@@ -134,6 +142,10 @@ class Collector:
         self.last: Optional[NodeSnapshot] = None
         self.memory_guard = memory_guard
         self.memory_state: Optional[MemoryState] = None
+        self._own_cpu_s = own_cpu_s
+        self._cpu_prev: Optional[tuple[float, float, float]] = None   # (now, node busy s, agent CPU s)
+        self.busy_cpu_cores: Optional[float] = None    # smoothed rates (see the module docstring)
+        self._own_cores: float = 0.0
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -278,7 +290,13 @@ class Collector:
         if self.memory_guard is not None:
             mem = self.memory_state = self.memory_guard.update(
                 now, sum(j.loader_memory_bytes for j in jobs.values()))
+        busy = self._node_cpu(now)
+        foreign = None
+        if busy is not None:
+            jobs_cpu = sum(j.trainer_cpu_cores + j.worker_cpu_cores for j in jobs.values())
+            foreign = max(0.0, busy - jobs_cpu - self._own_cores)
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
+                            busy_cpu_cores=busy, foreign_cpu_cores=foreign,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
                             io_pressure=self.pressure.io_some_avg10,
                             loader_memory_bytes=mem.budget if mem else None,
@@ -287,3 +305,23 @@ class Collector:
                             memory_note=mem.note if mem else "")
         self.last = snap
         return snap
+
+    def _node_cpu(self, now: float) -> Optional[float]:
+        """The node's busy cores since the last snapshot, smoothed (None until two readings)."""
+        busy_s = psi.busy_cpu_s(self.proc_root, self.cpu_ids)
+        own_s = self._own_cpu_s()
+        prev, self._cpu_prev = self._cpu_prev, (now, busy_s, own_s) if busy_s is not None else None
+        if busy_s is None or prev is None or now - prev[0] < MIN_WINDOW_S:
+            if busy_s is not None and prev is not None:
+                self._cpu_prev = prev            # too short a gap: keep the older baseline
+            return self.busy_cpu_cores if busy_s is not None else None
+        dt = now - prev[0]
+        busy = max(0.0, busy_s - prev[1]) / dt
+        own = max(0.0, own_s - prev[2]) / dt
+        alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
+        if self.busy_cpu_cores is None:
+            self.busy_cpu_cores, self._own_cores = busy, own
+        else:
+            self.busy_cpu_cores += alpha * (busy - self.busy_cpu_cores)
+            self._own_cores += alpha * (own - self._own_cores)
+        return self.busy_cpu_cores

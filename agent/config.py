@@ -27,6 +27,13 @@ for the ones the command line offers):
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     fairness_floor  bool   adaptive: no job below its even share unless it cannot use it, default true
+    loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
+                           rest of the node is quiet, the loaders run only on CPU the trainers leave idle
+                           (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
+                           subtree always weighs its planned cores
+    loaders_yield_foreign_cores  float  CPU (cores) used outside the jobs' trainers and loaders above
+                           which the loaders stop yielding (they would lose their cores to it); they
+                           yield again under half of it; 0..4096, default 0.5
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            agent's cgroup memory limit when lower, minus a 25% reserve (at least
@@ -73,7 +80,7 @@ SUBTREE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 BOUNDS: dict[str, tuple[float, float]] = {
     "tick_s": (0.05, 60.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096), "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
-    "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0),
+    "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
 }
 MAX_LOADER_CPUS = 4096.0
 
@@ -99,6 +106,8 @@ class AgentConfig:
     log_level: str = "info"
     hysteresis: float = 0.03
     fairness_floor: bool = True
+    loaders_yield: str = "auto"
+    loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
@@ -246,6 +255,10 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("cpu_knob", f"must be one of {', '.join(CPU_KNOBS)}")
     if cfg.log_level not in LOG_LEVELS:
         bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    from agent.policies import LOADERS_YIELD
+
+    if cfg.loaders_yield not in LOADERS_YIELD:
+        bad("loaders_yield", f"must be one of {', '.join(LOADERS_YIELD)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):

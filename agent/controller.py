@@ -26,6 +26,10 @@ Invariants (what the tests hold it to):
 - ``applied`` is the controller's alone: the snapshot source measures, the controller adds what is in
   force on every actuator (``NodeSnapshot.applied``) before it observes and decides, so hysteresis is
   judged against what is really in force and nothing upstream needs to know it.
+- The plan's ``NodeAllocation`` (the loaders together against the rest of the node) goes, after the
+  jobs' allocations, to every actuator that has ``apply_node``, when it differs from what that
+  actuator last applied; a failure is a tick error and is retried at the next tick. What is in force
+  everywhere is ``NodeSnapshot.applied_node``.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeSnapshot
+from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
 from agent.policies import Policy, PolicyConfig, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
@@ -65,6 +69,7 @@ class TickRecord:
     departed: tuple[str, ...] = ()             # jobs forgotten in this tick
     errors: tuple[str, ...] = ()               # tick-level failures (snapshot, predictor, policy)
     phases_ms: dict[str, float] = field(default_factory=dict)   # snapshot, predict, policy, apply
+    node_notes: tuple[str, ...] = ()           # what the actuators said of the node allocation this tick
 
     def to_dict(self) -> dict:
         def alloc(a: Optional[JobAllocation]) -> Optional[dict]:
@@ -84,6 +89,9 @@ class TickRecord:
             "departed": list(self.departed),
             "errors": list(self.errors),
             "phases_ms": dict(self.phases_ms),
+            "node": None if self.plan.node is None else {
+                "loaders_yield": self.plan.node.loaders_yield, "reason": self.plan.node.reason,
+                "notes": list(self.node_notes)},
         }
 
 
@@ -208,6 +216,7 @@ class Controller:
             work_conserving = not any(getattr(a, "cpu_knob", "shares") in ("quota", "cpuset") for a in self._actuators)
         self.work_conserving = work_conserving
         self._applied: dict[str, JobAllocation] = {}                       # in force on every actuator
+        self._node_by: dict[int, NodeAllocation] = {}                      # actuator -> node allocation applied
         self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
         self._breakers: dict[str, _Breaker] = {}
@@ -221,6 +230,14 @@ class Controller:
     # -- public API -------------------------------------------------------------------------
     def applied(self) -> dict[str, JobAllocation]:
         return dict(self._applied)
+
+    def applied_node(self) -> Optional[NodeAllocation]:
+        """The node allocation in force on every actuator that takes one (None: none applied yet)."""
+        takers = [i for i, a in enumerate(self._actuators) if hasattr(a, "apply_node")]
+        if not takers or any(i not in self._node_by for i in takers):
+            return None
+        first = self._node_by[takers[0]]
+        return first if all(self._node_by[i] == first for i in takers) else None
 
     def adopt(self, applied: Mapping[str, JobAllocation]) -> None:
         """Restart from the journal: treat ``applied`` as in force on every actuator."""
@@ -243,6 +260,7 @@ class Controller:
             except Exception:   # noqa: BLE001 — stop must finish for every actuator
                 pass
         self._applied.clear()
+        self._node_by.clear()
         for i in self._applied_by:
             self._applied_by[i].clear()
             self._pids_by[i].clear()
@@ -253,6 +271,7 @@ class Controller:
         results: dict[str, ApplyResult] = {}
         curves: dict[str, dict] = {}
         departed: list[str] = []
+        node_notes: list[str] = []
         plan = AllocationPlan(policy=getattr(self._policy, "__name__", "?"), allocations={})
         phases: dict[str, float] = {}
         try:
@@ -269,7 +288,7 @@ class Controller:
             for job_id in [j for j in self._applied if j not in snapshot.jobs]:
                 self.forget(job_id)
                 departed.append(job_id)
-            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied))
+            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=self.applied_node())
             model: dict[str, ThroughputCurve] = {}
             for job_id, job in snapshot.jobs.items():
                 curve = self._observe(job_id, job, snapshot, now, errors)
@@ -290,10 +309,12 @@ class Controller:
                 r = self._apply_job(job, desired, now)
                 if r is not None:
                     results[job_id] = r
+            if plan.node is not None:
+                node_notes = self._apply_node(plan.node, errors)
             phases["apply"] = (time.perf_counter() - t3) * 1000.0
         record = TickRecord(now=now, duration_s=time.perf_counter() - t0, plan=plan, results=results,
                             curves=curves, breakers=self._open_breakers(), departed=tuple(departed),
-                            errors=tuple(errors), phases_ms=phases)
+                            errors=tuple(errors), phases_ms=phases, node_notes=tuple(node_notes))
         self.last_record = record
         if self._on_record is not None:
             try:
@@ -338,6 +359,20 @@ class Controller:
             self._curves.pop(job_id, None)
             self._summaries.pop(job_id, None)
             return None
+
+    def _apply_node(self, node: NodeAllocation, errors: list[str]) -> list[str]:
+        """Hand the node allocation to each actuator that takes one and has not applied it yet."""
+        notes: list[str] = []
+        for i, act in enumerate(self._actuators):
+            fn = getattr(act, "apply_node", None)
+            if fn is None or self._node_by.get(i) == node:
+                continue
+            try:
+                notes.extend(fn(node) or ())
+                self._node_by[i] = node
+            except Exception as e:   # noqa: BLE001 — one actuator's failure never stops the tick
+                errors.append(f"node {getattr(act, 'name', i)}: {type(e).__name__}: {e}")
+        return notes
 
     def _release(self, job_id: str) -> list[str]:
         errors = []

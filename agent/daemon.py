@@ -92,7 +92,8 @@ def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
     return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
-                        pin_cpusets=cfg.cpu_knob == "cpuset")
+                        pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
+                        yield_foreign_max_cores=cfg.loaders_yield_foreign_cores)
 
 
 def _pct(xs: list, q: float) -> Optional[float]:

@@ -3,7 +3,8 @@
 collector -> ``NodeSnapshot`` (with one ``JobStats`` per registered job, rates not counters)
 predictor -> ``predictor.curve.ThroughputCurve`` per job
 policy    -> ``AllocationPlan`` (one ``JobAllocation`` per job, each with its reason; what could not
-             be satisfied is data in ``unsatisfied``, not a log line)
+             be satisfied is data in ``unsatisfied``, not a log line; ``NodeAllocation``: the loaders
+             together against the training processes and the rest of the node)
 actuators -> ``ApplyResult`` per job
 
 Policies are pure: ``decide(snapshot, curves, config) -> AllocationPlan``. They see the allocation in
@@ -31,11 +32,28 @@ class JobAllocation:
 
 
 @dataclass(frozen=True)
+class NodeAllocation:
+    """What a plan decides for all the jobs' loaders together, against the rest of the node.
+
+    ``loaders_yield``: the loaders' subtree runs only on CPU that the training processes (and every
+    other task on the node) leave idle (cgroup ``cpu.idle``): a trainer's CPU part is on its GPU's
+    critical path, a loader's work is queued ahead (prefetch), so the trainer goes first. Otherwise the
+    subtree weighs its planned cores and is capped at the node less the trainers' expected use.
+    ``trainers``: job -> (cores its training processes need at full speed, cores they will use at the
+    pace the data allows), measured this tick (``agent.policies.trainer_cores_needed`` / ``_expected``).
+    """
+    loaders_yield: bool = False
+    trainers: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class AllocationPlan:
     policy: str
     allocations: Mapping[str, JobAllocation]
     unsatisfied: Mapping[str, str] = field(default_factory=dict)   # job -> what it wanted and did not get
     predicted_total: Optional[float] = None   # GPU-weighted sum of normalised throughput, when known
+    node: Optional[NodeAllocation] = None     # the loaders together vs the node (None: no CPU control)
 
 
 @dataclass(frozen=True)
@@ -93,8 +111,12 @@ class NodeSnapshot:
     memory_pressure: Optional[float] = None       # PSI memory some avg10 (percent), when present
     memory_available_bytes: Optional[float] = None   # MemAvailable
     memory_note: str = ""                 # why the budget in force differs from the configured one
+    busy_cpu_cores: Optional[float] = None    # CPU the whole node used (rate, /proc/stat), when known
+    foreign_cpu_cores: Optional[float] = None # of it, what neither the jobs' training processes nor their
+                                          # loader workers used (other tenants, daemons; smoothed), when known
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
                                           # set by the controller alone (the collector leaves it empty)
+    applied_node: Optional[NodeAllocation] = None   # the node allocation in force (the controller's, too)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          refused_by_uid{uid: n}} (ordinary users' connections; null without ipc),
                          open_files_limit, message_budget_hits (message handling that yielded to the
                          loop), tick_late_ms {p50, max_recent (last 60 ticks), max (since start)}}
+    node                the loaders together against the node: {loaders_yield (bool: the loaders' subtree
+                         runs only on CPU the training processes leave idle), reason, busy_cpu_cores (the
+                         node's CPU use), foreign_cpu_cores (of it, what the jobs' trainers, loaders and
+                         the agent did not use)} (null before the first plan or under ``none``)
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -139,9 +143,15 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "worker_memory_bytes": _r(st.worker_memory_bytes, 0) if st is not None else None,
             "worker_growth_bytes": _r(st.worker_growth_bytes, 0) if st is not None else None,
         })
+    node = None
+    if plan is not None and plan.node is not None:
+        node = {"loaders_yield": plan.node.loaders_yield, "reason": plan.node.reason,
+                "busy_cpu_cores": _r(snapshot.busy_cpu_cores, 3) if snapshot is not None else None,
+                "foreign_cpu_cores": _r(snapshot.foreign_cpu_cores, 3) if snapshot is not None else None}
     return {
         "version": STATUS_VERSION,
         "agent": agent_info,
+        "node": node,
         "predicted_total": _r(plan.predicted_total) if plan is not None else None,
         "unsatisfied": unsatisfied,
         "tick_errors": list(record.errors) if record is not None else [],
@@ -175,6 +185,11 @@ def render_table(doc: dict) -> str:
                      f"MemAvailable {format_bytes(m.get('available_bytes'))}  "
                      f"PSI memory {_fmt(m.get('pressure_pct'), '.0f')}%"
                      + (f"  {m['note']}" if m.get("note") else ""))
+    n = doc.get("node") or {}
+    if n:
+        lines.append(f"loaders {'yield to the training processes' if n.get('loaders_yield') else 'weighted'}: "
+                     f"{n.get('reason', '')}  (node CPU {_fmt(n.get('busy_cpu_cores'), '.2f')}, "
+                     f"other processes {_fmt(n.get('foreign_cpu_cores'), '.2f')})")
     cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("MEM", 9), ("WAIT", 5),
             ("GPU-IDLE", 8), ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
     lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))

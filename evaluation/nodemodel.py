@@ -15,7 +15,8 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   wait for data, plus a margin), never below the plan's cores. The loaders share what they get by the
   plan's weights (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
   Each trainer is one nice-0 task in its own session: it is NOT sheltered by the cap from the busy
-  workers on the CPU it wakes on (``wakeup_share``: the subtree's weight sits on the CPUs its busy
+  workers on the CPU it wakes on (unless the plan lets the loaders yield, ``loaders_yield``: then the
+  subtree is ``cpu.idle``, uncapped, and a trainer competes only with the other trainers) (``wakeup_share``: the subtree's weight sits on the CPUs its busy
   workers run on, and counts for the part of each period its quota leaves it running). Fixed point
   over the jobs' rates and trainer shares.
 - ``none`` / ``autotune`` (no agent): the kernel shares CPU fairly between jobs (each job's processes
@@ -151,14 +152,17 @@ def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) 
 
 def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                allocations: Optional[Mapping] = None, node_gpus: Optional[int] = None,
-               available_cores: Optional[float] = None, hard_caps: bool = False) -> dict[str, JobRate]:
+               available_cores: Optional[float] = None, hard_caps: bool = False,
+               loaders_yield: bool = False) -> dict[str, JobRate]:
     """Steady rates of the jobs on one node. ``allocations``: job -> JobAllocation (``agent`` mode:
     workers and cpus weights, a job without one runs its habitual workers; other modes: the workers,
     default the habitual count). ``available_cores``: the CPU the jobs can get at most (default
     ``node_cores``; less where other tenants take the rest); ``node_cores`` stays what the node is
     configured with (the agent's subtree cap and static quotas are computed from it). ``hard_caps``
     (``agent`` mode): a plan's ``cpus`` is a hard quota on the job's loader (``cpu_knob="quota"``), not
-    a weight."""
+    a weight. ``loaders_yield`` (``agent`` mode; the plan's ``NodeAllocation.loaders_yield``): the
+    subtree is ``cpu.idle``: a waking trainer competes only with the other trainers, the loaders get
+    what the trainers leave (no cap)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     allocations = allocations or {}
@@ -217,9 +221,10 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                 step = 1.0 / bps[j] if bps[j] > 0 else math.inf
                 dwf = max(0.0, 1.0 - compute / step) if step < math.inf else 1.0
                 pace += min(m.trainer_cores, m.trainer_cores * (1.0 - dwf + TRAINER_MARGIN))
-            cap = max(sum(weights.values()), N - pace) if need >= 0.05 else N
-            # the subtree is throttled (absent) for the part of each period its quota does not cover
-            present = min(1.0, cap / (U * s)) if U * s > 0 else 0.0
+            cap = max(sum(weights.values()), N - pace) if need >= 0.05 and not loaders_yield else N
+            # the subtree is throttled (absent) for the part of each period its quota does not cover;
+            # a yielding subtree is never in a waking trainer's way
+            present = 0.0 if loaders_yield else (min(1.0, cap / (U * s)) if U * s > 0 else 0.0)
             new_s_t = {}
             for j in ids:
                 others_t = sum(run_t[k] for k in ids if k != j)

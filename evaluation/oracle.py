@@ -330,13 +330,14 @@ def curve_policy(grid: int = 192, memory_grid: int = 96):
     plans per mix of jobs (identical jobs are interchangeable), so a node's repeated decisions, and
     other nodes with the same mix, cost one DP."""
     from agent.model import AllocationPlan, JobAllocation
+    from agent.policies import node_allocation
 
     grids_cache: dict = {}
     plans: dict = {}
 
     def oracle(snapshot, curves, config):
         if not snapshot.jobs:
-            return AllocationPlan(policy="oracle", allocations={})
+            return AllocationPlan(policy="oracle", allocations={}, node=node_allocation(snapshot, config))
         C, budget = snapshot.loader_cpus, snapshot.loader_memory_bytes
         order = sorted(snapshot.jobs, key=lambda j: (str(curves[j].job), max(1, snapshot.jobs[j].gpus), j))  # stable
         mix = tuple((id(curves[j]), max(1, snapshot.jobs[j].gpus)) for j in order)
@@ -370,7 +371,7 @@ def curve_policy(grid: int = 192, memory_grid: int = 96):
                   for i, j in enumerate(order)}
         unsatisfied = {j: plan.note for j in order} if plan.note else {}
         return AllocationPlan(policy="oracle", allocations=allocs, unsatisfied=unsatisfied,
-                              predicted_total=plan.objective)
+                              predicted_total=plan.objective, node=node_allocation(snapshot, config))
 
     return oracle
 

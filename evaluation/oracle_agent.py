@@ -19,6 +19,7 @@ The policy is handed to the agent (``Agent(policy=...)``); no global registry is
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -29,6 +30,7 @@ from evaluation.oracle import JobValue, options_from_sweep, solve, solve_memory,
 def make_fixed_policy(plan_by_job: dict):
     """A policy that applies ``{job: {"workers": w, "cpus": c}}`` as it is (the co-located probes)."""
     from agent.model import AllocationPlan, JobAllocation
+    from agent.policies import node_allocation
 
     def fixed(snapshot, curves, config):
         present = sorted(snapshot.jobs)
@@ -42,7 +44,7 @@ def make_fixed_policy(plan_by_job: dict):
             else:
                 allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(p["workers"])),
                                           cpus=max(0.01, float(p["cpus"])), reason="probe: fixed plan")
-        return AllocationPlan(policy="oracle", allocations=allocs)
+        return AllocationPlan(policy="oracle", allocations=allocs, node=node_allocation(snapshot, config))
 
     return fixed
 
@@ -50,6 +52,7 @@ def make_fixed_policy(plan_by_job: dict):
 def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None,
                        budget_cores: Optional[float] = None):
     from agent.model import AllocationPlan, JobAllocation
+    from agent.policies import node_allocation
 
     values = {j: value_from_sweep([tuple(p) for p in pts]) for j, pts in points_by_job.items() if pts}
     memory_by_job = dict(memory_by_job or {})
@@ -58,7 +61,7 @@ def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None
     def oracle(snapshot, curves, config):
         present = sorted(snapshot.jobs)
         if not present:
-            return AllocationPlan(policy="oracle", allocations={})
+            return AllocationPlan(policy="oracle", allocations={}, node=node_allocation(snapshot, config))
         known = [j for j in present if j in values]
         unknown = [j for j in present if j not in values]
         budget = min(snapshot.loader_cpus, budget_cores) if budget_cores else snapshot.loader_cpus
@@ -96,7 +99,9 @@ def make_oracle_policy(points_by_job: dict, memory_by_job: Optional[dict] = None
                                           reason="oracle: no measured curve, even share")
             cache[key] = AllocationPlan(policy="oracle", allocations=allocs,
                                         predicted_total=plan.objective if plan else None)
-        return cache[key]
+        # the loaders against the node as every agent policy decides it (fresh each tick: it follows the
+        # trainers' needs and the other processes' CPU)
+        return dataclasses.replace(cache[key], node=node_allocation(snapshot, config))
 
     return oracle
 

@@ -244,6 +244,7 @@ class SimConfig:
                                     # The policies still see ``cores`` (the agent does not know the tenants).
     loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
+    loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
@@ -301,7 +302,15 @@ class _SimActuator:
     def __init__(self, cpu_knob: str, active: dict):
         self.cpu_knob = cpu_knob          # the controller reads it: a quota is a cap, a share is not
         self.in_force: dict = {}
+        self.node = None                  # the plan's NodeAllocation in force (apply_node)
+        self.node_changed = False         # whether the loaders' yield changed since the physics last ran
         self._active = active
+
+    def apply_node(self, node):
+        if self.node is None or self.node.loaders_yield != node.loaders_yield:
+            self.node_changed = True
+        self.node = node
+        return []
 
     def apply(self, job, desired):
         from agent.model import ApplyResult
@@ -318,6 +327,7 @@ class _SimActuator:
 
     def restore(self) -> None:
         self.in_force.clear()
+        self.node = None
 
 
 def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
@@ -407,13 +417,16 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             m = model_of(jb)
             jobs[jid] = _job_stats(jb, now, min(cfg.tick_s, now - jb.since), m.habitual_workers,
                                    m.gpus * m.trainer_cpu_s_per_step)
+        # other tenants take what the jobs cannot get (``available_cores``): what the agent sees as foreign
+        foreign = max(0.0, cfg.cores - cfg.available_cores) if cfg.available_cores is not None else 0.0
         return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
-                            loader_memory_bytes=cfg.loader_memory)
+                            loader_memory_bytes=cfg.loader_memory, foreign_cpu_cores=foreign)
 
     controller = None
     if policy_name not in NO_AGENT_POLICIES:
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
-                                policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares"),
+                                policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares",
+                                                           loaders_yield=cfg.loaders_yield),
                                 predictor=predictor, actuators=[act])
     settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0
@@ -427,8 +440,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     def physics():
         nonlocal mem_now
         applied = act.in_force if mode == "agent" else None
+        yielding = bool(mode == "agent" and act.node is not None and act.node.loaders_yield)
         models = {j: model_of(jb) for j, jb in active.items()}
-        key = (tuple(sorted((j, id(m), getattr((applied or {}).get(j), "workers", 0),
+        key = (yielding,) + (tuple(sorted((j, id(m), getattr((applied or {}).get(j), "workers", 0),
                              round(getattr((applied or {}).get(j), "cpus", 0.0), 6)) for j, m in models.items())))
         res = rates_cache.get(key)
         if res is None:
@@ -436,7 +450,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 rates_cache.clear()
             res = rates_cache[key] = nodemodel.node_rates(models, mode, cfg.cores, applied, node_gpus=cfg.gpus,
                                                           available_cores=cfg.available_cores,
-                                                          hard_caps=cfg.cpu_knob == "quota")
+                                                          hard_caps=cfg.cpu_knob == "quota",
+                                                          loaders_yield=yielding)
         for jid, jb in active.items():
             r = res[jid]
             if r.workers != jb.workers or abs(r.samples_per_s - jb.rate) > 1e-9 * max(1.0, jb.rate):
@@ -455,9 +470,11 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         last[:] = [record]
         if record.errors:
             raise SimError(f"node {jobs_in[0].node} at t={t:g} under {policy_name}: {'; '.join(record.errors)}")
-        if record.results:
+        changed = bool(record.results) or act.node_changed
+        act.node_changed = False
+        if changed:
             physics()
-        return bool(record.results)
+        return changed
 
     while (pending or active) and t < end:
         # next event

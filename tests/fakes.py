@@ -157,8 +157,9 @@ class FakeV2Kernel(V2Hierarchy):
     that controller, a process lives in exactly one group and ``/proc/<pid>/cgroup`` follows it, the
     "no internal processes" rule refuses a process in a group that delegates controllers (EBUSY), rmdir
     refuses a group with processes or children (EBUSY), and cpu.weight / cpu.max / io.weight values are
-    range-checked (EINVAL)."""
-    FILES = {"cpu.weight": "100", "cpu.max": "max 100000", "cpuset.cpus": "", "io.weight": "default 100",
+    range-checked (EINVAL), as is cpu.idle (0 or 1; a kernel before 5.15 has no such file:
+    ``FakeV2Kernel.FILES`` without it)."""
+    FILES = {"cpu.weight": "100", "cpu.max": "max 100000", "cpu.idle": "0", "cpuset.cpus": "", "io.weight": "default 100",
              "io.bfq.weight": "default 100", "cgroup.procs": "", "cgroup.subtree_control": ""}
 
     def __init__(self, root: str, proc_root: str, controllers=("cpuset", "cpu", "io", "memory", "pids")):
@@ -219,6 +220,8 @@ class FakeV2Kernel(V2Hierarchy):
             q, p = value.split()
             if q != "max" and int(q) < 1000:
                 raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
+        elif file == "cpu.idle" and value not in ("0", "1"):
+            raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
         elif file == "io.weight" and not 1 <= int(value.split()[-1]) <= 10000:
             raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
         if not self.has_file(rel, file):

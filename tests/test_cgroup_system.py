@@ -193,6 +193,50 @@ def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
+def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
+    """Two loader workers and an unmanaged busy process (a training process that never sleeps, in a
+    session of its own) on one CPU. Weighted, the subtree weighs its one planned core against the
+    process's one task: the workers get about half the CPU. Yielding (cpu.idle = 1 on the real
+    subtree), they run only when nothing else wants the CPU: a few percent of it. Ratios on one CPU, so
+    other work on the machine does not change the verdict."""
+    from agent.model import NodeAllocation
+
+    cpu = max(os.sched_getaffinity(0))
+    w1, w2 = busy(clean, cpu), busy(clean, cpu)
+    trainer = busy(clean, cpu, own_session=True)
+    act = cgroup_actuator(tmp_path, "shares")
+    trainers = {"y1": (0.4, 0.4)}
+    assert act.apply(stats("y1", [w1, w2], trainer_cpu_s_per_step=0.02, compute_s_per_step=0.05),
+                     JobAllocation(job="y1", workers=2, cpus=1.0)).ok
+    idle_file = os.path.join(ROOT, "cpu", SUBTREE, "cpu.idle")
+    if not os.path.exists(idle_file):
+        pytest.skip("this kernel has no cpu.idle (5.15+)")
+
+    def workers_share() -> float:
+        used = cores_used([w1, w2, trainer], seconds=2.0)
+        return (used[0] + used[1]) / max(sum(used), 1e-9)
+
+    assert act.apply_node(NodeAllocation(False, trainers)) == []
+    with open(idle_file) as f:
+        assert f.read().strip() == "0"
+    weighted = workers_share()
+    assert act.apply_node(NodeAllocation(True, trainers)) == []
+    with open(idle_file) as f:
+        assert f.read().strip() == "1"
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.cfs_quota_us")) as f:
+        assert int(f.read()) == -1                        # yielding needs no cap
+    yielding = workers_share()
+    print(f"the loader workers' share of one CPU beside a busy training process: weighted {weighted:.3f}, "
+          f"yielding {yielding:.3f}")
+    assert 0.3 <= weighted <= 0.7, weighted
+    assert yielding <= 0.1, yielding
+    assert act.apply_node(NodeAllocation(False, trainers)) == []
+    with open(idle_file) as f:
+        assert f.read().strip() == "0"
+    act.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
 def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
     import subprocess
     from pathlib import Path

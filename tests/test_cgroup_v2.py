@@ -284,3 +284,63 @@ def test_v2_subtree_is_capped_at_the_node_less_the_trainers_need(v2):
     assert read(kernel, "adloader", "cpu.weight") == "100"                   # its one worker
     act.restore()
     assert not kernel.exists("adloader")
+
+
+def _node(yield_: bool, trainers: dict) -> "NodeAllocation":
+    from agent.model import NodeAllocation
+
+    return NodeAllocation(loaders_yield=yield_, trainers=trainers, reason="test")
+
+
+def test_v2_yielding_loaders_are_cpu_idle_uncapped_and_back_to_weight_and_cap(v2):
+    """A node allocation that lets the loaders yield sets the subtree cpu.idle = 1 and lifts the cap (a
+    yielding subtree needs none: it runs only where the trainers leave a CPU idle); taking it back
+    writes cpu.idle = 0 and the cap from the trainers' figures *in the node allocation* (fresher than
+    the ones noted at the job's last apply, here none at all)."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=4.0)
+    act.apply(cgroup_job("a", [101, 102]), JobAllocation(job="a", workers=2, cpus=1.0))
+    act.apply(cgroup_job("b", [103]), JobAllocation(job="b", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max").startswith("max")        # no trainer CPU known yet
+    notes = act.apply_node(_node(True, {"a": (0.3, 0.3), "b": (0.3, 0.2)}))
+    assert notes == []
+    assert read(kernel, "adloader", "cpu.idle") == "1"
+    assert read(kernel, "adloader", "cpu.max").startswith("max")
+    assert read(kernel, "adloader/a", "cpu.weight") == "100"             # the jobs still split by the plan
+    act.apply_node(_node(False, {"a": (0.3, 0.3), "b": (0.3, 0.2)}))
+    assert read(kernel, "adloader", "cpu.idle") == "0"
+    assert read(kernel, "adloader", "cpu.max") == "350000 100000"        # 4 - (0.3 + 0.2) cores
+    assert read(kernel, "adloader", "cpu.weight") == "200"               # one task per planned core
+    n = len(kernel.writes)
+    act.apply_node(_node(False, {"a": (0.3, 0.3), "b": (0.3, 0.2)}))    # nothing changed: nothing written
+    assert len(kernel.writes) == n
+    act.apply_node(_node(True, {"a": (0.3, 0.3), "b": (0.3, 0.2)}))
+    act.restore()
+    assert not kernel.exists("adloader")
+
+
+def test_v2_without_cpu_idle_the_loaders_are_weighted_and_it_says_so(v2, monkeypatch):
+    """A kernel before 5.15 has no cpu.idle: the subtree keeps its weight and cap, and the apply says
+    that the loaders cannot yield."""
+    kernel, make = v2
+    monkeypatch.setattr(FakeV2Kernel, "FILES", {k: v for k, v in FakeV2Kernel.FILES.items() if k != "cpu.idle"})
+    act = make(io=False, node_cpus=4.0)
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    notes = act.apply_node(_node(True, {"a": (0.5, 0.5)}))
+    assert any("cannot yield" in n and "cpu.idle" in n for n in notes)
+    assert not kernel.has_file("adloader", "cpu.idle")
+    assert read(kernel, "adloader", "cpu.max") == "350000 100000"
+    assert not any(w[1] == "cpu.idle" for w in kernel.writes)
+
+
+def test_v2_a_restarted_agent_takes_back_the_yield_a_dead_one_left(v2):
+    """The dead agent left the subtree cpu.idle = 1; the new one, whose plan does not yield, writes 0."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=4.0)
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    act.apply_node(_node(True, {"a": (0.5, 0.5)}))
+    assert read(kernel, "adloader", "cpu.idle") == "1"
+    again = make(io=False, node_cpus=4.0)                  # no restore: the first agent died
+    again.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    again.apply_node(_node(False, {"a": (0.5, 0.5)}))
+    assert read(kernel, "adloader", "cpu.idle") == "0"

@@ -73,3 +73,50 @@ def test_collector_prefers_nvml_when_present():
     js = col.snapshot(1.0).jobs["j"]
     assert js.gpu_idle_frac == pytest.approx(0.10) and js.gpu_idle_source == "nvml" and js.data_wait_frac == 0.5
 
+
+
+def _stat(path, busy_ticks: dict, idle_ticks: int = 1000) -> None:
+    """A /proc/stat with one ``cpuN`` line per entry: user ticks = busy, idle = idle_ticks."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    lines += [f"cpu{c} {b} 0 0 {idle_ticks} 0 0 0 0 0 0" for c, b in busy_ticks.items()]
+    (path / "stat").write_text("\n".join(lines) + "\nintr 0\n")
+
+
+def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_path):
+    """Node busy (the agent's CPUs in /proc/stat) over the snapshot interval, less the jobs' trainer and
+    worker CPU and the agent's own: what other processes used. CPUs outside the agent's set do not
+    count; the first snapshot has no rate yet (None)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    own = iter([10.0, 10.1])                            # the agent: 0.1 s of CPU over the second interval
+    col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: next(own))
+    col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "main_cpu_s": 0.0}, 0.0)
+    col.on_report("j", 0, me, {**_totals(1, 10, 0.1, 0.9, cpu=0.6), "main_cpu_s": 0.3}, 1.0)
+    _stat(proc, {0: 1000, 1: 2000, 2: 5000})
+    first = col.snapshot(1.0)
+    assert first.busy_cpu_cores is None and first.foreign_cpu_cores is None
+    # one second later: cpu0 +100 ticks, cpu1 +100 ticks (2 cores busy), cpu2 (not ours) +100
+    _stat(proc, {0: 1100, 1: 2100, 2: 5100})
+    s = col.snapshot(2.0)
+    assert s.busy_cpu_cores == pytest.approx(2.0)
+    # jobs: 0.6 worker + 0.3 trainer cores; the agent 0.1 -> 1.0 core of others
+    assert s.foreign_cpu_cores == pytest.approx(1.0)
+
+
+def test_foreign_cpu_is_never_negative_and_unknown_without_proc_stat(tmp_path):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
+    assert col.snapshot(0.0).foreign_cpu_cores is None                   # no /proc/stat at all
+    col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "main_cpu_s": 0.0}, 0.0)
+    col.on_report("j", 0, me, {**_totals(1, 10, 0.1, 0.9, cpu=1.5), "main_cpu_s": 0.5}, 1.0)
+    _stat(proc, {0: 0, 1: 0})
+    col.snapshot(1.0)
+    _stat(proc, {0: 50, 1: 50})                          # the node says 1 core, the jobs 2: a lag, not -1
+    assert col.snapshot(2.0).foreign_cpu_cores == 0.0

@@ -314,3 +314,53 @@ def test_controller_knows_share_from_cap_by_its_actuators():
         assert [o.cores for j, o in bank.seen if j == "a"] == [3.5]
         c.tick(now=2.0)                # even split applied at t=0 (2.0 cores): a share or a cap
         assert [o.cores for j, o in bank.seen if j == "a"][-1] == expect, act
+
+
+class NodeActuator:
+    """A RecordingActuator that also takes the plan's node allocation (as the cgroup actuator does)."""
+    name = "node"
+    tracks_pids = False
+
+    def __init__(self, fail=0):
+        self.nodes, self.fail = [], fail
+
+    def apply(self, job, desired):
+        from agent.model import ApplyResult
+
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def apply_node(self, node):
+        self.nodes.append(node)
+        if self.fail:
+            self.fail -= 1
+            raise OSError("EBUSY")
+        return ["a note"]
+
+    def release(self, job_id):
+        pass
+
+    def restore(self):
+        pass
+
+
+def test_node_allocation_goes_to_actuators_that_take_it_on_change_only_and_is_retried():
+    busy = dict(trainer_cpu_s_per_step=0.02, compute_s_per_step=0.1)
+    src = FakeSource(1.8, [job_stats("a", **busy), job_stats("b", **busy)])
+    src_call = src.__call__
+    foreign = [0.0]
+    source = lambda now: dataclasses.replace(src_call(now), foreign_cpu_cores=foreign[0])
+    node_act, sink = NodeActuator(fail=1), FakeSink()
+    c = make(source, [DirectiveActuator(sink), node_act])
+    rec = c.tick(now=1.0)
+    assert rec.plan.node.loaders_yield
+    assert len(node_act.nodes) == 1 and any("node node: OSError" in e for e in rec.errors)
+    assert c.applied_node() is None                       # it failed: not in force
+    rec = c.tick(now=2.0)                                 # retried, applied
+    assert len(node_act.nodes) == 2 and not rec.errors and rec.node_notes == ("a note",)
+    assert c.applied_node() == rec.plan.node
+    assert rec.to_dict()["node"]["loaders_yield"] is True
+    c.tick(now=3.0)                                       # the same node allocation: not applied again
+    assert len(node_act.nodes) == 2
+    foreign[0] = 2.0                                      # a tenant takes 2 cores: the loaders stop yielding
+    rec = c.tick(now=4.0)
+    assert not rec.plan.node.loaders_yield and not node_act.nodes[-1].loaders_yield

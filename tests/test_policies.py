@@ -395,3 +395,49 @@ def test_property_settled_plan_is_a_fixed_point(sc, policy):
     for j, a in plan.allocations.items():
         b = again.allocations[j]
         assert (b.workers, round(b.cpus, 6), b.cpuset) == (a.workers, round(a.cpus, 6), a.cpuset), (a, b)
+
+
+# -- the loaders together against the node (NodeAllocation) --------------------------------------
+
+def _busy_trainers(**kw):
+    """Two jobs whose training processes need 0.3 cores each (30 ms of CPU in a 100 ms step)."""
+    return [job(n, "medium", trainer_cpu_s_per_step=0.03, **kw) for n in ("a", "b")]
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "even", "even-static"])
+def test_loaders_yield_while_trainers_need_cpu_and_the_node_is_otherwise_quiet(policy):
+    s = dataclasses.replace(snap("dev-2vcpu", _busy_trainers()), foreign_cpu_cores=0.1)
+    plan = get_policy(policy)(s, curves_of(s), PolicyConfig())
+    assert plan.node is not None and plan.node.loaders_yield, plan.node
+    assert plan.node.trainers["a"][0] == pytest.approx(0.3)
+    assert "yield" in plan.node.reason
+
+
+def test_loaders_do_not_yield_to_other_tenants_and_hysteresis_holds_either_way():
+    cfg = PolicyConfig(yield_foreign_max_cores=0.5)
+    base = snap("dev-2vcpu", _busy_trainers())
+    node = lambda foreign, before=None: get_policy("adaptive")(
+        dataclasses.replace(base, foreign_cpu_cores=foreign, applied_node=before), curves_of(base), cfg).node
+    hog = node(1.0)
+    assert not hog.loaders_yield and "other processes use 1.00 cores" in hog.reason
+    # not yielding: start again only under half the limit
+    assert not node(0.3, before=hog).loaders_yield
+    assert node(0.2, before=hog).loaders_yield
+    # yielding: keep at it up to the limit
+    yielding = node(0.1)
+    assert node(0.4, before=yielding).loaders_yield
+    assert not node(0.6, before=yielding).loaders_yield
+
+
+def test_loaders_do_not_yield_when_nothing_asks_for_it():
+    quiet = dataclasses.replace(snap("dev-2vcpu", [job("a"), job("b")]), foreign_cpu_cores=0.0)
+    n = get_policy("adaptive")(quiet, curves_of(quiet), PolicyConfig()).node
+    assert not n.loaders_yield and "need no CPU" in n.reason                 # trainers use no CPU
+    busy = snap("dev-2vcpu", _busy_trainers())                                # foreign unknown (None)
+    assert not get_policy("adaptive")(busy, curves_of(busy), PolicyConfig()).node.loaders_yield
+    known = dataclasses.replace(busy, foreign_cpu_cores=0.0)
+    never = get_policy("even")(known, {}, PolicyConfig(loaders_yield="never")).node
+    assert not never.loaders_yield and "never" in never.reason
+    assert get_policy("none")(known, {}, PolicyConfig()).node is None         # no CPU control: no node plan
+    with pytest.raises(ValueError, match="loaders_yield"):
+        PolicyConfig(loaders_yield="sometimes")

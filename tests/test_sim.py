@@ -1,6 +1,7 @@
 """Unit tests for the trace-driven simulator (``evaluation.simulate``): tiny traces, real policy code."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -198,12 +199,18 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     cfg = S.SimConfig(cores=2.0, gpus=3, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
     steady = {p: S.steady_state(truth, p, cfg)["window_agg"] for p in ("none", "static-cores", "even-static", "adaptive")}
     assert steady["none"] == pytest.approx(N.objective(models, none), rel=1e-9)      # the physics alone
-    # the agent's trainers are not sheltered on a saturated node: each busy worker weighs a nice-0 task
-    # in the loaders' subtree, so a trainer waking on a CPU waits (the snapshot says so, as the loader
-    # reports main_runq_s)
-    r = S.steady_state(truth, "adaptive", cfg)
+    # with the loaders weighted (loaders_yield = never) the agent's trainers are not sheltered on a
+    # saturated node: the loaders' subtree weighs its planned cores on the CPUs its busy workers run on,
+    # so a trainer waking there waits (the snapshot says so, as the loader reports main_runq_s); with
+    # the loaders yielding (the default) a trainer waits only for the other trainers
+    never = dataclasses.replace(cfg, loaders_yield="never")
+    r = S.steady_state(truth, "adaptive", never)
     assert r["rates"]["light"]["trainer_runq_s_per_step"] > 0
     assert sum(x["loader_cores"] + x["trainer_cores"] for x in r["rates"].values()) <= 2.0 + 1e-6
+    y = S.steady_state(truth, "adaptive", cfg)
+    assert y["rates"]["light"]["trainer_runq_s_per_step"] < 0.5 * r["rates"]["light"]["trainer_runq_s_per_step"]
+    assert sum(x["loader_cores"] + x["trainer_cores"] for x in y["rates"].values()) <= 2.0 + 1e-6
+    assert y["window_agg"] >= r["window_agg"] - 1e-9
     # an unsaturated node: every policy reaches every ceiling; a hard quota of one core per job is a
     # budget per period that these jobs (0.3 cores each) never spend, not a slower CPU (measured: the
     # quiet 2-core nothing-to-arbitrate mix, static-cores 0.98x none)

@@ -42,7 +42,16 @@ at 1.03x / 0.91x / 1.04x the best baseline on the 2-core gpu-weighted / trainer-
 mixes with one task per worker, 1.14x / 0.98x / 1.08x with one per planned core). The cost: against
 processes the agent does not manage (a CPU hog, a daemon) the loaders then claim their planned cores,
 not their worker count. Without trainer CPU the subtree weighs its workers and is not capped (the
-original quota). The original value is recorded before the first write and restored by
+original quota).
+
+Yielding (the plan's ``NodeAllocation.loaders_yield``, ``agent.policies.node_allocation``): while the
+trainers need CPU and the rest of the node is quiet, the subtree is ``cpu.idle = 1`` (v1 and v2, kernel
+5.15+; kernel/sched/fair.c ``sched_group_set_idle``): it weighs as a SCHED_IDLE task against its
+siblings, a waking trainer preempts its workers at once, and it still runs on every core nobody
+else wants (work-conserving, so no cap is written). Within the subtree the jobs still split by their
+shares. The trainers' figures come fresh with each node allocation (``apply_node``); without one, the
+ones noted at each job's apply are used. Where the kernel has no ``cpu.idle`` the weight and cap above
+are used and the result says so. The original value is recorded before the first write and restored by
 ``restore()``; the file is written again only when the total changes. Caveats: with sched autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) the root group's tasks of one session weigh 1024
 together, so there unmanaged workers weigh less than this; on v2 under systemd the subtree sits in
@@ -84,10 +93,10 @@ from agent import cgroupfs
 from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
-from agent.model import ApplyResult, JobAllocation, JobStats
+from agent.model import ApplyResult, JobAllocation, JobStats, NodeAllocation
 
 SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
-TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken to need no CPU
+TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken to need no CPU (as agent.policies)
 QUOTA_MIN_US = 1000
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
 
@@ -275,6 +284,8 @@ class CgroupActuator:
         self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
+        self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
+        self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
@@ -529,7 +540,7 @@ class CgroupActuator:
                 self._set_shares(job.job, rel, shares_for(desired.cpus))
             self._workers[job.job] = self._move_pids("", rel, job)
             self._note_budget(job, desired)
-        self._set_subtree_weight()
+        notes += self._set_subtree_weight()
         return notes
 
     def _set_shares(self, job_id: str, rel: str, shares: int) -> None:
@@ -546,22 +557,55 @@ class CgroupActuator:
         self._trainer[job.job] = trainer_cores_needed(job)
         self._trainer_pace[job.job] = trainer_cores_expected(job)
 
-    def _set_subtree_weight(self) -> None:
-        """The subtree weighs what its workers would unmanaged; where training processes need CPU, at
-        most one task per planned loader core, and capped at the node's CPUs less what the trainers use
-        (module docstring); written on change only."""
+    def apply_node(self, node: NodeAllocation) -> list[str]:
+        """The plan's node allocation: whether the loaders yield, and the trainers' needs measured this
+        tick (fresher than those noted at each job's last apply). Returns notes (what is not enforced)."""
+        self._node = node
+        return self._set_subtree_weight()
+
+    def _trainer_figures(self) -> tuple[float, float]:
+        """(cores the jobs with workers in our groups need for their training processes at full speed,
+        cores those will use at the pace the data allows): from the node allocation when there is one."""
+        jobs = list(self._workers)
+        if self._node is not None:
+            t = self._node.trainers
+            return (sum(t[j][0] for j in jobs if j in t), sum(t[j][1] for j in jobs if j in t))
+        return (sum(self._trainer.get(j, 0.0) for j in jobs), sum(self._trainer_pace.get(j, 0.0) for j in jobs))
+
+    def _set_subtree_weight(self) -> list[str]:
+        """The subtree's standing against the rest of the node (module docstring); written on change only.
+
+        Yielding (``NodeAllocation.loaders_yield``, where the kernel has ``cpu.idle``): ``cpu.idle = 1``,
+        no cap. Otherwise ``cpu.idle = 0`` (if we set it) and the subtree weighs what its workers would
+        unmanaged; where training processes need CPU, at most one task per planned loader core, and
+        capped at the node's CPUs less what the trainers use."""
+        if not self.h[self._cpu_hier].exists(self.subtree):
+            return []
+        notes: list[str] = []
+        need, pace = self._trainer_figures()
+        want_idle = bool(self._node is not None and self._node.loaders_yield)
+        has_idle = self.h[self._cpu_hier].has_file(self.subtree, "cpu.idle")
+        if self._subtree_idle is None and has_idle:
+            try:    # a restarted agent: the subtree may still yield as the dead one left it
+                self._subtree_idle = self.h[self._cpu_hier].read(self.subtree, "cpu.idle").strip() == "1" or None
+            except CgroupError:
+                pass
+        if want_idle and not has_idle:
+            want_idle = False
+            notes.append("cpu: loaders cannot yield to the training processes: no cpu.idle in this kernel "
+                         "(5.15+); the subtree weighs its planned cores instead")
+        if want_idle != bool(self._subtree_idle):
+            if want_idle or self._subtree_idle is not None:
+                self._write(self._cpu_hier, self.subtree, "cpu.idle", 1 if want_idle else 0)
+            self._subtree_idle = want_idle
         shares = subtree_shares_for(sum(self._workers.values()))
-        need = sum(self._trainer.get(j, 0.0) for j in self._workers)
         cap = None
         if need >= TRAINER_CPU_MIN:
             shares = min(shares, subtree_shares_for_cores(sum(self._cores.get(j, 0.0) for j in self._workers)))
-        if need >= TRAINER_CPU_MIN and self.node_cpus:
-            pace = sum(self._trainer_pace.get(j, 0.0) for j in self._workers)
+        if need >= TRAINER_CPU_MIN and self.node_cpus and not want_idle:
             cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
             cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
             cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
-        if not self.h[self._cpu_hier].exists(self.subtree):
-            return
         if shares != self._subtree_shares:
             if self.version == 1:
                 self._write("cpu", self.subtree, "cpu.shares", shares)
@@ -578,6 +622,7 @@ class CgroupActuator:
             else:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
+        return notes
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -679,6 +724,8 @@ class CgroupActuator:
         self._workers.clear()
         self._subtree_shares = None
         self._subtree_cap = None
+        self._subtree_idle = None
+        self._node = None
         self.affinity.restore()
         self.originals.save()
         if errors:
