@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.model import JobAllocation, JobStats, NodeSnapshot
-from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, workers_for
+from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, thread_split, workers_for
 from predictor.curve import ThroughputCurve
 from tests.fakes import job_stats
 
@@ -239,15 +239,43 @@ def test_a_move_that_leaves_no_job_worse_needs_no_hysteresis():
     assert all(a.reason.startswith("hold") for a in held.allocations.values())
 
 
-def test_with_cpu_weights_workers_for_the_useful_cores_trainers_or_not():
-    """With per-job CPU weights a job gets workers for the cores its curve can use, beyond its share,
-    also where training processes need CPU (the loaders' subtree then weighs its planned cores, not its
-    workers, so the extra workers add no weight against a waking trainer; and one worker alone cannot
-    realise a fractional share beside a trainer). Without weights the count stays at the share."""
+CEIL = lambda cores: max(1, math.ceil(cores - 1e-6))
+
+
+@pytest.mark.parametrize("cores, wants, useful, bound, expect", [
+    # a 2-GPU job planned 0.8 cores beside a 1-GPU job planned 0.3 (both want more) and a light job
+    # that needs 0.2: workers in proportion to the plans, one per 0.3 cores; the light one its own
+    ({"a": 0.8, "b": 0.3, "c": 0.2}, {"a": 1.8, "b": 1.8, "c": 0.2}, {"a": 1.8, "b": 1.8, "c": 0.2}, 8,
+     {"a": 3, "b": 1, "c": 1}),
+    # ... where the loader allows 2 workers at most
+    ({"a": 0.8, "b": 0.3, "c": 0.2}, {"a": 1.8, "b": 1.8, "c": 0.2}, {"a": 1.8, "b": 1.8, "c": 0.2}, 2,
+     {"a": 2, "b": 1, "c": 1}),
+    # equal plans: two workers each, so either can fill a CPU the other leaves idle
+    ({"a": 0.9, "b": 0.9}, {"a": 1.8, "b": 1.8}, {"a": 1.8, "b": 1.8}, 8, {"a": 2, "b": 2}),
+    # one CPU-bound job (0.69) beside two that need 0.36 and 0.17: unit 0.345; the one that needs 0.36
+    # gets two workers, or per-thread sharing would leave it short of its need
+    ({"s": 0.69, "r": 0.37, "b": 0.19}, {"s": 1.5, "r": 0.36, "b": 0.17}, {"s": 1.5, "r": 0.36, "b": 0.17}, 8,
+     {"s": 2, "r": 2, "b": 1}),
+    # nobody wants more than planned: the workers their useful cores need
+    ({"a": 1.0, "b": 0.5}, {"a": 0.8, "b": 0.4}, {"a": 0.8, "b": 0.4}, 8, {"a": 1, "b": 1}),
+    # a big node: a core per worker
+    ({"a": 12.0, "b": 6.0}, {"a": 20.0, "b": 20.0}, {"a": 20.0, "b": 20.0}, 64, {"a": 12, "b": 6}),
+])
+def test_thread_split_workers_follow_the_planned_cores(cores, wants, useful, bound, expect):
+    got = thread_split(cores, wants, useful, {j: CEIL for j in cores}, {j: bound for j in cores})
+    assert got == expect
+
+
+def test_with_cpu_weights_workers_follow_the_planned_cores_without_at_the_share():
+    """With per-job CPU weights the worker counts carry the split (``thread_split``): a 2-GPU job
+    planned more cores than a 1-GPU neighbour gets more workers, in about the same ratio. Without
+    weights the count is the CPU control and stays at the share."""
     for kw in ({}, {"trainer_cpu_s_per_step": 0.03}):
-        s = snap("gpu-8core", [job(j, "heavy", **kw) for j in "abcd"])          # 1.75 cores each, 3 useful
-        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=True, fairness_floor=False))
-        assert any(a.workers > math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
+        s = snap("dev-2vcpu", [job("two", "heavy", gpus=2, max_workers=8, **kw), job("one", "heavy", max_workers=8, **kw)])
+        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=True))
+        two, one = plan.allocations["two"], plan.allocations["one"]
+        assert two.cpus > one.cpus and two.workers > one.workers, (kw, plan)
+        assert two.workers / one.workers == pytest.approx(two.cpus / one.cpus, rel=0.35)
         plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=False, fairness_floor=False))
         assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
 

@@ -130,13 +130,15 @@ def test_gpu_weight_takes_effect_a_two_gpu_job_gets_more_cores_and_workers():
 
 def test_with_cpu_weights_a_job_gets_the_workers_its_curve_can_use():
     """Per-job CPU weights (cgroup shares) arbitrate the cores; the worker count then does not cap a job
-    at its share (work-conserving), while without weights it is the CPU control and stays at the share."""
+    at its share: two jobs with equal plans get two workers each (``thread_split``), so either can fill
+    a CPU the other leaves idle (work-conserving), while without weights it is the CPU control and
+    stays at the share."""
     s = snap([job("heavy", c=0.3), job("other", c=0.3)])
     cv = {j: curve(s.jobs[j]) for j in s.jobs}
     plain = get_policy("adaptive")(s, cv, PolicyConfig())
     weighted = get_policy("adaptive")(s, cv, PolicyConfig(cpu_weights=True))
     assert plain.allocations["heavy"].workers == 1                 # 0.9 cores -> 1 worker
-    assert weighted.allocations["heavy"].workers == 2              # it could use all 1.8 loader cores
+    assert weighted.allocations["heavy"].workers == 2              # two workers for its 0.9-core plan
     assert weighted.allocations["heavy"].cpus == plain.allocations["heavy"].cpus
 
 
