@@ -48,6 +48,7 @@ from predictor.observation import BadObservation, Observation
 BREAKER_FAILURES = 3
 CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
 OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at most this often
+DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
 
 
 class PredictorLike(Protocol):
@@ -115,7 +116,8 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
 
 def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
                            work_conserving: bool = True) -> Optional[Observation]:
-    """The predictor's window for one job, or None when the job has no usable window yet.
+    """The predictor's window for one job, or None when the job has no usable window yet (or the window
+    delivered more batches than its workers' CPU could make: a queue filled earlier was draining).
 
     Cores the loader could use (``Observation.cores``): the applied CPU allocation
     (``snapshot.applied``), else the job's
@@ -147,6 +149,14 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             cores = min(cap, max(cores, job.worker_cpu_cores))
     if cores <= 0:
         return None
+    if job.worker_cpu_cores >= 0 and job.cpu_s_per_batch > 0 and job.batch_size > 0:
+        # Batches delivered cost CPU in the workers: a window that delivered far more than its workers'
+        # CPU could have made was draining a queue filled earlier (the first seconds after a job that
+        # started with 16 workers was cut to one: it ran at its ceiling on a fraction of a core, and its
+        # curve said 0.05 cores were enough). Such a window says nothing about what the cores buy.
+        made = job.samples_per_s / job.batch_size * job.cpu_s_per_batch
+        if made > DRAINING_FACTOR * job.worker_cpu_cores + DRAINING_SLACK_CORES:
+            return None
     ranks = max(1, job.ranks)
     steps = int(round(job.samples_per_s / ranks / job.batch_size * job.window_s))
     if steps == 0 and job.samples_per_s > 0 and job.compute_s_per_step > 0:

@@ -178,6 +178,11 @@ def test_observation_cores():
     assert observation_from_stats(j, applied).cores == 1.5
     assert observation_from_stats(job_stats("a", window_s=0.0), snap) is None
     assert observation_from_stats(job_stats("a", cpu_s_per_batch=float("nan")), snap) is None
+    # 10 batches/s at 0.1 CPU s each is 1 core of workers' CPU: measured 0.2 cores, the window was draining
+    # a queue filled earlier (a job cut from 16 workers to one) and says nothing about what cores buy
+    made = dict(samples_per_s=320.0, batch_size=32, cpu_s_per_batch=0.1)
+    assert observation_from_stats(job_stats("a", worker_cpu_cores=0.2, **made), snap) is None
+    assert observation_from_stats(job_stats("a", worker_cpu_cores=0.9, **made), snap) is not None
 
 
 def test_build_off_is_directive_only():
@@ -280,7 +285,7 @@ def test_observed_cores_under_a_work_conserving_share():
     shared = dataclasses.replace(snap, applied={"a": share})           # what the controller adds
     busy = job_stats("a", worker_cpu_cores=2.6)
     assert observation_from_stats(busy, shared).cores == 2.6                    # used more than its share
-    idle = job_stats("a", worker_cpu_cores=0.4)
+    idle = job_stats("a", worker_cpu_cores=0.4, samples_per_s=64.0)
     assert observation_from_stats(idle, shared).cores == 1.0                    # the share is still there
     greedy = job_stats("a", worker_cpu_cores=7.0)
     assert observation_from_stats(greedy, shared).cores == 4.0                  # never past the loader CPUs
