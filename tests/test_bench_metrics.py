@@ -132,7 +132,9 @@ def test_oracle_agent_policy_replays_the_plan_for_the_jobs_present():
     assert a["new"].cpus == pytest.approx(0.6) and "no measured curve" in a["new"].reason
     assert a["light"].cpus >= 0.2 - 1e-6 and a["heavy"].workers == 2
     assert sum(x.cpus for x in a.values()) <= 1.8 + 1e-6
-    assert policy(snap, {}, PolicyConfig()) is plan          # fixed while the set of jobs is
+    again = policy(snap, {}, PolicyConfig())
+    assert again.allocations is plan.allocations           # fixed while the set of jobs is
+    assert again.node == plan.node                         # the node part follows the live trainers
 
 
 def test_goal_reports_the_per_repeat_spread_of_its_ratio():
