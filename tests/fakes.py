@@ -158,7 +158,8 @@ class FakeV2Kernel(V2Hierarchy):
     "no internal processes" rule refuses a process in a group that delegates controllers (EBUSY), rmdir
     refuses a group with processes or children (EBUSY), and cpu.weight / cpu.max / io.weight values are
     range-checked (EINVAL), as is cpu.idle (0 or 1; a kernel before 5.15 has no such file:
-    ``FakeV2Kernel.FILES`` without it)."""
+    ``FakeV2Kernel.FILES`` without it). A group with cpu.idle = 1 refuses a cpu.weight (EINVAL), and
+    leaving idle puts its weight back at the default 100 (sched_group_set_shares / sched_group_set_idle)."""
     FILES = {"cpu.weight": "100", "cpu.max": "max 100000", "cpu.idle": "0", "cpuset.cpus": "", "io.weight": "default 100",
              "io.bfq.weight": "default 100", "cgroup.procs": "", "cgroup.subtree_control": ""}
 
@@ -214,7 +215,8 @@ class FakeV2Kernel(V2Hierarchy):
                     raise self._err(errno.EBUSY, f"write {value} to {self.path(rel, file)}")
                 cur = cur | {tok[1:]} if tok[0] == "+" else cur - {tok[1:]}
             value = " ".join(sorted(cur))
-        elif file == "cpu.weight" and not 1 <= int(value) <= 10000:
+        elif file == "cpu.weight" and (not 1 <= int(value) <= 10000
+                                       or self.has_file(rel, "cpu.idle") and self.read(rel, "cpu.idle").strip() == "1"):
             raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
         elif file == "cpu.max":
             q, p = value.split()
@@ -222,6 +224,8 @@ class FakeV2Kernel(V2Hierarchy):
                 raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
         elif file == "cpu.idle" and value not in ("0", "1"):
             raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
+        elif file == "cpu.idle" and value == "0" and self.has_file(rel, file) and self.read(rel, file).strip() == "1":
+            super().write(rel, "cpu.weight", "100")
         elif file == "io.weight" and not 1 <= int(value.split()[-1]) <= 10000:
             raise self._err(errno.EINVAL, f"write {value} to {self.path(rel, file)}")
         if not self.has_file(rel, file):

@@ -15,6 +15,7 @@ import pytest
 
 from agent import cgroupfs
 from agent.actuators import build
+from agent.actuators.cgroup import subtree_shares_for_cores
 from agent.model import JobAllocation
 from tests.cgroup_support import ROOT, SUBTREE, skip_reason, wipe
 from tests.fakes import cgroup_job
@@ -230,9 +231,15 @@ def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
           f"yielding {yielding:.3f}")
     assert 0.3 <= weighted <= 0.7, weighted
     assert yielding <= 0.1, yielding
+    # the kernel refuses a weight for an idle group: a change of plan while yielding must still apply
+    res = act.apply(stats("y1", [w1, w2], trainer_cpu_s_per_step=0.02, compute_s_per_step=0.05),
+                    JobAllocation(job="y1", workers=2, cpus=1.5))
+    assert res.ok, res.error
     assert act.apply_node(NodeAllocation(False, trainers)) == []
     with open(idle_file) as f:
         assert f.read().strip() == "0"
+    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+        assert int(f.read()) == subtree_shares_for_cores(1.5)   # written again: leaving idle resets it
     act.restore()
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 

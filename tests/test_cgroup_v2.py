@@ -319,6 +319,25 @@ def test_v2_yielding_loaders_are_cpu_idle_uncapped_and_back_to_weight_and_cap(v2
     assert not kernel.exists("adloader")
 
 
+def test_v2_a_job_arriving_while_the_loaders_yield_is_applied_and_the_weight_comes_back_after(v2):
+    """An idle group refuses a weight: a job applied while the subtree yields must not write one (the
+    apply failed every tick until the yield ended, and the newcomer got no allocation); when the yield
+    ends the kernel has put the default weight back, so the planned weight is written again."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=4.0)
+    trainers = {"a": (0.3, 0.3), "b": (0.3, 0.2)}
+    act.apply(cgroup_job("a", [101, 102]), JobAllocation(job="a", workers=2, cpus=1.0))
+    act.apply_node(_node(True, trainers))
+    assert read(kernel, "adloader", "cpu.idle") == "1"
+    res = act.apply(cgroup_job("b", [103, 104, 105]), JobAllocation(job="b", workers=3, cpus=1.0))
+    assert res.ok, res
+    assert read(kernel, "adloader/b", "cpu.weight") == "100"
+    act.apply_node(_node(False, trainers))
+    assert read(kernel, "adloader", "cpu.idle") == "0"
+    assert read(kernel, "adloader", "cpu.weight") == "200"               # one task per planned core, again
+    act.restore()
+
+
 def test_v2_without_cpu_idle_the_loaders_are_weighted_and_it_says_so(v2, monkeypatch):
     """A kernel before 5.15 has no cpu.idle: the subtree keeps its weight and cap, and the apply says
     that the loaders cannot yield."""

@@ -578,7 +578,9 @@ class CgroupActuator:
         Yielding (``NodeAllocation.loaders_yield``, where the kernel has ``cpu.idle``): ``cpu.idle = 1``,
         no cap. Otherwise ``cpu.idle = 0`` (if we set it) and the subtree weighs what its workers would
         unmanaged; where training processes need CPU, at most one task per planned loader core, and
-        capped at the node's CPUs less what the trainers use."""
+        capped at the node's CPUs less what the trainers use. The kernel refuses a weight for an idle
+        group (EINVAL) and puts it back at the default weight when idle ends, so none is written while
+        yielding and it is written again after."""
         if not self.h[self._cpu_hier].exists(self.subtree):
             return []
         notes: list[str] = []
@@ -597,6 +599,7 @@ class CgroupActuator:
         if want_idle != bool(self._subtree_idle):
             if want_idle or self._subtree_idle is not None:
                 self._write(self._cpu_hier, self.subtree, "cpu.idle", 1 if want_idle else 0)
+                self._subtree_shares = None     # the kernel resets the weight on either edge
             self._subtree_idle = want_idle
         shares = subtree_shares_for(sum(self._workers.values()))
         cap = None
@@ -606,7 +609,7 @@ class CgroupActuator:
             cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
             cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
             cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
-        if shares != self._subtree_shares:
+        if shares != self._subtree_shares and not want_idle:    # an idle group refuses a weight (EINVAL)
             if self.version == 1:
                 self._write("cpu", self.subtree, "cpu.shares", shares)
             else:
