@@ -539,27 +539,55 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         return norm(j, rule[j](x), x)
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
+    node_cpus = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
+
+    def static_share(j: str) -> float:
+        """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
+        node's CPUs x its GPUs / all GPUs for its training processes and loader together), less what
+        its trainers use at the throughput those cores give (a fixed point on its curve), in the
+        loaders' part of the node (x loader_cpus / node CPUs: the agent's reserve is no job's)."""
+        S = node_cpus * gpus[j] / total_gpus
+        n = trainer_cores_needed(snapshot.jobs[j])
+        part = snapshot.loader_cpus / node_cpus
+        x = value(j, max(min_c, part * (S - 0.5 * n)))
+        for _ in range(3):
+            x = value(j, max(min_c, part * (S - n * x)))
+        return max(min_c, part * (S - n * x))
+
+    def floor_cores(j: str, top: float) -> float:
+        """The least cores that keep floor_fraction of what ``top`` cores give (bisection on the job's own
+        curve, which is non-decreasing in cores): the rest is the knapsack's."""
+        top = max(min_c, min(top, useful[j], cap[j]))
+        if config.floor_fraction >= 1.0 or top <= min_c:
+            return top
+        want = config.floor_fraction * value(j, top)
+        lo, hi = min_c, top
+        if value(j, lo) >= want:
+            return lo
+        for _ in range(24):
+            mid = 0.5 * (lo + hi)
+            if value(j, mid) >= want:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
+    # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of
+    # it can be below what static cores give its loader; issue 11's fairness target: no job below 0.9x its
+    # static-cores throughput). The raises are scaled down, if need be, to fit the loader CPUs.
+    extra: dict[str, float] = {}
     for j in warm:
         if not config.fairness_floor:
             cpus[j] = min_c
             continue
-        top = max(min_c, min(share[j], useful[j], cap[j]))
-        cpus[j] = top
-        if config.floor_fraction < 1.0 and top > min_c:
-            # the least cores that keep floor_fraction of what the GPU share would give (bisection on the
-            # job's own curve, which is non-decreasing in cores): the rest of the share is the knapsack's
-            want = config.floor_fraction * value(j, top)
-            lo, hi = min_c, top
-            if value(j, lo) < want:
-                for _ in range(24):
-                    mid = 0.5 * (lo + hi)
-                    if value(j, mid) >= want:
-                        hi = mid
-                    else:
-                        lo = mid
-                cpus[j] = hi
-            else:
-                cpus[j] = lo
+        cpus[j] = floor_cores(j, share[j])
+        extra[j] = max(0.0, floor_cores(j, max(share[j], static_share(j))) - cpus[j])
+    room = snapshot.loader_cpus - sum(cpus.values())
+    if extra and sum(extra.values()) > EPS:
+        k = min(1.0, max(0.0, room) / sum(extra.values()))
+        for j, e in extra.items():
+            cpus[j] += e * k
     # The trainers' CPU counts against the node: a job at normalised throughput v uses need_j * v cores
     # in its training processes (need_j at full speed). Cores go to loaders while both the loader CPUs
     # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned

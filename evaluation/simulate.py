@@ -417,10 +417,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             m = model_of(jb)
             jobs[jid] = _job_stats(jb, now, min(cfg.tick_s, now - jb.since), m.habitual_workers,
                                    m.gpus * m.trainer_cpu_s_per_step)
-        # other tenants take what the jobs cannot get (``available_cores``): what the agent sees as foreign
-        foreign = max(0.0, cfg.cores - cfg.available_cores) if cfg.available_cores is not None else 0.0
+        # the CPU the jobs cannot get (``available_cores``) is unexplained capacity, not a tenant the
+        # agent measures: the agent sees no other processes' CPU (foreign 0), as on the bench node
         return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
-                            loader_memory_bytes=cfg.loader_memory, foreign_cpu_cores=foreign)
+                            loader_memory_bytes=cfg.loader_memory, foreign_cpu_cores=0.0)
 
     controller = None
     if policy_name not in NO_AGENT_POLICIES:

@@ -469,3 +469,23 @@ def test_loaders_do_not_yield_when_nothing_asks_for_it():
     assert get_policy("none")(known, {}, PolicyConfig()).node is None         # no CPU control: no node plan
     with pytest.raises(ValueError, match="loaders_yield"):
         PolicyConfig(loaders_yield="sometimes")
+
+
+def test_fairness_floor_is_at_least_the_static_cores_allotment_where_trainers_need_cpu():
+    """A batch scheduler gives a job node CPUs x its GPUs / all GPUs for its trainer and loader together.
+    The loader budget reserves every trainer's full-speed need, so a slow job's GPU share of the budget
+    can be below what that allotment lets its loader use; the floor takes the larger (issue 11: no job
+    below 0.9x its static-cores throughput). Here the 1-GPU heavy job's trainer needs 0.3 cores at full
+    speed but uses a fraction of that at the pace its loader allows."""
+    busy = dict(trainer_cpu_s_per_step=0.03)
+    s = snap("dev-2vcpu", [job("two", "heavy", gpus=2, **busy), job("one", "heavy", **busy),
+                           job("light", "light", **busy)])
+    cv = curves_of(s)
+    plan = get_policy("adaptive")(s, cv, PolicyConfig(cpu_weights=True))
+    one = plan.allocations["one"]
+    # its static allotment: 2 CPUs x 1/4 GPUs, less its trainer's use at that pace, in the loaders' 90%
+    x = 0.5
+    for _ in range(20):
+        x = cv["one"].normalized(8, 0.9 * (0.5 - 0.3 * x))
+    assert cv["one"].normalized(one.workers, one.cpus) >= 0.9 * x - 1e-3, (one, x)
+    assert sum(a.cpus for a in plan.allocations.values()) <= 1.8 + 1e-6
