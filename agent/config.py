@@ -26,7 +26,8 @@ for the ones the command line offers):
                            default 2.0
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
-    fairness_floor  bool   adaptive: no job below its even share unless it cannot use it, default true
+    fairness_floor  bool   adaptive: no job below 90% of its GPU share or static-cores allotment unless it
+                           cannot use it, default true
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
