@@ -83,8 +83,11 @@ def test_find_jobs_on_a_fake_proc(tmp_path):
 def test_find_jobs_on_the_real_proc_by_environment():
     job = f"jp-{os.getpid()}-{os.urandom(3).hex()}"
     env = {**os.environ, "ADLOADER_JOB_ID": job}
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                         env=env, stdout=subprocess.PIPE, text=True)
     try:
+        # until the child has exec'd, /proc/<pid>/environ is the parent's (a loaded machine showed it)
+        assert p.stdout.readline().strip() == "up"
         assert jobprocs.find_jobs({job: os.getuid(), "not-here": os.getuid()}) == {job}
         assert jobprocs.find_jobs({job: os.getuid() + 1}) == set()      # wrong owner
     finally:
