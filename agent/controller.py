@@ -149,7 +149,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             cores = min(cap, max(cores, job.worker_cpu_cores))
     if cores <= 0:
         return None
-    if job.worker_cpu_cores >= 0 and job.cpu_s_per_batch > 0 and job.batch_size > 0:
+    if job.cpu_s_per_batch > 0 and job.batch_size > 0:
         # Batches delivered cost CPU in the workers: a window that delivered far more than its workers'
         # CPU could have made was draining a queue filled earlier (the first seconds after a job that
         # started with 16 workers was cut to one: it ran at its ceiling on a fraction of a core, and its

@@ -197,6 +197,12 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
     return max(config.min_workers, min(worker_bound(job, config), int(w)))
 
 
+def most_workers(job: JobStats, config: PolicyConfig, cap: Optional[int] = None) -> int:
+    """The most workers a job may get: ``worker_bound``, and at most ``cap`` (what its memory allows)."""
+    bound = worker_bound(job, config)
+    return bound if cap is None else max(config.min_workers, min(bound, cap))
+
+
 def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyConfig,
                 cap: Optional[int] = None) -> Callable[[float], int]:
     """``cores -> workers`` for one job: enough workers to use the cores (see ``workers_for``), at
@@ -204,9 +210,7 @@ def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyC
 
     The constants are computed once, so the greedy can call it thousands of times per decision.
     """
-    lo, bound = config.min_workers, worker_bound(job, config)
-    if cap is not None:
-        bound = max(lo, min(bound, cap))
+    lo, bound = config.min_workers, most_workers(job, config, cap)
     if curve is None:
         return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
     top = min(bound, curve.max_useful_workers)
@@ -448,7 +452,7 @@ def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: Pol
         # more cores than the workers can keep busy: worker-bound rate k_w * w / (c + b) = k_c * cores / c
         k_w = curve.correction
         k_c = getattr(curve, "core_correction", None) or k_w
-        wb = worker_bound(job, config) if wcap is None else max(config.min_workers, min(worker_bound(job, config), wcap))
+        wb = most_workers(job, config, wcap)
         need = min(need, wb * c * k_w / ((c + b) * k_c))
     return min(cap, need) if math.isfinite(need) else cap
 
@@ -549,8 +553,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         S = node_cpus * gpus[j] / total_gpus
         n = trainer_cores_needed(snapshot.jobs[j])
         part = snapshot.loader_cpus / node_cpus
-        x = value(j, max(min_c, part * (S - 0.5 * n)))
-        for _ in range(3):
+        x = 0.5
+        for _ in range(4):
             x = value(j, max(min_c, part * (S - n * x)))
         return max(min_c, part * (S - n * x))
 
@@ -672,7 +676,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         wants = {j: _useful_cores(warm[j], snapshot.jobs[j], min(snapshot.loader_cpus, cap_node[j]), config,
                                   wcap.get(j)) for j in warm}
         workers.update(thread_split({j: cpus[j] for j in warm}, wants, {j: useful[j] for j in warm}, rule,
-                                    {j: worker_rule(None, snapshot.jobs[j], config, wcap.get(j))(1e9) for j in warm}))
+                                    {j: most_workers(snapshot.jobs[j], config, wcap.get(j)) for j in warm}))
     else:
         for j in warm:
             workers[j] = rule[j](min(cpus[j], useful[j]))
