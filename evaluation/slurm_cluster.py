@@ -37,6 +37,7 @@ from typing import Optional
 from evaluation.poll import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("adloader", "agent", "predictor", "evaluation")   # pyproject.toml: [tool.setuptools.packages.find]
 
 
 JOB_USER = 65534            # nobody
@@ -226,6 +227,16 @@ class Cluster:
         where that user cannot traverse the real paths (a Python under /root)."""
         purelib = sysconfig.get_paths()["purelib"]
         sources = {"py": sys.base_prefix, "site": purelib, "src": str(REPO)}
+        if os.stat(REPO).st_mode & 0o005 != 0o005:
+            # a checkout only its owner may enter (a clone into ``mktemp -d``): a bind mount keeps the
+            # directory's mode, so the job user gets a copy of the project's packages instead
+            src = self.dir / "src"
+            for pkg in PACKAGES:
+                shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"),
+                                dirs_exist_ok=True)
+            for path in [src, *src.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            sources["src"] = str(src)
         where = {}
         for name, src in sources.items():
             target = self.dir / "mnt" / name
