@@ -122,7 +122,9 @@ def test_a_job_registers_attaches_and_is_released_with_no_cgroup_left(cluster, a
     assert st["pid"] in j["pids"]
     group = Path(CPU_V1, "adloader", job.id)
     if _v1_mode() == "v1":
-        wait_for(lambda: j["worker_pids"] and group.is_dir(), 30, what=f"the job's group {group}")
+        # the agent's view now, not the snapshot above: the workers may start after the rank attached
+        wait_for(lambda: (now := agent.job(job.id)) and now["worker_pids"] and group.is_dir(), 30,
+                 what=f"the job's workers and its group {group}")
     job.stop()
     assert job.wait_done() == "COMPLETED", job.output()
     wait_for(lambda: any(e["why"] == "released" for e in _departed(agent, job.id)), 15,
