@@ -1,6 +1,6 @@
 """The simulator checked against measured bench runs, and the same mixes on bigger nodes.
 
-    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--capacity measured|node] [--out FILE.json]
+    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--capacity measured|node] [--jobs] [--out FILE.json]
     python -m evaluation.validate_sim --nodes 16:8,96:8 [--out FILE.json]
 
 Validation: for every static scenario of the given ``adloader bench`` runs, the same jobs (the specs
@@ -89,11 +89,7 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
         cache: dict = {}
 
         def sim(policy: str, avail: Optional[float], warm: float, meas: float) -> float:
-            key = (policy, None if avail is None else round(avail, 3), warm, meas)
-            if key not in cache:
-                cfg = sim_config(node, loader, gpus, tick, avail)
-                cache[key] = S.steady_state(truth, policy, cfg, warm, meas)["window_agg"]
-            return cache[key]
+            return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas)["window_agg"]
 
         reps: dict[int, dict[str, dict]] = {}
         # a static-cores phase's idle CPU is its quotas' doing, not other tenants': it gets the most any
@@ -127,6 +123,73 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
             row["reps"] = sum(1 for vals in reps.values() if p in vals)
             rows.append(row)
     return rows
+
+
+def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: float, meas: float) -> dict:
+    """``S.steady_state`` of ``truth`` under ``policy``, once per (policy, capacity, window)."""
+    key = (policy, None if cfg.available_cores is None else round(cfg.available_cores, 3), warm, meas)
+    if key not in cache:
+        cache[key] = S.steady_state(truth, policy, cfg, warm, meas)
+    return cache[key]
+
+
+def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
+    """Per job, where the ratios of ``validate`` come from: for every static scenario, policy and job,
+    the measured and simulated normalised throughput, loader cores, training-process cores and the
+    training process's run-queue wait per step (each rank), medians over repeats. A model error shows
+    up here as the mechanism it is (a trainer waiting longer for a CPU than modelled, a loader getting
+    less CPU), not only as a ratio."""
+    if capacity not in ("measured", "node"):
+        raise ValueError(f"unknown capacity {capacity!r}; choose measured or node")
+    meta = bench.get("meta") or {}
+    node, loader = float(meta.get("node_cores") or 2), float(meta.get("loader_cpus") or 1.8)
+    tick = float(meta.get("tick_s") or 1.0)
+    acc: dict[tuple, dict[str, list]] = {}
+    caches: dict[str, dict] = {}
+    for ph in bench.get("phases", []):
+        jobs = (ph.get("metrics") or {}).get("jobs") or {}
+        if ph.get("kind") != "static" or ph.get("policy") not in SIM_POLICIES or not jobs or not ph.get("specs"):
+            continue
+        specs = {j: s for j, s in ph["specs"].items() if s}
+        truth = curves_from_bench_specs(specs)
+        gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
+        cap = phase_capacity(ph, node) if capacity == "measured" else node
+        warm = float(ph.get("warmup_s") or 6.0)
+        win = ph.get("window") or [0.0, 12.0]
+        meas = max(1.0, float(win[1]) - float(win[0]))
+        run = _sim_run(caches.setdefault(ph["scenario"], {}), truth, ph["policy"],
+                       sim_config(node, loader, gpus, tick, cap if cap < node else None), warm, meas)
+        for j, m in jobs.items():
+            if j not in truth:
+                continue
+            cv, r = truth[j], run["rates"].get(j) or {}
+            ranks = int(cv.extra.get("gpus") or 1)
+            steps = float(m.get("samples_per_s") or 0.0) / cv.batch_size / ranks     # steps/s of each rank
+            a = acc.setdefault((ph["scenario"], ph["policy"], j), {})
+            for k, v in (("measured_norm", m.get("normalised")), ("sim_norm", run["window"].get(j)),
+                         ("measured_loader", m.get("worker_cpu_cores")), ("sim_loader", r.get("loader_cores")),
+                         ("measured_trainer", m.get("trainer_cpu_cores")), ("sim_trainer", r.get("trainer_cores")),
+                         ("measured_wait", (float(m["trainer_runq_cores"]) / ranks / steps
+                                            if m.get("trainer_runq_cores") is not None and steps > 0 else None)),
+                         ("sim_wait", r.get("trainer_runq_s_per_step"))):
+                a.setdefault(k, []).append(v)
+            a.setdefault("workers", []).append(m.get("workers_end"))
+            a["gpus"] = [ranks]
+    return [{"scenario": sc, "policy": p, "job": j, "reps": len(v["measured_norm"]),
+             **{k: _median(xs) for k, xs in v.items()}} for (sc, p, j), v in sorted(acc.items())]
+
+
+def markdown_jobs(rows: list[dict]) -> str:
+    lines = ["| scenario | policy | job | GPUs | workers (end) | normalised: measured / sim | loader cores: measured / sim "
+             "| trainer cores: measured / sim | trainer run-queue wait s/step: measured / sim |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['policy']} | {r['job']} | {r['gpus']} | {_f(r['workers'], '.0f')} "
+                     f"| {_f(r['measured_norm'])} / {_f(r['sim_norm'])} "
+                     f"| {_f(r['measured_loader'], '.2f')} / {_f(r['sim_loader'], '.2f')} "
+                     f"| {_f(r['measured_trainer'], '.2f')} / {_f(r['sim_trainer'], '.2f')} "
+                     f"| {_f(r['measured_wait'])} / {_f(r['sim_wait'])} |")
+    return "\n".join(lines)
 
 
 def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0) -> dict:
@@ -326,6 +389,9 @@ def main(argv=None) -> int:
                          "(default), or the node's cores")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
+    ap.add_argument("--jobs", action="store_true",
+                    help="with bench files: per job, measured next to simulated (normalised throughput, loader "
+                         "and trainer cores, the trainer's run-queue wait per step)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
@@ -353,6 +419,13 @@ def main(argv=None) -> int:
             print(markdown_validation(rows))
         if dyn:
             print(markdown_dynamic(dyn))
+        if args.jobs:
+            per_job = validate_jobs(bench, args.capacity)
+            for r in per_job:
+                r["bench"] = path
+            doc.setdefault("jobs", []).extend(per_job)
+            print()
+            print(markdown_jobs(per_job))
     for c, g in shapes:
         st = node_study(c, g)
         doc["study"][f"{c}:{g}"] = st

@@ -280,6 +280,39 @@ def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
 
 
 @pytest.mark.unit
+def test_validate_sim_per_job_view_names_the_mechanism():
+    """``validate_jobs``: per scenario, policy and job, the measured figures next to the simulator's
+    (medians over repeats); the trainer's run-queue wait per step is the measured run-queue cores over
+    each rank's steps/s; the sum of the simulated jobs' GPU-weighted normalised throughput is the
+    simulated aggregate ``validate`` compares."""
+    from evaluation import validate_sim as V
+
+    spec = lambda demand, frac, gpus=1: {"batch_size": 64 * gpus, "step_s": 0.1, "demand_cores": demand,
+                                         "trainer_cpu_frac": frac, "gpus": gpus, "num_workers": 8}
+    specs = {"a": spec(1.8, 0.25, gpus=2), "b": spec(0.45, 0.15)}
+    phases = []
+    for rep, wait in enumerate((0.2, 0.4, 0.3)):
+        jobs = {"a": {"normalised": 0.25, "samples_per_s": 0.25 * 1280, "worker_cpu_cores": 0.7,
+                      "trainer_cpu_cores": 0.1, "trainer_runq_cores": wait * 2 * 2.5, "workers_end": 16},
+                "b": {"normalised": 0.6, "samples_per_s": 384.0, "worker_cpu_cores": 0.2,
+                      "trainer_cpu_cores": 0.1, "trainer_runq_cores": 0.6, "workers_end": 8}}
+        phases.append({"scenario": "oversubscribed", "kind": "static", "policy": "none", "rep": rep, "warmup_s": 6,
+                       "window": [0.0, 12.0], "metrics": {"agg_normalised": 1.1, "jobs": jobs}, "specs": specs})
+    bench = {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": phases}
+    rows = {r["job"]: r for r in V.validate_jobs(bench, capacity="node")}
+    assert set(rows) == {"a", "b"} and rows["a"]["reps"] == 3 and rows["a"]["gpus"] == 2
+    # a: 320 samples/s = 2.5 batches/s = 1.25 steps/s per rank; runq cores = wait * 2 ranks * 2.5 -> wait * 2 s/step
+    assert rows["a"]["measured_wait"] == pytest.approx(0.3 * 2)
+    assert rows["b"]["measured_wait"] == pytest.approx(0.6 / 6.0)
+    assert rows["a"]["measured_norm"] == 0.25 and rows["b"]["workers"] == 8
+    sim_agg = V.validate(bench, capacity="node")[0]["sim_agg"]
+    assert 2 * rows["a"]["sim_norm"] + rows["b"]["sim_norm"] == pytest.approx(sim_agg)
+    assert all(r["sim_wait"] >= 0 and 0 < r["sim_norm"] <= 1 for r in rows.values())
+    table = V.markdown_jobs(list(rows.values()))
+    assert "| oversubscribed | none | a | 2 | 16 | 0.250 / " in table
+
+
+@pytest.mark.unit
 def test_bigger_node_study_fills_the_gpus_and_keeps_the_controllers_records():
     from evaluation import validate_sim as V
 
