@@ -544,6 +544,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     node_cpus = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
+    part = snapshot.loader_cpus / node_cpus      # the loaders' part of the node
+    need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}     # each job's trainers at full speed
 
     def static_share(j: str) -> float:
         """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
@@ -551,29 +553,43 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         its trainers use at the throughput those cores give (a fixed point on its curve), in the
         loaders' part of the node (x loader_cpus / node CPUs: the agent's reserve is no job's)."""
         S = node_cpus * gpus[j] / total_gpus
-        n = trainer_cores_needed(snapshot.jobs[j])
-        part = snapshot.loader_cpus / node_cpus
+        n = need[j]
         x = 0.5
         for _ in range(4):
             x = value(j, max(min_c, part * (S - n * x)))
         return max(min_c, part * (S - n * x))
 
-    def floor_cores(j: str, top: float) -> float:
-        """The least cores that keep floor_fraction of what ``top`` cores give (bisection on the job's own
-        curve, which is non-decreasing in cores): the rest is the knapsack's."""
+    def floor_cores(j: str, top: float, lo: Optional[float] = None) -> float:
+        """The least cores that keep floor_fraction of what ``top`` cores give, to a sixteenth of the
+        greedy's step (the rest is the knapsack's): regula falsi with the Illinois rule on the job's own
+        curve, which is non-decreasing in cores, keeping the root bracketed; a few curve evaluations
+        where bisection takes ten (this runs for every job on every tick). ``lo``: cores known to give
+        less than the target (the floor for a lower target), where the search starts."""
         top = max(min_c, min(top, useful[j], cap[j]))
         if config.floor_fraction >= 1.0 or top <= min_c:
             return top
         want = config.floor_fraction * value(j, top)
-        lo, hi = min_c, top
-        if value(j, lo) >= want:
+        lo, hi = min(top, max(min_c, lo or min_c)), top
+        f_lo, f_hi = value(j, lo) - want, value(j, hi) - want
+        if f_lo >= 0:
             return lo
-        for _ in range(24):
-            mid = 0.5 * (lo + hi)
-            if value(j, mid) >= want:
-                hi = mid
+        tol, side = q / 16, 0
+        for _ in range(64):
+            if hi - lo <= tol:
+                break
+            x = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else 0.5 * (lo + hi)
+            x = min(hi - 0.25 * tol, max(lo + 0.25 * tol, x))
+            f = value(j, x) - want
+            if f >= 0:
+                hi, f_hi = x, f
+                if side > 0:
+                    f_lo *= 0.5
+                side = 1
             else:
-                lo = mid
+                lo, f_lo = x, f
+                if side < 0:
+                    f_hi *= 0.5
+                side = -1
         return hi
 
     # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
@@ -586,7 +602,12 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             cpus[j] = min_c
             continue
         cpus[j] = floor_cores(j, share[j])
-        extra[j] = max(0.0, floor_cores(j, max(share[j], static_share(j))) - cpus[j])
+        extra[j] = 0.0
+        # (a job its GPU share already covers, or whose whole static allotment is no more, needs no raise)
+        if share[j] < min(useful[j], cap[j]) and part * node_cpus * gpus[j] / total_gpus > share[j]:
+            top = static_share(j)
+            if top > share[j]:
+                extra[j] = max(0.0, floor_cores(j, top, lo=cpus[j]) - cpus[j])
     room = snapshot.loader_cpus - sum(cpus.values())
     if extra and sum(extra.values()) > EPS:
         k = min(1.0, max(0.0, room) / sum(extra.values()))
@@ -597,12 +618,10 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned
     # throughput) have room; a step's cost is its loader cores plus the trainer CPU its gain brings.
     # (The shares above are conservative: they reserve every trainer's full-speed need.)
-    node = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
-    need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}
     current = {j: value(j, cpus[j]) for j in warm}
     trainer_use = sum(need[j] * (current[j] if j in warm else 1.0) for j in ids)
     rem_loader = snapshot.loader_cpus - sum(cpus.values())
-    rem_node = node - sum(cpus.values()) - trainer_use
+    rem_node = node_cpus - sum(cpus.values()) - trainer_use
     # Greedy in quanta; each job's value at its current cores and at the next step is cached, so a
     # step costs one curve evaluation. Ties (equal gains to 1e-9) go to the job with the least cores for
     # its GPU share, then the smaller job id: identical jobs split evenly instead of one taking the rest.
@@ -623,7 +642,9 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         offer(j)
     heapq.heapify(heap)
     last_gain: dict[str, float] = {}
-    while heap and min(rem_loader, rem_node) > EPS:
+    tol = q / 64        # partial steps finer than this buy nothing: the crumb goes to the last step's job
+    last_step: Optional[str] = None
+    while heap and min(rem_loader, rem_node) > tol:
         neg, _, j = heapq.heappop(heap)
         if -neg <= EPS:
             break
@@ -631,7 +652,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         if dx + need[j] * (v - current[j]) > min(rem_loader, rem_node) or dx > rem_loader:
             # a partial last step: the largest that fits both budgets, re-evaluated exactly
             lo, hi = 0.0, dx
-            for _ in range(20):
+            while hi - lo > tol:
                 mid = 0.5 * (lo + hi)
                 vm = value(j, cpus[j] + mid)
                 if mid <= rem_loader and mid + need[j] * (vm - current[j]) <= rem_node:
@@ -650,13 +671,19 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         rem_node -= dx + need[j] * (v - current[j])
         current[j] = v
         last_gain[j] = g
+        last_step = j
         dx2 = min(q, cap[j] - cpus[j])
         if dx2 > EPS:
             v2 = value(j, cpus[j] + dx2)
             nxt[j] = (dx2, v2)
             heapq.heappush(heap, key(j, dx2, v2 - v))
     remaining = max(0.0, min(rem_loader, rem_node))
-    if remaining > EPS and warm:
+    if last_step is not None and 0.0 < remaining <= tol:
+        # the crumb the greedy leaves goes to the job that took the last step, as a last partial step would
+        add = min(remaining, cap[last_step] - cpus[last_step])
+        cpus[last_step] += add
+        remaining -= add
+    if remaining > tol and warm:
         weight = {j: max(1, snapshot.jobs[j].gpus) for j in warm if cap[j] - cpus[j] > EPS}
         while remaining > EPS and weight:
             total = sum(weight.values())

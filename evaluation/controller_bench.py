@@ -142,16 +142,21 @@ def main(argv=None) -> int:
     ap.add_argument("--ticks", type=int, default=200)
     ap.add_argument("--cores", type=float, nargs="+", default=[60.0, 14.0],
                     help="node loader cores to try (default: 60 and 14)")
-    ap.add_argument("--policies", nargs="+", default=sorted(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=sorted(POLICIES),
+                    help="policies to time, space- or comma-separated (default: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=5.0)
     ap.add_argument("--out", default="bench-out/controller_bench.json")
     args = ap.parse_args(argv)
+    policies = [p for arg in args.policies for p in arg.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policy {', '.join(map(repr, unknown))}; choose from: {', '.join(sorted(POLICIES))}")
     bank_name, bank_factory = make_bank()
     rows, runs = [], []
     for cores in args.cores:
-        for policy in args.policies:
+        for policy in policies:
             for scenario in ("steady", "churn"):
                 reps = [run_case(policy, scenario, args.jobs, cores, args.ticks, bank_factory, args.seed + r)
                         for r in range(args.repeats)]
