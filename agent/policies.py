@@ -546,14 +546,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     node_cpus = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
     part = snapshot.loader_cpus / node_cpus      # the loaders' part of the node
     need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}     # each job's trainers at full speed
+    allotment = {j: node_cpus * gpus[j] / total_gpus for j in ids}     # its static-cores allotment, whole
 
     def static_share(j: str) -> float:
         """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
         node's CPUs x its GPUs / all GPUs for its training processes and loader together), less what
         its trainers use at the throughput those cores give (a fixed point on its curve), in the
         loaders' part of the node (x loader_cpus / node CPUs: the agent's reserve is no job's)."""
-        S = node_cpus * gpus[j] / total_gpus
-        n = need[j]
+        S, n = allotment[j], need[j]
         x = 0.5
         for _ in range(4):
             x = value(j, max(min_c, part * (S - n * x)))
@@ -604,7 +604,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         cpus[j] = floor_cores(j, share[j])
         extra[j] = 0.0
         # (a job its GPU share already covers, or whose whole static allotment is no more, needs no raise)
-        if share[j] < min(useful[j], cap[j]) and part * node_cpus * gpus[j] / total_gpus > share[j]:
+        if share[j] < min(useful[j], cap[j]) and part * allotment[j] > share[j]:
             top = static_share(j)
             if top > share[j]:
                 extra[j] = max(0.0, floor_cores(j, top, lo=cpus[j]) - cpus[j])

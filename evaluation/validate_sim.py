@@ -70,9 +70,11 @@ def sim_config(node_cores: float, loader_cpus: float, gpus: int, tick_s: float =
                        predictor="agent", available_cores=available)
 
 
-def validate(bench: dict, capacity: str = "measured") -> list[dict]:
-    """Rows: scenario, policy, measured and simulated aggregates and ratios (medians over repeats), with
-    the capacity the simulation used (``capacity``) and with the node's cores."""
+def _sim_phases(bench: dict, capacity: str):
+    """The bench's static phases the simulator can run, each with what it is simulated with: yields
+    (scenario, phase, the jobs' curves, run) where ``run(policy, node=False)`` is that policy's
+    ``S.steady_state`` for the phase's warm-up and window, on the CPU the phase could get (``capacity``;
+    the node's cores with ``node=True``), cached per scenario. The phase's capacity is ``phase["_cap"]``."""
     if capacity not in ("measured", "node"):
         raise ValueError(f"unknown capacity {capacity!r}; choose measured or node")
     meta = bench.get("meta") or {}
@@ -82,16 +84,10 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
     for ph in bench.get("phases", []):
         if ph.get("kind") == "static" and (ph.get("metrics") or {}).get("agg_normalised") and ph.get("specs"):
             by_sc.setdefault(ph["scenario"], []).append(ph)
-    rows = []
     for sc, phases in by_sc.items():
         truth = curves_from_bench_specs({j: s for j, s in phases[0]["specs"].items() if s})
         gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
         cache: dict = {}
-
-        def sim(policy: str, avail: Optional[float], warm: float, meas: float) -> float:
-            return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas)["window_agg"]
-
-        reps: dict[int, dict[str, dict]] = {}
         # a static-cores phase's idle CPU is its quotas' doing, not other tenants': it gets the most any
         # phase of its repeat could use
         rep_cap: dict[int, float] = {}
@@ -107,10 +103,24 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
             cap = phase_capacity(ph, node) if capacity == "measured" else node
             if capacity == "measured" and ph["policy"] == "static-cores":
                 cap = max(cap, rep_cap.get(ph["rep"], cap))
-            reps.setdefault(ph["rep"], {})[ph["policy"]] = {
-                "measured": ph["metrics"]["agg_normalised"], "capacity": cap,
-                "sim": sim(ph["policy"], cap if cap < node else None, warm, meas),
-                "sim_node": sim(ph["policy"], None, warm, meas)}
+
+            def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas) -> dict:
+                avail = None if whole_node or cap >= node else cap
+                return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas)
+
+            yield sc, {**ph, "_cap": cap}, truth, run
+
+
+def validate(bench: dict, capacity: str = "measured") -> list[dict]:
+    """Rows: scenario, policy, measured and simulated aggregates and ratios (medians over repeats), with
+    the capacity the simulation used (``capacity``) and with the node's cores."""
+    by_sc: dict[str, dict[int, dict[str, dict]]] = {}
+    for sc, ph, _, run in _sim_phases(bench, capacity):
+        by_sc.setdefault(sc, {}).setdefault(ph["rep"], {})[ph["policy"]] = {
+            "measured": ph["metrics"]["agg_normalised"], "capacity": ph["_cap"],
+            "sim": run(ph["policy"])["window_agg"], "sim_node": run(ph["policy"], whole_node=True)["window_agg"]}
+    rows = []
+    for sc, reps in by_sc.items():
         policies = sorted({p for vals in reps.values() for p in vals})
         for p in policies:
             row = {"scenario": sc, "policy": p}
@@ -136,37 +146,20 @@ def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: floa
 def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
     """Per job, where the ratios of ``validate`` come from: for every static scenario, policy and job,
     the measured and simulated normalised throughput, loader cores, training-process cores and the
-    training process's run-queue wait per step (each rank), medians over repeats. A model error shows
-    up here as the mechanism it is (a trainer waiting longer for a CPU than modelled, a loader getting
-    less CPU), not only as a ratio."""
-    if capacity not in ("measured", "node"):
-        raise ValueError(f"unknown capacity {capacity!r}; choose measured or node")
-    meta = bench.get("meta") or {}
-    node, loader = float(meta.get("node_cores") or 2), float(meta.get("loader_cpus") or 1.8)
-    tick = float(meta.get("tick_s") or 1.0)
+    training process's run-queue wait per step (each rank), medians over repeats, each phase simulated
+    as ``validate`` simulates it. A model error shows up here as the mechanism it is (a trainer waiting
+    longer for a CPU than modelled, a loader getting less CPU), not only as a ratio."""
     acc: dict[tuple, dict[str, list]] = {}
-    caches: dict[str, dict] = {}
-    for ph in bench.get("phases", []):
-        jobs = (ph.get("metrics") or {}).get("jobs") or {}
-        if ph.get("kind") != "static" or ph.get("policy") not in SIM_POLICIES or not jobs or not ph.get("specs"):
-            continue
-        specs = {j: s for j, s in ph["specs"].items() if s}
-        truth = curves_from_bench_specs(specs)
-        gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
-        cap = phase_capacity(ph, node) if capacity == "measured" else node
-        warm = float(ph.get("warmup_s") or 6.0)
-        win = ph.get("window") or [0.0, 12.0]
-        meas = max(1.0, float(win[1]) - float(win[0]))
-        run = _sim_run(caches.setdefault(ph["scenario"], {}), truth, ph["policy"],
-                       sim_config(node, loader, gpus, tick, cap if cap < node else None), warm, meas)
-        for j, m in jobs.items():
+    for sc, ph, truth, run in _sim_phases(bench, capacity):
+        res = run(ph["policy"])
+        for j, m in (ph["metrics"].get("jobs") or {}).items():
             if j not in truth:
                 continue
-            cv, r = truth[j], run["rates"].get(j) or {}
+            cv, r = truth[j], res["rates"].get(j) or {}
             ranks = int(cv.extra.get("gpus") or 1)
             steps = float(m.get("samples_per_s") or 0.0) / cv.batch_size / ranks     # steps/s of each rank
-            a = acc.setdefault((ph["scenario"], ph["policy"], j), {})
-            for k, v in (("measured_norm", m.get("normalised")), ("sim_norm", run["window"].get(j)),
+            a = acc.setdefault((sc, ph["policy"], j), {})
+            for k, v in (("measured_norm", m.get("normalised")), ("sim_norm", res["window"].get(j)),
                          ("measured_loader", m.get("worker_cpu_cores")), ("sim_loader", r.get("loader_cores")),
                          ("measured_trainer", m.get("trainer_cpu_cores")), ("sim_trainer", r.get("trainer_cores")),
                          ("measured_wait", (float(m["trainer_runq_cores"]) / ranks / steps
