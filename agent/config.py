@@ -26,6 +26,8 @@ for the ones the command line offers):
                            default 2.0
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
+    min_confidence  float  0..1, adaptive: a job whose predicted curve is less sure than this keeps its
+                           cold-start share (one window of data gives 0.13, two 0.24); default 0.0
     fairness_floor  bool   adaptive: no job below 90% of its GPU share or static-cores allotment unless it
                            cannot use it, default true
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
@@ -82,6 +84,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "tick_s": (0.05, 60.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096), "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
     "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
+    "min_confidence": (0.0, 1.0),
 }
 MAX_LOADER_CPUS = 4096.0
 
@@ -106,6 +109,7 @@ class AgentConfig:
     heartbeat_s: float = 2.0
     log_level: str = "info"
     hysteresis: float = 0.03
+    min_confidence: float = 0.0
     fairness_floor: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5

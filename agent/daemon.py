@@ -20,7 +20,7 @@ A tick never raises out of the loop.
 
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
-reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis,
+reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
 fairness_floor, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
@@ -61,7 +61,8 @@ from agent.registry import Limits, Registry
 from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
-RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "fairness_floor",
+RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
+              "fairness_floor",
               "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
               "memory_min_available")
 
@@ -91,7 +92,8 @@ def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
-    return PolicyConfig(hysteresis=cfg.hysteresis, fairness_floor=cfg.fairness_floor,
+    return PolicyConfig(hysteresis=cfg.hysteresis, min_confidence=cfg.min_confidence,
+                        fairness_floor=cfg.fairness_floor,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores)
 
@@ -131,6 +133,7 @@ class Agent:
         self.cli = dict(cli or {})
         self.started_at = time.monotonic()
         self.ticks = 0
+        self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
@@ -316,7 +319,7 @@ class Agent:
             self.collector.max_jobs = new.max_jobs
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
             self.collector.memory_guard = self._build_memory_guard()
-        if {"policy", "hysteresis", "fairness_floor"} & set(live):
+        if {"policy", "hysteresis", "min_confidence", "fairness_floor"} & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 
@@ -337,6 +340,12 @@ class Agent:
                 if r.ok and r.applied is not None:
                     logs.event(log, "allocation_applied", job=job, workers=r.applied.workers,
                                cpus=round(r.applied.cpus, 3), reason=r.applied.reason)
+            node = record.plan.node if record.plan is not None else None
+            if node is not None and node.loaders_yield != self._logged_yield:
+                # each switch, with the reason: while not yielding the loaders weigh (and are capped at)
+                # their planned cores, so an operator sees when and why the trainers lost their priority
+                logs.event(log, "loaders_yield", on=node.loaders_yield, reason=node.reason)
+                self._logged_yield = node.loaders_yield
             for e in record.errors:
                 logs.once(f"tick_error:{e[:80]}", log, "tick_error", logging.WARNING, error=e)
             self.server.heartbeat(now)

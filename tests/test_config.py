@@ -72,6 +72,7 @@ def test_auto_loader_cpus_keeps_a_reserve():
     ("cgroup_subtree", "../etc", "one name"),
     ("cgroup_subtree", "a/b", "one name"),
     ("metrics_port", "70000", "between 0 and 65535"),
+    ("min_confidence", "1.5", "between 0 and 1"),
 ])
 def test_every_number_and_name_is_bounded_and_the_error_names_the_key(key, value, why):
     """Issue 16.10: loader_cpus = 1e9 and tick_s = 1e-9 were accepted (the agent spun at a quarter core)."""
@@ -85,3 +86,13 @@ def test_every_number_and_name_is_bounded_and_the_error_names_the_key(key, value
 def test_the_cgroup_subtree_is_a_config_key():
     assert configmod.load(None, {}, environ={"ADLOADER_CGROUP_SUBTREE": "adl-b_2"}).cgroup_subtree == "adl-b_2"
     assert configmod.AgentConfig().cgroup_subtree == "adloader"
+
+
+def test_policy_knobs_reach_the_policy():
+    """The agent's policy keys become the PolicyConfig its controller decides with."""
+    from agent.daemon import _policy_config
+
+    cfg = configmod.load(None, {}, environ={"ADLOADER_MIN_CONFIDENCE": "0.2", "ADLOADER_HYSTERESIS": "0.05"})
+    pc = _policy_config(cfg)
+    assert (pc.min_confidence, pc.hysteresis) == (0.2, 0.05)
+    assert _policy_config(configmod.load(None, {}, environ={})).min_confidence == 0.0

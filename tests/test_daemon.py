@@ -36,3 +36,30 @@ def test_an_injected_policy_decides_and_no_global_registry_changes(tmp_path):
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_each_switch_of_the_loaders_yield_is_logged_with_its_reason(tmp_path, caplog):
+    """An operator sees when and why the loaders stopped yielding to the trainers (not every tick)."""
+    import logging
+
+    from agent.daemon import Agent
+    from agent.model import NodeAllocation
+
+    states = iter([True, True, False, False, True])
+
+    def policy(snapshot, curves, config):
+        on = next(states)
+        return AllocationPlan(policy="t", allocations={}, node=NodeAllocation(on, {}, f"reason {on}"))
+
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg, policy=policy)
+    try:
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            for t in range(5):
+                agent.tick(float(t + 1))
+        got = [(r.fields["on"], r.fields["reason"]) for r in caplog.records if getattr(r, "event", "") == "loaders_yield"]
+        assert got == [(True, "reason True"), (False, "reason False"), (True, "reason True")]
+    finally:
+        agent.server.close()
+        agent.ctx.term()
