@@ -27,7 +27,7 @@ for the ones the command line offers):
     log_level       str    debug|info|warning|error, default "info"
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     min_confidence  float  0..1, adaptive: a job whose predicted curve is less sure than this keeps its
-                           cold-start share (one window of data gives 0.13, two 0.24); default 0.0
+                           cold-start share (one window of data gives 0.13, two 0.24); default 0.2
     fairness_floor  bool   adaptive: no job below 90% of its GPU share or static-cores allotment unless it
                            cannot use it, default true
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
@@ -109,7 +109,7 @@ class AgentConfig:
     heartbeat_s: float = 2.0
     log_level: str = "info"
     hysteresis: float = 0.03
-    min_confidence: float = 0.0
+    min_confidence: float = 0.2
     fairness_floor: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5

@@ -73,7 +73,8 @@ class PolicyConfig:
         job's throughput per worker changed, divided by the job's worker count.
     cold_start: "fair" (a job without a curve gets the even share) or "request" (its own request:
         requested_cpus, else requested_workers cores, and its requested_workers; never above fair).
-    min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used).
+    min_confidence: a curve with confidence below this is treated as cold (0 = any curve is used; the
+        default 0.2 waits for a job's second window, ``predictor.bank.curve_confidence``).
     io_weights: set io_weight (1..1000, 100 = even) from the CPU share; False leaves IO alone.
     pin_cpusets: give every job an exclusive cpuset (set when the actuators' cpu_knob is "cpuset").
     cpu_weights: the CPU actuator arbitrates by per-job weights (cgroup ``cpu.shares`` / ``cpu.weight``,
@@ -104,7 +105,7 @@ class PolicyConfig:
     worker_start_s: float = 1.0
     decision_horizon_s: float = 60.0
     cold_start: str = "fair"
-    min_confidence: float = 0.0
+    min_confidence: float = 0.2
     io_weights: bool = True
     pin_cpusets: bool = False
     cpu_weights: bool = False

@@ -45,6 +45,12 @@ HALF_LIFE_WINDOWS = 6.0     # recency weighting of windows when pooling g, c, b 
 _DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1))   # same floats as pooled_costs
 
 
+def curve_confidence(windows: int, configs: int) -> float:
+    """How sure a curve is, 0..1: saturates with usable windows, and more with distinct configurations
+    (worker count, cores) visited. One window gives 0.13, two 0.24 (``PolicyConfig.min_confidence``)."""
+    return (1.0 - math.exp(-windows / 4.0)) * (0.6 + 0.4 * min(1.0, (configs - 1) / 2.0))
+
+
 class _WindowFacts:
     """What one usable window contributes to its job's curve, computed once when it arrives (the
     same expressions as ``pooled_costs``, ``prior.measured_overhead`` and ``prior.job_features``)."""
@@ -196,8 +202,7 @@ class PredictorBank:
         g = sg / wg
         c, b, runq = (sc / wc, sb / wc, sr / wc) if wc else (0.0, 0.0, 0.0)
         configs = {f.config for f in facts}
-        # confidence: saturates with windows, and more with distinct configurations visited
-        confidence = (1.0 - math.exp(-n / 4.0)) * (0.6 + 0.4 * min(1.0, (len(configs) - 1) / 2.0))
+        confidence = curve_confidence(n, len(configs))
         last = facts[-1].obs
         # memory per worker: the latest measured window (a worker's private memory grows as it runs)
         mem = next((f.obs.worker_memory_bytes for f in reversed(facts) if f.obs.worker_memory_bytes > 0), 0.0)

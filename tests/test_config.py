@@ -92,7 +92,7 @@ def test_policy_knobs_reach_the_policy():
     """The agent's policy keys become the PolicyConfig its controller decides with."""
     from agent.daemon import _policy_config
 
-    cfg = configmod.load(None, {}, environ={"ADLOADER_MIN_CONFIDENCE": "0.2", "ADLOADER_HYSTERESIS": "0.05"})
+    cfg = configmod.load(None, {}, environ={"ADLOADER_MIN_CONFIDENCE": "0", "ADLOADER_HYSTERESIS": "0.05"})
     pc = _policy_config(cfg)
-    assert (pc.min_confidence, pc.hysteresis) == (0.2, 0.05)
-    assert _policy_config(configmod.load(None, {}, environ={})).min_confidence == 0.0
+    assert (pc.min_confidence, pc.hysteresis) == (0.0, 0.05)
+    assert _policy_config(configmod.load(None, {}, environ={})).min_confidence == 0.2
