@@ -28,6 +28,7 @@ over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``
 beyond the jobs' training processes and loader workers and the agent itself is
 ``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
 policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
+A job that left still counts as a job there while its CPU decays out of the smoothed busy figure.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ class Collector:
         self._cpu_prev: Optional[tuple[float, float, float]] = None   # (now, node busy s, agent CPU s)
         self.busy_cpu_cores: Optional[float] = None    # smoothed rates (see the module docstring)
         self._own_cores: float = 0.0
+        self._jobs_cpu: tuple[float, dict[str, float]] = (0.0, {})   # (when, each job's CPU) at the last snapshot
+        self._gone: list[tuple[float, float]] = []       # (cores, when) of jobs that left the snapshot
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -291,10 +294,11 @@ class Collector:
             mem = self.memory_state = self.memory_guard.update(
                 now, sum(j.loader_memory_bytes for j in jobs.values()))
         busy = self._node_cpu(now)
+        cpu = {j: s.trainer_cpu_cores + s.worker_cpu_cores for j, s in jobs.items()}
         foreign = None
         if busy is not None:
-            jobs_cpu = sum(j.trainer_cpu_cores + j.worker_cpu_cores for j in jobs.values())
-            foreign = max(0.0, busy - jobs_cpu - self._own_cores)
+            foreign = max(0.0, busy - sum(cpu.values()) - self._departed_cores(cpu, now) - self._own_cores)
+        self._jobs_cpu = (now, cpu)
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
                             busy_cpu_cores=busy, foreign_cpu_cores=foreign,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
@@ -305,6 +309,19 @@ class Collector:
                             memory_note=mem.note if mem else "")
         self.last = snap
         return snap
+
+    def _departed_cores(self, cpu: Mapping[str, float], now: float) -> float:
+        """What the jobs that left since the last snapshots still weigh in the smoothed node CPU.
+
+        A job's CPU leaves the jobs' sum at once when it departs, but the node's busy figure is smoothed
+        (``SMOOTH_TAU_S``), so without this every departure would read as other processes' CPU for a few
+        seconds and stop the loaders' yield (``agent.policies.node_allocation``) until it decayed. Each
+        departed job's last CPU decays here exactly as it does in the smoothed busy figure."""
+        seen_at, before = self._jobs_cpu             # a job gone now last ran at the last snapshot
+        self._gone += [(c, seen_at) for j, c in before.items() if j not in cpu and c > 0.0]
+        left = [(c * math.exp(-(now - t) / SMOOTH_TAU_S), c, t) for c, t in self._gone]
+        self._gone = [(c, t) for w, c, t in left if w >= 0.005]
+        return sum(w for w, _, _ in left)
 
     def _node_cpu(self, now: float) -> Optional[float]:
         """The node's busy cores since the last snapshot, smoothed (None until two readings)."""

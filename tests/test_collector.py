@@ -120,3 +120,34 @@ def test_foreign_cpu_is_never_negative_and_unknown_without_proc_stat(tmp_path):
     col.snapshot(1.0)
     _stat(proc, {0: 50, 1: 50})                          # the node says 1 core, the jobs 2: a lag, not -1
     assert col.snapshot(2.0).foreign_cpu_cores == 0.0
+
+
+def test_a_departed_jobs_cpu_is_not_read_as_other_processes(tmp_path):
+    """The node's busy figure is smoothed, the jobs' sum drops at once when one leaves: without counting
+    the departed job's decaying CPU, each departure read as a tenant's and stopped the loaders' yield
+    (dynamic bench: 0.46 "foreign" cores after the last departure)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    reg = Registry()
+    me = os.getpid()
+    for j, ident in (("j", b"a"), ("k", b"b")):
+        reg.hello(Peer(os.getuid(), 0, me), ident, {"job": j, "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
+    busy = [0]
+
+    def second(t, node_cores, jobs):
+        for j in jobs:   # each job: 0.6 worker + 0.3 trainer cores
+            col.on_report(j, 0, me, {**_totals(t, 10 * t, 0.1 * t, 0.9 * t, cpu=0.6 * t), "main_cpu_s": 0.3 * t}, t)
+        busy[0] += int(round(node_cores * 100 / 2))
+        _stat(proc, {0: busy[0], 1: busy[0]})
+        return col.snapshot(float(t))
+
+    for t in range(0, 6):                                   # both jobs and 0.2 core of others
+        s = second(t, 2.0, ("j", "k"))
+    assert s.foreign_cpu_cores == pytest.approx(0.2, abs=0.01)
+    reg.bye(b"b", Peer(os.getuid(), 0, me), {"job": "k", "rank": 0})
+    for t in range(6, 12):                                  # k gone: the node drops to 1.1 cores
+        s = second(t, 1.1, ("j",))
+        if t < 8:
+            assert s.busy_cpu_cores > 1.5                   # the smoothed busy figure is still decaying
+        assert s.foreign_cpu_cores == pytest.approx(0.2, abs=0.01), t
