@@ -62,8 +62,7 @@ from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
-              "fairness_floor",
-              "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
+              "fairness_floor", "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
               "memory_min_available")
 
 
