@@ -45,6 +45,11 @@ HALF_LIFE_WINDOWS = 6.0     # recency weighting of windows when pooling g, c, b 
 _DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1))   # same floats as pooled_costs
 
 
+def configuration(o: Observation) -> tuple[int, float]:
+    """The loader configuration a window ran at (worker count, cores): what ``curve_confidence`` counts."""
+    return (o.workers, round(o.cores, 3))
+
+
 def curve_confidence(windows: int, configs: int) -> float:
     """How sure a curve is, 0..1: saturates with usable windows, and more with distinct configurations
     (worker count, cores) visited. One window gives 0.13, two 0.24 (``PolicyConfig.min_confidence``)."""
@@ -66,7 +71,7 @@ class _WindowFacts:
         self.g = o.compute_s_per_step
         self.timed = o.cpu_s_per_batch > 0 or o.wall_s_per_batch > 0
         self.c, self.b, self.r = o.cpu_s_per_batch, o.blocked_s_per_batch, o.runq_s_per_batch
-        self.config = (o.workers, round(o.cores, 3))
+        self.config = configuration(o)
         self.spare = pr.spare_loader(o)
         self.steps = o.steps
         self.wait_steps = o.steps * o.data_wait_s_per_step

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from agent.cgroupfs import V2Hierarchy, domain_error
 from agent.config import LOADER_CPU_RESERVE
 from agent.model import ApplyResult, JobStats, NodeSnapshot
-from predictor.bank import curve_confidence
+from predictor.bank import configuration, curve_confidence
 from predictor.curve import ThroughputCurve
 
 JOB_STATS_DEFAULTS = dict(
@@ -72,7 +72,7 @@ class FakeBank:
         if not obs:
             return None
         o = obs[-1]
-        sure = curve_confidence(len(obs), len({(x.workers, round(x.cores, 3)) for x in obs}))   # as the bank's
+        sure = curve_confidence(len(obs), len({configuration(x) for x in obs}))   # as the bank's
         return ThroughputCurve(job=job_id, batch_size=o.batch_size, compute_s_per_step=o.compute_s_per_step,
                                cpu_s_per_batch=o.cpu_s_per_batch, blocked_s_per_batch=o.blocked_s_per_batch,
                                confidence=sure)
