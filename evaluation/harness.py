@@ -16,10 +16,10 @@ How each policy runs (the jobs are the same processes in every case), as users a
                                   arrivals or ``--oracle solo``, each kind's sweep alone on the node
     none                          no agent; every job keeps its user's habitual num_workers; the OS arbitrates
     autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
-    static-cores                  no agent; every job (training process and workers) in its own cgroup v1
-                                  ``cpu`` group with a hard quota of node cores x its GPUs / the node's GPUs,
-                                  habitual num_workers: what a batch scheduler gives (Slurm
-                                  ``--cpus-per-gpu``, Kubernetes CPU limits); needs root and cgroup v1
+    static-cores                  no agent; every job (training process and workers) in its own cgroup
+                                  (v1 ``cpu`` or v2) with a hard quota of node cores x its GPUs / the node's
+                                  GPUs, habitual num_workers: what a batch scheduler gives (Slurm
+                                  ``--cpus-per-gpu``, Kubernetes CPU limits); needs root
 
 Every process the harness starts runs in its own session and is killed with its process group when
 the phase ends (loader workers included); nothing outlives ``run_phase``.
@@ -91,6 +91,7 @@ STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "tr
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
+STATIC_CGROUP_V2_ROOT = "/sys/fs/cgroup"
 
 
 class BenchError(RuntimeError):
@@ -341,7 +342,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
 
 STATUS_KEYS = ("weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
-               "apply_error")
+               "apply_error", "gpu_idle_frac", "gpu_idle_source")
 
 
 def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dict]:
@@ -354,7 +355,10 @@ def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dic
     except (subprocess.TimeoutExpired, ValueError, OSError):
         return None
     (run_dir / "agent-status.json").write_text(json.dumps(doc, indent=1))
-    return {"predicted_total": doc.get("predicted_total"),
+    ag = doc.get("agent") or {}
+    return {"predicted_total": doc.get("predicted_total"), "gpu_source": ag.get("gpu_source"),
+            "nvml_error": ag.get("nvml_error"), "cgroup_mode": ag.get("cgroup_mode"),
+            "actuators": ag.get("actuators"),
             "jobs": {j.get("job"): {k: j.get(k) for k in STATUS_KEYS} for j in doc.get("jobs", [])}}
 
 
@@ -375,21 +379,38 @@ def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint:
 # -- static cores (what a batch scheduler gives) --------------------------------------------------
 
 class StaticCores:
-    """Each job in its own cgroup v1 ``cpu`` group with a hard quota: ``node_cores * gpus / node_gpus``
-    cores for the training process and its loader workers together (Slurm ``--cpus-per-gpu`` with a CPU
-    limit, Kubernetes ``limits.cpu``). Groups live under ``<root>/adl-bench-<pid>/`` and are removed by
-    ``close`` (processes moved back to the root group first)."""
+    """Each job in its own cgroup with a hard quota: ``node_cores * gpus / node_gpus`` cores for the
+    training process and its loader workers together (Slurm ``--cpus-per-gpu`` with a CPU limit,
+    Kubernetes ``limits.cpu``). cgroup v1: ``cpu.cfs_quota_us`` in ``<root>/adl-bench-<pid>/<job>`` of the
+    ``cpu`` hierarchy (``STATIC_CGROUP_ROOT``); cgroup v2 (``STATIC_CGROUP_V2_ROOT`` has ``cgroup.controllers``
+    with ``cpu`` and no v1 ``cpu`` hierarchy is mounted): ``cpu.max`` in ``<v2 root>/adl-bench-<pid>/<job>``,
+    ``+cpu`` enabled in the root's and the base's ``cgroup.subtree_control`` (the root is exempt from the
+    no-internal-processes rule; the base holds no process). ``close`` moves processes back to the root
+    group and removes the groups (a ``+cpu`` it enabled at the root stays: other groups may rely on it)."""
 
     PERIOD_US = 100_000
 
-    def __init__(self, node_cores: int, node_gpus: int, root: str = STATIC_CGROUP_ROOT):
-        self.root = Path(root)
-        self.base = self.root / f"adl-bench-{os.getpid()}"
+    def __init__(self, node_cores: int, node_gpus: int, root: str = STATIC_CGROUP_ROOT,
+                 v2_root: str = STATIC_CGROUP_V2_ROOT):
         self.per_gpu = node_cores / max(1, node_gpus)
-        if os.geteuid() != 0 or not (self.root / "cpu.cfs_quota_us").exists():
+        self.version = 1 if Path(root, "cpu.cfs_quota_us").exists() else 2
+        if self.version == 2:
+            ctl = Path(v2_root, "cgroup.controllers")
+            if not ctl.exists() or "cpu" not in ctl.read_text().split():
+                self.version = 0
+        if os.geteuid() != 0 or self.version == 0:
             raise BenchError("static-cores needs root and a cgroup v1 cpu hierarchy at "
-                             f"{root} (hard per-job quotas); run it as root or leave it out of --policies")
+                             f"{root} or cgroup v2 with the cpu controller at {v2_root} (hard per-job quotas); "
+                             "run it as root or leave it out of --policies")
+        self.root = Path(root if self.version == 1 else v2_root)
+        self.base = self.root / f"adl-bench-{os.getpid()}"
+        if self.version == 2:
+            top = self.root / "cgroup.subtree_control"
+            if "cpu" not in top.read_text().split():
+                top.write_text("+cpu")
         self.base.mkdir(exist_ok=True)
+        if self.version == 2:
+            (self.base / "cgroup.subtree_control").write_text("+cpu")
         self.groups: list[Path] = []
 
     def cores_for(self, spec: JobSpec) -> float:
@@ -399,8 +420,12 @@ class StaticCores:
         g = self.base / spec.job_id
         g.mkdir(exist_ok=True)
         cores = self.cores_for(spec)
-        (g / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-        (g / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * self.PERIOD_US))))
+        quota = max(1000, int(cores * self.PERIOD_US))
+        if self.version == 2:
+            (g / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            (g / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (g / "cpu.cfs_quota_us").write_text(str(quota))
         (g / "cgroup.procs").write_text(str(pid))     # before it forks its workers: they inherit it
         self.groups.append(g)
         return cores

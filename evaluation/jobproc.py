@@ -5,8 +5,12 @@
 
 The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy, the spec's
 ``trainer_cpu_frac * step_s`` seconds of real CPU work per GPU rank (one thread each, in lockstep), then a
-sleep for the rest of the calibrated ``step_s``) or, with ``--device cuda``, runs a small conv net forward/backward on the GPU (its own
-data-ready step time is measured at start and reported as ``step_s``, the job's ceiling).
+sleep for the rest of the calibrated ``step_s``) or, with ``--device cuda``, the same CPU part followed by a
+real model step on the GPU (host-to-device copy of the batch, forward, backward and optimizer step of a
+ResNet-18 from torchvision, or a small conv net without it, synchronised), then a sleep for whatever is left
+of ``step_s``: one physical GPU stands in for the job's ``gpus`` and is shared with the other jobs, so the
+real kernels take part of each step and the rest stays emulated (``gpu_s`` in the start record says how
+much). A step whose real part is longer than ``step_s`` sets the ceiling (``step_s`` in the start record).
 
 It connects to the node agent by itself (the loader's client reads ADLOADER_ENDPOINT/ADLOADER_JOB_ID).
 
@@ -105,16 +109,30 @@ def _worker_cpu_s(loader, kind: str, me) -> float:
     return total
 
 
+def _cuda_model(torch):
+    """A real model: torchvision's ResNet-18 where torchvision is installed, else a small conv net."""
+    try:
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=1000), "resnet18"
+    except ImportError:
+        nn = torch.nn
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 1000)), "convnet"
+
+
 def _cuda_step_fn(batch_size: int, crop_px: int):
+    """-> (step(batch), seconds one step takes here alone, model name). The step copies the batch to the
+    GPU, runs forward, backward and an SGD step, and waits for the GPU."""
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("adloader bench: --device cuda needs a CUDA GPU and a CUDA build of torch; "
                          f"torch {torch.__version__} reports none here (use --device emulated)")
     dev = torch.device("cuda")
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1),
-        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(64 * 16, 1000)).to(dev)
+    model, name = _cuda_model(torch)
+    model = model.to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -134,7 +152,7 @@ def _cuda_step_fn(batch_size: int, crop_px: int):
     t0 = time.perf_counter()
     for _ in range(20):
         step((x, y))
-    return step, (time.perf_counter() - t0) / 20
+    return step, (time.perf_counter() - t0) / 20, name
 
 
 def main(argv=None) -> int:
@@ -164,10 +182,21 @@ def main(argv=None) -> int:
     step_s = float(spec["step_s"])
     ranks = int(spec.get("gpus") or 1)
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
+    gpu = {}
     if args.device == "cuda":
-        cuda_step, step_s = _cuda_step_fn(batch_size, int(spec["workload"]["crop_px"]))
+        from adloader.synthetic import _burn_parallel
+
+        cuda_step, gpu_s, model = _cuda_step_fn(batch_size, int(spec["workload"]["crop_px"]))
+        rest_s = max(0.0, step_s - trainer_cpu_s - gpu_s)    # the emulated rest of the GPU's work
+        step_s = trainer_cpu_s + gpu_s + rest_s
+        gpu = {"gpu_s": gpu_s, "model": model}
+
         def do_step(batch):
-            cuda_step(batch)
+            if trainer_cpu_s > 0:
+                _burn_parallel(trainer_cpu_s, ranks)
+            cuda_step(batch)       # slowed by a starved launch thread or a busy GPU: the step lengthens
+            if rest_s > 0:
+                time.sleep(rest_s)
     else:
         def do_step(batch):
             emulated_step(batch, step_s, trainer_cpu_s, ranks)
@@ -181,7 +210,7 @@ def main(argv=None) -> int:
     target = spec.get("samples")
     t_start = time.monotonic()
     prog.write({"event": "start", "t": t_start, "pid": os.getpid(), "job": spec["job_id"], "step_s": step_s,
-                "batch_size": batch_size, "loader": kind, "device": args.device})
+                "batch_size": batch_size, "loader": kind, "device": args.device, **gpu})
     samples = steps = 0
     wait_s = compute_s = 0.0
     last_report = 0.0

@@ -27,11 +27,15 @@ def default_loader_cpus() -> float:
 
 
 def default_cgroup_mode() -> str:
-    """v1 when we are root on a cgroup v1 cpu hierarchy (the agent works in its own subtree), else off."""
+    """The agent's ``auto`` when we are root (v1 on a cgroup v1 cpu hierarchy, v2 on a unified one with the
+    cpu controller; the agent works in its own subtree), else off."""
     try:
-        v1 = os.path.isdir("/sys/fs/cgroup/cpu") and os.path.exists("/sys/fs/cgroup/cpu/cpu.shares")
-        return "v1" if os.geteuid() == 0 and v1 else "off"
-    except OSError:
+        if os.geteuid() != 0:
+            return "off"
+        from agent.actuators import resolve_auto
+
+        return resolve_auto()
+    except (ImportError, OSError):
         return "off"
 
 
