@@ -4,6 +4,7 @@ unit cgroup). Fixtures ``v2`` and ``delegated``: tests/conftest.py.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -212,6 +213,48 @@ def test_v2_delegated_with_controllers_already_enabled_writes_only_below_own(del
     above = [w for w in kernel.writes if w[1] == "cgroup.subtree_control" and not w[0].startswith(OWN)]
     assert above == []
     assert "cpu" in kernel.subtree_control(OWN) and "cpu" in kernel.subtree_control(f"{OWN}/adloader")
+
+
+def test_v2_a_process_forked_into_own_while_moving_is_moved_too(delegated, monkeypatch):
+    """Found on a real cgroup v2 node (the GPU study): the bench shares the agent's group and starts jobs,
+    so a process forked in <own> during the move to the leaf lands in <own> and the kernel refuses +cpu
+    there (EBUSY). The actuator moves again and retries instead of failing every apply."""
+    kernel, make = delegated
+    os.makedirs(os.path.join(kernel.proc_root, "502"))
+    forked = []
+    real_move = kernel.move
+
+    def move(rel, pid):
+        real_move(rel, pid)
+        if rel == f"{OWN}/agent" and pid == 501 and not forked:   # 500 forks while 501 is moving
+            forked.append(502)
+            real_move(OWN, 502)
+
+    monkeypatch.setattr(kernel, "move", move)
+    act = make()
+    r = act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert r.ok, r.error
+    assert forked == [502] and set(kernel.procs(f"{OWN}/agent")) == {500, 501, 502} and kernel.procs(OWN) == []
+    assert "cpu" in kernel.subtree_control(OWN) and set(kernel.procs(f"{OWN}/adloader/a")) == {101}
+
+
+def test_v2_own_group_that_stays_busy_fails_with_the_reason(delegated, monkeypatch):
+    """Exited tasks not yet reaped keep a group populated (cgroup.procs no longer lists them): after a few
+    moves the apply fails, and the error says what holds the group and what to do."""
+    kernel, make = delegated
+    real_write = kernel.write
+
+    def write(rel, file, value):
+        if rel == OWN and file == "cgroup.subtree_control":
+            raise FakeV2Kernel._err(errno.EBUSY, f"write {value} to {kernel.path(rel, file)}")
+        return real_write(rel, file, value)
+
+    monkeypatch.setattr(kernel, "write", write)
+    act = make()
+    r = act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert not r.ok
+    assert "exited processes not yet reaped" in r.error and "group of its own" in r.error, r.error
+    assert set(kernel.procs(f"{OWN}/agent")) == {500, 501}
 
 
 def test_v2_agent_already_in_its_leaf(delegated):

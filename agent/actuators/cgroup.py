@@ -87,17 +87,19 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Optional
 
 from agent import cgroupfs
 from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
-from agent.cgroupfs import CgroupError, Hierarchy, JobGone, NotSupported
+from agent.cgroupfs import Busy, CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats, NodeAllocation
 
 SHARES_MIN, SHARES_MAX, SHARES_DEFAULT = 2, 262144, 1024
 TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken to need no CPU (as agent.policies)
 QUOTA_MIN_US = 1000
+V2_BUSY_TRIES = 4           # v2: moves of <own>'s processes to the leaf before its controllers are refused
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
 
 
@@ -398,6 +400,12 @@ class CgroupActuator:
         parts = self.base.split("/")
         for i in range(len(parts)):                # the root and every ancestor of <own>
             self._enable_v2_controllers("/".join(parts[:i]))
+        self._own_to_leaf()
+        self._base_ready = True
+
+    def _own_to_leaf(self) -> None:
+        """Every process now in <own> to <own>/agent (created if need be)."""
+        h = self.h[""]
         own = h.procs(self.base)
         if own:
             leaf = f"{self.base}/{V2_AGENT_LEAF}"
@@ -408,7 +416,26 @@ class CgroupActuator:
                     h.move(leaf, pid)
                 except JobGone:
                     pass
-        self._base_ready = True
+
+    def _enable_v2_controllers_on_own(self) -> None:
+        """``+cpu`` for <own>'s children. A process forked in <own> while its processes moved to the leaf
+        (a job started by a process that shares the agent's group: the bench, a shell) lands in <own> and
+        the kernel refuses (EBUSY): move again and retry, a few times. Exited tasks that their parent has
+        not reaped yet keep a group populated and cannot be moved; if it stays busy the error says so."""
+        h = self.h[""]
+        for attempt in range(V2_BUSY_TRIES):
+            try:
+                self._enable_v2_controllers(self.base)
+                return
+            except Busy as e:
+                if attempt == V2_BUSY_TRIES - 1:
+                    left = h.procs(self.base)
+                    raise Busy(f"{e}: the agent's own group /{self.base} still holds "
+                               + (f"processes {left[:10]} after {V2_BUSY_TRIES} moves to its leaf" if left else
+                                  "exited processes not yet reaped by their parent")
+                               + "; start the agent in a group of its own (systemd does)") from e
+                time.sleep(0.02 * (attempt + 1))
+                self._own_to_leaf()
 
     def _undo_v2_leaf(self) -> None:
         """Back to how we found it: the leaf's processes to <own>, the leaf removed (only if we made it)."""
@@ -435,7 +462,9 @@ class CgroupActuator:
             if h.exists(cur):
                 continue
             parent = "/".join(parts[:i - 1])
-            if h.version == 2:
+            if h.version == 2 and parent == self.base and self.base:
+                self._enable_v2_controllers_on_own()
+            elif h.version == 2:
                 self._enable_v2_controllers(parent)
             h.mkdir(cur)
             self.originals.created.append(Originals.key(hier, cur))
