@@ -7,9 +7,11 @@ Invariants (what the tests hold it to):
   the job's desired allocation differs from what that actuator last applied for it (cores compared
   with a small tolerance, the reason ignored), or, for actuators with ``tracks_pids = True`` (cgroup,
   affinity), when the job's loader worker pids changed since that actuator last applied.
-- Breaker: three failed applies in a row for one job open that job's breaker; the job is skipped
-  (its result says so) until ``breaker_retry_s`` has passed, then one apply is tried again (half-open).
-  Other jobs are never affected. Open breakers are visible in ``TickRecord.breakers``.
+- Breaker: three failed applies in a row of one actuator for one job open that breaker; the actuator
+  is skipped for that job (its result says so) until ``breaker_retry_s`` has passed, then one apply is
+  tried again (half-open). Other jobs, and the job's other actuators, are never affected: a cgroup
+  write the kernel refuses does not stop the job's worker counts. Open breakers are visible in
+  ``TickRecord.breakers``.
 - A job present in ``applied()`` but absent from the snapshot has departed: it is forgotten (every
   actuator releases it, the predictor forgets it) in that tick, before the policy runs, so the policy
   hands its share out in the same tick.
@@ -229,7 +231,7 @@ class Controller:
         self._node_by: dict[int, NodeAllocation] = {}                      # actuator -> node allocation applied
         self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
-        self._breakers: dict[str, _Breaker] = {}
+        self._breakers: dict[str, dict[int, _Breaker]] = {}   # job -> actuator index -> breaker
         self._pending_forget: set[str] = set()
         self._observed_at: dict[str, float] = {}
         self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
@@ -406,8 +408,12 @@ class Controller:
         return errors
 
     def _open_breakers(self) -> dict[str, str]:
-        return {j: f"{b.failures} failures in a row; last: {b.last_error}"
-                for j, b in self._breakers.items() if b.opened_at is not None}
+        out = {}
+        for j, brs in self._breakers.items():
+            opened = [f"{b.failures} failures in a row; last: {b.last_error}" for b in brs.values() if b.opened_at is not None]
+            if opened:
+                out[j] = "; ".join(opened)
+        return out
 
     def _apply_job(self, job: JobStats, desired: JobAllocation, now: float) -> Optional[ApplyResult]:
         todo = []
@@ -418,16 +424,17 @@ class Controller:
                 todo.append(i)
         if not todo:
             return None
-        br = self._breakers.setdefault(job.job, _Breaker())
-        if br.opened_at is not None and now - br.opened_at < self._breaker_retry_s:
-            return ApplyResult(job=job.job, ok=False, applied=self._applied.get(job.job),
-                               error=f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
+        brs = self._breakers.setdefault(job.job, {})
         errs: list[str] = []
         not_enforced: list[str] = []
         before = {i: self._applied_by[i].get(job.job) for i in todo}
         for i in todo:
             act = self._actuators[i]
             name = getattr(act, "name", str(i))
+            br = brs.setdefault(i, _Breaker())
+            if br.opened_at is not None and now - br.opened_at < self._breaker_retry_s:
+                errs.append(f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
+                continue
             try:
                 r = act.apply(job, desired)
             except Exception as e:   # noqa: BLE001 — the protocol says never raise; hold it to that
@@ -438,20 +445,18 @@ class Controller:
                 self._pids_by[i][job.job] = job.worker_pids
                 if not same_allocation(before[i], desired):
                     self._applied_at[job.job] = now
+                br.failures, br.opened_at, br.last_error = 0, None, ""
             else:
-                errs.append(f"{name}: {r.error}")
+                br.failures += 1
+                br.last_error = f"{name}: {r.error}"
+                if br.failures >= BREAKER_FAILURES:
+                    br.opened_at = now
+                errs.append(br.last_error)
         everywhere = all(same_allocation(self._applied_by[i].get(job.job), desired)
                          for i in range(len(self._actuators)))
         if everywhere:
             self._applied[job.job] = desired
         if errs:
-            br.failures += 1
-            br.last_error = "; ".join(errs)
-            if br.failures >= BREAKER_FAILURES:
-                br.opened_at = now
             return ApplyResult(job=job.job, ok=False, applied=self._applied.get(job.job),
-                               error=br.last_error, not_enforced=tuple(not_enforced))
-        br.failures = 0
-        br.opened_at = None
-        br.last_error = ""
+                               error="; ".join(errs), not_enforced=tuple(not_enforced))
         return ApplyResult(job=job.job, ok=True, applied=desired, not_enforced=tuple(not_enforced))

@@ -133,6 +133,7 @@ class Agent:
         self.started_at = time.monotonic()
         self.ticks = 0
         self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
+        self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
@@ -333,12 +334,19 @@ class Agent:
             for job, why in self.registry.take_departed():
                 self.collector.forget(job)
                 self.controller.forget(job)
+                self._apply_error.pop(job, None)
                 logs.event(log, "job_departed", job=job, why=why)
             record = self.controller.tick(now)
             for job, r in record.results.items():   # only jobs something was applied to this tick
                 if r.ok and r.applied is not None:
                     logs.event(log, "allocation_applied", job=job, workers=r.applied.workers,
                                cpus=round(r.applied.cpus, 3), reason=r.applied.reason)
+                if r.ok:
+                    self._apply_error.pop(job, None)
+                elif r.error != self._apply_error.get(job):
+                    # each new failure of a job's apply, and its breaker opening (its text differs), once
+                    logs.event(log, "apply_failed", logging.WARNING, job=job, error=r.error)
+                    self._apply_error[job] = r.error
             node = record.plan.node if record.plan is not None else None
             if node is not None and node.loaders_yield != self._logged_yield:
                 # each switch, with the reason: while not yielding the loaders weigh (and are capped at)

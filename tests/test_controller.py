@@ -89,6 +89,26 @@ def test_breaker_opens_after_three_failures_for_that_job_only():
     assert rec.results["b"].ok and rec.breakers == {}
 
 
+def test_a_failing_actuator_opens_its_own_breaker_and_the_jobs_other_actuators_go_on():
+    """Found on a real cgroup v2 node: the kernel refused the cgroup write, the job's breaker opened, and
+    with it the job's worker counts stopped following the plan for 30 s. The breaker is per actuator."""
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
+    directive, cgroup = RecordingActuator(), RecordingActuator(fail_jobs={"b"})
+    cgroup.name = "cgroup"
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[directive, cgroup], breaker_retry_s=30.0)
+    for t in range(1, 4):
+        rec = c.tick(now=float(t))
+    assert rec.breakers == {"b": "3 failures in a row; last: cgroup: boom"}
+    calls = len([x for x in cgroup.applied if x[0] == "b"])
+    src.jobs["c"] = job_stats("c")                                  # the split changes: b's share with it
+    rec = c.tick(now=4.0)
+    assert [x[1].cpus for x in directive.applied if x[0] == "b"][-1] == pytest.approx(4.0 / 3)
+    assert len([x for x in cgroup.applied if x[0] == "b"]) == calls   # the open breaker skips only cgroup
+    assert not rec.results["b"].ok and "breaker open" in rec.results["b"].error
+    assert rec.results["a"].ok and "a" not in rec.breakers
+
+
 def test_tick_never_raises():
     def bad_source(now):
         raise RuntimeError("collector down")

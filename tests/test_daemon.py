@@ -63,3 +63,50 @@ def test_each_switch_of_the_loaders_yield_is_logged_with_its_reason(tmp_path, ca
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker_opens(tmp_path, caplog):
+    """Found on a real cgroup v2 node: every apply of a job failed and its breaker opened, with nothing in
+    the log (only ``adloader status`` showed it). Now each new error of a job's apply is a warning."""
+    import logging
+    import os
+
+    from agent.daemon import Agent
+    from agent.model import ApplyResult, JobAllocation
+    from agent.security import Peer
+
+    class Broken:
+        name = "broken"
+
+        def apply(self, job, desired):
+            return ApplyResult(job=job.job, ok=False, applied=None, error="Busy: write '+cpu'")
+
+        def release(self, job_id):
+            pass
+
+        def restore(self):
+            pass
+
+    def policy(snapshot, curves, config):
+        return AllocationPlan(policy="t", allocations={j: JobAllocation(job=j, workers=1, cpus=1.0)
+                                                       for j in snapshot.jobs})
+
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg, policy=policy)
+    try:
+        agent.server.bind()                    # the heartbeat to the registered client goes out on it
+        agent.actuators = [Broken()]
+        agent.controller = agent._build_controller()
+        agent.registry.hello(Peer(os.getuid(), 0, os.getpid()), b"c0", {"job": "j", "rank": 0, "pid": os.getpid(),
+                                                                          "gpus": ["0"], "batch_size": 8, "workers": 2}, 0.0)
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            for t in range(6):
+                agent.tick(float(t + 1))
+        got = [r.fields["error"] for r in caplog.records if getattr(r, "event", "") == "apply_failed"]
+        assert got == ["broken: Busy: write '+cpu'",
+                       "breaker open: 3 failures in a row; last: broken: Busy: write '+cpu'"], got
+        assert all(r.levelno == logging.WARNING for r in caplog.records if getattr(r, "event", "") == "apply_failed")
+    finally:
+        agent.server.close()
+        agent.ctx.term()
