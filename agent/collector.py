@@ -29,6 +29,10 @@ beyond the jobs' training processes and loader workers and the agent itself is
 ``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
 policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
 A job that left still counts as a job there while its CPU decays out of the smoothed busy figure.
+``foreign_held_cpu_cores`` is the least of that figure over the last ``FOREIGN_HOLD_S``: a job starting
+(its imports, before its hello) or exiting (after its bye) is a burst of a second or two of CPU that
+no one reports, which the smoothed figure shows for a few seconds; a tenant or a hog stays. The policies
+stop the loaders' yield on the held figure, so only what lasts stops it.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from agent.registry import Job, Registry
 from predictor.observation import blocked_s, counter_deltas
 
 SMOOTH_TAU_S = 3.0
+FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
             "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s")
@@ -149,6 +154,7 @@ class Collector:
         self._own_cores: float = 0.0
         self._jobs_cpu: tuple[float, dict[str, float]] = (0.0, {})   # (when, each job's CPU) at the last snapshot
         self._gone: list[tuple[float, float]] = []       # (cores, when) of jobs that left the snapshot
+        self._foreign: list[tuple[float, float]] = []    # (when, foreign cores) over the last FOREIGN_HOLD_S
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -299,8 +305,9 @@ class Collector:
         if busy is not None:
             foreign = max(0.0, busy - sum(cpu.values()) - self._departed_cores(cpu, now) - self._own_cores)
         self._jobs_cpu = (now, cpu)
+        held = self._held_foreign(now, foreign)
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
-                            busy_cpu_cores=busy, foreign_cpu_cores=foreign,
+                            busy_cpu_cores=busy, foreign_cpu_cores=foreign, foreign_held_cpu_cores=held,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
                             io_pressure=self.pressure.io_some_avg10,
                             loader_memory_bytes=mem.budget if mem else None,
@@ -309,6 +316,19 @@ class Collector:
                             memory_note=mem.note if mem else "")
         self.last = snap
         return snap
+
+    def _held_foreign(self, now: float, foreign: Optional[float]) -> Optional[float]:
+        """The least foreign figure of the snapshots within the last ``FOREIGN_HOLD_S`` (None until they
+        span that long, or when the figure is unknown)."""
+        if foreign is None:
+            self._foreign = []
+            return None
+        self._foreign.append((now, foreign))
+        while len(self._foreign) > 1 and self._foreign[1][0] <= now - FOREIGN_HOLD_S:
+            self._foreign.pop(0)             # keep one reading at or before the start of the span
+        if self._foreign[0][0] > now - FOREIGN_HOLD_S:
+            return None
+        return min(f for _, f in self._foreign)
 
     def _departed_cores(self, cpu: Mapping[str, float], now: float) -> float:
         """What the jobs that left since the last snapshots still weigh in the smoothed node CPU.

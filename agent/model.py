@@ -114,6 +114,8 @@ class NodeSnapshot:
     busy_cpu_cores: Optional[float] = None    # CPU the whole node used (rate, /proc/stat), when known
     foreign_cpu_cores: Optional[float] = None # of it, what neither the jobs' training processes nor their
                                           # loader workers used (other tenants, daemons; smoothed), when known
+    foreign_held_cpu_cores: Optional[float] = None   # the least foreign_cpu_cores of the last FOREIGN_HOLD_S
+                                          # (agent.collector): what other processes kept using, not a burst
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
                                           # set by the controller alone (the collector leaves it empty)
     applied_node: Optional[NodeAllocation] = None   # the node allocation in force (the controller's, too)

@@ -346,8 +346,12 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     use A-Dloader, a CPU hog, a daemon gone wild would take the loaders' cores. So they yield only
     while ``snapshot.foreign_cpu_cores`` (the node's CPU beyond the jobs' trainers, loaders and the
     agent) is under ``yield_foreign_max_cores`` (hysteresis: once stopped, again under half of it),
-    and never when it is unknown or when the trainers need no CPU. Otherwise the subtree weighs its
-    planned cores and is capped at the node less the trainers' expected use (``agent.actuators.cgroup``).
+    and never when it is unknown or when the trainers need no CPU. Once yielding, they stop only when
+    other processes kept that much for the last few seconds (``foreign_held_cpu_cores``, the least of
+    the figure over ``agent.collector.FOREIGN_HOLD_S``): a job starting or exiting is a burst of CPU
+    nobody reports, and stopping for each one cost 3-10 s of yield per arrival in the dynamic bench.
+    Otherwise the subtree weighs its planned cores and is capped at the node less the trainers'
+    expected use (``agent.actuators.cgroup``).
     """
     trainers = {j: (trainer_cores_needed(job), trainer_cores_expected(job)) for j, job in snapshot.jobs.items()}
     need = sum(n for n, _ in trainers.values())
@@ -360,6 +364,11 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
         return NodeAllocation(False, trainers, "the training processes need no CPU: nothing to yield to")
     if foreign is None:
         return NodeAllocation(False, trainers, "the node's other CPU use is not known yet: not yielding")
+    held = snapshot.foreign_held_cpu_cores
+    if before and held is not None and foreign >= limit > held:
+        return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
+                              f"speed); other processes use {foreign:.2f} cores, a burst (under {limit:.2f} "
+                              f"within the last seconds: {held:.2f})")
     if foreign >= limit:
         return NodeAllocation(False, trainers, f"other processes use {foreign:.2f} cores (yield while under "
                                                f"{limit:.2f}): the subtree weighs its planned cores")

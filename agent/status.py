@@ -25,7 +25,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
     node                the loaders together against the node: {loaders_yield (bool: the loaders' subtree
                          runs only on CPU the training processes leave idle), reason, busy_cpu_cores (the
                          node's CPU use), foreign_cpu_cores (of it, what the jobs' trainers, loaders and
-                         the agent did not use)} (null before the first plan or under ``none``)
+                         the agent did not use), foreign_held_cpu_cores (the least of that over the last
+                         3 s: what lasted)} (null before the first plan or under ``none``)
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -147,7 +148,8 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
     if plan is not None and plan.node is not None:
         node = {"loaders_yield": plan.node.loaders_yield, "reason": plan.node.reason,
                 "busy_cpu_cores": _r(snapshot.busy_cpu_cores, 3) if snapshot is not None else None,
-                "foreign_cpu_cores": _r(snapshot.foreign_cpu_cores, 3) if snapshot is not None else None}
+                "foreign_cpu_cores": _r(snapshot.foreign_cpu_cores, 3) if snapshot is not None else None,
+                "foreign_held_cpu_cores": _r(snapshot.foreign_held_cpu_cores, 3) if snapshot is not None else None}
     return {
         "version": STATUS_VERSION,
         "agent": agent_info,

@@ -151,3 +151,22 @@ def test_a_departed_jobs_cpu_is_not_read_as_other_processes(tmp_path):
         if t < 8:
             assert s.busy_cpu_cores > 1.5                   # the smoothed busy figure is still decaying
         assert s.foreign_cpu_cores == pytest.approx(0.2, abs=0.01), t
+
+
+def test_held_foreign_cpu_is_the_least_over_the_last_seconds(tmp_path):
+    """``foreign_held_cpu_cores``: None until the readings span FOREIGN_HOLD_S; a burst that rises and
+    falls within the span leaves it low; a figure that stays up lifts it."""
+    from agent.collector import FOREIGN_HOLD_S, Collector
+    from agent.registry import Registry
+
+    col = Collector(Registry(), loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(tmp_path))
+    held = lambda t, f: col._held_foreign(t, f)
+    assert held(0.0, 0.1) is None and held(1.0, 0.1) is None
+    assert held(FOREIGN_HOLD_S, 0.1) == pytest.approx(0.1)
+    for t, f in ((4.0, 0.6), (5.0, 0.8), (6.0, 0.5)):          # a burst: up for 2 s
+        assert held(t, f) == pytest.approx(0.1), t
+    assert held(7.0, 0.1) == pytest.approx(0.1)
+    for t in (8.0, 9.0, 10.0):                                   # a tenant from t=8 on
+        held(t, 0.9)
+    assert held(11.0, 0.9) == pytest.approx(0.9)
+    assert held(12.0, None) is None and held(13.0, 0.9) is None     # unknown: the span starts again

@@ -478,6 +478,25 @@ def test_loaders_do_not_yield_to_other_tenants_and_hysteresis_holds_either_way()
     assert not node(0.6, before=yielding).loaders_yield
 
 
+def test_a_burst_of_other_cpu_does_not_stop_the_yield_a_lasting_one_does():
+    """A job starting (imports before its hello) or exiting (after its bye) is a second or two of CPU
+    nobody reports: the smoothed figure crosses the limit, the least over the last seconds does not.
+    A tenant that keeps using CPU crosses both and stops the yield."""
+    cfg = PolicyConfig(yield_foreign_max_cores=0.5)
+    base = snap("dev-2vcpu", _busy_trainers())
+    node = lambda foreign, held, before: get_policy("adaptive")(
+        dataclasses.replace(base, foreign_cpu_cores=foreign, foreign_held_cpu_cores=held, applied_node=before),
+        curves_of(base), cfg).node
+    yielding = node(0.1, 0.1, None)
+    assert yielding.loaders_yield
+    burst = node(0.7, 0.1, yielding)
+    assert burst.loaders_yield and "a burst" in burst.reason
+    assert not node(0.7, 0.6, yielding).loaders_yield                 # lasted the whole span
+    assert not node(0.7, None, yielding).loaders_yield                # no span yet: the smoothed figure
+    stopped = node(0.7, 0.6, yielding)
+    assert not node(0.3, 0.1, stopped).loaders_yield                  # starting again: half the limit, as before
+
+
 def test_loaders_do_not_yield_when_nothing_asks_for_it():
     quiet = dataclasses.replace(snap("dev-2vcpu", [job("a"), job("b")]), foreign_cpu_cores=0.0)
     n = get_policy("adaptive")(quiet, curves_of(quiet), PolicyConfig()).node
