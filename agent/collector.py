@@ -28,7 +28,9 @@ over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``
 beyond the jobs' training processes and loader workers and the agent itself is
 ``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
 policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
-A job that left still counts as a job there while its CPU decays out of the smoothed busy figure.
+A job that left still counts as a job there while its CPU decays out of the smoothed busy figure, and
+a job that just arrived counts its training processes' CPU from before their hello (imports, model
+set-up: the processes' own CPU time) as it decays out of that figure.
 ``foreign_held_cpu_cores`` is the least of that figure over the last ``FOREIGN_HOLD_S``: a job starting
 (its imports, before its hello) or exiting (after its bye) is a burst of a second or two of CPU that
 no one reports, which the smoothed figure shows for a few seconds; a tenant or a hog stays. The policies
@@ -49,6 +51,7 @@ from agent.registry import Job, Registry
 from predictor.observation import blocked_s, counter_deltas
 
 SMOOTH_TAU_S = 3.0
+ARRIVAL_WINDOW_S = 60.0    # a training process younger than this at its first report: its CPU so far is its start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
@@ -155,6 +158,8 @@ class Collector:
         self._jobs_cpu: tuple[float, dict[str, float]] = (0.0, {})   # (when, each job's CPU) at the last snapshot
         self._gone: list[tuple[float, float]] = []       # (cores, when) of jobs that left the snapshot
         self._foreign: list[tuple[float, float]] = []    # (when, foreign cores) over the last FOREIGN_HOLD_S
+        self._born: list[tuple[float, float]] = []       # (cores in the busy figure, when) of arrivals' start-up
+        self._seen_jobs: set[str] = set()                # jobs whose start-up CPU is taken (_arrived_cores)
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -303,7 +308,8 @@ class Collector:
         cpu = {j: s.trainer_cpu_cores + s.worker_cpu_cores for j, s in jobs.items()}
         foreign = None
         if busy is not None:
-            foreign = max(0.0, busy - sum(cpu.values()) - self._departed_cores(cpu, now) - self._own_cores)
+            foreign = max(0.0, busy - sum(cpu.values()) - self._departed_cores(cpu, now)
+                          - self._arrived_cores(jobs, now) - self._own_cores)
         self._jobs_cpu = (now, cpu)
         held = self._held_foreign(now, foreign)
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
@@ -329,6 +335,29 @@ class Collector:
         if self._foreign[0][0] > now - FOREIGN_HOLD_S:
             return None
         return min(f for _, f in self._foreign)
+
+    def _arrived_cores(self, jobs: Mapping[str, JobStats], now: float) -> float:
+        """What the jobs' training processes used before their hello (imports, model set-up), as it still
+        weighs in the smoothed node CPU. Taken once, when the job is first seen: each process's CPU time so
+        far (``/proc/<pid>/stat``), spread over its age, is what the busy figure's moving average has
+        absorbed of it (``rate * (1 - exp(-age / SMOOTH_TAU_S))``); from then on it decays as that figure
+        does. A process older than ``ARRIVAL_WINDOW_S`` (a loader made late in a long-running script)
+        adds nothing: its CPU so far is not a recent burst. (From the hello to the first report with
+        rates the job's CPU is still nobody's, but then its rates count in full at once while the busy
+        figure rises slowly, which makes up for it.)"""
+        for j, stats in jobs.items():
+            if j in self._seen_jobs:
+                continue
+            self._seen_jobs.add(j)
+            for pid in stats.pids:
+                used = _process_cpu(pid, self.proc_root)
+                if used is not None and used[0] > 0.0 and 0.0 < used[1] <= ARRIVAL_WINDOW_S:
+                    cpu_s, age = used
+                    self._born.append((cpu_s / age * (1.0 - math.exp(-age / SMOOTH_TAU_S)), now))
+        self._seen_jobs &= set(jobs)
+        left = [(c * math.exp(-(now - t) / SMOOTH_TAU_S), c, t) for c, t in self._born]
+        self._born = [(c, t) for w, c, t in left if w >= 0.005]
+        return sum(w for w, _, _ in left)
 
     def _departed_cores(self, cpu: Mapping[str, float], now: float) -> float:
         """What the jobs that left since the last snapshots still weigh in the smoothed node CPU.
@@ -362,3 +391,18 @@ class Collector:
             self.busy_cpu_cores += alpha * (busy - self.busy_cpu_cores)
             self._own_cores += alpha * (own - self._own_cores)
         return self.busy_cpu_cores
+
+
+def _process_cpu(pid: int, proc_root: str = "/proc") -> Optional[tuple[float, float]]:
+    """(CPU seconds the process has used, its age in seconds) from ``/proc/<pid>/stat`` and
+    ``/proc/uptime``; None if either is unreadable."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
+            data = f.read()
+        with open(os.path.join(proc_root, "uptime")) as f:
+            uptime = float(f.read().split()[0])
+        rest = data[data.rindex(b")") + 2:].split()    # the command name may hold spaces (proc(5))
+        tick = psi.CLK_TCK
+        return (int(rest[11]) + int(rest[12])) / tick, uptime - int(rest[19]) / tick
+    except (OSError, ValueError, IndexError):
+        return None

@@ -42,7 +42,7 @@ def read(proc_root: str = "/proc") -> Pressure:
     return Pressure(_some_avg10(os.path.join(base, "cpu")), _some_avg10(os.path.join(base, "io")))
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def busy_cpu_s(proc_root: str = "/proc", cpu_ids=()) -> Optional[float]:
@@ -63,4 +63,4 @@ def busy_cpu_s(proc_root: str = "/proc", cpu_ids=()) -> Optional[float]:
                 seen = True
     except (OSError, ValueError):
         return None
-    return ticks / _CLK_TCK if seen else None
+    return ticks / CLK_TCK if seen else None
