@@ -51,7 +51,7 @@ from agent.registry import Job, Registry
 from predictor.observation import blocked_s, counter_deltas
 
 SMOOTH_TAU_S = 3.0
-ARRIVAL_WINDOW_S = 60.0    # a training process younger than this at its first report: its CPU so far is its start-up
+ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
