@@ -156,10 +156,10 @@ class Collector:
         self.busy_cpu_cores: Optional[float] = None    # smoothed rates (see the module docstring)
         self._own_cores: float = 0.0
         self._jobs_cpu: tuple[float, dict[str, float]] = (0.0, {})   # (when, each job's CPU) at the last snapshot
-        self._gone: list[tuple[float, float]] = []       # (cores, when) of jobs that left the snapshot
+        self._unreported: list[tuple[float, float]] = []   # (cores in the busy figure, when): departed jobs'
+                                                           # last CPU, arrivals' start-up (_unreported_cores)
         self._foreign: list[tuple[float, float]] = []    # (when, foreign cores) over the last FOREIGN_HOLD_S
-        self._born: list[tuple[float, float]] = []       # (cores in the busy figure, when) of arrivals' start-up
-        self._seen_jobs: set[str] = set()                # jobs whose start-up CPU is taken (_arrived_cores)
+        self._seen_jobs: set[str] = set()                # jobs whose start-up CPU is taken (_note_arrived)
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -308,8 +308,9 @@ class Collector:
         cpu = {j: s.trainer_cpu_cores + s.worker_cpu_cores for j, s in jobs.items()}
         foreign = None
         if busy is not None:
-            foreign = max(0.0, busy - sum(cpu.values()) - self._departed_cores(cpu, now)
-                          - self._arrived_cores(jobs, now) - self._own_cores)
+            self._note_departed(cpu)
+            self._note_arrived(jobs, now)
+            foreign = max(0.0, busy - sum(cpu.values()) - self._unreported_cores(now) - self._own_cores)
         self._jobs_cpu = (now, cpu)
         held = self._held_foreign(now, foreign)
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
@@ -336,15 +337,15 @@ class Collector:
             return None
         return min(f for _, f in self._foreign)
 
-    def _arrived_cores(self, jobs: Mapping[str, JobStats], now: float) -> float:
-        """What the jobs' training processes used before their hello (imports, model set-up), as it still
-        weighs in the smoothed node CPU. Taken once, when the job is first seen: each process's CPU time so
+    def _note_arrived(self, jobs: Mapping[str, JobStats], now: float) -> None:
+        """What the jobs' training processes used before their hello (imports, model set-up), as it weighs
+        in the smoothed node CPU now. Taken once, when the job is first seen: each process's CPU time so
         far (``/proc/<pid>/stat``), spread over its age, is what the busy figure's moving average has
-        absorbed of it (``rate * (1 - exp(-age / SMOOTH_TAU_S))``); from then on it decays as that figure
-        does. A process older than ``ARRIVAL_WINDOW_S`` (a loader made late in a long-running script)
-        adds nothing: its CPU so far is not a recent burst. (From the hello to the first report with
-        rates the job's CPU is still nobody's, but then its rates count in full at once while the busy
-        figure rises slowly, which makes up for it.)"""
+        absorbed of it (``rate * (1 - exp(-age / SMOOTH_TAU_S))``). A process older than
+        ``ARRIVAL_WINDOW_S`` (a loader made late in a long-running script) adds nothing: its CPU so far is
+        not a recent burst. (From the hello to the first report with rates the job's CPU is still
+        nobody's, but then its rates count in full at once while the busy figure rises slowly, which makes
+        up for it.)"""
         for j, stats in jobs.items():
             if j in self._seen_jobs:
                 continue
@@ -353,23 +354,23 @@ class Collector:
                 used = _process_cpu(pid, self.proc_root)
                 if used is not None and used[0] > 0.0 and 0.0 < used[1] <= ARRIVAL_WINDOW_S:
                     cpu_s, age = used
-                    self._born.append((cpu_s / age * (1.0 - math.exp(-age / SMOOTH_TAU_S)), now))
+                    self._unreported.append((cpu_s / age * (1.0 - math.exp(-age / SMOOTH_TAU_S)), now))
         self._seen_jobs &= set(jobs)
-        left = [(c * math.exp(-(now - t) / SMOOTH_TAU_S), c, t) for c, t in self._born]
-        self._born = [(c, t) for w, c, t in left if w >= 0.005]
-        return sum(w for w, _, _ in left)
 
-    def _departed_cores(self, cpu: Mapping[str, float], now: float) -> float:
-        """What the jobs that left since the last snapshots still weigh in the smoothed node CPU.
+    def _note_departed(self, cpu: Mapping[str, float]) -> None:
+        """The jobs that left since the last snapshot: their last CPU, as of that snapshot.
 
         A job's CPU leaves the jobs' sum at once when it departs, but the node's busy figure is smoothed
         (``SMOOTH_TAU_S``), so without this every departure would read as other processes' CPU for a few
-        seconds and stop the loaders' yield (``agent.policies.node_allocation``) until it decayed. Each
-        departed job's last CPU decays here exactly as it does in the smoothed busy figure."""
+        seconds and stop the loaders' yield (``agent.policies.node_allocation``) until it decayed."""
         seen_at, before = self._jobs_cpu             # a job gone now last ran at the last snapshot
-        self._gone += [(c, seen_at) for j, c in before.items() if j not in cpu and c > 0.0]
-        left = [(c * math.exp(-(now - t) / SMOOTH_TAU_S), c, t) for c, t in self._gone]
-        self._gone = [(c, t) for w, c, t in left if w >= 0.005]
+        self._unreported += [(c, seen_at) for j, c in before.items() if j not in cpu and c > 0.0]
+
+    def _unreported_cores(self, now: float) -> float:
+        """What departed jobs' last CPU and arrivals' start-up still weigh in the smoothed node CPU: each
+        decays here exactly as it does in the busy figure (forgotten under 0.005 cores)."""
+        left = [(c * math.exp(-(now - t) / SMOOTH_TAU_S), c, t) for c, t in self._unreported]
+        self._unreported = [(c, t) for w, c, t in left if w >= 0.005]
         return sum(w for w, _, _ in left)
 
     def _node_cpu(self, now: float) -> Optional[float]:
@@ -396,12 +397,12 @@ class Collector:
 def _process_cpu(pid: int, proc_root: str = "/proc") -> Optional[tuple[float, float]]:
     """(CPU seconds the process has used, its age in seconds) from ``/proc/<pid>/stat`` and
     ``/proc/uptime``; None if either is unreadable."""
+    rest = psi.pid_stat(pid, proc_root)
+    if rest is None:
+        return None
     try:
-        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
-            data = f.read()
         with open(os.path.join(proc_root, "uptime")) as f:
             uptime = float(f.read().split()[0])
-        rest = data[data.rindex(b")") + 2:].split()    # the command name may hold spaces (proc(5))
         tick = psi.CLK_TCK
         return (int(rest[11]) + int(rest[12])) / tick, uptime - int(rest[19]) / tick
     except (OSError, ValueError, IndexError):
