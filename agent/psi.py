@@ -9,6 +9,9 @@ CONFIG_PSI and may be disabled with psi=0 (Documentation/accounting/psi.rst).
 (a counter; the collector turns it into a rate). Busy is user + nice + system + irq + softirq + steal
 of each ``cpuN`` line (guest time is already inside user and nice; idle and iowait are not busy),
 in USER_HZ ticks (proc(5)). None when the file cannot be read or lists none of the CPUs.
+
+``pid_stat(pid, proc_root) -> list[bytes] | None``: the fields of ``/proc/<pid>/stat`` after the command
+name (index 0 is the state, field 3 of proc(5)), None if the process is gone.
 """
 from __future__ import annotations
 
@@ -64,3 +67,15 @@ def busy_cpu_s(proc_root: str = "/proc", cpu_ids=()) -> Optional[float]:
     except (OSError, ValueError):
         return None
     return ticks / CLK_TCK if seen else None
+
+
+def pid_stat(pid: int, proc_root: str = "/proc") -> Optional[list[bytes]]:
+    """``/proc/<pid>/stat`` from field 3 (state) on: ``[0]`` state, ``[1]`` parent pid, ``[11]`` utime,
+    ``[12]`` stime, ``[19]`` start time (clock ticks since boot). The command name may hold spaces and
+    parentheses: split at the last ')' (proc(5)). None if gone or unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
+        return None

@@ -57,6 +57,8 @@ from typing import Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from agent.psi import pid_stat
+
 log = logging.getLogger("agent.security")
 
 
@@ -118,16 +120,10 @@ def pid_uid(pid: int, proc_root: str = "/proc") -> Optional[int]:
 
 
 def _stat(pid: int, proc_root: str = "/proc") -> Optional[tuple[str, int, int]]:
-    """(state, parent pid, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone.
-    The command name may hold spaces and parentheses: split at the last ')' (proc(5))."""
+    """(state, parent pid, start time in clock ticks since boot) from /proc/<pid>/stat, None if gone."""
+    rest = pid_stat(pid, proc_root)
     try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (OSError, ValueError):
-        return None
-    try:
-        rest = data[data.rindex(b")") + 2:].split()
-        return rest[0].decode(), int(rest[1]), int(rest[19])
+        return (rest[0].decode(), int(rest[1]), int(rest[19])) if rest is not None else None
     except (ValueError, IndexError):
         return None
 
