@@ -120,7 +120,9 @@ def burn_cpu(cpu_s: float) -> None:
         hashlib.sha256(_BURN_BUF).digest()
 
 
-def _burn_parallel(cpu_s: float, ranks: int) -> None:
+def burn_parallel(cpu_s: float, ranks: int) -> None:
+    """``burn_cpu(cpu_s)`` on each of ``ranks`` threads at once (this one and ``ranks - 1`` pooled ones),
+    returning when all are done: the CPU part of a data-parallel step whose ranks run in lockstep."""
     global _burn_pool
     if ranks <= 1:
         burn_cpu(cpu_s)
@@ -144,7 +146,7 @@ def emulated_step(batch, step_s: float, cpu_s: float = 0.0, ranks: int = 1) -> N
         data.clone()
     if cpu_s > 0:
         copy_s = time.perf_counter() - t0
-        _burn_parallel(cpu_s, ranks)
+        burn_parallel(cpu_s, ranks)
         # the GPU part (step_s - cpu_s - copy) starts when the CPU part is done: a CPU part slowed by
         # contention lengthens the step, as the kernel launches of a starved training process do
         left = step_s - cpu_s - copy_s

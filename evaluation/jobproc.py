@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
     gpu = {}
     if args.device == "cuda":
-        from adloader.synthetic import _burn_parallel
+        from adloader.synthetic import burn_parallel
 
         cuda_step, gpu_s, model = _cuda_step_fn(batch_size, int(spec["workload"]["crop_px"]))
         rest_s = max(0.0, step_s - trainer_cpu_s - gpu_s)    # the emulated rest of the GPU's work
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
 
         def do_step(batch):
             if trainer_cpu_s > 0:
-                _burn_parallel(trainer_cpu_s, ranks)
+                burn_parallel(trainer_cpu_s, ranks)
             cuda_step(batch)       # slowed by a starved launch thread or a busy GPU: the step lengthens
             if rest_s > 0:
                 time.sleep(rest_s)

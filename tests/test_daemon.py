@@ -110,3 +110,15 @@ def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_the_agents_config_defaults_are_the_policys_defaults():
+    """AgentConfig and PolicyConfig each declare the policy knobs (the daemon maps one onto the other):
+    an agent run with no config file must decide exactly as the policy's defaults do."""
+    from agent.daemon import _policy_config
+    from agent.policies import PolicyConfig
+
+    mapped, default = _policy_config(configmod.AgentConfig()), PolicyConfig()
+    for name in ("hysteresis", "min_confidence", "fairness_floor", "loaders_yield",
+                 "yield_foreign_max_cores", "pin_cpusets"):
+        assert getattr(mapped, name) == getattr(default, name), name
