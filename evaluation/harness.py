@@ -386,60 +386,65 @@ class StaticCores:
     with ``cpu`` and no v1 ``cpu`` hierarchy is mounted): ``cpu.max`` in ``<v2 root>/adl-bench-<pid>/<job>``,
     ``+cpu`` enabled in the root's and the base's ``cgroup.subtree_control`` (the root is exempt from the
     no-internal-processes rule; the base holds no process). ``close`` moves processes back to the root
-    group and removes the groups (a ``+cpu`` it enabled at the root stays: other groups may rely on it)."""
+    group and removes the groups (a ``+cpu`` it enabled at the root stays: other groups may rely on it).
+    Writes go through ``agent.cgroupfs`` (the one module that writes cgroups), as the agent's do."""
 
     PERIOD_US = 100_000
 
     def __init__(self, node_cores: int, node_gpus: int, root: str = STATIC_CGROUP_ROOT,
                  v2_root: str = STATIC_CGROUP_V2_ROOT):
+        from agent import cgroupfs
+
         self.per_gpu = node_cores / max(1, node_gpus)
         self.version = 1 if Path(root, "cpu.cfs_quota_us").exists() else 2
-        if self.version == 2:
-            ctl = Path(v2_root, "cgroup.controllers")
-            if not ctl.exists() or "cpu" not in ctl.read_text().split():
-                self.version = 0
+        if self.version == 2 and "cpu" not in cgroupfs.V2Hierarchy(v2_root).controllers():
+            self.version = 0
         if os.geteuid() != 0 or self.version == 0:
             raise BenchError("static-cores needs root and a cgroup v1 cpu hierarchy at "
                              f"{root} or cgroup v2 with the cpu controller at {v2_root} (hard per-job quotas); "
                              "run it as root or leave it out of --policies")
-        self.root = Path(root if self.version == 1 else v2_root)
-        self.base = self.root / f"adl-bench-{os.getpid()}"
+        root = root.rstrip("/")
+        self.h = (cgroupfs.V1Hierarchy(os.path.dirname(root), os.path.basename(root)) if self.version == 1
+                  else cgroupfs.V2Hierarchy(v2_root))
+        self.root = Path(self.h.root)
+        self.rel = f"adl-bench-{os.getpid()}"
+        self.base = self.root / self.rel
+        if self.version == 2 and "cpu" not in self.h.subtree_control():
+            self.h.write("", "cgroup.subtree_control", "+cpu")
+        self.h.mkdir(self.rel)
         if self.version == 2:
-            top = self.root / "cgroup.subtree_control"
-            if "cpu" not in top.read_text().split():
-                top.write_text("+cpu")
-        self.base.mkdir(exist_ok=True)
-        if self.version == 2:
-            (self.base / "cgroup.subtree_control").write_text("+cpu")
-        self.groups: list[Path] = []
+            self.h.write(self.rel, "cgroup.subtree_control", "+cpu")
+        self.groups: list[str] = []
 
     def cores_for(self, spec: JobSpec) -> float:
         return self.per_gpu * spec.gpus
 
     def place(self, spec: JobSpec, pid: int) -> float:
-        g = self.base / spec.job_id
-        g.mkdir(exist_ok=True)
+        g = f"{self.rel}/{spec.job_id}"
+        self.h.mkdir(g)
         cores = self.cores_for(spec)
         quota = max(1000, int(cores * self.PERIOD_US))
         if self.version == 2:
-            (g / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            self.h.write(g, "cpu.max", f"{quota} {self.PERIOD_US}")
         else:
-            (g / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-            (g / "cpu.cfs_quota_us").write_text(str(quota))
-        (g / "cgroup.procs").write_text(str(pid))     # before it forks its workers: they inherit it
+            self.h.write(g, "cpu.cfs_period_us", self.PERIOD_US)
+            self.h.write(g, "cpu.cfs_quota_us", quota)
+        self.h.move(g, pid)     # before it forks its workers: they inherit it
         self.groups.append(g)
         return cores
 
     def close(self) -> None:
-        for g in self.groups + [self.base]:
+        from agent.cgroupfs import CgroupError
+
+        for g in self.groups + [self.rel]:
             try:
-                for pid in (g / "cgroup.procs").read_text().split():
+                for pid in self.h.procs(g):
                     try:
-                        (self.root / "cgroup.procs").write_text(pid)
-                    except OSError:
+                        self.h.move("", pid)
+                    except CgroupError:
                         pass
-                g.rmdir()
-            except OSError:
+                self.h.rmdir(g)
+            except CgroupError:
                 pass
 
 
