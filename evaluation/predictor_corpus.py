@@ -81,11 +81,20 @@ class TimedBatches:
         return batch, (cpu, wall, runq)
 
 
+def _cpu_hierarchy():
+    """The cgroup v1 cpu hierarchy at ``CGROUP_CPU``, through ``agent.cgroupfs`` (the one module that
+    writes cgroups)."""
+    from agent.cgroupfs import V1Hierarchy
+
+    return V1Hierarchy(str(CGROUP_CPU.parent), CGROUP_CPU.name)
+
+
 class CpuLimit:
     """Where the loader workers of one measurement may run: None (all CPUs), whole cores (affinity),
-    or a fractional quota (a cgroup v1 group with cpu.cfs_quota_us). Picklable: workers apply it."""
+    or a fractional quota (``cgroup``: a cgroup v1 group with cpu.cfs_quota_us, by its name in the cpu
+    hierarchy). Picklable: workers apply it, each moving itself (all its threads) into the group."""
 
-    def __init__(self, cores: float, all_cpus: list[int], cgroup: Path | None):
+    def __init__(self, cores: float, all_cpus: list[int], cgroup: str | None):
         self.cores = cores
         self.cpus = all_cpus[: max(1, math.ceil(cores))]
         self.cgroup = cgroup
@@ -93,30 +102,34 @@ class CpuLimit:
     def __call__(self, worker_id: int) -> None:
         os.sched_setaffinity(0, self.cpus)
         if self.cgroup is not None:
-            (self.cgroup / "tasks").write_text(str(os.getpid()))
+            _cpu_hierarchy().move(self.cgroup, os.getpid())
 
 
-def make_cgroup(cores: float) -> Path:
-    path = CGROUP_CPU / f"adloader-corpus-{os.getpid()}"
-    path.mkdir(exist_ok=True)
+def make_cgroup(cores: float) -> str:
+    """A group of the cpu hierarchy with a quota of ``cores``; its name."""
+    h, rel = _cpu_hierarchy(), f"adloader-corpus-{os.getpid()}"
+    h.mkdir(rel)
     period = 100_000
-    (path / "cpu.cfs_period_us").write_text(str(period))
-    (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * period))))
-    return path
+    h.write(rel, "cpu.cfs_period_us", period)
+    h.write(rel, "cpu.cfs_quota_us", max(1000, int(cores * period)))
+    return rel
 
 
-def remove_cgroup(path: Path) -> None:
-    if not path.exists():
+def remove_cgroup(rel: str) -> None:
+    from agent.cgroupfs import CgroupError
+
+    h = _cpu_hierarchy()
+    if not h.exists(rel):
         return
-    for pid in (path / "tasks").read_text().split():  # leftover tasks go back to the root group
-        try:
-            (CGROUP_CPU / "tasks").write_text(pid)
-        except OSError:
-            pass
     try:
-        path.rmdir()
-    except OSError as e:
-        print(f"corpus: could not remove {path}: {e}", file=sys.stderr)
+        for pid in h.procs(rel):  # leftover processes go back to the root group
+            try:
+                h.move("", pid)
+            except CgroupError:
+                pass
+        h.rmdir(rel)
+    except CgroupError as e:
+        print(f"corpus: could not remove {h.path(rel)}: {e}", file=sys.stderr)
 
 
 def measure_point(dataset, batch_size: int, step_s: float, workers: int, limit: CpuLimit,
