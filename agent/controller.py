@@ -36,16 +36,20 @@ Invariants (what the tests hold it to):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
+from agent import logs
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
 from agent.policies import Policy, PolicyConfig, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
+
+log = logging.getLogger("agent.controller")
 
 BREAKER_FAILURES = 3
 CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
@@ -365,6 +369,16 @@ class Controller:
                     return None
                 self._curves[job_id] = curve
                 self._summaries[job_id] = curve_summary(curve)
+                if due and obs is not None and log.isEnabledFor(logging.DEBUG):
+                    # what the predictor was fed and what it made of it (log_level = "debug")
+                    logs.event(log, "observation", logging.DEBUG, job=job_id,
+                               window={k: round(v, 5) if isinstance(v, float) else v
+                                       for k, v in dataclasses.asdict(obs).items()},
+                               curve=dict(self._summaries[job_id], correction=round(curve.correction, 4),
+                                          core_correction=curve.core_correction,
+                                          blocked_s_per_batch=curve.blocked_s_per_batch,
+                                          overhead_s_per_step=curve.overhead_s_per_step,
+                                          sharpness=curve.sharpness))
             return self._curves[job_id]
         except Exception as e:   # noqa: BLE001 — a predictor failure is recorded, the tick goes on
             errors.append(f"predictor {job_id}: {type(e).__name__}: {e}")

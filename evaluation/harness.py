@@ -158,6 +158,7 @@ class BenchConfig:
     keep_logs: bool = True
     memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
     loader_memory: Optional[int] = None     # the "memory" scenario's budget (None: MEMORY_SCENARIO_BUDGET)
+    agent_log_level: str = "info"           # the agents' log level ("debug": every window the predictor got)
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
         config = ["--config", str(path)]
     flags = [*config, "--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
              "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
-             "--cgroup-mode", cfg.cgroup_mode, "--log-level", "info",
+             "--cgroup-mode", cfg.cgroup_mode, "--log-level", cfg.agent_log_level,
              "--loader-memory", str(loader_memory) if loader_memory else "off"]
     if policy == "oracle":
         argv = [cfg.python, "-m", "evaluation.oracle_agent", str(curves_path), *flags]

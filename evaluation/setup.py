@@ -43,7 +43,7 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
         catalog_path: str | None, loader_cpus: float, cgroup_mode: str, tick_s: float, device: str,
         sweep_segment_s: float, progress: report.Progress, warmup_s: float | None = None,
         measure_s: float | None = None, title: str = "bench", loader_memory: int | None = None,
-        oracle_source: str = "colocated", oracle_probe_reps: int = 2) -> dict:
+        oracle_source: str = "colocated", oracle_probe_reps: int = 2, agent_log_level: str = "info") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     catalog = load_catalog(catalog_path)
     kinds = sorted({k for s in scenarios for k in catalog.mixes.get(s, [])})
@@ -52,7 +52,8 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
     cfg = harness.BenchConfig(catalog=catalog, calib=calib, loader_cpus=loader_cpus, node_cores=node_cores(),
                               out_dir=out_dir, cgroup_mode=cgroup_mode, tick_s=tick_s, device=device,
                               sweep_segment_s=sweep_segment_s, loader_memory=loader_memory,
-                              oracle_source=oracle_source, oracle_probe_reps=oracle_probe_reps)
+                              oracle_source=oracle_source, oracle_probe_reps=oracle_probe_reps,
+                              agent_log_level=agent_log_level)
     scs = harness.build_scenarios(cfg, scenarios, quick)
     for sc in scs:
         if warmup_s is not None:

@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
     p.add_argument("--tick-s", type=float, default=1.0)
+    p.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info",
+                   help="the agents' log level (runs/<scenario>/<policy>-repN/agent.log); debug adds an "
+                        "'observation' event per window the predictor got, with the curve it made")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep) or a real small model step on CUDA")
     p.add_argument("--warmup-s", type=float, default=None)
@@ -108,7 +111,7 @@ def run(args) -> int:
                            device=args.device, sweep_segment_s=args.sweep_segment_s or (2.5 if quick else 4.0),
                            progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
                            loader_memory=loader_memory, oracle_source=args.oracle,
-                           oracle_probe_reps=args.oracle_probe_reps)
+                           oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
