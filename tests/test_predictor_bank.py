@@ -315,3 +315,30 @@ def test_default_prior_is_learned_only_where_validation_says_it_beats_first_prin
     assert validation_verdict(rows)
     rows[0]["all_knee_hit"] = 0.7                               # better MAPE, worse knees: not enough
     assert not validation_verdict(rows)
+
+
+def test_a_nearly_busy_loader_is_not_taken_for_a_training_process_overhead():
+    """A window whose one worker reads 0.83 busy while the training loop waits more than half of each
+    step for data (the dynamic bench's AlexNet-like job, as the agent saw it) was the loader's limit:
+    the worker's timed batches miss what it spends between them. Its wait must not become the training
+    process's per-step overhead (which halved the curve's ceiling and held the job at one worker). A
+    loader clearly at rest (busy 0.4) still measures one."""
+    from predictor import prior as pr
+
+    limit = Observation(workers=1, cores=0.9, batch_size=64, compute_s_per_step=0.0968,
+                        data_wait_s_per_step=0.1077, cpu_s_per_batch=0.1378, wall_s_per_batch=0.207,
+                        runq_s_per_batch=0.0692, blocked_s_per_batch=0.0, samples_per_s=256.0,
+                        duration_s=1.0, steps=4)
+    assert 0.8 < pr.worker_utilization(limit) < pr.SATURATED_UTIL      # neither saturated nor spare
+    assert not pr.spare_loader(limit) and pr.measured_overhead([limit]) is None
+    bank = PredictorBank(prior=None)
+    bank.observe("j", limit)
+    cur = bank.curve("j")
+    assert cur.overhead_s_per_step == 0.0
+    assert cur.ceiling_samples_per_s == pytest.approx(64 / 0.0968)
+    assert cur.max_useful_workers >= 2                  # 0.14 s of CPU per batch, a batch every 0.1 s
+
+    # a loader at rest: 4 workers, each busy 0.4 of the window, the loop waits 0.01 s per step
+    rest = obs(workers=4, cores=4.0, g=0.05, c=0.032, wait=0.01, bs=32)
+    assert pr.worker_utilization(rest) < pr.SPARE_UTIL and pr.spare_loader(rest)
+    assert pr.measured_overhead([rest]) == pytest.approx(0.01)
