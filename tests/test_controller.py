@@ -389,3 +389,26 @@ def test_node_allocation_goes_to_actuators_that_take_it_on_change_only_and_is_re
     foreign[0] = 2.0                                      # a tenant takes 2 cores: the loaders stop yielding
     rec = c.tick(now=4.0)
     assert not rec.plan.node.loaders_yield and not node_act.nodes[-1].loaders_yield
+
+
+def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_made(caplog):
+    """log_level = "debug": an ``observation`` event per window fed to the predictor, with the curve's
+    figures (what an operator, or the bench's --agent-log-level debug, reads to see why a curve is what
+    it is); nothing at info."""
+    import logging
+
+    from predictor.bank import PredictorBank
+
+    src = FakeSource(4.0, [job_stats("a")])
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=PredictorBank(prior=None), actuators=[RecordingActuator()])
+    with caplog.at_level(logging.INFO, logger="agent.controller"):
+        c.tick(now=10.0)
+    assert not [r for r in caplog.records if getattr(r, "event", None) == "observation"]
+    with caplog.at_level(logging.DEBUG, logger="agent.controller"):
+        c.tick(now=30.0)
+    (rec,) = [r for r in caplog.records if getattr(r, "event", None) == "observation"]
+    assert rec.fields["job"] == "a"
+    assert rec.fields["window"]["workers"] == src.jobs["a"].workers and rec.fields["window"]["steps"] > 0
+    assert rec.fields["curve"]["source"] and rec.fields["curve"]["overhead_s_per_step"] >= 0
+    assert rec.fields["curve"]["ceiling_samples_per_s"] > 0
