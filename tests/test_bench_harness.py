@@ -308,3 +308,42 @@ def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, poli
         assert "within the loader memory budget" in ph["agent_status"]["jobs"]["memo-0-fat"]["reason"]
     assert "samples over the budget" in (tmp_path / "out" / "bench.md").read_text()
     assert _no_children_left() == []
+
+
+def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
+    """``evaluation/gpu_study.sh`` (run on a lent GPU node) without a GPU: its bench options come after
+    its own ``--device cuda``, so ``--device emulated`` replaces it, and a missing ``nvidia-smi`` only
+    leaves dmon.log without readings. It writes its catalogue (images twice as wide, min_step_s 0.01),
+    the bench's JSON and markdown, and the runs' logs as runs.tgz."""
+    import subprocess
+    import sys
+    import tarfile
+    import tomllib
+    from pathlib import Path
+
+    from tests.conftest import REPO, repo_env
+
+    if os.geteuid() == 0 and Path("/sys/fs/cgroup/cgroup.controllers").exists() \
+            and not Path("/sys/fs/cgroup/cpu").exists():
+        pytest.skip("cgroup v2 as root: the script would move this test into a new top-level group "
+                    "(/sys/fs/cgroup/adl-study), which a test must not do to the machine")
+    out = tmp_path / "study"
+    p = subprocess.run(
+        ["bash", str(Path(REPO, "evaluation", "gpu_study.sh")), str(out), "--device", "emulated",
+         "--scenarios", "nothing-to-arbitrate", "--policies", "none", "--reps", "1", "--warmup-s", "1",
+         "--measure-s", "2", "--cgroup-mode", "off"],
+        env=repo_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    shipped = tomllib.loads(Path(REPO, "evaluation", "catalog.toml").read_text())
+    ran = tomllib.loads((out / "catalog.toml").read_text())
+    assert ran["min_step_s"] == 0.01
+    assert {k: v["image_px"] for k, v in ran["jobs"].items()} == \
+        {k: 2 * v["image_px"] for k, v in shipped["jobs"].items()}
+    doc = json.loads((out / "bench.json").read_text())
+    (ph,) = doc["phases"]
+    assert ph["scenario"] == "nothing-to-arbitrate" and ph["error"] is None
+    assert (out / "bench.md").read_text().strip()
+    with tarfile.open(out / "runs.tgz") as t:
+        names = t.getnames()
+    assert any(n.startswith("runs/nothing-to-arbitrate/none-rep1/") and n.endswith(".jsonl") for n in names)
+    assert (out / "dmon.log").exists()
