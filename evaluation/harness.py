@@ -407,9 +407,8 @@ class StaticCores:
         root = root.rstrip("/")
         self.h = (cgroupfs.V1Hierarchy(os.path.dirname(root), os.path.basename(root)) if self.version == 1
                   else cgroupfs.V2Hierarchy(v2_root))
-        self.root = Path(self.h.root)
         self.rel = f"adl-bench-{os.getpid()}"
-        self.base = self.root / self.rel
+        self.base = Path(self.h.path(self.rel))
         if self.version == 2 and "cpu" not in self.h.subtree_control():
             self.h.write("", "cgroup.subtree_control", "+cpu")
         self.h.mkdir(self.rel)

@@ -72,8 +72,8 @@ def spare_loader(o: Observation) -> bool:
     Between SPARE_UTIL and SATURATED_UTIL a window is neither: a worker's measured busy time (CPU,
     run-queue and blocked time per batch) misses what it spends outside the timed batch (taking the
     index, sending the batch), so a worker that was the limit can read 0.8 busy. Taken as spare, such a
-    window turned the loader's wait into a per-step overhead of the training process (0.11 s on a
-    0.08 s step in the dynamic bench): the curve's ceiling fell to half the real one, one worker
+    window turned the loader's wait into a per-step overhead of the training process (0.11 s beside a
+    0.1 s compute step in the dynamic bench): the curve's ceiling fell to half the real one, one worker
     looked like enough, and the job was held at one worker for good."""
     return (o.workers >= 1 and o.steps > 0 and worker_utilization(o) < SPARE_UTIL
             and o.cpu_s_per_batch / o.cores < SPARE_UTIL * o.step_s)
