@@ -41,12 +41,13 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from agent import psi
 from agent.memory import MemoryGuard, MemoryState
-from agent.model import JobStats, NodeSnapshot
+from agent.model import JobStats, NodeSnapshot, Report
 from agent.registry import Job, Registry
 from predictor.observation import blocked_s, counter_deltas
 
@@ -54,6 +55,8 @@ SMOOTH_TAU_S = 3.0
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
+HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
+HISTORY_REPORTS = 64       # ... and at most this many of them
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
             "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s")
 GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
@@ -79,6 +82,7 @@ class RankRates:
     window_s: float = 0.0
     windows: int = 0
     gauges: dict = field(default_factory=dict)     # memory figures of the latest report
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
         """Fold one report in. True if it closed a window (rates changed)."""
@@ -90,6 +94,7 @@ class RankRates:
         if t is None:
             t = recv_t
         totals = {k: _num(stats.get(k)) for k in COUNTERS}
+        self._remember(totals, t, stats, recv_t)
         if self.prev is None:
             self.prev, self.prev_t = totals, t
             return False
@@ -98,6 +103,8 @@ class RankRates:
                               for k, (v, p) in ((k, (totals[k], self.prev[k])) for k in ("steps", "samples", "batches")))
         if reset:
             self.prev, self.prev_t = totals, t
+            self.history.clear()
+            self._remember(totals, t, stats, recv_t)
             return False
         if dt < MIN_WINDOW_S:
             return False
@@ -129,6 +136,115 @@ class RankRates:
         self.window_s = dt
         self.windows += 1
         return True
+
+    def _remember(self, totals: dict, t: float, stats: Mapping, recv_t: float) -> None:
+        """Keep the report's totals for the predictor's windows (the last ``HISTORY_S`` of them)."""
+        workers, live = _num(stats.get("workers")), _num(stats.get("live_workers"))
+        self.history.append(Report(recv_t=recv_t, uptime_s=t, totals=totals,
+                                   workers=int(workers) if workers is not None else 0,
+                                   live_workers=int(live) if live is not None else None))
+        while self.history and self.history[0].recv_t < recv_t - HISTORY_S:
+            self.history.popleft()
+
+
+@dataclass(frozen=True)
+class JobWindow:
+    """A job's window between two reports of each of its ranks, from the raw totals (no smoothing):
+    what the predictor is fed (``agent.controller.observation_from_stats``). Aggregated over ranks as
+    ``JobStats`` is: samples/s and worker cores summed, data wait per step the max, compute per step
+    and the trainer's run-queue wait per step the mean, per-batch costs pooled over the ranks' batches."""
+    start_t: float                  # the agent's clock at the earliest rank's first report
+    end_t: float                    # ... at the latest rank's last report
+    duration_s: float               # mean over ranks (their own clocks)
+    workers: int                    # the worker count throughout (max over ranks)
+    steps: int                      # steps per rank (mean, rounded; >= 1)
+    samples_per_s: float
+    compute_s_per_step: float
+    data_wait_s_per_step: float
+    trainer_runq_s_per_step: float
+    cpu_s_per_batch: float
+    wall_s_per_batch: float
+    runq_s_per_batch: float
+    blocked_s_per_batch: float
+    worker_cpu_cores: float
+
+    def stats_fields(self) -> dict:
+        """The ``JobStats`` fields this window replaces (``dataclasses.replace(job, **w.stats_fields())``)."""
+        wait, step = self.data_wait_s_per_step, self.data_wait_s_per_step + self.compute_s_per_step
+        return dict(workers=self.workers, samples_per_s=self.samples_per_s,
+                    compute_s_per_step=self.compute_s_per_step, data_wait_s_per_step=wait,
+                    data_wait_frac=wait / step if step > 0 else 0.0,
+                    trainer_runq_s_per_step=self.trainer_runq_s_per_step,
+                    cpu_s_per_batch=self.cpu_s_per_batch, wall_s_per_batch=self.wall_s_per_batch,
+                    runq_s_per_batch=self.runq_s_per_batch, blocked_s_per_batch=self.blocked_s_per_batch,
+                    worker_cpu_cores=self.worker_cpu_cores, window_s=self.duration_s)
+
+
+MIN_WINDOW_STEPS = 2       # a predictor window holds at least this many steps per rank
+
+
+def settled_window(history, since: float, span_s: float, min_s: float,
+                   min_steps: int = MIN_WINDOW_STEPS) -> Optional[JobWindow]:
+    """The job's latest window in one configuration, cut from its ranks' reports (``JobStats.history``).
+
+    Per rank: from a report at or after ``since`` (the agent's clock: the job's last allocation change,
+    or the end of its last window) to its latest report, over which the loader's worker count did not
+    change and all its workers were live (a resize the client has not finished is not the new
+    configuration yet), and which starts after the loop's first step (the wait for the first batch is
+    workers starting and the dataset opening, not the loader's pace). The window is ``span_s`` long
+    where the reports allow, longer (back to the same bounds) until it holds ``min_steps`` steps.
+
+    Smoothed rates are not fit for this: an exponential average (``SMOOTH_TAU_S``) a second after a
+    change still holds most of the previous configuration, and an average of per-window step times
+    over-states the step wherever the pace varies (the mean of 1/rate is not 1/the mean rate), which
+    made a loader look slower per core than it was.
+
+    None when a rank has no such window at least ``min_s`` long with ``min_steps`` steps."""
+    per: list[tuple[Report, Report, dict, float]] = []
+    for reports in history:
+        if len(reports) < 2:
+            return None
+        last = reports[-1]
+        if last.live_workers is not None and last.live_workers != last.workers:
+            return None
+        start = None        # (report, duration, steps) of the earliest start found so far
+        for rep in reversed(reports[:-1]):
+            if (rep.recv_t < since or rep.workers != last.workers
+                    or (rep.live_workers is not None and rep.live_workers != rep.workers)
+                    or (rep.totals.get("steps") or 0.0) < 1):
+                break
+            if start is not None and last.recv_t - rep.recv_t > span_s and start[2] >= min_steps:
+                break
+            start = (rep, last.uptime_s - rep.uptime_s,
+                     (last.totals.get("steps") or 0.0) - (rep.totals.get("steps") or 0.0))
+        if start is None:
+            return None
+        rep, dur, steps = start
+        if dur < min_s or steps < min_steps:
+            return None
+        per.append((rep, last, counter_deltas(rep.totals, last.totals, COUNTERS), dur))
+    if not per:
+        return None
+    n = len(per)
+    batches = sum(d["batches"] for _, _, d, _ in per)
+
+    def per_batch(k):
+        return sum(d[k] for _, _, d, _ in per) / batches if batches > 0 else 0.0
+
+    blocked = sum(blocked_s(d, last.totals.get("worker_blocked_s") is not None) for _, last, d, _ in per)
+    return JobWindow(
+        start_t=min(rep.recv_t for rep, _, _, _ in per), end_t=max(last.recv_t for _, last, _, _ in per),
+        duration_s=sum(dur for *_, dur in per) / n,
+        workers=max(last.workers for _, last, _, _ in per),
+        steps=max(1, int(round(sum(d["steps"] for _, _, d, _ in per) / n))),
+        samples_per_s=sum(d["samples"] / dur for _, _, d, dur in per),
+        compute_s_per_step=sum(d["compute_s"] / d["steps"] for _, _, d, _ in per) / n,
+        data_wait_s_per_step=max(d["data_wait_s"] / d["steps"] for _, _, d, _ in per),
+        trainer_runq_s_per_step=sum(d["main_runq_s"] / d["steps"] for _, _, d, _ in per) / n,
+        cpu_s_per_batch=per_batch("worker_cpu_s"), wall_s_per_batch=per_batch("worker_wall_s"),
+        runq_s_per_batch=per_batch("worker_runq_s"),
+        blocked_s_per_batch=blocked / batches if batches > 0 else 0.0,
+        worker_cpu_cores=sum(d["worker_cpu_s"] / dur for _, _, d, dur in per))
 
 
 class Collector:
@@ -290,6 +406,7 @@ class Collector:
             pids=job.pids(), worker_pids=job.worker_pids(),
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth,
+            history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 
     def snapshot(self, now: float) -> NodeSnapshot:

@@ -15,16 +15,21 @@ Invariants (what the tests hold it to):
 - A job present in ``applied()`` but absent from the snapshot has departed: it is forgotten (every
   actuator releases it, the predictor forgets it) in that tick, before the policy runs, so the policy
   hands its share out in the same tick.
-- The predictor gets a job's window at most once per ``observe_interval_s`` (default 3 s) and never
-  twice within one window length (``JobStats.window_s``; successive snapshots overlap, and the
-  collector's rates are smoothed, so windows a tick apart say nearly the same thing); a job's first
-  window is fed at once, and each job's later observations are phase-shifted by a hash of its id so
-  that jobs that arrived together do not all rebuild their curves in the same tick (with 64 clients
-  that rebuild was most of the agent's tick). Its curve is asked for again only after an observation.
-- Observation hygiene: a window that started before the job's last allocation change was applied
-  (``now - window_s < applied_at``) mixes two configurations and is not fed to the predictor; the
-  job is observed again once a whole window lies after the change. Only a change of the allocation
-  counts (workers, cores, cpuset, IO weight), not re-applying the same one to new worker pids.
+- The predictor gets a job's window at most once per ``observe_interval_s`` (default 3 s); a job's
+  first window is fed as soon as there is one, and each job's later observations are phase-shifted by
+  a hash of its id so that jobs that arrived together do not all rebuild their curves in the same tick
+  (with 64 clients that rebuild was most of the agent's tick). Its curve is asked for again only after
+  an observation.
+- Observation hygiene: where the snapshot carries the ranks' reports (``JobStats.history``: the real
+  collector), a window is cut from their raw totals (``agent.collector.settled_window``): it starts no
+  earlier than the job's last allocation change and the end of its last window, holds one worker count
+  with every worker live, and starts after the loop's first step; windows do not overlap. Smoothed
+  figures are never fed to the predictor there: a second after a change they still hold most of the
+  previous configuration. Without reports (the simulator, hand-made stats) the smoothed figures are
+  the window, and one that started before the last change was applied (``now - window_s <
+  applied_at``) is not fed; the job is observed again once a whole window lies after the change. Only
+  a change of the allocation counts (workers, cores, cpuset, IO weight), not re-applying the same one
+  to new worker pids.
 - ``applied`` is the controller's alone: the snapshot source measures, the controller adds what is in
   force on every actuator (``NodeSnapshot.applied``) before it observes and decides, so hysteresis is
   judged against what is really in force and nothing upstream needs to know it.
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from agent import logs
+from agent.collector import settled_window
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
 from agent.policies import Policy, PolicyConfig, trainer_compute_s
 from predictor.curve import ThroughputCurve
@@ -54,6 +60,7 @@ log = logging.getLogger("agent.controller")
 BREAKER_FAILURES = 3
 CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
 OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at most this often
+MIN_OBSERVE_S = 0.9        # the shortest window fed to it (about one client report period, REPORT_S)
 DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
 
 
@@ -238,6 +245,7 @@ class Controller:
         self._breakers: dict[str, dict[int, _Breaker]] = {}   # job -> actuator index -> breaker
         self._pending_forget: set[str] = set()
         self._observed_at: dict[str, float] = {}
+        self._window_end: dict[str, float] = {}     # the end of each job's last window (settled_window)
         self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
@@ -351,11 +359,23 @@ class Controller:
         last = self._observed_at.get(job_id)
         due = last is None or now - last >= max(job.window_s, self._observe_interval_s, 1e-9) or now < last
         changed_at = self._applied_at.get(job_id)
-        if due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
+        window = None
+        if due and job.history:
+            # the collector's raw reports: the window since the allocation settled (never a smoothed
+            # figure, never across a change or an unfinished resize; see settled_window)
+            since = max(changed_at if changed_at is not None and changed_at <= now else -math.inf,
+                        self._window_end.get(job_id, -math.inf))
+            span = max(self._observe_interval_s, MIN_OBSERVE_S)
+            window = settled_window(job.history, since, span_s=span, min_s=MIN_OBSERVE_S)
+            due = window is not None
+        elif due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
             due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
-                obs = observation_from_stats(job, snapshot, self.work_conserving)
+                obs = observation_from_stats(job if window is None else dataclasses.replace(job, **window.stats_fields()),
+                                             snapshot, self.work_conserving)
+                if window is not None:
+                    self._window_end[job_id] = window.end_t
                 if obs is not None:
                     self._predictor.observe(job_id, obs)
                     # first observation: shift this job's phase (0..interval) so jobs spread over ticks
@@ -412,6 +432,7 @@ class Controller:
         self._applied.pop(job_id, None)
         self._breakers.pop(job_id, None)
         self._observed_at.pop(job_id, None)
+        self._window_end.pop(job_id, None)
         self._applied_at.pop(job_id, None)
         self._curves.pop(job_id, None)
         self._summaries.pop(job_id, None)

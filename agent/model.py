@@ -57,6 +57,17 @@ class AllocationPlan:
 
 
 @dataclass(frozen=True)
+class Report:
+    """One rank's report as the agent received it: the loader's monotonic totals (the predictor's
+    windows are differences of two reports, never smoothed rates; ``agent.collector.settled_window``)."""
+    recv_t: float                         # the agent's clock when it arrived (monotonic seconds)
+    uptime_s: float                       # the client's clock (window lengths are measured on it)
+    totals: Mapping[str, Optional[float]] # counter -> total (None: the client does not report it)
+    workers: int                          # the loader's target worker count at the report
+    live_workers: Optional[int] = None    # worker processes taking tasks (None: the client does not say)
+
+
+@dataclass(frozen=True)
 class JobStats:
     """One job on this node over the last window: rates and means, never raw counters."""
     job: str
@@ -95,6 +106,9 @@ class JobStats:
     worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight
     loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight
     worker_growth_bytes: float = 0.0      # mean USS growth of a worker since it started (copy-on-read)
+    # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
+    # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
+    history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -221,3 +221,99 @@ def test_a_starting_jobs_cpu_before_its_reports_is_not_read_as_other_processes(t
     # once n's rates count (in full at once, while the busy figure rises slowly) the figure errs low, towards
     # yielding, and climbs back to the other processes' 0.2
     assert all(f <= 0.25 for f in foreign[2:]) and foreign[2] < foreign[3] < foreign[4] < foreign[5], foreign
+
+
+# -- the predictor's windows: raw totals between reports (settled_window) ---------------------------
+
+def _report(recv_t, steps, *, wait_per_step=0.05, compute_per_step=0.15, workers=2, live=None, bs=8,
+            cpu_per_batch=0.1):
+    """A report at ``recv_t`` (agent and client clocks agree) after ``steps`` steps of a steady pace."""
+    from agent.model import Report
+    totals = {"steps": steps, "samples": steps * bs, "batches": steps, "data_wait_s": steps * wait_per_step,
+              "compute_s": steps * compute_per_step, "worker_cpu_s": steps * cpu_per_batch,
+              "worker_wall_s": steps * cpu_per_batch * 1.5, "worker_runq_s": steps * cpu_per_batch * 0.5,
+              "worker_blocked_s": 0.0, "main_cpu_s": None, "main_runq_s": None}
+    return Report(recv_t=recv_t, uptime_s=recv_t, totals=totals, workers=workers,
+                  live_workers=workers if live is None else live)
+
+
+def test_settled_window_is_total_time_over_total_steps_where_the_smoothed_figure_overstates_the_step():
+    """Steps of 0.1 s and 0.3 s alternate second by second (a pace that varies with contention): the
+    mean step is 2 s / 13 steps = 0.154 s. The smoothed per-step figure averages the windows' own
+    step times (0.1 and 0.3) and reads about 0.2 s: the loader looked a quarter slower than it was."""
+    from agent.collector import settled_window
+    rr = RankRates()
+    steps, compute = 1, 0.0                    # the loop's first step was taken before t = 0
+    for t in range(7):
+        if t:
+            n = 10 if t % 2 else 3             # this second: n steps of 1/n s each
+            steps, compute = steps + n, compute + 1.0
+        rr.update({"uptime_s": float(t), "steps": steps, "samples": steps * 8, "batches": steps,
+                   "data_wait_s": 0.0, "compute_s": compute, "worker_cpu_s": steps * 0.01,
+                   "worker_wall_s": steps * 0.01, "worker_runq_s": 0.0, "worker_blocked_s": 0.0,
+                   "workers": 2, "live_workers": 2}, float(t))
+    w = settled_window((tuple(rr.history),), since=4.0, span_s=2.0, min_s=0.9)
+    true_step = 2.0 / 13                      # (4, 6]: 10 steps, then 3, in 2 s
+    assert w is not None and w.start_t == 4.0 and w.end_t == 6.0 and w.duration_s == pytest.approx(2.0)
+    assert w.compute_s_per_step == pytest.approx(true_step)
+    assert w.samples_per_s * w.compute_s_per_step / 8 == pytest.approx(1.0)    # consistent with the rate
+    assert rr.rates["compute_s_per_step"] > 1.2 * true_step                    # what the smoothing said
+
+
+def test_settled_window_never_spans_a_change_an_unfinished_resize_or_the_first_batch():
+    from agent.collector import settled_window
+    # the first report has no step yet (workers starting): the window begins at the first step
+    hist = [_report(0.0, 0), _report(1.0, 4), _report(2.0, 9), _report(3.0, 14)]
+    w = settled_window((tuple(hist),), since=-1.0, span_s=10.0, min_s=0.9)
+    assert w.start_t == 1.0 and w.steps == 10
+    assert w.compute_s_per_step == pytest.approx(0.15) and w.data_wait_s_per_step == pytest.approx(0.05)
+    assert w.data_wait_s_per_step / (w.data_wait_s_per_step + w.compute_s_per_step) == pytest.approx(0.25)
+    assert w.cpu_s_per_batch == pytest.approx(0.1) and w.runq_s_per_batch == pytest.approx(0.05)
+    assert w.worker_cpu_cores == pytest.approx(0.5) and w.samples_per_s == pytest.approx(40.0)
+    # never from before `since` (the last allocation change, or the end of the last window)
+    assert settled_window((tuple(hist),), since=2.0, span_s=10.0, min_s=0.9).start_t == 2.0
+    assert settled_window((tuple(hist),), since=2.5, span_s=10.0, min_s=0.9) is None     # 0 s left
+    # the worker count changed at the report of t=2: the window starts there
+    hist2 = [_report(1.0, 4, workers=4), _report(2.0, 9), _report(3.0, 14), _report(4.0, 19)]
+    assert settled_window((tuple(hist2),), since=0.0, span_s=10.0, min_s=0.9).start_t == 2.0
+    # a resize the loader has not finished (live workers != target) is not the new configuration
+    hist3 = [_report(1.0, 4), _report(2.0, 9, live=3), _report(3.0, 14), _report(4.0, 19)]
+    assert settled_window((tuple(hist3),), since=0.0, span_s=10.0, min_s=0.9).start_t == 3.0
+    assert settled_window((tuple(hist3[:2]),), since=0.0, span_s=10.0, min_s=0.9) is None
+    # at most span_s long when that holds enough steps ...
+    long = [_report(float(t), 1 + 5 * t) for t in range(10)]
+    w = settled_window((tuple(long),), since=0.0, span_s=3.0, min_s=0.9)
+    assert w.start_t == 6.0 and w.steps == 15
+    # ... longer for a slow job, until it holds min_steps steps; none when there are not that many
+    slow = [_report(float(t), 1 + t // 2, compute_per_step=2.0) for t in range(8)]
+    w = settled_window((tuple(slow),), since=0.0, span_s=3.0, min_s=0.9, min_steps=2)
+    assert w.steps >= 2 and w.start_t <= 3.0
+    assert settled_window((tuple(slow[:3]),), since=0.0, span_s=3.0, min_s=0.9, min_steps=2) is None
+
+
+def test_settled_window_aggregates_ranks_like_job_stats_and_needs_every_rank():
+    from agent.collector import settled_window
+    r0 = tuple(_report(float(t), 1 + 10 * t, wait_per_step=0.01, compute_per_step=0.09) for t in range(4))
+    r1 = tuple(_report(float(t), 1 + 10 * t, wait_per_step=0.05, compute_per_step=0.05) for t in range(4))
+    w = settled_window((r0, r1), since=0.0, span_s=3.0, min_s=0.9)
+    assert w.data_wait_s_per_step == pytest.approx(0.05)          # max over ranks: a stall stalls all
+    assert w.compute_s_per_step == pytest.approx(0.07)            # mean over ranks
+    assert w.samples_per_s == pytest.approx(160.0)                # summed
+    assert w.steps == 30 and w.workers == 2
+    assert settled_window((r0, r1[:1]), since=0.0, span_s=3.0, min_s=0.9) is None
+
+
+def test_job_stats_carry_each_ranks_recent_reports_and_a_restart_clears_them():
+    from agent.collector import HISTORY_S
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"id0", {"job": "j", "rank": 0, "pid": me, "batch_size": 8, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    for t in range(40):
+        col.on_report("j", 0, me, {**_totals(t, 10 * t, 0.1 * t, 0.9 * t), "workers": 2, "live_workers": 2}, float(t))
+    (hist,) = col.snapshot(40.0).jobs["j"].history
+    assert hist[-1].recv_t == 39.0 and hist[0].recv_t >= 39.0 - HISTORY_S and len(hist) > 20
+    assert hist[-1].workers == 2 and hist[-1].live_workers == 2 and hist[-1].totals["steps"] == 390
+    col.on_report("j", 0, me, _totals(1, 3, 0.0, 0.1), 40.0)           # a new loader: counters restart
+    (hist,) = col.snapshot(41.0).jobs["j"].history
+    assert len(hist) == 1 and hist[0].totals["steps"] == 3 and hist[0].live_workers is None

@@ -412,3 +412,68 @@ def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_mad
     assert rec.fields["window"]["workers"] == src.jobs["a"].workers and rec.fields["window"]["steps"] > 0
     assert rec.fields["curve"]["source"] and rec.fields["curve"]["overhead_s_per_step"] >= 0
     assert rec.fields["curve"]["ceiling_samples_per_s"] > 0
+
+
+def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the_change():
+    """Where the snapshot carries each rank's reports (the real collector), the predictor's window is
+    cut from them: it starts at the allocation change (or the last window's end), not at a smoothed
+    figure's memory of the previous configuration, and its figures are the reports' differences."""
+    from agent.model import AllocationPlan, Report
+
+    class Steered:
+        __name__ = "steered"
+        cpus = 1.0
+
+        def __call__(self, snapshot, model, config):
+            return AllocationPlan(policy="steered", allocations={
+                j: JobAllocation(job=j, workers=2, cpus=self.cpus) for j in snapshot.jobs})
+
+    reports: list = []
+
+    def report(t, step_s):
+        """The loop's pace changes with the cores: a step of ``step_s`` (all of it waiting for data
+        beyond 0.1 s of compute) from the last report to ``t``."""
+        prev = reports[-1].totals if reports else {"steps": 1.0, "samples": 32.0, "batches": 1.0, "data_wait_s": 0.0,
+                                                   "compute_s": 0.1, "worker_cpu_s": 0.2}
+        dt = t - (reports[-1].recv_t if reports else t - 1.0)
+        n = dt / step_s
+        totals = {"steps": prev["steps"] + n, "samples": prev["samples"] + 32 * n, "batches": prev["batches"] + n,
+                  "data_wait_s": prev["data_wait_s"] + n * (step_s - 0.1), "compute_s": prev["compute_s"] + n * 0.1,
+                  "worker_cpu_s": prev["worker_cpu_s"] + n * 0.2, "worker_wall_s": None, "worker_runq_s": None,
+                  "worker_blocked_s": None, "main_cpu_s": None, "main_runq_s": None}
+        reports.append(Report(recv_t=t, uptime_s=t, totals=totals, workers=2, live_workers=2))
+
+    bank, policy = FakeBank(), Steered()
+    # the smoothed figures say a 0.4 s step: the raw reports are what the window must use
+    src = FakeSource(4.0, [job_stats("a", data_wait_s_per_step=0.3, compute_s_per_step=0.1, window_s=1.0)])
+    c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
+                   actuators=[RecordingActuator()], observe_interval_s=3.0)
+
+    def tick(t, step_s):
+        report(t, step_s)
+        src.jobs["a"] = dataclasses.replace(src.jobs["a"], history=(tuple(reports),))
+        n = len(bank.seen)
+        c.tick(now=t)
+        return bank.seen[-1][1] if len(bank.seen) > n else None
+
+    assert tick(0.0, 0.4) is None                # one report: no window yet; 1.0 core applied at t=0
+    seen = []
+    for t in range(1, 14):
+        if t == 6:
+            policy.cpus = 2.0                    # more cores, applied at t=6: the step falls to 0.2 s
+        obs = tick(float(t), 0.4 if t <= 6 else 0.2)
+        if obs is not None:
+            seen.append((float(t), obs))
+    assert seen[0][0] == 1.0                     # the first window as soon as there is one: [0, 1]
+    assert len(seen) >= 4
+    prev_end = 0.0
+    for t, obs in seen:
+        start = t - obs.duration_s
+        assert start == pytest.approx(6.0 if prev_end < 6.0 < t else prev_end)   # abutting, never across t=6
+        before = t <= 6.0
+        assert obs.step_s == pytest.approx(0.4 if before else 0.2)               # one configuration's pace
+        assert obs.cores == pytest.approx(1.0 if before else 2.0)
+        assert obs.samples_per_s == pytest.approx(80.0 if before else 160.0)
+        assert obs.cpu_s_per_batch == pytest.approx(0.2)
+        prev_end = t
+    assert any(t > 6.0 for t, _ in seen) and all(b - a >= 3.0 - 1e-9 for (a, _), (b, _) in zip(seen[1:], seen[2:]))
