@@ -216,7 +216,7 @@ class Proc:
     def __init__(self, argv: list[str], env: dict, log_path: Path):
         self.argv = argv
         self.log_path = log_path
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "wb")     # this start's output only (a run directory may be reused)
         self.p = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         self.pid = self.p.pid
@@ -366,6 +366,9 @@ def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dic
 def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint: Optional[str],
               extra_args: tuple = ()) -> tuple[Proc, ProgressReader]:
     prog = run_dir / f"{spec.job_id}.jsonl"
+    # a run directory used before (a second `adloader demo` into the same --out) holds the last run's
+    # progress: the job appends, and the reader would take the old records for this start's
+    prog.unlink(missing_ok=True)
     # the job's GPUs as its ranks see them (the client reports them in its hello; emulated here)
     env = child_env(ADLOADER_JOB_ID=spec.job_id, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(spec.gpus)))
     if endpoint:

@@ -347,3 +347,23 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
         names = t.getnames()
     assert any(n.startswith("runs/nothing-to-arbitrate/none-rep1/") and n.endswith(".jsonl") for n in names)
     assert (out / "dmon.log").exists()
+
+
+def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog):
+    """`adloader demo` twice writes to the same bench-out/demo: the jobs append to their progress files,
+    and the second run measured the first run's records (a phase ended at once with a window of hours)."""
+    import time
+    _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    t_second = time.monotonic()
+    result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    (ph,) = result["phases"]
+    assert ph["error"] is None
+    files = sorted((tmp_path / "out" / "runs" / "heterogeneous" / "none-rep1").glob("*.jsonl"))
+    assert len(files) == 2
+    for f in files:
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        starts = [r for r in recs if r.get("event") == "start"]
+        assert len(starts) == 1 and starts[0]["t"] >= t_second, f     # this run's start only
+        assert all(r["t"] >= t_second for r in recs if "t" in r)
+    assert ph["metrics"]["window_s"] < time.monotonic() - t_second
+    assert _no_children_left() == []
