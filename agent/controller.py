@@ -27,7 +27,9 @@ Invariants (what the tests hold it to):
   figures are never fed to the predictor there: a second after a change they still hold most of the
   previous configuration. Without reports (the simulator, hand-made stats) the smoothed figures are
   the window, and one that started before the last change was applied (``now - window_s <
-  applied_at``) is not fed; the job is observed again once a whole window lies after the change. Only
+  applied_at``) is not fed; the job is observed again once a whole window lies after the change. A job
+  with reports but no settled window for ``UNSETTLED_FALLBACK_S`` (its worker count never holds still
+  that long) is observed from the smoothed figures, by the same rule, until it has one again. Only
   a change of the allocation counts (workers, cores, cpuset, IO weight), not re-applying the same one
   to new worker pids.
 - ``applied`` is the controller's alone: the snapshot source measures, the controller adds what is in
@@ -61,6 +63,7 @@ BREAKER_FAILURES = 3
 CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth applying
 OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at most this often
 MIN_OBSERVE_S = 0.9        # the shortest window fed to it (about one client report period, REPORT_S)
+UNSETTLED_FALLBACK_S = 15.0   # no settled window for this long: the smoothed figures are the window
 DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
 
 
@@ -246,6 +249,7 @@ class Controller:
         self._pending_forget: set[str] = set()
         self._observed_at: dict[str, float] = {}
         self._window_end: dict[str, float] = {}     # the end of each job's last window (settled_window)
+        self._unsettled_since: dict[str, float] = {}   # since when a due job has had no settled window
         self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
@@ -367,8 +371,15 @@ class Controller:
                         self._window_end.get(job_id, -math.inf))
             span = max(self._observe_interval_s, MIN_OBSERVE_S)
             window = settled_window(job.history, since, span_s=span, min_s=MIN_OBSERVE_S)
-            due = window is not None
-        elif due and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
+            if window is not None:
+                self._unsettled_since.pop(job_id, None)
+            else:
+                # none yet (just changed, resizing, a slow step): wait; but a job that never holds still
+                # long enough (epochs shorter than a window with workers restarted at each, a client
+                # whose live worker count never matches its target) falls back to the smoothed figures
+                first = self._unsettled_since.setdefault(job_id, now)
+                due = now - first >= UNSETTLED_FALLBACK_S
+        if due and window is None and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
             due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
@@ -433,6 +444,7 @@ class Controller:
         self._breakers.pop(job_id, None)
         self._observed_at.pop(job_id, None)
         self._window_end.pop(job_id, None)
+        self._unsettled_since.pop(job_id, None)
         self._applied_at.pop(job_id, None)
         self._curves.pop(job_id, None)
         self._summaries.pop(job_id, None)

@@ -477,3 +477,30 @@ def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the
         assert obs.cpu_s_per_batch == pytest.approx(0.2)
         prev_end = t
     assert any(t > 6.0 for t, _ in seen) and all(b - a >= 3.0 - 1e-9 for (a, _), (b, _) in zip(seen[1:], seen[2:]))
+
+
+def test_a_job_that_never_holds_still_falls_back_to_the_smoothed_figures():
+    """Reports whose live worker count never matches the target (workers restarted every short epoch,
+    or a client that counts them differently) give no settled window: after UNSETTLED_FALLBACK_S the
+    job is observed from the smoothed figures rather than never."""
+    from agent.controller import UNSETTLED_FALLBACK_S
+    from agent.model import Report
+
+    bank = FakeBank()
+    src = FakeSource(4.0, [job_stats("a", window_s=1.0)])
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()], observe_interval_s=3.0)
+    reports = []
+    seen_at = []
+    for t in range(int(UNSETTLED_FALLBACK_S) + 8):
+        steps = 1.0 + 5 * t
+        reports.append(Report(recv_t=float(t), uptime_s=float(t), workers=2, live_workers=1,
+                              totals={"steps": steps, "samples": 32 * steps, "batches": steps,
+                                      "data_wait_s": 0.05 * steps, "compute_s": 0.15 * steps}))
+        src.jobs["a"] = dataclasses.replace(src.jobs["a"], history=(tuple(reports),))
+        n = len(bank.seen)
+        c.tick(now=float(t))
+        if len(bank.seen) > n:
+            seen_at.append(float(t))
+    assert seen_at and seen_at[0] >= UNSETTLED_FALLBACK_S            # not before the fallback
+    assert bank.seen[0][1].samples_per_s == pytest.approx(320.0)      # the smoothed figures (job_stats')
