@@ -195,9 +195,9 @@ def settled_window(history, since: float, span_s: float, min_s: float,
     where the reports allow, longer (back to the same bounds) until it holds ``min_steps`` steps.
 
     Smoothed rates are not fit for this: an exponential average (``SMOOTH_TAU_S``) a second after a
-    change still holds most of the previous configuration, and an average of per-window step times
-    over-states the step wherever the pace varies (the mean of 1/rate is not 1/the mean rate), which
-    made a loader look slower per core than it was.
+    change still holds most of the previous configuration, and at a job's start it holds the start-up;
+    fed to the predictor, both made a loader look slower per core than it was (BENCHMARKS.md, issue 11,
+    tenth pass). (They are also a mean of per-report step times, not total time over total steps.)
 
     None when a rank has no such window at least ``min_s`` long with ``min_steps`` steps."""
     per: list[tuple[Report, Report, dict, float]] = []
