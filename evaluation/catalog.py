@@ -69,6 +69,8 @@ class Catalog:
     max_step_s: float = 1.0
     dynamic_arrivals_s: list[float] = field(default_factory=list)
     dynamic_work_s: list[float] = field(default_factory=list)
+    # per mix: the shortest warm-up and measured window (s) that measure its steady state ([windows])
+    windows: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,39 @@ def load_catalog(path: str | None = None) -> Catalog:
             raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {', '.join(missing)}")
         mixes[mix] = names
     dyn = doc.get("dynamic") or {}
-    return Catalog(path=str(path), kinds=kinds, mixes=mixes,
+    windows = _windows(path, doc.get("windows") or {}, mixes)
+    return Catalog(path=str(path), kinds=kinds, mixes=mixes, windows=windows,
                    reference_cores=float(doc.get("reference_cores", 12.0)),
                    min_step_s=float(doc.get("min_step_s", 0.02)), max_step_s=float(doc.get("max_step_s", 1.0)),
                    dynamic_arrivals_s=[float(x) for x in dyn.get("arrivals_s", [])],
                    dynamic_work_s=[float(x) for x in dyn.get("work_s", [])])
+
+
+WINDOW_KEYS = ("warmup_s", "measure_s")
+
+
+def _windows(path, table, mixes: dict) -> dict[str, dict[str, float]]:
+    """``[windows]``: ``mix = {warmup_s = S, measure_s = S}``, the least warm-up and measured window that
+    mix's steady state needs (``adloader bench`` lengthens shorter phases of that mix to these)."""
+    if not isinstance(table, dict):
+        raise CatalogError(f"catalogue {path}: [windows] must be a table of mix = {{warmup_s, measure_s}}")
+    out = {}
+    for mix, entry in table.items():
+        if mix not in mixes:
+            raise CatalogError(f"catalogue {path}: [windows] names unknown mix {mix!r}; mixes: {', '.join(sorted(mixes))}")
+        if not isinstance(entry, dict):
+            raise CatalogError(f"catalogue {path}: [windows] {mix} must be {{warmup_s = S, measure_s = S}}")
+        unknown = set(entry) - set(WINDOW_KEYS)
+        if unknown:
+            raise CatalogError(f"catalogue {path}: [windows] {mix}: unknown keys: {', '.join(sorted(unknown))} "
+                               f"(known: {', '.join(WINDOW_KEYS)})")
+        w = {}
+        for k, v in entry.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise CatalogError(f"catalogue {path}: [windows] {mix}.{k} must be a number of seconds > 0, got {v!r}")
+            w[k] = float(v)
+        out[mix] = w
+    return out
 
 
 def _variant(path, mix: str, entry: dict, kinds: dict) -> str:

@@ -208,6 +208,23 @@ def build_scenarios(cfg: BenchConfig, names, quick: bool) -> list[Scenario]:
     return out
 
 
+def apply_mix_windows(scs: list[Scenario], catalog) -> list[str]:
+    """Lengthen each static phase to its mix's ``[windows]`` minimum (the catalogue's: the warm-up and
+    window that mix needs to measure a steady state, e.g. habitual 8-16 workers per job on a few cores
+    start slowly and then deliver in waves several seconds apart); returns a note per phase lengthened."""
+    notes = []
+    for sc in scs:
+        w = catalog.windows.get(sc.name)
+        if not w or sc.kind != "static":
+            continue
+        warm, meas = max(sc.warmup_s, w.get("warmup_s", 0.0)), max(sc.measure_s, w.get("measure_s", 0.0))
+        if (warm, meas) != (sc.warmup_s, sc.measure_s):
+            notes.append(f"{sc.name}: warm-up {warm:g} s, window {meas:g} s (the catalogue's [windows] minimum "
+                         f"for this mix; asked {sc.warmup_s:g} s and {sc.measure_s:g} s)")
+            sc.warmup_s, sc.measure_s = warm, meas
+    return notes
+
+
 # -- processes -----------------------------------------------------------------------------------
 
 class Proc:
@@ -436,6 +453,23 @@ class StaticCores:
         self.groups.append(g)
         return cores
 
+    def throttling(self) -> dict[str, dict]:
+        """Each job group's CFS bandwidth counters now (``cpu.stat``): periods, periods throttled and
+        seconds throttled, cumulative. A group that cannot be read is left out."""
+        from agent.cgroupfs import CgroupError
+
+        out = {}
+        for g in self.groups:
+            try:
+                stat = dict(line.split() for line in self.h.read(g, "cpu.stat").splitlines() if line.strip())
+                throttled_s = (int(stat["throttled_usec"]) / 1e6 if "throttled_usec" in stat
+                               else int(stat["throttled_time"]) / 1e9)
+                out[g.rsplit("/", 1)[-1]] = {"periods": int(stat["nr_periods"]), "throttled": int(stat["nr_throttled"]),
+                                             "throttled_s": throttled_s}
+            except (CgroupError, KeyError, ValueError):
+                continue
+        return out
+
     def close(self) -> None:
         from agent.cgroupfs import CgroupError
 
@@ -598,6 +632,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     hogs: list[Proc] = []
     events: list[dict] = []
     agent_cpu = {}
+    throttle: Optional[dict] = None     # static-cores: the job groups' cpu.stat at the window's ends
     agent_status = None
     error = None
     memory: list[dict] = []                 # {"t", "total" (bytes), "jobs": {job: bytes}}: workers' USS
@@ -671,6 +706,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                     agent_cpu = {"t0": now, "cpu0": t.user + t.system}
                 except psutil.Error:
                     agent_cpu = {"t0": now, "cpu0": math.nan}
+            if static is not None and throttle is None and window0 is not None and now >= window0:
+                throttle = {"t0": now, "at0": static.throttling()}
             if agent is not None and not agent.alive():
                 raise BenchError(f"the agent died during the phase; log {agent.log_path}:\n{agent.log_tail()}")
             if now >= next_mem:
@@ -688,6 +725,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             elif rel >= sc.warmup_s + sc.measure_s:
                 break
         end_t = time.monotonic()
+        if throttle is not None:
+            throttle.update(t1=end_t, at1=static.throttling())
         if agent is not None and agent_cpu:   # before the status query below, which the agent works for
             try:
                 t = psutil.Process(agent.pid).cpu_times()
@@ -727,7 +766,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
             "warmup_s": sc.warmup_s, "run_dir": str(run_dir), "memory": memory,
-            "loader_memory_budget": sc.loader_memory}
+            "loader_memory_budget": sc.loader_memory, "static_throttle": throttle}
 
 
 def worker_memory(pid: int) -> tuple[int, int]:
@@ -803,6 +842,12 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
            "gpu_idle_frac": M.gpu_idle_fraction([tot_wait], [tot_alive]),
            "jain": M.jain_index(v["normalised"] for v in per_job.values()),
            "resizes": sum(v["resizes"] for v in per_job.values()), "jobs": per_job, "error": ph.get("error")}
+    th = ph.get("static_throttle") or {}
+    for j, a0 in (th.get("at0") or {}).items():     # static-cores: the job group's quota throttling in the window
+        a1 = (th.get("at1") or {}).get(j)
+        if j in per_job and a1 and a1["periods"] > a0["periods"]:
+            per_job[j]["throttled_frac"] = (a1["throttled"] - a0["throttled"]) / (a1["periods"] - a0["periods"])
+            per_job[j]["throttled_s_per_s"] = (a1["throttled_s"] - a0["throttled_s"]) / max(1e-9, th["t1"] - th["t0"])
     mem = [m for m in ph.get("memory") or [] if w0 <= m["t"] <= w1]
     if mem:
         budget = ph.get("loader_memory_budget")

@@ -60,6 +60,8 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
             sc.warmup_s = warmup_s
         if measure_s is not None and sc.kind != "dynamic":
             sc.measure_s = measure_s
+    for note in harness.apply_mix_windows(scs, catalog):
+        progress.note(note)
     t0 = time.time()
     result = harness.run_bench(cfg, scs, policies, reps, progress)
     for ph in result["phases"]:

@@ -152,6 +152,33 @@ def test_catalog_errors_name_the_problem(tmp_path):
         load_catalog(str(p))
 
 
+def test_catalog_windows_name_their_problems(tmp_path):
+    p = tmp_path / "w.toml"
+    base = '[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = ["x"]\n[windows]\n'
+    p.write_text(base + 'm = {warmup_s = 20, measure_s = 30.5}\n')
+    assert load_catalog(str(p)).windows == {"m": {"warmup_s": 20.0, "measure_s": 30.5}}
+    for line, err in (('q = {warmup_s = 2}', "unknown mix 'q'"), ('m = {warm = 2}', "unknown keys: warm"),
+                      ('m = {measure_s = 0}', r"m.measure_s must be a number of seconds > 0"),
+                      ('m = {warmup_s = "long"}', "m.warmup_s must be a number"), ('m = 3', "must be {warmup_s")):
+        p.write_text(base + line + "\n")
+        with pytest.raises(CatalogError, match=err):
+            load_catalog(str(p))
+    assert load_catalog().windows["oversubscribed"]["measure_s"] >= 30     # the packaged catalogue's
+
+
+def test_a_mix_window_lengthens_its_phases_and_says_so(tmp_path, tiny_catalog):
+    p = tmp_path / "win.toml"
+    p.write_text(open(tiny_catalog).read() + '\n[windows]\nheterogeneous = {warmup_s = 1.5}\n')
+    result, progress = _run(tmp_path, str(p), "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["warmup_s"] == 1.5
+    a, b = ph["window"]
+    assert b - a == pytest.approx(2.0, abs=0.3)             # the window is not raised: no minimum given
+    assert a - ph["origin"] == pytest.approx(1.5, abs=0.3)   # it starts after the mix's warm-up
+    assert "heterogeneous: warm-up 1.5 s, window 2 s (the catalogue's [windows] minimum" in progress
+    assert _no_children_left() == []
+
+
 def test_packaged_catalog_loads_with_every_scenario_mix():
     cat = load_catalog()
     for mix in ("heterogeneous", "homogeneous", "light", "dynamic", "reaction", "hog"):

@@ -38,8 +38,12 @@ def register(sub) -> None:
                         "'observation' event per window the predictor got, with the curve it made")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep) or a real small model step on CUDA")
-    p.add_argument("--warmup-s", type=float, default=None)
-    p.add_argument("--measure-s", type=float, default=None)
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds before measuring each phase (default: quick 4, full 6; a mix the catalogue's "
+                        "[windows] gives a longer minimum gets that)")
+    p.add_argument("--measure-s", type=float, default=None,
+                   help="seconds measured per static phase (default: quick 12, full 24; raised to a mix's "
+                        "[windows] minimum)")
     p.add_argument("--sweep-segment-s", type=float, default=None, help="oracle sweep: seconds per worker count")
     p.add_argument("--oracle", choices=("colocated", "solo"), default="colocated",
                    help="the oracle's curves: probes of the whole mix under fixed plans (default; scenarios "
