@@ -164,7 +164,8 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
                          ("measured_trainer", m.get("trainer_cpu_cores")), ("sim_trainer", r.get("trainer_cores")),
                          ("measured_wait", (float(m["trainer_runq_cores"]) / ranks / steps
                                             if m.get("trainer_runq_cores") is not None and steps > 0 else None)),
-                         ("sim_wait", r.get("trainer_runq_s_per_step"))):
+                         ("sim_wait", r.get("trainer_runq_s_per_step")),
+                         ("measured_throttled", m.get("throttled_frac"))):
                 a.setdefault(k, []).append(v)
             a.setdefault("workers", []).append(m.get("workers_end"))
             a["gpus"] = [ranks]
@@ -174,14 +175,15 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
 
 def markdown_jobs(rows: list[dict]) -> str:
     lines = ["| scenario | policy | job | GPUs | workers (end) | normalised: measured / sim | loader cores: measured / sim "
-             "| trainer cores: measured / sim | trainer run-queue wait s/step: measured / sim |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| trainer cores: measured / sim | trainer run-queue wait s/step: measured / sim "
+             "| quota periods throttled (static-cores, measured) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['policy']} | {r['job']} | {r['gpus']} | {_f(r['workers'], '.0f')} "
                      f"| {_f(r['measured_norm'])} / {_f(r['sim_norm'])} "
                      f"| {_f(r['measured_loader'], '.2f')} / {_f(r['sim_loader'], '.2f')} "
                      f"| {_f(r['measured_trainer'], '.2f')} / {_f(r['sim_trainer'], '.2f')} "
-                     f"| {_f(r['measured_wait'])} / {_f(r['sim_wait'])} |")
+                     f"| {_f(r['measured_wait'])} / {_f(r['sim_wait'])} | {_f(r.get('measured_throttled'), '.2f')} |")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ Busy-loop processes are real; CPU used is measured with psutil (per-process cpu_
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -259,15 +260,28 @@ def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
                    cpu_s_per_sample=0.001, workload={}, gpus=2)
     st = StaticCores(node_cores=2, node_gpus=4)
     p = subprocess.Popen(["sleep", "30"])
+    busy_spec = dataclasses.replace(spec, job_id="adl-test-static-busy", gpus=1)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         assert st.place(spec, p.pid) == pytest.approx(1.0)          # 2 cores x 2 of 4 GPUs
         group = st.base / spec.job_id
         assert (group / "cpu.cfs_quota_us").read_text().strip() == "100000"
         assert str(p.pid) in (group / "cgroup.procs").read_text().split()
+        # a busy thread under half a core's quota is throttled in its periods; a sleeper never is
+        assert st.place(busy_spec, busy.pid) == pytest.approx(0.5)
+        t0 = st.throttling()
+        time.sleep(0.8)
+        t1 = st.throttling()
+        b0, b1 = t0[busy_spec.job_id], t1[busy_spec.job_id]
+        assert b1["periods"] - b0["periods"] >= 3
+        assert b1["throttled"] - b0["throttled"] >= 0.5 * (b1["periods"] - b0["periods"])
+        assert b1["throttled_s"] > b0["throttled_s"]
+        assert t1[spec.job_id]["throttled"] == 0
     finally:
         st.close()
-        p.kill()
-        p.wait()
+        for q in (p, busy):
+            q.kill()
+            q.wait()
     assert not st.base.exists()
 
 
@@ -296,3 +310,5 @@ def test_static_cores_on_cgroup_v2_writes_cpu_max(tmp_path, monkeypatch):
     assert (st.base / "j2" / "cpu.max").read_text() == "800000 100000"
     assert (st.base / "j2" / "cgroup.procs").read_text() == "4242"
     assert not (st.base / "j2" / "cpu.cfs_quota_us").exists()
+    (st.base / "j2" / "cpu.stat").write_text("usage_usec 9000\nnr_periods 40\nnr_throttled 10\nthrottled_usec 250000\n")
+    assert st.throttling() == {"j2": {"periods": 40, "throttled": 10, "throttled_s": 0.25}}

@@ -293,7 +293,8 @@ def test_validate_sim_per_job_view_names_the_mechanism():
     phases = []
     for rep, wait in enumerate((0.2, 0.4, 0.3)):
         jobs = {"a": {"normalised": 0.25, "samples_per_s": 0.25 * 1280, "worker_cpu_cores": 0.7,
-                      "trainer_cpu_cores": 0.1, "trainer_runq_cores": wait * 2 * 2.5, "workers_end": 16},
+                      "trainer_cpu_cores": 0.1, "trainer_runq_cores": wait * 2 * 2.5, "workers_end": 16,
+                      "throttled_frac": 0.2 + wait},
                 "b": {"normalised": 0.6, "samples_per_s": 384.0, "worker_cpu_cores": 0.2,
                       "trainer_cpu_cores": 0.1, "trainer_runq_cores": 0.6, "workers_end": 8}}
         phases.append({"scenario": "oversubscribed", "kind": "static", "policy": "none", "rep": rep, "warmup_s": 6,
@@ -305,11 +306,13 @@ def test_validate_sim_per_job_view_names_the_mechanism():
     assert rows["a"]["measured_wait"] == pytest.approx(0.3 * 2)
     assert rows["b"]["measured_wait"] == pytest.approx(0.6 / 6.0)
     assert rows["a"]["measured_norm"] == 0.25 and rows["b"]["workers"] == 8
+    assert rows["a"]["measured_throttled"] == pytest.approx(0.5) and rows["b"]["measured_throttled"] is None
     sim_agg = V.validate(bench, capacity="node")[0]["sim_agg"]
     assert 2 * rows["a"]["sim_norm"] + rows["b"]["sim_norm"] == pytest.approx(sim_agg)
     assert all(r["sim_wait"] >= 0 and 0 < r["sim_norm"] <= 1 for r in rows.values())
     table = V.markdown_jobs(list(rows.values()))
     assert "| oversubscribed | none | a | 2 | 16 | 0.250 / " in table
+    assert table.splitlines()[2].endswith("| 0.50 |") and table.splitlines()[3].endswith("| – |")
 
 
 @pytest.mark.unit
