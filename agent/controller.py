@@ -22,8 +22,10 @@ Invariants (what the tests hold it to):
   an observation.
 - Observation hygiene: where the snapshot carries the ranks' reports (``JobStats.history``: the real
   collector), a window is cut from their raw totals (``agent.collector.settled_window``): it starts no
-  earlier than the job's last allocation change and the end of its last window, holds one worker count
-  with every worker live, and starts after the loop's first step; windows do not overlap. Smoothed
+  earlier than the job's last change of configuration (workers, CPU set, IO weight) and the end of its
+  last window, holds one worker count with every worker live, and starts after the loop's first step;
+  windows do not overlap. It may span changes of the job's cores alone: its cores are then the
+  time-weighted mean of the cores applied over it. Smoothed
   figures are never fed to the predictor there: a second after a change they still hold most of the
   previous configuration. Without reports (the simulator, hand-made stats) the smoothed figures are
   the window, and one that started before the last change was applied (``now - window_s <
@@ -131,12 +133,12 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
 
 
 def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
-                           work_conserving: bool = True) -> Optional[Observation]:
+                           work_conserving: bool = True, applied_cpus: Optional[float] = None) -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet (or the window
     delivered more batches than its workers' CPU could make: a queue filled earlier was draining).
 
     Cores the loader could use (``Observation.cores``): the applied CPU allocation
-    (``snapshot.applied``), else the job's
+    (``snapshot.applied``; ``applied_cpus``, where given, is its cores over the window), else the job's
     allowed CPUs (a CPU set: a hard bound), else an even share of the node's loader CPUs. An applied
     cap (cpu_knob ``quota`` or ``cpuset``: ``work_conserving=False``) is what the workers could use.
     A share (``shares`` knob, or no CPU actuator at all) is not: it is
@@ -151,7 +153,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     share = True                           # the figure is a share or an even split, not a CPU set
     applied = snapshot.applied.get(job.job)
     if applied is not None and applied.cpus > 0:
-        cores = applied.cpus
+        cores = applied.cpus if applied_cpus is None or not applied_cpus > 0 else float(applied_cpus)
     elif job.allowed_cpus:
         cores, share = float(len(job.allowed_cpus)), False
     else:
@@ -200,6 +202,15 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
         )
     except BadObservation:
         return None
+
+
+def same_configuration(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
+    """Equal but for the cores: the same workers, CPU set and IO weight. A predictor window may span a
+    change of cores alone (its cores are then the time-weighted mean of what was applied), not of these."""
+    if a is None or b is None:
+        return a is b
+    return (a.workers == b.workers and (tuple(a.cpuset) if a.cpuset else None) == (tuple(b.cpuset) if b.cpuset else None)
+            and a.io_weight == b.io_weight)
 
 
 def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
@@ -251,6 +262,8 @@ class Controller:
         self._window_end: dict[str, float] = {}     # the end of each job's last window (settled_window)
         self._unsettled_since: dict[str, float] = {}   # since when a due job has had no settled window
         self._applied_at: dict[str, float] = {}      # job -> when its allocation last changed (tick time)
+        self._config_at: dict[str, float] = {}       # ... when anything but its cores changed (workers, cpuset, IO)
+        self._cpus_log: dict[str, list[tuple[float, float]]] = {}   # job -> (tick time, cores applied from then)
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
         self.last_record: Optional[TickRecord] = None
@@ -352,6 +365,30 @@ class Controller:
         return record
 
     # -- internals --------------------------------------------------------------------------
+    CPUS_LOG_S = 120.0      # how far back a job's applied cores are kept (windows are seconds long)
+
+    def _log_cpus(self, job_id: str, now: float, cpus: float) -> None:
+        log_ = self._cpus_log.setdefault(job_id, [])
+        if log_ and log_[-1][0] == now:
+            log_[-1] = (now, cpus)
+        elif not log_ or abs(log_[-1][1] - cpus) > 1e-9:
+            log_.append((now, cpus))
+        while len(log_) > 1 and log_[1][0] < now - self.CPUS_LOG_S:
+            log_.pop(0)
+
+    def _mean_cpus(self, job_id: str, t0: float, t1: float) -> Optional[float]:
+        """The cores applied to the job over [t0, t1], time-weighted; None when nothing was applied then."""
+        log_ = self._cpus_log.get(job_id) or []
+        if not log_ or t1 <= t0 or log_[0][0] > t0:
+            return None
+        total = 0.0
+        for k, (t, c) in enumerate(log_):
+            end = log_[k + 1][0] if k + 1 < len(log_) else math.inf
+            a, b = max(t, t0), min(end, t1)
+            if b > a:
+                total += c * (b - a)
+        return total / (t1 - t0)
+
     def _observe(self, job_id: str, job: JobStats, snapshot: NodeSnapshot, now: float,
                  errors: list[str]) -> Optional[ThroughputCurve]:
         """Feed the job's window to the predictor once per window length; return its curve.
@@ -363,11 +400,16 @@ class Controller:
         last = self._observed_at.get(job_id)
         due = last is None or now - last >= max(job.window_s, self._observe_interval_s, 1e-9) or now < last
         changed_at = self._applied_at.get(job_id)
+        config_at = self._config_at.get(job_id)
         window = None
         if due and job.history:
-            # the collector's raw reports: the window since the allocation settled (never a smoothed
-            # figure, never across a change or an unfinished resize; see settled_window)
-            since = max(changed_at if changed_at is not None and changed_at <= now else -math.inf,
+            # the collector's raw reports: the window since the configuration settled (never a smoothed
+            # figure, never across a change of workers or an unfinished resize; see settled_window). A
+            # change of cores alone does not cut it: its cores are what was applied, averaged over it.
+            # (On a busy node the cores are re-split at nearly every tick as jobs come and go and the
+            # trainers' measured need moves; a window that had to start after the last such change
+            # left a new job on its cold-start share for 8-10 s of its 12-30 s.)
+            since = max(config_at if config_at is not None and config_at <= now else -math.inf,
                         self._window_end.get(job_id, -math.inf))
             span = max(self._observe_interval_s, MIN_OBSERVE_S)
             window = settled_window(job.history, since, span_s=span, min_s=MIN_OBSERVE_S)
@@ -384,7 +426,9 @@ class Controller:
         try:
             if due:
                 obs = observation_from_stats(job if window is None else dataclasses.replace(job, **window.stats_fields()),
-                                             snapshot, self.work_conserving)
+                                             snapshot, self.work_conserving,
+                                             applied_cpus=(self._mean_cpus(job_id, window.start_t, window.end_t)
+                                                           if window is not None else None))
                 if window is not None:
                     self._window_end[job_id] = window.end_t
                 if obs is not None:
@@ -446,6 +490,8 @@ class Controller:
         self._window_end.pop(job_id, None)
         self._unsettled_since.pop(job_id, None)
         self._applied_at.pop(job_id, None)
+        self._config_at.pop(job_id, None)
+        self._cpus_log.pop(job_id, None)
         self._curves.pop(job_id, None)
         self._summaries.pop(job_id, None)
         try:
@@ -492,6 +538,9 @@ class Controller:
                 self._pids_by[i][job.job] = job.worker_pids
                 if not same_allocation(before[i], desired):
                     self._applied_at[job.job] = now
+                    if not same_configuration(before[i], desired):
+                        self._config_at[job.job] = now
+                    self._log_cpus(job.job, now, desired.cpus)
                 br.failures, br.opened_at, br.last_error = 0, None, ""
             else:
                 br.failures += 1

@@ -416,21 +416,23 @@ def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_mad
 
 def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the_change():
     """Where the snapshot carries each rank's reports (the real collector), the predictor's window is
-    cut from them: it starts at the allocation change (or the last window's end), not at a smoothed
-    figure's memory of the previous configuration, and its figures are the reports' differences."""
+    cut from them: it starts at a change of the worker count (or the last window's end), not at a
+    smoothed figure's memory of the previous configuration, and its figures are the reports'
+    differences. A change of the cores alone does not cut it: its cores are the time-weighted mean of
+    the cores applied over it, and its rates the totals over it."""
     from agent.model import AllocationPlan, Report
 
     class Steered:
         __name__ = "steered"
-        cpus = 1.0
+        cpus, workers = 1.0, 2
 
         def __call__(self, snapshot, model, config):
             return AllocationPlan(policy="steered", allocations={
-                j: JobAllocation(job=j, workers=2, cpus=self.cpus) for j in snapshot.jobs})
+                j: JobAllocation(job=j, workers=self.workers, cpus=self.cpus) for j in snapshot.jobs})
 
     reports: list = []
 
-    def report(t, step_s):
+    def report(t, step_s, workers):
         """The loop's pace changes with the cores: a step of ``step_s`` (all of it waiting for data
         beyond 0.1 s of compute) from the last report to ``t``."""
         prev = reports[-1].totals if reports else {"steps": 1.0, "samples": 32.0, "batches": 1.0, "data_wait_s": 0.0,
@@ -441,7 +443,7 @@ def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the
                   "data_wait_s": prev["data_wait_s"] + n * (step_s - 0.1), "compute_s": prev["compute_s"] + n * 0.1,
                   "worker_cpu_s": prev["worker_cpu_s"] + n * 0.2, "worker_wall_s": None, "worker_runq_s": None,
                   "worker_blocked_s": None, "main_cpu_s": None, "main_runq_s": None}
-        reports.append(Report(recv_t=t, uptime_s=t, totals=totals, workers=2, live_workers=2))
+        reports.append(Report(recv_t=t, uptime_s=t, totals=totals, workers=workers, live_workers=workers))
 
     bank, policy = FakeBank(), Steered()
     # the smoothed figures say a 0.4 s step: the raw reports are what the window must use
@@ -449,34 +451,42 @@ def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the
     c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=bank,
                    actuators=[RecordingActuator()], observe_interval_s=3.0)
 
-    def tick(t, step_s):
-        report(t, step_s)
+    def tick(t, step_s, workers=2):
+        report(t, step_s, workers)
         src.jobs["a"] = dataclasses.replace(src.jobs["a"], history=(tuple(reports),))
         n = len(bank.seen)
         c.tick(now=t)
         return bank.seen[-1][1] if len(bank.seen) > n else None
 
+    pace = lambda t: 0.4 if t <= 6 else 0.2      # 1.0 core until t=6, then 2.0: the step halves
     assert tick(0.0, 0.4) is None                # one report: no window yet; 1.0 core applied at t=0
     seen = []
-    for t in range(1, 14):
+    for t in range(1, 18):
         if t == 6:
-            policy.cpus = 2.0                    # more cores, applied at t=6: the step falls to 0.2 s
-        obs = tick(float(t), 0.4 if t <= 6 else 0.2)
+            policy.cpus = 2.0                    # more cores (workers unchanged), applied at t=6
+        if t == 11:
+            policy.workers = 3                   # a third worker, applied at t=11, live from t=12
+        obs = tick(float(t), pace(t), workers=3 if t >= 12 else 2)
         if obs is not None:
             seen.append((float(t), obs))
     assert seen[0][0] == 1.0                     # the first window as soon as there is one: [0, 1]
-    assert len(seen) >= 4
-    prev_end = 0.0
+    prev_end, spanned = 0.0, False
     for t, obs in seen:
         start = t - obs.duration_s
-        assert start == pytest.approx(6.0 if prev_end < 6.0 < t else prev_end)   # abutting, never across t=6
-        before = t <= 6.0
-        assert obs.step_s == pytest.approx(0.4 if before else 0.2)               # one configuration's pace
-        assert obs.cores == pytest.approx(1.0 if before else 2.0)
-        assert obs.samples_per_s == pytest.approx(80.0 if before else 160.0)
+        if t <= 11.0:
+            assert start == pytest.approx(prev_end)               # abutting, across the change of cores
+        else:
+            assert start >= 11.0 - 1e-9                            # never across the change of workers
+            assert obs.workers == 3
+        ones = max(0.0, min(t, 6.0) - start)                       # seconds of it at 1.0 core
+        assert obs.cores == pytest.approx((ones * 1.0 + (obs.duration_s - ones) * 2.0) / obs.duration_s)
+        steps = ones / 0.4 + (obs.duration_s - ones) / 0.2
+        assert obs.samples_per_s == pytest.approx(32 * steps / obs.duration_s)
         assert obs.cpu_s_per_batch == pytest.approx(0.2)
+        spanned |= start < 6.0 < t
         prev_end = t
-    assert any(t > 6.0 for t, _ in seen) and all(b - a >= 3.0 - 1e-9 for (a, _), (b, _) in zip(seen[1:], seen[2:]))
+    assert spanned and any(t > 12.0 for t, _ in seen)
+    assert all(b - a >= 3.0 - 1e-9 for (a, _), (b, _) in zip(seen[1:], seen[2:]))
 
 
 def test_a_job_that_never_holds_still_falls_back_to_the_smoothed_figures():
