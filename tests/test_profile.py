@@ -163,6 +163,7 @@ def test_memory_analysis_reads_the_last_report_that_measured_every_worker():
         return {"samples": samples, "workers": 2, "memory_workers": measured, "worker_uss_bytes": uss,
                 "worker_pss_bytes": uss, "worker_growth_bytes": 0.0}
 
-    doc = memory_analysis([rep(0, 2, 200 << 20), rep(100, 2, 220 << 20), rep(150, 1, 110 << 20)])
+    doc = memory_analysis([rep(0, 2, 200 << 20), rep(100, 2, 220 << 20), rep(150, 1, 110 << 20),
+                           rep(160, 2, 0)])           # both counted as they exited, at no memory
     assert doc["workers"] == 2 and doc["uss_per_worker"] == 110 << 20
     assert memory_analysis([rep(0, 1, 100 << 20)])["workers"] == 1     # none whole: the last one

@@ -215,8 +215,11 @@ def memory_analysis(reports: list[dict]) -> dict | None:
     if not measured:
         return None
     # the last report that measured every worker the loader had: one taken while the loader shut its
-    # workers down (the script's end) or while one was being replaced measures only the ones left
-    whole = [r for r in measured if r["memory_workers"] >= (r.get("workers") or 0)]
+    # workers down (the script's end) or while one was being replaced measures only the ones left, and
+    # one taken as they exited may count them all at no memory (an exiting process's smaps are empty;
+    # a fresh-clone run saw 2 workers at 0 bytes): a live worker always holds private pages
+    whole = [r for r in measured if r["memory_workers"] >= (r.get("workers") or 0)
+             and (r.get("worker_uss_bytes") or 0) > 0]
     first, last = measured[0], (whole or measured)[-1]
     n = last["memory_workers"]
     uss, pss = last.get("worker_uss_bytes", 0) / n, last.get("worker_pss_bytes", 0) / n
