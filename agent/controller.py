@@ -215,11 +215,7 @@ def same_configuration(a: Optional[JobAllocation], b: Optional[JobAllocation]) -
 
 def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
     """Equal for actuation purposes: the reason is ignored, cores within ``CPUS_TOLERANCE``."""
-    if a is None or b is None:
-        return a is b
-    return (a.workers == b.workers and abs(a.cpus - b.cpus) < CPUS_TOLERANCE
-            and (tuple(a.cpuset) if a.cpuset else None) == (tuple(b.cpuset) if b.cpuset else None)
-            and a.io_weight == b.io_weight)
+    return same_configuration(a, b) and (a is None or abs(a.cpus - b.cpus) < CPUS_TOLERANCE)
 
 
 class _Breaker:
