@@ -214,8 +214,12 @@ def same_configuration(a: Optional[JobAllocation], b: Optional[JobAllocation]) -
 
 
 def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
-    """Equal for actuation purposes: the reason is ignored, cores within ``CPUS_TOLERANCE``."""
-    return same_configuration(a, b) and (a is None or abs(a.cpus - b.cpus) < CPUS_TOLERANCE)
+    """Equal for actuation purposes: the reason is ignored, cores and CPU weights within ``CPUS_TOLERANCE``."""
+    if not same_configuration(a, b) or a is None:
+        return same_configuration(a, b)
+    wa = a.cpus if a.cpu_weight is None else a.cpu_weight
+    wb = b.cpus if b.cpu_weight is None else b.cpu_weight
+    return abs(a.cpus - b.cpus) < CPUS_TOLERANCE and abs(wa - wb) < CPUS_TOLERANCE
 
 
 class _Breaker:

@@ -339,8 +339,10 @@ class Agent:
             record = self.controller.tick(now)
             for job, r in record.results.items():   # only jobs something was applied to this tick
                 if r.ok and r.applied is not None:
+                    w = r.applied.cpu_weight
                     logs.event(log, "allocation_applied", job=job, workers=r.applied.workers,
-                               cpus=round(r.applied.cpus, 3), reason=r.applied.reason)
+                               cpus=round(r.applied.cpus, 3), cpu_weight=round(w, 3) if w is not None else None,
+                               reason=r.applied.reason)
                 if r.ok:
                     self._apply_error.pop(job, None)
                 elif r.error != self._apply_error.get(job):

@@ -72,6 +72,8 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
          "null or a list of CPU numbers", cs)
     need(a.get("io_weight") is None or is_int(a.get("io_weight"), 1, 10000), p, f"{w}.io_weight",
          "null or an integer", a.get("io_weight"))
+    need(a.get("cpu_weight") is None or (is_num(a.get("cpu_weight")) and a["cpu_weight"] > 0), p,
+         f"{w}.cpu_weight", "null or a number > 0", a.get("cpu_weight"))
     need(isinstance(a.get("reason", ""), str), p, f"{w}.reason", "a string", a.get("reason"))
     need(isinstance(a.get("enforce_cpu", True), bool), p, f"{w}.enforce_cpu", "true or false", a.get("enforce_cpu"))
     return alloc_from_dict(dict(a, job=job))

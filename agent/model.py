@@ -29,6 +29,8 @@ class JobAllocation:
     io_weight: Optional[int] = None       # 1..1000 (blkio.bfq.weight / io.weight scale), None = leave
     reason: str = ""
     enforce_cpu: bool = True              # False: `cpus` is informational; CPU actuators leave the workers alone
+    cpu_weight: Optional[float] = None    # cores the job's group weighs (``shares`` knob) when not ``cpus``:
+                                          # a job with all the cores it can use weighs more (policies.satisfied_weight)
 
 
 @dataclass(frozen=True)

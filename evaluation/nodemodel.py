@@ -13,7 +13,8 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   worker, at most one per planned loader core where trainers need CPU; there it is also capped (quota) at ``N`` less each trainer's expected need
   (``agent.policies.trainer_cores_expected``: its full need times the part of its step it does not
   wait for data, plus a margin), never below the plan's cores. The loaders share what they get by the
-  plan's weights (``cpus``), each capped at what its workers can use (water-filling: work-conserving).
+  plan's weights (``cpu_weight`` where the plan sets one, else ``cpus``), each capped at what its
+  workers can use (water-filling: work-conserving).
   Each trainer is one nice-0 task in its own session: it is NOT sheltered by the cap from the busy
   workers on the CPU it wakes on (unless the plan lets the loaders yield, ``loaders_yield``: then the
   subtree is ``cpu.idle``, uncapped, and a trainer competes only with the other trainers) (``wakeup_share``: the subtree's weight sits on the CPUs its busy
@@ -192,6 +193,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         # loaders share what they get by the plan's weights (``cpus``), each capped at what its workers
         # can use (water-filling: work-conserving). A fixed point over the jobs' rates.
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
+        # the groups' weights (JobAllocation.cpu_weight where set); the subtree's weight and cap count
+        # the planned cores
+        gw = {j: max(1e-6, float(getattr(allocations.get(j), "cpu_weight", None) or weights[j])) for j in ids}
         need = sum(models[j].trainer_cores for j in ids)
         bps = {j: models[j].loader_bps(w[j], math.inf) for j in ids}
         cores = {j: 0.0 for j in ids}
@@ -230,7 +234,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                 others_t = sum(run_t[k] for k in ids if k != j)
                 new_s_t[j] = wakeup_share(A, U * present + others_t, spread_weight=others_t,
                                           group_weight=W * present, group_threads=U)
-            cores = waterfill(max(0.0, min(cap, A - min(A, t_total))), weights, caps)
+            cores = waterfill(max(0.0, min(cap, A - min(A, t_total))), gw, caps)
             new = {}
             for j in ids:
                 m = models[j]

@@ -106,6 +106,20 @@ def test_shares_split_a_contended_cpu(clean, tmp_path):
     act.restore()
 
 
+def test_a_plan_cpu_weight_sets_the_group_shares_and_the_subtree_counts_planned_cores(clean, tmp_path):
+    """``JobAllocation.cpu_weight`` (a job planned all it can use weighs more) is what the job's group
+    weighs; the subtree's weight where trainers need CPU still counts the planned cores."""
+    a, b = busy(clean), busy(clean)
+    act = cgroup_actuator(tmp_path, "shares")
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    assert act.apply(stats("w1", [a], **trainer), JobAllocation(job="w1", workers=1, cpus=0.25, cpu_weight=0.9)).ok
+    assert act.apply(stats("w2", [b], **trainer), JobAllocation(job="w2", workers=1, cpus=1.5)).ok
+    read = lambda rel: int(open(os.path.join(ROOT, "cpu", rel, "cpu.shares")).read())
+    assert read(f"{SUBTREE}/w1") == 922 and read(f"{SUBTREE}/w2") == 1536
+    assert read(SUBTREE) == subtree_shares_for_cores(1.75)          # 0.25 + 1.5 planned, not 0.9 + 1.5
+    act.restore()
+
+
 def test_cpuset_written_before_join_and_new_worker_pids_follow(clean, tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     pid = busy(clean)

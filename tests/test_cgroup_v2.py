@@ -61,6 +61,19 @@ def test_v2_jobs_split_by_cores_subtree_weighs_its_workers(v2):
     assert not kernel.exists("adloader")
 
 
+def test_v2_a_plan_cpu_weight_is_the_group_weight_and_quota_ignores_it(v2):
+    """``cpu_weight`` sets the job group's cpu.weight (shares knob); a quota stays the planned cores."""
+    kernel, make = v2
+    act = make(io=False)
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=0.2, cpu_weight=0.9))
+    assert read(kernel, "adloader/a", "cpu.weight") == "90"
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=0.2))
+    assert read(kernel, "adloader/a", "cpu.weight") == "20"
+    act = make("quota", io=False)
+    act.apply(cgroup_job("q", [102]), JobAllocation(job="q", workers=1, cpus=0.2, cpu_weight=0.9))
+    assert read(kernel, "adloader/q", "cpu.max") == "20000 100000"
+
+
 def test_v2_existing_subtree_weight_recorded_and_restored_and_quota_knob(v2, tmp_path):
     kernel, make = v2
     kernel.write("", "cgroup.subtree_control", "+cpu")

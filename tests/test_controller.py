@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from agent.actuators import DirectiveActuator, build
-from agent.controller import Controller, TickRecord, observation_from_stats
+from agent.controller import Controller, TickRecord, observation_from_stats, same_allocation, same_configuration
 from agent.model import JobAllocation
 from agent.policies import PolicyConfig, get_policy
 from tests.fakes import FakeBank, FakeSink, FakeSource, RecordingActuator, job_stats
@@ -46,6 +46,17 @@ def test_only_the_difference_is_applied():
     rec = c.tick(now=3.0)
     assert set(rec.results) == {"a", "b", "c"}   # shares changed for all three
     assert len(sink.sent) == 5
+
+
+def test_a_change_of_cpu_weight_alone_is_applied_and_does_not_cut_a_window():
+    """A plan that changes only a job's CPU weight is a new allocation (its group's shares are written
+    again) but the same configuration (a predictor window may span it: workers and cores stand)."""
+    a = JobAllocation(job="j", workers=2, cpus=0.3)
+    assert same_allocation(a, dataclasses.replace(a, cpu_weight=0.3 + 1e-4))      # the same weight
+    for b in (dataclasses.replace(a, cpu_weight=0.9), dataclasses.replace(a, cpus=0.9)):
+        assert not same_allocation(a, b) and same_configuration(a, b)
+    w = dataclasses.replace(a, cpu_weight=0.9)
+    assert same_allocation(w, dataclasses.replace(w, cpus=0.3 + 1e-4))
 
 
 def test_departure_releases_and_hands_out_share_in_same_tick():

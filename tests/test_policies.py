@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.model import JobAllocation, JobStats, NodeSnapshot
-from agent.policies import POLICIES, PolicyConfig, assign_cpusets, get_policy, thread_split, workers_for
+from agent.policies import (POLICIES, PolicyConfig, assign_cpusets, get_policy, loader_budget, thread_split,
+                            workers_for)
 from predictor.curve import ThroughputCurve
 from tests.fakes import job_stats
 
@@ -77,6 +78,10 @@ def check_invariants(plan, s: NodeSnapshot, config=PolicyConfig()):
         bound = min(config.max_workers_per_job, s.jobs[j].max_workers or 1 << 30)
         assert a.workers <= max(config.min_workers, bound)
         assert a.io_weight is None or 1 <= a.io_weight <= 1000
+        # a weight above the planned cores only for a job planned all it can use, never above the node's
+        # (unsatisfied: short of cores, "wanted ..."; a cpuset note is another matter)
+        assert a.cpu_weight is None or (config.cpu_weights and not plan.unsatisfied.get(j, "").startswith("wanted")
+                                        and a.cpus < a.cpu_weight <= s.loader_cpus + 1e-6), (plan.policy, a)
 
 
 # -- table-driven cases -------------------------------------------------------------------------
@@ -301,6 +306,34 @@ def test_with_cpu_weights_workers_follow_the_planned_cores_without_at_the_share(
         assert all(a.workers <= math.ceil(a.cpus - 1e-6) for a in plan.allocations.values()), (kw, plan)
 
 
+def test_a_job_planned_all_it_can_use_weighs_the_loader_budget():
+    """With weights (work-conserving), a job planned every core it can use weighs the whole loader
+    budget, so its batches do not queue behind the hungry jobs' busy workers; a job short of its cores
+    weighs its plan, and nothing changes without weights."""
+    for gpus in (1, 4):
+        s = snap("dev-2vcpu", [job("light", "light"), job("heavy", "heavy", gpus=gpus)])
+        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=True))
+        light, heavy = plan.allocations["light"], plan.allocations["heavy"]
+        assert "heavy" in plan.unsatisfied and "light" not in plan.unsatisfied
+        assert light.cpus < 0.5 and heavy.cpus > 1.3, plan        # the plan itself is unchanged ...
+        assert light.cpu_weight == pytest.approx(1.8)             # ... the light job weighs the budget
+        assert "weighs 1.80 cores" in light.reason
+        assert heavy.cpu_weight is None
+        plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=False))
+        assert all(a.cpu_weight is None for a in plan.allocations.values())
+    # the node's loader CPUs, not the loader budget (what the trainers leave, which sticks to the held
+    # total once settled): the weight does not move when nothing else does
+    s = snap("dev-2vcpu", [job("two", "light", gpus=2, trainer_cpu_s_per_step=0.01),
+                           *(job(n, "heavy", trainer_cpu_s_per_step=0.01) for n in "ab")])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(cpu_weights=True))
+    assert loader_budget(s, PolicyConfig().min_cpus)[0] < 1.8 - 0.05
+    assert plan.allocations["two"].cpu_weight == pytest.approx(1.8)
+    # held plans carry the weight too (a hold re-derives it from the held cores)
+    settled = dataclasses.replace(s, applied=dict(plan.allocations))
+    again = get_policy("adaptive")(settled, curves_of(s), PolicyConfig(cpu_weights=True))
+    assert again.allocations["two"].cpu_weight == pytest.approx(plan.allocations["two"].cpu_weight)
+
+
 def test_restart_cost_is_charged():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
     cv = curves_of(s)
@@ -420,7 +453,8 @@ def scenario(draw):
                      jobs={j.job: j for j, _ in pairs}, max_jobs=draw(st.integers(0, 8)))
     curves = {j.job: curve_for(j, correction=draw(st.floats(0.3, 2.0))) for j, cold in pairs if not cold}
     config = PolicyConfig(fairness_floor=draw(st.booleans()), cold_start=draw(st.sampled_from(["fair", "request"])),
-                          max_workers_per_job=draw(st.integers(1, 64)), pin_cpusets=draw(st.booleans()))
+                          max_workers_per_job=draw(st.integers(1, 64)), pin_cpusets=draw(st.booleans()),
+                          cpu_weights=draw(st.booleans()))
     return s, curves, config
 
 
@@ -444,6 +478,8 @@ def test_property_settled_plan_is_a_fixed_point(sc, policy):
     for j, a in plan.allocations.items():
         b = again.allocations[j]
         assert (b.workers, round(b.cpus, 6), b.cpuset) == (a.workers, round(a.cpus, 6), a.cpuset), (a, b)
+        assert (b.cpu_weight is None) == (a.cpu_weight is None), (a, b)
+        assert b.cpu_weight is None or b.cpu_weight == pytest.approx(a.cpu_weight), (a, b)
 
 
 # -- the loaders together against the node (NodeAllocation) --------------------------------------

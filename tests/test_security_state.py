@@ -94,7 +94,8 @@ def test_a_journal_with_wrong_types_at_the_top_is_set_aside(tmp_path, doc, where
 def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_path):
     p = _journal(tmp_path, {"version": 1, "applied": {
         "a": {"job": "a", "workers": 2, "cpus": "two"},
-        "b": {"job": "b", "workers": 1, "cpus": 0.5, "reason": "ok"}},
+        "b": {"job": "b", "workers": 1, "cpus": 0.5, "reason": "ok"},
+        "c": {"job": "c", "workers": 1, "cpus": 0.5, "cpu_weight": -1}},
         "jobs": {
             "x": {"uid": 5, "registered": True, "reg_cpus": "two"},
             "y": {"uid": 5, "registered": True, "reg_cpus": 2},
@@ -104,9 +105,10 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
     assert list(doc["applied"]) == ["b"] and doc["applied"]["b"].cpus == 0.5
     assert list(doc["jobs"]) == ["y"]
     text = "\n".join(doc["problems"])
-    for what in ("applied['a'].cpus", "jobs['x'].reg_cpus", "a job id", "jobs['z'].ranks['0'].pid"):
+    for what in ("applied['a'].cpus", "applied['c'].cpu_weight", "jobs['x'].reg_cpus", "a job id",
+                 "jobs['z'].ranks['0'].pid"):
         assert what in text, (what, text)
-    assert text.count(p) == 4
+    assert text.count(p) == 5
 
 
 @pytest.mark.unit
