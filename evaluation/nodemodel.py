@@ -190,8 +190,8 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         # task in its own session. So while a trainer's CPU part runs it competes per runnable thread
         # with the busy workers (``s``, fair per thread over the CPU the jobs get) and gets more only
         # where the cap holds the loaders back (the CPU they leave, over the runnable trainers). The
-        # loaders share what they get by the plan's weights (``cpus``), each capped at what its workers
-        # can use (water-filling: work-conserving). A fixed point over the jobs' rates.
+        # loaders share what they get by the plan's weights (``cpu_weight``, else ``cpus``), each capped
+        # at what its workers can use (water-filling: work-conserving). A fixed point over the jobs' rates.
         weights = {j: max(1e-6, float(getattr(allocations.get(j), "cpus", 1.0) or 1e-6)) for j in ids}
         # the groups' weights (JobAllocation.cpu_weight where set); the subtree's weight and cap count
         # the planned cores
