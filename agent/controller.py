@@ -215,11 +215,10 @@ def same_configuration(a: Optional[JobAllocation], b: Optional[JobAllocation]) -
 
 def same_allocation(a: Optional[JobAllocation], b: Optional[JobAllocation]) -> bool:
     """Equal for actuation purposes: the reason is ignored, cores and CPU weights within ``CPUS_TOLERANCE``."""
-    if not same_configuration(a, b) or a is None:
-        return same_configuration(a, b)
-    wa = a.cpus if a.cpu_weight is None else a.cpu_weight
-    wb = b.cpus if b.cpu_weight is None else b.cpu_weight
-    return abs(a.cpus - b.cpus) < CPUS_TOLERANCE and abs(wa - wb) < CPUS_TOLERANCE
+    if a is None or b is None:
+        return a is b
+    return (same_configuration(a, b) and abs(a.cpus - b.cpus) < CPUS_TOLERANCE
+            and abs(a.weight_cores - b.weight_cores) < CPUS_TOLERANCE)
 
 
 class _Breaker:

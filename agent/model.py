@@ -32,6 +32,11 @@ class JobAllocation:
     cpu_weight: Optional[float] = None    # cores the job's group weighs (``shares`` knob) when not ``cpus``:
                                           # a job with all the cores it can use weighs more (policies.satisfied_weight)
 
+    @property
+    def weight_cores(self) -> float:
+        """The cores the job's CPU group weighs: ``cpu_weight`` where the plan sets one, else ``cpus``."""
+        return self.cpus if self.cpu_weight is None else self.cpu_weight
+
 
 @dataclass(frozen=True)
 class NodeAllocation:

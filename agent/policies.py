@@ -759,11 +759,15 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             tot += gpus[j] * norm(j, w, x)
         return tot
 
+    def short(j: str, x: float) -> bool:
+        """Planned ``x`` cores, the warm job ``j`` could use more (what ``unsatisfied`` reports)."""
+        return useful[j] > x + 0.01
+
     def shortfalls(alloc_of) -> dict[str, str]:
         out = {}
         for j in warm:
             w, x = alloc_of(j)
-            if useful[j] > x + 0.01:
+            if short(j, x):
                 out[j] = (f"wanted {useful[j]:.2f} cores for full speed, got {x:.2f} "
                           f"({norm(j, w, x):.0%} of ceiling)")
         return out
@@ -774,7 +778,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     def weight_of(j: str, x: float) -> Optional[float]:
         # with weights, a warm job planned all the cores it can use weighs the node's loader CPUs
         # (satisfied_weight); None: it weighs its planned cores
-        if not config.cpu_weights or j not in warm or useful[j] > x + 0.01:
+        if not config.cpu_weights or j not in warm or short(j, x):
             return None
         w = satisfied_weight(x, snapshot.loader_cpus)
         return w if w > x + EPS else None

@@ -125,11 +125,6 @@ def job_of_group(name: str) -> str:
     return name[1:].replace(_ESCAPE, ".") if name.startswith(_ESCAPE) else name
 
 
-def _weight_cores(a: JobAllocation) -> float:
-    """The cores a job's group weighs: ``cpu_weight`` where the plan sets one, else its ``cpus``."""
-    return a.cpus if a.cpu_weight is None else a.cpu_weight
-
-
 def shares_for(cores: float) -> int:
     return max(SHARES_MIN, min(SHARES_MAX, int(round(SHARES_DEFAULT * cores))))
 
@@ -560,7 +555,7 @@ class CgroupActuator:
                 period = int(self.h["cpu"].read(rel, "cpu.cfs_period_us") or 100000)
                 self._write("cpu", rel, "cpu.cfs_quota_us", max(QUOTA_MIN_US, int(round(desired.cpus * period))))
             else:
-                self._set_shares(job.job, rel, shares_for(_weight_cores(desired)))
+                self._set_shares(job.job, rel, shares_for(desired.weight_cores))
             self._workers[job.job] = self._move_pids("cpu", rel, job)
             self._note_budget(job, desired)
         else:
@@ -571,7 +566,7 @@ class CgroupActuator:
                 period = 100000
                 self._write("", rel, "cpu.max", f"{max(QUOTA_MIN_US, int(round(desired.cpus * period)))} {period}")
             else:
-                self._set_shares(job.job, rel, shares_for(_weight_cores(desired)))
+                self._set_shares(job.job, rel, shares_for(desired.weight_cores))
             self._workers[job.job] = self._move_pids("", rel, job)
             self._note_budget(job, desired)
         notes += self._set_subtree_weight()
