@@ -56,6 +56,32 @@ def test_global_rng_sampler_matches_torch():
     assert _ids(got) == _ids(ref)
 
 
+@pytest.mark.parametrize("iterable", [False, True])
+def test_prefetch_window_refills_one_batch_per_batch_taken_like_torch(iterable):
+    """torch reads one result per batch taken and sends one index, so its workers get work one batch at
+    a time as the training process takes them. Here results that arrived while the caller was busy are
+    received when it takes the next batch: the window (dispatched, not yet delivered) never exceeds
+    prefetch_factor x workers, and each batch taken dispatches one more. (Before, results were read only
+    when no batch was ready, then a whole window went out at once: every worker busy at the same moment,
+    which under a CPU quota throttled the job, issue 11.)"""
+    import statistics
+
+    ds = Shards(400) if iterable else Indexed(400)
+    it = iter(DataLoader(ds, batch_size=2 if not iterable else None, num_workers=2, prefetch_factor=2))
+    seq = it._seq
+    window, dispatched, prev = [], [], None
+    for _ in range(40):
+        next(it)
+        window.append(seq.issued - seq.delivered_below)
+        if prev is not None:
+            dispatched.append(seq.issued - prev)
+        prev = seq.issued
+        time.sleep(0.01)            # the training step: the workers' results arrive meanwhile
+    del it
+    assert max(window) <= 2 * 2, window
+    assert statistics.median(dispatched) == 1, dispatched
+
+
 def test_resize_mid_epoch_keeps_order_and_reports_target():
     ds = Indexed(120, sleep_s=0.001)
     ref = _ids(_torch_batches(ds, seed=1, batch_size=4, shuffle=True))
