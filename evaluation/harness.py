@@ -633,6 +633,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     events: list[dict] = []
     agent_cpu = {}
     throttle: Optional[dict] = None     # static-cores: the job groups' cpu.stat at the window's ends
+    node_cpu: Optional[dict] = None     # the node's busy CPU seconds at the window's ends (node_busy_s)
     agent_status = None
     error = None
     memory: list[dict] = []                 # {"t", "total" (bytes), "jobs": {job: bytes}}: workers' USS
@@ -706,6 +707,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                     agent_cpu = {"t0": now, "cpu0": t.user + t.system}
                 except psutil.Error:
                     agent_cpu = {"t0": now, "cpu0": math.nan}
+            if node_cpu is None and window0 is not None and now >= window0:
+                node_cpu = {"t0": now, "busy0": node_busy_s()}
             if static is not None and throttle is None and window0 is not None and now >= window0:
                 throttle = {"t0": now, "at0": static.throttling()}
             if agent is not None and not agent.alive():
@@ -727,6 +730,8 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         end_t = time.monotonic()
         if throttle is not None:
             throttle.update(t1=end_t, at1=static.throttling())
+        if node_cpu is not None:
+            node_cpu.update(t1=end_t, busy1=node_busy_s())
         if agent is not None and agent_cpu:   # before the status query below, which the agent works for
             try:
                 t = psutil.Process(agent.pid).cpu_times()
@@ -766,7 +771,16 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
             "warmup_s": sc.warmup_s, "run_dir": str(run_dir), "memory": memory,
-            "loader_memory_budget": sc.loader_memory, "static_throttle": throttle}
+            "loader_memory_budget": sc.loader_memory, "static_throttle": throttle, "node_cpu": node_cpu}
+
+
+def node_busy_s() -> float:
+    """CPU seconds the whole node has been busy or had stolen by the hypervisor, all CPUs together
+    (``/proc/stat``: user, nice, system, irq, softirq, steal; guest time is inside user)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(float(getattr(t, k, 0.0)) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def worker_memory(pid: int) -> tuple[int, int]:
@@ -860,6 +874,15 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
     ac = ph.get("agent_cpu") or {}
     if "cpu1" in ac and ac["t1"] > ac["t0"]:
         out["agent_cpu_cores"] = (ac["cpu1"] - ac["cpu0"]) / (ac["t1"] - ac["t0"])
+    nc = ph.get("node_cpu") or {}
+    if ph["kind"] == "static" and "busy1" in nc and nc["t1"] > nc["t0"]:
+        # what else ran on the node in the window: its busy (and stolen) CPU less the jobs' and the
+        # agent's (other tenants, this bench process): the CPU the jobs could not have had
+        busy = (nc["busy1"] - nc["busy0"]) / (nc["t1"] - nc["t0"])
+        jobs_cpu = sum(v.get("worker_cpu_cores", 0.0) + v.get("trainer_cpu_cores", 0.0) for v in per_job.values())
+        out["node_busy_cores"] = busy
+        if math.isfinite(jobs_cpu):
+            out["node_other_cores"] = max(0.0, busy - jobs_cpu - out.get("agent_cpu_cores", 0.0))
     if ph["kind"] == "dynamic":
         arrivals = {j: v["launch_t"] for j, v in jobs.items()}
         finishes = {j: v["done"]["t"] for j, v in jobs.items() if v.get("done") and v["done"].get("reason") == "work"}

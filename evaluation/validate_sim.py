@@ -15,12 +15,14 @@ taken within a repeat, as the bench takes them (a phase against the best of ``no
 the measured ones, with the difference.
 
 ``--capacity measured`` (the default) gives each simulated phase the CPU the jobs of the measured phase
-actually used (their workers and training processes together, from the bench's per-job figures) when
-that phase left a GPU short of its ceiling: on a node with other tenants this is the CPU the jobs could
-get, which the simulator cannot know (the agent does not either: it still sees the whole node). Where
-every GPU was at its ceiling, the node's cores. A ``static-cores`` phase leaves CPU idle because of
-its quotas, not other tenants: it gets the most any other phase of its repeat used, if more. ``--capacity node``: the node's cores always (a quiet,
-dedicated node). Both columns are printed; the JSON has both.
+could get (``phase_capacity``): the node's cores less what else ran on the node in the window (the
+bench's ``node_other_cores``: the node's busy and stolen CPU less the jobs' and the agent's; other
+tenants, the bench's own process), which the simulator cannot know (the agent does not either: it
+still sees the whole node). Files from before that measurement: the CPU the jobs used where a GPU was
+short of its ceiling and the jobs kept the node busy, else the node's cores; a ``static-cores`` phase
+there (its idle CPU is its quotas' doing) gets the most any other phase of its repeat could use.
+``--capacity node``: the node's cores always (a quiet, dedicated node). Both columns are printed; the
+JSON has both.
 
 Bigger nodes: each catalogue mix is filled to the node's GPUs (its members repeated in order until
 the GPUs are used) with the kinds' real demands (``cores_per_gpu`` as published, not scaled to the
@@ -41,6 +43,7 @@ from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 BASELINES = ("none", "autotune", "static-cores", "even-static")
 SIM_POLICIES = ("none", "autotune", "static-cores", "even-static", "even", "adaptive")
 FULL = 0.98            # a phase whose every GPU is at >= 98% of its ceiling was not short of CPU
+SATURATED = 0.9        # (files without node_other_cores) jobs using less of the node did not run out of it
 
 
 def _ratios(values: dict[str, float], policy: str) -> dict[str, Optional[float]]:
@@ -54,12 +57,21 @@ def _ratios(values: dict[str, float], policy: str) -> dict[str, Optional[float]]
 
 
 def phase_capacity(phase: dict, node_cores: float) -> float:
-    """The CPU the jobs of a measured phase could get: what they used (workers + training processes)
-    if some GPU was short of its ceiling, else the node's cores."""
-    jobs = (phase.get("metrics") or {}).get("jobs") or {}
+    """The CPU the jobs of a measured phase could get. Where the bench measured the node's other CPU use
+    in the window (``node_other_cores``: the node's busy cores less the jobs' and the agent's: other
+    tenants, the bench's own process), the node's cores less that. Older files, which lack it: what
+    the jobs used (workers and training processes) if some GPU was short of its ceiling while the jobs
+    kept the node busy (at least ``SATURATED`` of its cores), else the node's cores: jobs short of their
+    ceiling on a node they left largely idle were held back by something else (their worker counts,
+    their quotas, wake-up latency), not by the CPU they could get."""
+    metrics = phase.get("metrics") or {}
+    other = metrics.get("node_other_cores")
+    if other is not None and math.isfinite(float(other)):
+        return max(0.1 * float(node_cores), min(float(node_cores), float(node_cores) - max(0.0, float(other))))
+    jobs = metrics.get("jobs") or {}
     used = sum(float(m.get("worker_cpu_cores") or 0.0) + float(m.get("trainer_cpu_cores") or 0.0) for m in jobs.values())
     short = any(float(m.get("normalised") or 0.0) < FULL for m in jobs.values())
-    if not jobs or not short or used <= 0:
+    if not jobs or not short or used < SATURATED * float(node_cores):
         return float(node_cores)
     return min(float(node_cores), used)
 
@@ -88,8 +100,8 @@ def _sim_phases(bench: dict, capacity: str):
         truth = curves_from_bench_specs({j: s for j, s in phases[0]["specs"].items() if s})
         gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
         cache: dict = {}
-        # a static-cores phase's idle CPU is its quotas' doing, not other tenants': it gets the most any
-        # phase of its repeat could use
+        # a static-cores phase's idle CPU is its quotas' doing, not other tenants': without the node's
+        # measured other use it gets the most any phase of its repeat could use
         rep_cap: dict[int, float] = {}
         for ph in phases:
             if ph["policy"] != "static-cores":
@@ -101,7 +113,8 @@ def _sim_phases(bench: dict, capacity: str):
             win = ph.get("window") or [0.0, 12.0]
             meas = max(1.0, float(win[1]) - float(win[0]))
             cap = phase_capacity(ph, node) if capacity == "measured" else node
-            if capacity == "measured" and ph["policy"] == "static-cores":
+            if (capacity == "measured" and ph["policy"] == "static-cores"
+                    and (ph.get("metrics") or {}).get("node_other_cores") is None):
                 cap = max(cap, rep_cap.get(ph["rep"], cap))
 
             def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas) -> dict:
@@ -380,8 +393,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.validate_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
     ap.add_argument("--capacity", choices=("measured", "node"), default="measured",
-                    help="CPU the simulated jobs get: what the measured phase's jobs used when short of it "
-                         "(default), or the node's cores")
+                    help="CPU the simulated jobs get: the node's cores less what else ran on it in the measured "
+                         "phase (default; older files: what the jobs used when they kept the node busy and fell "
+                         "short), or the node's cores")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
     ap.add_argument("--jobs", action="store_true",

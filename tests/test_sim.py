@@ -268,13 +268,24 @@ def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
         by["adaptive"]["sim_agg"] / max(by["none"]["sim_agg"], by["static-cores"]["sim_agg"]))
     assert by["adaptive"]["sim_agg"] == pytest.approx(by["adaptive"]["sim_node_agg"])
     assert "| gpu-weighted | adaptive | 2 |" in V.markdown_validation(rows)
-    # measured capacity: a phase whose jobs used 1.2 of 2 cores while short of their ceilings is
-    # simulated with 1.2 cores, which lowers every simulated aggregate
+    # measured capacity: a phase in which other tenants took 0.8 of the node's 2 cores (the bench's
+    # node_other_cores) is simulated with 1.2 cores, which lowers every simulated aggregate
+    for ph in phases:
+        ph["metrics"]["node_other_cores"] = 0.8
+    low = {r["policy"]: r for r in V.validate(bench)}
+    assert low["none"]["capacity"] == low["static-cores"]["capacity"] == pytest.approx(1.2)
+    assert all(low[p]["sim_agg"] < by[p]["sim_agg"] for p in by)
+    # files without that measurement: the jobs' own use where they kept the node busy and a GPU was
+    # short; where they left it largely idle (1.2 of 2 cores) the shortfall was not the CPU they could
+    # get: the node's cores
+    for ph in phases:
+        del ph["metrics"]["node_other_cores"]
+        ph["metrics"]["jobs"] = jobs(1.9)
+    assert {r["policy"]: r["capacity"] for r in V.validate(bench)}["none"] == pytest.approx(1.9)
     for ph in phases:
         ph["metrics"]["jobs"] = jobs(1.2)
-    low = {r["policy"]: r for r in V.validate(bench)}
-    assert low["none"]["capacity"] == pytest.approx(1.2)
-    assert all(low[p]["sim_agg"] < by[p]["sim_agg"] for p in by)
+    idle = {r["policy"]: r for r in V.validate(bench)}
+    assert all(idle[p]["capacity"] == 2.0 and idle[p]["sim_agg"] == pytest.approx(by[p]["sim_agg"]) for p in by)
     with pytest.raises(ValueError, match="unknown capacity"):
         V.validate(bench, capacity="nope")
 
