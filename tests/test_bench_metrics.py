@@ -216,3 +216,31 @@ def test_oracle_weighs_a_job_by_its_gpus_and_plans_within_the_probed_budget():
     a = plan.allocations
     assert a["two"].cpus == pytest.approx(1.0) and a["one"].cpus == pytest.approx(0.01)   # (the floor)
     assert plan.predicted_total == pytest.approx(2 * 1.0)   # an even split would be 2 x 0.5 + 0.5
+
+
+def test_static_phase_reports_what_else_used_the_node():
+    """A static phase's node_other_cores: the node's busy (and stolen) CPU over the window less the jobs'
+    workers and training processes and the agent: what the jobs could not have had (validate_sim gives
+    the simulated phase the node less it). Without the node's counters, or where a job's trainer CPU is
+    unknown, nothing is claimed."""
+    from evaluation.harness import phase_metrics
+
+    def recs(cpu, main):      # 10 s of a job: 1 step/s, its workers and trainer at constant rates
+        return [{"t": 100.0 + k, "samples": 64 * k, "steps": k, "wait_s": 0.0, "compute_s": 1.0 * k, "workers": 2,
+                 "cpu_s": cpu * k, "main_cpu_s": main * k, "main_runq_s": 0.0, "resizes": 0} for k in range(11)]
+
+    spec = {"kind": "k", "batch_size": 64, "step_s": 1.0, "gpus": 1}
+    ph = {"kind": "static", "window": [100.0, 110.0], "origin": 94.0, "events": [],
+          "jobs": {"a": {"spec": spec, "records": recs(0.5, 0.2)}, "b": {"spec": spec, "records": recs(0.3, 0.1)}},
+          "agent_cpu": {"t0": 100.0, "cpu0": 0.0, "t1": 110.0, "cpu1": 0.5},
+          "node_cpu": {"t0": 100.0, "busy0": 1000.0, "t1": 110.0, "busy1": 1016.0}}
+    m = phase_metrics(ph)
+    assert m["node_busy_cores"] == pytest.approx(1.6)
+    assert m["node_other_cores"] == pytest.approx(1.6 - (0.5 + 0.2 + 0.3 + 0.1) - 0.05)
+    del ph["node_cpu"]
+    assert "node_other_cores" not in phase_metrics(ph)
+    ph["node_cpu"] = {"t0": 100.0, "busy0": 1000.0, "t1": 110.0, "busy1": 1016.0}
+    for r in ph["jobs"]["b"]["records"]:
+        del r["main_cpu_s"]
+    m = phase_metrics(ph)
+    assert "node_busy_cores" in m and "node_other_cores" not in m
