@@ -470,7 +470,7 @@ def _burst_state(m: JobModel, workers: int, cpus: float, xcap: float, quota: flo
     ``quota_run`` measures stepping the job through the periods with the quota against without it (the
     same stepped job both times, so the stepping's own approximations cancel), its trainer's CPU part
     lengthened by the waits the quota adds."""
-    key = (id(m), m, int(workers), round(float(cpus), 3), round(float(xcap), 3), round(float(quota), 6))
+    key = (m, int(workers), round(float(cpus), 3), round(float(xcap), 3), round(float(quota), 6))
     hit = _BURST_CACHE.get(key)
     if hit is None:
         a = quota_run(m, workers, cpus, xcap, None)
