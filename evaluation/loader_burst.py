@@ -34,6 +34,7 @@ def _child(loader: str, kind: str, seconds: float, ready_path: str) -> None:
 
     from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
     from evaluation.catalog import calibrate, load_catalog, make_job
+    from evaluation.jobproc import _main_runq_s as runq_s     # the bench job's own run-queue reading
 
     cat = load_catalog()
     if kind not in cat.kinds:
@@ -56,24 +57,14 @@ def _child(loader: str, kind: str, seconds: float, ready_path: str) -> None:
             emulated_step(b, step, t_cpu, 1)
             steps += 1
             if steps == 20:          # warm: workers started, window full
-                t0, steps0, runq0 = time.monotonic(), steps, _runq_s()
+                t0, steps0, runq0 = time.monotonic(), steps, runq_s()
                 end = t0 + seconds
                 Path(ready_path).write_text("go")
             if end is not None and time.monotonic() >= end:
                 break
     dt = time.monotonic() - t0
     print(json.dumps({"steps_per_s": (steps - steps0) / dt,
-                      "runq_ms_per_step": 1000 * (_runq_s() - runq0) / max(1, steps - steps0)}), flush=True)
-
-
-def _runq_s() -> float:
-    total = 0
-    for f in glob.glob("/proc/self/task/*/schedstat"):
-        try:
-            total += int(Path(f).read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total * 1e-9
+                      "runq_ms_per_step": 1000 * (runq_s() - runq0) / max(1, steps - steps0)}), flush=True)
 
 
 def _cpu_ns(pids: list[int]) -> int:
@@ -151,7 +142,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.loader_burst", description=__doc__.split("\n\n")[0])
     ap.add_argument("--loaders", default="torch,adloader", help="comma-separated: torch, adloader")
     ap.add_argument("--kind", default="bert[trainer_cpu_frac=0.15]",
-                    help="catalogue job kind (evaluation/catalog.toml; default: the nothing-to-arbitrate mix's BERT-like job)")
+                    help="catalogue job kind (evaluation/catalog.toml; default: the nothing-to-arbitrate mix's "
+                         "BERT-like job)")
     ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per loader")
     ap.add_argument("--quota", type=float, default=None, help="CFS quota in cores (root, cgroup v1)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")

@@ -36,10 +36,10 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   average may still spend a period's budget in a burst (each step its trainer's CPU part and the worker
   making the next batch run at once; one batch may need more CPU than a period's budget): it runs as
   ``quota_run`` (the job stepped through the periods, events not averages) says its bursts fare, its
-  speed scaled by that run's with the quota over without. One that would use more is throttled: it runs the first ``f = Q / U`` of each period,
-  the loader and trainers together get ``Q`` (``Q / (c + gpus * t)`` batches/s at most), and a
-  trainer's CPU part of ``x`` unthrottled seconds takes ``throttled_wall_s(x, f)``: ``x / f`` on
-  average, more for a part shorter than ``f P`` (it may wake after the group's workers spent the
+  speed scaled by that run's with the quota over without. One that would use more is throttled: it
+  runs the first ``f = Q / U`` of each period, the loader and trainers together get ``Q``
+  (``Q / (c + gpus * t)`` batches/s at most), and a trainer's CPU part of ``x`` unthrottled seconds
+  takes ``throttled_wall_s(x, f)``: ``x / f`` on average, more for a part shorter than ``f P`` (it may wake after the group's workers spent the
   quota and wait for the next period). Approximations: ``f`` comes from the unthrottled state (a
   trainer-bound throttled job is taken as throttled as a loader-bound one), and a throttled
   group's threads weigh on the other trainers' wake-ups as when it runs (``wakeup_share``: it counts
@@ -341,8 +341,9 @@ def quota_run(m: JobModel, workers: int, cpus: float, xcap: float = 1.0, quota: 
     ``cpus`` (the cores the job runs on) evenly, each at most ``xcap`` of a core (what other jobs'
     threads on the CPU it wakes on leave it: a worker woken for its next batch competes there as the
     trainer does; with a whole core per worker, the thirteenth pass's trainer-cpu mix simulated its
-    ResNet-50-like job under static-cores at 0.66 of its ceiling, measured 0.81). The group's budget is ``quota * period_s`` per period of
-    the kernel's grid; spent, nothing of the group runs until the next period."""
+    ResNet-50-like job under static-cores at 0.66 of its ceiling, measured 0.81). The group's budget
+    is ``quota * period_s`` per period of the kernel's grid; spent, nothing of the group runs until
+    the next period."""
     import random
 
     cv = m.curve
@@ -384,16 +385,15 @@ def quota_run(m: JobModel, workers: int, cpus: float, xcap: float = 1.0, quota: 
         k_t = n if phase == "cpu" else 0
         runnable = k_t + len(busy)
         on = budget > eps
-        per = min(1.0, cpus / runnable) if runnable and on else 0.0
-        r_t, r_w = min(per, xcap), min(per, xcap)
-        rate = k_t * r_t + len(busy) * r_w
+        r = min(1.0, cpus / runnable, xcap) if runnable and on else 0.0    # each runnable thread's rate
+        rate = runnable * r
         dt = boundary - now
-        if phase == "cpu" and r_t > 0:
-            dt = min(dt, rem / r_t)
+        if phase == "cpu" and r > 0:
+            dt = min(dt, rem / r)
         if phase == "gpu":
             dt = min(dt, gpu_end - now)
-        if busy and r_w > 0:
-            dt = min(dt, min(busy) / r_w)
+        if busy and r > 0:
+            dt = min(dt, min(busy) / r)
         if blocked:
             dt = min(dt, min(blocked) - now)
         if rate > 0 and math.isfinite(budget):
@@ -404,8 +404,8 @@ def quota_run(m: JobModel, workers: int, cpus: float, xcap: float = 1.0, quota: 
         if math.isfinite(budget):
             budget -= rate * dt
         if phase == "cpu":
-            rem -= r_t * dt
-        busy = [x - r_w * dt for x in busy]
+            rem -= r * dt
+        busy = [x - r * dt for x in busy]
         for x in [x for x in busy if x <= eps]:
             busy.remove(x)
             if b > 0:
@@ -438,9 +438,9 @@ def quota_run(m: JobModel, workers: int, cpus: float, xcap: float = 1.0, quota: 
 def _job_state(m: JobModel, workers: int, cpus: float, xcap: float, quota: Optional[float]) -> SharedCpuState:
     """A job's trainer and workers sharing the ``cpus`` it runs on (``shared_cpu_state``); with a hard
     ``quota`` (CFS bandwidth control), that state as its bursts fare under the quota where its mean use
-    fits it (``_burst_state``), and where it would use more than the quota, throttled: the group runs ``f = quota / its unthrottled use`` of each
-    period, the loader gets the quota less the trainer's use, and the trainer's CPU part takes
-    ``throttled_wall_s`` of its unthrottled time."""
+    fits it (``_burst_state``), and where it would use more than the quota, throttled: the group runs
+    ``f = quota / its unthrottled use`` of each period, the loader gets the quota less the trainer's
+    use, and the trainer's CPU part takes ``throttled_wall_s`` of its unthrottled time."""
     cv = m.curve
     free = shared_cpu_state(cv, workers, cpus, m.trainer_cpu_s_per_step, m.gpus, xcap)
     if quota is None or not math.isfinite(free.samples_per_s):

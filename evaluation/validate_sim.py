@@ -67,7 +67,8 @@ def phase_capacity(phase: dict, node_cores: float) -> float:
     metrics = phase.get("metrics") or {}
     other = metrics.get("node_other_cores")
     if other is not None and math.isfinite(float(other)):
-        return max(0.1 * float(node_cores), min(float(node_cores), float(node_cores) - max(0.0, float(other))))
+        node = float(node_cores)
+        return max(0.1 * node, min(node, node - max(0.0, float(other))))
     jobs = metrics.get("jobs") or {}
     used = sum(float(m.get("worker_cpu_cores") or 0.0) + float(m.get("trainer_cpu_cores") or 0.0) for m in jobs.values())
     short = any(float(m.get("normalised") or 0.0) < FULL for m in jobs.values())
