@@ -24,7 +24,10 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   form one group: a Slurm job cgroup, a pod, or one session's autogroup), water-filled up to what each
   job can use; inside a job, its trainer and its workers share the job's CPUs per runnable thread
   (``predictor.curve.shared_cpu_state``: busy workers stretch the trainer's CPU part), and a trainer
-  waking on a CPU time-shares it with the other jobs' groups there (``wakeup_share``).
+  waking on a CPU time-shares it with the other jobs' groups there (``wakeup_share``), its own group
+  weighing there only its load's part on that CPU (``own_group_weight``: CFS splits a group's weight
+  over the CPUs by its load on each). Work-conserving: the CPU a job leaves while it is not runnable
+  goes to the jobs that are (the water level rises until the jobs use the node or nobody can use more).
   ``autotune``: each job's worker count is what its own tuner picks on the CPUs it may use
   (``shared_cpu_knee`` on ``N``), seeing nobody else.
 - ``static``: each job (its training process and its workers) in a CPU group with a hard CFS quota of
@@ -124,7 +127,7 @@ class JobRate:
 
 
 def wakeup_share(cpus: float, others_threads: float, spread_weight: float = 0.0, group_weight: float = 0.0,
-                 group_threads: float = 0.0) -> float:
+                 group_threads: float = 0.0, own_weight: float = 1.0) -> float:
     """The share of a CPU a training process gets while its CPU part runs, from what else runs on the
     CPU it wakes on (CFS: a thread that sleeps every step, as a trainer does during its GPU part, gains
     nothing from load balancing; it wakes on a CPU and time-shares it by weight with what is there).
@@ -132,16 +135,32 @@ def wakeup_share(cpus: float, others_threads: float, spread_weight: float = 0.0,
     weight in nice-0 tasks when spread over all ``cpus`` (other jobs' groups, other trainers);
     ``group_weight`` on ``group_threads`` busy threads: one group whose weight sits on the CPUs those
     threads run on (the agent's loader subtree: one nice-0 task per worker, however few are busy).
+    ``own_weight``: the weight the trainer's own group has on its CPU, in nice-0 tasks (1: a group of
+    its own; less where its group spreads its load over several CPUs, see ``own_group_weight``).
     Where an idle CPU is left (others fewer than the CPUs), the trainer takes it: a whole core."""
     cpus = max(1e-6, float(cpus))
     o = max(0.0, spread_weight) / cpus
-    share = 1.0 / (1.0 + o)
+    own = min(1.0, max(1e-6, float(own_weight)))
+    share = own / (own + o)
     if group_weight > 0 and group_threads > 0:
         m = min(cpus, max(1.0, group_threads))           # CPUs the group's weight sits on while it runs
         p = min(cpus, group_threads) / cpus              # the chance it runs on the trainer's CPU
-        share = p / (1.0 + group_weight / m + o) + (1.0 - p) / (1.0 + o)
+        share = p * own / (own + group_weight / m + o) + (1.0 - p) * own / (own + o)
     idle = max(0.0, cpus - others_threads)
     return share + (1.0 - share) * min(1.0, idle)
+
+
+def own_group_weight(cpus: float, trainers: float, workers: float, ranks: int = 1) -> float:
+    """The weight a job's group (one cgroup or autogroup for its trainers and workers, weight 1 in all)
+    has on the CPU one of its trainers runs on: CFS splits a group's weight over the CPUs by its load on
+    each (``calc_group_shares``), so a trainer whose job's workers run elsewhere wakes inside a light
+    group entity. ``trainers``, ``workers``: the job's runnable threads on average (loads); one rank's
+    load sits on its CPU, the rest of the group's spreads over all ``cpus``."""
+    total = max(0.0, trainers) + max(0.0, workers)
+    if total <= 1e-9:
+        return 1.0
+    mine = max(0.0, trainers) / max(1, int(ranks))
+    return min(1.0, (mine + (total - mine) / max(1.0, float(cpus))) / total)
 
 
 def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) -> int:
@@ -275,22 +294,51 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         got = waterfill(A, {j: 1.0 for j in ids}, {j: models[j].demand(w[j]) for j in ids})
     saturated = sum(got.values()) >= A * (1.0 - 1e-9)
     level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
-    share = {j: max(got[j], level) for j in ids}
-    # a trainer waking on a CPU time-shares it with the other jobs' groups there (weight 1 each while
-    # they have a runnable thread): a fixed point over the jobs' runnable threads
-    xcap = {j: 1.0 for j in ids}
-    st = {}
-    for _ in range(100):
-        st = {j: _job_state(models[j], w[j], share[j], xcap[j], quota.get(j)) for j in ids}
-        threads = {j: st[j].runnable_workers + st[j].runnable_trainers for j in ids}
-        new = {}
-        for j in ids:
-            others = [k for k in ids if k != j]
-            new[j] = wakeup_share(A, sum(threads[k] for k in others) + st[j].runnable_workers,
-                                  spread_weight=sum(min(1.0, threads[k]) for k in others))
-        if all(abs(new[j] - xcap[j]) < 1e-6 for j in ids):
-            break
-        xcap = {j: 0.5 * xcap[j] + 0.5 * new[j] for j in ids}
+
+    def settle(lvl: float) -> tuple[dict, dict, float]:
+        """The jobs' states with every job running on at least ``lvl`` while runnable, and the CPU they
+        use together. A trainer waking on a CPU time-shares it with the other jobs' groups there
+        (weight 1 each while they have a runnable thread): a fixed point over the jobs' runnable
+        threads."""
+        share = {j: max(got[j], lvl) for j in ids}
+        xcap = {j: 1.0 for j in ids}
+        st = {}
+        for _ in range(100):
+            st = {j: _job_state(models[j], w[j], share[j], xcap[j], quota.get(j)) for j in ids}
+            threads = {j: st[j].runnable_workers + st[j].runnable_trainers for j in ids}
+            new = {}
+            for j in ids:
+                others = [k for k in ids if k != j]
+                new[j] = wakeup_share(A, sum(threads[k] for k in others) + st[j].runnable_workers,
+                                      spread_weight=sum(min(1.0, threads[k]) for k in others),
+                                      own_weight=own_group_weight(A, st[j].runnable_trainers,
+                                                                  st[j].runnable_workers, models[j].gpus))
+            if all(abs(new[j] - xcap[j]) < 1e-6 for j in ids):
+                break
+            xcap = {j: 0.5 * xcap[j] + 0.5 * new[j] for j in ids}
+        return share, st, sum(_use(models[j], st[j]) for j in ids)
+
+    share, st, used = settle(level)
+    if saturated and used < A * (1.0 - 1e-3):
+        # The kernel is work-conserving: the CPU a job leaves while it is not runnable (its trainer on
+        # the GPU, its workers waiting for a free slot) goes to the jobs that are. The water level above
+        # counts each job's use at full speed; a job slowed by its own trainer's waits uses less, and
+        # the others run on what it leaves: raise the level until the jobs use the node (bisection;
+        # each job's use grows with the level) or nobody can use more.
+        lo, hi = level, A
+        share_hi, st_hi, used_hi = settle(hi)
+        if used_hi <= A * (1.0 + 1e-3):
+            share, st = share_hi, st_hi
+        else:
+            for _ in range(24):
+                if hi - lo <= 1e-3 * A:
+                    break
+                mid = 0.5 * (lo + hi)
+                share_mid, st_mid, used_mid = settle(mid)
+                if used_mid > A:
+                    hi = mid
+                else:
+                    lo, share, st = mid, share_mid, st_mid
     for j in ids:
         m = models[j]
         b = st[j].samples_per_s / m.curve.batch_size
@@ -491,6 +539,14 @@ def _burst_state(m: JobModel, workers: int, cpus: float, xcap: float, quota: flo
 
 
 _BURST_CACHE: dict = {}
+
+
+def _use(m: JobModel, st: SharedCpuState) -> float:
+    """Cores a job in state ``st`` uses: its loader's and its trainers' CPU per batch at its rate."""
+    if not math.isfinite(st.samples_per_s):
+        return 0.0
+    b = st.samples_per_s / m.curve.batch_size
+    return b * (m.curve.cpu_s_per_batch + m.gpus * min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step))
 
 
 def _loader_demand(m: JobModel, workers: int) -> float:
