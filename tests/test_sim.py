@@ -211,13 +211,18 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     assert y["rates"]["light"]["trainer_runq_s_per_step"] < 0.5 * r["rates"]["light"]["trainer_runq_s_per_step"]
     assert sum(x["loader_cores"] + x["trainer_cores"] for x in y["rates"].values()) <= 2.0 + 1e-6
     assert y["window_agg"] >= r["window_agg"] - 1e-9
-    # an unsaturated node: every policy reaches every ceiling; a hard quota of one core per job is a
-    # budget per period that these jobs (0.3 cores each) never spend, not a slower CPU (measured: the
-    # quiet 2-core nothing-to-arbitrate mix, static-cores 0.98x none)
+    # an unsaturated node: every policy reaches its ceilings but for the trainers' rare wake-ups on a
+    # node with no idle CPU (both CPUs busy: 0.15^2 of the time here; the agent's yielding loaders are
+    # never in a trainer's way); a hard quota of one core per job is a budget per period that these jobs
+    # (0.3 cores each) never spend, not a slower CPU (measured: the quiet 2-core nothing-to-arbitrate
+    # mix, static-cores 0.98x none)
     small = {j: N.curve_with_workload(model(j, 0.2, 0.1).curve, 0.01, 1, 2) for j in ("a", "b")}
     cfg2 = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
-    for p in ("none", "autotune", "adaptive", "static-cores"):
-        assert S.steady_state(small, p, cfg2)["window_agg"] == pytest.approx(2.0, rel=1e-3)
+    agg = {p: S.steady_state(small, p, cfg2)["window_agg"] for p in ("none", "autotune", "adaptive", "static-cores")}
+    assert agg["adaptive"] == pytest.approx(2.0, rel=1e-4)
+    assert agg["static-cores"] == pytest.approx(agg["none"], rel=1e-6)
+    for p in ("none", "autotune"):
+        assert 2.0 * 0.99 < agg[p] < 2.0
 
 
 @pytest.mark.unit
@@ -242,11 +247,12 @@ def test_no_agent_node_is_work_conserving():
         used = sum(x.loader_cores + x.trainer_cores for x in r.values())
         assert used == pytest.approx(2.0, rel=2e-3), mode
         assert r["alex"].loader_cores + r["alex"].trainer_cores > 2.0 / 3, mode
-    # a node the jobs cannot fill keeps its idle CPU
+    # a node the jobs cannot fill keeps its idle CPU (the jobs at their ceilings but for a trainer's
+    # rare wake-up with both CPUs busy)
     small = {"a": model("a", 0.3, 0.1), "b": model("b", 0.3, 0.1)}
     r = N.node_rates(small, "none", 2.0)
     assert sum(x.loader_cores + x.trainer_cores for x in r.values()) < 1.0
-    assert all(x.normalised == pytest.approx(1.0) for x in r.values())
+    assert all(0.99 < x.normalised <= 1.0 for x in r.values())
 
 
 @pytest.mark.unit
@@ -438,6 +444,27 @@ def test_wakeup_share_of_a_trainer():
         for w in (0.0, 1.0, 8.0, 100.0):
             s = wakeup_share(cpus, cpus + 1.0, spread_weight=w / 2, group_weight=w, group_threads=min(w, cpus))
             assert 0 < s <= 1
+
+
+@pytest.mark.unit
+def test_a_waking_trainer_finds_no_idle_cpu_only_when_others_fill_them():
+    """all_cpus_busy: at least as many of the other threads runnable as there are CPUs (binomial over
+    the threads). Measured on the 2-core VM (a thread sleeping 100 ms, then busy 20 ms): beside one busy
+    thread 0.06 ms of run-queue wait per wake-up, beside two half-busy threads 3.3 ms."""
+    from evaluation.nodemodel import all_cpus_busy, wakeup_share
+
+    assert all_cpus_busy(2.0, load=1.0, threads=1) == 0.0           # one thread cannot fill two CPUs
+    assert all_cpus_busy(2.0, load=1.0, threads=2) == pytest.approx(0.25)
+    assert all_cpus_busy(2.0, load=2.0, threads=2) == 1.0
+    assert all_cpus_busy(2.0, load=0.0, threads=8) == 0.0
+    assert 0.85 < all_cpus_busy(2.0, load=3.5, threads=20) < 0.95   # a saturated node: almost always
+    assert all_cpus_busy(16.0, load=8.0, threads=32) < 0.01          # half a big node: hardly ever
+    # other tenants' use of the last CPU counts as one more thread that busy
+    assert all_cpus_busy(1.87, load=1.0, threads=2) > all_cpus_busy(2.0, load=1.0, threads=2)
+    # the stretch of a trainer's CPU part: the mean over wake-ups with and without an idle CPU
+    s = wakeup_share(2.0, others_threads=1.0, spread_weight=1.0, others_count=2)
+    assert s == pytest.approx(1.0 / (0.75 + 0.25 / (1.0 / 1.5)))
+    assert wakeup_share(2.0, others_threads=1.0, spread_weight=1.0, others_count=1) == 1.0
 
 
 @pytest.mark.unit
