@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import subprocess
+import sys
 
 import pytest
 
@@ -565,3 +566,31 @@ def test_static_quota_is_a_budget_per_period():
     q = N.node_rates(bare, "static", 2.0, node_gpus=2)["j"]
     assert q.normalised == pytest.approx(N.node_rates(bare, "none", 1.0)["j"].normalised, rel=1e-6)
     assert q.trainer_runq_s_per_step == 0.0
+
+
+@pytest.mark.unit
+def test_wakeup_wait_command_measures_the_kernel_beside_the_model(tmp_path):
+    """python -m evaluation.wakeup_wait: real processes, the trainer's run-queue wait from schedstat, the
+    model's beside it (none modelled while the neighbours cannot fill the CPUs); bad options named."""
+    import os
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no /proc/thread-self/schedstat (schedstats) on this kernel")
+    from evaluation import wakeup_wait as W
+
+    out = tmp_path / "w.json"
+    assert W.main(["--neighbours", "0,1", "--iterations", "3", "--gpu-ms", "2", "--cpu-ms", "2",
+                   "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["neighbours"] for r in rows] == [0, 1]
+    assert all(r["wait_ms_per_wake"] >= 0 and r["step_ms"] > 0 and r["iterations"] == 3 for r in rows)
+    assert rows[0]["modelled_wait_ms_per_wake"] == 0.0
+    cpus = len(os.sched_getaffinity(0))
+    # as many always-busy neighbours as CPUs fill the node: the model says the trainer waits
+    assert W.modelled_wait_s(cpus, cpus, 1.0, 0.02) > 0.0
+    assert W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02) == 0.0
+    for bad, msg in ((["--neighbours", "x"], "comma-separated integers"), (["--duty", "0"], "--duty"),
+                     (["--cpu-ms", "0"], "--cpu-ms")):
+        r = subprocess.run([sys.executable, "-m", "evaluation.wakeup_wait", *bad], capture_output=True, text=True,
+                           env=repo_env(), timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, (bad, r.stderr)

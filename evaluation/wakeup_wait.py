@@ -1,0 +1,132 @@
+"""How long a training-process-like thread waits for a CPU when it wakes, beside busy threads, and what
+the simulator's node model says (a command, not a test).
+
+    python -m evaluation.wakeup_wait [--neighbours 0,1,2,3] [--duty 0.5] [--iterations 60]
+                                     [--gpu-ms 100] [--cpu-ms 20] [--out FILE.json]
+
+For each count of neighbours: that many processes that each compute ``duty`` of the time (30 ms
+bursts) run beside a "trainer" that sleeps ``--gpu-ms`` (its GPU part) then computes ``--cpu-ms``,
+``--iterations`` times. The trainer's run-queue wait (``/proc/thread-self/schedstat``) per wake-up is
+set beside the model's (``evaluation.nodemodel.wakeup_share`` with ``all_cpus_busy``: the chance that
+the neighbours fill every CPU, binomial over them, times what time-sharing a CPU then costs). All the
+processes share one session (one autogroup): threads compete one to one. The point is the shape: no
+wait while an idle CPU is left, a wait once the neighbours can fill the node. Timings depend on the
+machine and what else runs on it: read them side by side, in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+BURST_S = 0.03
+
+
+def _run_delay_s() -> float:
+    with open(SCHEDSTAT) as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def _spin(seconds: float) -> None:
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
+        pass
+
+
+def _neighbour(duty: float, seed: int, stop) -> None:
+    """Busy ``duty`` of the time in 30 ms bursts, its pauses drawn uniformly around their mean so that
+    the neighbours do not keep in step (forked together, fixed pauses would burst in lockstep)."""
+    import random
+
+    rng = random.Random(seed)
+    sleep = BURST_S * (1.0 - duty) / duty if duty < 1.0 else 0.0
+    time.sleep(rng.uniform(0.0, BURST_S + sleep))
+    while not stop.is_set():
+        _spin(BURST_S)
+        if sleep > 0:
+            time.sleep(rng.uniform(0.5, 1.5) * sleep)
+
+
+def measure(neighbours: int, duty: float, iterations: int, gpu_s: float, cpu_s: float) -> dict:
+    """The trainer's mean run-queue wait per wake-up beside ``neighbours`` busy processes."""
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_neighbour, args=(duty, 1000 + i, stop), daemon=True) for i in range(neighbours)]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(0.3)                                  # the neighbours settle into their rhythm
+        r0, t0 = _run_delay_s(), time.perf_counter()
+        for _ in range(iterations):
+            time.sleep(gpu_s)
+            _spin(cpu_s)
+        wait = (_run_delay_s() - r0) / iterations
+        wall = (time.perf_counter() - t0) / iterations
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+    return {"neighbours": neighbours, "duty": duty, "wait_ms_per_wake": 1000 * wait,
+            "step_ms": 1000 * wall, "iterations": iterations}
+
+
+def modelled_wait_s(cpus: int, neighbours: int, duty: float, cpu_s: float) -> float:
+    """The node model's wait for the trainer's CPU part: threads compete one to one (one group)."""
+    from evaluation.nodemodel import wakeup_share
+
+    load = neighbours * duty
+    share = wakeup_share(cpus, others_threads=load, spread_weight=load, others_count=neighbours)
+    return cpu_s / share - cpu_s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evaluation.wakeup_wait", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--neighbours", default="0,1,2,3", help="comma-separated neighbour counts")
+    ap.add_argument("--duty", type=float, default=0.5, help="part of the time each neighbour computes, (0, 1]")
+    ap.add_argument("--iterations", type=int, default=60, help="the trainer's steps per count")
+    ap.add_argument("--gpu-ms", type=float, default=100.0, help="the trainer's sleep per step (its GPU part)")
+    ap.add_argument("--cpu-ms", type=float, default=20.0, help="the trainer's CPU part per step")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    if not os.path.exists(SCHEDSTAT):
+        ap.error(f"{SCHEDSTAT} is missing: this needs Linux with schedstats (CONFIG_SCHED_INFO)")
+    try:
+        counts = [int(x) for x in a.neighbours.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--neighbours must be comma-separated integers, got {a.neighbours!r}")
+    if any(c < 0 for c in counts) or not counts:
+        ap.error(f"--neighbours must be non-negative integers, got {a.neighbours!r}")
+    if not 0.0 < a.duty <= 1.0:
+        ap.error(f"--duty must be in (0, 1], got {a.duty}")
+    if a.iterations < 1 or a.gpu_ms < 0 or a.cpu_ms <= 0:
+        ap.error("--iterations must be >= 1, --gpu-ms >= 0 and --cpu-ms > 0")
+    cpus = len(os.sched_getaffinity(0))
+    rows = []
+    for n in counts:
+        r = measure(n, a.duty, a.iterations, a.gpu_ms / 1000, a.cpu_ms / 1000)
+        r["modelled_wait_ms_per_wake"] = 1000 * modelled_wait_s(cpus, n, a.duty, a.cpu_ms / 1000)
+        r["cpus"] = cpus
+        rows.append(r)
+        print(f"  {n} neighbours: {r['wait_ms_per_wake']:.2f} ms measured, "
+              f"{r['modelled_wait_ms_per_wake']:.2f} ms modelled", file=sys.stderr)
+    print(f"\n{cpus} CPUs; trainer: {a.gpu_ms:g} ms asleep, {a.cpu_ms:g} ms of CPU per step; "
+          f"neighbours busy {a.duty:.0%} of the time\n")
+    print("| neighbours | run-queue wait per wake-up, ms: measured | modelled | step ms |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['neighbours']} | {r['wait_ms_per_wake']:.2f} | {r['modelled_wait_ms_per_wake']:.2f} | "
+              f"{r['step_ms']:.1f} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
