@@ -254,9 +254,10 @@ class Collector:
     def __init__(self, registry: Registry, *, loader_cpus: float, cpu_ids: tuple[int, ...], max_jobs: int = 0,
                  gpu_sampler=None, proc_root: str = "/proc",
                  memory_guard: Optional[MemoryGuard] = None,
-                 own_cpu_s: Callable[[], float] = time.process_time):
+                 own_cpu_s: Callable[[], float] = time.process_time, loader_cpus_auto: bool = False):
         self.registry = registry
         self.loader_cpus = loader_cpus
+        self.loader_cpus_auto = loader_cpus_auto     # loader_cpus is the "auto" default (NodeSnapshot)
         self.cpu_ids = tuple(cpu_ids)
         self.max_jobs = max_jobs
         self.gpu = gpu_sampler
@@ -430,7 +431,8 @@ class Collector:
             foreign = max(0.0, busy - sum(cpu.values()) - self._unreported_cores(now) - self._own_cores)
         self._jobs_cpu = (now, cpu)
         held = self._held_foreign(now, foreign)
-        snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, cpu_ids=self.cpu_ids, jobs=jobs,
+        snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, loader_cpus_auto=self.loader_cpus_auto,
+                            cpu_ids=self.cpu_ids, jobs=jobs,
                             busy_cpu_cores=busy, foreign_cpu_cores=foreign, foreign_held_cpu_cores=held,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
                             io_pressure=self.pressure.io_some_avg10,

@@ -55,7 +55,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from agent import logs
 from agent.collector import settled_window
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
-from agent.policies import Policy, PolicyConfig, trainer_compute_s
+from agent.policies import Policy, PolicyConfig, grown_loader_cpus, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
 
@@ -248,6 +248,7 @@ class Controller:
         self._on_record = on_record
         self._breaker_retry_s = breaker_retry_s
         self._observe_interval_s = max(0.0, float(observe_interval_s))
+        self.loader_cpus_in_force: Optional[float] = None   # the budget the last plan used (grown_loader_cpus)
         if work_conserving is None:
             work_conserving = not any(getattr(a, "cpu_knob", "shares") in ("quota", "cpuset") for a in self._actuators)
         self.work_conserving = work_conserving
@@ -328,7 +329,15 @@ class Controller:
             for job_id in [j for j in self._applied if j not in snapshot.jobs]:
                 self.forget(job_id)
                 departed.append(job_id)
-            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=self.applied_node())
+            budget = grown_loader_cpus(snapshot)
+            if budget != self.loader_cpus_in_force:
+                logs.event(log, "loader_budget", logging.INFO if budget != snapshot.loader_cpus else logging.DEBUG,
+                           cores=budget, configured=snapshot.loader_cpus,
+                           why="grown into the reserve the training processes and other processes leave"
+                           if budget != snapshot.loader_cpus else "as configured")
+                self.loader_cpus_in_force = budget
+            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=self.applied_node(),
+                                           loader_cpus=budget)
             model: dict[str, ThroughputCurve] = {}
             for job_id, job in snapshot.jobs.items():
                 curve = self._observe(job_id, job, snapshot, now, errors)

@@ -149,6 +149,7 @@ class Agent:
         self.gpu = GpuSampler(gpu_module)
         self._memory_source = memory_source or (lambda: adl_memory.node_memory(proc_root))
         self.collector = Collector(self.registry, loader_cpus=config.resolved_loader_cpus(),
+                                   loader_cpus_auto=config.loader_cpus == "auto",
                                    cpu_ids=configmod.agent_cpu_ids(), max_jobs=config.max_jobs,
                                    gpu_sampler=self.gpu, proc_root=proc_root,
                                    memory_guard=self._build_memory_guard())
@@ -315,6 +316,7 @@ class Agent:
             self.registry.unseen_timeout_s = new.unseen_job_timeout_s
         if "loader_cpus" in live:
             self.collector.loader_cpus = self.config.resolved_loader_cpus()
+            self.collector.loader_cpus_auto = self.config.loader_cpus == "auto"
         if "max_jobs" in live:
             self.collector.max_jobs = new.max_jobs
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
@@ -418,7 +420,9 @@ class Agent:
             "endpoint": cfg.endpoint, "state_dir": cfg.state_dir, "policy": self.policy_name, "tick_s": cfg.tick_s,
             "heartbeat_s": cfg.heartbeat_s, "uptime_s": round(time.monotonic() - self.started_at, 1),
             "ticks": self.ticks, "last_tick_ms": round(self.last_tick_ms, 3) if self.last_tick_ms is not None else None,
-            "loader_cpus": self.collector.loader_cpus, "cpu_ids": list(self.collector.cpu_ids),
+            "loader_cpus": self.collector.loader_cpus, "loader_cpus_auto": self.collector.loader_cpus_auto,
+            "loader_cpus_in_force": self.controller.loader_cpus_in_force if self.controller else None,
+            "cpu_ids": list(self.collector.cpu_ids),
             "max_jobs": cfg.max_jobs, "cgroup_mode": self.cgroup_mode,
             "actuators": [getattr(a, "name", type(a).__name__) for a in self.actuators],
             "gpu_source": "nvml" if self.gpu.available else "client",

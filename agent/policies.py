@@ -187,6 +187,36 @@ def loader_budget(snapshot: NodeSnapshot, min_per_job: float = 0.05) -> tuple[fl
 
 
 
+AUTO_RESERVE_MIN_CORES = 0.25     # the least the grown auto budget leaves the system (the agent, daemons) ...
+AUTO_RESERVE_MIN_FRAC = 0.02      # ... and at least this part of the node's CPUs
+
+
+def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
+    """The loaders' CPU budget, grown into the agent's reserve where the reserve sits idle.
+
+    The "auto" budget (``agent.config.auto_loader_cpus``) keeps 10% of the node for the training
+    processes and the system. Where the trainers need less (GPU-bound steps on a big node: 8 ranks
+    needing a core each are 6% of 128 CPUs) the rest idles while CPU-bound loaders planned within the
+    budget wait, and ``none`` (every job's habitual workers, no budget) uses it: the kernel is
+    work-conserving, the 90% cap is not. Grown to the node's CPUs less every trainer's full-speed need
+    plus ``TRAINER_MARGIN``, less what other processes keep using (``foreign_held_cpu_cores``), at
+    least ``AUTO_RESERVE_MIN_CORES`` and ``AUTO_RESERVE_MIN_FRAC`` of the CPUs, in whole cores (so that
+    a drifting measurement does not move the plan), never below the configured budget. Unchanged where
+    the operator set ``loader_cpus``, before every job has a measured window (an unknown trainer may
+    need its core), or where the growth is under a core (a 2-CPU node: 2 less the 0.25-core floor
+    leaves at most 1.75 < 1.8)."""
+    C = snapshot.loader_cpus
+    if not snapshot.loader_cpus_auto or not snapshot.jobs:
+        return C
+    if any(j.window_s <= 0 for j in snapshot.jobs.values()):
+        return C
+    n = float(len(snapshot.cpu_ids))
+    need = sum(trainer_cores_needed(j) for j in snapshot.jobs.values()) * (1.0 + TRAINER_MARGIN)
+    other = max(AUTO_RESERVE_MIN_CORES, AUTO_RESERVE_MIN_FRAC * n, snapshot.foreign_held_cpu_cores or 0.0)
+    grown = math.floor(n - need - other + 1e-9)
+    return float(grown) if grown >= C + 1.0 - 1e-9 else C
+
+
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
     bound = config.max_workers_per_job
     if job.max_workers is not None and job.max_workers >= 1:

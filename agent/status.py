@@ -4,7 +4,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
 
     version             1
     agent               {pid, uid, version, protocol, endpoint, state_dir, policy, tick_s, heartbeat_s,
-                         uptime_s, ticks, last_tick_ms, loader_cpus, cpu_ids[], max_jobs, cgroup_mode,
+                         uptime_s, ticks, last_tick_ms, loader_cpus (configured), loader_cpus_auto,
+                         loader_cpus_in_force (the budget the last plan used: an "auto" budget grows into
+                         the reserve the training processes leave), cpu_ids[], max_jobs, cgroup_mode,
                          actuators[], gpu_source ("nvml" | "client"), nvml_error, cpu_pressure,
                          io_pressure (PSI some avg10 %, null where absent), metrics_port, errors{code: n},
                          messages{type: n}, recent_ticks{n, wall_ms_p50, wall_ms_p95, wall_ms_max,
@@ -177,7 +179,9 @@ def render_table(doc: dict) -> str:
     a = doc.get("agent", {})
     lines = [
         f"agent pid {a.get('pid')}  policy {a.get('policy')}  tick {a.get('tick_s')}s "
-        f"(last {_fmt(a.get('last_tick_ms'), '.2f')} ms)  loader CPUs {_fmt(a.get('loader_cpus'), 'g')}  "
+        f"(last {_fmt(a.get('last_tick_ms'), '.2f')} ms)  loader CPUs {_fmt(a.get('loader_cpus'), 'g')}"
+        + (f" (in force {_fmt(a.get('loader_cpus_in_force'), 'g')})"
+           if a.get("loader_cpus_in_force") not in (None, a.get("loader_cpus")) else "") + "  "
         f"cgroups {a.get('cgroup_mode')}  GPU figures from {a.get('gpu_source')}  "
         f"uptime {_fmt(a.get('uptime_s'), '.0f')}s",
     ]

@@ -158,6 +158,8 @@ class BenchConfig:
     keep_logs: bool = True
     memory_sample_s: float = 2.0            # how often the harness reads every job's workers' memory
     loader_memory: Optional[int] = None     # the "memory" scenario's budget (None: MEMORY_SCENARIO_BUDGET)
+    loader_cpus_auto: bool = False          # the agent runs with loader_cpus = "auto" (its default: it may grow
+                                            # the budget into an idle reserve); loader_cpus is then what auto gives
     agent_log_level: str = "info"           # the agents' log level ("debug": every window the predictor got)
 
 
@@ -336,7 +338,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
         path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in overrides.items()))
         config = ["--config", str(path)]
     flags = [*config, "--endpoint", endpoint, "--state-dir", str(Path(sock_dir) / "state"), "--tick-s", f"{cfg.tick_s:g}",
-             "--loader-cpus", f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
+             "--loader-cpus", "auto" if cfg.loader_cpus_auto else f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
              "--cgroup-mode", cfg.cgroup_mode, "--log-level", cfg.agent_log_level,
              "--loader-memory", str(loader_memory) if loader_memory else "off"]
     if policy == "oracle":

@@ -420,7 +420,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         # the CPU the jobs cannot get (``available_cores``) is unexplained capacity, not a tenant the
         # agent measures: the agent sees no other processes' CPU (foreign 0), as on the bench node
         return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
-                            loader_memory_bytes=cfg.loader_memory, foreign_cpu_cores=0.0)
+                            loader_memory_bytes=cfg.loader_memory, foreign_cpu_cores=0.0,
+                            loader_cpus_auto=cfg.loader_cpus is None)
 
     controller = None
     if policy_name not in NO_AGENT_POLICIES:

@@ -32,6 +32,7 @@ node) and ``cpus // ranks`` habits for the node, and the same policies are simul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -314,7 +315,8 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
     for mix in mixes:
         truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
         gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
-        cfg = sim_config(node_cores, loader, node_gpus)
+        # the agent's default budget, "auto": 90% of the CPUs, grown into the reserve the trainers leave
+        cfg = dataclasses.replace(sim_config(node_cores, loader, node_gpus), loader_cpus=None)
         res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
         out[mix]["_demand_cores"] = sum(cv.cpu_s_per_batch / cv.compute_s_per_step

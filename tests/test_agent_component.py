@@ -118,12 +118,16 @@ def test_sigterm_stops_cleanly_and_sighup_reloads(base):
         f.write('policy = "even"\ntick_s = 0.2\n')
     agent = AgentProc(base, "--config", cfg).start()
     assert agent.events("agent_started")[0]["policy"] == "even"
+    a = agent.status()["agent"]
+    assert a["loader_cpus_auto"] is True and a["loader_cpus"] > 0     # the default budget, "auto"
     with open(cfg, "w") as f:
-        f.write('policy = "even-static"\ntick_s = 0.2\nmax_jobs = 4\n')
+        f.write('policy = "even-static"\ntick_s = 0.2\nmax_jobs = 4\nloader_cpus = 0.5\n')
     agent.proc.send_signal(signal.SIGHUP)
     ev = wait_for(lambda: agent.events("config_reloaded"), 10, what="reload")
-    assert ev[0]["changed"] == ["max_jobs", "policy"]
-    assert agent.status()["agent"]["policy"] == "even-static"
+    assert ev[0]["changed"] == ["loader_cpus", "max_jobs", "policy"]
+    a = agent.status()["agent"]
+    assert a["policy"] == "even-static"
+    assert a["loader_cpus"] == 0.5 and a["loader_cpus_auto"] is False     # a number is used as given
     assert agent.stop(signal.SIGTERM) == 0
     assert agent.events("agent_stopped")
     assert not os.path.exists(agent.sock_path)

@@ -565,3 +565,38 @@ def test_fairness_floor_is_at_least_the_static_cores_allotment_where_trainers_ne
         x = cv["one"].normalized(8, 0.9 * (0.5 - 0.3 * x))
     assert cv["one"].normalized(one.workers, one.cpus) >= 0.9 * x - 1e-3, (one, x)
     assert sum(a.cpus for a in plan.allocations.values()) <= 1.8 + 1e-6
+
+
+def test_auto_loader_budget_grows_into_the_reserve_the_trainers_leave():
+    """grown_loader_cpus: the "auto" budget (90% of the CPUs) grows to the CPUs less every trainer's
+    full-speed need (+TRAINER_MARGIN) less what other processes keep using (at least 0.25 core and 2%
+    of the CPUs), in whole cores; never where the operator set the budget, before every job has a
+    window, where other processes or the trainers use the reserve, or on a 2-CPU node."""
+    from agent.policies import TRAINER_MARGIN, grown_loader_cpus
+
+    def node(n, jobs, auto=True, foreign=None, loader=None):
+        return NodeSnapshot(now=0.0, loader_cpus=loader if loader is not None else round(0.9 * n, 2),
+                            cpu_ids=tuple(range(n)), jobs={j.job: j for j in jobs}, loader_cpus_auto=auto,
+                            foreign_held_cpu_cores=foreign)
+
+    # trainers busy 5 ms of a 100-ms step: 0.05 core each
+    light = [job(f"j{i}", "heavy", trainer_cpu_s_per_step=0.005, window_s=2.0) for i in range(4)]
+    need = 4 * 0.05 * (1 + TRAINER_MARGIN)
+    assert grown_loader_cpus(node(48, light)) == math.floor(48 - need - 0.02 * 48)        # 46, not 43.2
+    assert grown_loader_cpus(node(48, light, auto=False)) == pytest.approx(43.2)          # the operator's
+    assert grown_loader_cpus(node(48, light, foreign=2.0)) == math.floor(48 - need - 2.0)  # other tenants
+    assert grown_loader_cpus(node(48, light, foreign=3.0)) == pytest.approx(43.2)          # under a core more
+    assert grown_loader_cpus(node(48, light, foreign=10.0)) == pytest.approx(43.2)
+    cold = light[:3] + [dataclasses.replace(light[3], window_s=0.0)]
+    assert grown_loader_cpus(node(48, cold)) == pytest.approx(43.2)                        # need unknown
+    busy = [dataclasses.replace(j, trainer_cpu_s_per_step=0.1) for j in light]             # a core each
+    assert grown_loader_cpus(node(48, busy)) == pytest.approx(43.2)
+    assert grown_loader_cpus(node(2, light[:1])) == pytest.approx(1.8)
+    assert grown_loader_cpus(node(16, [])) == pytest.approx(14.4)
+    # every policy plans within the grown budget when the controller hands it over
+    s = dataclasses.replace(node(48, light), loader_cpus=grown_loader_cpus(node(48, light)))
+    for name in ("even-static", "adaptive"):
+        plan = get_policy(name)(s, curves_of(s), PolicyConfig())
+        assert sum(a.cpus for a in plan.allocations.values()) <= s.loader_cpus + 1e-6
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig())
+    assert sum(a.cpus for a in plan.allocations.values()) > 43.2 + 1.0

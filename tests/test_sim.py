@@ -594,3 +594,28 @@ def test_wakeup_wait_command_measures_the_kernel_beside_the_model(tmp_path):
         r = subprocess.run([sys.executable, "-m", "evaluation.wakeup_wait", *bad], capture_output=True, text=True,
                            env=repo_env(), timeout=60)
         assert r.returncode == 2 and msg in r.stderr, (bad, r.stderr)
+
+
+@pytest.mark.unit
+def test_agent_grows_its_auto_budget_into_an_idle_reserve():
+    """Four CPU-bound 2-GPU jobs whose trainers need 5% of a core each, on 48 CPUs: with the "auto" loader
+    budget (90%) the agent used to plan 43.2 cores and size the workers to them, 8% behind `none`, whose
+    habitual workers take the whole node; grown into the reserve the trainers leave
+    (agent.policies.grown_loader_cpus) it ties. With the budget set explicitly it keeps it."""
+    from evaluation import nodemodel as N
+    from predictor.curve import ThroughputCurve
+
+    def cv(name):
+        c = ThroughputCurve(job=name, batch_size=128, compute_s_per_step=0.1, cpu_s_per_batch=2.0,
+                            blocked_s_per_batch=0.0, confidence=1.0)
+        return N.curve_with_workload(c, 0.005, 2, 12)
+
+    truth = {f"j{i}": cv(f"j{i}") for i in range(4)}
+    agg = {}
+    for label, lc in (("auto", None), ("set", 43.2)):
+        cfg = S.SimConfig(cores=48.0, gpus=8, loader_cpus=lc, tick_s=1.0, predictor="agent")
+        for p in ("none", "adaptive"):
+            agg[label, p] = S.steady_state(truth, p, cfg, warmup_s=20, measure_s=10)["window_agg"]
+    assert agg["auto", "none"] == pytest.approx(agg["set", "none"])
+    assert agg["auto", "adaptive"] >= 0.99 * agg["auto", "none"]
+    assert agg["set", "adaptive"] < 0.95 * agg["set", "none"]

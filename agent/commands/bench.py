@@ -115,7 +115,8 @@ def run(args) -> int:
                            device=args.device, sweep_segment_s=args.sweep_segment_s or (2.5 if quick else 4.0),
                            progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
                            loader_memory=loader_memory, oracle_source=args.oracle,
-                           oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level)
+                           oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
+                           loader_cpus_auto=args.loader_cpus == "auto")
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1

@@ -72,7 +72,7 @@ def run(args) -> int:
         result = setup.run(out_dir=Path(args.out), scenarios=[args.mix], policies=policies, reps=1,
                            quick=True, catalog_path=args.catalog, loader_cpus=loader_cpus, cgroup_mode=mode,
                            tick_s=1.0, device="emulated", sweep_segment_s=2.0, progress=progress,
-                           warmup_s=args.warmup_s, measure_s=args.measure_s, title="demo")
+                           warmup_s=args.warmup_s, measure_s=args.measure_s, title="demo", loader_cpus_auto=True)
     except (BenchError, ValueError) as e:
         print(f"adloader demo: {e}", file=sys.stderr)
         return 1
