@@ -294,7 +294,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             new = {}
             for j in ids:
                 m = models[j]
-                b = m.loader_bps(w[j], cores[j])
+                # ``cores`` is CPU time the loader gets and uses; the curve's core-bound term counts
+                # cores allotted, of which it uses core_correction: the allotment that CPU time is
+                b = m.loader_bps(w[j], cores[j] / _core_efficiency(m))
                 t = min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step)
                 if t > 0 and new_s_t[j] < 1.0:
                     b = min(b, 1.0 / (m.curve.compute_s_per_step - t + t / new_s_t[j]))
@@ -583,6 +585,14 @@ def _use(m: JobModel, st: SharedCpuState) -> float:
         return 0.0
     b = st.samples_per_s / m.curve.batch_size
     return b * (m.curve.cpu_s_per_batch + m.gpus * min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step))
+
+
+def _core_efficiency(m: JobModel) -> float:
+    """The part of its allotted cores a loader's curve says it uses (``ThroughputCurve.core_correction``,
+    else ``correction``: its core-bound term is that times cores over CPU per batch)."""
+    cv = m.curve
+    k = cv.core_correction if cv.core_correction is not None else cv.correction
+    return max(1e-6, float(k or 1.0))
 
 
 def _loader_demand(m: JobModel, workers: int) -> float:

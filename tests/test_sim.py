@@ -619,3 +619,32 @@ def test_agent_grows_its_auto_budget_into_an_idle_reserve():
     assert agg["auto", "none"] == pytest.approx(agg["set", "none"])
     assert agg["auto", "adaptive"] >= 0.99 * agg["auto", "none"]
     assert agg["set", "adaptive"] < 0.95 * agg["set", "none"]
+
+
+@pytest.mark.unit
+def test_agent_mode_counts_cpu_time_not_allotted_cores_for_a_learned_core_correction():
+    """A curve whose core-bound term learned core_correction < 1 (the corpus jobs: 0.91-0.93) uses that
+    part of the cores it is allotted: under the agent a loader that gets the CPU time it uses at full
+    speed is at its ceiling, as under `none` (before: the node model capped its CPU at that use and
+    read it as an allotment, leaving it at 0.93 of its ceiling on a half-idle node; the default
+    `adloader simulate` trace had adaptive 5.5% behind none for it)."""
+    import dataclasses as dc
+
+    from agent.model import JobAllocation
+    from evaluation import nodemodel as N
+    from predictor.curve import ThroughputCurve
+
+    cv = ThroughputCurve(job="heavy", batch_size=16, compute_s_per_step=0.02, cpu_s_per_batch=0.17,
+                         blocked_s_per_batch=0.0, confidence=1.0, core_correction=0.93)
+    m = N.JobModel(curve=cv, habitual_workers=48)
+    demand = N._loader_demand(m, 12)                      # CPU time at full speed: 8.5 cores
+    assert demand == pytest.approx(0.17 / 0.02, rel=1e-3)
+    none = N.node_rates({"heavy": m}, "none", 48.0)["heavy"]
+    agent = N.node_rates({"heavy": m}, "agent", 48.0, {"heavy": JobAllocation(job="heavy", workers=12, cpus=14.0)})["heavy"]
+    assert none.normalised == pytest.approx(1.0) and agent.normalised == pytest.approx(1.0)
+    assert agent.loader_cores == pytest.approx(demand, rel=1e-3)
+    # on a node short of CPU the same job gets what it gets, at core_correction of the allotted pace
+    tight = N.node_rates({"heavy": dc.replace(m, habitual_workers=12)}, "agent", 4.0,
+                         {"heavy": JobAllocation(job="heavy", workers=12, cpus=4.0)})["heavy"]
+    assert tight.loader_cores == pytest.approx(4.0, rel=1e-3)
+    assert tight.samples_per_s == pytest.approx(4.0 / 0.17 * 16, rel=1e-3)
