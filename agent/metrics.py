@@ -4,7 +4,8 @@ Gauges per job (label ``job``) refreshed from the status document once per tick;
 series are removed. Names:
 
     adloader_jobs                               jobs on the node
-    adloader_loader_cpus                        CPU cores the node gives to loaders
+    adloader_loader_cpus                        CPU cores the node gives to loaders (the budget in force: an
+                                                "auto" budget grown into the reserve the trainers leave)
     adloader_tick_seconds                       duration of the last tick
     adloader_ticks_total                        ticks run
     adloader_job_workers{job}                   loader workers (reported)
@@ -61,7 +62,7 @@ class Metrics:
     def update(self, doc: dict, counts: Optional[dict] = None, errors: Optional[dict] = None) -> None:
         a = doc.get("agent", {})
         self.jobs.set(len(doc.get("jobs", [])))
-        self.loader_cpus.set(a.get("loader_cpus") or 0)
+        self.loader_cpus.set(a.get("loader_cpus_in_force") or a.get("loader_cpus") or 0)
         self.tick_s.set((a.get("last_tick_ms") or 0) / 1000.0)
         self.ticks.set(a.get("ticks") or 0)
         for t, n in (counts or {}).items():

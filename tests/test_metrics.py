@@ -26,11 +26,14 @@ def test_metrics_exposed_on_localhost():
         assert 'adloader_job_workers{job="j1"} 2.0' in body
         assert 'adloader_job_data_wait_fraction{job="j1"} 0.31' in body
         assert 'adloader_errors_total{code="malformed"} 2.0' in body
+        assert "adloader_loader_cpus 1.8" in body
         doc = status_doc()
         doc["jobs"] = []
+        doc["agent"]["loader_cpus_in_force"] = 46.0      # an auto budget grown into the reserve
         m.update(doc)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'job="j1"' not in body and "adloader_jobs 0.0" in body
+        assert "adloader_loader_cpus 46.0" in body
     finally:
         m.stop()
 
