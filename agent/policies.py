@@ -201,17 +201,17 @@ def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
     work-conserving, the 90% cap is not. Grown to the node's CPUs less every trainer's full-speed need
     plus ``TRAINER_MARGIN``, less what other processes keep using (``foreign_held_cpu_cores``), at
     least ``AUTO_RESERVE_MIN_CORES`` and ``AUTO_RESERVE_MIN_FRAC`` of the CPUs, in whole cores (so that
-    a drifting measurement does not move the plan), never below the configured budget. Unchanged where
-    the operator set ``loader_cpus``, before every job has a measured window (an unknown trainer may
-    need its core), or where the growth is under a core (a 2-CPU node: 2 less the 0.25-core floor
-    leaves at most 1.75 < 1.8)."""
+    a drifting measurement does not move the plan), never below the configured budget. A job without a
+    measured window yet counts a whole core per rank or GPU (what a trainer may need at most), so an
+    arrival shrinks the growth by that much rather than undoing it. Unchanged where the operator set
+    ``loader_cpus``, without jobs, or where the growth is under a core (a 2-CPU node: 2 less the
+    0.25-core floor leaves at most 1.75 < 1.8)."""
     C = snapshot.loader_cpus
     if not snapshot.loader_cpus_auto or not snapshot.jobs:
         return C
-    if any(j.window_s <= 0 for j in snapshot.jobs.values()):
-        return C
     n = float(len(snapshot.cpu_ids))
-    need = sum(trainer_cores_needed(j) for j in snapshot.jobs.values()) * (1.0 + TRAINER_MARGIN)
+    need = sum(trainer_cores_needed(j) if j.window_s > 0 else float(max(1, j.ranks, j.gpus))
+               for j in snapshot.jobs.values()) * (1.0 + TRAINER_MARGIN)
     other = max(AUTO_RESERVE_MIN_CORES, AUTO_RESERVE_MIN_FRAC * n, snapshot.foreign_held_cpu_cores or 0.0)
     grown = math.floor(n - need - other + 1e-9)
     return float(grown) if grown >= C + 1.0 - 1e-9 else C

@@ -569,9 +569,9 @@ def test_fairness_floor_is_at_least_the_static_cores_allotment_where_trainers_ne
 
 def test_auto_loader_budget_grows_into_the_reserve_the_trainers_leave():
     """grown_loader_cpus: the "auto" budget (90% of the CPUs) grows to the CPUs less every trainer's
-    full-speed need (+TRAINER_MARGIN) less what other processes keep using (at least 0.25 core and 2%
-    of the CPUs), in whole cores; never where the operator set the budget, before every job has a
-    window, where other processes or the trainers use the reserve, or on a 2-CPU node."""
+    full-speed need (+TRAINER_MARGIN; a job without a window yet: a core per rank or GPU) less what
+    other processes keep using (at least 0.25 core and 2% of the CPUs), in whole cores; never where the
+    operator set the budget, where other processes or the trainers use the reserve, or on a 2-CPU node."""
     from agent.policies import TRAINER_MARGIN, grown_loader_cpus
 
     def node(n, jobs, auto=True, foreign=None, loader=None):
@@ -587,8 +587,11 @@ def test_auto_loader_budget_grows_into_the_reserve_the_trainers_leave():
     assert grown_loader_cpus(node(48, light, foreign=2.0)) == math.floor(48 - need - 2.0)  # other tenants
     assert grown_loader_cpus(node(48, light, foreign=3.0)) == pytest.approx(43.2)          # under a core more
     assert grown_loader_cpus(node(48, light, foreign=10.0)) == pytest.approx(43.2)
-    cold = light[:3] + [dataclasses.replace(light[3], window_s=0.0)]
-    assert grown_loader_cpus(node(48, cold)) == pytest.approx(43.2)                        # need unknown
+    cold = light[:3] + [dataclasses.replace(light[3], window_s=0.0)]                      # need unknown:
+    assert grown_loader_cpus(node(48, cold)) == math.floor(48 - (3 * 0.05 + 1.0) * (1 + TRAINER_MARGIN)
+                                                           - 0.02 * 48)                   # a core per rank
+    cold8 = [dataclasses.replace(j, window_s=0.0, gpus=2) for j in light]                 # 8 cores: no growth
+    assert grown_loader_cpus(node(48, cold8)) == pytest.approx(43.2)
     busy = [dataclasses.replace(j, trainer_cpu_s_per_step=0.1) for j in light]             # a core each
     assert grown_loader_cpus(node(48, busy)) == pytest.approx(43.2)
     assert grown_loader_cpus(node(2, light[:1])) == pytest.approx(1.8)
