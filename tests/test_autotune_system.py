@@ -100,8 +100,9 @@ def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path, shielded):
     res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=shielded)
     trace = res["trace"]
     assert res["start_workers"] == 1
-    assert max(w for _t, w, _r in trace) <= 2, trace
-    assert len(_settled(trace, 5.0)) == 1, trace
+    # (the tuner's windows, moves and curve in the message: a failure under machine noise is read from them)
+    assert max(w for _t, w, _r in trace) <= 2, (trace, res["tuner"])
+    assert len(_settled(trace, 5.0)) == 1, (trace, res["tuner"])
 
 
 def _quota_skip_reason():
