@@ -44,8 +44,8 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   speed scaled by that run's with the quota over without. One that would use more is throttled: it
   runs the first ``f = Q / U`` of each period, the loader and trainers together get ``Q``
   (``Q / (c + gpus * t)`` batches/s at most), and a trainer's CPU part of ``x`` unthrottled seconds
-  takes ``throttled_wall_s(x, f)``: ``x / f`` on average, more for a part shorter than ``f P`` (it may wake after the group's workers spent the
-  quota and wait for the next period). Approximations: ``f`` comes from the unthrottled state (a
+  takes ``throttled_wall_s(x, f)``: ``x / f`` on average, more for a part shorter than ``f P`` (it may
+  wake after the group's workers spent the quota and wait for the next period). Approximations: ``f`` comes from the unthrottled state (a
   trainer-bound throttled job is taken as throttled as a loader-bound one), and a throttled
   group's threads weigh on the other trainers' wake-ups as when it runs (``wakeup_share``: it counts
   once wherever it has a runnable thread, and while it runs its backlog is runnable); the quiet 2-core
@@ -132,10 +132,10 @@ def all_cpus_busy(cpus: float, load: float, threads: Optional[int] = None) -> fl
     """The chance a thread waking now finds no idle CPU: at least ``cpus`` of the other ``threads``
     runnable, each runnable ``load / threads`` of the time, independently (binomial). ``threads``
     defaults to the fewest that carry ``load``. A fractional ``cpus`` (other tenants use the rest of
-    the last CPU) counts that rest as one more thread, runnable that part of the time. Fewer threads than CPUs never
-    fill the node (one busy thread beside a waking one on 2 CPUs: measured 0.06 ms of run-queue wait
-    per wake-up; two half-busy threads: 3.3 ms per 20 ms CPU part, where both CPUs are busy 1/4 of
-    the time; issue 11, fourteenth pass)."""
+    the last CPU) counts that rest as one more thread, runnable that part of the time. Fewer threads
+    than CPUs never fill the node (one busy thread beside a waking one on 2 CPUs: measured 0.06 ms of
+    run-queue wait per wake-up; two half-busy threads: 3.3 ms per 20 ms CPU part, where both CPUs are
+    busy 1/4 of the time; issue 11, fourteenth pass)."""
     c = max(1, int(math.ceil(float(cpus) - 1e-6)))
     load = max(0.0, float(load))
     n = max(int(math.ceil(load - 1e-9)), int(threads or 0))
@@ -258,7 +258,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             caps = {j: min(caps[j], weights[j]) if j in allocations else caps[j] for j in ids}
         s_t = {j: 1.0 for j in ids}
         s_w = {j: 1.0 for j in ids}
-        W = float(sum(w.values()))          # the subtree's weight: one nice-0 task per worker ...
+        W_threads = sum(w.values())         # every loader worker; the other jobs' rank threads, per job:
+        other_ranks = {j: sum(models[k].gpus for k in ids if k != j) for j in ids}
+        W = float(W_threads)                # the subtree's weight: one nice-0 task per worker ...
         if need >= 0.05:                    # ... at most one per planned core where trainers need CPU
             W = min(W, max(1.0, sum(weights.values())))      # (agent.actuators.cgroup.subtree_shares_for_cores)
         for _ in range(300):
@@ -288,8 +290,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                 others_t = sum(run_t[k] for k in ids if k != j)
                 new_s_t[j] = wakeup_share(A, U * present + others_t, spread_weight=others_t,
                                           group_weight=W * present, group_threads=U,
-                                          others_count=(sum(w.values()) if present > 0 else 0)
-                                          + sum(models[k].gpus for k in ids if k != j))
+                                          others_count=(W_threads if present > 0 else 0) + other_ranks[j])
             cores = waterfill(max(0.0, min(cap, A - min(A, t_total))), gw, caps)
             new = {}
             for j in ids:
@@ -332,6 +333,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     saturated = sum(got.values()) >= A * (1.0 - 1e-9)
     level = max(got.values()) if got and saturated else A     # not saturated: nobody is held back
 
+    # the threads a job's trainer may find runnable beside it: the other jobs' workers and ranks, its own workers
+    beside = {j: sum(w[k] + models[k].gpus for k in ids if k != j) + w[j] for j in ids}
+
     def settle(lvl: float) -> tuple[dict, dict, float]:
         """The jobs' states with every job running on at least ``lvl`` while runnable, and the CPU they
         use together. A trainer waking on a CPU time-shares it with the other jobs' groups there
@@ -348,7 +352,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                 others = [k for k in ids if k != j]
                 new[j] = wakeup_share(A, sum(threads[k] for k in others) + st[j].runnable_workers,
                                       spread_weight=sum(min(1.0, threads[k]) for k in others),
-                                      others_count=sum(w[k] + models[k].gpus for k in others) + w[j],
+                                      others_count=beside[j],
                                       own_weight=own_group_weight(A, st[j].runnable_trainers,
                                                                   st[j].runnable_workers, models[j].gpus))
             if all(abs(new[j] - xcap[j]) < 1e-6 for j in ids):
@@ -533,8 +537,7 @@ def _job_state(m: JobModel, workers: int, cpus: float, xcap: float, quota: Optio
         return free
     c = cv.cpu_s_per_batch
     tn = m.gpus * min(m.trainer_cpu_s_per_step, cv.compute_s_per_step)
-    bps = free.samples_per_s / cv.batch_size
-    use = bps * (c + tn)
+    use = _use(m, free)
     if use <= quota * (1.0 + 1e-9) or use <= 0:
         return _burst_state(m, workers, cpus, xcap, quota, free)
     f = quota / use

@@ -640,7 +640,8 @@ def test_agent_mode_counts_cpu_time_not_allotted_cores_for_a_learned_core_correc
     demand = N._loader_demand(m, 12)                      # CPU time at full speed: 8.5 cores
     assert demand == pytest.approx(0.17 / 0.02, rel=1e-3)
     none = N.node_rates({"heavy": m}, "none", 48.0)["heavy"]
-    agent = N.node_rates({"heavy": m}, "agent", 48.0, {"heavy": JobAllocation(job="heavy", workers=12, cpus=14.0)})["heavy"]
+    plan = {"heavy": JobAllocation(job="heavy", workers=12, cpus=14.0)}
+    agent = N.node_rates({"heavy": m}, "agent", 48.0, plan)["heavy"]
     assert none.normalised == pytest.approx(1.0) and agent.normalised == pytest.approx(1.0)
     assert agent.loader_cores == pytest.approx(demand, rel=1e-3)
     # on a node short of CPU the same job gets what it gets, at core_correction of the allotted pace
