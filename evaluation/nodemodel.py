@@ -591,11 +591,9 @@ def _use(m: JobModel, st: SharedCpuState) -> float:
 
 
 def _core_efficiency(m: JobModel) -> float:
-    """The part of its allotted cores a loader's curve says it uses (``ThroughputCurve.core_correction``,
-    else ``correction``: its core-bound term is that times cores over CPU per batch)."""
-    cv = m.curve
-    k = cv.core_correction if cv.core_correction is not None else cv.correction
-    return max(1e-6, float(k or 1.0))
+    """The part of its allotted cores a loader's curve says it uses (``ThroughputCurve.core_efficiency``),
+    kept above zero."""
+    return max(1e-6, float(m.curve.core_efficiency or 1.0))
 
 
 def _loader_demand(m: JobModel, workers: int) -> float:

@@ -58,6 +58,12 @@ class ThroughputCurve:
         object.__setattr__(self, "_kc", self.correction if self.core_correction is None else self.core_correction)
         object.__setattr__(self, "ceiling_samples_per_s", self.batch_size / g if g > 0 else math.inf)
 
+    @property
+    def core_efficiency(self) -> float:
+        """The core-bound term's correction (``core_correction``, else ``correction``): the part of its
+        allotted cores the curve says the loader turns into batches (that term is this x cores / c)."""
+        return self._kc
+
     def _softmin(self, rates: list[float]) -> float:
         """Soft (p > 0) or hard (p = 0) minimum of positive rates; inf terms drop out."""
         m = math.inf

@@ -102,3 +102,15 @@ def test_empty_and_newer_records():
     d = _obs_dict()
     d["future_field"] = 1  # unknown keys are ignored
     assert Observation.from_dict(d).workers == 2
+
+
+def test_core_efficiency_is_the_core_bound_terms_correction():
+    # the core-bound term is core_efficiency x cores / c: with workers to spare and a long step
+    # elsewhere, the throughput on few cores is that term
+    base = dict(job="j", batch_size=1, compute_s_per_step=1e-6, cpu_s_per_batch=0.1,
+                blocked_s_per_batch=0.0, correction=0.8)
+    own = ThroughputCurve(**base, core_correction=0.5)
+    shared = ThroughputCurve(**base)
+    assert own.core_efficiency == 0.5 and shared.core_efficiency == 0.8
+    for cur in (own, shared):
+        assert cur.throughput(64, 0.2) == pytest.approx(cur.core_efficiency * 0.2 / 0.1, rel=1e-9)
