@@ -50,8 +50,10 @@ SCRIPT = textwrap.dedent('''
             "curve": None if cur is None else [cur.cpu_s_per_batch, cur.blocked_s_per_batch,
                                                cur.compute_s_per_step, cur.correction, cur.core_correction,
                                                cur.knee_workers(t.cpus)]} if t else None
+    st = loader.stats()   # the part of its CPU the job had (the tuner's job and workers; 1 = all of it)
+    cpu_share = (st["main_cpu_s"] + st["worker_cpu_s"]) / max(1e-9, st["uptime_s"])
     print(json.dumps({"start_workers": start_workers, "trace": trace, "usable_cpus": autotune.usable_cpus(),
-                      "tuner": diag}))
+                      "tuner": diag, "cpu_share": cpu_share}))
     loader.close()
 ''')
 
@@ -72,6 +74,9 @@ def _run(tmp_path, io_sleep_s, aug, step_s, run_s=30.0, cgroup_procs=None, pin=T
                          timeout=run_s + 60, preexec_fn=join_group if cgroup_procs else None)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+QUIET_CPU_SHARE = 0.9     # a job that had less of its CPU than this shared it with other work
 
 
 def _settled(trace, from_s):
@@ -96,13 +101,32 @@ def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path, shielded):
 
 @pytest.mark.component
 def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path, shielded):
-    # pure CPU preprocessing on one CPU: more workers cannot help; the tuner must not pile them up
-    res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=shielded)
-    trace = res["trace"]
-    assert res["start_workers"] == 1
-    # (the tuner's windows, moves and curve in the message: a failure under machine noise is read from them)
-    assert max(w for _t, w, _r in trace) <= 2, (trace, res["tuner"])
-    assert len(_settled(trace, 5.0)) == 1, (trace, res["tuner"])
+    # pure CPU preprocessing on one CPU it has to itself: more workers cannot help; the tuner must not
+    # pile them up, and settles. A neighbour on that CPU (the shield's weight does not hold off
+    # everything: another high-weight group, interrupts) changes the question: a second or third worker
+    # then measurably wins part of the neighbour's time, and the neighbour's end makes them useless
+    # again, so growing and shedding back is the right answer there, not noise. The checks are made on
+    # a run in which the job had its CPU (its own processes' CPU over its uptime, ``cpu_share``: 0.95 on
+    # the quiet dev VM; 0.75 with a busy loop in a high-weight group on that CPU for 4 s of the run,
+    # 0.47 for all of it, where the tuner went to 3 workers); one more run is made when the first
+    # shared its CPU, and the test is skipped, saying so, when neither had it. (A tuner that piles up
+    # workers of its own keeps the CPU to the job: its share stays high and it is judged.)
+    quiet = None
+    for _attempt in range(2):
+        res = _run(tmp_path, io_sleep_s=0.0, aug=3, step_s=0.005, run_s=10.0, cgroup_procs=shielded)
+        assert res["start_workers"] == 1
+        if res["cpu_share"] >= QUIET_CPU_SHARE:
+            quiet = res
+            break
+        print(f"the job had {res['cpu_share']:.2f} of its CPU (another process took the rest); its tuner "
+              f"moved {res['tuner']['moves']} (window, workers)", file=sys.stderr)
+    if quiet is None:
+        pytest.skip(f"the job's CPU was shared with other work in both runs (it had less than "
+                    f"{QUIET_CPU_SHARE} of it): what the tuner does on a CPU of its own is not judged")
+    trace = quiet["trace"]
+    # (the tuner's windows, moves and curve in the message: a failure is read from them)
+    assert max(w for _t, w, _r in trace) <= 2, (trace, quiet["tuner"], quiet["cpu_share"])
+    assert len(_settled(trace, 5.0)) == 1, (trace, quiet["tuner"], quiet["cpu_share"])
 
 
 def _quota_skip_reason():
