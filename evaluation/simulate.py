@@ -22,7 +22,8 @@ has ``gpus``, each user has a habitual ``num_workers``; ``builtin_curves`` carri
 loaders water-filled by the plan's ``cpus`` (weights with ``cpu_knob="shares"``, the agent's default;
 hard caps with ``"quota"``), each up to what its workers can use. ``none``: the users' habitual workers,
 the kernel fair between jobs and per runnable thread inside one (busy workers stretch the trainer's CPU
-part). ``autotune``: each job's own tuner's count on the CPUs it sees. ``static-cores``: a hard quota
+part). ``autotune``: each job runs the loader's own tuner (``_SimTuner``: ``adloader.autotune.AutoTuner``
+fed the job's windows, from one worker per CPU of the node, as the loader starts). ``static-cores``: a hard quota
 per job of the node's cores x its GPUs / the node's GPUs. ``SimConfig.available_cores`` models other
 tenants (the jobs get at most that; the agent still sees the node). The snapshot the controller reads
 carries what the real collector reports (``_job_stats``): the step with the trainer's CPU wait in it
@@ -358,6 +359,80 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
         loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
 
 
+@dataclass(frozen=True)
+class _Workers:
+    """A no-agent job's worker count where the physics takes it from an allocation (its own tuner's)."""
+    workers: int
+
+
+class _SimTuner:
+    """A job's own ``num_workers="auto"`` tuner in the simulated loop: the loader's real ``AutoTuner``
+    (``adloader.autotune``), started as the loader starts it (``initial_workers``: one worker per CPU it
+    may use, the whole node; at most ``max_workers``, which defaults to those CPUs) and fed a window
+    every ``WINDOW_S`` of the job's life, as its thread is: the samples of that window, the job's
+    per-batch figures and trainer CPU from the physics (``JobRate``), the compute time less the
+    trainer's run-queue wait (``autotune._unstarved_compute``). The window after a resize is dropped, as
+    the thread drops a window whose resize count moved. Noise-free windows give the same decision again
+    and again, so a tuner that has not moved for ``QUIET_WINDOWS`` windows since the node last changed
+    stops being fed until it changes again (arrivals and departures wake every tuner)."""
+    QUIET_WINDOWS = 6
+
+    def __init__(self, cpus: float, start: float, samples: float):
+        from adloader import autotune
+
+        self.window_s = autotune.WINDOW_S
+        most = max(1, int(math.floor(cpus + 1e-9)))          # the loader's default max_workers
+        cap = autotune.worker_cap(cpus, most)
+        self.tuner = autotune.AutoTuner(cpus=float(cpus), cap=cap, current=max(1, min(most, cap)))
+        self.next_s = start + self.window_s
+        self.samples = samples
+        self.drop = False
+        self.quiet = 0
+
+    @property
+    def workers(self) -> int:
+        return self.tuner.current
+
+    def wake(self, now: float, samples: float) -> None:
+        if self.next_s == math.inf:
+            self.next_s, self.samples, self.quiet = now + self.window_s, samples, 0
+
+    def window(self, now: float, jb: "_Job") -> bool:
+        """One window ending now; True when the tuner resized the loader."""
+        from predictor.observation import BadObservation, Observation
+
+        done, self.samples = jb.samples - self.samples, jb.samples
+        self.next_s = now + self.window_s
+        r, cv = jb.phys, jb.curve
+        obs = None
+        if not self.drop and r is not None and done > 0:
+            bs = cv.batch_size
+            steps = done / bs
+            # the training process's CPU per step (``main_cpu_s``: every rank's thread in it)
+            self.tuner.trainer_cpu_s_per_step = r.trainer_cores / (jb.rate / bs) if jb.rate > 0 else 0.0
+            compute = max(0.5 * r.compute_s_per_step, r.compute_s_per_step - r.trainer_runq_s_per_step)
+            c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+            wall = max(r.wall_s_per_batch, c + b)
+            try:
+                obs = Observation(workers=self.tuner.current, cores=self.tuner.cpus, batch_size=bs,
+                                  compute_s_per_step=compute, data_wait_s_per_step=r.data_wait_s_per_step,
+                                  cpu_s_per_batch=c, wall_s_per_batch=wall, runq_s_per_batch=max(0.0, wall - c - b),
+                                  blocked_s_per_batch=b, samples_per_s=done / self.window_s,
+                                  duration_s=self.window_s, steps=max(1, int(round(steps))))
+            except BadObservation:
+                obs = None
+        self.drop = False
+        before = self.tuner.current
+        want = self.tuner.window(obs)
+        if want is None or want == before:
+            self.quiet += 1
+            if self.quiet >= self.QUIET_WINDOWS:
+                self.next_s = math.inf
+            return False
+        self.drop, self.quiet = True, 0
+        return True
+
+
 def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: SimConfig,
                   until_s: Optional[float] = None, measure_from_s: float = 0.0) -> dict:
     """One node under one policy: per-job results and node totals.
@@ -438,9 +513,13 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     mode = {"none": "none", "autotune": "autotune", "static-cores": "static"}.get(policy_name, "agent")
     rates_cache: dict = {}      # the physics of one set of jobs and allocations, computed once
 
+    tuners: dict[str, _SimTuner] = {}       # autotune: each job's own tuner
+
     def physics():
         nonlocal mem_now
         applied = act.in_force if mode == "agent" else None
+        if mode == "autotune":
+            applied = {j: _Workers(tn.workers) for j, tn in tuners.items()}
         yielding = bool(mode == "agent" and act.node is not None and act.node.loaders_yield)
         models = {j: model_of(jb) for j, jb in active.items()}
         key = (yielding,) + (tuple(sorted((j, id(m), getattr((applied or {}).get(j), "workers", 0),
@@ -483,7 +562,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         t_fin = min((t + jb.remaining / jb.rate if jb.rate > 0 else math.inf) for jb in active.values()) \
             if active else math.inf
         t_tick = t + cfg.tick_s if ticks_left > 0 else math.inf
-        t_next = min(t_arr, t_fin, t_tick, end, m0 if t < m0 else math.inf)
+        t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
+        t_next = min(t_arr, t_fin, t_tick, t_tune, end, m0 if t < m0 else math.inf)
         if t_next == math.inf:
             raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
         dt = t_next - t
@@ -510,19 +590,31 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             jb = active.pop(jid)
             jb.done = t
             finished.append(jb)
+            tuners.pop(jid, None)
             changed = True
         while pending and pending[0].arrival_s <= t + 1e-12:
             tj = pending.pop(0)
             cv = truth[tj.kind]
             active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
                                   start=t, since=t)
+            if mode == "autotune":
+                tuners[tj.job] = _SimTuner(cfg.cores, t, 0.0)
             changed = True
         if changed:
+            for jid, tn in tuners.items():      # the node changed: every tuner's windows show it
+                tn.wake(t, active[jid].samples)
             physics()          # rates before the tick (a new job at its own request, unmanaged)
             tick()             # the controller forgets departed jobs and places new ones
             ticks_left = settle
         elif t == t_tick:
             ticks_left = settle if tick() else ticks_left - 1
+        if t == t_tune:
+            resized = False
+            for jid, tn in tuners.items():
+                if tn.next_s <= t:
+                    resized |= tn.window(t, active[jid])
+            if resized:
+                physics()
     starts = [jb.start for jb in finished]
     ends = [jb.done for jb in finished]
     span = max(ends) - min(starts) if finished else 0.0

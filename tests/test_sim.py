@@ -649,3 +649,47 @@ def test_agent_mode_counts_cpu_time_not_allotted_cores_for_a_learned_core_correc
                          {"heavy": JobAllocation(job="heavy", workers=12, cpus=4.0)})["heavy"]
     assert tight.loader_cores == pytest.approx(4.0, rel=1e-3)
     assert tight.samples_per_s == pytest.approx(4.0 / 0.17 * 16, rel=1e-3)
+
+
+@pytest.mark.unit
+def test_autotune_is_the_loaders_own_tuner_in_the_loop(monkeypatch):
+    """Under ``autotune`` each simulated job runs the loader's real ``AutoTuner``: it starts where the
+    loader starts it (a worker per CPU of the node, within the default max_workers, the node's CPUs),
+    gets a window every ``WINDOW_S`` of its life, moves only after ``SETTLE_WINDOWS`` of them, drops the
+    window after a resize, ends at the count the tuner's curve picks with its trainer sharing the CPUs,
+    and goes quiet once settled (an arrival wakes it)."""
+    from adloader import autotune
+    from evaluation import nodemodel as N
+
+    spec = {"job_id": "r", "kind": "resnet50", "batch_size": 64, "step_s": 0.1424, "demand_cores": 0.45,
+            "cpu_s_per_sample": 0.001, "samples": 1e6, "gpus": 1, "trainer_cpu_frac": 0.15, "num_workers": 2}
+    truth = N.curves_from_bench_specs({"r": spec, "s": dict(spec, job_id="s")})
+    seen = {}
+    real = autotune.AutoTuner.window
+
+    def spy(self, obs, memory_cap=None):
+        before = self.current
+        want = real(self, obs, memory_cap)
+        seen.setdefault(id(self), []).append((self.n_windows, before, want, obs is None))
+        return want
+
+    monkeypatch.setattr(autotune.AutoTuner, "window", spy)
+    trace = [S.TraceJob("n", "r", "r", 0.0, 60.0)]
+    cfg = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8)
+    res = S.simulate_node(trace, truth, "autotune", cfg, until_s=30.0)
+    (first,) = seen.values()
+    assert first[0][1] == 2                              # the loader's start: one worker per CPU
+    moves = [(n, b, w) for n, b, w, _ in first if w is not None and w != b]
+    assert moves[0][0] >= autotune.SETTLE_WINDOWS
+    assert moves[0][1:] == (2, 1)                        # the trainer's share: one worker is its best
+    assert [d for n, _b, _w, d in first if n == moves[0][0] + 1] == [True]     # the straddling window
+    m = N.job_model(truth["r"], 1, 2)
+    assert res["rates"]["r"]["workers"] == N.autotune_workers(m, 2.0, cap=2) == 1
+    # quiet while nothing changes: not a window every 2 s for 30 s
+    assert len(first) < 30 / autotune.WINDOW_S - 3
+    # an arrival at 30 s wakes the first job's tuner
+    seen.clear()
+    trace.append(S.TraceJob("n", "s", "s", 30.0, 60.0))
+    S.simulate_node(trace, truth, "autotune", cfg, until_s=40.0)
+    r_windows = list(seen.values())[0]                  # the first tuner made: the first job's
+    assert len(seen) == 2 and max(n for n, *_ in r_windows) > len(first)
