@@ -1,7 +1,8 @@
 """``num_workers="auto"`` without an agent: the loader tunes its own worker count in-process.
 
 The loader calls (BRIEF, "Loader -> everyone"):
-    initial_workers(loader) -> int   at construction: a safe start bounded by the CPUs we may use
+    initial_workers(loader) -> int   at construction: a safe start, the CPUs we may use over the
+                                     job's processes on this node
     attach(loader)                   at first ``__iter__``: starts a daemon thread (idempotent)
     detach(loader)                   from ``close()``, or from the agent client before its first directive
 
@@ -376,10 +377,16 @@ class _Thread(threading.Thread):
 
 
 def initial_workers(loader) -> int:
-    """A safe first count: one worker per usable CPU (at least 1), within the loader's max_workers."""
+    """A safe first count: one worker per usable CPU over the job's processes on this node
+    (``env.local_world_size``: eight torchrun ranks on a 48-CPU node start at 6 workers each, not 48
+    each, whose memory no one has measured yet), at least 1, within the loader's max_workers. The tuner
+    grows from there where more workers pay (where the launcher bound each rank to CPUs of its own,
+    their count over the ranks starts it low and the tuner's doubling climbs back)."""
     try:
+        from adloader import env
+
         cpus = usable_cpus()
-        n = max(1, math.floor(cpus + 1e-9))
+        n = max(1, math.floor(cpus / env.local_world_size() + 1e-9))
         mw = getattr(loader, "max_workers", None)
         return max(1, min(n, mw)) if mw else n
     except Exception:

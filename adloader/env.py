@@ -7,6 +7,8 @@ Training processes (the client hook inside ``adloader.DataLoader``):
     ADLOADER_JOB_ID          the job this process belongs to; default: SLURM_JOB_ID, then torchrun's
                              TORCHELASTIC_RUN_ID, then ``pid-<pid>`` (a job of one process)
     RANK, LOCAL_RANK, WORLD_SIZE (torch.distributed), else SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS
+    LOCAL_WORLD_SIZE (torchrun), else SLURM_NTASKS_PER_NODE: the job's processes on this node (where
+                             ``num_workers="auto"`` starts: its CPUs shared among them)
     CUDA_VISIBLE_DEVICES, else SLURM_JOB_GPUS: the GPUs this process uses (reported in hello)
 
 The agent (``adloader agent``; see ``agent.config``): ``ADLOADER_<KEY>`` for every config key
@@ -116,6 +118,12 @@ def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
 
 def world_size(environ: Optional[Mapping[str, str]] = None) -> int:
     return _int(_env(environ), ("WORLD_SIZE", "SLURM_NTASKS"), 1)
+
+
+def local_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
+    """Processes of this job on this node: LOCAL_WORLD_SIZE (torchrun, and the launchers built on it),
+    else SLURM_NTASKS_PER_NODE; 1 when neither is set or readable."""
+    return max(1, _int(_env(environ), ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), 1))
 
 
 def gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:

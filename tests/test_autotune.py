@@ -145,6 +145,25 @@ def test_initial_workers_and_cap():
     assert 1 <= n <= math.floor(autotune.usable_cpus() + 1e-9) or n == 1
     L.max_workers = 1
     assert autotune.initial_workers(L()) == 1
+
+
+def test_initial_workers_share_the_cpus_among_the_jobs_ranks_on_the_node(monkeypatch):
+    class L:
+        max_workers = None
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 48.0)
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    assert autotune.initial_workers(L()) == 48
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert autotune.initial_workers(L()) == 12
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")              # torchrun's figure first
+    assert autotune.initial_workers(L()) == 6
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")             # more ranks than CPUs: one worker each
+    assert autotune.initial_workers(L()) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")          # unreadable: the next source
+    assert autotune.initial_workers(L()) == 12
+    L.max_workers = 5
+    assert autotune.initial_workers(L()) == 5
     assert autotune.worker_cap(2.0, None) == 8
     assert autotune.worker_cap(2.0, 3) == 3
 
