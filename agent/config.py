@@ -29,8 +29,11 @@ for the ones the command line offers):
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     min_confidence  float  0..1, adaptive: a job whose predicted curve is less sure than this keeps its
                            cold-start share (one window of data gives 0.13, two 0.24); default 0.2
-    fairness_floor  bool   adaptive: no job below 90% of its GPU share or static-cores allotment unless it
-                           cannot use it, default true
+    fairness_floor  bool   adaptive: no job below 90% (``floor_fraction``) of what its GPU share or
+                           static-cores allotment would give it unless it cannot use that, default true
+    floor_fraction  float  (0, 1], adaptive with fairness_floor: that part of the throughput of its share
+                           each job keeps (1: the whole share's; lower leaves the greedy more to move
+                           to where it buys more), default 0.9
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
@@ -112,6 +115,7 @@ class AgentConfig:
     hysteresis: float = 0.03
     min_confidence: float = 0.2
     fairness_floor: bool = True
+    floor_fraction: float = 0.9
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"
@@ -267,6 +271,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("loaders_yield", f"must be one of {', '.join(LOADERS_YIELD)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
+    if not 0 < cfg.floor_fraction <= 1:
+        bad("floor_fraction", "must be in (0, 1]")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:

@@ -21,7 +21,7 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
+fairness_floor, floor_fraction, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
 metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
@@ -62,8 +62,8 @@ from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
-              "fairness_floor", "log_level", "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi",
-              "memory_min_available")
+              "fairness_floor", "floor_fraction", "log_level", "unseen_job_timeout_s", "loader_memory",
+              "memory_pressure_psi", "memory_min_available")
 
 
 class CannotStart(RuntimeError):
@@ -92,7 +92,7 @@ def _policy_config(cfg: AgentConfig):
     from agent.policies import PolicyConfig
 
     return PolicyConfig(hysteresis=cfg.hysteresis, min_confidence=cfg.min_confidence,
-                        fairness_floor=cfg.fairness_floor,
+                        fairness_floor=cfg.fairness_floor, floor_fraction=cfg.floor_fraction,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores)
 
@@ -321,7 +321,7 @@ class Agent:
             self.collector.max_jobs = new.max_jobs
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
             self.collector.memory_guard = self._build_memory_guard()
-        if {"policy", "hysteresis", "min_confidence", "fairness_floor"} & set(live):
+        if {"policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction"} & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 

@@ -18,6 +18,7 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     assert cfg.max_jobs == 4
     assert cfg.metrics_port == 0                # cli over file
     assert cfg.loader_cpus == 3.5 and cfg.fairness_floor is False
+    assert configmod.load(None, {}, environ={"ADLOADER_FLOOR_FRACTION": "1"}).floor_fraction == 1.0
     assert cfg.hysteresis == 0.03 and cfg.cgroup_mode == "auto"    # defaults
     assert configmod.load(None, {}, environ={}).loader_cpus == "auto"
 
@@ -28,6 +29,8 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     ('policy = "fastest"\n', "'policy'"),
     ('cgroup_mode = "v3"\n', "'cgroup_mode'"),
     ('max_jobs = 1.5\n', "'max_jobs'"),
+    ('floor_fraction = 0\n', "'floor_fraction'"),
+    ('floor_fraction = 1.5\n', "'floor_fraction'"),
     ('io_weights = "maybe"\n', "'io_weights'"),
     ('endpoint = "http://x"\n', "'endpoint'"),
     ('tick_s = \n', "not valid TOML"),
