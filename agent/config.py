@@ -29,11 +29,12 @@ for the ones the command line offers):
     hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
     min_confidence  float  0..1, adaptive: a job whose predicted curve is less sure than this keeps its
                            cold-start share (one window of data gives 0.13, two 0.24); default 0.2
-    fairness_floor  bool   adaptive: no job below 90% (``floor_fraction``) of what its GPU share or
-                           static-cores allotment would give it unless it cannot use that, default true
+    fairness_floor  bool   adaptive: no job below what its GPU share or static-cores allotment (in the
+                           loaders' part of the node) would give it, times ``floor_fraction``, unless
+                           it cannot use that, default true
     floor_fraction  float  (0, 1], adaptive with fairness_floor: that part of the throughput of its share
                            each job keeps (1: the whole share's; lower leaves the greedy more to move
-                           to where it buys more), default 0.9
+                           to where it buys more, at a cost to the job that gives), default 1.0
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
@@ -115,7 +116,7 @@ class AgentConfig:
     hysteresis: float = 0.03
     min_confidence: float = 0.2
     fairness_floor: bool = True
-    floor_fraction: float = 0.9
+    floor_fraction: float = 1.0
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"

@@ -62,9 +62,15 @@ class PolicyConfig:
     fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
         GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
         budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
-    floor_fraction: see fairness_floor (1.0: the whole share is a floor; below 1, the rest of every
-        share goes to the knapsack, so a job whose cores buy little gives some to one whose cores buy
-        more, and no job loses more than 1 - floor_fraction of its GPU share's throughput).
+    floor_fraction: see fairness_floor (1.0, the default: the whole share's throughput is a floor;
+        below 1, the rest of every share goes to the knapsack, so a job whose cores buy little gives some
+        to one whose cores buy more, and no job loses more than 1 - floor_fraction of its GPU share's
+        throughput). 1.0 because the share is already the loaders' part of the node (the static-cores
+        raise is scaled by loader_cpus / node CPUs) and weights deliver a floor-bound job somewhat less
+        than planned: at 0.9 the issue-11 target (no job below 0.9x its static-cores throughput) was
+        missed, the worst job at 0.82-0.89 in the 16-core simulated mixes and 0.75 (median of 6) in the
+        measured 2-core oversubscribed mix; at 1.0, 0.92-0.99 and 0.90, for 0.4-5% of the simulated
+        aggregate and 0-3% of the measured (BENCHMARKS.md, fifteenth pass).
     min_cpus: cores every job gets at least (lowered to the even share on a crowded node).
     quantum_cpus: the greedy's step in cores (raised to loader_cpus / 256 on big nodes, for speed).
     worker_start_s, decision_horizon_s: the real cost of changing a job's worker count. One worker
@@ -99,7 +105,7 @@ class PolicyConfig:
     max_workers_per_job: int = 64
     hysteresis: float = 0.03
     fairness_floor: bool = True
-    floor_fraction: float = 0.9
+    floor_fraction: float = 1.0
     min_cpus: float = 0.05
     quantum_cpus: float = 0.05
     worker_start_s: float = 1.0

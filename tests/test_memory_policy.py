@@ -166,9 +166,11 @@ def test_trimming_stops_at_a_jobs_fair_share_while_another_is_above_its_own():
     curves = {j.job: curve(j) for j in (fat, lean)}
     s = node([fat, lean], cpus=8.0, budget=4 * GiB)
     plan = _plan({"fat": 4, "lean": 30}, {"fat": 4.0, "lean": 0.5})
-    floors = memory_floors({"fat": 4, "lean": 30}, {"fat": 4.0, "lean": 0.5}, {"fat": GiB, "lean": 100 * MiB},
-                           {"fat": 1, "lean": 1}, curves, CFG, 4 * GiB)
-    assert floors == {"fat": 2, "lean": 18}          # lean: 18 workers keep 90% of what 20 give
+    def floors(config):
+        return memory_floors({"fat": 4, "lean": 30}, {"fat": 4.0, "lean": 0.5}, {"fat": GiB, "lean": 100 * MiB},
+                             {"fat": 1, "lean": 1}, curves, config, 4 * GiB)
+    assert floors(CFG) == {"fat": 2, "lean": 20}     # the default floor_fraction 1.0: the whole share
+    assert floors(PolicyConfig(floor_fraction=0.9)) == {"fat": 2, "lean": 18}   # 18 keep 90% of what 20 give
     caps, unfit = memory_caps(plan, s, curves, CFG, 4 * GiB)
     assert caps == {"fat": 2, "lean": 20} and not unfit
     # without the fairness floor: the old order, fat down to one worker

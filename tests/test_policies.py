@@ -173,13 +173,14 @@ def test_adaptive_weights_by_gpus():
 def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
     # the floor is floor_fraction of the throughput of the job's GPU-proportional share of the budget
     # (what a batch scheduler gives it), above min_cpus: a 1-GPU job beside a 4-GPU job keeps 1/5 of the
-    # 1.8 cores whole with floor_fraction 1, and 90% of it by default (linear curves here)
+    # 1.8 cores whole with floor_fraction 1 (the default), and 90% of it with 0.9 (linear curves here)
     s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
     share_b, share_a = 0.05 + 1.7 / 5, 0.05 + 1.7 * 4 / 5
-    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_fraction=1.0))
+    assert PolicyConfig().floor_fraction == 1.0
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
     assert plan.allocations["b"].cpus >= share_b - 1e-9
     assert plan.allocations["a"].cpus >= share_a - 1e-9
-    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_fraction=0.9))
     cv = curves_of(s)["b"]
     got, floor = plan.allocations["b"], 0.9 * cv.normalized(1, share_b)
     assert cv.normalized(got.workers, got.cpus) >= floor - 1e-6
