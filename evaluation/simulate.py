@@ -246,6 +246,7 @@ class SimConfig:
     loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
+    floor_fraction: Optional[float] = None   # agent.policies.PolicyConfig.floor_fraction (None: its default)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
@@ -502,7 +503,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     if policy_name not in NO_AGENT_POLICIES:
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
                                 policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares",
-                                                           loaders_yield=cfg.loaders_yield),
+                                                           loaders_yield=cfg.loaders_yield,
+                                                           **({"floor_fraction": cfg.floor_fraction}
+                                                              if cfg.floor_fraction is not None else {})),
                                 predictor=predictor, actuators=[act])
     settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0

@@ -306,19 +306,27 @@ def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, ste
 
 
 def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
-               warmup_s: float = 30.0, measure_s: float = 30.0, mixes=MIXES) -> dict[str, dict]:
+               warmup_s: float = 30.0, measure_s: float = 30.0, mixes=MIXES,
+               floor_fraction: Optional[float] = None) -> dict[str, dict]:
     """Each catalogue mix filled to ``node_gpus`` GPUs -> policy -> aggregate over the measured window
-    (the simulator, controller and all), with ``_demand_cores``, ``_gpus`` and ``_records`` (per policy:
-    the plan in force at the end and each job's rates)."""
+    (the simulator, controller and all), with ``_demand_cores``, ``_gpus``, ``_records`` (per policy:
+    the plan in force at the end and each job's rates) and ``_worst_vs_static`` (per policy: the least
+    of its jobs' normalised throughput over the same job's under static-cores, the fairness target's
+    figure). ``floor_fraction``: the agent's (None: its default)."""
     loader = round(node_cores * 0.9, 2)
     out = {}
     for mix in mixes:
         truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
         gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
         # the agent's default budget, "auto": 90% of the CPUs, grown into the reserve the trainers leave
-        cfg = dataclasses.replace(sim_config(node_cores, loader, node_gpus), loader_cpus=None)
+        cfg = dataclasses.replace(sim_config(node_cores, loader, node_gpus), loader_cpus=None,
+                                  floor_fraction=floor_fraction)
         res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
+        if "static-cores" in res:
+            ref = res["static-cores"]["window"]
+            out[mix]["_worst_vs_static"] = {p: min((r["window"][j] / ref[j] for j in ref if ref[j] > 0 and j in r["window"]),
+                                                   default=None) for p, r in res.items()}
         out[mix]["_demand_cores"] = sum(cv.cpu_s_per_batch / cv.compute_s_per_step
                                         + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
                                         for cv in truth.values())
@@ -354,12 +362,14 @@ def markdown_validation(rows: list[dict]) -> str:
 def markdown_study(study: dict, node_cores: int, node_gpus: int) -> str:
     pols = [p for p in BASELINES + ("adaptive",)]
     lines = [f"Node: {node_cores} cores, {node_gpus} GPUs (loader budget {node_cores * 0.9:g})\n",
-             "| mix (filled to the GPUs) | demand, cores | " + " | ".join(pols) + " | adaptive × best baseline |",
-             "|---|---|" + "---|" * (len(pols) + 1)]
+             "| mix (filled to the GPUs) | demand, cores | " + " | ".join(pols) + " | adaptive × best baseline "
+             "| adaptive's worst job / its static-cores throughput |",
+             "|---|---|" + "---|" * (len(pols) + 2)]
     for mix, vals in study.items():
         best = max(vals[p] for p in BASELINES if p in vals)
+        worst = (vals.get("_worst_vs_static") or {}).get("adaptive")
         lines.append(f"| {mix} ({vals['_gpus']} GPUs) | {vals['_demand_cores']:.1f} | "
-                     + " | ".join(_f(vals.get(p)) for p in pols) + f" | {_f(vals['adaptive'] / best)} |")
+                     + " | ".join(_f(vals.get(p)) for p in pols) + f" | {_f(vals['adaptive'] / best)} | {_f(worst)} |")
     return "\n".join(lines)
 
 
@@ -401,6 +411,8 @@ def main(argv=None) -> int:
                          "short), or the node's cores")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
+    ap.add_argument("--floor-fraction", type=float, default=None,
+                    help="with --nodes: the agent's floor_fraction (default: the agent's default)")
     ap.add_argument("--jobs", action="store_true",
                     help="with bench files: per job, measured next to simulated (normalised throughput, loader "
                          "and trainer cores, the trainer's run-queue wait per step)")
@@ -438,8 +450,10 @@ def main(argv=None) -> int:
             doc.setdefault("jobs", []).extend(per_job)
             print()
             print(markdown_jobs(per_job))
+    if args.floor_fraction is not None and not 0 < args.floor_fraction <= 1:
+        ap.error(f"--floor-fraction must be in (0, 1], got {args.floor_fraction}")
     for c, g in shapes:
-        st = node_study(c, g)
+        st = node_study(c, g, floor_fraction=args.floor_fraction)
         doc["study"][f"{c}:{g}"] = st
         print()
         print(markdown_study(st, c, g))
