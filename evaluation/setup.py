@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -63,17 +65,18 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
             sc.measure_s = measure_s
     for note in harness.apply_mix_windows(scs, catalog):
         progress.note(note)
-    t0 = time.time()
+    t0, started = time.time(), time.strftime("%Y-%m-%d %H:%M:%S")
     result = harness.run_bench(cfg, scs, policies, reps, progress)
     for ph in result["phases"]:
         if ph.get("jobs"):
             ph["series"] = harness.job_series(ph)
     summary = report.summarise(result["phases"])
     goal_rows = report.goals(summary)
-    meta = {"title": title, "command": None, "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
+    meta = {"title": title, "command": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
             "loader_cpus_auto": loader_cpus_auto,
             "cgroup_mode": cgroup_mode, "tick_s": tick_s, "device": device, "reps": reps, "quick": quick,
-            "catalog": catalog.path, "calibration": calib, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "catalog": catalog.path, "calibration": calib, "started": started,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": time.time() - t0, "loader": _loader_kind(result["phases"]),
             "oracle": ("GPU-weighted exact knapsack over each job's points measured co-located (the whole mix "
                        f"under fixed probe plans, {oracle_probe_reps} repeats each; scenarios with arrivals: "

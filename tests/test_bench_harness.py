@@ -99,6 +99,11 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     assert "[1/1] heterogeneous none rep 1:" in progress
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert doc["summary"]["heterogeneous"]["none"]["reps"] == 1
+    meta = doc["meta"]     # when it ran: started before the phases, finished after (not both at the end)
+    import datetime
+
+    span = (datetime.datetime.fromisoformat(meta["finished"]) - datetime.datetime.fromisoformat(meta["started"]))
+    assert abs(span.total_seconds() - meta["wall_s"]) <= 1.5 and meta["wall_s"] > 2.0 and meta["command"]
     assert "| none | 1 |" in (tmp_path / "out" / "bench.md").read_text()
     assert (tmp_path / "out" / "policies.png").stat().st_size > 0
     assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0
