@@ -376,6 +376,19 @@ class _Thread(threading.Thread):
                     del _tuners[self.key]
 
 
+def start_workers(cpus: float, max_workers: int | None = None, ranks: int = 1) -> int:
+    """The first count for a loader on ``cpus`` usable CPUs shared by ``ranks`` processes of its job:
+    one worker per CPU of its part, at least 1, within ``max_workers`` (``initial_workers``)."""
+    n = max(1, math.floor(cpus / max(1, ranks) + 1e-9))
+    return max(1, min(n, max_workers)) if max_workers else n
+
+
+def default_max_workers(cpus: float) -> int:
+    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask (at least 1):
+    what a model of the loader (the simulator's node, whose mask is the whole node) starts from."""
+    return max(1, math.floor(cpus + 1e-9))
+
+
 def initial_workers(loader) -> int:
     """A safe first count: one worker per usable CPU over the job's processes on this node
     (``env.local_world_size``: eight torchrun ranks on a 48-CPU node start at 6 workers each, not 48
@@ -385,10 +398,7 @@ def initial_workers(loader) -> int:
     try:
         from adloader import env
 
-        cpus = usable_cpus()
-        n = max(1, math.floor(cpus / env.local_world_size() + 1e-9))
-        mw = getattr(loader, "max_workers", None)
-        return max(1, min(n, mw)) if mw else n
+        return start_workers(usable_cpus(), getattr(loader, "max_workers", None), env.local_world_size())
     except Exception:
         return 1
 

@@ -21,8 +21,8 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, floor_fraction, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir, cgroup settings and
-metrics_port need a restart and are reported as such).
+fairness_floor, floor_fraction, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir,
+cgroup settings and metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
 changed — after each batch of messages (so a job is journaled before any tick acts on it, and a

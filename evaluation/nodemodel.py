@@ -45,9 +45,9 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   runs the first ``f = Q / U`` of each period, the loader and trainers together get ``Q``
   (``Q / (c + gpus * t)`` batches/s at most), and a trainer's CPU part of ``x`` unthrottled seconds
   takes ``throttled_wall_s(x, f)``: ``x / f`` on average, more for a part shorter than ``f P`` (it may
-  wake after the group's workers spent the quota and wait for the next period). Approximations: ``f`` comes from the unthrottled state (a
-  trainer-bound throttled job is taken as throttled as a loader-bound one), and a throttled
-  group's threads weigh on the other trainers' wake-ups as when it runs (``wakeup_share``: it counts
+  wake after the group's workers spent the quota and wait for the next period). Approximations: ``f``
+  comes from the unthrottled state (a trainer-bound throttled job is taken as throttled as a
+  loader-bound one), and a throttled group's threads weigh on the other trainers' wake-ups as when it runs (``wakeup_share``: it counts
   once wherever it has a runnable thread, and while it runs its backlog is runnable); the quiet 2-core
   bench measured the under-quota jobs next to a throttled one no faster than under ``none``.
 
@@ -202,9 +202,9 @@ def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) 
     the loader's: ``max_workers`` defaults to those CPUs). The simulator runs the tuner itself
     (``evaluation.simulate``); this is where it settles, for the physics of a job without a count."""
     if not cap:
-        from adloader.autotune import worker_cap
+        from adloader.autotune import default_max_workers, worker_cap
 
-        cap = worker_cap(node_cores, max(1, int(math.floor(node_cores + 1e-9))))
+        cap = worker_cap(node_cores, default_max_workers(node_cores))
     if m.trainer_cpu_s_per_step > 0:
         return shared_cpu_knee(m.curve, node_cores, m.trainer_cpu_s_per_step, cap, m.gpus)
     return max(1, min(cap, m.curve.knee_workers(node_cores)))

@@ -72,7 +72,8 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
             ph["series"] = harness.job_series(ph)
     summary = report.summarise(result["phases"])
     goal_rows = report.goals(summary)
-    meta = {"title": title, "command": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
+    command = shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+    meta = {"title": title, "command": command, "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
             "loader_cpus_auto": loader_cpus_auto,
             "cgroup_mode": cgroup_mode, "tick_s": tick_s, "device": device, "reps": reps, "quick": quick,
             "catalog": catalog.path, "calibration": calib, "started": started,

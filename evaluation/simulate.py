@@ -382,9 +382,9 @@ class _SimTuner:
         from adloader import autotune
 
         self.window_s = autotune.WINDOW_S
-        most = max(1, int(math.floor(cpus + 1e-9)))          # the loader's default max_workers
-        cap = autotune.worker_cap(cpus, most)
-        self.tuner = autotune.AutoTuner(cpus=float(cpus), cap=cap, current=max(1, min(most, cap)))
+        most = autotune.default_max_workers(cpus)
+        self.tuner = autotune.AutoTuner(cpus=float(cpus), cap=autotune.worker_cap(cpus, most),
+                                        current=autotune.start_workers(cpus, most))
         self.next_s = start + self.window_s
         self.samples = samples
         self.drop = False

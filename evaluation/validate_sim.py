@@ -325,8 +325,9 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
         if "static-cores" in res:
             ref = res["static-cores"]["window"]
-            out[mix]["_worst_vs_static"] = {p: min((r["window"][j] / ref[j] for j in ref if ref[j] > 0 and j in r["window"]),
-                                                   default=None) for p, r in res.items()}
+            out[mix]["_worst_vs_static"] = {
+                p: min((r["window"][j] / ref[j] for j in ref if ref[j] > 0 and j in r["window"]), default=None)
+                for p, r in res.items()}
         out[mix]["_demand_cores"] = sum(cv.cpu_s_per_batch / cv.compute_s_per_step
                                         + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
                                         for cv in truth.values())
