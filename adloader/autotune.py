@@ -1,8 +1,9 @@
 """``num_workers="auto"`` without an agent: the loader tunes its own worker count in-process.
 
 The loader calls (BRIEF, "Loader -> everyone"):
-    initial_workers(loader) -> int   at construction: a safe start, the CPUs we may use over the
-                                     job's processes on this node
+    initial_workers(loader) -> int   at construction: a safe start, the CPUs we may use (on a node
+                                     nobody partitioned, the job's GPUs' part of them) over the job's
+                                     processes on this node
     attach(loader)                   at first ``__iter__``: starts a daemon thread (idempotent)
     detach(loader)                   from ``close()``, or from the agent client before its first directive
 
@@ -376,11 +377,45 @@ class _Thread(threading.Thread):
                     del _tuners[self.key]
 
 
-def start_workers(cpus: float, max_workers: int | None = None, ranks: int = 1) -> int:
-    """The first count for a loader on ``cpus`` usable CPUs shared by ``ranks`` processes of its job:
-    one worker per CPU of its part, at least 1, within ``max_workers`` (``initial_workers``)."""
-    n = max(1, math.floor(cpus / max(1, ranks) + 1e-9))
+def start_workers(cpus: float, max_workers: int | None = None, ranks: int = 1, part: float = 1.0) -> int:
+    """The first count for a loader on ``cpus`` usable CPUs shared by ``ranks`` processes of its job,
+    whose part of those CPUs is ``part`` (``gpu_part``): one worker per CPU of its rank's part, at least
+    1, within ``max_workers`` (``initial_workers``)."""
+    n = max(1, math.floor(cpus * min(1.0, max(0.0, part)) / max(1, ranks) + 1e-9))
     return max(1, min(n, max_workers)) if max_workers else n
+
+
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
+
+
+def node_gpu_count(gpus_dir: str | None = None) -> int:
+    """GPUs the NVIDIA driver shows on this node: the entries of /proc/driver/nvidia/gpus (one per GPU,
+    named by PCI address). 0 where there is no driver or the directory is not visible. Read without
+    NVML or CUDA, so a training process pays a directory listing for it."""
+    try:
+        return sum(1 for e in os.scandir(gpus_dir or NVIDIA_GPUS_DIR) if e.is_dir())
+    except OSError:
+        return 0
+
+
+def gpu_part(environ=None, node_gpus: int | None = None, ranks: int = 1) -> float:
+    """The job's part of the node by GPUs: its GPUs over the node's (``node_gpu_count``), 1.0 where
+    either is unknown. Its GPUs: those this process sees (``env.gpus``: CUDA_VISIBLE_DEVICES, else
+    SLURM_JOB_GPUS), at least one per process of the job on this node (``ranks``: launchers that give
+    each rank a GPU of its own show each rank one). A process that names no GPU sees them all: 1.0."""
+    from adloader import env
+
+    mine = len(env.gpus(environ))
+    total = node_gpu_count() if node_gpus is None else int(node_gpus)
+    if mine <= 0 or total <= 0:
+        return 1.0
+    return min(1.0, max(mine, max(1, ranks)) / total)
+
+
+def whole_node(cpus: float) -> bool:
+    """Whether ``cpus`` (``usable_cpus``) is every CPU of the node: nobody (a batch scheduler's cpuset,
+    a container's quota) has given this process a part of its own."""
+    return cpus >= (os.cpu_count() or 1) - 0.5
 
 
 def default_max_workers(cpus: float) -> int:
@@ -390,15 +425,21 @@ def default_max_workers(cpus: float) -> int:
 
 
 def initial_workers(loader) -> int:
-    """A safe first count: one worker per usable CPU over the job's processes on this node
-    (``env.local_world_size``: eight torchrun ranks on a 48-CPU node start at 6 workers each, not 48
-    each, whose memory no one has measured yet), at least 1, within the loader's max_workers. The tuner
-    grows from there where more workers pay (where the launcher bound each rank to CPUs of its own,
-    their count over the ranks starts it low and the tuner's doubling climbs back)."""
+    """A safe first count: one worker per usable CPU of the job's part of the node over its processes
+    on this node (``env.local_world_size``: eight torchrun ranks on a 48-CPU node start at 6 workers
+    each, not 48 each, whose memory no one has measured yet), at least 1, within the loader's
+    max_workers. The job's part: where the process may use every CPU of the node (no cpuset or quota of
+    its own), its GPUs' part of the node's (``gpu_part``): a job with 1 of 8 GPUs on a shared 48-CPU
+    node starts at 6 workers, not 48 (eight such jobs started 384 workers before any was measured);
+    where a scheduler gave it CPUs of its own, those are its part. The tuner grows from there where
+    more workers pay (where the launcher bound each rank to CPUs of its own, their count over the ranks
+    starts it low and the tuner's doubling climbs back)."""
     try:
         from adloader import env
 
-        return start_workers(usable_cpus(), getattr(loader, "max_workers", None), env.local_world_size())
+        cpus, ranks = usable_cpus(), env.local_world_size()
+        part = gpu_part(ranks=ranks) if whole_node(cpus) else 1.0
+        return start_workers(cpus, getattr(loader, "max_workers", None), ranks, part)
     except Exception:
         return 1
 

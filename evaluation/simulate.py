@@ -247,6 +247,9 @@ class SimConfig:
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
     floor_fraction: Optional[float] = None   # agent.policies.PolicyConfig.floor_fraction (None: its default)
+    tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
+                                    # and start at their GPUs' part of the CPUs (autotune.initial_workers);
+                                    # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
@@ -368,8 +371,9 @@ class _Workers:
 
 class _SimTuner:
     """A job's own ``num_workers="auto"`` tuner in the simulated loop: the loader's real ``AutoTuner``
-    (``adloader.autotune``), started as the loader starts it (``initial_workers``: one worker per CPU it
-    may use, the whole node; at most ``max_workers``, which defaults to those CPUs) and fed a window
+    (``adloader.autotune``), started as the loader starts it (``initial_workers``: one worker per CPU of
+    its GPUs' part of the node, ``SimConfig.tuner_gpu_part``, else of the whole node; at most
+    ``max_workers``, which defaults to the node's CPUs) and fed a window
     every ``WINDOW_S`` of the job's life, as its thread is: the samples of that window, the job's
     per-batch figures and trainer CPU from the physics (``JobRate``), the compute time less the
     trainer's run-queue wait (``autotune._unstarved_compute``). The window after a resize is dropped, as
@@ -378,13 +382,13 @@ class _SimTuner:
     stops being fed until it changes again (arrivals and departures wake every tuner)."""
     QUIET_WINDOWS = 6
 
-    def __init__(self, cpus: float, start: float, samples: float):
+    def __init__(self, cpus: float, start: float, samples: float, part: float = 1.0):
         from adloader import autotune
 
         self.window_s = autotune.WINDOW_S
         most = autotune.default_max_workers(cpus)
         self.tuner = autotune.AutoTuner(cpus=float(cpus), cap=autotune.worker_cap(cpus, most),
-                                        current=autotune.start_workers(cpus, most))
+                                        current=autotune.start_workers(cpus, most, part=part))
         self.next_s = start + self.window_s
         self.samples = samples
         self.drop = False
@@ -601,7 +605,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
                                   start=t, since=t)
             if mode == "autotune":
-                tuners[tj.job] = _SimTuner(cfg.cores, t, 0.0)
+                part = min(1.0, max(1, tj.gpus) / cfg.gpus) if cfg.tuner_gpu_part and cfg.gpus > 0 else 1.0
+                tuners[tj.job] = _SimTuner(cfg.cores, t, 0.0, part)
             changed = True
         if changed:
             for jid, tn in tuners.items():      # the node changed: every tuner's windows show it

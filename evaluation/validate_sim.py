@@ -80,8 +80,9 @@ def phase_capacity(phase: dict, node_cores: float) -> float:
 
 def sim_config(node_cores: float, loader_cpus: float, gpus: int, tick_s: float = 1.0,
                available: Optional[float] = None) -> S.SimConfig:
+    # the bench's jobs emulate their GPUs: no driver shows any, so their own tuners start at every CPU
     return S.SimConfig(cores=float(node_cores), gpus=int(gpus), loader_cpus=float(loader_cpus), tick_s=tick_s,
-                       predictor="agent", available_cores=available)
+                       predictor="agent", available_cores=available, tuner_gpu_part=False)
 
 
 def _sim_phases(bench: dict, capacity: str):
@@ -319,8 +320,9 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
         truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
         gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
         # the agent's default budget, "auto": 90% of the CPUs, grown into the reserve the trainers leave
+        # (a real node: its driver shows the GPUs, so the jobs' own tuners start at their GPUs' part)
         cfg = dataclasses.replace(sim_config(node_cores, loader, node_gpus), loader_cpus=None,
-                                  floor_fraction=floor_fraction)
+                                  floor_fraction=floor_fraction, tuner_gpu_part=True)
         res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
         if "static-cores" in res:

@@ -151,7 +151,7 @@ def test_initial_workers_share_the_cpus_among_the_jobs_ranks_on_the_node(monkeyp
     class L:
         max_workers = None
     monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 48.0)
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"):
         monkeypatch.delenv(var, raising=False)
     assert autotune.initial_workers(L()) == 48
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
@@ -166,6 +166,52 @@ def test_initial_workers_share_the_cpus_among_the_jobs_ranks_on_the_node(monkeyp
     assert autotune.initial_workers(L()) == 5
     assert autotune.worker_cap(2.0, None) == 8
     assert autotune.worker_cap(2.0, 3) == 3
+
+
+def test_node_gpu_count_reads_the_drivers_gpu_directory(tmp_path):
+    for pci in ("0000:18:00.0", "0000:3b:00.0", "0000:86:00.0"):
+        (tmp_path / pci).mkdir()
+    (tmp_path / "not-a-gpu").write_text("")
+    assert autotune.node_gpu_count(str(tmp_path)) == 3
+    assert autotune.node_gpu_count(str(tmp_path / "missing")) == 0     # no driver: unknown
+
+
+def test_gpu_part_is_the_jobs_gpus_over_the_nodes():
+    part = autotune.gpu_part
+    assert part({"CUDA_VISIBLE_DEVICES": "5"}, node_gpus=8) == 1 / 8
+    assert part({"CUDA_VISIBLE_DEVICES": "2,3"}, node_gpus=8, ranks=2) == 2 / 8
+    # a launcher that shows each of the job's 4 ranks its own GPU: the job has 4
+    assert part({"CUDA_VISIBLE_DEVICES": "1"}, node_gpus=8, ranks=4) == 4 / 8
+    assert part({"SLURM_JOB_GPUS": "0,1"}, node_gpus=4) == 2 / 4
+    assert part({}, node_gpus=8) == 1.0                                 # names none: sees them all
+    assert part({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, node_gpus=8) == 1.0
+    assert part({"CUDA_VISIBLE_DEVICES": "0"}, node_gpus=0) == 1.0      # no driver: unknown
+    assert part({"CUDA_VISIBLE_DEVICES": "MIG-a,MIG-b,MIG-c"}, node_gpus=2) == 1.0   # never above 1
+
+
+def test_initial_workers_take_the_jobs_gpu_part_of_a_node_nobody_partitioned(monkeypatch, tmp_path):
+    """One process with 1 of 8 GPUs on a shared 48-CPU node starts at 6 workers, not 48; where a
+    scheduler gave the process CPUs of its own (a cpuset, a quota), those are its part already."""
+    class L:
+        max_workers = None
+    for i in range(8):
+        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
+    monkeypatch.setattr(autotune, "NVIDIA_GPUS_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune.os, "cpu_count", lambda: 48)
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 48.0)
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert autotune.initial_workers(L()) == 6
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                          # 12 CPUs for the job, 6 a rank
+    assert autotune.initial_workers(L()) == 6
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")                            # every GPU: the whole node
+    assert autotune.initial_workers(L()) == 24
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 12.0)   # a cpuset of 12: its own part
+    assert autotune.initial_workers(L()) == 12
 
 
 def test_a_dropped_loader_is_collected_and_its_tuner_thread_ends():
@@ -229,3 +275,41 @@ def test_tuner_does_not_grow_on_the_priors_term_ratio_alone(configs, grows):
     for _ in range(6):
         tuner.window(simulated_window(tuner.current, 1.0, g=0.0052, c=0.0129, b=0.00013, bs=16, dur=1.0))
     assert (tuner.current > 1) == grows, tuner.history
+
+
+def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch, tmp_path):
+    """The real ``adloader.DataLoader``: ``num_workers="auto"`` with 1 of 4 GPUs (the driver's GPU
+    directory faked, CUDA_VISIBLE_DEVICES set) on an 8-CPU node nobody partitioned starts at 2 workers
+    and delivers every sample once, in order; naming no GPU it starts at 8 (max_workers 8)."""
+    import torch
+
+    from adloader import DataLoader
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+    for i in range(4):
+        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
+    monkeypatch.setattr(autotune, "NVIDIA_GPUS_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 8.0)
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")          # no agent client: the loader's own start
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    dl = DataLoader(Ids(), batch_size=4, num_workers="auto", max_workers=8)
+    try:
+        assert dl.num_workers == 2 and dl.requested_workers == 2
+        assert torch.cat(list(dl)).flatten().tolist() == list(range(16))
+    finally:
+        dl.close()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    dl = DataLoader(Ids(), batch_size=4, num_workers="auto", max_workers=8)
+    try:
+        assert dl.num_workers == 8
+    finally:
+        dl.close()

@@ -682,7 +682,7 @@ def test_autotune_is_the_loaders_own_tuner_in_the_loop(monkeypatch):
 
     monkeypatch.setattr(autotune.AutoTuner, "window", spy)
     trace = [S.TraceJob("n", "r", "r", 0.0, 60.0)]
-    cfg = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8)
+    cfg = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8, tuner_gpu_part=False)     # the bench: no driver
     res = S.simulate_node(trace, truth, "autotune", cfg, until_s=30.0)
     (first,) = seen.values()
     assert first[0][1] == 2                              # the loader's start: one worker per CPU
@@ -700,3 +700,30 @@ def test_autotune_is_the_loaders_own_tuner_in_the_loop(monkeypatch):
     S.simulate_node(trace, truth, "autotune", cfg, until_s=40.0)
     r_windows = list(seen.values())[0]                  # the first tuner made: the first job's
     assert len(seen) == 2 and max(n for n, *_ in r_windows) > len(first)
+
+
+@pytest.mark.unit
+def test_the_simulated_tuner_starts_at_its_gpus_part_of_a_node_that_shows_them(monkeypatch):
+    """``SimConfig.tuner_gpu_part``: on a node whose driver shows its 8 GPUs each job's own tuner
+    starts as ``autotune.initial_workers`` starts it there, at its GPUs' part of the 16 CPUs (1 GPU: 2
+    workers, 2 GPUs: 4); without (the bench's emulated GPUs) at every CPU."""
+    from adloader import autotune
+    from evaluation import nodemodel as N
+
+    spec = {"job_id": "a", "kind": "resnet50", "batch_size": 64, "step_s": 0.1424, "demand_cores": 0.45,
+            "cpu_s_per_sample": 0.001, "samples": 1e6, "gpus": 1, "trainer_cpu_frac": 0.15, "num_workers": 2}
+    truth = N.curves_from_bench_specs({"a": spec, "b": dict(spec, job_id="b", gpus=2)})
+    starts = []
+    real = autotune.AutoTuner.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        starts.append(self.current)
+
+    monkeypatch.setattr(autotune.AutoTuner, "__init__", spy)
+    trace = [S.TraceJob("n", "a", "a", 0.0, 60.0, gpus=1), S.TraceJob("n", "b", "b", 0.0, 60.0, gpus=2)]
+    S.simulate_node(trace, truth, "autotune", S.SimConfig(cores=16.0, gpus=8), until_s=4.0)
+    assert starts == [2, 4]
+    starts.clear()
+    S.simulate_node(trace, truth, "autotune", S.SimConfig(cores=16.0, gpus=8, tuner_gpu_part=False), until_s=4.0)
+    assert starts == [16, 16]
