@@ -189,18 +189,24 @@ def test_gpu_part_is_the_jobs_gpus_over_the_nodes():
     assert part({"CUDA_VISIBLE_DEVICES": "MIG-a,MIG-b,MIG-c"}, node_gpus=2) == 1.0   # never above 1
 
 
+def _shared_gpu_node(monkeypatch, tmp_path, gpus: int, cpus: int) -> None:
+    """A node of ``cpus`` CPUs, all usable by this process, whose driver shows ``gpus`` GPUs (a fake
+    /proc/driver/nvidia/gpus); no launcher's rank count, no Slurm GPUs."""
+    for i in range(gpus):
+        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
+    monkeypatch.setattr(autotune, "NVIDIA_GPUS_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: float(cpus))
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def test_initial_workers_take_the_jobs_gpu_part_of_a_node_nobody_partitioned(monkeypatch, tmp_path):
     """One process with 1 of 8 GPUs on a shared 48-CPU node starts at 6 workers, not 48; where a
     scheduler gave the process CPUs of its own (a cpuset, a quota), those are its part already."""
     class L:
         max_workers = None
-    for i in range(8):
-        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
-    monkeypatch.setattr(autotune, "NVIDIA_GPUS_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune.os, "cpu_count", lambda: 48)
-    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 48.0)
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS"):
-        monkeypatch.delenv(var, raising=False)
+    _shared_gpu_node(monkeypatch, tmp_path, gpus=8, cpus=48)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert autotune.initial_workers(L()) == 6
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
@@ -292,13 +298,7 @@ def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch
         def __getitem__(self, i):
             return torch.tensor([i])
 
-    for i in range(4):
-        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
-    monkeypatch.setattr(autotune, "NVIDIA_GPUS_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune.os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 8.0)
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_GPUS"):
-        monkeypatch.delenv(var, raising=False)
+    _shared_gpu_node(monkeypatch, tmp_path, gpus=4, cpus=8)
     monkeypatch.setenv("ADLOADER_DISABLE", "1")          # no agent client: the loader's own start
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     dl = DataLoader(Ids(), batch_size=4, num_workers="auto", max_workers=8)
