@@ -229,8 +229,8 @@ class Registry:
         if claimed_pid != pid:   # a container: its pids are local to its pid namespace
             ns_workers = self._map_workers(worker_pids, pid, {})
             worker_pids = [ns_workers[p] for p in worker_pids]
-        ok, why = security.pids_owned_by(worker_pids, uid)
-        if not ok:
+        worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
+        if why:
             raise Refused("not_permitted", f"worker_pids: {why}")
         job = self._owned(job_id, uid)
         if job is None:
@@ -289,9 +289,12 @@ class Registry:
             worker_pids = [r.ns_workers[p] for p in worker_pids]
         new = [p for p in worker_pids if p not in r.worker_pids]
         if new:
-            ok, why = security.pids_owned_by(new, r.uid)
-            if not ok:
+            live, why = security.live_pids_owned_by(new, r.uid)
+            if why:
                 raise Refused("not_permitted", f"worker_pids: {why}")
+            if len(live) < len(new):   # workers that exited since the loader listed them: left out
+                gone = set(new) - set(live)
+                worker_pids = [p for p in worker_pids if p not in gone]
         if tuple(worker_pids) != r.worker_pids:
             self.version += 1
         r.worker_pids = tuple(worker_pids)

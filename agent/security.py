@@ -6,7 +6,8 @@ message property ``Peer-Address`` = ``"<host>:<uid>:<gid>:<pid>"`` (libzmq src/s
 - takes the caller's uid from the peer credentials, never from the message (the message's ``uid``
   must agree, else ``not_permitted``);
 - accepts a ``hello``/``report`` only when the claimed pid is the connecting process itself, and the
-  claimed worker pids belong to the caller's uid;
+  claimed worker pids belong to the caller's uid (a claimed worker that is no live process any more is
+  left out: a retired worker may exit between the loader's report and the agent's check);
 - lets root (the Slurm prolog/epilog) register/release any job and claim any uid there; a hello
   is always from the process itself, root or not.
 Without peer credentials (tcp://, or a platform without SO_PEERCRED) every request that claims a job
@@ -206,6 +207,24 @@ def map_ns_pids(claimed, peer_pid: int, proc_root: str = "/proc") -> tuple[dict[
             if d_ns is not None and len(d_ns) >= depth and d_ns[depth - 1] in wanted:
                 found[d_ns[depth - 1]] = d
     return found, [p for p in claimed if p not in found]
+
+
+def live_pids_owned_by(pids, uid: int) -> tuple[list[int], str]:
+    """(the live ones of ``pids``, "") when every live one is a process of ``uid``, else ([], why). A
+    pid that is no live process is left out, not refused: a loader lists its workers when it writes a
+    report, and one it retired may exit before the agent reads it (nothing there to control; refusing
+    the report cut the job off the agent for a minute, its CPU counted as another tenant's)."""
+    live = []
+    for p in pids:
+        if not isinstance(p, int) or isinstance(p, bool) or p <= 0:
+            return [], f"pid {p!r} is not a process id"
+        owner = pid_uid(p)
+        if owner is None:
+            continue
+        if owner != uid:
+            return [], f"pid {p} belongs to uid {owner}, not {uid}"
+        live.append(p)
+    return live, ""
 
 
 def pids_owned_by(pids, uid: int) -> tuple[bool, str]:

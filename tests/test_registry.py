@@ -78,3 +78,33 @@ def test_registry_ownership_and_idempotence():
     with pytest.raises(Refused, match="no peer credentials"):
         reg.register(None, {"job": "s3", "uid": 0}, 0.0)
 
+
+
+def test_a_worker_that_exited_before_the_agent_read_the_report_is_left_out_not_refused():
+    """A loader lists its workers when it writes a report; a worker it retired may exit before the
+    agent reads it. That pid is left out (nothing to control) and the rank stays connected; before,
+    the whole report was refused (not_permitted) and the job went a minute without the agent."""
+    import subprocess
+
+    from adloader import protocol
+
+    me = os.getpid()
+    live = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                   # reaped: no such process any more
+    try:
+        reg = Registry()
+        peer = Peer(os.getuid(), os.getgid(), me)
+        r = reg.hello(peer, b"a", protocol.make("hello", job="j", rank=0, pid=me, uid=os.getuid(),
+                                                worker_pids=[live.pid, gone.pid]), 0.0)
+        assert r.worker_pids == (live.pid,)
+        r = reg.report(b"a", peer, protocol.make("report", job="j", rank=0, pid=me,
+                                                 worker_pids=[live.pid, gone.pid], stats={}), 1.0)
+        assert r.worker_pids == (live.pid,) and r.reports == 1
+        assert reg.jobs["j"].worker_pids() == (live.pid,)
+        with pytest.raises(Refused, match="positive integers") as e:    # what is no pid at all: refused
+            reg.report(b"a", peer, protocol.make("report", job="j", rank=0, pid=me, worker_pids=[0], stats={}), 2.0)
+        assert e.value.code == "malformed"
+    finally:
+        live.kill()
+        live.wait()
