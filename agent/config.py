@@ -35,6 +35,12 @@ for the ones the command line offers):
     floor_fraction  float  (0, 1], adaptive with fairness_floor: that part of the throughput of its share
                            each job keeps (1: the whole share's; lower leaves the greedy more to move
                            to where it buys more, at a cost to the job that gives), default 1.0
+    observed_cores  str    share|received, default "share": the cores a predictor window of a job under
+                           a CPU share counts, at least its share (the kernel's floor under contention);
+                           "received": where the job's GPU waited for data and its workers waited for a
+                           CPU, the CPU they received when that was less (``agent.controller.
+                           observation_from_stats``: on a small node a contended CPU is shared per thread
+                           more than per group weight, and the share's gap is not the job's inefficiency)
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
@@ -117,6 +123,7 @@ class AgentConfig:
     min_confidence: float = 0.2
     fairness_floor: bool = True
     floor_fraction: float = 1.0
+    observed_cores: str = "share"
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"
@@ -274,6 +281,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:
         bad("floor_fraction", "must be in (0, 1]")
+    if cfg.observed_cores not in ("share", "received"):
+        bad("observed_cores", "must be one of share, received")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:

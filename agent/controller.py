@@ -58,6 +58,7 @@ from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, No
 from agent.policies import Policy, PolicyConfig, grown_loader_cpus, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
+from predictor.prior import LOADER_BOUND_WAIT
 
 log = logging.getLogger("agent.controller")
 
@@ -66,6 +67,8 @@ CPUS_TOLERANCE = 0.01      # cores; smaller changes are not a difference worth a
 OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at most this often
 MIN_OBSERVE_S = 0.9        # the shortest window fed to it (about one client report period, REPORT_S)
 UNSETTLED_FALLBACK_S = 15.0   # no settled window for this long: the smoothed figures are the window
+OBSERVED_CORES = ("share", "received")
+QUEUED_FOR_CPU = 0.2       # a worker waiting this part of its batch time in the run queue: cores bound it
 DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
 
 
@@ -133,7 +136,8 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
 
 
 def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
-                           work_conserving: bool = True, applied_cpus: Optional[float] = None) -> Optional[Observation]:
+                           work_conserving: bool = True, applied_cpus: Optional[float] = None,
+                           observed_cores: str = "share") -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet (or the window
     delivered more batches than its workers' CPU could make: a queue filled earlier was draining).
 
@@ -147,6 +151,13 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     not bind. There the cores are min(loader_cpus, max(share, measured worker_cpu_cores)): at least the
     share (the floor the kernel guarantees under contention), at least what the workers were seen to
     use, never more than the node's loader CPUs.
+
+    ``observed_cores`` "received": a share is not a floor where a contended CPU is shared per runnable
+    thread more than per group weight (a small node: ``agent.policies.thread_split``), so a window in
+    which the training loop waited for data (``LOADER_BOUND_WAIT``) and the workers waited for a CPU
+    (``QUEUED_FOR_CPU`` of their batch time in the run queue) counts the CPU they received, where that
+    is less than the share. With "share" the curve learns such a gap as the job's own inefficiency and
+    the policy plans it more cores on the same workers, which the same sharing withholds again.
     """
     if job.window_s <= 0 or job.batch_size <= 0:
         return None
@@ -165,6 +176,10 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             cap = min(cap, float(len(job.allowed_cpus)))
         if cap > 0:
             cores = min(cap, max(cores, job.worker_cpu_cores))
+        if (observed_cores == "received" and 0 < job.worker_cpu_cores < cores
+                and job.data_wait_frac >= LOADER_BOUND_WAIT and job.wall_s_per_batch > 0
+                and job.runq_s_per_batch >= QUEUED_FOR_CPU * job.wall_s_per_batch):
+            cores = job.worker_cpu_cores
     if cores <= 0:
         return None
     if job.cpu_s_per_batch > 0 and job.batch_size > 0:
@@ -237,9 +252,13 @@ class Controller:
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
                  breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None,
-                 observe_interval_s: float = OBSERVE_INTERVAL_S) -> None:
+                 observe_interval_s: float = OBSERVE_INTERVAL_S, observed_cores: str = "share") -> None:
         """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
-        ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset."""
+        ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset.
+        ``observed_cores``: what a contended window's cores are (``observation_from_stats``)."""
+        if observed_cores not in OBSERVED_CORES:
+            raise ValueError(f"observed_cores must be one of {', '.join(OBSERVED_CORES)}, got {observed_cores!r}")
+        self.observed_cores = observed_cores
         self._snapshot_source = snapshot_source
         self._policy = policy
         self._config = policy_config
@@ -436,7 +455,8 @@ class Controller:
                 obs = observation_from_stats(job if window is None else dataclasses.replace(job, **window.stats_fields()),
                                              snapshot, self.work_conserving,
                                              applied_cpus=(self._mean_cpus(job_id, window.start_t, window.end_t)
-                                                           if window is not None else None))
+                                                           if window is not None else None),
+                                             observed_cores=self.observed_cores)
                 if window is not None:
                     self._window_end[job_id] = window.end_t
                 if obs is not None:

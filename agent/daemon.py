@@ -21,8 +21,8 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, floor_fraction, log_level, unseen_job_timeout_s take effect at once; endpoint, state_dir,
-cgroup settings and metrics_port need a restart and are reported as such).
+fairness_floor, floor_fraction, observed_cores, log_level, unseen_job_timeout_s take effect at once;
+endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
 changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
@@ -62,8 +62,8 @@ from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
-              "fairness_floor", "floor_fraction", "log_level", "unseen_job_timeout_s", "loader_memory",
-              "memory_pressure_psi", "memory_min_available")
+              "fairness_floor", "floor_fraction", "observed_cores", "log_level", "unseen_job_timeout_s",
+              "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
 class CannotStart(RuntimeError):
@@ -218,7 +218,7 @@ class Agent:
         c = Controller(snapshot_source=self.collector.snapshot,
                        policy=self.policy if self.policy is not None else get_policy(self.config.policy),
                        policy_config=pconf, predictor=self.predictor,
-                       actuators=self.actuators)
+                       actuators=self.actuators, observed_cores=self.config.observed_cores)
         if applied:
             c.adopt(applied)
         return c
@@ -321,7 +321,8 @@ class Agent:
             self.collector.max_jobs = new.max_jobs
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
             self.collector.memory_guard = self._build_memory_guard()
-        if {"policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction"} & set(live):
+        if {"policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction",
+                "observed_cores"} & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 

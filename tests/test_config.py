@@ -19,6 +19,7 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     assert cfg.metrics_port == 0                # cli over file
     assert cfg.loader_cpus == 3.5 and cfg.fairness_floor is False
     assert configmod.load(None, {}, environ={"ADLOADER_FLOOR_FRACTION": "1"}).floor_fraction == 1.0
+    assert configmod.load(None, {}, environ={"ADLOADER_OBSERVED_CORES": "received"}).observed_cores == "received"
     assert cfg.hysteresis == 0.03 and cfg.cgroup_mode == "auto"    # defaults
     assert configmod.load(None, {}, environ={}).loader_cpus == "auto"
 
@@ -31,6 +32,7 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     ('max_jobs = 1.5\n', "'max_jobs'"),
     ('floor_fraction = 0\n', "'floor_fraction'"),
     ('floor_fraction = 1.5\n', "'floor_fraction'"),
+    ('observed_cores = "delivered"\n', "'observed_cores'"),
     ('io_weights = "maybe"\n', "'io_weights'"),
     ('endpoint = "http://x"\n', "'endpoint'"),
     ('tick_s = \n', "not valid TOML"),

@@ -334,6 +334,38 @@ def test_observed_cores_under_a_work_conserving_share():
     assert observation_from_stats(job_stats("a", worker_cpu_cores=3.0), snap).cores == 3.0
 
 
+def test_observed_cores_received_where_a_contended_share_was_not_delivered():
+    """``observed_cores="received"``: a window in which the GPU waited for data and the workers queued
+    for a CPU counts the CPU they received where the share was not delivered (a small node shares a
+    contended CPU per thread: a 1-worker job planned 0.5 cores ran on 0.35 beside a 2-worker one); any
+    other window counts as with "share" (the default), which keeps the share."""
+    snap = FakeSource(1.8, [job_stats("a"), job_stats("b")])(0.0)
+    shared = dataclasses.replace(snap, applied={"a": JobAllocation(job="a", workers=1, cpus=0.5)})
+    short = job_stats("a", workers=1, worker_cpu_cores=0.35, samples_per_s=160.0, cpu_s_per_batch=0.07,
+                      wall_s_per_batch=0.19, runq_s_per_batch=0.12, blocked_s_per_batch=0.0, data_wait_frac=0.28)
+    assert observation_from_stats(short, shared).cores == 0.5
+    assert observation_from_stats(short, shared, observed_cores="received").cores == pytest.approx(0.35)
+    fed = dataclasses.replace(short, data_wait_frac=0.01)          # the GPU did not wait: not the loader's limit
+    assert observation_from_stats(fed, shared, observed_cores="received").cores == 0.5
+    unqueued = dataclasses.replace(short, runq_s_per_batch=0.01)   # workers not kept from a CPU
+    assert observation_from_stats(unqueued, shared, observed_cores="received").cores == 0.5
+    more = dataclasses.replace(short, worker_cpu_cores=0.7, samples_per_s=320.0)
+    assert observation_from_stats(more, shared, observed_cores="received").cores == pytest.approx(0.7)
+    # under a cap (quota, cpuset) the applied cores stand
+    assert observation_from_stats(short, shared, work_conserving=False, observed_cores="received").cores == 0.5
+    # the controller feeds its predictor what its setting says
+    for mode, cores in (("share", 0.5), ("received", 0.35)):
+        bank = FakeBank()
+        c = Controller(snapshot_source=lambda now: dataclasses.replace(FakeSource(1.8, [short])(now)),
+                       policy=get_policy("none"), policy_config=PolicyConfig(), predictor=bank,
+                       actuators=[], observed_cores=mode)
+        c.adopt({"a": JobAllocation(job="a", workers=1, cpus=0.5)})
+        c.tick(10.0)
+        assert bank.seen and bank.seen[-1][1].cores == pytest.approx(cores), mode
+    with pytest.raises(ValueError, match="observed_cores"):
+        Controller(snapshot_source=FakeSource(), policy=get_policy("none"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[], observed_cores="delivered")
+
 def test_controller_knows_share_from_cap_by_its_actuators():
     class QuotaActuator(RecordingActuator):
         cpu_knob = "quota"
