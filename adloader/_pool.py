@@ -445,9 +445,12 @@ class WorkerPool:
                 pass
 
     # ---- introspection ----------------------------------------------------------------------
-    def worker_pids(self) -> list[int]:
+    def worker_pids(self, retiring: bool = True) -> list[int]:
+        """Workers not told to exit; ``retiring=False``: only those taking tasks (not finishing one before
+        they retire, which most then do within a task's time)."""
         with self.lock:
-            return [s.pid for s in self.slots.values() if s.state != "exiting"]
+            return [s.pid for s in self.slots.values()
+                    if s.state == "running" or (retiring and s.state == "retiring")]
 
     def live_workers(self) -> int:
         with self.lock:

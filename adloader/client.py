@@ -372,8 +372,16 @@ class _Client:
             return False
 
     def _pids(self, loader) -> list[int]:
+        """The workers taking tasks: one retiring may exit before the agent reads the report, and the
+        agent would find no such process (it leaves such a pid out, but in a container, where it maps
+        pids through the training process's descendants, it cannot tell a gone worker from a claim
+        about another process, and refuses the report)."""
         try:
-            return [int(p) for p in loader.worker_pids()]
+            try:
+                pids = loader.worker_pids(retiring=False)
+            except TypeError:           # a loader whose worker_pids takes no argument
+                pids = loader.worker_pids()
+            return [int(p) for p in pids]
         except Exception:
             return []
 

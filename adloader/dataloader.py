@@ -418,12 +418,14 @@ class DataLoader(tud.DataLoader[T_co]):
             pool.resize(n)      # persistent workers between epochs
         return n
 
-    def worker_pids(self) -> list[int]:
+    def worker_pids(self, retiring: bool = True) -> list[int]:
         """PIDs of this loader's live worker processes (including ones finishing before retiring; a
-        retired one leaves as soon as it is told to exit, whether or not the loader is being iterated)."""
+        retired one leaves as soon as it is told to exit, whether or not the loader is being iterated).
+        ``retiring=False``: only the workers taking tasks (what the agent client reports: a retiring one
+        may exit before the agent reads the report)."""
         pids: list[int] = []
         for pool in self._core.pools():
-            pids.extend(pool.worker_pids())
+            pids.extend(pool.worker_pids(retiring))
         return pids
 
     def stats(self) -> dict:

@@ -281,3 +281,20 @@ def test_job_identity_from_the_environment():
     assert env.default_endpoint(0) == "ipc:///run/adloader/agent.sock"
     assert env.default_endpoint(1000, {"XDG_RUNTIME_DIR": "/nonexistent"}) == "ipc:///tmp/adloader-1000/agent.sock"
     assert env.endpoint({"ADLOADER_ENDPOINT": "ipc:///x.sock"}) == "ipc:///x.sock"
+
+
+def test_the_client_reports_the_workers_taking_tasks():
+    """A loader that can leave its retiring workers out is asked to (they may exit before the agent
+    reads the report); one whose ``worker_pids`` takes no argument is asked plainly; one that fails
+    reports none."""
+    calls = []
+
+    class Retiring(Loader):
+        def worker_pids(self, retiring=True):
+            calls.append(retiring)
+            return [11, 12] if retiring else [11]
+
+    pids = client._Client._pids
+    assert pids(None, Retiring()) == [11] and calls == [False]
+    assert pids(None, Loader()) == [os.getpid()]
+    assert pids(None, Loader(fail=True)) == []

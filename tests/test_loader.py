@@ -127,6 +127,25 @@ def test_resize_from_another_thread():
     assert got == list(range(200))
 
 
+def test_worker_pids_without_the_retiring_ones():
+    """``worker_pids(retiring=False)`` (what the agent client reports) leaves out the workers told to
+    retire: each may exit before the agent reads the report. ``worker_pids()`` keeps them until they go."""
+    dl = DataLoader(WhoAmI(40, sleep_s=0.3), batch_size=2, num_workers=4, max_workers=4,
+                    persistent_workers=True)
+    it = iter(dl)
+    try:
+        next(it)                                  # every worker is busy with a 0.6 s task
+        before = dl.worker_pids()
+        assert sorted(dl.worker_pids(retiring=False)) == sorted(before) and len(before) == 4
+        dl.resize(2)
+        taking = dl.worker_pids(retiring=False)
+        assert len(taking) == 2 and set(taking) < set(before)
+        assert set(taking) <= set(dl.worker_pids())
+        wait_for(lambda: len(dl.worker_pids()) == 2, what="the retiring workers gone")
+        assert sorted(dl.worker_pids()) == sorted(taking)
+    finally:
+        dl.close()
+
 def test_shrink_retires_highest_ids_after_their_task():
     dl = DataLoader(WhoAmI(60, sleep_s=0.002), batch_size=2, num_workers=4, max_workers=4,
                     persistent_workers=True)
