@@ -281,8 +281,10 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:
         bad("floor_fraction", "must be in (0, 1]")
-    if cfg.observed_cores not in ("share", "received"):
-        bad("observed_cores", "must be one of share, received")
+    from agent.controller import OBSERVED_CORES
+
+    if cfg.observed_cores not in OBSERVED_CORES:
+        bad("observed_cores", f"must be one of {', '.join(OBSERVED_CORES)}")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:

@@ -229,15 +229,13 @@ def live_pids_owned_by(pids, uid: int) -> tuple[list[int], str]:
 
 def pids_owned_by(pids, uid: int) -> tuple[bool, str]:
     """All ``pids`` are live processes of ``uid`` (root callers are checked by the caller)."""
-    for p in pids:
-        if not isinstance(p, int) or isinstance(p, bool) or p <= 0:
-            return False, f"pid {p!r} is not a process id"
-        owner = pid_uid(p)
-        if owner is None:
-            return False, f"pid {p} is not a live process"
-        if owner != uid:
-            return False, f"pid {p} belongs to uid {owner}, not {uid}"
-    return True, ""
+    pids = list(pids)
+    live, why = live_pids_owned_by(pids, uid)
+    if why:
+        return False, why
+    alive = set(live)
+    gone = next((p for p in pids if p not in alive), None)
+    return (False, f"pid {gone} is not a live process") if gone is not None else (True, "")
 
 
 class TokenBuckets:
