@@ -39,8 +39,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 nvidia-smi dmon -s u -d 1 >> "$out/dmon.log" 2>&1 &
 dmon=$!
 set +e
-(cd "$here" && "$py" -m agent bench --device cuda --catalog "$out/catalog.toml" --out "$out/bench" "$@")
+# in the background, so that a TERM (timeout, kill) reaches the bench and this script waits for its cleanup
+# (every agent, job and cgroup it started) rather than exiting under it
+(cd "$here" && exec "$py" -m agent bench --device cuda --catalog "$out/catalog.toml" --out "$out/bench" "$@") &
+bench=$!
+trap 'kill -TERM $bench 2>/dev/null' TERM INT
+wait $bench
 rc=$?
+while kill -0 $bench 2>/dev/null; do wait $bench; rc=$?; done
 kill $dmon 2>/dev/null
 cp "$out/bench/bench.json" "$out/bench/bench.md" "$out/" 2>/dev/null
 tar -czf "$out/runs.tgz" -C "$out/bench" runs 2>/dev/null

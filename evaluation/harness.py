@@ -26,6 +26,7 @@ the phase ends (loader workers included); nothing outlives ``run_phase``.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -229,15 +230,33 @@ def apply_mix_windows(scs: list[Scenario], catalog) -> list[str]:
 
 # -- processes -----------------------------------------------------------------------------------
 
+PR_SET_PDEATHSIG = 1
+
+
+def _term_when_bench_dies(bench_pid: int) -> None:
+    """In a child, before exec: SIGTERM when the bench dies (Linux PR_SET_PDEATHSIG). A child runs in its own
+    session, so a bench killed before its cleanup (SIGKILL, or a timeout that ends the shell around it) would
+    otherwise leave an agent or a job running, holding cores and cgroups, into whatever runs next."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):   # not Linux: stop() and the finally blocks are all there is
+        return
+    if os.getppid() != bench_pid:     # the bench died between fork and prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Proc:
-    """A child process in its own session; ``stop`` ends it and every process in its group."""
+    """A child process in its own session; ``stop`` ends it and every process in its group. The child gets
+    SIGTERM if the bench process dies first (spawn from the main thread only: the signal follows the thread)."""
 
     def __init__(self, argv: list[str], env: dict, log_path: Path):
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")     # this start's output only (a run directory may be reused)
+        bench_pid = os.getpid()
         self.p = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  preexec_fn=lambda: _term_when_bench_dies(bench_pid))
         self.pid = self.p.pid
 
     def alive(self) -> bool:

@@ -381,6 +381,37 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     assert (out / "dmon.log").exists()
 
 
+def test_a_bench_killed_before_its_cleanup_leaves_no_child_running(tmp_path):
+    """An agent or job runs in its own session (so ``stop`` can end its whole group); a bench killed with
+    SIGKILL never reaches its finally blocks, and its children used to run on (found on the lent GPU node:
+    an agent left from a bench that a timeout ended kept its cgroup, and the next bench could not start).
+    Now each child gets SIGTERM when the bench process dies."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, repo_env
+
+    script = ("import sys, time\n"
+              "from pathlib import Path\n"
+              "from evaluation.harness import Proc\n"
+              "p = Proc([sys.executable, '-c', 'import time; time.sleep(120)'], {}, Path(sys.argv[1]))\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "child.log")], cwd=REPO,
+                             env=repo_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(bench.stdout.readline()))
+        assert child.is_running() and child.ppid() == bench.pid
+        bench.kill()
+        bench.wait(timeout=30)
+        gone, alive = psutil.wait_procs([child], timeout=30)
+        assert not alive, f"child {child.pid} outlived the bench killed with SIGKILL"
+    finally:
+        bench.kill()
+        if "child" in locals() and child.is_running():
+            child.kill()
+
+
 def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog):
     """`adloader demo` twice writes to the same bench-out/demo: the jobs append to their progress files,
     and the second run measured the first run's records (a phase ended at once with a window of hours)."""
