@@ -28,6 +28,8 @@ Invariants:
   container (its own pid namespace) claims namespace-local pids; the agent accepts them only through
   ``security.host_pid`` / ``security.map_ns_pids`` (NSpid of the peer and of its descendants) and keeps
   the pid the process knows itself by in ``Rank.claimed_pid`` and its worker mapping in ``Rank.ns_workers``;
+  a claimed worker pid that no live process holds (it exited since the loader listed it) is left out of
+  the rank's workers, on either path; one that another live process holds is refused;
 - register and release are idempotent;
 - every job id in the registry satisfies ``protocol.check_job_id`` (checked here, at the boundary);
 - ownership is settled by who has the right to the id: root's ``register`` (the Slurm prolog) takes a
@@ -228,7 +230,7 @@ class Registry:
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
         if claimed_pid != pid:   # a container: its pids are local to its pid namespace
             ns_workers = self._map_workers(worker_pids, pid, {})
-            worker_pids = [ns_workers[p] for p in worker_pids]
+            worker_pids = [ns_workers[p] for p in worker_pids if p in ns_workers]
         worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
         if why:
             raise Refused("not_permitted", f"worker_pids: {why}")
@@ -286,7 +288,7 @@ class Registry:
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
         if r.claimed_pid is not None:   # a container: map its namespace-local pids, new ones via NSpid
             r.ns_workers = self._map_workers(worker_pids, r.pid, r.ns_workers)
-            worker_pids = [r.ns_workers[p] for p in worker_pids]
+            worker_pids = [r.ns_workers[p] for p in worker_pids if p in r.ns_workers]
         new = [p for p in worker_pids if p not in r.worker_pids]
         if new:
             live, why = security.live_pids_owned_by(new, r.uid)
@@ -311,15 +313,18 @@ class Registry:
 
     def _map_workers(self, claimed: list[int], host: int, known: dict[int, int]) -> dict[int, int]:
         """Claimed (namespace-local) worker pids -> host pids: those already in ``known`` as they are,
-        the others through the descendants of ``host`` (``security.map_ns_pids``). Returns the mapping
-        for exactly ``claimed``; refuses when one maps to no descendant."""
+        the others through the descendants of ``host`` (``security.map_ns_pids``). Refuses a claimed pid
+        that another live process of the caller's pid namespace holds (not a descendant: a claim about
+        another process); one that no process there holds exited since the loader listed it and is left
+        out of the mapping, as a gone pid is on the host path (``security.live_pids_owned_by``)."""
         out = {p: known[p] for p in claimed if p in known}
         unknown = [p for p in claimed if p not in out]
         if unknown:
             found, missing = security.map_ns_pids(unknown, host, self.proc_root)
-            if missing:
-                raise Refused("not_permitted", f"worker_pids: pid {missing[0]} (in the caller's pid namespace) is "
-                                               f"not a live descendant of the caller (host pid {host})")
+            held = security.ns_pids_held(missing, host, self.proc_root) if missing else []
+            if held:
+                raise Refused("not_permitted", f"worker_pids: pid {held[0]} (in the caller's pid namespace) is "
+                                               f"another process, not a descendant of the caller (host pid {host})")
             out.update(found)
         return out
 

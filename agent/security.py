@@ -209,6 +209,40 @@ def map_ns_pids(claimed, peer_pid: int, proc_root: str = "/proc") -> tuple[dict[
     return found, [p for p in claimed if p not in found]
 
 
+def pid_namespace(pid: int, proc_root: str = "/proc") -> Optional[str]:
+    """The pid namespace ``pid`` is in: the target of ``<proc_root>/<pid>/ns/pid`` ("pid:[inode]"), or
+    None if it cannot be read (the process is gone)."""
+    try:
+        return os.readlink(f"{proc_root}/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def ns_pids_held(claimed, peer_pid: int, proc_root: str = "/proc") -> list[int]:
+    """Those of ``claimed`` (pids as the peer's pid namespace numbers them) that a live process of the
+    peer's own namespace holds (same ``ns/pid``; one scan of ``proc_root``). A claimed pid that no
+    descendant holds is either another process of the container (refuse the claim) or one that exited
+    since the loader listed it (leave it out): this tells them apart. Where the peer's namespace cannot
+    be read, or a process's cannot, nothing is counted held: leaving a pid out grants nothing."""
+    mine, ns = pid_namespace(peer_pid, proc_root), ns_pids(peer_pid, proc_root)
+    wanted = set(claimed)
+    if mine is None or ns is None or not wanted:
+        return []
+    depth, held = len(ns), set()
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        p_ns = ns_pids(int(name), proc_root)
+        if p_ns is not None and len(p_ns) == depth and p_ns[-1] in wanted \
+                and pid_namespace(int(name), proc_root) == mine:
+            held.add(p_ns[-1])
+    return [p for p in claimed if p in held]
+
+
 def live_pids_owned_by(pids, uid: int) -> tuple[list[int], str]:
     """(the live ones of ``pids``, "") when every live one is a process of ``uid``, else ([], why). A
     pid that is no live process is left out, not refused: a loader lists its workers when it writes a
