@@ -419,8 +419,9 @@ def whole_node(cpus: float) -> bool:
 
 
 def default_max_workers(cpus: float) -> int:
-    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask (at least 1):
-    what a model of the loader (the simulator's node, whose mask is the whole node) starts from."""
+    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask (at least 1; a
+    fixed ``num_workers`` above that raises it): the DataLoader calls this, and a model of the loader
+    (the simulator's node, whose mask is the whole node) starts from it."""
     return max(1, math.floor(cpus + 1e-9))
 
 

@@ -96,6 +96,7 @@ from adloader._pool import WorkerPool, worker_exit_reason
 from adloader._sequencer import Sequencer
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec, fetch_map,
                               is_datapipe, reseed_datapipe, seed_all, shard_datapipe, task_seed)
+from adloader.autotune import default_max_workers
 from adloader.memory import WorkerMemorySampler, batch_nbytes
 from adloader.stats import LoaderCounters, RateWindow
 
@@ -297,7 +298,7 @@ class DataLoader(tud.DataLoader[T_co]):
                          max_workers, core.max_workers)
         else:
             if max_workers is None:
-                max_workers = max(_available_cpus(), 0 if auto else num_workers)
+                max_workers = max(default_max_workers(_available_cpus()), 0 if auto else num_workers)
             elif isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
                 raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
             elif not auto and num_workers > max_workers:
