@@ -41,6 +41,11 @@ for the ones the command line offers):
                            CPU, the CPU they received when that was less (``agent.controller.
                            observation_from_stats``: on a small node a contended CPU is shared per thread
                            more than per group weight, and the share's gap is not the job's inefficiency)
+    cpu_bound_min_workers  int  1..64, adaptive with CPU weights (the shares knob): the fewest workers a
+                           job that wants more than its planned cores gets (``agent.policies.thread_split``):
+                           1 (default) lets the smallest such plan be one thread; 2 gives every such job two
+                           or more, so a small one is not one thread beside its neighbours' several (on a
+                           small node a contended CPU is shared per thread more than per group weight)
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
@@ -124,6 +129,7 @@ class AgentConfig:
     fairness_floor: bool = True
     floor_fraction: float = 1.0
     observed_cores: str = "share"
+    cpu_bound_min_workers: int = 1
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"
@@ -285,6 +291,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
 
     if cfg.observed_cores not in OBSERVED_CORES:
         bad("observed_cores", f"must be one of {', '.join(OBSERVED_CORES)}")
+    if not 1 <= cfg.cpu_bound_min_workers <= 64:
+        bad("cpu_bound_min_workers", "must be in 1..64")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:

@@ -21,8 +21,8 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, floor_fraction, observed_cores, log_level, unseen_job_timeout_s take effect at once;
-endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
+fairness_floor, floor_fraction, observed_cores, cpu_bound_min_workers, log_level, unseen_job_timeout_s
+take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
 changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
@@ -62,8 +62,8 @@ from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
 RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
-              "fairness_floor", "floor_fraction", "observed_cores", "log_level", "unseen_job_timeout_s",
-              "loader_memory", "memory_pressure_psi", "memory_min_available")
+              "fairness_floor", "floor_fraction", "observed_cores", "cpu_bound_min_workers", "log_level",
+              "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
 class CannotStart(RuntimeError):
@@ -94,7 +94,8 @@ def _policy_config(cfg: AgentConfig):
     return PolicyConfig(hysteresis=cfg.hysteresis, min_confidence=cfg.min_confidence,
                         fairness_floor=cfg.fairness_floor, floor_fraction=cfg.floor_fraction,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
-                        yield_foreign_max_cores=cfg.loaders_yield_foreign_cores)
+                        yield_foreign_max_cores=cfg.loaders_yield_foreign_cores,
+                        cpu_bound_min_workers=cfg.cpu_bound_min_workers)
 
 
 def _pct(xs: list, q: float) -> Optional[float]:
@@ -322,7 +323,7 @@ class Agent:
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
             self.collector.memory_guard = self._build_memory_guard()
         if {"policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction",
-                "observed_cores"} & set(live):
+                "observed_cores", "cpu_bound_min_workers"} & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 

@@ -92,6 +92,9 @@ class PolicyConfig:
         and no job a single worker where a second would let it fill a CPU another leaves idle.
         Without weights (worker counts only, quota, cpuset) the worker count is the CPU control and
         stays at the share.
+    cpu_bound_min_workers: with ``cpu_weights``, the fewest workers a job that wants more than its plan
+        gets (``thread_split``): 1 (default) lets the smallest such plan stand for one thread; 2 halves
+        the thread unit, so that a small CPU-bound job is not one thread beside its neighbours' several.
     loaders_yield: "auto" (default): every policy that controls CPU lets the loaders yield to the
         training processes (``node_allocation``) while they need CPU and the rest of the node uses
         less than ``yield_foreign_max_cores``; "never": the loaders' subtree always weighs its planned
@@ -117,10 +120,13 @@ class PolicyConfig:
     cpu_weights: bool = False
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
+    cpu_bound_min_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
             raise ValueError(f"PolicyConfig.min_workers must be >= 1, got {self.min_workers}")
+        if self.cpu_bound_min_workers < 1:
+            raise ValueError(f"PolicyConfig.cpu_bound_min_workers must be >= 1, got {self.cpu_bound_min_workers}")
         if self.max_workers_per_job < self.min_workers:
             raise ValueError(f"PolicyConfig.max_workers_per_job ({self.max_workers_per_job}) must be >= "
                              f"min_workers ({self.min_workers})")
@@ -264,7 +270,8 @@ THREAD_UNIT_MIN = 0.25     # cores: the smallest share one loader worker stands 
 
 
 def thread_split(cores: Mapping[str, float], wants: Mapping[str, float], useful: Mapping[str, float],
-                 rule: Mapping[str, Callable[[float], int]], bound: Mapping[str, int]) -> dict[str, int]:
+                 rule: Mapping[str, Callable[[float], int]], bound: Mapping[str, int],
+                 min_threads: int = 1) -> dict[str, int]:
     """Worker counts that make per-job CPU weights come true, for a plan of ``cores`` per job.
 
     A job is CPU-bound at its plan when it ``wants`` more cores than planned. Every job gets workers
@@ -273,8 +280,10 @@ def thread_split(cores: Mapping[str, float], wants: Mapping[str, float], useful:
     work once its queue is full, so a spare one takes nothing from the others, and a short one would
     leave it below its need). ``unit`` is the smallest CPU-bound plan and at most half the largest
     (two CPU-bound jobs with equal plans get two workers each, so either can fill the CPUs the other
-    leaves idle), within [THREAD_UNIT_MIN, 1] cores; with no CPU-bound job, 1. Never fewer workers than
-    the cores need (``rule``), never more than ``bound``.
+    leaves idle), within [THREAD_UNIT_MIN, 1] cores; with no CPU-bound job, 1. ``min_threads``
+    (``PolicyConfig.cpu_bound_min_workers``): the unit is at most the smallest CPU-bound plan over it, and
+    every CPU-bound job gets at least that many workers. Never fewer workers than the cores need
+    (``rule``), never more than ``bound``.
 
     Why: a worker is one thread, and CFS weighs a group per CPU by its runnable threads there. When
     other tasks keep taking the CPUs for a moment (training processes waking for their CPU part), a
@@ -287,12 +296,12 @@ def thread_split(cores: Mapping[str, float], wants: Mapping[str, float], useful:
     cpu_bound = [j for j in cores if wants[j] > cores[j] + 0.01]
     unit = 1.0
     if cpu_bound:
-        unit = min(1.0, min(cores[j] for j in cpu_bound), 0.5 * max(cores[j] for j in cpu_bound))
+        unit = min(1.0, min(cores[j] for j in cpu_bound) / min_threads, 0.5 * max(cores[j] for j in cpu_bound))
         unit = max(THREAD_UNIT_MIN, unit)
     out = {}
     for j in cores:
         if j in cpu_bound:
-            w = max(rule[j](cores[j]), int(round(cores[j] / unit)))
+            w = max(rule[j](cores[j]), int(round(cores[j] / unit)), min_threads)
         else:
             w = max(rule[j](useful[j]), math.ceil(useful[j] / unit - 1e-6))
         out[j] = max(1, min(bound[j], w))
@@ -770,7 +779,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         wants = {j: _useful_cores(warm[j], snapshot.jobs[j], min(snapshot.loader_cpus, cap_node[j]), config,
                                   wcap.get(j)) for j in warm}
         workers.update(thread_split({j: cpus[j] for j in warm}, wants, {j: useful[j] for j in warm}, rule,
-                                    {j: most_workers(snapshot.jobs[j], config, wcap.get(j)) for j in warm}))
+                                    {j: most_workers(snapshot.jobs[j], config, wcap.get(j)) for j in warm},
+                                    config.cpu_bound_min_workers))
     else:
         for j in warm:
             workers[j] = rule[j](min(cpus[j], useful[j]))

@@ -293,6 +293,27 @@ def test_thread_split_workers_follow_the_planned_cores(cores, wants, useful, bou
     assert got == expect
 
 
+@pytest.mark.parametrize("cores, wants, bound, expect", [
+    # the oversubscribed mix on 2 CPUs: floors 0.45 / 0.45 / 0.9 cores, all CPU-bound: 2 / 2 / 4 threads
+    # (with 1: 1 / 1 / 2), in proportion to the plans and none a lone thread beside its neighbours' two
+    ({"a": 0.45, "r": 0.45, "x": 0.9}, {"a": 1.8, "r": 0.6, "x": 1.8}, 8, {"a": 2, "r": 2, "x": 4}),
+    # a plan under two thread units still gets two workers
+    ({"a": 0.3, "x": 1.5}, {"a": 1.8, "x": 1.8}, 8, {"a": 2, "x": 6}),
+    # the loader's bound wins
+    ({"a": 0.45, "x": 0.9}, {"a": 1.8, "x": 1.8}, 1, {"a": 1, "x": 1}),
+])
+def test_thread_split_with_two_workers_at_least_for_a_cpu_bound_job(cores, wants, bound, expect):
+    got = thread_split(cores, wants, wants, {j: CEIL for j in cores}, {j: bound for j in cores}, min_threads=2)
+    assert got == expect
+    one = thread_split(cores, wants, wants, {j: CEIL for j in cores}, {j: bound for j in cores})
+    assert all(one[j] <= got[j] for j in cores)
+
+
+def test_cpu_bound_min_workers_must_be_positive():
+    with pytest.raises(ValueError, match="cpu_bound_min_workers"):
+        PolicyConfig(cpu_bound_min_workers=0)
+
+
 def test_with_cpu_weights_workers_follow_the_planned_cores_without_at_the_share():
     """With per-job CPU weights the worker counts carry the split (``thread_split``): a 2-GPU job
     planned more cores than a 1-GPU neighbour gets more workers, in about the same ratio. Without
