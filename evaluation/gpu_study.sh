@@ -13,7 +13,7 @@
 # kind want all loader cores at any node size, so on 16 cores the default images give 7-13 ms steps,
 # which the 0.03 s floor would clamp (and the demand with it) and a real model step would not fit in.
 #
-# cgroup v2: the script moves itself into a fresh group at the top (adl-study), so the agent's group
+# cgroup v2: the script moves itself into a fresh group at the top (adl-study-PID), so the agent's group
 # (which it must turn into a parent: it moves its processes to a leaf, DESIGN "cgroups") has no other
 # processes and only the root above it. Removed at the end.
 set -euo pipefail
@@ -24,9 +24,10 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 v2=/sys/fs/cgroup
 if [ "$(id -u)" = 0 ] && [ -f $v2/cgroup.controllers ] && [ ! -d $v2/cpu ]; then
-    mkdir -p $v2/adl-study
-    echo $$ > $v2/adl-study/cgroup.procs
-    trap 'echo $$ > '"$v2"'/cgroup.procs 2>/dev/null; rmdir '"$v2"'/adl-study/agent '"$v2"'/adl-study 2>/dev/null || true' EXIT
+    g=$v2/adl-study-$$      # this run's own: a group left by a run killed before its cleanup cannot block it
+    mkdir -p "$g"
+    echo $$ > "$g/cgroup.procs"
+    trap 'echo $$ > '"$v2"'/cgroup.procs 2>/dev/null; rmdir '"$g"'/agent '"$g"'/adloader '"$g"' 2>/dev/null || true' EXIT
 fi
 "$py" - "$here/evaluation/catalog.toml" "$out/catalog.toml" <<'PY'
 import re, sys

@@ -358,7 +358,7 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     if os.geteuid() == 0 and Path("/sys/fs/cgroup/cgroup.controllers").exists() \
             and not Path("/sys/fs/cgroup/cpu").exists():
         pytest.skip("cgroup v2 as root: the script would move this test into a new top-level group "
-                    "(/sys/fs/cgroup/adl-study), which a test must not do to the machine")
+                    "(/sys/fs/cgroup/adl-study-PID), which a test must not do to the machine")
     out = tmp_path / "study"
     p = subprocess.run(
         ["bash", str(Path(REPO, "evaluation", "gpu_study.sh")), str(out), "--device", "emulated",
