@@ -405,11 +405,15 @@ def gpu_part(environ=None, node_gpus: int | None = None, ranks: int = 1) -> floa
     each rank a GPU of its own show each rank one). A process that names no GPU sees them all: 1.0."""
     from adloader import env
 
-    mine = len(env.gpus(environ))
-    total = node_gpu_count() if node_gpus is None else int(node_gpus)
-    if mine <= 0 or total <= 0:
+    return part_of_node(len(env.gpus(environ)), node_gpu_count() if node_gpus is None else int(node_gpus), ranks)
+
+
+def part_of_node(job_gpus: int, node_gpus: int, ranks: int = 1) -> float:
+    """A job's GPUs (at least one per rank) over the node's, at most 1; 1.0 where either count is unknown
+    (0). ``gpu_part``'s arithmetic, which the simulator's model of the loader uses as well."""
+    if job_gpus <= 0 or node_gpus <= 0:
         return 1.0
-    return min(1.0, max(mine, max(1, ranks)) / total)
+    return min(1.0, max(job_gpus, max(1, ranks)) / node_gpus)
 
 
 def whole_node(cpus: float) -> bool:

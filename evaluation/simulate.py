@@ -605,7 +605,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
                                   start=t, since=t)
             if mode == "autotune":
-                part = min(1.0, max(1, tj.gpus) / cfg.gpus) if cfg.tuner_gpu_part and cfg.gpus > 0 else 1.0
+                from adloader.autotune import part_of_node
+
+                part = part_of_node(max(1, tj.gpus), cfg.gpus) if cfg.tuner_gpu_part else 1.0
                 tuners[tj.job] = _SimTuner(cfg.cores, t, 0.0, part)
             changed = True
         if changed:
