@@ -17,7 +17,12 @@ cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max,
 its own CPU per step (``main_cpu_s`` of the loader's stats, measured) is fed to the tuner, which takes
 the worker count that is best when the trainer and the workers share those CPUs
 (``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
-them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11).
+them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
+job's processes (trainer and workers, every thread, measured from /proc) already used at least
+``SATURATED_FRAC`` of those CPUs in the window: another worker could only share them. On one CPU the
+time the CPU was taken from a worker by interrupts, the hypervisor or the kernel's own work is neither
+its CPU nor run-queue time and so reads as blocked (IO) time, which the curve says a second worker
+would fill; the job's measured CPU use says there is nothing left to fill it with.
 
 Memory: the workers this loader may have are also bounded by memory (``memory_cap``): what its
 workers hold now plus the room left (``adloader.memory.memory_room``: the least of MemAvailable and
@@ -56,6 +61,7 @@ HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
 TRAINER_BUSY_MIN = 0.05  # a training process busy less than this share of its step is not modelled as a CPU user
+SATURATED_FRAC = 0.95    # a job whose processes used this share of its CPUs in a window has none for one more worker
 MEMORY_RESERVE_FRAC = 0.10   # of the memory limit (cgroup, else MemTotal) kept free of loader workers
 MEMORY_RESERVE_MIN = 256 << 20
 
@@ -211,6 +217,7 @@ class AutoTuner:
     came_from: int | None = None                     # the count before the last move
     reversals: dict = field(default_factory=dict)    # (low, high) -> times the tuner turned back between them
     trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
+    cpu_used: float | None = None                    # CPUs the job's processes used last window (None = unknown)
 
     def __post_init__(self):
         if self.bank is None:
@@ -248,6 +255,10 @@ class AutoTuner:
         if want > self.current:
             # at most double per move: the curve is refined at each count on the way
             want = min(want, max(self.current + 1, 2 * self.current))
+            if self.cpu_used is not None and self.cpu_used >= SATURATED_FRAC * self.cpus:
+                # the trainer and the workers already used every CPU the job may use: another worker
+                # would only share them, whatever blocked time the curve counts (see the module doc)
+                return None
         now_pred = self.predict(curve, self.current)
         want_pred = self.predict(curve, want)
         # every time the tuner has turned back between these two counts, the predicted difference
@@ -342,12 +353,15 @@ class _Thread(threading.Thread):
         self.window_s = window_s
         cap = worker_cap(cpus, getattr(loader, "max_workers", None))
         self.tuner = AutoTuner(cpus=cpus, cap=cap, current=int(loader.num_workers))
+        self.cpu_meter = ProcessesCpu()
 
     def run(self) -> None:
         try:
             loader = self.loader_ref()
             prev = loader.stats() if loader is not None else None
-            loader = None
+            pids = self._pids(loader) if loader is not None else []
+            loader = None       # (held only while read: a loader the script drops is collected)
+            self.cpu_meter.read(pids)
             while prev is not None and not self.stop_event.wait(self.window_s):
                 loader = self.loader_ref()
                 if loader is None:
@@ -359,6 +373,7 @@ class _Thread(threading.Thread):
                     old = self.tuner.trainer_cpu_s_per_step
                     self.tuner.trainer_cpu_s_per_step = t if old <= 0 else old + (t - old) / 3.0
                 prev = cur
+                self.tuner.cpu_used = self.cpu_meter.read(self._pids(loader))
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
                 try:
                     mcap = memory_cap(cur, *memory_limits())
@@ -375,6 +390,43 @@ class _Thread(threading.Thread):
             with _lock:
                 if _tuners.get(self.key) is self:
                     del _tuners[self.key]
+
+    @staticmethod
+    def _pids(loader) -> list[int]:
+        try:
+            return [os.getpid(), *loader.worker_pids()]
+        except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
+            return []
+
+
+class ProcessesCpu:
+    """CPUs a set of processes used between two reads (every thread; from /proc through psutil). A
+    process that appears or ends between the reads is left out of that window's figure; None when no
+    process was read at both ends or no time passed."""
+
+    def __init__(self, clock=None):
+        import time
+
+        self.clock = clock or time.monotonic
+        self.last: tuple[float, dict[int, float]] | None = None
+
+    def read(self, pids) -> float | None:
+        import psutil
+
+        now, times = self.clock(), {}
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                times[pid] = t.user + t.system
+            except (psutil.Error, OSError):
+                continue
+        last, self.last = self.last, (now, times)
+        if last is None or now <= last[0]:
+            return None
+        both = [pid for pid in times if pid in last[1]]
+        if not both:
+            return None
+        return sum(max(0.0, times[p] - last[1][p]) for p in both) / (now - last[0])
 
 
 def start_workers(cpus: float, max_workers: int | None = None, ranks: int = 1, part: float = 1.0) -> int:

@@ -375,9 +375,9 @@ class _SimTuner:
     its GPUs' part of the node, ``SimConfig.tuner_gpu_part``, else of the whole node; at most
     ``max_workers``, which defaults to the node's CPUs) and fed a window
     every ``WINDOW_S`` of the job's life, as its thread is: the samples of that window, the job's
-    per-batch figures and trainer CPU from the physics (``JobRate``), the compute time less the
-    trainer's run-queue wait (``autotune._unstarved_compute``). The window after a resize is dropped, as
-    the thread drops a window whose resize count moved. Noise-free windows give the same decision again
+    per-batch figures, trainer CPU and its processes' CPU use from the physics (``JobRate``), the
+    compute time less the trainer's run-queue wait (``autotune._unstarved_compute``). The window after
+    a resize is dropped, as the thread drops a window whose resize count moved. Noise-free windows give the same decision again
     and again, so a tuner that has not moved for ``QUIET_WINDOWS`` windows since the node last changed
     stops being fed until it changes again (arrivals and departures wake every tuner)."""
     QUIET_WINDOWS = 6
@@ -415,6 +415,7 @@ class _SimTuner:
             steps = done / bs
             # the training process's CPU per step (``main_cpu_s``: every rank's thread in it)
             self.tuner.trainer_cpu_s_per_step = r.trainer_cores / (jb.rate / bs) if jb.rate > 0 else 0.0
+            self.tuner.cpu_used = r.loader_cores + r.trainer_cores   # its processes' CPU (/proc on a node)
             compute = max(0.5 * r.compute_s_per_step, r.compute_s_per_step - r.trainer_runq_s_per_step)
             c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
             wall = max(r.wall_s_per_batch, c + b)

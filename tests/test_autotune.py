@@ -313,3 +313,64 @@ def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch
         assert dl.num_workers == 8
     finally:
         dl.close()
+
+
+@pytest.mark.parametrize("cpu_used,grows", [(1.0, False), (0.97, False), (0.5, True), (None, True)])
+def test_tuner_does_not_grow_a_job_that_already_used_all_its_cpus(cpu_used, grows):
+    # One CPU, one worker, 5% of each batch's wall time neither CPU nor run-queue wait: real IO, or the
+    # CPU taken from the worker by interrupts or the hypervisor (on one CPU both read as blocked). The
+    # curve says a second worker gains b / c. When the job's own processes used that CPU whole in the
+    # window, there is nothing for a second worker to run on: stay. When a neighbour had half of it, or
+    # the use is unknown, the curve decides (it grows).
+    from predictor.curve import ThroughputCurve
+
+    c, b = 0.0129, 0.0129 * 0.05
+    curve = ThroughputCurve(job="self", batch_size=16, compute_s_per_step=0.0052, cpu_s_per_batch=c,
+                            blocked_s_per_batch=b, observed_configs=1)
+    tuner = autotune.AutoTuner(cpus=1.0, cap=4, current=1, bank=_OneCurveBank(curve), cpu_used=cpu_used)
+    for _ in range(6):
+        tuner.window(simulated_window(tuner.current, 1.0, g=0.0052, c=c, b=b, bs=16, dur=1.0))
+    assert (tuner.current > 1) == grows, tuner.history
+
+
+def test_tuner_still_sheds_when_its_cpus_are_used():
+    # the saturation rule holds growth only: a count above the knee is still shed
+    from predictor.curve import ThroughputCurve
+
+    curve = ThroughputCurve(job="self", batch_size=16, compute_s_per_step=0.0052, cpu_s_per_batch=0.0129,
+                            blocked_s_per_batch=0.0, observed_configs=2)
+    tuner = autotune.AutoTuner(cpus=1.0, cap=4, current=3, bank=_OneCurveBank(curve), cpu_used=1.0)
+    for _ in range(6):
+        tuner.window(simulated_window(tuner.current, 1.0, g=0.0052, c=0.0129, b=0.0, bs=16, dur=1.0))
+    assert tuner.current == 1, tuner.history
+
+
+def test_processes_cpu_sums_the_cpu_of_processes_read_at_both_ends():
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    late = None
+    try:
+        ticks = iter([10.0, 12.0, 13.0])
+        meter = autotune.ProcessesCpu(clock=lambda: next(ticks))
+        assert meter.read([busy.pid, idle.pid, 999999999]) is None          # the first read: no window yet
+        start = psutil.Process(busy.pid).cpu_times()
+        while sum(psutil.Process(busy.pid).cpu_times()[:2]) - sum(start[:2]) < 0.3:
+            time.sleep(0.05)
+        late = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        used = meter.read([busy.pid, idle.pid, late.pid])
+        # the busy one's CPU over the 2-s (fake) window; the idle one adds ~0; the late one is not counted
+        assert 0.3 / 2.0 <= used <= 0.3 / 2.0 + 0.5, used
+        idle.kill(); idle.wait()
+        busy.kill(); busy.wait()
+        assert meter.read([busy.pid, idle.pid]) is None                    # both gone: nothing read at both ends
+    finally:
+        for p in (busy, idle, late):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
