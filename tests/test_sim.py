@@ -130,6 +130,19 @@ def test_simulate_command_on_a_tiny_trace(tmp_path):
 
 
 @pytest.mark.unit
+def test_simulate_list_kinds_names_every_kind_with_its_demand(capsys):
+    # (it called a helper the one-node-model change had removed, and crashed)
+    from agent.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "--curves", "builtin", "--list-kinds"])
+    assert args.func(args) == 0
+    lines = {ln.split(":")[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    assert set(lines) == set(S.builtin_curves())
+    assert "6.00 loader cores per GPU at the ceiling, 2 GPU(s)" in lines["resnet18x2"]
+    assert "1.00 loader cores per GPU at the ceiling, 1 GPU(s)" in lines["bert"]
+
+
+@pytest.mark.unit
 def test_memory_per_worker_and_a_node_budget():
     """The simulator models each worker's memory and the node's loader memory budget: without a budget
     the peak says what the trace needs; under one, adaptive stays within it and none does not."""

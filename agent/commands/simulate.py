@@ -59,7 +59,10 @@ def run(args) -> int:
         curves = S.corpus_curves() if source == "corpus" else S.builtin_curves(args.catalog)
         if args.list_kinds:
             for k, cv in curves.items():
-                print(f"{k}: {S.demand_cores(cv):.2f} cores per GPU at the ceiling (as measured), "
+                gpus = max(1, int((cv.extra or {}).get("gpus", 1)))
+                # the loader cores that keep it at its ceiling (first principles: CPU per batch over the step)
+                cores = cv.cpu_s_per_batch / max(cv.compute_s_per_step + cv.overhead_s_per_step, 1e-9)
+                print(f"{k}: {cores / gpus:.2f} loader cores per GPU at the ceiling, {gpus} GPU(s), "
                       f"step {cv.compute_s_per_step:.3f}s, batch {cv.batch_size}")
             return 0
         if args.trace:
