@@ -715,12 +715,47 @@ def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, sour
                       for j, v in r["jobs"].items() if even_norm.get((n, j), 0) > 0]
             summary[p]["fairness_vs_even_min"] = min(ratios) if ratios else math.nan
             summary[p]["fairness_vs_even_p5"] = M.percentile(ratios, 5) if ratios else math.nan
+    for p, cmp in per_node_comparison(per_policy).items():
+        summary[p]["per_node"] = cmp
     for p in policies:
         for base in ("oracle", "even-static", "even"):
             if base in summary and base != p and summary[base]["agg_normalised"] > 0:
                 summary[p][f"ratio_{base}"] = summary[p]["agg_normalised"] / summary[base]["agg_normalised"]
     return {"summary": summary, "wall_s": wall, "nodes": len(items), "jobs": len(trace), "processes": procs,
             "config": cfg.__dict__ | {"loader_cpus_resolved": cfg.loader}}
+
+
+def _node_figures(r: dict) -> Optional[tuple[float, float]]:
+    """A node's (makespan, mean JCT), None for a node with no finished job."""
+    if r["makespan_s"] <= 0 or not r["jobs"]:
+        return None
+    return r["makespan_s"], M.mean([v["jct_s"] for v in r["jobs"].values()])
+
+
+def per_node_comparison(per_policy: dict) -> dict:
+    """Each policy node by node against the best of the other policies on that node (the oracle is no
+    one's alternative and is left out of "the others"): for the makespan and the mean JCT, the best
+    other's figure over the policy's (above 1: the policy is better there), its median, 10th
+    percentile, min and max over the nodes, and on how many nodes it is above 1. (A trace's aggregate
+    is its work over the makespan: the makespan's ratio is the aggregate's.) An average over a trace
+    can hide the nodes where a policy loses; this shows them."""
+    users = [p for p in per_policy if p != "oracle"]
+    if len(users) < 2:
+        return {}
+    figs = {p: {n: _node_figures(r) for n, r in per_policy[p].items()} for p in per_policy}
+    out = {}
+    for p in per_policy:
+        others = [o for o in users if o != p]
+        rows: dict[str, list[float]] = {"makespan": [], "jct": []}
+        for n, mine in figs[p].items():
+            theirs = [figs[o].get(n) for o in others]
+            if mine is None or any(t is None for t in theirs) or min(mine) <= 0:
+                continue
+            rows["makespan"].append(min(t[0] for t in theirs) / mine[0])
+            rows["jct"].append(min(t[1] for t in theirs) / mine[1])
+        out[p] = {k: {"median": M.median(v), "p10": M.percentile(v, 10), "min": min(v), "max": max(v),
+                      "better": sum(x > 1.0 for x in v), "nodes": len(v)} for k, v in rows.items() if v}
+    return out
 
 
 def with_memory(truth: dict, cfg: SimConfig) -> dict:
@@ -769,6 +804,22 @@ def markdown(result: dict) -> str:
                      f"| {f(r['jct_mean_s'], '.1f')} / {f(r['jct_p95_s'], '.1f')} | {f(r['gpu_idle_frac'], '.1%')} "
                      f"| {f(r['jain'])} | {f(r.get('fairness_vs_even_min'), '.2f')} ({f(r.get('fairness_vs_even_p5'), '.2f')}) "
                      f"| {r['worker_changes']} | {r['decisions']} |")
+    if any(r.get("per_node") for r in s.values()):
+        lines += ["", "| policy | per node, the best other policy's makespan / this one's (above 1: better), median "
+                  "[p10, min–max] | the same for mean JCT | nodes where better (makespan / JCT) |",
+                  "|---|---|---|---|"]
+        for p, r in s.items():
+            c = r.get("per_node") or {}
+            if not c:
+                continue
+
+            def dist(k):
+                d = c.get(k)
+                return "–" if d is None else f"{d['median']:.3f} [{d['p10']:.3f}, {d['min']:.3f}–{d['max']:.3f}]"
+
+            n = max(d["nodes"] for d in c.values())
+            wins = " / ".join(str(c[k]["better"]) if k in c else "–" for k in ("makespan", "jct"))
+            lines.append(f"| {p} | {dist('makespan')} | {dist('jct')} | {wins} of {n} |")
     if any(r.get("loader_memory_peak_max_bytes") for r in s.values()):
         budget = (result.get("config") or {}).get("loader_memory")
         lines += ["", "| policy | loader memory peak per node, max / p95 GiB | node-time over the budget"

@@ -740,3 +740,29 @@ def test_the_simulated_tuner_starts_at_its_gpus_part_of_a_node_that_shows_them(m
     starts.clear()
     S.simulate_node(trace, truth, "autotune", S.SimConfig(cores=16.0, gpus=8, tuner_gpu_part=False), until_s=4.0)
     assert starts == [16, 16]
+
+
+@pytest.mark.unit
+def test_per_node_comparison_against_the_best_other_policy():
+    # node by node, against the best of the OTHER policies there (the oracle is nobody's alternative);
+    # above 1 = better: a policy that wins one node and loses the other shows both, which a trace's
+    # average hides
+    def node(makespan, jcts):
+        return {"makespan_s": makespan, "decisions": 0,
+                "jobs": {f"j{i}": {"jct_s": j, "norm_s": 1.0, "wait_s": 0.0, "alive_s": j, "norm_mean": 1.0,
+                                   "changes": 0} for i, j in enumerate(jcts)}}
+
+    per_policy = {"a": {"n0": node(10, [4, 6]), "n1": node(20, [10])},
+                  "b": {"n0": node(12, [5, 5]), "n1": node(16, [12])},
+                  "oracle": {"n0": node(1, [1]), "n1": node(1, [1])}}
+    cmp = S.per_node_comparison(per_policy)
+    a = cmp["a"]
+    assert a["makespan"]["min"] == pytest.approx(16 / 20) and a["makespan"]["max"] == pytest.approx(12 / 10)
+    assert a["makespan"]["better"] == 1 and a["makespan"]["nodes"] == 2
+    assert a["jct"]["min"] == pytest.approx(1.0) and a["jct"]["max"] == pytest.approx(12 / 10)
+    assert a["jct"]["better"] == 1          # a tie (5 s vs 5 s) is not better
+    assert cmp["b"]["jct"]["better"] == 0
+    assert S.per_node_comparison({"a": per_policy["a"], "oracle": per_policy["oracle"]}) == {}
+    doc = {"summary": {p: dict(S.summarise_policy(per_policy[p]), per_node=cmp[p]) for p in per_policy}}
+    md = S.markdown(doc)
+    assert "| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1 / 1 of 2 |" in md, md
