@@ -732,11 +732,15 @@ def _node_figures(r: dict) -> Optional[tuple[float, float]]:
     return r["makespan_s"], M.mean([v["jct_s"] for v in r["jobs"].values()])
 
 
+PER_NODE_TIE = 0.001     # per-node ratios within this of 1 are ties (neither better nor worse)
+
+
 def per_node_comparison(per_policy: dict) -> dict:
     """Each policy node by node against the best of the other policies on that node (the oracle is no
     one's alternative and is left out of "the others"): for the makespan and the mean JCT, the best
     other's figure over the policy's (above 1: the policy is better there), its median, 10th
-    percentile, min and max over the nodes, and on how many nodes it is above 1. (A trace's aggregate
+    percentile, min and max over the nodes, and on how many nodes it is better or worse (beyond
+    ``PER_NODE_TIE``). (A trace's aggregate
     is its work over the makespan: the makespan's ratio is the aggregate's.) An average over a trace
     can hide the nodes where a policy loses; this shows them."""
     users = [p for p in per_policy if p != "oracle"]
@@ -754,7 +758,8 @@ def per_node_comparison(per_policy: dict) -> dict:
             rows["makespan"].append(min(t[0] for t in theirs) / mine[0])
             rows["jct"].append(min(t[1] for t in theirs) / mine[1])
         out[p] = {k: {"median": M.median(v), "p10": M.percentile(v, 10), "min": min(v), "max": max(v),
-                      "better": sum(x > 1.0 for x in v), "nodes": len(v)} for k, v in rows.items() if v}
+                      "better": sum(x > 1.0 + PER_NODE_TIE for x in v), "worse": sum(x < 1.0 - PER_NODE_TIE for x in v),
+                      "nodes": len(v)} for k, v in rows.items() if v}
     return out
 
 
@@ -806,7 +811,7 @@ def markdown(result: dict) -> str:
                      f"| {r['worker_changes']} | {r['decisions']} |")
     if any(r.get("per_node") for r in s.values()):
         lines += ["", "| policy | per node, the best other policy's makespan / this one's (above 1: better), median "
-                  "[p10, min–max] | the same for mean JCT | nodes where better (makespan / JCT) |",
+                  "[p10, min–max] | the same for mean JCT | nodes better / worse: makespan; JCT |",
                   "|---|---|---|---|"]
         for p, r in s.items():
             c = r.get("per_node") or {}
@@ -818,7 +823,7 @@ def markdown(result: dict) -> str:
                 return "–" if d is None else f"{d['median']:.3f} [{d['p10']:.3f}, {d['min']:.3f}–{d['max']:.3f}]"
 
             n = max(d["nodes"] for d in c.values())
-            wins = " / ".join(str(c[k]["better"]) if k in c else "–" for k in ("makespan", "jct"))
+            wins = "; ".join(f"{c[k]['better']} / {c[k]['worse']}" if k in c else "–" for k in ("makespan", "jct"))
             lines.append(f"| {p} | {dist('makespan')} | {dist('jct')} | {wins} of {n} |")
     if any(r.get("loader_memory_peak_max_bytes") for r in s.values()):
         budget = (result.get("config") or {}).get("loader_memory")

@@ -765,4 +765,5 @@ def test_per_node_comparison_against_the_best_other_policy():
     assert S.per_node_comparison({"a": per_policy["a"], "oracle": per_policy["oracle"]}) == {}
     doc = {"summary": {p: dict(S.summarise_policy(per_policy[p]), per_node=cmp[p]) for p in per_policy}}
     md = S.markdown(doc)
-    assert "| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1 / 1 of 2 |" in md, md
+    assert cmp["b"]["jct"]["worse"] == 1 and cmp["a"]["jct"]["worse"] == 0
+    assert "| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1 / 1; 1 / 0 of 2 |" in md, md
