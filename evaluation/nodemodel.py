@@ -56,10 +56,17 @@ and inside ``compute_s_per_step``, as the real loader reports it (``main_runq_s`
 run-queue wait inside ``wall_s_per_batch``. ``evaluation.simulate`` builds the controller's snapshot
 from these (``JobRate``).
 
+Every mode: where the node's runnable threads (each worker for the part of a batch it is on the CPU,
+each trainer for the busy part of its step) outnumber the CPUs the jobs can get, every loader's CPU per
+batch grows by ``OVERSUB_CPU_PER_DOUBLING`` per doubling of threads per CPU (``oversubscription_factor``:
+time slicing refills caches at every switch; measured, ``evaluation.oversub_cpu``). Sixteen habitual
+workers per CPU cost about a tenth more CPU per batch than one.
+
 Throughput counts once per GPU: the node's objective is ``sum(gpus * normalised)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -70,6 +77,9 @@ MODES = ("agent", "none", "autotune", "static")
 TRAINER_MARGIN = 0.1    # agent.policies.TRAINER_MARGIN (not imported: the model stays a model of the agent)
 TOL = 1e-6          # relative: the fixed points stop when rates move less than this
 CFS_PERIOD_S = 0.1  # the bench's cfs_period_us (evaluation.harness.StaticCores.PERIOD_US), the kernel's default
+OVERSUB_CPU_PER_DOUBLING = 0.025   # more CPU per batch for each doubling of runnable threads per CPU past one
+# (time slicing: caches refilled after each switch). Measured by ``python -m evaluation.oversub_cpu``: the
+# median slope of three runs on the 2-core dev VM, 0.036, 0.025, 0.024 (results/oversub_cpu_vm_run*.json)
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,22 @@ class JobModel:
         """Cores the whole job (trainers + loader) uses with ``workers`` and no CPU limit."""
         bps = self.loader_bps(workers, math.inf)
         return bps * (self.curve.cpu_s_per_batch + self.gpus * self.trainer_cpu_s_per_step)
+
+
+def oversubscription_factor(models: Mapping[str, "JobModel"], workers: Mapping[str, int], cpus: float) -> float:
+    """What CPU per batch becomes when the node's runnable threads outnumber its CPUs: 1 +
+    ``OVERSUB_CPU_PER_DOUBLING`` x log2(threads per CPU), from 1 at one thread per CPU or fewer. A
+    worker counts for the part of its batch it is on the CPU (c / (c + b)), a training process for the
+    busy part of its step (t / g, per rank)."""
+    threads = 0.0
+    for j, m in models.items():
+        cv = m.curve
+        cb = cv.cpu_s_per_batch + cv.blocked_s_per_batch
+        threads += workers.get(j, 0) * (cv.cpu_s_per_batch / cb if cb > 0 else 0.0)
+        if cv.compute_s_per_step > 0:
+            threads += m.gpus * min(1.0, m.trainer_cpu_s_per_step / cv.compute_s_per_step)
+    per_cpu = threads / max(float(cpus), 1e-9)
+    return 1.0 + OVERSUB_CPU_PER_DOUBLING * math.log2(per_cpu) if per_cpu > 1.0 else 1.0
 
 
 def waterfill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, float]) -> dict:
@@ -126,6 +152,7 @@ class JobRate:
     trainer_runq_s_per_step: float = 0.0    # the part of it the trainer waited for a CPU
     data_wait_s_per_step: float = 0.0
     wall_s_per_batch: float = 0.0           # in a worker: c / its share of a core + b
+    cpu_s_per_batch: float = 0.0            # c as a worker measures it (time slicing's cost in it), 0 = unknown
 
 
 def all_cpus_busy(cpus: float, load: float, threads: Optional[int] = None) -> float:
@@ -241,6 +268,11 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         return max(1, models[j].habitual_workers)
 
     w = {j: workers_of(j) for j in ids}
+    f = oversubscription_factor(models, w, A)
+    if f > 1.0:     # every loader's CPU per batch, as time slicing among more threads than CPUs makes it
+        models = {j: dataclasses.replace(m, curve=dataclasses.replace(m.curve,
+                                                                     cpu_s_per_batch=m.curve.cpu_s_per_batch * f))
+                  for j, m in models.items()}
     out: dict[str, JobRate] = {}
     if mode == "agent":
         # The loaders' subtree weighs one nice-0 task per worker (per planned core where trainers need
@@ -621,7 +653,8 @@ def _rate(m: JobModel, workers: int, loader: float, trainer: float, bps: float, 
                    normalised=min(1.0, sps / ceil) if ceil > 0 and math.isfinite(ceil) else 1.0,
                    compute_s_per_step=compute, trainer_runq_s_per_step=max(0.0, compute - g),
                    data_wait_s_per_step=max(0.0, step - compute) if bps > 0 else 0.0,
-                   wall_s_per_batch=cv.cpu_s_per_batch / max(1e-9, min(1.0, worker_share)) + cv.blocked_s_per_batch)
+                   wall_s_per_batch=cv.cpu_s_per_batch / max(1e-9, min(1.0, worker_share)) + cv.blocked_s_per_batch,
+                   cpu_s_per_batch=cv.cpu_s_per_batch)
 
 
 def objective(models: Mapping[str, JobModel], rates: Mapping[str, JobRate]) -> float:

@@ -345,7 +345,7 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
 
     cv, r = jb.curve, jb.phys
     bs, thr = cv.batch_size, jb.rate
-    c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+    c, b = (r.cpu_s_per_batch if r is not None and r.cpu_s_per_batch > 0 else cv.cpu_s_per_batch), cv.blocked_s_per_batch
     compute = r.compute_s_per_step if r is not None and thr > 0 else cv.compute_s_per_step
     wait = r.data_wait_s_per_step if r is not None and thr > 0 else 0.0
     wall = max(r.wall_s_per_batch if r is not None else 0.0, c + b)
@@ -417,7 +417,7 @@ class _SimTuner:
             self.tuner.trainer_cpu_s_per_step = r.trainer_cores / (jb.rate / bs) if jb.rate > 0 else 0.0
             self.tuner.cpu_used = r.loader_cores + r.trainer_cores   # its processes' CPU (/proc on a node)
             compute = max(0.5 * r.compute_s_per_step, r.compute_s_per_step - r.trainer_runq_s_per_step)
-            c, b = cv.cpu_s_per_batch, cv.blocked_s_per_batch
+            c, b = (r.cpu_s_per_batch or cv.cpu_s_per_batch), cv.blocked_s_per_batch
             wall = max(r.wall_s_per_batch, c + b)
             try:
                 obs = Observation(workers=self.tuner.current, cores=self.tuner.cpus, batch_size=bs,

@@ -67,7 +67,12 @@ def test_tiny_trace_every_policy_finishes_and_oracle_is_the_ceiling():
 
 
 @pytest.mark.unit
-def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics():
+def test_oracle_plan_is_the_best_instantaneous_allocation_under_the_node_physics(monkeypatch):
+    # (the arithmetic below is the curves' own: without the CPU that time slicing 3 workers on 2 CPUs
+    # adds, which the oracle's curves do not know; that cost has its own test)
+    from evaluation import nodemodel
+
+    monkeypatch.setattr(nodemodel, "OVERSUB_CPU_PER_DOUBLING", 0.0)
     from agent.model import NodeSnapshot
     from tests.fakes import UNMEASURED, job_stats
     from agent.policies import PolicyConfig, get_policy
@@ -558,12 +563,16 @@ def test_quota_run_steps_bursts_through_the_periods():
 
 
 @pytest.mark.unit
-def test_static_quota_is_a_budget_per_period():
+def test_static_quota_is_a_budget_per_period(monkeypatch):
     """static mode (a hard CFS quota per job): a job whose use fits its quota runs as with no quota; one
     that would use more gets exactly its quota, its trainer waits for the periods the group is
-    throttled, and with no trainer CPU it is the loader on the quota's cores."""
+    throttled, and with no trainer CPU it is the loader on the quota's cores. (Without the CPU that
+    time slicing among more threads than CPUs costs, which has its own test: a 1-core quota on a 2-core
+    node and a 1-core node are not sliced alike.)"""
     from evaluation import nodemodel as N
     from predictor.curve import ThroughputCurve
+
+    monkeypatch.setattr(N, "OVERSUB_CPU_PER_DOUBLING", 0.0)
 
     def model(loader_cores, trainer_frac, workers=2):
         cv = ThroughputCurve(job="j", batch_size=64, compute_s_per_step=0.1, cpu_s_per_batch=loader_cores * 0.1,
@@ -665,10 +674,12 @@ def test_agent_mode_counts_cpu_time_not_allotted_cores_for_a_learned_core_correc
     assert none.normalised == pytest.approx(1.0) and agent.normalised == pytest.approx(1.0)
     assert agent.loader_cores == pytest.approx(demand, rel=1e-3)
     # on a node short of CPU the same job gets what it gets, at core_correction of the allotted pace
+    # (12 workers on 4 CPUs: each batch also costs what time slicing 3 threads per CPU adds)
     tight = N.node_rates({"heavy": dc.replace(m, habitual_workers=12)}, "agent", 4.0,
                          {"heavy": JobAllocation(job="heavy", workers=12, cpus=4.0)})["heavy"]
+    sliced = 1.0 + N.OVERSUB_CPU_PER_DOUBLING * math.log2(3.0)
     assert tight.loader_cores == pytest.approx(4.0, rel=1e-3)
-    assert tight.samples_per_s == pytest.approx(4.0 / 0.17 * 16, rel=1e-3)
+    assert tight.samples_per_s == pytest.approx(4.0 / (0.17 * sliced) * 16, rel=1e-3)
 
 
 @pytest.mark.unit
@@ -743,6 +754,36 @@ def test_the_simulated_tuner_starts_at_its_gpus_part_of_a_node_that_shows_them(m
 
 
 @pytest.mark.unit
+def test_time_slicing_more_threads_than_cpus_costs_cpu_per_batch():
+    """The node model's CPU per batch grows by OVERSUB_CPU_PER_DOUBLING per doubling of the runnable
+    threads per CPU past one (measured: evaluation.oversub_cpu); a worker counts for the part of its
+    batch it is on the CPU, a trainer for the busy part of its step."""
+    from evaluation import nodemodel as N
+    from predictor.curve import ThroughputCurve
+
+    def job(c, b, workers, trainer_frac=0.0, gpus=1):
+        cv = ThroughputCurve(job="j", batch_size=16, compute_s_per_step=0.1, cpu_s_per_batch=c,
+                             blocked_s_per_batch=b, confidence=1.0)
+        return N.JobModel(curve=cv, trainer_cpu_s_per_step=trainer_frac * 0.1, gpus=gpus, habitual_workers=workers)
+
+    k = N.OVERSUB_CPU_PER_DOUBLING
+    assert k > 0
+    two = {"a": job(0.4, 0.0, 1), "b": job(0.4, 0.0, 1)}
+    assert N.oversubscription_factor(two, {"a": 1, "b": 1}, 2.0) == 1.0              # one thread per CPU
+    assert N.oversubscription_factor(two, {"a": 8, "b": 8}, 2.0) == pytest.approx(1 + 3 * k)   # 8 per CPU
+    io = {"a": job(0.1, 0.3, 8)}                          # on the CPU a quarter of each batch: 2 threads
+    assert N.oversubscription_factor(io, {"a": 8}, 2.0) == 1.0
+    busy = {"a": job(0.4, 0.0, 3, trainer_frac=1.0, gpus=1)}   # 3 workers + a trainer always busy
+    assert N.oversubscription_factor(busy, {"a": 3}, 2.0) == pytest.approx(1 + k)
+    # a CPU-bound job with 16 workers on 2 cores delivers 1 / (1 + 3k) of what 2 do
+    cv = ThroughputCurve(job="j", batch_size=16, compute_s_per_step=0.01, cpu_s_per_batch=0.4,
+                         blocked_s_per_batch=0.0, confidence=1.0)
+    r2 = N.node_rates({"j": N.JobModel(curve=cv, habitual_workers=2)}, "none", 2.0)["j"]
+    r16 = N.node_rates({"j": N.JobModel(curve=cv, habitual_workers=16)}, "none", 2.0)["j"]
+    assert r16.samples_per_s == pytest.approx(r2.samples_per_s / (1 + 3 * k), rel=1e-6)
+
+
+@pytest.mark.unit
 def test_per_node_comparison_against_the_best_other_policy():
     # node by node, against the best of the OTHER policies there (the oracle is nobody's alternative);
     # above 1 = better: a policy that wins one node and loses the other shows both, which a trace's
@@ -767,3 +808,17 @@ def test_per_node_comparison_against_the_best_other_policy():
     md = S.markdown(doc)
     assert cmp["b"]["jct"]["worse"] == 1 and cmp["a"]["jct"]["worse"] == 0
     assert "| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1 / 1; 1 / 0 of 2 |" in md, md
+
+
+@pytest.mark.unit
+def test_oversub_cpu_fit_and_bad_arguments(capsys):
+    from evaluation import oversub_cpu as O
+
+    # 2 CPUs, +3% per doubling past one per CPU: 4 processes +3%, 8 +6%, 16 +9%; 1 and 2 are no slicing
+    med = {1: 1.0, 2: 1.0, 4: 1.03, 8: 1.06, 16: 1.09}
+    ref, slope = O.fit(2, med)
+    assert ref == 1.0 and slope == pytest.approx(0.03)
+    assert O.fit(4, {1: 2.0, 2: 2.0})[1] == 0.0          # nothing above one per CPU: no slope
+    assert O.main(["--procs", "2,x"]) == 2
+    assert "--procs must be integers" in capsys.readouterr().err
+    assert O.main(["--reps", "0"]) == 2
