@@ -57,10 +57,11 @@ run-queue wait inside ``wall_s_per_batch``. ``evaluation.simulate`` builds the c
 from these (``JobRate``).
 
 Every mode: where the node's runnable threads (each worker for the part of a batch it is on the CPU,
-each trainer for the busy part of its step) outnumber the CPUs the jobs can get, every loader's CPU per
-batch grows by ``OVERSUB_CPU_PER_DOUBLING`` per doubling of threads per CPU (``oversubscription_factor``:
-time slicing refills caches at every switch; measured, ``evaluation.oversub_cpu``). Sixteen habitual
-workers per CPU cost about a tenth more CPU per batch than one.
+or, in a job fed at its ceiling, for the CPU its loader uses; each trainer for the busy part of its
+step) outnumber the CPUs the jobs can get, every loader's CPU per batch grows by
+``OVERSUB_CPU_PER_DOUBLING`` per doubling of threads per CPU (``oversubscription_factor``: time slicing
+refills caches at every switch; measured, ``evaluation.oversub_cpu``). Sixteen habitual workers per CPU
+cost about a tenth more CPU per batch than one.
 
 Throughput counts once per GPU: the node's objective is ``sum(gpus * normalised)``.
 """
@@ -105,16 +106,20 @@ class JobModel:
         return bps * (self.curve.cpu_s_per_batch + self.gpus * self.trainer_cpu_s_per_step)
 
 
-def oversubscription_factor(models: Mapping[str, "JobModel"], workers: Mapping[str, int], cpus: float) -> float:
+def oversubscription_factor(models: Mapping[str, "JobModel"], workers: Mapping[str, int], cpus: float,
+                            fed: Optional[Mapping[str, float]] = None) -> float:
     """What CPU per batch becomes when the node's runnable threads outnumber its CPUs: 1 +
     ``OVERSUB_CPU_PER_DOUBLING`` x log2(threads per CPU), from 1 at one thread per CPU or fewer. A
-    worker counts for the part of its batch it is on the CPU (c / (c + b)), a training process for the
-    busy part of its step (t / g, per rank)."""
+    worker counts for the part of its batch it is on the CPU (c / (c + b)): a job behind its GPUs keeps
+    every worker busy with the batches it owes. A job in ``fed`` (job -> the loader cores it uses) is
+    at its ceiling, its workers waiting for room in a full queue between batches: they count for the
+    CPU they use. A training process counts for the busy part of its step (t / g, per rank)."""
     threads = 0.0
     for j, m in models.items():
         cv = m.curve
         cb = cv.cpu_s_per_batch + cv.blocked_s_per_batch
-        threads += workers.get(j, 0) * (cv.cpu_s_per_batch / cb if cb > 0 else 0.0)
+        busy = workers.get(j, 0) * (cv.cpu_s_per_batch / cb if cb > 0 else 0.0)
+        threads += min(busy, fed[j]) if fed is not None and j in fed else busy
         if cv.compute_s_per_step > 0:
             threads += m.gpus * min(1.0, m.trainer_cpu_s_per_step / cv.compute_s_per_step)
     per_cpu = threads / max(float(cpus), 1e-9)
@@ -240,7 +245,7 @@ def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) 
 def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                allocations: Optional[Mapping] = None, node_gpus: Optional[int] = None,
                available_cores: Optional[float] = None, hard_caps: bool = False,
-               loaders_yield: bool = False) -> dict[str, JobRate]:
+               loaders_yield: bool = False, _fed: Optional[Mapping[str, float]] = None) -> dict[str, JobRate]:
     """Steady rates of the jobs on one node. ``allocations``: job -> JobAllocation (``agent`` mode:
     workers and cpus weights, a job without one runs its habitual workers; other modes: the workers,
     default the habitual count). ``available_cores``: the CPU the jobs can get at most (default
@@ -249,7 +254,9 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     (``agent`` mode): a plan's ``cpus`` is a hard quota on the job's loader (``cpu_knob="quota"``), not
     a weight. ``loaders_yield`` (``agent`` mode; the plan's ``NodeAllocation.loaders_yield``): the
     subtree is ``cpu.idle``: a waking trainer competes only with the other trainers, the loaders get
-    what the trainers leave (no cap)."""
+    what the trainers leave (no cap). Time slicing's cost (``oversubscription_factor``) is taken
+    first with every worker runnable, then, where some jobs turn out fed at their ceiling (their workers
+    wait for room in a full queue), once more with those counted for the CPU they use (``_fed``)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     allocations = allocations or {}
@@ -268,7 +275,19 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         return max(1, models[j].habitual_workers)
 
     w = {j: workers_of(j) for j in ids}
-    f = oversubscription_factor(models, w, A)
+    given = models
+    f = oversubscription_factor(models, w, A, _fed)
+
+    def resliced(out: dict[str, JobRate]) -> dict[str, JobRate]:
+        """The rates again with the fed jobs' workers counted for what they use, when that moves the cost."""
+        if f <= 1.0 or _fed is not None:
+            return out
+        fed = {j: r.loader_cores for j, r in out.items() if r.normalised >= 1.0 - 1e-6}
+        if not fed or abs(oversubscription_factor(given, w, A, fed) - f) <= 1e-9:
+            return out
+        return node_rates(given, mode, node_cores, allocations, node_gpus, available_cores, hard_caps,
+                          loaders_yield, _fed=fed)
+
     if f > 1.0:     # every loader's CPU per batch, as time slicing among more threads than CPUs makes it
         models = {j: dataclasses.replace(m, curve=dataclasses.replace(m.curve,
                                                                      cpu_s_per_batch=m.curve.cpu_s_per_batch * f))
@@ -354,7 +373,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             m = models[j]
             out[j] = _rate(m, w[j], min(cores[j], bps[j] * m.curve.cpu_s_per_batch),
                            bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j], trainer_share=s_t[j], worker_share=s_w[j])
-        return out
+        return resliced(out)
     quota: dict[str, float] = {}
     if mode == "static":
         # a hard quota per job (node cores x its GPUs / the node's GPUs). While the group is not
@@ -424,7 +443,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         t = b * m.gpus * m.trainer_cpu_s_per_step
         out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b,
                        trainer_share=st[j].trainer_share, worker_share=st[j].worker_share)
-    return out
+    return resliced(out)
 
 
 def throttled_wall_s(cpu_s: float, on_fraction: float, period_s: float = CFS_PERIOD_S) -> float:

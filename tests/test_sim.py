@@ -757,7 +757,8 @@ def test_the_simulated_tuner_starts_at_its_gpus_part_of_a_node_that_shows_them(m
 def test_time_slicing_more_threads_than_cpus_costs_cpu_per_batch():
     """The node model's CPU per batch grows by OVERSUB_CPU_PER_DOUBLING per doubling of the runnable
     threads per CPU past one (measured: evaluation.oversub_cpu); a worker counts for the part of its
-    batch it is on the CPU, a trainer for the busy part of its step."""
+    batch it is on the CPU and not while it waits for room in a full queue, a trainer for the busy part
+    of its step."""
     from evaluation import nodemodel as N
     from predictor.curve import ThroughputCurve
 
@@ -773,6 +774,12 @@ def test_time_slicing_more_threads_than_cpus_costs_cpu_per_batch():
     assert N.oversubscription_factor(two, {"a": 8, "b": 8}, 2.0) == pytest.approx(1 + 3 * k)   # 8 per CPU
     io = {"a": job(0.1, 0.3, 8)}                          # on the CPU a quarter of each batch: 2 threads
     assert N.oversubscription_factor(io, {"a": 8}, 2.0) == 1.0
+    # a job at its ceiling on 0.2 cores: its 16 workers mostly wait for room in the queue
+    fed = {"a": job(0.02, 0.0, 16)}
+    assert N.oversubscription_factor(fed, {"a": 16}, 2.0) == pytest.approx(1 + 3 * k)   # taken as behind
+    assert N.oversubscription_factor(fed, {"a": 16}, 2.0, fed={"a": 0.2}) == 1.0
+    r = N.node_rates(fed, "none", 2.0)["a"]          # the model's second pass finds it fed and counts it so
+    assert r.normalised == pytest.approx(1.0) and r.cpu_s_per_batch == pytest.approx(0.02)
     busy = {"a": job(0.4, 0.0, 3, trainer_frac=1.0, gpus=1)}   # 3 workers + a trainer always busy
     assert N.oversubscription_factor(busy, {"a": 3}, 2.0) == pytest.approx(1 + k)
     # a CPU-bound job with 16 workers on 2 cores delivers 1 / (1 + 3k) of what 2 do
