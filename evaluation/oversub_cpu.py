@@ -1,12 +1,13 @@
 """What a batch's CPU becomes when more loader processes than CPUs time-slice them, and what the
 simulator's node model says (a command, not a test).
 
-    python -m evaluation.oversub_cpu [--procs 1,2,3,4,6,8,16,32] [--items 6400] [--reps 3] [--out FILE.json]
+    python -m evaluation.oversub_cpu [--procs 1,2,3,4,6,8,16,32] [--items 6400] [--reps 3]
+                                     [--image-px 96] [--aug 3] [--out FILE.json]
 
 For each count N of processes (each with torch at one thread, as a DataLoader worker is), N processes
 share ``--items`` items of the synthetic dataset's work (real JPEG decode and augmentation,
-``adloader.synthetic``, aug x3) at once, started together; each process's CPU seconds
-(``time.process_time``) over its items are summed. The figure is CPU milliseconds per item; at N
+``adloader.synthetic``: ``--image-px`` images, ``--aug`` augmentation passes) at once, started
+together; each process's CPU seconds (``time.process_time``) over its items are summed. The figure is CPU milliseconds per item; at N
 processes per CPU above one, its increase over the least-threads figure is what time slicing costs
 (every switch refills caches and TLBs). The counts run interleaved, ``--reps`` times; medians with
 their range. The fit: ``OVERSUB_CPU_PER_DOUBLING`` of ``evaluation.nodemodel`` is the least-squares
@@ -31,14 +32,14 @@ from pathlib import Path
 
 def _work(args) -> float:
     """CPU seconds this process spent on ``n`` items (after one warm-up item)."""
-    n, seed = args
+    n, seed, image_px, aug = args
     import torch
 
     from adloader.synthetic import SyntheticImageDataset, WorkloadSpec
 
     torch.set_num_threads(1)
-    ds = SyntheticImageDataset(WorkloadSpec(num_images=32, length=100000, image_px=96, crop_px=64,
-                                            io_sleep_s=0.0, aug_multiplier=3))
+    ds = SyntheticImageDataset(WorkloadSpec(num_images=32, length=100000, image_px=image_px,
+                                            crop_px=max(8, image_px * 2 // 3), io_sleep_s=0.0, aug_multiplier=aug))
     ds[0]
     t0 = time.process_time()
     for i in range(n):
@@ -46,11 +47,11 @@ def _work(args) -> float:
     return time.process_time() - t0
 
 
-def measure(procs: int, items: int) -> float:
+def measure(procs: int, items: int, image_px: int = 96, aug: int = 3) -> float:
     """CPU milliseconds per item with ``procs`` processes sharing ``items`` items at once."""
     per = max(1, items // procs)
     with mp.get_context("fork").Pool(procs) as pool:
-        cpu = pool.map(_work, [(per, s) for s in range(procs)], chunksize=1)
+        cpu = pool.map(_work, [(per, s, image_px, aug) for s in range(procs)], chunksize=1)
     return sum(cpu) / (per * procs) * 1e3
 
 
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", default="1,2,3,4,6,8,16,32", help="process counts, comma-separated")
     ap.add_argument("--items", type=int, default=6400, help="items per run, shared by its processes")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repeats of every count")
+    ap.add_argument("--image-px", type=int, default=96,
+                    help="image side in pixels (the GPU study's catalogue doubles the default 96)")
+    ap.add_argument("--aug", type=int, default=3, help="augmentation passes per item")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     try:
@@ -79,8 +83,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"oversub_cpu: --procs must be integers separated by commas, got {args.procs!r}", file=sys.stderr)
         return 2
-    if not counts or counts[0] < 1 or args.items < 1 or args.reps < 1:
-        print("oversub_cpu: --procs, --items and --reps must be at least 1", file=sys.stderr)
+    if not counts or counts[0] < 1 or min(args.items, args.reps, args.aug) < 1 or args.image_px < 16:
+        print("oversub_cpu: --procs, --items, --reps and --aug must be at least 1, --image-px at least 16",
+              file=sys.stderr)
         return 2
     from evaluation import nodemodel
 
@@ -88,12 +93,13 @@ def main(argv=None) -> int:
     runs: dict[int, list[float]] = {n: [] for n in counts}
     for rep in range(args.reps):
         for n in counts:
-            runs[n].append(measure(n, args.items))
+            runs[n].append(measure(n, args.items, args.image_px, args.aug))
         print(f"repeat {rep + 1} of {args.reps} done", file=sys.stderr)
     med = {n: statistics.median(v) for n, v in runs.items()}
     ref, slope = fit(cpus, med)
     k = nodemodel.OVERSUB_CPU_PER_DOUBLING
-    print(f"{cpus} CPUs; {args.items} items per run; {args.reps} interleaved repeats; reference "
+    print(f"{cpus} CPUs; {args.items} items of {args.image_px} px x{args.aug} per run; {args.reps} interleaved "
+          f"repeats; reference "
           f"{ref:.3f} ms per item")
     print("| processes | per CPU | CPU ms per item, median [range] | x reference | model (k = "
           f"{k:.3f}) |")
@@ -107,6 +113,7 @@ def main(argv=None) -> int:
           f"OVERSUB_CPU_PER_DOUBLING: {k:.4f})")
     if args.out:
         Path(args.out).write_text(json.dumps({"cpus": cpus, "items": args.items, "reps": args.reps,
+                                              "image_px": args.image_px, "aug": args.aug,
                                               "runs_ms_per_item": {str(n): v for n, v in runs.items()},
                                               "median_ms_per_item": {str(n): v for n, v in med.items()},
                                               "reference_ms": ref, "fitted_per_doubling": slope,

@@ -829,3 +829,4 @@ def test_oversub_cpu_fit_and_bad_arguments(capsys):
     assert O.main(["--procs", "2,x"]) == 2
     assert "--procs must be integers" in capsys.readouterr().err
     assert O.main(["--reps", "0"]) == 2
+    assert O.main(["--image-px", "4"]) == 2 and "--image-px at least 16" in capsys.readouterr().err
