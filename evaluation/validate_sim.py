@@ -162,7 +162,8 @@ def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: floa
 def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
     """Per job, where the ratios of ``validate`` come from: for every static scenario, policy and job,
     the measured and simulated normalised throughput, loader cores, training-process cores and the
-    training process's run-queue wait per step (each rank), medians over repeats, each phase simulated
+    training process's run-queue wait per step (each rank), a worker's CPU per sample over the job's
+    calibrated figure (``measured_cpu_x``, ``sim_cpu_x``), medians over repeats, each phase simulated
     as ``validate`` simulates it. A model error shows up here as the mechanism it is (a trainer waiting
     longer for a CPU than modelled, a loader getting less CPU), not only as a ratio."""
     acc: dict[tuple, dict[str, list]] = {}
@@ -183,6 +184,16 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
                          ("sim_wait", r.get("trainer_runq_s_per_step")),
                          ("measured_throttled", m.get("throttled_frac"))):
                 a.setdefault(k, []).append(v)
+            # a worker's CPU per sample over the calibrated figure the job model takes (the simulated one
+            # carries time slicing's cost; the measured one everything a worker does beside __getitem__)
+            per = cv.cpu_s_per_batch / cv.batch_size
+            sps, ssps = float(m.get("samples_per_s") or 0.0), float(r.get("samples_per_s") or 0.0)
+            a.setdefault("measured_cpu_x", []).append(float(m["worker_cpu_cores"]) / sps / per
+                                                      if m.get("worker_cpu_cores") is not None and sps > 0 and per > 0
+                                                      else None)
+            a.setdefault("sim_cpu_x", []).append(float(r["loader_cores"]) / ssps / per
+                                                 if r.get("loader_cores") is not None and ssps > 0 and per > 0
+                                                 else None)
             a.setdefault("workers", []).append(m.get("workers_end"))
             a["gpus"] = [ranks]
     return [{"scenario": sc, "policy": p, "job": j, "reps": len(v["measured_norm"]),
@@ -192,14 +203,16 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
 def markdown_jobs(rows: list[dict]) -> str:
     lines = ["| scenario | policy | job | GPUs | workers (end) | normalised: measured / sim | loader cores: measured / sim "
              "| trainer cores: measured / sim | trainer run-queue wait s/step: measured / sim "
-             "| quota periods throttled (static-cores, measured) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| quota periods throttled (static-cores, measured) "
+             "| loader CPU per sample x the calibration: measured / sim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['policy']} | {r['job']} | {r['gpus']} | {_f(r['workers'], '.0f')} "
                      f"| {_f(r['measured_norm'])} / {_f(r['sim_norm'])} "
                      f"| {_f(r['measured_loader'], '.2f')} / {_f(r['sim_loader'], '.2f')} "
                      f"| {_f(r['measured_trainer'], '.2f')} / {_f(r['sim_trainer'], '.2f')} "
-                     f"| {_f(r['measured_wait'])} / {_f(r['sim_wait'])} | {_f(r.get('measured_throttled'), '.2f')} |")
+                     f"| {_f(r['measured_wait'])} / {_f(r['sim_wait'])} | {_f(r.get('measured_throttled'), '.2f')} "
+                     f"| {_f(r.get('measured_cpu_x'), '.2f')} / {_f(r.get('sim_cpu_x'), '.2f')} |")
     return "\n".join(lines)
 
 

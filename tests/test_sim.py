@@ -397,9 +397,14 @@ def test_validate_sim_per_job_view_names_the_mechanism():
     sim_agg = V.validate(bench, capacity="node")[0]["sim_agg"]
     assert 2 * rows["a"]["sim_norm"] + rows["b"]["sim_norm"] == pytest.approx(sim_agg)
     assert all(r["sim_wait"] >= 0 and 0 < r["sim_norm"] <= 1 for r in rows.values())
+    # a worker's CPU per sample over the calibrated one (demand x step per batch): a 0.7 / 320 over
+    # 1.8 x 0.1 / 128, b 0.2 / 384 over 0.45 x 0.1 / 64; the simulated one carries time slicing's cost
+    assert rows["a"]["measured_cpu_x"] == pytest.approx((0.7 / 320) / (0.18 / 128))
+    assert rows["b"]["measured_cpu_x"] == pytest.approx((0.2 / 384) / (0.045 / 64))
+    assert all(r["sim_cpu_x"] >= 1.0 for r in rows.values())
     table = V.markdown_jobs(list(rows.values()))
     assert "| oversubscribed | none | a | 2 | 16 | 0.250 / " in table
-    assert table.splitlines()[2].endswith("| 0.50 |") and table.splitlines()[3].endswith("| – |")
+    assert "| 0.50 | 1.56 / " in table.splitlines()[2] and "| – | 0.74 / " in table.splitlines()[3]
 
 
 @pytest.mark.unit
