@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,8 +406,6 @@ class ProcessesCpu:
     process was read at both ends or no time passed."""
 
     def __init__(self, clock=None):
-        import time
-
         self.clock = clock or time.monotonic
         self.last: tuple[float, dict[int, float]] | None = None
 

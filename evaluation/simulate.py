@@ -335,6 +335,13 @@ class _SimActuator:
         self.node = None
 
 
+def _worker_cpu_s_per_batch(jb: "_Job") -> float:
+    """A worker's CPU per batch as the loader would measure it: the physics' (time slicing's cost in
+    it), else the curve's."""
+    r = jb.phys
+    return r.cpu_s_per_batch if r is not None and r.cpu_s_per_batch > 0 else jb.curve.cpu_s_per_batch
+
+
 def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
     """What the collector would report for a simulated job (``agent.collector``): its rates over the
     window since they last changed, from the node physics' ``JobRate``: the step less data wait with the
@@ -345,7 +352,7 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
 
     cv, r = jb.curve, jb.phys
     bs, thr = cv.batch_size, jb.rate
-    c, b = (r.cpu_s_per_batch if r is not None and r.cpu_s_per_batch > 0 else cv.cpu_s_per_batch), cv.blocked_s_per_batch
+    c, b = _worker_cpu_s_per_batch(jb), cv.blocked_s_per_batch
     compute = r.compute_s_per_step if r is not None and thr > 0 else cv.compute_s_per_step
     wait = r.data_wait_s_per_step if r is not None and thr > 0 else 0.0
     wall = max(r.wall_s_per_batch if r is not None else 0.0, c + b)
@@ -377,9 +384,10 @@ class _SimTuner:
     every ``WINDOW_S`` of the job's life, as its thread is: the samples of that window, the job's
     per-batch figures, trainer CPU and its processes' CPU use from the physics (``JobRate``), the
     compute time less the trainer's run-queue wait (``autotune._unstarved_compute``). The window after
-    a resize is dropped, as the thread drops a window whose resize count moved. Noise-free windows give the same decision again
-    and again, so a tuner that has not moved for ``QUIET_WINDOWS`` windows since the node last changed
-    stops being fed until it changes again (arrivals and departures wake every tuner)."""
+    a resize is dropped, as the thread drops a window whose resize count moved. Noise-free windows give
+    the same decision again and again, so a tuner that has not moved for ``QUIET_WINDOWS`` windows since
+    the node last changed stops being fed until it changes again (arrivals and departures wake every
+    tuner)."""
     QUIET_WINDOWS = 6
 
     def __init__(self, cpus: float, start: float, samples: float, part: float = 1.0):
@@ -417,7 +425,7 @@ class _SimTuner:
             self.tuner.trainer_cpu_s_per_step = r.trainer_cores / (jb.rate / bs) if jb.rate > 0 else 0.0
             self.tuner.cpu_used = r.loader_cores + r.trainer_cores   # its processes' CPU (/proc on a node)
             compute = max(0.5 * r.compute_s_per_step, r.compute_s_per_step - r.trainer_runq_s_per_step)
-            c, b = (r.cpu_s_per_batch or cv.cpu_s_per_batch), cv.blocked_s_per_batch
+            c, b = _worker_cpu_s_per_batch(jb), cv.blocked_s_per_batch
             wall = max(r.wall_s_per_batch, c + b)
             try:
                 obs = Observation(workers=self.tuner.current, cores=self.tuner.cpus, batch_size=bs,
@@ -740,9 +748,8 @@ def per_node_comparison(per_policy: dict) -> dict:
     one's alternative and is left out of "the others"): for the makespan and the mean JCT, the best
     other's figure over the policy's (above 1: the policy is better there), its median, 10th
     percentile, min and max over the nodes, and on how many nodes it is better or worse (beyond
-    ``PER_NODE_TIE``). (A trace's aggregate
-    is its work over the makespan: the makespan's ratio is the aggregate's.) An average over a trace
-    can hide the nodes where a policy loses; this shows them."""
+    ``PER_NODE_TIE``). (A trace's aggregate is its work over the makespan: the makespan's ratio is the
+    aggregate's.) An average over a trace can hide the nodes where a policy loses; this shows them."""
     users = [p for p in per_policy if p != "oracle"]
     if len(users) < 2:
         return {}
@@ -758,8 +765,9 @@ def per_node_comparison(per_policy: dict) -> dict:
             rows["makespan"].append(min(t[0] for t in theirs) / mine[0])
             rows["jct"].append(min(t[1] for t in theirs) / mine[1])
         out[p] = {k: {"median": M.median(v), "p10": M.percentile(v, 10), "min": min(v), "max": max(v),
-                      "better": sum(x > 1.0 + PER_NODE_TIE for x in v), "worse": sum(x < 1.0 - PER_NODE_TIE for x in v),
-                      "nodes": len(v)} for k, v in rows.items() if v}
+                      "better": sum(x > 1.0 + PER_NODE_TIE for x in v),
+                      "worse": sum(x < 1.0 - PER_NODE_TIE for x in v), "nodes": len(v)}
+                  for k, v in rows.items() if v}
     return out
 
 
@@ -813,18 +821,17 @@ def markdown(result: dict) -> str:
         lines += ["", "| policy | per node, the best other policy's makespan / this one's (above 1: better), median "
                   "[p10, min–max] | the same for mean JCT | nodes better / worse: makespan; JCT |",
                   "|---|---|---|---|"]
+
+        def dist(d):
+            return "–" if d is None else f"{d['median']:.3f} [{d['p10']:.3f}, {d['min']:.3f}–{d['max']:.3f}]"
+
         for p, r in s.items():
             c = r.get("per_node") or {}
             if not c:
                 continue
-
-            def dist(k):
-                d = c.get(k)
-                return "–" if d is None else f"{d['median']:.3f} [{d['p10']:.3f}, {d['min']:.3f}–{d['max']:.3f}]"
-
             n = max(d["nodes"] for d in c.values())
             wins = "; ".join(f"{c[k]['better']} / {c[k]['worse']}" if k in c else "–" for k in ("makespan", "jct"))
-            lines.append(f"| {p} | {dist('makespan')} | {dist('jct')} | {wins} of {n} |")
+            lines.append(f"| {p} | {dist(c.get('makespan'))} | {dist(c.get('jct'))} | {wins} of {n} |")
     if any(r.get("loader_memory_peak_max_bytes") for r in s.values()):
         budget = (result.get("config") or {}).get("loader_memory")
         lines += ["", "| policy | loader memory peak per node, max / p95 GiB | node-time over the budget"
