@@ -544,7 +544,9 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     Greedy by GPU-weighted marginal normalised throughput per core over the predictor's curves.
 
-    0. The budget: the node's loader CPUs less what the training processes need (``loader_budget``).
+    0. The share budget: the node's loader CPUs less what the training processes need at full speed
+       (``loader_budget``); the shares and floors split it. A warm job may get more, up to the loader
+       CPUs: step 3 charges the trainer CPU each step brings.
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
     2. Warm jobs first get their floor with ``fairness_floor``: the least cores that reach
        ``floor_fraction`` of the throughput of min(GPU-proportional share, useful cores) (the share a
@@ -586,7 +588,12 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             if j in curves and curves[j].confidence >= config.min_confidence}
     cap_node = {j: float(len(snapshot.jobs[j].allowed_cpus)) if snapshot.jobs[j].allowed_cpus else math.inf
                 for j in ids}
-    cap = {j: min(C, cap_node[j]) for j in ids}
+    # A job's most cores: a cold one's within the share budget C (which reserves every trainer's
+    # full-speed need: without a curve its trainers' pace is unknown); a warm one's within the loader
+    # CPUs, the greedy below charging each step the trainer CPU its throughput brings (a data-starved
+    # job's trainers use a fraction of their full-speed need: capped at C, a lone job on a node its
+    # trainers would fill at full speed kept one worker while the node idled)
+    cap = {j: min(snapshot.loader_cpus if j in warm else C, cap_node[j]) for j in ids}
     cpus: dict[str, float] = {}
     reason: dict[str, str] = {}
     workers: dict[str, int] = {}

@@ -625,3 +625,26 @@ def test_auto_loader_budget_grows_into_the_reserve_the_trainers_leave():
         assert sum(a.cpus for a in plan.allocations.values()) <= s.loader_cpus + 1e-6
     plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig())
     assert sum(a.cpus for a in plan.allocations.values()) > 43.2 + 1.0
+
+
+def test_a_data_starved_job_is_not_capped_at_its_trainers_full_speed_reserve():
+    """The share budget reserves every trainer's full-speed need (here a lone 4-GPU heavy job whose
+    trainers would use 1.2 of the node's 2 CPUs at full speed: 0.8 cores left). At the pace its loader
+    allows, its trainers use a fraction of that: the warm job gets what both the loader CPUs and the node
+    (its loader plus its trainers at the planned throughput) have room for, not 0.8 cores and one worker.
+    A cold job (no curve: its pace unknown) stays within the reserve. (The random-mix study found a lone
+    multi-GPU job on a small node at 0.63x `none` with the cap.)"""
+    lone = job("big", "heavy", gpus=4, trainer_cpu_s_per_step=0.12)
+    s = snap("dev-2vcpu", [lone])
+    budget, need = loader_budget(s, PolicyConfig().min_cpus)
+    assert need == pytest.approx(1.2) and budget == pytest.approx(0.8)
+    cv = curves_of(s)
+    a = get_policy("adaptive")(s, cv, PolicyConfig()).allocations["big"]
+    v = cv["big"].normalized(a.workers, a.cpus)
+    # loader cores x at 1/3 of the ceiling per core; trainers 1.2 v: x + 1.2 x / 3 <= 2 -> x <= 1.43
+    assert a.cpus > 1.3 and a.workers >= 2, a
+    assert a.cpus + 1.2 * v <= 2.0 + 0.02, (a, v)
+    assert a.cpus <= s.loader_cpus + 1e-6
+    assert v > cv["big"].normalized(1, 0.8) * 1.5
+    cold = get_policy("adaptive")(s, {}, PolicyConfig()).allocations["big"]
+    assert cold.cpus <= budget + 1e-6 and "cold start" in cold.reason
