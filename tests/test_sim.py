@@ -835,3 +835,41 @@ def test_oversub_cpu_fit_and_bad_arguments(capsys):
     assert "--procs must be integers" in capsys.readouterr().err
     assert O.main(["--reps", "0"]) == 2
     assert O.main(["--image-px", "4"]) == 2 and "--image-px at least 16" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_mix_study_draws_mixes_that_fill_the_gpus_and_reports_each_shape(tmp_path, capsys):
+    """evaluation.mix_study: seeded random mixes fill the node's GPUs with jobs in the documented
+    ranges; a run writes per-shape summaries whose ratios are the mixes' adaptive / best baseline, the
+    same for the same seed; bad arguments are refused with a message naming the option."""
+    import json
+    import random
+
+    from evaluation import mix_study as M
+
+    rng = random.Random(3)
+    for _ in range(50):
+        mix = M.random_mix(rng, 16, 8)
+        d = M.describe(mix)
+        assert sum(x["gpus"] for x in d.values()) == 8
+        for x in d.values():
+            assert 1 <= x["gpus"] <= 4
+            assert 0.25 * 2 - 1e-3 <= x["loader_cores_per_gpu"] <= 7 * 2 + 1e-3
+            assert 0.0 <= x["trainer_busy"] <= 0.4 + 1e-3
+            assert x["num_workers"] % x["gpus"] == 0
+    out = tmp_path / "m.json"
+    assert M.main(["--nodes", "8:4", "--mixes", "3", "--seed", "2", "--worst", "3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    s, worst = res["summaries"]["8:4"], res["worst"]["8:4"]
+    assert s["mixes"] == 3 and len(worst) == 3
+    for r in worst:
+        best = max(M.BASELINES, key=lambda p: r["agg"][p])
+        assert r["best"] == best and r["ratio"] == pytest.approx(r["agg"]["adaptive"] / r["agg"][best])
+    assert s["min"] == pytest.approx(min(r["ratio"] for r in worst))
+    assert "| 8:4 | 3 |" in capsys.readouterr().out
+    assert M.main(["--nodes", "8:4", "--mixes", "3", "--seed", "2", "--worst", "3", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["summaries"] == res["summaries"]
+    assert M.main(["--nodes", "8x4"]) == 2 and "CORES:GPUS" in capsys.readouterr().err
+    assert M.main(["--nodes", "0:4"]) == 2 and "at least 1" in capsys.readouterr().err
+    assert M.main(["--mixes", "0"]) == 2 and "--mixes" in capsys.readouterr().err
+    assert M.main(["--floor-fraction", "1.5"]) == 2 and "--floor-fraction" in capsys.readouterr().err
