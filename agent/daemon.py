@@ -21,7 +21,7 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, floor_fraction, observed_cores, cpu_bound_min_workers, log_level, unseen_job_timeout_s
+fairness_floor, floor_fraction, floor_reference, observed_cores, cpu_bound_min_workers, log_level, unseen_job_timeout_s
 take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
@@ -61,9 +61,11 @@ from agent.registry import Limits, Registry
 from agent.server import Server, ServerLimits
 
 log = logging.getLogger("agent.daemon")
-RELOADABLE = ("policy", "tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "hysteresis", "min_confidence",
-              "fairness_floor", "floor_fraction", "observed_cores", "cpu_bound_min_workers", "log_level",
-              "unseen_job_timeout_s", "loader_memory", "memory_pressure_psi", "memory_min_available")
+# the keys whose change rebuilds the controller (its policy and what the policy is told)
+POLICY_KEYS = ("policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction", "floor_reference",
+               "observed_cores", "cpu_bound_min_workers")
+RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "log_level", "unseen_job_timeout_s",
+                            "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
 class CannotStart(RuntimeError):
@@ -93,6 +95,7 @@ def _policy_config(cfg: AgentConfig):
 
     return PolicyConfig(hysteresis=cfg.hysteresis, min_confidence=cfg.min_confidence,
                         fairness_floor=cfg.fairness_floor, floor_fraction=cfg.floor_fraction,
+                        floor_reference=cfg.floor_reference,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores,
                         cpu_bound_min_workers=cfg.cpu_bound_min_workers)
@@ -322,8 +325,7 @@ class Agent:
             self.collector.max_jobs = new.max_jobs
         if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
             self.collector.memory_guard = self._build_memory_guard()
-        if {"policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction",
-                "observed_cores", "cpu_bound_min_workers"} & set(live):
+        if set(POLICY_KEYS) & set(live):
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 

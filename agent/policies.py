@@ -46,7 +46,8 @@ from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
 TRAINER_CPU_MIN = 0.05      # cores, all training processes together: below this they are taken to need no CPU
-LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
+LOADERS_YIELD = ("auto", "never")
+FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 
@@ -62,6 +63,16 @@ class PolicyConfig:
     fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
         GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
         budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
+    floor_reference: "habit" (default): the throughput a job's floor keeps is at most what its
+        static-cores allotment (node CPUs x its GPUs / all GPUs, in the loaders' part) gives it with its
+        user's own ``num_workers`` (``requested_workers``): a batch scheduler's partition as its user runs
+        it, the reference of issue 11's fairness target. A job whose user asked for fewer workers than
+        its share could use keeps what those workers give, and the rest of its share goes to the
+        knapsack. "share": the GPU share's throughput with as many workers as use it (raised to the
+        static-cores allotment's), whatever the job asked for. In the random-mix study (``python -m
+        evaluation.mix_study``) "share" was what lost on 96-core nodes, where users' 2-16 workers per
+        rank leave most of a 12-core GPU share unused: worst mix 0.933x the best baseline, 0.994 with
+        "habit" (median 1.076 -> 1.097); every other shape and bench mix within 0.3%.
     floor_fraction: see fairness_floor (1.0, the default: the whole share's throughput is a floor;
         below 1, the rest of every share goes to the knapsack, so a job whose cores buy little gives some
         to one whose cores buy more, and no job loses more than 1 - floor_fraction of its GPU share's
@@ -121,6 +132,7 @@ class PolicyConfig:
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
     cpu_bound_min_workers: int = 1
+    floor_reference: str = "habit"
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -133,6 +145,9 @@ class PolicyConfig:
         for name in ("hysteresis", "worker_start_s", "min_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.floor_reference not in FLOOR_REFERENCES:
+            raise ValueError(f"PolicyConfig.floor_reference must be one of {', '.join(FLOOR_REFERENCES)}, "
+                             f"got {self.floor_reference!r}")
         if not 0.0 < self.floor_fraction <= 1.0:
             raise ValueError(f"PolicyConfig.floor_fraction must be in (0, 1], got {self.floor_fraction}")
         for name in ("min_cpus", "quantum_cpus", "decision_horizon_s"):
@@ -550,7 +565,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     1. Cold jobs (no curve, or confidence below ``min_confidence``) get the cold-start share.
     2. Warm jobs first get their floor with ``fairness_floor``: the least cores that reach
        ``floor_fraction`` of the throughput of min(GPU-proportional share, useful cores) (the share a
-       batch scheduler would give: budget x gpus / all GPUs), else ``min_cpus``.
+       batch scheduler would give: budget x gpus / all GPUs), with ``floor_reference`` "habit" at most
+       what its static-cores allotment gives with its user's own workers, else ``min_cpus``.
     3. The rest goes in quanta to the job with the highest ``gpus * d(normalised)/d(cores)``; ties by
        job id. Fractional knapsack: optimal for concave curves.
     4. Spare cores nobody's curve can use are handed out by GPU weight (work-conserving: the curve may
@@ -642,16 +658,22 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             x = value(j, max(min_c, part * (S - n * x)))
         return max(min_c, part * (S - n * x))
 
-    def floor_cores(j: str, top: float, lo: Optional[float] = None) -> float:
+    def floor_cores(j: str, top: float, lo: Optional[float] = None, limit: Optional[float] = None) -> float:
         """The least cores that keep floor_fraction of what ``top`` cores give, to a sixteenth of the
         greedy's step (the rest is the knapsack's): regula falsi with the Illinois rule on the job's own
         curve, which is non-decreasing in cores, keeping the root bracketed; a few curve evaluations
         where bisection takes ten (this runs for every job on every tick). ``lo``: cores known to give
         less than the target (the floor for a lower target), where the search starts."""
         top = max(min_c, min(top, useful[j], cap[j]))
-        if config.floor_fraction >= 1.0 or top <= min_c:
+        if top <= min_c:
             return top
-        want = config.floor_fraction * value(j, top)
+        full = value(j, top)
+        if limit is not None and limit < full:
+            want = config.floor_fraction * limit
+        elif config.floor_fraction >= 1.0:
+            return top
+        else:
+            want = config.floor_fraction * full
         lo, hi = min(top, max(min_c, lo or min_c)), top
         f_lo, f_hi = value(j, lo) - want, value(j, hi) - want
         if f_lo >= 0:
@@ -679,18 +701,28 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of
     # it can be below what static cores give its loader; issue 11's fairness target: no job below 0.9x its
     # static-cores throughput). The raises are scaled down, if need be, to fit the loader CPUs.
+    def habit_value(j: str) -> float:
+        """What the job's static-cores allotment gives it with its user's own ``num_workers`` (the
+        fairness target's reference: a batch scheduler's cores and the workers the user asked for)."""
+        S, n, w = allotment[j], need[j], clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
+        x = 0.5
+        for _ in range(4):
+            x = norm(j, w, max(min_c, part * (S - n * x)))
+        return x
+
     extra: dict[str, float] = {}
     for j in warm:
         if not config.fairness_floor:
             cpus[j] = min_c
             continue
-        cpus[j] = floor_cores(j, share[j])
+        lim = habit_value(j) if config.floor_reference == "habit" else None
+        cpus[j] = floor_cores(j, share[j], limit=lim)
         extra[j] = 0.0
         # (a job its GPU share already covers, or whose whole static allotment is no more, needs no raise)
         if share[j] < min(useful[j], cap[j]) and part * allotment[j] > share[j]:
             top = static_share(j)
             if top > share[j]:
-                extra[j] = max(0.0, floor_cores(j, top, lo=cpus[j]) - cpus[j])
+                extra[j] = max(0.0, floor_cores(j, top, lo=cpus[j], limit=lim) - cpus[j])
     room = snapshot.loader_cpus - sum(cpus.values())
     if extra and sum(extra.values()) > EPS:
         k = min(1.0, max(0.0, room) / sum(extra.values()))

@@ -2,7 +2,7 @@
 on node shapes from a 2-core dev VM to a 96-core GPU node (a command, not a test).
 
     python -m evaluation.mix_study [--nodes 2:3,2:4,8:4,16:8,32:8,96:8] [--mixes 100] [--seed 1]
-                                   [--floor-fraction F] [--out FILE.json]
+                                   [--floor-fraction F] [--floor-reference habit|share] [--out FILE.json]
 
 The bench's and the 16/96-core study's mixes are a handful chosen by hand; the policy will be judged on
 mixes nobody chose. Each node shape ``CORES:GPUS`` gets ``--mixes`` random mixes that fill its GPUs
@@ -89,12 +89,12 @@ def worst_vs_static(window: dict, static: dict, exempt=()) -> Optional[float]:
 
 
 def run_mix(truth: dict, cores: int, gpus: int, floor_fraction: Optional[float] = None,
-            warmup_s: float = 30.0, measure_s: float = 30.0) -> dict:
+            warmup_s: float = 30.0, measure_s: float = 30.0, policy_options: tuple = ()) -> dict:
     from evaluation import simulate as S
     from evaluation.validate_sim import sim_config
 
     cfg = dataclasses.replace(sim_config(cores, round(cores * 0.9, 2), gpus), loader_cpus=None,
-                              floor_fraction=floor_fraction, tuner_gpu_part=True)
+                              floor_fraction=floor_fraction, tuner_gpu_part=True, policy_options=policy_options)
     res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in POLICIES}
     agg = {p: r["window_agg"] for p, r in res.items()}
     win = {p: r["window"] for p, r in res.items()}
@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--floor-fraction", type=float, default=None,
                     help="the agent's floor_fraction (default: its default)")
+    ap.add_argument("--floor-reference", choices=("habit", "share"), default=None,
+                    help="the agent's floor_reference (default: its default)")
     ap.add_argument("--worst", type=int, default=5, help="worst mixes per node kept in the JSON")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
@@ -175,12 +177,14 @@ def main(argv=None) -> int:
     if args.floor_fraction is not None and not 0.0 < args.floor_fraction <= 1.0:
         print("mix_study: --floor-fraction must be in (0, 1]", file=sys.stderr)
         return 2
+    opts = (("floor_reference", args.floor_reference),) if args.floor_reference else ()
     summaries, worst, t0 = {}, {}, time.monotonic()
     for cores, gpus in nodes:
         rng = random.Random(f"{args.seed}:{cores}:{gpus}")
         rows = []
         for k in range(args.mixes):
-            rows.append({"mix": k, **run_mix(random_mix(rng, cores, gpus), cores, gpus, args.floor_fraction)})
+            rows.append({"mix": k, **run_mix(random_mix(rng, cores, gpus), cores, gpus, args.floor_fraction,
+                                                policy_options=opts)})
             if (k + 1) % 25 == 0 or k + 1 == args.mixes:
                 print(f"{cores}:{gpus}: {k + 1} of {args.mixes} mixes ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
         name = f"{cores}:{gpus}"

@@ -247,6 +247,7 @@ class SimConfig:
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
     floor_fraction: Optional[float] = None   # agent.policies.PolicyConfig.floor_fraction (None: its default)
+    policy_options: tuple = ()      # further agent.policies.PolicyConfig fields, as (name, value) pairs
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
@@ -518,7 +519,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                                 policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares",
                                                            loaders_yield=cfg.loaders_yield,
                                                            **({"floor_fraction": cfg.floor_fraction}
-                                                              if cfg.floor_fraction is not None else {})),
+                                                              if cfg.floor_fraction is not None else {}),
+                                                           **dict(cfg.policy_options)),
                                 predictor=predictor, actuators=[act])
     settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
     decisions = 0

@@ -171,16 +171,18 @@ def test_adaptive_weights_by_gpus():
 
 
 def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
-    # the floor is floor_fraction of the throughput of the job's GPU-proportional share of the budget
-    # (what a batch scheduler gives it), above min_cpus: a 1-GPU job beside a 4-GPU job keeps 1/5 of the
-    # 1.8 cores whole with floor_fraction 1 (the default), and 90% of it with 0.9 (linear curves here)
+    # floor_reference "share": the floor is floor_fraction of the throughput of the job's GPU-proportional
+    # share of the budget (what a batch scheduler gives it), above min_cpus: a 1-GPU job beside a 4-GPU
+    # job keeps 1/5 of the 1.8 cores whole with floor_fraction 1 (the default), and 90% of it with 0.9
+    # (linear curves here). (The default reference, "habit", is tested below.)
     s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
     share_b, share_a = 0.05 + 1.7 / 5, 0.05 + 1.7 * 4 / 5
     assert PolicyConfig().floor_fraction == 1.0
-    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_reference="share"))
     assert plan.allocations["b"].cpus >= share_b - 1e-9
     assert plan.allocations["a"].cpus >= share_a - 1e-9
-    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_fraction=0.9))
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True, floor_fraction=0.9,
+                                                                floor_reference="share"))
     cv = curves_of(s)["b"]
     got, floor = plan.allocations["b"], 0.9 * cv.normalized(1, share_b)
     assert cv.normalized(got.workers, got.cpus) >= floor - 1e-6
@@ -191,6 +193,35 @@ def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "light")])
     plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig(fairness_floor=True))
     assert plan.allocations["b"].cpus < 0.3
+
+
+def test_fairness_floor_habit_keeps_what_the_partition_gives_with_the_users_own_workers():
+    """floor_reference "habit" (the default): a job's floor is what its static-cores allotment (node CPUs
+    x its GPUs / all GPUs, in the loaders' part) gives it with its user's own num_workers, the fairness
+    target's reference, at most its GPU share's. A 4-GPU job needing 30 cores whose user asked for one
+    worker keeps what one worker gives; the cores its GPU share held beyond that go where they buy more
+    (two 1-GPU jobs needing 3 cores each). With "share" the 4-GPU job keeps its whole GPU share and the
+    small jobs stay short. (The random-mix study, 96 cores / 8 GPUs: worst mix 0.933x the best baseline
+    with "share", 0.994 with "habit".)"""
+    huge = dict(cpu_s_per_batch=3.0, wall_s_per_batch=3.0)
+    s = snap("gpu-8core", [job("a", "heavy", gpus=4, requested_workers=1, **huge),
+                           job("b", "heavy", requested_workers=4), job("c", "heavy", requested_workers=4)])
+    cv = curves_of(s)
+    assert PolicyConfig().floor_reference == "habit"
+    total = lambda plan: sum(s.jobs[j].gpus * cv[j].normalized(a.workers, a.cpus) for j, a in plan.allocations.items())
+    habit = get_policy("adaptive")(s, cv, PolicyConfig())
+    share = get_policy("adaptive")(s, cv, PolicyConfig(floor_reference="share"))
+    check_invariants(habit, s)
+    a = habit.allocations["a"]
+    static_a = cv["a"].normalized(1, 8 * 4 / 6 * 7 / 8)     # its allotment's loader part, one worker
+    assert cv["a"].normalized(a.workers, a.cpus) >= static_a - 1e-6
+    for j in "bc":
+        assert habit.allocations[j].cpus >= 2.9, habit.allocations[j]
+        assert share.allocations[j].cpus < 1.5, share.allocations[j]
+    assert share.allocations["a"].cpus >= 0.05 + (7.0 - 0.15) * 4 / 6 - 1e-6
+    assert total(habit) > 1.3 * total(share)
+    with pytest.raises(ValueError, match="floor_reference"):
+        PolicyConfig(floor_reference="habits")
 
 
 def test_cold_start_fair_share_and_request():
