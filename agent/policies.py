@@ -548,6 +548,26 @@ def _useful_cores(curve: ThroughputCurve, job: JobStats, cap: float, config: Pol
     return min(cap, need) if math.isfinite(need) else cap
 
 
+def paced_fixed_point(pace: Callable[[float], float], iterations: int = 20) -> float:
+    """The normalised throughput x at which a job runs when its training processes, at pace x, leave
+    its loader the rest of a fixed allotment: the root of x = pace(x), where ``pace(x)`` is what the
+    loader delivers with the cores left at trainer pace x. ``pace`` is non-increasing (the faster the
+    trainers, the fewer cores left), so the root is unique and bisection brackets it; returned from
+    below (to 2^-iterations). A plain iteration x <- pace(x) oscillates between two values where the
+    trainers' need is a large part of the allotment (a 1-GPU job on a quarter of 2 CPUs whose trainer
+    is busy 36% of its step: 0.50 and 1.0 around the root 0.78)."""
+    if pace(1.0) >= 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if pace(mid) >= mid:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _gain_key(gain: float) -> float:
     """Heap key of a marginal gain: negated (a min-heap), rounded to 1e-9 so float noise is no tie-break."""
     return -round(gain, 9)
@@ -653,9 +673,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         its trainers use at the throughput those cores give (a fixed point on its curve), in the
         loaders' part of the node (x loader_cpus / node CPUs: the agent's reserve is no job's)."""
         S, n = allotment[j], need[j]
-        x = 0.5
-        for _ in range(4):
-            x = value(j, max(min_c, part * (S - n * x)))
+        x = paced_fixed_point(lambda x: value(j, max(min_c, part * (S - n * x))))
         return max(min_c, part * (S - n * x))
 
     def floor_cores(j: str, top: float, lo: Optional[float] = None, limit: Optional[float] = None) -> float:
@@ -705,10 +723,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         """What the job's static-cores allotment gives it with its user's own ``num_workers`` (the
         fairness target's reference: a batch scheduler's cores and the workers the user asked for)."""
         S, n, w = allotment[j], need[j], clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
-        x = 0.5
-        for _ in range(4):
-            x = norm(j, w, max(min_c, part * (S - n * x)))
-        return x
+        return paced_fixed_point(lambda x: norm(j, w, max(min_c, part * (S - n * x))))
 
     extra: dict[str, float] = {}
     for j in warm:

@@ -679,3 +679,34 @@ def test_a_data_starved_job_is_not_capped_at_its_trainers_full_speed_reserve():
     assert v > cv["big"].normalized(1, 0.8) * 1.5
     cold = get_policy("adaptive")(s, {}, PolicyConfig()).allocations["big"]
     assert cold.cpus <= budget + 1e-6 and "cold start" in cold.reason
+
+
+def test_paced_fixed_point_finds_the_pace_where_a_plain_iteration_oscillates():
+    """A job's static-cores allotment less what its trainers use at the pace it gives (the fairness
+    floor's reference): a 1-GPU job on a quarter of 2 CPUs (0.5), its trainer busy 36% of a step at full
+    speed, its loader needing 0.25 cores, in the loaders' 90%: x = min(1, 0.9 (0.5 - 0.36 x) / 0.25), root
+    0.784. Iterating x <- pace(x) from 0.5 alternates between 0.50 and 1.0 (four steps ended at 0.50,
+    which put the job's floor at half of what static-cores gives it)."""
+    from agent.policies import paced_fixed_point
+
+    pace = lambda x: min(1.0, 0.9 * (0.5 - 0.36 * x) / 0.25)
+    root = 1.8 / 2.296
+    x = paced_fixed_point(pace)
+    assert root - 1e-3 <= x <= root
+    plain = 0.5
+    for _ in range(4):
+        plain = pace(plain)
+    assert plain == pytest.approx(0.504)
+    assert paced_fixed_point(lambda x: 1.0) == 1.0                   # fed at any pace
+    assert paced_fixed_point(lambda x: 0.0) == 0.0
+    assert paced_fixed_point(lambda x: 0.3) == pytest.approx(0.3, abs=1e-3)   # trainers need nothing
+    # the policy's floor: the job keeps what static-cores gives it beside a 3-GPU job that wants more (the
+    # random-mix study's case: with the plain iteration its floor was 0.50 of its ceiling, static-cores 0.79)
+    s = snap("dev-2vcpu", [job("small", "light", trainer_cpu_s_per_step=0.036, cpu_s_per_batch=0.025,
+                               wall_s_per_batch=0.025, requested_workers=16),
+                           job("big", "heavy", gpus=3, trainer_cpu_s_per_step=0.0702, cpu_s_per_batch=0.108,
+                               wall_s_per_batch=0.108, requested_workers=3)])
+    cv = curves_of(s)
+    for ref in ("habit", "share"):
+        a = get_policy("adaptive")(s, cv, PolicyConfig(floor_reference=ref)).allocations["small"]
+        assert cv["small"].normalized(a.workers, a.cpus) >= root - 0.02, (ref, a)
