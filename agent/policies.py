@@ -46,8 +46,8 @@ from predictor.curve import ThroughputCurve
 
 EPS = 1e-9
 TRAINER_CPU_MIN = 0.05      # cores, all training processes together: below this they are taken to need no CPU
-LOADERS_YIELD = ("auto", "never")
-FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
+LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
+FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 
@@ -715,16 +715,17 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 side = -1
         return hi
 
-    # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
-    # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of
-    # it can be below what static cores give its loader; issue 11's fairness target: no job below 0.9x its
-    # static-cores throughput). The raises are scaled down, if need be, to fit the loader CPUs.
     def habit_value(j: str) -> float:
         """What the job's static-cores allotment gives it with its user's own ``num_workers`` (the
         fairness target's reference: a batch scheduler's cores and the workers the user asked for)."""
         S, n, w = allotment[j], need[j], clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
         return paced_fixed_point(lambda x: norm(j, w, max(min_c, part * (S - n * x))))
 
+    # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
+    # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of
+    # it can be below what static cores give its loader; issue 11's fairness target: no job below 0.9x its
+    # static-cores throughput). The raises are scaled down, if need be, to fit the loader CPUs. With
+    # floor_reference "habit" each is at most what the allotment gives with the user's own workers.
     extra: dict[str, float] = {}
     for j in warm:
         if not config.fairness_floor:
