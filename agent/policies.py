@@ -63,16 +63,20 @@ class PolicyConfig:
     fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
         GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
         budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
-    floor_reference: "habit" (default): the throughput a job's floor keeps is at most what its
+    floor_reference: "share" (default): the GPU share's throughput with as many workers as use it
+        (raised to the static-cores allotment's), whatever the job asked for. "habit": the throughput a
+        job's floor keeps is at most what its
         static-cores allotment (node CPUs x its GPUs / all GPUs, in the loaders' part) gives it with its
         user's own ``num_workers`` (``requested_workers``): a batch scheduler's partition as its user runs
         it, the reference of issue 11's fairness target. A job whose user asked for fewer workers than
         its share could use keeps what those workers give, and the rest of its share goes to the
-        knapsack. "share": the GPU share's throughput with as many workers as use it (raised to the
-        static-cores allotment's), whatever the job asked for. In the random-mix study (``python -m
-        evaluation.mix_study``) "share" was what lost on 96-core nodes, where users' 2-16 workers per
-        rank leave most of a 12-core GPU share unused: worst mix 0.933x the best baseline, 0.994 with
-        "habit" (median 1.076 -> 1.097); every other shape and bench mix within 0.3%.
+        knapsack. In the random-mix study (``python -m evaluation.mix_study``) "share" lost on 96-core
+        nodes, where users' 2-16 workers per rank leave most of a 12-core GPU share unused: worst mix
+        0.933x the best baseline, 0.994 with "habit" (median 1.076 -> 1.100); every other shape and bench
+        mix within 0.4%. Not the default: with "habit" more of each plan is the knapsack's, which follows
+        each job's noisy estimate of the cores it can use, and a move in which no job is predicted worse
+        passes the hold without the hysteresis (tests/test_controller_reaction.py: under +-3% noise, 8 of
+        30 seeds re-applied a settled plan once, for predicted gains of 1.4-2.6%; none with "share").
     floor_fraction: see fairness_floor (1.0, the default: the whole share's throughput is a floor;
         below 1, the rest of every share goes to the knapsack, so a job whose cores buy little gives some
         to one whose cores buy more, and no job loses more than 1 - floor_fraction of its GPU share's
@@ -132,7 +136,7 @@ class PolicyConfig:
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
     cpu_bound_min_workers: int = 1
-    floor_reference: str = "habit"
+    floor_reference: str = "share"
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:

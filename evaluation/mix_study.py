@@ -2,7 +2,7 @@
 on node shapes from a 2-core dev VM to a 96-core GPU node (a command, not a test).
 
     python -m evaluation.mix_study [--nodes 2:3,2:4,8:4,16:8,32:8,96:8] [--mixes 100] [--seed 1]
-                                   [--floor-fraction F] [--floor-reference habit|share] [--out FILE.json]
+                                   [--floor-fraction F] [--floor-reference share|habit] [--out FILE.json]
 
 The bench's and the 16/96-core study's mixes are a handful chosen by hand; the policy will be judged on
 mixes nobody chose. Each node shape ``CORES:GPUS`` gets ``--mixes`` random mixes that fill its GPUs

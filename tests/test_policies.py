@@ -174,7 +174,7 @@ def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
     # floor_reference "share": the floor is floor_fraction of the throughput of the job's GPU-proportional
     # share of the budget (what a batch scheduler gives it), above min_cpus: a 1-GPU job beside a 4-GPU
     # job keeps 1/5 of the 1.8 cores whole with floor_fraction 1 (the default), and 90% of it with 0.9
-    # (linear curves here). (The default reference, "habit", is tested below.)
+    # (linear curves here). (The other reference, "habit", is tested below.)
     s = snap("dev-2vcpu", [job("a", "heavy", gpus=4), job("b", "heavy", gpus=1)])
     share_b, share_a = 0.05 + 1.7 / 5, 0.05 + 1.7 * 4 / 5
     assert PolicyConfig().floor_fraction == 1.0
@@ -196,7 +196,7 @@ def test_fairness_floor_keeps_gpu_share_for_a_job_that_can_use_it():
 
 
 def test_fairness_floor_habit_keeps_what_the_partition_gives_with_the_users_own_workers():
-    """floor_reference "habit" (the default): a job's floor is what its static-cores allotment (node CPUs
+    """floor_reference "habit" (not the default: see PolicyConfig): a job's floor is what its static-cores allotment (node CPUs
     x its GPUs / all GPUs, in the loaders' part) gives it with its user's own num_workers, the fairness
     target's reference, at most its GPU share's. A 4-GPU job needing 30 cores whose user asked for one
     worker keeps what one worker gives; the cores its GPU share held beyond that go where they buy more
@@ -207,10 +207,10 @@ def test_fairness_floor_habit_keeps_what_the_partition_gives_with_the_users_own_
     s = snap("gpu-8core", [job("a", "heavy", gpus=4, requested_workers=1, **huge),
                            job("b", "heavy", requested_workers=4), job("c", "heavy", requested_workers=4)])
     cv = curves_of(s)
-    assert PolicyConfig().floor_reference == "habit"
+    assert PolicyConfig().floor_reference == "share"
     total = lambda plan: sum(s.jobs[j].gpus * cv[j].normalized(a.workers, a.cpus) for j, a in plan.allocations.items())
-    habit = get_policy("adaptive")(s, cv, PolicyConfig())
-    share = get_policy("adaptive")(s, cv, PolicyConfig(floor_reference="share"))
+    habit = get_policy("adaptive")(s, cv, PolicyConfig(floor_reference="habit"))
+    share = get_policy("adaptive")(s, cv, PolicyConfig())
     check_invariants(habit, s)
     a = habit.allocations["a"]
     static_a = cv["a"].normalized(1, 8 * 4 / 6 * 7 / 8)     # its allotment's loader part, one worker
