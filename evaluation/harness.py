@@ -528,8 +528,8 @@ def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progre
                    memory_out: Optional[dict] = None) -> dict[str, list]:
     """Each distinct kind alone on the node at worker counts 1..ceil(loader_cpus)+1 -> points per job.
 
-    ``memory_out``: filled with job -> one worker's memory (bytes): the most unique memory (USS) per
-    loader worker seen in any sample of the kind's sweep (every ``cfg.memory_sample_s``), so the
+    ``memory_out``: filled with job -> one worker's memory (bytes): the most unique memory (USS) one
+    loader worker held in any sample of the kind's sweep (every ``cfg.memory_sample_s``), so the
     budget oracle plans with what the harness itself will measure."""
     top = min(6, math.ceil(cfg.loader_cpus) + 1)
     workers = ",".join(str(w) for w in range(1, top + 1))
@@ -549,9 +549,12 @@ def measure_sweeps(cfg: BenchConfig, specs: list[JobSpec], run_dir: Path, progre
         try:
             while proc.alive() and time.monotonic() < deadline:
                 if memory_out is not None and time.monotonic() >= next_mem:
-                    n, total = worker_memory(proc.pid)
-                    if n:
-                        per_worker = max(per_worker, total / n)
+                    # the largest single worker, not the mean: a sample taken as the sweep adds a
+                    # worker counts one still starting (its memory not yet touched), and the mean of
+                    # the two read 129 MiB for 208-MiB workers (the budget oracle then planned two of
+                    # them under a 350-MiB budget: the memory test's flake)
+                    _, _, largest = worker_memory(proc.pid)
+                    per_worker = max(per_worker, float(largest))
                     next_mem = time.monotonic() + cfg.memory_sample_s
                 time.sleep(0.2)
             reader.poll()
@@ -804,9 +807,10 @@ def node_busy_s() -> float:
     return sum(float(getattr(t, k, 0.0)) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def worker_memory(pid: int) -> tuple[int, int]:
-    """(loader workers measured, their unique memory (USS, ``/proc/<pid>/smaps_rollup``) in bytes) of
-    one job process: its children (the training process itself is not loader memory)."""
+def worker_memory(pid: int) -> tuple[int, int, int]:
+    """(loader workers measured, their unique memory (USS, ``/proc/<pid>/smaps_rollup``) in bytes, the
+    largest one worker's) of one job process: its children (the training process itself is not loader
+    memory)."""
     import psutil
 
     from adloader.memory import process_memory
@@ -815,13 +819,14 @@ def worker_memory(pid: int) -> tuple[int, int]:
         kids = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         kids = []
-    n = total = 0
+    n = total = largest = 0
     for k in kids:
         m = process_memory(k.pid)
         if m is not None:
             n += 1
             total += m.uss
-    return n, total
+            largest = max(largest, m.uss)
+    return n, total, largest
 
 
 def loader_memory_sample(procs: dict, now: float) -> dict:

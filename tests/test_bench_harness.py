@@ -313,6 +313,47 @@ worker_ram_mb = 200
 memory = ["fat", "light"]""")
 
 
+def test_worker_memory_reports_the_largest_worker_beside_the_total():
+    """``worker_memory``: a job process's children, their unique memory in total and the largest one's.
+    The oracle's sweep takes one worker's memory from the largest: a sample taken as the sweep adds a
+    worker counts one still starting, and the mean (what it took before) read 129 MiB for 208-MiB workers,
+    so the budget oracle planned two of them under a 350-MiB budget. Real processes: a parent whose one
+    child holds 64 MiB (every page touched) and whose other child holds nothing of its own."""
+    import subprocess
+    import sys
+    import time
+
+    from evaluation.harness import worker_memory
+
+    code = (
+        "import os, sys, time\n"
+        "def child(mb):\n"
+        "    buf = bytearray(mb << 20); buf[::4096] = b'\\x01' * len(range(0, mb << 20, 4096))\n"
+        "    print('ready', flush=True); time.sleep(60)\n"
+        "for mb in (64, 0):\n"
+        "    if os.fork() == 0:\n"
+        "        child(mb); os._exit(0)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready" and parent.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        n, total, largest = worker_memory(parent.pid)
+        assert n == 2
+        assert 64 << 20 <= largest <= total < (64 << 20) + (48 << 20), (n, total, largest)
+        assert largest > total / n * 1.5              # the mean would understate the big worker
+    finally:
+        try:
+            kids = psutil.Process(parent.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for k in kids:
+            k.kill()
+        parent.kill()
+        parent.wait()
+        psutil.wait_procs(kids, timeout=5)
+
+
 @pytest.mark.parametrize("policy", ["none", "adaptive", "oracle"])
 def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
     """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
