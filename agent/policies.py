@@ -671,14 +671,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}     # each job's trainers at full speed
     allotment = {j: node_cpus * gpus[j] / total_gpus for j in ids}     # its static-cores allotment, whole
 
-    def static_share(j: str) -> float:
+    def allotment_left(j: str, x: float) -> float:
         """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
-        node's CPUs x its GPUs / all GPUs for its training processes and loader together), less what
-        its trainers use at the throughput those cores give (a fixed point on its curve), in the
-        loaders' part of the node (x loader_cpus / node CPUs: the agent's reserve is no job's)."""
-        S, n = allotment[j], need[j]
-        x = paced_fixed_point(lambda x: value(j, max(min_c, part * (S - n * x))))
-        return max(min_c, part * (S - n * x))
+        node's CPUs x its GPUs / all GPUs for its training processes and loader together) less what its
+        trainers use at pace ``x``, in the loaders' part of the node (x loader_cpus / node CPUs: the
+        agent's reserve is no job's)."""
+        return max(min_c, part * (allotment[j] - need[j] * x))
+
+    def static_share(j: str) -> float:
+        """``allotment_left`` at the throughput those cores give (a fixed point on its curve)."""
+        return allotment_left(j, paced_fixed_point(lambda x: value(j, allotment_left(j, x))))
 
     def floor_cores(j: str, top: float, lo: Optional[float] = None, limit: Optional[float] = None) -> float:
         """The least cores that keep floor_fraction of what ``top`` cores give, to a sixteenth of the
@@ -722,8 +724,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     def habit_value(j: str) -> float:
         """What the job's static-cores allotment gives it with its user's own ``num_workers`` (the
         fairness target's reference: a batch scheduler's cores and the workers the user asked for)."""
-        S, n, w = allotment[j], need[j], clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
-        return paced_fixed_point(lambda x: norm(j, w, max(min_c, part * (S - n * x))))
+        w = clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
+        return paced_fixed_point(lambda x: norm(j, w, allotment_left(j, x)))
 
     # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
     # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of

@@ -32,7 +32,6 @@ measured runs (``python -m evaluation.validate_sim``, BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import random
@@ -43,7 +42,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-BASELINES = ("none", "autotune", "static-cores", "even-static")
+from evaluation.validate_sim import BASELINES
+
 POLICIES = BASELINES + ("adaptive",)
 GPU_CHOICES = (1, 1, 1, 2, 2, 4)
 DEMAND_FACTOR = (0.25, 7.0)        # loader cores per GPU at the ceiling, over the node's CPUs per GPU
@@ -91,10 +91,9 @@ def worst_vs_static(window: dict, static: dict, exempt=()) -> Optional[float]:
 def run_mix(truth: dict, cores: int, gpus: int, floor_fraction: Optional[float] = None,
             warmup_s: float = 30.0, measure_s: float = 30.0, policy_options: tuple = ()) -> dict:
     from evaluation import simulate as S
-    from evaluation.validate_sim import sim_config
+    from evaluation.validate_sim import study_config
 
-    cfg = dataclasses.replace(sim_config(cores, round(cores * 0.9, 2), gpus), loader_cpus=None,
-                              floor_fraction=floor_fraction, tuner_gpu_part=True, policy_options=policy_options)
+    cfg = study_config(cores, gpus, floor_fraction, policy_options)
     res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in POLICIES}
     agg = {p: r["window_agg"] for p, r in res.items()}
     win = {p: r["window"] for p, r in res.items()}

@@ -187,13 +187,13 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
             # a worker's CPU per sample over the calibrated figure the job model takes (the simulated one
             # carries time slicing's cost; the measured one everything a worker does beside __getitem__)
             per = cv.cpu_s_per_batch / cv.batch_size
-            sps, ssps = float(m.get("samples_per_s") or 0.0), float(r.get("samples_per_s") or 0.0)
-            a.setdefault("measured_cpu_x", []).append(float(m["worker_cpu_cores"]) / sps / per
-                                                      if m.get("worker_cpu_cores") is not None and sps > 0 and per > 0
-                                                      else None)
-            a.setdefault("sim_cpu_x", []).append(float(r["loader_cores"]) / ssps / per
-                                                 if r.get("loader_cores") is not None and ssps > 0 and per > 0
-                                                 else None)
+
+            def cpu_x(cores, sps):
+                sps = float(sps or 0.0)
+                return float(cores) / sps / per if cores is not None and sps > 0 and per > 0 else None
+
+            a.setdefault("measured_cpu_x", []).append(cpu_x(m.get("worker_cpu_cores"), m.get("samples_per_s")))
+            a.setdefault("sim_cpu_x", []).append(cpu_x(r.get("loader_cores"), r.get("samples_per_s")))
             a.setdefault("workers", []).append(m.get("workers_end"))
             a["gpus"] = [ranks]
     return [{"scenario": sc, "policy": p, "job": j, "reps": len(v["measured_norm"]),
@@ -319,6 +319,15 @@ def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, ste
     return out
 
 
+def study_config(node_cores: int, node_gpus: int, floor_fraction: Optional[float] = None,
+                 policy_options: tuple = ()) -> S.SimConfig:
+    """A real node of the bigger-node studies: the agent's default budget, "auto" (90% of the CPUs,
+    grown into the reserve the trainers leave), and a driver that shows the GPUs, so the jobs' own
+    tuners start at their GPUs' part of the CPUs."""
+    return dataclasses.replace(sim_config(node_cores, round(node_cores * 0.9, 2), node_gpus), loader_cpus=None,
+                               floor_fraction=floor_fraction, tuner_gpu_part=True, policy_options=policy_options)
+
+
 def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
                warmup_s: float = 30.0, measure_s: float = 30.0, mixes=MIXES,
                floor_fraction: Optional[float] = None) -> dict[str, dict]:
@@ -327,15 +336,11 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
     the plan in force at the end and each job's rates) and ``_worst_vs_static`` (per policy: the least
     of its jobs' normalised throughput over the same job's under static-cores, the fairness target's
     figure). ``floor_fraction``: the agent's (None: its default)."""
-    loader = round(node_cores * 0.9, 2)
     out = {}
     for mix in mixes:
         truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
         gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
-        # the agent's default budget, "auto": 90% of the CPUs, grown into the reserve the trainers leave
-        # (a real node: its driver shows the GPUs, so the jobs' own tuners start at their GPUs' part)
-        cfg = dataclasses.replace(sim_config(node_cores, loader, node_gpus), loader_cpus=None,
-                                  floor_fraction=floor_fraction, tuner_gpu_part=True)
+        cfg = study_config(node_cores, node_gpus, floor_fraction)
         res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
         if "static-cores" in res:
