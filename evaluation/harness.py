@@ -605,7 +605,8 @@ def measure_colocated(cfg: BenchConfig, sc: Scenario, run_dir: Path, progress=No
     (the real agent applying it), ``cfg.oracle_probe_reps`` times (order rotated per repeat); per job
     and plan one point ``(workers, median cores used, median normalised)``. Returns (points per job, the
     median total cores the loaders used: the budget the plans really had beside the trainers).
-    ``memory_out``: job -> one worker's memory, the most unique memory per worker seen in any sample."""
+    ``memory_out``: job -> one worker's memory, the largest worker seen in any sample (a sample taken
+    while a worker starts would halve a mean over the planned workers)."""
     plans = probe_plans([l.spec for l in sc.launches], cfg.loader_cpus)
     seen: dict[str, dict[int, list]] = {l.spec.job_id: {} for l in sc.launches}
     used: list[float] = []
@@ -628,9 +629,9 @@ def measure_colocated(cfg: BenchConfig, sc: Scenario, run_dir: Path, progress=No
                 seen[j].setdefault(k, []).append((v["worker_cpu_cores"], v["normalised"]))
             used.append(sum(v["worker_cpu_cores"] for v in m["jobs"].values()))
             for smp in ph.get("memory") or []:
-                for j, b in smp["jobs"].items():
+                for j, b in (smp.get("largest") or {}).items():
                     if j in plan and b:
-                        mem[j] = max(mem.get(j, 0.0), b / plan[j]["workers"])
+                        mem[j] = max(mem.get(j, 0.0), float(b))
     points = {j: [(plans[k][j]["workers"], round(M.median([c for c, _ in xs]), 4),
                    round(min(1.0, M.median([v for _, v in xs])), 4)) for k, xs in sorted(per.items())]
               for j, per in seen.items()}
@@ -830,9 +831,11 @@ def worker_memory(pid: int) -> tuple[int, int, int]:
 
 
 def loader_memory_sample(procs: dict, now: float) -> dict:
-    """Every job's loader workers' unique memory (``worker_memory``), now."""
-    per = {jid: worker_memory(p.pid)[1] for jid, p in procs.items()}
-    return {"t": now, "total": sum(per.values()), "jobs": per}
+    """Every job's loader workers' unique memory (``worker_memory``), now: their total per job
+    ("jobs") and its largest worker's ("largest")."""
+    got = {jid: worker_memory(p.pid) for jid, p in procs.items()}
+    per = {jid: m[1] for jid, m in got.items()}
+    return {"t": now, "total": sum(per.values()), "jobs": per, "largest": {jid: m[2] for jid, m in got.items()}}
 
 
 # -- metrics of a phase --------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_worker_memory_reports_the_largest_worker_beside_the_total():
     import sys
     import time
 
-    from evaluation.harness import worker_memory
+    from evaluation.harness import loader_memory_sample, worker_memory
 
     code = (
         "import os, sys, time\n"
@@ -342,6 +342,9 @@ def test_worker_memory_reports_the_largest_worker_beside_the_total():
         assert n == 2
         assert 64 << 20 <= largest <= total < (64 << 20) + (48 << 20), (n, total, largest)
         assert largest > total / n * 1.5              # the mean would understate the big worker
+        smp = loader_memory_sample({"j": parent}, 1.0)   # what the bench's phases record (measure_colocated)
+        assert smp["t"] == 1.0 and smp["total"] == smp["jobs"]["j"]
+        assert 64 << 20 <= smp["largest"]["j"] <= smp["jobs"]["j"] < (64 << 20) + (48 << 20), smp
     finally:
         try:
             kids = psutil.Process(parent.pid).children(recursive=True)
