@@ -26,18 +26,21 @@ for the ones the command line offers):
     heartbeat_s     float  agent heartbeat period, 0.1..300 s; a rank silent for 3x this has departed;
                            default 2.0
     log_level       str    debug|info|warning|error, default "info"
-    hysteresis      float  0..1, no move for a predicted normalised gain under this, default 0.03
+    hysteresis      float  0..1, no move for a predicted normalised gain under this plus the workers'
+                           restart cost (a plan still holding a cold-start share pays the cost only),
+                           default 0.03
     min_confidence  float  0..1, adaptive: a job whose predicted curve is less sure than this keeps its
                            cold-start share (one window of data gives 0.13, two 0.24); default 0.2
     fairness_floor  bool   adaptive: no job below what its GPU share or static-cores allotment (in the
                            loaders' part of the node) would give it, times ``floor_fraction``, unless
                            it cannot use that, default true
-    floor_reference  str   share|habit, default "share": the throughput the fairness floor keeps for a
-                           job: "share", what its GPU share gives with as many workers as use it, raised to
-                           its static-cores allotment's (a job whose user asked for few workers keeps cores
-                           it would not use); "habit", what its static-cores allotment gives it with its
-                           user's own num_workers (a batch scheduler's partition as the user runs it: the
-                           reference of issue 11's fairness target), at most its GPU share's
+    floor_reference  str   habit|share, default "habit": the throughput the fairness floor keeps for a
+                           job: "habit", what its static-cores allotment gives it with its user's own
+                           num_workers (a batch scheduler's partition as the user runs it: the reference
+                           of issue 11's fairness target), at most its GPU share's; "share", what its GPU
+                           share gives with as many workers as use it, raised to its static-cores
+                           allotment's (a job whose user asked for few workers keeps cores it would not
+                           use)
     floor_fraction  float  (0, 1], adaptive with fairness_floor: that part of the throughput of its share
                            each job keeps (1: the whole share's; lower leaves the greedy more to move
                            to where it buys more, at a cost to the job that gives), default 1.0
@@ -134,7 +137,7 @@ class AgentConfig:
     min_confidence: float = 0.2
     fairness_floor: bool = True
     floor_fraction: float = 1.0
-    floor_reference: str = "share"
+    floor_reference: str = "habit"
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
     loaders_yield: str = "auto"

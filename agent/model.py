@@ -31,6 +31,7 @@ class JobAllocation:
     enforce_cpu: bool = True              # False: `cpus` is informational; CPU actuators leave the workers alone
     cpu_weight: Optional[float] = None    # cores the job's group weighs (``shares`` knob) when not ``cpus``:
                                           # a job with all the cores it can use weighs more (policies.satisfied_weight)
+    cold: bool = False                    # planned without a curve (a cold-start rule), not from an estimate
 
     @property
     def weight_cores(self) -> float:

@@ -59,6 +59,29 @@ def test_a_change_of_cpu_weight_alone_is_applied_and_does_not_cut_a_window():
     assert same_allocation(w, dataclasses.replace(w, cpus=0.3 + 1e-4))
 
 
+def test_the_applied_record_follows_the_policys_reason_and_cold_flag_without_a_reapply():
+    """A plan that keeps a job's allocation but says why differently (a hold, a cold job now planned
+    from its curve) applies nothing; the applied record (what adaptive's hold reads) takes the new
+    reason and cold flag, and keeps the cores in force."""
+    src = FakeSource(4.0, [job_stats("a")])
+    act = RecordingActuator()
+    plans = iter([JobAllocation(job="a", workers=2, cpus=2.0, reason="cold start", cold=True),
+                  JobAllocation(job="a", workers=2, cpus=2.0 + 1e-4, reason="from its curve")])
+
+    def policy(snapshot, curves, config):
+        from agent.model import AllocationPlan
+        return AllocationPlan(policy="test", allocations={"a": next(plans)})
+
+    c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=FakeBank(),
+                   actuators=[act])
+    c.tick(now=1.0)
+    assert c.applied()["a"].cold and len(act.applied) == 1
+    rec = c.tick(now=2.0)
+    assert not rec.results and len(act.applied) == 1        # nothing re-applied
+    a = c.applied()["a"]
+    assert (a.reason, a.cold, a.cpus) == ("from its curve", False, 2.0)
+
+
 def test_departure_releases_and_hands_out_share_in_same_tick():
     src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     act = RecordingActuator()

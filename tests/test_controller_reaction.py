@@ -112,15 +112,21 @@ def test_breaker_is_visible_in_the_record_and_spares_other_jobs():
 
 
 @pytest.mark.parametrize("bank_name,make_bank", list(banks()), ids=[b for b, _ in banks()])
-def test_measurement_noise_does_not_make_adaptive_oscillate(bank_name, make_bank):
-    """+-3% noise on every job's figures every tick: after settling, nothing is re-applied."""
+@pytest.mark.parametrize("floor_reference", ["share", "habit"])
+@pytest.mark.parametrize("seed", [7, 3, 5, 6, 8])
+def test_measurement_noise_does_not_make_adaptive_oscillate(bank_name, make_bank, floor_reference, seed):
+    """+-3% noise on every job's figures every tick: after settling, nothing is re-applied. (Seeds 3-8
+    re-applied a settled plan once with floor_reference "habit" while a move in which no job was
+    predicted worse passed the hold without the hysteresis: a job's noisy estimate of the cores it can
+    use handed its spare to a neighbour.)"""
     import random
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     base = [heavy("a"), light("b"), io_bound("c"), heavy("d", gpus=2)]
     src = FakeSource(3.0, base)
     act = RecordingActuator()
-    c = Controller(snapshot_source=src, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+    c = Controller(snapshot_source=src, policy=get_policy("adaptive"),
+                   policy_config=PolicyConfig(floor_reference=floor_reference),
                    predictor=make_bank(), actuators=[act])
     changed = []
     for t in range(40):
