@@ -330,17 +330,18 @@ def study_config(node_cores: int, node_gpus: int, floor_fraction: Optional[float
 
 def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
                warmup_s: float = 30.0, measure_s: float = 30.0, mixes=MIXES,
-               floor_fraction: Optional[float] = None) -> dict[str, dict]:
+               floor_fraction: Optional[float] = None, policy_options: tuple = ()) -> dict[str, dict]:
     """Each catalogue mix filled to ``node_gpus`` GPUs -> policy -> aggregate over the measured window
     (the simulator, controller and all), with ``_demand_cores``, ``_gpus``, ``_records`` (per policy:
     the plan in force at the end and each job's rates) and ``_worst_vs_static`` (per policy: the least
     of its jobs' normalised throughput over the same job's under static-cores, the fairness target's
-    figure). ``floor_fraction``: the agent's (None: its default)."""
+    figure). ``floor_fraction``: the agent's (None: its default); ``policy_options``: other
+    PolicyConfig fields, ``((name, value), ...)``."""
     out = {}
     for mix in mixes:
         truth = mix_curves(mix, node_cores, node_gpus, catalog_path)
         gpus = sum(int(cv.extra["gpus"]) for cv in truth.values())
-        cfg = study_config(node_cores, node_gpus, floor_fraction)
+        cfg = study_config(node_cores, node_gpus, floor_fraction, policy_options)
         res = {p: S.steady_state(truth, p, cfg, warmup_s, measure_s) for p in policies}
         out[mix] = {p: r["window_agg"] for p, r in res.items()}
         if "static-cores" in res:
