@@ -245,7 +245,7 @@ def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) 
 def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
                allocations: Optional[Mapping] = None, node_gpus: Optional[int] = None,
                available_cores: Optional[float] = None, hard_caps: bool = False,
-               loaders_yield: bool = False, _fed: Optional[Mapping[str, float]] = None) -> dict[str, JobRate]:
+               loaders_yield: bool = False) -> dict[str, JobRate]:
     """Steady rates of the jobs on one node. ``allocations``: job -> JobAllocation (``agent`` mode:
     workers and cpus weights, a job without one runs its habitual workers; other modes: the workers,
     default the habitual count). ``available_cores``: the CPU the jobs can get at most (default
@@ -256,7 +256,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
     subtree is ``cpu.idle``: a waking trainer competes only with the other trainers, the loaders get
     what the trainers leave (no cap). Time slicing's cost (``oversubscription_factor``) is taken
     first with every worker runnable, then, where some jobs turn out fed at their ceiling (their workers
-    wait for room in a full queue), once more with those counted for the CPU they use (``_fed``)."""
+    wait for room in a full queue), once more with those counted for the CPU they use."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     allocations = allocations or {}
@@ -275,19 +275,22 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         return max(1, models[j].habitual_workers)
 
     w = {j: workers_of(j) for j in ids}
-    given = models
-    f = oversubscription_factor(models, w, A, _fed)
-
-    def resliced(out: dict[str, JobRate]) -> dict[str, JobRate]:
-        """The rates again with the fed jobs' workers counted for what they use, when that moves the cost."""
-        if f <= 1.0 or _fed is not None:
-            return out
+    f = oversubscription_factor(models, w, A)
+    out = _rates_at(models, mode, N, A, w, allocations, node_gpus, hard_caps, loaders_yield, f)
+    if f > 1.0:
         fed = {j: r.loader_cores for j, r in out.items() if r.normalised >= 1.0 - 1e-6}
-        if not fed or abs(oversubscription_factor(given, w, A, fed) - f) <= 1e-9:
-            return out
-        return node_rates(given, mode, node_cores, allocations, node_gpus, available_cores, hard_caps,
-                          loaders_yield, _fed=fed)
+        f_fed = oversubscription_factor(models, w, A, fed) if fed else f
+        if abs(f_fed - f) > 1e-9:
+            out = _rates_at(models, mode, N, A, w, allocations, node_gpus, hard_caps, loaders_yield, f_fed)
+    return out
 
+
+def _rates_at(models: Mapping[str, JobModel], mode: str, N: float, A: float, w: Mapping[str, int],
+              allocations: Mapping, node_gpus: Optional[int], hard_caps: bool, loaders_yield: bool,
+              f: float) -> dict[str, JobRate]:
+    """``node_rates`` with time slicing's cost ``f`` (every loader's CPU per batch times ``f``), the
+    jobs' worker counts ``w``, ``N`` the node's configured CPUs and ``A`` what the jobs can get."""
+    ids = sorted(models)
     if f > 1.0:     # every loader's CPU per batch, as time slicing among more threads than CPUs makes it
         models = {j: dataclasses.replace(m, curve=dataclasses.replace(m.curve,
                                                                      cpu_s_per_batch=m.curve.cpu_s_per_batch * f))
@@ -373,7 +376,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
             m = models[j]
             out[j] = _rate(m, w[j], min(cores[j], bps[j] * m.curve.cpu_s_per_batch),
                            bps[j] * m.gpus * m.trainer_cpu_s_per_step, bps[j], trainer_share=s_t[j], worker_share=s_w[j])
-        return resliced(out)
+        return out
     quota: dict[str, float] = {}
     if mode == "static":
         # a hard quota per job (node cores x its GPUs / the node's GPUs). While the group is not
@@ -443,7 +446,7 @@ def node_rates(models: Mapping[str, JobModel], mode: str, node_cores: float,
         t = b * m.gpus * m.trainer_cpu_s_per_step
         out[j] = _rate(m, w[j], max(0.0, min(share[j], b * m.curve.cpu_s_per_batch)), t, b,
                        trainer_share=st[j].trainer_share, worker_share=st[j].worker_share)
-    return resliced(out)
+    return out
 
 
 def throttled_wall_s(cpu_s: float, on_fraction: float, period_s: float = CFS_PERIOD_S) -> float:

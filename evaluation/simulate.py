@@ -246,8 +246,7 @@ class SimConfig:
     loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
-    floor_fraction: Optional[float] = None   # agent.policies.PolicyConfig.floor_fraction (None: its default)
-    policy_options: tuple = ()      # further agent.policies.PolicyConfig fields, as (name, value) pairs
+    policy_options: tuple = ()      # agent.policies.PolicyConfig fields, as (name, value) pairs (the rest: defaults)
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
@@ -518,8 +517,6 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
                                 policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares",
                                                            loaders_yield=cfg.loaders_yield,
-                                                           **({"floor_fraction": cfg.floor_fraction}
-                                                              if cfg.floor_fraction is not None else {}),
                                                            **dict(cfg.policy_options)),
                                 predictor=predictor, actuators=[act])
     settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0

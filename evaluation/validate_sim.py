@@ -324,8 +324,10 @@ def study_config(node_cores: int, node_gpus: int, floor_fraction: Optional[float
     """A real node of the bigger-node studies: the agent's default budget, "auto" (90% of the CPUs,
     grown into the reserve the trainers leave), and a driver that shows the GPUs, so the jobs' own
     tuners start at their GPUs' part of the CPUs."""
+    if floor_fraction is not None:
+        policy_options = tuple(policy_options) + (("floor_fraction", floor_fraction),)
     return dataclasses.replace(sim_config(node_cores, round(node_cores * 0.9, 2), node_gpus), loader_cpus=None,
-                               floor_fraction=floor_fraction, tuner_gpu_part=True, policy_options=policy_options)
+                               tuner_gpu_part=True, policy_options=policy_options)
 
 
 def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive",), catalog_path=None,
