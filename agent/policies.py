@@ -931,7 +931,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                     job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
                     cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus), cold=j not in warm,
                     reason=reason[j] if not moved else
-                    f"hold: predicted gain {gain:.1%} < hysteresis {config.hysteresis:.1%} + restart cost {cost:.1%}")
+                    (f"hold: predicted gain {gain:.1%} < hysteresis {band:.1%} + restart cost {cost:.1%}"
+                     + (" (off a cold-start plan: the restart cost only)" if band < config.hysteresis else "")))
             return AllocationPlan(policy="adaptive", allocations=allocs,
                                   unsatisfied=shortfalls(lambda j: (allocs[j].workers, allocs[j].cpus)),
                                   predicted_total=old_total if warm else None,

@@ -646,7 +646,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         "loader_memory_peak_bytes": mem_peak, "memory_over_budget_s": mem_over_s,
         "window": window,
         "window_agg": sum(max(1, jb.tj.gpus) * window[jb.tj.job] for jb in everyone if jb.tj.job in window),
-        "plan": {j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason} for j, a in act.in_force.items()},
+        # the allocation in force; its reason the controller's record of it (a hold says why it holds)
+        "plan": {j: {"workers": a.workers, "cpus": a.cpus,
+                     "reason": (controller.applied().get(j, a) if controller is not None else a).reason}
+                 for j, a in act.in_force.items()},
         "desired": ({j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason}
                      for j, a in last[0].plan.allocations.items()} if last else {}),
         "curves": dict(last[0].curves) if last else {},

@@ -300,6 +300,16 @@ def test_the_hysteresis_guards_every_move_from_curves_but_not_a_move_off_a_cold_
     assert cv2["c"].normalized(moved.allocations["c"].workers, moved.allocations["c"].cpus) \
         >= cv2["c"].normalized(plan.allocations["c"].workers, plan.allocations["c"].cpus) - 1e-3   # no job worse
     assert not any(a.reason.startswith("hold") or a.cold for a in moved.allocations.values())
+    assert "hysteresis 3.0%" in held.allocations["c"].reason and "cold-start" not in held.allocations["c"].reason
+    # a move off a cold-start plan that does not beat its restart cost is held, and the reason says so
+    s4 = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
+    cv4 = curves_of(s4)
+    plan4, settled4 = settle(get_policy("adaptive"), s4, cv4, P)
+    cold4 = dataclasses.replace(settled4, applied=dict(settled4.applied, b=dataclasses.replace(settled4.applied["b"], cold=True)))
+    cv5 = dict(cv4, b=dataclasses.replace(cv4["b"], blocked_s_per_batch=0.2))   # the io job needs fewer workers
+    dear = get_policy("adaptive")(cold4, cv5, dataclasses.replace(P, worker_start_s=600.0))
+    assert all(a.reason.startswith("hold") for a in dear.allocations.values()), dear.allocations
+    assert "hysteresis 0.0%" in dear.allocations["b"].reason and "cold-start plan" in dear.allocations["b"].reason
     # a cold job is planned cold, and a plan with it is not settled by its own cold flag alone
     s2 = snap("dev-2vcpu", [job("a", "heavy"), job("n", "light")])
     fresh = get_policy("adaptive")(s2, {"a": cv["a"]}, P)
