@@ -408,6 +408,34 @@ def test_validate_sim_per_job_view_names_the_mechanism():
 
 
 @pytest.mark.unit
+def test_validate_sim_dynamic_rows_against_a_stored_run():
+    """The dynamic rows: measured medians over the repeats beside the simulated figures, ratios to none
+    and to the best other baseline (the issue's target: adaptive under 1 on both)."""
+    import statistics
+    from pathlib import Path
+
+    from evaluation import validate_sim as V
+
+    path = Path(__file__).resolve().parent.parent / "evaluation/results/bench_issue11_twentieth_dynamic_full.json"
+    bench = json.loads(path.read_text())
+    rows = {r["policy"]: r for r in V.validate_dynamic(bench)}
+    assert set(rows) == {"none", "autotune", "even-static", "adaptive"}
+    span = {p: statistics.median(ph["metrics"]["makespan_s"] for ph in bench["phases"] if ph["policy"] == p)
+            for p in rows}
+    assert rows["adaptive"]["measured_makespan_s"] == pytest.approx(span["adaptive"])
+    assert rows["adaptive"]["measured_makespan_s_x_best"] == pytest.approx(
+        span["adaptive"] / min(span[p] for p in ("none", "autotune", "even-static")))
+    assert rows["none"]["measured_makespan_s_x_best"] == pytest.approx(
+        span["none"] / min(span[p] for p in ("autotune", "even-static")))
+    assert rows["none"]["measured_makespan_s_x_none"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["sim_makespan_s"] > 0 and r["sim_jct_mean_s"] > 0 and r["sim_makespan_s_x_best"] > 0
+    table = V.markdown_dynamic(list(rows.values()))
+    assert "| × best other baseline: measured / sim (difference) |" in table
+    assert all(f"\n| {p} | {span[p]:.1f} / " in table for p in rows)
+
+
+@pytest.mark.unit
 def test_bigger_node_study_fills_the_gpus_and_keeps_the_controllers_records():
     from evaluation import validate_sim as V
 
