@@ -638,6 +638,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     span = max(ends) - min(starts) if finished else 0.0
     everyone = finished + list(active.values())
     window = {jb.tj.job: jb.win_norm_s / jb.win_s for jb in everyone if jb.win_s > 0}
+    recorded = controller.applied() if controller is not None else {}
     return {
         "jobs": {jb.tj.job: {"kind": jb.tj.kind, "jct_s": jb.done - jb.start, "norm_mean": jb.norm_s / jb.alive_s
                              if jb.alive_s > 0 else 0.0, "wait_s": jb.wait_s, "alive_s": jb.alive_s,
@@ -647,8 +648,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         "window": window,
         "window_agg": sum(max(1, jb.tj.gpus) * window[jb.tj.job] for jb in everyone if jb.tj.job in window),
         # the allocation in force; its reason the controller's record of it (a hold says why it holds)
-        "plan": {j: {"workers": a.workers, "cpus": a.cpus,
-                     "reason": (controller.applied().get(j, a) if controller is not None else a).reason}
+        "plan": {j: {"workers": a.workers, "cpus": a.cpus, "reason": recorded.get(j, a).reason}
                  for j, a in act.in_force.items()},
         "desired": ({j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason}
                      for j, a in last[0].plan.allocations.items()} if last else {}),
