@@ -27,7 +27,10 @@ is the CPU the jobs can get (``available_cores``: other tenants take the rest):
   waking to find no idle CPU (``all_cpus_busy``: binomial over the runnable threads, so a half-busy
   node still makes some wake-ups wait) time-shares one with the other jobs' groups there
   (``wakeup_share``), its own group weighing there only its load's part on that CPU
-  (``own_group_weight``: CFS splits a group's weight over the CPUs by its load on each).
+  (``own_group_weight``: CFS splits a group's weight over the CPUs by its load on each). Its own
+  workers count as runnable beside it by ``woken_beside_trainer``: the worker the loader wakes with
+  the next index as the step starts computes its batch while the trainer's CPU part runs (their
+  average load would spread that burst over the step).
   Work-conserving: the CPU a job leaves while it is not runnable goes to the jobs that are (the water
   level rises until the jobs use the node or nobody can use more).
   ``autotune``: each job's worker count is what its own tuner picks on the CPUs it may use
@@ -213,6 +216,26 @@ def wakeup_share(cpus: float, others_threads: float, spread_weight: float = 0.0,
         share = p * own / (own + group_weight / m + o) + (1.0 - p) * own / (own + o)
     busy = all_cpus_busy(cpus, others_threads, others_count)
     return 1.0 / ((1.0 - busy) + busy / max(1e-6, share))
+
+
+def woken_beside_trainer(m: "JobModel", workers: int, st: SharedCpuState) -> float:
+    """The job's own workers runnable while its trainer's CPU part runs. A DataLoader hands a worker the
+    next index when the training process takes a batch (torch's ``_next_data`` -> ``_try_put_index``),
+    at the start of the step, just before the trainer's CPU part: in a job whose workers wait for
+    indices (fed), each rank's woken worker computes its batch (``c / gpus``, at its share of a CPU)
+    while its trainer's part runs (``t``, at the trainer's share), for the shorter of the two. The
+    workers' average load (``st.runnable_workers``) spreads that burst over the step, as if the worker
+    ran at random times; a loader-bound job's workers are busy all the time, and the average says so.
+    Measured (``evaluation.wakeup_wait --woken-ms``, issue 11 twenty-first pass): a worker woken at
+    the start of the trainer's part doubles the trainer's run-queue wait beside busy neighbours."""
+    t = min(m.trainer_cpu_s_per_step, m.curve.compute_s_per_step)
+    c = m.curve.cpu_s_per_batch
+    if t <= 0 or c <= 0 or workers < 1:
+        return st.runnable_workers
+    part = t / max(1e-6, st.trainer_share)
+    batch = c / max(1, m.gpus) / max(1e-6, st.worker_share)
+    woken = min(float(workers), float(m.gpus)) * min(1.0, batch / part)
+    return max(st.runnable_workers, woken)
 
 
 def own_group_weight(cpus: float, trainers: float, workers: float, ranks: int = 1) -> float:
@@ -409,7 +432,8 @@ def _rates_at(models: Mapping[str, JobModel], mode: str, N: float, A: float, w: 
             new = {}
             for j in ids:
                 others = [k for k in ids if k != j]
-                new[j] = wakeup_share(A, sum(threads[k] for k in others) + st[j].runnable_workers,
+                new[j] = wakeup_share(A, sum(threads[k] for k in others)
+                                      + woken_beside_trainer(models[j], w[j], st[j]),
                                       spread_weight=sum(min(1.0, threads[k]) for k in others),
                                       others_count=beside[j],
                                       own_weight=own_group_weight(A, st[j].runnable_trainers,

@@ -266,12 +266,52 @@ def test_no_agent_node_is_work_conserving():
         used = sum(x.loader_cores + x.trainer_cores for x in r.values())
         assert used == pytest.approx(2.0, rel=2e-3), mode
         assert r["alex"].loader_cores + r["alex"].trainer_cores > 2.0 / 3, mode
-    # a node the jobs cannot fill keeps its idle CPU (the jobs at their ceilings but for a trainer's
-    # rare wake-up with both CPUs busy)
+    # a node the jobs cannot fill keeps its idle CPU; the jobs run at their ceilings but for their
+    # trainers' run-queue waits: each trainer's own worker, woken with the next index as its step starts,
+    # computes beside its CPU part, so the other job's one runnable thread fills both CPUs (twenty-first
+    # pass; the average loads alone made that wait rare: 0.99+)
     small = {"a": model("a", 0.3, 0.1), "b": model("b", 0.3, 0.1)}
     r = N.node_rates(small, "none", 2.0)
     assert sum(x.loader_cores + x.trainer_cores for x in r.values()) < 1.0
-    assert all(0.99 < x.normalised <= 1.0 for x in r.values())
+    for x in r.values():
+        assert x.trainer_runq_s_per_step > 0.0 and x.data_wait_s_per_step == pytest.approx(0.0, abs=1e-9)
+        assert x.normalised == pytest.approx(0.1 / (0.1 + x.trainer_runq_s_per_step), rel=1e-6)
+        assert 0.97 < x.normalised < 0.99
+
+
+@pytest.mark.unit
+def test_the_worker_woken_as_the_step_starts_runs_beside_the_trainers_cpu_part(monkeypatch):
+    """A DataLoader dispatches the next index when the training process takes a batch: in a fed job the
+    worker that gets it computes while the trainer's CPU part runs. The model counts it runnable then
+    (per rank, for the shorter of the two), not at its average load; a loader-bound job's workers are
+    busy anyway (their average); a trainer without CPU has nothing to wait for."""
+    from evaluation import nodemodel as N
+    from predictor.curve import SharedCpuState, ThroughputCurve
+
+    def model(loader_cores, trainer_frac, gpus=1, habit=2):
+        cv = ThroughputCurve(job="j", batch_size=64 * gpus, compute_s_per_step=0.1,
+                             cpu_s_per_batch=loader_cores * 0.1, blocked_s_per_batch=0.0, confidence=1.0)
+        return N.JobModel(curve=cv, trainer_cpu_s_per_step=trainer_frac * 0.1, gpus=gpus, habitual_workers=habit)
+
+    fed = SharedCpuState(640.0, 1.0, 1.0, 0.3)
+    # batch 30 ms per rank against a 10 ms part: one worker beside it the whole part
+    assert N.woken_beside_trainer(model(0.3, 0.1), 2, fed) == pytest.approx(1.0)
+    # two ranks, a batch each of 15 ms against a 20 ms part (stretched to 40 ms at half a CPU)
+    assert N.woken_beside_trainer(model(0.3, 0.2, gpus=2), 4, SharedCpuState(640.0, 0.5, 1.0, 0.3)) == \
+        pytest.approx(2 * 0.015 / 0.04)
+    assert N.woken_beside_trainer(model(0.3, 0.2, gpus=2), 1, fed) == pytest.approx(1.0 * 0.015 / 0.02)
+    # loader-bound: its two workers busy all the time
+    assert N.woken_beside_trainer(model(3.0, 0.1), 2, SharedCpuState(200.0, 1.0, 1.0, 2.0)) == 2.0
+    assert N.woken_beside_trainer(model(0.3, 0.0), 2, fed) == 0.3
+    # in the node: two fed jobs on 2 CPUs, each trainer's wait with the woken worker against the same
+    # node with its workers at their average load
+    jobs = {"a": model(0.3, 0.1), "b": model(0.3, 0.1)}
+    woken = N.node_rates(jobs, "none", 2.0)
+    monkeypatch.setattr(N, "woken_beside_trainer", lambda m, w, st: st.runnable_workers)
+    spread = N.node_rates(jobs, "none", 2.0)
+    for j in jobs:
+        assert woken[j].trainer_runq_s_per_step > 1.5 * spread[j].trainer_runq_s_per_step > 0
+        assert woken[j].normalised < spread[j].normalised
 
 
 @pytest.mark.unit
@@ -644,17 +684,26 @@ def test_wakeup_wait_command_measures_the_kernel_beside_the_model(tmp_path):
 
     out = tmp_path / "w.json"
     assert W.main(["--neighbours", "0,1", "--iterations", "3", "--gpu-ms", "2", "--cpu-ms", "2",
-                   "--out", str(out)]) == 0
+                   "--woken-ms", "0", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["neighbours"] for r in rows] == [0, 1]
     assert all(r["wait_ms_per_wake"] >= 0 and r["step_ms"] > 0 and r["iterations"] == 3 for r in rows)
     assert rows[0]["modelled_wait_ms_per_wake"] == 0.0
+    # with the trainer's own worker woken at each CPU part: each count alone and with it, in that order
+    assert W.main(["--neighbours", "1", "--iterations", "3", "--gpu-ms", "2", "--cpu-ms", "2",
+                   "--woken-ms", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["neighbours"], r["woken_ms"], r["iterations"]) for r in rows] == [(1, 0.0, 3), (1, 2.0, 3)]
     cpus = len(os.sched_getaffinity(0))
     # as many always-busy neighbours as CPUs fill the node: the model says the trainer waits
     assert W.modelled_wait_s(cpus, cpus, 1.0, 0.02) > 0.0
     assert W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02) == 0.0
+    # the worker it wakes fills the CPU the busy neighbours leave, for the part it computes beside it
+    full = W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02, woken_s=0.02)
+    assert full > 0.0
+    assert 0.0 < W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02, woken_s=0.005) < full
     for bad, msg in ((["--neighbours", "x"], "comma-separated integers"), (["--duty", "0"], "--duty"),
-                     (["--cpu-ms", "0"], "--cpu-ms")):
+                     (["--cpu-ms", "0"], "--cpu-ms"), (["--woken-ms", "-1"], "--woken-ms")):
         r = subprocess.run([sys.executable, "-m", "evaluation.wakeup_wait", *bad], capture_output=True, text=True,
                            env=repo_env(), timeout=60)
         assert r.returncode == 2 and msg in r.stderr, (bad, r.stderr)
