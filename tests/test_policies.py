@@ -224,6 +224,28 @@ def test_fairness_floor_habit_keeps_what_the_partition_gives_with_the_users_own_
         PolicyConfig(floor_reference="habits")
 
 
+def test_fairness_floor_habit_of_no_workers_keeps_what_one_worker_gives():
+    """A user who loads in the training process (``num_workers=0``, reported as requested_workers 0) has
+    no worker count to floor at: "habit" takes what one worker gives in the job's static-cores allotment,
+    as for a user who asked for one (the fairness target measures static-cores with at least one), never
+    a floor of nothing. A 4-GPU job needing 30 cores beside two 1-GPU jobs that buy more per core (as in
+    the test above) keeps the same plan whether its user asked for 0 workers or 1."""
+    huge = dict(cpu_s_per_batch=3.0, wall_s_per_batch=3.0)
+    plans = {}
+    for asked in (0, 1):
+        s = snap("gpu-8core", [job("a", "heavy", gpus=4, requested_workers=asked, **huge),
+                               job("b", "heavy", requested_workers=4), job("c", "heavy", requested_workers=4)])
+        cv = curves_of(s)
+        plans[asked] = plan = get_policy("adaptive")(s, cv, PolicyConfig())
+        check_invariants(plan, s)
+        a = plan.allocations["a"]
+        one_worker = cv["a"].normalized(1, 8 * 4 / 6 * 7 / 8)     # its allotment's loader part, one worker
+        assert cv["a"].normalized(a.workers, a.cpus) >= one_worker - 1e-6, (asked, a)
+    for j in "abc":
+        a0, a1 = plans[0].allocations[j], plans[1].allocations[j]
+        assert (a0.workers, a0.cpus) == (a1.workers, pytest.approx(a1.cpus, rel=1e-4))   # (the floor search's tolerance)
+
+
 def test_cold_start_fair_share_and_request():
     s = snap("gpu-8core", [job("a", "heavy"), job("new", "light", requested_workers=2, requested_cpus=1.0)])
     cv = curves_of(s, cold=("new",))
