@@ -73,11 +73,10 @@ def measure(neighbours: int, duty: float, iterations: int, gpu_s: float, cpu_s: 
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     procs = [ctx.Process(target=_neighbour, args=(duty, 1000 + i, stop), daemon=True) for i in range(neighbours)]
-    ours = theirs = worker = None
+    ours = None
     if woken_s > 0:
         ours, theirs = ctx.Pipe()
-        worker = ctx.Process(target=_woken, args=(theirs, woken_s), daemon=True)
-        procs.append(worker)
+        procs.append(ctx.Process(target=_woken, args=(theirs, woken_s), daemon=True))
     for p in procs:
         p.start()
     try:
@@ -93,7 +92,10 @@ def measure(neighbours: int, duty: float, iterations: int, gpu_s: float, cpu_s: 
     finally:
         stop.set()
         if ours is not None:
-            ours.send(None)
+            try:
+                ours.send(None)
+            except OSError:             # the worker is gone already: the join below finds it so
+                pass
         for p in procs:
             p.join(timeout=2.0)
             if p.is_alive():
