@@ -41,6 +41,9 @@ Trace file (``--trace``): CSV with a header, or JSON lines, one job per row/line
     arrival_s float seconds from the start
     work_s    float the job's work, in seconds at its ceiling (samples = work_s * ceiling)
     gpus      int   optional, default 1
+    phases    str   optional: the job's later phases, ``AFTER_S:KIND;...`` (JSON: ``[[AFTER_S, "KIND"], ...]``):
+                    AFTER_S seconds after its arrival the job's pipeline becomes that kind's (its remaining
+                    samples stay); a new phase is an event as an arrival is
 Generator (no trace): ``nodes`` nodes, ``jobs_per_node`` jobs each, Poisson arrivals with mean gap
 ``mean_gap_s``, work ~ lognormal around ``mean_work_s``, kinds drawn uniformly; seeded.
 
@@ -99,6 +102,7 @@ class TraceJob:
     arrival_s: float
     work_s: float
     gpus: int = 1
+    phases: tuple = ()              # ((after_s, kind), ...): from arrival + after_s the job behaves as that kind
 
 
 @dataclass
@@ -120,6 +124,7 @@ class _Job:
     win_s: float = 0.0
     since: float = 0.0              # when its rates last changed (the collector's window starts there)
     model: object = None            # its evaluation.nodemodel.JobModel, made on first use
+    phase: int = 0                  # how many of its trace phases have begun
 
 
 # -- curves ------------------------------------------------------------------------------------
@@ -205,12 +210,29 @@ def read_trace(path: str) -> list[TraceJob]:
         try:
             out.append(TraceJob(node=str(r["node"]), job=str(r["job"]), kind=str(r["kind"]),
                                 arrival_s=float(r["arrival_s"]), work_s=float(r["work_s"]),
-                                gpus=int(r.get("gpus") or 1)))
+                                gpus=int(r.get("gpus") or 1), phases=_phases(r.get("phases"))))
         except KeyError as e:
             raise SimError(f"trace {path}:{n}: missing column {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise SimError(f"trace {path}:{n}: {e}") from None
     return out
+
+
+def _phases(v) -> tuple:
+    """A trace row's ``phases``: ``"30:alexnet;60:bert"`` (CSV) or ``[[30, "alexnet"], ...]`` (JSON) ->
+    ((30.0, "alexnet"), ...), in time order; empty when absent."""
+    if v is None or v == "":
+        return ()
+    items = [x.split(":", 1) for x in str(v).split(";") if x.strip()] if isinstance(v, str) else v
+    out = []
+    for it in items:
+        if len(it) != 2:
+            raise ValueError(f"phases: {it!r} is not AFTER_S:KIND")
+        after, kind = float(it[0]), str(it[1]).strip()
+        if not after > 0 or not kind:
+            raise ValueError(f"phases: {it!r}: AFTER_S must be > 0 and KIND named")
+        out.append((after, kind))
+    return tuple(sorted(out))
 
 
 def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,
@@ -537,7 +559,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             applied = {j: _Workers(tn.workers) for j, tn in tuners.items()}
         yielding = bool(mode == "agent" and act.node is not None and act.node.loaders_yield)
         models = {j: model_of(jb) for j, jb in active.items()}
-        key = (yielding,) + (tuple(sorted((j, id(m), getattr((applied or {}).get(j), "workers", 0),
+        # (a job's model is made once per phase: its id and the phase name it)
+        key = (yielding,) + (tuple(sorted((j, active[j].phase, id(m), getattr((applied or {}).get(j), "workers", 0),
                              round(getattr((applied or {}).get(j), "cpus", 0.0), 6)) for j, m in models.items())))
         res = rates_cache.get(key)
         if res is None:
@@ -578,7 +601,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             if active else math.inf
         t_tick = t + cfg.tick_s if ticks_left > 0 else math.inf
         t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
-        t_next = min(t_arr, t_fin, t_tick, t_tune, end, m0 if t < m0 else math.inf)
+        t_phase = min((jb.start + jb.tj.phases[jb.phase][0] for jb in active.values()
+                       if jb.phase < len(jb.tj.phases)), default=math.inf)
+        t_next = min(t_arr, t_fin, t_tick, t_tune, t_phase, end, m0 if t < m0 else math.inf)
         if t_next == math.inf:
             raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
         dt = t_next - t
@@ -618,12 +643,20 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 part = part_of_node(max(1, tj.gpus), cfg.gpus) if cfg.tuner_gpu_part else 1.0
                 tuners[tj.job] = _SimTuner(cfg.cores, t, 0.0, part)
             changed = True
+        phased = False
+        for jb in active.values():      # a new phase: the job's pipeline is another kind's from now on
+            while jb.phase < len(jb.tj.phases) and jb.start + jb.tj.phases[jb.phase][0] <= t + 1e-12:
+                jb.curve, jb.model = truth[jb.tj.phases[jb.phase][1]], None
+                jb.phase += 1
+                changed = phased = True
         if changed:
             for jid, tn in tuners.items():      # the node changed: every tuner's windows show it
                 tn.wake(t, active[jid].samples)
             physics()          # rates before the tick (a new job at its own request, unmanaged)
             tick()             # the controller forgets departed jobs and places new ones
-            ticks_left = settle
+            # (a new phase shows in the job's next windows, not at this instant: the agent ticks on
+            # until they come, whatever the predictor)
+            ticks_left = max(settle, cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)) if phased else settle
         elif t == t_tick:
             ticks_left = settle if tick() else ticks_left - 1
         if t == t_tune:
@@ -693,7 +726,7 @@ def node_truth(curves: dict, cfg: SimConfig, source: str) -> dict:
 def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, source: str = "builtin",
              processes: Optional[int] = None) -> dict:
     """Run every policy over every node of the trace; returns per-policy summaries and per-node results."""
-    unknown = sorted({tj.kind for tj in trace} - set(curves))
+    unknown = sorted(({tj.kind for tj in trace} | {k for tj in trace for _, k in tj.phases}) - set(curves))
     if unknown:
         raise SimError(f"trace names unknown kinds: {', '.join(unknown)}; known: {', '.join(sorted(curves))}")
     truth = with_memory(node_truth(curves, cfg, source), cfg)

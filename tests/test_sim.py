@@ -952,3 +952,40 @@ def test_mix_study_draws_mixes_that_fill_the_gpus_and_reports_each_shape(tmp_pat
     assert M.main(["--nodes", "0:4"]) == 2 and "at least 1" in capsys.readouterr().err
     assert M.main(["--mixes", "0"]) == 2 and "--mixes" in capsys.readouterr().err
     assert M.main(["--floor-fraction", "1.5"]) == 2 and "--floor-fraction" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_trace_phases_parse_from_csv_and_json_and_say_what_is_wrong(tmp_path):
+    csv_p = tmp_path / "t.csv"
+    csv_p.write_text("node,job,kind,arrival_s,work_s,phases\nn0,a,mid,0,10,20:heavy;5:light\nn0,b,light,0,4,\n")
+    a, b = S.read_trace(str(csv_p))
+    assert a.phases == ((5.0, "light"), (20.0, "heavy")) and b.phases == ()
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"node": "n0", "job": "a", "kind": "mid", "arrival_s": 0, "work_s": 10, "phases": [[3, "heavy"]]}\n')
+    assert S.read_trace(str(jl))[0].phases == ((3.0, "heavy"),)
+    for bad, words in (("heavy", "not AFTER_S:KIND"), ("0:heavy", "AFTER_S must be > 0"), ("5:", "KIND named")):
+        p = tmp_path / "bad.csv"
+        p.write_text(f"node,job,kind,arrival_s,work_s,phases\nn0,a,mid,0,10,{bad}\n")
+        with pytest.raises(S.SimError, match=f"bad.csv:2: phases: .*{words}"):
+            S.read_trace(str(p))
+    cfg = S.SimConfig(cores=2.0, gpus=1, loader_cpus=2.0, predictor="perfect")
+    with pytest.raises(S.SimError, match="unknown kinds: nope"):
+        S.simulate([S.TraceJob("n", "x", "mid", 0, 1, 1, ((1.0, "nope"),))], CURVES, ["even"], cfg)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("policy", ["none", "even", "adaptive"])
+def test_a_phase_makes_the_job_another_kind_from_then_on(policy):
+    """A job alone on 2 loader cores needing 1 core (``mid``) needs 3 (``heavy``) from 10 s after its
+    arrival: at its ceiling before, at 2/3 of it after, under every policy (its two habitual workers
+    on 2 cores). Under ``none`` nothing decides: the physics must see the new kind (its rates were
+    cached per job model, and a new model can reuse a freed one's id)."""
+    cfg = S.SimConfig(cores=2.0, gpus=1, loader_cpus=2.0, predictor="perfect")
+    job = [S.TraceJob("n", "x", "mid", 1.0, 1e9, 1, ((10.0, "heavy"),))]
+    before = S.simulate_node(job, CURVES, policy, cfg, until_s=11.0, measure_from_s=1.0)
+    after = S.simulate_node(job, CURVES, policy, cfg, until_s=40.0, measure_from_s=20.0)
+    assert before["window"]["x"] == pytest.approx(1.0, abs=0.01)
+    assert after["window"]["x"] == pytest.approx(2.0 / 3.0, abs=0.02)
+    plain = S.simulate_node([dataclasses.replace(job[0], phases=())], CURVES, policy, cfg, until_s=40.0,
+                            measure_from_s=20.0)
+    assert plain["window"]["x"] == pytest.approx(1.0, abs=0.01)
