@@ -50,6 +50,9 @@ LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``l
 FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
+HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
+HOLD_JOB_RISE = 0.10        # of a job's ceiling: a move that lifts one job this much, at little cost to the others,
+                            # passes the hold on a node of any size
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class PolicyConfig:
     hysteresis: adaptive holds the applied allocation unless the predicted gain in GPU-weighted
         normalised throughput (as a fraction of what the held allocation is predicted to give) exceeds
         this plus the restart cost (the throughput the changed workers' restarts lose, same units).
+        On a node of any size (the band is relative to the whole node, where one job's change is a
+        small part), a move that lifts a job by HOLD_JOB_RISE (0.10) of its ceiling or more and takes at
+        most half that from the others pays the restart cost only, and a plan that keeps a job more than
+        HOLD_FLOOR_SLACK (10%) under its floor's cores is not held at all (both: a job's estimate moved,
+        a new phase of its pipeline or a neighbour's).
     fairness_floor: adaptive gives no job less than ``floor_fraction`` of the normalised throughput its
         GPU-proportional share of the budget would give it (the share a batch scheduler hands out:
         budget x its GPUs / all GPUs), unless its curve says it cannot use that share.
@@ -752,6 +760,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         k = min(1.0, max(0.0, room) / sum(extra.values()))
         for j, e in extra.items():
             cpus[j] += e * k
+    floor = {j: cpus[j] for j in warm}      # each warm job's floor, in cores
     # The trainers' CPU counts against the node: a job at normalised throughput v uses need_j * v cores
     # in its training processes (need_j at full speed). Cores go to loaders while both the loader CPUs
     # (loader_cpus) and the node's CPUs (loaders plus what the trainers will use at the planned
@@ -897,6 +906,10 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
+        # a held plan that keeps a job under its floor (its estimate moved: a new phase of its pipeline)
+        # is not kept, whatever the move gains: the floor is the fairness promise, not a prediction
+        settled = not any(applied[j].cpus < (1.0 - HOLD_FLOOR_SLACK) * floor[j] - q for j in floor)
+    if settled:
         held = sum(a.cpus for a in applied.values())
         # (the held total must be about what the new plan hands out, which may exceed the share budget C
         # by the trainer cores the trainers will not use; one quantum either way: shares are relative)
@@ -921,7 +934,18 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # the band, even one in which no job is predicted worse: a job's estimate of the cores it can
         # use is noisy too, and its spare moved to a neighbour and back is a re-apply for nothing.
         band = 0.0 if any(applied[j].cold and j in warm for j in ids) else config.hysteresis
-        if not moved or gain < band + cost:
+        # The band is relative to the whole node, where every job's noise adds up, and one job's change
+        # is a small part of it (16 jobs: one that needed 3 cores and had 1.8, 60% -> 100% of its
+        # ceiling, was held for good as a 2.6% gain). A move that lifts one job by HOLD_JOB_RISE of its
+        # ceiling or more and takes at most half that from the others (GPU-weighted) is no noise (a new
+        # phase of its pipeline, a neighbour's spare) and pays its restart cost only. Noise does not
+        # make one: between two like jobs it moves a spare one way and back, one's lift the other's loss.
+        delta = {j: gpus[j] * (norm(j, workers[j], cpus[j]) - norm(j, applied[j].workers, applied[j].cpus))
+                 for j in warm}
+        top = max(delta, key=lambda j: (delta[j] / gpus[j], j), default=None)
+        lifts = (top is not None and delta[top] >= HOLD_JOB_RISE * gpus[top]
+                 and sum(-d for d in delta.values() if d < 0) <= 0.5 * delta[top])
+        if not moved or (gain < band + cost and not (lifts and gain >= cost)):
             # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
             # so measurement noise never turns into a stream of tiny re-applies.
             allocs = {}
