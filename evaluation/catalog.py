@@ -22,6 +22,11 @@ What a kind says about its training process and its user (the workload model, IS
   ``none`` and ``static-cores`` run with it; the agent's policies start from it.
 - ``worker_ram_mb``: memory one loader worker holds (its copy of the dataset index, decoded buffers);
   the simulator and the memory budget read it, and ``jobproc`` touches that much in every worker.
+- ``phase_kind``, ``phase_after_s``: a second phase of the job's pipeline. ``phase_after_s`` seconds
+  after its start the job's samples are decoded and augmented as ``phase_kind``'s are (its images,
+  augmentation work); its step, ceiling, GPUs and sample size (the model's input) stay (a curriculum
+  that turns augmentation up, a dataset of larger images next in the queue). What the agent must
+  notice: its loader's need moved.
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ class JobKind:
     gpus: int = 1                     # GPUs (ranks) on this node
     num_workers: int = 0              # the user's habitual num_workers (0: node cores // gpus)
     worker_ram_mb: float = 0.0        # memory one loader worker holds
+    phase_kind: str = ""              # from phase_after_s after its start, the pipeline of this kind
+    phase_after_s: float = 0.0
     note: str = ""
 
 
@@ -89,6 +96,7 @@ class JobSpec:
     trainer_cpu_frac: float = 0.0  # of step_s, burned on CPU by the training process (per GPU rank)
     num_workers: int = 1           # the user's habitual num_workers (resolved for this node)
     worker_ram_mb: float = 0.0
+    phases: list = field(default_factory=list)   # [{"after_s": S, "workload": {...}}]: later pipelines
 
     @property
     def ceiling_samples_per_s(self) -> float:
@@ -150,6 +158,10 @@ def load_catalog(path: str | None = None) -> Catalog:
         if missing:
             raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {', '.join(missing)}")
         mixes[mix] = names
+    for name, kind in kinds.items():     # (variants included: a phase is usually set in a mix)
+        if kind.phase_kind and (kind.phase_kind not in kinds or not kind.phase_after_s > 0):
+            raise CatalogError(f"catalogue {path}: {name}: phase_kind must name a kind ({kind.phase_kind!r}) "
+                               f"and phase_after_s be > 0 (got {kind.phase_after_s!r})")
     dyn = doc.get("dynamic") or {}
     windows = _windows(path, doc.get("windows") or {}, mixes)
     return Catalog(path=str(path), kinds=kinds, mixes=mixes, windows=windows,
@@ -262,7 +274,9 @@ def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: s
                    demand_cores=c["demand_cores"], cpu_s_per_sample=c["cpu_s_per_sample"],
                    workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s, gpus=kind.gpus,
                    trainer_cpu_frac=kind.trainer_cpu_frac, num_workers=habitual_workers(kind, node_cores),
-                   worker_ram_mb=kind.worker_ram_mb)
+                   worker_ram_mb=kind.worker_ram_mb,
+                   phases=[{"after_s": kind.phase_after_s, "workload": workload_for(catalog.kinds[kind.phase_kind], seed)}]
+                   if kind.phase_kind else [])
 
 
 __all__ = ["Catalog", "CatalogError", "JobKind", "JobSpec", "load_catalog", "calibrate", "make_job", "habitual_workers",

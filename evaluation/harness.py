@@ -90,7 +90,7 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
                     "nothing-to-arbitrate", "memory")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
-SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog") + STATIC_SCENARIOS[3:]
+SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 STATIC_CGROUP_V2_ROOT = "/sys/fs/cgroup"
 
@@ -303,6 +303,7 @@ class ProgressReader:
         self.start: Optional[dict] = None
         self.done: Optional[dict] = None
         self.segments: list[dict] = []
+        self.phases: list[dict] = []         # the job's pipeline changed here (a spec's ``phases``)
 
     def poll(self) -> None:
         try:
@@ -330,7 +331,9 @@ class ProgressReader:
                 self.done = rec
             elif ev == "segment":
                 self.segments.append(rec)
-            else:
+            elif ev == "phase":
+                self.phases.append(rec)
+            elif ev is None:
                 self.records.append(rec)
 
 
@@ -779,7 +782,11 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         shutil.rmtree(sock_dir, ignore_errors=True)
     for jid, r in readers.items():
         r.poll()
-        jobs[jid].update(records=r.records, start=r.start, done=r.done)
+        jobs[jid].update(records=r.records, start=r.start, done=r.done, phases=r.phases)
+        for p in r.phases:
+            events.append({"t": p["t"], "label": f"{jid}'s pipeline changes (phase {p['index']})", "kind": "phase",
+                           "job": jid})
+    events.sort(key=lambda e: e["t"])
     # An arrival counts from when the job's process is up and about to iterate (its "start" record; the
     # agent hears its hello at the first batch), not from the launch: interpreter and dataset start-up
     # (seconds here) is the same under every policy and is no reaction time.

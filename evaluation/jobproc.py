@@ -18,6 +18,7 @@ Progress file: JSON lines, appended and flushed, read by the harness while the j
     {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch"}
     {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s", "main_cpu_s", "main_runq_s"}   every ~0.25 s
     {"event": "segment", "t", "workers"}          (sweep mode: a new worker count from here on)
+    {"event": "phase", "t", "index"}              (the spec's ``phases``: its pipeline is the index-th's from here on)
     {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep")
 ``t`` is ``time.monotonic()`` (system-wide on Linux, so comparable across processes); counters are
 cumulative; ``cpu_s`` is the loader workers' CPU seconds, ``main_cpu_s`` the training process's own
@@ -42,6 +43,31 @@ class _Progress:
     def write(self, rec: dict) -> None:
         self.f.write(json.dumps(rec) + "\n")
         self.f.flush()
+
+
+class PhasedDataset:
+    """The spec's pipeline, then each of its ``phases`` (``after_s`` from the job's start): a map-style
+    dataset whose workers (each its own copy, forked or spawned, started now or later by a resize) take
+    the next phase's pipeline once the training process has created ``FLAG.<k>``, a file: what a curriculum
+    that turns augmentation up, or the next dataset in the queue, does to a loader mid-run. A stat per
+    sample (microseconds, against the milliseconds a sample costs)."""
+
+    def __init__(self, datasets: list, flag: str):
+        self.datasets, self.flag, self.k = datasets, flag, 0
+
+    def __len__(self) -> int:
+        return len(self.datasets[0])
+
+    def __getitem__(self, index):
+        while self.k + 1 < len(self.datasets) and os.path.exists(f"{self.flag}.{self.k + 1}"):
+            self.k += 1
+        return self.datasets[self.k][index]
+
+    def begin(self, k: int) -> None:
+        """In the training process: phase ``k`` (1, 2, ...) starts in every worker."""
+        with open(f"{self.flag}.{k}", "w"):
+            pass
+        self.k = k
 
 
 _BALLAST: list = []
@@ -178,6 +204,18 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("signal", True))
     prog = _Progress(args.progress)
     ds = SyntheticImageDataset(WorkloadSpec(**spec["workload"]))
+    phases = sorted(spec.get("phases") or [], key=lambda p: float(p["after_s"]))
+    if phases:
+        for k in range(1, len(phases) + 1):      # a flag left by an earlier run of this progress file
+            try:
+                os.unlink(f"{args.progress}.phase.{k}")
+            except FileNotFoundError:
+                pass
+        # (a later phase's samples keep the first's size, the model's input: a batch that straddles the
+        # change collates)
+        crop = spec["workload"].get("crop_px")
+        ds = PhasedDataset([ds] + [SyntheticImageDataset(WorkloadSpec(**{**p["workload"], "crop_px": crop}))
+                                   for p in phases], f"{args.progress}.phase")
     batch_size = int(spec["batch_size"])
     step_s = float(spec["step_s"])
     ranks = int(spec.get("gpus") or 1)
@@ -258,6 +296,9 @@ def main(argv=None) -> int:
                 if t2 - last_report >= PROGRESS_EVERY_S:
                     record(t2)
                     last_report = t2
+                if phases and ds.k < len(phases) and t2 - t_start >= float(phases[ds.k]["after_s"]):
+                    ds.begin(ds.k + 1)
+                    prog.write({"event": "phase", "t": t2, "index": ds.k})
                 if stop["signal"]:
                     reason, done = "signal", True
                 elif target is not None and samples >= target:

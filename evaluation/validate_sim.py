@@ -100,6 +100,8 @@ def _sim_phases(bench: dict, capacity: str):
         if ph.get("kind") == "static" and (ph.get("metrics") or {}).get("agg_normalised") and ph.get("specs"):
             by_sc.setdefault(ph["scenario"], []).append(ph)
     for sc, phases in by_sc.items():
+        if any((s or {}).get("phases") for s in phases[0]["specs"].values()):
+            continue        # a job whose pipeline changes mid-run: its spec's figures are its first phase's
         truth = curves_from_bench_specs({j: s for j, s in phases[0]["specs"].items() if s})
         gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
         cache: dict = {}

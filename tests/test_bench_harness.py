@@ -474,3 +474,73 @@ def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_pat
         assert all(r["t"] >= t_second for r in recs if "t" in r)
     assert ph["metrics"]["window_s"] < time.monotonic() - t_second
     assert _no_children_left() == []
+
+
+def test_a_phase_in_the_catalogue_and_its_errors(tmp_path):
+    from evaluation.catalog import make_job, workload_for
+
+    cat = load_catalog()
+    first, *_ = cat.mixes["phase"]
+    kind = cat.kinds[first]
+    assert kind.phase_kind == "alexnet" and kind.phase_after_s > 0
+    calib = {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}
+    spec = make_job(cat, calib, first, "x", seed=3, node_cores=2)
+    assert spec.phases == [{"after_s": kind.phase_after_s, "workload": workload_for(cat.kinds["alexnet"], 3)}]
+    assert spec.step_s == 0.1 and spec.workload == workload_for(kind, 3)     # its step stays its first phase's
+    assert make_job(cat, {"alexnet": calib[first]}, "alexnet", "y", seed=3).phases == []
+    p = tmp_path / "p.toml"
+    for member, err in (('{kind = "x", phase_kind = "nope", phase_after_s = 2}', "phase_kind must name a kind"),
+                        ('{kind = "x", phase_kind = "x"}', "phase_after_s be > 0")):
+        p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n')
+        with pytest.raises(CatalogError, match=err):
+            load_catalog(str(p))
+
+
+def test_a_job_process_takes_its_next_phase_pipeline_in_every_worker(tmp_path):
+    """A real job process, two real DataLoader workers: a light pipeline, then 1.5 s in a heavy one (7x
+    the pixels, 4 augmentation passes). The phase is recorded once, and the workers' CPU per sample
+    after it is several times what it was before (a ratio of CPU costs, not a speed). The heavy kind's
+    crop is larger: its samples keep the first phase's size, or a batch that straddles the change
+    (each worker is mid-batch when the flag appears) does not collate and the job dies."""
+    import subprocess
+    import sys
+
+    from evaluation.harness import child_env
+
+    light = dict(name="l", num_images=8, length=1 << 20, image_px=96, crop_px=16, aug_multiplier=1, seed=1)
+    heavy = dict(light, name="h", image_px=256, crop_px=64, aug_multiplier=4)
+    # (a step far shorter than a batch: the workers are never idle, so each is mid-batch at the change)
+    spec = {"job_id": "ph", "kind": "l", "batch_size": 8, "step_s": 0.0005, "demand_cores": 1.0,
+            "cpu_s_per_sample": 0.001, "workload": light, "phases": [{"after_s": 1.5, "workload": heavy}]}
+    prog = tmp_path / "progress.jsonl"
+    subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
+                    "--workers", "2", "--duration-s", "4"], env=child_env(), check=True, timeout=120,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    recs = [json.loads(x) for x in prog.read_text().splitlines()]
+    (ev,) = [r for r in recs if r.get("event") == "phase"]
+    start = next(r["t"] for r in recs if r.get("event") == "start")
+    assert ev["index"] == 1 and ev["t"] - start >= 1.5
+    rows = [r for r in recs if "event" not in r]
+    before = [r for r in rows if r["t"] <= ev["t"]]
+    after = [r for r in rows if r["t"] >= ev["t"] + 0.5]
+    assert before and len(after) >= 2
+
+    def cpu_per_sample(a, b):
+        return (b["cpu_s"] - a["cpu_s"]) / max(1, b["samples"] - a["samples"])
+
+    assert cpu_per_sample(after[0], after[-1]) > 3 * cpu_per_sample(rows[0], before[-1])
+    assert not (tmp_path / "progress.jsonl.phase.2").exists() and (tmp_path / "progress.jsonl.phase.1").exists()
+
+
+def test_a_phase_scenario_records_each_pipeline_change_as_an_event(tmp_path, tiny_catalog):
+    p = tmp_path / "phase.toml"
+    p.write_text(open(tiny_catalog).read().replace(
+        "[mixes]\n", '[mixes]\nphase = [{kind = "light", phase_kind = "heavy", phase_after_s = 1.0}, "heavy"]\n'))
+    result, _ = _run(tmp_path, str(p), "phase", ["none"], warmup_s=2.0, measure_s=1.5)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["metrics"]["agg_normalised"] > 0
+    (ev,) = [e for e in ph["events"] if e["kind"] == "phase"]
+    assert ev["job"] == "phas-0-light" and "pipeline changes (phase 1)" in ev["label"]
+    assert [x["index"] for x in ph["jobs"]["phas-0-light"]["phases"]] == [1] and not ph["jobs"]["phas-1-heavy"]["phases"]
+    assert any(r["kind"] == "phase" for r in ph["metrics"]["reactions"])
+    assert _no_children_left() == []
