@@ -786,7 +786,6 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         for p in r.phases:
             events.append({"t": p["t"], "label": f"{jid}'s pipeline changes (phase {p['index']})", "kind": "phase",
                            "job": jid})
-    events.sort(key=lambda e: e["t"])
     # An arrival counts from when the job's process is up and about to iterate (its "start" record; the
     # agent hears its hello at the first batch), not from the launch: interpreter and dataset start-up
     # (seconds here) is the same under every policy and is no reaction time.
@@ -798,7 +797,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         for jid, r in readers.items():
             if r.done and r.done.get("reason") == "work":
                 events.append({"t": r.done["t"], "label": f"{jid} finishes", "kind": "finish", "job": jid})
-        events.sort(key=lambda e: e["t"])
+    events.sort(key=lambda e: e["t"])
     return {"scenario": sc.name, "kind": sc.kind, "policy": policy, "rep": rep, "origin": origin,
             "window": [window0 if sc.kind != "dynamic" else None, end_t], "phase_start": t_phase0,
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,

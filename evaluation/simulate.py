@@ -541,7 +541,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                                                            loaders_yield=cfg.loaders_yield,
                                                            **dict(cfg.policy_options)),
                                 predictor=predictor, actuators=[act])
-    settle = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s) if learning else 0
+    settle_full = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)
+    settle = settle_full if learning else 0
     decisions = 0
     ticks_left = 0
     n_jobs = len(pending)
@@ -656,7 +657,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             tick()             # the controller forgets departed jobs and places new ones
             # (a new phase shows in the job's next windows, not at this instant: the agent ticks on
             # until they come, whatever the predictor)
-            ticks_left = max(settle, cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)) if phased else settle
+            ticks_left = settle_full if phased else settle
         elif t == t_tick:
             ticks_left = settle if tick() else ticks_left - 1
         if t == t_tune:
