@@ -132,6 +132,7 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
         "max_useful_cores": fin(curve.max_useful_cores),
         "cpu_s_per_batch": curve.cpu_s_per_batch,
         "compute_s_per_step": curve.compute_s_per_step,
+        "phase_changes": curve.extra.get("phase_changes", 0),
     }
 
 

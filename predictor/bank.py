@@ -23,6 +23,16 @@ How a curve is made (DESIGN.md, "Measurement"):
      does not matter; an sklearn ``Ridge.fit`` per job per window (~0.45 ms on the dev VM) would take
      a tick's whole budget at 64 jobs.
 
+A job's pipeline or model can change while it runs (a new augmentation, a larger crop, layers
+unfrozen): its earlier windows then describe a job that is gone, and pooled with the new ones they
+held the curve between the two for ~18 s of half-life. When the latest ``CHANGE_WINDOWS`` windows each
+differ from the earlier ones' recency-weighted mean, all the same way, by ``CHANGE_RATIO_CPU`` in the
+workers' CPU per sample (a CPU time, which contention hardly moves: on the dev VM consecutive windows
+at one configuration differ by 4% at the 90th percentile) or by ``CHANGE_RATIO_STEP`` in compute per
+step (a wall time, which a trainer's wait for a CPU stretches: 12% at the 90th percentile, 45% at
+most), the earlier windows are dropped (``_new_phase``; counted in the curve's
+``extra["phase_changes"]``). One odd window drops nothing.
+
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
 another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
 so 64 jobs observe+curve per tick in a few ms. What a window contributes (its pooled-cost terms, its
@@ -43,6 +53,11 @@ from predictor.observation import BadObservation, Observation
 HISTORY_WINDOWS = 16        # windows kept per job (the controller feeds one every ~3 s: ~48 s of history)
 HALF_LIFE_WINDOWS = 6.0     # recency weighting of windows when pooling g, c, b (~18 s at one per 3 s)
 _DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1))   # same floats as pooled_costs
+# a new phase (module docstring): the last CHANGE_WINDOWS usable windows each this far from the earlier
+# ones, the same way, in worker CPU per sample or in compute per step; 0 turns the detection off
+CHANGE_WINDOWS = 2
+CHANGE_RATIO_CPU = 1.5
+CHANGE_RATIO_STEP = 2.0
 
 
 def configuration(o: Observation) -> tuple[int, float]:
@@ -90,11 +105,48 @@ class _JobState:
     facts: deque = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOWS))   # per window; None = unusable
     curve: ThroughputCurve | None = None
     dirty: bool = True
+    phase_changes: int = 0  # new phases detected (``_new_phase``): older windows dropped
 
 
 def _usable(obs: Observation) -> bool:
     """A window says something about per-step and per-batch cost only if steps finished in it."""
     return obs.steps > 0 and obs.samples_per_s > 0
+
+
+def _new_phase(facts) -> int:
+    """How many of the latest windows to keep when they show a new phase (``CHANGE_WINDOWS``: from the
+    first of them), else 0. Compared with the recency-weighted mean of the windows before them."""
+    if CHANGE_WINDOWS <= 0:
+        return 0
+    recent = []
+    for i in range(len(facts) - 1, -1, -1):
+        if facts[i] is not None:
+            recent.append(i)
+            if len(recent) == CHANGE_WINDOWS:
+                break
+    if len(recent) < CHANGE_WINDOWS:
+        return 0
+    first = recent[-1]
+    old = [f for f in list(facts)[:first] if f is not None]
+    if not old:
+        return 0
+    new = [facts[i] for i in recent]
+    m = len(old)
+    for ratio, value, voter in ((CHANGE_RATIO_CPU, lambda f: f.c / f.obs.batch_size, lambda f: f.timed),
+                                (CHANGE_RATIO_STEP, lambda f: f.g, lambda f: True)):
+        sw = sv = 0.0
+        for i, f in enumerate(old):
+            if voter(f):
+                w = _DECAY[m - 1 - i] * f.steps_w
+                sv += w * value(f)
+                sw += w
+        if sw <= 0 or sv <= 0 or not all(voter(f) for f in new):
+            continue
+        ref = sv / sw
+        rs = [value(f) / ref for f in new]
+        if all(r >= ratio for r in rs) or all(r <= 1.0 / ratio for r in rs):
+            return len(facts) - first
+    return 0
 
 
 def pooled_costs(windows) -> tuple[float, float, float, float]:
@@ -156,6 +208,12 @@ class PredictorBank:
         st.windows.append(obs)
         st.facts.append(_WindowFacts(obs) if _usable(obs) else None)
         st.dirty = True
+        keep = _new_phase(st.facts)
+        if keep:
+            for _ in range(len(st.facts) - keep):
+                st.facts.popleft()
+                st.windows.popleft()
+            st.phase_changes += 1
 
     def curve(self, job_id: str) -> ThroughputCurve | None:
         """The job's current curve; None before any usable window (or for an unknown job)."""
@@ -163,7 +221,7 @@ class PredictorBank:
         if st is None:
             return None
         if st.dirty:
-            st.curve = self._build(job_id, [f for f in st.facts if f is not None])
+            st.curve = self._build(job_id, [f for f in st.facts if f is not None], st.phase_changes)
             st.dirty = False
         return st.curve
 
@@ -188,7 +246,7 @@ class PredictorBank:
                 self.prior_name = None
         return self._prior
 
-    def _build(self, job_id: str, facts: list[_WindowFacts]) -> ThroughputCurve | None:
+    def _build(self, job_id: str, facts: list[_WindowFacts], phase_changes: int = 0) -> ThroughputCurve | None:
         """The curve from the job's usable windows (their facts, oldest first)."""
         if not facts:
             return None
@@ -235,7 +293,7 @@ class PredictorBank:
             job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
             blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),
             source=source, worker_memory_bytes=mem, **params,
-            extra={"runq_s_per_batch": runq, "windows": n,
+            extra={"runq_s_per_batch": runq, "windows": n, "phase_changes": phase_changes,
                    "last_config": {"workers": last.workers, "cores": last.cores},
                    "last_samples_per_s": last.samples_per_s},
         )

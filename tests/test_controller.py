@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -478,6 +479,55 @@ def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_mad
     assert rec.fields["window"]["workers"] == src.jobs["a"].workers and rec.fields["window"]["steps"] > 0
     assert rec.fields["curve"]["source"] and rec.fields["curve"]["overhead_s_per_step"] >= 0
     assert rec.fields["curve"]["ceiling_samples_per_s"] > 0
+
+
+def test_a_jobs_new_phase_is_found_in_the_agents_debug_log(tmp_path, capsys):
+    """End to end through the agent's own JSON log lines: a controller at ``debug`` logs each window it
+    feeds the predictor; ``evaluation.phase_scan`` replays that log through a fresh bank and finds the
+    one job whose workers' CPU per batch tripled, at the second window of its new pipeline, and nothing
+    in its steady neighbour."""
+    import logging
+
+    from agent import logs
+    from evaluation import phase_scan
+    from predictor.bank import PredictorBank
+
+    # consistent figures: 2 workers at 0.1 CPU-s a batch keep a 0.1-s step fed (10 batches/s, 1 core);
+    # at 0.3 they make 6.25 batches/s on 1.9 cores and the step waits 0.06 s for data
+    fed = dict(samples_per_s=320.0, compute_s_per_step=0.1, data_wait_s_per_step=0.0, data_wait_frac=0.0,
+               cpu_s_per_batch=0.1, wall_s_per_batch=0.12, runq_s_per_batch=0.0, blocked_s_per_batch=0.02,
+               worker_cpu_cores=1.0)
+    heavy = dict(fed, samples_per_s=200.0, data_wait_s_per_step=0.06, data_wait_frac=0.375,
+                 cpu_s_per_batch=0.3, wall_s_per_batch=0.32, worker_cpu_cores=1.875)
+    src = FakeSource(4.0, [job_stats("a", **fed), job_stats("b", **fed)])
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=PredictorBank(prior=None), actuators=[RecordingActuator()])
+    path = tmp_path / "agent.log"
+    log = logging.getLogger("agent.controller")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logs.JsonFormatter())
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        for k in range(24):
+            if k == 12:
+                src.jobs["a"] = job_stats("a", **heavy)
+            c.tick(now=10.0 + 10.0 * k)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        handler.close()
+    jobs = phase_scan.windows_by_job(path)
+    assert set(jobs) == {"a", "b"} and len(jobs["a"]) >= 8
+    found = phase_scan.replay(jobs, None)
+    assert [(r["job"], r["kept"]) for r in found] == [("a", 2)]
+    first_new = next(i for i, (_, w) in enumerate(jobs["a"]) if w["cpu_s_per_batch"] > 2 * jobs["a"][0][1]["cpu_s_per_batch"])
+    assert found[0]["window"] == first_new + 1
+    assert phase_scan.main([str(tmp_path), "--prior", "none", "--out", str(tmp_path / "scan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "new phases found: 1" in out and "| a |" in out
+    assert json.loads((tmp_path / "scan.json").read_text())["adjacent"]["cpu per sample"]["pairs"] > 0
 
 
 def test_with_the_collectors_reports_the_predictor_gets_the_raw_window_since_the_change():

@@ -172,10 +172,15 @@ def _reference_curve(bank, job_id, windows):
     return g, c, b, runq, params
 
 
+@pytest.mark.parametrize("detect_phases", [True, False])
 @pytest.mark.parametrize("prior", [None, "default"])
-def test_cached_window_facts_give_the_same_curve_as_a_fresh_computation(prior):
+def test_cached_window_facts_give_the_same_curve_as_a_fresh_computation(prior, detect_phases, monkeypatch):
     import random
 
+    import predictor.bank as bank_mod
+
+    if not detect_phases:        # random windows are new phases often: without it, old windows are evicted
+        monkeypatch.setattr(bank_mod, "CHANGE_WINDOWS", 0)
     rng = random.Random(7)
     bank = PredictorBank(prior=prior)
     windows = []
@@ -192,10 +197,12 @@ def test_cached_window_facts_give_the_same_curve_as_a_fresh_computation(prior):
         windows.append(o)
         bank.observe("j", o)
         cur = bank.curve("j")
-        if not any(w.steps > 0 for w in windows[-32:]):
+        kept = bank.windows("j")
+        assert kept == windows[-len(kept):]      # the latest windows, in order (fewer after a new phase)
+        if not any(w.steps > 0 for w in kept):
             assert cur is None
             continue
-        g_ref, c_ref, b_ref, runq_ref, params = _reference_curve(bank, "j", windows)
+        g_ref, c_ref, b_ref, runq_ref, params = _reference_curve(bank, "j", kept)
         # bit for bit: the facts are the same expressions, summed in the same order
         assert (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch) == (g_ref, c_ref, b_ref)
         assert cur.extra["runq_s_per_batch"] == runq_ref
@@ -342,3 +349,79 @@ def test_a_nearly_busy_loader_is_not_taken_for_a_training_process_overhead():
     rest = obs(workers=4, cores=4.0, g=0.05, c=0.032, wait=0.01, bs=32)
     assert pr.worker_utilization(rest) < pr.SPARE_UTIL and pr.spare_loader(rest)
     assert pr.measured_overhead([rest]) == pytest.approx(0.01)
+
+
+def _feed(bank, job, windows):
+    for o in windows:
+        bank.observe(job, o)
+    return bank.curve(job)
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+@pytest.mark.parametrize("factor", [3.0, 1.0 / 3.0])
+def test_a_new_phase_drops_the_windows_of_the_job_that_is_gone(prior, factor, monkeypatch):
+    """A job whose workers' CPU per batch moves 3x (heavier or lighter augmentation) and stays there: after
+    two windows of the new pipeline the curve is the new job's, not a blend that ages out over ~18 s."""
+    import predictor.bank as bank_mod
+
+    old = [exact_window(2, 2.0, c=0.15) for _ in range(10)]
+    new = [exact_window(2, 2.0, c=0.15 * factor) for _ in range(2)]
+    bank = PredictorBank(prior=prior)
+    cur = _feed(bank, "j", old + new)
+    assert bank.windows("j") == new
+    assert cur.cpu_s_per_batch == pytest.approx(0.15 * factor)
+    assert cur.extra["phase_changes"] == 1
+    fresh = _feed(PredictorBank(prior=prior), "j", new)
+    assert cur.max_useful_workers == fresh.max_useful_workers
+    assert cur.max_useful_cores == pytest.approx(fresh.max_useful_cores)
+    # without the detection the same windows give a blend, nearer the old pipeline than the new
+    monkeypatch.setattr(bank_mod, "CHANGE_WINDOWS", 0)
+    blend = _feed(PredictorBank(prior=prior), "j", old + new)
+    assert abs(math.log(blend.cpu_s_per_batch / 0.15)) < abs(math.log(blend.cpu_s_per_batch / (0.15 * factor)))
+
+
+def test_a_new_phase_in_compute_per_step_is_found_and_a_stretched_step_is_not():
+    """Compute per step is a wall time: a trainer waiting for a CPU stretches it (on the dev VM up to 1.45x
+    between consecutive windows), so it takes CHANGE_RATIO_STEP (2x) to call it a new phase."""
+    from predictor.bank import CHANGE_RATIO_STEP
+
+    old = [exact_window(2, 2.0, g=0.1) for _ in range(8)]
+    bank = PredictorBank(prior=None)
+    cur = _feed(bank, "j", old + [exact_window(2, 2.0, g=0.1 * 0.95 * CHANGE_RATIO_STEP) for _ in range(3)])
+    assert len(bank.windows("j")) == 11 and cur.extra["phase_changes"] == 0
+    bank = PredictorBank(prior=None)
+    cur = _feed(bank, "j", old + [exact_window(2, 2.0, g=0.1 * 1.05 * CHANGE_RATIO_STEP) for _ in range(2)])
+    assert len(bank.windows("j")) == 2 and cur.extra["phase_changes"] == 1
+    assert cur.compute_s_per_step == pytest.approx(0.1 * 1.05 * CHANGE_RATIO_STEP)
+
+
+def test_one_odd_window_or_a_change_back_drops_nothing():
+    base = [exact_window(2, 2.0, c=0.15) for _ in range(8)]
+    bank = PredictorBank(prior=None)
+    # one window 3x off, then the job as before: not a phase
+    _feed(bank, "j", base + [exact_window(2, 2.0, c=0.45), exact_window(2, 2.0, c=0.15)])
+    assert len(bank.windows("j")) == 10
+    # two odd windows the opposite ways: not a phase either
+    _feed(bank, "j", [exact_window(2, 2.0, c=0.45), exact_window(2, 2.0, c=0.05)])
+    assert len(bank.windows("j")) == 12
+    # a window with no finished step between the two new-phase windows does not hide them
+    idle = Observation(**{**exact_window(2, 2.0).to_dict(), "steps": 0, "samples_per_s": 0.0})
+    _feed(bank, "j", [exact_window(2, 2.0, c=0.6), idle, exact_window(2, 2.0, c=0.6)])
+    assert bank.windows("j")[0].cpu_s_per_batch == pytest.approx(0.6) and len(bank.windows("j")) == 3
+    assert bank.curve("j").cpu_s_per_batch == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_measurement_noise_and_reconfiguration_are_not_new_phases(seed):
+    """Windows of one job at configurations the agent moves it through (1-6 workers, 0.5-4 cores), with
+    +-25% noise on its CPU per batch and +-40% on its step time, 200 windows: no phase found."""
+    import random
+
+    rng = random.Random(seed)
+    bank = PredictorBank(prior="default")
+    for _ in range(200):
+        w, cores = rng.randint(1, 6), rng.choice([0.5, 1.0, 2.0, 4.0])
+        o = exact_window(w, cores, g=0.1 * rng.uniform(0.6, 1.4), c=0.15 * rng.uniform(0.75, 1.25))
+        bank.observe("j", o)
+    assert bank.curve("j").extra["phase_changes"] == 0
+    assert len(bank.windows("j")) == 16
