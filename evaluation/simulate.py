@@ -132,7 +132,9 @@ class _Job:
 def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batch_size: int = 64) -> dict:
     """First-principles curves of the bench catalogue's kinds, demand in cores per GPU as listed; a kind
     with several GPUs takes one batch per GPU per step. ``extra`` carries the rest of the workload
-    model (``evaluation.nodemodel``): the trainer's CPU per step and rank, the GPUs, the user's habit."""
+    model (``evaluation.nodemodel``): the trainer's CPU per step and rank, the GPUs, the user's habit,
+    and ``phase_kind`` (non-empty: the catalogue's kind changes pipeline; its curve is its first
+    phase's, and ``trace_kinds`` leaves it out of generated traces)."""
     from evaluation.catalog import load_catalog
 
     cat = load_catalog(catalog_path)
@@ -144,7 +146,8 @@ def builtin_curves(catalog_path: Optional[str] = None, step_s: float = 0.1, batc
                                     cpu_s_per_batch=c, blocked_s_per_batch=b, confidence=1.0,
                                     source="builtin", extra={"cores_per_gpu": k.cores_per_gpu, "gpus": k.gpus,
                                                              "trainer_cpu_s_per_step": k.trainer_cpu_frac * step_s,
-                                                             "num_workers": k.num_workers},
+                                                             "num_workers": k.num_workers,
+                                                             "phase_kind": k.phase_kind},
                                     worker_memory_bytes=float(getattr(k, "worker_ram_mb", 0.0) or 0.0) * (1 << 20))
     return out
 
@@ -233,6 +236,13 @@ def _phases(v) -> tuple:
             raise ValueError(f"phases: {it!r}: AFTER_S must be > 0 and KIND named")
         out.append((after, kind))
     return tuple(sorted(out))
+
+
+def trace_kinds(curves: dict) -> list[str]:
+    """The kinds a generated trace draws from: every curve's but a catalogue kind with a second phase
+    (the bench's ``phase`` scenario's, 5 s in: a bench's time scale, and its curve is its first phase
+    only). A trace's ``phases`` column gives jobs phases."""
+    return sorted(k for k, cv in curves.items() if not (cv.extra or {}).get("phase_kind"))
 
 
 def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,

@@ -168,7 +168,7 @@ ADAPTIVE_OF_BUDGET_ORACLE = 0.95     # the stated fraction (measured 0.985-1.0 o
 @pytest.mark.parametrize("budget_gib", [16, 8])
 def test_adaptive_under_a_budget_is_within_a_stated_fraction_of_the_budget_oracle(budget_gib):
     curves = S.builtin_curves()
-    trace = S.generate_trace(sorted(curves), 4, 8, 30.0, 300.0, seed=0,
+    trace = S.generate_trace(S.trace_kinds(curves), 4, 8, 30.0, 300.0, seed=0,
                              gpus_of={k: (cv.extra or {}).get("gpus", 1) for k, cv in curves.items()})
     cfg = S.SimConfig(loader_memory=budget_gib * GiB, worker_memory_bytes=GiB)
     s = S.simulate(trace, curves, ["adaptive", "oracle"], cfg, processes=1)["summary"]

@@ -135,6 +135,20 @@ def test_simulate_command_on_a_tiny_trace(tmp_path):
 
 
 @pytest.mark.unit
+def test_generated_traces_leave_out_a_catalogue_kind_that_changes_phase():
+    """The bench's phase kind (BERT-like turning AlexNet-like 5 s in) has a first-phase curve only: a
+    generated trace drawing it would run a job that never changes as if it were that kind. Drawing it
+    also changed every seed's trace when it was added to the catalogue (the 16-core trace's figures)."""
+    curves = S.builtin_curves()
+    phased = {k for k, cv in curves.items() if cv.extra.get("phase_kind")}
+    assert phased and phased <= set(curves)
+    kinds = S.trace_kinds(curves)
+    assert set(kinds) == set(curves) - phased and kinds == sorted(kinds)
+    trace = S.generate_trace(kinds, 20, 8, 30.0, 300.0, seed=5)
+    assert not {tj.kind for tj in trace} & phased
+
+
+@pytest.mark.unit
 def test_simulate_list_kinds_names_every_kind_with_its_demand(capsys):
     # (it called a helper the one-node-model change had removed, and crashed)
     from agent.cli import build_parser

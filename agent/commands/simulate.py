@@ -68,7 +68,7 @@ def run(args) -> int:
         if args.trace:
             trace = S.read_trace(args.trace)
         else:
-            trace = S.generate_trace(sorted(curves), args.nodes, args.jobs_per_node, args.mean_gap_s,
+            trace = S.generate_trace(S.trace_kinds(curves), args.nodes, args.jobs_per_node, args.mean_gap_s,
                                      args.mean_work_s, args.seed,
                                      gpus_of={k: (cv.extra or {}).get("gpus", 1) for k, cv in curves.items()})
         policies = [p for p in args.policies.split(",") if p]
