@@ -27,10 +27,11 @@ A job's pipeline or model can change while it runs (a new augmentation, a larger
 unfrozen): its earlier windows then describe a job that is gone, and pooled with the new ones they
 held the curve between the two for ~18 s of half-life. When the latest ``CHANGE_WINDOWS`` windows each
 differ from the earlier ones' recency-weighted mean, all the same way, by ``CHANGE_RATIO_CPU`` in the
-workers' CPU per sample (a CPU time, which contention hardly moves: on the dev VM consecutive windows
-at one configuration differ by 4% at the 90th percentile) or by ``CHANGE_RATIO_STEP`` in compute per
-step (a wall time, which a trainer's wait for a CPU stretches: 12% at the 90th percentile, 45% at
-most), the earlier windows are dropped (``_new_phase``; counted in the curve's
+workers' CPU per sample (a CPU time, which contention hardly moves: in the agent's windows of 42 bench
+runs on the dev VM, consecutive windows at one configuration differ by 4.4% at the 90th percentile;
+``python -m evaluation.phase_scan``) or by ``CHANGE_RATIO_STEP`` in compute per step (a wall time, which
+a trainer's wait for a CPU stretches: 13% at the 90th percentile, 45% at most), the earlier windows
+are dropped (``_new_phase``; counted in the curve's
 ``extra["phase_changes"]``). One odd window drops nothing.
 
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
