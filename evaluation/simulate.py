@@ -702,14 +702,17 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
 
 
 def steady_state(truth: dict, policy_name: str, cfg: SimConfig, warmup_s: float = 6.0, measure_s: float = 12.0,
-                 gpus_of: Optional[dict] = None) -> dict:
+                 gpus_of: Optional[dict] = None, phases_of: Optional[dict] = None) -> dict:
     """A static mix (what the bench's static phases run): every job of ``truth`` (name -> curve with its
     workload, ``evaluation.nodemodel.curve_with_workload``) arrives at 0 on one node and runs under
     ``policy_name`` for ``warmup_s`` + ``measure_s``; ``simulate_node``'s result, whose ``window_agg``
     is the GPU-weighted normalised throughput over the measured part. ``gpus_of``: job -> GPUs
-    (default: the curve's ``extra["gpus"]``, else 1)."""
-    trace = [TraceJob("node", j, j, 0.0, 1e9,
-                      int((gpus_of or {}).get(j) or (cv.extra or {}).get("gpus") or 1)) for j, cv in truth.items()]
+    (default: the curve's ``extra["gpus"]``, else 1). ``phases_of``: job -> its later phases,
+    ``((after_s, name), ...)``, each name a curve of ``truth`` that is no job of its own."""
+    phases_of = phases_of or {}
+    phase_only = {name for ph in phases_of.values() for _, name in ph}
+    trace = [TraceJob("node", j, j, 0.0, 1e9, int((gpus_of or {}).get(j) or (cv.extra or {}).get("gpus") or 1),
+                      tuple(phases_of.get(j, ()))) for j, cv in truth.items() if j not in phase_only]
     # the agent ticks every tick_s for the whole run, as a real one does (not only while its plan moves)
     cfg = dataclasses.replace(cfg, settle_ticks=max(cfg.settle_ticks, int(math.ceil((warmup_s + measure_s) / cfg.tick_s)) + 1))
     return simulate_node(trace, truth, policy_name, cfg, until_s=warmup_s + measure_s, measure_from_s=warmup_s)

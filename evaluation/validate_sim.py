@@ -12,7 +12,10 @@ physics and for the no-agent baselines: ``none`` with the users' habitual worker
 budget, for the bench's warm-up and measured window, under each policy the bench measured. Ratios are
 taken within a repeat, as the bench takes them (a phase against the best of ``none``, ``autotune``,
 ``static-cores``, ``even-static`` in the same repeat), then the median over repeats, and printed next to
-the measured ones, with the difference.
+the measured ones, with the difference. A job whose pipeline changes mid-run (the ``phase`` scenario:
+its spec's ``phases``) runs its later phase in the simulator too, at the cost per sample the bench
+calibrated for the run's job with the same workload (``phase_curves``); a scenario with a later
+workload no job of the run has is skipped.
 
 ``--capacity measured`` (the default) gives each simulated phase the CPU the jobs of the measured phase
 could get (``phase_capacity``): the node's cores less what else ran on the node in the window (the
@@ -100,10 +103,13 @@ def _sim_phases(bench: dict, capacity: str):
         if ph.get("kind") == "static" and (ph.get("metrics") or {}).get("agg_normalised") and ph.get("specs"):
             by_sc.setdefault(ph["scenario"], []).append(ph)
     for sc, phases in by_sc.items():
-        if any((s or {}).get("phases") for s in phases[0]["specs"].values()):
-            continue        # a job whose pipeline changes mid-run: its spec's figures are its first phase's
-        truth = curves_from_bench_specs({j: s for j, s in phases[0]["specs"].items() if s})
+        specs = {j: s for j, s in phases[0]["specs"].items() if s}
+        phases_of, phase_specs = phase_curves(specs)
+        if phases_of is None:
+            continue        # a job's later pipeline that no calibrated job of the run gives the cost of
+        truth = curves_from_bench_specs(specs)
         gpus = sum(int((cv.extra or {}).get("gpus") or 1) for cv in truth.values())
+        truth.update(curves_from_bench_specs(phase_specs))
         cache: dict = {}
         # a static-cores phase's idle CPU is its quotas' doing, not other tenants': without the node's
         # measured other use it gets the most any phase of its repeat could use
@@ -124,7 +130,8 @@ def _sim_phases(bench: dict, capacity: str):
 
             def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas) -> dict:
                 avail = None if whole_node or cap >= node else cap
-                return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas)
+                return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas,
+                                phases_of)
 
             yield sc, {**ph, "_cap": cap}, truth, run
 
@@ -153,12 +160,39 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
     return rows
 
 
-def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: float, meas: float) -> dict:
+def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: float, meas: float,
+             phases_of: Optional[dict] = None) -> dict:
     """``S.steady_state`` of ``truth`` under ``policy``, once per (policy, capacity, window)."""
     key = (policy, None if cfg.available_cores is None else round(cfg.available_cores, 3), warm, meas)
     if key not in cache:
-        cache[key] = S.steady_state(truth, policy, cfg, warm, meas)
+        cache[key] = S.steady_state(truth, policy, cfg, warm, meas, phases_of=phases_of)
     return cache[key]
+
+
+def phase_curves(specs: dict) -> tuple[Optional[dict], dict]:
+    """A bench run's jobs whose pipeline changes mid-run (a spec's ``phases``: after_s and the workload
+    from then on), for the simulator: (job -> ``((after_s, name), ...)``, name -> the spec of the job in
+    that phase). A phase keeps the job's step, batch, trainer and GPUs; its loader cost per sample is the
+    calibrated one of the run's job with the same workload (its seed aside), which the bench calibrated
+    on the same machine. (None, {}) when some phase's workload is no job's of the run: its cost is
+    unknown here."""
+    def same(w):
+        return {k: v for k, v in (w or {}).items() if k != "seed"}
+
+    phases_of: dict = {}
+    out: dict = {}
+    for j, sp in specs.items():
+        for k, ph in enumerate(sp.get("phases") or (), start=1):
+            src = next((o for o in specs.values() if not o.get("phases") and o.get("workload")
+                        and same(o["workload"]) == same(ph.get("workload"))), None)
+            if src is None:
+                return None, {}
+            name = f"{j}@phase{k}"
+            cpu = float(src["cpu_s_per_sample"])
+            out[name] = {**sp, "phases": [], "workload": ph.get("workload"), "cpu_s_per_sample": cpu,
+                         "demand_cores": cpu * int(sp["batch_size"]) * int(sp.get("gpus") or 1) / float(sp["step_s"])}
+            phases_of.setdefault(j, []).append((float(ph["after_s"]), name))
+    return {j: tuple(v) for j, v in phases_of.items()}, out
 
 
 def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
@@ -187,8 +221,11 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
                          ("measured_throttled", m.get("throttled_frac"))):
                 a.setdefault(k, []).append(v)
             # a worker's CPU per sample over the calibrated figure the job model takes (the simulated one
-            # carries time slicing's cost; the measured one everything a worker does beside __getitem__)
-            per = cv.cpu_s_per_batch / cv.batch_size
+            # carries time slicing's cost; the measured one everything a worker does beside __getitem__);
+            # a job whose pipeline changed: its last phase's (``phase_curves``), which the window measured
+            later = sorted(n for n in truth if n.startswith(f"{j}@phase"))
+            cost = truth[later[-1]] if later else cv
+            per = cost.cpu_s_per_batch / cost.batch_size
 
             def cpu_x(cores, sps):
                 sps = float(sps or 0.0)

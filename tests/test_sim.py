@@ -462,6 +462,54 @@ def test_validate_sim_per_job_view_names_the_mechanism():
 
 
 @pytest.mark.unit
+def test_validate_sim_runs_a_job_whose_pipeline_changes_with_its_later_phase():
+    """The bench's ``phase`` scenario: a job's spec carries its later workload; the simulator runs it with
+    that phase, whose cost per sample is the run's calibrated job with the same workload (its seed
+    aside). Before, validate_sim skipped the scenario. A phase whose workload no job of the run has is
+    still skipped: its cost is not known."""
+    from evaluation import validate_sim as V
+
+    light = {"name": "bert", "image_px": 96, "crop_px": 32, "aug_multiplier": 1, "seed": 100}
+    heavy = {"name": "alexnet", "image_px": 256, "crop_px": 64, "aug_multiplier": 2, "seed": 101}
+
+    def spec(w, cpu, step, phases=()):
+        return {"batch_size": 64, "step_s": step, "cpu_s_per_sample": cpu, "demand_cores": cpu * 64 / step,
+                "trainer_cpu_frac": 0.3, "gpus": 1, "num_workers": 2, "workload": w, "phases": list(phases)}
+
+    later = [{"after_s": 5.0, "workload": {**heavy, "seed": 100}}]
+    specs = {"p": spec(light, 0.0002, 0.04, later), "a": spec(heavy, 0.0015, 0.05), "s": spec(light, 0.0002, 0.06)}
+    phases_of, extra = V.phase_curves(specs)
+    assert phases_of == {"p": ((5.0, "p@phase1"),)}
+    assert extra["p@phase1"]["demand_cores"] == pytest.approx(0.0015 * 64 / 0.04)    # the job's step, a's cost
+    assert extra["p@phase1"]["step_s"] == 0.04 and not extra["p@phase1"]["phases"]
+    bench_phases = []
+    for rep in range(2):
+        for pol, agg in (("even-static", 0.85), ("adaptive", 0.84), ("static-cores", 0.82)):
+            jobs = {j: {"normalised": 0.28, "samples_per_s": 400.0, "worker_cpu_cores": 0.55,
+                        "trainer_cpu_cores": 0.1} for j in specs}
+            bench_phases.append({"scenario": "phase", "kind": "static", "policy": pol, "rep": rep, "warmup_s": 30,
+                                 "window": [0.0, 12.0], "metrics": {"agg_normalised": agg, "jobs": jobs},
+                                 "specs": specs})
+    bench = {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": bench_phases}
+    rows = {r["policy"]: r for r in V.validate(bench, capacity="node")}
+    assert set(rows) == {"even-static", "adaptive", "static-cores"}
+    # simulated with the phase: the changed job needs 2.4 cores now, so no policy feeds it on 2 cores
+    per_job = {(r["policy"], r["job"]): r for r in V.validate_jobs(bench, capacity="node")}
+    assert set(j for _, j in per_job) == {"p", "a", "s"}
+    assert all(per_job[(pol, "p")]["sim_norm"] < 0.5 for pol in rows)
+    # its CPU per sample is set against the later phase's calibration (a's), not its first
+    assert per_job[("even-static", "p")]["measured_cpu_x"] == pytest.approx((0.55 / 400.0) / 0.0015)
+    # without the phase the same job would be fed (0.3 cores at 0.0002 s a sample)
+    calm = {**bench, "phases": [{**ph, "specs": {**specs, "p": spec(light, 0.0002, 0.04)}} for ph in bench_phases]}
+    calm_jobs = {(r["policy"], r["job"]): r for r in V.validate_jobs(calm, capacity="node")}
+    assert calm_jobs[("even-static", "p")]["sim_norm"] > 0.9
+    # a later workload no job of the run has: skipped
+    odd = {**specs, "p": spec(light, 0.0002, 0.04, [{"after_s": 5.0, "workload": {**heavy, "crop_px": 128}}])}
+    assert V.phase_curves(odd) == (None, {})
+    assert V.validate({**bench, "phases": [{**ph, "specs": odd} for ph in bench_phases]}, capacity="node") == []
+
+
+@pytest.mark.unit
 def test_validate_sim_dynamic_rows_against_a_stored_run():
     """The dynamic rows: measured medians over the repeats beside the simulated figures, ratios to none
     and to the best other baseline (the issue's target: adaptive under 1 on both)."""
