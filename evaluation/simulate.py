@@ -509,6 +509,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         raise SimError(f"unknown predictor {cfg.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
     if cfg.cpu_knob not in ("shares", "quota"):
         raise SimError(f"unknown cpu knob {cfg.cpu_knob!r}; choose shares or quota")
+    _check_kinds(jobs_in, truth)
     C = cfg.loader
     cpu_ids = tuple(range(int(cfg.cores)))
     pending = sorted(jobs_in, key=lambda j: j.arrival_s)
@@ -737,12 +738,17 @@ def node_truth(curves: dict, cfg: SimConfig, source: str) -> dict:
     return {k: _scale(cv, factor) for k, cv in curves.items()}
 
 
-def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, source: str = "builtin",
-             processes: Optional[int] = None) -> dict:
-    """Run every policy over every node of the trace; returns per-policy summaries and per-node results."""
+def _check_kinds(trace, curves) -> None:
+    """SimError naming every kind (a job's, or a later phase's) the trace has and ``curves`` lacks."""
     unknown = sorted(({tj.kind for tj in trace} | {k for tj in trace for _, k in tj.phases}) - set(curves))
     if unknown:
         raise SimError(f"trace names unknown kinds: {', '.join(unknown)}; known: {', '.join(sorted(curves))}")
+
+
+def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, source: str = "builtin",
+             processes: Optional[int] = None) -> dict:
+    """Run every policy over every node of the trace; returns per-policy summaries and per-node results."""
+    _check_kinds(trace, curves)
     truth = with_memory(node_truth(curves, cfg, source), cfg)
     by_node: dict[str, list] = {}
     for tj in trace:

@@ -1033,6 +1033,9 @@ def test_trace_phases_parse_from_csv_and_json_and_say_what_is_wrong(tmp_path):
     cfg = S.SimConfig(cores=2.0, gpus=1, loader_cpus=2.0, predictor="perfect")
     with pytest.raises(S.SimError, match="unknown kinds: nope"):
         S.simulate([S.TraceJob("n", "x", "mid", 0, 1, 1, ((1.0, "nope"),))], CURVES, ["even"], cfg)
+    # one node run directly says so too, before it starts (it raised a KeyError at the phase's time)
+    with pytest.raises(S.SimError, match="unknown kinds: nope"):
+        S.simulate_node([S.TraceJob("n", "x", "mid", 0, 1, 1, ((0.5, "nope"),))], CURVES, "even", cfg)
 
 
 @pytest.mark.unit
