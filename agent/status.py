@@ -63,6 +63,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         max_useful_workers  the predictor's estimate (null before its first curve)
         max_useful_cores
         curve_confidence    0..1
+        phase_changes       how often the predictor found a new pipeline in the job's windows and dropped
+                            its earlier ones (``predictor.bank``), 0 before its first curve
         reason              why the job has its current allocation (the policy's words)
         unsatisfied         what it wanted and did not get, null if nothing
         apply_ok            last apply result (null if nothing applied in the last tick)
@@ -138,6 +140,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "max_useful_workers": curve.get("max_useful_workers"),
             "max_useful_cores": _r(curve.get("max_useful_cores")),
             "curve_confidence": _r(curve.get("confidence"), 3),
+            "phase_changes": int(curve.get("phase_changes") or 0),
             "reason": reason,
             "unsatisfied": unsatisfied.get(job_id),
             "apply_ok": result.ok if result is not None else None,

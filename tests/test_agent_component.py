@@ -45,6 +45,7 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
     assert 100 < j["samples_per_s"] < 220                # 20 steps/s x 8 samples, smoothed
     assert j["reason"].startswith("even split")
     assert j["max_useful_workers"] is None or j["max_useful_workers"] >= 1
+    assert isinstance(j["phase_changes"], int) and j["phase_changes"] >= 0    # the predictor's count, served
     # the CLI: table and --json
     out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--json"), env=repo_env(),
                          capture_output=True, text=True, timeout=30)
