@@ -1054,3 +1054,33 @@ def test_a_phase_makes_the_job_another_kind_from_then_on(policy):
     plain = S.simulate_node([dataclasses.replace(job[0], phases=())], CURVES, policy, cfg, until_s=40.0,
                             measure_from_s=20.0)
     assert plain["window"]["x"] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("predictor", ["first-principles", "agent"])
+def test_a_job_turned_heavy_gets_its_workers_within_seconds_of_its_new_windows(predictor, monkeypatch):
+    """End to end through the controller, the policy and the learning predictor: 8 jobs on 32 cores, a
+    BERT-like job (1 core) turns ResNet-50-like (3 cores) 60 s in. The bank drops the old windows once two
+    new ones show the change, so the job has its 3 workers and its ceiling 10 s after it. With the old
+    windows kept (the detection off) the first-principles bank still blends the two jobs then (2
+    workers, 2/3 of its ceiling; 3 workers 40 s after the change)."""
+    import predictor.bank as bank_mod
+
+    curves = S.builtin_curves()
+    kinds = ["resnet50", "bert", "resnet18", "audio"] * 2
+    trace = [S.TraceJob("n", f"j{i}", k, 0.0, 1e9, 1, ((60.0, "resnet50"),) if i == 1 else ())
+             for i, k in enumerate(kinds)]
+    cfg = S.SimConfig(cores=32, gpus=8, predictor=predictor, settle_ticks=400)
+    truth = S.with_memory(curves, cfg)
+
+    def at(t):
+        r = S.simulate_node(trace, truth, "adaptive", cfg, until_s=t, measure_from_s=t - 1.0)
+        return r["plan"]["j1"]["workers"], r["window"]["j1"]
+
+    assert at(58.0) == (1, pytest.approx(1.0, abs=0.01))
+    workers, norm = at(70.0)
+    assert workers == 3 and norm == pytest.approx(1.0, abs=0.01)
+    if predictor == "first-principles":
+        monkeypatch.setattr(bank_mod, "CHANGE_WINDOWS", 0)
+        workers, norm = at(70.0)
+        assert workers == 2 and norm < 0.7
