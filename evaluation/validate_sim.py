@@ -92,7 +92,8 @@ def _sim_phases(bench: dict, capacity: str):
     """The bench's static phases the simulator can run, each with what it is simulated with: yields
     (scenario, phase, the jobs' curves, run) where ``run(policy, node=False)`` is that policy's
     ``S.steady_state`` for the phase's warm-up and window, on the CPU the phase could get (``capacity``;
-    the node's cores with ``node=True``), cached per scenario. The phase's capacity is ``phase["_cap"]``."""
+    the node's cores with ``node=True``), cached per scenario. The phase's capacity is ``phase["_cap"]``,
+    its jobs' later phases ``phase["_phases"]`` (``phase_curves``)."""
     if capacity not in ("measured", "node"):
         raise ValueError(f"unknown capacity {capacity!r}; choose measured or node")
     meta = bench.get("meta") or {}
@@ -133,7 +134,7 @@ def _sim_phases(bench: dict, capacity: str):
                 return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas,
                                 phases_of)
 
-            yield sc, {**ph, "_cap": cap}, truth, run
+            yield sc, {**ph, "_cap": cap, "_phases": phases_of}, truth, run
 
 
 def validate(bench: dict, capacity: str = "measured") -> list[dict]:
@@ -223,8 +224,8 @@ def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
             # a worker's CPU per sample over the calibrated figure the job model takes (the simulated one
             # carries time slicing's cost; the measured one everything a worker does beside __getitem__);
             # a job whose pipeline changed: its last phase's (``phase_curves``), which the window measured
-            later = sorted(n for n in truth if n.startswith(f"{j}@phase"))
-            cost = truth[later[-1]] if later else cv
+            later = ph["_phases"].get(j)
+            cost = truth[later[-1][1]] if later else cv
             per = cost.cpu_s_per_batch / cost.batch_size
 
             def cpu_x(cores, sps):
