@@ -19,6 +19,8 @@ Same constructor, same batches in the same order as torch's DataLoader; in addit
   worker's traceback in its message, as in torch.
 - ``stats()``: step and worker timing, always on (see ``stats`` for the keys).
 - ``state_dict()`` / ``load_state_dict()``: resume mid-epoch with any worker count.
+- ``total_steps=`` / ``set_total_steps(n)``: the batches the job has left, when it knows them (a hint
+  for the node agent, reported as ``steps_left`` in ``stats()``; never a limit).
 
 Invariants:
 - the index sampler is torch's own (``RandomSampler``/``SequentialSampler``/``BatchSampler`` built by
@@ -86,7 +88,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -192,6 +194,12 @@ class _Config:
     prefetch_factor: int
 
 
+def _check_total_steps(total_steps) -> None:
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps < 0):
+        raise ValueError(f"total_steps must be an int >= 0 or None, got {total_steps!r}")
+
+
 class _Core:
     """State shared by a loader and its iterators. Holds no reference to the loader or to an
     iterator (only weak ones): worker pools are owned by iterators (the persistent one is held by
@@ -219,6 +227,7 @@ class _Core:
         self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
         self.prefetch_factor = 2
+        self.steps_goal: Optional[tuple[int, int]] = None   # (steps still to hand out, counters.steps then)
 
     def pools(self) -> list[WorkerPool]:
         with self.lock:
@@ -271,8 +280,9 @@ class DataLoader(tud.DataLoader[T_co]):
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True, max_workers=None, elastic_state=None):
+                 in_order=True, max_workers=None, elastic_state=None, total_steps=None):
         auto = isinstance(num_workers, str)
+        _check_total_steps(total_steps)
         if auto and num_workers != "auto":
             raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
@@ -308,6 +318,8 @@ class DataLoader(tud.DataLoader[T_co]):
             core.requested = core.target
             core.owner = weakref.ref(self)
         self._core = core
+        if total_steps is not None and (elastic_state is None or core.steps_goal is None):
+            self.set_total_steps(total_steps)
         # a copy keeps the state's first loader alive: the agent client and autotune hold that one
         # (weakly), so they keep working while any copy trains, even if the user dropped theirs
         self._owner = core.owner() if elastic_state is not None else None
@@ -447,6 +459,8 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_runq_s      of which runnable but waiting for a CPU (/proc/self/schedstat field 2;
                            0 where the kernel does not provide it)
         worker_blocked_s   wall - cpu - runq (clamped at 0 per batch): sleeping, mostly IO
+        steps_left         only when the job said how many steps it has left (``total_steps``,
+                           ``set_total_steps``): that count less the batches handed out since, at least 0
         resizes            number of effective resize() calls
         worker_restarts    workers started to replace one that died
         redispatched       batches handed out again because their worker died
@@ -496,8 +510,23 @@ class DataLoader(tud.DataLoader[T_co]):
             "main_runq_s": self._main_runq_s(),
             "rates": core.rates.rates(now),
         }
+        goal = core.steps_goal
+        if goal is not None:
+            out["steps_left"] = max(0, goal[0] - (c.steps - goal[1]))
         out.update(self._memory_stats())
         return out
+
+    def set_total_steps(self, total_steps: Optional[int]) -> None:
+        """How many more batches this loader will hand out, over all epochs to come (the training
+        loop's remaining steps: ``max_steps`` less the steps done, ``len(loader) * epochs`` left), or
+        None to forget it. Counted down as batches are handed out and reported as ``steps_left`` in
+        ``stats()``: the node agent's ``finish_guard`` uses it so that the job whose remaining work
+        sets the node's finishing time is not starved (docs/users.md). A hint, never a limit: the
+        loader hands out batches past it as before."""
+        _check_total_steps(total_steps)
+        core = self._core
+        with core.lock:
+            core.steps_goal = None if total_steps is None else (int(total_steps), core.counters.steps)
 
     def _main_runq_s(self) -> float:
         core = self._core

@@ -224,3 +224,39 @@ def test_agent_client_holds_the_users_loader_while_a_copy_trains(monkeypatch):
     assert calls == [("attach", user)]    # once per state, with the user's object
     copy.close()
     assert calls[1:] == [("detach", user)]
+
+
+def test_total_steps_counts_down_across_epochs_resizes_and_rebuilt_copies():
+    """``total_steps``: the batches the job has left, reported as ``steps_left`` (the node agent's
+    finish guard), counted down as batches are handed out, through epochs, resizes and a framework's
+    rebuilt copy (which shares the count); ``set_total_steps`` re-sets or withdraws it; a hint, never
+    a limit."""
+    user = DataLoader(Indexed(24), batch_size=4, num_workers=2, total_steps=15)
+    try:
+        assert user.stats()["steps_left"] == 15
+        assert _ids(list(user)) == list(range(24))           # epoch 1: 6 steps
+        assert user.stats()["steps_left"] == 9
+        user.resize(1)
+        copy = _rebuild_from_attributes(user, sampler=tud.SequentialSampler(range(24)), batch_sampler=None)
+        assert copy.elastic_state is user.elastic_state and copy.stats()["steps_left"] == 9
+        assert len(list(copy)) == 6 and user.stats()["steps_left"] == 3
+        assert len(list(user)) == 6                          # past the hint: batches as before, 0 left
+        assert user.stats()["steps_left"] == 0
+        user.set_total_steps(10)
+        it = iter(user)
+        next(it)
+        assert copy.stats()["steps_left"] == 9
+        user.set_total_steps(None)
+        assert "steps_left" not in user.stats()
+        # a copy built with the argument again (Lightning replays the constructor's) keeps the count
+        user.set_total_steps(5)
+        again = DataLoader(Indexed(24), batch_size=4, num_workers=1, total_steps=100,
+                           elastic_state=user.elastic_state)
+        assert again.stats()["steps_left"] == 5
+    finally:
+        user.close()
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="total_steps"):
+            DataLoader(Indexed(4), total_steps=bad)
+        with pytest.raises(ValueError, match="total_steps"):
+            DataLoader(Indexed(4)).set_total_steps(bad)
