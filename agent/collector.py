@@ -20,6 +20,9 @@ a job's ``loader_memory_bytes`` sums them over its ranks, ``worker_memory_bytes`
 measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. The node's budget in
 force comes from ``agent.memory.MemoryGuard`` (configured budget, lowered under memory pressure).
 
+Remaining work: a loader told its job's remaining steps (``total_steps``) reports ``steps_left``; the
+job's figure is the most over its ranks (the latest reports; None where no rank reports it).
+
 GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle_source="nvml"``);
 otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
 
@@ -82,6 +85,7 @@ class RankRates:
     window_s: float = 0.0
     windows: int = 0
     gauges: dict = field(default_factory=dict)     # memory figures of the latest report
+    steps_left: Optional[float] = None             # the latest report's ``steps_left`` (None: not reported)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
@@ -90,6 +94,7 @@ class RankRates:
             v = _num(stats.get(k))
             if v is not None:
                 self.gauges[k] = v
+        self.steps_left = _num(stats.get("steps_left"))
         t = _num(stats.get("uptime_s"))
         if t is None:
             t = recv_t
@@ -366,8 +371,11 @@ class Collector:
                 max_workers = r.max_workers if max_workers is None else min(max_workers, r.max_workers)
         observed_s = window_s = 0.0
         uss = shm = mworkers = growth = 0.0
+        steps_left: Optional[float] = None
         for rr in per:
             if rr is not None:
+                if rr.steps_left is not None:       # the rank furthest from its end sets the job's
+                    steps_left = rr.steps_left if steps_left is None else max(steps_left, rr.steps_left)
                 g = rr.gauges
                 if g:
                     uss += g.get("worker_uss_bytes", 0.0)
@@ -406,7 +414,7 @@ class Collector:
             requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(),
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
-            loader_memory_bytes=uss + shm, worker_growth_bytes=growth,
+            loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 

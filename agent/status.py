@@ -65,6 +65,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         curve_confidence    0..1
         phase_changes       how often the predictor found a new pipeline in the job's windows and dropped
                             its earlier ones (``predictor.bank``), 0 before its first curve
+        steps_left          the steps the job said it has left (its loader's ``total_steps`` counted down,
+                            the most over ranks), null if it did not say
         reason              why the job has its current allocation (the policy's words)
         unsatisfied         what it wanted and did not get, null if nothing
         apply_ok            last apply result (null if nothing applied in the last tick)
@@ -141,6 +143,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "max_useful_cores": _r(curve.get("max_useful_cores")),
             "curve_confidence": _r(curve.get("confidence"), 3),
             "phase_changes": int(curve.get("phase_changes") or 0),
+            "steps_left": _r(st.steps_left, 0) if st is not None and st.steps_left is not None else None,
             "reason": reason,
             "unsatisfied": unsatisfied.get(job_id),
             "apply_ok": result.ok if result is not None else None,

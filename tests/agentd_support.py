@@ -64,7 +64,9 @@ FAKE_TRAINER = textwrap.dedent('''
                     "batch_size": self.batch_size, "data_wait_s": up * 0.3, "compute_s": up * 0.7,
                     "worker_cpu_s": up * 0.5, "worker_wall_s": up * 1.0, "worker_runq_s": up * 0.1,
                     "worker_blocked_s": up * 0.4, "resizes": 0, "worker_restarts": 0, "redispatched": 0,
-                    "uptime_s": up, "rates": {}}
+                    "uptime_s": up, "rates": {},
+                    **({"steps_left": max(0, int(os.environ["FAKE_TOTAL_STEPS"]) - steps)}
+                       if os.environ.get("FAKE_TOTAL_STEPS") else {})}
 
         def close(self):
             client.detach(self)

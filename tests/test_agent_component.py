@@ -28,7 +28,7 @@ def agent(base):
 
 
 def test_arrival_directive_status_json_and_departure(base, agent, trainers):
-    t = Trainer(base, agent.endpoint, job="job-a", workers=1)
+    t = Trainer(base, agent.endpoint, job="job-a", workers=1, env={"FAKE_TOTAL_STEPS": "100000"})
     trainers.append(t)
     # arrival on hello; the `even` policy gives the only job all 3 loader cores -> 3 workers
     wait_for(lambda: t.state().get("num_workers") == 3, 20, what="directive applied by the client")
@@ -46,6 +46,9 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
     assert j["reason"].startswith("even split")
     assert j["max_useful_workers"] is None or j["max_useful_workers"] >= 1
     assert isinstance(j["phase_changes"], int) and j["phase_changes"] >= 0    # the predictor's count, served
+    # the steps the job said it has left (20 steps a second counted down from 100000), served
+    assert 0 < j["steps_left"] < 100000
+    wait_for(lambda: agent.job("job-a")["steps_left"] < j["steps_left"], 10, what="steps_left counting down")
     # the CLI: table and --json
     out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--json"), env=repo_env(),
                          capture_output=True, text=True, timeout=30)

@@ -63,6 +63,32 @@ def test_job_stats_aggregate_ranks_max_stall():
     assert snap.loader_cpus == 2.0 and snap.cpu_ids == (0, 1)
 
 
+def test_steps_left_is_the_most_over_ranks_from_the_latest_reports_and_none_when_not_said():
+    """A loader told its job's remaining steps reports ``steps_left``: the job's figure is the most over
+    its ranks (the slowest rank finishes last), from each rank's latest report; a report without it
+    (the hint withdrawn) or with a value that is no count (negative, not a number) says nothing."""
+    reg = Registry()
+    me = os.getpid()
+    for rank in (0, 1):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
+                                                           "batch_size": 8, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    col.on_report("j", 0, me, _totals(0, 0, 0, 0), 0.0)
+    col.on_report("j", 1, me, _totals(0, 0, 0, 0), 0.0)
+    assert col.snapshot(0.5).jobs["j"].steps_left is None                 # nobody said
+    col.on_report("j", 0, me, {**_totals(1, 10, 0.1, 0.9), "steps_left": 90}, 1.0)
+    assert col.snapshot(1.5).jobs["j"].steps_left == 90                   # one rank said
+    col.on_report("j", 1, me, {**_totals(1, 8, 0.1, 0.9), "steps_left": 92}, 1.0)
+    assert col.snapshot(2.0).jobs["j"].steps_left == 92
+    col.on_report("j", 1, me, {**_totals(2, 18, 0.2, 1.8), "steps_left": 82}, 2.0)
+    assert col.snapshot(2.5).jobs["j"].steps_left == 90                   # rank 0's latest is the most now
+    for bad in (-5, "many", float("nan"), True):
+        col.on_report("j", 0, me, {**_totals(3, 20, 0.2, 1.8), "steps_left": bad}, 3.0)
+        assert col.snapshot(3.5).jobs["j"].steps_left == 82, bad
+    col.on_report("j", 1, me, _totals(3, 28, 0.3, 2.7), 3.0)             # the hint withdrawn
+    assert col.snapshot(4.0).jobs["j"].steps_left is None
+
+
 def test_collector_prefers_nvml_when_present():
     reg = Registry()
     me = os.getpid()
