@@ -55,6 +55,11 @@ for the ones the command line offers):
                            1 (default) lets the smallest such plan be one thread; 2 gives every such job two
                            or more, so a small one is not one thread beside its neighbours' several (on a
                            small node a contended CPU is shared per thread more than per group weight)
+    finish_guard    bool   adaptive: when every job says how many steps it has left (the loader's
+                           ``total_steps``), the jobs whose remaining time sets the node's finishing time
+                           get the cores they can use before the rest is shared for throughput
+                           (``agent.policies._finish_guard``); without those hints nothing changes,
+                           default true
     loaders_yield   str    auto|never, default "auto": while the training processes need CPU and the
                            rest of the node is quiet, the loaders run only on CPU the trainers leave idle
                            (cgroup cpu.idle; ``agent.policies.node_allocation``); "never": the loaders'
@@ -140,6 +145,7 @@ class AgentConfig:
     floor_reference: str = "habit"
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
+    finish_guard: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     loader_memory: Union[int, str] = "auto"

@@ -759,3 +759,87 @@ def test_paced_fixed_point_finds_the_pace_where_a_plain_iteration_oscillates():
     for ref in ("habit", "share"):
         a = get_policy("adaptive")(s, cv, PolicyConfig(floor_reference=ref)).allocations["small"]
         assert cv["small"].normalized(a.workers, a.cpus) >= root - 0.02, (ref, a)
+
+
+# -- the finish guard (remaining steps known) ---------------------------------------------------
+
+def _finish_mix(long_steps=1000, short_steps=100, with_steps=True, **kw):
+    """gpu-8core (7 loader cores): a job needing 6 cores (0.6 s of worker CPU a 0.1-s step) beside two
+    needing 3 each: 12 wanted. The greedy feeds the two cheaper ones first (1/3 of their ceiling a core
+    against 1/6); the expensive one has ten times their steps left."""
+    def one(name, c, steps):
+        return job(name, "medium", cpu_s_per_batch=c, wall_s_per_batch=c,
+                   steps_left=float(steps) if with_steps else None, **kw)
+    return snap("gpu-8core", [one("long", 0.6, long_steps), one("s1", 0.3, short_steps), one("s2", 0.3, short_steps)])
+
+
+NOFLOOR = PolicyConfig(fairness_floor=False)
+
+
+def test_finish_guard_feeds_the_job_that_sets_the_nodes_finishing_time():
+    """The long job's 1000 steps take 100 s at full speed, more than the node needs for everything else
+    (L = max(100 s, CPU-seconds / 8 CPUs) = 100 s): it gets the 6 cores it can use before the greedy
+    shares the rest. Without steps left (or with the guard off) the greedy gives it the least."""
+    adaptive = get_policy("adaptive")
+    s = _finish_mix()
+    plan = adaptive(s, curves_of(s), NOFLOOR)
+    check_invariants(plan, s, NOFLOOR)
+    assert plan.allocations["long"].cpus >= 5.5, plan.allocations       # all it can use (5.82)
+    assert "finish guard" in plan.allocations["long"].reason
+    assert "finish guard" not in plan.allocations["s1"].reason
+    for off in (adaptive(_finish_mix(with_steps=False), curves_of(s), NOFLOOR),
+                adaptive(s, curves_of(s), dataclasses.replace(NOFLOOR, finish_guard=False))):
+        assert off.allocations["long"].cpus < 1.5, off.allocations
+        assert off.allocations["s1"].cpus > 2.9 and off.allocations["s2"].cpus > 2.9
+        assert all("finish guard" not in a.reason for a in off.allocations.values())
+    # one job that does not say: nothing is known about the node's finishing time, nothing is guarded
+    partial = dataclasses.replace(s, jobs=dict(s.jobs, s2=dataclasses.replace(s.jobs["s2"], steps_left=None)))
+    assert adaptive(partial, curves_of(s), NOFLOOR).allocations["long"].cpus < 1.5
+
+
+def test_finish_guard_leaves_a_job_with_slack_to_the_greedy():
+    """With 200 steps left (20 s at full speed) the long job is not what the node's finishing time
+    waits for (the CPU-seconds of all three over 8 CPUs take 30 s): the greedy's plan stands."""
+    s = _finish_mix(long_steps=200, short_steps=200)
+    plan = get_policy("adaptive")(s, curves_of(s), NOFLOOR)
+    assert plan.allocations["long"].cpus < 1.5, plan.allocations
+    assert all("finish guard" not in a.reason for a in plan.allocations.values())
+
+
+def test_finish_guard_splits_the_room_evenly_between_like_jobs_and_the_plan_then_holds():
+    """Two like jobs needing 3.5 cores each, 100 s of work at full speed, beside three needing one core
+    each with 30 s: alone at the end the two cannot use the node, so both set its finishing time. They
+    share the room (short of the 7 cores they lack) in proportion to what each lacks: the same cores
+    for both, no rotation of one ahead of the other from tick to tick. The plan, applied, is then held
+    (no re-apply); a held plan from before the steps were known, which keeps them under what the
+    guard gives, is not."""
+    adaptive = get_policy("adaptive")
+    jobs = [job(n, "medium", cpu_s_per_batch=0.35, wall_s_per_batch=0.35, steps_left=1000.0) for n in ("l1", "l2")]
+    jobs += [job(n, "medium", cpu_s_per_batch=0.1, wall_s_per_batch=0.1, steps_left=300.0) for n in ("s1", "s2", "s3")]
+    s = snap("gpu-8core", jobs)
+    cv = curves_of(s)
+    plan, settled = settle(adaptive, s, cv, NOFLOOR)
+    a = plan.allocations
+    assert abs(a["l1"].cpus - a["l2"].cpus) < 1e-6 and a["l1"].workers == a["l2"].workers, a
+    assert a["l1"].cpus > 3.0 and all(a[j].cpus < 0.5 for j in ("s1", "s2", "s3")), a
+    again = adaptive(settled, cv, NOFLOOR)
+    assert all(again.allocations[j].cpus == a[j].cpus and again.allocations[j].workers == a[j].workers
+               for j in a)
+    # the plan the greedy made before the steps were known, held: the guard replaces it
+    blind = dataclasses.replace(s, jobs={j: dataclasses.replace(v, steps_left=None) for j, v in s.jobs.items()})
+    _, held_blind = settle(adaptive, blind, cv, NOFLOOR)
+    moved = adaptive(dataclasses.replace(s, applied=held_blind.applied), cv, NOFLOOR)
+    assert moved.allocations["l1"].cpus > held_blind.applied["l1"].cpus + 1.0
+    assert not moved.allocations["l1"].reason.startswith("hold")
+
+
+def test_finish_guard_keeps_the_fairness_floors():
+    """The guard hands out only the room above the floors. With them on, the three jobs' GPU shares
+    (7/3 cores each) fill the node: the long job keeps its floor and no more, the others keep theirs."""
+    adaptive = get_policy("adaptive")
+    s = _finish_mix()
+    guarded = adaptive(s, curves_of(s), PolicyConfig())
+    blind = adaptive(_finish_mix(with_steps=False), curves_of(s), PolicyConfig())
+    for j in ("long", "s1", "s2"):
+        assert guarded.allocations[j].cpus == pytest.approx(7.0 / 3), guarded.allocations
+        assert guarded.allocations[j].cpus == blind.allocations[j].cpus
