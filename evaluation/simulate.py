@@ -282,6 +282,9 @@ class SimConfig:
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
+    steps_known: bool = False       # every job tells the agent the steps it has left (the loader's total_steps):
+                                    # what adaptive's finish guard uses; the agent then decides every tick
+                                    # (a plan that depends on the work left moves without an event)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
@@ -374,7 +377,8 @@ def _worker_cpu_s_per_batch(jb: "_Job") -> float:
     return r.cpu_s_per_batch if r is not None and r.cpu_s_per_batch > 0 else jb.curve.cpu_s_per_batch
 
 
-def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float):
+def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float,
+               steps_known: bool = False):
     """What the collector would report for a simulated job (``agent.collector``): its rates over the
     window since they last changed, from the node physics' ``JobRate``: the step less data wait with the
     trainer's CPU wait in it (``compute_s_per_step``) and that wait alone (``trainer_runq_s_per_step``,
@@ -399,7 +403,8 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
         trainer_runq_s_per_step=r.trainer_runq_s_per_step if r is not None and thr > 0 else 0.0,
         age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
-        loader_memory_bytes=jb.workers * cv.worker_memory_bytes)
+        loader_memory_bytes=jb.workers * cv.worker_memory_bytes,
+        steps_left=jb.remaining / bs if steps_known else None)
 
 
 @dataclass(frozen=True)
@@ -538,7 +543,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         for jid, jb in active.items():
             m = model_of(jb)
             jobs[jid] = _job_stats(jb, now, min(cfg.tick_s, now - jb.since), m.habitual_workers,
-                                   m.gpus * m.trainer_cpu_s_per_step)
+                                   m.gpus * m.trainer_cpu_s_per_step, cfg.steps_known)
         # the CPU the jobs cannot get (``available_cores``) is unexplained capacity, not a tenant the
         # agent measures: the agent sees no other processes' CPU (foreign 0), as on the bench node
         return NodeSnapshot(now=now, loader_cpus=C, cpu_ids=cpu_ids, jobs=jobs, max_jobs=cfg.gpus,
@@ -611,7 +616,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         t_arr = pending[0].arrival_s if pending else math.inf
         t_fin = min((t + jb.remaining / jb.rate if jb.rate > 0 else math.inf) for jb in active.values()) \
             if active else math.inf
-        t_tick = t + cfg.tick_s if ticks_left > 0 else math.inf
+        t_tick = t + cfg.tick_s if ticks_left > 0 or (cfg.steps_known and controller is not None) else math.inf
         t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
         t_phase = min((jb.start + jb.tj.phases[jb.phase][0] for jb in active.values()
                        if jb.phase < len(jb.tj.phases)), default=math.inf)

@@ -43,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--settle-ticks", type=int, default=2,
                    help="after each event or move, ticks the plan must hold (plus one observation interval) "
                         "before a learning node stops ticking")
+    p.add_argument("--steps-known", action="store_true",
+                   help="every job tells the agent the steps it has left (the loader's total_steps), as a job "
+                        "that knows its length does: adaptive's finish guard uses it; the agent decides every tick")
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: CPUs)")
     p.add_argument("--list-kinds", action="store_true")
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -87,7 +90,7 @@ def run(args) -> int:
         except ValueError as e:
             raise S.SimError(f"--loader-memory/--worker-memory: {e}") from None
         cfg = S.SimConfig(cores=args.cores, gpus=args.gpus, loader_cpus=args.loader_cpus, cpu_knob=args.cpu_knob,
-                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, **mem)
+                          tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, steps_known=args.steps_known, **mem)
         t0 = time.perf_counter()
         result = S.simulate(trace, curves, policies, cfg, source=source, processes=args.processes)
     except S.SimError as e:
@@ -96,7 +99,7 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     print(f"{result['nodes']} nodes, {result['jobs']} jobs, curves: {source}, predictor: {args.predictor}, "
           f"{cfg.cores:g} cores / {cfg.gpus} GPUs per node ({cfg.loader:g} for loaders), "
-          f"{result['processes']} processes: {wall:.1f}s")
+          f"{result['processes']} processes{', steps left known' if cfg.steps_known else ''}: {wall:.1f}s")
     print(S.markdown(result))
     s = result["summary"]
     if cfg.loader_memory is not None and "oracle" in s:
