@@ -258,8 +258,15 @@ def run_transformers() -> dict:
             num_train_epochs=epochs, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
             disable_tqdm=True, seed=SEED, ddp_backend="gloo" if WORLD > 1 else None, learning_rate=0.01,
             dataloader_num_workers=torch_workers, per_device_eval_batch_size=BATCH)
+        left: list = []        # the train loader's steps_left at each step (the Trainer told it its length)
+
+        class Left(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                loader = getattr(trainer, "adloader_loaders", {}).get("train")
+                left.append(loader.stats().get("steps_left") if loader is not None else None)
+
         trainer = cls(model=Model(rec), args=args, train_dataset=Points(as_dict=True),
-                      callbacks=[Epochs(rec)], **extra)
+                      callbacks=[Epochs(rec), Left()], **extra)
         resizer = None
         if extra and extra.get("adloader_num_workers") != "auto":
             resizer = Resizer(lambda: trainer.adloader_loaders.get("train"))
@@ -268,6 +275,9 @@ def run_transformers() -> dict:
         user = trainer.adloader_loaders.get("train") if extra else None
         fw = trainer.callback_handler.train_dataloader if extra else None     # what the Trainer iterated
         summary = _summary(rec, user, fw, resizer)
+        summary["steps_left"] = left
+        summary["max_steps"] = trainer.state.max_steps
+        summary["steps_left_after"] = user.stats().get("steps_left") if user is not None else None
         if extra:
             # the eval loader too: built by the Trainer, prepared, with an A-Dloader loader inside
             trainer.evaluate(eval_dataset=Points(as_dict=True))

@@ -22,6 +22,13 @@ def test_one_process(tmp_path):
     for run in ("trainer", "auto"):      # trainer.evaluate() ran on an A-Dloader loader as well
         ev = results[0]["runs"][run]["eval"]
         assert ev["is_adloader"] and ev["steps"] == 192 // 4 and ev["workers"] >= 1, ev
+        # the Trainer told the train loader its length: steps_left counts down to 0, withdrawn at the end
+        r = results[0]["runs"][run]
+        left, total = r["steps_left"], r["max_steps"]
+        assert len(left) == total and total == (192 // 4) * (2 if run == "trainer" else 1), (run, total)
+        assert all(v is not None and total - i - 2 <= v <= total - i for i, v in enumerate(left)), left
+        assert r["steps_left_after"] is None
+    assert all(v is None for v in results[0]["runs"]["torch"]["steps_left"])
 
 
 def test_two_processes_gloo_with_a_live_agent(base, tmp_path):

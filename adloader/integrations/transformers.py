@@ -15,6 +15,11 @@ an ``adloader.DataLoader`` with the same arguments (``adloader.integrations.acce
 ``adloader_max_workers``: the loader's ``max_workers``. The loaders built so far are in
 ``trainer.adloader_loaders`` ({"train": ..., "eval": ..., "test": ...}), live handles for ``stats()``
 and ``resize()``.
+
+The Trainer knows how long it trains (``state.max_steps``): at the start of ``train()`` the train
+loader is told the batches left (``max_steps`` less the steps done, times the gradient accumulation:
+``DataLoader.set_total_steps``), which the node agent's finish guard uses; the hint is withdrawn
+when training ends.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class AdloaderTrainerMixin:
         self.adloader_max_workers = adloader_max_workers
         self.adloader_loaders: dict[str, DataLoader] = {}
         super().__init__(*args, **kwargs)
+        self.add_callback(_StepsLeft(self))
 
     def _adloader(self, prepared, key: str):
         n = self.adloader_num_workers
@@ -59,6 +65,28 @@ class AdloaderTrainerMixin:
 
     def get_test_dataloader(self, test_dataset):
         return self._adloader(super().get_test_dataloader(test_dataset), "test")
+
+
+class _StepsLeft(transformers.TrainerCallback):
+    """Tells the train loader how many batches the run has left (``set_total_steps``)."""
+
+    def __init__(self, trainer: AdloaderTrainerMixin):
+        self.trainer = trainer
+
+    def _loader(self):
+        loader = self.trainer.adloader_loaders.get("train")
+        return loader if isinstance(loader, DataLoader) else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        loader = self._loader()
+        if loader is not None and state.max_steps and state.max_steps > 0:
+            left = (state.max_steps - state.global_step) * max(1, args.gradient_accumulation_steps)
+            loader.set_total_steps(max(0, int(left)))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        loader = self._loader()
+        if loader is not None:
+            loader.set_total_steps(None)
 
 
 class Trainer(AdloaderTrainerMixin, transformers.Trainer):
