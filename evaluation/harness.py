@@ -162,6 +162,8 @@ class BenchConfig:
     loader_cpus_auto: bool = False          # the agent runs with loader_cpus = "auto" (its default: it may grow
                                             # the budget into an idle reserve); loader_cpus is then what auto gives
     agent_log_level: str = "info"           # the agents' log level ("debug": every window the predictor got)
+    steps_known: bool = False               # a job with a fixed amount of work (the dynamic scenario's) tells its
+                                            # loader its steps (``total_steps``): what adaptive's finish guard uses
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -384,7 +386,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
 
 STATUS_KEYS = ("weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
-               "apply_error", "gpu_idle_frac", "gpu_idle_source")
+               "apply_error", "gpu_idle_frac", "gpu_idle_source", "steps_left")
 
 
 def query_status(cfg: BenchConfig, endpoint: str, run_dir: Path) -> Optional[dict]:
@@ -416,6 +418,8 @@ def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint:
         env["ADLOADER_ENDPOINT"] = endpoint
     else:
         env["ADLOADER_DISABLE"] = "1"
+    if cfg.steps_known and spec.samples:
+        extra_args = (*extra_args, "--total-steps", str(math.ceil(spec.samples / spec.batch_size)))
     argv = [cfg.python, "-m", "evaluation.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
             "--workers", str(workers), "--device", cfg.device, *extra_args]
     return Proc(argv, env, run_dir / f"{spec.job_id}.log"), ProgressReader(prog)

@@ -191,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
     ap.add_argument("--sweep", default=None, help="comma-separated worker counts, one segment each")
     ap.add_argument("--segment-s", type=float, default=3.0)
+    ap.add_argument("--total-steps", type=int, default=None,
+                    help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
     args = ap.parse_args(argv)
 
     import psutil
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
     if sweep:  # the loader's default bound is the CPU count; a sweep may go past it
         max_workers = max(max_workers or 0, max(sweep))
     loader, kind = _make_loader(ds, batch_size, workers, max_workers, float(spec.get("worker_ram_mb") or 0.0))
+    if args.total_steps is not None and hasattr(loader, "set_total_steps"):
+        loader.set_total_steps(args.total_steps)
     me = psutil.Process()
     target = spec.get("samples")
     t_start = time.monotonic()
@@ -261,14 +265,17 @@ def main(argv=None) -> int:
             live_n = len(live()) if callable(live) else loader.num_workers
         except Exception:
             live_n = -1
-        resizes = 0
+        resizes, left = 0, {}
         if kind == "adloader":
             try:
-                resizes = int(loader.stats().get("resizes", 0))
+                st = loader.stats()
+                resizes = int(st.get("resizes", 0))
+                if "steps_left" in st:
+                    left = {"steps_left": st["steps_left"]}
             except Exception:
                 pass
         prog.write({"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
-                    "workers": int(loader.num_workers), "live": live_n, "resizes": resizes,
+                    "workers": int(loader.num_workers), "live": live_n, "resizes": resizes, **left,
                     "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time(),
                     "main_runq_s": _main_runq_s()})
 

@@ -256,11 +256,38 @@ def markdown_jobs(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0) -> dict:
+def _option_value(v: str):
+    """A bench variant's config value (``adaptive[key=value]``) as a PolicyConfig field's."""
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _variant(policy: str) -> Optional[tuple[str, tuple]]:
+    """(base policy, PolicyConfig options) for a bench policy the simulator can run, else None: a plain
+    policy, or an agent variant whose keys are all PolicyConfig fields (``adaptive[finish_guard=false]``)."""
+    from agent.policies import PolicyConfig
+    from evaluation.harness import parse_policy
+
+    base, overrides = parse_policy(policy)
+    fields = {f.name for f in dataclasses.fields(PolicyConfig)}
+    if base not in SIM_POLICIES or any(k not in fields for k in overrides):
+        return None
+    return base, tuple((k, _option_value(v)) for k, v in sorted(overrides.items()))
+
+
+def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0,
+                     steps_known: bool = False) -> dict:
     """The bench's dynamic scenario through the simulator (same jobs: arrivals, samples of work, the
     workload model; the agent's predictor): policy -> {agg, makespan_s, jct_mean_s}. ``startup_s`` (the
     measured seconds from a job's launch to its first batch, the same under every policy) is added to
-    every JCT and to the makespan, as the bench counts them from the launch."""
+    every JCT and to the makespan, as the bench counts them from the launch. ``steps_known``: the run's
+    jobs told their loaders their steps (``adloader bench --steps-known``)."""
     truth = curves_from_bench_specs(specs)
     trace = []
     for j, sp in specs.items():
@@ -268,10 +295,11 @@ def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policie
         work_s = float(sp.get("samples") or 0) / cv.ceiling_samples_per_s
         trace.append(S.TraceJob("bench", j, j, float(sp.get("arrival_s") or 0.0), max(1e-3, work_s),
                                 int(cv.extra["gpus"])))
-    cfg = sim_config(node_cores, loader_cpus, sum(t.gpus for t in trace))
+    cfg = dataclasses.replace(sim_config(node_cores, loader_cpus, sum(t.gpus for t in trace)), steps_known=steps_known)
     out = {}
     for p in policies:
-        r = S.simulate_node(trace, truth, p, cfg)
+        base, opts = _variant(p)
+        r = S.simulate_node(trace, truth, base, dataclasses.replace(cfg, policy_options=cfg.policy_options + opts))
         jct = [v["jct_s"] + startup_s for v in r["jobs"].values()]
         out[p] = {"makespan_s": r["makespan_s"] + startup_s, "jct_mean_s": sum(jct) / len(jct),
                   "agg": sum(v["norm_s"] for v in r["jobs"].values()) / r["makespan_s"] if r["makespan_s"] else None}
@@ -293,7 +321,8 @@ def validate_dynamic(bench: dict) -> list[dict]:
               if e.get("kind") == "arrival" and "launch_t" in e]
     startup = _median(delays) or 0.0
     policies = sorted({ph["policy"] for ph in phases})
-    sim = simulate_dynamic(specs, node, loader, [p for p in policies if p in SIM_POLICIES], startup)
+    sim = simulate_dynamic(specs, node, loader, [p for p in policies if _variant(p) is not None], startup,
+                           steps_known=bool(meta.get("steps_known")))
     meas = {p: {k: _median([ph["metrics"][k] for ph in phases if ph["policy"] == p]) for k in ("makespan_s", "jct_mean_s")}
             for p in policies}
     rows = []

@@ -7,6 +7,7 @@ metrics it should, and left no process behind.
 from __future__ import annotations
 
 import io
+import dataclasses
 import json
 import math
 import os
@@ -544,3 +545,42 @@ def test_a_phase_scenario_records_each_pipeline_change_as_an_event(tmp_path, tin
     assert [x["index"] for x in ph["jobs"]["phas-0-light"]["phases"]] == [1] and not ph["jobs"]["phas-1-heavy"]["phases"]
     assert any(r["kind"] == "phase" for r in ph["metrics"]["reactions"])
     assert _no_children_left() == []
+
+
+def test_steps_known_tells_a_job_with_fixed_work_its_steps(tmp_path, monkeypatch):
+    """``adloader bench --steps-known``: a job with a fixed amount of work (the dynamic scenario's) is
+    started with its steps (the samples it runs over its batch size, rounded up), and the job process
+    tells its loader (``set_total_steps``), whose count down the progress records carry. Without the
+    flag, or for a job without fixed work, nothing is said."""
+    import subprocess
+    import sys
+
+    from evaluation import harness
+    from evaluation.catalog import JobSpec
+
+    wl = dict(name="l", num_images=8, length=1 << 20, image_px=32, crop_px=16, aug_multiplier=1, seed=1)
+    spec = JobSpec(job_id="s", kind="l", batch_size=8, step_s=0.002, demand_cores=0.1, cpu_s_per_sample=0.001,
+                   workload=wl, samples=100)
+    cfg = harness.BenchConfig(catalog=None, calib={}, loader_cpus=1.0, node_cores=2, out_dir=tmp_path)
+
+    class Recorded:                 # what start_job would run (nothing started)
+        def __init__(self, argv, env, log_path):
+            self.argv = argv
+
+    monkeypatch.setattr(harness, "Proc", Recorded)
+
+    def argv(c, sp):
+        return harness.start_job(c, sp, tmp_path, 1, None)[0].argv
+
+    known = dataclasses.replace(cfg, steps_known=True)
+    a = argv(known, spec)
+    assert a[a.index("--total-steps") + 1] == "13"                    # 100 samples / 8 a batch
+    assert "--total-steps" not in argv(cfg, spec)
+    assert "--total-steps" not in argv(known, dataclasses.replace(spec, samples=None))
+    prog = tmp_path / "p.jsonl"
+    subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", spec.to_json(), "--progress", str(prog),
+                    "--workers", "1", "--total-steps", "13"], env=harness.child_env(ADLOADER_DISABLE="1"),
+                   check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rows = [r for r in map(json.loads, prog.read_text().splitlines()) if "event" not in r]
+    assert rows and all(r["steps_left"] == max(0, 13 - r["steps"]) for r in rows), rows
+    assert rows[-1]["steps"] == 13 and rows[-1]["steps_left"] == 0

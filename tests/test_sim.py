@@ -1110,3 +1110,32 @@ def test_jobs_that_say_their_steps_left_finish_the_node_sooner_under_adaptive():
     assert span["known"] < span["autotune"] < span["blind"], span
     assert jct["known"] < jct["autotune"], jct
     assert runs["known"]["decisions"] > 2 * runs["blind"]["decisions"]     # ticks on without events
+
+
+@pytest.mark.unit
+def test_validate_sim_runs_an_agent_variant_and_a_run_whose_jobs_said_their_steps():
+    """``adaptive[finish_guard=false]`` (a bench variant whose keys are the policy's own) runs in the
+    simulator with that option; a variant of a key the simulator has no such option for, or of a policy
+    it does not run, is left out. A run made with ``--steps-known`` is simulated with the jobs saying
+    their steps: the guard's variant and the default then differ where the tail would idle."""
+    from evaluation import validate_sim as V
+
+    assert V._variant("adaptive[finish_guard=false]") == ("adaptive", (("finish_guard", False),))
+    assert V._variant("adaptive[hysteresis=0.05,cpu_bound_min_workers=2]") == \
+        ("adaptive", (("cpu_bound_min_workers", 2), ("hysteresis", 0.05)))
+    assert V._variant("adaptive[observed_cores=received]") is None and V._variant("oracle") is None
+    assert V._variant("none") == ("none", ())
+    spec = {"batch_size": 32, "step_s": 0.1, "gpus": 1, "trainer_cpu_frac": 0.0, "num_workers": 8,
+            "worker_ram_mb": 0.0}
+    # 16 cores: jobs needing 8, 4, 4 and 1 cores for their ceilings, 120 s of work each, all at 0. The
+    # GPU shares (3.6 cores) leave 2.6 cores above the floors; without the guard the 4-core jobs take
+    # what they lack first and the 8-core job finishes alone, 30 s after the others
+    specs = {f"j{i}": dict(spec, job_id=f"j{i}", demand_cores=d, cpu_s_per_sample=d * 0.1 / 32,
+                           samples=int(120 / 0.1 * 32), arrival_s=0.0) for i, d in enumerate((8.0, 4.0, 4.0, 1.0))}
+    pols = ["adaptive", "adaptive[finish_guard=false]"]
+    known = V.simulate_dynamic(specs, 16.0, 14.4, pols, steps_known=True)
+    blind = V.simulate_dynamic(specs, 16.0, 14.4, pols)
+    assert blind["adaptive"] == blind["adaptive[finish_guard=false]"]          # nobody said: no guard
+    assert known["adaptive[finish_guard=false]"]["makespan_s"] == pytest.approx(blind["adaptive"]["makespan_s"])
+    assert known["adaptive"]["makespan_s"] < 0.95 * known["adaptive[finish_guard=false]"]["makespan_s"], known
+    assert known["adaptive"]["jct_mean_s"] < known["adaptive[finish_guard=false]"]["jct_mean_s"], known

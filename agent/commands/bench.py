@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info",
                    help="the agents' log level (runs/<scenario>/<policy>-repN/agent.log); debug adds an "
                         "'observation' event per window the predictor got, with the curve it made")
+    p.add_argument("--steps-known", action="store_true",
+                   help="jobs with a fixed amount of work (the dynamic scenario's) tell their loaders their steps "
+                        "(total_steps), as a job that knows its length does: what adaptive's finish guard uses")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep) or a real small model step on CUDA")
     p.add_argument("--warmup-s", type=float, default=None,
@@ -116,7 +119,7 @@ def run(args) -> int:
                            progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
                            loader_memory=loader_memory, oracle_source=args.oracle,
                            oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
-                           loader_cpus_auto=args.loader_cpus == "auto")
+                           loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
