@@ -614,6 +614,7 @@ def _finish_guard(snapshot: NodeSnapshot, warm: Mapping[str, ThroughputCurve], c
     if len(R) < len(jobs) or not any(r > 0 for r in R.values()):
         return {}
     L = max(max(R.values()), sum(R[j] * (useful[j] + need[j]) for j in R) / max(node_cpus, EPS))
+
     def slack(j: str) -> float:
         held = snapshot.applied.get(j)
         return FINISH_HOLD_SLACK if held is not None and held.cpus > cpus[j] + 0.05 else FINISH_SLACK

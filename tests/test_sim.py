@@ -1146,7 +1146,7 @@ def test_the_finish_guard_keeps_its_jobs_and_does_not_churn():
     """``phases_16jobs.csv``'s node p5 (one ResNet-18-like job turns ResNet-50-like at 60 s) on 48
     cores: the audio-like jobs' remaining time sits near the node's finishing time for a minute. With a
     single threshold they left the guarded set and came back every few ticks (four jobs 13 times each,
-    216 worker changes on the node); a job the held plan feeds above its floor stays in within the wider
+    186 worker changes on the node); a job the held plan feeds above its floor stays in within the wider
     ``FINISH_HOLD_SLACK``: 46, each guarded job entering once (15 without the hints: the guard's own
     moves, the room re-split as jobs enter, are the rest)."""
     truth = S.builtin_curves()
