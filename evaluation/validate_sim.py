@@ -256,21 +256,10 @@ def markdown_jobs(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _option_value(v: str):
-    """A bench variant's config value (``adaptive[key=value]``) as a PolicyConfig field's."""
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
-
-
 def _variant(policy: str) -> Optional[tuple[str, tuple]]:
     """(base policy, PolicyConfig options) for a bench policy the simulator can run, else None: a plain
     policy, or an agent variant whose keys are all PolicyConfig fields (``adaptive[finish_guard=false]``)."""
+    from agent.config import _coerce
     from agent.policies import PolicyConfig
     from evaluation.harness import parse_policy
 
@@ -278,7 +267,8 @@ def _variant(policy: str) -> Optional[tuple[str, tuple]]:
     fields = {f.name for f in dataclasses.fields(PolicyConfig)}
     if base not in SIM_POLICIES or any(k not in fields for k in overrides):
         return None
-    return base, tuple((k, _option_value(v)) for k, v in sorted(overrides.items()))
+    # (a variant's values are strings: typed as the agent's config file types them)
+    return base, tuple((k, _coerce(k, v, f"policy {policy!r}")) for k, v in sorted(overrides.items()))
 
 
 def simulate_dynamic(specs: dict, node_cores: float, loader_cpus: float, policies, startup_s: float = 0.0,
