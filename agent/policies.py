@@ -589,7 +589,8 @@ def paced_fixed_point(pace: Callable[[float], float], iterations: int = 20) -> f
 
 
 def _finish_guard(snapshot: NodeSnapshot, warm: Mapping[str, ThroughputCurve], cpus: dict[str, float],
-                  useful: Mapping[str, float], need: Mapping[str, float], node_cpus: float) -> dict[str, float]:
+                  useful: Mapping[str, float], need: Mapping[str, float], node_cpus: float,
+                  value: Callable[[str, float], float]) -> dict[str, float]:
     """Raise the jobs that set the node's finishing time to the cores they can use; their new cores.
 
     Only when every job says how many steps it has left and has a curve. A job's remaining time at
@@ -605,7 +606,12 @@ def _finish_guard(snapshot: NodeSnapshot, warm: Mapping[str, ThroughputCurve], c
     becomes critical when its slack is gone, not before. A job the held plan gives more than its floor
     (``cpus`` on entry) stays critical within ``FINISH_HOLD_SLACK``: fed, its remaining time falls
     faster than L, and with one threshold jobs left the set and came back every few ticks (a node of
-    the 48-core phases trace: four jobs 13 times each, 186 worker changes; 37 or fewer on the others)."""
+    the 48-core phases trace: four jobs 13 times each, 186 worker changes; 37 or fewer on the others).
+
+    The raise is also within the node's CPUs: loaders' cores plus every trainer's CPU at the pace the
+    plan gives (``need`` x ``value``, the guarded jobs' at their raised pace), as the greedy charges each
+    step. A raise within the loader CPUs alone planned loaders onto cores the trainers need (random
+    mixes of busy trainers: up to 3.5 cores past the node)."""
     jobs = snapshot.jobs
     if len(jobs) < 2 or len(warm) < len(jobs) or any(jobs[j].steps_left is None for j in jobs):
         return {}
@@ -625,6 +631,20 @@ def _finish_guard(snapshot: NodeSnapshot, warm: Mapping[str, ThroughputCurve], c
     if total <= EPS or room <= EPS:
         return {}
     k = min(1.0, room / total)
+
+    def over(k: float) -> float:
+        """CPU the plan with the guarded raise scaled by ``k`` uses beyond the node's."""
+        return (sum(cpus.values()) + k * total - node_cpus
+                + sum(need[j] * value(j, cpus[j] + k * lack.get(j, 0.0)) for j in warm))
+
+    if over(k) > EPS:
+        if over(0.0) > EPS:
+            return {}
+        lo, hi = 0.0, k
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if over(mid) <= EPS else (lo, mid)
+        k = lo
     out = {}
     for j, a in lack.items():
         if a > EPS:
@@ -819,7 +839,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             cpus[j] += e * k
     floor = {j: cpus[j] for j in warm}      # each warm job's floor, in cores
     # The jobs that set the node's finishing time (remaining steps known) take the room above the floors first
-    guarded = _finish_guard(snapshot, warm, cpus, {j: min(useful[j], cap[j]) for j in warm}, need, node_cpus) \
+    guarded = _finish_guard(snapshot, warm, cpus, {j: min(useful[j], cap[j]) for j in warm}, need, node_cpus,
+                            value) \
         if config.finish_guard else {}
     # The trainers' CPU counts against the node: a job at normalised throughput v uses need_j * v cores
     # in its training processes (need_j at full speed). Cores go to loaders while both the loader CPUs

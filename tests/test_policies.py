@@ -833,6 +833,36 @@ def test_finish_guard_splits_the_room_evenly_between_like_jobs_and_the_plan_then
     assert not moved.allocations["l1"].reason.startswith("hold")
 
 
+def test_finish_guard_leaves_the_trainers_their_cpu():
+    """The guard's raise counts the trainers' CPU at the pace the plan gives, as the greedy's steps do.
+    The two short jobs here have 2 GPUs each and trainers busy 95% of a step (1.9 cores each at full
+    speed); their fairness floors keep them near full speed. The room above the floors is 2.7 loader
+    cores, but the trainers leave the long job about 1.3 of them: a raise into all the loader room
+    planned 9.6 cores of use on 8 CPUs (the trainers slowed by the loaders' surplus). The long job still
+    gets more than without the guard."""
+    from agent.policies import trainer_cores_needed
+    adaptive = get_policy("adaptive")
+
+    def one(name, c, steps, t, g, with_steps=True):
+        return job(name, "medium", cpu_s_per_batch=c, wall_s_per_batch=c, trainer_cpu_s_per_step=t,
+                   gpus=g, ranks=g, steps_left=float(steps) if with_steps else None)
+
+    def mix(with_steps=True):
+        return snap("gpu-8core", [one("long", 0.6, 1000, 0.05, 1, with_steps),
+                                  one("s1", 0.3, 100, 0.19, 2, with_steps), one("s2", 0.3, 100, 0.19, 2, with_steps)])
+
+    s = mix()
+    cv = curves_of(s)
+    a = adaptive(s, cv, PolicyConfig()).allocations
+    assert "finish guard" in a["long"].reason, a
+    use = sum(x.cpus for x in a.values()) + sum(trainer_cores_needed(s.jobs[j]) * cv[j].normalized(a[j].workers,
+                                                                                                a[j].cpus) for j in a)
+    assert use <= 8.0 + 0.02, (use, a)
+    blind = adaptive(mix(with_steps=False), cv, PolicyConfig()).allocations
+    assert a["long"].cpus > blind["long"].cpus + 0.05, (a, blind)
+    assert a["s1"].cpus == pytest.approx(a["s2"].cpus, abs=1e-6)
+
+
 def test_finish_guard_keeps_the_fairness_floors():
     """The guard hands out only the room above the floors. With them on, the three jobs' GPU shares
     (7/3 cores each) fill the node: the long job keeps its floor and no more, the others keep theirs."""
