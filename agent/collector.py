@@ -21,7 +21,13 @@ measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. T
 force comes from ``agent.memory.MemoryGuard`` (configured budget, lowered under memory pressure).
 
 Remaining work: a loader told its job's remaining steps (``total_steps``) reports ``steps_left``; the
-job's figure is the most over its ranks (the latest reports; None where no rank reports it).
+job's figure is the most over its ranks (the latest reports; None where no rank reports it). It is the
+job's claim, and it must count down: an honest loader's ``steps_left + steps`` (its end mark) stays put
+but when the job re-sets its count (``set_total_steps``: a new ``fit``, once in minutes). A rank whose
+mark rose more than ``STEPS_LEFT_RESETS`` times within ``STEPS_LEFT_RESET_S`` (a count that does not fall
+as the job steps: a constant or growing claim) says nothing until those rises age out (a warning in the
+agent's log): the finish guard, which feeds the jobs with the most work left first, is not claimable by
+a figure that never falls.
 
 GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle_source="nvml"``);
 otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
@@ -41,6 +47,7 @@ stop the loaders' yield on the held figure, so only what lasts stops it.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -54,7 +61,11 @@ from agent.model import JobStats, NodeSnapshot, Report
 from agent.registry import Job, Registry
 from predictor.observation import blocked_s, counter_deltas
 
+log = logging.getLogger(__name__)
+
 SMOOTH_TAU_S = 3.0
+STEPS_LEFT_RESETS = 2      # a rank's end mark (steps_left + steps) may rise this often ...
+STEPS_LEFT_RESET_S = 300.0  # ... within this long; more: its steps_left is not taken (see above)
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
@@ -85,7 +96,12 @@ class RankRates:
     window_s: float = 0.0
     windows: int = 0
     gauges: dict = field(default_factory=dict)     # memory figures of the latest report
-    steps_left: Optional[float] = None             # the latest report's ``steps_left`` (None: not reported)
+    steps_left: Optional[float] = None             # the latest report's ``steps_left`` (None: not reported,
+                                                   # or not counting down: ``_check_steps_left``)
+    end_mark: Optional[tuple[float, float]] = None     # (steps_left + steps, steps) at the last report with
+                                                       # steps left
+    mark_rises: deque = field(default_factory=deque)   # when the end mark rose (the last STEPS_LEFT_RESET_S)
+    steps_left_refused: bool = False               # the last report's steps_left was refused (not counting down)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
@@ -94,11 +110,11 @@ class RankRates:
             v = _num(stats.get(k))
             if v is not None:
                 self.gauges[k] = v
-        self.steps_left = _num(stats.get("steps_left"))
         t = _num(stats.get("uptime_s"))
         if t is None:
             t = recv_t
         totals = {k: _num(stats.get(k)) for k in COUNTERS}
+        self.steps_left = self._check_steps_left(_num(stats.get("steps_left")), totals["steps"], recv_t)
         self._remember(totals, t, stats, recv_t)
         if self.prev is None:
             self.prev, self.prev_t = totals, t
@@ -141,6 +157,23 @@ class RankRates:
         self.window_s = dt
         self.windows += 1
         return True
+
+    def _check_steps_left(self, left: Optional[float], steps: Optional[float], recv_t: float) -> Optional[float]:
+        """The report's ``steps_left``, or None while this rank's count does not fall as it steps (its
+        end mark ``steps_left + steps`` rose more than ``STEPS_LEFT_RESETS`` times in the last
+        ``STEPS_LEFT_RESET_S``). A count at 0 (the job past its hint) claims nothing and leaves the mark;
+        a loader whose step counter went back (a new one in the rank) starts a new mark."""
+        while self.mark_rises and self.mark_rises[0] < recv_t - STEPS_LEFT_RESET_S:
+            self.mark_rises.popleft()
+        if left is None or steps is None:
+            self.end_mark = None
+        elif left > 0:
+            mark = left + steps
+            if self.end_mark is not None and steps >= self.end_mark[1] and mark > self.end_mark[0] + 0.5:
+                self.mark_rises.append(recv_t)
+            self.end_mark = (mark, steps)
+        self.steps_left_refused = left is not None and len(self.mark_rises) > STEPS_LEFT_RESETS
+        return None if self.steps_left_refused else left
 
     def _remember(self, totals: dict, t: float, stats: Mapping, recv_t: float) -> None:
         """Keep the report's totals for the predictor's windows (the last ``HISTORY_S`` of them)."""
@@ -287,7 +320,12 @@ class Collector:
         rr = self.rank_rates.get((job, rank, pid))
         if rr is None:
             rr = self.rank_rates[(job, rank, pid)] = RankRates()
+        was = rr.steps_left_refused
         rr.update(stats, recv_t)
+        if rr.steps_left_refused and not was:
+            log.warning("job %s rank %d: its steps_left does not count down as it steps (steps_left + steps "
+                        "rose %d times in %.0f s): not taken until that ages out", job, rank,
+                        len(rr.mark_rises), STEPS_LEFT_RESET_S)
 
     def forget(self, job: str) -> None:
         for k in [k for k in self.rank_rates if k[0] == job]:

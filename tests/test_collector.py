@@ -89,6 +89,45 @@ def test_steps_left_is_the_most_over_ranks_from_the_latest_reports_and_none_when
     assert col.snapshot(4.0).jobs["j"].steps_left is None
 
 
+def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
+    """A job's ``steps_left`` is its claim, and the finish guard feeds the job with the most work left
+    first. An honest loader's ``steps_left + steps`` stays put but when the job re-sets its count (a new
+    ``fit``); a rank whose claim stays at 1000 as it steps is refused once that mark has risen three
+    times in ``STEPS_LEFT_RESET_S`` (a warning says so), and taken again when the rises age out and it
+    counts down. Two re-sets are taken; a new loader in the rank (its step counter back at 0) starts a
+    new mark."""
+    from agent.collector import STEPS_LEFT_RESET_S, STEPS_LEFT_RESETS
+
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"id0", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"],
+                                                "batch_size": 8, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+
+    def say(t, steps, left):
+        col.on_report("j", 0, me, {**_totals(t, steps, 0.1 * steps, 0.9 * steps), "steps_left": left}, float(t))
+        return col.snapshot(t + 0.5).jobs["j"].steps_left
+
+    assert STEPS_LEFT_RESETS == 2
+    assert say(0, 0, 500) == 500
+    assert say(1, 10, 490) == 490                      # counts down: the mark stays at 500
+    assert say(2, 20, 800) == 800                      # a re-set (a new fit): taken
+    assert say(3, 30, 790) == 790
+    assert say(4, 40, 900) == 900                      # a second re-set: taken
+    with caplog.at_level("WARNING", logger="agent.collector"):
+        assert say(5, 50, 900) is None                 # the mark rose a third time: refused
+        assert say(6, 60, 900) is None
+        assert say(7, 70, 0) is None                   # at 0 it claims nothing, still refused
+    assert [r.getMessage() for r in caplog.records if "does not count down" in r.getMessage()] == [
+        "job j rank 0: its steps_left does not count down as it steps (steps_left + steps rose 3 times in 300 s): "
+        "not taken until that ages out"]
+    t = 6 + STEPS_LEFT_RESET_S + 1                     # every rise older than the window
+    assert say(t, 80, 880) == 880                      # counts down from the last mark (960): taken again
+    assert say(t + 1, 90, 870) == 870
+    assert say(t + 2, 0, 5000) == 5000                 # a new loader (steps back at 0): a new mark, no rise
+    assert say(t + 3, 10, 4990) == 4990
+
+
 def test_collector_prefers_nvml_when_present():
     reg = Registry()
     me = os.getpid()
