@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -282,7 +283,8 @@ class SimConfig:
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
-    steps_known: bool = False       # every job tells the agent the steps it has left (the loader's total_steps):
+    steps_known: float = 0.0        # the part of the jobs that tell the agent the steps they have left (the
+                                    # loader's total_steps; True or 1: every job; which ones: ``tells_steps``):
                                     # what adaptive's finish guard uses; the agent then decides every tick
                                     # (a plan that depends on the work left moves without an event)
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
@@ -377,8 +379,16 @@ def _worker_cpu_s_per_batch(jb: "_Job") -> float:
     return r.cpu_s_per_batch if r is not None and r.cpu_s_per_batch > 0 else jb.curve.cpu_s_per_batch
 
 
+def tells_steps(job: str, part: float) -> bool:
+    """Whether the job is one of the ``part`` (0-1) of the jobs that say their steps left: a fixed draw
+    from its id (a hash: crc32 of ids that differ in a digit is far from uniform), so every policy and
+    run sees the same jobs saying."""
+    return part >= 1.0 or (part > 0.0 and int.from_bytes(hashlib.blake2b(job.encode(), digest_size=8).digest(),
+                                                           "big") / 2.0 ** 64 < part)
+
+
 def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cpu_s_per_step: float,
-               steps_known: bool = False):
+               steps_known: float = 0.0):
     """What the collector would report for a simulated job (``agent.collector``): its rates over the
     window since they last changed, from the node physics' ``JobRate``: the step less data wait with the
     trainer's CPU wait in it (``compute_s_per_step``) and that wait alone (``trainer_runq_s_per_step``,
@@ -404,7 +414,7 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
         age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
         loader_memory_bytes=jb.workers * cv.worker_memory_bytes,
-        steps_left=jb.remaining / bs if steps_known else None)
+        steps_left=jb.remaining / bs if tells_steps(jb.tj.job, steps_known) else None)
 
 
 @dataclass(frozen=True)

@@ -1088,6 +1088,38 @@ def test_a_job_turned_heavy_gets_its_workers_within_seconds_of_its_new_windows(p
 
 
 @pytest.mark.unit
+def test_steps_known_for_a_part_of_the_jobs():
+    """``--steps-known PART``: a fixed draw by job id says which jobs tell their steps (the same for
+    every policy and run); 0 none, 1 every one. The finish guard needs every job on a node to say: on
+    node p7 with half of them saying, adaptive's plans are the blind ones (the same makespan) though it
+    decides every tick; the option's bad values are refused with the reason."""
+    from agent.cli import build_parser
+
+    ids = [f"j{i}" for i in range(2000)]
+    half = [j for j in ids if S.tells_steps(j, 0.5)]
+    assert 900 < len(half) < 1100 and half == [j for j in ids if S.tells_steps(j, 0.5)]
+    assert not any(S.tells_steps(j, 0.0) for j in ids) and all(S.tells_steps(j, 1.0) for j in ids)
+    assert set(j for j in ids if S.tells_steps(j, 0.25)) < set(half)
+    truth = S.builtin_curves()
+    trace = [t for t in S.read_trace(str(Path(__file__).resolve().parents[1] / "evaluation" / "traces" /
+                                     "phases_16jobs.csv")) if t.node == "p7"]
+    saying = [t.job for t in trace if S.tells_steps(t.job, 0.5)]
+    assert 0 < len(saying) < len(trace)
+    cfg = S.SimConfig(cores=48.0, gpus=16)
+    blind, part = (S.simulate_node(trace, truth, "adaptive", dataclasses.replace(cfg, steps_known=k))
+                   for k in (0.0, 0.5))
+    assert part["makespan_s"] == pytest.approx(blind["makespan_s"], rel=0.01)
+    assert part["decisions"] > 2 * blind["decisions"]
+    parse = build_parser().parse_args
+    assert parse(["simulate", "--curves", "builtin", "--steps-known"]).steps_known == 1.0
+    assert parse(["simulate", "--curves", "builtin", "--steps-known", "0.5"]).steps_known == 0.5
+    assert parse(["simulate", "--curves", "builtin"]).steps_known == 0.0
+    p = subprocess.run(adloader_cmd("simulate", "--curves", "builtin", "--steps-known", "1.5"),
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "1.5 is not a part of the jobs (0-1)" in p.stderr, p.stderr
+
+
+@pytest.mark.unit
 def test_jobs_that_say_their_steps_left_finish_the_node_sooner_under_adaptive():
     """``evaluation/traces/phases_16jobs.csv``'s node p7: 16 one-GPU jobs of 300 s of work at full speed
     (ResNet-50-, BERT-, ResNet-18-, audio-like, four each), all at 0, on 48 cores. Without the jobs'

@@ -7,12 +7,30 @@ also reported as a fraction of it.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
 import time
 
 NAME = "simulate"
+
+
+def _part(text: str) -> float:
+    """--steps-known's PART: a fraction 0-1."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (a part of the jobs, 0-1)") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a part of the jobs (0-1)")
+    return x
+
+
+def _steps_note(part: float) -> str:
+    if part >= 1.0:
+        return ", steps left known"
+    return f", steps left known for {part:.0%} of the jobs" if part > 0 else ""
 
 
 def register(sub) -> None:
@@ -43,9 +61,11 @@ def register(sub) -> None:
     p.add_argument("--settle-ticks", type=int, default=2,
                    help="after each event or move, ticks the plan must hold (plus one observation interval) "
                         "before a learning node stops ticking")
-    p.add_argument("--steps-known", action="store_true",
-                   help="every job tells the agent the steps it has left (the loader's total_steps), as a job "
-                        "that knows its length does: adaptive's finish guard uses it; the agent decides every tick")
+    p.add_argument("--steps-known", nargs="?", const=1.0, default=0.0, type=_part, metavar="PART",
+                   help="the jobs tell the agent the steps they have left (the loader's total_steps), as a job "
+                        "that knows its length does: adaptive's finish guard uses it; the agent decides every "
+                        "tick. PART (0-1, default 1: every job): the part of the jobs that tell, a fixed draw "
+                        "by job id")
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: CPUs)")
     p.add_argument("--list-kinds", action="store_true")
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -99,7 +119,7 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     print(f"{result['nodes']} nodes, {result['jobs']} jobs, curves: {source}, predictor: {args.predictor}, "
           f"{cfg.cores:g} cores / {cfg.gpus} GPUs per node ({cfg.loader:g} for loaders), "
-          f"{result['processes']} processes{', steps left known' if cfg.steps_known else ''}: {wall:.1f}s")
+          f"{result['processes']} processes{_steps_note(cfg.steps_known)}: {wall:.1f}s")
     print(S.markdown(result))
     s = result["summary"]
     if cfg.loader_memory is not None and "oracle" in s:
