@@ -540,10 +540,11 @@ class Controller:
     def _apply_job(self, job: JobStats, desired: JobAllocation, now: float) -> Optional[ApplyResult]:
         held = self._applied.get(job.job)
         if held is not None and same_allocation(held, desired) \
-                and (held.reason, held.cold) != (desired.reason, desired.cold):
-            # what is in force stays; its record follows the policy (why it holds, and whether the plan
-            # still holds a cold-start rule's allocation: adaptive's hold reads that)
-            self._applied[job.job] = dataclasses.replace(held, reason=desired.reason, cold=desired.cold)
+                and (held.reason, held.cold, held.budget) != (desired.reason, desired.cold, desired.budget):
+            # what is in force stays; its record follows the policy (why it holds, whether the plan still
+            # holds a cold-start rule's allocation, the budget it split: adaptive's hold reads them)
+            self._applied[job.job] = dataclasses.replace(held, reason=desired.reason, cold=desired.cold,
+                                                         budget=desired.budget)
         todo = []
         for i, act in enumerate(self._actuators):
             if not same_allocation(self._applied_by[i].get(job.job), desired):

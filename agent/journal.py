@@ -76,6 +76,8 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
          f"{w}.cpu_weight", "null or a number > 0", a.get("cpu_weight"))
     need(isinstance(a.get("reason", ""), str), p, f"{w}.reason", "a string", a.get("reason"))
     need(isinstance(a.get("enforce_cpu", True), bool), p, f"{w}.enforce_cpu", "true or false", a.get("enforce_cpu"))
+    need(a.get("budget") is None or (is_num(a.get("budget")) and a["budget"] >= 0), p, f"{w}.budget",
+         "null or a number >= 0", a.get("budget"))
     return alloc_from_dict(dict(a, job=job))
 
 

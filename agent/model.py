@@ -32,6 +32,8 @@ class JobAllocation:
     cpu_weight: Optional[float] = None    # cores the job's group weighs (``shares`` knob) when not ``cpus``:
                                           # a job with all the cores it can use weighs more (policies.satisfied_weight)
     cold: bool = False                    # planned without a curve (a cold-start rule), not from an estimate
+    budget: Optional[float] = None        # the share budget (cores) of the plan that made it: adaptive's own
+                                          # record, so that a re-plan keeps the budget in force (its sticky rule)
 
     @property
     def weight_cores(self) -> float:

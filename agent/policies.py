@@ -693,14 +693,18 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     C, trainer_need = loader_budget(snapshot, config.min_cpus)
     if C < snapshot.loader_cpus - EPS:      # in quanta, so that a drifting measurement does not move the plan
         C = max(min(snapshot.loader_cpus, config.min_cpus * n), math.floor(C / q + 1e-9) * q)
-        # ... and sticky: while every job holds an allocation and their total is within BUDGET_TOLERANCE
-        # of the new budget, the held total stays the budget. The trainers' need is measured and moves
+        # ... and sticky: while every job holds an allocation and the budget their plan split is within
+        # BUDGET_TOLERANCE of the new one, that budget stays. The trainers' need is measured and moves
         # by tenths of a core from window to window; a budget that followed it would re-split every
         # share every tick, and the controller never feeds the predictor a window that spans a change,
-        # so jobs would stay cold (no curve) for good.
+        # so jobs would stay cold (no curve) for good. The held plan's budget is its own record
+        # (``JobAllocation.budget``); an allocation without one (a journal from before it) is read as
+        # its plan's total, which is the budget only when no warm job went past its share (with a cold
+        # job beside one that did, the shares flipped between two budgets tick after tick).
         held = [snapshot.applied.get(j) for j in snapshot.jobs]
         if all(a is not None and a.enforce_cpu for a in held):
-            total = sum(a.cpus for a in held)
+            marks = {a.budget for a in held}
+            total = marks.pop() if len(marks) == 1 and None not in marks else sum(a.cpus for a in held)
             if abs(total - C) <= max(BUDGET_TOLERANCE * C, 2 * q) and total <= snapshot.loader_cpus + EPS:
                 C = total
     ids = sorted(snapshot.jobs)
@@ -1041,6 +1045,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 allocs[j] = JobAllocation(
                     job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
                     cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus), cold=j not in warm,
+                    budget=C,
                     reason=reason[j] if not moved else
                     (f"hold: predicted gain {gain:.1%} < hysteresis {band:.1%} + restart cost {cost:.1%}"
                      + (" (off a cold-start plan: the restart cost only)" if band < config.hysteresis else "")))
@@ -1054,7 +1059,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
             reason[j] += f"; weighs {w:.2f} cores (all it can use)"
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j], cpu_weight=weights[j],
                                io_weight=io_weight_for(cpus[j], share[j], config), reason=reason[j],
-                               cold=j not in warm) for j in ids}
+                               cold=j not in warm, budget=C) for j in ids}
     return _finish("adaptive", allocs, snapshot, config, unsatisfied,
                    predicted_total=new_total if warm else None)
 
