@@ -230,7 +230,9 @@ class Prior:
             miss = anchor_miss(g, c, b, params, anchors)
             if miss <= ANCHOR_TOL:
                 return params
-            if miss < best_miss:
+            if best is None or miss < best_miss:
+                # (the first is kept when no miss is a number: windows that say the job costs nothing,
+                # no compute, CPU or wait, predict no finite throughput to miss by)
                 best, best_miss = params, miss
         return best
 

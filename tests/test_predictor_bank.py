@@ -84,6 +84,24 @@ def test_window_without_steps_gives_no_curve():
     assert bank.curve("j") is None
 
 
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_windows_that_say_the_job_costs_nothing_still_give_a_curve(prior):
+    """A client whose windows report no compute, no worker CPU and no blocked time (a lying or broken
+    one: its steps only wait for data) predicts no finite throughput, so no candidate of the prior's
+    misses its windows by a number; the prior kept none and the bank raised a TypeError on every tick
+    (the controller's fuzz). Now the curve is built (with the prior an unbounded ceiling: every
+    allocation is its full speed, so the policies give it its share and no more)."""
+    bank = PredictorBank(prior=prior)
+    for _ in range(3):
+        bank.observe("j", Observation(workers=1, cores=0.06, batch_size=8, compute_s_per_step=0.0,
+                                      data_wait_s_per_step=0.81, cpu_s_per_batch=0.0, wall_s_per_batch=1.16,
+                                      runq_s_per_batch=0.0, blocked_s_per_batch=0.0, samples_per_s=8.0,
+                                      duration_s=2.0, steps=2))
+    cur = bank.curve("j")
+    assert isinstance(cur, ThroughputCurve) and cur.ceiling_samples_per_s > 0
+    assert 0.0 < cur.normalized(1, 0.5) <= 1.0
+
+
 def test_bad_record_names_the_field():
     bank = PredictorBank(prior=None)
     d = obs().to_dict()
