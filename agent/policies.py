@@ -1038,13 +1038,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                  and sum(-d for d in delta.values() if d < 0) <= 0.5 * delta[top])
         if not moved or (gain < band + cost and not (lifts and gain >= cost)):
             # Sticky: a settled allocation stays exactly as applied (changes under 0.01 core included),
-            # so measurement noise never turns into a stream of tiny re-applies.
+            # so measurement noise never turns into a stream of tiny re-applies. (The controller keeps
+            # an allocation in force when a plan changes it by less than its tolerance, so the records
+            # can add up to a hair over the loader CPUs: scaled back into them, within that tolerance.)
+            fit = snapshot.loader_cpus / held if held > snapshot.loader_cpus + 1e-6 else 1.0
             allocs = {}
             for j in ids:
                 a = applied[j]
                 allocs[j] = JobAllocation(
-                    job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus,
-                    cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus), cold=j not in warm,
+                    job=j, workers=clamp_workers(a.workers, snapshot.jobs[j], config), cpus=a.cpus * fit,
+                    cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus * fit), cold=j not in warm,
                     budget=C,
                     reason=reason[j] if not moved else
                     (f"hold: predicted gain {gain:.1%} < hysteresis {band:.1%} + restart cost {cost:.1%}"

@@ -298,6 +298,23 @@ def test_hysteresis_is_relative_to_what_the_held_plan_gives():
     assert all(a.reason.startswith("hold") and a.cpus == 0.9 for a in held.allocations.values()), held.allocations
 
 
+def test_a_held_plan_a_hair_over_the_loader_cpus_is_held_within_them():
+    """The controller keeps an allocation in force when a plan changes it by less than its tolerance
+    (0.01 core), so the applied records can add up to a hair over the loader CPUs (the lying-clients
+    loop: 7.203 on 7.2). A plan that holds them is scaled back into the loader CPUs: the same workers,
+    each job's cores within that tolerance of its record, the hold's reason kept."""
+    s = snap("gpu-8core", [job("a", "heavy"), job("b", "medium"), job("c", "io")])
+    cv = curves_of(s)
+    plan, settled = settle(get_policy("adaptive"), s, cv)
+    assert sum(a.cpus for a in plan.allocations.values()) == pytest.approx(s.loader_cpus)
+    over = {j: dataclasses.replace(a, cpus=a.cpus + 0.004) for j, a in settled.applied.items()}
+    again = get_policy("adaptive")(dataclasses.replace(s, applied=over), cv, PolicyConfig())
+    check_invariants(again, s)
+    for j, a in again.allocations.items():
+        assert a.workers == over[j].workers and abs(a.cpus - over[j].cpus) < 0.01, (j, a)
+        assert a.reason.startswith("hold") or a.reason == plan.allocations[j].reason, a.reason
+
+
 def test_the_hysteresis_guards_every_move_from_curves_but_not_a_move_off_a_cold_start_plan():
     """A job's estimate of the cores it can use is noisy too: a move in which no job is predicted worse
     (a job's spare handed to a hungry neighbour) still pays the hysteresis when the held plan came from
