@@ -278,7 +278,8 @@ class SimConfig:
                                     # The policies still see ``cores`` (the agent does not know the tenants).
     loader_memory: Optional[float] = None      # node loader memory budget, bytes (None = no budget)
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
-    loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs)
+    loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs);
+                                    # a "loaders_yield" in policy_options (a variant's) wins
     policy_options: tuple = ()      # agent.policies.PolicyConfig fields, as (name, value) pairs (the rest: defaults)
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
@@ -563,9 +564,9 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     controller = None
     if policy_name not in NO_AGENT_POLICIES:
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
-                                policy_config=PolicyConfig(cpu_weights=cfg.cpu_knob == "shares",
-                                                           loaders_yield=cfg.loaders_yield,
-                                                           **dict(cfg.policy_options)),
+                                policy_config=PolicyConfig(**{"cpu_weights": cfg.cpu_knob == "shares",
+                                                              "loaders_yield": cfg.loaders_yield,
+                                                              **dict(cfg.policy_options)}),
                                 predictor=predictor, actuators=[act])
     settle_full = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)
     settle = settle_full if learning else 0

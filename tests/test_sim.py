@@ -240,6 +240,9 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     never = dataclasses.replace(cfg, loaders_yield="never")
     r = S.steady_state(truth, "adaptive", never)
     assert r["rates"]["light"]["trainer_runq_s_per_step"] > 0
+    # the same as a variant's option (``adaptive[loaders_yield=never]``: once a duplicate keyword)
+    variant = dataclasses.replace(cfg, policy_options=(("loaders_yield", "never"),))
+    assert S.steady_state(truth, "adaptive", variant)["window_agg"] == r["window_agg"]
     assert sum(x["loader_cores"] + x["trainer_cores"] for x in r["rates"].values()) <= 2.0 + 1e-6
     y = S.steady_state(truth, "adaptive", cfg)
     assert y["rates"]["light"]["trainer_runq_s_per_step"] < 0.5 * r["rates"]["light"]["trainer_runq_s_per_step"]
