@@ -130,13 +130,15 @@ def oversubscription_factor(models: Mapping[str, "JobModel"], workers: Mapping[s
 
 
 def waterfill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, float]) -> dict:
-    """Split ``capacity`` by ``weights``, nobody above its cap; what a capped job leaves is re-split."""
+    """Split ``capacity`` by ``weights``, nobody above its cap; what a capped job leaves is re-split.
+    (Lists in the weights' order, not sets: a set of ids iterates in the process's string-hash order,
+    and the float sums with it, so the simulator's figures moved in their 4th digit from run to run.)"""
     got = {j: 0.0 for j in weights}
-    active = {j for j in weights if caps[j] > 1e-12 and weights[j] > 0}
+    active = [j for j in weights if caps[j] > 1e-12 and weights[j] > 0]
     left = capacity
     while active and left > 1e-12:
         tw = sum(weights[j] for j in active)
-        full = {j for j in active if got[j] + left * weights[j] / tw >= caps[j] - 1e-12}
+        full = [j for j in active if got[j] + left * weights[j] / tw >= caps[j] - 1e-12]
         if not full:
             for j in active:
                 got[j] += left * weights[j] / tw
@@ -144,7 +146,7 @@ def waterfill(capacity: float, weights: Mapping[str, float], caps: Mapping[str, 
         for j in full:
             left -= caps[j] - got[j]
             got[j] = caps[j]
-        active -= full
+        active = [j for j in active if j not in full]
     return got
 
 
