@@ -410,8 +410,10 @@ class Collector:
         observed_s = window_s = 0.0
         uss = shm = mworkers = growth = 0.0
         steps_left: Optional[float] = None
+        refused = False
         for rr in per:
             if rr is not None:
+                refused = refused or rr.steps_left_refused
                 if rr.steps_left is not None:       # the rank furthest from its end sets the job's
                     steps_left = rr.steps_left if steps_left is None else max(steps_left, rr.steps_left)
                 g = rr.gauges
@@ -453,6 +455,7 @@ class Collector:
             pids=job.pids(), worker_pids=job.worker_pids(),
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
+            steps_left_refused=refused,
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 

@@ -118,6 +118,8 @@ class JobStats:
     worker_growth_bytes: float = 0.0      # mean USS growth of a worker since it started (copy-on-read)
     steps_left: Optional[float] = None    # steps the job has left (its loader's ``total_steps`` counted down,
                                           # the most over ranks); None: the job did not say
+    steps_left_refused: bool = False      # a rank's steps_left is not taken: it does not count down
+                                          # (``agent.collector``)
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)

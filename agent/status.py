@@ -67,6 +67,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                             its earlier ones (``predictor.bank``), 0 before its first curve
         steps_left          the steps the job said it has left (its loader's ``total_steps`` counted down,
                             the most over ranks), null if it did not say
+        steps_left_refused  true while a rank's steps_left is not taken: it does not count down as the
+                            job steps (``agent.collector``; the agent's log names the rank)
         reason              why the job has its current allocation (the policy's words)
         unsatisfied         what it wanted and did not get, null if nothing
         apply_ok            last apply result (null if nothing applied in the last tick)
@@ -144,6 +146,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "curve_confidence": _r(curve.get("confidence"), 3),
             "phase_changes": int(curve.get("phase_changes") or 0),
             "steps_left": _r(st.steps_left, 0) if st is not None and st.steps_left is not None else None,
+            "steps_left_refused": bool(st is not None and st.steps_left_refused),
             "reason": reason,
             "unsatisfied": unsatisfied.get(job_id),
             "apply_ok": result.ok if result is not None else None,

@@ -47,7 +47,7 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
     assert j["max_useful_workers"] is None or j["max_useful_workers"] >= 1
     assert isinstance(j["phase_changes"], int) and j["phase_changes"] >= 0    # the predictor's count, served
     # the steps the job said it has left (20 steps a second counted down from 100000), served
-    assert 0 < j["steps_left"] < 100000
+    assert 0 < j["steps_left"] < 100000 and j["steps_left_refused"] is False      # an honest count
     wait_for(lambda: agent.job("job-a")["steps_left"] < j["steps_left"], 10, what="steps_left counting down")
     # the CLI: table and --json
     out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--json"), env=repo_env(),

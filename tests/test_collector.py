@@ -106,7 +106,9 @@ def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
 
     def say(t, steps, left):
         col.on_report("j", 0, me, {**_totals(t, steps, 0.1 * steps, 0.9 * steps), "steps_left": left}, float(t))
-        return col.snapshot(t + 0.5).jobs["j"].steps_left
+        js = col.snapshot(t + 0.5).jobs["j"]
+        assert js.steps_left_refused == (js.steps_left is None)          # what status shows beside it
+        return js.steps_left
 
     assert STEPS_LEFT_RESETS == 2
     assert say(0, 0, 500) == 500
