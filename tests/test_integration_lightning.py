@@ -1,4 +1,4 @@
-"""Lightning: the loader built in the hook (adloader first imported there, after Lightning), passed to `fit`, and `num_workers="auto"`; no integration module, with the real framework on CPU (1 process, and 2 over gloo with a live agent). The
+"""Lightning: the loader built in the hook (adloader first imported there, after Lightning), passed to `fit`, and `num_workers="auto"`; no integration module but the StepsLeft callback, with the real framework on CPU (1 process, and 2 over gloo with a live agent). The
 framework tier: `-m frameworks` selects it; it skips with the reason where the framework is absent
 (`./run setup` installs the [frameworks] extra). What each run checks: tests/integration_train.py.
 """
@@ -65,3 +65,61 @@ def test_lightning_rebuild_with_a_distributed_sampler_shares_the_state(how, num_
         assert copy.num_workers == 2
     finally:
         user.close()
+
+
+def test_steps_left_callback_counts_the_runs_batches_fresh_and_resumed(tmp_path):
+    """``adloader.integrations.lightning.StepsLeft``: the train loader is told the batches the run has
+    left at its start, (estimated_stepping_batches - global_step) x accumulate_grad_batches: 12 batches
+    an epoch, 2 epochs, counted down to 0 at the last batch, with gradient accumulation 1 and 2; a fit
+    resumed from that checkpoint with 4 epochs is told the 24 batches it has left, not the run's 48; a
+    list of train loaders is told the same; the count is withdrawn at the end; a run of unknown length
+    (an iterable without ``max_steps``) is told nothing."""
+    import lightning as L
+    import torch
+
+    from adloader import DataLoader
+    from adloader.integrations.lightning import StepsLeft
+
+    ds = torch.utils.data.TensorDataset(torch.randn(96, 4), torch.randn(96, 1))
+    seen = []
+
+    class M(L.LightningModule):
+        def __init__(self, loaders):
+            super().__init__()
+            self.lin, self.loaders = torch.nn.Linear(4, 1), loaders
+
+        def training_step(self, batch, i):
+            seen.append([lo.stats().get("steps_left") for lo in self.loaders])
+            x, y = batch[0] if isinstance(batch, list) and isinstance(batch[0], (list, tuple)) else batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    def fit(loaders, epochs, acc, root, ckpt=None, train=None):
+        seen.clear()
+        t = L.Trainer(max_epochs=epochs, accumulate_grad_batches=acc, callbacks=[StepsLeft()], logger=False,
+                      default_root_dir=str(root), enable_progress_bar=False, enable_model_summary=False,
+                      accelerator="cpu", devices=1)
+        t.fit(M(loaders), train if train is not None else (loaders[0] if len(loaders) == 1 else loaders),
+              ckpt_path=ckpt)
+        return t
+
+    for acc in (1, 2):
+        loader = DataLoader(ds, batch_size=8, num_workers=1)
+        t = fit([loader], 2, acc, tmp_path / f"a{acc}")
+        assert [s[0] for s in seen] == list(range(23, -1, -1)), (acc, seen)
+        assert loader.stats().get("steps_left") is None                    # withdrawn at the end
+        fit([loader], 4, acc, tmp_path / f"b{acc}", ckpt=t.checkpoint_callback.best_model_path)
+        assert [s[0] for s in seen] == list(range(23, -1, -1)), (acc, seen)
+    pair = [DataLoader(ds, batch_size=8, num_workers=1), DataLoader(ds, batch_size=8, num_workers=0)]
+    fit(pair, 1, 1, tmp_path / "pair")
+    assert seen[0] == [11, 11] and seen[-1] == [0, 0]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(4), torch.randn(1)) for _ in range(40)])
+
+    stream = DataLoader(Stream(), batch_size=8, num_workers=0)
+    fit([stream], 1, 1, tmp_path / "stream")
+    assert len(seen) == 5 and all(s == [None] for s in seen)
