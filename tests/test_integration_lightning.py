@@ -1,5 +1,7 @@
-"""Lightning: the loader built in the hook (adloader first imported there, after Lightning), passed to `fit`, and `num_workers="auto"`; no integration module but the StepsLeft callback, with the real framework on CPU (1 process, and 2 over gloo with a live agent). The
-framework tier: `-m frameworks` selects it; it skips with the reason where the framework is absent
+"""Lightning: the loader built in the hook (adloader first imported there, after Lightning), passed to
+`fit`, and `num_workers="auto"`; no integration module but the StepsLeft callback
+(``adloader.integrations.lightning``), with the real framework on CPU (1 process, and 2 over gloo with
+a live agent). The framework tier: `-m frameworks` selects it; it skips with the reason where the framework is absent
 (`./run setup` installs the [frameworks] extra). What each run checks: tests/integration_train.py.
 """
 from __future__ import annotations
