@@ -161,13 +161,15 @@ class RankRates:
     def _check_steps_left(self, left: Optional[float], steps: Optional[float], recv_t: float) -> Optional[float]:
         """The report's ``steps_left``, or None while this rank's count does not fall as it steps (its
         end mark ``steps_left + steps`` rose more than ``STEPS_LEFT_RESETS`` times in the last
-        ``STEPS_LEFT_RESET_S``). A count at 0 (the job past its hint) claims nothing and leaves the mark;
-        a loader whose step counter went back (a new one in the rank) starts a new mark."""
+        ``STEPS_LEFT_RESET_S``). A count at 0 (the job past its hint) claims nothing and leaves the mark,
+        and so does a report without one (the hint withdrawn: a claim that comes back above the mark is
+        a rise, so withdrawing between claims does not start afresh); a loader whose step counter went
+        back (a new one in the rank) starts a new mark."""
         while self.mark_rises and self.mark_rises[0] < recv_t - STEPS_LEFT_RESET_S:
             self.mark_rises.popleft()
-        if left is None or steps is None:
+        if steps is not None and self.end_mark is not None and steps < self.end_mark[1]:
             self.end_mark = None
-        elif left > 0:
+        if left is not None and steps is not None and left > 0:
             mark = left + steps
             if self.end_mark is not None and steps >= self.end_mark[1] and mark > self.end_mark[0] + 0.5:
                 self.mark_rises.append(recv_t)

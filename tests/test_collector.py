@@ -107,7 +107,7 @@ def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
     def say(t, steps, left):
         col.on_report("j", 0, me, {**_totals(t, steps, 0.1 * steps, 0.9 * steps), "steps_left": left}, float(t))
         js = col.snapshot(t + 0.5).jobs["j"]
-        assert js.steps_left_refused == (js.steps_left is None)          # what status shows beside it
+        assert js.steps_left_refused == (js.steps_left is None and left is not None)   # status shows it
         return js.steps_left
 
     assert STEPS_LEFT_RESETS == 2
@@ -128,6 +128,11 @@ def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
     assert say(t + 1, 90, 870) == 870
     assert say(t + 2, 0, 5000) == 5000                 # a new loader (steps back at 0): a new mark, no rise
     assert say(t + 3, 10, 4990) == 4990
+    # withdrawing the hint between claims does not start afresh: a claim back above the mark is a rise
+    t += 10 + STEPS_LEFT_RESET_S
+    for i, left in enumerate((4980, None, 6000, None, 7000, None, 8000)):
+        got = say(t + i, 20 + 10 * i, left)
+        assert got == (left if i < 6 else None), (i, got)
 
 
 def test_collector_prefers_nvml_when_present():
