@@ -51,6 +51,7 @@ FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config k
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
+HOLD_IDLE_FRAC = 0.05       # of the new plan's cores: a held plan may hand out this much less and still be held
 HOLD_JOB_RISE = 0.10        # of a job's ceiling: a move that lifts one job this much, at little cost to the others,
                             # passes the hold on a node of any size
 FINISH_SLACK = 0.03         # finish_guard: a job whose remaining time at full speed is within this fraction of
@@ -1003,9 +1004,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     if settled:
         held = sum(a.cpus for a in applied.values())
         # (the held total must be about what the new plan hands out, which may exceed the share budget C
-        # by the trainer cores the trainers will not use; one quantum either way: shares are relative)
+        # by the trainer cores the trainers will not use: one quantum more, HOLD_IDLE_FRAC less. Where
+        # the node's CPUs bind, the new total moves with the trainers' measured need and the jobs'
+        # curves; one quantum less turned every such wiggle into a re-plan that skipped the hysteresis:
+        # ``evaluation.hold_noise``, +-5% noise, 1.24 -> 0.74 worker flips per 100 re-plans. Cores a
+        # held plan leaves idle still count in the gain, which moves it when they are worth it.)
         total_new = sum(cpus.values())
-        settled = min(total_new, sum(cap.values())) - q - EPS <= held <= total_new + q + 1e-6
+        settled = min(total_new, sum(cap.values())) - max(q, HOLD_IDLE_FRAC * total_new) - EPS <= held \
+            <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
         # Gain and cost relative to what the held plan gives (GPU-weighted normalised throughput; at
