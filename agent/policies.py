@@ -1010,8 +1010,18 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # ``evaluation.hold_noise``, +-5% noise, 1.24 -> 0.74 worker flips per 100 re-plans. Cores a
         # held plan leaves idle still count in the gain, which moves it when they are worth it.)
         total_new = sum(cpus.values())
-        settled = min(total_new, sum(cap.values())) - max(q, HOLD_IDLE_FRAC * total_new) - EPS <= held \
-            <= total_new + q + 1e-6
+        if held > total_new + q + 1e-6 and total_new > EPS:
+            # the node takes less than the held plan hands out (its trainers now need more): the held
+            # plan scaled into what the new one hands out, its cores only (no worker restarts), then
+            # judged by the band like any other; re-planning at once swapped two like jobs' shares
+            # back and forth as the total moved with noise (hold_noise)
+            k = total_new / held
+            applied = {j: dataclasses.replace(a, cpus=a.cpus * k) for j, a in applied.items()}
+            held = total_new
+            settled = not any(applied[j].cpus < (1.0 - HOLD_FLOOR_SLACK) * floor[j] - q for j in floor) \
+                and not any(applied[j].cpus < c - q for j, c in guarded.items())
+        settled = settled and min(total_new, sum(cap.values())) - max(q, HOLD_IDLE_FRAC * total_new) - EPS \
+            <= held <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
         # Gain and cost relative to what the held plan gives (GPU-weighted normalised throughput; at

@@ -322,6 +322,31 @@ def test_a_held_plan_is_not_dropped_for_a_wiggle_of_the_trainers_need():
         assert held == holds, (t, again.allocations)
 
 
+def test_a_held_plan_the_node_no_longer_fits_is_scaled_into_it_not_swapped():
+    """The other side of the same match: the trainers' measured need 6% higher, the node takes 0.1 core
+    less than the held plan hands out. Re-planning at once (as before) skipped the hysteresis; on random
+    nodes under noise it swapped two like jobs' shares back and forth as the total moved
+    (``evaluation.hold_noise``). The held plan is scaled into what the new plan hands out, cores only
+    (every job by the same factor, no worker changed), and judged by the band: held."""
+    cfg = PolicyConfig(cpu_weights=False)
+    busy = [job(n, k, trainer_cpu_s_per_step=0.08) for n, k in (("a", "heavy"), ("b", "heavy"), ("c", "medium"))]
+    s = snap("gpu-8core", busy)
+    cv = curves_of(s)
+    plan, settled = settle(get_policy("adaptive"), s, cv, cfg)
+    tighter = dataclasses.replace(settled, jobs={j: dataclasses.replace(v, trainer_cpu_s_per_step=0.085)
+                                                 for j, v in s.jobs.items()})
+    fresh = get_policy("adaptive")(dataclasses.replace(tighter, applied={}), cv, cfg)
+    new_total = sum(a.cpus for a in fresh.allocations.values())
+    held_total = sum(a.cpus for a in plan.allocations.values())
+    assert held_total > new_total + 0.08
+    again = get_policy("adaptive")(tighter, cv, cfg)
+    assert all(a.reason.startswith("hold") for a in again.allocations.values()), again.allocations
+    assert sum(a.cpus for a in again.allocations.values()) == pytest.approx(new_total)
+    for j, a in again.allocations.items():
+        assert a.workers == plan.allocations[j].workers
+        assert a.cpus == pytest.approx(plan.allocations[j].cpus * new_total / held_total)
+
+
 def test_a_held_plan_a_hair_over_the_loader_cpus_is_held_within_them():
     """The controller keeps an allocation in force when a plan changes it by less than its tolerance
     (0.01 core), so the applied records can add up to a hair over the loader CPUs (the lying-clients
