@@ -995,6 +995,16 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     settled = all(a is not None and a.enforce_cpu and a.cpus >= min_c - EPS
                   and a.workers <= max(config.min_workers, wcap.get(j, a.workers)) for j, a in applied.items())
     if settled:
+        held = sum(a.cpus for a in applied.values())
+        total_new = sum(cpus.values())
+        if held > total_new + q + 1e-6 and total_new > EPS:
+            # the node takes less than the held plan hands out (its trainers now need more): the held
+            # plan scaled into what the new one hands out, its cores only (no worker restarts), then
+            # judged like any other; re-planning at once swapped two like jobs' shares back and forth
+            # as the total moved with noise (hold_noise)
+            k = total_new / held
+            applied = {j: dataclasses.replace(a, cpus=a.cpus * k) for j, a in applied.items()}
+            held = total_new
         # a held plan that keeps a job under its floor (its estimate moved: a new phase of its pipeline)
         # is not kept, whatever the move gains: the floor is the fairness promise, not a prediction
         settled = not any(applied[j].cpus < (1.0 - HOLD_FLOOR_SLACK) * floor[j] - q for j in floor)
@@ -1002,26 +1012,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         # nor one that keeps a job that sets the node's finishing time under the cores the guard gave it
         settled = not any(applied[j].cpus < c - q for j, c in guarded.items())
     if settled:
-        held = sum(a.cpus for a in applied.values())
         # (the held total must be about what the new plan hands out, which may exceed the share budget C
         # by the trainer cores the trainers will not use: one quantum more, HOLD_IDLE_FRAC less. Where
         # the node's CPUs bind, the new total moves with the trainers' measured need and the jobs'
         # curves; one quantum less turned every such wiggle into a re-plan that skipped the hysteresis:
         # ``evaluation.hold_noise``, +-5% noise, 1.24 -> 0.74 worker flips per 100 re-plans. Cores a
         # held plan leaves idle still count in the gain, which moves it when they are worth it.)
-        total_new = sum(cpus.values())
-        if held > total_new + q + 1e-6 and total_new > EPS:
-            # the node takes less than the held plan hands out (its trainers now need more): the held
-            # plan scaled into what the new one hands out, its cores only (no worker restarts), then
-            # judged by the band like any other; re-planning at once swapped two like jobs' shares
-            # back and forth as the total moved with noise (hold_noise)
-            k = total_new / held
-            applied = {j: dataclasses.replace(a, cpus=a.cpus * k) for j, a in applied.items()}
-            held = total_new
-            settled = not any(applied[j].cpus < (1.0 - HOLD_FLOOR_SLACK) * floor[j] - q for j in floor) \
-                and not any(applied[j].cpus < c - q for j, c in guarded.items())
-        settled = settled and min(total_new, sum(cap.values())) - max(q, HOLD_IDLE_FRAC * total_new) - EPS \
-            <= held <= total_new + q + 1e-6
+        settled = min(total_new, sum(cap.values())) - max(q, HOLD_IDLE_FRAC * total_new) - EPS <= held \
+            <= total_new + q + 1e-6
     if settled:
         old_total = objective(lambda j: (applied[j].workers, applied[j].cpus))
         # Gain and cost relative to what the held plan gives (GPU-weighted normalised throughput; at
