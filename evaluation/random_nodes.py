@@ -31,11 +31,11 @@ def job(name: str, compute_s_per_step: float, cpu_s_per_batch: float, blocked_s_
     return JobStats(job=name, **fields)
 
 
-def curve_for(j: JobStats) -> ThroughputCurve:
-    """The first-principles curve of what the job's window measured."""
+def curve_for(j: JobStats, **kw) -> ThroughputCurve:
+    """The first-principles curve of what the job's window measured (``kw``: more curve fields)."""
     return ThroughputCurve(job=j.job, batch_size=j.batch_size, compute_s_per_step=j.compute_s_per_step,
                            cpu_s_per_batch=j.cpu_s_per_batch, blocked_s_per_batch=j.blocked_s_per_batch,
-                           confidence=0.5, observed_configs=2)
+                           confidence=0.5, observed_configs=2, **kw)
 
 
 def random_node(rng: random.Random) -> tuple[NodeSnapshot, dict, PolicyConfig]:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from agent.model import JobAllocation, JobStats, NodeSnapshot
 from agent.policies import (POLICIES, PolicyConfig, assign_cpusets, get_policy, loader_budget, thread_split,
                             trainer_cores_needed, workers_for)
-from evaluation.random_nodes import random_node
+from evaluation.random_nodes import curve_for, random_node
 from predictor.curve import ThroughputCurve
 from tests.fakes import job_stats
 
@@ -46,12 +46,6 @@ def job(name: str, kind: str = "medium", **kw) -> JobStats:
                               "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0, "cpu_s_per_batch": c,
                               "wall_s_per_batch": c + b, "runq_s_per_batch": 0.0, "blocked_s_per_batch": b,
                               "worker_cpu_cores": 0.5, "worker_pids": (), **kw})
-
-
-def curve_for(j: JobStats, **kw) -> ThroughputCurve:
-    return ThroughputCurve(job=j.job, batch_size=j.batch_size, compute_s_per_step=j.compute_s_per_step,
-                           cpu_s_per_batch=j.cpu_s_per_batch, blocked_s_per_batch=j.blocked_s_per_batch,
-                           confidence=0.5, observed_configs=2, **kw)
 
 
 def snap(node: str, jobs, max_jobs: int = 0) -> NodeSnapshot:

@@ -17,6 +17,7 @@ from agent.model import JobStats, NodeSnapshot
 from agent.policies import PolicyConfig, get_policy, loader_budget, trainer_cores_needed
 from agent.registry import Registry
 from agent.security import Peer
+from evaluation.random_nodes import curve_for
 from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
 from tests.fakes import job_stats
 
@@ -251,10 +252,7 @@ def test_the_held_budget_is_the_plans_own_not_its_total():
                         wall_s_per_batch=0.45, trainer_cpu_s_per_step=0.072),
             "warm": one("warm", compute_s_per_step=0.1, cpu_s_per_batch=0.55, wall_s_per_batch=0.55)}
     s = NodeSnapshot(now=0.0, loader_cpus=3.6, cpu_ids=(0, 1, 2, 3), jobs=jobs)
-    w = jobs["warm"]
-    curves = {"warm": ThroughputCurve(job="warm", batch_size=w.batch_size, compute_s_per_step=0.1,
-                                      cpu_s_per_batch=0.55, blocked_s_per_batch=0.0, confidence=0.5,
-                                      observed_configs=2)}
+    curves = {"warm": curve_for(jobs["warm"])}
     adaptive = get_policy("adaptive")
     first = adaptive(s, curves, PolicyConfig())
     assert first.allocations["cold"].cold and first.allocations["warm"].budget == pytest.approx(2.55)
