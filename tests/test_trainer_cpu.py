@@ -17,7 +17,6 @@ from agent.model import JobStats, NodeSnapshot
 from agent.policies import PolicyConfig, get_policy, loader_budget, trainer_cores_needed
 from agent.registry import Registry
 from agent.security import Peer
-from evaluation.random_nodes import curve_for
 from predictor.curve import ThroughputCurve, shared_cpu_knee, shared_cpu_throughput
 from tests.fakes import job_stats
 
@@ -252,7 +251,7 @@ def test_the_held_budget_is_the_plans_own_not_its_total():
                         wall_s_per_batch=0.45, trainer_cpu_s_per_step=0.072),
             "warm": one("warm", compute_s_per_step=0.1, cpu_s_per_batch=0.55, wall_s_per_batch=0.55)}
     s = NodeSnapshot(now=0.0, loader_cpus=3.6, cpu_ids=(0, 1, 2, 3), jobs=jobs)
-    curves = {"warm": curve_for(jobs["warm"])}
+    curves = {"warm": curve(jobs["warm"])}
     adaptive = get_policy("adaptive")
     first = adaptive(s, curves, PolicyConfig())
     assert first.allocations["cold"].cold and first.allocations["warm"].budget == pytest.approx(2.55)
