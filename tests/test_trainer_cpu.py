@@ -242,14 +242,8 @@ def test_the_held_budget_is_the_plans_own_not_its_total():
     now stays; an allocation without a budget (a journal from before it) is read as before."""
     import dataclasses
 
-    def one(name, **kw):
-        return job_stats(name, **{"samples_per_s": 100.0, "data_wait_s_per_step": 0.0, "data_wait_frac": 0.0,
-                                  "runq_s_per_batch": 0.0, "blocked_s_per_batch": 0.0, "requested_workers": 4,
-                                  "worker_pids": (), **kw})
-
-    jobs = {"cold": one("cold", gpus=2, ranks=2, compute_s_per_step=0.05, cpu_s_per_batch=0.45,
-                        wall_s_per_batch=0.45, trainer_cpu_s_per_step=0.072),
-            "warm": one("warm", compute_s_per_step=0.1, cpu_s_per_batch=0.55, wall_s_per_batch=0.55)}
+    jobs = {"cold": job("cold", c=0.45, g=0.05, t=0.072, gpus=2, ranks=2, requested_workers=4),
+            "warm": job("warm", c=0.55, g=0.1, requested_workers=4)}
     s = NodeSnapshot(now=0.0, loader_cpus=3.6, cpu_ids=(0, 1, 2, 3), jobs=jobs)
     curves = {"warm": curve(jobs["warm"])}
     adaptive = get_policy("adaptive")
