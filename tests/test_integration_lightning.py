@@ -74,7 +74,8 @@ def test_steps_left_callback_counts_the_runs_batches_fresh_and_resumed(tmp_path)
     left at its start, (estimated_stepping_batches - global_step) x accumulate_grad_batches: 12 batches
     an epoch, 2 epochs, counted down to 0 at the last batch, with gradient accumulation 1 and 2; a fit
     resumed from that checkpoint with 4 epochs is told the 24 batches it has left, not the run's 48; a
-    list of train loaders is told the same; the count is withdrawn at the end; a run of unknown length
+    list of train loaders is told the same, a shorter loader in a CombinedLoader(mode="max_size") its own
+    part; the count is withdrawn at the end; a run of unknown length
     (an iterable without ``max_steps``) is told nothing."""
     import lightning as L
     import torch
@@ -117,6 +118,15 @@ def test_steps_left_callback_counts_the_runs_batches_fresh_and_resumed(tmp_path)
     pair = [DataLoader(ds, batch_size=8, num_workers=1), DataLoader(ds, batch_size=8, num_workers=0)]
     fit(pair, 1, 1, tmp_path / "pair")
     assert seen[0] == [11, 11] and seen[-1] == [0, 0]
+    # CombinedLoader(mode="max_size"): the shorter loader hands out its 6 batches an epoch, then
+    # nothing until the next; it is told its own 12, not the run's 24
+    from lightning.pytorch.utilities import CombinedLoader
+
+    short_ds = torch.utils.data.TensorDataset(torch.randn(48, 4), torch.randn(48, 1))
+    pair = [DataLoader(ds, batch_size=8, num_workers=1), DataLoader(short_ds, batch_size=8, num_workers=0)]
+    fit(pair, 2, 1, tmp_path / "max_size", train=CombinedLoader(pair, "max_size"))
+    assert [s[0] for s in seen] == list(range(23, -1, -1)), seen
+    assert [s[1] for s in seen] == [12 - 6 * e - 1 - min(i, 5) for e in range(2) for i in range(12)], seen
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
