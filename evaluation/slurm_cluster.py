@@ -21,6 +21,7 @@ directory; it is safe to call after a failed start. Every wait polls a condition
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -114,7 +115,26 @@ def why_not() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback TCP port nobody holds now, below the kernel's ephemeral range (for a server started
+    later by another process: a rendezvous, a daemon). ``bind(0)`` and ``connect()`` take their ports
+    from that range, so such a port is not taken between this call and the server's bind, and cannot
+    become a client's own port: a client retrying a connect to a port nobody listens on yet can be
+    given that very port and connect to itself, and then both ends wait forever (a TCP self-connect)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100 if low > 2048 else 0):
+        port = rng.randrange(max(1024, low - 10000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # no room below the range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -12,11 +12,17 @@ the test once it has seen the job in `adloader status`) before closing the loade
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
+
+# a rank that hangs prints every thread's stack on SIGUSR1 (run_ranks sends it before giving up);
+# forked DataLoader workers inherit the handler
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -319,19 +325,18 @@ if __name__ == "__main__":
 def launch(framework: str, world: int, out: str, *, env: dict, release: str | None = None, port: int = 0):
     """Start the ranks of one run (as torchrun would: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT,
     TORCHELASTIC_RUN_ID); returns the Popen objects."""
-    import socket
     import subprocess
 
-    if not port:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    from evaluation.slurm_cluster import free_port
+
+    port = port or free_port()
     procs = []
     for rank in range(world):
         e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                  GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                  TORCHELASTIC_RUN_ID=f"fw-{framework}-{port}", OMP_NUM_THREADS="1",
-                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
+                 PYTHONUNBUFFERED="1")
         if world == 1:
             for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
                 e.pop(k)
@@ -383,6 +388,27 @@ def check(results: list[dict], adloader_runs: dict[str, int], reference: str = "
                 assert all(a != b for a, b in zip(per_epoch, per_epoch[1:])), f"{name}: not reshuffled"
 
 
+def _dump_stacks(procs) -> None:
+    """Every live rank and its DataLoader workers print their threads' stacks into the rank's log."""
+    import psutil
+
+    pids = []
+    for p in procs:
+        if p.poll() is None:
+            pids.append(p.pid)
+            try:
+                pids += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if pids:
+        time.sleep(1.0)
+
+
 def run_ranks(framework: str, world: int, out: str, env: dict, agent=None, timeout_s: float = 240) -> list[dict]:
     """Run ``world`` ranks to the end; with ``agent`` (tests.agentd_support.AgentProc), check that the
     job is in `adloader status` with its ranks before letting them close their loaders."""
@@ -396,7 +422,8 @@ def run_ranks(framework: str, world: int, out: str, env: dict, agent=None, timeo
         while not all(os.path.exists(f) for f in files):
             dead = [p for p in procs if p.poll() not in (None, 0)]
             if dead or time.monotonic() > deadline:
-                logs = "\n".join(open(os.path.join(out, f"log{r}.txt")).read()[-3000:] for r in range(world))
+                _dump_stacks(procs)
+                logs = "\n".join(open(os.path.join(out, f"log{r}.txt")).read()[-8000:] for r in range(world))
                 raise AssertionError(f"{framework} x{world}: a rank failed or timed out\n{logs}")
             time.sleep(0.1)
         if agent is not None:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from evaluation.slurm_cluster import free_port
 from tests.agentd_support import AgentProc, Trainer
 from tests.conftest import adloader_cmd, repo_env, wait_for
 
@@ -256,9 +257,7 @@ def test_heartbeat_loss_departs_and_the_client_comes_back(base, trainers):
 def test_metrics_endpoint_serves_job_gauges(base, trainers):
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2",
                       "--metrics-port", str(port)).start()
     try:

@@ -584,3 +584,22 @@ def test_steps_known_tells_a_job_with_fixed_work_its_steps(tmp_path, monkeypatch
     rows = [r for r in map(json.loads, prog.read_text().splitlines()) if "event" not in r]
     assert rows and all(r["steps_left"] == max(0, 13 - r["steps"]) for r in rows), rows
     assert rows[-1]["steps"] == 13 and rows[-1]["steps_left"] == 0
+
+
+def test_free_port_is_free_and_outside_the_ephemeral_range():
+    """``evaluation.slurm_cluster.free_port`` (rendezvous and daemon ports of the test harnesses): a
+    port that binds now and lies below the kernel's ephemeral range, so that no ``bind(0)`` and no
+    client's ``connect()`` is handed it before the server binds it."""
+    import socket
+
+    from evaluation.slurm_cluster import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    if low <= 2048:
+        pytest.skip(f"ip_local_port_range starts at {low}: no room below it (free_port falls back to bind(0))")
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports), (low, ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -1,11 +1,11 @@
 """agent/metrics.py: Prometheus exposition on a real localhost port."""
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
 
+from evaluation.slurm_cluster import free_port
 from tests.fakes import status_doc
 
 pytestmark = pytest.mark.component
@@ -15,9 +15,7 @@ def test_metrics_exposed_on_localhost():
     pytest.importorskip("prometheus_client")
     from agent.metrics import Metrics
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     m = Metrics(port)
     m.start()
     try:
