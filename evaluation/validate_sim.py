@@ -141,15 +141,25 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
     """Rows: scenario, policy, measured and simulated aggregates and ratios (medians over repeats), with
     the capacity the simulation used (``capacity``) and with the node's cores."""
     by_sc: dict[str, dict[int, dict[str, dict]]] = {}
+    bound: dict[str, Optional[float]] = {}
+    node = float((bench.get("meta") or {}).get("node_cores") or 2)
     for sc, ph, _, run in _sim_phases(bench, capacity):
         by_sc.setdefault(sc, {}).setdefault(ph["rep"], {})[ph["policy"]] = {
             "measured": ph["metrics"]["agg_normalised"], "capacity": ph["_cap"],
             "sim": run(ph["policy"])["window_agg"], "sim_node": run(ph["policy"], whole_node=True)["window_agg"]}
+        if sc not in bound:   # the node's every core for the run's jobs (none changing its pipeline)
+            jobs = curves_from_bench_specs({j: x for j, x in ph["specs"].items() if x})
+            bound[sc] = None if ph["_phases"] else (ideal_bound(jobs, node), ideal_bound(jobs, node, fairness=0.9))
     rows = []
     for sc, reps in by_sc.items():
         policies = sorted({p for vals in reps.values() for p in vals})
         for p in policies:
             row = {"scenario": sc, "policy": p}
+            if bound.get(sc) is not None:
+                # the ideal bounds over the measured best baseline of each repeat, median
+                for k, b in zip(("bound_best", "bound_fair_best"), bound[sc]):
+                    row[k] = _median([b / max(vals[q]["measured"] for q in BASELINES if q in vals)
+                                      for vals in reps.values() if any(q in vals for q in BASELINES)])
             for src in ("measured", "sim", "sim_node"):
                 per_rep = [_ratios({q: v[src] for q, v in vals.items()}, p) for vals in reps.values() if p in vals]
                 for k in ("best", "none", "static-cores"):
@@ -391,6 +401,40 @@ def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, ste
     return out
 
 
+def ideal_bound(truth: dict, cores: float, fairness: Optional[float] = None) -> float:
+    """An upper bound on the GPU-weighted normalised throughput of any allocation of ``cores`` CPUs to
+    the jobs of ``truth`` (curves with their workload): every core does a loader's or a trainer's work,
+    with no time slicing, wake-up wait or restart. A job at a fraction f of its ceiling needs f x (its
+    loader's cores at the ceiling + its trainers' CPU at that pace); the bound fills the cores in
+    order of GPU weight per core needed (the fractional knapsack, exact for linear-then-flat values).
+    ``fairness`` (e.g. 0.9, the issue's rule): each job first gets that part of what ``static-cores``
+    gives it in the same model (the node's cores x its GPUs / all GPUs, or its need if less), then the
+    rest is filled as above. No policy, the oracle included, beats the bound under the same rule; where
+    it is under 1.10x the best baseline, the issue's 1.10x target is out of reach on that node for that
+    mix, whatever the allocator."""
+    jobs = []
+    for cv in truth.values():
+        ex = cv.extra or {}
+        g = max(1, int(ex.get("gpus") or 1))
+        need = (cv.cpu_s_per_batch + g * float(ex.get("trainer_cpu_s_per_step") or 0.0)) / cv.compute_s_per_step
+        jobs.append((g, max(0.0, need)))
+    total_gpus = sum(g for g, _ in jobs) or 1
+    first = [min(need, fairness * cores * g / total_gpus) if fairness else 0.0 for g, need in jobs]
+    left = float(cores) - sum(first)
+    total = 0.0
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] / jobs[i][1] if jobs[i][1] > 0 else math.inf,
+                   reverse=True)
+    for i in order:
+        g, need = jobs[i]
+        if need <= 0:
+            total += g
+            continue
+        take = first[i] + min(need - first[i], max(0.0, left))
+        left -= take - first[i]
+        total += g * take / need
+    return total
+
+
 def study_config(node_cores: int, node_gpus: int, floor_fraction: Optional[float] = None,
                  policy_options: tuple = ()) -> S.SimConfig:
     """A real node of the bigger-node studies: the agent's default budget, "auto" (90% of the CPUs,
@@ -427,6 +471,8 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
                                         + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
                                         for cv in truth.values())
         out[mix]["_gpus"] = gpus
+        out[mix]["_bound"] = ideal_bound(truth, node_cores)
+        out[mix]["_bound_fair"] = ideal_bound(truth, node_cores, fairness=0.9)
         out[mix]["_records"] = {p: {"plan": r["plan"], "desired": r["desired"], "window": r["window"],
                                     "rates": {j: {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
                                               for j, x in r["rates"].items()}} for p, r in res.items()}
@@ -443,15 +489,16 @@ def _diff(a, b):
 
 def markdown_validation(rows: list[dict]) -> str:
     lines = ["| scenario | policy | reps | jobs' CPU (measured) | agg. measured / sim | × best baseline: measured / sim "
-             "(difference) | sim on the whole node | × none: measured / sim | × static-cores: measured / sim |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(difference) | sim on the whole node | × none: measured / sim | × static-cores: measured / sim "
+             "| ideal bound × best baseline: any / each job >= 0.9x static-cores |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = _diff(r["measured_best"], r["sim_best"])
         lines.append(f"| {r['scenario']} | {r['policy']} | {r['reps']} | {_f(r['capacity'], '.2f')} "
                      f"| {_f(r['measured_agg'])} / {_f(r['sim_agg'])} "
                      f"| {_f(r['measured_best'])} / {_f(r['sim_best'])} ({_f(d, '.1%')}) | {_f(r['sim_node_best'])} "
                      f"| {_f(r['measured_none'])} / {_f(r['sim_none'])} "
-                     f"| {_f(r['measured_static-cores'])} / {_f(r['sim_static-cores'])} |")
+                     f"| {_f(r['measured_static-cores'])} / {_f(r['sim_static-cores'])} | {_f(r.get('bound_best'))} / {_f(r.get('bound_fair_best'))} |")
     return "\n".join(lines)
 
 
@@ -459,13 +506,17 @@ def markdown_study(study: dict, node_cores: int, node_gpus: int) -> str:
     pols = [p for p in BASELINES + ("adaptive",)]
     lines = [f"Node: {node_cores} cores, {node_gpus} GPUs (loader budget {node_cores * 0.9:g})\n",
              "| mix (filled to the GPUs) | demand, cores | " + " | ".join(pols) + " | adaptive × best baseline "
-             "| adaptive's worst job / its static-cores throughput |",
-             "|---|---|" + "---|" * (len(pols) + 2)]
+             "| adaptive's worst job / its static-cores throughput "
+             "| ideal bound × best baseline: any / each job >= 0.9x static-cores |",
+             "|---|---|" + "---|" * (len(pols) + 3)]
     for mix, vals in study.items():
         best = max(vals[p] for p in BASELINES if p in vals)
         worst = (vals.get("_worst_vs_static") or {}).get("adaptive")
+        bound, fair = vals.get("_bound"), vals.get("_bound_fair")
         lines.append(f"| {mix} ({vals['_gpus']} GPUs) | {vals['_demand_cores']:.1f} | "
-                     + " | ".join(_f(vals.get(p)) for p in pols) + f" | {_f(vals['adaptive'] / best)} | {_f(worst)} |")
+                     + " | ".join(_f(vals.get(p)) for p in pols) + f" | {_f(vals['adaptive'] / best)} | {_f(worst)} "
+                     f"| {_f(bound / best if bound is not None else None)} / "
+                     f"{_f(fair / best if fair is not None else None)} |")
     return "\n".join(lines)
 
 

@@ -443,6 +443,42 @@ def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
 
 
 @pytest.mark.unit
+def test_ideal_bound_fills_the_cores_by_gpu_weight_per_core_and_no_policy_passes_it():
+    """evaluation.validate_sim.ideal_bound: jobs needing (loader + trainers) 2.2 cores for 2 GPUs, 0.8
+    for one, 0.5 for one, on 2 cores: the two cheap ones whole, the 2-GPU job 0.7 of its 2.2 cores
+    (2.636); with cores for all, the GPUs' count; with every job first given 0.9 of its static-cores
+    part, less. Every policy's simulated aggregate stays under it, and validate's rows carry both over
+    each repeat's measured best baseline."""
+    from evaluation import validate_sim as V
+    from evaluation.nodemodel import curves_from_bench_specs
+
+    spec = lambda demand, frac, gpus=1: {"batch_size": 64 * gpus, "step_s": 0.1, "demand_cores": demand,
+                                         "trainer_cpu_frac": frac, "gpus": gpus, "num_workers": 2}
+    specs = {"a": spec(1.8, 0.2, gpus=2), "b": spec(0.5, 0.3), "c": spec(0.15, 0.35)}
+    truth = curves_from_bench_specs(specs)
+    assert V.ideal_bound(truth, 2.0) == pytest.approx(1 + 1 + 2 * 0.7 / 2.2)
+    assert V.ideal_bound(truth, 3.5) == pytest.approx(4.0) == V.ideal_bound(truth, 50)
+    assert V.ideal_bound(truth, 0.4) == pytest.approx(0.8)          # the cheapest job's part only
+    # each job first 0.9 of its static-cores part (cores x GPUs / 4: 1.0, 0.5, 0.5; b needs 0.8, c 0.5):
+    # 0.9, 0.45, 0.45; the 0.2 left: c's last 0.05, then 0.15 to b
+    assert V.ideal_bound(truth, 2.0, fairness=0.9) == pytest.approx(2 * 0.9 / 2.2 + 0.6 / 0.8 + 1)
+    phases = [{"scenario": "trainer-cpu", "kind": "static", "policy": p, "rep": rep, "warmup_s": 6,
+               "window": [100.0, 112.0], "metrics": {"agg_normalised": v}, "specs": specs}
+              for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8}, {"none": 1.6, "adaptive": 1.7}))
+              for p, v in vals.items()]
+    rows = V.validate({"meta": {"node_cores": 2, "loader_cpus": 1.8}, "phases": phases}, capacity="node")
+    bound = V.ideal_bound(truth, 2.0)
+    assert all(r["bound_best"] == pytest.approx((bound / 1.5 + bound / 1.6) / 2) for r in rows)
+    fair = V.ideal_bound(truth, 2.0, fairness=0.9)
+    assert all(r["bound_fair_best"] == pytest.approx((fair / 1.5 + fair / 1.6) / 2) for r in rows)
+    assert all(r["sim_agg"] <= bound for r in rows)
+    study = V.node_study(16, 8, policies=("none", "even-static", "adaptive"), mixes=("trainer-cpu",),
+                         warmup_s=10.0, measure_s=10.0)["trainer-cpu"]
+    assert all(study[p] <= study["_bound"] + 1e-9 for p in ("none", "even-static", "adaptive")), study
+    assert study["_bound_fair"] < study["_bound"]
+
+
+@pytest.mark.unit
 def test_validate_sim_per_job_view_names_the_mechanism():
     """``validate_jobs``: per scenario, policy and job, the measured figures next to the simulator's
     (medians over repeats); the trainer's run-queue wait per step is the measured run-queue cores over
