@@ -141,25 +141,35 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
     """Rows: scenario, policy, measured and simulated aggregates and ratios (medians over repeats), with
     the capacity the simulation used (``capacity``) and with the node's cores."""
     by_sc: dict[str, dict[int, dict[str, dict]]] = {}
-    bound: dict[str, Optional[float]] = {}
+    jobs_of: dict[str, Optional[dict]] = {}
+    static: dict[tuple, dict] = {}
     node = float((bench.get("meta") or {}).get("node_cores") or 2)
     for sc, ph, _, run in _sim_phases(bench, capacity):
         by_sc.setdefault(sc, {}).setdefault(ph["rep"], {})[ph["policy"]] = {
             "measured": ph["metrics"]["agg_normalised"], "capacity": ph["_cap"],
             "sim": run(ph["policy"])["window_agg"], "sim_node": run(ph["policy"], whole_node=True)["window_agg"]}
-        if sc not in bound:   # the node's every core for the run's jobs (none changing its pipeline)
-            jobs = curves_from_bench_specs({j: x for j, x in ph["specs"].items() if x})
-            bound[sc] = None if ph["_phases"] else (ideal_bound(jobs, node), ideal_bound(jobs, node, fairness=0.9))
+        if sc not in jobs_of:   # the run's jobs (none changing its pipeline: the bound has no phases)
+            jobs_of[sc] = None if ph["_phases"] else curves_from_bench_specs({j: x for j, x in ph["specs"].items() if x})
+        if ph["policy"] == "static-cores" and (ph["metrics"].get("jobs") or {}):
+            static[(sc, ph["rep"])] = {j: float(v.get("normalised") or 0.0) for j, v in ph["metrics"]["jobs"].items()}
     rows = []
     for sc, reps in by_sc.items():
         policies = sorted({p for vals in reps.values() for p in vals})
+        # the ideal bounds on the node's every core over each repeat's measured best baseline: any
+        # allocation; one that keeps each job at 0.9x its static-cores throughput measured in that
+        # repeat (without a static-cores phase: what static-cores gives in the bound's own model)
+        bounds = {}
+        if jobs_of.get(sc) is not None:
+            for rep, vals in reps.items():
+                base = [vals[q]["measured"] for q in BASELINES if q in vals]
+                if base:
+                    bounds[rep] = (ideal_bound(jobs_of[sc], node) / max(base),
+                                   ideal_bound(jobs_of[sc], node, 0.9, static.get((sc, rep))) / max(base))
         for p in policies:
             row = {"scenario": sc, "policy": p}
-            if bound.get(sc) is not None:
-                # the ideal bounds over the measured best baseline of each repeat, median
-                for k, b in zip(("bound_best", "bound_fair_best"), bound[sc]):
-                    row[k] = _median([b / max(vals[q]["measured"] for q in BASELINES if q in vals)
-                                      for vals in reps.values() if any(q in vals for q in BASELINES)])
+            if bounds:
+                row["bound_best"] = _median([b[0] for b in bounds.values()])
+                row["bound_fair_best"] = _median([b[1] for b in bounds.values()])
             for src in ("measured", "sim", "sim_node"):
                 per_rep = [_ratios({q: v[src] for q, v in vals.items()}, p) for vals in reps.values() if p in vals]
                 for k in ("best", "none", "static-cores"):
@@ -401,37 +411,44 @@ def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, ste
     return out
 
 
-def ideal_bound(truth: dict, cores: float, fairness: Optional[float] = None) -> float:
+def ideal_bound(truth: dict, cores: float, fairness: Optional[float] = None,
+                static: Optional[dict] = None) -> float:
     """An upper bound on the GPU-weighted normalised throughput of any allocation of ``cores`` CPUs to
     the jobs of ``truth`` (curves with their workload): every core does a loader's or a trainer's work,
     with no time slicing, wake-up wait or restart. A job at a fraction f of its ceiling needs f x (its
     loader's cores at the ceiling + its trainers' CPU at that pace); the bound fills the cores in
     order of GPU weight per core needed (the fractional knapsack, exact for linear-then-flat values).
-    ``fairness`` (e.g. 0.9, the issue's rule): each job first gets that part of what ``static-cores``
-    gives it in the same model (the node's cores x its GPUs / all GPUs, or its need if less), then the
-    rest is filled as above. No policy, the oracle included, beats the bound under the same rule; where
-    it is under 1.10x the best baseline, the issue's 1.10x target is out of reach on that node for that
-    mix, whatever the allocator."""
-    jobs = []
-    for cv in truth.values():
+    ``fairness`` (e.g. 0.9, the issue's rule): each job is first given that part of its
+    ``static-cores`` throughput (``static``: job -> normalised throughput under static-cores, measured
+    or simulated; a job not in it gets nothing first; None: what static-cores would give in this same
+    model, the node's cores x its GPUs / all GPUs or its need if less), then the rest is filled as
+    above. No policy, the oracle included, beats the bound under the same rule; where it is under 1.10x
+    the best baseline, the issue's 1.10x target is out of reach on that node for that mix, whatever the
+    allocator."""
+    ids = list(truth)
+    g, need = {}, {}
+    for j in ids:
+        cv = truth[j]
         ex = cv.extra or {}
-        g = max(1, int(ex.get("gpus") or 1))
-        need = (cv.cpu_s_per_batch + g * float(ex.get("trainer_cpu_s_per_step") or 0.0)) / cv.compute_s_per_step
-        jobs.append((g, max(0.0, need)))
-    total_gpus = sum(g for g, _ in jobs) or 1
-    first = [min(need, fairness * cores * g / total_gpus) if fairness else 0.0 for g, need in jobs]
-    left = float(cores) - sum(first)
+        g[j] = max(1, int(ex.get("gpus") or 1))
+        need[j] = max(0.0, (cv.cpu_s_per_batch + g[j] * float(ex.get("trainer_cpu_s_per_step") or 0.0))
+                      / cv.compute_s_per_step)
+    total_gpus = sum(g.values()) or 1
+    first = dict.fromkeys(ids, 0.0)
+    if fairness:
+        for j in ids:
+            part = (min(1.0, static.get(j, 0.0)) * need[j] if static is not None
+                    else min(need[j], cores * g[j] / total_gpus))
+            first[j] = fairness * part
+    left = float(cores) - sum(first.values())
     total = 0.0
-    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] / jobs[i][1] if jobs[i][1] > 0 else math.inf,
-                   reverse=True)
-    for i in order:
-        g, need = jobs[i]
-        if need <= 0:
-            total += g
+    for j in sorted(ids, key=lambda j: g[j] / need[j] if need[j] > 0 else math.inf, reverse=True):
+        if need[j] <= 0:
+            total += g[j]
             continue
-        take = first[i] + min(need - first[i], max(0.0, left))
-        left -= take - first[i]
-        total += g * take / need
+        take = first[j] + min(need[j] - first[j], max(0.0, left))
+        left -= take - first[j]
+        total += g[j] * take / need[j]
     return total
 
 
@@ -472,7 +489,8 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
                                         for cv in truth.values())
         out[mix]["_gpus"] = gpus
         out[mix]["_bound"] = ideal_bound(truth, node_cores)
-        out[mix]["_bound_fair"] = ideal_bound(truth, node_cores, fairness=0.9)
+        out[mix]["_bound_fair"] = ideal_bound(truth, node_cores, fairness=0.9,
+                                              static=res["static-cores"]["window"] if "static-cores" in res else None)
         out[mix]["_records"] = {p: {"plan": r["plan"], "desired": r["desired"], "window": r["window"],
                                     "rates": {j: {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
                                               for j, x in r["rates"].items()}} for p, r in res.items()}

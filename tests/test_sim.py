@@ -462,15 +462,22 @@ def test_ideal_bound_fills_the_cores_by_gpu_weight_per_core_and_no_policy_passes
     # each job first 0.9 of its static-cores part (cores x GPUs / 4: 1.0, 0.5, 0.5; b needs 0.8, c 0.5):
     # 0.9, 0.45, 0.45; the 0.2 left: c's last 0.05, then 0.15 to b
     assert V.ideal_bound(truth, 2.0, fairness=0.9) == pytest.approx(2 * 0.9 / 2.2 + 0.6 / 0.8 + 1)
+    # the issue's rule with measured static-cores throughputs (a 0.5, b 1.0; c none): a 0.99 and b 0.72
+    # cores first, the 0.29 left to c
+    static = {"a": 0.5, "b": 1.0}
+    assert V.ideal_bound(truth, 2.0, 0.9, static) == pytest.approx(2 * 0.99 / 2.2 + 0.72 / 0.8 + 0.29 / 0.5)
     phases = [{"scenario": "trainer-cpu", "kind": "static", "policy": p, "rep": rep, "warmup_s": 6,
                "window": [100.0, 112.0], "metrics": {"agg_normalised": v}, "specs": specs}
               for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8}, {"none": 1.6, "adaptive": 1.7}))
               for p, v in vals.items()]
+    # repeat 1 has a static-cores phase: its jobs' measured throughputs set that repeat's fair bound
+    phases.append({**phases[-1], "policy": "static-cores", "metrics": {
+        "agg_normalised": 1.0, "jobs": {j: {"normalised": v} for j, v in static.items()}}})
     rows = V.validate({"meta": {"node_cores": 2, "loader_cpus": 1.8}, "phases": phases}, capacity="node")
     bound = V.ideal_bound(truth, 2.0)
     assert all(r["bound_best"] == pytest.approx((bound / 1.5 + bound / 1.6) / 2) for r in rows)
-    fair = V.ideal_bound(truth, 2.0, fairness=0.9)
-    assert all(r["bound_fair_best"] == pytest.approx((fair / 1.5 + fair / 1.6) / 2) for r in rows)
+    fair = (V.ideal_bound(truth, 2.0, fairness=0.9) / 1.5 + V.ideal_bound(truth, 2.0, 0.9, static) / 1.6) / 2
+    assert all(r["bound_fair_best"] == pytest.approx(fair) for r in rows)
     assert all(r["sim_agg"] <= bound for r in rows)
     study = V.node_study(16, 8, policies=("none", "even-static", "adaptive"), mixes=("trainer-cpu",),
                          warmup_s=10.0, measure_s=10.0)["trainer-cpu"]
@@ -1064,7 +1071,12 @@ def test_mix_study_draws_mixes_that_fill_the_gpus_and_reports_each_shape(tmp_pat
     for r in worst:
         best = max(M.BASELINES, key=lambda p: r["agg"][p])
         assert r["best"] == best and r["ratio"] == pytest.approx(r["agg"]["adaptive"] / r["agg"][best])
+        # the ideal that keeps the fairness target, over the best baseline and under adaptive
+        fair = r["fair_bound"] * r["agg"][best]
+        assert 0 < fair <= sum(x["gpus"] for x in r["jobs"].values()) + 1e-9
+        assert r["of_fair_bound"] == pytest.approx(r["agg"]["adaptive"] / fair)
     assert s["min"] == pytest.approx(min(r["ratio"] for r in worst))
+    assert s["fair_bound_at_1.10"] == sum(r["fair_bound"] >= 1.10 for r in worst)
     assert "| 8:4 | 3 |" in capsys.readouterr().out
     assert M.main(["--nodes", "8:4", "--mixes", "3", "--seed", "2", "--worst", "3", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["summaries"] == res["summaries"]
