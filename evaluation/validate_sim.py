@@ -31,6 +31,11 @@ Bigger nodes: each catalogue mix is filled to the node's GPUs (its members repea
 the GPUs are used) with the kinds' real demands (``cores_per_gpu`` as published, not scaled to the
 node) and ``cpus // ranks`` habits for the node, and the same policies are simulated; with
 ``--explain``, adaptive's plan at the end (the controller's own record) and each job's rates.
+
+Both tables end with the ideal bound over the best baseline (``ideal_bound``: every core doing a
+loader's or a trainer's work, no slicing cost), for any allocation and for one that first keeps each
+job at 0.9x its ``static-cores`` throughput (the issue's fairness rule; measured in the same repeat,
+or simulated in the study): under 1.10, no allocator reaches the issue's target there.
 """
 from __future__ import annotations
 
