@@ -249,6 +249,13 @@ def trace_kinds(curves: dict) -> list[str]:
 def generate_trace(kinds: list[str], nodes: int, jobs_per_node: int, mean_gap_s: float, mean_work_s: float,
                    seed: int = 0, gpus_of: Optional[dict] = None) -> list[TraceJob]:
     """``gpus_of``: kind -> GPUs of a job of that kind (default 1)."""
+    if nodes < 1 or jobs_per_node < 1:
+        raise SimError(f"a generated trace needs at least one node and one job per node, got {nodes} and "
+                       f"{jobs_per_node} (--nodes, --jobs-per-node)")
+    if not (mean_gap_s >= 0 and math.isfinite(mean_gap_s)) or not (mean_work_s > 0 and math.isfinite(mean_work_s)):
+        raise SimError(f"--mean-gap-s must be 0 or more and --mean-work-s positive, got {mean_gap_s} and {mean_work_s}")
+    if not kinds:
+        raise SimError("a generated trace needs at least one job kind")
     rng = random.Random(seed)
     out = []
     for n in range(nodes):
@@ -291,6 +298,27 @@ class SimConfig:
     predictor: str = "first-principles"  # what policies see: "agent" (PredictorBank with its default prior, as in
                                     # the agent), "first-principles" (PredictorBank(prior=None)), "perfect"
                                     # (the true curves); all banks are fed synthetic windows of the truth
+
+    def __post_init__(self):
+        def bad(what: str) -> SimError:
+            return SimError(f"simulated node: {what}")
+
+        if not (isinstance(self.cores, (int, float)) and math.isfinite(self.cores) and self.cores > 0):
+            raise bad(f"cores (--cores) must be a positive number, got {self.cores!r}")
+        if not (isinstance(self.gpus, int) and self.gpus >= 1):
+            raise bad(f"gpus (--gpus) must be a whole number of at least 1, got {self.gpus!r}")
+        if self.loader_cpus is not None and not (0 < self.loader_cpus <= self.cores):
+            raise bad(f"loader_cpus (--loader-cpus) must be in (0, cores={self.cores:g}], got {self.loader_cpus!r}")
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
+            raise bad(f"tick_s (--tick-s) must be positive, got {self.tick_s!r}")
+        if self.settle_ticks < 0:
+            raise bad(f"settle_ticks (--settle-ticks) must be 0 or more, got {self.settle_ticks!r}")
+        if self.available_cores is not None and not self.available_cores >= 0:
+            raise bad(f"available_cores must be 0 or more, got {self.available_cores!r}")
+        if self.cpu_knob not in ("shares", "quota"):
+            raise bad(f"cpu_knob (--cpu-knob) must be shares or quota, got {self.cpu_knob!r}")
+        if not 0.0 <= float(self.steps_known) <= 1.0:
+            raise bad(f"steps_known (--steps-known) must be in [0, 1], got {self.steps_known!r}")
 
     @property
     def loader(self) -> float:

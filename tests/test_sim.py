@@ -49,6 +49,29 @@ def test_trace_files_csv_and_jsonl(tmp_path):
         S.read_trace(str(bad))
 
 
+@pytest.mark.unit
+def test_a_node_or_trace_that_cannot_be_simulated_is_refused_with_the_option_named():
+    """Bad node shapes and generated-trace sizes are refused before any policy runs (a node of -3 cores
+    reached the policy as a ZeroDivisionError); `adloader simulate` exits 2 with the message."""
+    for kw, words in (({"cores": -3.0}, r"cores \(--cores\) must be a positive"), ({"cores": 0}, "cores"),
+                      ({"gpus": 0}, r"gpus \(--gpus\)"), ({"cores": 4.0, "loader_cpus": 6.0}, r"\(0, cores=4\]"),
+                      ({"tick_s": 0.0}, "tick_s"), ({"settle_ticks": -1}, "settle_ticks"),
+                      ({"cpu_knob": "cpuset"}, "shares or quota"), ({"steps_known": 1.5}, r"\[0, 1\]"),
+                      ({"available_cores": -1.0}, "available_cores")):
+        with pytest.raises(S.SimError, match=words):
+            S.SimConfig(**kw)
+    assert S.SimConfig(cores=2, gpus=1, loader_cpus=2.0).loader == 2.0
+    for args, words in (((0, 8, 30.0, 300.0), "at least one node"), ((2, 0, 30.0, 300.0), "one job per node"),
+                        ((2, 2, -1.0, 300.0), "--mean-gap-s"), ((2, 2, 30.0, 0.0), "--mean-work-s")):
+        with pytest.raises(S.SimError, match=words):
+            S.generate_trace(["heavy"], *args)
+    with pytest.raises(S.SimError, match="one job kind"):
+        S.generate_trace([], 1, 1, 30.0, 300.0)
+    p = subprocess.run(adloader_cmd("simulate", "--curves", "builtin", "--cores", "-3"), env=repo_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "cores (--cores) must be a positive number" in p.stderr and "Traceback" not in p.stderr
+
+
 def _trace():
     return [S.TraceJob("n0", "a", "heavy", 0.0, 20.0), S.TraceJob("n0", "b", "mid", 0.0, 20.0),
             S.TraceJob("n0", "c", "light", 5.0, 10.0), S.TraceJob("n1", "d", "mid", 0.0, 8.0),

@@ -109,6 +109,8 @@ def run(args) -> int:
                    for k, v in (("loader_memory", args.loader_memory), ("worker_memory_bytes", args.worker_memory))}
         except ValueError as e:
             raise S.SimError(f"--loader-memory/--worker-memory: {e}") from None
+        if args.processes is not None and args.processes < 1:
+            raise S.SimError(f"--processes must be at least 1, got {args.processes}")
         cfg = S.SimConfig(cores=args.cores, gpus=args.gpus, loader_cpus=args.loader_cpus, cpu_knob=args.cpu_knob,
                           tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, steps_known=args.steps_known, **mem)
         t0 = time.perf_counter()
