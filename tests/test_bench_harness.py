@@ -603,3 +603,29 @@ def test_free_port_is_free_and_outside_the_ephemeral_range():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsys):
+    """`adloader bench --reps 0` ran a whole repeat (0 read as "the default"), `--warmup-s -1` ran, and
+    `--loader-cpus 0` ended in a ZeroDivisionError after the calibration: each is refused with exit 2
+    and a message naming the option, before anything is written."""
+    from agent.cli import build_parser
+
+    out = tmp_path / "out"
+    for argv, words in ((["--reps", "0"], "--reps must be at least 1"),
+                        (["--warmup-s", "-1"], "--warmup-s must be 0 or more"),
+                        (["--measure-s", "0"], "--measure-s must be positive"),
+                        (["--tick-s", "nan"], "--tick-s must be positive"),
+                        (["--sweep-segment-s", "-2"], "--sweep-segment-s must be positive"),
+                        (["--loader-cpus", "0"], "--loader-cpus must be in (0, "),
+                        (["--loader-cpus", "100000"], "this node's CPUs"),
+                        (["--loader-cpus", "many"], "'auto' or a number of cores")):
+        args = build_parser().parse_args(["bench", "--out", str(out), *argv])
+        assert args.func(args) == 2, argv
+        assert words in capsys.readouterr().err, argv
+    for argv, words in ((["--measure-s", "0"], "--measure-s must be positive"),
+                        (["--warmup-s", "-2"], "--warmup-s must be 0 or more")):
+        args = build_parser().parse_args(["demo", "--out", str(out), *argv])
+        assert args.func(args) == 2, argv
+        assert words in capsys.readouterr().err, argv
+    assert not out.exists()

@@ -65,6 +65,28 @@ def _check_cuda() -> str | None:
     return None
 
 
+def _check_numbers(args, node_cores: int) -> str | None:
+    """What is wrong with the numeric options, or None (checked before any job starts)."""
+    import math
+
+    if args.reps is not None and args.reps < 1:
+        return f"--reps must be at least 1, got {args.reps}"
+    for name, v, least in (("--warmup-s", args.warmup_s, 0.0), ("--measure-s", args.measure_s, None),
+                           ("--sweep-segment-s", args.sweep_segment_s, None), ("--tick-s", args.tick_s, None)):
+        if v is None:
+            continue
+        if not math.isfinite(v) or (v < least if least is not None else v <= 0):
+            return f"{name} must be {'0 or more' if least is not None else 'positive'}, got {v:g}"
+    if args.loader_cpus != "auto":
+        try:
+            c = float(args.loader_cpus)
+        except ValueError:
+            return f"--loader-cpus must be 'auto' or a number of cores, got {args.loader_cpus!r}"
+        if not (0 < c <= node_cores):
+            return f"--loader-cpus must be in (0, {node_cores}] (this node's CPUs), got {args.loader_cpus}"
+    return None
+
+
 def run(args) -> int:
     from evaluation import report, setup
     from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError, parse_policy, split_policies
@@ -88,6 +110,10 @@ def run(args) -> int:
         if why:
             print(f"adloader bench: --device cuda needs a CUDA GPU: {why}. Use --device emulated.", file=sys.stderr)
             return 2
+    why = _check_numbers(args, setup.node_cores())
+    if why:
+        print(f"adloader bench: {why}", file=sys.stderr)
+        return 2
     import signal
 
     # SIGTERM (timeout, kill) ends the run through the harness's cleanup (its finally blocks stop every

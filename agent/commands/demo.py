@@ -61,6 +61,12 @@ def run(args) -> int:
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
+    import math
+
+    for name, v, zero_ok in (("--measure-s", args.measure_s, False), ("--warmup-s", args.warmup_s, True)):
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            print(f"adloader demo: {name} must be {'0 or more' if zero_ok else 'positive'}, got {v:g}", file=sys.stderr)
+            return 2
     policies = ["none", "even-static", "adaptive"]
     what = "none (habitual num_workers, no agent), even-static, then adaptive"
     progress = report.Progress()
