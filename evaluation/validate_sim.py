@@ -124,8 +124,8 @@ def _sim_phases(bench: dict, capacity: str):
             if ph["policy"] != "static-cores":
                 rep_cap[ph["rep"]] = max(rep_cap.get(ph["rep"], 0.0), phase_capacity(ph, node))
         for ph in phases:
-            if ph["policy"] not in SIM_POLICIES:
-                continue
+            if _variant(ph["policy"]) is None:
+                continue    # a policy (or a variant's key) the simulator does not have
             warm = float(ph.get("warmup_s") or 6.0)
             win = ph.get("window") or [0.0, 12.0]
             meas = max(1.0, float(win[1]) - float(win[0]))
@@ -136,8 +136,9 @@ def _sim_phases(bench: dict, capacity: str):
 
             def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas) -> dict:
                 avail = None if whole_node or cap >= node else cap
-                return _sim_run(cache, truth, policy, sim_config(node, loader, gpus, tick, avail), warm, meas,
-                                phases_of)
+                base, opts = _variant(policy)   # a variant: its PolicyConfig keys in the simulated agent
+                cfg = dataclasses.replace(sim_config(node, loader, gpus, tick, avail), policy_options=opts)
+                return _sim_run(cache, truth, base, cfg, warm, meas, phases_of, name=policy)
 
             yield sc, {**ph, "_cap": cap, "_phases": phases_of}, truth, run
 
@@ -187,9 +188,10 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
 
 
 def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: float, meas: float,
-             phases_of: Optional[dict] = None) -> dict:
-    """``S.steady_state`` of ``truth`` under ``policy``, once per (policy, capacity, window)."""
-    key = (policy, None if cfg.available_cores is None else round(cfg.available_cores, 3), warm, meas)
+             phases_of: Optional[dict] = None, name: Optional[str] = None) -> dict:
+    """``S.steady_state`` of ``truth`` under ``policy``, once per (``name``: the bench's policy, a
+    variant's included; capacity; window)."""
+    key = (name or policy, None if cfg.available_cores is None else round(cfg.available_cores, 3), warm, meas)
     if key not in cache:
         cache[key] = S.steady_state(truth, policy, cfg, warm, meas, phases_of=phases_of)
     return cache[key]
@@ -613,6 +615,9 @@ def main(argv=None) -> int:
             print(markdown_validation(rows))
         if dyn:
             print(markdown_dynamic(dyn))
+        if not rows and not dyn:
+            print("no phase the simulator can run: no static phase with a measured aggregate and the jobs' "
+                  "specs, no dynamic phase with its jobs (is this an `adloader bench` bench.json?)")
         if args.jobs:
             per_job = validate_jobs(bench, args.capacity)
             for r in per_job:

@@ -423,8 +423,10 @@ def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
         return {j: {"worker_cpu_cores": cpu / 6, "trainer_cpu_cores": cpu / 6, "normalised": 0.5} for j in specs}
 
     phases = []
-    for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8, "static-cores": 1.2},
-                                {"none": 1.6, "adaptive": 1.7, "static-cores": 1.1})):
+    for rep, vals in enumerate(({"none": 1.5, "adaptive": 1.8, "static-cores": 1.2,
+                                 "adaptive[floor_fraction=0.95]": 1.9, "adaptive[cgroup_mode=off]": 1.0},
+                                {"none": 1.6, "adaptive": 1.7, "static-cores": 1.1,
+                                 "adaptive[floor_fraction=0.95]": 1.8, "adaptive[cgroup_mode=off]": 1.0})):
         for p, v in vals.items():
             phases.append({"scenario": "gpu-weighted", "kind": "static", "policy": p, "rep": rep, "warmup_s": 6,
                            "window": [100.0, 112.0], "metrics": {"agg_normalised": v, "jobs": jobs(2.0)},
@@ -432,7 +434,12 @@ def test_validate_sim_puts_the_simulator_next_to_a_measured_run():
     bench = {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": phases}
     rows = V.validate(bench, capacity="node")
     by = {r["policy"]: r for r in rows}
-    assert set(by) == {"none", "adaptive", "static-cores"} and by["adaptive"]["reps"] == 2
+    # an agent variant is simulated with its keys; one with a key that is not the policies' (the
+    # cgroup mode: the simulator has no cgroups) is left out
+    assert set(by) == {"none", "adaptive", "static-cores", "adaptive[floor_fraction=0.95]"}
+    assert by["adaptive"]["reps"] == by["adaptive[floor_fraction=0.95]"]["reps"] == 2
+    assert by["adaptive[floor_fraction=0.95]"]["measured_best"] == pytest.approx((1.9 / 1.5 + 1.8 / 1.6) / 2)
+    by.pop("adaptive[floor_fraction=0.95]")
     assert by["adaptive"]["measured_none"] == pytest.approx((1.8 / 1.5 + 1.7 / 1.6) / 2)
     assert by["adaptive"]["measured_best"] == pytest.approx((1.8 / 1.5 + 1.7 / 1.6) / 2)
     assert by["none"]["measured_best"] == pytest.approx((1.5 / 1.2 + 1.6 / 1.1) / 2)
