@@ -79,6 +79,11 @@ def test_profile_stops_a_long_command_and_reports_no_hook(tmp_path):
 def test_profile_needs_a_command(tmp_path):
     proc, _ = _profile(tmp_path)
     assert proc.returncode == 2 and "after --" in proc.stderr
+    # bad numbers are refused before the command runs (--cores 0 ran it and profiled for zero cores)
+    for args, words in ((("--cores", "0"), "--cores must be a positive number"),
+                        (("--duration", "-1"), "--duration must be > 0")):
+        proc, _ = _profile(tmp_path, *args, "--", sys.executable, "-c", "raise SystemExit(7)")
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
 TRAIN = textwrap.dedent('''

@@ -338,8 +338,11 @@ def run(args) -> int:
         print("adloader profile: give the training command after --, e.g. "
               "adloader profile -- python train.py", file=sys.stderr)
         return 2
-    if args.duration <= 0:
+    if not args.duration > 0:
         print("adloader profile: --duration must be > 0", file=sys.stderr)
+        return 2
+    if args.cores is not None and not (args.cores > 0 and math.isfinite(args.cores)):
+        print(f"adloader profile: --cores must be a positive number of cores, got {args.cores:g}", file=sys.stderr)
         return 2
     from adloader.autotune import usable_cpus
 
