@@ -866,6 +866,35 @@ def test_wakeup_wait_command_measures_the_kernel_beside_the_model(tmp_path):
         assert r.returncode == 2 and msg in r.stderr, (bad, r.stderr)
 
 
+@pytest.mark.system
+def test_lone_worker_command_measures_received_cores_against_the_weights(tmp_path):
+    """python -m evaluation.lone_worker: the CPU each weighted group is entitled to (weight-proportional,
+    at most a CPU per worker, the rest shared again), and a short real run in cgroups of its own that it
+    removes; bad options named."""
+    import os
+    from pathlib import Path
+
+    from evaluation import lone_worker as L
+
+    assert L.entitled({"a": 1.0, "b": 1.0}, {"a": 1, "b": 2}, 2.0) == pytest.approx({"a": 1.0, "b": 1.0})
+    # a one-worker group entitled to more than a CPU is capped at one; the rest goes to the others
+    got = L.entitled({"a": 3.0, "b": 1.0}, {"a": 1, "b": 2}, 2.0)
+    assert got == pytest.approx({"a": 1.0, "b": 1.0})
+    got = L.entitled({"a": 0.37, "b": 0.49, "c": 0.74}, {"a": 1, "b": 1, "c": 2}, 2.0)
+    assert sum(got.values()) == pytest.approx(2.0) and got["c"] == pytest.approx(2 * 0.74 / 1.6)
+    r = subprocess.run([sys.executable, "-m", "evaluation.lone_worker", "--seconds", "0"], capture_output=True,
+                       text=True, env=repo_env(), timeout=60)
+    assert r.returncode == 2 and "--seconds" in r.stderr
+    if os.geteuid() != 0 or not Path("/sys/fs/cgroup/cpu/cpu.shares").exists():
+        pytest.skip("the real run needs root and the cgroup v1 cpu controller")
+    out = tmp_path / "l.json"
+    assert L.main(["--seconds", "0.5", "--repeats", "1", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [x["b_workers"] for x in runs] == [1, 2]
+    assert all(v > 0 for x in runs for v in x["received"].values())
+    assert not list(Path("/sys/fs/cgroup/cpu").glob("adloader-lone-*"))
+
+
 @pytest.mark.unit
 def test_agent_grows_its_auto_budget_into_an_idle_reserve():
     """Four CPU-bound 2-GPU jobs whose trainers need 5% of a core each, on 48 CPUs: with the "auto" loader
