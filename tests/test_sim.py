@@ -871,7 +871,6 @@ def test_lone_worker_command_measures_received_cores_against_the_weights(tmp_pat
     """python -m evaluation.lone_worker: the CPU each weighted group is entitled to (weight-proportional,
     at most a CPU per worker, the rest shared again), and a short real run in cgroups of its own that it
     removes; bad options named."""
-    import os
     from pathlib import Path
 
     from evaluation import lone_worker as L
@@ -885,8 +884,11 @@ def test_lone_worker_command_measures_received_cores_against_the_weights(tmp_pat
     r = subprocess.run([sys.executable, "-m", "evaluation.lone_worker", "--seconds", "0"], capture_output=True,
                        text=True, env=repo_env(), timeout=60)
     assert r.returncode == 2 and "--seconds" in r.stderr
-    if os.geteuid() != 0 or not Path("/sys/fs/cgroup/cpu/cpu.shares").exists():
-        pytest.skip("the real run needs root and the cgroup v1 cpu controller")
+    from tests.cgroup_support import skip_reason
+
+    why = skip_reason()
+    if why:
+        pytest.skip(f"the real run: {why}")
     out = tmp_path / "l.json"
     assert L.main(["--seconds", "0.5", "--repeats", "1", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
