@@ -102,8 +102,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.repeats < 1:
         ap.error("--seconds must be positive and --repeats at least 1")
-    if os.geteuid() != 0 or not (CPU_ROOT / "cpu.shares").exists():
-        print("lone_worker: needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
+    from agent.cgroupfs import v1_controller_available
+
+    why = "needs root" if os.geteuid() != 0 else v1_controller_available(str(CPU_ROOT.parent), "cpu")
+    if why:
+        print(f"lone_worker: {why} (it runs in cgroup v1 cpu groups of its own)", file=sys.stderr)
         return 2
     base = CPU_ROOT / f"adloader-lone-{os.getpid()}"
     base.mkdir()
