@@ -152,10 +152,11 @@ def terminate(p: subprocess.Popen, wait_s: float = 15) -> None:
         p.wait()
 
 
-def _kill_tree_of(pids) -> None:
+def signal_pids(pids, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to each pid that is still there (the harnesses' leftovers, a hung rank's tree)."""
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except OSError:
             pass
 
@@ -475,7 +476,7 @@ class Cluster:
             left = self._job_pids(ids)
             if not left:
                 break
-            _kill_tree_of(left)
+            signal_pids(left)
             time.sleep(0.2)
         self._remove_slurm_groups()
         for m in reversed(self.mounts):

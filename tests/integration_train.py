@@ -392,6 +392,8 @@ def _dump_stacks(procs) -> None:
     """Every live rank and its DataLoader workers print their threads' stacks into the rank's log."""
     import psutil
 
+    from evaluation.slurm_cluster import signal_pids
+
     pids = []
     for p in procs:
         if p.poll() is None:
@@ -400,11 +402,7 @@ def _dump_stacks(procs) -> None:
                 pids += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
             except psutil.Error:
                 pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except OSError:
-            pass
+    signal_pids(pids, signal.SIGUSR1)
     if pids:
         time.sleep(1.0)
 

@@ -65,18 +65,24 @@ def _check_cuda() -> str | None:
     return None
 
 
-def _check_numbers(args, node_cores: int) -> str | None:
-    """What is wrong with the numeric options, or None (checked before any job starts)."""
+def seconds_error(name: str, v, zero_ok: bool = False) -> str | None:
+    """What is wrong with a duration option's value (None: unset or fine); bench and demo."""
     import math
 
+    if v is None or (math.isfinite(v) and (v > 0 or (zero_ok and v == 0))):
+        return None
+    return f"{name} must be {'0 or more' if zero_ok else 'positive'}, got {v:g}"
+
+
+def _check_numbers(args, node_cores: int) -> str | None:
+    """What is wrong with the numeric options, or None (checked before any job starts)."""
     if args.reps is not None and args.reps < 1:
         return f"--reps must be at least 1, got {args.reps}"
-    for name, v, least in (("--warmup-s", args.warmup_s, 0.0), ("--measure-s", args.measure_s, None),
-                           ("--sweep-segment-s", args.sweep_segment_s, None), ("--tick-s", args.tick_s, None)):
-        if v is None:
-            continue
-        if not math.isfinite(v) or (v < least if least is not None else v <= 0):
-            return f"{name} must be {'0 or more' if least is not None else 'positive'}, got {v:g}"
+    for name, v, zero_ok in (("--warmup-s", args.warmup_s, True), ("--measure-s", args.measure_s, False),
+                             ("--sweep-segment-s", args.sweep_segment_s, False), ("--tick-s", args.tick_s, False)):
+        why = seconds_error(name, v, zero_ok)
+        if why:
+            return why
     if args.loader_cpus != "auto":
         try:
             c = float(args.loader_cpus)

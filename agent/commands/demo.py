@@ -58,14 +58,14 @@ def _table(result: dict, policies: list[str]) -> str:
 
 
 def run(args) -> int:
+    from agent.commands.bench import seconds_error
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
-    import math
-
     for name, v, zero_ok in (("--measure-s", args.measure_s, False), ("--warmup-s", args.warmup_s, True)):
-        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
-            print(f"adloader demo: {name} must be {'0 or more' if zero_ok else 'positive'}, got {v:g}", file=sys.stderr)
+        why = seconds_error(name, v, zero_ok)
+        if why:
+            print(f"adloader demo: {why}", file=sys.stderr)
             return 2
     policies = ["none", "even-static", "adaptive"]
     what = "none (habitual num_workers, no agent), even-static, then adaptive"
