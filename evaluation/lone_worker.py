@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
-TICK = os.sysconf("SC_CLK_TCK")
 JOBS = {"A": 0.37, "B": 0.49, "C": 0.74}     # planned cores (weights)
 WORKERS = {"A": 1, "C": 2}
 
@@ -39,26 +38,18 @@ def _spin() -> None:
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def entitled(weights: dict, workers: dict, cpus: float) -> dict:
     """Each group's CPU when all are always runnable: weight-proportional, at most one CPU per worker,
-    what a capped group cannot use shared out again among the rest."""
-    out, left, free = {}, float(cpus), dict(weights)
-    while free:
-        total = sum(free.values())
-        capped = {g: workers[g] for g, w in free.items() if left * w / total >= workers[g]}
-        if not capped:
-            out.update({g: left * w / total for g, w in free.items()})
-            break
-        for g, c in capped.items():
-            out[g] = float(c)
-            left -= c
-            free.pop(g)
-    return out
+    what a capped group cannot use shared out again among the rest (the node model's water-filling)."""
+    from evaluation.nodemodel import waterfill
+
+    return waterfill(float(cpus), weights, {g: float(workers[g]) for g in weights})
 
 
 def run_once(base: Path, b_workers: int, seconds: float) -> dict:
