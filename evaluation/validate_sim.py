@@ -418,6 +418,14 @@ def mix_curves(mix: str, node_cores: int, node_gpus: int, catalog_path=None, ste
     return out
 
 
+def cores_at_ceiling(cv) -> float:
+    """The cores a job (a curve with its workload) uses at its ceiling: its loader's CPU per step plus
+    every trainer's, over the step."""
+    ex = cv.extra or {}
+    gpus = max(1, int(ex.get("gpus") or 1))
+    return (cv.cpu_s_per_batch + gpus * float(ex.get("trainer_cpu_s_per_step") or 0.0)) / cv.compute_s_per_step
+
+
 def ideal_bound(truth: dict, cores: float, fairness: Optional[float] = None,
                 static: Optional[dict] = None) -> float:
     """An upper bound on the GPU-weighted normalised throughput of any allocation of ``cores`` CPUs to
@@ -435,11 +443,8 @@ def ideal_bound(truth: dict, cores: float, fairness: Optional[float] = None,
     ids = list(truth)
     g, need = {}, {}
     for j in ids:
-        cv = truth[j]
-        ex = cv.extra or {}
-        g[j] = max(1, int(ex.get("gpus") or 1))
-        need[j] = max(0.0, (cv.cpu_s_per_batch + g[j] * float(ex.get("trainer_cpu_s_per_step") or 0.0))
-                      / cv.compute_s_per_step)
+        g[j] = max(1, int((truth[j].extra or {}).get("gpus") or 1))
+        need[j] = max(0.0, cores_at_ceiling(truth[j]))
     total_gpus = sum(g.values()) or 1
     first = dict.fromkeys(ids, 0.0)
     if fairness:
@@ -491,9 +496,7 @@ def node_study(node_cores: int, node_gpus: int, policies=BASELINES + ("adaptive"
             out[mix]["_worst_vs_static"] = {
                 p: min((r["window"][j] / ref[j] for j in ref if ref[j] > 0 and j in r["window"]), default=None)
                 for p, r in res.items()}
-        out[mix]["_demand_cores"] = sum(cv.cpu_s_per_batch / cv.compute_s_per_step
-                                        + cv.extra["gpus"] * cv.extra["trainer_cpu_s_per_step"] / cv.compute_s_per_step
-                                        for cv in truth.values())
+        out[mix]["_demand_cores"] = sum(cores_at_ceiling(cv) for cv in truth.values())
         out[mix]["_gpus"] = gpus
         out[mix]["_bound"] = ideal_bound(truth, node_cores)
         out[mix]["_bound_fair"] = ideal_bound(truth, node_cores, fairness=0.9,
