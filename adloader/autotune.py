@@ -219,6 +219,7 @@ class AutoTuner:
     reversals: dict = field(default_factory=dict)    # (low, high) -> times the tuner turned back between them
     trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
     cpu_used: float | None = None                    # CPUs the job's processes used last window (None = unknown)
+    phase: int = 0                                   # the bank's new-phase count the evidence above is from
 
     def __post_init__(self):
         if self.bank is None:
@@ -240,12 +241,15 @@ class AutoTuner:
         if obs is None or obs.workers != self.current:
             return None
         self.bank.observe(self.job, obs)
+        curve = self.bank.curve(self.job)
+        phase = curve.extra.get("phase_changes", 0) if curve is not None else 0
+        if phase != self.phase:
+            self._forget_old_phase(phase)
         self.windows_here += 1
         prev = self.measured.get(self.current, 0.0)
         self.measured[self.current] = max(prev, obs.samples_per_s) if self.windows_here > 1 else obs.samples_per_s
         if self.windows_here < SETTLE_WINDOWS:
             return None
-        curve = self.bank.curve(self.job)
         if curve is None:
             return None
         want = max(1, min(self.cap, self.useful_workers(curve)))
@@ -299,6 +303,17 @@ class AutoTuner:
         self.windows_here = 0
         return want
 
+    def _forget_old_phase(self, phase: int) -> None:
+        """The bank found a new phase of the job (``predictor.bank``: its pipeline or model changed) and
+        dropped the windows before it. What the tuner measured before it is as stale: the throughput
+        each count gave (a light phase's 1 worker measured 3x a heavy phase's, and "measured worse
+        there" held the heavy phase's 3 workers through a light phase for good), the counts it left
+        (tabu) and its turns between two counts (a phase that moves the knee is not noise)."""
+        self.phase = phase
+        self.measured.clear()
+        self.left_at.clear()
+        self.reversals.clear()
+        self.came_from = None
 
     def _trainer_busy(self, curve) -> bool:
         """The training process needs CPU worth modelling: at least TRAINER_BUSY_MIN of its step."""

@@ -115,6 +115,30 @@ def test_tuner_settles_near_knee_without_oscillation(c, b, cpus, start):
     assert len(set(seen[settle_windows:])) == 1, seen             # then it stays
 
 
+def test_tuner_follows_a_new_phase_of_the_job_both_ways():
+    # a heavy pipeline (knee 3 workers on 4 CPUs), then a light one (1 worker keeps up), then heavy
+    # again. The bank drops the old phase's windows; the tuner must drop what it measured in it too:
+    # before, 1 worker's heavy-phase throughput (a third of the light phase's) read as "measured worse
+    # there" and held 3 workers through the light phase for good, and the heavy phase's turn between
+    # two counts doubled the gain the next phase needed.
+    from predictor.bank import PredictorBank
+    from predictor.curve import ThroughputCurve
+
+    cpus = 4.0
+    tuner = autotune.AutoTuner(cpus=cpus, cap=autotune.worker_cap(cpus, None), current=1,
+                               bank=PredictorBank(prior="default"))
+    for c in (0.03, 0.005, 0.03):
+        knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=c,
+                                blocked_s_per_batch=0.0).knee_workers(cpus)
+        seen = []
+        for _ in range(30):
+            tuner.window(simulated_window(tuner.current, cpus, c=c))
+            seen.append(tuner.current)
+        assert tuner.current == knee, (c, knee, seen, tuner.history)
+        assert len(set(seen[10:])) == 1, (c, seen)          # it got there within ~20 s and stayed
+    assert tuner.phase == 2 and not tuner.reversals, (tuner.phase, tuner.reversals)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_tuner_settles_when_noise_moves_the_knee_back_and_forth(seed):
     # an IO-bound job under half a CPU whose knee sits on a flat stretch (3 workers reach 98% of the
