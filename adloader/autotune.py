@@ -13,7 +13,8 @@ decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by 
 
 CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
 cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
-/proc/self/cgroup (never ``os.cpu_count()``, which ignores both). The training process shares them:
+/proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
+change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``). The training process shares them:
 its own CPU per step (``main_cpu_s`` of the loader's stats, measured) is fed to the tuner, which takes
 the worker count that is best when the trainer and the workers share those CPUs
 (``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
@@ -310,10 +311,29 @@ class AutoTuner:
         there" held the heavy phase's 3 workers through a light phase for good), the counts it left
         (tabu) and its turns between two counts (a phase that moves the knee is not noise)."""
         self.phase = phase
+        self._forget()
+
+    def _forget(self) -> None:
         self.measured.clear()
         self.left_at.clear()
         self.reversals.clear()
         self.came_from = None
+
+    def cpus_changed(self, cpus: float, cap: int) -> int | None:
+        """The CPUs this process may use changed while it runs (its affinity or its cgroup's CPU quota:
+        a Kubernetes in-place resize, a batch scheduler's cpuset moved, an operator's taskset): the
+        knee and the cap follow them, and what the tuner measured on the old CPUs is no evidence on
+        the new (forgotten, as a phase's is; the bank keeps its windows: each says its cores). A count
+        above the new cap is shed at once, whatever the hysteresis: returned; else None."""
+        self.cpus, self.cap = float(cpus), max(1, int(cap))
+        self._forget()
+        self.windows_here = 0
+        if self.current <= self.cap:
+            return None
+        self.came_from, self.left_at[self.current] = self.current, self.n_windows
+        self.history.append((self.n_windows, self.cap))
+        self.current = self.cap
+        return self.cap
 
     def _trainer_busy(self, curve) -> bool:
         """The training process needs CPU worth modelling: at least TRAINER_BUSY_MIN of its step."""
@@ -391,6 +411,14 @@ class _Thread(threading.Thread):
                 prev = cur
                 self.tuner.cpu_used = self.cpu_meter.read(self._pids(loader))
                 self.tuner.current = int(cur.get("workers", self.tuner.current))
+                cpus = usable_cpus()
+                if abs(cpus - self.tuner.cpus) > 1e-6:
+                    log.info("autotune: the CPUs this process may use changed from %.2f to %.2f",
+                             self.tuner.cpus, cpus)
+                    obs = None      # (a window across the change is measured on neither)
+                    shed = self.tuner.cpus_changed(cpus, worker_cap(cpus, getattr(loader, "max_workers", None)))
+                    if shed is not None and not self.stop_event.is_set():
+                        loader.resize(shed)
                 try:
                     mcap = memory_cap(cur, *memory_limits())
                 except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound

@@ -7,6 +7,7 @@ import pytest
 
 from adloader import autotune
 from predictor.observation import Observation
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -137,6 +138,62 @@ def test_tuner_follows_a_new_phase_of_the_job_both_ways():
         assert tuner.current == knee, (c, knee, seen, tuner.history)
         assert len(set(seen[10:])) == 1, (c, seen)          # it got there within ~20 s and stayed
     assert tuner.phase == 2 and not tuner.reversals, (tuner.phase, tuner.reversals)
+
+
+def test_tuner_follows_the_cpus_it_may_use_when_they_change():
+    # a CPU-bound job (knee 6 workers on 8 CPUs, 2 on 2) whose CPUs are cut to 2 and given back, as a
+    # Kubernetes in-place resize or a moved cpuset does while it runs. What was measured on 8 CPUs
+    # is no evidence on 2: kept, 2 workers' 8-CPU throughput (below 6 workers' on 2) read as
+    # "measured worse there" and held 6 workers on 2 CPUs.
+    from predictor.bank import PredictorBank
+    from predictor.curve import ThroughputCurve
+
+    tuner = autotune.AutoTuner(cpus=8.0, cap=autotune.worker_cap(8.0, None), current=1,
+                               bank=PredictorBank(prior="default"))
+    for cpus in (8.0, 2.0, 8.0):
+        if cpus != tuner.cpus:
+            assert tuner.cpus_changed(cpus, autotune.worker_cap(cpus, None)) is None   # under the cap: no shed
+        knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.06,
+                               blocked_s_per_batch=0.0).knee_workers(cpus)
+        seen = []
+        for _ in range(30):
+            tuner.window(simulated_window(tuner.current, cpus, c=0.06))
+            seen.append(tuner.current)
+        assert tuner.current == knee, (cpus, knee, seen, tuner.history)
+        assert len(set(seen[12:])) == 1, (cpus, seen)
+    # a cap below the count in force is shed at once
+    assert tuner.cpus_changed(0.5, autotune.worker_cap(0.5, None)) == 4 and tuner.current == 4
+
+
+def test_the_tuner_thread_reads_the_cpus_again_every_window(monkeypatch):
+    cpus = [16.0]
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: cpus[0])
+
+    class Loader:
+        num_workers, max_workers = 12, None
+        t = 0
+
+        def stats(self):            # no step finishes: no window for the curve, only the CPUs move it
+            self.t += 1
+            return _totals(0, 0, 0, self.num_workers, float(self.t))
+
+        def resize(self, n):
+            self.num_workers = n
+
+        def worker_pids(self):
+            return []
+
+    lo = Loader()
+    autotune.attach(lo, window_s=0.02)
+    try:
+        wait_for(lambda: autotune.tuner_of(lo) is not None and autotune.tuner_of(lo).n_windows >= 2,
+                 what="two windows")
+        assert autotune.tuner_of(lo).cpus == 16.0
+        cpus[0] = 2.0                      # cap 8: 12 workers are shed at once
+        wait_for(lambda: autotune.tuner_of(lo).cpus == 2.0 and lo.num_workers == 8, what="the new CPUs")
+        assert autotune.tuner_of(lo).cap == autotune.worker_cap(2.0, None)
+    finally:
+        autotune.detach(lo)
 
 
 @pytest.mark.parametrize("seed", range(8))
