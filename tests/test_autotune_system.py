@@ -213,3 +213,59 @@ def test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker(tmp_pat
     trace = res["trace"]
     assert res["usable_cpus"] == 0.5
     assert {w for _t, w, _r in trace} == {1}, (trace, res["tuner"])
+
+
+@pytest.fixture
+def two_cpu_group():
+    """A real cgroup v1 cpu group with a CFS quota of 2 CPUs (and the most shares), removed afterwards."""
+    why = _quota_skip_reason()
+    if why:
+        print(f"skipping: {why}", file=sys.stderr)
+        pytest.skip(why)
+    with _own_cpu_group("resize", quota_us=200000) as procs:
+        yield procs
+
+
+@pytest.mark.system
+def test_auto_follows_a_cpu_quota_cut_while_the_job_runs(tmp_path, two_cpu_group):
+    # an IO-bound job (b = 160 ms a batch) under a 2-CPU quota grows past 4 workers (its cap there is 8,
+    # the script's max_workers); then the quota is cut to half a CPU while it runs (an in-place resize),
+    # whose cap is 4: the tuner reads its CPUs again and sheds to 4 at once, and stays within it
+    import time
+
+    import psutil
+
+    script = tmp_path / "auto_job.py"
+    script.write_text(SCRIPT)
+
+    def join_group():
+        with open(two_cpu_group, "w") as f:
+            f.write(str(os.getpid()))
+
+    proc = subprocess.Popen([sys.executable, str(script), "0.01", "1", "0.02", "30", "group"],
+                            env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=join_group)
+    try:
+        t0 = time.monotonic()
+        # the cut once the job runs more than 4 workers (its worker processes, counted), at most 24 s in
+        job = psutil.Process(proc.pid)
+        while time.monotonic() - t0 < 24.0 and len(job.children()) <= 4:
+            time.sleep(0.5)
+        time.sleep(2.0)
+        with open(os.path.join(os.path.dirname(two_cpu_group), "cpu.cfs_quota_us"), "w") as f:
+            f.write("50000")
+        cut_s = time.monotonic() - t0
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    trace = res["trace"]
+    assert res["usable_cpus"] == 0.5 and res["tuner"]["cap"] == 4, res
+    moves = [w for _window, w in res["tuner"]["moves"]]
+    assert max(moves) > 4 and moves[-1] <= 4, (cut_s, trace, res["tuner"])      # grew past 4, then shed
+    # (the script's clock starts after its imports: its times are at most the test's)
+    assert max(w for t, w, _r in trace if t > cut_s + 3.0) <= 4, (cut_s, trace, res["tuner"])
+    print(f"quota cut at {cut_s:.1f} s; trace (s, workers, samples/s): {trace}", file=sys.stderr)
