@@ -175,15 +175,21 @@ def shielded():
         yield procs
 
 
-@pytest.fixture
-def half_cpu_group():
-    """A real cgroup v1 cpu group with a CFS quota of 0.5 CPU (and the most shares), removed afterwards."""
+def _quota_group(name, quota_us):
+    """The fixtures' body: a real cgroup v1 cpu group with a CFS quota of ``quota_us`` per 100 ms (and the
+    most shares), removed afterwards; skipped, with the reason printed, where there is none."""
     why = _quota_skip_reason()
     if why:
         print(f"skipping: {why}", file=sys.stderr)
         pytest.skip(why)
-    with _own_cpu_group("auto", quota_us=50000) as procs:
+    with _own_cpu_group(name, quota_us=quota_us) as procs:
         yield procs
+
+
+@pytest.fixture
+def half_cpu_group():
+    """A real cgroup v1 cpu group with a CFS quota of 0.5 CPU (and the most shares), removed afterwards."""
+    yield from _quota_group("auto", 50000)
 
 
 @pytest.mark.system
@@ -218,12 +224,7 @@ def test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker(tmp_pat
 @pytest.fixture
 def two_cpu_group():
     """A real cgroup v1 cpu group with a CFS quota of 2 CPUs (and the most shares), removed afterwards."""
-    why = _quota_skip_reason()
-    if why:
-        print(f"skipping: {why}", file=sys.stderr)
-        pytest.skip(why)
-    with _own_cpu_group("resize", quota_us=200000) as procs:
-        yield procs
+    yield from _quota_group("resize", 200000)
 
 
 @pytest.mark.system
