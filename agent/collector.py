@@ -69,6 +69,8 @@ STEPS_LEFT_RESET_S = 300.0  # ... within this long; more: its steps_left is not 
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
+PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read again after this long (they can
+                            # change while it runs: a taskset, a moved cpuset, a Kubernetes CPU manager)
 HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
 HISTORY_REPORTS = 64       # ... and at most this many of them
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
@@ -304,7 +306,7 @@ class Collector:
         self.proc_root = proc_root
         self.rank_rates: dict[tuple[str, int, int], RankRates] = {}
         self.pressure = psi.Pressure(None, None)
-        self._allowed_cache: dict[int, tuple[tuple[int, ...], bool]] = {}
+        self._allowed_cache: dict[int, tuple[float, tuple[int, ...], bool]] = {}   # pid -> (read at, ...)
         self.last: Optional[NodeSnapshot] = None
         self.memory_guard = memory_guard
         self.memory_state: Optional[MemoryState] = None
@@ -333,11 +335,13 @@ class Collector:
         for k in [k for k in self.rank_rates if k[0] == job]:
             del self.rank_rates[k]
 
-    def _placement(self, pid: int) -> tuple[tuple[int, ...], bool]:
-        """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup)."""
+    def _placement(self, pid: int, now: float) -> tuple[tuple[int, ...], bool]:
+        """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup), read at
+        most every ``PLACEMENT_REFRESH_S`` per process (before, once for its life: a rank whose CPUs an
+        operator's taskset narrowed kept its old placement in every plan)."""
         got = self._allowed_cache.get(pid)
-        if got is not None:
-            return got
+        if got is not None and 0.0 <= now - got[0] < PLACEMENT_REFRESH_S:
+            return got[1], got[2]
         allowed: tuple[int, ...] = ()
         try:
             aff = tuple(sorted(os.sched_getaffinity(pid)))
@@ -353,7 +357,7 @@ class Collector:
             pass
         if len(self._allowed_cache) > 4096:
             self._allowed_cache.clear()
-        self._allowed_cache[pid] = (allowed, cooperative)
+        self._allowed_cache[pid] = (now, allowed, cooperative)
         return allowed, cooperative
 
     def job_stats(self, job: Job, now: float) -> JobStats:
@@ -400,7 +404,7 @@ class Collector:
                 source = "nvml"
         if gpu_idle is None and rates:
             gpu_idle = data_wait_frac
-        allowed, cooperative = self._placement(ranks[0].pid) if ranks else ((), False)
+        allowed, cooperative = self._placement(ranks[0].pid, now) if ranks else ((), False)
         batch_size, workers, requested, max_workers = (1, 0, 0, None) if not ranks else (
             ranks[0].batch_size, ranks[0].workers, ranks[0].requested_workers, ranks[0].max_workers)
         for r in ranks[1:]:                    # (one pass; a job has one rank per GPU on this node)

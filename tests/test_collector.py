@@ -389,3 +389,28 @@ def test_job_stats_carry_each_ranks_recent_reports_and_a_restart_clears_them():
     col.on_report("j", 0, me, _totals(1, 3, 0.0, 0.1), 40.0)           # a new loader: counters restart
     (hist,) = col.snapshot(41.0).jobs["j"].history
     assert len(hist) == 1 and hist[0].totals["steps"] == 3 and hist[0].live_workers is None
+
+
+def test_a_ranks_allowed_cpus_are_read_again_when_they_change():
+    """A rank's placement (its CPUs, when narrower than the agent's) is read again every
+    ``PLACEMENT_REFRESH_S``: an operator's taskset while the job runs reaches the plans (before, the
+    first reading held for the life of the process). Real affinity of this test's own process."""
+    from agent.collector import PLACEMENT_REFRESH_S
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip(f"needs 2 CPUs in this process's affinity to narrow it, has {mine}")
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"id0", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"],
+                                                "batch_size": 8, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=tuple(mine))
+    try:
+        assert col.snapshot(1.0).jobs["j"].allowed_cpus == ()                 # every CPU: not narrower
+        os.sched_setaffinity(0, {mine[0]})
+        assert col.snapshot(1.0 + PLACEMENT_REFRESH_S / 2).jobs["j"].allowed_cpus == ()    # not read again yet
+        assert col.snapshot(1.0 + PLACEMENT_REFRESH_S).jobs["j"].allowed_cpus == (mine[0],)
+        os.sched_setaffinity(0, set(mine))
+        assert col.snapshot(1.0 + 2 * PLACEMENT_REFRESH_S).jobs["j"].allowed_cpus == ()
+    finally:
+        os.sched_setaffinity(0, set(mine))
