@@ -13,7 +13,8 @@ for the ones the command line offers):
     loader_cpus     float|"auto"  CPU cores for all jobs' loaders together; "auto" (default):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
                            processes and the system (``auto_loader_cpus``), grown by the controller into
-                           the part of it they leave (``policies.grown_loader_cpus``); at most 4096
+                           the part of it they leave (``policies.grown_loader_cpus``); the mask is read
+                           again every 10 s while the agent runs (``Agent._refresh_node_cpus``); at most 4096
     max_jobs        int    jobs the node is sized for (even-static divides by it), 0 = by jobs present
                            (at most 4096)
     cgroup_mode     str    auto|v1|v2|cooperative|off, default "auto"

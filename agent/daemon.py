@@ -69,6 +69,9 @@ RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", 
                             "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
+NODE_CPUS_REFRESH_S = 10.0   # the agent's own CPUs (its affinity) are read again after this long
+
+
 class CannotStart(RuntimeError):
     """The agent cannot start with this config; the message names the key (no traceback)."""
 
@@ -139,6 +142,7 @@ class Agent:
         self.ticks = 0
         self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
         self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it
+        self._cpus_read_at: Optional[float] = None   # when the agent's CPUs were last read (_refresh_node_cpus)
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
@@ -330,6 +334,24 @@ class Agent:
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 
+    def _refresh_node_cpus(self, now: float) -> None:
+        """The CPUs the agent may use (its affinity: systemd's ``AllowedCPUs``, a cpuset) read again every
+        ``NODE_CPUS_REFRESH_S``: an operator's ``systemctl set-property adloader-agent AllowedCPUs=...``
+        reaches the plans without a restart, and an "auto" ``loader_cpus`` follows the new count (an
+        explicit one stays as configured). Before, both were read once, at start."""
+        if self._cpus_read_at is not None and 0.0 <= now - self._cpus_read_at < NODE_CPUS_REFRESH_S:
+            return
+        self._cpus_read_at = now
+        ids = configmod.agent_cpu_ids()
+        if ids == self.collector.cpu_ids:
+            return
+        was = self.collector.cpu_ids
+        self.collector.cpu_ids = ids
+        if self.config.loader_cpus == "auto":
+            self.collector.loader_cpus = self.config.resolved_loader_cpus()
+        logs.event(log, "node_cpus_changed", logging.WARNING, cpus=len(ids), was=len(was),
+                   loader_cpus=self.collector.loader_cpus)
+
     # --- the tick ---------------------------------------------------------------------------------
     def tick(self, now: float):
         """One tick; never raises (a failure is logged and the loop goes on)."""
@@ -338,6 +360,7 @@ class Agent:
         record = None
         try:
             self.registry.sweep(now)
+            self._refresh_node_cpus(now)
             for job, why in self.registry.take_departed():
                 self.collector.forget(job)
                 self.controller.forget(job)

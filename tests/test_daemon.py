@@ -122,3 +122,37 @@ def test_the_agents_config_defaults_are_the_policys_defaults():
     for name in ("hysteresis", "min_confidence", "fairness_floor", "floor_fraction", "floor_reference", "loaders_yield",
                  "yield_foreign_max_cores", "pin_cpusets"):
         assert getattr(mapped, name) == getattr(default, name), name
+
+
+def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
+    """The agent's CPUs (its affinity: systemd's AllowedCPUs) are read again every NODE_CPUS_REFRESH_S:
+    narrowed while it runs, the snapshot's CPUs and the "auto" loader budget follow, and an operator
+    sees it in the log (before, both were read once at start). Real affinity of this test's process."""
+    import logging
+    import os
+
+    from agent.daemon import NODE_CPUS_REFRESH_S, Agent
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip(f"needs 2 CPUs in this process's affinity to narrow it, has {mine}")
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg)
+    try:
+        full = agent.collector.loader_cpus
+        agent.tick(1.0)
+        assert agent.collector.cpu_ids == tuple(mine)
+        os.sched_setaffinity(0, {mine[0]})
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            agent.tick(1.0 + NODE_CPUS_REFRESH_S / 2)                  # not read again yet
+            assert agent.collector.cpu_ids == tuple(mine)
+            agent.tick(1.0 + NODE_CPUS_REFRESH_S)
+        assert agent.collector.cpu_ids == (mine[0],)
+        assert agent.collector.loader_cpus == configmod.auto_loader_cpus() < full
+        assert agent.status_doc()["agent"]["cpu_ids"] == [mine[0]]
+        assert [r.fields["cpus"] for r in caplog.records if getattr(r, "event", "") == "node_cpus_changed"] == [1]
+    finally:
+        os.sched_setaffinity(0, set(mine))
+        agent.server.close()
+        agent.ctx.term()
