@@ -14,9 +14,10 @@ decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by 
 CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
 cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
 /proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
-change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``). The training process shares them:
-its own CPU per step (``main_cpu_s`` of the loader's stats, measured) is fed to the tuner, which takes
-the worker count that is best when the trainer and the workers share those CPUs
+change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``).
+The training process shares them: its own CPU per step (``main_cpu_s`` of the loader's stats,
+measured) is fed to the tuner, which takes the worker count that is best when the trainer and the
+workers share those CPUs
 (``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
 them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
 job's processes (trainer and workers, every thread, measured from /proc) already used at least
