@@ -235,11 +235,7 @@ class AutoTuner:
         if memory_cap is not None:
             self.memory_cap = memory_cap
         if self.memory_cap is not None and self.current > max(1, self.memory_cap):
-            want = max(1, self.memory_cap)        # memory first: shed now, whatever the hysteresis
-            self.came_from, self.left_at[self.current] = self.current, self.n_windows
-            self.history.append((self.n_windows, want))
-            self.current, self.windows_here = want, 0
-            return want
+            return self._move(max(1, self.memory_cap))   # memory first: shed now, whatever the hysteresis
         if obs is None or obs.workers != self.current:
             return None
         self.bank.observe(self.job, obs)
@@ -298,11 +294,13 @@ class AutoTuner:
         if want == self.came_from:
             key = _pair(self.current, want)
             self.reversals[key] = self.reversals.get(key, 0) + 1
-        self.came_from = self.current
-        self.left_at[self.current] = self.n_windows
+        return self._move(want)
+
+    def _move(self, want: int) -> int:
+        """Go to ``want`` workers: the count left is remembered (tabu, turns), the move recorded."""
+        self.came_from, self.left_at[self.current] = self.current, self.n_windows
         self.history.append((self.n_windows, want))
-        self.current = want
-        self.windows_here = 0
+        self.current, self.windows_here = want, 0
         return want
 
     def _forget_old_phase(self, phase: int) -> None:
@@ -329,12 +327,7 @@ class AutoTuner:
         self.cpus, self.cap = float(cpus), max(1, int(cap))
         self._forget()
         self.windows_here = 0
-        if self.current <= self.cap:
-            return None
-        self.came_from, self.left_at[self.current] = self.current, self.n_windows
-        self.history.append((self.n_windows, self.cap))
-        self.current = self.cap
-        return self.cap
+        return self._move(self.cap) if self.current > self.cap else None
 
     def _trainer_busy(self, curve) -> bool:
         """The training process needs CPU worth modelling: at least TRAINER_BUSY_MIN of its step."""
