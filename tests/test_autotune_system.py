@@ -267,6 +267,11 @@ def test_auto_follows_a_cpu_quota_cut_while_the_job_runs(tmp_path, two_cpu_group
     assert res["usable_cpus"] == 0.5 and res["tuner"]["cap"] == 4, res
     moves = [w for _window, w in res["tuner"]["moves"]]
     assert max(moves) > 4 and moves[-1] <= 4, (cut_s, trace, res["tuner"])      # grew past 4, then shed
-    # (the script's clock starts after its imports: its times are at most the test's)
-    assert max(w for t, w, _r in trace if t > cut_s + 3.0) <= 4, (cut_s, trace, res["tuner"])
+    # and stays shed: on the script's clock (it starts after its imports, so its times are at most the
+    # test's, and a point after cut_s there is after the cut), once a point after the cut shows 4 workers
+    # or fewer, none after it shows more; how soon the shed comes is not asserted (a loaded machine)
+    after = [w for t, w, _r in trace if t > cut_s]
+    assert after and after[-1] <= 4, (cut_s, trace, res["tuner"])
+    first_shed = next(i for i, w in enumerate(after) if w <= 4)
+    assert max(after[first_shed:]) <= 4, (cut_s, trace, res["tuner"])
     print(f"quota cut at {cut_s:.1f} s; trace (s, workers, samples/s): {trace}", file=sys.stderr)
