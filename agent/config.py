@@ -14,7 +14,7 @@ for the ones the command line offers):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
                            processes and the system (``auto_loader_cpus``), grown by the controller into
                            the part of it they leave (``policies.grown_loader_cpus``); the mask is read
-                           again every 10 s while the agent runs (``Agent._refresh_node_cpus``); at most 4096
+                           again every 10 s while the agent runs (``Agent._refresh_node_resources``); at most 4096
     max_jobs        int    jobs the node is sized for (even-static divides by it), 0 = by jobs present
                            (at most 4096)
     cgroup_mode     str    auto|v1|v2|cooperative|off, default "auto"
@@ -72,12 +72,13 @@ for the ones the command line offers):
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            agent's cgroup memory limit when lower, minus a 25% reserve (at least
                            2 GiB) for the training processes, page cache and system
-                           (``auto_loader_memory``); "off": no budget
+                           (``auto_loader_memory``; computed again every 10 s while the agent
+                           runs); "off": no budget
     memory_pressure_psi  float  PSI memory "some" (percent, over the last tick) at or above this is
                            pressure: the agent shrinks loader workers before the kernel kills
                            anything; default 10
     memory_min_available  bytes|str  MemAvailable below this is pressure too; "auto" (default):
-                           5% of the node's memory, at least 256 MiB
+                           5% of the node's memory, at least 256 MiB (computed again every 10 s)
     unseen_job_timeout_s  float  a registered job (Slurm prolog) with no connected rank is forgotten
                            when none of its processes has been seen for this long (a missed epilog
                            release); > 0, default 60.0

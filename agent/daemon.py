@@ -69,7 +69,7 @@ RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", 
                             "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
-NODE_CPUS_REFRESH_S = 10.0   # the agent's own CPUs (its affinity) are read again after this long
+NODE_CPUS_REFRESH_S = 10.0   # the agent's own CPUs (its affinity) and memory are read again after this long
 
 
 class CannotStart(RuntimeError):
@@ -142,7 +142,7 @@ class Agent:
         self.ticks = 0
         self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
         self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it
-        self._cpus_read_at: Optional[float] = None   # when the agent's CPUs were last read (_refresh_node_cpus)
+        self._cpus_read_at: Optional[float] = None   # when the agent's CPUs and memory were last read
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
@@ -334,23 +334,37 @@ class Agent:
             self.controller = self._build_controller(applied=self.controller.applied())
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 
-    def _refresh_node_cpus(self, now: float) -> None:
-        """The CPUs the agent may use (its affinity: systemd's ``AllowedCPUs``, a cpuset) read again every
-        ``NODE_CPUS_REFRESH_S``: an operator's ``systemctl set-property adloader-agent AllowedCPUs=...``
-        reaches the plans without a restart, and an "auto" ``loader_cpus`` follows the new count (an
-        explicit one stays as configured). Before, both were read once, at start."""
+    def _refresh_node_resources(self, now: float) -> None:
+        """The agent's CPUs and memory read again every ``NODE_CPUS_REFRESH_S``, so an operator's
+        ``systemctl set-property adloader-agent AllowedCPUs=... MemoryMax=...`` reaches the plans without a
+        restart. CPUs: its affinity (systemd's ``AllowedCPUs``, a cpuset); an "auto" ``loader_cpus``
+        follows their count. Memory: an "auto" ``loader_memory`` (the node's memory or the agent's own
+        cgroup limit, whichever is lower, less its reserve) and an "auto" ``memory_min_available`` are
+        computed again; a cut in force under pressure stays. Explicit values stay as configured. Each
+        change is logged as a warning (``node_cpus_changed``, ``loader_memory_changed``). Before, all of
+        this was read once, at start."""
         if self._cpus_read_at is not None and 0.0 <= now - self._cpus_read_at < NODE_CPUS_REFRESH_S:
             return
         self._cpus_read_at = now
         ids = configmod.agent_cpu_ids()
-        if ids == self.collector.cpu_ids:
+        if ids != self.collector.cpu_ids:
+            was = self.collector.cpu_ids
+            self.collector.cpu_ids = ids
+            if self.config.loader_cpus == "auto":
+                self.collector.loader_cpus = self.config.resolved_loader_cpus()
+            logs.event(log, "node_cpus_changed", logging.WARNING, cpus=len(ids), was=len(was),
+                       loader_cpus=self.collector.loader_cpus)
+        guard = self.collector.memory_guard
+        if guard is None or "auto" not in (self.config.loader_memory, self.config.memory_min_available):
             return
-        was = self.collector.cpu_ids
-        self.collector.cpu_ids = ids
-        if self.config.loader_cpus == "auto":
-            self.collector.loader_cpus = self.config.resolved_loader_cpus()
-        logs.event(log, "node_cpus_changed", logging.WARNING, cpus=len(ids), was=len(was),
-                   loader_cpus=self.collector.loader_cpus)
+        was_budget, was_min = guard.configured, guard.min_available
+        if self.config.loader_memory == "auto":
+            guard.configured = self.config.resolved_loader_memory()
+        if self.config.memory_min_available == "auto":
+            guard.min_available = self.config.resolved_memory_min_available()
+        if (guard.configured, guard.min_available) != (was_budget, was_min):
+            logs.event(log, "loader_memory_changed", logging.WARNING, loader_memory_bytes=guard.configured,
+                       was=was_budget, memory_min_available_bytes=guard.min_available, was_min_available=was_min)
 
     # --- the tick ---------------------------------------------------------------------------------
     def tick(self, now: float):
@@ -360,7 +374,7 @@ class Agent:
         record = None
         try:
             self.registry.sweep(now)
-            self._refresh_node_cpus(now)
+            self._refresh_node_resources(now)
             for job, why in self.registry.take_departed():
                 self.collector.forget(job)
                 self.controller.forget(job)

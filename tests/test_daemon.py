@@ -156,3 +156,54 @@ def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
         os.sched_setaffinity(0, set(mine))
         agent.server.close()
         agent.ctx.term()
+
+
+def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatch, caplog):
+    """An "auto" loader memory budget is computed again every NODE_CPUS_REFRESH_S: the agent's cgroup
+    memory limit cut while it runs (``systemctl set-property adloader-agent MemoryMax=...``) cuts the
+    budget, an explicit budget stays, and the log says so. The sandbox owns this machine's memory
+    hierarchy, so the agent reads a v1 tree of files laid out as the kernel's (the real parser on them)."""
+    import logging
+
+    from agent.daemon import NODE_CPUS_REFRESH_S, Agent
+
+    gib = 1 << 30
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("5:cpu,cpuacct:/system.slice/adloader-agent.service\n"
+                                          "4:memory:/system.slice/adloader-agent.service\n")
+    (proc / "meminfo").write_text(f"MemTotal:       {64 * gib // 1024} kB\nMemAvailable:   {60 * gib // 1024} kB\n")
+    group = root / "memory" / "system.slice" / "adloader-agent.service"
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(str(16 * gib))
+    (group / "memory.usage_in_bytes").write_text(str(gib))
+    real = configmod.auto_loader_memory
+    monkeypatch.setattr(configmod, "auto_loader_memory", lambda: real(str(proc), str(root)))
+
+    def agent_with(loader_memory):
+        cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent-{loader_memory}.sock",
+                                    "state_dir": str(tmp_path / f"state-{loader_memory}"), "cgroup_mode": "off",
+                                    "policy": "even", "loader_memory": loader_memory}, environ={})
+        return Agent(cfg)
+
+    auto, fixed = agent_with("auto"), agent_with("6GiB")
+    try:
+        for a in (auto, fixed):
+            a.tick(1.0)
+        assert auto.collector.memory_guard.configured == 12 * gib             # 16 GiB less 25%
+        (group / "memory.limit_in_bytes").write_text(str(8 * gib))
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            for a in (auto, fixed):
+                a.tick(1.0 + NODE_CPUS_REFRESH_S / 2)                          # not read again yet
+            assert auto.collector.memory_guard.configured == 12 * gib
+            for a in (auto, fixed):
+                a.tick(1.0 + NODE_CPUS_REFRESH_S)
+        assert auto.collector.memory_guard.configured == 6 * gib               # 8 GiB less 2 GiB (min reserve)
+        assert auto.status_doc()["agent"]["memory"]["configured_bytes"] == 6 * gib
+        assert fixed.collector.memory_guard.configured == 6 * gib              # explicit: as configured
+        changed = [r.fields for r in caplog.records if getattr(r, "event", "") == "loader_memory_changed"]
+        assert [(c["loader_memory_bytes"], c["was"]) for c in changed] == [(6 * gib, 12 * gib)]
+    finally:
+        for a in (auto, fixed):
+            a.server.close()
+            a.ctx.term()
