@@ -239,8 +239,7 @@ class AutoTuner:
         if obs is None or obs.workers != self.current:
             return None
         self.bank.observe(self.job, obs)
-        curve = self.bank.curve(self.job)
-        phase = curve.extra.get("phase_changes", 0) if curve is not None else 0
+        phase = self.bank.phase_changes(self.job)
         if phase != self.phase:
             self._forget_old_phase(phase)
         self.windows_here += 1
@@ -248,6 +247,7 @@ class AutoTuner:
         self.measured[self.current] = max(prev, obs.samples_per_s) if self.windows_here > 1 else obs.samples_per_s
         if self.windows_here < SETTLE_WINDOWS:
             return None
+        curve = self.bank.curve(self.job)
         if curve is None:
             return None
         want = max(1, min(self.cap, self.useful_workers(curve)))

@@ -226,6 +226,12 @@ class PredictorBank:
             st.dirty = False
         return st.curve
 
+    def phase_changes(self, job_id: str) -> int:
+        """New phases detected for ``job_id`` so far (its curve's ``extra["phase_changes"]``, without
+        building the curve); 0 for an unknown job."""
+        st = self._jobs.get(job_id)
+        return st.phase_changes if st else 0
+
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
 

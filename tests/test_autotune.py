@@ -345,6 +345,9 @@ class _OneCurveBank:
     def curve(self, job):
         return self.c
 
+    def phase_changes(self, job):
+        return 0
+
 
 @pytest.mark.parametrize("configs,grows", [(1, False), (2, True)])
 def test_tuner_does_not_grow_on_the_priors_term_ratio_alone(configs, grows):

@@ -388,7 +388,8 @@ def test_a_new_phase_drops_the_windows_of_the_job_that_is_gone(prior, factor, mo
     cur = _feed(bank, "j", old + new)
     assert bank.windows("j") == new
     assert cur.cpu_s_per_batch == pytest.approx(0.15 * factor)
-    assert cur.extra["phase_changes"] == 1
+    assert cur.extra["phase_changes"] == 1 == bank.phase_changes("j")      # the accessor: the same, unbuilt
+    assert bank.phase_changes("unknown") == 0
     fresh = _feed(PredictorBank(prior=prior), "j", new)
     assert cur.max_useful_workers == fresh.max_useful_workers
     assert cur.max_useful_cores == pytest.approx(fresh.max_useful_cores)
