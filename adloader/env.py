@@ -13,7 +13,8 @@ Training processes (the client hook inside ``adloader.DataLoader``):
 
 The agent (``adloader agent``; see ``agent.config``): ``ADLOADER_<KEY>`` for every config key
 (``ADLOADER_TICK_S``, ``ADLOADER_POLICY``, ...; list: ``agent.config.KEYS``) overrides the TOML
-file; the command line overrides both. Also read, from systemd: NOTIFY_SOCKET, WATCHDOG_USEC,
+file; the command line overrides both. A variable close to one of those names (``misspelt_agent_names``)
+stops the agent with an error. Also read, from systemd: NOTIFY_SOCKET, WATCHDOG_USEC,
 WATCHDOG_PID; and XDG_RUNTIME_DIR for the per-user runtime directory.
 
 Invariant: nothing else in the project reads ``os.environ`` for these names; ask a function here.
@@ -134,6 +135,31 @@ def gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
         if v is not None and v.strip() not in ("", "-1", "NoDevFiles"):
             return [g.strip() for g in v.split(",") if g.strip()]
     return []
+
+
+# ADLOADER_ names read by something other than the agent's config (the client above, the Slurm scripts'
+# ADLOADER_BIN, the ./run script's ADLOADER_VENV, the tests' ADLOADER_RUN_SLOW and ADLOADER_TEST_INIT)
+OTHER_NAMES = ("ADLOADER_DISABLE", "ADLOADER_JOB_ID", "ADLOADER_BIN", "ADLOADER_VENV", "ADLOADER_RUN_SLOW",
+               "ADLOADER_TEST_INIT")
+
+
+def misspelt_agent_names(keys, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """``{name: the config key's name it is close to}`` for every ADLOADER_ variable that is neither a
+    config key's (``ADLOADER_<KEY>``) nor one of ``OTHER_NAMES`` but close to a config key's (difflib,
+    ratio 0.85 or more): ADLOADER_TIK_S=5 would otherwise be ignored without a word. A name close to
+    none is left alone (another tool's)."""
+    import difflib
+
+    env = _env(environ)
+    names = [PREFIX + k.upper() for k in keys]
+    out = {}
+    for name in env:
+        if not name.startswith(PREFIX) or name in names or name in OTHER_NAMES:
+            continue
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        if near:
+            out[name] = near[0]
+    return out
 
 
 def agent_overrides(keys, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

@@ -95,6 +95,7 @@ for the ones the command line offers):
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -337,9 +338,15 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(map(_with_suggestion, unknown))}; "
                           f"known keys: {', '.join(KEYS)}")
     return data
+
+
+def _with_suggestion(key: str) -> str:
+    """``'tik_s'`` -> ``'tik_s' (did you mean 'tick_s'?)``; just the quoted key when none is close."""
+    near = difflib.get_close_matches(str(key), KEYS, n=1, cutoff=0.75)
+    return f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key)
 
 
 def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
@@ -354,12 +361,16 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
         for k, v in read_toml(file_path).items():
             values[k] = _coerce(k, v, f"file {file_path}")
             sources[k] = f"file {file_path}"
+    misspelt = env.misspelt_agent_names(KEYS, environ)
+    if misspelt:
+        raise ConfigError("environment: " + "; ".join(f"{name} is not a config key's variable (did you mean {near}?)"
+                                                      for name, near in sorted(misspelt.items())))
     for k, v in env.agent_overrides(KEYS, environ).items():
         values[k] = _coerce(k, v, f"environment ADLOADER_{k.upper()}")
         sources[k] = f"environment ADLOADER_{k.upper()}"
     for k, v in (cli or {}).items():
         if k not in KEYS:
-            raise ConfigError(f"unknown config key {k!r} on the command line")
+            raise ConfigError(f"unknown config key {_with_suggestion(k)} on the command line")
         if v is None:
             continue
         values[k] = _coerce(k, v, "the command line")

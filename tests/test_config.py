@@ -54,6 +54,23 @@ def test_config_env_errors_and_missing_explicit_file(tmp_path):
         configmod.load(str(tmp_path / "missing.toml"), {}, environ={})
 
 
+def test_a_misspelt_key_gets_a_suggestion_and_a_misspelt_variable_is_not_ignored(tmp_path):
+    f = tmp_path / "agent.toml"
+    f.write_text("tik_s = 2\n")
+    with pytest.raises(configmod.ConfigError, match=r"'tik_s' \(did you mean 'tick_s'\?\)"):
+        configmod.load(str(f), {}, environ={})
+    with pytest.raises(configmod.ConfigError, match=r"'polcy' \(did you mean 'policy'\?\) on the command line"):
+        configmod.load(None, {"polcy": "even"}, environ={})
+    # ADLOADER_TIK_S=5 in a unit's Environment= was read by nobody: now an error naming the variable it means
+    with pytest.raises(configmod.ConfigError, match="ADLOADER_TIK_S is not a config key's variable "
+                                                    r"\(did you mean ADLOADER_TICK_S\?\)"):
+        configmod.load(None, {}, environ={"ADLOADER_TIK_S": "5"})
+    # the client's and the scripts' own variables, and a name near no key, are not the agent's to judge
+    others = {"ADLOADER_JOB_ID": "7", "ADLOADER_DISABLE": "0", "ADLOADER_BIN": "/usr/bin/adloader",
+              "ADLOADER_SOMETHING_ELSE": "x", "ADLOADER_TICK_S": "2"}
+    assert configmod.load(None, {}, environ=others).tick_s == 2.0
+
+
 def test_user_defaults_live_under_the_runtime_dir(tmp_path):
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     from adloader import env as envmod
