@@ -287,7 +287,8 @@ class SimConfig:
     worker_memory_bytes: Optional[float] = None   # every kind's per-worker memory (None: the curves' own)
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs);
                                     # a "loaders_yield" in policy_options (a variant's) wins
-    policy_options: tuple = ()      # agent.policies.PolicyConfig fields, as (name, value) pairs (the rest: defaults)
+    policy_options: tuple = ()      # agent.policies.PolicyConfig fields, as (name, value) pairs (the rest: defaults);
+                                    # also "observed_cores", the agent's key its controller takes (default: the agent's)
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
@@ -543,6 +544,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     and ``curves`` the controller's latest tick record (its plan, with reasons, and the curve it
     decided on per job: held back by its hysteresis where it differs from ``plan``), and ``rates``
     each job's physics then."""
+    from agent.config import AgentConfig
     from agent.controller import OBSERVE_INTERVAL_S, Controller
     from agent.model import NodeSnapshot
     from agent.policies import PolicyConfig
@@ -591,11 +593,12 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
 
     controller = None
     if policy_name not in NO_AGENT_POLICIES:
+        options = dict(cfg.policy_options)
+        observed = options.pop("observed_cores", AgentConfig.observed_cores)
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
                                 policy_config=PolicyConfig(**{"cpu_weights": cfg.cpu_knob == "shares",
-                                                              "loaders_yield": cfg.loaders_yield,
-                                                              **dict(cfg.policy_options)}),
-                                predictor=predictor, actuators=[act])
+                                                              "loaders_yield": cfg.loaders_yield, **options}),
+                                predictor=predictor, actuators=[act], observed_cores=observed)
     settle_full = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)
     settle = settle_full if learning else 0
     decisions = 0

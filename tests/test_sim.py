@@ -1285,7 +1285,8 @@ def test_validate_sim_runs_an_agent_variant_and_a_run_whose_jobs_said_their_step
     assert V._variant("adaptive[finish_guard=false]") == ("adaptive", (("finish_guard", False),))
     assert V._variant("adaptive[hysteresis=0.05,cpu_bound_min_workers=2]") == \
         ("adaptive", (("cpu_bound_min_workers", 2), ("hysteresis", 0.05)))
-    assert V._variant("adaptive[observed_cores=received]") is None and V._variant("oracle") is None
+    assert V._variant("adaptive[observed_cores=received]") == ("adaptive", (("observed_cores", "received"),))
+    assert V._variant("adaptive[tick_s=0.5]") is None and V._variant("oracle") is None
     assert V._variant("none") == ("none", ())
     spec = {"batch_size": 32, "step_s": 0.1, "gpus": 1, "trainer_cpu_frac": 0.0, "num_workers": 8,
             "worker_ram_mb": 0.0}
