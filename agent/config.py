@@ -50,7 +50,9 @@ for the ones the command line offers):
                            "received": where the job's GPU waited for data and its workers waited for a
                            CPU, the CPU they received when that was less (``agent.controller.
                            observation_from_stats``: on a small node a contended CPU is shared per thread
-                           more than per group weight, and the share's gap is not the job's inefficiency)
+                           more than per group weight, and the share's gap is not the job's inefficiency;
+                           measured on 2 cores: +5.7% where habits oversubscribe the CPUs, -4.1% where the
+                           trainers are busy, so not the default: BENCHMARKS.md, twenty-eighth pass)
     cpu_bound_min_workers  int  1..64, adaptive with CPU weights (the shares knob): the fewest workers a
                            job that wants more than its planned cores gets (``agent.policies.thread_split``):
                            1 (default) lets the smallest such plan be one thread; 2 gives every such job two
