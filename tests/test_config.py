@@ -71,6 +71,39 @@ def test_a_misspelt_key_gets_a_suggestion_and_a_misspelt_variable_is_not_ignored
     assert configmod.load(None, {}, environ=others).tick_s == 2.0
 
 
+def test_every_adloader_variable_the_project_uses_is_a_key_or_a_known_other():
+    """The agent stops on an ADLOADER_ name close to a key's (a typo). A variable some other part of the
+    project reads (a script, the client, the tests) must be in ``env.OTHER_NAMES``, or an agent that
+    inherits it would refuse to start: every such name in the tracked files is checked."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from adloader import env as envmod
+
+    repo = Path(__file__).resolve().parent.parent
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True)
+    if listing.returncode != 0 or not listing.stdout:
+        why = f"not a git checkout (git ls-files: {listing.stderr.decode().strip()[:200]})"
+        print(f"skipping: {why}", file=sys.stderr)
+        pytest.skip(why)
+    files = listing.stdout
+    names = set()
+    for rel in filter(None, files.decode().split("\0")):
+        try:
+            with open(os.path.join(repo, rel), encoding="utf-8", errors="ignore") as f:
+                names |= set(re.findall(r"ADLOADER_[A-Z][A-Z0-9_]*", f.read()))
+        except (IsADirectoryError, FileNotFoundError):
+            continue
+    keys = {"ADLOADER_" + k.upper() for k in configmod.KEYS}
+    deliberate = {"ADLOADER_TIK_S", "ADLOADER_SOMETHING_ELSE"}       # this file's own typo cases
+    assert len(names) > 10, names
+    assert names - keys - set(envmod.OTHER_NAMES) - deliberate == set()
+    assert envmod.misspelt_agent_names(configmod.KEYS, {n: "1" for n in names - deliberate}) == {}
+
+
 def test_user_defaults_live_under_the_runtime_dir(tmp_path):
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     from adloader import env as envmod
