@@ -69,7 +69,7 @@ RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", 
                             "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
-NODE_CPUS_REFRESH_S = 10.0   # the agent's own CPUs (its affinity) and memory are read again after this long
+NODE_REFRESH_S = 10.0   # the agent's own CPUs (its affinity) and memory budget are read again after this long
 
 
 class CannotStart(RuntimeError):
@@ -142,7 +142,7 @@ class Agent:
         self.ticks = 0
         self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
         self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it
-        self._cpus_read_at: Optional[float] = None   # when the agent's CPUs and memory were last read
+        self._node_read_at: Optional[float] = None   # when the agent's CPUs and memory were last read
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
         self.recent_ticks: collections.deque = collections.deque(maxlen=60)   # (wall ms, CPU ms, controller ms, phases)
@@ -335,7 +335,7 @@ class Agent:
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 
     def _refresh_node_resources(self, now: float) -> None:
-        """The agent's CPUs and memory read again every ``NODE_CPUS_REFRESH_S``, so an operator's
+        """The agent's CPUs and memory read again every ``NODE_REFRESH_S``, so an operator's
         ``systemctl set-property adloader-agent AllowedCPUs=... MemoryMax=...`` reaches the plans without a
         restart. CPUs: its affinity (systemd's ``AllowedCPUs``, a cpuset); an "auto" ``loader_cpus``
         follows their count. Memory: an "auto" ``loader_memory`` (the node's memory or the agent's own
@@ -343,9 +343,9 @@ class Agent:
         computed again; a cut in force under pressure stays. Explicit values stay as configured. Each
         change is logged as a warning (``node_cpus_changed``, ``loader_memory_changed``). Before, all of
         this was read once, at start."""
-        if self._cpus_read_at is not None and 0.0 <= now - self._cpus_read_at < NODE_CPUS_REFRESH_S:
+        if self._node_read_at is not None and 0.0 <= now - self._node_read_at < NODE_REFRESH_S:
             return
-        self._cpus_read_at = now
+        self._node_read_at = now
         ids = configmod.agent_cpu_ids()
         if ids != self.collector.cpu_ids:
             was = self.collector.cpu_ids

@@ -125,13 +125,13 @@ def test_the_agents_config_defaults_are_the_policys_defaults():
 
 
 def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
-    """The agent's CPUs (its affinity: systemd's AllowedCPUs) are read again every NODE_CPUS_REFRESH_S:
+    """The agent's CPUs (its affinity: systemd's AllowedCPUs) are read again every NODE_REFRESH_S:
     narrowed while it runs, the snapshot's CPUs and the "auto" loader budget follow, and an operator
     sees it in the log (before, both were read once at start). Real affinity of this test's process."""
     import logging
     import os
 
-    from agent.daemon import NODE_CPUS_REFRESH_S, Agent
+    from agent.daemon import NODE_REFRESH_S, Agent
 
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) < 2:
@@ -145,9 +145,9 @@ def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
         assert agent.collector.cpu_ids == tuple(mine)
         os.sched_setaffinity(0, {mine[0]})
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
-            agent.tick(1.0 + NODE_CPUS_REFRESH_S / 2)                  # not read again yet
+            agent.tick(1.0 + NODE_REFRESH_S / 2)                  # not read again yet
             assert agent.collector.cpu_ids == tuple(mine)
-            agent.tick(1.0 + NODE_CPUS_REFRESH_S)
+            agent.tick(1.0 + NODE_REFRESH_S)
         assert agent.collector.cpu_ids == (mine[0],)
         assert agent.collector.loader_cpus == configmod.auto_loader_cpus() < full
         assert agent.status_doc()["agent"]["cpu_ids"] == [mine[0]]
@@ -159,13 +159,13 @@ def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
 
 
 def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatch, caplog):
-    """An "auto" loader memory budget is computed again every NODE_CPUS_REFRESH_S: the agent's cgroup
+    """An "auto" loader memory budget is computed again every NODE_REFRESH_S: the agent's cgroup
     memory limit cut while it runs (``systemctl set-property adloader-agent MemoryMax=...``) cuts the
     budget, an explicit budget stays, and the log says so. The sandbox owns this machine's memory
     hierarchy, so the agent reads a v1 tree of files laid out as the kernel's (the real parser on them)."""
     import logging
 
-    from agent.daemon import NODE_CPUS_REFRESH_S, Agent
+    from agent.daemon import NODE_REFRESH_S, Agent
 
     gib = 1 << 30
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
@@ -194,10 +194,10 @@ def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatc
         (group / "memory.limit_in_bytes").write_text(str(8 * gib))
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
             for a in (auto, fixed):
-                a.tick(1.0 + NODE_CPUS_REFRESH_S / 2)                          # not read again yet
+                a.tick(1.0 + NODE_REFRESH_S / 2)                          # not read again yet
             assert auto.collector.memory_guard.configured == 12 * gib
             for a in (auto, fixed):
-                a.tick(1.0 + NODE_CPUS_REFRESH_S)
+                a.tick(1.0 + NODE_REFRESH_S)
         assert auto.collector.memory_guard.configured == 6 * gib               # 8 GiB less 2 GiB (min reserve)
         assert auto.status_doc()["agent"]["memory"]["configured_bytes"] == 6 * gib
         assert fixed.collector.memory_guard.configured == 6 * gib              # explicit: as configured
