@@ -16,7 +16,8 @@ Invariants kept here:
   handshake (``RETIRE`` -> ``Retired`` -> ``RESUME``/``EXIT``) so the main process has unpickled every
   result (and fetched every shared-memory file descriptor, which the worker serves where storages go
   torch's way) before it goes;
-- no ZeroMQ socket is ever created here.
+- no ZeroMQ socket is ever created here;
+- no Python signal handler of the training process runs here (``drop_inherited_handlers``).
 """
 from __future__ import annotations
 
@@ -290,11 +291,30 @@ class _ShardPasses:
         return self.fetcher.fetch()
 
 
+def drop_inherited_handlers() -> None:
+    """Undo the Python signal handlers a forked worker inherited from the training process. They are the
+    trainer's: Lightning's SIGTERM handler, run here, broadcasts over the process group the fork copied
+    and returns, so the pool's ``terminate()`` would not stop the worker; its Slurm SIGUSR1 handler
+    would save a checkpoint from the worker. SIGTERM and SIGCHLD go back to the default (a terminated
+    worker dies, as torch's does; a dataset's own subprocesses can be waited for); any other signal the
+    trainer catches is ignored here (the trainer acts on it; Slurm signals every process of a step).
+    Handlers installed outside Python (``faulthandler.register``) are kept: ``getsignal`` does not
+    return them as callables."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                signal.signal(sig, signal.SIG_DFL if sig in (signal.SIGTERM, signal.SIGCHLD) else signal.SIG_IGN)
+        except (OSError, ValueError):       # a signal Python cannot set (SIGKILL, SIGSTOP, RT ones)
+            pass
+
+
 def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:
     """Worker process entry point. See the module docstring and ``adloader._messages`` for the protocol."""
     # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
     # same process group must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    drop_inherited_handlers()
     # Orphan check: the parent is the main process (fork, spawn) or the fork server (which exits
     # when the main process does); when it goes, this process is re-parented and leaves.
     parent = os.getppid()

@@ -55,7 +55,9 @@ class Points(tud.Dataset):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(8, generator=g)
         y = x.sum().reshape(1)
-        where = torch.tensor([os.getpid(), int(_from_adloader_worker())])
+        # the third: SIGTERM at its default here (a worker does not run the trainer's handlers)
+        where = torch.tensor([os.getpid(), int(_from_adloader_worker()),
+                              int(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)])
         if self.as_dict:
             return {"x": x, "labels": y, "idx": torch.tensor(i), "where": where}
         return x, y, torch.tensor(i), where
@@ -70,7 +72,8 @@ class Recorder:
 
     def add(self, idx, where):
         self.batches.append({"epoch": self.epoch, "idx": idx.flatten().tolist(),
-                             "pid": where[:, 0].tolist(), "adl": where[:, 1].tolist()})
+                             "pid": where[:, 0].tolist(), "adl": where[:, 1].tolist(),
+                             "sigterm_default": where[:, 2].tolist()})
 
 
 class Resizer(threading.Thread):
@@ -367,6 +370,8 @@ def check(results: list[dict], adloader_runs: dict[str, int], reference: str = "
             # every sample was loaded by an A-Dloader worker process
             assert all(all(b["adl"]) for b in batches), what
             assert all(p != run["main_pid"] for b in batches for p in b["pid"]), what
+            # ...none of them with the trainer's SIGTERM handler (Lightning's, inherited at the fork)
+            assert all(all(b["sigterm_default"]) for b in batches), what
             # batches equal torch's for the same seed
             assert [b["idx"] for b in batches] == [b["idx"] for b in ref[:len(batches)]], what
             if "resize" in run:

@@ -116,3 +116,47 @@ def test_a_forked_copy_of_a_loader_leaves_the_parents_workers_alone():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res == {"exact": True, "same_workers": True, "child_status": 0}, out.stderr
     assert "Traceback" not in out.stderr and "died" not in out.stderr, out.stderr
+
+
+TRAINER_HANDLERS = textwrap.dedent("""
+    import json, os, signal, sys
+    from adloader import DataLoader
+    from tests.loader_datasets import WhoAmI
+
+    def trainer_handler(sig, frame):      # as Lightning's SIGTERM handler: note it, carry on
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()} {sig}\\n")
+
+    signal.signal(signal.SIGTERM, trainer_handler)
+    signal.signal(signal.SIGUSR1, trainer_handler)
+    dl = DataLoader(WhoAmI(300, sleep_s=0.01), batch_size=2, num_workers=2)
+    it = iter(dl)
+    got, loaded_by = [], set()
+    while len(loaded_by) < 2:             # both workers have run a task: their set-up is done
+        i, _, _, pid, _ = next(it)
+        got += i.tolist()
+        loaded_by.update(pid.tolist())
+    a, b = dl.worker_pids()
+    os.kill(a, signal.SIGUSR1)
+    os.kill(b, signal.SIGTERM)
+    for k, (i, _, _, pid, _) in enumerate(it):
+        got += i.tolist()
+        if k == 40:
+            during = dl.worker_pids()
+    print(json.dumps({"exact": got == list(range(300)), "a": a, "b": b, "during": during}))
+""")
+
+
+def test_a_worker_does_not_run_the_training_processs_signal_handlers(tmp_path):
+    """Handlers the trainer installed (Lightning's SIGTERM one) are not run by a forked worker:
+    SIGTERM (the pool's terminate) kills it, another signal the trainer catches is ignored, and the
+    epoch loses nothing."""
+    ran = tmp_path / "handler-ran"
+    out = subprocess.run([sys.executable, "-c", TRAINER_HANDLERS, str(ran)], env=repo_env(ADLOADER_DISABLE="1"),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not ran.exists(), f"the trainer's handler ran in a worker: {ran.read_text()}"
+    assert res["exact"], out.stderr
+    assert res["a"] in res["during"] and res["b"] not in res["during"], (res, out.stderr)
+    assert f"pid {res['b']}" in out.stderr and "Terminated" in out.stderr, out.stderr
