@@ -20,9 +20,19 @@ import sys
 import threading
 import time
 
-# a rank that hangs prints every thread's stack on SIGUSR1 (run_ranks sends it before giving up);
-# forked DataLoader workers inherit the handler
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def stacks_on_sigusr1() -> None:
+    """A rank that hangs prints every thread's stack on SIGUSR1 (run_ranks sends it before giving up);
+    forked DataLoader workers inherit the handler. Set again after every Lightning fit: the trainer's
+    teardown puts back the handlers Python knew of before the fit (SIG_DFL for SIGUSR1, which then
+    kills the rank instead). Unregistered first: ``register`` of a registered signal keeps the handler
+    it believes is installed."""
+    faulthandler.unregister(signal.SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+stacks_on_sigusr1()
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,6 +159,7 @@ def run_lightning() -> dict:
             resizer = Resizer(lambda: loader if loader is not None else module.loader)
             resizer.start()
         trainer.fit(module, train_dataloaders=loader)
+        stacks_on_sigusr1()
         return trainer, resizer
 
     def gen():
@@ -423,11 +434,15 @@ def run_ranks(framework: str, world: int, out: str, env: dict, agent=None, timeo
         files = [os.path.join(out, f"rank{r}.json") for r in range(world)]
         deadline = time.monotonic() + timeout_s
         while not all(os.path.exists(f) for f in files):
-            dead = [p for p in procs if p.poll() not in (None, 0)]
-            if dead or time.monotonic() > deadline:
+            # a rank that exited (even with 0) without its file fails the run at once
+            gone = [r for r, p in enumerate(procs) if p.poll() is not None and not os.path.exists(files[r])]
+            if gone or time.monotonic() > deadline:
                 _dump_stacks(procs)
                 logs = "\n".join(open(os.path.join(out, f"log{r}.txt")).read()[-8000:] for r in range(world))
-                raise AssertionError(f"{framework} x{world}: a rank failed or timed out\n{logs}")
+                codes = ", ".join(f"rank {r}: {'running' if p.poll() is None else f'exit {p.returncode}'}"
+                                  for r, p in enumerate(procs))
+                why = f"rank(s) {gone} exited without a result" if gone else f"no result in {timeout_s:.0f} s"
+                raise AssertionError(f"{framework} x{world}: {why} ({codes})\n{logs}")
             time.sleep(0.1)
         if agent is not None:
             pids = sorted(p.pid for p in procs)
