@@ -21,7 +21,6 @@ import threading
 import time
 
 
-
 def stacks_on_sigusr1() -> None:
     """A rank that hangs prints every thread's stack on SIGUSR1 (run_ranks sends it before giving up);
     forked DataLoader workers inherit the handler. Set again after every Lightning fit: the trainer's
