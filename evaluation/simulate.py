@@ -88,6 +88,7 @@ PREDICTORS = ("agent", "first-principles", "perfect")
 CURVE_FREE_POLICIES = ("even-static", "even", "none", "oracle", "autotune", "static-cores")
 # decide without the predictor's curves (the oracle reads the true ones); the last two have no agent:
 NO_AGENT_POLICIES = ("none", "autotune", "static-cores")   # what users run instead, physics only
+CONTROLLER_OPTIONS = ("observed_cores",)   # agent keys a variant may set that the Controller takes, not the policy
 MEASURED_LOADER_CPUS = 1.8      # the corpus machine: 2 vCPUs minus the agent's 10% reserve
 
 
@@ -288,7 +289,7 @@ class SimConfig:
     loaders_yield: str = "auto"     # agent.policies.PolicyConfig.loaders_yield ("never": the subtree always weighs);
                                     # a "loaders_yield" in policy_options (a variant's) wins
     policy_options: tuple = ()      # agent.policies.PolicyConfig fields, as (name, value) pairs (the rest: defaults);
-                                    # also "observed_cores", the agent's key its controller takes (default: the agent's)
+                                    # also CONTROLLER_OPTIONS, the agent's keys its controller takes (default: the agent's)
     tuner_gpu_part: bool = True     # the jobs' own tuners see the node's GPUs (a driver, CUDA_VISIBLE_DEVICES)
                                     # and start at their GPUs' part of the CPUs (autotune.initial_workers);
                                     # False: at every CPU (the 2-core bench's emulated GPUs show no driver)
@@ -594,11 +595,11 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     controller = None
     if policy_name not in NO_AGENT_POLICIES:
         options = dict(cfg.policy_options)
-        observed = options.pop("observed_cores", AgentConfig.observed_cores)
+        controller_options = {k: options.pop(k, getattr(AgentConfig, k)) for k in CONTROLLER_OPTIONS}
         controller = Controller(snapshot_source=snapshot, policy=_policy(policy_name),
                                 policy_config=PolicyConfig(**{"cpu_weights": cfg.cpu_knob == "shares",
                                                               "loaders_yield": cfg.loaders_yield, **options}),
-                                predictor=predictor, actuators=[act], observed_cores=observed)
+                                predictor=predictor, actuators=[act], **controller_options)
     settle_full = cfg.settle_ticks + math.ceil(OBSERVE_INTERVAL_S / cfg.tick_s)
     settle = settle_full if learning else 0
     decisions = 0

@@ -286,13 +286,13 @@ def markdown_jobs(rows: list[dict]) -> str:
 def _variant(policy: str) -> Optional[tuple[str, tuple]]:
     """(base policy, PolicyConfig options) for a bench policy the simulator can run, else None: a plain
     policy, or an agent variant whose keys are all PolicyConfig fields (``adaptive[finish_guard=false]``)
-    or ``observed_cores`` (the simulator hands it to the controller)."""
+    or in ``evaluation.simulate.CONTROLLER_OPTIONS`` (``observed_cores``: handed to the controller)."""
     from agent.config import _coerce
     from agent.policies import PolicyConfig
     from evaluation.harness import parse_policy
 
     base, overrides = parse_policy(policy)
-    fields = {f.name for f in dataclasses.fields(PolicyConfig)} | {"observed_cores"}   # (the controller's)
+    fields = {f.name for f in dataclasses.fields(PolicyConfig)} | set(S.CONTROLLER_OPTIONS)
     if base not in SIM_POLICIES or any(k not in fields for k in overrides):
         return None
     # (a variant's values are strings: typed as the agent's config file types them)

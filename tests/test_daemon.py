@@ -145,7 +145,7 @@ def test_the_agent_follows_a_change_of_its_own_cpus(tmp_path, caplog):
         assert agent.collector.cpu_ids == tuple(mine)
         os.sched_setaffinity(0, {mine[0]})
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
-            agent.tick(1.0 + NODE_REFRESH_S / 2)                  # not read again yet
+            agent.tick(1.0 + NODE_REFRESH_S / 2)                       # not read again yet
             assert agent.collector.cpu_ids == tuple(mine)
             agent.tick(1.0 + NODE_REFRESH_S)
         assert agent.collector.cpu_ids == (mine[0],)
@@ -194,7 +194,7 @@ def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatc
         (group / "memory.limit_in_bytes").write_text(str(8 * gib))
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
             for a in (auto, fixed):
-                a.tick(1.0 + NODE_REFRESH_S / 2)                          # not read again yet
+                a.tick(1.0 + NODE_REFRESH_S / 2)                               # not read again yet
             assert auto.collector.memory_guard.configured == 12 * gib
             for a in (auto, fixed):
                 a.tick(1.0 + NODE_REFRESH_S)
