@@ -1,6 +1,7 @@
 """The simulator checked against measured bench runs, and the same mixes on bigger nodes.
 
-    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--capacity measured|node] [--jobs] [--out FILE.json]
+    python -m evaluation.validate_sim BENCH.json [BENCH.json ...] [--capacity measured|node] [--cost calibrated|measured]
+                                      [--jobs] [--out FILE.json]
     python -m evaluation.validate_sim --nodes 16:8,96:8 [--out FILE.json]
 
 Validation: for every static scenario of the given ``adloader bench`` runs, the same jobs (the specs
@@ -27,6 +28,13 @@ there (its idle CPU is its quotas' doing) gets the most any other phase of its r
 ``--capacity node``: the node's cores always (a quiet, dedicated node). Both columns are printed; the
 JSON has both.
 
+``--cost calibrated`` (the default) gives each job the loader CPU per sample the bench calibrated (one
+process's ``__getitem__`` in a hot loop, the least of three); ``--cost measured`` the one its workers
+paid in the run (``with_measured_costs``: per job, the median over the run's policies of the measured
+over the simulated CPU per sample, so the simulator's own slicing cost is not counted twice). The two
+differ by machine and kind: the BERT-like kind's workers paid 1.2-1.7x its calibration on the AMD dev
+VM and 0.6-1.1x on an Intel one. Dynamic rows keep the calibration.
+
 Bigger nodes: each catalogue mix is filled to the node's GPUs (its members repeated in order until
 the GPUs are used) with the kinds' real demands (``cores_per_gpu`` as published, not scaled to the
 node) and ``cpus // ranks`` habits for the node, and the same policies are simulated; with
@@ -50,6 +58,7 @@ from evaluation import simulate as S
 from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 
 BASELINES = ("none", "autotune", "static-cores", "even-static")
+COSTS = ("calibrated", "measured")     # --cost: a job's loader CPU per sample, the calibration's or the run's
 SIM_POLICIES = ("none", "autotune", "static-cores", "even-static", "even", "adaptive")
 FULL = 0.98            # a phase whose every GPU is at >= 98% of its ceiling was not short of CPU
 SATURATED = 0.9        # (files without node_other_cores) jobs using less of the node did not run out of it
@@ -223,6 +232,45 @@ def phase_curves(specs: dict) -> tuple[Optional[dict], dict]:
     return {j: tuple(v) for j, v in phases_of.items()}, out
 
 
+def measured_costs(bench: dict, capacity: str = "measured") -> dict[tuple[str, str], float]:
+    """(scenario, job) -> the loader CPU per sample the job's workers paid in the run over what the
+    simulator charges them (the calibrated figure with the simulator's own time-slicing cost on it):
+    per policy the ratio of the medians over repeats (``validate_jobs``' ``measured_cpu_x`` over
+    ``sim_cpu_x``), then the median over the policies: one figure per job, a property of its pipeline
+    on that machine, not of any policy. A job whose pipeline changes mid-run (its spec's ``phases``) has
+    none: its cost is a phase's."""
+    phased = {(ph.get("scenario"), j) for ph in bench.get("phases", []) for j, sp in (ph.get("specs") or {}).items()
+              if sp and sp.get("phases")}
+    per: dict[tuple[str, str], list[float]] = {}
+    for r in validate_jobs(bench, capacity):
+        m, s = r.get("measured_cpu_x"), r.get("sim_cpu_x")
+        if m and s and (r["scenario"], r["job"]) not in phased:
+            per.setdefault((r["scenario"], r["job"]), []).append(m / s)
+    return {k: _median(v) for k, v in per.items()}
+
+
+def with_measured_costs(bench: dict, capacity: str = "measured") -> tuple[dict, dict[tuple[str, str], float]]:
+    """``bench`` with each job's calibrated loader cost (its spec's ``cpu_s_per_sample`` and
+    ``demand_cores``, in every phase of its scenario) times its ``measured_costs`` factor, and the
+    factors. The calibration times one process's ``__getitem__`` in a hot loop; a worker pays more or
+    less than that (its wake-ups, the batch's collation and transfer, a process's luck with the VM's
+    memory): BENCHMARKS.md, thirtieth pass. The simulator then predicts the policies' ratios from the
+    costs the jobs really had. A later phase whose cost is that of another job of the run with the same
+    workload (``phase_curves``) follows that job's factor."""
+    factors = measured_costs(bench, capacity)
+
+    def scaled(sc: str, j: str, sp: Optional[dict]) -> Optional[dict]:
+        f = factors.get((sc, j))
+        if not sp or not f or sp.get("phases"):
+            return sp
+        return {**sp, "cpu_s_per_sample": float(sp.get("cpu_s_per_sample") or 0.0) * f,
+                "demand_cores": float(sp["demand_cores"]) * f}
+
+    # new spec dicts, never the input's (phases may share one spec object)
+    return {**bench, "phases": [{**ph, "specs": {j: scaled(ph.get("scenario"), j, sp) for j, sp in ph["specs"].items()}}
+                                if ph.get("specs") else ph for ph in bench.get("phases", [])]}, factors
+
+
 def validate_jobs(bench: dict, capacity: str = "measured") -> list[dict]:
     """Per job, where the ratios of ``validate`` come from: for every static scenario, policy and job,
     the measured and simulated normalised throughput, loader cores, training-process cores and the
@@ -271,7 +319,7 @@ def markdown_jobs(rows: list[dict]) -> str:
     lines = ["| scenario | policy | job | GPUs | workers (end) | normalised: measured / sim | loader cores: measured / sim "
              "| trainer cores: measured / sim | trainer run-queue wait s/step: measured / sim "
              "| quota periods throttled (static-cores, measured) "
-             "| loader CPU per sample x the calibration: measured / sim |",
+             "| loader CPU per sample x the job model's (the calibration; with --cost measured the run's): measured / sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['policy']} | {r['job']} | {r['gpus']} | {_f(r['workers'], '.0f')} "
@@ -586,6 +634,10 @@ def main(argv=None) -> int:
                     help="CPU the simulated jobs get: the node's cores less what else ran on it in the measured "
                          "phase (default; older files: what the jobs used when they kept the node busy and fell "
                          "short), or the node's cores")
+    ap.add_argument("--cost", choices=COSTS, default="calibrated",
+                    help="each job's loader CPU per sample in the simulator: the bench's calibration (default), or "
+                         "what its workers paid in the run (``with_measured_costs``: one figure per job, the median "
+                         "over the run's policies)")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
     ap.add_argument("--floor-fraction", type=float, default=None,
@@ -610,12 +662,20 @@ def main(argv=None) -> int:
                 bench = json.load(f)
         except (OSError, ValueError) as e:
             ap.error(f"{path}: {e}")
-        rows = validate(bench, args.capacity)
         dyn = validate_dynamic(bench)
+        factors = {}
+        if args.cost == "measured":
+            bench, factors = with_measured_costs(bench, args.capacity)
+            doc.setdefault("costs", {})[path] = [{"scenario": sc, "job": j, "x_calibrated": f}
+                                                 for (sc, j), f in sorted(factors.items())]
+        rows = validate(bench, args.capacity)
         for r in rows + dyn:
             r["bench"] = path
         doc["validation"] += rows + dyn
         print(f"\n{path}\n")
+        if factors:
+            print("each job's loader CPU per sample in the simulator, x its calibration (what its workers paid in "
+                  "the run, less the simulator's own slicing cost): " + ", ".join(f"{sc} {j} {f:.2f}" for (sc, j), f in sorted(factors.items())) + "\n")
         if rows:
             print(markdown_validation(rows))
         if dyn:

@@ -557,6 +557,74 @@ def test_validate_sim_per_job_view_names_the_mechanism():
 
 
 @pytest.mark.unit
+def test_validate_sim_can_charge_each_job_the_loader_cost_its_workers_paid(tmp_path):
+    """``--cost measured``: a job's loader CPU per sample in the simulator is what its workers paid in the
+    run (per policy, measured over simulated CPU per sample, medians over repeats; the median over the
+    policies), not the calibration. A job whose workers paid 1.56x its calibration gets dearer in the
+    simulator, one that paid 0.74x cheaper; the simulator then charges what the run measured. A job whose
+    pipeline changes mid-run keeps its calibration."""
+    from evaluation import validate_sim as V
+
+    spec = lambda demand, frac, gpus=1: {"batch_size": 64 * gpus, "step_s": 0.1, "demand_cores": demand,
+                                         "cpu_s_per_sample": demand * 0.1 / 64, "trainer_cpu_frac": frac,
+                                         "gpus": gpus, "num_workers": 8}
+    specs = {"a": spec(1.8, 0.25, gpus=2), "b": spec(0.45, 0.15)}
+    phases = []
+    for policy in ("none", "even-static"):
+        for rep in range(3):
+            jobs = {"a": {"normalised": 0.25, "samples_per_s": 320.0, "worker_cpu_cores": 0.7, "trainer_cpu_cores": 0.1},
+                    "b": {"normalised": 0.6, "samples_per_s": 384.0, "worker_cpu_cores": 0.2, "trainer_cpu_cores": 0.1}}
+            phases.append({"scenario": "oversubscribed", "kind": "static", "policy": policy, "rep": rep,
+                           "warmup_s": 6, "window": [0.0, 12.0], "metrics": {"agg_normalised": 1.1, "jobs": jobs},
+                           "specs": specs})
+    bench = {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": phases}
+    before = V.validate_jobs(bench, capacity="node")
+    factors = V.measured_costs(bench, capacity="node")
+    for j in ("a", "b"):
+        ratios = [r["measured_cpu_x"] / r["sim_cpu_x"] for r in before if r["job"] == j]
+        assert len(ratios) == 2 and factors[("oversubscribed", j)] == pytest.approx(sum(ratios) / 2)
+    # a paid (0.7 / 320) / (0.18 / 128) = 1.56x its calibration, b (0.2 / 384) / (0.045 / 64) = 0.74x; the
+    # simulator's own slicing cost (>= 1) is taken out, not counted twice
+    assert 1.0 < factors[("oversubscribed", "a")] < 1.56 and factors[("oversubscribed", "b")] < 0.74
+    scaled, same = V.with_measured_costs(bench, capacity="node")
+    assert same == factors and bench["phases"][0]["specs"]["a"]["demand_cores"] == 1.8     # the input is untouched
+    for ph in scaled["phases"]:
+        for j, sp in ph["specs"].items():
+            f = factors[("oversubscribed", j)]
+            assert sp["demand_cores"] == pytest.approx(specs[j]["demand_cores"] * f)
+            assert sp["cpu_s_per_sample"] == pytest.approx(specs[j]["cpu_s_per_sample"] * f)
+    after = {(r["policy"], r["job"]): r for r in V.validate_jobs(scaled, capacity="node")}
+    for r in before:
+        now = after[(r["policy"], r["job"])]
+        # the dearer job's simulated throughput falls, the cheaper one's rises ...
+        assert (now["sim_norm"] < r["sim_norm"]) if r["job"] == "a" else (now["sim_norm"] >= r["sim_norm"])
+        # ... and the simulator now charges each job about what its workers paid
+        paid = r["measured_cpu_x"] * specs[r["job"]]["cpu_s_per_sample"]
+        charged = now["sim_cpu_x"] * specs[r["job"]]["cpu_s_per_sample"] * factors[("oversubscribed", r["job"])]
+        assert charged == pytest.approx(paid, rel=0.05), (r["policy"], r["job"])
+    # a job whose pipeline changes mid-run has no single cost: left at its calibration
+    phased = {**specs["b"], "phases": [{"after_s": 5.0, "workload": {"name": "x"}}]}
+    for ph in bench["phases"]:
+        ph["specs"] = {"a": specs["a"], "b": phased}
+    assert ("oversubscribed", "b") not in V.measured_costs(bench, capacity="node")
+    # the command: the factors printed and in the JSON
+    path = tmp_path / "bench.json"
+    for ph in bench["phases"]:
+        ph["specs"] = specs
+    path.write_text(json.dumps(bench))
+    out = tmp_path / "rows.json"
+    assert V.main([str(path), "--cost", "measured", "--capacity", "node", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {c["job"]: c["x_calibrated"] for c in doc["costs"][str(path)]} == pytest.approx(
+        {j: factors[("oversubscribed", j)] for j in ("a", "b")})
+    calibrated = tmp_path / "calibrated.json"
+    V.main([str(path), "--capacity", "node", "--out", str(calibrated)])
+    assert "costs" not in json.loads(calibrated.read_text())
+    with pytest.raises(SystemExit):
+        V.main([str(path), "--cost", "guessed"])
+
+
+@pytest.mark.unit
 def test_validate_sim_runs_a_job_whose_pipeline_changes_with_its_later_phase():
     """The bench's ``phase`` scenario: a job's spec carries its later workload; the simulator runs it with
     that phase, whose cost per sample is the run's calibrated job with the same workload (its seed
