@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Optional
 
 from evaluation import metrics as M
 
@@ -33,6 +34,9 @@ GOALS = (
     ("memory", "adaptive", "ratio_oracle", 0.95, "memory: adaptive >= 0.95 x the budget oracle"),
 )
 SETTLE_GOAL_S = 5.0
+# the workload check: a job's loader CPU per sample in its workers over the calibration outside this band
+# means the run's loader demand is not the catalogue's design (BENCHMARKS.md, thirtieth pass)
+WORKLOAD_BAND = (0.8, 1.25)
 
 
 def _finite(xs):
@@ -106,6 +110,29 @@ def summarise(phases: list[dict]) -> dict:
     return out
 
 
+def workload_check(phases: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per scenario and job: the loader CPU per sample its workers paid (their CPU over the samples the
+    job consumed) over the one the bench calibrated for it (``cpu_s_per_sample``: one process's
+    ``__getitem__`` in a hot loop, from which its step was derived), median and range over the phases.
+    1 is the catalogue's design; a worker also collates, transfers and wakes up, and on a VM a process's
+    speed can differ from the calibrating one's. A job whose pipeline changes mid-run is left out (its
+    cost is a phase's)."""
+    xs: dict[tuple[str, str], list[float]] = {}
+    for ph in phases:
+        # (a bench.json phase carries its jobs' specs; the run's own record keeps them under its jobs)
+        specs = ph.get("specs") or {j: v.get("spec") for j, v in (ph.get("jobs") or {}).items()}
+        for j, m in ((ph.get("metrics") or {}).get("jobs") or {}).items():
+            sp = specs.get(j) or {}
+            cal, cpu, sps = sp.get("cpu_s_per_sample"), m.get("worker_cpu_cores"), m.get("samples_per_s")
+            if sp.get("phases") or not cal or cpu is None or not sps:
+                continue
+            xs.setdefault((ph["scenario"], j), []).append(float(cpu) / float(sps) / float(cal))
+    out: dict[str, dict[str, dict]] = {}
+    for (sc, j), v in xs.items():
+        out.setdefault(sc, {})[j] = {"x_median": M.median(v), "x_min": min(v), "x_max": max(v), "phases": len(v)}
+    return out
+
+
 def goals(summary: dict) -> list[dict]:
     res = []
     for sc, pol, key, thr, text in GOALS:
@@ -131,7 +158,7 @@ def _fmt(v, spec=".3f"):
     return format(v, spec)
 
 
-def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
+def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optional[dict] = None) -> str:
     lines = []
     for sc, table in summary.items():
         lines.append(f"### {sc}\n")
@@ -164,6 +191,17 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict) -> str:
                 lines.append(f"| {p} | {_fmt(peak / (1 << 20) if peak is not None else None, '.0f')} "
                              f"| {_fmt(r.get('loader_memory_over_budget_samples'), '.0f')} / "
                              f"{_fmt(r.get('loader_memory_samples'), '.0f')} |")
+            lines.append("")
+        check = (workload or {}).get(sc)
+        if check:
+            lo, hi = WORKLOAD_BAND
+            off = [j for j, c in check.items() if not lo <= round(c["x_median"], 2) <= hi]     # as printed
+            lines.append("Workload check, the loader CPU per sample the workers paid / the calibration (median "
+                         "[range] over phases): " + ", ".join(
+                             f"{j} {c['x_median']:.2f} [{c['x_min']:.2f}–{c['x_max']:.2f}]" for j, c in sorted(check.items()))
+                         + (f". Outside {lo:g}–{hi:g} for {', '.join(sorted(off))}: those jobs' loader demand is not "
+                            "the catalogue's design on this machine (the simulator can take the measured costs: "
+                            "`validate_sim --cost measured`)." if off else "."))
             lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")

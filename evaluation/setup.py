@@ -87,8 +87,9 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
                        "(worker sweeps)") + ", replayed by the real agent and actuators; in a scenario with a loader "
                       "memory budget, worker counts and cores together within it (each worker at the most "
                       "memory it held in its sweep)"}
-    result.update(meta=meta, summary=summary, goals=goal_rows)
-    result["markdown"] = report.markdown(summary, goal_rows, meta)
+    workload = report.workload_check(result["phases"])
+    result.update(meta=meta, summary=summary, goals=goal_rows, workload_check=workload)
+    result["markdown"] = report.markdown(summary, goal_rows, meta, workload)
     paths = report.write_outputs(result, out_dir)
     try:
         paths["plots"] = plots.write_plots(result, out_dir)

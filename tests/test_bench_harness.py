@@ -106,6 +106,10 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     span = (datetime.datetime.fromisoformat(meta["finished"]) - datetime.datetime.fromisoformat(meta["started"]))
     assert abs(span.total_seconds() - meta["wall_s"]) <= 1.5 and meta["wall_s"] > 2.0 and meta["command"]
     assert "| none | 1 |" in (tmp_path / "out" / "bench.md").read_text()
+    # the workload check: each job's workers' CPU per sample over its calibration, in the JSON and the table
+    check = doc["workload_check"]["heterogeneous"]
+    assert set(check) == set(m["jobs"]) and all(c["phases"] == 1 and c["x_median"] > 0 for c in check.values())
+    assert "Workload check, the loader CPU per sample the workers paid" in (tmp_path / "out" / "bench.md").read_text()
     assert (tmp_path / "out" / "policies.png").stat().st_size > 0
     assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0
     assert _no_children_left() == []

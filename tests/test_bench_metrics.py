@@ -156,6 +156,37 @@ def test_goal_reports_the_per_repeat_spread_of_its_ratio():
     assert "(one repeat: indicative only)" in report.markdown(report.summarise(phases[:2]), one, {})
 
 
+def test_bench_reports_the_loader_cost_its_workers_paid_against_the_calibration():
+    """``report.workload_check``: per scenario and job, the workers' CPU per sample (worker cores over the
+    samples/s the job consumed) over the calibrated ``cpu_s_per_sample``, median and range over the
+    phases; the markdown names the jobs outside ``WORKLOAD_BAND`` (their loader demand is not the
+    catalogue's design). A job whose pipeline changes mid-run is left out."""
+    from evaluation import report
+
+    specs = {"a": {"cpu_s_per_sample": 0.001}, "b": {"cpu_s_per_sample": 0.002},
+             "c": {"cpu_s_per_sample": 0.001, "phases": [{"after_s": 5.0}]}}
+
+    def phase(rep, policy, a_cores):    # a consumes 500 samples/s, b 200, c 100
+        jobs = {"a": {"worker_cpu_cores": a_cores, "samples_per_s": 500.0},
+                "b": {"worker_cpu_cores": 0.4, "samples_per_s": 200.0},
+                "c": {"worker_cpu_cores": 0.3, "samples_per_s": 100.0}}
+        return {"scenario": "trainer-cpu", "rep": rep, "policy": policy, "specs": specs,
+                "metrics": {"agg_normalised": 2.0, "jobs": jobs}}
+
+    phases = [phase(0, "none", 0.75), phase(0, "adaptive", 0.7), phase(1, "none", 0.8),
+              {"scenario": "trainer-cpu", "rep": 1, "policy": "adaptive", "error": "job a died"}]
+    check = report.workload_check(phases)["trainer-cpu"]
+    assert set(check) == {"a", "b"}                     # c's cost is a phase's; the failed phase has no jobs
+    assert check["a"] == {"x_median": pytest.approx(1.5), "x_min": pytest.approx(1.4), "x_max": pytest.approx(1.6),
+                          "phases": 3}
+    assert check["b"]["x_median"] == pytest.approx(1.0) and check["b"]["phases"] == 3
+    md = report.markdown(report.summarise(phases), [], {}, {"trainer-cpu": check})
+    line = [x for x in md.splitlines() if x.startswith("Workload check")]
+    assert len(line) == 1 and "a 1.50 [1.40–1.60], b 1.00 [1.00–1.00]" in line[0]
+    assert "Outside 0.8–1.25 for a:" in line[0]
+    assert "Workload check" not in report.markdown(report.summarise(phases), [], {})
+
+
 def test_probe_plans_spend_the_budget_and_show_each_job_three_levels():
     from evaluation.catalog import JobSpec
     from evaluation.harness import probe_plans
