@@ -243,14 +243,53 @@ def measure_cpu_s_per_sample(kind: JobKind, samples: int = 40, seed: int = 0) ->
     return best
 
 
-def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = None) -> dict[str, dict]:
+_MEASURE_CHILD = ("import json, sys\n"
+                  "from evaluation.catalog import JobKind, measure_cpu_s_per_sample\n"
+                  "kinds = json.load(sys.stdin)\n"
+                  "print(json.dumps({n: measure_cpu_s_per_sample(JobKind(**k)) for n, k in kinds.items()}))\n")
+
+
+def measure_in_processes(kinds: dict[str, JobKind], processes: int, timeout_s: float = 600.0) -> dict[str, list[float]]:
+    """``measure_cpu_s_per_sample`` for every kind in each of ``processes`` fresh Python processes, one
+    after the other: kind -> one figure per process. A process's speed can be a lottery: on a 2-vCPU
+    Intel VM one fresh process in four ran the BERT-like kind 1.5-1.8x slower than the others, steadily
+    (BENCHMARKS.md, thirtieth pass), and a bench calibrated in a slow one ran every job 1.6-2x lighter
+    than designed."""
+    import subprocess
+    import sys
+
+    payload = json.dumps({n: asdict(k) for n, k in kinds.items()})
+    runs: dict[str, list[float]] = {n: [] for n in kinds}
+    for i in range(processes):
+        try:
+            p = subprocess.run([sys.executable, "-c", _MEASURE_CHILD], input=payload, capture_output=True,
+                               text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"calibration process {i + 1} of {processes} took over {timeout_s:g} s") from None
+        if p.returncode != 0:
+            tail = (p.stderr or "").strip().splitlines()[-3:]
+            raise RuntimeError(f"calibration process {i + 1} of {processes} failed (exit {p.returncode}): "
+                               + " | ".join(tail))
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        for n in kinds:
+            runs[n].append(float(got[n]))
+    return runs
+
+
+def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = None,
+              processes: int = 1) -> dict[str, dict]:
     """Measure every kind (or ``kinds``) on this machine -> kind -> {cpu_s_per_sample, demand_cores, step_s}.
 
-    ``demand_cores`` is the whole job's (all its GPUs); the step is that of one GPU's batch."""
+    ``demand_cores`` is the whole job's (all its GPUs); the step is that of one GPU's batch.
+    ``processes`` > 1: measured in that many fresh processes (``measure_in_processes``), the least
+    figure taken (a slow process only ever adds), each process's in ``cpu_s_per_sample_runs``; 1: in
+    this process."""
+    names = kinds or list(catalog.kinds)
+    runs = measure_in_processes({n: catalog.kinds[n] for n in names}, processes) if processes > 1 else {}
     out = {}
-    for name in kinds or list(catalog.kinds):
+    for name in names:
         kind = catalog.kinds[name]
-        cpu = measure_cpu_s_per_sample(kind)
+        cpu = min(runs[name]) if name in runs else measure_cpu_s_per_sample(kind)
         demand = kind.cores_per_gpu * loader_cores / catalog.reference_cores
         step = kind.batch_size * cpu / demand
         clamped = min(catalog.max_step_s, max(catalog.min_step_s, step))
@@ -258,6 +297,8 @@ def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = N
             demand = kind.batch_size * cpu / clamped
         out[name] = dict(cpu_s_per_sample=cpu, demand_cores=demand * kind.gpus, step_s=clamped,
                          clamped=clamped != step, trainer_cpu_cores=kind.trainer_cpu_frac * kind.gpus)
+        if name in runs:
+            out[name]["cpu_s_per_sample_runs"] = runs[name]
     return out
 
 
@@ -280,4 +321,4 @@ def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: s
 
 
 __all__ = ["Catalog", "CatalogError", "JobKind", "JobSpec", "load_catalog", "calibrate", "make_job", "habitual_workers",
-           "default_catalog_path", "measure_cpu_s_per_sample"]
+           "default_catalog_path", "measure_cpu_s_per_sample", "measure_in_processes"]

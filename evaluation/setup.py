@@ -46,12 +46,16 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
         sweep_segment_s: float, progress: report.Progress, warmup_s: float | None = None,
         measure_s: float | None = None, title: str = "bench", loader_memory: int | None = None,
         oracle_source: str = "colocated", oracle_probe_reps: int = 2, agent_log_level: str = "info",
-        loader_cpus_auto: bool = False, steps_known: bool = False) -> dict:
+        loader_cpus_auto: bool = False, steps_known: bool = False, calibration_processes: int = 1) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     catalog = load_catalog(catalog_path)
     kinds = sorted({k for s in scenarios for k in catalog.mixes.get(s, [])})
-    progress.note(f"calibrating {len(kinds)} job kinds on this machine ({', '.join(kinds)})")
-    calib = calibrate(catalog, loader_cpus, kinds)
+    where = f", the least of {calibration_processes} fresh processes" if calibration_processes > 1 else ""
+    progress.note(f"calibrating {len(kinds)} job kinds on this machine ({', '.join(kinds)}){where}")
+    try:
+        calib = calibrate(catalog, loader_cpus, kinds, processes=calibration_processes)
+    except RuntimeError as e:
+        raise harness.BenchError(str(e)) from None
     cfg = harness.BenchConfig(catalog=catalog, calib=calib, loader_cpus=loader_cpus, node_cores=node_cores(),
                               out_dir=out_dir, cgroup_mode=cgroup_mode, tick_s=tick_s, device=device,
                               sweep_segment_s=sweep_segment_s, loader_memory=loader_memory,

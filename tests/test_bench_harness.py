@@ -87,7 +87,8 @@ def _run(tmp_path, catalog, scenario, policies, **kw):
 
 
 def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
-    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
+                            calibration_processes=2)
     (ph,) = result["phases"]
     assert ph["error"] is None
     m = ph["metrics"]
@@ -98,9 +99,12 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     for j in m["jobs"].values():
         assert j["workers_end"] == setup.node_cores()          # `none`: num_workers = cores
     assert "[1/1] heterogeneous none rep 1:" in progress
+    assert "the least of 2 fresh processes" in progress
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert doc["summary"]["heterogeneous"]["none"]["reps"] == 1
     meta = doc["meta"]     # when it ran: started before the phases, finished after (not both at the end)
+    for c in meta["calibration"].values():     # each kind measured in two fresh processes, the least taken
+        assert len(c["cpu_s_per_sample_runs"]) == 2 and c["cpu_s_per_sample"] == min(c["cpu_s_per_sample_runs"])
     import datetime
 
     span = (datetime.datetime.fromisoformat(meta["finished"]) - datetime.datetime.fromisoformat(meta["started"]))
@@ -623,12 +627,14 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
                         (["--sweep-segment-s", "-2"], "--sweep-segment-s must be positive"),
                         (["--loader-cpus", "0"], "--loader-cpus must be in (0, "),
                         (["--loader-cpus", "100000"], "this node's CPUs"),
-                        (["--loader-cpus", "many"], "'auto' or a number of cores")):
+                        (["--loader-cpus", "many"], "'auto' or a number of cores"),
+                        (["--calibration-processes", "0"], "--calibration-processes must be >= 1")):
         args = build_parser().parse_args(["bench", "--out", str(out), *argv])
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv
     for argv, words in ((["--measure-s", "0"], "--measure-s must be positive"),
-                        (["--warmup-s", "-2"], "--warmup-s must be 0 or more")):
+                        (["--warmup-s", "-2"], "--warmup-s must be 0 or more"),
+                        (["--calibration-processes", "-1"], "--calibration-processes must be >= 1")):
         args = build_parser().parse_args(["demo", "--out", str(out), *argv])
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv

@@ -156,6 +156,27 @@ def test_goal_reports_the_per_repeat_spread_of_its_ratio():
     assert "(one repeat: indicative only)" in report.markdown(report.summarise(phases[:2]), one, {})
 
 
+def test_calibration_in_fresh_processes_takes_the_least_and_keeps_each(monkeypatch):
+    """``calibrate(processes=3)``: every kind measured in three fresh Python processes, one after the
+    other (a process's speed can be a lottery on a VM), the least taken as the kind's CPU per sample and
+    the step derived from it; each process's figure kept. A process that fails is an error that says
+    which one and why, not a silent figure."""
+    from evaluation import catalog as C
+
+    cat = C.load_catalog(C.default_catalog_path())
+    calib = C.calibrate(cat, 1.8, ["bert"], processes=3)["bert"]
+    runs = calib["cpu_s_per_sample_runs"]
+    assert len(runs) == 3 and all(r > 0 for r in runs)
+    assert calib["cpu_s_per_sample"] == min(runs)
+    kind = cat.kinds["bert"]
+    want_step = kind.batch_size * min(runs) / (kind.cores_per_gpu * 1.8 / cat.reference_cores)
+    assert calib["step_s"] == pytest.approx(min(cat.max_step_s, max(cat.min_step_s, want_step)))
+    assert "cpu_s_per_sample_runs" not in C.calibrate(cat, 1.8, ["bert"])["bert"]     # in this process
+    monkeypatch.setattr(C, "_MEASURE_CHILD", "import sys; sys.exit('no dataset here')")
+    with pytest.raises(RuntimeError, match=r"calibration process 1 of 2 failed \(exit 1\): no dataset here"):
+        C.calibrate(cat, 1.8, ["bert"], processes=2)
+
+
 def test_bench_reports_the_loader_cost_its_workers_paid_against_the_calibration():
     """``report.workload_check``: per scenario and job, the workers' CPU per sample (worker cores over the
     samples/s the job consumed) over the calibrated ``cpu_s_per_sample``, median and range over the

@@ -52,6 +52,10 @@ def register(sub) -> None:
                    help="the oracle's curves: probes of the whole mix under fixed plans (default; scenarios "
                         "with arrivals use solo) or each job kind swept alone on the node")
     p.add_argument("--oracle-probe-reps", type=int, default=2, help="repeats of each co-located oracle probe")
+    p.add_argument("--calibration-processes", type=int, default=3,
+                   help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
+                        "(default 3; on a VM one process can run a kind 1.5-2x slower than another); 1 = in "
+                        "this process")
     p.set_defaults(func=run)
 
 
@@ -135,6 +139,10 @@ def run(args) -> int:
         except ValueError as e:
             print(f"adloader bench: --loader-memory: {e}", file=sys.stderr)
             return 2
+    if args.calibration_processes < 1:
+        print(f"adloader bench: --calibration-processes must be >= 1, got {args.calibration_processes}",
+              file=sys.stderr)
+        return 2
     if args.oracle_probe_reps < 1:
         print(f"adloader bench: --oracle-probe-reps must be >= 1, got {args.oracle_probe_reps}", file=sys.stderr)
         return 2
@@ -151,7 +159,8 @@ def run(args) -> int:
                            progress=progress, warmup_s=args.warmup_s, measure_s=args.measure_s,
                            loader_memory=loader_memory, oracle_source=args.oracle,
                            oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
-                           loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known)
+                           loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known,
+                           calibration_processes=args.calibration_processes)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1

@@ -30,6 +30,9 @@ def register(sub) -> None:
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (its --mix is used)")
     p.add_argument("--mix", default="demo", help="which catalogue mix runs (default: demo)")
+    p.add_argument("--calibration-processes", type=int, default=3,
+                   help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
+                        "(default 3); 1 = in this process")
     p.set_defaults(func=run)
 
 
@@ -67,6 +70,10 @@ def run(args) -> int:
         if why:
             print(f"adloader demo: {why}", file=sys.stderr)
             return 2
+    if args.calibration_processes < 1:
+        print(f"adloader demo: --calibration-processes must be >= 1, got {args.calibration_processes}",
+              file=sys.stderr)
+        return 2
     policies = ["none", "even-static", "adaptive"]
     what = "none (habitual num_workers, no agent), even-static, then adaptive"
     progress = report.Progress()
@@ -78,7 +85,8 @@ def run(args) -> int:
         result = setup.run(out_dir=Path(args.out), scenarios=[args.mix], policies=policies, reps=1,
                            quick=True, catalog_path=args.catalog, loader_cpus=loader_cpus, cgroup_mode=mode,
                            tick_s=1.0, device="emulated", sweep_segment_s=2.0, progress=progress,
-                           warmup_s=args.warmup_s, measure_s=args.measure_s, title="demo", loader_cpus_auto=True)
+                           warmup_s=args.warmup_s, measure_s=args.measure_s, title="demo", loader_cpus_auto=True,
+                           calibration_processes=args.calibration_processes)
     except (BenchError, ValueError) as e:
         print(f"adloader demo: {e}", file=sys.stderr)
         return 1
