@@ -78,6 +78,11 @@ def seconds_error(name: str, v, zero_ok: bool = False) -> str | None:
     return f"{name} must be {'0 or more' if zero_ok else 'positive'}, got {v:g}"
 
 
+def calibration_processes_error(v: int) -> str | None:
+    """What is wrong with ``--calibration-processes`` (None: fine); bench and demo."""
+    return None if v >= 1 else f"--calibration-processes must be >= 1, got {v}"
+
+
 def _check_numbers(args, node_cores: int) -> str | None:
     """What is wrong with the numeric options, or None (checked before any job starts)."""
     if args.reps is not None and args.reps < 1:
@@ -139,9 +144,9 @@ def run(args) -> int:
         except ValueError as e:
             print(f"adloader bench: --loader-memory: {e}", file=sys.stderr)
             return 2
-    if args.calibration_processes < 1:
-        print(f"adloader bench: --calibration-processes must be >= 1, got {args.calibration_processes}",
-              file=sys.stderr)
+    why = calibration_processes_error(args.calibration_processes)
+    if why:
+        print(f"adloader bench: {why}", file=sys.stderr)
         return 2
     if args.oracle_probe_reps < 1:
         print(f"adloader bench: --oracle-probe-reps must be >= 1, got {args.oracle_probe_reps}", file=sys.stderr)

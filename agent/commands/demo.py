@@ -61,7 +61,7 @@ def _table(result: dict, policies: list[str]) -> str:
 
 
 def run(args) -> int:
-    from agent.commands.bench import seconds_error
+    from agent.commands.bench import calibration_processes_error, seconds_error
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
@@ -70,9 +70,9 @@ def run(args) -> int:
         if why:
             print(f"adloader demo: {why}", file=sys.stderr)
             return 2
-    if args.calibration_processes < 1:
-        print(f"adloader demo: --calibration-processes must be >= 1, got {args.calibration_processes}",
-              file=sys.stderr)
+    why = calibration_processes_error(args.calibration_processes)
+    if why:
+        print(f"adloader demo: {why}", file=sys.stderr)
         return 2
     policies = ["none", "even-static", "adaptive"]
     what = "none (habitual num_workers, no agent), even-static, then adaptive"
