@@ -119,17 +119,41 @@ def workload_check(phases: list[dict]) -> dict[str, dict[str, dict]]:
     cost is a phase's)."""
     xs: dict[tuple[str, str], list[float]] = {}
     for ph in phases:
-        # (a bench.json phase carries its jobs' specs; the run's own record keeps them under its jobs)
-        specs = ph.get("specs") or {j: v.get("spec") for j, v in (ph.get("jobs") or {}).items()}
-        for j, m in ((ph.get("metrics") or {}).get("jobs") or {}).items():
-            sp = specs.get(j) or {}
-            cal, cpu, sps = sp.get("cpu_s_per_sample"), m.get("worker_cpu_cores"), m.get("samples_per_s")
-            if sp.get("phases") or not cal or cpu is None or not sps:
-                continue
-            xs.setdefault((ph["scenario"], j), []).append(float(cpu) / float(sps) / float(cal))
+        for j, x in _phase_costs(ph).items():
+            xs.setdefault((ph["scenario"], j), []).append(x)
     out: dict[str, dict[str, dict]] = {}
     for (sc, j), v in xs.items():
         out.setdefault(sc, {})[j] = {"x_median": M.median(v), "x_min": min(v), "x_max": max(v), "phases": len(v)}
+    return out
+
+
+def _phase_costs(ph: dict) -> dict[str, float]:
+    """Per job of one phase: the loader CPU per sample its workers paid over its calibration (the figure
+    ``workload_check`` takes medians of); jobs whose pipeline changes mid-run, or without figures, left out."""
+    # (a bench.json phase carries its jobs' specs; the run's own record keeps them under its jobs)
+    specs = ph.get("specs") or {j: v.get("spec") for j, v in (ph.get("jobs") or {}).items()}
+    out = {}
+    for j, m in ((ph.get("metrics") or {}).get("jobs") or {}).items():
+        sp = specs.get(j) or {}
+        cal, cpu, sps = sp.get("cpu_s_per_sample"), m.get("worker_cpu_cores"), m.get("samples_per_s")
+        if sp.get("phases") or not cal or cpu is None or not sps:
+            continue
+        out[j] = float(cpu) / float(sps) / float(cal)
+    return out
+
+
+def cost_index(phases: list[dict]) -> dict[str, dict[str, list]]:
+    """Per scenario and policy, one figure per repeat (in repeat order): the median over the phase's jobs
+    of what their workers paid per sample over the calibration. Within a phase every job's cost tends to
+    move together (BENCHMARKS.md, thirty-first pass: a policy's two dearest phases were its two losses),
+    so a policy whose phases ran dearer than another's for every job says the comparison carries that:
+    the machine in those phases, or the policy's own threads (slicing, more processes); one run cannot
+    tell which. Read the ratios against it; nothing is corrected."""
+    out: dict[str, dict[str, list]] = {}
+    for ph in sorted(phases, key=lambda p: p.get("rep", 0)):
+        xs = list(_phase_costs(ph).values())
+        if xs:
+            out.setdefault(ph["scenario"], {}).setdefault(ph["policy"], []).append(M.median(xs))
     return out
 
 
@@ -158,7 +182,8 @@ def _fmt(v, spec=".3f"):
     return format(v, spec)
 
 
-def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optional[dict] = None) -> str:
+def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optional[dict] = None,
+             costs: Optional[dict] = None) -> str:
     lines = []
     for sc, table in summary.items():
         lines.append(f"### {sc}\n")
@@ -202,6 +227,13 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
                          + (f". Outside {lo:g}–{hi:g} for {', '.join(sorted(off))}: those jobs' loader demand is not "
                             "the catalogue's design on this machine (the simulator can take the measured costs: "
                             "`validate_sim --cost measured`)." if off else "."))
+            lines.append("")
+        by_policy = (costs or {}).get(sc)
+        if by_policy:
+            lines.append("Cost per phase, the median over its jobs of the figure above, per policy by repeat: " + "; ".join(
+                f"{p} {', '.join(f'{x:.2f}' for x in v)}" for p, v in by_policy.items())
+                + ". Every job's cost tends to move with its phase: a policy whose phases ran dearer carries that "
+                  "in its ratios (the machine then, or its own threads).")
             lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")
