@@ -21,5 +21,6 @@ Component benchmarks (``python -m evaluation.<name> --help``):
     agent_bench.py         the agent's socket, collector and tick under many clients
     predictor_corpus.py    measures the predictor's corpus (predictor/data/corpus.jsonl)
     predictor_accuracy.py  leave-one-job-out accuracy of the predictor; writes its validation verdict
+    phase_noise.py         what kind of noise moved a bench run's phases (the jobs' cost per phase)
 results/: the JSON, markdown and plots that BENCHMARKS.md cites.
 """

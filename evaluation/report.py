@@ -143,17 +143,25 @@ def _phase_costs(ph: dict) -> dict[str, float]:
 
 
 def cost_index(phases: list[dict]) -> dict[str, dict[str, list]]:
-    """Per scenario and policy, one figure per repeat (in repeat order): the median over the phase's jobs
-    of what their workers paid per sample over the calibration. Within a phase every job's cost tends to
-    move together (BENCHMARKS.md, thirty-first pass: a policy's two dearest phases were its two losses),
-    so a policy whose phases ran dearer than another's for every job says the comparison carries that:
-    the machine in those phases, or the policy's own threads (slicing, more processes); one run cannot
-    tell which. Read the ratios against it; nothing is corrected."""
+    """Per scenario and policy, one figure per repeat of the scenario (position k: its k-th repeat, so
+    the lists line up with the per-repeat ratios; None where that phase failed or gave no figure): the
+    median over the phase's jobs of what their workers paid per sample over the calibration. Within a
+    phase every job's cost tends to move together (BENCHMARKS.md, thirty-first pass: a policy's two
+    dearest phases were its two losses), so a policy whose phases ran dearer than another's for every
+    job says the comparison carries that: the machine in those phases, or the policy's own threads
+    (slicing, more processes); one run cannot tell which. Read the ratios against it; nothing is
+    corrected."""
+    reps: dict[str, list] = {}
+    for ph in phases:
+        reps.setdefault(ph.get("scenario"), []).append(ph.get("rep", 0))
+    order = {sc: sorted(set(rs)) for sc, rs in reps.items()}
     out: dict[str, dict[str, list]] = {}
     for ph in sorted(phases, key=lambda p: p.get("rep", 0)):
         xs = list(_phase_costs(ph).values())
         if xs:
-            out.setdefault(ph["scenario"], {}).setdefault(ph["policy"], []).append(M.median(xs))
+            sc = ph["scenario"]
+            row = out.setdefault(sc, {}).setdefault(ph["policy"], [None] * len(order[sc]))
+            row[order[sc].index(ph.get("rep", 0))] = M.median(xs)
     return out
 
 
@@ -231,7 +239,7 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
         by_policy = (costs or {}).get(sc)
         if by_policy:
             lines.append("Cost per phase, the median over its jobs of the figure above, per policy by repeat: " + "; ".join(
-                f"{p} {', '.join(f'{x:.2f}' for x in v)}" for p, v in by_policy.items())
+                f"{p} {', '.join('–' if x is None else f'{x:.2f}' for x in v)}" for p, v in by_policy.items())
                 + ". Every job's cost tends to move with its phase: a policy whose phases ran dearer carries that "
                   "in its ratios (the machine then, or its own threads).")
             lines.append("")

@@ -211,7 +211,8 @@ def test_bench_reports_the_loader_cost_its_workers_paid_against_the_calibration(
 def test_bench_reports_each_phases_cost_per_policy_by_repeat():
     """``report.cost_index``: per scenario and policy, one figure per repeat in repeat order, the median
     over the phase's jobs of the workload check's figure (a phase where every job ran dearer shows as one
-    dear figure); a failed phase and a phased job are left out; the markdown prints it under the check."""
+    dear figure); a phased job is left out, and a failed phase is a gap (None, "–") in its repeat's place,
+    so each list lines up with the per-repeat ratios; the markdown prints it under the check."""
     from evaluation import report
 
     specs = {"a": {"cpu_s_per_sample": 0.001}, "b": {"cpu_s_per_sample": 0.002},
@@ -224,15 +225,15 @@ def test_bench_reports_each_phases_cost_per_policy_by_repeat():
         return {"scenario": "gpu-weighted", "rep": rep, "policy": policy, "specs": specs,
                 "metrics": {"agg_normalised": 2.0, "jobs": jobs}}
 
-    phases = [phase(1, "adaptive", 0.6, 0.48), phase(0, "adaptive", 0.7, 0.56), phase(0, "even-static", 0.5, 0.4),
-              {"scenario": "gpu-weighted", "rep": 1, "policy": "even-static", "error": "job a died"}]
+    phases = [phase(1, "adaptive", 0.6, 0.48), phase(0, "adaptive", 0.7, 0.56), phase(1, "even-static", 0.5, 0.4),
+              {"scenario": "gpu-weighted", "rep": 0, "policy": "even-static", "error": "job a died"}]
     costs = report.cost_index(phases)
     # a: 1.4 / 1.2 / 1.0, b: 1.4 / 1.2 / 1.0 (medians of two equal figures); repeat 0 first
     assert costs == {"gpu-weighted": {"adaptive": [pytest.approx(1.4), pytest.approx(1.2)],
-                                      "even-static": [pytest.approx(1.0)]}}
+                                      "even-static": [None, pytest.approx(1.0)]}}
     md = report.markdown({"gpu-weighted": {}}, [], {}, None, costs)
     line = [x for x in md.splitlines() if x.startswith("Cost per phase")]
-    assert len(line) == 1 and "adaptive 1.40, 1.20; even-static 1.00." in line[0]
+    assert len(line) == 1 and "adaptive 1.40, 1.20; even-static –, 1.00." in line[0]
     assert "Cost per phase" not in report.markdown({"gpu-weighted": {}}, [], {})
 
 
