@@ -26,52 +26,41 @@ within a phase; otherwise only more repeats do. Prints a table; ``--out`` writes
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Optional
 
-from evaluation import report
+from evaluation import phase_scan, report
 
 
 def corr(pairs: list[tuple[float, float]]) -> Optional[float]:
     """Pearson's r of the pairs; None under 3 pairs or without spread."""
     if len(pairs) < 3:
         return None
-    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx <= 0 or syy <= 0:
+    try:
+        return statistics.correlation([a for a, _ in pairs], [b for _, b in pairs])
+    except statistics.StatisticsError:     # a constant side
         return None
-    return sum((x - mx) * (y - my) for x, y in pairs) / (sxx * syy) ** 0.5
 
 
 def _windows(log: Path) -> dict[str, list[tuple[float, float, float]]]:
-    """job -> [(ts, worker CPU s, samples)] from an agent log's ``observation`` records, in time order;
-    windows without a finished batch are skipped, and so are lines that are not such records."""
+    """job -> [(ts, worker CPU s, samples)] from an agent log's ``observation`` records
+    (``phase_scan.windows_by_job``), in time order; windows without a finished batch are skipped, and a
+    missing log has none."""
+    if not log.is_file():
+        return {}
     out: dict[str, list] = {}
-    try:
-        f = open(log, errors="replace")
-    except OSError:
-        return out
-    with f:
-        for line in f:
-            if '"observation"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-                w = rec["window"]
-                steps, bs = float(w.get("steps") or 0), float(w.get("batch_size") or 0)
-                if rec.get("event") != "observation" or steps <= 0 or bs <= 0:
-                    continue
-                out.setdefault(str(rec["job"]), []).append(
-                    (float(rec["ts"]), float(w["cpu_s_per_batch"]) * steps, steps * bs))
-            except (ValueError, KeyError, TypeError):
-                continue
-    for xs in out.values():
-        xs.sort()
+    for job, ws in phase_scan.windows_by_job(log).items():
+        xs = []
+        for ts, w in ws:
+            steps, bs, c = (float(w.get(k) or 0.0) for k in ("steps", "batch_size", "cpu_s_per_batch"))
+            if steps > 0 and bs > 0:
+                xs.append((ts, c * steps, steps * bs))
+        if xs:
+            out[job] = sorted(xs)
     return out
 
 
@@ -102,7 +91,7 @@ def analyse(bench: dict) -> dict:
             by.setdefault((p["scenario"], p["policy"], j), []).append(x)
     med = {k: statistics.median(v) for k, v in by.items()}
     dev = [(p, {j: x / med[(p["scenario"], p["policy"], j)] - 1.0 for j, x in c.items()}) for p, c in costs]
-    together = [(d[a], d[b]) for _, d in dev for i, a in enumerate(sorted(d)) for b in sorted(d)[i + 1:]]
+    together = [(d[a], d[b]) for _, d in dev for a, b in itertools.combinations(sorted(d), 2)]
     lag, seq = [], {}
     for p, d in dev:
         seq.setdefault(p["scenario"], []).append(statistics.median(d.values()))
@@ -131,14 +120,12 @@ def analyse(bench: dict) -> dict:
 
 
 def markdown(rows: dict[str, dict]) -> str:
-    def f(v, spec=".2f"):
-        return "–" if v is None else format(v, spec)
-
+    f = report._fmt
     lines = ["| run | phases | together: r (pairs) | lag-1: r (pairs) | halves: r (pairs) | sd between phases | "
              "sd within a phase |", "|---|---|---|---|---|---|---|"]
     for name, x in rows.items():
-        lines.append(f"| {name} | {x['phases']} | {f(x['together'])} ({x['together_n']}) | {f(x['lag1'])} "
-                     f"({x['lag1_n']}) | {f(x['halves'])} ({x['halves_n']}) | {f(x['sd_between'], '.3f')} | "
+        lines.append(f"| {name} | {x['phases']} | {f(x['together'], '.2f')} ({x['together_n']}) | {f(x['lag1'], '.2f')} "
+                     f"({x['lag1_n']}) | {f(x['halves'], '.2f')} ({x['halves_n']}) | {f(x['sd_between'], '.3f')} | "
                      f"{f(x['sd_within'], '.3f')} |")
     return "\n".join(lines)
 

@@ -151,17 +151,17 @@ def cost_index(phases: list[dict]) -> dict[str, dict[str, list]]:
     job says the comparison carries that: the machine in those phases, or the policy's own threads
     (slicing, more processes); one run cannot tell which. Read the ratios against it; nothing is
     corrected."""
-    reps: dict[str, list] = {}
+    reps: dict[str, set] = {}
     for ph in phases:
-        reps.setdefault(ph.get("scenario"), []).append(ph.get("rep", 0))
-    order = {sc: sorted(set(rs)) for sc, rs in reps.items()}
+        reps.setdefault(ph.get("scenario"), set()).add(ph.get("rep", 0))
+    slot = {sc: {r: k for k, r in enumerate(sorted(rs))} for sc, rs in reps.items()}   # repeat -> position
     out: dict[str, dict[str, list]] = {}
     for ph in sorted(phases, key=lambda p: p.get("rep", 0)):
         xs = list(_phase_costs(ph).values())
         if xs:
             sc = ph["scenario"]
-            row = out.setdefault(sc, {}).setdefault(ph["policy"], [None] * len(order[sc]))
-            row[order[sc].index(ph.get("rep", 0))] = M.median(xs)
+            row = out.setdefault(sc, {}).setdefault(ph["policy"], [None] * len(slot[sc]))
+            row[slot[sc][ph.get("rep", 0)]] = M.median(xs)
     return out
 
 
