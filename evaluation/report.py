@@ -72,8 +72,10 @@ def summarise(phases: list[dict]) -> dict:
         for p in policies:
             row = {"reps": 0, "errors": []}
             vals = {k: [] for k in METRICS}
-            ratios = {b: [] for b in BASELINES + ("best",)}
-            for rep, pols in sorted(reps.items()):
+            # one slot per repeat of the scenario (None where this policy's or the baseline's phase failed),
+            # so the printed lists line up with the cost per phase's, repeat by repeat
+            ratios = {b: [None] * len(reps) for b in BASELINES + ("best",)}
+            for k_rep, (rep, pols) in enumerate(sorted(reps.items())):
                 ph = pols.get(p)
                 if not ph:
                     continue
@@ -89,12 +91,12 @@ def summarise(phases: list[dict]) -> dict:
                 for b in BASELINES:
                     base = ((pols.get(b) or {}).get("metrics") or {}).get("agg_normalised")
                     if base:
-                        ratios[b].append(m["agg_normalised"] / base)
+                        ratios[b][k_rep] = m["agg_normalised"] / base
                 best = [((pols.get(b) or {}).get("metrics") or {}).get("agg_normalised")
                         for b in USER_BASELINES if b != p]
                 best = _finite(best)
                 if best and p not in USER_BASELINES:
-                    ratios["best"].append(m["agg_normalised"] / max(best))
+                    ratios["best"][k_rep] = m["agg_normalised"] / max(best)
             for k, xs in vals.items():
                 xs = _finite(xs)
                 if xs:
@@ -102,9 +104,9 @@ def summarise(phases: list[dict]) -> dict:
                     if k == "agg_normalised":
                         row["agg_normalised_min"], row["agg_normalised_max"] = min(xs), max(xs)
             for b, xs in ratios.items():
-                if xs and b != p:
-                    row[f"ratio_{b}"] = M.median(xs)
-                    row[f"ratio_{b}_all"] = [round(x, 4) for x in xs]
+                if _finite(xs) and b != p:
+                    row[f"ratio_{b}"] = M.median(_finite(xs))
+                    row[f"ratio_{b}_all"] = [None if x is None else round(x, 4) for x in xs]
             table[p] = row
         out[sc] = table
     return out
@@ -174,7 +176,7 @@ def goals(summary: dict) -> list[dict]:
             res.append({"goal": text, "measured": None, "met": None})
         else:
             res.append({"goal": text, "measured": round(v, 3), "met": bool(v >= thr),
-                        "per_repeat": row.get(f"{key}_all", [])})
+                        "per_repeat": _finite(row.get(f"{key}_all", []))})
     settle = [row.get("reaction_s_max") for sc in ("reaction", "dynamic", "hog")
               for p, row in (summary.get(sc) or {}).items() if p == "adaptive"]
     settle = _finite(settle)
@@ -204,7 +206,7 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
             agg = (f"{_fmt(r.get('agg_normalised'))} [{_fmt(r.get('agg_normalised_min'))}–"
                    f"{_fmt(r.get('agg_normalised_max'))}]") if "agg_normalised" in r else "failed"
             per = r.get("ratio_best_all") or []
-            best = (f"{_fmt(r.get('ratio_best'))} ({', '.join(f'{x:.3f}' for x in per)})" if per else "–")
+            best = (f"{_fmt(r.get('ratio_best'))} ({', '.join(_fmt(x) for x in per)})" if per else "–")
             lines.append(
                 f"| {p} | {r['reps']} | {agg} | {best} | {_fmt(r.get('ratio_static-cores'))} "
                 f"| {_fmt(r.get('ratio_none'))} | {_fmt(r.get('ratio_even-static'))} | {_fmt(r.get('ratio_oracle'))} "

@@ -156,6 +156,29 @@ def test_goal_reports_the_per_repeat_spread_of_its_ratio():
     assert "(one repeat: indicative only)" in report.markdown(report.summarise(phases[:2]), one, {})
 
 
+def test_per_repeat_ratios_keep_a_failed_repeats_place():
+    """A repeat whose phase failed (the policy's or its baseline's) is a gap (None, "–") in the per-repeat
+    ratios, not dropped, so the printed list lines up with the cost per phase's, repeat by repeat; the
+    median and the goal's range take the repeats that gave a figure."""
+    from evaluation import report
+
+    def phase(rep, policy, agg):
+        return {"scenario": "homogeneous", "rep": rep, "policy": policy, "metrics": {"agg_normalised": agg}}
+
+    phases = [{"scenario": "homogeneous", "rep": 0, "policy": "even", "error": "job a died", "metrics": {}},
+              phase(0, "adaptive", 1.9), phase(1, "even", 2.0), phase(1, "adaptive", 2.1),
+              phase(2, "even", 2.0), {"scenario": "homogeneous", "rep": 2, "policy": "adaptive", "error": "x"},
+              phase(3, "even", 2.0), phase(3, "adaptive", 1.9)]
+    row = report.summarise(phases)["homogeneous"]["adaptive"]
+    assert row["ratio_even_all"] == [None, pytest.approx(1.05), None, pytest.approx(0.95)]
+    assert row["ratio_even"] == pytest.approx(1.0) and row["reps"] == 3
+    goal = [g for g in report.goals(report.summarise(phases)) if g["goal"].startswith("homogeneous")][0]
+    assert sorted(goal["per_repeat"]) == pytest.approx([0.95, 1.05])
+    summary = {"gpu-weighted": {"adaptive": {"reps": 3, "errors": [], "agg_normalised": 2.0,
+                                             "ratio_best": 1.0, "ratio_best_all": [None, 1.05, 0.95]}}}
+    assert "| 1.000 (–, 1.050, 0.950) |" in report.markdown(summary, [], {})
+
+
 def test_calibration_in_fresh_processes_takes_the_least_and_keeps_each(monkeypatch):
     """``calibrate(processes=3)``: every kind measured in three fresh Python processes, one after the
     other (a process's speed can be a lottery on a VM), the least taken as the kind's CPU per sample and
