@@ -47,6 +47,12 @@ log = logging.getLogger("adloader")
 # A slot that keeps dying before finishing any batch (a dataset that cannot even be unpickled in a
 # spawned worker, a segfault at import) is not restarted forever.
 MAX_DEATHS_WITHOUT_PROGRESS = 4
+# How long shutdown() waits for its workers to exit after telling them to, before terminating them: a
+# worker finishes the ``__getitem__`` it is in first (a dataset writing a cache file is not cut off
+# mid-write). torch's own DataLoader waits as long (``_utils.MP_STATUS_CHECK_INTERVAL``, 5 s, in
+# ``_shutdown_workers``); a worker between two tasks exits at once, so shutdown is only this slow when a
+# fetch really takes that long.
+SHUTDOWN_GRACE_S = 5.0
 # The reaper's longest single wait (it is woken by its workers' fds and by shutdown; this is a backstop).
 _REAP_WAIT_S = 5.0
 
@@ -457,8 +463,9 @@ class WorkerPool:
             return sum(1 for s in self.slots.values() if s.state == "running")
 
     # ---- shutdown ---------------------------------------------------------------------------
-    def shutdown(self, timeout_s: float = 0.5) -> None:
-        """Stop every worker: ask, then terminate, then kill; close every channel. Idempotent.
+    def shutdown(self, timeout_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop every worker: ask (each finishes the task it is in, within ``timeout_s`` for them all),
+        then terminate, then kill; close every channel. Idempotent.
         A no-op in a process forked from the owner (a worker of another loader, a user's subprocess)
         that drops its copy of the pool: the workers and channels are the owner's, not its own."""
         if os.getpid() != self._owner_pid:

@@ -89,6 +89,23 @@ class Slow(tud.Dataset):
         return i
 
 
+class Marked(tud.Dataset):
+    """Each ``__getitem__`` leaves ``start-<i>`` in ``where``, sleeps, then leaves ``done-<i>``: whether a
+    fetch in flight was allowed to finish."""
+
+    def __init__(self, where: str, n: int = 40, sleep_s: float = 1.0):
+        self.where, self.n, self.sleep_s = where, n, sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        open(os.path.join(self.where, f"start-{i}"), "w").close()
+        time.sleep(self.sleep_s)
+        open(os.path.join(self.where, f"done-{i}"), "w").close()
+        return i
+
+
 class Shards(tud.IterableDataset):
     """An IterableDataset that shards by worker as torch documents; uneven shard lengths."""
 

@@ -160,3 +160,29 @@ def test_a_worker_does_not_run_the_training_processs_signal_handlers(tmp_path):
     assert res["exact"], out.stderr
     assert res["a"] in res["during"] and res["b"] not in res["during"], (res, out.stderr)
     assert f"pid {res['b']}" in out.stderr and "Terminated" in out.stderr, out.stderr
+
+
+def test_a_fetch_in_flight_finishes_before_its_worker_is_stopped(tmp_path):
+    """An abandoned iterator stops its workers as torch's does: each finishes the ``__getitem__`` it is
+    in (torch waits ``MP_STATUS_CHECK_INTERVAL``, 5 s, before terminating), so a dataset is not cut off
+    mid-fetch, and none starts another after it was told to exit."""
+    import gc
+    import os
+    import time
+
+    from adloader import DataLoader
+    from tests.loader_datasets import Marked
+
+    dl = DataLoader(Marked(str(tmp_path), sleep_s=1.0), batch_size=1, num_workers=1)
+    it = iter(dl)
+    assert int(next(it)) == 0
+    wait_for(lambda: (tmp_path / "start-1").exists(), timeout=30, what="the worker to start its next fetch")
+    pids = dl.worker_pids()
+    assert len(pids) == 1
+    del it
+    gc.collect()
+    assert (tmp_path / "done-1").exists(), sorted(os.listdir(tmp_path))   # the fetch in flight finished
+    assert dl.worker_pids() == []
+    wait_for(_gone(pids), timeout=10, what=f"worker {pids} to exit")
+    time.sleep(1.5)                                                       # a fetch it might have started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-0", "done-1", "start-0", "start-1"]
