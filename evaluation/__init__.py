@@ -22,5 +22,7 @@ Component benchmarks (``python -m evaluation.<name> --help``):
     predictor_corpus.py    measures the predictor's corpus (predictor/data/corpus.jsonl)
     predictor_accuracy.py  leave-one-job-out accuracy of the predictor; writes its validation verdict
     phase_noise.py         what kind of noise moved a bench run's phases (the jobs' cost per phase)
+    best_plan.py           the best fixed plan the agent's knobs reach in the node model, under the
+                           fairness floors, against adaptive and the ideal bound
 results/: the JSON, markdown and plots that BENCHMARKS.md cites.
 """

@@ -741,10 +741,12 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         "window": window,
         "window_agg": sum(max(1, jb.tj.gpus) * window[jb.tj.job] for jb in everyone if jb.tj.job in window),
         # the allocation in force; its reason the controller's record of it (a hold says why it holds)
-        "plan": {j: {"workers": a.workers, "cpus": a.cpus, "reason": recorded.get(j, a).reason}
-                 for j, a in act.in_force.items()},
-        "desired": ({j: {"workers": a.workers, "cpus": a.cpus, "reason": a.reason}
+        # (cpu_weight: the cores its group weighs where the plan sets it apart from cpus; None: cpus)
+        "plan": {j: {"workers": a.workers, "cpus": a.cpus, "cpu_weight": a.cpu_weight,
+                     "reason": recorded.get(j, a).reason} for j, a in act.in_force.items()},
+        "desired": ({j: {"workers": a.workers, "cpus": a.cpus, "cpu_weight": a.cpu_weight, "reason": a.reason}
                      for j, a in last[0].plan.allocations.items()} if last else {}),
+        "loaders_yield": bool(act.node is not None and act.node.loaders_yield),
         "curves": dict(last[0].curves) if last else {},
         "rates": {jb.tj.job: dataclasses.asdict(jb.phys) for jb in active.values() if jb.phys is not None},
     }
