@@ -12,10 +12,12 @@ that the node model (``evaluation.nodemodel.node_rates``, the physics the simula
 measured runs) says reaches a figure, found by search. A fixed plan is, per job, a worker count and a
 CPU weight (the weights sum to the loader CPUs, as a plan's cores do), with the loaders yielding to
 the training processes or not (``NodeAllocation.loaders_yield``). The search (``search``) climbs from
-several starts (even weights at one and two workers, GPU-proportional weights, adaptive's own plan):
+several starts (even weights at one and two workers, GPU-proportional weights, adaptive's own plan, six
+seeded random plans):
 each sweep tries every move of weight from one job to another and every worker count up or down
-(+-1, x2, /2), takes the best, and halves the weight step when nothing gains; a plan under a job's
-floor is penalised, not refused, so a start below the floors climbs to them. It finds a good plan, not
+(+-1, x2, /2), takes the best, and halves the weight step when nothing gains, then starts again from
+the top step while that gains; a plan with less shortfall under the floors ranks first, then the one
+with more throughput, so a start below the floors climbs to them first. It finds a good plan, not
 the proven best: on three-job mixes it matches an exhaustive grid (tests/test_best_plan.py).
 
 Bench files: for each static scenario and repeat, the jobs of the run (their calibrated or, with
@@ -33,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import random
 import sys
 from typing import Mapping, Optional
 
@@ -41,8 +44,8 @@ from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
 
 FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughput
-PENALTY = 100.0         # score lost per unit of normalised throughput a job is under its floor
 MIN_STEP = 1.0 / 512    # the weight step stops halving below this part of the loader CPUs
+RANDOM_STARTS = 6       # seeded random plans among the starts (the model has steps: climbs can stall)
 
 
 def job_models(truth: Mapping, node_cores: float) -> dict[str, NM.JobModel]:
@@ -87,9 +90,15 @@ class Evaluator:
         return sum(self.gpus[j] * v for j, v in norm.items())
 
 
-def _score(ev: Evaluator, norm: Mapping[str, float], floors: Mapping[str, float]) -> float:
+def _score(ev: Evaluator, norm: Mapping[str, float], floors: Mapping[str, float]) -> tuple[float, float]:
+    """Less shortfall under the floors first, then more aggregate: a climb from under the floors goes
+    to them before it trades anything."""
     short = sum(max(0.0, floors.get(j, 0.0) - v) for j, v in norm.items())
-    return ev.aggregate(norm) - PENALTY * short
+    return (-round(short, 9), ev.aggregate(norm))
+
+
+def _better(a: tuple, b: tuple) -> bool:
+    return a[0] > b[0] or (a[0] == b[0] and a[1] > b[1] + 1e-12)
 
 
 def _moves(plan: dict, step: float, max_workers: int, least: float):
@@ -111,28 +120,36 @@ def _moves(plan: dict, step: float, max_workers: int, least: float):
 
 
 def climb(ev: Evaluator, start: Mapping[str, tuple[int, float]], floors: Mapping[str, float], loader_cpus: float,
-          loaders_yield: bool, max_workers: int) -> tuple[float, dict]:
-    """Best-improvement hill climbing from ``start`` (weights rescaled to sum to ``loader_cpus``)."""
+          loaders_yield: bool, max_workers: int, rounds: int = 3) -> tuple[tuple, dict]:
+    """Best-improvement hill climbing from ``start`` (weights rescaled to sum to ``loader_cpus``); once
+    the step is at its least, it starts again from the top step (up to ``rounds`` times, while that
+    gains): a big move can clear a step of the model that small ones stall on."""
     total = sum(c for _, c in start.values()) or 1.0
     plan = {j: (max(1, min(max_workers, int(w))), c * loader_cpus / total) for j, (w, c) in start.items()}
     best = _score(ev, ev.rates(plan, loaders_yield), floors)
-    step, least = loader_cpus / 8, loader_cpus * MIN_STEP
-    while step >= least:
-        cand, cand_score = None, best
-        for new in _moves(plan, step, max_workers, least):
-            s = _score(ev, ev.rates(new, loaders_yield), floors)
-            if s > cand_score + 1e-12:
-                cand, cand_score = new, s
-        if cand is None:
-            step /= 2
-        else:
-            plan, best = cand, cand_score
+    least = loader_cpus * MIN_STEP
+    for _ in range(rounds):
+        at_round = best
+        step = loader_cpus / 8
+        while step >= least:
+            cand, cand_score = None, best
+            for new in _moves(plan, step, max_workers, least):
+                s = _score(ev, ev.rates(new, loaders_yield), floors)
+                if _better(s, cand_score):
+                    cand, cand_score = new, s
+            if cand is None:
+                step /= 2
+            else:
+                plan, best = cand, cand_score
+        if not _better(best, at_round):
+            break
     return best, plan
 
 
 def starts(models: Mapping[str, NM.JobModel], loader_cpus: float, adaptive_plan: Optional[Mapping] = None) -> list[dict]:
     """Where the climbs begin: even weights at one worker and at two, GPU-proportional weights with a
-    worker per planned core (at least one), and adaptive's plan (its group weights where it set them)."""
+    worker per planned core (at least one), adaptive's plan (its group weights where it set them), and
+    ``RANDOM_STARTS`` random plans (seeded by the jobs' names: the same mix gets the same starts)."""
     ids = sorted(models)
     g = {j: models[j].gpus for j in ids}
     even = loader_cpus / len(ids)
@@ -141,6 +158,12 @@ def starts(models: Mapping[str, NM.JobModel], loader_cpus: float, adaptive_plan:
     if adaptive_plan:
         out.append({j: (int(a["workers"]), float(a.get("cpu_weight") or a["cpus"])) for j, a in adaptive_plan.items()
                     if j in models})
+    rng = random.Random(",".join(ids))
+    top = max(2, int(math.ceil(2 * loader_cpus / len(ids))))
+    for _ in range(RANDOM_STARTS):
+        w = {j: (rng.randint(1, top), rng.uniform(0.05, 1.0)) for j in ids}
+        total = sum(c for _, c in w.values())
+        out.append({j: (n, c * loader_cpus / total) for j, (n, c) in w.items()})
     return [p for p in out if set(p) == set(ids)]
 
 
@@ -154,7 +177,7 @@ def search(ev: Evaluator, loader_cpus: float, floors: Mapping[str, float], start
     for y in (True, False):
         for st in start_plans:
             s, plan = climb(ev, st, floors, loader_cpus, y, max_workers)
-            if best is None or s > best[0] + 1e-12:
+            if best is None or _better(s, best[0]):
                 best = (s, plan, y)
     _, plan, y = best
     norm = ev.rates(plan, y)
