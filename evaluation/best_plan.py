@@ -4,7 +4,8 @@ from what any allocator with the same knobs could reach on that node.
 
     python -m evaluation.best_plan BENCH.json [BENCH.json ...] [--cost calibrated|measured] [--reps K]
                                    [--out FILE.json]
-    python -m evaluation.best_plan --nodes 16:8,96:8 [--mixes gpu-weighted,...] [--out FILE.json]
+    python -m evaluation.best_plan --nodes 16:8,96:8 [--mixes gpu-weighted,...] [--random N [--seed S]]
+                                   [--out FILE.json]
 
 ``validate_sim``'s ideal bound (every core doing a loader's or a trainer's work, no time slicing, no
 wake-up wait, fractional workers) is an upper bound no plan reaches; this is the other side: a plan
@@ -24,7 +25,9 @@ Bench files: for each static scenario and repeat, the jobs of the run (their cal
 ``--cost measured``, measured loader cost, as ``validate_sim``) on the CPU the repeat's ``adaptive``
 phase could get; the baselines, ``adaptive`` (the agent's controller in the simulator) and the search
 on that one capacity; medians over repeats. ``--nodes``: the catalogue mixes filled to the node's
-GPUs (``validate_sim.node_study``). Each row: the best baseline in the model and its name, adaptive,
+GPUs (``validate_sim.node_study``); with ``--random N``, also ``evaluation.mix_study``'s first N random mixes
+for the seed on each node shape, summarised as that study is (median, p10, least, most; how many reach
+1.10x), the policy judged on mixes nobody chose. Each row: the best baseline in the model and its name, adaptive,
 the best fixed plan found and the ideal fair bound, each over the best baseline, and adaptive over the
 best plan (1.0: adaptive is at the best the knobs reach; the rest of the way to the bound is the
 node's physics, not the policy's choice).
@@ -241,6 +244,60 @@ def node_rows(node_cores: int, node_gpus: int, mixes=V.MIXES) -> list[dict]:
     return rows
 
 
+def random_rows(node_cores: int, node_gpus: int, n: int, seed: int = 1) -> list[dict]:
+    """``n`` random mixes on a ``node_cores``:``node_gpus`` node, the same as ``evaluation.mix_study``'s
+    for that seed (``mix_study.random_mix``, run by ``mix_study.run_mix``), each searched."""
+    from evaluation import mix_study as MS
+
+    rng = random.Random(seed)
+    cfg = V.study_config(node_cores, node_gpus)
+    rows = []
+    for k in range(n):
+        truth = MS.random_mix(rng, node_cores, node_gpus)
+        r = MS.run_mix(truth, node_cores, node_gpus)
+        row = _row(f"random-{k}", truth, node_cores, node_gpus, cfg.loader, None, r["agg"], r["plan"],
+                   r["window"]["adaptive"])
+        row["node"] = f"{node_cores}:{node_gpus}"
+        rows.append(row)
+        print(f"node {node_cores}:{node_gpus} random mix {k + 1}/{n}: adaptive / best plan "
+              f"{row['adaptive_agg'] / row['best_plan_agg']:.3f}", file=sys.stderr)
+    return rows
+
+
+def random_summary(rows: list[dict]) -> dict:
+    """Per node shape over its random mixes: median, p10, least and most of adaptive x the best baseline,
+    the best plan x the best baseline and adaptive / the best plan; how many reach 1.10x."""
+    by: dict[str, list] = {}
+    for r in rows:
+        if r["scenario"].startswith("random-"):
+            by.setdefault(r["node"], []).append(r)
+    out = {}
+    for node, rs in by.items():
+        s = {"mixes": len(rs), "feasible": sum(1 for r in rs if r["feasible"])}
+        for name, key, over in (("adaptive_x_best", "adaptive_agg", "best_baseline_agg"),
+                                ("plan_x_best", "best_plan_agg", "best_baseline_agg"),
+                                ("adaptive_x_plan", "adaptive_agg", "best_plan_agg")):
+            xs = sorted(r[key] / r[over] for r in rs if r[over])
+            s[name] = {"median": V._median(xs), "p10": xs[int(0.1 * (len(xs) - 1))], "min": xs[0], "max": xs[-1],
+                       "at_1.10": sum(1 for x in xs if x >= 1.10)} if xs else None
+        out[node] = s
+    return out
+
+
+def markdown_random(summary: dict) -> str:
+    lines = ["| node | random mixes | adaptive × best: median [p10; least–most] (at 1.10) "
+             "| best fixed plan × best (at 1.10) | adaptive / best plan |", "|---|---|---|---|---|"]
+    for node, s in summary.items():
+        def f(d, count=True):
+            if not d:
+                return "–"
+            return (f"{d['median']:.3f} [{d['p10']:.3f}; {d['min']:.3f}–{d['max']:.3f}]"
+                    + (f" ({d['at_1.10']})" if count else ""))
+        lines.append(f"| {node} | {s['mixes']} ({s['feasible']} with a fair plan) | {f(s['adaptive_x_best'])} "
+                     f"| {f(s['plan_x_best'])} | {f(s['adaptive_x_plan'], False)} |")
+    return "\n".join(lines)
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     """Per bench file (or node) and scenario: medians over its repeats of each ratio, with their ranges."""
     by: dict[tuple, list] = {}
@@ -294,12 +351,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="only the first K repeats of each scenario")
     ap.add_argument("--nodes", default=None, help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--mixes", default=",".join(V.MIXES), help="with --nodes: the catalogue mixes")
+    ap.add_argument("--random", type=int, default=0,
+                    help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed)")
+    ap.add_argument("--seed", type=int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
     ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
         ap.error("give bench.json files and/or --nodes")
     if args.reps is not None and args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.random < 0 or (args.random and not args.nodes):
+        ap.error("--random takes a count >= 0 and needs --nodes")
     mixes = [m for m in args.mixes.split(",") if m]
     unknown = [m for m in mixes if m not in V.MIXES]
     if unknown:
@@ -329,11 +391,19 @@ def main(argv=None) -> int:
         for cores, gpus in shapes:
             print(f"node {cores}:{gpus}: {len(mixes)} mix(es)", file=sys.stderr)
             rows += node_rows(cores, gpus, mixes)
-    summary = summarise(rows)
-    print(markdown(summary))
+            if args.random:
+                rows += random_rows(cores, gpus, args.random, args.seed)
+    fixed = [r for r in rows if not r["scenario"].startswith("random-")]
+    summary = summarise(fixed)
+    rand = random_summary(rows)
+    if fixed:
+        print(markdown(summary))
+    if rand:
+        print(("\n" if fixed else "") + markdown_random(rand))
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"rows": rows, "summary": summary, "cost": args.cost}, fh, indent=1, default=float)
+            json.dump({"rows": rows, "summary": summary, "random": rand, "cost": args.cost}, fh, indent=1,
+                      default=float)
     return 0
 
 

@@ -91,3 +91,27 @@ def test_cli_on_a_stored_run_and_bad_input(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             B.main(argv)
         assert e.value.code == 2
+
+
+def test_random_mixes_are_mix_studys_and_are_summarised(tmp_path, capsys):
+    """``--random N`` adds mix_study's first N random mixes of the seed on each node shape (the same
+    jobs), searched and summarised per node; it needs ``--nodes``."""
+    import random
+
+    from evaluation import mix_study as MS
+
+    out = tmp_path / "r.json"
+    assert B.main(["--nodes", "2:3", "--mixes", "nothing-to-arbitrate", "--random", "1", "--seed", "3",
+                   "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 2:3 | nothing-to-arbitrate | 1 |" in text and "| 2:3 | 1 (1 with a fair plan) |" in text
+    doc = json.loads(out.read_text())
+    rand = [r for r in doc["rows"] if r["scenario"] == "random-0"]
+    assert len(rand) == 1 and rand[0]["node"] == "2:3"
+    assert set(rand[0]["static_norm"]) == set(MS.random_mix(random.Random(3), 2, 3))
+    s = doc["random"]["2:3"]
+    assert s["mixes"] == 1
+    assert s["adaptive_x_plan"]["median"] == pytest.approx(rand[0]["adaptive_agg"] / rand[0]["best_plan_agg"])
+    with pytest.raises(SystemExit) as e:
+        B.main(["--random", "2", str(STORED)])
+    assert e.value.code == 2
