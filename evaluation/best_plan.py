@@ -43,6 +43,7 @@ import sys
 from typing import Mapping, Optional
 
 from agent.model import JobAllocation
+from evaluation import mix_study as MS
 from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
 
@@ -50,6 +51,9 @@ FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughpu
                         # one starved of data under every policy, which the issue exempts: a little conservative)
 MIN_STEP = 1.0 / 512    # the weight step stops halving below this part of the loader CPUs
 RANDOM_STARTS = 6       # seeded random plans among the starts (the model has steps: climbs can stall)
+# the ratios a summary reports: (name, numerator, denominator) over a row's aggregates
+RATIOS = (("adaptive_x_best", "adaptive_agg", "best_baseline_agg"), ("plan_x_best", "best_plan_agg", "best_baseline_agg"),
+          ("bound_x_best", "bound_fair_agg", "best_baseline_agg"), ("adaptive_x_plan", "adaptive_agg", "best_plan_agg"))
 
 
 def job_models(truth: Mapping, node_cores: float) -> dict[str, NM.JobModel]:
@@ -248,8 +252,6 @@ def node_rows(node_cores: int, node_gpus: int, mixes=V.MIXES) -> list[dict]:
 def random_rows(node_cores: int, node_gpus: int, n: int, seed: int = 1) -> list[dict]:
     """``n`` random mixes on a ``node_cores``:``node_gpus`` node, the same as ``evaluation.mix_study``'s
     for that seed (``mix_study.random_mix``, run by ``mix_study.run_mix``), each searched."""
-    from evaluation import mix_study as MS
-
     rng = random.Random(seed)
     cfg = V.study_config(node_cores, node_gpus)
     rows = []
@@ -275,11 +277,11 @@ def random_summary(rows: list[dict]) -> dict:
     out = {}
     for node, rs in by.items():
         s = {"mixes": len(rs), "feasible": sum(1 for r in rs if r["feasible"])}
-        for name, key, over in (("adaptive_x_best", "adaptive_agg", "best_baseline_agg"),
-                                ("plan_x_best", "best_plan_agg", "best_baseline_agg"),
-                                ("adaptive_x_plan", "adaptive_agg", "best_plan_agg")):
+        for name, key, over in RATIOS:
+            if name == "bound_x_best":
+                continue
             xs = sorted(r[key] / r[over] for r in rs if r[over])
-            s[name] = {"median": V._median(xs), "p10": xs[int(0.1 * (len(xs) - 1))], "min": xs[0], "max": xs[-1],
+            s[name] = {"median": V._median(xs), "p10": MS._q(xs, 0.1), "min": xs[0], "max": xs[-1],
                        "at_1.10": sum(1 for x in xs if x >= 1.10)} if xs else None
         out[node] = s
     return out
@@ -313,10 +315,7 @@ def summarise(rows: list[dict]) -> list[dict]:
              "feasible": all(r["feasible"] for r in rs),
              "adaptive_worst_vs_static": V._median([r["adaptive_worst_vs_static"] for r in rs
                                                     if r.get("adaptive_worst_vs_static") is not None])}
-        for name, key, over in (("adaptive_x_best", "adaptive_agg", "best_baseline_agg"),
-                                ("plan_x_best", "best_plan_agg", "best_baseline_agg"),
-                                ("bound_x_best", "bound_fair_agg", "best_baseline_agg"),
-                                ("adaptive_x_plan", "adaptive_agg", "best_plan_agg")):
+        for name, key, over in RATIOS:
             xs = ratios(key, over)
             s[name] = V._median(xs) if xs else None
             s[name + "_range"] = [min(xs), max(xs)] if xs else None
