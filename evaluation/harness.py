@@ -14,6 +14,9 @@ How each policy runs (the jobs are the same processes in every case), as users a
                                   best static plan for each job's measured points, from co-located probes
                                   of the mix (``measure_colocated``; repeated) or, for scenarios with
                                   arrivals or ``--oracle solo``, each kind's sweep alone on the node
+    plan:FILE                     the agent applying a given fixed plan per scenario (``load_plans``: e.g.
+                                  ``evaluation.best_plan``'s output), each job asking for its habitual
+                                  num_workers as under the agent's policies: is a model's plan real?
     none                          no agent; every job keeps its user's habitual num_workers; the OS arbitrates
     autotune                      no agent; every job num_workers="auto" (its own tuner, alone)
     static-cores                  no agent; every job (training process and workers) in its own cgroup
@@ -45,6 +48,73 @@ from evaluation.catalog import Catalog, JobSpec, make_job
 
 POLICIES_ALL = ("even-static", "even", "none", "autotune", "static-cores", "adaptive", "oracle")
 AGENT_POLICIES = ("even-static", "even", "adaptive", "oracle")
+PLAN_PREFIX = "plan:"   # ``plan:FILE``: the agent applying a fixed plan per scenario from FILE (``load_plans``)
+
+
+def plan_file(policy: str) -> Optional[Path]:
+    """The plan file of a ``plan:FILE`` policy, else None."""
+    return Path(policy[len(PLAN_PREFIX):]) if policy.startswith(PLAN_PREFIX) else None
+
+
+def policy_dirname(policy: str) -> str:
+    """A phase directory's name for the policy: ``plan:FILE`` as ``plan-STEM`` (a path has slashes)."""
+    f = plan_file(policy)
+    return f"plan-{f.stem}" if f is not None else policy
+
+
+def load_plans(path: Path) -> dict[str, dict]:
+    """Scenario -> ``{"plan": {job: {"workers": int, "cpus": float}}, "loaders_yield": bool or None}``
+    from ``path``, for a ``plan:FILE`` policy. Two forms:
+
+    - ``python -m evaluation.best_plan --out`` JSON (``{"rows": [...]}``): per scenario, of its rows
+      (one per repeat of the bench run it was searched on) the one whose best plan has the median
+      aggregate (the lower median for an even count), its plan's worker counts and CPU weights (which
+      sum to the loader CPUs, as a plan's cores do) and its loaders' yield;
+    - ``{"plans": {scenario: {job: {"workers": w, "cpus": c}}}, "loaders_yield": bool (optional)}``:
+      a plan written by hand; without ``loaders_yield`` the agent's rule decides, as for any plan.
+
+    A job of the scenario that the plan does not name gets the even share (``oracle_agent``). Raises
+    ``BenchError`` naming the problem: an unreadable file, neither form, a plan that is not per job
+    ``workers`` >= 1 and ``cpus`` > 0."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise BenchError(f"plan file {path}: cannot read it as JSON: {e}") from None
+    out: dict[str, dict] = {}
+    if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
+        by_sc: dict[str, list] = {}
+        for r in doc["rows"]:
+            if isinstance(r, dict) and isinstance(r.get("best_plan"), dict) and r.get("scenario"):
+                by_sc.setdefault(str(r["scenario"]), []).append(r)
+        for sc, rows in by_sc.items():
+            rows.sort(key=lambda r: (float(r.get("best_plan_agg") or 0.0), r.get("rep") or 0))
+            r = rows[(len(rows) - 1) // 2]
+            try:
+                plan = {j: {"workers": int(v[0]), "cpus": float(v[1])} for j, v in r["best_plan"].items()}
+            except (TypeError, ValueError, IndexError) as e:
+                raise BenchError(f"plan file {path}: scenario {sc!r}: best_plan is not job -> [workers, weight]: {e}") from None
+            out[sc] = {"plan": plan, "loaders_yield": r.get("loaders_yield")}
+    elif isinstance(doc, dict) and isinstance(doc.get("plans"), dict):
+        ly = doc.get("loaders_yield")
+        if ly is not None and not isinstance(ly, bool):
+            raise BenchError(f"plan file {path}: loaders_yield must be true or false, got {ly!r}")
+        for sc, plan in doc["plans"].items():
+            if not isinstance(plan, dict):
+                raise BenchError(f"plan file {path}: plans[{sc!r}] must be job -> {{\"workers\": w, \"cpus\": c}}")
+            try:
+                out[sc] = {"plan": {j: {"workers": int(v["workers"]), "cpus": float(v["cpus"])} for j, v in plan.items()},
+                           "loaders_yield": ly}
+            except (TypeError, ValueError, KeyError) as e:
+                raise BenchError(f"plan file {path}: plans[{sc!r}]: each job needs workers and cpus: {e!r}") from None
+    else:
+        raise BenchError(f"plan file {path}: expected evaluation.best_plan's output ({{\"rows\": [...]}}) or "
+                         f"{{\"plans\": {{scenario: {{job: {{\"workers\": w, \"cpus\": c}}}}}}}}")
+    for sc, p in out.items():
+        bad = [j for j, a in p["plan"].items() if a["workers"] < 1 or not a["cpus"] > 0]
+        if bad or not p["plan"]:
+            raise BenchError(f"plan file {path}: scenario {sc!r}: every job needs workers >= 1 and cpus > 0"
+                             + (f" (not {', '.join(bad)})" if bad else " (the plan names no job)"))
+    return out
 
 
 def split_policies(text: str) -> list[str]:
@@ -365,7 +435,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
              "--loader-cpus", "auto" if cfg.loader_cpus_auto else f"{cfg.loader_cpus:g}", "--max-jobs", str(max_jobs),
              "--cgroup-mode", cfg.cgroup_mode, "--log-level", cfg.agent_log_level,
              "--loader-memory", str(loader_memory) if loader_memory else "off"]
-    if policy == "oracle":
+    if policy == "oracle" or plan_file(policy) is not None:
         argv = [cfg.python, "-m", "evaluation.oracle_agent", str(curves_path), *flags]
     else:
         argv = [cfg.python, "-m", "agent", "agent", "--policy", policy, *flags]
@@ -673,7 +743,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     static: Optional[StaticCores] = None
     t_phase0 = time.monotonic()
     try:
-        if parse_policy(policy)[0] in AGENT_POLICIES:
+        if parse_policy(policy)[0] in AGENT_POLICIES or plan_file(policy) is not None:
             agent, endpoint = start_agent(cfg, policy, run_dir, sock_dir, sc.max_concurrent, curves_path,
                                           sc.loader_memory)
         if policy == "static-cores":
@@ -1017,14 +1087,24 @@ def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], 
                 doc["note"] = "each kind measured alone on the node; memory: one worker's USS, the most seen in its sweep"
             curves_path = cfg.out_dir / "runs" / sc.name / "oracle-curves.json"
             curves_path.write_text(json.dumps({"jobs": sweeps, "memory": sweep_memory, **doc}))
+        plan_paths = {}
+        for policy in policies:
+            f = plan_file(policy)
+            if f is not None:
+                p = load_plans(f).get(sc.name)
+                if p is None:
+                    raise BenchError(f"plan file {f} has no plan for scenario {sc.name}")
+                plan_paths[policy] = cfg.out_dir / "runs" / sc.name / f"{policy_dirname(policy)}.json"
+                plan_paths[policy].parent.mkdir(parents=True, exist_ok=True)
+                plan_paths[policy].write_text(json.dumps({**p, "source": str(f)}))
         for rep in range(reps):
             for policy in policy_order(policies, rep):
                 i += 1
                 label = f"{sc.name} {policy} rep {rep + 1}"
                 progress.begin(i, total, label)
-                run_dir = cfg.out_dir / "runs" / sc.name / f"{policy}-rep{rep + 1}"
+                run_dir = cfg.out_dir / "runs" / sc.name / f"{policy_dirname(policy)}-rep{rep + 1}"
                 try:
-                    ph = run_phase(cfg, sc, policy, rep, run_dir, curves_path,
+                    ph = run_phase(cfg, sc, policy, rep, run_dir, plan_paths.get(policy, curves_path),
                                    tick=lambda rel, planned: progress.tick(i, total, label, rel, planned))
                     ph["metrics"] = phase_metrics(ph)
                 except BenchError as e:

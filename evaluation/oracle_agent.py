@@ -14,7 +14,9 @@ cores together, each job's workers at its measured memory, GPU-weighted): the be
 budget allows. Plans are cached per set of jobs and budget, so the plan is fixed while they are. A
 job with no curve gets the even share (and, under a budget, one worker at its own measured memory).
 CURVES.json may instead be ``{"plan": {job_id: {"workers": int, "cpus": float}}}``: that fixed plan,
-as it is (the co-located probes themselves); a job not in it gets the even share.
+as it is (the co-located probes themselves); a job not in it gets the even share. With ``"source"`` (a
+bench ``plan:FILE`` policy: ``evaluation.harness.load_plans``) the plans are named "plan" and the
+loaders yield as ``"loaders_yield"`` says (null: the agent's rule).
 The policy is handed to the agent (``Agent(policy=...)``); no global registry is touched.
 """
 from __future__ import annotations
@@ -27,8 +29,11 @@ from typing import Optional
 from evaluation.oracle import JobValue, options_from_sweep, solve, solve_memory, value_from_sweep
 
 
-def make_fixed_policy(plan_by_job: dict):
-    """A policy that applies ``{job: {"workers": w, "cpus": c}}`` as it is (the co-located probes)."""
+def make_fixed_policy(plan_by_job: dict, loaders_yield: Optional[bool] = None, name: str = "oracle",
+                      reason: str = "probe: fixed plan"):
+    """A policy that applies ``{job: {"workers": w, "cpus": c}}`` as it is (the co-located probes; a
+    bench ``plan:FILE`` policy, ``name`` "plan"). ``loaders_yield``: the loaders' yield the plan was
+    made with (None: the agent's rule, ``node_allocation``, decides)."""
     from agent.model import AllocationPlan, JobAllocation
     from agent.policies import node_allocation
 
@@ -40,11 +45,15 @@ def make_fixed_policy(plan_by_job: dict):
             p = plan_by_job.get(j)
             if p is None:
                 allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(share) or 1), cpus=share,
-                                          reason="probe: not in the plan, even share")
+                                          reason=f"{name}: not in the plan, even share")
             else:
                 allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(p["workers"])),
-                                          cpus=max(0.01, float(p["cpus"])), reason="probe: fixed plan")
-        return AllocationPlan(policy="oracle", allocations=allocs, node=node_allocation(snapshot, config))
+                                          cpus=max(0.01, float(p["cpus"])), reason=reason)
+        node = node_allocation(snapshot, config)
+        if loaders_yield is not None and node.loaders_yield != loaders_yield:
+            node = dataclasses.replace(node, loaders_yield=loaders_yield,
+                                       reason=f"the plan's: loaders {'yield' if loaders_yield else 'do not yield'}")
+        return AllocationPlan(policy=name, allocations=allocs, node=node)
 
     return fixed
 
@@ -117,7 +126,10 @@ def main(argv=None) -> int:
     from agent.commands import agent as agent_command
 
     args = build_parser("agent").parse_args(["agent", *argv[1:]])
-    if "plan" in doc:
+    if "plan" in doc and "source" in doc:       # a bench plan:FILE policy (evaluation.harness.load_plans)
+        policy = make_fixed_policy(doc["plan"], doc.get("loaders_yield"), name="plan",
+                                   reason=f"fixed plan from {doc['source']}")
+    elif "plan" in doc:
         policy = make_fixed_policy(doc["plan"])
     else:
         policy = make_oracle_policy(doc.get("jobs", {}), doc.get("memory"), doc.get("budget_cores"))

@@ -641,3 +641,73 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv
     assert not out.exists()
+
+
+def test_plan_files_load_in_both_forms_and_bad_ones_are_refused(tmp_path, capsys):
+    """``plan:FILE``: best_plan's output gives per scenario the repeat whose plan has the median
+    aggregate; a hand-written plan is taken as it is; a bad file, or one without a plan for a scenario
+    asked for, is refused with exit 2 and a message naming it, before anything runs."""
+    from agent.cli import build_parser
+    from evaluation.harness import BenchError, load_plans, plan_file, policy_dirname
+
+    rows = [{"scenario": "oversubscribed", "rep": r, "best_plan_agg": agg, "loaders_yield": r != 1,
+             "best_plan": {"a": [1, w], "b": [2, 1.8 - w]}} for r, agg, w in ((0, 1.30, 0.4), (1, 1.20, 0.5), (2, 1.25, 0.6))]
+    rows.append({"scenario": "gpu-weighted", "rep": 0, "best_plan_agg": 2.0, "loaders_yield": True,
+                 "best_plan": {"a": [3, 1.0]}})
+    searched = tmp_path / "searched.json"
+    searched.write_text(json.dumps({"rows": rows, "summary": []}))
+    plans = load_plans(searched)
+    assert plans["oversubscribed"] == {"plan": {"a": {"workers": 1, "cpus": 0.6}, "b": {"workers": 2, "cpus": 1.8 - 0.6}},
+                                       "loaders_yield": True}          # rep 2: 1.25 is the median of 1.20, 1.25, 1.30
+    assert plans["gpu-weighted"]["plan"] == {"a": {"workers": 3, "cpus": 1.0}}
+    hand = tmp_path / "hand.json"
+    hand.write_text(json.dumps({"plans": {"heterogeneous": {"x": {"workers": 2, "cpus": 0.5}}}}))
+    assert load_plans(hand) == {"heterogeneous": {"plan": {"x": {"workers": 2, "cpus": 0.5}}, "loaders_yield": None}}
+    assert plan_file(f"plan:{hand}") == hand and plan_file("adaptive") is None
+    assert policy_dirname(f"plan:{hand}") == "plan-hand" and policy_dirname("none") == "none"
+    for doc, why in (("{", "cannot read it as JSON"),
+                     (json.dumps({"plan": {}}), "expected evaluation.best_plan's output"),
+                     (json.dumps({"plans": {"s": {"x": {"workers": 0, "cpus": 1}}}}), "workers >= 1 and cpus > 0 (not x)"),
+                     (json.dumps({"plans": {"s": {"x": {"cpus": 1}}}}), "each job needs workers and cpus"),
+                     (json.dumps({"plans": {"s": {}}}), "the plan names no job"),
+                     (json.dumps({"plans": {"s": {"x": {"workers": 1, "cpus": 1}}}, "loaders_yield": "yes"}),
+                      "loaders_yield must be true or false")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(doc)
+        with pytest.raises(BenchError, match=re.escape(why)):
+            load_plans(bad)
+    out = tmp_path / "out"
+    for argv, words in ((["--scenarios", "trainer-cpu", "--policies", f"none,plan:{searched}"],
+                         f"plan file {searched} has no plan for scenario trainer-cpu"),
+                        (["--scenarios", "heterogeneous", "--policies", f"plan:{tmp_path / 'absent.json'}"],
+                         "cannot read it as JSON"),
+                        (["--policies", "plan"], "unknown scenario/policy: plan")):
+        args = build_parser().parse_args(["bench", "--out", str(out), *argv])
+        assert args.func(args) == 2, argv
+        assert words in capsys.readouterr().err, argv
+    assert not out.exists()
+
+
+def test_a_plan_policy_runs_the_agent_with_that_fixed_plan(tmp_path, tiny_catalog):
+    """``plan:FILE``: the real agent applies the file's workers and CPU weights to the scenario's jobs
+    (the jobs asked for their habitual workers) and the loaders' yield the file says."""
+    plan = tmp_path / "myplan.json"
+    plan.write_text(json.dumps({"plans": {"heterogeneous": {"hete-0-heavy": {"workers": 1, "cpus": 0.7},
+                                                            "hete-1-light": {"workers": 1, "cpus": 0.3}}},
+                                "loaders_yield": True}))
+    policy = f"plan:{plan}"
+    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", [policy], warmup_s=1.5, measure_s=1.5)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["policy"] == policy
+    # the jobs asked for their habitual workers (the node's CPUs, 2 or more); the plan's are 1
+    assert {j: x["workers_end"] for j, x in ph["metrics"]["jobs"].items()} == {"hete-0-heavy": 1, "hete-1-light": 1}
+    doc = json.loads((tmp_path / "out" / "runs" / "heterogeneous" / "plan-myplan-rep1" / "agent-status.json").read_text())
+    jobs = {j["job"]: j for j in doc["jobs"]}
+    for j, want in (("hete-0-heavy", 0.7), ("hete-1-light", 0.3)):
+        assert jobs[j]["requested_workers"] >= 2
+        assert jobs[j]["cpus"] == pytest.approx(want)
+        assert jobs[j]["reason"] == f"fixed plan from {plan}"
+    # the agent's rule would not yield here (these trainers need no CPU); the plan's yield is applied
+    assert doc["node"]["loaders_yield"] is True and doc["node"]["reason"] == "the plan's: loaders yield"
+    assert f"[1/1] heterogeneous {policy} rep 1:" in progress
+    assert _no_children_left() == []

@@ -23,7 +23,10 @@ def register(sub) -> None:
                    help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
     p.add_argument("--policies", default=",".join(POLICIES_ALL),
                    help="comma-separated policies to compare; an agent policy may be a variant with agent "
-                        "config keys, e.g. 'adaptive[loaders_yield=never]' (an A/B in one interleaved run)")
+                        "config keys, e.g. 'adaptive[loaders_yield=never]' (an A/B in one interleaved run); "
+                        "'plan:FILE' runs the agent with a fixed plan per scenario from FILE "
+                        "(python -m evaluation.best_plan --out, or {\"plans\": {scenario: {job: "
+                        "{\"workers\": w, \"cpus\": c}}}})")
     p.add_argument("--reps", type=int, default=None, help="repeats (quick: 1, full: 3)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
     p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
@@ -104,7 +107,8 @@ def _check_numbers(args, node_cores: int) -> str | None:
 
 def run(args) -> int:
     from evaluation import report, setup
-    from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL, BenchError, parse_policy, split_policies
+    from evaluation.harness import (POLICIES_ALL, SCENARIOS_ALL, BenchError, load_plans, parse_policy, plan_file,
+                                    split_policies)
 
     quick = not args.full
     scenarios = args.scenarios.split(",") if args.scenarios else (
@@ -115,11 +119,24 @@ def run(args) -> int:
     except BenchError as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 2
-    bad = [s for s in scenarios if s not in SCENARIOS_ALL] + [p for p in bases if p not in POLICIES_ALL]
+    bad = [s for s in scenarios if s not in SCENARIOS_ALL] + [
+        p for p in bases if p not in POLICIES_ALL and plan_file(p) is None]
     if bad:
         print(f"adloader bench: unknown scenario/policy: {', '.join(bad)}; scenarios: {', '.join(SCENARIOS_ALL)}; "
-              f"policies: {', '.join(POLICIES_ALL)}", file=sys.stderr)
+              f"policies: {', '.join(POLICIES_ALL)}, plan:FILE", file=sys.stderr)
         return 2
+    for p in policies:
+        f = plan_file(p)
+        if f is None:
+            continue
+        try:
+            missing = [s for s in scenarios if s not in load_plans(f)]
+        except BenchError as e:
+            print(f"adloader bench: {e}", file=sys.stderr)
+            return 2
+        if missing:
+            print(f"adloader bench: plan file {f} has no plan for scenario {', '.join(missing)}", file=sys.stderr)
+            return 2
     if args.device == "cuda":
         why = _check_cuda()
         if why:
