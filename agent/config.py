@@ -45,6 +45,12 @@ for the ones the command line offers):
     floor_fraction  float  (0, 1], adaptive with fairness_floor: that part of the throughput of its share
                            each job keeps (1: the whole share's; lower leaves the greedy more to move
                            to where it buys more, at a cost to the job that gives), default 1.0
+    floor_allotment  str   loaders|whole, default "loaders": the static-cores allotment the fairness
+                           floor is raised to: "loaders", its part of the node's loader CPUs (node CPUs
+                           x its GPUs / all GPUs x loader_cpus / node CPUs, less its trainers' use: every
+                           floor fits the loader budget); "whole", the whole allotment less its
+                           trainers' use, what a batch scheduler's partition gives the job's loader
+                           (floors may then exceed the budget, and the raises are scaled to fit it)
     observed_cores  str    share|received, default "share": the cores a predictor window of a job under
                            a CPU share counts, at least its share (the kernel's floor under contention);
                            "received": where the job's GPU waited for data and its workers waited for a
@@ -148,6 +154,7 @@ class AgentConfig:
     fairness_floor: bool = True
     floor_fraction: float = 1.0
     floor_reference: str = "habit"
+    floor_allotment: str = "loaders"
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
     finish_guard: bool = True
@@ -308,10 +315,12 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:
         bad("floor_fraction", "must be in (0, 1]")
-    from agent.policies import FLOOR_REFERENCES
+    from agent.policies import FLOOR_ALLOTMENTS, FLOOR_REFERENCES
 
     if cfg.floor_reference not in FLOOR_REFERENCES:
         bad("floor_reference", f"must be one of {', '.join(FLOOR_REFERENCES)}")
+    if cfg.floor_allotment not in FLOOR_ALLOTMENTS:
+        bad("floor_allotment", f"must be one of {', '.join(FLOOR_ALLOTMENTS)}")
     from agent.controller import OBSERVED_CORES
 
     if cfg.observed_cores not in OBSERVED_CORES:

@@ -48,6 +48,7 @@ EPS = 1e-9
 TRAINER_CPU_MIN = 0.05      # cores, all training processes together: below this they are taken to need no CPU
 LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
 FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
+FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -89,6 +90,15 @@ class PolicyConfig:
         throughput, 1.000 / 1.013 with "share"); measured on the 2-core VM, no difference. With "habit"
         more of each plan is the knapsack's, which follows each job's noisy estimate of the cores it can
         use; the hold's band guards it (tests/test_controller_reaction.py, +-3% noise).
+    floor_allotment: the static-cores allotment a floor is raised to. "loaders" (default): the job's part
+        of the node (node CPUs x its GPUs / all GPUs) scaled to the loaders' part of the node
+        (loader_cpus / node CPUs), less its trainers' use: every floor fits the loader budget, and a
+        core-bound job's floor is about 0.9 of what its partition gives it. "whole": the whole
+        allotment less its trainers' use, what a batch scheduler's partition leaves its loader (the
+        raises are scaled down where they do not fit the budget). Measured on the 2-core VM (issue 11,
+        thirty-fourth pass) the "loaders" floor delivered the AlexNet-like job of the gpu-weighted mix
+        0.89x its static-cores throughput at median (its one worker got 0.34-0.39 of its 0.40 planned
+        cores beside a two-worker job).
     floor_fraction: see fairness_floor (1.0, the default: the whole share's throughput is a floor;
         below 1, the rest of every share goes to the knapsack, so a job whose cores buy little gives some
         to one whose cores buy more, and no job loses more than 1 - floor_fraction of its GPU share's
@@ -156,6 +166,7 @@ class PolicyConfig:
     yield_foreign_max_cores: float = 0.5
     cpu_bound_min_workers: int = 1
     floor_reference: str = "habit"
+    floor_allotment: str = "loaders"
     finish_guard: bool = True
 
     def __post_init__(self) -> None:
@@ -169,6 +180,9 @@ class PolicyConfig:
         for name in ("hysteresis", "worker_start_s", "min_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.floor_allotment not in FLOOR_ALLOTMENTS:
+            raise ValueError(f"PolicyConfig.floor_allotment must be one of {', '.join(FLOOR_ALLOTMENTS)}, "
+                             f"got {self.floor_allotment!r}")
         if self.floor_reference not in FLOOR_REFERENCES:
             raise ValueError(f"PolicyConfig.floor_reference must be one of {', '.join(FLOOR_REFERENCES)}, "
                              f"got {self.floor_reference!r}")
@@ -762,7 +776,9 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     useful = {j: max(min_c, _useful_cores(warm[j], snapshot.jobs[j], cap[j], config, wcap.get(j))) for j in warm}
     node_cpus = max(float(len(snapshot.cpu_ids)), snapshot.loader_cpus)
-    part = snapshot.loader_cpus / node_cpus      # the loaders' part of the node
+    # the loaders' part of the node, which the static-cores floors are scaled to (floor_allotment "loaders"),
+    # or the whole allotment ("whole")
+    part = snapshot.loader_cpus / node_cpus if config.floor_allotment == "loaders" else 1.0
     need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}     # each job's trainers at full speed
     allotment = {j: node_cpus * gpus[j] / total_gpus for j in ids}     # its static-cores allotment, whole
 

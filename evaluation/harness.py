@@ -67,7 +67,7 @@ def load_plans(path: Path) -> dict[str, dict]:
     from ``path``, for a ``plan:FILE`` policy. Two forms:
 
     - ``python -m evaluation.best_plan --out`` JSON (``{"rows": [...]}``): per scenario, of its rows
-      (one per repeat of the bench run it was searched on) the one whose best plan has the median
+      (one per repeat of each bench run it was searched on) the one whose best plan has the median
       aggregate (the lower median for an even count), its plan's worker counts and CPU weights (which
       sum to the loader CPUs, as a plan's cores do) and its loaders' yield;
     - ``{"plans": {scenario: {job: {"workers": w, "cpus": c}}}, "loaders_yield": bool (optional)}``:
@@ -1066,11 +1066,35 @@ def policy_order(policies: list[str], rep: int) -> list[str]:
     return list(policies[k:]) + list(policies[:k])
 
 
+def scenario_plans(scenarios: list[Scenario], policies: list[str]) -> dict[str, dict[str, dict]]:
+    """Scenario -> ``plan:FILE`` policy -> its plan (``load_plans``), checked before anything runs: a
+    BenchError where a file has no plan for a scenario or its plan names a job the scenario does not
+    have (a plan searched for another node's jobs, e.g. ``best_plan --nodes``)."""
+    out: dict[str, dict[str, dict]] = {}
+    for policy in policies:
+        f = plan_file(policy)
+        if f is None:
+            continue
+        loaded = load_plans(f)
+        for sc in scenarios:
+            p = loaded.get(sc.name)
+            if p is None:
+                raise BenchError(f"plan file {f} has no plan for scenario {sc.name}")
+            ids = {l.spec.job_id for l in sc.launches}
+            unknown = sorted(set(p["plan"]) - ids)
+            if unknown:
+                raise BenchError(f"plan file {f}: scenario {sc.name}'s plan names job(s) {', '.join(unknown)} "
+                                 f"it does not have (its jobs: {', '.join(sorted(ids))})")
+            out.setdefault(sc.name, {})[policy] = p
+    return out
+
+
 def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], reps: int, progress) -> dict:
     """Every scenario x repeat x policy (interleaved); returns raw phases plus their metrics."""
     phases = []
     total = len(scenarios) * reps * len(policies)
     i = 0
+    plans = scenario_plans(scenarios, policies)
     for sc in scenarios:
         curves_path = None
         sweeps = None
@@ -1088,15 +1112,10 @@ def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], 
             curves_path = cfg.out_dir / "runs" / sc.name / "oracle-curves.json"
             curves_path.write_text(json.dumps({"jobs": sweeps, "memory": sweep_memory, **doc}))
         plan_paths = {}
-        for policy in policies:
-            f = plan_file(policy)
-            if f is not None:
-                p = load_plans(f).get(sc.name)
-                if p is None:
-                    raise BenchError(f"plan file {f} has no plan for scenario {sc.name}")
-                plan_paths[policy] = cfg.out_dir / "runs" / sc.name / f"{policy_dirname(policy)}.json"
-                plan_paths[policy].parent.mkdir(parents=True, exist_ok=True)
-                plan_paths[policy].write_text(json.dumps({**p, "source": str(f)}))
+        for policy, p in plans.get(sc.name, {}).items():
+            plan_paths[policy] = cfg.out_dir / "runs" / sc.name / f"{policy_dirname(policy)}.json"
+            plan_paths[policy].parent.mkdir(parents=True, exist_ok=True)
+            plan_paths[policy].write_text(json.dumps({**p, "source": str(plan_file(policy))}))
         for rep in range(reps):
             for policy in policy_order(policies, rep):
                 i += 1

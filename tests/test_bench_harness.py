@@ -711,3 +711,17 @@ def test_a_plan_policy_runs_the_agent_with_that_fixed_plan(tmp_path, tiny_catalo
     assert doc["node"]["loaders_yield"] is True and doc["node"]["reason"] == "the plan's: loaders yield"
     assert f"[1/1] heterogeneous {policy} rep 1:" in progress
     assert _no_children_left() == []
+
+
+def test_a_plan_for_other_jobs_is_refused_before_a_phase_runs(tmp_path, tiny_catalog):
+    """A plan naming jobs the scenario does not have (searched on another node's mix) would run every
+    job at the even share under the plan's name: refused, naming them, before any phase."""
+    from evaluation.harness import BenchError
+
+    plan = tmp_path / "other.json"
+    plan.write_text(json.dumps({"plans": {"heterogeneous": {"0-heavy[num_workers=8]": {"workers": 1, "cpus": 0.5}}}}))
+    with pytest.raises(BenchError, match=re.escape("names job(s) 0-heavy[num_workers=8] it does not have "
+                                                   "(its jobs: hete-0-heavy, hete-1-light)")):
+        _run(tmp_path, tiny_catalog, "heterogeneous", ["none", f"plan:{plan}"], warmup_s=0.5, measure_s=0.5)
+    assert not (tmp_path / "out" / "runs").exists()
+    assert _no_children_left() == []

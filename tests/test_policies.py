@@ -220,6 +220,28 @@ def test_fairness_floor_habit_keeps_what_the_partition_gives_with_the_users_own_
         PolicyConfig(floor_reference="habits")
 
 
+def test_floor_allotment_whole_raises_a_floor_to_the_whole_partition():
+    """floor_allotment "loaders" (default) scales a job's static-cores allotment (8 CPUs x 1/4 GPUs = 2
+    cores) to the loaders' part of the node (7/8): its floor is 1.75 cores, 0.875 of what its partition
+    gives a core-bound loader. "whole" keeps the whole 2 cores less what its trainer uses; the 3-GPU job
+    gives the difference. A bad value is refused."""
+    huge = dict(cpu_s_per_batch=3.0, wall_s_per_batch=3.0)
+    s = snap("gpu-8core", [job("a", "heavy", gpus=3, trainer_cpu_s_per_step=0.02, **huge),
+                           job("b", "heavy", trainer_cpu_s_per_step=0.02, **huge)])
+    cv = curves_of(s)
+    assert PolicyConfig().floor_allotment == "loaders"
+    loaders = get_policy("adaptive")(s, cv, PolicyConfig())
+    whole = get_policy("adaptive")(s, cv, PolicyConfig(floor_allotment="whole"))
+    check_invariants(loaders, s)
+    check_invariants(whole, s)
+    b_trainer = s.jobs["b"].trainer_cpu_s_per_step / s.jobs["b"].compute_s_per_step
+    assert loaders.allocations["b"].cpus == pytest.approx(7 / 8 * 2.0, abs=0.02)
+    assert whole.allocations["b"].cpus == pytest.approx(2.0 - b_trainer * cv["b"].normalized(2, 2.0), abs=0.02)
+    assert whole.allocations["a"].cpus < loaders.allocations["a"].cpus - 0.2
+    with pytest.raises(ValueError, match="floor_allotment"):
+        PolicyConfig(floor_allotment="node")
+
+
 def test_fairness_floor_habit_of_no_workers_keeps_what_one_worker_gives():
     """A user who loads in the training process (``num_workers=0``, reported as requested_workers 0) has
     no worker count to floor at: "habit" takes what one worker gives in the job's static-cores allotment,
