@@ -1068,9 +1068,15 @@ def policy_order(policies: list[str], rep: int) -> list[str]:
 
 def scenario_plans(scenarios: list[Scenario], policies: list[str]) -> dict[str, dict[str, dict]]:
     """Scenario -> ``plan:FILE`` policy -> its plan (``load_plans``), checked before anything runs: a
-    BenchError where a file has no plan for a scenario or its plan names a job the scenario does not
-    have (a plan searched for another node's jobs, e.g. ``best_plan --nodes``)."""
+    BenchError where a file has no plan for a scenario, its plan names a job the scenario does not have
+    (a plan searched for another node's jobs, e.g. ``best_plan --nodes``), or two policies would write
+    one phase folder (``plan:a/x.json`` and ``plan:b/x.json``)."""
     out: dict[str, dict[str, dict]] = {}
+    names = [policy_dirname(p) for p in policies]
+    twins = sorted({n for n in names if names.count(n) > 1})
+    if twins:
+        raise BenchError(f"policies that would share the phase folder(s) {', '.join(twins)}: two plan files with one "
+                         f"name (or a policy twice); rename one")
     for policy in policies:
         f = plan_file(policy)
         if f is None:

@@ -725,3 +725,7 @@ def test_a_plan_for_other_jobs_is_refused_before_a_phase_runs(tmp_path, tiny_cat
         _run(tmp_path, tiny_catalog, "heterogeneous", ["none", f"plan:{plan}"], warmup_s=0.5, measure_s=0.5)
     assert not (tmp_path / "out" / "runs").exists()
     assert _no_children_left() == []
+    from evaluation.harness import scenario_plans
+
+    with pytest.raises(BenchError, match=re.escape("share the phase folder(s) plan-other")):
+        scenario_plans([], [f"plan:{plan}", f"plan:{tmp_path / 'sub' / 'other.json'}"])
