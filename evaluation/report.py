@@ -167,6 +167,32 @@ def cost_index(phases: list[dict]) -> dict[str, dict[str, list]]:
     return out
 
 
+def delivery(phases: list[dict]) -> dict[str, dict[str, dict[str, dict]]]:
+    """Per scenario, agent policy and job: the loader cores the job's workers received over the window
+    (the harness's measure) over the cores its plan gave it (the agent's status at the window's end),
+    for the jobs planned fewer cores than they could use (the status's ``unsatisfied``): a job held at
+    its fairness floor is one of them. Median, least and most over the repeats. Under 1: a CPU weight
+    delivered less than planned (on a small node a one-worker job beside jobs with more workers: the
+    CPUs are shared closer to per thread than per weight); above 1: it got CPU others left. The plan may
+    have moved during the window; a job satisfied at its plan is left out (it takes what it needs)."""
+    xs: dict[tuple[str, str, str], list[float]] = {}
+    for ph in phases:
+        status = ((ph.get("agent_status") or {}).get("jobs") or {})
+        jobs = (ph.get("metrics") or {}).get("jobs") or {}
+        if not isinstance(status, dict):
+            continue
+        for j, st in status.items():
+            got, planned = (jobs.get(j) or {}).get("worker_cpu_cores"), (st or {}).get("cpus")
+            if not (st or {}).get("unsatisfied") or got is None or not planned or planned <= 0:
+                continue
+            xs.setdefault((ph["scenario"], ph["policy"], j), []).append(float(got) / float(planned))
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for (sc, pol, j), v in xs.items():
+        out.setdefault(sc, {}).setdefault(pol, {})[j] = {"x_median": M.median(v), "x_min": min(v), "x_max": max(v),
+                                                         "phases": len(v)}
+    return out
+
+
 def goals(summary: dict) -> list[dict]:
     res = []
     for sc, pol, key, thr, text in GOALS:
@@ -193,7 +219,7 @@ def _fmt(v, spec=".3f"):
 
 
 def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optional[dict] = None,
-             costs: Optional[dict] = None) -> str:
+             costs: Optional[dict] = None, delivered: Optional[dict] = None) -> str:
     lines = []
     for sc, table in summary.items():
         lines.append(f"### {sc}\n")
@@ -244,6 +270,15 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
                 f"{p} {', '.join('–' if x is None else f'{x:.2f}' for x in v)}" for p, v in by_policy.items())
                 + ". Every job's cost tends to move with its phase: a policy whose phases ran dearer carries that "
                   "in its ratios (the machine then, or its own threads).")
+            lines.append("")
+        got = (delivered or {}).get(sc)
+        if got:
+            lines.append("Received / planned loader cores of the jobs planned fewer cores than they could use (the "
+                         "workers' CPU over the window / the plan at its end; median [range] over repeats): " + "; ".join(
+                             f"{p} " + ", ".join(f"{j} {c['x_median']:.2f} [{c['x_min']:.2f}–{c['x_max']:.2f}]"
+                                                 for j, c in sorted(by_job.items()))
+                             for p, by_job in got.items())
+                         + ". Under 1, the job's CPU weight delivered less than its plan.")
             lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")

@@ -93,8 +93,10 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
                       "memory it held in its sweep)"}
     workload = report.workload_check(result["phases"])
     costs = report.cost_index(result["phases"])
-    result.update(meta=meta, summary=summary, goals=goal_rows, workload_check=workload, cost_index=costs)
-    result["markdown"] = report.markdown(summary, goal_rows, meta, workload, costs)
+    delivered = report.delivery(result["phases"])
+    result.update(meta=meta, summary=summary, goals=goal_rows, workload_check=workload, cost_index=costs,
+                  delivery=delivered)
+    result["markdown"] = report.markdown(summary, goal_rows, meta, workload, costs, delivered)
     paths = report.write_outputs(result, out_dir)
     try:
         paths["plots"] = plots.write_plots(result, out_dir)

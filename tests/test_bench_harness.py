@@ -115,6 +115,7 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     assert set(check) == set(m["jobs"]) and all(c["phases"] == 1 and c["x_median"] > 0 for c in check.values())
     assert "Workload check, the loader CPU per sample the workers paid" in (tmp_path / "out" / "bench.md").read_text()
     assert set(doc["cost_index"]["heterogeneous"]) == {"none"} and len(doc["cost_index"]["heterogeneous"]["none"]) == 1
+    assert doc["delivery"] == {}          # no agent, no plan: nothing to compare
     assert "Cost per phase, the median over its jobs" in (tmp_path / "out" / "bench.md").read_text()
     assert (tmp_path / "out" / "policies.png").stat().st_size > 0
     assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0

@@ -260,6 +260,33 @@ def test_bench_reports_each_phases_cost_per_policy_by_repeat():
     assert "Cost per phase" not in report.markdown({"gpu-weighted": {}}, [], {})
 
 
+def test_bench_reports_what_a_short_job_received_of_its_plan():
+    """``report.delivery``: per scenario, agent policy and job planned fewer cores than it could use (its
+    status says ``unsatisfied``), the workers' measured CPU over the planned cores, median and range over
+    repeats; a satisfied job, a phase without the agent's status (no agent) or without a measure is left
+    out; the markdown prints it per policy."""
+    from evaluation import report
+
+    def phase(rep, policy, got_a, got_b, status=True):
+        jobs = {"a": {"worker_cpu_cores": got_a}, "b": {"worker_cpu_cores": got_b}, "c": {"worker_cpu_cores": None}}
+        st = {"jobs": {"a": {"cpus": 0.4, "unsatisfied": "wanted 1.80 cores for full speed, got 0.40"},
+                       "b": {"cpus": 0.8, "unsatisfied": ""},
+                       "c": {"cpus": 0.5, "unsatisfied": "wanted 1.0"}}} if status else None
+        return {"scenario": "gpu-weighted", "rep": rep, "policy": policy, "agent_status": st,
+                "metrics": {"agg_normalised": 2.0, "jobs": jobs}}
+
+    phases = [phase(0, "adaptive", 0.36, 0.2), phase(1, "adaptive", 0.32, 0.9), phase(2, "adaptive", 0.44, 0.5),
+              phase(0, "none", 0.6, 0.6, status=False),
+              {"scenario": "gpu-weighted", "rep": 1, "policy": "none", "error": "job a died"}]
+    got = report.delivery(phases)
+    assert got == {"gpu-weighted": {"adaptive": {"a": {"x_median": pytest.approx(0.9), "x_min": pytest.approx(0.8),
+                                                       "x_max": pytest.approx(1.1), "phases": 3}}}}
+    md = report.markdown({"gpu-weighted": {}}, [], {}, None, None, got)
+    line = [x for x in md.splitlines() if x.startswith("Received / planned")]
+    assert len(line) == 1 and "adaptive a 0.90 [0.80–1.10]." in line[0]
+    assert "Received / planned" not in report.markdown({"gpu-weighted": {}}, [], {})
+
+
 def test_probe_plans_spend_the_budget_and_show_each_job_three_levels():
     from evaluation.catalog import JobSpec
     from evaluation.harness import probe_plans
