@@ -125,8 +125,17 @@ def workload_check(phases: list[dict]) -> dict[str, dict[str, dict]]:
             xs.setdefault((ph["scenario"], j), []).append(x)
     out: dict[str, dict[str, dict]] = {}
     for (sc, j), v in xs.items():
-        out.setdefault(sc, {})[j] = {"x_median": M.median(v), "x_min": min(v), "x_max": max(v), "phases": len(v)}
+        out.setdefault(sc, {})[j] = _spread(v)
     return out
+
+
+def _spread(v: list[float]) -> dict:
+    """A per-job figure over phases: median, least, most and how many (``workload_check``, ``delivery``)."""
+    return {"x_median": M.median(v), "x_min": min(v), "x_max": max(v), "phases": len(v)}
+
+
+def _spread_text(by_job: dict) -> str:
+    return ", ".join(f"{j} {c['x_median']:.2f} [{c['x_min']:.2f}–{c['x_max']:.2f}]" for j, c in sorted(by_job.items()))
 
 
 def _phase_costs(ph: dict) -> dict[str, float]:
@@ -188,8 +197,7 @@ def delivery(phases: list[dict]) -> dict[str, dict[str, dict[str, dict]]]:
             xs.setdefault((ph["scenario"], ph["policy"], j), []).append(float(got) / float(planned))
     out: dict[str, dict[str, dict[str, dict]]] = {}
     for (sc, pol, j), v in xs.items():
-        out.setdefault(sc, {}).setdefault(pol, {})[j] = {"x_median": M.median(v), "x_min": min(v), "x_max": max(v),
-                                                         "phases": len(v)}
+        out.setdefault(sc, {}).setdefault(pol, {})[j] = _spread(v)
     return out
 
 
@@ -258,8 +266,7 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
             lo, hi = WORKLOAD_BAND
             off = [j for j, c in check.items() if not lo <= round(c["x_median"], 2) <= hi]     # as printed
             lines.append("Workload check, the loader CPU per sample the workers paid / the calibration (median "
-                         "[range] over phases): " + ", ".join(
-                             f"{j} {c['x_median']:.2f} [{c['x_min']:.2f}–{c['x_max']:.2f}]" for j, c in sorted(check.items()))
+                         "[range] over phases): " + _spread_text(check)
                          + (f". Outside {lo:g}–{hi:g} for {', '.join(sorted(off))}: those jobs' loader demand is not "
                             "the catalogue's design on this machine (the simulator can take the measured costs: "
                             "`validate_sim --cost measured`)." if off else "."))
@@ -275,9 +282,7 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
         if got:
             lines.append("Received / planned loader cores of the jobs planned fewer cores than they could use (the "
                          "workers' CPU over the window / the plan at its end; median [range] over repeats): " + "; ".join(
-                             f"{p} " + ", ".join(f"{j} {c['x_median']:.2f} [{c['x_min']:.2f}–{c['x_max']:.2f}]"
-                                                 for j, c in sorted(by_job.items()))
-                             for p, by_job in got.items())
+                             f"{p} {_spread_text(by_job)}" for p, by_job in got.items())
                          + ". Under 1, the job's CPU weight delivered less than its plan.")
             lines.append("")
     if goal_rows:
