@@ -1066,11 +1066,13 @@ def policy_order(policies: list[str], rep: int) -> list[str]:
     return list(policies[k:]) + list(policies[:k])
 
 
-def scenario_plans(scenarios: list[Scenario], policies: list[str]) -> dict[str, dict[str, dict]]:
-    """Scenario -> ``plan:FILE`` policy -> its plan (``load_plans``), checked before anything runs: a
-    BenchError where a file has no plan for a scenario, its plan names a job the scenario does not have
-    (a plan searched for another node's jobs, e.g. ``best_plan --nodes``), or two policies would write
-    one phase folder (``plan:a/x.json`` and ``plan:b/x.json``)."""
+def scenario_plans(scenarios: list[str], policies: list[str],
+                   job_ids: Optional[dict[str, set]] = None) -> dict[str, dict[str, dict]]:
+    """Scenario name -> ``plan:FILE`` policy -> its plan (``load_plans``), checked before anything runs
+    (``adloader bench`` before the calibration, ``run_bench`` again with each scenario's ``job_ids``): a
+    BenchError where two policies would write one phase folder (``plan:a/x.json`` and ``plan:b/x.json``),
+    a file has no plan for a scenario, or its plan names a job the scenario does not have (a plan
+    searched for another node's jobs, e.g. ``best_plan --nodes``)."""
     out: dict[str, dict[str, dict]] = {}
     names = [policy_dirname(p) for p in policies]
     twins = sorted({n for n in names if names.count(n) > 1})
@@ -1082,16 +1084,16 @@ def scenario_plans(scenarios: list[Scenario], policies: list[str]) -> dict[str, 
         if f is None:
             continue
         loaded = load_plans(f)
+        missing = [sc for sc in scenarios if sc not in loaded]
+        if missing:
+            raise BenchError(f"plan file {f} has no plan for scenario {', '.join(missing)}")
         for sc in scenarios:
-            p = loaded.get(sc.name)
-            if p is None:
-                raise BenchError(f"plan file {f} has no plan for scenario {sc.name}")
-            ids = {l.spec.job_id for l in sc.launches}
-            unknown = sorted(set(p["plan"]) - ids)
+            ids = (job_ids or {}).get(sc)
+            unknown = sorted(set(loaded[sc]["plan"]) - ids) if ids is not None else []
             if unknown:
-                raise BenchError(f"plan file {f}: scenario {sc.name}'s plan names job(s) {', '.join(unknown)} "
+                raise BenchError(f"plan file {f}: scenario {sc}'s plan names job(s) {', '.join(unknown)} "
                                  f"it does not have (its jobs: {', '.join(sorted(ids))})")
-            out.setdefault(sc.name, {})[policy] = p
+            out.setdefault(sc, {})[policy] = loaded[sc]
     return out
 
 
@@ -1100,7 +1102,8 @@ def run_bench(cfg: BenchConfig, scenarios: list[Scenario], policies: list[str], 
     phases = []
     total = len(scenarios) * reps * len(policies)
     i = 0
-    plans = scenario_plans(scenarios, policies)
+    plans = scenario_plans([sc.name for sc in scenarios], policies,
+                           {sc.name: {l.spec.job_id for l in sc.launches} for sc in scenarios})
     for sc in scenarios:
         curves_path = None
         sweeps = None

@@ -107,7 +107,7 @@ def _check_numbers(args, node_cores: int) -> str | None:
 
 def run(args) -> int:
     from evaluation import report, setup
-    from evaluation.harness import (POLICIES_ALL, SCENARIOS_ALL, BenchError, load_plans, parse_policy, plan_file,
+    from evaluation.harness import (POLICIES_ALL, SCENARIOS_ALL, BenchError, parse_policy, plan_file, scenario_plans,
                                     split_policies)
 
     quick = not args.full
@@ -125,18 +125,11 @@ def run(args) -> int:
         print(f"adloader bench: unknown scenario/policy: {', '.join(bad)}; scenarios: {', '.join(SCENARIOS_ALL)}; "
               f"policies: {', '.join(POLICIES_ALL)}, plan:FILE", file=sys.stderr)
         return 2
-    for p in policies:
-        f = plan_file(p)
-        if f is None:
-            continue
-        try:
-            missing = [s for s in scenarios if s not in load_plans(f)]
-        except BenchError as e:
-            print(f"adloader bench: {e}", file=sys.stderr)
-            return 2
-        if missing:
-            print(f"adloader bench: plan file {f} has no plan for scenario {', '.join(missing)}", file=sys.stderr)
-            return 2
+    try:
+        scenario_plans(scenarios, policies)         # plan:FILE policies' files, before the calibration
+    except BenchError as e:
+        print(f"adloader bench: {e}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         why = _check_cuda()
         if why:
