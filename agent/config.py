@@ -64,6 +64,10 @@ for the ones the command line offers):
                            1 (default) lets the smallest such plan be one thread; 2 gives every such job two
                            or more, so a small one is not one thread beside its neighbours' several (on a
                            small node a contended CPU is shared per thread more than per group weight)
+    delivery_correction  float  1..16, adaptive with CPU weights (the shares knob): the most a CPU-bound
+                           job's weight is raised over its planned cores so that it receives them, when
+                           its workers received a smaller part of their cores than the other CPU-bound
+                           jobs' (``agent.policies._delivery_factors``); default 1.0 (off)
     finish_guard    bool   adaptive: when every job says how many steps it has left (the loader's
                            ``total_steps``), the jobs whose remaining time sets the node's finishing time
                            get the cores they can use before the rest is shared for throughput
@@ -155,6 +159,7 @@ class AgentConfig:
     floor_fraction: float = 1.0
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
+    delivery_correction: float = 1.0
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
     finish_guard: bool = True
@@ -321,6 +326,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("floor_reference", f"must be one of {', '.join(FLOOR_REFERENCES)}")
     if cfg.floor_allotment not in FLOOR_ALLOTMENTS:
         bad("floor_allotment", f"must be one of {', '.join(FLOOR_ALLOTMENTS)}")
+    if not 1 <= cfg.delivery_correction <= 16:
+        bad("delivery_correction", "must be in [1, 16]")
     from agent.controller import OBSERVED_CORES
 
     if cfg.observed_cores not in OBSERVED_CORES:

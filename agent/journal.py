@@ -78,6 +78,8 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
     need(isinstance(a.get("enforce_cpu", True), bool), p, f"{w}.enforce_cpu", "true or false", a.get("enforce_cpu"))
     need(a.get("budget") is None or (is_num(a.get("budget")) and a["budget"] >= 0), p, f"{w}.budget",
          "null or a number >= 0", a.get("budget"))
+    need(is_num(a.get("delivery", 1.0)) and a.get("delivery", 1.0) >= 1.0, p, f"{w}.delivery", "a number >= 1",
+         a.get("delivery"))
     return alloc_from_dict(dict(a, job=job))
 
 

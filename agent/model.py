@@ -34,6 +34,8 @@ class JobAllocation:
     cold: bool = False                    # planned without a curve (a cold-start rule), not from an estimate
     budget: Optional[float] = None        # the share budget (cores) of the plan that made it: adaptive's own
                                           # record, so that a re-plan keeps the budget in force (its sticky rule)
+    delivery: float = 1.0                 # the factor its CPU weight carries over its cores so that it receives
+                                          # them (adaptive's ``delivery_correction``; 1 = none)
 
     @property
     def weight_cores(self) -> float:

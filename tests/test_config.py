@@ -34,6 +34,7 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     ('floor_fraction = 1.5\n', "'floor_fraction'"),
     ('floor_reference = "gpus"\n', "'floor_reference'"),
     ('floor_allotment = "node"\n', "'floor_allotment'"),
+    ('delivery_correction = 0.5\n', "'delivery_correction'"),
     ('observed_cores = "delivered"\n', "'observed_cores'"),
     ('cpu_bound_min_workers = 0\n', "'cpu_bound_min_workers'"),
     ('io_weights = "maybe"\n', "'io_weights'"),

@@ -120,7 +120,7 @@ def test_the_agents_config_defaults_are_the_policys_defaults():
 
     mapped, default = _policy_config(configmod.AgentConfig()), PolicyConfig()
     for name in ("hysteresis", "min_confidence", "fairness_floor", "floor_fraction", "floor_reference", "floor_allotment",
-                 "loaders_yield",
+                 "delivery_correction", "loaders_yield",
                  "yield_foreign_max_cores", "pin_cpusets"):
         assert getattr(mapped, name) == getattr(default, name), name
 

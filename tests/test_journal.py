@@ -12,7 +12,8 @@ pytestmark = pytest.mark.unit
 
 
 def test_journal_atomic_roundtrip_and_corrupt_file(tmp_path):
-    a = JobAllocation(job="j", workers=3, cpus=1.5, cpuset=(0, 1), reason="r", cpu_weight=1.8, budget=2.55)
+    a = JobAllocation(job="j", workers=3, cpus=1.5, cpuset=(0, 1), reason="r", cpu_weight=1.8, budget=2.55,
+                      delivery=1.2)
     journal.save(str(tmp_path), {"j": a}, {"j": {"uid": 0}})
     doc = journal.load(str(tmp_path))
     assert doc["applied"]["j"] == a and doc["jobs"] == {"j": {"uid": 0}}

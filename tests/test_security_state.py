@@ -96,7 +96,8 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
         "a": {"job": "a", "workers": 2, "cpus": "two"},
         "b": {"job": "b", "workers": 1, "cpus": 0.5, "reason": "ok"},
         "c": {"job": "c", "workers": 1, "cpus": 0.5, "cpu_weight": -1},
-        "d": {"job": "d", "workers": 1, "cpus": 0.5, "budget": "all"}},
+        "d": {"job": "d", "workers": 1, "cpus": 0.5, "budget": "all"},
+        "e": {"job": "e", "workers": 1, "cpus": 0.5, "delivery": 0.5}},
         "jobs": {
             "x": {"uid": 5, "registered": True, "reg_cpus": "two"},
             "y": {"uid": 5, "registered": True, "reg_cpus": 2},
@@ -106,10 +107,10 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
     assert list(doc["applied"]) == ["b"] and doc["applied"]["b"].cpus == 0.5
     assert list(doc["jobs"]) == ["y"]
     text = "\n".join(doc["problems"])
-    for what in ("applied['a'].cpus", "applied['c'].cpu_weight", "applied['d'].budget", "jobs['x'].reg_cpus",
-                 "a job id", "jobs['z'].ranks['0'].pid"):
+    for what in ("applied['a'].cpus", "applied['c'].cpu_weight", "applied['d'].budget", "applied['e'].delivery",
+                 "jobs['x'].reg_cpus", "a job id", "jobs['z'].ranks['0'].pid"):
         assert what in text, (what, text)
-    assert text.count(p) == 6
+    assert text.count(p) == 7
 
 
 @pytest.mark.unit
