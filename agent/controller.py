@@ -357,6 +357,8 @@ class Controller:
                            if budget != snapshot.loader_cpus else "as configured")
                 self.loader_cpus_in_force = budget
             snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=self.applied_node(),
+                                           applied_age_s={j: max(0.0, now - t) for j, t in self._applied_at.items()
+                                                          if j in self._applied},
                                            loader_cpus=budget)
             model: dict[str, ThroughputCurve] = {}
             for job_id, job in snapshot.jobs.items():

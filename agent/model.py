@@ -149,6 +149,8 @@ class NodeSnapshot:
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
                                           # set by the controller alone (the collector leaves it empty)
     applied_node: Optional[NodeAllocation] = None   # the node allocation in force (the controller's, too)
+    applied_age_s: Mapping[str, float] = field(default_factory=dict)   # job -> seconds since its allocation
+                                          # in force last changed (the controller's; absent: unknown, old)
     loader_cpus_auto: bool = False        # loader_cpus is the "auto" default (the CPUs less a 10% reserve):
                                           # the controller may grow it into the part of the reserve that the
                                           # training processes and other processes leave (policies.grown_loader_cpus)

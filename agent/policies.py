@@ -56,6 +56,9 @@ HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floo
 HOLD_IDLE_FRAC = 0.05       # of the new plan's cores: a held plan may hand out this much less and still be held
 DELIVERY_GAIN = 0.5         # delivery_correction: the exponent of planned / received per decision (a half step in log)
 DELIVERY_QUEUED = 0.2       # ... raised only where the workers waited this part of their batch time for a CPU
+DELIVERY_SETTLE_S = 4.0     # ... and moved only once every such job's allocation has been in force this long (the
+                            # collector's figures are smoothed over SMOOTH_TAU_S = 3 s: sooner, they still hold
+                            # mostly the previous allocation, and the factor chased its own last step)
 HOLD_JOB_RISE = 0.10        # of a job's ceiling: a move that lifts one job this much, at little cost to the others,
                             # passes the hold on a node of any size
 FINISH_SLACK = 0.03         # finish_guard: a job whose remaining time at full speed is within this fraction of
@@ -154,12 +157,13 @@ class PolicyConfig:
         contended CPU, not a delivery: on a small node a one-worker job beside a neighbour's several
         workers receives less than its planned cores (measured on the 2-core VM, issue 11, thirty-fourth
         pass: 0.79-0.94 of them, the two-worker job 1.03-1.10), and a fairness floor planned at 0.9x
-        its static-cores throughput delivers less. With a value above 1, a job planned fewer cores than
-        it can use whose workers received less than its applied cores while they waited for a CPU
-        (``DELIVERY_QUEUED`` of their batch time in the run queue) and its GPU for data gets its weight
-        multiplied by (applied / received) ** ``DELIVERY_GAIN`` at each decision, at most this value;
-        one that received more than its cores has the factor brought back towards 1 the same way
-        (``JobAllocation.delivery`` carries the factor from one decision to the next). Cores, worker
+        its static-cores throughput delivers less. With a value above 1, among the jobs planned fewer
+        cores than they can use whose workers waited for a CPU (``DELIVERY_QUEUED`` of their batch time
+        in the run queue) and their GPU for data, one that received a smaller part of its applied cores
+        than they did together gets its weight raised by the gap (to the power ``DELIVERY_GAIN``), one
+        that received a larger part lowered, once their allocations have been in force
+        ``DELIVERY_SETTLE_S``; the least factor is 1, none above this value (``_delivery_factors``;
+        ``JobAllocation.delivery`` carries the factor from one decision to the next). Cores, worker
         counts and the subtree's weight are unchanged: only how the loaders' CPU is split among them.
     """
 
@@ -1139,8 +1143,9 @@ def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, 
 
     The jobs whose applied plan gave them fewer cores than they can use (``short``) hold their applied
     factor. Among those that were contended in the window (their GPU waited for data, their workers
-    for a CPU: ``DELIVERY_QUEUED`` of their batch time in the run queue), when there are two or more,
-    each factor moves by (rho x applied / received) ** ``DELIVERY_GAIN``, rho being their cores
+    for a CPU: ``DELIVERY_QUEUED`` of their batch time in the run queue), when there are two or more
+    and each one's allocation has been in force ``DELIVERY_SETTLE_S`` (``NodeSnapshot.applied_age_s``;
+    a factor's own move is such a change, so a factor moves at most once per that time), each factor moves by (rho x applied / received) ** ``DELIVERY_GAIN``, rho being their cores
     received over their cores applied, all together: what the weights set is the split among them,
     not how much CPU the loaders get in all (the trainers, a yielding subtree and other tenants take
     theirs first). The factors are then scaled so that the least is 1, and capped at
@@ -1157,7 +1162,8 @@ def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, 
         if (job.window_s > 0 and job.worker_cpu_cores > 0 and job.data_wait_frac >= LOADER_BOUND_WAIT
                 and job.wall_s_per_batch > 0 and job.runq_s_per_batch >= DELIVERY_QUEUED * job.wall_s_per_batch):
             seen[j] = (a.cpus, job.worker_cpu_cores)
-    if len(seen) >= 2:
+    settled = all(snapshot.applied_age_s.get(j, math.inf) >= DELIVERY_SETTLE_S for j in seen)
+    if len(seen) >= 2 and settled:
         rho = sum(r for _, r in seen.values()) / sum(c for c, _ in seen.values())
         for j, (c, r) in seen.items():
             held[j] *= (rho * c / r) ** DELIVERY_GAIN

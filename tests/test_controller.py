@@ -83,6 +83,28 @@ def test_the_applied_record_follows_the_policys_reason_and_cold_flag_without_a_r
     assert (a.reason, a.cold, a.cpus) == ("from its curve", False, 2.0)
 
 
+def test_the_policy_sees_how_long_each_allocation_has_been_in_force():
+    """``NodeSnapshot.applied_age_s``: seconds since the job's allocation in force last changed (a
+    change of weight alone counts; a plan that applies nothing new does not), for adaptive's
+    delivery correction, which waits for the smoothed figures to follow a change."""
+    src = FakeSource(4.0, [job_stats("a")])
+    seen = []
+    plans = iter([JobAllocation(job="a", workers=2, cpus=2.0), JobAllocation(job="a", workers=2, cpus=2.0),
+                  JobAllocation(job="a", workers=2, cpus=2.0, cpu_weight=3.0),
+                  JobAllocation(job="a", workers=2, cpus=2.0, cpu_weight=3.0)])
+
+    def policy(snapshot, curves, config):
+        from agent.model import AllocationPlan
+        seen.append(dict(snapshot.applied_age_s))
+        return AllocationPlan(policy="test", allocations={"a": next(plans)})
+
+    c = Controller(snapshot_source=src, policy=policy, policy_config=PolicyConfig(), predictor=FakeBank(),
+                   actuators=[RecordingActuator()])
+    for now in (1.0, 3.5, 7.0, 8.0):
+        c.tick(now=now)
+    assert seen == [{}, {"a": 2.5}, {"a": 6.0}, {"a": 1.0}]
+
+
 def test_departure_releases_and_hands_out_share_in_same_tick():
     src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
     act = RecordingActuator()

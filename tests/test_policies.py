@@ -569,6 +569,11 @@ def test_delivery_correction_raises_the_weight_of_a_job_that_receives_less_than_
         plan = get_policy("adaptive")(now, cv, capped)
         now = dataclasses.replace(now, applied=dict(plan.allocations))
     assert plan.allocations["one"].delivery == pytest.approx(1.1)
+    # allocations in force for less than DELIVERY_SETTLE_S: the smoothed figures still hold the previous
+    # one, the factor held
+    young = dataclasses.replace(_received(s, {"two": 1.2, "one": 0.2}), applied=dict(first),
+                                applied_age_s={"one": 10.0, "two": 1.0})
+    assert get_policy("adaptive")(young, cv, capped).allocations["one"].delivery == 1.0
     # workers not waiting for a CPU: nothing a weight can fix, the factor held
     held = dataclasses.replace(_received(s, {"two": 1.2, "one": 0.2}, queued=False), applied=dict(plan.allocations))
     assert get_policy("adaptive")(held, cv, capped).allocations["one"].delivery == pytest.approx(1.1)
