@@ -48,6 +48,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         cpus                CPU cores in force for the job's loader workers (null before any apply)
         cpu_weight          cores the job's CPU group weighs when not ``cpus`` (adaptive with the shares
                             knob: a job planned all the cores it can use weighs the loader CPUs), else null
+        delivery            the factor its CPU weight carries over ``cpus`` so that it receives them (adaptive's
+                            ``delivery_correction``; 1 = none), null before any apply
         cpuset[]            exclusive CPUs in force, null if not pinned
         desired_workers     what the last plan wants (may differ from workers while a directive travels)
         desired_cpus
@@ -130,6 +132,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "max_workers": st.max_workers if st is not None else None,
             "cpus": _r(a.cpus) if a is not None else None,
             "cpu_weight": _r(a.cpu_weight) if a is not None and a.cpu_weight is not None else None,
+            "delivery": _r(a.delivery) if a is not None else None,
             "cpuset": list(a.cpuset) if a is not None and a.cpuset else None,
             "desired_workers": desired.workers if desired is not None else None,
             "desired_cpus": _r(desired.cpus) if desired is not None else None,

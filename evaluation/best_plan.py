@@ -46,6 +46,7 @@ from agent.model import JobAllocation
 from evaluation import mix_study as MS
 from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
+from evaluation.report import read_bench
 
 FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughput (kept for every job, also
                         # one starved of data under every policy, which the issue exempts: a little conservative)
@@ -369,12 +370,9 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for path in args.bench:
         try:
-            with open(path) as fh:
-                bench = json.load(fh)
-            if not isinstance(bench, dict) or not isinstance(bench.get("phases"), list):
-                raise ValueError("no 'phases' list: not an `adloader bench` bench.json")
-        except (OSError, ValueError) as e:
-            print(f"best_plan: {path}: {e}", file=sys.stderr)
+            bench = read_bench(path)
+        except ValueError as e:
+            print(f"best_plan: {e}", file=sys.stderr)
             return 2
         if args.cost == "measured":
             bench, _ = V.with_measured_costs(bench, "measured")

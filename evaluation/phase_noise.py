@@ -138,13 +138,9 @@ def main(argv=None) -> int:
     rows = {}
     for path in a.bench:
         try:
-            with open(path) as f:
-                bench = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"phase_noise: cannot read {path}: {e}", file=sys.stderr)
-            return 2
-        if not isinstance(bench, dict) or not isinstance(bench.get("phases"), list):
-            print(f"phase_noise: {path} is not a bench.json (no phases)", file=sys.stderr)
+            bench = report.read_bench(path)
+        except ValueError as e:
+            print(f"phase_noise: {e}", file=sys.stderr)
             return 2
         rows[path] = analyse(bench)
     print(markdown(rows))

@@ -129,6 +129,21 @@ def workload_check(phases: list[dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
+def read_bench(path) -> dict:
+    """An ``adloader bench`` bench.json (for the tools that read runs: validate_sim, best_plan,
+    phase_noise). ValueError naming the file and what is wrong: unreadable, not JSON, no phases."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: cannot read it as JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("phases"), list):
+        raise ValueError(f"{path}: no 'phases' list: not an `adloader bench` bench.json")
+    return doc
+
+
 def _spread(v: list[float]) -> dict:
     """A per-job figure over phases: median, least, most and how many (``workload_check``, ``delivery``)."""
     return {"x_median": M.median(v), "x_min": min(v), "x_max": max(v), "phases": len(v)}
@@ -183,8 +198,11 @@ def delivery(phases: list[dict]) -> dict[str, dict[str, dict[str, dict]]]:
     its fairness floor is one of them. Median, least and most over the repeats. Under 1: a CPU weight
     delivered less than planned (on a small node a one-worker job beside jobs with more workers: the
     CPUs are shared closer to per thread than per weight); above 1: it got CPU others left. The plan may
-    have moved during the window; a job satisfied at its plan is left out (it takes what it needs)."""
+    have moved during the window; a job satisfied at its plan is left out (it takes what it needs).
+    ``weight_factor``: the factor its CPU weight carried over its cores at the window's end (the
+    status's ``delivery``: adaptive's ``delivery_correction``), where the status says."""
     xs: dict[tuple[str, str, str], list[float]] = {}
+    fs: dict[tuple[str, str, str], list[float]] = {}
     for ph in phases:
         status = ((ph.get("agent_status") or {}).get("jobs") or {})
         jobs = (ph.get("metrics") or {}).get("jobs") or {}
@@ -195,10 +213,22 @@ def delivery(phases: list[dict]) -> dict[str, dict[str, dict[str, dict]]]:
             if not (st or {}).get("unsatisfied") or got is None or not planned or planned <= 0:
                 continue
             xs.setdefault((ph["scenario"], ph["policy"], j), []).append(float(got) / float(planned))
+            if isinstance(st.get("delivery"), (int, float)):
+                fs.setdefault((ph["scenario"], ph["policy"], j), []).append(float(st["delivery"]))
     out: dict[str, dict[str, dict[str, dict]]] = {}
     for (sc, pol, j), v in xs.items():
         out.setdefault(sc, {}).setdefault(pol, {})[j] = _spread(v)
+        if fs.get((sc, pol, j)):
+            out[sc][pol][j]["weight_factor"] = _spread(fs[(sc, pol, j)])
     return out
+
+
+def _delivery_text(by_job: dict) -> str:
+    """``_spread_text`` with each job's weight factor where one was above 1 (``delivery``)."""
+    def factor(c: dict) -> str:
+        f = c.get("weight_factor")
+        return f" (weight x{f['x_median']:.2f} [{f['x_min']:.2f}–{f['x_max']:.2f}])" if f and f["x_max"] > 1.0 else ""
+    return ", ".join(f"{_spread_text({j: c})}{factor(c)}" for j, c in sorted(by_job.items()))
 
 
 def goals(summary: dict) -> list[dict]:
@@ -282,8 +312,9 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
         if got:
             lines.append("Received / planned loader cores of the jobs planned fewer cores than they could use (the "
                          "workers' CPU over the window / the plan at its end; median [range] over repeats): " + "; ".join(
-                             f"{p} {_spread_text(by_job)}" for p, by_job in got.items())
-                         + ". Under 1, the job's CPU weight delivered less than its plan.")
+                             f"{p} {_delivery_text(by_job)}" for p, by_job in got.items())
+                         + ". Under 1, the job's CPU weight delivered less than its plan (weight xF: the factor "
+                           "the agent's delivery correction put on it at the window's end).")
             lines.append("")
     if goal_rows:
         lines.append("Goals (ratios within a repeat, medians over repeats):\n")

@@ -56,6 +56,7 @@ from typing import Optional
 
 from evaluation import simulate as S
 from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
+from evaluation.report import read_bench
 
 BASELINES = ("none", "autotune", "static-cores", "even-static")
 COSTS = ("calibrated", "measured")     # --cost: a job's loader CPU per sample, the calibration's or the run's
@@ -658,10 +659,9 @@ def main(argv=None) -> int:
     doc: dict = {"validation": [], "study": {}}
     for path in args.bench:
         try:
-            with open(path) as f:
-                bench = json.load(f)
-        except (OSError, ValueError) as e:
-            ap.error(f"{path}: {e}")
+            bench = read_bench(path)
+        except ValueError as e:
+            ap.error(str(e))
         dyn = validate_dynamic(bench)
         factors = {}
         if args.cost == "measured":

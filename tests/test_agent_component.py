@@ -40,7 +40,7 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
                  what="status with rates")
     assert j["uid"] == os.getuid() and j["ranks"] == 1 and j["pids"] == [t.pid]
     assert sorted(j["worker_pids"]) == sorted(t.state()["worker_pids"])
-    assert j["cpus"] == pytest.approx(3.0) and j["desired_workers"] == 3
+    assert j["cpus"] == pytest.approx(3.0) and j["desired_workers"] == 3 and j["delivery"] == 1.0
     assert 0.25 < j["data_wait_frac"] < 0.35            # the fake loader waits 30% of its step time
     assert j["gpu_idle_frac"] == j["data_wait_frac"] and j["gpu_idle_source"] == "client"
     assert 100 < j["samples_per_s"] < 220                # 20 steps/s x 8 samples, smoothed

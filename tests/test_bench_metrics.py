@@ -285,6 +285,14 @@ def test_bench_reports_what_a_short_job_received_of_its_plan():
     line = [x for x in md.splitlines() if x.startswith("Received / planned")]
     assert len(line) == 1 and "adaptive a 0.90 [0.80–1.10]." in line[0]
     assert "Received / planned" not in report.markdown({"gpu-weighted": {}}, [], {})
+    # the factor the delivery correction put on the job's weight (the status's ``delivery``), where above 1
+    for ph, f in zip(phases[:3], (1.0, 1.6, 1.3)):
+        ph["agent_status"]["jobs"]["a"]["delivery"] = f
+    got = report.delivery(phases)
+    assert got["gpu-weighted"]["adaptive"]["a"]["weight_factor"] == {
+        "x_median": pytest.approx(1.3), "x_min": 1.0, "x_max": 1.6, "phases": 3}
+    md = report.markdown({"gpu-weighted": {}}, [], {}, None, None, got)
+    assert "adaptive a 0.90 [0.80–1.10] (weight x1.30 [1.00–1.60])." in md
 
 
 def test_probe_plans_spend_the_budget_and_show_each_job_three_levels():

@@ -97,6 +97,6 @@ def test_cli_prints_the_table_writes_json_and_names_a_bad_file(tmp_path, capsys)
     bad = tmp_path / "bad.json"
     bad.write_text('{"rows": []}')
     assert P.main([str(bad)]) == 2
-    assert "is not a bench.json (no phases)" in capsys.readouterr().err
+    assert "not an `adloader bench` bench.json" in capsys.readouterr().err
     assert P.main([str(tmp_path / "nope.json")]) == 2
     assert "cannot read" in capsys.readouterr().err

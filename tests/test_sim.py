@@ -557,7 +557,7 @@ def test_validate_sim_per_job_view_names_the_mechanism():
 
 
 @pytest.mark.unit
-def test_validate_sim_can_charge_each_job_the_loader_cost_its_workers_paid(tmp_path):
+def test_validate_sim_can_charge_each_job_the_loader_cost_its_workers_paid(tmp_path, capsys):
     """``--cost measured``: a job's loader CPU per sample in the simulator is what its workers paid in the
     run (per policy, measured over simulated CPU per sample, medians over repeats; the median over the
     policies), not the calibration. A job whose workers paid 1.56x its calibration gets dearer in the
@@ -622,6 +622,15 @@ def test_validate_sim_can_charge_each_job_the_loader_cost_its_workers_paid(tmp_p
     assert "costs" not in json.loads(calibrated.read_text())
     with pytest.raises(SystemExit):
         V.main([str(path), "--cost", "guessed"])
+    # a file that is not a bench.json: refused naming it, no traceback (report.read_bench)
+    for text, why in (('{"rows": []}', "not an `adloader bench` bench.json"), ("[1, 2", "cannot read it as JSON")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            V.main([str(bad)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert str(bad) in err and why in err, err
 
 
 @pytest.mark.unit
