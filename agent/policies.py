@@ -1145,8 +1145,9 @@ def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, 
     factor. Among those that were contended in the window (their GPU waited for data, their workers
     for a CPU: ``DELIVERY_QUEUED`` of their batch time in the run queue), when there are two or more
     and each one's allocation has been in force ``DELIVERY_SETTLE_S`` (``NodeSnapshot.applied_age_s``;
-    a factor's own move is such a change, so a factor moves at most once per that time), each factor moves by (rho x applied / received) ** ``DELIVERY_GAIN``, rho being their cores
-    received over their cores applied, all together: what the weights set is the split among them,
+    a factor's own move is such a change, so a factor moves at most once per that time), each factor
+    moves by (rho x applied / received) ** ``DELIVERY_GAIN``, rho being their cores received over
+    their cores applied, all together: what the weights set is the split among them,
     not how much CPU the loaders get in all (the trainers, a yielding subtree and other tenants take
     theirs first). The factors are then scaled so that the least is 1, and capped at
     ``delivery_correction``. Jobs not listed, or no longer short, weigh as before (factor 1)."""
