@@ -67,7 +67,8 @@ for the ones the command line offers):
     delivery_correction  float  1..16, adaptive with CPU weights (the shares knob): the most a CPU-bound
                            job's weight is raised over its planned cores so that it receives them, when
                            its workers received a smaller part of their cores than the other CPU-bound
-                           jobs' (``agent.policies._delivery_factors``); 1 turns it off; default 2.0
+                           jobs' (``agent.policies._delivery_factors``); default 1.0 (off: measured
+                           within noise on 2 cores, BENCHMARKS.md, thirty-fifth pass)
     finish_guard    bool   adaptive: when every job says how many steps it has left (the loader's
                            ``total_steps``), the jobs whose remaining time sets the node's finishing time
                            get the cores they can use before the rest is shared for throughput
@@ -159,7 +160,7 @@ class AgentConfig:
     floor_fraction: float = 1.0
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
-    delivery_correction: float = 2.0
+    delivery_correction: float = 1.0
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
     finish_guard: bool = True

@@ -153,7 +153,10 @@ class PolicyConfig:
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
         shares the rest. True (default); without remaining steps it does nothing.
     delivery_correction: adaptive with ``cpu_weights``: the most a CPU-bound job's weight is raised over
-        its planned cores so that it receives them (2.0, the default; 1.0: off). A weight is a share of a
+        its planned cores so that it receives them (1.0, the default: off; measured on the 2-core VM, issue
+        11, thirty-fifth pass, at 2.0: the aggregate within noise, 1.003x off at median over 13 paired
+        repeats of the oversubscribed mix, and the one-worker job it was for received more of its cores in
+        one run of three, less in two, its weight at the cap). A weight is a share of a
         contended CPU, not a delivery: on a small node a one-worker job beside a neighbour's several
         workers receives less than its planned cores (measured on the 2-core VM, issue 11, thirty-fourth
         pass: 0.79-0.94 of them, the two-worker job 1.03-1.10), and a fairness floor planned at 0.9x
@@ -187,7 +190,7 @@ class PolicyConfig:
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
     finish_guard: bool = True
-    delivery_correction: float = 2.0
+    delivery_correction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:

@@ -539,8 +539,8 @@ def test_delivery_correction_raises_the_weight_of_a_job_that_receives_less_than_
     both receive the same part of their cores; capped; cores and workers untouched; off by default."""
     s = snap("dev-2vcpu", [job("two", "heavy", gpus=2, max_workers=8), job("one", "heavy", max_workers=8)])
     cv = curves_of(s)
-    assert PolicyConfig().delivery_correction == 2.0
-    cfg = PolicyConfig(cpu_weights=True)
+    assert PolicyConfig().delivery_correction == 1.0
+    cfg = PolicyConfig(cpu_weights=True, delivery_correction=2.0)
     plan = get_policy("adaptive")(s, cv, cfg)
     first = dict(plan.allocations)
     assert all(a.delivery == 1.0 and a.cpu_weight is None for a in first.values())   # nothing measured yet
@@ -577,9 +577,9 @@ def test_delivery_correction_raises_the_weight_of_a_job_that_receives_less_than_
     # workers not waiting for a CPU: nothing a weight can fix, the factor held
     held = dataclasses.replace(_received(s, {"two": 1.2, "one": 0.2}, queued=False), applied=dict(plan.allocations))
     assert get_policy("adaptive")(held, cv, capped).allocations["one"].delivery == pytest.approx(1.1)
-    # off (1.0): the same window changes nothing
+    # off (1.0, the default): the same window changes nothing
     off = get_policy("adaptive")(dataclasses.replace(_received(s, {"two": 1.2, "one": 0.2}), applied=dict(first)),
-                                 cv, PolicyConfig(cpu_weights=True, delivery_correction=1.0))
+                                 cv, PolicyConfig(cpu_weights=True))
     assert all(a.delivery == 1.0 and a.cpu_weight is None for a in off.allocations.values())
     with pytest.raises(ValueError, match="delivery_correction"):
         PolicyConfig(delivery_correction=0.5)
