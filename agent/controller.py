@@ -55,10 +55,9 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from agent import logs
 from agent.collector import settled_window
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
-from agent.policies import Policy, PolicyConfig, grown_loader_cpus, trainer_compute_s
+from agent.policies import Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, trainer_compute_s
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
-from predictor.prior import LOADER_BOUND_WAIT
 
 log = logging.getLogger("agent.controller")
 
@@ -68,7 +67,6 @@ OBSERVE_INTERVAL_S = 3.0   # default: a job's window is fed to the predictor at 
 MIN_OBSERVE_S = 0.9        # the shortest window fed to it (about one client report period, REPORT_S)
 UNSETTLED_FALLBACK_S = 15.0   # no settled window for this long: the smoothed figures are the window
 OBSERVED_CORES = ("share", "received")
-QUEUED_FOR_CPU = 0.2       # a worker waiting this part of its batch time in the run queue: cores bound it
 DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
 
 
@@ -155,8 +153,8 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
 
     ``observed_cores`` "received": a share is not a floor where a contended CPU is shared per runnable
     thread more than per group weight (a small node: ``agent.policies.thread_split``), so a window in
-    which the training loop waited for data (``LOADER_BOUND_WAIT``) and the workers waited for a CPU
-    (``QUEUED_FOR_CPU`` of their batch time in the run queue) counts the CPU they received, where that
+    which the training loop waited for data and the workers waited for a CPU (``agent.policies.
+    cpu_starved_loader``) counts the CPU they received, where that
     is less than the share. With "share" the curve learns such a gap as the job's own inefficiency and
     the policy plans it more cores on the same workers, which the same sharing withholds again.
     """
@@ -177,9 +175,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             cap = min(cap, float(len(job.allowed_cpus)))
         if cap > 0:
             cores = min(cap, max(cores, job.worker_cpu_cores))
-        if (observed_cores == "received" and 0 < job.worker_cpu_cores < cores
-                and job.data_wait_frac >= LOADER_BOUND_WAIT and job.wall_s_per_batch > 0
-                and job.runq_s_per_batch >= QUEUED_FOR_CPU * job.wall_s_per_batch):
+        if observed_cores == "received" and 0 < job.worker_cpu_cores < cores and cpu_starved_loader(job):
             cores = job.worker_cpu_cores
     if cores <= 0:
         return None

@@ -55,7 +55,7 @@ HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a h
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
 HOLD_IDLE_FRAC = 0.05       # of the new plan's cores: a held plan may hand out this much less and still be held
 DELIVERY_GAIN = 0.5         # delivery_correction: the exponent of planned / received per decision (a half step in log)
-DELIVERY_QUEUED = 0.2       # ... raised only where the workers waited this part of their batch time for a CPU
+QUEUED_FOR_CPU = 0.2        # a worker waiting this part of its batch time in the run queue: cores bound it
 DELIVERY_SETTLE_S = 4.0     # ... and moved only once every such job's allocation has been in force this long (the
                             # collector's figures are smoothed over SMOOTH_TAU_S = 3 s: sooner, they still hold
                             # mostly the previous allocation, and the factor chased its own last step)
@@ -161,7 +161,7 @@ class PolicyConfig:
         workers receives less than its planned cores (measured on the 2-core VM, issue 11, thirty-fourth
         pass: 0.79-0.94 of them, the two-worker job 1.03-1.10), and a fairness floor planned at 0.9x
         its static-cores throughput delivers less. With a value above 1, among the jobs planned fewer
-        cores than they can use whose workers waited for a CPU (``DELIVERY_QUEUED`` of their batch time
+        cores than they can use whose workers waited for a CPU (``QUEUED_FOR_CPU`` of their batch time
         in the run queue) and their GPU for data, one that received a smaller part of its applied cores
         than they did together gets its weight raised by the gap (to the power ``DELIVERY_GAIN``), one
         that received a larger part lowered, once their allocations have been in force
@@ -1139,6 +1139,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                    predicted_total=new_total if warm else None)
 
 
+def cpu_starved_loader(job: JobStats) -> bool:
+    """The job's training loop waited for data (``LOADER_BOUND_WAIT`` of its step) while its workers
+    waited for a CPU (``QUEUED_FOR_CPU`` of their batch time in the run queue): its cores bound it (the
+    controller's "received" windows, the delivery correction)."""
+    return (job.data_wait_frac >= LOADER_BOUND_WAIT and job.wall_s_per_batch > 0
+            and job.runq_s_per_batch >= QUEUED_FOR_CPU * job.wall_s_per_batch)
+
+
 def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, float], bool],
                       config: PolicyConfig) -> dict[str, float]:
     """Each CPU-bound job's factor on its CPU weight (``PolicyConfig.delivery_correction``), from the
@@ -1146,7 +1154,7 @@ def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, 
 
     The jobs whose applied plan gave them fewer cores than they can use (``short``) hold their applied
     factor. Among those that were contended in the window (their GPU waited for data, their workers
-    for a CPU: ``DELIVERY_QUEUED`` of their batch time in the run queue), when there are two or more
+    for a CPU: ``cpu_starved_loader``), when there are two or more
     and each one's allocation has been in force ``DELIVERY_SETTLE_S`` (``NodeSnapshot.applied_age_s``;
     a factor's own move is such a change, so a factor moves at most once per that time), each factor
     moves by (rho x applied / received) ** ``DELIVERY_GAIN``, rho being their cores received over
@@ -1163,8 +1171,7 @@ def _delivery_factors(snapshot: NodeSnapshot, jobs: list, short: Callable[[str, 
         if a is None or not a.enforce_cpu or a.cpus <= 0 or not short(j, a.cpus):
             continue
         held[j] = max(1.0, a.delivery)
-        if (job.window_s > 0 and job.worker_cpu_cores > 0 and job.data_wait_frac >= LOADER_BOUND_WAIT
-                and job.wall_s_per_batch > 0 and job.runq_s_per_batch >= DELIVERY_QUEUED * job.wall_s_per_batch):
+        if job.window_s > 0 and job.worker_cpu_cores > 0 and cpu_starved_loader(job):
             seen[j] = (a.cpus, job.worker_cpu_cores)
     settled = all(snapshot.applied_age_s.get(j, math.inf) >= DELIVERY_SETTLE_S for j in seen)
     if len(seen) >= 2 and settled:
