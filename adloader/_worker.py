@@ -31,6 +31,7 @@ import struct
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
@@ -179,17 +180,30 @@ class IterableFetcher:
         return self.collate_fn(item), 1
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class RunQueueClock:
     """Run-queue delay of this process from ``/proc/self/schedstat`` (second field, nanoseconds:
     time spent runnable but waiting for a CPU; see Documentation/scheduler/sched-stats.rst). Opened
-    once; ``read_ns()`` returns 0 forever if the file is missing (no CONFIG_SCHED_INFO, not Linux)."""
+    once; ``read_ns()`` returns 0 forever if the file is missing (no CONFIG_SCHED_INFO, not Linux).
+    The file is closed by ``close()`` or when the clock is garbage-collected (every loader iterator
+    holds one: an epoch must not leave a file descriptor behind)."""
 
     def __init__(self) -> None:
+        self._fd = None
+        self._closer = None
         try:
-            self._fd = os.open("/proc/self/schedstat", os.O_RDONLY)
-            self.read_ns()
-        except (OSError, ValueError, IndexError):
-            self._fd = None
+            fd = os.open("/proc/self/schedstat", os.O_RDONLY)
+        except OSError:
+            return
+        self._fd = fd
+        self._closer = weakref.finalize(self, _close_quietly, fd)
+        self._closer.atexit = False
 
     def read_ns(self) -> int:
         if self._fd is None:
@@ -200,9 +214,9 @@ class RunQueueClock:
             return 0
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._fd = None
+        if self._closer is not None:
+            self._closer()
 
 
 # ---- DataPipes: what torch's own iterators do to them (torch/utils/data/dataloader.py) ----------
