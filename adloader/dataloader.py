@@ -229,6 +229,16 @@ class _Core:
         self.prefetch_factor = 2
         self.steps_goal: Optional[tuple[int, int]] = None   # (steps still to hand out, counters.steps then)
 
+    def __reduce__(self):
+        """A deep or pickled copy of a loader (``copy.deepcopy``, ``pickle``: a loader sent to another
+        process) gets a state of its own with the same settings: worker target, ``max_workers``, auto
+        mode, epoch numbering, steps left; fresh counters, no workers, no hooks attached yet."""
+        with self.lock:
+            goal = self.steps_goal
+            left = None if goal is None else max(0, goal[0] - (self.counters.steps - goal[1]))
+            return (_copied_core, (self.target, self.max_workers, self.auto, self.requested, self.epoch,
+                                   self.next_epoch, left, self.closed))
+
     def pools(self) -> list[WorkerPool]:
         with self.lock:
             pools = [it._pool for it in list(self.iters) if it._pool is not None]
@@ -247,6 +257,14 @@ class _Core:
             it._close()
         for pool in list(self.persistent_pools):
             pool.shutdown()
+
+
+def _copied_core(target, max_workers, auto, requested, epoch, next_epoch, steps_left, closed) -> _Core:
+    core = _Core(target, max_workers)
+    core.auto, core.requested, core.epoch, core.next_epoch, core.closed = auto, requested, epoch, next_epoch, closed
+    if steps_left is not None:
+        core.steps_goal = (steps_left, 0)
+    return core
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -352,6 +370,29 @@ class DataLoader(tud.DataLoader[T_co]):
             return
         if "elastic_state" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
             saved["elastic_state"] = self._core
+
+    # ---- copies --------------------------------------------------------------------------------
+    def __copy__(self):
+        """``copy.copy``: the same attributes, so the copy shares the elastic state (and, as torch's
+        shallow copy does, the persistent iterator)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self):
+        """``copy.deepcopy`` and ``pickle`` (which torch's loader allows): the arguments and sampler
+        state, with a fresh elastic state (``_Core.__reduce__``); iterators and worker pools are not
+        copied (torch refuses to pickle a persistent loader's live iterator; the copy starts its own)."""
+        state = self.__dict__.copy()
+        state["_persistent_iter"] = None
+        state["_last_iter"] = None
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)     # not setattr: torch's __setattr__ refuses some after __init__
+        core = self._core
+        if core.owner is None:
+            core.owner = weakref.ref(self)
 
     # ---- drop-in attributes ------------------------------------------------------------------
     @property

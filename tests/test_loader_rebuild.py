@@ -260,3 +260,34 @@ def test_total_steps_counts_down_across_epochs_resizes_and_rebuilt_copies():
             DataLoader(Indexed(4), total_steps=bad)
         with pytest.raises(ValueError, match="total_steps"):
             DataLoader(Indexed(4)).set_total_steps(bad)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_deep_or_pickled_copy_is_an_independent_loader_like_torch_s(how):
+    # torch's DataLoader can be deep-copied and pickled (sent to another process, kept in a config
+    # object that is deep-copied); the copy is a loader with the same arguments and its own workers
+    import copy
+    import pickle
+
+    clone = copy.deepcopy if how == "deepcopy" else (lambda x: pickle.loads(pickle.dumps(x)))
+    kw = dict(batch_size=4, shuffle=True, num_workers=2)
+    ref = tud.DataLoader(Indexed(20), generator=torch.Generator().manual_seed(4), **kw)
+    want = [b.tolist() for b in clone(ref)]
+    user = DataLoader(Indexed(20), generator=torch.Generator().manual_seed(4), max_workers=3, **kw)
+    twin = clone(user)
+    try:
+        assert [b.tolist() for b in twin] == want
+        assert twin.elastic_state is not user.elastic_state and twin.max_workers == 3
+        twin.resize(1)
+        assert user.num_workers == 2 and twin.num_workers == 1
+        assert [b.tolist() for b in user] == want
+        assert user.stats()["steps"] == twin.stats()["steps"] == 5
+        persistent = DataLoader(Indexed(8), batch_size=4, num_workers=1, persistent_workers=True)
+        list(persistent)
+        again = clone(persistent)                      # after an epoch: its workers stay the original's
+        assert _ids(list(again)) == list(range(8)) and again.worker_pids() != persistent.worker_pids()
+        again.close()
+        persistent.close()
+    finally:
+        user.close()
+        twin.close()
