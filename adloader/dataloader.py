@@ -660,12 +660,12 @@ class DataLoader(tud.DataLoader[T_co]):
             return it._state_dict()
         gen = self.generator
         # a persistent iterator keeps its base seed into the next epoch (as torch's does): say so
-        kept = it is not None and it._base_kept
+        kept = it is not None and it._persistent_base is not None
         return {
             "version": STATE_VERSION,
             "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
             "epoch": self._core.next_epoch, "batches_delivered": 0, "delivered_ahead": [],
-            "base_seed": it._base_seed if kept else None, "base_seed_drawn": not kept,
+            "base_seed": it._persistent_base if kept else None, "base_seed_drawn": not kept,
             "rng_source": "generator" if gen is not None else "global",
             "rng_state": gen.get_state() if gen is not None else torch.get_rng_state(),
         }
@@ -786,7 +786,8 @@ class _ElasticIter:
         self._pg = None                 # gloo group for the DataPipe seed (torch.distributed runs)
         self._base_seed = 0
         self._base_drawn = True         # this epoch drew its base seed (False: a persistent iterator's)
-        self._base_kept = False         # the next epoch keeps the base seed (persistent, with workers)
+        self._persistent_base: int | None = None    # base seed of torch's persistent worker iterator,
+                                                    # once an epoch with workers created it
 
     def __iter__(self):
         return self
@@ -838,20 +839,25 @@ class _ElasticIter:
           base seed, and with workers a second shared seed (``_reset(first_iter=True)``; its workers
           already got the first one);
         - a persistent iterator's later epochs (``_reset``): the shared seed only; the base seed is
-          the one drawn when it was created.
+          the one drawn when it was created;
+        - an epoch of a persistent loader that starts with no workers (``resize(0)``, torch's
+          ``num_workers = 0``): a new in-process iterator's draws; torch keeps its persistent worker
+          iterator, and that iterator's base seed, for the next epoch with workers (``__iter__``).
         """
         cfg, core = self._cfg, self._core
         workers = core.target > 0
-        keep_base = cfg.persistent and workers and self._base_kept
         if resume is not None:
             keep_base = resume.get("base_seed") is not None and not resume.get("base_seed_drawn", True)
+            if keep_base:
+                self._base_seed = resume["base_seed"]
+        else:
+            keep_base = cfg.persistent and workers and self._persistent_base is not None
+            if keep_base:
+                self._base_seed = self._persistent_base
         if cfg.iterable and cfg.datapipe:
             self._shared_seed = self._share_seed(gen)
             reseed_datapipe(cfg.dataset, self._shared_seed)
-        if keep_base:
-            if resume is not None:
-                self._base_seed = resume["base_seed"]
-        else:
+        if not keep_base:
             base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
             if resume is not None and resume.get("base_seed") is not None:
                 if resume["base_seed"] != base_seed:
@@ -862,8 +868,9 @@ class _ElasticIter:
             if cfg.iterable and cfg.datapipe and workers:
                 self._share_seed(gen)
         self._base_drawn = not keep_base
-        # torch reuses the base seed of a persistent iterator that started with workers
-        self._base_kept = cfg.persistent and workers
+        # torch's persistent worker iterator: created by the first epoch with workers, kept after
+        if cfg.persistent and (keep_base or (workers and (self._persistent_base is None or resume is not None))):
+            self._persistent_base = self._base_seed
 
     def _share_seed(self, gen) -> int:
         """torch's ``_share_dist_seed``: one draw from the loader's generator, broadcast from rank 0 over

@@ -89,6 +89,23 @@ def test_sampler_order_every_epoch_equals_torch_with_and_without_persistent_work
     dl.close()
 
 
+@pytest.mark.parametrize("plan", [(2, 0, 2, 2), (2, 0, 0, 1), (2, 1, 0, 2)])
+def test_persistent_loader_set_to_no_workers_for_an_epoch_keeps_torch_order(plan):
+    # torch: an epoch with num_workers = 0 runs a fresh single-process iterator (its own base seed);
+    # the persistent worker iterator, and the base seed it drew when created, are kept for the epochs
+    # with workers after it. `num_workers = n` between epochs is resize(n) here.
+    def run(cls, **kw):
+        dl = cls(Numbers(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
+                 generator=torch.Generator().manual_seed(3), **kw)
+        out = []
+        for n in plan:
+            dl.num_workers = n
+            out.append([b.tolist() for b in dl])
+        return out
+
+    assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
