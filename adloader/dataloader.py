@@ -947,7 +947,10 @@ class _ElasticIter:
         self._cpu_last = time.process_time()
         self._core.rates.maybe_record(t1)
         if c.steps & 15 == 1:                    # batch size in shared memory, sampled (cheap walk)
-            self._core.batch_bytes = batch_nbytes(data)
+            try:
+                self._core.batch_bytes = batch_nbytes(data)
+            except Exception:   # noqa: BLE001 — a measurement never hurts training (a user's batch type)
+                log.debug("adloader: batch size not measured", exc_info=True)
         return data
 
     def _next_batch(self):

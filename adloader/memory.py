@@ -413,10 +413,14 @@ class WorkerMemorySampler:
 
 def batch_nbytes(data, _depth: int = 0) -> int:
     """Bytes of the tensors/arrays in a batch (containers walked; objects with ``nbytes``), the size
-    a batch occupies in shared memory while in flight. Duck-typed: no torch or numpy import."""
+    a batch occupies in shared memory while in flight. Duck-typed: no torch or numpy import. An object
+    whose ``nbytes`` raises (a sparse tensor's: RuntimeError) counts 0."""
     if _depth > 8:
         return 0
-    nb = getattr(data, "nbytes", None)
+    try:
+        nb = getattr(data, "nbytes", None)
+    except Exception:       # noqa: BLE001 — a measurement never hurts training
+        nb = None
     if isinstance(nb, int) and not isinstance(data, type):
         return nb
     if isinstance(data, (str, bytes, bytearray)):

@@ -149,3 +149,13 @@ def collate_keep_views(samples):
     base = torch.stack([s["views"][0] for s in samples])
     return {"a": base, "a_view": base[0], "many": [t for s in samples for t in s["many"]],
             "empty": samples[0]["empty"], "big": np.stack([s["big"] for s in samples])}
+
+
+class SparseSamples(tud.Dataset):
+    """Sample i is a sparse COO matrix (its ``nbytes`` raises RuntimeError, unlike a dense tensor's)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"m": (torch.eye(3) * i).to_sparse(), "i": torch.tensor([i])}

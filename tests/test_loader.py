@@ -20,7 +20,8 @@ from adloader import DataLoader, memory
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.loader_datasets import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, WhoAmI, collate_dict,
+from tests.loader_datasets import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, SparseSamples, WhoAmI,
+                                    collate_dict,
                                     collate_keep_views, collate_tuple, init_fails,
                                     init_marks_worker)
 
@@ -352,6 +353,18 @@ def test_custom_collate_dicts_and_tuples(num_workers):
     assert torch.cat([g["x"].flatten() for g in got]).tolist() == list(range(9))
     got = list(DataLoader(Indexed(9), batch_size=4, num_workers=num_workers, collate_fn=collate_tuple))
     assert got[0] == ((0, 1, 2, 3), "meta") and got[2] == ((8,), "meta")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sparse_tensor_batches_arrive_like_torch_s(num_workers):
+    # the loader measures a delivered batch's size now and then (stats' batch_bytes); a sparse tensor's
+    # nbytes raises, and that must not reach the training loop
+    def dense(batches):
+        return [(b["m"].to_dense().tolist(), b["i"].tolist()) for b in batches]
+
+    ref = dense(tud.DataLoader(SparseSamples(), batch_size=None, num_workers=num_workers))
+    dl = DataLoader(SparseSamples(), batch_size=None, num_workers=num_workers, max_workers=2)
+    assert dense(dl) == ref and dl.stats()["steps"] == 4
 
 
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
