@@ -291,3 +291,14 @@ def test_a_deep_or_pickled_copy_is_an_independent_loader_like_torch_s(how):
     finally:
         user.close()
         twin.close()
+
+
+def test_a_subclass_collating_with_its_own_method_runs_spawned_workers():
+    # spawn pickles collate_fn, here a bound method: the whole loader goes to the worker, as with torch
+    from tests.loader_datasets import CollatingLoader
+
+    dl = CollatingLoader(Indexed(6), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    try:
+        assert [b.tolist() for b in dl] == [[0, 10], [20, 30], [40, 50]]
+    finally:
+        dl.close()
