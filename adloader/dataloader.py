@@ -79,6 +79,7 @@ import inspect
 import itertools
 import logging
 import multiprocessing
+import operator
 import os
 import sys
 import threading
@@ -194,6 +195,18 @@ class _Config:
     prefetch_factor: int
 
 
+def _as_count(value) -> Optional[int]:
+    """``value`` as an int if it is an integer other than a bool: an int, a NumPy integer, a one-element
+    integer tensor (what torch's loader takes for ``num_workers``: it compares it and ``range()``s over
+    it, through ``__index__``); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def _check_total_steps(total_steps) -> None:
     if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
                                     or total_steps < 0):
@@ -303,7 +316,8 @@ class DataLoader(tud.DataLoader[T_co]):
         _check_total_steps(total_steps)
         if auto and num_workers != "auto":
             raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
-        if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
+        count = None if auto else _as_count(num_workers)
+        if not auto and count is None:
             raise TypeError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if elastic_state is not None and not isinstance(elastic_state, _Core):
             raise TypeError("elastic_state must be another adloader.DataLoader's .elastic_state, got "
@@ -311,7 +325,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if elastic_state is not None and elastic_state.closed:
             raise ValueError("elastic_state belongs to a closed adloader.DataLoader")
         self._elastic_ready = False
-        self._target_init = 1 if auto else num_workers   # read by torch's __init__ via the property
+        self._target_init = 1 if auto else count        # read by torch's __init__ via the property
         super().__init__(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=self._target_init, collate_fn=collate_fn,
@@ -326,11 +340,13 @@ class DataLoader(tud.DataLoader[T_co]):
                          max_workers, core.max_workers)
         else:
             if max_workers is None:
-                max_workers = max(default_max_workers(_available_cpus()), 0 if auto else num_workers)
-            elif isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
+                max_workers = max(default_max_workers(_available_cpus()), 0 if auto else count)
+            elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
                 raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
-            elif not auto and num_workers > max_workers:
-                raise ValueError(f"num_workers={num_workers} exceeds max_workers={max_workers}")
+            else:
+                max_workers = _as_count(max_workers)
+                if not auto and count > max_workers:
+                    raise ValueError(f"num_workers={count} exceeds max_workers={max_workers}")
             core = _Core(min(self._target_init, max_workers), max_workers)
             core.auto = auto
             core.requested = core.target
@@ -446,8 +462,10 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _resize(self, n: int, own: bool) -> int:
         """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``."""
-        if isinstance(n, bool) or not isinstance(n, int):
+        count = _as_count(n)
+        if count is None:
             raise TypeError(f"resize() needs an int, got {n!r}")
+        n = count
         if n < 0:
             raise ValueError(f"resize() needs n >= 0, got {n}")
         core = self._core

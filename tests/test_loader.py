@@ -605,6 +605,23 @@ def test_constructor_checks_like_torch():
         dl.resize(-1)
 
 
+def test_integer_like_worker_counts_are_taken_like_torch():
+    # torch takes any integer for num_workers (it only compares it and range()s over it): a NumPy
+    # integer from a config or np.clip, a 0-d integer tensor
+    import numpy as np
+
+    for n in (np.int64(2), torch.tensor(1), np.int32(0)):
+        dl = DataLoader(Indexed(6), batch_size=2, num_workers=n, max_workers=np.int64(3))
+        assert _ids(list(dl)) == list(range(6)) and dl.num_workers == int(n) and dl.max_workers == 3
+        dl.resize(np.int64(3))
+        dl.num_workers = torch.tensor(1)
+        assert dl.num_workers == 1 and _ids(list(dl)) == list(range(6))
+        dl.close()
+    for bad in (2.0, "2", None):
+        with pytest.raises((TypeError, ValueError)):
+            DataLoader(Indexed(6), num_workers=bad)
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_other_start_methods(method):
     ds = Indexed(30)
