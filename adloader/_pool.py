@@ -131,7 +131,13 @@ class WorkerPool:
         self._reap_wake_r, self._reap_wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reap_fds: dict[int, tuple[str, int]] = {self._reap_wake_r: ("wake", -1)}
         self._reap_epoll.register(self._reap_wake_r, select.EPOLLIN)
-        self.resize(target)
+        try:
+            self.resize(target)
+        except BaseException:
+            # a worker that cannot start (spawn: a dataset that cannot be pickled; fork: EAGAIN) raises
+            # to the caller, as torch's does; the ones started before it and every channel go with it
+            self.shutdown()
+            raise
 
     # ---- size -------------------------------------------------------------------------------
     def resize(self, n: int) -> None:

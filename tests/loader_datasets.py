@@ -175,3 +175,19 @@ class CollatingLoader(_adloader()):
 
     def collate(self, samples):
         return torch.cat(samples) * 10
+
+
+class HoldsALock(tud.Dataset):
+    """Cannot be pickled (a spawned or forkserver worker cannot receive it): it holds a lock."""
+
+    def __init__(self, n: int = 4):
+        import threading
+
+        self.n = n
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i

@@ -216,3 +216,23 @@ def test_epochs_and_loaders_leave_no_file_descriptor_open(num_workers):
     gc.collect()
     wait_for(lambda: _open_fds() <= before, timeout=10,
              what=f"open file descriptors back to {before} (now {_open_fds()})")
+
+
+def test_workers_that_cannot_start_raise_like_torch_and_leave_no_file_descriptor_open():
+    # spawn pickles the dataset for each worker: one holding a lock cannot go, in torch as here
+    from adloader import DataLoader
+    from tests.loader_datasets import HoldsALock
+
+    def attempt():
+        dl = DataLoader(HoldsALock(), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+        with pytest.raises(TypeError, match="pickle"):
+            iter(dl)
+
+    attempt()
+    gc.collect()
+    before = _open_fds()
+    for _ in range(5):
+        attempt()
+    gc.collect()
+    wait_for(lambda: _open_fds() <= before, timeout=10,
+             what=f"open file descriptors back to {before} (now {_open_fds()})")
