@@ -252,8 +252,8 @@ def node_rows(node_cores: int, node_gpus: int, mixes=V.MIXES) -> list[dict]:
 
 def random_rows(node_cores: int, node_gpus: int, n: int, seed: int = 1) -> list[dict]:
     """``n`` random mixes on a ``node_cores``:``node_gpus`` node, the same as ``evaluation.mix_study``'s
-    for that seed (``mix_study.random_mix``, run by ``mix_study.run_mix``), each searched."""
-    rng = random.Random(seed)
+    for that seed (``mix_study.mixes_rng`` and ``random_mix``, run by ``mix_study.run_mix``), each searched."""
+    rng = MS.mixes_rng(seed, node_cores, node_gpus)
     cfg = V.study_config(node_cores, node_gpus)
     rows = []
     for k in range(n):

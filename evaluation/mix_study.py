@@ -57,6 +57,13 @@ STARVED = 0.98                     # ... unless under this part of its ceiling u
 STEP_S = 0.1
 
 
+def mixes_rng(seed: int, cores: int, gpus: int) -> random.Random:
+    """The generator of a node shape's random mixes for ``seed``: draw them in order with ``random_mix``
+    (the k-th mix of a shape is the k-th draw; each shape has its own stream, so adding a shape leaves
+    the others' mixes as they were). ``evaluation.best_plan --random`` draws the same."""
+    return random.Random(f"{seed}:{cores}:{gpus}")
+
+
 def random_mix(rng: random.Random, cores: int, gpus: int) -> dict:
     """A mix filling ``gpus`` GPUs: job -> curve with its workload (``curve_with_workload``)."""
     from evaluation.nodemodel import curve_with_workload
@@ -199,7 +206,7 @@ def main(argv=None) -> int:
     opts = (("floor_reference", args.floor_reference),) if args.floor_reference else ()
     summaries, worst, t0 = {}, {}, time.monotonic()
     for cores, gpus in nodes:
-        rng = random.Random(f"{args.seed}:{cores}:{gpus}")
+        rng = mixes_rng(args.seed, cores, gpus)
         rows = []
         for k in range(args.mixes):
             rows.append({"mix": k, **run_mix(random_mix(rng, cores, gpus), cores, gpus, args.floor_fraction,
