@@ -215,6 +215,27 @@ def test_cli_usage_errors_exit_2(tmp_path):
 
 
 @pytest.mark.component
+@pytest.mark.parametrize("slurm", [False, True])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(fake_agent, slurm):
+    # (before: --timeout-s inf passed the "> 0" check and failed as "internal error: OverflowError")
+    agent = fake_agent()
+    how = ("--slurm",) if slurm else ("--job", "1")
+    for bad in ("inf", "nan", "-1"):
+        rc, err, _ = run_job("register", *how, "--timeout-s", bad, endpoint=agent.endpoint, env=SLURM_ENV)
+        line = one_line(err)
+        assert rc == (0 if slurm else 2) and "bad variable: --timeout-s" in line and "internal" not in line, line
+    assert agent.messages == []
+
+
+@pytest.mark.component
+def test_a_long_timeout_is_waited_out_by_the_deadline_not_an_overflow(fake_agent):
+    # (before: 1e12 s overflowed ZMQ_SNDTIMEO, a C int: "internal error: OverflowError")
+    agent = fake_agent()
+    rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "1e12", endpoint=agent.endpoint)
+    assert rc == 0 and one_line(err).endswith(": ok"), err
+
+
+@pytest.mark.component
 def test_bad_endpoint_is_a_clear_failure():
     rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
     assert rc == 1 and "bad endpoint" in one_line(err)

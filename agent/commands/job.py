@@ -19,6 +19,7 @@ Invariants (DESIGN "Slurm": a failing or hanging prolog drains the node):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -222,8 +223,8 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     prefix = f"adloader job {verb}"
     slurm = bool(args.slurm)
     try:
-        if not (args.timeout_s > 0):
-            raise JobSpecError(f"--timeout-s {args.timeout_s} must be positive")
+        if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+            raise JobSpecError(f"--timeout-s {args.timeout_s} must be a positive, finite number of seconds")
         if slurm:
             spec = slurm_job(environ, need_resources=(verb == "register"))
             # explicit flags still win over the environment (e.g. --uid for a test)
