@@ -249,7 +249,9 @@ def test_policy_variants_parse_and_bad_ones_are_refused():
                      ("adaptive[bogus=1]", "not an agent config key"),
                      ("adaptive[endpoint=ipc:///x]", "not an agent config key"),
                      ("adaptive[hysteresis]", "not key=value"),
-                     ("adaptive[hysteresis=0.1", "name[key=value")):
+                     ("adaptive[hysteresis=0.1", "name[key=value"),
+                     ("adaptive[tick_s=abc]", "'tick_s'"),          # (before: refused by the agent, after
+                     ("even[hysteresis=2]", "'hysteresis'")):       # the calibration: a bench of failures)
         with pytest.raises(BenchError, match=re.escape(why)):
             parse_policy(bad)
 
