@@ -58,7 +58,11 @@ def parse_bytes(value) -> int:
     m = _SIZE_RE.match(value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n == float("inf"):   # ("9" * 400: a float, but not a finite one; int() raised OverflowError)
+        raise ValueError(f"a size must be a finite number >= 0, got {value[:40]!r}"
+                         + ("..." if len(value) > 40 else ""))
+    return int(n)
 
 
 def format_bytes(n: Optional[float]) -> str:

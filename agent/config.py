@@ -6,7 +6,8 @@ and where it came from. Unknown keys in the file are errors that name them.
 Keys (flat; TOML key == field name; environment ``ADLOADER_<KEY upper>``; flag ``--<key with dashes>``
 for the ones the command line offers):
 
-    endpoint        str    where the agent binds (ipc://...); default ``adloader.env.default_endpoint()``
+    endpoint        str    where the agent binds (ipc:// and an absolute path of at most 100 characters, or
+                           tcp://...); default ``adloader.env.default_endpoint()``
     state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"
     tick_s          float  controller period, 0.05..60 s, default 1.0
@@ -280,8 +281,15 @@ def endpoint_problem(endpoint: str) -> Optional[str]:
     """Why ``endpoint`` cannot be the agent's endpoint, or None."""
     if not endpoint.startswith(("ipc://", "tcp://")):
         return "must start with ipc:// or tcp://"
-    if endpoint.startswith("ipc://") and len(endpoint) - 6 > 100:
-        return "an ipc:// path must be at most 100 characters (the unix socket limit)"
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path:
+            return "an ipc:// endpoint needs the socket's path, e.g. ipc:///run/adloader/agent.sock"
+        if not path.startswith("/"):
+            return ("an ipc:// path must be absolute (ipc:///...): a relative one names a different file in "
+                    "each process's working directory")
+        if len(path) > 100:
+            return "an ipc:// path must be at most 100 characters (the unix socket limit)"
     return None
 
 
@@ -355,6 +363,9 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
+        raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(map(_with_suggestion, unknown))}; "

@@ -62,7 +62,8 @@ def alloc_from_dict(d: dict) -> JobAllocation:
 
 
 def _check_alloc(p: str, job: str, a) -> JobAllocation:
-    w = f"applied[{job!r}]"
+    w = f"applied[{str(job)[:64]!r}]"
+    need(protocol.check_job_id(job) is None, p, "a job id", "valid (protocol.check_job_id)", job)
     need(isinstance(a, dict), p, w, "an object", a)
     need(a.get("job", job) == job, p, f"{w}.job", f"{job!r}", a.get("job"))
     need(is_int(a.get("workers"), 0, 1_000_000), p, f"{w}.workers", "an integer >= 0", a.get("workers"))
@@ -83,6 +84,7 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
     return alloc_from_dict(dict(a, job=job))
 
 
+_DIRECTIVE_FIELDS = ("workers", "cpus", "cpuset", "reason")   # Job.last_directive (agent.server.send_directive)
 _RANK_INTS = {"pid": (1, 2 ** 31), "uid": (0, 2 ** 32), "batch_size": (1, 10 ** 9), "workers": (0, 10 ** 6),
               "requested_workers": (0, 10 ** 6), "world_size": (1, 10 ** 9), "local_rank": (0, 10 ** 9)}
 
@@ -105,6 +107,16 @@ def _check_job(p: str, job: str, j) -> dict:
          p, f"{w}.reg_pids", "an object of pid -> start ticks", rp)
     ld = j.get("last_directive")
     need(ld is None or isinstance(ld, dict), p, f"{w}.last_directive", "null or an object", ld)
+    if ld is not None:   # (sent as it is, a directive's fields, to each rank that says hello)
+        dw = f"{w}.last_directive"
+        need(set(ld) <= set(_DIRECTIVE_FIELDS), p, dw, f"an object of {', '.join(_DIRECTIVE_FIELDS)}", ld)
+        need(is_int(ld.get("workers"), 0, 1_000_000), p, f"{dw}.workers", "an integer >= 0", ld.get("workers"))
+        need(ld.get("cpus") is None or (is_num(ld["cpus"]) and ld["cpus"] >= 0), p, f"{dw}.cpus",
+             "null or a number >= 0", ld.get("cpus"))
+        cs = ld.get("cpuset")
+        need(cs is None or (isinstance(cs, list) and all(is_int(c, 0, 1 << 20) for c in cs)), p, f"{dw}.cpuset",
+             "null or a list of CPU numbers", cs)
+        need(isinstance(ld.get("reason", ""), str), p, f"{dw}.reason", "a string", ld.get("reason"))
     ranks = j.get("ranks") or {}
     need(isinstance(ranks, dict), p, f"{w}.ranks", "an object", ranks)
     for rk, r in ranks.items():

@@ -27,11 +27,14 @@ Invariants:
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Optional
 
 from adloader import protocol
+
+_MAX_SOCKOPT_MS = 2 ** 31 - 1   # SNDTIMEO/RCVTIMEO and zmq_poll's timeout are C ints: a longer wait loops to the deadline
 
 
 class RequestError(RuntimeError):
@@ -67,11 +70,15 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
             max_reply_bytes: Optional[int] = protocol.MAX_MESSAGE_BYTES) -> dict:
     """Send ``msg`` to the agent at ``endpoint``; return the reply that answers it (see the module
     docstring) within ``timeout_s``. ``max_reply_bytes=None`` lifts the size limit for replies that may
-    exceed it (the status document); the limit guards the agent's socket, not a command's."""
+    exceed it (the status document); the limit guards the agent's socket, not a command's.
+    ``timeout_s`` must be finite and positive (``ValueError`` otherwise: the commands check their
+    ``--timeout-s`` first, ``timeout_arg``)."""
     import zmq
 
     from adloader import env
 
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
     deadline = time.monotonic() + timeout_s
     want = msg["type"]
     path = env.ipc_path(endpoint)
@@ -86,7 +93,7 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
     ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
     sock = ctx.socket(zmq.DEALER)
     try:
-        bounded_ms = max(1, int(timeout_s * 1000))
+        bounded_ms = max(1, min(_MAX_SOCKOPT_MS, int(timeout_s * 1000)))
         sock.setsockopt(zmq.LINGER, 0)     # close() never waits for an unsent message
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a completed connection: no listener -> EAGAIN
         # Every call below is NOBLOCK or polled against the deadline; these bound any that is not.
@@ -105,7 +112,7 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
             raise AgentDown(f"agent down: nobody accepts connections at {endpoint} within {timeout_s:g}s")
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+            if left_ms <= 0 or not sock.poll(min(left_ms, _MAX_SOCKOPT_MS), zmq.POLLIN):
                 raise AgentTimeout(f"timeout: agent at {endpoint} did not answer {want} within {timeout_s:g}s (hung?)")
             try:
                 raw = sock.recv(zmq.NOBLOCK)
@@ -157,3 +164,17 @@ def _send_by(sock, data: bytes, deadline: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+
+
+def timeout_arg(text: str) -> float:
+    """argparse ``type`` of a command's ``--timeout-s``: a positive, finite number of seconds (NaN,
+    inf, 0 and negatives are refused with exit status 2 and a line that names the value)."""
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return v

@@ -9,7 +9,9 @@ and in all by ``security.ConnectionGuard``), SNDHWM bounded, sends non-blocking:
 a directive or reply that cannot go out now is dropped (the client re-asks; directives are resent on
 hello). The ipc socket's directory is created 0755; the socket is made 0666 when the agent runs as
 root (any user's training process may connect; peer credentials decide what each may do) and 0600
-otherwise (only the agent's user).
+otherwise (only the agent's user). An ipc path that holds anything but a socket is refused (libzmq
+unlinks whatever is there before it binds), and so is an endpoint libzmq cannot bind: both are
+``EndpointUnusable``, raised with the socket closed (an open one would hang the context's ``term``).
 
 Per message (``handle_ready``, which stops after ``budget_s`` of wall time, however many messages wait:
 the service loop's ticks, heartbeats and watchdog pings are due by the clock, not by a message
@@ -65,6 +67,12 @@ class EndpointUnsafe(EndpointBusy):
     """The socket's directory is controlled by another user: clients would (rightly) refuse it."""
 
 
+class EndpointUnusable(EndpointBusy):
+    """The endpoint cannot be bound: a malformed address, a port in use, or a path that holds something
+    other than a socket (libzmq unlinks whatever is at an ipc:// path before it binds: a file there
+    would be lost, so the agent refuses instead)."""
+
+
 class Server:
     def __init__(self, endpoint: str, registry: Registry, *, heartbeat_s: float,
                  on_report: Callable[[str, int, int, dict, float], None],
@@ -105,19 +113,37 @@ class Server:
                     f"another user could replace the socket, and clients refuse such an agent; remove it or "
                     f"set endpoint to a directory owned by uid {os.getuid()} (or root) that only it can write")
             self._lock(path + ".lock")
+            try:
+                kind = stat.S_IFMT(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                kind = None
+            if kind is not None and kind != stat.S_IFSOCK:
+                raise EndpointUnusable(
+                    f"cannot bind {self.endpoint}: {path} exists and is not a socket ("
+                    f"{'a directory' if kind == stat.S_IFDIR else 'a file, which binding would delete'}): "
+                    f"move it away or set endpoint to another path")
         s = self.ctx.socket(zmq.ROUTER)
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        s.setsockopt(zmq.SNDHWM, 100)
-        s.setsockopt(zmq.RCVHWM, RCVHWM)
-        s.bind(self.endpoint)
-        if path is not None:
-            os.chmod(path, 0o666 if os.getuid() == 0 else 0o600)
-            max_conn = self._fit_fd_limit(self.limits.max_connections)
-            self.guard = security.ConnectionGuard(
-                s, path, max_connections=max_conn, per_uid=min(self.limits.connections_per_uid, max_conn),
-                on_refused=self._connection_refused)
+        try:
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+            s.setsockopt(zmq.SNDHWM, 100)
+            s.setsockopt(zmq.RCVHWM, RCVHWM)
+            try:
+                s.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise EndpointUnusable(f"cannot bind {self.endpoint}: {e.strerror}") from None
+            if path is not None:
+                os.chmod(path, 0o666 if os.getuid() == 0 else 0o600)
+                max_conn = self._fit_fd_limit(self.limits.max_connections)
+                self.guard = security.ConnectionGuard(
+                    s, path, max_connections=max_conn, per_uid=min(self.limits.connections_per_uid, max_conn),
+                    on_refused=self._connection_refused)
+        except BaseException:
+            # a socket left open here would block the context's term() for ever (the agent hung
+            # after its traceback instead of exiting)
+            s.close(linger=0)
+            raise
         self.sock = s
 
     def _fit_fd_limit(self, wanted: int) -> int:

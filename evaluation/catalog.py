@@ -124,6 +124,8 @@ def load_catalog(path: str | None = None) -> Catalog:
         raise CatalogError(f"catalogue {path}: cannot read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise CatalogError(f"catalogue {path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
+        raise CatalogError(f"catalogue {path}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from None
     kinds = {}
     for name, entry in (doc.get("jobs") or {}).items():
         if not isinstance(entry, dict) or "cores_per_gpu" not in entry:

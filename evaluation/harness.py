@@ -156,6 +156,14 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
         if k not in KEYS or k in ("policy", "endpoint", "state_dir"):
             raise BenchError(f"policy {spec!r}: {k!r} is not an agent config key a variant may set")
         overrides[k] = v
+    import os
+
+    from agent import config as configmod
+
+    try:   # each value checked now, as the agent will (before: the agent refused it only after the calibration)
+        configmod.load(os.devnull, overrides, environ={})
+    except configmod.ConfigError as e:
+        raise BenchError(f"policy {spec!r}: {e}") from None
     return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
                     "nothing-to-arbitrate", "memory")

@@ -199,7 +199,10 @@ def read_trace(path: str) -> list[TraceJob]:
     if not p.exists():
         raise SimError(f"trace {path}: no such file")
     rows = []
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:   # a directory, an unreadable or binary file
+        raise SimError(f"trace {path}: cannot read it as text: {getattr(e, 'strerror', None) or e}") from None
     if p.suffix in (".jsonl", ".json") or text.lstrip().startswith("{"):
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -212,14 +215,25 @@ def read_trace(path: str) -> list[TraceJob]:
         rows = [(n, r) for n, r in enumerate(rd, 2)]
     out = []
     for n, r in rows:
+        if not isinstance(r, dict):
+            raise SimError(f"trace {path}:{n}: not a JSON object")
         try:
-            out.append(TraceJob(node=str(r["node"]), job=str(r["job"]), kind=str(r["kind"]),
-                                arrival_s=float(r["arrival_s"]), work_s=float(r["work_s"]),
-                                gpus=int(r.get("gpus") or 1), phases=_phases(r.get("phases"))))
+            job = TraceJob(node=str(r["node"]), job=str(r["job"]), kind=str(r["kind"]),
+                           arrival_s=float(r["arrival_s"]), work_s=float(r["work_s"]),
+                           gpus=1 if r.get("gpus") in (None, "") else int(r["gpus"]), phases=_phases(r.get("phases")))
         except KeyError as e:
             raise SimError(f"trace {path}:{n}: missing column {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise SimError(f"trace {path}:{n}: {e}") from None
+        # (before: NaN or negative work and arrival times, and 0 GPUs, were simulated as if they meant
+        # something, and an infinite work was "jobs make no progress")
+        if not (math.isfinite(job.arrival_s) and job.arrival_s >= 0):
+            raise SimError(f"trace {path}:{n}: arrival_s must be a finite number >= 0, got {r['arrival_s']!r}")
+        if not (math.isfinite(job.work_s) and job.work_s > 0):
+            raise SimError(f"trace {path}:{n}: work_s must be a finite number > 0, got {r['work_s']!r}")
+        if job.gpus < 1:
+            raise SimError(f"trace {path}:{n}: gpus must be at least 1, got {r.get('gpus')!r}")
+        out.append(job)
     return out
 
 

@@ -182,6 +182,36 @@ def test_second_agent_on_same_endpoint_refuses(base, agent):
     assert agent.status()["agent"]["pid"] == agent.proc.pid   # the first one still serves
 
 
+@pytest.mark.parametrize("what", ["directory", "tcp"])
+def test_an_endpoint_that_cannot_be_bound_is_one_error_line_and_the_agent_exits(base, what):
+    # (before: a traceback from Socket.bind, then the process hung for ever in the context's term(),
+    # the ROUTER socket left open; under systemd a start that never fails)
+    if what == "directory":
+        os.mkdir(f"{base}/agent.sock")
+        endpoint = f"ipc://{base}/agent.sock"
+    else:
+        endpoint = "tcp://no-such-interface:x"
+    out = subprocess.run(adloader_cmd("agent", "--endpoint", endpoint, "--state-dir", f"{base}/state",
+                                      "--cgroup-mode", "off"), env=repo_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and f"cannot bind {endpoint}" in out.stderr, out.stderr
+
+
+def test_a_file_at_the_socket_path_is_refused_and_kept(base):
+    # libzmq unlinks whatever is at an ipc:// path before it binds: an endpoint set to an existing
+    # file deleted that file (before: the agent started, and the file was gone)
+    victim = f"{base}/notes.txt"
+    with open(victim, "w") as f:
+        f.write("keep me\n")
+    out = subprocess.run(adloader_cmd("agent", "--endpoint", f"ipc://{victim}", "--state-dir", f"{base}/state",
+                                      "--cgroup-mode", "off"), env=repo_env(), capture_output=True, text=True,
+                         timeout=20)
+    assert out.returncode == 1 and "exists and is not a socket" in out.stderr, out.stderr
+    with open(victim) as f:
+        assert f.read() == "keep me\n"
+
+
 AS_USER = """
 import os, sys
 # load what the agent needs while still root (the interpreter lives under /root here, which other

@@ -169,6 +169,23 @@ def test_catalog_errors_name_the_problem(tmp_path):
         load_catalog(str(p))
 
 
+def test_a_catalog_that_cannot_be_read_is_a_catalog_error_and_simulate_says_so(tmp_path):
+    # (before: a catalogue that is not UTF-8 was a bare UnicodeDecodeError, without the file's name, and
+    # `adloader simulate --catalog` with a missing or unreadable one a traceback)
+    import subprocess
+
+    from tests.conftest import adloader_cmd, repo_env
+
+    p = tmp_path / "bin.toml"
+    p.write_bytes(b"\xff\xfe[jobs]\n")
+    with pytest.raises(CatalogError, match=f"catalogue {re.escape(str(p))}: not valid TOML: not UTF-8"):
+        load_catalog(str(p))
+    for bad in (p, tmp_path / "missing.toml"):
+        out = subprocess.run(adloader_cmd("simulate", "--curves", "builtin", "--catalog", str(bad)), env=repo_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and f"catalogue {bad}" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_catalog_windows_name_their_problems(tmp_path):
     p = tmp_path / "w.toml"
     base = '[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = ["x"]\n[windows]\n'
@@ -249,7 +266,9 @@ def test_policy_variants_parse_and_bad_ones_are_refused():
                      ("adaptive[bogus=1]", "not an agent config key"),
                      ("adaptive[endpoint=ipc:///x]", "not an agent config key"),
                      ("adaptive[hysteresis]", "not key=value"),
-                     ("adaptive[hysteresis=0.1", "name[key=value")):
+                     ("adaptive[hysteresis=0.1", "name[key=value"),
+                     ("adaptive[tick_s=abc]", "'tick_s'"),          # (before: refused by the agent, after
+                     ("even[hysteresis=2]", "'hysteresis'")):       # the calibration: a bench of failures)
         with pytest.raises(BenchError, match=re.escape(why)):
             parse_policy(bad)
 

@@ -39,6 +39,8 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     ('cpu_bound_min_workers = 0\n', "'cpu_bound_min_workers'"),
     ('io_weights = "maybe"\n', "'io_weights'"),
     ('endpoint = "http://x"\n', "'endpoint'"),
+    ('endpoint = "ipc://"\n', "needs the socket's path"),          # (before: [Errno 2] ... '' at start)
+    ('endpoint = "ipc://run/agent.sock"\n', "must be absolute"),
     ('tick_s = \n', "not valid TOML"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, key):
@@ -47,6 +49,18 @@ def test_config_errors_name_the_key(tmp_path, text, key):
     with pytest.raises(configmod.ConfigError) as e:
         configmod.load(str(f), {}, environ={})
     assert key in str(e.value) and str(f) in str(e.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    # (before: UnicodeDecodeError out of tomllib: a traceback from `adloader agent`, "internal error"
+    # from `adloader job`)
+    f = tmp_path / "agent.toml"
+    f.write_bytes(b'tick_s = 1.0\npolicy = "\xff"\n')
+    with pytest.raises(configmod.ConfigError, match="not valid TOML: not UTF-8") as e:
+        configmod.load(str(f), {}, environ={})
+    assert str(f) in str(e.value)
+    ep, note = configmod.client_endpoint(None, str(f), environ={})
+    assert ep.startswith("ipc://") and "not UTF-8" in note
 
 
 def test_config_env_errors_and_missing_explicit_file(tmp_path):

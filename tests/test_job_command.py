@@ -37,6 +37,29 @@ def test_cpus_per_node_refuses_malformed_values(value):
 
 
 @pytest.mark.unit
+def test_a_huge_repeat_count_is_not_expanded_and_huge_counts_are_refused():
+    # (before: "2(x100000000)" became a list of 10^8 ints, ~800 MB in a prolog, and a repeat of 10^11 a
+    # MemoryError traceback with exit 1 under --slurm; 5,000 digits: ValueError from int(), a traceback)
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_UID": "1000", "SLURM_JOB_CPUS_PER_NODE": "2(x100000000),4",
+           "SLURM_NODEID": "100000000"}
+    assert slurm_job(env).cpus == 4
+    assert slurm_job(dict(env, SLURM_NODEID="3")).cpus == 2
+    spec = slurm_job(dict(env, SLURM_NODEID="100000001"))
+    assert spec.cpus is None and "'100000001' is not one of their 100000001 nodes" in spec.note
+    for value in ("99999999999999999999(x99999999999)", "9" * 5000, "2(x" + "9" * 5000 + ")"):
+        with pytest.raises(JobSpecError, match="SLURM_JOB_CPUS_PER_NODE"):
+            slurm_job(dict(env, SLURM_JOB_CPUS_PER_NODE=value))
+
+
+@pytest.mark.component
+def test_an_unusable_cpu_count_still_exits_0_under_slurm(fake_agent):
+    agent = fake_agent()
+    env = dict(SLURM_ENV, SLURM_JOB_CPUS_PER_NODE="2(x99999999999)")
+    rc, err, _ = run_job("register", "--slurm", endpoint=agent.endpoint, env=env)
+    assert rc == 0 and "bad variable: SLURM_JOB_CPUS_PER_NODE" in one_line(err)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value, gpus", [("0,1", ["0", "1"]), ("", []), ("NoDevFiles", []), ("-1", []), ("GPU-ab12, GPU-cd34", ["GPU-ab12", "GPU-cd34"])]
 )
@@ -212,6 +235,27 @@ def test_cli_usage_errors_exit_2(tmp_path):
     assert rc == 2 and "--cpus" in err
     rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "0", endpoint=ep)
     assert rc == 2 and "--timeout-s" in err
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("slurm", [False, True])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(fake_agent, slurm):
+    # (before: --timeout-s inf passed the "> 0" check and failed as "internal error: OverflowError")
+    agent = fake_agent()
+    how = ("--slurm",) if slurm else ("--job", "1")
+    for bad in ("inf", "nan", "-1"):
+        rc, err, _ = run_job("register", *how, "--timeout-s", bad, endpoint=agent.endpoint, env=SLURM_ENV)
+        line = one_line(err)
+        assert rc == (0 if slurm else 2) and "bad variable: --timeout-s" in line and "internal" not in line, line
+    assert agent.messages == []
+
+
+@pytest.mark.component
+def test_a_long_timeout_is_waited_out_by_the_deadline_not_an_overflow(fake_agent):
+    # (before: 1e12 s overflowed ZMQ_SNDTIMEO, a C int: "internal error: OverflowError")
+    agent = fake_agent()
+    rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "1e12", endpoint=agent.endpoint)
+    assert rc == 0 and one_line(err).endswith(": ok"), err
 
 
 @pytest.mark.component

@@ -35,6 +35,14 @@ def test_parse_bytes_refuses_with_the_value_named(bad):
     assert repr(bad) in str(e.value) or str(bad) in str(e.value)
 
 
+@pytest.mark.parametrize("huge", ["9" * 400, "9" * 5000 + " KiB", "1" + "0" * 309])
+def test_parse_bytes_refuses_a_size_beyond_any_float(huge):
+    # (before: OverflowError from int(inf): a traceback from `adloader agent` with ADLOADER_LOADER_MEMORY)
+    with pytest.raises(ValueError, match="must be a finite number") as e:
+        memory.parse_bytes(huge)
+    assert len(str(e.value)) < 120
+
+
 # -- fake /proc -----------------------------------------------------------------------------------
 
 ROLLUP = """55d0-7ffd ---p 00000000 00:00 0  [rollup]

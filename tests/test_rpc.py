@@ -81,3 +81,29 @@ def test_absent_agent_and_silent_agent(tmp_path, scripted):
         rpc.request(agent.endpoint, protocol.make("status"), 0.3, expect="status")
     with pytest.raises(rpc.AgentDown, match="bad endpoint"):
         rpc.request("carrier-pigeon://x", protocol.make("status"), 1)
+
+
+def test_a_timeout_longer_than_a_c_int_of_milliseconds_is_bounded_by_the_deadline(scripted):
+    # (before: OverflowError from setsockopt(SNDTIMEO) and zmq_poll, whose timeouts are C ints)
+    agent = scripted([protocol.encode(protocol.make("ok", re="status"))])
+    assert rpc.request(agent.endpoint, protocol.make("status"), 1e12)["type"] == "ok"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1])
+def test_a_timeout_that_is_not_positive_and_finite_is_a_value_error(scripted, bad):
+    agent = scripted([protocol.encode(protocol.make("ok", re="status"))])
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+        rpc.request(agent.endpoint, protocol.make("status"), bad)
+
+
+def test_status_refuses_a_timeout_that_is_not_positive_and_finite(scripted):
+    # (before, with an agent listening: a traceback, ValueError/OverflowError from int(nan or inf))
+    import subprocess
+
+    from tests.conftest import adloader_cmd, repo_env
+
+    agent = scripted(*[[protocol.encode({"v": protocol.VERSION, "type": "status", "doc": {}})]] * 4)
+    for bad in ("nan", "inf", "0", "-2"):
+        out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--timeout-s", bad),
+                             env=repo_env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "--timeout-s" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -114,6 +114,30 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
 
 
 @pytest.mark.unit
+def test_journal_applied_ids_and_last_directives_are_checked_too(tmp_path):
+    # (before: an applied entry under a job id the protocol refuses was adopted, and its release failed
+    # at every tick; a last_directive without its fields was adopted and every hello of the job was
+    # answered "internal": ProtocolError "directive message is missing field 'workers'")
+    p = _journal(tmp_path, {"version": 1, "applied": {
+        "../x": {"workers": 1, "cpus": 0.5},
+        "ok": {"workers": 1, "cpus": 0.5}},
+        "jobs": {
+            "d1": {"uid": 5, "registered": True, "last_directive": {"cpus": 1.0}},
+            "d2": {"uid": 5, "registered": True, "last_directive": {"workers": 2, "job": "other"}},
+            "d3": {"uid": 5, "registered": True, "last_directive": {"workers": 2, "cpus": "x"}},
+            "d4": {"uid": 5, "registered": True, "last_directive": {"workers": 2, "cpuset": "0-3"}},
+            "good": {"uid": 5, "registered": True,
+                     "last_directive": {"workers": 2, "cpus": 1.5, "cpuset": None, "reason": "r"}}}})
+    doc = journal.load(str(tmp_path))
+    assert list(doc["applied"]) == ["ok"] and list(doc["jobs"]) == ["good"]
+    text = "\n".join(doc["problems"])
+    for what in ("'../x'", "jobs['d1'].last_directive.workers", "jobs['d2'].last_directive must be an object of",
+                 "jobs['d3'].last_directive.cpus", "jobs['d4'].last_directive.cpuset"):
+        assert what in text, (what, text)
+    assert text.count(p) == 5
+
+
+@pytest.mark.unit
 def test_originals_with_wrong_types_raise_naming_the_file_and_field(tmp_path):
     p = str(tmp_path / "cgroup-originals.json")
     with open(p, "w") as f:

@@ -50,6 +50,29 @@ def test_trace_files_csv_and_jsonl(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_trace_row_with_impossible_numbers_or_a_file_that_is_not_text_is_refused(tmp_path):
+    # (before: NaN or negative work_s and arrival_s, and 0 GPUs, were simulated and reported as results;
+    # a directory or a binary file was a traceback)
+    row = {"node": "n0", "job": "a", "kind": "heavy", "arrival_s": 0, "work_s": 10}
+    jl = tmp_path / "t.jsonl"
+    for key, value, words in (("work_s", "NaN", "work_s must be a finite number > 0"),
+                              ("work_s", "-3", "work_s must be"), ("work_s", "1e400", "work_s must be"),
+                              ("arrival_s", "-5", "arrival_s must be a finite number >= 0"),
+                              ("gpus", "0", "gpus must be at least 1")):
+        jl.write_text(json.dumps(row)[:-1] + f', "{key}": {value}}}\n')
+        with pytest.raises(S.SimError, match=f"t.jsonl:1: {words}"):
+            S.read_trace(str(jl))
+    jl.write_text("[1, 2]\n")
+    with pytest.raises(S.SimError, match="t.jsonl:1: not a JSON object"):
+        S.read_trace(str(jl))
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"\xff\xfe\x00")
+    for p in (binary, tmp_path):
+        with pytest.raises(S.SimError, match="cannot read it as text"):
+            S.read_trace(str(p))
+
+
+@pytest.mark.unit
 def test_a_node_or_trace_that_cannot_be_simulated_is_refused_with_the_option_named():
     """Bad node shapes and generated-trace sizes are refused before any policy runs (a node of -3 cores
     reached the policy as a ZeroDivisionError); `adloader simulate` exits 2 with the message."""

@@ -19,6 +19,7 @@ Invariants (DESIGN "Slurm": a failing or hanging prolog drains the node):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -59,24 +60,42 @@ class Outcome:
 
 # --- parsing the Slurm environment ----------------------------------------------------------------
 
-_CPUS_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(x(\d+)\))?\s*$")
+_CPUS_ITEM = re.compile(r"^\s*([0-9]{1,9})\s*(?:\(x([0-9]{1,9})\))?\s*$")   # (Slurm's counts fit in 32 bits)
+
+
+def cpus_per_node_runs(value: str) -> list[tuple[int, int]]:
+    """Slurm's compressed per-node CPU counts as (count, nodes) runs, not expanded (a repeat count is
+    a number of nodes: ``2(x100000000)`` must not become a list of 10^8): ``"2(x3),1"`` -> [(2, 3),
+    (1, 1)]. Raise ``JobSpecError`` on anything else."""
+    if not value or not value.strip():
+        raise JobSpecError("SLURM_JOB_CPUS_PER_NODE is empty")
+    runs: list[tuple[int, int]] = []
+    for item in value.split(","):
+        m = _CPUS_ITEM.match(item)
+        if not m:
+            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value[:80]!r}: cannot parse {item[:40]!r} "
+                               f"(want N or N(xK), at most 9 digits each)")
+        n, repeat = int(m.group(1)), int(m.group(2) or 1)
+        if n <= 0 or repeat <= 0:
+            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value[:80]!r}: counts must be positive")
+        runs.append((n, repeat))
+    return runs
 
 
 def parse_cpus_per_node(value: str) -> list[int]:
     """Expand Slurm's compressed per-node CPU counts: ``"4"`` -> [4]; ``"2(x3)"`` -> [2, 2, 2];
-    ``"4,2"`` -> [4, 2]; ``"2(x3),1"`` -> [2, 2, 2, 1]. Raise ``JobSpecError`` on anything else."""
-    if not value or not value.strip():
-        raise JobSpecError("SLURM_JOB_CPUS_PER_NODE is empty")
-    counts: list[int] = []
-    for item in value.split(","):
-        m = _CPUS_ITEM.match(item)
-        if not m:
-            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value!r}: cannot parse {item!r} (want N or N(xK))")
-        n, repeat = int(m.group(1)), int(m.group(2) or 1)
-        if n <= 0 or repeat <= 0:
-            raise JobSpecError(f"SLURM_JOB_CPUS_PER_NODE={value!r}: counts must be positive")
-        counts.extend([n] * repeat)
-    return counts
+    ``"4,2"`` -> [4, 2]; ``"2(x3),1"`` -> [2, 2, 2, 1]. Raise ``JobSpecError`` on anything else.
+    (``slurm_job`` reads the runs, ``cpus_per_node_runs``, without expanding them.)"""
+    return [n for n, repeat in cpus_per_node_runs(value) for _ in range(repeat)]
+
+
+def _node_count(runs: list[tuple[int, int]], node: int) -> Optional[int]:
+    """Entry ``node`` (0-based) of the expanded counts, or None past their end."""
+    for n, repeat in runs:
+        if node < repeat:
+            return n
+        node -= repeat
+    return None
 
 
 def parse_gpus(value: str) -> list[str]:
@@ -118,14 +137,16 @@ def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpe
     cpus, note = None, ""
     raw = environ.get("SLURM_JOB_CPUS_PER_NODE", "")
     if raw.strip():
-        counts = parse_cpus_per_node(raw)
+        runs = cpus_per_node_runs(raw)
         node = environ.get("SLURM_NODEID", "").strip()
-        if node.isdigit() and int(node) < len(counts):
-            cpus = counts[int(node)]
-        elif len(set(counts)) == 1:
-            cpus = counts[0]
+        mine = _node_count(runs, int(node)) if node.isascii() and node.isdigit() else None
+        if mine is not None:
+            cpus = mine
+        elif len({n for n, _ in runs}) == 1:
+            cpus = runs[0][0]
         else:
-            note = f"cpus left to the agent: per-node counts {raw!r} differ and SLURM_NODEID is not set"
+            note = (f"cpus left to the agent: per-node counts {raw[:80]!r} differ and SLURM_NODEID "
+                    + (f"{node[:20]!r} is not one of their {sum(r for _, r in runs)} nodes" if node else "is not set"))
     return JobSpec(job=job, uid=uid, gpus=gpus, cpus=cpus, note=note)
 
 
@@ -222,8 +243,8 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     prefix = f"adloader job {verb}"
     slurm = bool(args.slurm)
     try:
-        if not (args.timeout_s > 0):
-            raise JobSpecError(f"--timeout-s {args.timeout_s} must be positive")
+        if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+            raise JobSpecError(f"--timeout-s {args.timeout_s} must be a positive, finite number of seconds")
         if slurm:
             spec = slurm_job(environ, need_resources=(verb == "register"))
             # explicit flags still win over the environment (e.g. --uid for a test)
@@ -234,6 +255,9 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     except JobSpecError as e:
         print(f"{prefix}: not sent: bad variable: {e}", file=sys.stderr, flush=True)
         return EXIT_OK if slurm else EXIT_USAGE
+    except Exception as e:  # a bug of ours reading the variables: the prolog must not fail on it either
+        print(f"{prefix}: not sent: internal error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return EXIT_OK if slurm else EXIT_FAILED
 
     what = f"job {spec.job} uid {spec.uid}"
     if verb == "register":

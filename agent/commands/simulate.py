@@ -74,6 +74,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from evaluation import simulate as S
+    from evaluation.catalog import CatalogError
 
     try:
         source = args.curves
@@ -115,7 +116,7 @@ def run(args) -> int:
                           tick_s=args.tick_s, settle_ticks=args.settle_ticks, predictor=args.predictor, steps_known=args.steps_known, **mem)
         t0 = time.perf_counter()
         result = S.simulate(trace, curves, policies, cfg, source=source, processes=args.processes)
-    except S.SimError as e:
+    except (S.SimError, CatalogError) as e:   # (a --catalog that cannot be read was a traceback)
         print(f"adloader simulate: {e}", file=sys.stderr)
         return 2
     wall = time.perf_counter() - t0

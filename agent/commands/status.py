@@ -15,7 +15,10 @@ def register(sub) -> None:
                    help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of "
                         "/etc/adloader/agent.toml, else the system or your user's socket)")
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
-    p.add_argument("--timeout-s", type=float, default=3.0, help="how long to wait for the agent (default 3)")
+    from agent.rpc import timeout_arg
+
+    p.add_argument("--timeout-s", type=timeout_arg, default=3.0, metavar="S",
+                   help="how long to wait for the agent, seconds (default 3)")
     p.set_defaults(func=run)
 
 
