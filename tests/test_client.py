@@ -169,6 +169,43 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endp
         agent.close()
 
 
+def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(base, endpoint_env, monkeypatch):
+    """A validation loader iterated before the training loader (Lightning's sanity check runs two
+    validation batches before training starts) was the client's loader for good: its idle stats were
+    reported and the agent's directives resized it, while the training loader kept its own count. The
+    loader that has handed out the most batches is the one reported and directed; when the training
+    loader overtakes, it gets the agent's last count and the other goes back to its own."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    val = DataLoader(list(range(64)), batch_size=4, num_workers=0, max_workers=3)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=0, max_workers=3)
+    try:
+        val_it = iter(val)
+        next(val_it), next(val_it)                  # the sanity check: val attaches first
+        ident, hello = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="cold start"))
+        wait_for(lambda: client.state().get("directives") == 1, what="the first directive applied")
+        del val_it
+        it = iter(train)
+        for _ in range(5):
+            next(it)
+        wait_for(lambda: train.num_workers == 2 and val.num_workers == 0,
+                 what=f"the agent's count on the training loader (train {train.num_workers}, val {val.num_workers})")
+        wait_for(lambda: agent.recv("report")[1]["stats"]["steps"] >= 5, what="a report of the training loader")
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=3, reason="more"))
+        wait_for(lambda: train.num_workers == 3, what="the next directive on the training loader")
+        assert val.num_workers == 0 and val.requested_workers == 0 and train.requested_workers == 0
+        assert sorted(int(x) for b in it for x in b) == list(range(20, 4000))
+    finally:
+        for lo in (train, val):
+            lo.close()
+        agent.close()
+
+
 def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.1)
