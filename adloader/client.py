@@ -134,6 +134,15 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def _period_s(value: Any, default: float) -> float:
+    """A period the agent gives (``heartbeat_s``): a finite number of seconds above 0, else ``default``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return v if math.isfinite(v) and v > 0 else default
+
+
 class _Client:
     def __init__(self, previous: Optional["_Client"] = None) -> None:
         self._previous = previous
@@ -339,7 +348,7 @@ class _Client:
                         if t == "welcome":
                             welcomed = True
                             last_seq = -1
-                            heartbeat_s = float(msg.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
+                            heartbeat_s = _period_s(msg.get("heartbeat_s"), DEFAULT_HEARTBEAT_S)
                             hello_retry_s = HELLO_RETRY_S
                             next_report = time.monotonic() + REPORT_S
                             self._set(connected=True)

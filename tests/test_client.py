@@ -229,6 +229,32 @@ def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env,
         agent.close()
 
 
+@pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0])
+def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
+                                                                                    heartbeat_s):
+    """A welcome whose heartbeat_s is not a positive number (the schema does not type it): the client
+    thread died on float() of a string or a list (the process had no agent contact again, and its state
+    still said active and connected), and a negative period made it drop every connection at once and
+    say hello again. The default period is used instead."""
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        welcome = protocol.make("welcome", job="unit-job", challenge=None)
+        welcome["heartbeat_s"] = heartbeat_s
+        agent.send(ident, welcome)
+        for _ in range(3):
+            assert agent.recv("report")[0] == ident      # reports on the same connection
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+        wait_for(lambda: lo.resizes == [3], what="the directive applied")
+        assert client.state()["welcomes"] == 1
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     agent = FakeAgent(f"{base}/agent.sock")
