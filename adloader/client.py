@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import secrets
 import socket as _socket
@@ -124,14 +125,25 @@ def state() -> dict:
 
 
 def _finite(obj: Any) -> Any:
-    """JSON-safe copy: non-finite floats become None (the wire forbids NaN/Infinity)."""
+    """JSON-safe copy: non-finite floats become None (the wire forbids NaN/Infinity); other numbers
+    (a NumPy scalar in a loader subclass's stats) become int or float; anything else json cannot
+    encode becomes None."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {str(k): _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
-    return obj
+    try:
+        return operator.index(obj)
+    except Exception:
+        pass
+    try:
+        return _finite(float(obj))
+    except Exception:
+        return None
 
 
 def _period_s(value: Any, default: float) -> float:

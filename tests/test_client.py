@@ -255,6 +255,35 @@ def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_clie
         agent.close()
 
 
+def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(base, endpoint_env, monkeypatch):
+    """A loader whose stats() holds a value json cannot encode (a NumPy integer from a subclass's own
+    figures): building the report raised TypeError and the client thread died (no report, no directive
+    for the rest of the process). Numbers go as numbers, anything else as null."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+
+    class Extra(Loader):
+        def stats(self):
+            return {**super().stats(), "queued": np.int64(3), "ratio": np.float32(0.5), "tag": object(),
+                    "nested": {"n": np.int32(7), "bad": np.float64("nan")}}
+
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Extra()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        _, report = agent.recv("report")
+        st = report["stats"]
+        assert (st["queued"], st["ratio"], st["tag"], st["nested"]) == (3, 0.5, None, {"n": 7, "bad": None})
+        assert st["samples"] > 0
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+        wait_for(lambda: lo.resizes == [3], what="the directive applied")
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     agent = FakeAgent(f"{base}/agent.sock")
