@@ -390,8 +390,8 @@ class _Client:
         code, text = msg.get("code"), msg.get("message")
         self._set(last_error=f"{code}: {text}")
         if code in ("version", "not_permitted", "over_limit"):
-            log.warning("adloader: the node agent refused this process (%s): %s; training goes on "
-                        "without it", code, text)
+            _warn_once(f"refused:{code}:{text}", "adloader: the node agent refused this process (%s): %s; "
+                       "training goes on without it", code, text)
             if code == "version":
                 self._stop.set()
                 return 0.0

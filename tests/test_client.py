@@ -307,6 +307,32 @@ def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch
         agent.close()
 
 
+def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, endpoint_env, monkeypatch, caplog):
+    """An agent that refuses this process (not_permitted, over_limit) is asked again after a back-off;
+    each refusal was logged at WARNING again (every 60 s for the whole run, in the user's log). Once per
+    distinct refusal; the client's state keeps the last one."""
+    import logging
+
+    monkeypatch.setattr(client, "REFUSED_BACKOFF_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            for _ in range(3):
+                ident, _ = agent.recv("hello")
+                agent.send(ident, protocol.error("not_permitted", "rank 0 of job 'unit-job' is held by live pid 1"))
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.error("over_limit", "uid 0 has 64 jobs (agent key max_jobs_per_uid)"))
+            wait_for(lambda: "over_limit" in (client.state().get("last_error") or ""), what="the second refusal")
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 2 and "not_permitted" in refusals[0] and "over_limit" in refusals[1], refusals
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_silent_without_agent_and_disabled(base, endpoint_env, monkeypatch):
     lo = Loader()
     client.attach(lo)
