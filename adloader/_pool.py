@@ -20,17 +20,22 @@ Invariants:
   ``shutdown``), so an event is never read as one of a newer worker's;
 - a worker that dies otherwise is reported once (``WorkerDied``) after every message it wrote was
   read, and is replaced if its id is still below the target;
-- ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded).
+- ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded);
+- a process forked from the owner (the user's ``os.fork()``) neither shuts the pool down
+  (``shutdown`` is a no-op there) nor counts its workers among its own children
+  (``_disown_workers_after_fork``), so nothing it does at its exit reaches the owner's workers.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import multiprocessing.process as _mp_process
 import os
 import select
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
@@ -74,6 +79,32 @@ def worker_exit_reason(pid: int, exitcode: int | None) -> str:
     return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}."
 
 
+_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+def _disown_workers_after_fork() -> None:
+    """In a process forked from one that has pools (the user's ``os.fork()``: an asynchronous
+    checkpoint writer, a helper): their workers are not its children. multiprocessing's list of
+    children is inherited through fork, and its atexit function (``multiprocessing.util._exit_function``)
+    terminates every daemon process in that list, so such a child ending by the interpreter's own exit
+    (``sys.exit``, the end of its script) sent SIGTERM to the parent's workers. Take them out of the
+    child's list, as multiprocessing does with the whole list in the processes it starts itself
+    (``BaseProcess._bootstrap``). Runs in every forked child (``os.register_at_fork``): cheap, never raises."""
+    try:
+        children = getattr(_mp_process, "_children", None)
+        if not children:
+            return
+        for pool in list(_POOLS):
+            for slot in list(pool.slots.values()):
+                children.discard(slot.proc)
+    except Exception:   # noqa: BLE001 — a hook in someone else's fork must never fail it
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_workers_after_fork)
+
+
 class _Slot:
     __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state")
 
@@ -107,6 +138,7 @@ class WorkerPool:
         self.fatal: BaseException | RemoteError | None = None
         self._closed = False
         self._owner_pid = os.getpid()       # shutdown acts only here, never in a forked copy
+        _POOLS.add(self)
         self._backlog: deque[bytes] = deque()
         self._deaths_without_progress = 0
         self._rr = 0

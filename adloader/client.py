@@ -17,9 +17,13 @@ Invariants (STYLE 8):
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
   fork starts a fresh client only if called there, which the loader never does).
-- One client per process: it reports ``loader.stats()`` of the first attached loader (the primary,
-  normally the training loader) every ``REPORT_S`` and applies directives to it through
-  ``loader.resize(n)``, bounded by ``loader.max_workers``. Before the first directive it calls
+- One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
+  applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers``. The primary
+  is the attached loader that has handed out the most batches (``_steps``; the first attached on a
+  tie): the training loader, also where a validation loader is iterated first (Lightning's sanity
+  check runs two validation batches before training starts). When another loader overtakes it, the
+  session's last directive moves to the new primary and the old one goes back to its own count
+  (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
   this session (since the last welcome) is ignored.
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import secrets
 import socket as _socket
@@ -120,14 +125,34 @@ def state() -> dict:
 
 
 def _finite(obj: Any) -> Any:
-    """JSON-safe copy: non-finite floats become None (the wire forbids NaN/Infinity)."""
+    """JSON-safe copy: non-finite floats become None (the wire forbids NaN/Infinity); other numbers
+    (a NumPy scalar in a loader subclass's stats) become int or float; anything else json cannot
+    encode becomes None."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {str(k): _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
-    return obj
+    try:
+        return operator.index(obj)
+    except Exception:
+        pass
+    try:
+        return _finite(float(obj))
+    except Exception:
+        return None
+
+
+def _period_s(value: Any, default: float) -> float:
+    """A period the agent gives (``heartbeat_s``): a finite number of seconds above 0, else ``default``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return v if math.isfinite(v) and v > 0 else default
 
 
 class _Client:
@@ -141,6 +166,8 @@ class _Client:
         self.world_size = env.world_size()
         self.gpus = env.gpus()
         self._loaders: list[weakref.ref] = []
+        self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
+        self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
@@ -180,9 +207,25 @@ class _Client:
             return dict(self._info)
 
     def _primary(self) -> Any:
+        """The loader to report and direct (module docstring): of the attached loaders, the one that has
+        handed out the most batches; the current one, else the first attached, on a tie."""
         with self._lock:
             self._loaders = [r for r in self._loaders if r() is not None]
-            return self._loaders[0]() if self._loaders else None
+            alive = [r() for r in self._loaders]
+            current = self._current() if self._current is not None else None
+        alive = [lo for lo in alive if lo is not None]
+        if not alive:
+            return None
+        best = current if any(lo is current for lo in alive) else alive[0]
+        most = _steps(best)
+        for lo in alive:
+            n = _steps(lo)
+            if n > most:
+                best, most = lo, n
+        if best is not current:
+            with self._lock:
+                self._current = weakref.ref(best)
+        return best
 
     def _set(self, **kw: Any) -> None:
         with self._lock:
@@ -261,7 +304,7 @@ class _Client:
             next_report = 0.0
             last_heard = time.monotonic()
             last_seq = -1
-            autotune_detached = False
+            directive: Optional[dict] = None     # the last directive applied in this session
             while True:
                 now = time.monotonic()
                 if self._stop.is_set():
@@ -274,6 +317,10 @@ class _Client:
                 if loader is None:
                     self._stop.set()
                     continue
+                if directive is not None and self._directed() is not loader:
+                    # another loader became the primary (the training loader overtook one iterated
+                    # first): the agent's count is its count now; the old one goes back to its own
+                    self._direct(loader, directive)
                 if not welcomed:
                     if now >= next_hello:
                         if self._send(zmq, sock, self._hello(loader)):
@@ -313,7 +360,7 @@ class _Client:
                         if t == "welcome":
                             welcomed = True
                             last_seq = -1
-                            heartbeat_s = float(msg.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
+                            heartbeat_s = _period_s(msg.get("heartbeat_s"), DEFAULT_HEARTBEAT_S)
                             hello_retry_s = HELLO_RETRY_S
                             next_report = time.monotonic() + REPORT_S
                             self._set(connected=True)
@@ -323,10 +370,8 @@ class _Client:
                                 last_seq = msg["seq"]
                                 target = self._primary()
                                 if target is not None:
-                                    if not autotune_detached:
-                                        _detach_autotune(target)
-                                        autotune_detached = True
-                                    self._apply(target, msg)
+                                    self._direct(target, msg)
+                                    directive = msg
                                 target = None
                         elif t == "error":
                             pause = self._on_error(msg)
@@ -345,8 +390,8 @@ class _Client:
         code, text = msg.get("code"), msg.get("message")
         self._set(last_error=f"{code}: {text}")
         if code in ("version", "not_permitted", "over_limit"):
-            log.warning("adloader: the node agent refused this process (%s): %s; training goes on "
-                        "without it", code, text)
+            _warn_once(f"refused:{code}:{text}", "adloader: the node agent refused this process (%s): %s; "
+                       "training goes on without it", code, text)
             if code == "version":
                 self._stop.set()
                 return 0.0
@@ -412,6 +457,30 @@ class _Client:
             msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
         return msg
 
+    def _direct(self, loader, msg: dict) -> None:
+        """Apply a directive to the primary ``loader``; the loader directed before, if another one, goes
+        back to its own count; autotune is detached from a loader before its first directive."""
+        previous = self._directed()
+        if previous is not loader:
+            self._release(previous)
+            _detach_autotune(loader)
+            self._directed = weakref.ref(loader)
+        previous = None
+        self._apply(loader, msg)
+
+    @staticmethod
+    def _release(loader) -> None:
+        """A loader that is no longer the primary goes back to the job's own count for it."""
+        if loader is None:
+            return
+        try:
+            own = getattr(loader, "requested_workers", None)
+            resize = getattr(loader, "_resize", None)
+            if resize is not None and isinstance(own, int) and not isinstance(own, bool):
+                resize(own, own=False)
+        except Exception:
+            log.debug("adloader client: releasing a loader failed", exc_info=True)
+
     def _apply(self, loader, msg: dict) -> None:
         n = msg["workers"]
         try:
@@ -428,6 +497,20 @@ class _Client:
                 self._info["last_directive"]["applied_workers"] = n
         except Exception:
             log.debug("adloader client: loader.resize(%s) failed", n, exc_info=True)
+
+
+def _dead_ref() -> None:
+    return None
+
+
+def _steps(loader: Any) -> int:
+    """Batches ``loader`` has handed out (its elastic state's counter, cheap, unlike ``stats()``);
+    0 for a loader without one."""
+    try:
+        n = loader.elastic_state.counters.steps
+    except Exception:
+        return 0
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
 def _detach_autotune(loader: Any) -> None:

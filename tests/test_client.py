@@ -169,6 +169,43 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endp
         agent.close()
 
 
+def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(base, endpoint_env, monkeypatch):
+    """A validation loader iterated before the training loader (Lightning's sanity check runs two
+    validation batches before training starts) was the client's loader for good: its idle stats were
+    reported and the agent's directives resized it, while the training loader kept its own count. The
+    loader that has handed out the most batches is the one reported and directed; when the training
+    loader overtakes, it gets the agent's last count and the other goes back to its own."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    val = DataLoader(list(range(64)), batch_size=4, num_workers=0, max_workers=3)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=0, max_workers=3)
+    try:
+        val_it = iter(val)
+        next(val_it), next(val_it)                  # the sanity check: val attaches first
+        ident, hello = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="cold start"))
+        wait_for(lambda: client.state().get("directives") == 1, what="the first directive applied")
+        del val_it
+        it = iter(train)
+        for _ in range(5):
+            next(it)
+        wait_for(lambda: train.num_workers == 2 and val.num_workers == 0,
+                 what=f"the agent's count on the training loader (train {train.num_workers}, val {val.num_workers})")
+        wait_for(lambda: agent.recv("report")[1]["stats"]["steps"] >= 5, what="a report of the training loader")
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=3, reason="more"))
+        wait_for(lambda: train.num_workers == 3, what="the next directive on the training loader")
+        assert val.num_workers == 0 and val.requested_workers == 0 and train.requested_workers == 0
+        assert sorted(int(x) for b in it for x in b) == list(range(20, 4000))
+    finally:
+        for lo in (train, val):
+            lo.close()
+        agent.close()
+
+
 def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.1)
@@ -192,6 +229,61 @@ def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env,
         agent.close()
 
 
+@pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0])
+def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
+                                                                                    heartbeat_s):
+    """A welcome whose heartbeat_s is not a positive number (the schema does not type it): the client
+    thread died on float() of a string or a list (the process had no agent contact again, and its state
+    still said active and connected), and a negative period made it drop every connection at once and
+    say hello again. The default period is used instead."""
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        welcome = protocol.make("welcome", job="unit-job", challenge=None)
+        welcome["heartbeat_s"] = heartbeat_s
+        agent.send(ident, welcome)
+        for _ in range(3):
+            assert agent.recv("report")[0] == ident      # reports on the same connection
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+        wait_for(lambda: lo.resizes == [3], what="the directive applied")
+        assert client.state()["welcomes"] == 1
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(base, endpoint_env, monkeypatch):
+    """A loader whose stats() holds a value json cannot encode (a NumPy integer from a subclass's own
+    figures): building the report raised TypeError and the client thread died (no report, no directive
+    for the rest of the process). Numbers go as numbers, anything else as null."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+
+    class Extra(Loader):
+        def stats(self):
+            return {**super().stats(), "queued": np.int64(3), "ratio": np.float32(0.5), "tag": object(),
+                    "nested": {"n": np.int32(7), "bad": np.float64("nan")}}
+
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Extra()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        _, report = agent.recv("report")
+        st = report["stats"]
+        assert (st["queued"], st["ratio"], st["tag"], st["nested"]) == (3, 0.5, None, {"n": 7, "bad": None})
+        assert st["samples"] > 0
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+        wait_for(lambda: lo.resizes == [3], what="the directive applied")
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     agent = FakeAgent(f"{base}/agent.sock")
@@ -210,6 +302,32 @@ def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch
         assert client.state()["directives"] == 0   # resize raised: not counted, not raised
         agent.send(ident, protocol.error("not_permitted", "job 'unit-job' belongs to uid 7"))
         wait_for(lambda: "not_permitted" in (client.state().get("last_error") or ""), what="refusal noted")
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, endpoint_env, monkeypatch, caplog):
+    """An agent that refuses this process (not_permitted, over_limit) is asked again after a back-off;
+    each refusal was logged at WARNING again (every 60 s for the whole run, in the user's log). Once per
+    distinct refusal; the client's state keeps the last one."""
+    import logging
+
+    monkeypatch.setattr(client, "REFUSED_BACKOFF_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            for _ in range(3):
+                ident, _ = agent.recv("hello")
+                agent.send(ident, protocol.error("not_permitted", "rank 0 of job 'unit-job' is held by live pid 1"))
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.error("over_limit", "uid 0 has 64 jobs (agent key max_jobs_per_uid)"))
+            wait_for(lambda: "over_limit" in (client.state().get("last_error") or ""), what="the second refusal")
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 2 and "not_permitted" in refusals[0] and "over_limit" in refusals[1], refusals
     finally:
         _detach_all(lo)
         agent.close()

@@ -101,6 +101,8 @@ FORKED = textwrap.dedent("""
         # subprocess) drops its copy of the loader: it must not shut down the parent's workers
         del it, dl
         gc.collect()
+        if sys.argv[1] == "sys.exit":
+            sys.exit(0)     # the interpreter's exit: atexit runs (multiprocessing's exit function too)
         os._exit(0)
     _, status = os.waitpid(child, 0)
     for i, b in enumerate(it):
@@ -111,8 +113,14 @@ FORKED = textwrap.dedent("""
 """)
 
 
-def test_a_forked_copy_of_a_loader_leaves_the_parents_workers_alone():
-    out = subprocess.run([sys.executable, "-c", FORKED], env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO,
+@pytest.mark.parametrize("exit_by", ["os._exit", "sys.exit"])
+def test_a_forked_copy_of_a_loader_leaves_the_parents_workers_alone(exit_by):
+    """A child the training process forks (os.fork: an asynchronous checkpoint writer) that ends by
+    the interpreter's own exit ran multiprocessing's atexit function, which terminates every daemon
+    process in multiprocessing's list of children, inherited from the parent: the parent's loader
+    workers were killed by SIGTERM (the epoch recovered them here, torch's loader would have failed;
+    an IterableDataset epoch was aborted)."""
+    out = subprocess.run([sys.executable, "-c", FORKED, exit_by], env=repo_env(ADLOADER_DISABLE="1"), cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
