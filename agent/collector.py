@@ -81,11 +81,18 @@ RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wa
          "trainer_cpu_s_per_step", "trainer_runq_s_per_step")
 
 
+MAX_FIGURE = float(2 ** 53)   # a report's figure above this is no count, time or size (float counters stop
+                              # counting by one there); taken as not reported, so no rate overflows to inf
+
+
 def _num(v) -> Optional[float]:
+    """A report's figure as a float, or None where it is not one: not a number, negative, not finite,
+    or above ``MAX_FIGURE`` (a difference of two such over the shortest window, ``MIN_WINDOW_S``, is
+    beyond a float's range: an inf rate, then NaN once smoothed, for every report after)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     v = float(v)
-    return v if math.isfinite(v) and v >= 0 else None
+    return v if math.isfinite(v) and 0 <= v <= MAX_FIGURE else None
 
 
 @dataclass

@@ -40,6 +40,33 @@ def test_rank_rates_from_counters_reset_and_smoothing():
     rr.update({"uptime_s": 3, "steps": "x", "samples": -4, "data_wait_s": None}, 4.0)
 
 
+def test_a_figure_too_large_to_be_a_count_never_makes_a_rate_inf_or_nan():
+    """A well-formed report whose totals are near a float's range (1.7e308 samples, two ranks at 1e308
+    CPU seconds) over a short window: the difference over 0.06 s overflowed to an inf rate, the
+    smoothing turned it into NaN at the next window, and NaN stayed in the job's figures for good, after
+    the client went back to honest totals. Such a figure is taken as not reported."""
+    import math
+
+    reg = Registry()
+    me = os.getpid()
+    for rank in (0, 1):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
+                                                           "batch_size": 8, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    for rank in (0, 1):
+        col.on_report("j", rank, me, _totals(0, 0, 0, 0), 0.0)
+        col.on_report("j", rank, me, dict(_totals(0.06, 1, 0.0, 0.05, cpu=1e308), samples=1.7e308), 0.06)
+        col.on_report("j", rank, me, dict(_totals(1.06, 11, 0.1, 0.9, cpu=1e308), samples=1.7e308), 1.06)
+        for t in (2.06, 3.06):                                          # honest again
+            col.on_report("j", rank, me, _totals(t, 10 * t, 0.1 * t, 0.9 * t, cpu=0.4 * t), t)
+    js = col.snapshot(4.0).jobs["j"]
+    figures = {k: v for k, v in vars(js).items() if isinstance(v, float)}
+    assert all(math.isfinite(v) for v in figures.values()), figures
+    for rr in col.rank_rates.values():
+        assert all(math.isfinite(v) for v in rr.rates.values()), rr.rates
+    assert js.samples_per_s > 0 and js.cpu_s_per_batch > 0
+
+
 def test_job_stats_aggregate_ranks_max_stall():
     reg = Registry()
     me = os.getpid()
