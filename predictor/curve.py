@@ -119,7 +119,10 @@ class ThroughputCurve:
         g, c = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch
         if g <= 0:
             return math.inf
-        return self._knee_factor * c / (g * self._kc)
+        den = g * self._kc
+        if den <= 0:                 # (g x correction below a float's range: the ratio is above it)
+            return math.inf if c > 0 else 0.0
+        return self._knee_factor * c / den
 
     @cached_property
     def max_useful_workers(self) -> int:
@@ -139,7 +142,7 @@ class ThroughputCurve:
         if limit_bps <= 0:
             return 1
         need = (c + b) * limit_bps * self._knee_factor / self.correction
-        return max(1, min(1 << 16, math.ceil(need - 1e-9)))
+        return max(1, math.ceil(min(1 << 16, need) - 1e-9))     # (need may be inf: capped before ceil)
 
     def memory_for(self, workers: float) -> float:
         """Loader memory (bytes) of ``workers`` workers."""
@@ -149,7 +152,10 @@ class ThroughputCurve:
         """Most workers that fit in ``memory_bytes`` (a very large number when the cost is unknown)."""
         if self.worker_memory_bytes <= 0:
             return 1 << 16
-        return max(0, int(memory_bytes // self.worker_memory_bytes))
+        n = memory_bytes // self.worker_memory_bytes
+        if not math.isfinite(n):     # (a cost so small, or a budget so large, that the count is beyond a float)
+            return 0 if memory_bytes < 0 else 1 << 16
+        return max(0, int(n))
 
     def marginal_gain(self, workers: float, cores: float, d_cores: float = 1.0) -> float:
         """Normalised throughput gained by ``d_cores`` more cores (workers grown to match)."""

@@ -65,6 +65,39 @@ def test_knee_non_decreasing_in_cores(cur, c, dc):
     assert cur.max_useful_workers >= cur.knee_workers(c)
 
 
+extreme = st.sampled_from([0.0, 5e-324, 1e-300, 1e-12, 1e-3, 1.0, 1e6, 1e12, 1e300, 1.7e308])
+
+
+@st.composite
+def extreme_curves(draw):
+    """Curves with each parameter anywhere in a float's range (a lying client's window, a simulator's)."""
+    return ThroughputCurve(
+        job="j", batch_size=draw(st.sampled_from([1, 32, 10 ** 9])), compute_s_per_step=draw(extreme),
+        cpu_s_per_batch=draw(extreme), blocked_s_per_batch=draw(extreme),
+        correction=draw(st.sampled_from([1e-300, 1e-9, 0.05, 1.0, 20.0, 1e300])),
+        core_correction=draw(st.sampled_from([None, 5e-324, 1e-9, 1.0, 1e300])),
+        sharpness=draw(st.sampled_from([0.0, 2.0, 20.0])), overhead_s_per_step=draw(extreme),
+        worker_memory_bytes=draw(extreme))
+
+
+@settings(max_examples=200, deadline=None)
+@given(extreme_curves(), st.sampled_from([0.0, 0.05, 1.0, 512.0, 1e300]), st.sampled_from([0, 1, 3, 64, 10 ** 6]),
+       extreme)
+def test_a_curve_anywhere_in_a_floats_range_answers_every_question(cur, c, w, memory):
+    """knee_workers raised OverflowError where the workers needed were beyond a float (c = 1e300 with a
+    1e-12 s step), max_useful_cores ZeroDivisionError where g x correction underflowed to 0, and
+    workers_within OverflowError where the budget over a worker's cost was inf: a policy that asked
+    raised for every job of the node."""
+    assert 1 <= cur.max_useful_workers <= 1 << 16 and 1 <= cur.knee_workers(c) <= 1 << 16
+    assert cur.max_useful_cores >= 0
+    t = cur.throughput(w, c)
+    assert t >= 0 and not math.isnan(t)
+    assert 0.0 <= cur.normalized(w, c) <= 1.0
+    assert not math.isnan(cur.marginal_gain(w, c))
+    n = cur.workers_within(memory)
+    assert isinstance(n, int) and n >= 0
+
+
 def test_blocked_time_adds_workers_not_cores():
     cpu = ThroughputCurve(job="a", batch_size=32, compute_s_per_step=0.05, cpu_s_per_batch=0.1,
                           blocked_s_per_batch=0.0)
