@@ -122,6 +122,8 @@ class ThroughputCurve:
         den = g * self._kc
         if den <= 0:                 # (g x correction below a float's range: the ratio is above it)
             return math.inf if c > 0 else 0.0
+        if den == math.inf:          # (... above it: the ratio is 0, where knee x c / den was inf / inf)
+            return 0.0
         return self._knee_factor * c / den
 
     @cached_property
