@@ -57,6 +57,18 @@ def blocked_s(d, reported: bool) -> float:
 
 _OPTIONAL = ("worker_memory_bytes",)   # fields added after version 1's first records
 
+# What no window of a real job holds: the predictor raises its figures to powers (the prior's soft
+# minimum, up to p = 20) and sums them weighted by steps, and a finite figure near a float's range
+# (a lying client's 1e300 s step) overflowed there (OverflowError, or an inf curve). A window is at most
+# MAX_SECONDS long and so is each of its per-step and per-batch times (~11.6 days); every other figure
+# (steps, workers, samples/s, cores, bytes) is at most MAX_FIGURE (2**53: float counts stop counting by
+# one there), and cores at least MIN_CORES.
+MAX_SECONDS = 1e6
+MAX_FIGURE = float(2 ** 53)
+MIN_CORES = 1e-6
+_SECONDS = ("compute_s_per_step", "data_wait_s_per_step", "cpu_s_per_batch", "wall_s_per_batch", "runq_s_per_batch",
+            "blocked_s_per_batch", "duration_s")
+
 
 class BadObservation(ValueError):
     """An observation record that cannot be used; the message names the field and the problem."""
@@ -89,8 +101,11 @@ class Observation:
                 raise BadObservation(f"observation field {f.name!r} must be finite, got {v!r}")
             if v < 0:
                 raise BadObservation(f"observation field {f.name!r} must be >= 0, got {v!r}")
-        if self.cores <= 0:
-            raise BadObservation(f"observation field 'cores' must be > 0, got {self.cores!r}")
+            if v > (MAX_SECONDS if f.name in _SECONDS else MAX_FIGURE):
+                raise BadObservation(f"observation field {f.name!r} must be at most "
+                                     f"{MAX_SECONDS if f.name in _SECONDS else MAX_FIGURE:g}, got {v!r}")
+        if self.cores < MIN_CORES:
+            raise BadObservation(f"observation field 'cores' must be >= {MIN_CORES:g}, got {self.cores!r}")
         if self.batch_size <= 0:
             raise BadObservation(f"observation field 'batch_size' must be > 0, got {self.batch_size!r}")
         if self.duration_s <= 0:

@@ -444,3 +444,47 @@ def test_measurement_noise_and_reconfiguration_are_not_new_phases(seed):
         bank.observe("j", o)
     assert bank.curve("j").extra["phase_changes"] == 0
     assert len(bank.windows("j")) == 16
+
+
+_FIGURES = st.sampled_from([0.0, 5e-324, 1e-12, 1e-3, 0.5, 1e6, 1e12, 2.0 ** 53, 1e300, 1.7e308])
+
+
+@st.composite
+def _any_window(draw):
+    """A window with each figure anywhere in a float's range, or None where the record refuses it."""
+    f = {k: draw(_FIGURES) for k in ("compute_s_per_step", "data_wait_s_per_step", "cpu_s_per_batch",
+                                     "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch",
+                                     "samples_per_s", "worker_memory_bytes")}
+    try:
+        return Observation(workers=draw(st.sampled_from([0, 1, 64, 10 ** 6])),
+                           cores=draw(st.sampled_from([5e-324, 1e-300, 1e-6, 1.0, 2.0 ** 53])),
+                           batch_size=draw(st.sampled_from([1, 32, 10 ** 9])),
+                           duration_s=draw(st.sampled_from([5e-324, 1.0, 1e6, 1e300])),
+                           steps=draw(st.sampled_from([1, 10, 10 ** 12, 2 ** 53, 10 ** 20])), **f)
+    except BadObservation:
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(windows=st.lists(_any_window(), min_size=1, max_size=6), prior=st.sampled_from(["none", "default", "sharp"]))
+def test_any_window_the_record_takes_gives_a_finite_curve(windows, prior):
+    """A lying client's window (a 1e300 s step, 1e12 steps of it, a 1e-300 core) was taken, and the
+    bank's step-weighted sums overflowed to an inf curve (compute_s_per_step = inf) or, with a prior
+    whose soft minimum is sharp, its powers raised OverflowError. The record refuses figures no real
+    window holds (``MAX_SECONDS``, ``MAX_FIGURE``, ``MIN_CORES``); what it takes gives a finite curve."""
+    from predictor.prior import Prior
+
+    bank = PredictorBank(prior={"none": None, "default": "default",
+                                "sharp": Prior(sharpness=20.0, log_kc_coef=(0.1, 0.2, -0.3, 0.1))}[prior])
+    for o in windows:
+        if o is None:
+            continue
+        bank.observe("j", o)
+        cur = bank.curve("j")
+        if cur is None:
+            continue
+        for v in (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch, cur.correction,
+                  cur.core_efficiency, cur.overhead_s_per_step):
+            assert math.isfinite(v) and v >= 0, cur
+        assert 0.0 <= cur.confidence <= 1.0
+        assert 0.0 <= cur.normalized(4, 2.0) <= 1.0 and cur.max_useful_workers >= 1

@@ -115,7 +115,8 @@ def _obs_dict():
 
 
 @pytest.mark.parametrize("field,value", [("cores", 0), ("batch_size", 0), ("samples_per_s", float("nan")),
-                                         ("steps", "many"), ("workers", True), ("duration_s", -1)])
+                                         ("steps", "many"), ("workers", True), ("duration_s", -1),
+                                         ("compute_s_per_step", 1e300), ("cores", 1e-300), ("steps", 10 ** 20)])
 def test_bad_record_names_field(field, value):
     d = _obs_dict()
     d[field] = value
