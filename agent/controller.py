@@ -12,9 +12,10 @@ Invariants (what the tests hold it to):
   tried again (half-open). Other jobs, and the job's other actuators, are never affected: a cgroup
   write the kernel refuses does not stop the job's worker counts. Open breakers are visible in
   ``TickRecord.breakers``.
-- A job present in ``applied()`` but absent from the snapshot has departed: it is forgotten (every
-  actuator releases it, the predictor forgets it) in that tick, before the policy runs, so the policy
-  hands its share out in the same tick.
+- A job present in ``applied()`` or in an earlier snapshot but absent from this one has departed: it is
+  forgotten (every actuator releases it, the predictor forgets it) in that tick, before the policy runs,
+  so the policy hands its share out in the same tick. (Also a job whose allocation is in force on no
+  actuator or only some: one that failed the others still made a group for it or was fed its windows.)
 - The predictor gets a job's window at most once per ``observe_interval_s`` (default 3 s); a job's
   first window is fed as soon as there is one, and each job's later observations are phase-shifted by
   a hash of its id so that jobs that arrived together do not all rebuild their curves in the same tick
@@ -274,6 +275,7 @@ class Controller:
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
         self._breakers: dict[str, dict[int, _Breaker]] = {}   # job -> actuator index -> breaker
         self._pending_forget: set[str] = set()
+        self._seen: dict[str, None] = {}           # jobs of earlier snapshots not forgotten yet (in order)
         self._observed_at: dict[str, float] = {}
         self._window_end: dict[str, float] = {}     # the end of each job's last window (settled_window)
         self._unsettled_since: dict[str, float] = {}   # since when a due job has had no settled window
@@ -342,9 +344,12 @@ class Controller:
             for job_id in list(self._pending_forget):
                 if not self._release(job_id):
                     self._pending_forget.discard(job_id)
-            for job_id in [j for j in self._applied if j not in snapshot.jobs]:
+            # departed: in force somewhere or seen before (a job some actuator applied while another
+            # failed is not in ``_applied``, yet holds a cgroup group, predictor windows, a breaker)
+            for job_id in [j for j in dict.fromkeys([*self._applied, *self._seen]) if j not in snapshot.jobs]:
                 self.forget(job_id)
                 departed.append(job_id)
+            self._seen.update(dict.fromkeys(snapshot.jobs))
             budget = grown_loader_cpus(snapshot)
             if budget != self.loader_cpus_in_force:
                 logs.event(log, "loader_budget", logging.INFO if budget != snapshot.loader_cpus else logging.DEBUG,
@@ -512,6 +517,7 @@ class Controller:
             self._applied_by[i].pop(job_id, None)
             self._pids_by[i].pop(job_id, None)
         self._applied.pop(job_id, None)
+        self._seen.pop(job_id, None)
         self._breakers.pop(job_id, None)
         self._observed_at.pop(job_id, None)
         self._window_end.pop(job_id, None)

@@ -118,6 +118,27 @@ def test_departure_releases_and_hands_out_share_in_same_tick():
     assert c.applied()["a"].cpus == 4.0 and "b" not in c.applied()
 
 
+def test_a_job_that_departs_before_every_actuator_applied_it_is_released_and_forgotten():
+    """A job whose cgroup apply failed (the kernel refused a write after the group was made) while its
+    directive went out was never in force everywhere, so not in ``applied()``: when it left, no actuator
+    released it (the group stayed), the predictor kept its windows and the controller its breaker, for
+    good. Departure is now judged on every job the controller has seen."""
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
+    directive, cgroup = RecordingActuator(), RecordingActuator(fail_jobs={"b"})
+    bank = FakeBank()
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[directive, cgroup])
+    c.tick(now=1.0)
+    c.tick(now=2.0)
+    assert "b" not in c.applied() and any(j == "b" for j, _ in bank.seen)
+    del src.jobs["b"]
+    rec = c.tick(now=3.0)
+    assert rec.departed == ("b",) and directive.released == ["b"] and cgroup.released == ["b"]
+    assert bank.forgotten == ["b"] and "b" not in rec.breakers
+    assert c.applied()["a"].cpus == 4.0
+    assert c.tick(now=4.0).departed == ()                          # forgotten once
+
+
 def test_forget_releases_now():
     src = FakeSource(4.0, [job_stats("a")])
     act = RecordingActuator()
