@@ -565,7 +565,9 @@ class Controller:
             act = self._actuators[i]
             name = getattr(act, "name", str(i))
             br = brs.setdefault(i, _Breaker())
-            if br.opened_at is not None and now - br.opened_at < self._breaker_retry_s:
+            # (a clock that went back, now < opened_at, counts as the retry time passed: else the breaker
+            # would hold for as long as it went back)
+            if br.opened_at is not None and 0.0 <= now - br.opened_at < self._breaker_retry_s:
                 errs.append(f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
                 continue
             try:

@@ -167,6 +167,24 @@ def test_breaker_opens_after_three_failures_for_that_job_only():
     assert rec.results["b"].ok and rec.breakers == {}
 
 
+def test_a_breaker_opened_before_the_clock_went_back_is_retried_not_held():
+    """``now`` smaller than when a breaker opened (the caller's clock went back: a simulator or a replay
+    that starts again at 0) held the breaker open until the clock passed the old time again plus
+    ``breaker_retry_s``: a day back held it a day. Elsewhere the tick already treats a backwards clock
+    as time passed (observations, allocation ages)."""
+    src = FakeSource(4.0, [job_stats("a")])
+    act = RecordingActuator(fail_jobs={"a"})
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[act], breaker_retry_s=30.0)
+    for t in (86400.0, 86401.0, 86402.0):
+        rec = c.tick(now=t)
+    assert "a" in rec.breakers
+    assert "breaker open" in c.tick(now=86403.0).results["a"].error      # open while the clock runs on
+    act.fail_jobs.clear()
+    rec = c.tick(now=5.0)                                                 # the clock went back a day
+    assert rec.results["a"].ok and rec.breakers == {} and c.applied()["a"].cpus == 4.0
+
+
 def test_a_failing_actuator_opens_its_own_breaker_and_the_jobs_other_actuators_go_on():
     """Found on a real cgroup v2 node: the kernel refused the cgroup write, the job's breaker opened, and
     with it the job's worker counts stopped following the plan for 30 s. The breaker is per actuator."""
