@@ -572,6 +572,8 @@ class Controller:
                 continue
             try:
                 r = act.apply(job, desired)
+                if not isinstance(r, ApplyResult):   # (None from an apply that forgot its result)
+                    raise TypeError(f"apply returned {type(r).__name__}, not an ApplyResult")
             except Exception as e:   # noqa: BLE001 — the protocol says never raise; hold it to that
                 r = ApplyResult(job=job.job, ok=False, applied=None, error=f"{type(e).__name__}: {e}")
             not_enforced.extend(r.not_enforced)

@@ -8,7 +8,7 @@ import pytest
 
 from agent.actuators import DirectiveActuator, build
 from agent.controller import Controller, TickRecord, observation_from_stats, same_allocation, same_configuration
-from agent.model import JobAllocation
+from agent.model import ApplyResult, JobAllocation
 from agent.policies import PolicyConfig, get_policy
 from tests.fakes import FakeBank, FakeSink, FakeSource, RecordingActuator, job_stats
 
@@ -236,6 +236,38 @@ def test_tick_never_raises():
     assert not rec.results["a"].ok and "EPERM" in rec.results["a"].error
     c.forget("a")
     c.stop()
+
+
+def test_an_actuator_that_returns_no_result_fails_that_job_and_opens_its_breaker():
+    """An apply that returned None (not an ``ApplyResult``) raised AttributeError out of ``tick``: the
+    scheduler's loop raised, and no job after it in the plan was applied. It is that job's failure."""
+    class Silent:
+        name = "silent"
+
+        def __init__(self):
+            self.calls = 0
+
+        def apply(self, job, desired):
+            self.calls += 1
+            return None if job.job == "a" else ApplyResult(job=job.job, ok=True, applied=desired)
+
+        def release(self, job_id):
+            pass
+
+        def restore(self):
+            pass
+
+    act = Silent()
+    c = make(FakeSource(4.0, [job_stats("a"), job_stats("b")]), [act])
+    first = c.tick(now=1.0)
+    assert first.results["b"].ok and c.applied()["b"].cpus == 2.0
+    for t in (1.0, 2.0, 3.0):
+        rec = first if t == 1.0 else c.tick(now=t)
+        assert not rec.results["a"].ok and "not an ApplyResult" in rec.results["a"].error
+    assert "a" in rec.breakers
+    calls = act.calls
+    c.tick(now=4.0)
+    assert act.calls == calls                                       # skipped while its breaker is open
 
 
 def test_new_worker_pids_reapply_to_pid_tracking_actuators_only():
