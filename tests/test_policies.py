@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agent.model import JobAllocation, JobStats, NodeSnapshot
@@ -1058,3 +1058,76 @@ def test_random_nodes_keep_the_invariants_and_adaptive_settles():
         assert {j: (a.cpus, a.workers) for j, a in again.allocations.items()} == \
             {j: (a.cpus, a.workers) for j, a in plan.allocations.items()}, case
     assert guarded >= 40, guarded    # the guard acted on enough of them to count (45 of the 400)
+
+
+# -- absurd but well-formed inputs: anywhere in a float's range ---------------------------------
+
+_ANY = st.sampled_from([0.0, 1e-12, 1e-6, 0.01, 1.0, 1e6, 1e12, 1e300]) | st.floats(0.0, 10.0)
+
+
+@st.composite
+def _extreme_job(draw, i):
+    c, b = draw(_ANY), draw(_ANY)
+    js = job(f"j{i}", "medium", requested_workers=draw(st.integers(0, 1000)), samples_per_s=draw(_ANY),
+             compute_s_per_step=draw(_ANY), data_wait_s_per_step=draw(_ANY), data_wait_frac=draw(st.floats(0.0, 1.0)),
+             cpu_s_per_batch=c, wall_s_per_batch=c + b, runq_s_per_batch=draw(_ANY), blocked_s_per_batch=b,
+             worker_cpu_cores=draw(_ANY), gpus=draw(st.integers(1, 8)), ranks=draw(st.integers(0, 8)),
+             max_workers=draw(st.sampled_from([None, 0, 1, 2, 10 ** 9])), trainer_cpu_cores=draw(_ANY),
+             trainer_cpu_s_per_step=draw(_ANY), trainer_runq_s_per_step=draw(_ANY),
+             worker_memory_bytes=draw(st.sampled_from([0.0, 1.0, 2.0 ** 30, 1e300])),
+             steps_left=draw(st.sampled_from([None, 0.0, 1.0, 1e300])),
+             allowed_cpus=draw(st.sampled_from([(), (0,), tuple(range(64))])),
+             window_s=draw(st.sampled_from([0.0, 3.0])), requested_cpus=draw(st.sampled_from([None, 1.0, 1e300])))
+    curve = None
+    if draw(st.booleans()):
+        curve = ThroughputCurve(
+            job=js.job, batch_size=js.batch_size, compute_s_per_step=draw(_ANY), cpu_s_per_batch=draw(_ANY),
+            blocked_s_per_batch=draw(_ANY), correction=draw(st.sampled_from([1e-9, 0.05, 1.0, 20.0])),
+            core_correction=draw(st.sampled_from([None, 1e-9, 0.05, 1.0])), sharpness=draw(st.sampled_from([0.0, 2.0, 20.0])),
+            overhead_s_per_step=draw(st.sampled_from([0.0, 0.01, 1e300])), confidence=draw(st.sampled_from([0.0, 0.5, 1.0])),
+            observed_configs=2, worker_memory_bytes=draw(st.sampled_from([0.0, 1.0, 2.0 ** 30, 1e300])))
+    return js, curve
+
+
+@st.composite
+def _extreme_scenario(draw):
+    pairs = [draw(_extreme_job(i)) for i in range(draw(st.integers(0, 12)))]
+    s = NodeSnapshot(now=0.0, loader_cpus=draw(st.sampled_from([0.05, 1.8, 64.0, 512.0])),
+                     cpu_ids=draw(st.sampled_from([(), (0,), tuple(range(8)), tuple(range(1024))])),
+                     jobs={j.job: j for j, _ in pairs}, max_jobs=draw(st.integers(0, 8)),
+                     loader_memory_bytes=draw(st.sampled_from([None, 0.0, 1.0, 2.0 ** 30])),
+                     foreign_cpu_cores=draw(st.sampled_from([None, 0.0, 1e300])), loader_cpus_auto=draw(st.booleans()))
+    config = PolicyConfig(fairness_floor=draw(st.booleans()), cold_start=draw(st.sampled_from(["fair", "request"])),
+                          max_workers_per_job=draw(st.integers(1, 64)), pin_cpusets=draw(st.booleans()),
+                          cpu_weights=draw(st.booleans()), min_confidence=draw(st.sampled_from([0.0, 0.2])))
+    return s, {j.job: cv for j, cv in pairs if cv is not None}, config
+
+
+def _knee_beyond_a_float():
+    """A curve whose knee needs more workers than a float holds: 1e300 CPU s per batch, a 1e-12 s step."""
+    s = snap("gpu-8core", [job("a"), job("b")])
+    return s, {"a": ThroughputCurve(job="a", batch_size=32, compute_s_per_step=1e-12, cpu_s_per_batch=1e300,
+                                    blocked_s_per_batch=0.0, correction=0.05, confidence=0.5, observed_configs=2)}, \
+        PolicyConfig(min_confidence=0.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_extreme_scenario(), st.sampled_from(sorted(POLICIES)))
+@example(_knee_beyond_a_float(), "adaptive")
+def test_property_absurd_figures_give_a_finite_plan_within_the_node(sc, policy):
+    """Figures anywhere in a float's range (a 1e300 s batch with a 1e-12 s step, huge trainer CPU,
+    no CPUs listed, a zero memory budget): adaptive raised OverflowError from a curve's knee for the
+    whole node. Every policy returns a plan within the node, finite everywhere, the same twice."""
+    s, curves, config = sc
+    pol = get_policy(policy)
+    plan = pol(s, curves, config)
+    assert set(plan.allocations) == set(s.jobs)
+    if policy != "none":
+        assert sum(a.cpus for a in plan.allocations.values()) <= s.loader_cpus + 1e-6
+    for j, a in plan.allocations.items():
+        assert a.reason and 0 < a.cpus and math.isfinite(a.cpus), a
+        assert all(x is None or math.isfinite(x) for x in (a.cpu_weight, a.budget, a.delivery)), a
+        bound = min(config.max_workers_per_job, s.jobs[j].max_workers or 1 << 30)
+        assert config.min_workers <= a.workers <= max(config.min_workers, bound), a
+    assert plan.predicted_total is None or math.isfinite(plan.predicted_total)
+    assert pol(s, curves, config) == plan
