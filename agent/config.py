@@ -357,12 +357,20 @@ def read_toml(path: str) -> dict:
     except ImportError:   # Python 3.10
         import tomli as tomllib
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
+        # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            kind = _file_kind(os.fstat(f.fileno()).st_mode)
+            if kind:
+                raise ConfigError(f"config file {path} is not a regular file ({kind})")
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except RecursionError:   # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"config file {path} is not valid TOML: nested too deeply") from None
     except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
         raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
@@ -371,6 +379,17 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(map(_with_suggestion, unknown))}; "
                           f"known keys: {', '.join(KEYS)}")
     return data
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is ("" for a regular file)."""
+    import stat
+
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "" if stat.S_ISREG(mode) else "not a regular file"
 
 
 def _with_suggestion(key: str) -> str:
