@@ -361,7 +361,7 @@ def read_toml(path: str) -> dict:
         # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
-            kind = _file_kind(os.fstat(f.fileno()).st_mode)
+            kind = _file_kind(os.fstat(f.fileno()))
             if kind:
                 raise ConfigError(f"config file {path} is not a regular file ({kind})")
             data = tomllib.load(f)
@@ -381,15 +381,18 @@ def read_toml(path: str) -> dict:
     return data
 
 
-def _file_kind(mode: int) -> str:
-    """What a file that is not a regular file is ("" for a regular file)."""
+def _file_kind(st: os.stat_result) -> str:
+    """What a file that is not a regular file is ("" for a regular file, and for the null device: an empty
+    config, as ``--config /dev/null`` and the bench's ``os.devnull`` mean)."""
     import stat
 
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev:
+        return ""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
+        if test(st.st_mode):
             return name
-    return "" if stat.S_ISREG(mode) else "not a regular file"
+    return "" if stat.S_ISREG(st.st_mode) else "not a regular file"
 
 
 def _with_suggestion(key: str) -> str:

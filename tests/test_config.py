@@ -216,6 +216,11 @@ def test_a_config_path_that_is_not_a_regular_file_is_refused_without_blocking(tm
     assert "not a regular file" in str(out["error"]) and "FIFO" in str(out["error"]) and str(fifo) in str(out["error"])
     with pytest.raises(configmod.ConfigError, match="(?i)directory"):
         configmod.load(str(tmp_path), {}, environ={})
+    with pytest.raises(configmod.ConfigError, match="not a regular file \\(a character device\\)"):
+        configmod.load("/dev/zero", {}, environ={})
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert configmod.load(os.devnull, {}, environ={}) == configmod.load(str(empty), {}, environ={})
     out = _in_a_thread(lambda: configmod.client_endpoint(None, str(fifo), environ={}),
                        unblock=_open_for_writing(str(fifo)))
     ep, note = out["value"]
