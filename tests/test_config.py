@@ -234,3 +234,40 @@ def test_a_config_file_nested_too_deeply_is_a_config_error(tmp_path):
     with pytest.raises(configmod.ConfigError, match="not valid TOML: nested too deeply") as e:
         configmod.load(str(f), {}, environ={})
     assert str(f) in str(e.value) and len(str(e.value)) < 300
+
+
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize("text", [
+    f'policy = "{LONG}"\n',                         # validated: unknown policy
+    f'tick_s = "{LONG}"\n',                         # not a number
+    f'io_weights = "{LONG}"\n',                     # not a bool
+    f'loader_memory = "{LONG}"\n',                  # not a size
+    f'memory_min_available = "off{LONG}"\n',
+    f'cgroup_subtree = "{LONG}"\n',
+    f'endpoint = "ipc:///{LONG}"\n',
+    f'policy = [{", ".join(["1"] * 3000)}]\n',      # not a string
+    f'max_jobs = "{"1" * 5000}"\n',
+    f'{LONG} = 1\n',                                # an unknown key
+    "".join(f"unknown_{i} = 1\n" for i in range(500)),
+])
+def test_a_long_value_in_a_config_error_is_cut_to_a_readable_length(tmp_path, text):
+    """The error line repeated the whole offending value (5,000 characters of it)."""
+    f = tmp_path / "agent.toml"
+    f.write_text(text)
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(str(f), {}, environ={})
+    msg = str(e.value)
+    known = len(", ".join(configmod.KEYS)) if "unknown key" in msg else 0    # the list of keys is the help
+    assert len(msg) - known < 400 and "..." in msg and str(f) in msg, msg[:600]
+
+
+def test_a_long_value_from_the_environment_or_in_the_clients_note_is_cut_too(tmp_path):
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(None, {}, environ={"ADLOADER_POLICY": LONG})
+    assert len(str(e.value)) < 400 and "ADLOADER_POLICY" in str(e.value) and "..." in str(e.value)
+    f = tmp_path / "agent.toml"
+    f.write_text(f'endpoint = "http://{LONG}"\n')
+    ep, note = configmod.client_endpoint(None, str(f), environ={})
+    assert ep.startswith("ipc://") and len(note) < 400 and "..." in note, note
