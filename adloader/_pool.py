@@ -496,6 +496,12 @@ class WorkerPool:
             return [s.pid for s in self.slots.values()
                     if s.state == "running" or (retiring and s.state == "retiring")]
 
+    def has_worker(self, wid: int) -> bool:
+        """Worker ``wid`` has a slot: a process started and not yet reported gone (it may have exited: its
+        ``WorkerDied`` then follows from a later ``poll``)."""
+        with self.lock:
+            return wid in self.slots
+
     def live_workers(self) -> int:
         with self.lock:
             return sum(1 for s in self.slots.values() if s.state == "running")

@@ -165,7 +165,9 @@ class _Client:
         self.local_rank = env.local_rank()
         self.world_size = env.world_size()
         self.gpus = env.gpus()
-        self._loaders: list[weakref.ref] = []
+        # a client that stopped with loaders still attached (its thread died, or the agent refused this
+        # version) hands them on: a loader attaches once, and would otherwise never be reported again
+        self._loaders: list[weakref.ref] = previous._live_loaders() if previous is not None else []
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
         self._stop = threading.Event()
@@ -194,6 +196,10 @@ class _Client:
         if empty:
             self._stop.set()
         return empty
+
+    def _live_loaders(self) -> list:
+        with self._lock:
+            return [r for r in self._loaders if r() is not None]
 
     def stopped(self) -> bool:
         return self._stop.is_set()
@@ -245,8 +251,13 @@ class _Client:
         try:
             ctx = zmq.Context()
             self._loop(zmq, ctx)
-        except Exception:
+        except Exception as e:   # a bug of the client's own: training goes on, the next attach starts afresh
+            _warn_once(f"died:{type(e).__name__}:{e}", "adloader: the agent client stopped after an unexpected "
+                       "error (%s: %s); training goes on, a new client starts with the next loader",
+                       type(e).__name__, str(e)[:200])
             log.debug("adloader client: thread failed", exc_info=True)
+            self._set(last_error=f"client thread died: {type(e).__name__}: {e}")
+            self._stop.set()     # a thread that died is stopped: ``attach`` replaces it, ``state`` says so
         finally:
             if ctx is not None:
                 try:

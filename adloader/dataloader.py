@@ -1286,7 +1286,11 @@ class _IterableIter(_ElasticIter):
     """An IterableDataset's epochs: each worker iterates its own copy (its shard, via
     ``get_worker_info()``), asked for one batch at a time by ``ShardTask``s dispatched round-robin over
     the epoch's workers, like torch. The shard layout is fixed for the epoch: a resize waits for the
-    next one, and a worker that dies mid-epoch aborts it (its shard cannot be replayed exactly once)."""
+    next one, and a worker that dies mid-epoch aborts it (its shard cannot be replayed exactly once),
+    unless it died before it started this epoch's shard (between epochs of a persistent loader, where
+    nobody polls): that death is looked for before the epoch's first task, and a worker found dead
+    later that had still answered none of this epoch's tasks and was running none has its tasks
+    handed, in order, to its replacement, which iterates the whole shard."""
 
     # ---- epoch start -------------------------------------------------------------------------
     def _begin(self, resume: dict | None) -> None:
@@ -1305,7 +1309,11 @@ class _IterableIter(_ElasticIter):
     def _start_workers(self) -> None:
         n = self._epoch_workers
         if n > 0:
-            self._ensure_pool(n).resize(n)
+            pool = self._ensure_pool(n)
+            pool.resize(n)
+            # a persistent pool's worker that died between epochs is noticed (and replaced by the pool)
+            # before it is handed a task of this epoch
+            self._handle(pool.poll(0))
             self._fill()
 
     # ---- dispatch ----------------------------------------------------------------------------
@@ -1329,7 +1337,9 @@ class _IterableIter(_ElasticIter):
             self._worker_of[s] = wid
             seq.dispatch(s, task)
             if not pool.submit_to(wid, task):
-                self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
+                if not pool.has_worker(wid):
+                    self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
+                # else it exited and a poll reports it: its tasks go to its replacement or the epoch ends
                 return
 
     def _on_resize(self, n: int) -> None:
@@ -1355,12 +1365,28 @@ class _IterableIter(_ElasticIter):
             seq.void(later)
 
     def _on_worker_death(self, ev: WorkerDied) -> None:
-        if ev.wid < len(self._active) and self._active[ev.wid]:
+        wid = ev.wid
+        if wid >= len(self._active) or not self._active[wid]:
+            return
+        seq = self._seq
+        handed = sorted(s for s, w in self._worker_of.items() if w == wid)
+        started = (any(s not in seq.pending for s in handed)
+                   or (ev.running is not None and ev.running[0] == self._iter_id))
+        if not started:
+            # nothing of its shard was read, by it or by us: its replacement iterates the whole shard
+            pool = self._pool
+            if pool is not None and pool.has_worker(wid) and all(pool.submit_to(wid, seq.pending[s]) for s in handed):
+                return
             self._error = RuntimeError(
-                f"DataLoader worker (pid(s) {ev.pid}) exited unexpectedly: "
-                f"{self._death_reason(ev)} It was iterating its shard of an IterableDataset, "
-                "which cannot be replayed exactly once, so this epoch is aborted (worker "
-                f"{ev.wid} is replaced for the next epoch)")
+                f"DataLoader worker (pid(s) {ev.pid}) exited unexpectedly: {self._death_reason(ev)} It died "
+                f"before it started its shard of this epoch of an IterableDataset and could not be replaced, "
+                "so this epoch is aborted")
+            return
+        self._error = RuntimeError(
+            f"DataLoader worker (pid(s) {ev.pid}) exited unexpectedly: "
+            f"{self._death_reason(ev)} It was iterating its shard of an IterableDataset, "
+            "which cannot be replayed exactly once, so this epoch is aborted (worker "
+            f"{wid} is replaced for the next epoch)")
 
     # ---- delivery ----------------------------------------------------------------------------
     def _next_batch(self):

@@ -43,21 +43,27 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
+def _shown(value) -> str:
+    """``repr(value)`` cut to 80 characters with "...": an error names the value, not all 5,000 of them."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_bytes(value) -> int:
     """``6GiB``, ``512 MiB``, ``2.5G`` (SI: 1000-based), ``1048576`` or a number -> bytes (int).
 
     Raises ValueError naming the value for anything else (negative, unknown unit, not finite)."""
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise ValueError(f"not a size: {_shown(value)}")
     if isinstance(value, (int, float)):
         if not value >= 0 or value != value or value == float("inf"):
-            raise ValueError(f"a size must be a finite number >= 0, got {value!r}")
+            raise ValueError(f"a size must be a finite number >= 0, got {_shown(value)}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"not a size: {value!r}")
+        raise ValueError(f"not a size: {_shown(value)}")
     m = _SIZE_RE.match(value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+        raise ValueError(f"not a size: {_shown(value)} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
     n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if n == float("inf"):   # ("9" * 400: a float, but not a finite one; int() raised OverflowError)
         raise ValueError(f"a size must be a finite number >= 0, got {value[:40]!r}"

@@ -136,6 +136,16 @@ BOUNDS: dict[str, tuple[float, float]] = {
 MAX_LOADER_CPUS = 4096.0
 
 
+MAX_UNKNOWN_NAMED = 5  # unknown keys named in one error (a file of hundreds names the first few)
+MAX_SHOWN_CHARS = 80   # an offending value in an error message is cut to this (a whole one can be thousands)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to ``MAX_SHOWN_CHARS`` with "..." so an error stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS - 3] + "..."
+
+
 class ConfigError(ValueError):
     """A config value that cannot be used; the message names the key and its source."""
 
@@ -235,7 +245,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
             v = value.strip().lower()
             if v == "off" and key != "loader_memory":
-                raise ConfigError(f"{where} must be bytes, a size such as \"2GiB\", or \"auto\", got {value!r}")
+                raise ConfigError(f"{where} must be bytes, a size such as \"2GiB\", or \"auto\", got {shown(value)}")
             return v
         try:
             return memory.parse_bytes(value)
@@ -247,23 +257,23 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         kind = "float"
     if kind in ("float", float):
         if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+            raise ConfigError(f"{where} must be a number, got {shown(value)}")
         try:
             v = float(value)
         except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where} must be a number, got {str(value)[:40]!r}") from None
+            raise ConfigError(f"{where} must be a number, got {shown(value)}") from None
         if not math.isfinite(v):
-            raise ConfigError(f"{where} must be finite, got {value!r}")
+            raise ConfigError(f"{where} must be finite, got {shown(value)}")
         return v
     if kind in ("int", int):
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
+            raise ConfigError(f"{where} must be an integer, got {shown(value)}")
         if isinstance(value, str) and len(value.strip().lstrip("+-")) > 20:
             raise ConfigError(f"{where} must be an integer of at most 20 digits, got {value[:40]!r}...")
         try:
             return int(value)
         except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where} must be an integer, got {str(value)[:40]!r}") from None
+            raise ConfigError(f"{where} must be an integer, got {shown(value)}") from None
     if kind in ("bool", bool):
         if isinstance(value, bool):
             return value
@@ -271,9 +281,9 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return True
         if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
+        raise ConfigError(f"{where} must be true or false, got {shown(value)}")
     if not isinstance(value, str):
-        raise ConfigError(f"{where} must be a string, got {value!r}")
+        raise ConfigError(f"{where} must be a string, got {shown(value)}")
     return value
 
 
@@ -295,7 +305,7 @@ def endpoint_problem(endpoint: str) -> Optional[str]:
 
 def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
     def bad(key, why):
-        raise ConfigError(f"config key {key!r} ({sources.get(key, 'default')}): {why}, got {getattr(cfg, key)!r}")
+        raise ConfigError(f"config key {key!r} ({sources.get(key, 'default')}): {why}, got {shown(getattr(cfg, key))}")
 
     why = endpoint_problem(cfg.endpoint)
     if why:
@@ -357,26 +367,49 @@ def read_toml(path: str) -> dict:
     except ImportError:   # Python 3.10
         import tomli as tomllib
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
+        # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            kind = _file_kind(os.fstat(f.fileno()))
+            if kind:
+                raise ConfigError(f"config file {path} is not a regular file ({kind})")
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except RecursionError:   # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"config file {path} is not valid TOML: nested too deeply") from None
     except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
         raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(map(_with_suggestion, unknown))}; "
-                          f"known keys: {', '.join(KEYS)}")
+        named = ", ".join(map(_with_suggestion, unknown[:MAX_UNKNOWN_NAMED]))
+        more = f" and {len(unknown) - MAX_UNKNOWN_NAMED} more..." if len(unknown) > MAX_UNKNOWN_NAMED else ""
+        raise ConfigError(f"config file {path}: unknown key(s) {named}{more}; known keys: {', '.join(KEYS)}")
     return data
+
+
+def _file_kind(st: os.stat_result) -> str:
+    """What a file that is not a regular file is ("" for a regular file, and for the null device: an empty
+    config, as ``--config /dev/null`` and the bench's ``os.devnull`` mean)."""
+    import stat
+
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev:
+        return ""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(st.st_mode):
+            return name
+    return "" if stat.S_ISREG(st.st_mode) else "not a regular file"
 
 
 def _with_suggestion(key: str) -> str:
     """``'tik_s'`` -> ``'tik_s' (did you mean 'tick_s'?)``; just the quoted key when none is close."""
     near = difflib.get_close_matches(str(key), KEYS, n=1, cutoff=0.75)
-    return f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key)
+    return f"{shown(key)} (did you mean {near[0]!r}?)" if near else shown(key)
 
 
 def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
@@ -440,5 +473,5 @@ def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = Non
         return env.endpoint(environ), ""
     why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)
     if why:
-        return env.endpoint(environ), f"config key 'endpoint' in {path} {why}, got {value!r}: default endpoint"
+        return env.endpoint(environ), f"config key 'endpoint' in {path} {why}, got {shown(value)}: default endpoint"
     return value, ""

@@ -310,31 +310,42 @@ class Agent:
         logs.event(log, "agent_stopped", ticks=self.ticks)
 
     def reload(self) -> None:
+        """Read the config file again and apply what changed of the RELOADABLE keys. A reload that fails for
+        any reason (a config error, a file that is not a regular one, a bug) logs one ``reload_failed``
+        line naming it and keeps the running config whole: everything the new config needs is built
+        first, and only then swapped in."""
+        old = self.config
         try:
             new = configmod.load(self.config_path, self.cli)
-        except configmod.ConfigError as e:
-            logs.event(log, "reload_failed", logging.ERROR, error=str(e), detail="keeping the running config")
+            changed = [k for k in configmod.KEYS if getattr(new, k) != getattr(old, k)]
+            need_restart = [k for k in changed if k not in RELOADABLE]
+            live = {k: getattr(new, k) for k in changed if k in RELOADABLE}
+            self.config = dataclasses.replace(old, **live)      # (the builders below read self.config)
+            loader_cpus = self.config.resolved_loader_cpus() if "loader_cpus" in live else None
+            guard = (self._build_memory_guard()
+                     if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live) else None)
+            controller = (self._build_controller(applied=self.controller.applied())
+                          if set(POLICY_KEYS) & set(live) else None)
+        except Exception as e:   # the daemon never stops for its config (STYLE 8 for the agent)
+            self.config = old
+            reason = str(e) if isinstance(e, configmod.ConfigError) else f"{type(e).__name__}: {e}"
+            logs.event(log, "reload_failed", logging.ERROR, error=reason[:500], detail="keeping the running config")
             return
-        old = self.config
-        changed = [k for k in configmod.KEYS if getattr(new, k) != getattr(old, k)]
-        need_restart = [k for k in changed if k not in RELOADABLE]
-        live = {k: getattr(new, k) for k in changed if k in RELOADABLE}
-        self.config = dataclasses.replace(old, **live)
         if "log_level" in live:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
         if "heartbeat_s" in live:
             self.registry.heartbeat_s = self.server.heartbeat_s = new.heartbeat_s
         if "unseen_job_timeout_s" in live:
             self.registry.unseen_timeout_s = new.unseen_job_timeout_s
-        if "loader_cpus" in live:
-            self.collector.loader_cpus = self.config.resolved_loader_cpus()
+        if loader_cpus is not None:
+            self.collector.loader_cpus = loader_cpus
             self.collector.loader_cpus_auto = self.config.loader_cpus == "auto"
         if "max_jobs" in live:
             self.collector.max_jobs = new.max_jobs
-        if {"loader_memory", "memory_pressure_psi", "memory_min_available"} & set(live):
-            self.collector.memory_guard = self._build_memory_guard()
-        if set(POLICY_KEYS) & set(live):
-            self.controller = self._build_controller(applied=self.controller.applied())
+        if guard is not None:
+            self.collector.memory_guard = guard
+        if controller is not None:
+            self.controller = controller
         logs.event(log, "config_reloaded", changed=sorted(live), needs_restart=need_restart)
 
     def _refresh_node_resources(self, now: float) -> None:

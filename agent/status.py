@@ -178,57 +178,133 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
     }
 
 
+MISSING = object()   # a field the document does not have: shown as "?" ("-" is a field that is null)
+
+
+def _get(d: Any, key: str) -> Any:
+    return d.get(key, MISSING) if isinstance(d, dict) else MISSING
+
+
+def _number(v: Any) -> Optional[float]:
+    """``v`` as a number if it is one, or text that is one (an agent of another version); else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return v
+    if isinstance(v, str):
+        try:
+            x = float(v)
+        except ValueError:
+            return None
+        return x if math.isfinite(x) else None
+    return None
+
+
 def _fmt(v: Any, spec: str = "") -> str:
+    """One cell: "?" for a missing field or a value of the wrong kind, "-" for null, else the value
+    (formatted with ``spec`` when it is a number)."""
+    if v is MISSING:
+        return "?"
     if v is None:
         return "-"
-    if isinstance(v, float) and spec:
-        return format(v, spec)
+    if spec:
+        x = _number(v)
+        if x is None:
+            return "?"
+        return format(float(x), spec)
     return str(v)
 
 
+def _count(v: Any) -> str:
+    """A count (uid, ranks, workers): an integer, or "?"."""
+    x = _number(v)
+    if v is None:
+        return "-"
+    if x is None or x != int(x):
+        return "?"
+    return str(int(x))
+
+
+def version_note(doc: Any) -> str:
+    """One line when the document's version (``STATUS_VERSION``) or its agent's protocol major is not the
+    one this client knows ("" when both are): the table may then miss fields or misread them."""
+    from adloader import protocol
+
+    version = _get(doc, "version")
+    proto = _get(_get(doc, "agent"), "protocol")
+    major = str(proto).split(".")[0] if isinstance(proto, str) else None
+    if version == STATUS_VERSION and (proto is MISSING or major == str(protocol.MAJOR)):
+        return ""
+    return (f"note: status document version {_fmt(version)}, agent protocol {_fmt(proto)}; this adloader reads "
+            f"status version {STATUS_VERSION}, protocol {protocol.VERSION}: fields shown ? are missing or "
+            f"unreadable (run the same adloader version as the agent)")
+
+
 def render_table(doc: dict) -> str:
-    """The human view: one header block for the agent, one row per job."""
-    a = doc.get("agent", {})
+    """The human view: one header block for the agent, one row per job. A document from an agent of
+    another version, or a broken one, is rendered as far as it goes: a missing or unusable field is "?"."""
+    a = _get(doc, "agent")
+    a = a if isinstance(a, dict) else {}
+    g = lambda key: _get(a, key)   # noqa: E731
     lines = [
-        f"agent pid {a.get('pid')}  policy {a.get('policy')}  tick {a.get('tick_s')}s "
-        f"(last {_fmt(a.get('last_tick_ms'), '.2f')} ms)  loader CPUs {_fmt(a.get('loader_cpus'), 'g')}"
-        + (f" (in force {_fmt(a.get('loader_cpus_in_force'), 'g')})"
-           if a.get("loader_cpus_in_force") not in (None, a.get("loader_cpus")) else "") + "  "
-        f"cgroups {a.get('cgroup_mode')}  GPU figures from {a.get('gpu_source')}  "
-        f"uptime {_fmt(a.get('uptime_s'), '.0f')}s",
+        f"agent pid {_fmt(g('pid'))}  policy {_fmt(g('policy'))}  tick {_fmt(g('tick_s'))}s "
+        f"(last {_fmt(g('last_tick_ms'), '.2f')} ms)  loader CPUs {_fmt(g('loader_cpus'), 'g')}"
+        + (f" (in force {_fmt(g('loader_cpus_in_force'), 'g')})"
+           if g("loader_cpus_in_force") not in (None, MISSING, g("loader_cpus")) else "") + "  "
+        f"cgroups {_fmt(g('cgroup_mode'))}  GPU figures from {_fmt(g('gpu_source'))}  "
+        f"uptime {_fmt(g('uptime_s'), '.0f')}s",
     ]
-    m = a.get("memory") or {}
-    if m:
+    note = version_note(doc)
+    if note:
+        lines.append(note)
+    m = g("memory")
+    if isinstance(m, dict) and m:
         from adloader.memory import format_bytes
 
-        lines.append(f"loader memory {format_bytes(m.get('used_bytes'))} of budget "
-                     f"{format_bytes(m.get('budget_bytes')) if m.get('budget_bytes') is not None else 'none'}  "
-                     f"MemAvailable {format_bytes(m.get('available_bytes'))}  "
-                     f"PSI memory {_fmt(m.get('pressure_pct'), '.0f')}%"
+        def size(key: str) -> str:
+            v = _get(m, key)
+            return "?" if v is MISSING or (v is not None and _number(v) is None) else format_bytes(_number(v))
+
+        lines.append(f"loader memory {size('used_bytes')} of budget "
+                     f"{size('budget_bytes') if _get(m, 'budget_bytes') is not None else 'none'}  "
+                     f"MemAvailable {size('available_bytes')}  "
+                     f"PSI memory {_fmt(_get(m, 'pressure_pct'), '.0f')}%"
                      + (f"  {m['note']}" if m.get("note") else ""))
-    n = doc.get("node") or {}
-    if n:
+    n = _get(doc, "node")
+    if isinstance(n, dict) and n:
         lines.append(f"loaders {'yield to the training processes' if n.get('loaders_yield') else 'weighted'}: "
-                     f"{n.get('reason', '')}  (node CPU {_fmt(n.get('busy_cpu_cores'), '.2f')}, "
-                     f"other processes {_fmt(n.get('foreign_cpu_cores'), '.2f')})")
+                     f"{n.get('reason', '')}  (node CPU {_fmt(_get(n, 'busy_cpu_cores'), '.2f')}, "
+                     f"other processes {_fmt(_get(n, 'foreign_cpu_cores'), '.2f')})")
     cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("MEM", 9), ("WAIT", 5),
             ("GPU-IDLE", 8), ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
     lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))
-    for j in doc.get("jobs", []):
-        workers = f"{j['workers']}" + (f"->{j['desired_workers']}" if j.get("desired_workers") not in (None, j["workers"]) else "")
-        idle = _fmt(j.get("gpu_idle_frac"), ".0%")
-        if j.get("gpu_idle_frac") is not None and j.get("gpu_idle_source") == "client":
+    jobs = _get(doc, "jobs")
+    jobs = jobs if isinstance(jobs, list) else []
+    shown = 0
+    for j in jobs:
+        if not isinstance(j, dict):
+            continue
+        shown += 1
+        g = lambda key: _get(j, key)   # noqa: E731
+        workers = _count(g("workers"))
+        if g("desired_workers") not in (None, MISSING, g("workers")):
+            workers += f"->{_count(g('desired_workers'))}"
+        idle = _fmt(g("gpu_idle_frac"), ".0%")
+        if g("gpu_idle_frac") not in (None, MISSING) and g("gpu_idle_source") == "client":
             idle += "*"
-        mem = j.get("loader_memory_bytes")
-        row = [j["job"][:14], str(j["uid"]), str(j["ranks"]), workers, _fmt(j.get("cpus"), ".2f"),
-               f"{mem / (1 << 20):.0f}M" if mem else "-", _fmt(j.get("data_wait_frac"), ".0%"), idle, _fmt(j.get("samples_per_s"), ".1f"),
-               _fmt(j.get("max_useful_workers")), (j.get("reason") or "") + (
+        mem = g("loader_memory_bytes")
+        mem_cell = "-" if mem in (None, 0) else "?" if _number(mem) is None else f"{_number(mem) / (1 << 20):.0f}M"
+        reason = g("reason")
+        row = [_fmt(g("job"))[:14], _count(g("uid")), _count(g("ranks")), workers, _fmt(g("cpus"), ".2f"),
+               mem_cell, _fmt(g("data_wait_frac"), ".0%"), idle, _fmt(g("samples_per_s"), ".1f"),
+               _fmt(g("max_useful_workers")), ("" if reason in (None, MISSING) else str(reason)) + (
                    f" [unsatisfied: {j['unsatisfied']}]" if j.get("unsatisfied") else "") + (
                    f" [breaker: {j['breaker']}]" if j.get("breaker") else "")]
         lines.append("  ".join(c.ljust(w) if w else c for c, (_, w) in zip(row, cols)))
-    if not doc.get("jobs"):
+    if not shown:
         lines.append("(no jobs)")
-    elif any(j.get("gpu_idle_source") == "client" and j.get("gpu_idle_frac") is not None for j in doc["jobs"]):
+    elif any(isinstance(j, dict) and j.get("gpu_idle_source") == "client" and j.get("gpu_idle_frac") is not None
+             for j in jobs):
         lines.append("* GPU idle estimated from the job's data wait (no NVML figure)")
     return "\n".join(lines)
 

@@ -663,6 +663,28 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
     assert not out.exists()
 
 
+def test_bench_and_demo_refuse_an_unusable_output_directory_before_the_calibration(tmp_path, capsys, monkeypatch):
+    """`adloader bench --out /proc/x` was a FileNotFoundError traceback, `--out FILE` a FileExistsError, and
+    `--out /proc` (a directory that exists but takes no files) ran the calibration and the phases before
+    it failed: each is now one line naming --out, exit 2, before anything runs."""
+    from agent.cli import build_parser
+
+    def must_not_run(**_):
+        raise AssertionError("the run started")
+    monkeypatch.setattr(setup, "run", must_not_run)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out, words in (("/proc/x", "cannot create the directory"), (str(a_file), "not a directory"),
+                       ("/proc", "cannot write in it"), (str(a_file / "sub"), "cannot create the directory")):
+        for command in ("bench", "demo"):
+            args = build_parser().parse_args([command, "--out", out])
+            assert args.func(args) == 2, (command, out)
+            err = capsys.readouterr().err
+            assert err.startswith(f"adloader {command}: --out {out}: ") and words in err, err
+            assert err.count("\n") == 1, err
+    assert a_file.read_text() == "" and list(tmp_path.iterdir()) == [a_file]
+
+
 def test_plan_files_load_in_both_forms_and_bad_ones_are_refused(tmp_path, capsys):
     """``plan:FILE``: best_plan's output gives per scenario the repeat whose plan has the median
     aggregate; a hand-written plan is taken as it is; a bad file, or one without a plan for a scenario

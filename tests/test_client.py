@@ -169,6 +169,46 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endp
         agent.close()
 
 
+def test_a_client_thread_that_dies_is_replaced_by_the_next_attach_with_its_loaders(base, endpoint_env, monkeypatch,
+                                                                                      caplog):
+    """The client thread died of an unexpected exception (a bug: here its first session raises) and
+    still counted as active: state() said so and every later loader was added to the dead client, so
+    the job never reported again. Now its death is logged once, the client is stopped, and the next
+    attach starts a fresh one that takes over the loaders already attached (the training loader
+    attaches only once)."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    real, calls = client._Client._session, []
+
+    def session(self, zmq, ctx):
+        calls.append(self)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the client")
+        return real(self, zmq, ctx)
+
+    monkeypatch.setattr(client._Client, "_session", session)
+    agent = FakeAgent(f"{base}/agent.sock")
+    first, second = Loader(), Loader(workers=3)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(first)
+            wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to die")
+            assert client.state() == {"active": False}
+            client.attach(second)                      # never raises; a fresh client
+            ident, hello = agent.recv("hello")
+            assert len(calls) == 2 and calls[1] is not calls[0] and client.state()["active"]
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=4, reason="r"))
+            wait_for(lambda: first.resizes == [4], what="the directive applied to the loader attached first")
+        died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
+        assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+    finally:
+        _detach_all(first, second)
+        agent.close()
+
+
 def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(base, endpoint_env, monkeypatch):
     """A validation loader iterated before the training loader (Lightning's sanity check runs two
     validation batches before training starts) was the client's loader for good: its idle stats were

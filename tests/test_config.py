@@ -169,3 +169,105 @@ def test_policy_knobs_reach_the_policy():
     pc = _policy_config(cfg)
     assert (pc.min_confidence, pc.hysteresis) == (0.0, 0.05)
     assert _policy_config(configmod.load(None, {}, environ={})).min_confidence == 0.2
+
+
+def _in_a_thread(fn, deadline_s: float = 10.0, unblock=None):
+    """``fn()``'s result or exception, or a failure if it is still running after the deadline (a blocked
+    ``open``), after which ``unblock()`` releases it so the test run does not hang."""
+    import threading
+
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:   # noqa: BLE001 (handed to the test)
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if t.is_alive():
+        if unblock is not None:
+            unblock()
+        t.join(deadline_s)
+        pytest.fail(f"still blocked after {deadline_s} s")
+    return out
+
+
+def _open_for_writing(path):
+    import os
+
+    def unblock():
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+    return unblock
+
+
+def test_a_config_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    """Before: ``open()`` of a FIFO waits for a writer, so the agent never started (and a SIGHUP reload
+    never returned). Now anything but a regular file is a config error that says what it is."""
+    import os
+
+    fifo = tmp_path / "agent.toml"
+    os.mkfifo(fifo)
+    out = _in_a_thread(lambda: configmod.load(str(fifo), {}, environ={}), unblock=_open_for_writing(str(fifo)))
+    assert isinstance(out.get("error"), configmod.ConfigError), out
+    assert "not a regular file" in str(out["error"]) and "FIFO" in str(out["error"]) and str(fifo) in str(out["error"])
+    with pytest.raises(configmod.ConfigError, match="(?i)directory"):
+        configmod.load(str(tmp_path), {}, environ={})
+    with pytest.raises(configmod.ConfigError, match="not a regular file \\(a character device\\)"):
+        configmod.load("/dev/zero", {}, environ={})
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert configmod.load(os.devnull, {}, environ={}) == configmod.load(str(empty), {}, environ={})
+    out = _in_a_thread(lambda: configmod.client_endpoint(None, str(fifo), environ={}),
+                       unblock=_open_for_writing(str(fifo)))
+    ep, note = out["value"]
+    assert ep.startswith("ipc://") and "not a regular file" in note
+
+
+def test_a_config_file_nested_too_deeply_is_a_config_error(tmp_path):
+    """Before: RecursionError out of tomllib, a traceback at start and a dead agent on a SIGHUP reload."""
+    f = tmp_path / "agent.toml"
+    f.write_text("policy = " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(configmod.ConfigError, match="not valid TOML: nested too deeply") as e:
+        configmod.load(str(f), {}, environ={})
+    assert str(f) in str(e.value) and len(str(e.value)) < 300
+
+
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize("text", [
+    f'policy = "{LONG}"\n',                         # validated: unknown policy
+    f'tick_s = "{LONG}"\n',                         # not a number
+    f'io_weights = "{LONG}"\n',                     # not a bool
+    f'loader_memory = "{LONG}"\n',                  # not a size
+    f'memory_min_available = "off{LONG}"\n',
+    f'cgroup_subtree = "{LONG}"\n',
+    f'endpoint = "ipc:///{LONG}"\n',
+    f'policy = [{", ".join(["1"] * 3000)}]\n',      # not a string
+    f'max_jobs = "{"1" * 5000}"\n',
+    f'{LONG} = 1\n',                                # an unknown key
+    "".join(f"unknown_{i} = 1\n" for i in range(500)),
+])
+def test_a_long_value_in_a_config_error_is_cut_to_a_readable_length(tmp_path, text):
+    """The error line repeated the whole offending value (5,000 characters of it)."""
+    f = tmp_path / "agent.toml"
+    f.write_text(text)
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(str(f), {}, environ={})
+    msg = str(e.value)
+    known = len(", ".join(configmod.KEYS)) if "unknown key" in msg else 0    # the list of keys is the help
+    assert len(msg) - known < 400 and "..." in msg and str(f) in msg, msg[:600]
+
+
+def test_a_long_value_from_the_environment_or_in_the_clients_note_is_cut_too(tmp_path):
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(None, {}, environ={"ADLOADER_POLICY": LONG})
+    assert len(str(e.value)) < 400 and "ADLOADER_POLICY" in str(e.value) and "..." in str(e.value)
+    f = tmp_path / "agent.toml"
+    f.write_text(f'endpoint = "http://{LONG}"\n')
+    ep, note = configmod.client_endpoint(None, str(f), environ={})
+    assert ep.startswith("ipc://") and len(note) < 400 and "..." in note, note

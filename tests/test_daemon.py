@@ -208,3 +208,70 @@ def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatc
         for a in (auto, fixed):
             a.server.close()
             a.ctx.term()
+
+
+def test_a_reload_that_fails_for_any_reason_logs_one_line_and_keeps_the_running_config(tmp_path, caplog):
+    """Before: only ConfigError was caught; a RecursionError out of tomllib (an array nested 3000 deep)
+    escaped the SIGHUP reload and stopped the agent, and a config path that had become a FIFO blocked the
+    reload (the whole service loop) for ever. Now each failure is one reload_failed line naming it, and
+    the running config, controller and memory guard stay as they were."""
+    import logging
+    import os
+    import threading
+
+    from agent.daemon import Agent
+
+    path = tmp_path / "agent.toml"
+    path.write_text('policy = "even"\nhysteresis = 0.05\n')
+    cli = {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"), "cgroup_mode": "off"}
+    agent = Agent(configmod.load(str(path), cli, environ={}), config_path=str(path), cli=cli)
+
+    def reload_within(deadline_s=10.0):
+        t = threading.Thread(target=agent.reload, daemon=True)
+        t.start()
+        t.join(deadline_s)
+        if t.is_alive():
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)    # let the blocked open() return
+            os.close(fd)
+            t.join(deadline_s)
+            pytest.fail("the reload blocked")
+
+    def failures():
+        return [r.fields for r in caplog.records if getattr(r, "event", "") == "reload_failed"]
+
+    try:
+        running, controller, guard = agent.config, agent.controller, agent.collector.memory_guard
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            path.write_text('policy = "adaptive"\nhysteresis = ' + "[" * 3000 + "]" * 3000 + "\n")
+            reload_within()
+            assert len(failures()) == 1 and "nested too deeply" in failures()[0]["error"], failures()
+            assert agent.config is running and agent.controller is controller
+
+            path.unlink()
+            os.mkfifo(path)
+            reload_within()
+            assert len(failures()) == 2 and "not a regular file (a FIFO)" in failures()[1]["error"], failures()
+            assert agent.config is running and agent.controller is controller
+
+            path.unlink()
+            path.write_text('policy = "adaptive"\nhysteresis = 0.1\nloader_memory = "1GiB"\n')
+
+            def broken(**_):
+                raise RuntimeError("no predictor today")
+            agent._build_controller = broken
+            reload_within()
+            assert len(failures()) == 2 + 1, failures()
+            assert failures()[2]["error"] == "RuntimeError: no predictor today", failures()
+            assert agent.config is running and agent.controller is controller
+            assert agent.collector.memory_guard is guard       # nothing of the failed reload applied
+            assert all(r.levelno == logging.ERROR and "\n" not in r.getMessage()
+                       for r in caplog.records if getattr(r, "event", "") == "reload_failed")
+
+            del agent._build_controller
+            reload_within()
+            assert len(failures()) == 3
+            assert agent.config.policy == "adaptive" and agent.config.hysteresis == 0.1
+            assert agent.controller is not controller and agent.collector.memory_guard is not guard
+    finally:
+        agent.server.close()
+        agent.ctx.term()

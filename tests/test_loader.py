@@ -550,6 +550,63 @@ def test_persistent_pool_shrunk_between_epochs_lets_the_retired_workers_exit_bef
     wait_for(lambda: all(_exited(p) for p in now), timeout=10, what=f"workers {now} to exit after close()")
 
 
+def _dead(pid: int) -> bool:
+    """Exited (a zombie its parent has not reaped yet, or gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("noticed", ["before-dispatch", "after-dispatch"])
+def test_a_persistent_iterable_workers_death_between_epochs_is_replaced_not_an_aborted_epoch(noticed, monkeypatch):
+    """A worker of a persistent IterableDataset loader killed between epochs (nobody polls then): the next
+    epoch raised RuntimeError "It was iterating its shard ... this epoch is aborted", but it had not
+    started that epoch's shard. Now the death is noticed before the epoch's first task (or, if it is
+    noticed only after its tasks were handed out, they go to its replacement): the epoch is whole."""
+    from adloader._pool import WorkerPool
+
+    ds = Shards(40)
+    dl = DataLoader(ds, batch_size=4, num_workers=3, persistent_workers=True)
+    try:
+        assert _epoch_matches_torch(dl, ds, 3)
+        victim = dl.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: _dead(victim), what=f"worker {victim} to die")
+        if noticed == "after-dispatch":     # the death is seen by a later poll, as when it races the dispatch
+            real, calls = WorkerPool.poll, []
+
+            def late(self, timeout_s):
+                calls.append(timeout_s)
+                return [] if len(calls) == 1 else real(self, timeout_s)
+            monkeypatch.setattr(WorkerPool, "poll", late)
+        assert _epoch_matches_torch(dl, ds, 3)
+        assert victim not in dl.worker_pids() and len(dl.worker_pids()) == 3
+        assert dl.stats()["worker_restarts"] == 1
+        assert _epoch_matches_torch(dl, ds, 3)
+    finally:
+        dl.close()
+
+
+def test_a_persistent_iterable_worker_killed_mid_shard_still_aborts_the_epoch_and_says_so():
+    """A worker that had handed back part of its shard cannot be replayed exactly once: the epoch is
+    aborted (the message says it was iterating its shard) and the next epoch has all its workers."""
+    ds = Shards(400)
+    dl = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        it = iter(dl)
+        got = [next(it) for _ in range(4)]            # both workers have handed back batches
+        assert {int(b[0][0]) % 2 for b in got} == {0, 1}
+        victim = dl.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="was iterating its shard of an IterableDataset"):
+            for _ in it:
+                pass
+        assert _epoch_matches_torch(dl, ds, 2)
+    finally:
+        dl.close()
+
+
 def test_a_worker_retired_mid_epoch_exits_while_the_consumer_is_not_calling_next():
     # a long training step: the consumer holds its batch and does not call next() for a while
     dl = DataLoader(Indexed(60, sleep_s=0.001), batch_size=2, num_workers=3, max_workers=3)

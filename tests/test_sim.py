@@ -227,6 +227,24 @@ def test_simulate_list_kinds_names_every_kind_with_its_demand(capsys):
 
 
 @pytest.mark.unit
+def test_simulate_refuses_an_unusable_out_file_before_it_simulates(tmp_path, capsys, monkeypatch):
+    """`adloader simulate --out /proc/x.json` simulated every node and then died of a FileNotFoundError
+    traceback: the file is checked first now (one line, exit 2)."""
+    from agent.cli import build_parser
+
+    def must_not_run(*_, **__):
+        raise AssertionError("the simulation started")
+    monkeypatch.setattr(S, "simulate", must_not_run)
+    for out, words in (("/proc/x.json", "cannot write"), (str(tmp_path), "is a directory"),
+                       (str(tmp_path / "no" / "x.json"), "no such directory")):
+        args = build_parser().parse_args(["simulate", "--curves", "builtin", "--nodes", "1", "--out", out])
+        assert args.func(args) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith(f"adloader simulate: --out {out}: ") and words in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
 def test_memory_per_worker_and_a_node_budget():
     """The simulator models each worker's memory and the node's loader memory budget: without a budget
     the peak says what the trace needs; under one, adaptive stays within it and none does not."""

@@ -16,3 +16,70 @@ def test_status_table_names_every_column():
                  "j1", "2->3", "31%", "marginal gain 0.2/core", "estimated from the job's data wait"):
         assert word in t, word
 
+
+
+@pytest.mark.parametrize("change,in_row", [
+    (lambda d: d["jobs"][0].pop("workers"), True),
+    (lambda d: d["jobs"][0].pop("uid"), True),
+    (lambda d: d["jobs"][0].pop("job"), True),
+    (lambda d: d["jobs"][0].pop("ranks"), True),
+    (lambda d: d.__setitem__("agent", None), False),
+    (lambda d: d["agent"].__setitem__("memory", [1]), False),
+    (lambda d: d.__setitem__("node", "yes"), False),
+    (lambda d: d.__setitem__("jobs", None), False),
+    (lambda d: d.__setitem__("jobs", ["j1", None]), False),
+    (lambda d: d["jobs"][0].__setitem__("job", 42), False),
+    (lambda d: d["jobs"][0].__setitem__("loader_memory_bytes", "100"), False),
+    (lambda d: d["jobs"][0].__setitem__("workers", {"now": 2}), True),
+], ids=["no-workers", "no-uid", "no-job", "no-ranks", "agent-null", "memory-list", "node-str", "jobs-null",
+        "jobs-not-objects", "job-id-int", "memory-str", "workers-object"])
+def test_a_status_document_from_a_broken_or_other_agent_renders_what_is_there(change, in_row):
+    """Before: KeyError/AttributeError/TypeError, a traceback from `adloader status`. Now every field that
+    is missing or unusable shows as ``?`` and the rest of the table is still there."""
+    from agent.status import render_table
+
+    doc = status_doc()
+    change(doc)
+    t = render_table(doc)
+    assert "JOB" in t and "REASON" in t
+    if in_row:
+        row = next(line for line in t.splitlines() if "marginal gain 0.2/core" in line)
+        assert "?" in row, row
+
+
+def test_status_shows_missing_fields_as_a_question_mark_and_numbers_sent_as_text():
+    from agent.status import render_table
+
+    doc = status_doc()
+    del doc["jobs"][0]["uid"], doc["jobs"][0]["workers"]
+    doc["jobs"][0]["data_wait_frac"] = "0.31"
+    doc["agent"] = {"pid": 7}
+    t = render_table(doc)
+    head, row = t.splitlines()[0], next(line for line in t.splitlines() if line.startswith("j1"))
+    assert "pid 7" in head and "policy ?" in head, head
+    assert row.split()[1:3] == ["?", "2"], row          # UID missing, RANKS there
+    assert row.split()[3] == "?->3", row                # WORKERS missing, the desired count there
+    assert "31%" in row, row
+
+
+@pytest.mark.parametrize("change,note", [
+    (lambda d: None, None),
+    (lambda d: d["agent"].__setitem__("protocol", "1.7"), None),          # a newer minor: same fields
+    (lambda d: d.__setitem__("version", 2), "status document version 2"),
+    (lambda d: d.pop("version"), "status document version ?"),
+    (lambda d: d["agent"].__setitem__("protocol", "2.0"), "protocol 2.0"),
+])
+def test_status_says_when_the_document_is_not_the_version_this_client_reads(change, note):
+    from adloader import protocol
+    from agent.status import STATUS_VERSION, render_table
+
+    doc = status_doc()
+    doc["agent"]["protocol"] = protocol.VERSION
+    change(doc)
+    lines = render_table(doc).splitlines()
+    notes = [line for line in lines if line.startswith("note:")]
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and note in notes[0], lines
+        assert f"version {STATUS_VERSION}" in notes[0] and protocol.VERSION in notes[0], notes

@@ -86,6 +86,54 @@ def calibration_processes_error(v: int) -> str | None:
     return None if v >= 1 else f"--calibration-processes must be >= 1, got {v}"
 
 
+def out_dir_error(path: str) -> str | None:
+    """What makes ``path`` unusable as the output directory (None: it is one now, created if it was not);
+    bench and demo, before the calibration (minutes): a probe file is made and removed, since neither
+    ``os.access`` nor the mode bits say whether root can write in /proc or on a read-only mount."""
+    import os
+    import tempfile
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "not a directory"
+    except OSError as e:
+        return f"cannot create the directory: {e.strerror or e}"
+    if not p.is_dir():
+        return "not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".adloader-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write in it: {e.strerror or e}"
+    return None
+
+
+def out_file_error(path: str) -> str | None:
+    """What makes ``path`` unusable as an output file (None: it can be written); nothing is created or
+    changed. ``adloader simulate --out``, before the simulation."""
+    import os
+    import tempfile
+
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"no such directory {parent}"
+    try:
+        if os.path.lexists(path):   # (O_NONBLOCK: a FIFO without a reader is refused, not waited on)
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC))
+        else:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".adloader-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        return f"cannot write {'it' if os.path.lexists(path) else 'in ' + parent}: {e.strerror or e}"
+    return None
+
+
 def _check_numbers(args, node_cores: int) -> str | None:
     """What is wrong with the numeric options, or None (checked before any job starts)."""
     if args.reps is not None and args.reps < 1:
@@ -160,6 +208,10 @@ def run(args) -> int:
         return 2
     if args.oracle_probe_reps < 1:
         print(f"adloader bench: --oracle-probe-reps must be >= 1, got {args.oracle_probe_reps}", file=sys.stderr)
+        return 2
+    why = out_dir_error(args.out)
+    if why:
+        print(f"adloader bench: --out {args.out}: {why}", file=sys.stderr)
         return 2
     reps = args.reps or (1 if quick else 3)
     progress = report.Progress()

@@ -61,7 +61,7 @@ def _table(result: dict, policies: list[str]) -> str:
 
 
 def run(args) -> int:
-    from agent.commands.bench import calibration_processes_error, seconds_error
+    from agent.commands.bench import calibration_processes_error, out_dir_error, seconds_error
     from evaluation import report, setup
     from evaluation.harness import BenchError
 
@@ -73,6 +73,10 @@ def run(args) -> int:
     why = calibration_processes_error(args.calibration_processes)
     if why:
         print(f"adloader demo: {why}", file=sys.stderr)
+        return 2
+    why = out_dir_error(args.out)
+    if why:
+        print(f"adloader demo: --out {args.out}: {why}", file=sys.stderr)
         return 2
     policies = ["none", "even-static", "adaptive"]
     what = "none (habitual num_workers, no agent), even-static, then adaptive"

@@ -89,6 +89,12 @@ def run(args) -> int:
                 print(f"{k}: {cores / gpus:.2f} loader cores per GPU at the ceiling, {gpus} GPU(s), "
                       f"step {cv.compute_s_per_step:.3f}s, batch {cv.batch_size}")
             return 0
+        if args.out:
+            from agent.commands.bench import out_file_error
+
+            why = out_file_error(args.out)
+            if why:
+                raise S.SimError(f"--out {args.out}: {why}")
         if args.trace:
             trace = S.read_trace(args.trace)
         else:
@@ -134,7 +140,11 @@ def run(args) -> int:
               f"budget oracle (the best static plan of worker counts and cores the budget allows): {ratios}")
     if args.out:
         result["meta"] = {"argv": sys.argv[1:], "curves": source, "wall_s": wall}
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        try:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        except OSError as e:   # (checked before the simulation; a full disk or /proc/version still end here)
+            print(f"adloader simulate: --out {args.out}: cannot write it: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"JSON: {args.out}")
     return 0
