@@ -88,11 +88,7 @@ def calibration_processes_error(v: int) -> str | None:
 
 def out_dir_error(path: str) -> str | None:
     """What makes ``path`` unusable as the output directory (None: it is one now, created if it was not);
-    bench and demo, before the calibration (minutes): a probe file is made and removed, since neither
-    ``os.access`` nor the mode bits say whether root can write in /proc or on a read-only mount."""
-    import os
-    import tempfile
-
+    bench and demo, before the calibration (minutes): a probe file is made and removed (``_probe_write``)."""
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -103,19 +99,27 @@ def out_dir_error(path: str) -> str | None:
     if not p.is_dir():
         return "not a directory"
     try:
-        fd, probe = tempfile.mkstemp(dir=p, prefix=".adloader-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        _probe_write(str(p))
     except OSError as e:
         return f"cannot write in it: {e.strerror or e}"
     return None
+
+
+def _probe_write(directory: str) -> None:
+    """Make and remove a file in ``directory`` (``OSError`` if that cannot be done): neither ``os.access``
+    nor the mode bits say whether root can write in /proc or on a read-only mount."""
+    import os
+    import tempfile
+
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".adloader-probe-")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def out_file_error(path: str) -> str | None:
     """What makes ``path`` unusable as an output file (None: it can be written); nothing is created or
     changed. ``adloader simulate --out``, before the simulation."""
     import os
-    import tempfile
 
     if os.path.isdir(path):
         return "is a directory"
@@ -126,9 +130,7 @@ def out_file_error(path: str) -> str | None:
         if os.path.lexists(path):   # (O_NONBLOCK: a FIFO without a reader is refused, not waited on)
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC))
         else:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=".adloader-probe-")
-            os.close(fd)
-            os.unlink(probe)
+            _probe_write(parent)
     except OSError as e:
         return f"cannot write {'it' if os.path.lexists(path) else 'in ' + parent}: {e.strerror or e}"
     return None
