@@ -21,6 +21,16 @@ def _totals(t, steps, wait, compute, batches=None, cpu=0.0, samples=None):
             "worker_cpu_s": cpu, "worker_wall_s": cpu * 2, "worker_runq_s": 0.0, "worker_blocked_s": cpu}
 
 
+def _two_rank_job() -> tuple[Collector, int]:
+    """A job "j" of two ranks (this process's pid, one GPU each) registered, and its collector on 2 CPUs."""
+    reg = Registry()
+    me = os.getpid()
+    for rank in (0, 1):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
+                                                           "batch_size": 8, "workers": 2}, 0.0)
+    return Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1)), me
+
+
 def test_rank_rates_from_counters_reset_and_smoothing():
     rr = RankRates()
     assert not rr.update(_totals(10, 100, 3, 7, cpu=5), 0.0)          # first report: baseline only
@@ -47,12 +57,7 @@ def test_a_figure_too_large_to_be_a_count_never_makes_a_rate_inf_or_nan():
     the client went back to honest totals. Such a figure is taken as not reported."""
     import math
 
-    reg = Registry()
-    me = os.getpid()
-    for rank in (0, 1):
-        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
-                                                           "batch_size": 8, "workers": 2}, 0.0)
-    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    col, me = _two_rank_job()
     for rank in (0, 1):
         col.on_report("j", rank, me, _totals(0, 0, 0, 0), 0.0)
         col.on_report("j", rank, me, dict(_totals(0.06, 1, 0.0, 0.05, cpu=1e308), samples=1.7e308), 0.06)
@@ -94,12 +99,7 @@ def test_steps_left_is_the_most_over_ranks_from_the_latest_reports_and_none_when
     """A loader told its job's remaining steps reports ``steps_left``: the job's figure is the most over
     its ranks (the slowest rank finishes last), from each rank's latest report; a report without it
     (the hint withdrawn) or with a value that is no count (negative, not a number) says nothing."""
-    reg = Registry()
-    me = os.getpid()
-    for rank in (0, 1):
-        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
-                                                           "batch_size": 8, "workers": 2}, 0.0)
-    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    col, me = _two_rank_job()
     col.on_report("j", 0, me, _totals(0, 0, 0, 0), 0.0)
     col.on_report("j", 1, me, _totals(0, 0, 0, 0), 0.0)
     assert col.snapshot(0.5).jobs["j"].steps_left is None                 # nobody said
