@@ -175,6 +175,38 @@ def test_taskprolog_says_so_when_it_cannot_read_the_endpoint(installed):
     assert "adloader-taskprolog: cannot read the endpoint" in err and str(config) in err
 
 
+def test_taskprolog_run_as_a_user_who_cannot_read_the_config_guesses_no_endpoint():
+    """slurmstepd runs the TaskProlog as the job's user: a config only root can read (mode 0600) may
+    name another endpoint than the default, so the script says so and exports none."""
+    import os
+    import shutil
+    import tempfile
+
+    from agent.commands.install_service import slurm_script
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run the script as another user")
+    d = tempfile.mkdtemp(prefix="adl-taskprolog-")
+    try:
+        os.chmod(d, 0o755)                    # the user must reach the script, not the config
+        config, script = os.path.join(d, "agent.toml"), os.path.join(d, "taskprolog.sh")
+        with open(config, "w") as fh:
+            fh.write('endpoint = "ipc:///srv/adl/agent.sock"\n')
+        os.chmod(config, 0o600)
+        with open(script, "w") as fh:
+            fh.write(slurm_script("taskprolog.sh", "/opt/adloader", config=config))
+        os.chmod(script, 0o755)
+        from tests.slurm_support import ENV_BIN, NO_PATH
+        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
+        assert f"cannot read {config} as uid 65534" in p.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_taskprolog_without_a_config_file_exports_the_default(installed):
     d, _, _ = installed
     rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})

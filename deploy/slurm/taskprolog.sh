@@ -12,7 +12,8 @@
 # The endpoint has one source of truth, the agent's config file (AGENT_CONFIG, mode 0644): its
 # `endpoint` key, read here with bash alone in the forms `endpoint = "..."` and `endpoint = '...'`
 # (a comment may follow), else the agent's default. A key in another form (escapes, a quoted key)
-# is reported on stderr and no endpoint is exported (the client then uses its own default).
+# is reported on stderr and no endpoint is exported (the client then uses its own default); so is a
+# file the job's user cannot read.
 
 # Install-time line, set by `adloader install-service`:
 AGENT_CONFIG=/etc/adloader/agent.toml
@@ -26,6 +27,11 @@ config_endpoint() {
     local basic='^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*"([^"\\]*)"[[:space:]]*(#.*)?$'
     local literal="^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*'([^']*)'[[:space:]]*(#.*)?\$"
     local any='^[[:space:]]*["'"'"']?endpoint["'"'"']?[[:space:]]*='
+    if [ -e "$AGENT_CONFIG" ] && [ ! -r "$AGENT_CONFIG" ]; then
+        # the job's user cannot read it (mode 0600?): its endpoint may not be the default, so guess nothing
+        echo "adloader-taskprolog: cannot read $AGENT_CONFIG as uid $UID (it must be readable by job users, mode 0644): no endpoint exported" >&2
+        return 1
+    fi
     if [ -r "$AGENT_CONFIG" ]; then
         while IFS= read -r line || [ -n "$line" ]; do
             if [[ $line =~ $basic ]] || [[ $line =~ $literal ]]; then
