@@ -4,8 +4,8 @@ from what any allocator with the same knobs could reach on that node.
 
     python -m evaluation.best_plan BENCH.json [BENCH.json ...] [--cost calibrated|measured] [--reps K]
                                    [--out FILE.json]
-    python -m evaluation.best_plan --nodes 16:8,96:8 [--mixes gpu-weighted,...] [--random N [--seed S]]
-                                   [--out FILE.json]
+    python -m evaluation.best_plan --nodes 16:8,96:8 [--mixes gpu-weighted,...] [--random N [--seed S]
+                                   [--pick K,...]] [--out FILE.json]
 
 ``validate_sim``'s ideal bound (every core doing a loader's or a trainer's work, no time slicing, no
 wake-up wait, fractional workers) is an upper bound no plan reaches; this is the other side: a plan
@@ -30,7 +30,10 @@ for the seed on each node shape, summarised as that study is (median, p10, least
 1.10x), the policy judged on mixes nobody chose. Each row: the best baseline in the model and its name, adaptive,
 the best fixed plan found and the ideal fair bound, each over the best baseline, and adaptive over the
 best plan (1.0: adaptive is at the best the knobs reach; the rest of the way to the bound is the
-node's physics, not the policy's choice).
+node's physics, not the policy's choice). A random mix's row also holds adaptive's plan and its jobs'
+normalised throughput (``adaptive_plan``, ``adaptive_norm``) beside the best plan's, so a gap can be
+read job by job; ``--pick`` searches only some of the N mixes (the rest are drawn and skipped, so mix
+k is the same with or without it).
 """
 from __future__ import annotations
 
@@ -250,18 +253,24 @@ def node_rows(node_cores: int, node_gpus: int, mixes=V.MIXES) -> list[dict]:
     return rows
 
 
-def random_rows(node_cores: int, node_gpus: int, n: int, seed: int = 1) -> list[dict]:
+def random_rows(node_cores: int, node_gpus: int, n: int, seed: int = 1,
+                pick: Optional[frozenset] = None) -> list[dict]:
     """``n`` random mixes on a ``node_cores``:``node_gpus`` node, the same as ``evaluation.mix_study``'s
-    for that seed (``mix_study.mixes_rng`` and ``random_mix``, run by ``mix_study.run_mix``), each searched."""
+    for that seed (``mix_study.mixes_rng`` and ``random_mix``, run by ``mix_study.run_mix``), each searched;
+    with ``pick``, only the mixes of those indices among the first ``n`` (the others are drawn, not run)."""
     rng = MS.mixes_rng(seed, node_cores, node_gpus)
     cfg = V.study_config(node_cores, node_gpus)
     rows = []
     for k in range(n):
         truth = MS.random_mix(rng, node_cores, node_gpus)
+        if pick is not None and k not in pick:
+            continue
         r = MS.run_mix(truth, node_cores, node_gpus)
         row = _row(f"random-{k}", truth, node_cores, node_gpus, cfg.loader, None, r["agg"], r["plan"],
                    r["window"]["adaptive"])
         row["node"] = f"{node_cores}:{node_gpus}"
+        row["adaptive_plan"] = {j: [a["workers"], a["cpus"]] for j, a in (r["plan"] or {}).items()}
+        row["adaptive_norm"] = r["window"]["adaptive"]
         rows.append(row)
         print(f"node {node_cores}:{node_gpus} random mix {k + 1}/{n}: adaptive / best plan "
               f"{row['adaptive_agg'] / row['best_plan_agg']:.3f}", file=sys.stderr)
@@ -355,6 +364,9 @@ def main(argv=None) -> int:
     ap.add_argument("--random", type=int, default=0,
                     help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed)")
     ap.add_argument("--seed", type=int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
+    ap.add_argument("--pick", default=None,
+                    help="with --random N: search only these of the N mixes, by index from 0 (K,K,...; "
+                         "mix_study's JSON lists its worst mixes by the same index)")
     ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
@@ -363,6 +375,16 @@ def main(argv=None) -> int:
         ap.error("--reps must be at least 1")
     if args.random < 0 or (args.random and not args.nodes):
         ap.error("--random takes a count >= 0 and needs --nodes")
+    pick = None
+    if args.pick is not None:
+        try:
+            pick = frozenset(int(k) for k in args.pick.split(","))
+        except ValueError:
+            ap.error(f"--pick takes mix indices K,K,... (integers), got {args.pick!r}")
+        bad = sorted(k for k in pick if not 0 <= k < args.random)
+        if not args.random or bad:
+            ap.error(f"--pick needs --random N and indices from 0 to N-1"
+                     + (f"; out of range: {', '.join(map(str, bad))}" if bad and args.random else ""))
     mixes = [m for m in args.mixes.split(",") if m]
     unknown = [m for m in mixes if m not in V.MIXES]
     if unknown:
@@ -390,7 +412,7 @@ def main(argv=None) -> int:
             print(f"node {cores}:{gpus}: {len(mixes)} mix(es)", file=sys.stderr)
             rows += node_rows(cores, gpus, mixes)
             if args.random:
-                rows += random_rows(cores, gpus, args.random, args.seed)
+                rows += random_rows(cores, gpus, args.random, args.seed, pick)
     fixed = [r for r in rows if not r["scenario"].startswith("random-")]
     summary = summarise(fixed)
     rand = random_summary(rows)

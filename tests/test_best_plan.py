@@ -118,6 +118,31 @@ def test_random_mixes_are_mix_studys_and_are_summarised(tmp_path, capsys):
     s = doc["random"]["2:3"]
     assert s["mixes"] == 1
     assert s["adaptive_x_plan"]["median"] == pytest.approx(rand[0]["adaptive_agg"] / rand[0]["best_plan_agg"])
+    assert rand[0]["adaptive_norm"] and set(rand[0]["adaptive_plan"]) == set(first)
     with pytest.raises(SystemExit) as e:
         B.main(["--random", "2", str(STORED)])
     assert e.value.code == 2
+
+
+def test_pick_searches_only_the_chosen_random_mixes_and_keeps_their_indices(tmp_path, capsys):
+    """``--pick 1`` with ``--random 2``: only mix 1 is searched, and it is the same mix 1 as without
+    ``--pick`` (mix 0 is still drawn); bad picks are usage errors."""
+    from evaluation import mix_study as MS
+
+    out = tmp_path / "p.json"
+    assert B.main(["--nodes", "2:3", "--mixes", "nothing-to-arbitrate", "--random", "2", "--seed", "3",
+                   "--pick", "1", "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["scenario"].startswith("random-")]
+    assert [r["scenario"] for r in rows] == ["random-1"]
+    rng = MS.mixes_rng(3, 2, 3)
+    MS.random_mix(rng, 2, 3)
+    second = MS.random_mix(rng, 2, 3)
+    assert rows[0]["static_norm"] == pytest.approx(B.Evaluator(B.job_models(second, 2), 2, 3).static())
+    for pick in (["--pick", "2"], ["--pick", "x"], ["--pick", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            B.main(["--nodes", "2:3", "--random", "2", *pick])
+        assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        B.main(["--nodes", "2:3", "--pick", "0"])
+    assert e.value.code == 2
+    assert "--pick" in capsys.readouterr().err
