@@ -177,6 +177,32 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     assert os.path.isdir(base)                  # not ours to remove
 
 
+def test_restore_while_yielding_puts_back_a_pre_existing_subtree_shares(clean, tmp_path):
+    """A subtree there before the agent (cpu.shares 777) and an agent stopped while its loaders yield:
+    the real kernel refuses cpu.shares for an idle group (EINVAL) and resets it to 1024 when idle
+    ends, so cpu.idle must be put back before cpu.shares."""
+    from agent.model import NodeAllocation
+
+    base = os.path.join(ROOT, "cpu", SUBTREE)
+    os.mkdir(base)
+    if not os.path.exists(os.path.join(base, "cpu.idle")):
+        pytest.skip("this kernel has no cpu.idle (5.15+)")
+    with open(os.path.join(base, "cpu.shares"), "w") as f:
+        f.write("777")
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "shares")
+    assert act.apply(stats("y1", [pid]), JobAllocation(job="y1", workers=1, cpus=1.0)).ok
+    assert act.apply_node(NodeAllocation(True, {"y1": (0.4, 0.4)})) == []
+    with open(os.path.join(base, "cpu.idle")) as f:
+        assert f.read().strip() == "1"
+    act.restore()
+    with open(os.path.join(base, "cpu.idle")) as f:
+        assert f.read().strip() == "0"
+    with open(os.path.join(base, "cpu.shares")) as f:
+        assert int(f.read()) == 777
+    assert cgroup_of(pid, "cpu") == "/"
+
+
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     """Two jobs' workers in our subtree and two unmanaged busy processes, all on one CPU: moving the
     workers into our groups must not shrink what they get together against the rest of the node."""

@@ -419,3 +419,20 @@ def test_v2_a_restarted_agent_takes_back_the_yield_a_dead_one_left(v2):
     again.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
     again.apply_node(_node(False, {"a": (0.5, 0.5)}))
     assert read(kernel, "adloader", "cpu.idle") == "0"
+
+
+def test_v2_restore_while_yielding_puts_back_a_pre_existing_subtree_weight(v2):
+    """A subtree that was there before the agent, with a weight of its own, and an agent that stops while
+    the loaders yield (cpu.idle = 1): the weight was written back first and refused (an idle group takes
+    no weight: EINVAL), then cpu.idle = 0 reset it to the default, so restore failed and lost it."""
+    kernel, make = v2
+    kernel.write("", "cgroup.subtree_control", "+cpu")
+    kernel.mkdir("adloader")
+    kernel.write("adloader", "cpu.weight", "77")
+    act = make(io=False, node_cpus=4.0)
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    act.apply_node(_node(True, {"a": (0.5, 0.5)}))
+    assert read(kernel, "adloader", "cpu.idle") == "1"
+    act.restore()
+    assert read(kernel, "adloader", "cpu.idle") == "0" and read(kernel, "adloader", "cpu.weight") == "77"
+    assert not kernel.exists("adloader/a")

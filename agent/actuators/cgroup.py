@@ -730,12 +730,15 @@ class CgroupActuator:
                 except CgroupError as e:
                     errors.append(str(e))
         # deepest group first: a parent's subtree_control is put back after its children's (older kernels
-        # refuse to disable a controller that a child still enables: EBUSY)
-        def depth(key: str) -> int:
-            rel = key.split("|", 2)[1]
-            return rel.count("/") + 1 if rel else 0
+        # refuse to disable a controller that a child still enables: EBUSY). Within a group cpu.idle goes
+        # first: an idle group refuses a weight (EINVAL) and leaving idle resets it to the default
+        # (kernel/sched/fair.c sched_group_set_shares / sched_group_set_idle), so a weight put back
+        # before the idle flag would be refused, and lost again when the flag is.
+        def order(key: str) -> tuple[int, bool]:
+            _, rel, file = key.split("|", 2)
+            return -(rel.count("/") + 1 if rel else 0), file != "cpu.idle"
 
-        for key, value in sorted(self.originals.files.items(), key=lambda kv: -depth(kv[0])):
+        for key, value in sorted(self.originals.files.items(), key=lambda kv: order(kv[0])):
             hier, rel, file = key.split("|", 2)
             try:
                 if hier in self.h and self.h[hier].exists(rel):
