@@ -203,6 +203,26 @@ def test_restore_while_yielding_puts_back_a_pre_existing_subtree_shares(clean, t
     assert cgroup_of(pid, "cpu") == "/"
 
 
+def test_a_restarted_agent_lifts_the_subtree_cap_a_dead_one_left(clean, tmp_path):
+    """The dead agent capped the subtree (cpu.cfs_quota_us) for trainers that needed CPU; the new
+    agent's plan has no cap, so it must write -1 rather than leave the loaders capped."""
+    a, b = busy(clean), busy(clean)
+    quota_file = os.path.join(ROOT, "cpu", SUBTREE, "cpu.cfs_quota_us")
+    first = cgroup_actuator(tmp_path)
+    first.node_cpus = 2.0
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    assert first.apply(stats("k1", [a], **trainer), JobAllocation(job="k1", workers=1, cpus=1.0)).ok
+    with open(quota_file) as f:
+        assert int(f.read()) == 170000                 # 2 CPUs less the trainer's 0.3 cores
+    del first                                          # the agent dies without restoring
+    second = cgroup_actuator(tmp_path)
+    assert second.apply(stats("k2", [b]), JobAllocation(job="k2", workers=1, cpus=1.0)).ok
+    with open(quota_file) as f:
+        assert int(f.read()) == -1
+    second.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     """Two jobs' workers in our subtree and two unmanaged busy processes, all on one CPU: moving the
     workers into our groups must not shrink what they get together against the rest of the node."""

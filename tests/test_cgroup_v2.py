@@ -436,3 +436,20 @@ def test_v2_restore_while_yielding_puts_back_a_pre_existing_subtree_weight(v2):
     act.restore()
     assert read(kernel, "adloader", "cpu.idle") == "0" and read(kernel, "adloader", "cpu.weight") == "77"
     assert not kernel.exists("adloader/a")
+
+
+def test_v2_a_restarted_agent_lifts_the_cap_a_dead_one_left(v2, tmp_path):
+    """The dead agent capped the subtree (cpu.max) for a job whose trainers needed CPU; the new one's
+    job needs none, so its plan has no cap: it must write "max", not keep the loaders under the old cap
+    (it compared with None, "no cap written", and wrote nothing)."""
+    kernel, make = v2
+    busy = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    journal = str(tmp_path / "state" / "cgroup-originals.json")
+    act = make(io=False, node_cpus=4.0, journal=journal)
+    act.apply(cgroup_job("a", [101], **busy), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max") == "370000 100000"
+    again = make(io=False, node_cpus=4.0, journal=journal)     # no restore: the first agent died
+    again.apply(cgroup_job("b", [102]), JobAllocation(job="b", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max").startswith("max")
+    again.restore()
+    assert not kernel.exists("adloader")

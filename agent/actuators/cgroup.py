@@ -286,6 +286,7 @@ class CgroupActuator:
         self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
+        self._subtree_cap_read = False               # _subtree_cap read back from the subtree (a restart)
         self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
         self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
@@ -621,6 +622,9 @@ class CgroupActuator:
                 self._subtree_idle = self.h[self._cpu_hier].read(self.subtree, "cpu.idle").strip() == "1" or None
             except CgroupError:
                 pass
+        if not self._subtree_cap_read:
+            self._subtree_cap = self._read_subtree_cap()
+            self._subtree_cap_read = True
         if want_idle and not has_idle:
             want_idle = False
             notes.append("cpu: loaders cannot yield to the training processes: no cpu.idle in this kernel "
@@ -655,6 +659,20 @@ class CgroupActuator:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
         return notes
+
+    def _read_subtree_cap(self) -> Optional[float]:
+        """The cap the subtree has now, in cores (None: none): a restarted agent finds the one a dead
+        agent wrote, which it must lift when its own plan has none (it compared against None, wrote
+        nothing, and the loaders stayed capped)."""
+        h = self.h[self._cpu_hier]
+        try:
+            if self.version == 1:
+                quota = int(h.read(self.subtree, "cpu.cfs_quota_us"))
+                return None if quota < 0 else quota / int(h.read(self.subtree, "cpu.cfs_period_us"))
+            quota, _, period = h.read(self.subtree, "cpu.max").partition(" ")
+            return None if quota == "max" else int(quota) / int(period or 100000)
+        except (CgroupError, ValueError, ZeroDivisionError):
+            return None
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -759,6 +777,7 @@ class CgroupActuator:
         self._workers.clear()
         self._subtree_shares = None
         self._subtree_cap = None
+        self._subtree_cap_read = False
         self._subtree_idle = None
         self._node = None
         self.affinity.restore()
