@@ -90,6 +90,50 @@ def test_quota_holds_a_busy_loop(clean, tmp_path):
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
+def _quota_us(rel: str) -> int:
+    with open(os.path.join(ROOT, "cpu", rel, "cpu.cfs_quota_us")) as f:
+        return int(f.read())
+
+
+def test_quota_knob_subtree_cap_never_falls_below_a_jobs_quota(clean, tmp_path):
+    """v1 refuses a parent's quota below a child's (EINVAL). The subtree's cap (the node less the
+    trainers' pace, 2 - 0.17 = 1.83, floored to 0.05-core steps: 1.80) fell below the job's planned 1.83
+    cores, so the apply failed on every tick."""
+    from agent.model import NodeAllocation
+
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "quota")
+    act.node_cpus = 2.0
+    act.apply_node(NodeAllocation(False, {"q1": (1.0, 0.17)}))
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.83))
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 183000 and _quota_us(SUBTREE) == 183000
+    act.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
+def test_quota_knob_a_job_grows_past_the_subtree_cap(clean, tmp_path):
+    """The controller applies the jobs before the node allocation: a job's quota raised above the
+    subtree's cap of the last tick was written first and refused (EINVAL, v1 wants a child's quota within
+    its parent's); the cap must be raised before the job's quota."""
+    from agent.model import NodeAllocation
+
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "quota")
+    act.node_cpus = 2.0
+    assert act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.0)).ok
+    act.apply_node(NodeAllocation(False, {"q1": (1.0, 1.0)}))           # a CPU-starved trainer: cap 1.0
+    assert _quota_us(SUBTREE) == 100000
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.5))
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 150000 and _quota_us(SUBTREE) == 150000
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=0.5))    # and back down
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 50000 and _quota_us(SUBTREE) == 100000
+    act.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
 def test_shares_split_a_contended_cpu(clean, tmp_path):
     cpu = max(os.sched_getaffinity(0))
     a, b = busy(clean, cpu), busy(clean, cpu)

@@ -453,3 +453,18 @@ def test_v2_a_restarted_agent_lifts_the_cap_a_dead_one_left(v2, tmp_path):
     assert read(kernel, "adloader", "cpu.max").startswith("max")
     again.restore()
     assert not kernel.exists("adloader")
+
+
+def test_v2_subtree_cap_is_never_below_the_planned_cores(v2):
+    """The cap is the node less the trainers' pace in 0.05-core steps, but never below the loaders'
+    planned cores: 2 - 0.17 = 1.83 floored to 1.80 cut a job planned 1.83 cores."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=2.0)
+    act.apply_node(_node(False, {"a": (1.0, 0.17)}))
+    assert act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.83)).ok
+    assert read(kernel, "adloader", "cpu.max") == "183000 100000"
+    act.apply_node(_node(False, {"a": (1.0, 0.5)}))
+    assert read(kernel, "adloader", "cpu.max") == "183000 100000"
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max") == "150000 100000"
+    act.restore()

@@ -554,7 +554,15 @@ class CgroupActuator:
             self._ensure("cpu", rel)
             if knob == "quota":
                 period = int(self.h["cpu"].read(rel, "cpu.cfs_period_us") or 100000)
-                self._write("cpu", rel, "cpu.cfs_quota_us", max(QUOTA_MIN_US, int(round(desired.cpus * period))))
+                quota = max(QUOTA_MIN_US, int(round(desired.cpus * period)))
+                cap = self._current_subtree_cap()
+                if cap is not None and quota > cap * period:
+                    # v1 refuses a group's quota above its parent's (EINVAL, kernel/sched/core.c
+                    # tg_cfs_schedulable_down): raise the subtree's cap (never below the planned cores) first
+                    self._workers.setdefault(job.job, 0)
+                    self._note_budget(job, desired)
+                    self._set_subtree_weight()
+                self._write("cpu", rel, "cpu.cfs_quota_us", quota)
             else:
                 self._set_shares(job.job, rel, shares_for(desired.weight_cores))
             self._workers[job.job] = self._move_pids("cpu", rel, job)
@@ -622,9 +630,7 @@ class CgroupActuator:
                 self._subtree_idle = self.h[self._cpu_hier].read(self.subtree, "cpu.idle").strip() == "1" or None
             except CgroupError:
                 pass
-        if not self._subtree_cap_read:
-            self._subtree_cap = self._read_subtree_cap()
-            self._subtree_cap_read = True
+        self._current_subtree_cap()
         if want_idle and not has_idle:
             want_idle = False
             notes.append("cpu: loaders cannot yield to the training processes: no cpu.idle in this kernel "
@@ -639,9 +645,12 @@ class CgroupActuator:
         if need >= TRAINER_CPU_MIN:
             shares = min(shares, subtree_shares_for_cores(sum(self._cores.get(j, 0.0) for j in self._workers)))
         if need >= TRAINER_CPU_MIN and self.node_cpus and not want_idle:
-            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
-            cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
-            cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
+            # the node less the pace in 0.05-core steps (the pace moves a little every tick), but never
+            # below the planned cores, not even by a step: on v1 a job group's quota above its parent's
+            # is refused (EINVAL, kernel/sched/core.c tg_cfs_schedulable_down), and on v2 it is cut
+            loaders = sum(self._cores.get(j, 0.0) for j in self._workers)
+            cap = max(loaders, round(math.floor((self.node_cpus - pace) * 20) / 20, 2))
+            cap = cap if cap < self.node_cpus - 1e-9 else None
         if shares != self._subtree_shares and not want_idle:    # an idle group refuses a weight (EINVAL)
             if self.version == 1:
                 self._write("cpu", self.subtree, "cpu.shares", shares)
@@ -659,6 +668,12 @@ class CgroupActuator:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
         return notes
+
+    def _current_subtree_cap(self) -> Optional[float]:
+        if not self._subtree_cap_read:
+            self._subtree_cap = self._read_subtree_cap()
+            self._subtree_cap_read = True
+        return self._subtree_cap
 
     def _read_subtree_cap(self) -> Optional[float]:
         """The cap the subtree has now, in cores (None: none): a restarted agent finds the one a dead
