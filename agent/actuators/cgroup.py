@@ -175,11 +175,29 @@ def shares_from_weight(weight: int) -> int:
     return lo
 
 
+def _start_ticks(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid, an
+    identity that survives pid reuse. None if it is gone."""
+    from agent.psi import pid_stat
+
+    rest = pid_stat(pid)
+    try:
+        return int(rest[19]) if rest is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
     CPUs: the plan's cpuset if it has one (intersected with the allowed CPUs), else the last
     ``ceil(cores)`` of the allowed CPUs (a set cannot hold a fraction: that is reported).
+
+    Each original affinity is kept with the process's start time, and put back only on that same
+    process: a worker's pid that another process holds by the time it is put back (pid reuse, on a
+    long job whose loader restarts its workers) is left alone. A pid that left the job's worker list
+    is put back (or forgotten, if gone) at the job's next apply, so the journal holds the workers of
+    now, not every worker the job ever had.
     """
 
     name = "affinity"
@@ -204,11 +222,19 @@ class AffinityActuator:
             return ApplyResult(job=job.job, ok=True, applied=desired)
         try:
             cpus = self.cpus_for(job, desired)
-            for pid in worker_pids(job):
+            pids = worker_pids(job)
+            current = {str(p) for p in pids}
+            self._restore_pids([k for k, v in self.originals.affinity.items()
+                                if v.get("job") == job.job and k not in current])
+            for pid in pids:
                 key = str(pid)
                 try:
                     if key not in self.originals.affinity:
-                        self.originals.affinity[key] = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
+                        entry = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
+                        start = _start_ticks(pid)
+                        if start is not None:
+                            entry["start"] = start
+                        self.originals.affinity[key] = entry
                         self.originals.save()
                     cgroupfs.set_affinity(pid, cpus)
                 except JobGone:
@@ -227,6 +253,8 @@ class AffinityActuator:
             entry = self.originals.affinity.pop(key, None)
             if entry is None:
                 continue
+            if "start" in entry and _start_ticks(int(key)) != entry["start"]:
+                continue      # gone, or the pid is another process's now: nothing of ours to put back
             try:
                 cgroupfs.set_affinity(int(key), entry["cpus"])
             except CgroupError:
