@@ -8,6 +8,13 @@ timestamp passed in: then the previous per-process figures are carried forward (
 
 Without a driver ``nvmlInit`` fails fast: the agent says so once and retries with backoff
 (``RETRY_S`` doubling to ``RETRY_MAX_S``), running on client-reported figures meanwhile.
+
+One device failing (``NVMLError_GpuIsLost`` after an Xid 79, ``NotSupported``, ``NoPermission`` for a
+device another container owns) costs that device only: a handle NVML refuses at init leaves it out,
+and a device whose utilisation read fails in a tick has no figures that tick (its jobs fall back to
+the clients' data-wait figures, as without NVML) while the others are sampled as usual; each device's
+error is said once. Only when every device fails (the driver went away) is NVML taken as lost and
+initialised again with backoff. ``device_errors``: index -> the last error of a device not sampled.
 Tests pass a fake module with the same functions (``module=``).
 """
 from __future__ import annotations
@@ -36,6 +43,7 @@ class GpuSampler:
         self.process_util: dict[str, dict[int, float]] = {}   # index -> pid -> SM percent
         self._last_ts: dict[str, int] = {}
         self.last_error = ""
+        self.device_errors: dict[str, str] = {}  # index -> why it has no figures now (status, logs)
 
     def _init(self, now: float) -> None:
         if self.available or now < self._next_try:
@@ -46,8 +54,14 @@ class GpuSampler:
                 import pynvml as nv   # nvidia-ml-py
             nv.nvmlInit()
             handles, index_of = {}, {}
+            errors = {}
             for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
+                try:
+                    h = nv.nvmlDeviceGetHandleByIndex(i)
+                except nv.NVMLError as e:      # this device only (lost, not ours): the others still work
+                    errors[str(i)] = f"{type(e).__name__}: {e}"
+                    self._device_failed(str(i), errors[str(i)])
+                    continue
                 handles[str(i)] = h
                 try:
                     uuid = nv.nvmlDeviceGetUUID(h)
@@ -56,7 +70,10 @@ class GpuSampler:
                     index_of[uuid] = str(i)
                 except Exception:
                     pass
+            if errors and not handles:
+                raise nv.NVMLError(f"no device answered: {errors}")
             self._nv, self._handles, self._index_of = nv, handles, index_of
+            self.device_errors = errors
             self.available = True
             self._retry_s = RETRY_S
             logs.event(log, "nvml_ready", devices=sum(1 for k in handles if k.isdigit()))
@@ -74,10 +91,18 @@ class GpuSampler:
             return
         nv = self._nv
         try:
-            for key, h in self._handles.items():
-                if not key.isdigit():
+            devices = [k for k in self._handles if k.isdigit()]
+            failed: dict[str, str] = {}
+            for key in devices:
+                h = self._handles[key]
+                try:
+                    self.device_util[key] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                except nv.NVMLError as e:
+                    # this device only: no figures for it this tick (stale ones would read as current)
+                    failed[key] = f"{type(e).__name__}: {e}"
+                    self.device_util.pop(key, None)
+                    self.process_util.pop(key, None)
                     continue
-                self.device_util[key] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
                 try:
                     samples = nv.nvmlDeviceGetProcessUtilization(h, self._last_ts.get(key, 0))
                 except nv.NVMLError_NotFound:
@@ -91,11 +116,25 @@ class GpuSampler:
                     ts = max(ts, int(s.timeStamp))
                 self.process_util[key] = per_pid
                 self._last_ts[key] = ts
+            if devices and len(failed) == len(devices):
+                raise nv.NVMLError(f"every device failed: {failed}")
+            for key, why in failed.items():
+                if self.device_errors.get(key) != why:
+                    self._device_failed(key, why)
+            for key in [k for k in self.device_errors if k in self._handles and k not in failed]:
+                logs.event(log, "nvml_device_back", device=key)
+                del self.device_errors[key]
+            self.device_errors.update(failed)
         except Exception as e:
             self.available = False
             self.last_error = f"{type(e).__name__}: {e}"
             logs.event(log, "nvml_lost", logging.WARNING, error=self.last_error)
             self._next_try = now + self._retry_s
+
+    def _device_failed(self, key: str, why: str) -> None:
+        logs.event(log, "nvml_device_failed", logging.WARNING, device=key, error=why,
+                   detail="this GPU has no NVML figures (its jobs use the clients' data-wait figures); "
+                          "the other GPUs are sampled as usual")
 
     def _index(self, gpu: str) -> Optional[str]:
         if gpu in self._index_of:

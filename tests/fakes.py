@@ -121,11 +121,19 @@ class FakeNvml:
     class NVMLError_NotFound(NVMLError):
         pass
 
+    class NVMLError_GpuIsLost(NVMLError):
+        pass
+
+    class NVMLError_NoPermission(NVMLError):
+        pass
+
     def __init__(self, fail_init=False):
         self.fail_init = fail_init
         self.util = {0: 30, 1: 90}
         self.samples = {0: [SimpleNamespace(pid=111, smUtil=25, timeStamp=5)], 1: []}
         self.inits = 0
+        self.fail_handle = {}     # index -> the NVMLError nvmlDeviceGetHandleByIndex raises for it
+        self.fail_util = {}       # handle -> the NVMLError nvmlDeviceGetUtilizationRates raises for it
 
     def nvmlInit(self):
         self.inits += 1
@@ -136,12 +144,16 @@ class FakeNvml:
         return 2
 
     def nvmlDeviceGetHandleByIndex(self, i):
+        if i in self.fail_handle:
+            raise self.fail_handle[i]
         return i
 
     def nvmlDeviceGetUUID(self, h):
         return f"GPU-{h}"
 
     def nvmlDeviceGetUtilizationRates(self, h):
+        if h in self.fail_util:
+            raise self.fail_util[h]
         return SimpleNamespace(gpu=self.util[h], memory=0)
 
     def nvmlDeviceGetProcessUtilization(self, h, last_ts):

@@ -2,6 +2,7 @@
 allowed CPUs (real child processes, no root needed), restored by a restarted agent from its journal."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,61 @@ def test_affinity_actuator_restores_from_journal(tmp_path):
     act = AffinityActuator(Originals())
     assert act.apply(cgroup_job("k", [child.pid]), JobAllocation(job="k", workers=1, cpus=1.0)).ok  # gone: skipped
 
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_affinity_is_not_put_back_on_another_process_holding_the_pid(tmp_path):
+    """The journal says which process each original belongs to (its start time): a restarted agent
+    whose journal names a worker that has gone, its pid now held by another process (here: an entry
+    with another start time), leaves that process's affinity alone instead of setting it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs to see affinity change, this process may use {cpus}")
+    child = _sleeper()
+    journal = str(tmp_path / "orig.json")
+    try:
+        act = AffinityActuator(Originals(journal))
+        assert act.apply(cgroup_job("j", [child.pid], allowed_cpus=tuple(cpus)),
+                         JobAllocation(job="j", workers=1, cpus=1.0, cpuset=(cpus[0],))).ok
+        data = json.loads(open(journal).read())
+        entry = data["affinity"][str(child.pid)]
+        entry["start"] = entry.get("start", 0) + 1            # the worker that held the pid then
+        with open(journal, "w") as f:
+            json.dump(data, f)
+        os.sched_setaffinity(child.pid, {cpus[-1]})            # the new holder's own affinity
+        AffinityActuator(Originals(journal)).restore()
+        assert os.sched_getaffinity(child.pid) == {cpus[-1]}
+        assert not os.path.exists(journal)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_a_worker_that_left_the_job_is_put_back_at_the_next_apply(tmp_path):
+    """A worker the loader retired (no longer in the job's worker pids) got its affinity back only
+    when the job left, and a gone one stayed in the journal until then: a long job that restarts its
+    workers grew the journal by one entry per worker it ever had."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs to see affinity change, this process may use {cpus}")
+    a, b, c = _sleeper(), _sleeper(), _sleeper()
+    try:
+        act = AffinityActuator(Originals(str(tmp_path / "orig.json")))
+        pin = JobAllocation(job="j", workers=2, cpus=1.0, cpuset=(cpus[0],))
+        assert act.apply(cgroup_job("j", [a.pid, b.pid, c.pid], allowed_cpus=tuple(cpus)), pin).ok
+        assert os.sched_getaffinity(b.pid) == {cpus[0]}
+        c.kill()
+        c.wait(timeout=10)
+        assert act.apply(cgroup_job("j", [a.pid], allowed_cpus=tuple(cpus)), pin).ok
+        assert os.sched_getaffinity(b.pid) == set(cpus)            # retired, still alive: put back
+        assert os.sched_getaffinity(a.pid) == {cpus[0]}
+        assert set(act.originals.affinity) == {str(a.pid)}          # c (gone) forgotten
+        act.release("j")
+        assert os.sched_getaffinity(a.pid) == set(cpus) and act.originals.empty()
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait(timeout=10)

@@ -90,6 +90,50 @@ def test_quota_holds_a_busy_loop(clean, tmp_path):
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
+def _quota_us(rel: str) -> int:
+    with open(os.path.join(ROOT, "cpu", rel, "cpu.cfs_quota_us")) as f:
+        return int(f.read())
+
+
+def test_quota_knob_subtree_cap_never_falls_below_a_jobs_quota(clean, tmp_path):
+    """v1 refuses a parent's quota below a child's (EINVAL). The subtree's cap (the node less the
+    trainers' pace, 2 - 0.17 = 1.83, floored to 0.05-core steps: 1.80) fell below the job's planned 1.83
+    cores, so the apply failed on every tick."""
+    from agent.model import NodeAllocation
+
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "quota")
+    act.node_cpus = 2.0
+    act.apply_node(NodeAllocation(False, {"q1": (1.0, 0.17)}))
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.83))
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 183000 and _quota_us(SUBTREE) == 183000
+    act.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
+def test_quota_knob_a_job_grows_past_the_subtree_cap(clean, tmp_path):
+    """The controller applies the jobs before the node allocation: a job's quota raised above the
+    subtree's cap of the last tick was written first and refused (EINVAL, v1 wants a child's quota within
+    its parent's); the cap must be raised before the job's quota."""
+    from agent.model import NodeAllocation
+
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "quota")
+    act.node_cpus = 2.0
+    assert act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.0)).ok
+    act.apply_node(NodeAllocation(False, {"q1": (1.0, 1.0)}))           # a CPU-starved trainer: cap 1.0
+    assert _quota_us(SUBTREE) == 100000
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=1.5))
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 150000 and _quota_us(SUBTREE) == 150000
+    r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=0.5))    # and back down
+    assert r.ok, r.error
+    assert _quota_us(f"{SUBTREE}/q1") == 50000 and _quota_us(SUBTREE) == 100000
+    act.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
 def test_shares_split_a_contended_cpu(clean, tmp_path):
     cpu = max(os.sched_getaffinity(0))
     a, b = busy(clean, cpu), busy(clean, cpu)
@@ -175,6 +219,52 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     assert cgroup_of(pid, "cpu") == "/"
     assert not os.path.exists(os.path.join(base, "r1"))
     assert os.path.isdir(base)                  # not ours to remove
+
+
+def test_restore_while_yielding_puts_back_a_pre_existing_subtree_shares(clean, tmp_path):
+    """A subtree there before the agent (cpu.shares 777) and an agent stopped while its loaders yield:
+    the real kernel refuses cpu.shares for an idle group (EINVAL) and resets it to 1024 when idle
+    ends, so cpu.idle must be put back before cpu.shares."""
+    from agent.model import NodeAllocation
+
+    base = os.path.join(ROOT, "cpu", SUBTREE)
+    os.mkdir(base)
+    if not os.path.exists(os.path.join(base, "cpu.idle")):
+        pytest.skip("this kernel has no cpu.idle (5.15+)")
+    with open(os.path.join(base, "cpu.shares"), "w") as f:
+        f.write("777")
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path, "shares")
+    assert act.apply(stats("y1", [pid]), JobAllocation(job="y1", workers=1, cpus=1.0)).ok
+    assert act.apply_node(NodeAllocation(True, {"y1": (0.4, 0.4)})) == []
+    with open(os.path.join(base, "cpu.idle")) as f:
+        assert f.read().strip() == "1"
+    act.restore()
+    with open(os.path.join(base, "cpu.idle")) as f:
+        assert f.read().strip() == "0"
+    with open(os.path.join(base, "cpu.shares")) as f:
+        assert int(f.read()) == 777
+    assert cgroup_of(pid, "cpu") == "/"
+
+
+def test_a_restarted_agent_lifts_the_subtree_cap_a_dead_one_left(clean, tmp_path):
+    """The dead agent capped the subtree (cpu.cfs_quota_us) for trainers that needed CPU; the new
+    agent's plan has no cap, so it must write -1 rather than leave the loaders capped."""
+    a, b = busy(clean), busy(clean)
+    quota_file = os.path.join(ROOT, "cpu", SUBTREE, "cpu.cfs_quota_us")
+    first = cgroup_actuator(tmp_path)
+    first.node_cpus = 2.0
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    assert first.apply(stats("k1", [a], **trainer), JobAllocation(job="k1", workers=1, cpus=1.0)).ok
+    with open(quota_file) as f:
+        assert int(f.read()) == 170000                 # 2 CPUs less the trainer's 0.3 cores
+    del first                                          # the agent dies without restoring
+    second = cgroup_actuator(tmp_path)
+    assert second.apply(stats("k2", [b]), JobAllocation(job="k2", workers=1, cpus=1.0)).ok
+    with open(quota_file) as f:
+        assert int(f.read()) == -1
+    second.restore()
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):

@@ -419,3 +419,52 @@ def test_v2_a_restarted_agent_takes_back_the_yield_a_dead_one_left(v2):
     again.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
     again.apply_node(_node(False, {"a": (0.5, 0.5)}))
     assert read(kernel, "adloader", "cpu.idle") == "0"
+
+
+def test_v2_restore_while_yielding_puts_back_a_pre_existing_subtree_weight(v2):
+    """A subtree that was there before the agent, with a weight of its own, and an agent that stops while
+    the loaders yield (cpu.idle = 1): the weight was written back first and refused (an idle group takes
+    no weight: EINVAL), then cpu.idle = 0 reset it to the default, so restore failed and lost it."""
+    kernel, make = v2
+    kernel.write("", "cgroup.subtree_control", "+cpu")
+    kernel.mkdir("adloader")
+    kernel.write("adloader", "cpu.weight", "77")
+    act = make(io=False, node_cpus=4.0)
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    act.apply_node(_node(True, {"a": (0.5, 0.5)}))
+    assert read(kernel, "adloader", "cpu.idle") == "1"
+    act.restore()
+    assert read(kernel, "adloader", "cpu.idle") == "0" and read(kernel, "adloader", "cpu.weight") == "77"
+    assert not kernel.exists("adloader/a")
+
+
+def test_v2_a_restarted_agent_lifts_the_cap_a_dead_one_left(v2, tmp_path):
+    """The dead agent capped the subtree (cpu.max) for a job whose trainers needed CPU; the new one's
+    job needs none, so its plan has no cap: it must write "max", not keep the loaders under the old cap
+    (it compared with None, "no cap written", and wrote nothing)."""
+    kernel, make = v2
+    busy = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    journal = str(tmp_path / "state" / "cgroup-originals.json")
+    act = make(io=False, node_cpus=4.0, journal=journal)
+    act.apply(cgroup_job("a", [101], **busy), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max") == "370000 100000"
+    again = make(io=False, node_cpus=4.0, journal=journal)     # no restore: the first agent died
+    again.apply(cgroup_job("b", [102]), JobAllocation(job="b", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max").startswith("max")
+    again.restore()
+    assert not kernel.exists("adloader")
+
+
+def test_v2_subtree_cap_is_never_below_the_planned_cores(v2):
+    """The cap is the node less the trainers' pace in 0.05-core steps, but never below the loaders'
+    planned cores: 2 - 0.17 = 1.83 floored to 1.80 cut a job planned 1.83 cores."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=2.0)
+    act.apply_node(_node(False, {"a": (1.0, 0.17)}))
+    assert act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.83)).ok
+    assert read(kernel, "adloader", "cpu.max") == "183000 100000"
+    act.apply_node(_node(False, {"a": (1.0, 0.5)}))
+    assert read(kernel, "adloader", "cpu.max") == "183000 100000"
+    act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
+    assert read(kernel, "adloader", "cpu.max") == "150000 100000"
+    act.restore()

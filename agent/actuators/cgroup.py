@@ -175,11 +175,29 @@ def shares_from_weight(weight: int) -> int:
     return lo
 
 
+def _start_ticks(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid, an
+    identity that survives pid reuse. None if it is gone."""
+    from agent.psi import pid_stat
+
+    rest = pid_stat(pid)
+    try:
+        return int(rest[19]) if rest is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
     CPUs: the plan's cpuset if it has one (intersected with the allowed CPUs), else the last
     ``ceil(cores)`` of the allowed CPUs (a set cannot hold a fraction: that is reported).
+
+    Each original affinity is kept with the process's start time, and put back only on that same
+    process: a worker's pid that another process holds by the time it is put back (pid reuse, on a
+    long job whose loader restarts its workers) is left alone. A pid that left the job's worker list
+    is put back (or forgotten, if gone) at the job's next apply, so the journal holds the workers of
+    now, not every worker the job ever had.
     """
 
     name = "affinity"
@@ -204,11 +222,19 @@ class AffinityActuator:
             return ApplyResult(job=job.job, ok=True, applied=desired)
         try:
             cpus = self.cpus_for(job, desired)
-            for pid in worker_pids(job):
+            pids = worker_pids(job)
+            current = {str(p) for p in pids}
+            self._restore_pids([k for k, v in self.originals.affinity.items()
+                                if v.get("job") == job.job and k not in current])
+            for pid in pids:
                 key = str(pid)
                 try:
                     if key not in self.originals.affinity:
-                        self.originals.affinity[key] = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
+                        entry = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
+                        start = _start_ticks(pid)
+                        if start is not None:
+                            entry["start"] = start
+                        self.originals.affinity[key] = entry
                         self.originals.save()
                     cgroupfs.set_affinity(pid, cpus)
                 except JobGone:
@@ -227,6 +253,8 @@ class AffinityActuator:
             entry = self.originals.affinity.pop(key, None)
             if entry is None:
                 continue
+            if "start" in entry and _start_ticks(int(key)) != entry["start"]:
+                continue      # gone, or the pid is another process's now: nothing of ours to put back
             try:
                 cgroupfs.set_affinity(int(key), entry["cpus"])
             except CgroupError:
@@ -286,6 +314,7 @@ class CgroupActuator:
         self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
         self._subtree_shares: Optional[int] = None   # the subtree's weight last written, as shares
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
+        self._subtree_cap_read = False               # _subtree_cap read back from the subtree (a restart)
         self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
         self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
@@ -553,7 +582,15 @@ class CgroupActuator:
             self._ensure("cpu", rel)
             if knob == "quota":
                 period = int(self.h["cpu"].read(rel, "cpu.cfs_period_us") or 100000)
-                self._write("cpu", rel, "cpu.cfs_quota_us", max(QUOTA_MIN_US, int(round(desired.cpus * period))))
+                quota = max(QUOTA_MIN_US, int(round(desired.cpus * period)))
+                cap = self._current_subtree_cap()
+                if cap is not None and quota > cap * period:
+                    # v1 refuses a group's quota above its parent's (EINVAL, kernel/sched/core.c
+                    # tg_cfs_schedulable_down): raise the subtree's cap (never below the planned cores) first
+                    self._workers.setdefault(job.job, 0)
+                    self._note_budget(job, desired)
+                    self._set_subtree_weight()
+                self._write("cpu", rel, "cpu.cfs_quota_us", quota)
             else:
                 self._set_shares(job.job, rel, shares_for(desired.weight_cores))
             self._workers[job.job] = self._move_pids("cpu", rel, job)
@@ -621,6 +658,7 @@ class CgroupActuator:
                 self._subtree_idle = self.h[self._cpu_hier].read(self.subtree, "cpu.idle").strip() == "1" or None
             except CgroupError:
                 pass
+        self._current_subtree_cap()
         if want_idle and not has_idle:
             want_idle = False
             notes.append("cpu: loaders cannot yield to the training processes: no cpu.idle in this kernel "
@@ -635,9 +673,12 @@ class CgroupActuator:
         if need >= TRAINER_CPU_MIN:
             shares = min(shares, subtree_shares_for_cores(sum(self._cores.get(j, 0.0) for j in self._workers)))
         if need >= TRAINER_CPU_MIN and self.node_cpus and not want_idle:
-            cap = max(sum(self._cores.get(j, 0.0) for j in self._workers), self.node_cpus - pace)
-            cap = math.floor(cap * 20) / 20          # in 0.05-core steps: the pace moves a little every tick
-            cap = round(cap, 2) if cap < self.node_cpus - 1e-9 else None
+            # the node less the pace in 0.05-core steps (the pace moves a little every tick), but never
+            # below the planned cores, not even by a step: on v1 a job group's quota above its parent's
+            # is refused (EINVAL, kernel/sched/core.c tg_cfs_schedulable_down), and on v2 it is cut
+            loaders = sum(self._cores.get(j, 0.0) for j in self._workers)
+            cap = max(loaders, round(math.floor((self.node_cpus - pace) * 20) / 20, 2))
+            cap = cap if cap < self.node_cpus - 1e-9 else None
         if shares != self._subtree_shares and not want_idle:    # an idle group refuses a weight (EINVAL)
             if self.version == 1:
                 self._write("cpu", self.subtree, "cpu.shares", shares)
@@ -655,6 +696,26 @@ class CgroupActuator:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
         return notes
+
+    def _current_subtree_cap(self) -> Optional[float]:
+        if not self._subtree_cap_read:
+            self._subtree_cap = self._read_subtree_cap()
+            self._subtree_cap_read = True
+        return self._subtree_cap
+
+    def _read_subtree_cap(self) -> Optional[float]:
+        """The cap the subtree has now, in cores (None: none): a restarted agent finds the one a dead
+        agent wrote, which it must lift when its own plan has none (it compared against None, wrote
+        nothing, and the loaders stayed capped)."""
+        h = self.h[self._cpu_hier]
+        try:
+            if self.version == 1:
+                quota = int(h.read(self.subtree, "cpu.cfs_quota_us"))
+                return None if quota < 0 else quota / int(h.read(self.subtree, "cpu.cfs_period_us"))
+            quota, _, period = h.read(self.subtree, "cpu.max").partition(" ")
+            return None if quota == "max" else int(quota) / int(period or 100000)
+        except (CgroupError, ValueError, ZeroDivisionError):
+            return None
 
     def _apply_io(self, job: JobStats, desired: JobAllocation) -> list[str]:
         if desired.io_weight is None:
@@ -730,12 +791,15 @@ class CgroupActuator:
                 except CgroupError as e:
                     errors.append(str(e))
         # deepest group first: a parent's subtree_control is put back after its children's (older kernels
-        # refuse to disable a controller that a child still enables: EBUSY)
-        def depth(key: str) -> int:
-            rel = key.split("|", 2)[1]
-            return rel.count("/") + 1 if rel else 0
+        # refuse to disable a controller that a child still enables: EBUSY). Within a group cpu.idle goes
+        # first: an idle group refuses a weight (EINVAL) and leaving idle resets it to the default
+        # (kernel/sched/fair.c sched_group_set_shares / sched_group_set_idle), so a weight put back
+        # before the idle flag would be refused, and lost again when the flag is.
+        def order(key: str) -> tuple[int, bool]:
+            _, rel, file = key.split("|", 2)
+            return -(rel.count("/") + 1 if rel else 0), file != "cpu.idle"
 
-        for key, value in sorted(self.originals.files.items(), key=lambda kv: -depth(kv[0])):
+        for key, value in sorted(self.originals.files.items(), key=lambda kv: order(kv[0])):
             hier, rel, file = key.split("|", 2)
             try:
                 if hier in self.h and self.h[hier].exists(rel):
@@ -756,6 +820,7 @@ class CgroupActuator:
         self._workers.clear()
         self._subtree_shares = None
         self._subtree_cap = None
+        self._subtree_cap_read = False
         self._subtree_idle = None
         self._node = None
         self.affinity.restore()

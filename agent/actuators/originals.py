@@ -8,7 +8,8 @@ Contents:
 - files:    "hierarchy|group|file" -> the value before our first write (only files that existed)
 - created:  groups we created, "hierarchy|group", in creation order (removed children first)
 - pids:     pid -> {"job": job id, "origins": {hierarchy: the group the process came from}}
-- affinity: pid -> {"job": job id, "cpus": the CPU affinity before our first change}
+- affinity: pid -> {"job": job id, "cpus": the CPU affinity before our first change,
+            "start": the process's start time in clock ticks (optional: put back only on that process)}
 
 Loading checks every field by type; a file that fails raises ``StateFileError`` naming the file and
 the field (``actuators.build`` then sets it aside and recovers what it can: see there). Saving uses
@@ -69,8 +70,9 @@ class Originals:
         need(isinstance(affinity, dict), p, "affinity", "an object", affinity)
         for k, v in affinity.items():
             need(statefile.int_key(k) and isinstance(v, dict) and isinstance(v.get("job"), str)
-                 and isinstance(v.get("cpus"), list) and all(is_int(c, 0, 1 << 20) for c in v["cpus"]),
-                 p, f"affinity[{k[:16]!r}]", "{job, cpus: [int]}", v)
+                 and isinstance(v.get("cpus"), list) and all(is_int(c, 0, 1 << 20) for c in v["cpus"])
+                 and is_int(v.get("start", 0), 0),
+                 p, f"affinity[{k[:16]!r}]", "{job, cpus: [int], start?: int}", v)
         for key in created:
             need(".." not in key.split("|", 1)[1].split("/"), p, "created", "group paths without '..'", key)
         self.files, self.created, self.pids, self.affinity = dict(files), list(created), dict(pids), dict(affinity)
