@@ -11,6 +11,10 @@ for the ones the command line offers):
     state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"
     tick_s          float  controller period, 0.05..60 s, default 1.0
+    actuator_timeout_s  float  the longest a tick waits for one actuator call (a cgroup write, a release);
+                           one that has not returned by then is that job's failure in the tick (three in
+                           a row open its breaker) and that actuator is not called again until it
+                           returns (``agent.controller.ActuatorLane``); 0.01..300 s, default 5.0
     loader_cpus     float|"auto"  CPU cores for all jobs' loaders together; "auto" (default):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
                            processes and the system (``auto_loader_cpus``), grown by the controller into
@@ -128,7 +132,8 @@ LOADER_MEMORY_RESERVE_MIN = 2 << 30
 SUBTREE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 # key -> (lowest, highest) accepted; every number an operator can set has both ends
 BOUNDS: dict[str, tuple[float, float]] = {
-    "tick_s": (0.05, 60.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096), "metrics_port": (0, 65535),
+    "tick_s": (0.05, 60.0), "actuator_timeout_s": (0.01, 300.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096),
+    "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
     "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
     "min_confidence": (0.0, 1.0),
@@ -156,6 +161,7 @@ class AgentConfig:
     state_dir: str = ""
     policy: str = "adaptive"
     tick_s: float = 1.0
+    actuator_timeout_s: float = 5.0
     loader_cpus: Union[float, str] = "auto"
     max_jobs: int = 0
     cgroup_mode: str = "auto"

@@ -275,3 +275,28 @@ def test_a_reload_that_fails_for_any_reason_logs_one_line_and_keeps_the_running_
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_the_actuator_timeout_is_configured_reloaded_and_a_rebuilt_controller_keeps_the_lanes(tmp_path):
+    """``actuator_timeout_s`` reaches the controller and a SIGHUP changes it; a controller that a reload
+    builds takes over the old one's actuator lanes, so it does not call an actuator that a call of its
+    predecessor still holds."""
+    from agent.daemon import Agent
+
+    path = tmp_path / "agent.toml"
+    path.write_text('policy = "even"\nactuator_timeout_s = 2.5\n')
+    cli = {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"), "cgroup_mode": "off"}
+    agent = Agent(configmod.load(str(path), cli, environ={}), config_path=str(path), cli=cli)
+    try:
+        first = agent.controller
+        assert first.actuator_timeout_s == 2.5 and len(first.lanes) == len(agent.actuators)
+        path.write_text('policy = "even"\nactuator_timeout_s = 0.5\n')
+        agent.reload()
+        assert agent.controller is first and first.actuator_timeout_s == 0.5
+        path.write_text('policy = "adaptive"\nactuator_timeout_s = 0.25\n')
+        agent.reload()
+        assert agent.controller is not first and agent.controller.actuator_timeout_s == 0.25
+        assert all(a is b for a, b in zip(agent.controller.lanes, first.lanes, strict=True))
+    finally:
+        agent.server.close()
+        agent.ctx.term()
