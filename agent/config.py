@@ -1,7 +1,9 @@
 """The agent's typed config: defaults <- TOML file <- environment <- command line (STYLE 10).
 
 ``load(path=None, cli={}, environ=None) -> AgentConfig``, validated once; every problem names the key
-and where it came from. Unknown keys in the file are errors that name them.
+and where it came from. Unknown keys in the file are errors that name them. The file is read within
+``CONFIG_READ_TIMEOUT_S`` (5 s; a hung network mount is a config error naming it, not a start or a
+SIGHUP reload that never returns: ``read_toml``).
 
 Keys (flat; TOML key == field name; environment ``ADLOADER_<KEY upper>``; flag ``--<key with dashes>``
 for the ones the command line offers):
@@ -117,6 +119,8 @@ import difflib
 import math
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -367,20 +371,77 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("unseen_job_timeout_s", "must be > 0 and at most 30 days")
 
 
-def read_toml(path: str) -> dict:
+CONFIG_READ_TIMEOUT_S = 5.0   # the longest a start, a reload or a command waits for the config file
+
+
+def _read_file(path: str, missing_ok: bool = False) -> Optional[bytes]:
+    """The config file's bytes (None: it does not exist, where ``missing_ok``). Runs on a reader thread
+    (``_read_bounded``): on a network mount that stopped answering any of these calls can block for ever."""
+    if missing_ok and not os.path.exists(path):
+        return None
+    # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
+    # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        kind = _file_kind(os.fstat(f.fileno()))
+        if kind:
+            raise ConfigError(f"config file {path} is not a regular file ({kind})")
+        return f.read()
+
+
+_reading: dict[str, float] = {}      # path -> when a read that outlived its wait began (it still runs)
+_reading_lock = threading.Lock()
+
+
+def _read_bounded(path: str, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[bytes]:
+    """``_read_file`` on a daemon thread, waited for at most ``timeout_s`` (``CONFIG_READ_TIMEOUT_S``): a
+    config file on a hung network mount was a start that never came up and a SIGHUP reload that held
+    the service loop for ever. A read that outlives its wait is a ``ConfigError`` naming the file, and
+    while it still runs no other read of that path is started (each one would be another thread stuck
+    for good): a later start or reload is refused at once, saying so."""
+    timeout_s = CONFIG_READ_TIMEOUT_S if timeout_s is None else timeout_s
+    with _reading_lock:
+        since = _reading.get(path)
+        if since is not None:
+            raise ConfigError(f"cannot read config file {path}: an earlier read of it has not returned after "
+                              f"{time.monotonic() - since:.0f} s (a hung file system?)")
+    out: dict[str, Any] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            out["data"] = _read_file(path, missing_ok)
+        except BaseException as e:   # noqa: BLE001 — handed to the caller
+            out["error"] = e
+        with _reading_lock:
+            done.set()
+            _reading.pop(path, None)
+
+    started = time.monotonic()
+    threading.Thread(target=read, name="adloader-config-read", daemon=True).start()
+    done.wait(timeout_s)
+    with _reading_lock:
+        if not done.is_set():
+            _reading[path] = started
+            raise ConfigError(f"cannot read config file {path}: no answer within {timeout_s:g} s "
+                              f"(a hung file system?)")
+    if "error" in out:
+        raise out["error"]
+    return out["data"]
+
+
+def read_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[dict]:
+    """The config file's keys (None: it does not exist, where ``missing_ok``), read within ``timeout_s``
+    (``_read_bounded``); every problem is a ``ConfigError`` naming the file."""
     try:
         import tomllib
     except ImportError:   # Python 3.10
         import tomli as tomllib
     try:
-        # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
-        # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            kind = _file_kind(os.fstat(f.fileno()))
-            if kind:
-                raise ConfigError(f"config file {path} is not a regular file ({kind})")
-            data = tomllib.load(f)
+        raw = _read_bounded(path, missing_ok, timeout_s)
+        if raw is None:
+            return None
+        data = tomllib.loads(raw.decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
@@ -425,9 +486,10 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
     values: dict[str, Any] = {"endpoint": env.default_endpoint(environ=environ),
                               "state_dir": env.default_state_dir(environ=environ)}
     sources: dict[str, str] = {}
-    file_path = path if path is not None else (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
-    if file_path is not None:
-        for k, v in read_toml(file_path).items():
+    file_path = path if path is not None else DEFAULT_CONFIG_PATH
+    doc = read_toml(file_path, missing_ok=path is None)   # (the default file's existence asked within the bound)
+    if doc is not None:
+        for k, v in doc.items():
             values[k] = _coerce(k, v, f"file {file_path}")
             sources[k] = f"file {file_path}"
     misspelt = env.misspelt_agent_names(KEYS, environ)
@@ -466,15 +528,14 @@ def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = Non
     ep = environ.get("ADLOADER_ENDPOINT", "").strip()
     if ep:
         return ep, ""
-    path = config_path or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
-    if path is None:
-        return env.endpoint(environ), ""
-    if not os.path.exists(path):
-        return env.endpoint(environ), f"no agent config at {path}: default endpoint"
+    path = config_path or DEFAULT_CONFIG_PATH
     try:
-        value = read_toml(path).get("endpoint")
+        doc = read_toml(path, missing_ok=True)    # (bounded in time, the existence check with it)
     except ConfigError as e:
         return env.endpoint(environ), f"{e}: default endpoint"
+    if doc is None:
+        return env.endpoint(environ), f"no agent config at {path}: default endpoint" if config_path else ""
+    value = doc.get("endpoint")
     if value is None:
         return env.endpoint(environ), ""
     why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)

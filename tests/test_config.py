@@ -271,3 +271,71 @@ def test_a_long_value_from_the_environment_or_in_the_clients_note_is_cut_too(tmp
     f.write_text(f'endpoint = "http://{LONG}"\n')
     ep, note = configmod.client_endpoint(None, str(f), environ={})
     assert ep.startswith("ipc://") and len(note) < 400 and "..." in note, note
+
+
+def _hung_reader(monkeypatch, timeout_s=0.1):
+    """The config module's file read replaced by one that blocks (a network mount that stopped answering)
+    until the returned event is set; ``calls`` counts the reads started."""
+    import threading
+
+    gate, calls = threading.Event(), []
+
+    def hung(path, missing_ok=False):
+        calls.append(path)
+        gate.wait(30.0)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(configmod, "_read_file", hung, raising=False)
+    monkeypatch.setattr(configmod, "CONFIG_READ_TIMEOUT_S", timeout_s, raising=False)
+    return gate, calls
+
+
+def _wait_until_read_returned(path, deadline_s=10.0):
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while path in getattr(configmod, "_reading", {}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path not in getattr(configmod, "_reading", {})
+
+
+def test_a_config_file_that_never_answers_is_a_config_error_within_the_timeout(tmp_path, monkeypatch):
+    """Before: a config file on a hung network mount blocked ``load`` (the agent never started) for
+    ever. Now the read is bounded: a ConfigError naming the file; while that read still hangs, a second
+    ``load`` is refused at once without starting another read; once it returned, reads go on."""
+    f = tmp_path / "agent.toml"
+    f.write_text('policy = "even"\n')
+    gate, calls = _hung_reader(monkeypatch)
+    try:
+        out = _in_a_thread(lambda: configmod.load(str(f), {}, environ={}), unblock=gate.set)
+        assert isinstance(out.get("error"), configmod.ConfigError), out
+        assert str(f) in str(out["error"]) and "no answer within 0.1 s" in str(out["error"])
+        out = _in_a_thread(lambda: configmod.load(str(f), {}, environ={}), unblock=gate.set)
+        assert isinstance(out.get("error"), configmod.ConfigError), out
+        assert str(f) in str(out["error"]) and "an earlier read of it has not returned" in str(out["error"])
+        ep, note = _in_a_thread(lambda: configmod.client_endpoint(None, str(f), environ={}),
+                                unblock=gate.set)["value"]
+        assert ep.startswith("ipc://") and str(f) in note and "default endpoint" in note
+        assert len(calls) == 1                                 # no thread more per attempt
+    finally:
+        gate.set()
+    _wait_until_read_returned(str(f))
+    monkeypatch.undo()
+    assert configmod.load(str(f), {}, environ={}).policy == "even"
+
+
+def test_the_agent_command_says_which_config_file_did_not_answer(tmp_path, monkeypatch, capsys):
+    """At start a hung config file is the command's config error (exit 2, one line naming the file)."""
+    from agent import cli
+
+    f = tmp_path / "agent.toml"
+    f.write_text("")
+    gate, _ = _hung_reader(monkeypatch)
+    try:
+        out = _in_a_thread(lambda: cli.main(["agent", "--config", str(f)]), unblock=gate.set)
+    finally:
+        gate.set()
+    _wait_until_read_returned(str(f))
+    assert out.get("value") == 2, out
+    err = capsys.readouterr().err
+    assert err.startswith("adloader agent: cannot read config file " + str(f)) and "no answer within" in err
