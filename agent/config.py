@@ -3,7 +3,8 @@
 ``load(path=None, cli={}, environ=None) -> AgentConfig``, validated once; every problem names the key
 and where it came from. Unknown keys in the file are errors that name them. The file is read within
 ``CONFIG_READ_TIMEOUT_S`` (5 s; a hung network mount is a config error naming it, not a start or a
-SIGHUP reload that never returns: ``read_toml``).
+SIGHUP reload that never returns: ``read_toml``). A number given as text (environment, command line) is
+ASCII digits without '_' (``_plain_number_text``).
 
 Keys (flat; TOML key == field name; environment ``ADLOADER_<KEY upper>``; flag ``--<key with dashes>``
 for the ones the command line offers):
@@ -248,6 +249,14 @@ def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgr
     return max(int(base * 0.1), base - max(int(base * LOADER_MEMORY_RESERVE), LOADER_MEMORY_RESERVE_MIN))
 
 
+def _plain_number_text(text: str) -> bool:
+    """Whether a number given as text (environment, command line) is written as an operator means one:
+    ASCII only and no '_'. Python's int() and float() also read '1_0' as 10 and digits of other scripts
+    ('١٠', '１０') as ASCII ones, so a typo or a pasted value became a number no one wrote (a TOML number
+    is parsed by TOML, which takes neither). Sizes (``parse_bytes``) take ASCII digits only already."""
+    return text.isascii() and "_" not in text
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     kind = _TYPES[key]
     where = f"config key {key!r} from {source}"
@@ -268,6 +277,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if kind in ("float", float):
         if isinstance(value, bool):
             raise ConfigError(f"{where} must be a number, got {shown(value)}")
+        if isinstance(value, str) and not _plain_number_text(value):
+            raise ConfigError(f"{where} must be a number in ASCII digits, without '_', got {shown(value)}")
         try:
             v = float(value)
         except (TypeError, ValueError, OverflowError):
@@ -278,6 +289,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if kind in ("int", int):
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ConfigError(f"{where} must be an integer, got {shown(value)}")
+        if isinstance(value, str) and not _plain_number_text(value):
+            raise ConfigError(f"{where} must be an integer in ASCII digits, without '_', got {shown(value)}")
         if isinstance(value, str) and len(value.strip().lstrip("+-")) > 20:
             raise ConfigError(f"{where} must be an integer of at most 20 digits, got {value[:40]!r}...")
         try:
