@@ -1,7 +1,10 @@
 """The agent's typed config: defaults <- TOML file <- environment <- command line (STYLE 10).
 
 ``load(path=None, cli={}, environ=None) -> AgentConfig``, validated once; every problem names the key
-and where it came from. Unknown keys in the file are errors that name them.
+and where it came from. Unknown keys in the file are errors that name them. The file is read within
+``CONFIG_READ_TIMEOUT_S`` (5 s; a hung network mount is a config error naming it, not a start or a
+SIGHUP reload that never returns: ``read_toml``). A number given as text (environment, command line) is
+ASCII digits without '_' (``_plain_number_text``).
 
 Keys (flat; TOML key == field name; environment ``ADLOADER_<KEY upper>``; flag ``--<key with dashes>``
 for the ones the command line offers):
@@ -11,6 +14,10 @@ for the ones the command line offers):
     state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"
     tick_s          float  controller period, 0.05..60 s, default 1.0
+    actuator_timeout_s  float  the longest a tick waits for one actuator call (a cgroup write, a release);
+                           one that has not returned by then is that job's failure in the tick (three in
+                           a row open its breaker) and that actuator is not called again until it
+                           returns (``agent.controller.ActuatorLane``); 0.01..300 s, default 5.0
     loader_cpus     float|"auto"  CPU cores for all jobs' loaders together; "auto" (default):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
                            processes and the system (``auto_loader_cpus``), grown by the controller into
@@ -113,6 +120,8 @@ import difflib
 import math
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -128,7 +137,8 @@ LOADER_MEMORY_RESERVE_MIN = 2 << 30
 SUBTREE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 # key -> (lowest, highest) accepted; every number an operator can set has both ends
 BOUNDS: dict[str, tuple[float, float]] = {
-    "tick_s": (0.05, 60.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096), "metrics_port": (0, 65535),
+    "tick_s": (0.05, 60.0), "actuator_timeout_s": (0.01, 300.0), "heartbeat_s": (0.1, 300.0), "max_jobs": (0, 4096),
+    "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
     "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
     "min_confidence": (0.0, 1.0),
@@ -156,6 +166,7 @@ class AgentConfig:
     state_dir: str = ""
     policy: str = "adaptive"
     tick_s: float = 1.0
+    actuator_timeout_s: float = 5.0
     loader_cpus: Union[float, str] = "auto"
     max_jobs: int = 0
     cgroup_mode: str = "auto"
@@ -238,6 +249,14 @@ def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgr
     return max(int(base * 0.1), base - max(int(base * LOADER_MEMORY_RESERVE), LOADER_MEMORY_RESERVE_MIN))
 
 
+def _plain_number_text(text: str) -> bool:
+    """Whether a number given as text (environment, command line) is written as an operator means one:
+    ASCII only and no '_'. Python's int() and float() also read '1_0' as 10 and digits of other scripts
+    ('١٠', '１０') as ASCII ones, so a typo or a pasted value became a number no one wrote (a TOML number
+    is parsed by TOML, which takes neither). Sizes (``parse_bytes``) take ASCII digits only already."""
+    return text.isascii() and "_" not in text
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     kind = _TYPES[key]
     where = f"config key {key!r} from {source}"
@@ -258,6 +277,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if kind in ("float", float):
         if isinstance(value, bool):
             raise ConfigError(f"{where} must be a number, got {shown(value)}")
+        if isinstance(value, str) and not _plain_number_text(value):
+            raise ConfigError(f"{where} must be a number in ASCII digits, without '_', got {shown(value)}")
         try:
             v = float(value)
         except (TypeError, ValueError, OverflowError):
@@ -268,6 +289,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if kind in ("int", int):
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ConfigError(f"{where} must be an integer, got {shown(value)}")
+        if isinstance(value, str) and not _plain_number_text(value):
+            raise ConfigError(f"{where} must be an integer in ASCII digits, without '_', got {shown(value)}")
         if isinstance(value, str) and len(value.strip().lstrip("+-")) > 20:
             raise ConfigError(f"{where} must be an integer of at most 20 digits, got {value[:40]!r}...")
         try:
@@ -361,20 +384,77 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("unseen_job_timeout_s", "must be > 0 and at most 30 days")
 
 
-def read_toml(path: str) -> dict:
+CONFIG_READ_TIMEOUT_S = 5.0   # the longest a start, a reload or a command waits for the config file
+
+
+def _read_file(path: str, missing_ok: bool = False) -> Optional[bytes]:
+    """The config file's bytes (None: it does not exist, where ``missing_ok``). Runs on a reader thread
+    (``_read_bounded``): on a network mount that stopped answering any of these calls can block for ever."""
+    if missing_ok and not os.path.exists(path):
+        return None
+    # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
+    # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        kind = _file_kind(os.fstat(f.fileno()))
+        if kind:
+            raise ConfigError(f"config file {path} is not a regular file ({kind})")
+        return f.read()
+
+
+_reading: dict[str, float] = {}      # path -> when a read that outlived its wait began (it still runs)
+_reading_lock = threading.Lock()
+
+
+def _read_bounded(path: str, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[bytes]:
+    """``_read_file`` on a daemon thread, waited for at most ``timeout_s`` (``CONFIG_READ_TIMEOUT_S``): a
+    config file on a hung network mount was a start that never came up and a SIGHUP reload that held
+    the service loop for ever. A read that outlives its wait is a ``ConfigError`` naming the file, and
+    while it still runs no other read of that path is started (each one would be another thread stuck
+    for good): a later start or reload is refused at once, saying so."""
+    timeout_s = CONFIG_READ_TIMEOUT_S if timeout_s is None else timeout_s
+    with _reading_lock:
+        since = _reading.get(path)
+        if since is not None:
+            raise ConfigError(f"cannot read config file {path}: an earlier read of it has not returned after "
+                              f"{time.monotonic() - since:.0f} s (a hung file system?)")
+    out: dict[str, Any] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            out["data"] = _read_file(path, missing_ok)
+        except BaseException as e:   # noqa: BLE001 — handed to the caller
+            out["error"] = e
+        with _reading_lock:
+            done.set()
+            _reading.pop(path, None)
+
+    started = time.monotonic()
+    threading.Thread(target=read, name="adloader-config-read", daemon=True).start()
+    done.wait(timeout_s)
+    with _reading_lock:
+        if not done.is_set():
+            _reading[path] = started
+            raise ConfigError(f"cannot read config file {path}: no answer within {timeout_s:g} s "
+                              f"(a hung file system?)")
+    if "error" in out:
+        raise out["error"]
+    return out["data"]
+
+
+def read_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[dict]:
+    """The config file's keys (None: it does not exist, where ``missing_ok``), read within ``timeout_s``
+    (``_read_bounded``); every problem is a ``ConfigError`` naming the file."""
     try:
         import tomllib
     except ImportError:   # Python 3.10
         import tomli as tomllib
     try:
-        # O_NONBLOCK: open() of a FIFO would wait for a writer (for ever: the agent never starts, a SIGHUP
-        # reload never returns); it returns at once, and fstat refuses it. (A regular file ignores the flag.)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            kind = _file_kind(os.fstat(f.fileno()))
-            if kind:
-                raise ConfigError(f"config file {path} is not a regular file ({kind})")
-            data = tomllib.load(f)
+        raw = _read_bounded(path, missing_ok, timeout_s)
+        if raw is None:
+            return None
+        data = tomllib.loads(raw.decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
@@ -419,9 +499,10 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
     values: dict[str, Any] = {"endpoint": env.default_endpoint(environ=environ),
                               "state_dir": env.default_state_dir(environ=environ)}
     sources: dict[str, str] = {}
-    file_path = path if path is not None else (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
-    if file_path is not None:
-        for k, v in read_toml(file_path).items():
+    file_path = path if path is not None else DEFAULT_CONFIG_PATH
+    doc = read_toml(file_path, missing_ok=path is None)   # (the default file's existence asked within the bound)
+    if doc is not None:
+        for k, v in doc.items():
             values[k] = _coerce(k, v, f"file {file_path}")
             sources[k] = f"file {file_path}"
     misspelt = env.misspelt_agent_names(KEYS, environ)
@@ -460,15 +541,14 @@ def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = Non
     ep = environ.get("ADLOADER_ENDPOINT", "").strip()
     if ep:
         return ep, ""
-    path = config_path or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
-    if path is None:
-        return env.endpoint(environ), ""
-    if not os.path.exists(path):
-        return env.endpoint(environ), f"no agent config at {path}: default endpoint"
+    path = config_path or DEFAULT_CONFIG_PATH
     try:
-        value = read_toml(path).get("endpoint")
+        doc = read_toml(path, missing_ok=True)    # (bounded in time, the existence check with it)
     except ConfigError as e:
         return env.endpoint(environ), f"{e}: default endpoint"
+    if doc is None:
+        return env.endpoint(environ), f"no agent config at {path}: default endpoint" if config_path else ""
+    value = doc.get("endpoint")
     if value is None:
         return env.endpoint(environ), ""
     why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)

@@ -42,12 +42,22 @@ Invariants (what the tests hold it to):
   jobs' allocations, to every actuator that has ``apply_node``, when it differs from what that
   actuator last applied; a failure is a tick error and is retried at the next tick. What is in force
   everywhere is ``NodeSnapshot.applied_node``.
+- An actuator call never holds the tick for longer than ``actuator_timeout_s`` (config key, default 5 s):
+  each actuator that may block (all but those with ``may_block = False``, the directive actuator) is
+  called on a worker thread of its own (``ActuatorLane``) and waited for that long. A call that has not
+  returned by then is that job's failure in this tick (counted by its breaker; a hung ``release`` is
+  retried like a raising one, a hung ``apply_node`` is a tick error), and the lane is busy until the call
+  returns: no other call is made to that actuator (for any job) in the meantime, each is a failure
+  that says what is still running, so a hung actuator holds one thread, never one more per tick, and
+  is never called from two threads at once. A call that returns late is dropped: what it applied is
+  not recorded as in force, so the next tick applies the difference again.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -69,6 +79,102 @@ MIN_OBSERVE_S = 0.9        # the shortest window fed to it (about one client rep
 UNSETTLED_FALLBACK_S = 15.0   # no settled window for this long: the smoothed figures are the window
 OBSERVED_CORES = ("share", "received")
 DRAINING_FACTOR, DRAINING_SLACK_CORES = 2.0, 0.1   # a window that delivered more than this was draining a queue
+ACTUATOR_TIMEOUT_S = 5.0   # default: the longest the tick waits for one actuator call
+LANE_IDLE_S = 10.0         # an actuator lane's worker thread exits after this long without a call
+
+
+class ActuatorLane:
+    """One actuator's calls, made on a worker thread of the lane's own, one at a time, each waited for at
+    most ``timeout_s`` (see the module docstring).
+
+    ``call(fn, *args, timeout_s=...)`` returns ``(True, result)`` or raises what ``fn`` raised, or, where
+    the call did not return in time or an earlier one is still running, returns ``(False, why)`` and
+    leaves the lane busy until that call returns. The worker thread is started on the first call and
+    exits after ``LANE_IDLE_S`` without one (a controller's lanes hold no thread while nothing is
+    applied); a hung call holds it, and only it. A lane outlives a controller: the agent hands its lanes
+    to the controller a reload builds, so the new one does not call an actuator its predecessor's hung
+    call still holds.
+    """
+
+    def __init__(self, name: str = "actuator") -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._queued: list = []                # at most one: the call the caller is waiting for
+        self._busy: Optional[_Call] = None     # the call that outlived its wait, until it returns
+        self._worker = False                   # whether a worker thread is alive
+
+    def busy(self) -> Optional[str]:
+        """What the lane's hung call is and how long it has run, or None when the lane is free."""
+        with self._cond:
+            b = self._busy
+            return None if b is None else f"{b.what} still running after {time.monotonic() - b.started:.1f} s"
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for a hung call to return; whether the lane is free."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while self._busy is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def call(self, fn: Callable, *args, timeout_s: float, what: str = "call"):
+        with self._cond:
+            if self._busy is not None:
+                return False, (f"not called: {self._busy.what} still running after "
+                               f"{time.monotonic() - self._busy.started:.1f} s")
+            c = _Call(fn, args, what)
+            self._queued.append(c)
+            if self._worker:
+                self._cond.notify_all()
+            else:
+                self._worker = True
+                threading.Thread(target=self._run, name=f"adloader-actuator-{self.name}", daemon=True).start()
+        c.done.wait(max(0.0, timeout_s))
+        with self._cond:
+            if not c.done.is_set():           # (under the lock: the worker cannot finish it unseen)
+                if c in self._queued:          # never started (no worker got to it): nothing is running
+                    self._queued.remove(c)
+                    return False, f"{what} not started within {timeout_s:g} s"
+                self._busy = c
+                return False, f"{what} timed out after {timeout_s:g} s (not called again until it returns)"
+        if c.error is not None:
+            raise c.error
+        return True, c.result
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued:
+                    if not self._cond.wait(LANE_IDLE_S) and not self._queued:
+                        self._worker = False
+                        return
+                c = self._queued.pop(0)
+            try:
+                c.result = c.fn(*c.args)
+            except BaseException as e:   # noqa: BLE001 — handed to the caller, who records it
+                c.error = e
+            with self._cond:
+                c.done.set()
+                if self._busy is c:
+                    self._busy = None
+                    logs.event(log, "actuator_returned_late", logging.WARNING, actuator=self.name, call=c.what,
+                               after_s=round(time.monotonic() - c.started, 3),
+                               detail="its result is dropped; the next tick applies the difference again")
+                self._cond.notify_all()
+
+
+class _Call:
+    __slots__ = ("fn", "args", "what", "started", "done", "result", "error")
+
+    def __init__(self, fn: Callable, args: tuple, what: str) -> None:
+        self.fn, self.args, self.what = fn, args, what
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.result = None
+        self.error: Optional[BaseException] = None
 
 
 class PredictorLike(Protocol):
@@ -250,7 +356,11 @@ class Controller:
                  policy_config: PolicyConfig, predictor: PredictorLike, actuators: Sequence,
                  on_record: Optional[Callable[[TickRecord], None]] = None,
                  breaker_retry_s: float = 30.0, work_conserving: Optional[bool] = None,
-                 observe_interval_s: float = OBSERVE_INTERVAL_S, observed_cores: str = "share") -> None:
+                 observe_interval_s: float = OBSERVE_INTERVAL_S, observed_cores: str = "share",
+                 actuator_timeout_s: float = ACTUATOR_TIMEOUT_S,
+                 lanes: Optional[Sequence[ActuatorLane]] = None) -> None:
+        """``lanes``: one ``ActuatorLane`` per actuator, in order (the agent keeps its lanes across the
+        controllers a reload builds); by default the controller makes its own."""
         """``work_conserving``: whether an applied ``cpus`` is a share (True) or a cap (False), for
         ``observation_from_stats``; None: a cap when some actuator's ``cpu_knob`` is quota or cpuset.
         ``observed_cores``: what a contended window's cores are (``observation_from_stats``)."""
@@ -262,6 +372,12 @@ class Controller:
         self._config = policy_config
         self._predictor = predictor
         self._actuators = list(actuators)
+        self.actuator_timeout_s = float(actuator_timeout_s)
+        if lanes is None:
+            lanes = [ActuatorLane(str(getattr(a, "name", i))) for i, a in enumerate(self._actuators)]
+        if len(lanes) != len(self._actuators):
+            raise ValueError(f"{len(lanes)} actuator lanes for {len(self._actuators)} actuators")
+        self.lanes = list(lanes)
         self._on_record = on_record
         self._breaker_retry_s = breaker_retry_s
         self._observe_interval_s = max(0.0, float(observe_interval_s))
@@ -313,9 +429,18 @@ class Controller:
 
     def stop(self) -> None:
         """Restore every original value the actuators changed. Never raises."""
-        for act in self._actuators:
+        for i, act in enumerate(self._actuators):
+            # a hung call is given one more timeout to return; restoring beside it would be two threads in
+            # one actuator, so while it still runs the restore is not made (its journal of originals, where
+            # it keeps one, lets the next start restore what this one changed)
+            if not self.lanes[i].wait_idle(self.actuator_timeout_s):
+                logs.event(log, "restore_skipped", logging.ERROR, actuator=getattr(act, "name", i),
+                           why=self.lanes[i].busy())
+                continue
             try:
-                act.restore()
+                done, why = self._call(i, act.restore, what="restore")
+                if not done:
+                    logs.event(log, "restore_failed", logging.ERROR, actuator=getattr(act, "name", i), error=why)
             except Exception:   # noqa: BLE001 — stop must finish for every actuator
                 pass
         self._applied.clear()
@@ -396,6 +521,14 @@ class Controller:
         return record
 
     # -- internals --------------------------------------------------------------------------
+    def _call(self, i: int, fn: Callable, *args, what: str):
+        """``fn(*args)`` for actuator ``i``: ``(True, result)``, what it raised, or ``(False, why)`` where it
+        did not return within ``actuator_timeout_s`` or the actuator's lane is busy (``ActuatorLane``).
+        An actuator with ``may_block = False`` is called here, on the tick's thread."""
+        if getattr(self._actuators[i], "may_block", True) is False:
+            return True, fn(*args)
+        return self.lanes[i].call(fn, *args, timeout_s=self.actuator_timeout_s, what=what)
+
     CPUS_LOG_S = 120.0      # how far back a job's applied cores are kept (windows are seconds long)
 
     def _log_cpus(self, job_id: str, now: float, cpus: float) -> None:
@@ -501,7 +634,10 @@ class Controller:
             if fn is None or self._node_by.get(i) == node:
                 continue
             try:
-                notes.extend(fn(node) or ())
+                done, out = self._call(i, fn, node, what="apply_node")
+                if not done:
+                    raise TimeoutError(out)
+                notes.extend(out or ())
                 self._node_by[i] = node
             except Exception as e:   # noqa: BLE001 — one actuator's failure never stops the tick
                 errors.append(f"node {getattr(act, 'name', i)}: {type(e).__name__}: {e}")
@@ -511,7 +647,9 @@ class Controller:
         errors = []
         for i, act in enumerate(self._actuators):
             try:
-                act.release(job_id)
+                done, why = self._call(i, act.release, job_id, what=f"release of job {job_id!r}")
+                if not done:
+                    errors.append(f"{getattr(act, 'name', i)}: {why}")
             except Exception as e:   # noqa: BLE001
                 errors.append(f"{getattr(act, 'name', i)}: {e}")
             self._applied_by[i].pop(job_id, None)
@@ -571,8 +709,10 @@ class Controller:
                 errs.append(f"breaker open: {br.failures} failures in a row; last: {br.last_error}")
                 continue
             try:
-                r = act.apply(job, desired)
-                if not isinstance(r, ApplyResult):   # (None from an apply that forgot its result)
+                done, r = self._call(i, act.apply, job, desired, what=f"apply for job {job.job!r}")
+                if not done:
+                    r = ApplyResult(job=job.job, ok=False, applied=None, error=r)
+                elif not isinstance(r, ApplyResult):   # (None from an apply that forgot its result)
                     raise TypeError(f"apply returned {type(r).__name__}, not an ApplyResult")
             except Exception as e:   # noqa: BLE001 — the protocol says never raise; hold it to that
                 r = ApplyResult(job=job.job, ok=False, applied=None, error=f"{type(e).__name__}: {e}")

@@ -23,7 +23,7 @@ actuators changed, the socket file is removed, the journal is kept for the next 
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
 fairness_floor, floor_fraction, floor_reference, floor_allotment, delivery_correction, observed_cores, cpu_bound_min_workers,
 finish_guard, log_level,
-unseen_job_timeout_s
+unseen_job_timeout_s, actuator_timeout_s
 take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
@@ -68,6 +68,7 @@ POLICY_KEYS = ("policy", "hysteresis", "min_confidence", "fairness_floor", "floo
                "floor_allotment", "delivery_correction",
                "observed_cores", "cpu_bound_min_workers", "finish_guard")
 RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "log_level", "unseen_job_timeout_s",
+                            "actuator_timeout_s",
                             "loader_memory", "memory_pressure_psi", "memory_min_available")
 
 
@@ -230,7 +231,11 @@ class Agent:
         c = Controller(snapshot_source=self.collector.snapshot,
                        policy=self.policy if self.policy is not None else get_policy(self.config.policy),
                        policy_config=pconf, predictor=self.predictor,
-                       actuators=self.actuators, observed_cores=self.config.observed_cores)
+                       actuators=self.actuators, observed_cores=self.config.observed_cores,
+                       actuator_timeout_s=self.config.actuator_timeout_s,
+                       # (a rebuilt controller takes over the lanes: a call its predecessor left hung
+                       # still holds its actuator)
+                       lanes=getattr(getattr(self, "controller", None), "lanes", None))
         if applied:
             c.adopt(applied)
         return c
@@ -342,6 +347,8 @@ class Agent:
             self.collector.loader_cpus_auto = self.config.loader_cpus == "auto"
         if "max_jobs" in live:
             self.collector.max_jobs = new.max_jobs
+        if "actuator_timeout_s" in live and controller is None:
+            self.controller.actuator_timeout_s = new.actuator_timeout_s
         if guard is not None:
             self.collector.memory_guard = guard
         if controller is not None:

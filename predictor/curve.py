@@ -87,7 +87,12 @@ class ThroughputCurve:
         p, tol = self.sharpness, KNEE_TOLERANCE
         if p <= 0:
             return 1.0 - tol
-        return 1.0 / ((1.0 - tol) ** (-p) - 1.0) ** (1.0 / p)
+        y = -p * math.log1p(-tol)           # log((1 - tol)^-p)
+        if y < 700.0:
+            return 1.0 / ((1.0 - tol) ** (-p) - 1.0) ** (1.0 / p)
+        # (1 - tol)^-p is past a float from p of about 23,000: 1 / (e^y - 1)^(1/p) in log space, which
+        # tends to 1 - tol, the hard minimum's factor, as p grows
+        return math.exp(-(y + math.log(-math.expm1(-y))) / p)
 
     def throughput(self, workers: float, cores: float) -> float:
         """Predicted samples/s with ``workers`` loader workers on ``cores`` CPU cores."""

@@ -43,6 +43,10 @@ LOADER_BOUND_WAIT = 0.05    # ... and the training loop waited at least this fra
 SPARE_UTIL = 0.6            # workers busy under this fraction, cores' budget under it: the loader had room
 SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
+LOG_K_MIN, LOG_K_MAX = math.log(K_MIN), math.log(K_MAX)
+MIN_SHARPNESS = 1.0         # a soft minimum's p is 0 (hard) or at least this (see Prior)
+MAX_STRENGTH = 1e6          # the prior's weight, in configurations: more is "the prior alone"
+MAX_OVERHEAD_FRAC = 1e3     # m = this x c at most when no window measured m
 TERMS_AMBIGUOUS = 0.05      # a window whose two loader terms are this close votes on both corrections
 CORE_BINDS = 0.8            # a corpus point informs theta_c where c / cores >= this * the other terms
 
@@ -118,6 +122,35 @@ class Prior:
     fitted_on: tuple = ()             # job names of the corpus it was fitted on
     fit_error: float | None = None    # in-sample mean absolute percentage error of throughput
 
+    def __post_init__(self) -> None:
+        """A prior is validated where it is made (by hand, by ``fit_prior``): every figure finite, and
+        ``sharpness`` 0 (hard minimum) or at least ``MIN_SHARPNESS`` (1: with p < 1 the soft minimum says
+        a batch takes longer than its three limits one after another), of any size above (the powers are
+        taken scaled: ``_common_k``, ``_rest``, ``overhead_cap``); theta_w, theta_c >= 0;
+        0 <= strength <= MAX_STRENGTH; 0 <= overhead_frac_of_c <= MAX_OVERHEAD_FRAC. Anything else is a
+        ValueError naming the field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"prior field {name!r} {why}, got {getattr(self, name)!r}")
+
+        for name in ("sharpness", "theta_w", "theta_c", "strength", "overhead_frac_of_c"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        if not (self.sharpness == 0 or self.sharpness >= MIN_SHARPNESS):
+            bad("sharpness", f"must be 0 (hard minimum) or at least {MIN_SHARPNESS:g}")
+        for name in ("theta_w", "theta_c"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if not 0 <= self.strength <= MAX_STRENGTH:
+            bad("strength", f"must be between 0 and {MAX_STRENGTH:g}")
+        if not 0 <= self.overhead_frac_of_c <= MAX_OVERHEAD_FRAC:
+            bad("overhead_frac_of_c", f"must be between 0 and {MAX_OVERHEAD_FRAC:g}")
+        coef = self.log_kc_coef
+        if coef and (len(coef) != len(FEATURES) or not all(
+                not isinstance(a, bool) and isinstance(a, (int, float)) and math.isfinite(a) for a in coef)):
+            bad("log_kc_coef", f"must be empty or {len(FEATURES)} finite numbers (one per feature: "
+                               f"{', '.join(FEATURES)})")
+
     def overhead(self, c: float, windows: Sequence[Observation]) -> float:
         m = measured_overhead(windows)
         return m if m is not None else self.overhead_frac_of_c * c
@@ -142,7 +175,6 @@ class Prior:
         lam = self.strength
         per_w: dict[tuple, list[float]] = {}   # configuration -> log corrections of its windows
         per_c: dict[tuple, list[float]] = {}
-        base = (g + m) ** p if p > 0 else 0.0
         for o in windows:
             if not prefiltered and (o.workers < 1 or not loader_bound(o)):
                 continue
@@ -154,7 +186,7 @@ class Prior:
                 # both loader terms bind within a few percent: the window cannot say which one its
                 # shortfall belongs to, so it scales both (one factor), and the curve keeps first
                 # principles' ratio between them (no gain promised along either axis alone)
-                k = _common_k(t, p, base, tw, tc, g + m)
+                k = _common_k(t, p, tw, tc, g + m)
                 if k > 0:
                     per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, kw0 * k))))
                     per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, kc0 * k))))
@@ -162,11 +194,11 @@ class Prior:
             # (also attributing windows with a long run-queue delay to the cores, as DESIGN.md's "needs
             # cores" reading suggests, measured worse on the corpus: +4 points MAPE after a 2nd window)
             if tc >= tw and xc > 0:                  # cores bind: solve for core_correction
-                rest = _rest(t, p, base, tw ** p if p > 0 else tw, g + m)
+                rest = _rest(t, p, tw, g + m)
                 if rest > 0:
                     per_c.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xc / rest))))
             elif xw > 0:                              # workers bind: solve for correction
-                rest = _rest(t, p, base, tc ** p if p > 0 else tc, g + m)
+                rest = _rest(t, p, tc, g + m)
                 if rest > 0:
                     per_w.setdefault(key, []).append(math.log(min(K_MAX, max(K_MIN, xw / rest))))
         # one vote per configuration (the mean of its windows): repeating a configuration refines its
@@ -182,7 +214,7 @@ class Prior:
         if self.log_kc_coef:
             feats = features if features is not None else job_features(windows)
             z = sum(a * x for a, x in zip(self.log_kc_coef, feats))
-            return min(K_MAX, max(K_MIN, math.exp(z)))
+            return _k_of_log(z)
         return _theta_to_k(self.theta_c, self.sharpness)
 
     def correct(self, g: float, c: float, b: float, windows: Sequence[Observation]) -> dict:
@@ -240,29 +272,53 @@ class Prior:
 FIRST_PRINCIPLES = Prior(sharpness=0.0, strength=0.0)   # hard minimum, corrections from own windows only
 
 
+def _k_of_log(z: float) -> float:
+    """exp(z) within [K_MIN, K_MAX], the bounds on corrections: z is clamped before the exp (a learned
+    coefficient large enough made exp(z) raise OverflowError), and the same float as
+    min(K_MAX, max(K_MIN, exp(z))) wherever that was computable."""
+    return min(K_MAX, max(K_MIN, math.exp(min(z, LOG_K_MAX + 1.0))))
+
+
 def _theta_to_k(theta: float, p: float) -> float:
+    """theta^(-1/p) within [K_MIN, K_MAX] (a theta of 1e-300 with p = 1 raised OverflowError: decided
+    in log space first)."""
     if theta == 1.0 or p <= 0:
         return 1.0
-    return theta ** (-1.0 / p) if theta > 0 else K_MAX
+    if theta <= 0:
+        return K_MAX
+    z = -math.log(theta) / p
+    return K_MAX if z >= LOG_K_MAX else K_MIN if z <= LOG_K_MIN else theta ** (-1.0 / p)
 
 
-def _common_k(t: float, p: float, base: float, tw: float, tc: float, gm: float) -> float:
+# The soft minimum's powers (t^p with p the sharpness) leave a float's range for a sharp prior: (1e6 s)^60
+# is past it, and so is 2^p from p = 1024. Every power of a sum below is taken relative to its largest
+# term, whose ratio to it is at most 1, so none can overflow whatever the (finite) sharpness.
+
+def _common_k(t: float, p: float, tw: float, tc: float, gm: float) -> float:
     """The one factor k that, dividing both loader time terms tw and tc, explains a window's step t
-    (0: nothing left for them to explain). Soft minimum: t^p = (g + m)^p + (tw^p + tc^p) / k^p;
+    (0: nothing left for them to explain). Soft minimum: t^p = (g + m)^p + (tw^p + tc^p) / k^p, i.e.
+    k = (max(tw, tc) / t) x ((tw/hi)^p + (tc/hi)^p)^(1/p) / (1 - (gm/t)^p)^(1/p);
     hard minimum: max(tw, tc) / k = t, provided the step's compute g + m does not already explain t."""
     if p > 0:
-        r = t ** p - base
-        return ((tw ** p + tc ** p) / r) ** (1.0 / p) if r > 0 else 0.0
+        hi = max(tw, tc)
+        if not t > gm or hi <= 0:
+            return 0.0
+        terms = (tw / hi) ** p + (tc / hi) ** p          # in [1, 2]
+        left = 1.0 - (gm / t) ** p                        # in (0, 1]
+        return (hi / t) * (terms / left) ** (1.0 / p) if left > 0 else 0.0
     return max(tw, tc) / t if t > gm * (1 + 1e-9) else 0.0
 
 
-def _rest(t: float, p: float, base: float, other: float, gm: float) -> float:
+def _rest(t: float, p: float, other: float, gm: float) -> float:
     """The part of a window's step t the binding loader term must explain (0: nothing left).
-    Soft minimum (p > 0): (t^p - (g + m)^p - other^p)^(1/p); hard minimum: t itself, provided
-    neither the step's compute nor the other loader term already explains it."""
+    Soft minimum (p > 0): (t^p - (g + m)^p - other^p)^(1/p), taken as t (1 - (gm/t)^p - (other/t)^p)^(1/p);
+    hard minimum: t itself, provided neither the step's compute nor the other loader term already
+    explains it."""
     if p > 0:
-        r = t ** p - base - other
-        return r ** (1.0 / p) if r > 0 else 0.0
+        if not (t > gm and t > other):
+            return 0.0
+        r = 1.0 - (gm / t) ** p - (other / t) ** p
+        return t * r ** (1.0 / p) if r > 0 else 0.0
     return t if t > gm * (1 + 1e-9) and t > other * (1 + 1e-9) else 0.0
 
 
@@ -317,8 +373,9 @@ def overhead_cap(g: float, c: float, b: float, sharpness: float, windows: Sequen
             lt = max((c + b) / o.workers, c / o.cores)
             if lt >= t * (1.0 - 1e-6):             # (the relative slack absorbs rounding in step_s)
                 room = 0.0
-            elif sharpness > 0:
-                room = min(room, max(0.0, (t ** sharpness - lt ** sharpness) ** (1.0 / sharpness) - o.compute_s_per_step))
+            elif sharpness > 0:       # (T^p - L^p)^(1/p) taken as T (1 - (L/T)^p)^(1/p): no power past a float
+                room = min(room, max(0.0, t * (1.0 - (lt / t) ** sharpness) ** (1.0 / sharpness)
+                                     - o.compute_s_per_step))
             else:
                 room = min(room, max(0.0, t - o.compute_s_per_step))
         cap = min(cap, room)
@@ -487,7 +544,7 @@ def _score(sharp: float, coef: tuple, meta: list, starts: list, knees: dict) -> 
     from predictor.curve import ThroughputCurve
 
     def kc_of(feats):
-        return min(K_MAX, max(K_MIN, math.exp(sum(a * x for a, x in zip(coef, feats))))) if coef else 1.0
+        return _k_of_log(sum(a * x for a, x in zip(coef, feats))) if coef else 1.0
 
     errs = []
     for (gm, c, b, w, C, bs, meas, feats) in meta:

@@ -271,3 +271,120 @@ def test_a_long_value_from_the_environment_or_in_the_clients_note_is_cut_too(tmp
     f.write_text(f'endpoint = "http://{LONG}"\n')
     ep, note = configmod.client_endpoint(None, str(f), environ={})
     assert ep.startswith("ipc://") and len(note) < 400 and "..." in note, note
+
+
+def _hung_reader(monkeypatch, timeout_s=0.1):
+    """The config module's file read replaced by one that blocks (a network mount that stopped answering)
+    until the returned event is set; ``calls`` counts the reads started."""
+    import threading
+
+    gate, calls = threading.Event(), []
+
+    def hung(path, missing_ok=False):
+        calls.append(path)
+        gate.wait(30.0)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(configmod, "_read_file", hung, raising=False)
+    monkeypatch.setattr(configmod, "CONFIG_READ_TIMEOUT_S", timeout_s, raising=False)
+    return gate, calls
+
+
+def _wait_until_read_returned(path, deadline_s=10.0):
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while path in getattr(configmod, "_reading", {}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path not in getattr(configmod, "_reading", {})
+
+
+def test_a_config_file_that_never_answers_is_a_config_error_within_the_timeout(tmp_path, monkeypatch):
+    """Before: a config file on a hung network mount blocked ``load`` (the agent never started) for
+    ever. Now the read is bounded: a ConfigError naming the file; while that read still hangs, a second
+    ``load`` is refused at once without starting another read; once it returned, reads go on."""
+    f = tmp_path / "agent.toml"
+    f.write_text('policy = "even"\n')
+    gate, calls = _hung_reader(monkeypatch)
+    try:
+        out = _in_a_thread(lambda: configmod.load(str(f), {}, environ={}), unblock=gate.set)
+        assert isinstance(out.get("error"), configmod.ConfigError), out
+        assert str(f) in str(out["error"]) and "no answer within 0.1 s" in str(out["error"])
+        out = _in_a_thread(lambda: configmod.load(str(f), {}, environ={}), unblock=gate.set)
+        assert isinstance(out.get("error"), configmod.ConfigError), out
+        assert str(f) in str(out["error"]) and "an earlier read of it has not returned" in str(out["error"])
+        ep, note = _in_a_thread(lambda: configmod.client_endpoint(None, str(f), environ={}),
+                                unblock=gate.set)["value"]
+        assert ep.startswith("ipc://") and str(f) in note and "default endpoint" in note
+        assert len(calls) == 1                                 # no thread more per attempt
+    finally:
+        gate.set()
+    _wait_until_read_returned(str(f))
+    monkeypatch.undo()
+    assert configmod.load(str(f), {}, environ={}).policy == "even"
+
+
+def test_the_agent_command_says_which_config_file_did_not_answer(tmp_path, monkeypatch, capsys):
+    """At start a hung config file is the command's config error (exit 2, one line naming the file)."""
+    from agent import cli
+
+    f = tmp_path / "agent.toml"
+    f.write_text("")
+    gate, _ = _hung_reader(monkeypatch)
+    try:
+        out = _in_a_thread(lambda: cli.main(["agent", "--config", str(f)]), unblock=gate.set)
+    finally:
+        gate.set()
+    _wait_until_read_returned(str(f))
+    assert out.get("value") == 2, out
+    err = capsys.readouterr().err
+    assert err.startswith("adloader agent: cannot read config file " + str(f)) and "no answer within" in err
+
+
+NOT_PLAIN_NUMBERS = [("tick_s", "1_0"), ("tick_s", "\u0661\u0660"), ("tick_s", "\uff11.5"), ("max_jobs", "1_0"),
+                     ("max_jobs", "\u0661\u0660"), ("metrics_port", "\u0669\u0660\u0669\u0660"),
+                     ("loader_cpus", "\u0662"), ("loader_cpus", "1_0"), ("hysteresis", "0.0_5"),
+                     ("uid_cpu_share", "\u0660.\u0661")]
+
+
+@pytest.mark.parametrize("key,text", NOT_PLAIN_NUMBERS)
+def test_a_number_from_the_environment_or_the_command_line_is_ascii_digits_without_underscores(key, text):
+    """Before: Python's float() and int() read '1_0' as 10 and Arabic-Indic or full-width digits ('١٠',
+    '１') as ASCII ones, so ADLOADER_TICK_S=1_0 ran a 10 s tick. Now it is a config error naming the key,
+    where the value came from and the value, from the environment and from the command line alike."""
+    env_name = "ADLOADER_" + key.upper()
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(None, {}, environ={env_name: text})
+    assert f"config key {key!r} from environment {env_name}" in str(e.value) and repr(text) in str(e.value)
+    assert "ASCII digits" in str(e.value)
+    with pytest.raises(configmod.ConfigError) as e:
+        configmod.load(None, {key: text}, environ={})
+    assert f"config key {key!r} from the command line" in str(e.value) and repr(text) in str(e.value)
+
+
+def test_plain_numbers_in_text_are_still_read():
+    cfg = configmod.load(None, {"max_jobs": " 12 "}, environ={"ADLOADER_TICK_S": "0.5", "ADLOADER_HYSTERESIS": "5e-2",
+                                                           "ADLOADER_LOADER_CPUS": "+3", "ADLOADER_METRICS_PORT": "0"})
+    assert (cfg.tick_s, cfg.hysteresis, cfg.loader_cpus, cfg.max_jobs, cfg.metrics_port) == (0.5, 0.05, 3.0, 12, 0)
+
+
+@pytest.mark.parametrize("text", ["1_0GiB", "\u0661\u0660GiB", "\uff16MiB", "1_073_741_824"])
+def test_a_size_from_the_environment_is_ascii_digits_without_underscores(text):
+    """(``parse_bytes`` already took ASCII digits only; held here for both size keys.)"""
+    for key in ("loader_memory", "memory_min_available"):
+        with pytest.raises(configmod.ConfigError, match=f"config key {key!r} from environment"):
+            configmod.load(None, {}, environ={"ADLOADER_" + key.upper(): text})
+
+
+@pytest.mark.parametrize("flag,text", [("--tick-s", "1_0"), ("--max-jobs", "\u0661\u0660"),
+                                       ("--metrics-port", "\u0669\u0660\u0669\u0660"), ("--loader-cpus", "1_0")])
+def test_the_agent_commands_number_flags_refuse_underscores_and_non_ascii_digits(flag, text, capsys):
+    """Before: argparse's type=float / type=int converted '1_0' and '١٠' before the config saw them. Now
+    the flags hand the text to the config, whose error names the key. (The endpoint is invalid too, so
+    that the old code, which accepted the number, stops at it instead of starting an agent.)"""
+    from agent import cli
+
+    assert cli.main(["agent", "--endpoint", "bogus", flag, text]) == 2
+    err = capsys.readouterr().err
+    key = flag[2:].replace("-", "_")
+    assert f"config key {key!r} from the command line" in err and repr(text) in err, err

@@ -205,6 +205,105 @@ def test_a_failing_actuator_opens_its_own_breaker_and_the_jobs_other_actuators_g
     assert rec.results["a"].ok and "a" not in rec.breakers
 
 
+class HungActuator:
+    """An actuator whose calls for ``hung_job`` (every call, with ``hung_job=None``) block until ``gate``."""
+    name = "cgroup"
+    tracks_pids = True
+
+    def __init__(self, hung_job="a"):
+        import threading
+
+        self.gate, self.hung_job = threading.Event(), hung_job
+        self.applied, self.released, self.restored = [], [], 0
+
+    def _block(self, job_id):
+        if self.hung_job is None or job_id == self.hung_job:
+            assert self.gate.wait(30.0), "the test never opened the gate"
+
+    def apply(self, job, desired):
+        self.applied.append(job.job)
+        self._block(job.job)
+        return ApplyResult(job=job.job, ok=True, applied=desired)
+
+    def release(self, job_id):
+        self.released.append(job_id)
+        self._block(job_id)
+
+    def restore(self):
+        self.restored += 1
+        self._block(None)
+
+
+def test_a_hung_actuator_fails_its_job_after_the_timeout_and_the_tick_goes_on():
+    """An actuator apply that never returned (a cgroup write the kernel never answered) held the tick,
+    and with it the service loop, for ever. Now the tick waits ``actuator_timeout_s`` for it: that job's
+    apply failed (its breaker counts it), the other jobs and the job's worker counts are applied and
+    recorded, and the hung actuator is not called again (no thread more per tick) until the call returns."""
+    import threading
+    import time
+
+    src = FakeSource(4.0, [job_stats("a"), job_stats("b")])
+    directive, hung = RecordingActuator(), HungActuator("a")
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[directive, hung], breaker_retry_s=30.0,
+                   actuator_timeout_s=0.05)
+    try:
+        t0 = time.monotonic()
+        rec = c.tick(now=1.0)
+        assert time.monotonic() - t0 < 5.0
+        assert not rec.results["a"].ok and "cgroup: apply for job 'a' timed out after 0.05 s" in rec.results["a"].error
+        # b's cgroup apply is not made beside the hung one: it fails saying what still runs
+        assert not rec.results["b"].ok and "not called: apply for job 'a' still running" in rec.results["b"].error
+        assert sorted(x[0] for x in directive.applied) == ["a", "b"]     # the worker counts went out
+        assert hung.applied == ["a"] and "a" not in c.applied()
+        threads = threading.active_count()
+        for t in (2.0, 3.0, 4.0, 5.0):
+            rec = c.tick(now=t)
+            assert set(rec.results) == {"a", "b"} and not rec.results["a"].ok
+        assert hung.applied == ["a"]                                    # never called again while hung
+        assert threading.active_count() <= threads                      # no thread more per tick
+        assert "a" in rec.breakers and "still running" in rec.breakers["a"]
+        hung.gate.set()                                                 # the call returns, late
+        assert c.lanes[1].wait_idle(10.0)
+        rec = c.tick(now=40.0)                                          # the breakers' retry time passed
+        assert rec.results["a"].ok and rec.results["b"].ok and rec.breakers == {}
+        assert set(c.applied()) == {"a", "b"} and hung.applied == ["a", "a", "b"]
+    finally:
+        hung.gate.set()
+
+
+def test_a_hung_release_is_retried_and_stop_does_not_wait_for_ever():
+    """A departed job whose release hangs is retried at a later tick (as a raising one is); ``stop`` waits
+    one timeout for a hung call, restores every other actuator and returns."""
+    import time
+
+    src = FakeSource(4.0, [job_stats("a")])
+    other, hung = RecordingActuator(), HungActuator("a")
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[other, hung], actuator_timeout_s=0.05)
+    try:
+        hung.hung_job = "nobody"
+        assert c.tick(now=1.0).results["a"].ok
+        hung.hung_job = "a"
+        del src.jobs["a"]
+        rec = c.tick(now=2.0)
+        assert rec.departed == ("a",) and hung.released == ["a"]
+        c.tick(now=3.0)
+        assert hung.released == ["a"]                                  # busy: not called beside itself
+        t0 = time.monotonic()
+        c.stop()
+        assert time.monotonic() - t0 < 5.0
+        assert other.restored == 1 and hung.restored == 0              # not restored beside the hung call
+        hung.gate.set()
+        assert c.lanes[1].wait_idle(10.0)
+        c.tick(now=4.0)
+        assert hung.released == ["a", "a"]                             # retried once the lane was free
+        c.stop()
+        assert hung.restored == 1
+    finally:
+        hung.gate.set()
+
+
 def test_tick_never_raises():
     def bad_source(now):
         raise RuntimeError("collector down")

@@ -275,3 +275,68 @@ def test_a_reload_that_fails_for_any_reason_logs_one_line_and_keeps_the_running_
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_the_actuator_timeout_is_configured_reloaded_and_a_rebuilt_controller_keeps_the_lanes(tmp_path):
+    """``actuator_timeout_s`` reaches the controller and a SIGHUP changes it; a controller that a reload
+    builds takes over the old one's actuator lanes, so it does not call an actuator that a call of its
+    predecessor still holds."""
+    from agent.daemon import Agent
+
+    path = tmp_path / "agent.toml"
+    path.write_text('policy = "even"\nactuator_timeout_s = 2.5\n')
+    cli = {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"), "cgroup_mode": "off"}
+    agent = Agent(configmod.load(str(path), cli, environ={}), config_path=str(path), cli=cli)
+    try:
+        first = agent.controller
+        assert first.actuator_timeout_s == 2.5 and len(first.lanes) == len(agent.actuators)
+        path.write_text('policy = "even"\nactuator_timeout_s = 0.5\n')
+        agent.reload()
+        assert agent.controller is first and first.actuator_timeout_s == 0.5
+        path.write_text('policy = "adaptive"\nactuator_timeout_s = 0.25\n')
+        agent.reload()
+        assert agent.controller is not first and agent.controller.actuator_timeout_s == 0.25
+        assert all(a is b for a, b in zip(agent.controller.lanes, first.lanes, strict=True))
+    finally:
+        agent.server.close()
+        agent.ctx.term()
+
+
+def test_a_reload_of_a_config_file_that_never_answers_keeps_the_running_config(tmp_path, monkeypatch, caplog):
+    """Before: a SIGHUP reload of a config file on a hung network mount held the service loop for ever.
+    Now it fails after the read's timeout with one reload_failed line naming the file."""
+    import logging
+    import threading
+    import time
+
+    from agent.daemon import Agent
+
+    path = tmp_path / "agent.toml"
+    path.write_text('policy = "even"\n')
+    cli = {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"), "cgroup_mode": "off"}
+    agent = Agent(configmod.load(str(path), cli, environ={}), config_path=str(path), cli=cli)
+    gate = threading.Event()
+
+    def hung(p, missing_ok=False):
+        gate.wait(30.0)
+        return b'policy = "adaptive"\n'
+
+    monkeypatch.setattr(configmod, "_read_file", hung, raising=False)
+    monkeypatch.setattr(configmod, "CONFIG_READ_TIMEOUT_S", 0.1, raising=False)
+    try:
+        running, controller = agent.config, agent.controller
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            t = threading.Thread(target=agent.reload, daemon=True)
+            t.start()
+            t.join(10.0)
+            assert not t.is_alive(), "the reload blocked"
+        failed = [r.fields for r in caplog.records if getattr(r, "event", "") == "reload_failed"]
+        assert len(failed) == 1 and str(path) in failed[0]["error"] and "no answer within" in failed[0]["error"]
+        assert agent.config is running and agent.controller is controller
+    finally:
+        gate.set()
+        deadline = time.monotonic() + 10.0
+        while str(path) in getattr(configmod, "_reading", {}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        agent.server.close()
+        agent.ctx.term()

@@ -488,3 +488,58 @@ def test_any_window_the_record_takes_gives_a_finite_curve(windows, prior):
             assert math.isfinite(v) and v >= 0, cur
         assert 0.0 <= cur.confidence <= 1.0
         assert 0.0 <= cur.normalized(4, 2.0) <= 1.0 and cur.max_useful_workers >= 1
+
+
+
+_SHARP = st.one_of(st.sampled_from([0.0, 1.0, 20.0, 21.0, 25.0, 40.0, 60.0, 120.0, 1e3, 2.5e4, 1e6, 1e300, 1.7e308]),
+                   st.floats(1.0, 1.7e308, allow_nan=False, allow_infinity=False))
+_ANY = st.floats(-1.7e308, 1.7e308, allow_nan=False, allow_infinity=False)
+_THETA = st.one_of(st.sampled_from([0.0, 5e-324, 1e-300, 1.0, 1e300]), st.floats(0.0, 1.7e308))
+
+
+@settings(max_examples=300, deadline=None)
+@given(windows=st.lists(_any_window(), min_size=1, max_size=6), sharpness=_SHARP,
+       coef=st.one_of(st.sampled_from([(), (0.1, 0.2, -0.3, 0.1), (3.0, 0.0, 0.0, 0.0), (-3.0, 1.0, 1.0, 1.0)]),
+                      st.tuples(_ANY, _ANY, _ANY, _ANY)),
+       theta_w=_THETA, theta_c=_THETA, strength=st.sampled_from([0.0, 1.0, 3.0, 1e6]),
+       overhead=st.sampled_from([0.0, 0.52, 1e3]))
+def test_a_prior_of_any_finite_sharpness_gives_a_finite_curve(windows, sharpness, coef, theta_w, theta_c,
+                                                              strength, overhead):
+    """A hand-made prior sharper than the fitted grid's 20 (a soft minimum with p = 60: (1e6 s)^60 is past
+    a float) raised OverflowError from its powers (t ** p) in the job's corrections and in the overhead
+    cap, and the curve's knee factor (0.97^-p) from p of about 23,000; a large learned coefficient from
+    exp(z), a tiny theta from theta^(-1/p). The powers of sums are now taken scaled by their largest term
+    and the corrections clamped before the exp, so every prior the record takes gives a finite curve."""
+    from predictor.prior import Prior
+
+    prior = Prior(sharpness=sharpness, log_kc_coef=coef, theta_w=theta_w, theta_c=theta_c, strength=strength,
+                  overhead_frac_of_c=overhead)
+    bank = PredictorBank(prior=prior)
+    for o in windows:
+        if o is None:
+            continue
+        bank.observe("j", o)
+        cur = bank.curve("j")
+        if cur is None:
+            continue
+        for v in (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch, cur.correction,
+                  cur.core_efficiency, cur.overhead_s_per_step):
+            assert math.isfinite(v) and v >= 0, cur
+        assert 0.0 <= cur.normalized(4, 2.0) <= 1.0 and cur.max_useful_workers >= 1
+        assert cur.max_useful_cores >= 0 and not math.isnan(cur.max_useful_cores)
+
+
+@pytest.mark.parametrize("field,value", [("sharpness", math.inf), ("sharpness", math.nan), ("sharpness", -1.0),
+                                         ("sharpness", 0.5), ("theta_w", -1.0), ("theta_c", math.inf),
+                                         ("strength", -1.0), ("strength", 1e7), ("strength", math.nan),
+                                         ("overhead_frac_of_c", 1e4), ("overhead_frac_of_c", -0.1),
+                                         ("log_kc_coef", (1.0, math.inf, 0.0, 0.0)), ("log_kc_coef", (1.0, 2.0)),
+                                         ("sharpness", "6")])
+def test_a_prior_no_curve_could_follow_is_refused_naming_the_field(field, value):
+    """Before: any figure was taken (an infinite sharpness, a NaN strength) and failed later, inside a
+    tick. Now the prior refuses it where it is made, naming the field."""
+    from predictor.prior import Prior
+
+    with pytest.raises(ValueError, match=f"prior field {field!r}"):
+        Prior(**{field: value})
+    assert Prior(sharpness=1e300).sharpness == 1e300 and Prior(sharpness=0.0).sharpness == 0.0

@@ -148,3 +148,21 @@ def test_core_efficiency_is_the_core_bound_terms_correction():
     assert own.core_efficiency == 0.5 and shared.core_efficiency == 0.8
     for cur in (own, shared):
         assert cur.throughput(64, 0.2) == pytest.approx(cur.core_efficiency * 0.2 / 0.1, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [23_000.0, 25_000.0, 1e6, 1e300])
+def test_a_very_sharp_curve_has_knees_near_the_hard_minimums(p):
+    """The knee factor 1 / ((1 - tol)^-p - 1)^(1/p) raised OverflowError from p of about 23,000; taken in
+    log space past that, it tends to the hard minimum's 1 - tol, and the knees follow."""
+    from predictor.curve import KNEE_TOLERANCE
+
+    sharp = ThroughputCurve(job="j", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.3,
+                            blocked_s_per_batch=0.1, sharpness=p)
+    hard = ThroughputCurve(job="j", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.3,
+                           blocked_s_per_batch=0.1)
+    assert sharp._knee_factor == pytest.approx(1.0 - KNEE_TOLERANCE, rel=1e-3)
+    assert sharp.max_useful_workers == hard.max_useful_workers
+    assert sharp.max_useful_cores == pytest.approx(hard.max_useful_cores, rel=1e-3)
+    below = ThroughputCurve(job="j", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.3,
+                            blocked_s_per_batch=0.1, sharpness=22_000.0)   # (the power's own branch)
+    assert below._knee_factor == pytest.approx(sharp._knee_factor, rel=1e-4)

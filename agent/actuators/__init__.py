@@ -13,6 +13,10 @@ pids changed since its last apply (resizes, restarts), so new workers join the j
 Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
 (v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).
 An actuator never raises out of ``apply``: failures come back as ``ApplyResult(ok=False, error=...)``.
+A call that may block (a cgroup write on a wedged kernel path) is bounded by the controller: each
+actuator is called on a thread of its own and waited for at most ``actuator_timeout_s``
+(``agent.controller.ActuatorLane``), never from two threads at once; one that never blocks and must stay
+on the service loop's thread says ``may_block = False`` (the directive actuator).
 """
 from __future__ import annotations
 

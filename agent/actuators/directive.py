@@ -10,6 +10,10 @@ Observe-only allocations (``enforce_cpu=False``, the ``none`` policy) whose work
 job runs already send nothing: the job keeps its own num_workers (and its own autotune, if any).
 
 Nothing to restore on stop: a client whose agent goes away keeps its last worker count.
+
+``may_block = False``: the controller calls it on the tick's own thread, not on an actuator lane
+(``agent.controller.ActuatorLane``): its sink is the server, whose ZMQ socket and registry belong to the
+service loop's thread, and its sends never block (``zmq.NOBLOCK``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from agent.model import ApplyResult, JobAllocation, JobStats
 class DirectiveActuator:
     name = "directive"
     tracks_pids = False
+    may_block = False
 
     def __init__(self, sink) -> None:
         self._sink = sink

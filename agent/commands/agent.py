@@ -9,6 +9,9 @@ FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "loader_mem
 
 
 def register(sub) -> None:
+    """The flags take text: ``agent.config`` parses every value (numbers too, so that '1_0' or '١٠' is
+    refused as a config error naming the key, as from the environment; argparse's int() and float()
+    took them)."""
     from agent.actuators import MODES as CGROUP_MODES
     from agent.policies import POLICIES
 
@@ -21,14 +24,14 @@ def register(sub) -> None:
     p.add_argument("--endpoint", metavar="EP", help="ipc:// endpoint to bind")
     p.add_argument("--state-dir", metavar="DIR", help="journal directory")
     p.add_argument("--policy", metavar="NAME", help=f"allocation policy: {', '.join(sorted(POLICIES))}")
-    p.add_argument("--tick-s", metavar="S", type=float, help="controller period in seconds (default 1)")
+    p.add_argument("--tick-s", metavar="S", help="controller period in seconds (default 1)")
     p.add_argument("--loader-cpus", metavar="CORES", help="CPU cores for all loaders, or 'auto'")
     p.add_argument("--loader-memory", metavar="BYTES",
                    help="memory for all loaders' workers: bytes or a size such as 6GiB, 'auto' (node memory or "
                         "the agent's cgroup limit, minus 25%% and at least 2 GiB) or 'off'")
-    p.add_argument("--max-jobs", metavar="N", type=int, help="jobs the node is sized for (even-static)")
+    p.add_argument("--max-jobs", metavar="N", help="jobs the node is sized for (even-static)")
     p.add_argument("--cgroup-mode", metavar="MODE", choices=CGROUP_MODES, help="|".join(CGROUP_MODES))
-    p.add_argument("--metrics-port", metavar="N", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
+    p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1 (0 = off)")
     p.add_argument("--log-level", metavar="LEVEL", choices=("debug", "info", "warning", "error"),
                    help="debug|info|warning|error")
     p.set_defaults(func=run)
