@@ -199,6 +199,39 @@ def test_cleanup_leaves_no_group_and_a_gone_pid_is_not_an_error(clean, tmp_path)
     assert not os.path.exists(tmp_path / "cgroup-originals.json")
 
 
+def _zombie() -> int:
+    """A child that has exited and is not reaped: state Z until ``os.waitpid``."""
+    from agent.psi import pid_stat
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while (pid_stat(pid) or [b"?"])[0] != b"Z":
+        assert time.monotonic() < deadline, "the child never became a zombie"
+        time.sleep(0.01)
+    return pid
+
+
+def test_a_zombie_worker_is_neither_moved_nor_counted(clean, tmp_path):
+    """v1 accepts a zombie's pid in cgroup.procs and does nothing; it was counted as a worker, so the
+    subtree weighed 2048 (two workers) with one live one."""
+    pid = busy(clean)
+    zombie = _zombie()
+    try:
+        act = cgroup_actuator(tmp_path)
+        r = act.apply(stats("z1", [pid, zombie]), JobAllocation(job="z1", workers=2, cpus=1.0))
+        assert r.ok, r.error
+        with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+            assert int(f.read()) == 1024            # one live worker
+        assert str(zombie) not in act.originals.pids
+        assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/z1"
+        act.restore()
+        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    finally:
+        os.waitpid(zombie, 0)
+
+
 def test_restart_from_journal_restores_originals(clean, tmp_path):
     # a subtree that existed before the agent, with a value of its own the agent will overwrite
     base = os.path.join(ROOT, "cpu", SUBTREE)

@@ -187,6 +187,15 @@ def _start_ticks(pid: int) -> Optional[int]:
         return None
 
 
+def _exited(pid: int, proc_root: str = "/proc") -> bool:
+    """True for a process that has exited but is not reaped yet (state Z or X in /proc/<pid>/stat).
+    A pid whose stat cannot be read is not taken as exited here (moving it says JobGone if it is gone)."""
+    from agent.psi import pid_stat
+
+    rest = pid_stat(pid, proc_root)
+    return bool(rest) and rest[0] in (b"Z", b"X", b"x")
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
@@ -521,12 +530,20 @@ class CgroupActuator:
             h.write(rel, "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(todo)))
 
     def _move_pids(self, hier: str, rel: str, job: JobStats) -> int:
-        """Move the job's worker pids into the group; returns how many of them are in it now."""
+        """Move the job's worker pids into the group; returns how many of them are in it now.
+
+        A zombie (exited, not yet reaped) is neither moved nor counted: v1 accepts the write and does
+        nothing, and an exited task may still be listed in the group, so it would weigh in the
+        subtree's shares as a live worker."""
         h = self.h[hier]
         inside = set(h.procs(rel))
         changed = False
         count = 0
         for pid in worker_pids(job):
+            if _exited(pid, self.proc_root):
+                if not self.originals.pids.get(str(pid), {}).get("origins"):
+                    changed = self.originals.pids.pop(str(pid), None) is not None or changed
+                continue
             if pid in inside:
                 count += 1
                 continue
