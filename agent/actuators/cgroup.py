@@ -750,7 +750,10 @@ class CgroupActuator:
         return list(self.io_notes)
 
     def _drop_group(self, hier: str, rel: str) -> None:
-        """Move every process in the group (and its children) back where it came from, then rmdir."""
+        """Move every process in the group (and its children) back where it came from, then rmdir.
+
+        A process that is gone (JobGone, no ``<proc_root>/<pid>``, or a zombie) needs no move: it
+        exited while we moved it (the origin refused it, then so did the root), which is not a failure."""
         h = self.h[hier]
         if not h.exists(rel):
             return
@@ -762,13 +765,25 @@ class CgroupActuator:
             except JobGone:
                 pass
             except CgroupError:
-                h.move("", pid)           # the origin refuses it (e.g. a Slurm step): the hierarchy root
+                if self._gone(pid):
+                    continue
+                try:
+                    h.move("", pid)       # the origin refuses it (e.g. a Slurm step): the hierarchy root
+                except JobGone:
+                    pass
+                except CgroupError:
+                    if not self._gone(pid):
+                        raise
         h.rmdir(rel)
         key = Originals.key(hier, rel)
         if key in self.originals.created:
             self.originals.created.remove(key)
         for k in [k for k in self.originals.files if k.startswith(key + "|")]:
             del self.originals.files[k]
+
+    def _gone(self, pid: int) -> bool:
+        """The process has exited: no /proc entry, or a zombie."""
+        return not os.path.exists(os.path.join(self.proc_root, str(int(pid)))) or _exited(pid, self.proc_root)
 
     def release(self, job_id: str) -> None:
         rel = self._group(job_id)
