@@ -335,7 +335,9 @@ class CgroupActuator:
 
     def _load_existing_shares(self) -> None:
         """After a restart, the job groups already in our subtree still weigh what they weighed, and
-        their processes still count in the subtree's weight."""
+        their processes still count in the subtree's weight. A group's quota (the ``quota`` knob) is
+        read back as its planned cores: the subtree's cap is never written below them, or v1 refuses
+        it (EINVAL: a child's quota above its parent's) until that job is applied again."""
         h = self.h[self._cpu_hier]
         if not h.exists(self.subtree):
             return
@@ -353,6 +355,9 @@ class CgroupActuator:
                     self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
             except (CgroupError, ValueError):
                 continue
+            cores = self._read_quota_cores(rel)
+            if cores is not None and job not in self._cores:
+                self._cores[job] = cores
 
     def adopt_orphans(self) -> list[str]:
         """Take every group below the subtree that the journal of originals does not list as ours
@@ -371,6 +376,7 @@ class CgroupActuator:
                         found.append(job_of_group(name))
         if found:
             self.originals.save()
+            self._load_existing_shares()      # they weigh, and hold quotas, as the journal's groups do
         return found
 
     # -- probing ------------------------------------------------------------------------------
@@ -724,12 +730,16 @@ class CgroupActuator:
         """The cap the subtree has now, in cores (None: none): a restarted agent finds the one a dead
         agent wrote, which it must lift when its own plan has none (it compared against None, wrote
         nothing, and the loaders stayed capped)."""
+        return self._read_quota_cores(self.subtree)
+
+    def _read_quota_cores(self, rel: str) -> Optional[float]:
+        """A group's CPU quota now, in cores (None: none, or unreadable)."""
         h = self.h[self._cpu_hier]
         try:
             if self.version == 1:
-                quota = int(h.read(self.subtree, "cpu.cfs_quota_us"))
-                return None if quota < 0 else quota / int(h.read(self.subtree, "cpu.cfs_period_us"))
-            quota, _, period = h.read(self.subtree, "cpu.max").partition(" ")
+                quota = int(h.read(rel, "cpu.cfs_quota_us"))
+                return None if quota < 0 else quota / int(h.read(rel, "cpu.cfs_period_us"))
+            quota, _, period = h.read(rel, "cpu.max").partition(" ")
             return None if quota == "max" else int(quota) / int(period or 100000)
         except (CgroupError, ValueError, ZeroDivisionError):
             return None
