@@ -20,7 +20,9 @@ Layout detection follows systemd's documented rule (systemd.io/CGROUP_DELEGATION
 Tree Setups"): statfs(/sys/fs/cgroup) is cgroup2 -> unified; tmpfs with a cgroup2 mount at
 ``unified`` -> hybrid; tmpfs otherwise -> legacy.
 
-cgroup v1 goes through cgroupspy nodes (one hierarchy per controller, e.g. /sys/fs/cgroup/cpu);
+cgroup v1 goes through cgroupspy nodes (one hierarchy per controller, e.g. /sys/fs/cgroup/cpu, found
+at its mount point in ``/proc/self/mountinfo``: a joined ``cpu,cpuacct`` mount has no ``cpu`` name
+unless a symlink gives it one);
 cgroup v2 is a small file adapter over the unified mount. Both expose the same ``Hierarchy`` calls.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 from typing import Callable, Iterable, Optional
 
 CGROUP2_SUPER_MAGIC = 0x63677270
@@ -187,17 +190,28 @@ class Hierarchy:
 
 
 class V1Hierarchy(Hierarchy):
-    """A cgroup v1 controller hierarchy (e.g. /sys/fs/cgroup/cpu), through cgroupspy nodes."""
+    """A cgroup v1 controller hierarchy (e.g. /sys/fs/cgroup/cpu), through cgroupspy nodes.
+
+    ``mount``: where the hierarchy is mounted (``v1_mounts``: a joined ``cpu,cpuacct`` or a custom
+    name); default ``<cgroup_root>/<controller>``. cgroupspy picks a node's controller by the name of
+    the directory under its root (``Node._get_controller_type``), which a joined mount does not match,
+    so the controller is set on the hierarchy's node here and its children inherit it.
+    """
 
     version = 1
 
-    def __init__(self, cgroup_root: str, controller: str) -> None:
+    def __init__(self, cgroup_root: str, controller: str, mount: Optional[str] = None) -> None:
         from cgroupspy.nodes import Node
 
-        super().__init__(os.path.join(cgroup_root, controller))
+        mount = os.path.normpath(mount or os.path.join(cgroup_root, controller))
+        super().__init__(mount)
         self.controller = controller
-        self._top = Node(os.fsencode(cgroup_root))
-        self._ctrl = Node(controller.encode(), parent=self._top)
+        self._top = Node(os.fsencode(os.path.dirname(mount)))
+        self._ctrl = Node(os.fsencode(os.path.basename(mount)), parent=self._top)
+        ctype = controller.encode()
+        if self._ctrl.controller_type != ctype and ctype in Node.CONTROLLERS:
+            self._ctrl.controller_type = ctype
+            self._ctrl.controller = Node.CONTROLLERS[ctype](self._ctrl)
 
     def node(self, rel: str):
         from cgroupspy.nodes import Node
@@ -384,26 +398,77 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
     return ",".join(runs)
 
 
+def _unescape_mount(field: str) -> str:
+    """A mountinfo path field: space, tab, newline and backslash are written as octal (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def v1_mounts(proc_root: str = "/proc") -> Optional[list[tuple[str, str, frozenset[str]]]]:
+    """Every cgroup v1 mount this process sees, as (mount point, root within the hierarchy, the super
+    options: its controllers, e.g. {'rw', 'cpu', 'cpuacct'}), from ``<proc_root>/self/mountinfo``
+    (proc(5): field 4 is the root, field 5 the mount point; after the ' - ' separator come the fs type,
+    the source and the super options). None when mountinfo cannot be read."""
+    path = os.path.join(proc_root, "self", "mountinfo")
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        if len(fields) < sep + 4 or fields[sep + 1] != "cgroup":
+            continue
+        out.append((_unescape_mount(fields[4]), _unescape_mount(fields[3]),
+                    frozenset(fields[sep + 3].split(","))))
+    return out
+
+
+def v1_mount(cgroup_root: str, controller: str, proc_root: str = "/proc",
+             mounts: Optional[list] = None) -> str:
+    """Where the v1 ``controller`` hierarchy is: the mount of it under ``cgroup_root`` that mountinfo
+    lists (a joined ``cpu,cpuacct``, ``net_cls,net_prio`` or a custom name; the mount of the whole
+    hierarchy, root '/', first), else ``<cgroup_root>/<controller>`` (the usual name or its symlink;
+    also what is used when mountinfo cannot be read, and for fake trees no mount lists). A mount
+    outside ``cgroup_root`` is never taken: it may be a container's view of another tree; set
+    ``cgroup_root`` to the directory that holds the hierarchies."""
+    if controller == "memory":
+        raise ValueError("the agent never touches the memory hierarchy")
+    fallback = os.path.join(cgroup_root, controller)
+    mounts = v1_mounts(proc_root) if mounts is None else mounts
+    root = os.path.normpath(os.path.abspath(cgroup_root))
+    found = [(mroot != "/", mp) for mp, mroot, opts in mounts or ()
+             if controller in opts and (os.path.normpath(mp) == root or os.path.normpath(mp).startswith(root + os.sep))]
+    return min(found)[1] if found else fallback
+
+
 def open_hierarchies(cgroup_root: str, version: int,
-                     controllers: Iterable[str] = ("cpu", "cpuset", "blkio")) -> dict[str, Hierarchy]:
-    """v1: controller -> its hierarchy, for those mounted; v2: {'': the unified hierarchy}."""
+                     controllers: Iterable[str] = ("cpu", "cpuset", "blkio"),
+                     proc_root: str = "/proc") -> dict[str, Hierarchy]:
+    """v1: controller -> its hierarchy (at its mount point, ``v1_mount``), for those mounted;
+    v2: {'': the unified hierarchy}."""
     if version == 2:
         return {"": V2Hierarchy(cgroup_root)}
     out: dict[str, Hierarchy] = {}
+    mounts = v1_mounts(proc_root)
     for c in controllers:
         if c == "memory":
             raise ValueError("the agent never touches the memory hierarchy")
-        h = V1Hierarchy(cgroup_root, c)
+        h = V1Hierarchy(cgroup_root, c, v1_mount(cgroup_root, c, proc_root, mounts))
         if h.available():
             out[c] = h
     return out
 
 
-def v1_controller_available(cgroup_root: str, controller: str) -> Optional[str]:
+def v1_controller_available(cgroup_root: str, controller: str, proc_root: str = "/proc") -> Optional[str]:
     """None when the v1 controller is mounted and writable here, else why not (for skip reasons)."""
-    h = os.path.join(cgroup_root, controller)
+    h = v1_mount(cgroup_root, controller, proc_root)
     if not os.path.isfile(os.path.join(h, "cgroup.procs")):
-        return f"no cgroup v1 {controller} hierarchy at {h}"
+        return f"no cgroup v1 {controller} hierarchy at {h} (nor under {cgroup_root} in {proc_root}/self/mountinfo)"
     if not os.access(h, os.W_OK):
         return f"{h} is not writable (need root)"
     return None

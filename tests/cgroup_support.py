@@ -26,7 +26,8 @@ def wipe(subtree: str = SUBTREE) -> list[str]:
     """Remove every group under the test subtree (moving its tasks to the root). Returns what was left."""
     left = []
     for ctrl in ("cpu", "cpuset", "blkio"):
-        base = os.path.join(ROOT, ctrl, subtree)
+        mount = cgroupfs.v1_mount(ROOT, ctrl)
+        base = os.path.join(mount, subtree)
         if not os.path.isdir(base):
             continue
         left.append(base)
@@ -37,7 +38,7 @@ def wipe(subtree: str = SUBTREE) -> list[str]:
                     pids = f.read().split()
                 for pid in pids:
                     try:
-                        with open(os.path.join(ROOT, ctrl, "cgroup.procs"), "w") as f:
+                        with open(os.path.join(mount, "cgroup.procs"), "w") as f:
                             f.write(pid)
                     except OSError:
                         pass

@@ -199,6 +199,39 @@ def test_cleanup_leaves_no_group_and_a_gone_pid_is_not_an_error(clean, tmp_path)
     assert not os.path.exists(tmp_path / "cgroup-originals.json")
 
 
+def _zombie() -> int:
+    """A child that has exited and is not reaped: state Z until ``os.waitpid``."""
+    from agent.psi import pid_stat
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while (pid_stat(pid) or [b"?"])[0] != b"Z":
+        assert time.monotonic() < deadline, "the child never became a zombie"
+        time.sleep(0.01)
+    return pid
+
+
+def test_a_zombie_worker_is_neither_moved_nor_counted(clean, tmp_path):
+    """v1 accepts a zombie's pid in cgroup.procs and does nothing; it was counted as a worker, so the
+    subtree weighed 2048 (two workers) with one live one."""
+    pid = busy(clean)
+    zombie = _zombie()
+    try:
+        act = cgroup_actuator(tmp_path)
+        r = act.apply(stats("z1", [pid, zombie]), JobAllocation(job="z1", workers=2, cpus=1.0))
+        assert r.ok, r.error
+        with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+            assert int(f.read()) == 1024            # one live worker
+        assert str(zombie) not in act.originals.pids
+        assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/z1"
+        act.restore()
+        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    finally:
+        os.waitpid(zombie, 0)
+
+
 def test_restart_from_journal_restores_originals(clean, tmp_path):
     # a subtree that existed before the agent, with a value of its own the agent will overwrite
     base = os.path.join(ROOT, "cpu", SUBTREE)
@@ -265,6 +298,36 @@ def test_a_restarted_agent_lifts_the_subtree_cap_a_dead_one_left(clean, tmp_path
         assert int(f.read()) == -1
     second.restore()
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+
+
+@pytest.mark.parametrize("journal", ["kept", "corrupt"])
+def test_a_restarted_agent_never_caps_the_subtree_below_an_adopted_jobs_quota(clean, tmp_path, journal):
+    """The dead agent left job k1 at a 1.5-core quota. The new one applies k2 first, whose trainer needs
+    a core of the 2: the subtree's cap (the node less the trainer, never below the planned cores) left
+    out the adopted k1, whose planned cores it did not know, and v1 refused the 1.0-core cap below
+    k1's quota (EINVAL) until k1 was applied. Its quota is read back as its planned cores. Also with
+    the journal lost, the groups taken as orphans."""
+    a, b = busy(clean), busy(clean)
+    first = cgroup_actuator(tmp_path, "quota")
+    first.node_cpus = 2.0
+    assert first.apply(stats("k1", [a]), JobAllocation(job="k1", workers=1, cpus=1.5)).ok
+    assert _quota_us(f"{SUBTREE}/k1") == 150000 and _quota_us(SUBTREE) == -1
+    del first                                          # the agent dies without restoring
+    if journal == "corrupt":
+        (tmp_path / "cgroup-originals.json").write_text("{not json")
+    second = cgroup_actuator(tmp_path, "quota")
+    second.node_cpus = 2.0
+    trainer = dict(trainer_cpu_s_per_step=0.1, compute_s_per_step=0.1)       # needs 1 core, uses it all
+    r = second.apply(stats("k2", [b], **trainer), JobAllocation(job="k2", workers=1, cpus=0.3))
+    assert r.ok, r.error
+    assert _quota_us(SUBTREE) == 180000                # 1.5 + 0.3 planned: above the node less the trainer
+    assert second.apply(stats("k1", [a]), JobAllocation(job="k1", workers=1, cpus=0.5)).ok
+    assert _quota_us(f"{SUBTREE}/k1") == 50000 and _quota_us(SUBTREE) == 100000
+    second.restore()
+    for job in ("k1", "k2"):
+        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE, job))
+    if journal == "kept":               # (with the journal lost, the subtree is not known as ours)
+        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):

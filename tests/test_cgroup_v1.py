@@ -23,3 +23,81 @@ def test_v1_io_not_enforced_without_bfq(tmp_path):
     assert act.io_mode is None
     assert any("not enforced" in n and "vda: mq-deadline" in n for n in act.io_notes)
 
+
+
+def _mountinfo(proc_root: str, lines: list[str]) -> None:
+    with open(f"{proc_root}/self/mountinfo", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_v1_joined_cpu_cpuacct_mount_is_found_from_mountinfo(tmp_path):
+    """A host that mounts ``cpu,cpuacct`` with no ``cpu`` symlink: the hierarchies were looked up only
+    by name (``<root>/cpu``), so the agent ran without CPU control. The mount points come from
+    mountinfo (a custom name with an escaped space too), and cgroupspy still knows the controller."""
+    from cgroupspy.controllers import BlkIOController, CpuController
+
+    from agent.actuators import build, resolve_auto
+    from agent.model import JobAllocation
+    from tests.fakes import cgroup_job
+
+    root = tmp_path / "cg"
+    for d in ("cpu,cpuacct", "blk io", "memory"):
+        (root / d).mkdir(parents=True)
+        (root / d / "cgroup.procs").write_text("")
+    proc = fake_proc(tmp_path, [4242], origin="/")
+    (tmp_path / "proc" / "4242" / "cgroup").write_text("5:cpu,cpuacct:/\n4:blkio:/\n3:memory:/\n")
+    _mountinfo(proc, [
+        f"31 23 0:28 / {root} rw,relatime - tmpfs tmpfs rw,mode=755",
+        f"32 31 0:29 / {root}/cpu,cpuacct rw,nosuid,nodev,noexec,relatime shared:7 - cgroup cgroup rw,cpu,cpuacct",
+        f"33 31 0:30 / {root}/blk\\040io rw,relatime - cgroup cgroup rw,blkio",
+        f"34 31 0:31 / {root}/memory rw,relatime - cgroup cgroup rw,memory",
+        "35 23 0:32 / /elsewhere/cpuset rw,relatime - cgroup cgroup rw,cpuset",      # not under cgroup_root
+        f"36 31 0:33 / {root}/unified rw,relatime - cgroup2 cgroup2 rw",
+    ])
+    assert cgroupfs.v1_mount(str(root), "cpu", proc) == f"{root}/cpu,cpuacct"
+    assert cgroupfs.v1_mount(str(root), "cpuacct", proc) == f"{root}/cpu,cpuacct"
+    assert cgroupfs.v1_mount(str(root), "blkio", proc) == f"{root}/blk io"
+    assert cgroupfs.v1_mount(str(root), "cpuset", proc) == f"{root}/cpuset"      # name-based, absent
+    with pytest.raises(ValueError, match="memory"):
+        cgroupfs.v1_mount(str(root), "memory", proc)
+    assert cgroupfs.v1_controller_available(str(root), "cpu", proc) is None
+    assert "no cgroup v1 cpuset" in cgroupfs.v1_controller_available(str(root), "cpuset", proc)
+    hier = cgroupfs.open_hierarchies(str(root), 1, proc_root=proc)
+    assert sorted(hier) == ["blkio", "cpu"]
+    assert hier["cpu"].root == f"{root}/cpu,cpuacct" and hier["blkio"].root == f"{root}/blk io"
+    assert isinstance(hier["cpu"].node("adloader/j").controller, CpuController)
+    assert isinstance(hier["blkio"].node("").controller, BlkIOController)
+    assert resolve_auto(str(root), proc) in ("v1", "off")       # "off" only where statfs says not tmpfs
+    (root / "cpu,cpuacct" / "adloader" / "j").mkdir(parents=True)      # a plain directory: no kernel files
+    (root / "cpu,cpuacct" / "adloader" / "j" / "cgroup.procs").write_text("")
+    act = build("v1", sink=None, cgroup_root=str(root), subtree="adloader", state_dir=str(tmp_path / "st"),
+                sys_root=fake_sys(tmp_path, {}), proc_root=proc)[1]
+    r = act.apply(cgroup_job("j", [4242]), JobAllocation(job="j", workers=1, cpus=0.5))
+    assert r.ok, r.error
+    assert (root / "cpu,cpuacct" / "adloader" / "j" / "cpu.shares").read_text() == "512"
+    assert (root / "cpu,cpuacct" / "adloader" / "j" / "cgroup.procs").read_text() == "4242"
+    assert not (root / "cpu").exists() and not (root / "memory" / "adloader").exists()
+
+
+def test_v1_without_mountinfo_falls_back_to_the_names(tmp_path):
+    root = tmp_path / "cg"
+    (root / "cpu").mkdir(parents=True)
+    (root / "cpu" / "cgroup.procs").write_text("")
+    proc = fake_proc(tmp_path, [])                  # no self/mountinfo
+    assert cgroupfs.v1_mounts(proc) is None
+    assert cgroupfs.v1_mount(str(root), "cpu", proc) == f"{root}/cpu"
+    assert sorted(cgroupfs.open_hierarchies(str(root), 1, proc_root=proc)) == ["cpu"]
+
+
+def test_v1_discovery_on_this_machine_gives_the_usual_paths():
+    """Where this host mounts each v1 controller at /sys/fs/cgroup/<name> (this machine: cpu, cpuset,
+    blkio), mountinfo gives the same paths as the names did."""
+    mounts = cgroupfs.v1_mounts()
+    if not mounts:
+        pytest.skip("no cgroup v1 mount in /proc/self/mountinfo")
+    for ctrl in ("cpu", "cpuset", "blkio"):
+        usual = f"/sys/fs/cgroup/{ctrl}"
+        if any(mp == usual and ctrl in opts for mp, _, opts in mounts):
+            assert cgroupfs.v1_mount("/sys/fs/cgroup", ctrl) == usual
+    for ctrl, h in cgroupfs.open_hierarchies("/sys/fs/cgroup", 1).items():
+        assert any(mp == h.root and ctrl in opts for mp, _, opts in mounts), (ctrl, h.root)

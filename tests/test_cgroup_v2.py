@@ -468,3 +468,37 @@ def test_v2_subtree_cap_is_never_below_the_planned_cores(v2):
     act.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0))
     assert read(kernel, "adloader", "cpu.max") == "150000 100000"
     act.restore()
+
+
+@pytest.mark.parametrize("root_error", [errno.ESRCH, errno.EINVAL])
+def test_release_of_a_worker_that_exits_while_moved_back_is_not_a_failure(v2, tmp_path, root_error):
+    """The origin refuses the worker (e.g. a Slurm step's group), and by the move to the root it has
+    exited (ESRCH; v1 says EINVAL for a pid that is gone): the error escaped and the release failed."""
+    from agent.cgroupfs import NotPermitted
+
+    kernel, make = v2
+    act = make(io=False)
+    assert act.apply(cgroup_job("a", [101, 102]), JobAllocation(job="a", workers=2, cpus=1.0)).ok
+    real_move, calls = kernel.move, []
+
+    def move(rel, pid):
+        if pid != 102:
+            return real_move(rel, pid)
+        calls.append(rel)
+        if len(calls) == 1:       # the origin refuses it (a Slurm step's group, say)
+            raise NotPermitted(f"write 102 to {kernel.path(rel, 'cgroup.procs')}: Permission denied")
+        # and by the move to the root it has exited: gone from the group and from /proc
+        with open(kernel.path("adloader/a", "cgroup.procs"), "w") as f:
+            f.write("\n".join(str(p) for p in kernel.procs("adloader/a") if p != 102))
+        for name in os.listdir(os.path.join(kernel.proc_root, "102")):
+            os.unlink(os.path.join(kernel.proc_root, "102", name))
+        os.rmdir(os.path.join(kernel.proc_root, "102"))
+        raise cgroupfs.domain_error(OSError(root_error, os.strerror(root_error)), f"move 102 into {rel!r}")
+
+    kernel.move = move
+    act.release("a")                                  # no error
+    assert calls == ["/user.slice/job.scope", ""]
+    assert not kernel.exists("adloader/a")
+    assert set(kernel.procs("user.slice/job.scope")) >= {101}
+    act.restore()
+    assert not kernel.exists("adloader")

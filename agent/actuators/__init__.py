@@ -97,14 +97,14 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     if mode == "cooperative":
         return actuators + [affinity]
     if mode == "auto":
-        mode = resolve_auto(cgroup_root)
+        mode = resolve_auto(cgroup_root, proc_root)
         if mode == "off":
             return actuators
     version = 2 if mode == "v2" else 1
     if version == 2 and not os.path.isfile(os.path.join(cgroup_root, "cgroup.controllers")):
         raise cgroupfs.NotSupported(f"{cgroup_root} is not a cgroup v2 hierarchy (no cgroup.controllers there); "
                                     f"use cgroup_mode auto, v1 or off, or set cgroup_root to the cgroup2 mount")
-    hierarchies = cgroupfs.open_hierarchies(cgroup_root, version)
+    hierarchies = cgroupfs.open_hierarchies(cgroup_root, version, proc_root=proc_root)
     act = CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
                          originals=originals, sys_root=sys_root, proc_root=proc_root, affinity=affinity)
     if orphans:
@@ -115,7 +115,7 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     return actuators
 
 
-def resolve_auto(cgroup_root: str = "/sys/fs/cgroup") -> str:
+def resolve_auto(cgroup_root: str = "/sys/fs/cgroup", proc_root: str = "/proc") -> str:
     """'v1', 'v2' or 'off' for mode ``auto`` (see ``build``)."""
     from agent import cgroupfs
 
@@ -126,4 +126,4 @@ def resolve_auto(cgroup_root: str = "/sys/fs/cgroup") -> str:
     if layout == "unified":
         h = cgroupfs.V2Hierarchy(cgroup_root)
         return "v2" if "cpu" in h.controllers() and os.access(cgroup_root, os.W_OK) else "off"
-    return "v1" if cgroupfs.v1_controller_available(cgroup_root, "cpu") is None else "off"
+    return "v1" if cgroupfs.v1_controller_available(cgroup_root, "cpu", proc_root) is None else "off"

@@ -187,6 +187,15 @@ def _start_ticks(pid: int) -> Optional[int]:
         return None
 
 
+def _exited(pid: int, proc_root: str = "/proc") -> bool:
+    """True for a process that has exited but is not reaped yet (state Z or X in /proc/<pid>/stat).
+    A pid whose stat cannot be read is not taken as exited here (moving it says JobGone if it is gone)."""
+    from agent.psi import pid_stat
+
+    rest = pid_stat(pid, proc_root)
+    return bool(rest) and rest[0] in (b"Z", b"X", b"x")
+
+
 class AffinityActuator:
     """CPU affinity of a job's worker pids within its allowed CPUs (cooperative mode; no cgroup writes).
 
@@ -326,7 +335,9 @@ class CgroupActuator:
 
     def _load_existing_shares(self) -> None:
         """After a restart, the job groups already in our subtree still weigh what they weighed, and
-        their processes still count in the subtree's weight."""
+        their processes still count in the subtree's weight. A group's quota (the ``quota`` knob) is
+        read back as its planned cores: the subtree's cap is never written below them, or v1 refuses
+        it (EINVAL: a child's quota above its parent's) until that job is applied again."""
         h = self.h[self._cpu_hier]
         if not h.exists(self.subtree):
             return
@@ -344,6 +355,9 @@ class CgroupActuator:
                     self._shares[job] = shares_from_weight(int(h.read(rel, "cpu.weight")))
             except (CgroupError, ValueError):
                 continue
+            cores = self._read_quota_cores(rel)
+            if cores is not None and job not in self._cores:
+                self._cores[job] = cores
 
     def adopt_orphans(self) -> list[str]:
         """Take every group below the subtree that the journal of originals does not list as ours
@@ -362,6 +376,7 @@ class CgroupActuator:
                         found.append(job_of_group(name))
         if found:
             self.originals.save()
+            self._load_existing_shares()      # they weigh, and hold quotas, as the journal's groups do
         return found
 
     # -- probing ------------------------------------------------------------------------------
@@ -521,12 +536,20 @@ class CgroupActuator:
             h.write(rel, "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(todo)))
 
     def _move_pids(self, hier: str, rel: str, job: JobStats) -> int:
-        """Move the job's worker pids into the group; returns how many of them are in it now."""
+        """Move the job's worker pids into the group; returns how many of them are in it now.
+
+        A zombie (exited, not yet reaped) is neither moved nor counted: v1 accepts the write and does
+        nothing, and an exited task may still be listed in the group, so it would weigh in the
+        subtree's shares as a live worker."""
         h = self.h[hier]
         inside = set(h.procs(rel))
         changed = False
         count = 0
         for pid in worker_pids(job):
+            if _exited(pid, self.proc_root):
+                if not self.originals.pids.get(str(pid), {}).get("origins"):
+                    changed = self.originals.pids.pop(str(pid), None) is not None or changed
+                continue
             if pid in inside:
                 count += 1
                 continue
@@ -707,12 +730,16 @@ class CgroupActuator:
         """The cap the subtree has now, in cores (None: none): a restarted agent finds the one a dead
         agent wrote, which it must lift when its own plan has none (it compared against None, wrote
         nothing, and the loaders stayed capped)."""
+        return self._read_quota_cores(self.subtree)
+
+    def _read_quota_cores(self, rel: str) -> Optional[float]:
+        """A group's CPU quota now, in cores (None: none, or unreadable)."""
         h = self.h[self._cpu_hier]
         try:
             if self.version == 1:
-                quota = int(h.read(self.subtree, "cpu.cfs_quota_us"))
-                return None if quota < 0 else quota / int(h.read(self.subtree, "cpu.cfs_period_us"))
-            quota, _, period = h.read(self.subtree, "cpu.max").partition(" ")
+                quota = int(h.read(rel, "cpu.cfs_quota_us"))
+                return None if quota < 0 else quota / int(h.read(rel, "cpu.cfs_period_us"))
+            quota, _, period = h.read(rel, "cpu.max").partition(" ")
             return None if quota == "max" else int(quota) / int(period or 100000)
         except (CgroupError, ValueError, ZeroDivisionError):
             return None
@@ -733,7 +760,10 @@ class CgroupActuator:
         return list(self.io_notes)
 
     def _drop_group(self, hier: str, rel: str) -> None:
-        """Move every process in the group (and its children) back where it came from, then rmdir."""
+        """Move every process in the group (and its children) back where it came from, then rmdir.
+
+        A process that is gone (JobGone, no ``<proc_root>/<pid>``, or a zombie) needs no move: it
+        exited while we moved it (the origin refused it, then so did the root), which is not a failure."""
         h = self.h[hier]
         if not h.exists(rel):
             return
@@ -745,13 +775,25 @@ class CgroupActuator:
             except JobGone:
                 pass
             except CgroupError:
-                h.move("", pid)           # the origin refuses it (e.g. a Slurm step): the hierarchy root
+                if self._gone(pid):
+                    continue
+                try:
+                    h.move("", pid)       # the origin refuses it (e.g. a Slurm step): the hierarchy root
+                except JobGone:
+                    pass
+                except CgroupError:
+                    if not self._gone(pid):
+                        raise
         h.rmdir(rel)
         key = Originals.key(hier, rel)
         if key in self.originals.created:
             self.originals.created.remove(key)
         for k in [k for k in self.originals.files if k.startswith(key + "|")]:
             del self.originals.files[k]
+
+    def _gone(self, pid: int) -> bool:
+        """The process has exited: no /proc entry, or a zombie."""
+        return not os.path.exists(os.path.join(self.proc_root, str(int(pid)))) or _exited(pid, self.proc_root)
 
     def release(self, job_id: str) -> None:
         rel = self._group(job_id)
