@@ -385,6 +385,7 @@ class _SimActuator:
     controller owns what is applied, this only keeps what the physics reads."""
     name = "sim"
     tracks_pids = False
+    may_block = False                 # in memory: called on the tick's thread (agent.controller.ActuatorLane)
 
     def __init__(self, cpu_knob: str, active: dict):
         self.cpu_knob = cpu_knob          # the controller reads it: a quota is a cap, a share is not
