@@ -26,7 +26,8 @@ Invariants (STYLE 8):
   (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
-  this session (since the last welcome) is ignored.
+  this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
+  process's job (logged once at WARNING): it is not applied, not counted and does not move the seq.
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
 - The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
@@ -377,7 +378,12 @@ class _Client:
                             self._set(connected=True)
                             self._bump("welcomes")
                         elif t == "directive":
-                            if msg["seq"] > last_seq:
+                            if msg["job"] != self.job:
+                                # not ours (an agent that mixed up its connections): not applied, not
+                                # counted, and its seq says nothing about ours
+                                _warn_once("directive-job", "adloader: ignoring a directive for job %r "
+                                           "(this process is job %r)", msg["job"], self.job)
+                            elif msg["seq"] > last_seq:
                                 last_seq = msg["seq"]
                                 target = self._primary()
                                 if target is not None:

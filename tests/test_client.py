@@ -141,6 +141,35 @@ def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch)
         agent.close()
 
 
+def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch, caplog):
+    """A directive whose job is not this process's (an agent that mixed up its connections) was
+    applied, counted, and its seq held back this job's own directives. Now it is ignored (not applied,
+    not counted, seq unchanged) and logged once, naming both jobs."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="other-job", seq=5, workers=7, reason="not yours"))
+            agent.send(ident, protocol.make("directive", job="other-job", seq=6, workers=6, reason="not yours"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
+            wait_for(lambda: lo.resizes == [3], what=f"only this job's directive applied (resizes {lo.resizes})")
+            st = client.state()
+            assert st["directives"] == 1 and st["last_directive"]["seq"] == 1
+        foreign = [r.getMessage() for r in caplog.records if "other-job" in r.getMessage()]
+        assert len(foreign) == 1 and "unit-job" in foreign[0], foreign
+        assert [r.levelno for r in caplog.records if "other-job" in r.getMessage()] == [logging.WARNING]
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
     # a loader garbage-collected without close(): the client thread finds no loader, says bye and
     # stops. A loader made afterwards in the same process must get a client that works (it used to be
