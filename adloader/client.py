@@ -27,7 +27,8 @@ Invariants (STYLE 8):
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
-  process's job (logged once at WARNING): it is not applied, not counted and does not move the seq.
+  process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
+  not counted and does not move the seq.
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
 - The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
@@ -383,7 +384,7 @@ class _Client:
                                 # counted, and its seq says nothing about ours
                                 _warn_once("directive-job", "adloader: ignoring a directive for job %r "
                                            "(this process is job %r)", msg["job"], self.job)
-                            elif msg["seq"] > last_seq:
+                            elif msg["seq"] > last_seq and _workers_ok(msg):
                                 last_seq = msg["seq"]
                                 target = self._primary()
                                 if target is not None:
@@ -500,11 +501,12 @@ class _Client:
 
     def _apply(self, loader, msg: dict) -> None:
         n = msg["workers"]
+        if not _workers_ok(msg):    # (the session loop drops such a directive before it gets here)
+            return
         try:
             cap = getattr(loader, "max_workers", None)
             if isinstance(cap, int) and not isinstance(cap, bool):
                 n = min(n, cap)
-            n = max(0, n)
             # an agent's directive is not the job's own choice: requested_workers stays
             resize = getattr(loader, "_resize", None)
             resize(n, own=False) if resize is not None else loader.resize(n)
@@ -518,6 +520,17 @@ class _Client:
 
 def _dead_ref() -> None:
     return None
+
+
+def _workers_ok(msg: dict) -> bool:
+    """Whether a directive's ``workers`` is a count (an int >= 0); else it is ignored, with one WARNING
+    (never clamped to 0: that would be in-process loading, the biggest change a directive can make)."""
+    n = msg.get("workers")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return True
+    _warn_once("directive-workers", "adloader: ignoring a directive with workers=%r (seq %r): a worker count "
+               "is at least 0", n, msg.get("seq"))
+    return False
 
 
 def _steps(loader: Any) -> int:

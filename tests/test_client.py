@@ -170,6 +170,35 @@ def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch,
         agent.close()
 
 
+def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env, autotune, monkeypatch, caplog):
+    """A directive with workers < 0 was clamped to 0 workers (in-process loading, the biggest change a
+    directive can make). Now nothing changes: no resize, autotune left attached, not counted, the seq
+    not advanced; one WARNING however many such directives come."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=-1, reason="bad"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=-3, reason="bad"))
+            agent.recv("report")
+            assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
+            wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
+            assert client.state()["directives"] == 1 and autotune == [lo]
+        bad = [r for r in caplog.records if "workers=" in r.getMessage() and "ignoring" in r.getMessage()]
+        assert [r.levelno for r in bad] == [logging.WARNING], [r.getMessage() for r in bad]
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
     # a loader garbage-collected without close(): the client thread finds no loader, says bye and
     # stops. A loader made afterwards in the same process must get a client that works (it used to be
