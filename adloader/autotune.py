@@ -174,20 +174,25 @@ def memory_limits() -> tuple[float | None, float | None]:
 
 def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = True, unstarved: bool = True):
     """One window from two ``loader.stats()`` totals (``Observation.from_window``: negative deltas
-    count 0, one rule for blocked time); None if the window is unusable (no steps; and when
-    ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the compute
-    time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the compute
-    time as measured (what a report shows the user)."""
-    from predictor.observation import Observation, counter_deltas
+    count 0, one rule for blocked time); None if the window is unusable (no steps; figures the
+    observation limits refuse, ``BadObservation``: that window is skipped, the next one is used; and
+    when ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the
+    compute time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the
+    compute time as measured (what a report shows the user)."""
+    from predictor.observation import BadObservation, Observation, counter_deltas
 
     if strict and (cur.get("resizes", 0) != prev.get("resizes", 0) or cur.get("workers") != prev.get("workers")):
         return None
     if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
         return None
     compute = counter_deltas(prev, cur, ("compute_s",))["compute_s"]
-    return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
-                                   batch_size=int(cur.get("batch_size") or 1),
-                                   compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
+    try:
+        return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
+                                       batch_size=int(cur.get("batch_size") or 1),
+                                       compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
+    except BadObservation as e:     # skipped: raised here, it would stop the tuner's thread for good
+        log.debug("autotune: window skipped: %s", e)
+        return None
 
 
 def _unstarved_compute(compute_s: float, prev: dict, cur: dict) -> float:
