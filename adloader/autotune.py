@@ -417,7 +417,7 @@ class _Thread(threading.Thread):
                     obs = None      # (a window across the change is measured on neither)
                     shed = self.tuner.cpus_changed(cpus, worker_cap(cpus, getattr(loader, "max_workers", None)))
                     if shed is not None and not self.stop_event.is_set():
-                        loader.resize(shed)
+                        _resize(loader, shed)
                 try:
                     mcap = memory_cap(cur, *memory_limits())
                 except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
@@ -425,7 +425,7 @@ class _Thread(threading.Thread):
                 want = self.tuner.window(obs, mcap)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
-                    loader.resize(want)
+                    _resize(loader, want)
                 loader = None
         except Exception as e:  # never into training: the loader keeps its current count
             log.warning("adloader autotune stopped: %s", e)
@@ -440,6 +440,17 @@ class _Thread(threading.Thread):
             return [os.getpid(), *loader.worker_pids()]
         except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
             return []
+
+
+def _resize(loader, n: int) -> None:
+    """``loader.resize(n)``, through a warning that the filters made an exception (``python -W error``,
+    ``warnings.simplefilter("error")``): the loader warns after the resize is done (an IterableDataset
+    resizes at the next epoch, and says so), and the tuner, which the training script did not ask for
+    that resize, goes on."""
+    try:
+        loader.resize(n)
+    except Warning as w:
+        log.debug("autotune: resize(%d) warned: %s", n, w)
 
 
 class ProcessesCpu:

@@ -12,6 +12,8 @@ Invariants (STYLE 8):
 - Never raises into training: every failure of the client itself is caught and logged at DEBUG
   (a version mismatch or a refusal is logged once at WARNING). Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
+  A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
+  comes after the resize is done: the directive counts as applied.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
@@ -509,7 +511,11 @@ class _Client:
                 n = min(n, cap)
             # an agent's directive is not the job's own choice: requested_workers stays
             resize = getattr(loader, "_resize", None)
-            resize(n, own=False) if resize is not None else loader.resize(n)
+            try:
+                resize(n, own=False) if resize is not None else loader.resize(n)
+            except Warning as w:   # made an exception by the warning filters (-W error): the loader
+                # warns once the resize is done (an IterableDataset's takes effect at the next epoch)
+                log.debug("adloader client: loader.resize(%s) warned: %s", n, w)
             with self._lock:
                 self._info["directives"] += 1
                 self._info["last_directive"] = {k: msg.get(k) for k in ("seq", "workers", "cpus", "cpuset", "reason")}

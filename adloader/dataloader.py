@@ -484,10 +484,14 @@ class DataLoader(tud.DataLoader[T_co]):
             iters = [it for it in list(core.iters) if not it._done]
             idle = [p for p in core.persistent_pools if not any(it._pool is p for it in iters)]
         log.debug("adloader: resize to %d workers", n)
-        for it in iters:
-            it._on_resize(n)
+        notices = [it._on_resize(n) for it in iters]
         for pool in idle:
             pool.resize(n)      # persistent workers between epochs
+        for msg in filter(None, notices):
+            # after every iterator and pool has the new target: where the warning filters make this an
+            # exception (python -W error), the resize is done all the same, and callers that did not ask
+            # for it (autotune, the agent client) catch ``Warning`` and go on
+            warnings.warn(msg, stacklevel=3)
         return n
 
     def worker_pids(self, retiring: bool = True) -> list[int]:
@@ -937,7 +941,8 @@ class _ElasticIter:
         return pool
 
     # ---- resize ------------------------------------------------------------------------------
-    def _on_resize(self, n: int) -> None:
+    def _on_resize(self, n: int) -> Optional[str]:
+        """Take the new target ``n`` into this epoch; a notice for the caller of ``resize``, else None."""
         raise NotImplementedError
 
     # ---- delivery ----------------------------------------------------------------------------
@@ -1342,16 +1347,17 @@ class _IterableIter(_ElasticIter):
                 # else it exited and a poll reports it: its tasks go to its replacement or the epoch ends
                 return
 
-    def _on_resize(self, n: int) -> None:
+    def _on_resize(self, n: int) -> Optional[str]:
         with self._lock:
             if self._done or n == self._epoch_workers:
-                return
+                return None
             msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
                    f"(this epoch's {self._epoch_workers} worker shards are fixed)")
             log.warning(msg)
             if not self._core.warned_iterable_resize:
                 self._core.warned_iterable_resize = True
-                warnings.warn(msg, stacklevel=4)
+                return msg      # warned by ``_resize`` once the resize is done
+            return None
 
     def _on_shard_end(self, s: int) -> None:
         """Worker ``w``'s shard ended at task ``s``: that task and every later one handed to ``w``

@@ -247,6 +247,31 @@ def test_a_window_the_observation_limits_refuse_is_skipped_not_the_end_of_tuning
         autotune.detach(lo)
 
 
+def test_a_resize_warning_made_an_error_does_not_stop_the_tuner(monkeypatch):
+    """Under ``python -W error`` the loader's warning that an IterableDataset resizes at the next epoch
+    is an exception: raised through the tuner's ``loader.resize``, it stopped the tuner's thread. The
+    resize is done when the loader warns: the tuner goes on."""
+    import warnings
+
+    class WarnsOnResize(_SimulatedLoader):
+        def resize(self, n):
+            super().resize(n)
+            warnings.warn(f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch")
+
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 4.0)
+    lo = WarnsOnResize(1, 4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autotune.attach(lo, window_s=0.02)
+        try:
+            wait_for(lambda: lo.num_workers > 1, what="the first move")
+            moved_at = autotune.tuner_of(lo).history[0][0]
+            wait_for(lambda: (t := autotune.tuner_of(lo)) is not None and t.n_windows >= moved_at + 4,
+                     what="windows after the move (the tuner's thread alive)")
+        finally:
+            autotune.detach(lo)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_tuner_settles_when_noise_moves_the_knee_back_and_forth(seed):
     # an IO-bound job under half a CPU whose knee sits on a flat stretch (3 workers reach 98% of the

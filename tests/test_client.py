@@ -199,6 +199,35 @@ def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env,
         agent.close()
 
 
+def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(base, endpoint_env, monkeypatch):
+    """Under ``python -W error`` the loader's warning that an IterableDataset resizes at the next epoch
+    is an exception, raised after the resize is done: the client counted the directive as failed. It
+    is applied and counted, and the client goes on with the next one."""
+    import warnings
+
+    class WarnsOnResize(Loader):
+        def resize(self, n):
+            super().resize(n)
+            warnings.warn(f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch")
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = WarnsOnResize(workers=2, max_workers=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=4, reason="r"))
+            wait_for(lambda: client.state().get("directives") == 2, what="both directives applied and counted")
+            assert lo.resizes == [3, 4] and client.state()["last_directive"]["applied_workers"] == 4
+        finally:
+            _detach_all(lo)
+            agent.close()
+
+
 def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
     # a loader garbage-collected without close(): the client thread finds no loader, says bye and
     # stops. A loader made afterwards in the same process must get a client that works (it used to be
