@@ -21,11 +21,17 @@ Invariants (STYLE 8):
   fork starts a fresh client only if called there, which the loader never does).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers``. The primary
-  is the attached loader that has handed out the most batches (``_steps``; the first attached on a
-  tie): the training loader, also where a validation loader is iterated first (Lightning's sanity
-  check runs two validation batches before training starts). When another loader overtakes it, the
-  session's last directive moves to the new primary and the old one goes back to its own count
-  (``requested_workers``). Before it first applies a directive to a loader it calls
+  is the attached loader with the longest pass: the most batches handed out by one epoch's iterator,
+  its longest so far or the one running (``_pass_steps``; the current primary, else the first
+  attached, on a tie). That is the training loader, whose epoch is longer than a validation pass:
+  also where a validation loader is iterated first (Lightning's sanity check runs two validation
+  batches before training starts), during each validation pass (the training loader's last epoch
+  still counts, so nothing moves), and where the training script builds a new training loader every
+  epoch beside one long-lived validation loader (the new one takes the role once its epoch has handed
+  out more batches than the validation loader's longest pass; by lifetime batches, the rule before,
+  the validation loader won for good once its total passed one training epoch). When another loader
+  overtakes it, the session's last directive moves to the new primary and the old one goes back to
+  its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
@@ -217,8 +223,8 @@ class _Client:
             return dict(self._info)
 
     def _primary(self) -> Any:
-        """The loader to report and direct (module docstring): of the attached loaders, the one that has
-        handed out the most batches; the current one, else the first attached, on a tie."""
+        """The loader to report and direct (module docstring): of the attached loaders, the one whose
+        longest pass handed out the most batches; the current one, else the first attached, on a tie."""
         with self._lock:
             self._loaders = [r for r in self._loaders if r() is not None]
             alive = [r() for r in self._loaders]
@@ -227,9 +233,9 @@ class _Client:
         if not alive:
             return None
         best = current if any(lo is current for lo in alive) else alive[0]
-        most = _steps(best)
+        most = _pass_steps(best)
         for lo in alive:
-            n = _steps(lo)
+            n = _pass_steps(lo)
             if n > most:
                 best, most = lo, n
         if best is not current:
@@ -539,11 +545,11 @@ def _workers_ok(msg: dict) -> bool:
     return False
 
 
-def _steps(loader: Any) -> int:
-    """Batches ``loader`` has handed out (its elastic state's counter, cheap, unlike ``stats()``);
-    0 for a loader without one."""
+def _pass_steps(loader: Any) -> int:
+    """The most batches one pass (epoch) of ``loader`` has handed out (its elastic state's
+    ``pass_steps()``, cheap, unlike ``stats()``); 0 for a loader without one."""
     try:
-        n = loader.elastic_state.counters.steps
+        n = loader.elastic_state.pass_steps()
     except Exception:
         return 0
     return n if isinstance(n, int) and not isinstance(n, bool) else 0

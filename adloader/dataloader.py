@@ -241,6 +241,8 @@ class _Core:
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
         self.prefetch_factor = 2
         self.steps_goal: Optional[tuple[int, int]] = None   # (steps still to hand out, counters.steps then)
+        self.pass_start_steps = 0       # counters.steps when the latest pass (an epoch's iterator) began
+        self.longest_pass_steps = 0     # the most batches one earlier pass handed out (finished or abandoned)
 
     def __reduce__(self):
         """A deep or pickled copy of a loader (``copy.deepcopy``, ``pickle``: a loader sent to another
@@ -251,6 +253,14 @@ class _Core:
             left = None if goal is None else max(0, goal[0] - (self.counters.steps - goal[1]))
             return (_copied_core, (self.target, self.max_workers, self.auto, self.requested, self.epoch,
                                    self.next_epoch, left, self.closed))
+
+    def pass_steps(self) -> int:
+        """The most batches one pass of this state handed out: its longest earlier pass, or the one
+        running if that is longer (the agent client's choice of the training loader). Read without the
+        lock: ``_start_epoch`` writes ``longest_pass_steps`` before ``pass_start_steps``, and this reads
+        them the other way round, so a pass that just ended is counted in one of the two."""
+        start = self.pass_start_steps
+        return max(self.longest_pass_steps, self.counters.steps - start)
 
     def pools(self) -> list[WorkerPool]:
         with self.lock:
@@ -827,6 +837,9 @@ class _ElasticIter:
                     core.next_epoch = resume["epoch"]
                 self._epoch = core.epoch = core.next_epoch
                 core.next_epoch += 1
+                steps = core.counters.steps     # (this order: ``_Core.pass_steps``)
+                core.longest_pass_steps = max(core.longest_pass_steps, steps - core.pass_start_steps)
+                core.pass_start_steps = steps
             self._seq = Sequencer(cfg.in_order)
             self._error: BaseException | None = None
             self._t_last: float | None = None

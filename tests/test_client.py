@@ -300,8 +300,8 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
     """A validation loader iterated before the training loader (Lightning's sanity check runs two
     validation batches before training starts) was the client's loader for good: its idle stats were
     reported and the agent's directives resized it, while the training loader kept its own count. The
-    loader that has handed out the most batches is the one reported and directed; when the training
-    loader overtakes, it gets the agent's last count and the other goes back to its own."""
+    loader whose longest pass handed out the most batches is the one reported and directed; when the
+    training loader overtakes, it gets the agent's last count and the other goes back to its own."""
     pytest.importorskip("torch")
     from adloader import DataLoader
 
@@ -331,6 +331,64 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
         for lo in (train, val):
             lo.close()
         agent.close()
+
+
+def _choose(c, *loaders):
+    """The primary of ``loaders`` (attached in this order) by ``c``'s rule."""
+    import weakref
+
+    c._loaders = [weakref.ref(lo) for lo in loaders]
+    return c._primary()
+
+
+def test_a_training_loader_rebuilt_every_epoch_stays_the_primary_beside_a_long_lived_validation_loader(
+        endpoint_env, monkeypatch):
+    """Some training scripts build a new DataLoader for every epoch. By lifetime batches the long-lived
+    validation loader (here 4 batches a pass, 12 after three epochs) won over every later epoch's
+    training loader (10 batches) for good: its idle stats were reported and the directives resized it.
+    By the longest pass, the new training loader takes the role within its epoch (once past the
+    validation loader's 4), keeps it through the validation pass, and Lightning's sanity check (two
+    validation batches before training) does not win either."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")      # the test's own client, nothing attached by the loaders
+    c = client._Client()
+    val = DataLoader(list(range(16)), batch_size=4, num_workers=0)
+    sanity = iter(val)
+    next(sanity), next(sanity)
+    del sanity
+    for epoch in range(5):
+        train = DataLoader(list(range(40)), batch_size=4, num_workers=0)
+        primary = [_choose(c, val, train) is train for _ in train]
+        assert all(primary[4:]), (epoch, primary)   # from the 5th batch on: more than val's pass of 4
+        assert [_choose(c, val, train) is train for _ in val] == [True] * 4, epoch
+        train.close()
+    val.close()
+
+
+def test_a_validation_loader_iterated_within_every_epoch_does_not_take_the_role(endpoint_env, monkeypatch):
+    """Validation twice an epoch (Lightning's ``val_check_interval=0.5``), 6 batches a pass, beside a
+    training loader of 10 batches an epoch: by lifetime batches the validation loader (12 an epoch) won
+    from the first epoch on. By the longest pass the training loader is the primary from its first
+    full epoch on, through every validation pass."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    c = client._Client()
+    train = DataLoader(list(range(40)), batch_size=4, num_workers=0)
+    val = DataLoader(list(range(24)), batch_size=4, num_workers=0)
+    for epoch in range(4):
+        seen = []
+        for i, _ in enumerate(train):
+            seen.append(_choose(c, train, val) is train)
+            if i in (4, 9):
+                seen += [_choose(c, train, val) is train for _ in val]
+        if epoch:
+            assert all(seen), (epoch, seen)
+    train.close()
+    val.close()
 
 
 def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
