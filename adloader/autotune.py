@@ -174,20 +174,25 @@ def memory_limits() -> tuple[float | None, float | None]:
 
 def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = True, unstarved: bool = True):
     """One window from two ``loader.stats()`` totals (``Observation.from_window``: negative deltas
-    count 0, one rule for blocked time); None if the window is unusable (no steps; and when
-    ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the compute
-    time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the compute
-    time as measured (what a report shows the user)."""
-    from predictor.observation import Observation, counter_deltas
+    count 0, one rule for blocked time); None if the window is unusable (no steps; figures the
+    observation limits refuse, ``BadObservation``: that window is skipped, the next one is used; and
+    when ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the
+    compute time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the
+    compute time as measured (what a report shows the user)."""
+    from predictor.observation import BadObservation, Observation, counter_deltas
 
     if strict and (cur.get("resizes", 0) != prev.get("resizes", 0) or cur.get("workers") != prev.get("workers")):
         return None
     if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
         return None
     compute = counter_deltas(prev, cur, ("compute_s",))["compute_s"]
-    return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
-                                   batch_size=int(cur.get("batch_size") or 1),
-                                   compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
+    try:
+        return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
+                                       batch_size=int(cur.get("batch_size") or 1),
+                                       compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
+    except BadObservation as e:     # skipped: raised here, it would stop the tuner's thread for good
+        log.debug("autotune: window skipped: %s", e)
+        return None
 
 
 def _unstarved_compute(compute_s: float, prev: dict, cur: dict) -> float:
@@ -412,7 +417,7 @@ class _Thread(threading.Thread):
                     obs = None      # (a window across the change is measured on neither)
                     shed = self.tuner.cpus_changed(cpus, worker_cap(cpus, getattr(loader, "max_workers", None)))
                     if shed is not None and not self.stop_event.is_set():
-                        loader.resize(shed)
+                        _resize(loader, shed)
                 try:
                     mcap = memory_cap(cur, *memory_limits())
                 except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
@@ -420,7 +425,7 @@ class _Thread(threading.Thread):
                 want = self.tuner.window(obs, mcap)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
-                    loader.resize(want)
+                    _resize(loader, want)
                 loader = None
         except Exception as e:  # never into training: the loader keeps its current count
             log.warning("adloader autotune stopped: %s", e)
@@ -435,6 +440,17 @@ class _Thread(threading.Thread):
             return [os.getpid(), *loader.worker_pids()]
         except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
             return []
+
+
+def _resize(loader, n: int) -> None:
+    """``loader.resize(n)``, through a warning that the filters made an exception (``python -W error``,
+    ``warnings.simplefilter("error")``): the loader warns after the resize is done (an IterableDataset
+    resizes at the next epoch, and says so), and the tuner, which the training script did not ask for
+    that resize, goes on."""
+    try:
+        loader.resize(n)
+    except Warning as w:
+        log.debug("autotune: resize(%d) warned: %s", n, w)
 
 
 class ProcessesCpu:

@@ -12,6 +12,8 @@ Invariants (STYLE 8):
 - Never raises into training: every failure of the client itself is caught and logged at DEBUG
   (a version mismatch or a refusal is logged once at WARNING). Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
+  A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
+  comes after the resize is done: the directive counts as applied.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
@@ -19,14 +21,22 @@ Invariants (STYLE 8):
   fork starts a fresh client only if called there, which the loader never does).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers``. The primary
-  is the attached loader that has handed out the most batches (``_steps``; the first attached on a
-  tie): the training loader, also where a validation loader is iterated first (Lightning's sanity
-  check runs two validation batches before training starts). When another loader overtakes it, the
-  session's last directive moves to the new primary and the old one goes back to its own count
-  (``requested_workers``). Before it first applies a directive to a loader it calls
+  is the attached loader with the longest pass: the most batches handed out by one epoch's iterator,
+  its longest so far or the one running (``_pass_steps``; the current primary, else the first
+  attached, on a tie). That is the training loader, whose epoch is longer than a validation pass:
+  also where a validation loader is iterated first (Lightning's sanity check runs two validation
+  batches before training starts), during each validation pass (the training loader's last epoch
+  still counts, so nothing moves), and where the training script builds a new training loader every
+  epoch beside one long-lived validation loader (the new one takes the role once its epoch has handed
+  out more batches than the validation loader's longest pass; by lifetime batches, the rule before,
+  the validation loader won for good once its total passed one training epoch). When another loader
+  overtakes it, the session's last directive moves to the new primary and the old one goes back to
+  its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
-  this session (since the last welcome) is ignored.
+  this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
+  process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
+  not counted and does not move the seq.
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
 - The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
@@ -213,8 +223,8 @@ class _Client:
             return dict(self._info)
 
     def _primary(self) -> Any:
-        """The loader to report and direct (module docstring): of the attached loaders, the one that has
-        handed out the most batches; the current one, else the first attached, on a tie."""
+        """The loader to report and direct (module docstring): of the attached loaders, the one whose
+        longest pass handed out the most batches; the current one, else the first attached, on a tie."""
         with self._lock:
             self._loaders = [r for r in self._loaders if r() is not None]
             alive = [r() for r in self._loaders]
@@ -223,9 +233,9 @@ class _Client:
         if not alive:
             return None
         best = current if any(lo is current for lo in alive) else alive[0]
-        most = _steps(best)
+        most = _pass_steps(best)
         for lo in alive:
-            n = _steps(lo)
+            n = _pass_steps(lo)
             if n > most:
                 best, most = lo, n
         if best is not current:
@@ -377,7 +387,12 @@ class _Client:
                             self._set(connected=True)
                             self._bump("welcomes")
                         elif t == "directive":
-                            if msg["seq"] > last_seq:
+                            if msg["job"] != self.job:
+                                # not ours (an agent that mixed up its connections): not applied, not
+                                # counted, and its seq says nothing about ours
+                                _warn_once("directive-job", "adloader: ignoring a directive for job %r "
+                                           "(this process is job %r)", msg["job"], self.job)
+                            elif msg["seq"] > last_seq and _workers_ok(msg):
                                 last_seq = msg["seq"]
                                 target = self._primary()
                                 if target is not None:
@@ -494,14 +509,19 @@ class _Client:
 
     def _apply(self, loader, msg: dict) -> None:
         n = msg["workers"]
+        if not _workers_ok(msg):    # (the session loop drops such a directive before it gets here)
+            return
         try:
             cap = getattr(loader, "max_workers", None)
             if isinstance(cap, int) and not isinstance(cap, bool):
                 n = min(n, cap)
-            n = max(0, n)
             # an agent's directive is not the job's own choice: requested_workers stays
             resize = getattr(loader, "_resize", None)
-            resize(n, own=False) if resize is not None else loader.resize(n)
+            try:
+                resize(n, own=False) if resize is not None else loader.resize(n)
+            except Warning as w:   # made an exception by the warning filters (-W error): the loader
+                # warns once the resize is done (an IterableDataset's takes effect at the next epoch)
+                log.debug("adloader client: loader.resize(%s) warned: %s", n, w)
             with self._lock:
                 self._info["directives"] += 1
                 self._info["last_directive"] = {k: msg.get(k) for k in ("seq", "workers", "cpus", "cpuset", "reason")}
@@ -514,11 +534,22 @@ def _dead_ref() -> None:
     return None
 
 
-def _steps(loader: Any) -> int:
-    """Batches ``loader`` has handed out (its elastic state's counter, cheap, unlike ``stats()``);
-    0 for a loader without one."""
+def _workers_ok(msg: dict) -> bool:
+    """Whether a directive's ``workers`` is a count (an int >= 0); else it is ignored, with one WARNING
+    (never clamped to 0: that would be in-process loading, the biggest change a directive can make)."""
+    n = msg.get("workers")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return True
+    _warn_once("directive-workers", "adloader: ignoring a directive with workers=%r (seq %r): a worker count "
+               "is at least 0", n, msg.get("seq"))
+    return False
+
+
+def _pass_steps(loader: Any) -> int:
+    """The most batches one pass (epoch) of ``loader`` has handed out (its elastic state's
+    ``pass_steps()``, cheap, unlike ``stats()``); 0 for a loader without one."""
     try:
-        n = loader.elastic_state.counters.steps
+        n = loader.elastic_state.pass_steps()
     except Exception:
         return 0
     return n if isinstance(n, int) and not isinstance(n, bool) else 0

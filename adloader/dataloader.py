@@ -241,6 +241,8 @@ class _Core:
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
         self.prefetch_factor = 2
         self.steps_goal: Optional[tuple[int, int]] = None   # (steps still to hand out, counters.steps then)
+        self.pass_start_steps = 0       # counters.steps when the latest pass (an epoch's iterator) began
+        self.longest_pass_steps = 0     # the most batches one earlier pass handed out (finished or abandoned)
 
     def __reduce__(self):
         """A deep or pickled copy of a loader (``copy.deepcopy``, ``pickle``: a loader sent to another
@@ -251,6 +253,14 @@ class _Core:
             left = None if goal is None else max(0, goal[0] - (self.counters.steps - goal[1]))
             return (_copied_core, (self.target, self.max_workers, self.auto, self.requested, self.epoch,
                                    self.next_epoch, left, self.closed))
+
+    def pass_steps(self) -> int:
+        """The most batches one pass of this state handed out: its longest earlier pass, or the one
+        running if that is longer (the agent client's choice of the training loader). Read without the
+        lock: ``_start_epoch`` writes ``longest_pass_steps`` before ``pass_start_steps``, and this reads
+        them the other way round, so a pass that just ended is counted in one of the two."""
+        start = self.pass_start_steps
+        return max(self.longest_pass_steps, self.counters.steps - start)
 
     def pools(self) -> list[WorkerPool]:
         with self.lock:
@@ -484,10 +494,14 @@ class DataLoader(tud.DataLoader[T_co]):
             iters = [it for it in list(core.iters) if not it._done]
             idle = [p for p in core.persistent_pools if not any(it._pool is p for it in iters)]
         log.debug("adloader: resize to %d workers", n)
-        for it in iters:
-            it._on_resize(n)
+        notices = [it._on_resize(n) for it in iters]
         for pool in idle:
             pool.resize(n)      # persistent workers between epochs
+        for msg in filter(None, notices):
+            # after every iterator and pool has the new target: where the warning filters make this an
+            # exception (python -W error), the resize is done all the same, and callers that did not ask
+            # for it (autotune, the agent client) catch ``Warning`` and go on
+            warnings.warn(msg, stacklevel=3)
         return n
 
     def worker_pids(self, retiring: bool = True) -> list[int]:
@@ -823,6 +837,9 @@ class _ElasticIter:
                     core.next_epoch = resume["epoch"]
                 self._epoch = core.epoch = core.next_epoch
                 core.next_epoch += 1
+                steps = core.counters.steps     # (this order: ``_Core.pass_steps``)
+                core.longest_pass_steps = max(core.longest_pass_steps, steps - core.pass_start_steps)
+                core.pass_start_steps = steps
             self._seq = Sequencer(cfg.in_order)
             self._error: BaseException | None = None
             self._t_last: float | None = None
@@ -937,7 +954,8 @@ class _ElasticIter:
         return pool
 
     # ---- resize ------------------------------------------------------------------------------
-    def _on_resize(self, n: int) -> None:
+    def _on_resize(self, n: int) -> Optional[str]:
+        """Take the new target ``n`` into this epoch; a notice for the caller of ``resize``, else None."""
         raise NotImplementedError
 
     # ---- delivery ----------------------------------------------------------------------------
@@ -1342,16 +1360,17 @@ class _IterableIter(_ElasticIter):
                 # else it exited and a poll reports it: its tasks go to its replacement or the epoch ends
                 return
 
-    def _on_resize(self, n: int) -> None:
+    def _on_resize(self, n: int) -> Optional[str]:
         with self._lock:
             if self._done or n == self._epoch_workers:
-                return
+                return None
             msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
                    f"(this epoch's {self._epoch_workers} worker shards are fixed)")
             log.warning(msg)
             if not self._core.warned_iterable_resize:
                 self._core.warned_iterable_resize = True
-                warnings.warn(msg, stacklevel=4)
+                return msg      # warned by ``_resize`` once the resize is done
+            return None
 
     def _on_shard_end(self, s: int) -> None:
         """Worker ``w``'s shard ended at task ``s``: that task and every later one handed to ``w``

@@ -51,6 +51,9 @@ Notes on use (v1.0, no wire change; agentd):
   characters. Slurm ids (``4242``, array ``4242_7``), ``pid-<pid>`` and ``torchrun-<run id>`` fit. The
   agent refuses any other id with ``malformed`` before it touches its registry; a cgroup name is made
   from the id one-to-one (``agent.actuators.cgroup.group_name``).
+- A directive's ``workers`` is a count, at least 0 (0: the loader loads in the training process).
+  ``validate`` checks types only; a client ignores a directive with a negative count (one warning),
+  it does not clamp it to 0.
 - Integers are at most ``MAX_INT_DIGITS`` digits (a 4,000-digit number is ``malformed``, not an
   ``OverflowError`` deep inside the agent); ``NaN``, ``Infinity`` and numbers that overflow a float
   are ``malformed`` too.

@@ -196,6 +196,82 @@ def test_the_tuner_thread_reads_the_cpus_again_every_window(monkeypatch):
         autotune.detach(lo)
 
 
+class _SimulatedLoader:
+    """A loader whose ``stats()`` totals grow by one ``simulated_window`` at its current worker count per
+    call; the calls numbered in ``absurd`` add a step of ~31 years (past the observation limits)."""
+    max_workers = None
+
+    def __init__(self, workers, cpus, absurd=()):
+        self.num_workers, self.cpus, self.absurd, self.calls = workers, cpus, set(absurd), 0
+        self.totals = _totals(0, 0, 0, workers, 0.0)
+
+    def stats(self):
+        self.calls += 1
+        t = self.totals
+        if self.calls > 1:
+            o = simulated_window(self.num_workers, self.cpus)
+            n = o.steps
+            t["steps"] += n
+            t["samples"] += n * o.batch_size
+            t["batches"] += n
+            t["uptime_s"] += o.duration_s
+            t["data_wait_s"] += n * o.data_wait_s_per_step
+            t["compute_s"] += n * o.compute_s_per_step + (1e9 if self.calls in self.absurd else 0.0)
+            t["worker_cpu_s"] += n * o.cpu_s_per_batch
+            t["worker_wall_s"] += n * o.wall_s_per_batch
+            t["worker_runq_s"] += n * o.runq_s_per_batch
+        t["workers"] = t["live_workers"] = self.num_workers
+        return dict(t)
+
+    def resize(self, n):
+        self.num_workers = n
+        self.totals["resizes"] += 1
+
+    def worker_pids(self):
+        return []
+
+
+def test_a_window_the_observation_limits_refuse_is_skipped_not_the_end_of_tuning(monkeypatch):
+    """An absurd window (here a step of ~31 years: the observation limits refuse it with BadObservation)
+    raised out of observation_from_totals and stopped the tuner's thread for good. It is skipped: the
+    tuner goes on with the next windows and still moves a starved job's worker count."""
+    a, b = _totals(10, 80, 10, 2, 1.0, compute=0.5), _totals(30, 240, 30, 2, 3.0, compute=1e9)
+    assert autotune.observation_from_totals(a, b, cores=1.5) is None
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 4.0)
+    lo = _SimulatedLoader(1, 4.0, absurd={2})     # the first window is absurd
+    autotune.attach(lo, window_s=0.02)
+    try:
+        wait_for(lambda: lo.num_workers > 1, what="a move after the absurd window")
+        assert autotune.tuner_of(lo) is not None and autotune.tuner_of(lo).history[0][1] == lo.num_workers
+    finally:
+        autotune.detach(lo)
+
+
+def test_a_resize_warning_made_an_error_does_not_stop_the_tuner(monkeypatch):
+    """Under ``python -W error`` the loader's warning that an IterableDataset resizes at the next epoch
+    is an exception: raised through the tuner's ``loader.resize``, it stopped the tuner's thread. The
+    resize is done when the loader warns: the tuner goes on."""
+    import warnings
+
+    class WarnsOnResize(_SimulatedLoader):
+        def resize(self, n):
+            super().resize(n)
+            warnings.warn(f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch")
+
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 4.0)
+    lo = WarnsOnResize(1, 4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autotune.attach(lo, window_s=0.02)
+        try:
+            wait_for(lambda: lo.num_workers > 1, what="the first move")
+            moved_at = autotune.tuner_of(lo).history[0][0]
+            wait_for(lambda: (t := autotune.tuner_of(lo)) is not None and t.n_windows >= moved_at + 4,
+                     what="windows after the move (the tuner's thread alive)")
+        finally:
+            autotune.detach(lo)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_tuner_settles_when_noise_moves_the_knee_back_and_forth(seed):
     # an IO-bound job under half a CPU whose knee sits on a flat stretch (3 workers reach 98% of the

@@ -141,6 +141,93 @@ def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch)
         agent.close()
 
 
+def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch, caplog):
+    """A directive whose job is not this process's (an agent that mixed up its connections) was
+    applied, counted, and its seq held back this job's own directives. Now it is ignored (not applied,
+    not counted, seq unchanged) and logged once, naming both jobs."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="other-job", seq=5, workers=7, reason="not yours"))
+            agent.send(ident, protocol.make("directive", job="other-job", seq=6, workers=6, reason="not yours"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
+            wait_for(lambda: lo.resizes == [3], what=f"only this job's directive applied (resizes {lo.resizes})")
+            st = client.state()
+            assert st["directives"] == 1 and st["last_directive"]["seq"] == 1
+        foreign = [r.getMessage() for r in caplog.records if "other-job" in r.getMessage()]
+        assert len(foreign) == 1 and "unit-job" in foreign[0], foreign
+        assert [r.levelno for r in caplog.records if "other-job" in r.getMessage()] == [logging.WARNING]
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env, autotune, monkeypatch, caplog):
+    """A directive with workers < 0 was clamped to 0 workers (in-process loading, the biggest change a
+    directive can make). Now nothing changes: no resize, autotune left attached, not counted, the seq
+    not advanced; one WARNING however many such directives come."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=-1, reason="bad"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=-3, reason="bad"))
+            agent.recv("report")
+            assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
+            wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
+            assert client.state()["directives"] == 1 and autotune == [lo]
+        bad = [r for r in caplog.records if "workers=" in r.getMessage() and "ignoring" in r.getMessage()]
+        assert [r.levelno for r in bad] == [logging.WARNING], [r.getMessage() for r in bad]
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(base, endpoint_env, monkeypatch):
+    """Under ``python -W error`` the loader's warning that an IterableDataset resizes at the next epoch
+    is an exception, raised after the resize is done: the client counted the directive as failed. It
+    is applied and counted, and the client goes on with the next one."""
+    import warnings
+
+    class WarnsOnResize(Loader):
+        def resize(self, n):
+            super().resize(n)
+            warnings.warn(f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch")
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = WarnsOnResize(workers=2, max_workers=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=4, reason="r"))
+            wait_for(lambda: client.state().get("directives") == 2, what="both directives applied and counted")
+            assert lo.resizes == [3, 4] and client.state()["last_directive"]["applied_workers"] == 4
+        finally:
+            _detach_all(lo)
+            agent.close()
+
+
 def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
     # a loader garbage-collected without close(): the client thread finds no loader, says bye and
     # stops. A loader made afterwards in the same process must get a client that works (it used to be
@@ -213,8 +300,8 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
     """A validation loader iterated before the training loader (Lightning's sanity check runs two
     validation batches before training starts) was the client's loader for good: its idle stats were
     reported and the agent's directives resized it, while the training loader kept its own count. The
-    loader that has handed out the most batches is the one reported and directed; when the training
-    loader overtakes, it gets the agent's last count and the other goes back to its own."""
+    loader whose longest pass handed out the most batches is the one reported and directed; when the
+    training loader overtakes, it gets the agent's last count and the other goes back to its own."""
     pytest.importorskip("torch")
     from adloader import DataLoader
 
@@ -244,6 +331,64 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
         for lo in (train, val):
             lo.close()
         agent.close()
+
+
+def _choose(c, *loaders):
+    """The primary of ``loaders`` (attached in this order) by ``c``'s rule."""
+    import weakref
+
+    c._loaders = [weakref.ref(lo) for lo in loaders]
+    return c._primary()
+
+
+def test_a_training_loader_rebuilt_every_epoch_stays_the_primary_beside_a_long_lived_validation_loader(
+        endpoint_env, monkeypatch):
+    """Some training scripts build a new DataLoader for every epoch. By lifetime batches the long-lived
+    validation loader (here 4 batches a pass, 12 after three epochs) won over every later epoch's
+    training loader (10 batches) for good: its idle stats were reported and the directives resized it.
+    By the longest pass, the new training loader takes the role within its epoch (once past the
+    validation loader's 4), keeps it through the validation pass, and Lightning's sanity check (two
+    validation batches before training) does not win either."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")      # the test's own client, nothing attached by the loaders
+    c = client._Client()
+    val = DataLoader(list(range(16)), batch_size=4, num_workers=0)
+    sanity = iter(val)
+    next(sanity), next(sanity)
+    del sanity
+    for epoch in range(5):
+        train = DataLoader(list(range(40)), batch_size=4, num_workers=0)
+        primary = [_choose(c, val, train) is train for _ in train]
+        assert all(primary[4:]), (epoch, primary)   # from the 5th batch on: more than val's pass of 4
+        assert [_choose(c, val, train) is train for _ in val] == [True] * 4, epoch
+        train.close()
+    val.close()
+
+
+def test_a_validation_loader_iterated_within_every_epoch_does_not_take_the_role(endpoint_env, monkeypatch):
+    """Validation twice an epoch (Lightning's ``val_check_interval=0.5``), 6 batches a pass, beside a
+    training loader of 10 batches an epoch: by lifetime batches the validation loader (12 an epoch) won
+    from the first epoch on. By the longest pass the training loader is the primary from its first
+    full epoch on, through every validation pass."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    c = client._Client()
+    train = DataLoader(list(range(40)), batch_size=4, num_workers=0)
+    val = DataLoader(list(range(24)), batch_size=4, num_workers=0)
+    for epoch in range(4):
+        seen = []
+        for i, _ in enumerate(train):
+            seen.append(_choose(c, train, val) is train)
+            if i in (4, 9):
+                seen += [_choose(c, train, val) is train for _ in val]
+        if epoch:
+            assert all(seen), (epoch, seen)
+    train.close()
+    val.close()
 
 
 def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):

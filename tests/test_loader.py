@@ -391,6 +391,31 @@ def test_iterable_resize_waits_for_next_epoch_and_says_so():
     dl.close()
 
 
+def test_iterable_resize_warning_made_an_error_comes_after_the_resize_is_done():
+    """Under ``python -W error`` the mid-epoch warning of an IterableDataset's resize raised from inside
+    ``resize``, before the idle persistent workers of a loader sharing its state were resized (here they
+    stayed at 1). The warning comes once the resize is done: a caller that catches it (autotune, the
+    agent client) has resized all the same."""
+    dl = DataLoader(Shards(40), batch_size=2, num_workers=1, max_workers=3, persistent_workers=True)
+    copy = DataLoader(Shards(40), batch_size=2, num_workers=1, persistent_workers=True,
+                      elastic_state=dl.elastic_state)
+    try:
+        assert len(list(copy)) == 20                    # its persistent worker waits between epochs
+        it = iter(dl)
+        next(it)
+        before = len(dl.worker_pids(retiring=False))    # the state's pools: dl's epoch and copy's idle one
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match="next epoch"):
+                dl.resize(2)
+        assert dl.num_workers == 2 and len(dl.worker_pids(retiring=False)) == before + 1
+        rest = list(it)
+        assert set(torch.cat(rest)[:, 1].tolist()) == {1}    # this epoch keeps its shards
+    finally:
+        copy.close()
+        dl.close()
+
+
 def test_get_worker_info_and_worker_init_fn():
     dl = DataLoader(WhoAmI(30, sleep_s=0.001), batch_size=3, num_workers=3, max_workers=5,
                     worker_init_fn=init_marks_worker)

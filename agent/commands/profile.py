@@ -148,7 +148,8 @@ def analyse(reports: list[dict], cores: float) -> dict:
     # the predictor's windows below take the trainer's run-queue wait out, as the agent does
     whole = observation_from_totals(first, last, cores, strict=False, unstarved=False)
     if whole is None:
-        return {"error": "no steps between the first and the last report"}
+        return {"error": "no usable window between the first and the last report (no steps, or figures "
+                         "beyond the observation limits of predictor.observation)"}
     bank = PredictorBank(prior="default")
     # windows of at least WINDOW_MIN_S and WINDOW_MIN_STEPS (reports come every second or so; a
     # window of a few steps is mostly noise), never across a resize
