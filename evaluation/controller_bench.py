@@ -65,7 +65,6 @@ def make_bank():
 class NullActuator:
     name = "null"
     tracks_pids = True
-    may_block = False      # the bench times the controller, not a thread hand-off per call
 
     def apply(self, job, desired):
         return ApplyResult(job=job.job, ok=True, applied=desired)
