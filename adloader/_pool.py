@@ -521,17 +521,41 @@ class WorkerPool:
             slots = list(self.slots.values())
             for slot in slots:
                 self._send_ctrl(slot, Control.EXIT)
+        # Each step runs to the end even when something raises out of a wait: a signal handler does
+        # (torch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" for a worker of
+        # a torch DataLoader of this process, torch/utils/data/_utils/signal_handling.py). _closed is
+        # already set, so a shutdown cut short there would never be retried: its workers would be left
+        # running and its channels open. The first error is raised once everything is stopped.
+        interrupted: BaseException | None = None
+
+        def step(fn, *args, **kw) -> None:
+            nonlocal interrupted
+            try:
+                fn(*args, **kw)
+            except Exception as e:   # noqa: BLE001 — raised again below, after the cleanup
+                if interrupted is None:
+                    interrupted = e
+
         deadline = time.monotonic() + timeout_s
         for slot in slots:
-            slot.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            step(slot.proc.join, timeout=max(0.0, deadline - time.monotonic()))
         for slot in slots:
             if slot.proc.is_alive():
-                slot.proc.terminate()
+                step(slot.proc.terminate)
         for slot in slots:
-            slot.proc.join(timeout=1.0)
+            step(slot.proc.join, timeout=1.0)
             if slot.proc.is_alive():
-                slot.proc.kill()
-                slot.proc.join(timeout=1.0)
+                step(slot.proc.kill)
+                step(slot.proc.join, timeout=1.0)
+        try:
+            self._close_channels(slots)
+        finally:
+            if interrupted is not None:
+                raise interrupted
+
+    def _close_channels(self, slots: list) -> None:
+        """shutdown's last part: forget ``slots``, close the task queue, stop the reaper, close the fds
+        (these last whatever interrupts the reaper's join)."""
         with self.lock:
             for slot in slots:
                 self._forget(slot)
@@ -544,13 +568,16 @@ class WorkerPool:
                 os.write(self._reap_wake_w, b"x")
             except OSError:
                 pass
-            reaper.join(timeout=2.0)    # it takes _poll_lock: a poll() waits 1 s at most
-        with self.lock:
-            for fd in (self._wake_r, self._wake_w, self._reap_wake_r, self._reap_wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._epoll.close()
-            self._reap_epoll.close()
+        try:
+            if reaper is not None and reaper is not threading.current_thread():
+                reaper.join(timeout=2.0)    # it takes _poll_lock: a poll() waits 1 s at most
+        finally:
+            with self.lock:
+                for fd in (self._wake_r, self._wake_w, self._reap_wake_r, self._reap_wake_w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                self._epoll.close()
+                self._reap_epoll.close()
 

@@ -244,3 +244,36 @@ def test_workers_that_cannot_start_raise_like_torch_and_leave_no_file_descriptor
     gc.collect()
     wait_for(lambda: _open_fds() <= before, timeout=10,
              what=f"open file descriptors back to {before} (now {_open_fds()})")
+
+
+def test_a_shutdown_interrupted_by_a_signal_handlers_error_still_stops_every_worker():
+    """torch's SIGCHLD handler raises ("DataLoader worker ... is killed by signal") wherever the main
+    thread is, also inside this pool's wait for its own workers when a worker of a torch DataLoader of
+    the same process dies. The shutdown is not retried (it is idempotent), so it must finish: every
+    worker stopped, every channel closed, and then the error raised."""
+    from adloader import DataLoader
+    from tests.loader_datasets import Indexed
+
+    dl = DataLoader(Indexed(10_000, sleep_s=0.001), batch_size=4, num_workers=2, max_workers=2)
+    it = iter(dl)
+    next(it)
+    pool = it._pool
+    pids = pool.worker_pids()
+    assert len(pids) == 2
+    first = next(iter(pool.slots.values()))
+    real_join, calls = first.proc.join, []
+
+    def join(*a, **kw):               # as a signal handler would: raise out of the wait, once
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+        return real_join(*a, **kw)
+
+    first.proc.join = join
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        pool.shutdown()
+    wait_for(_gone(pids), timeout=10, what=f"workers {pids} gone after the interrupted shutdown")
+    assert pool._epoll.closed and pool._reap_epoll.closed
+    pool.shutdown()                   # idempotent: nothing more to do, nothing raised
+    del it
+    dl.close()
