@@ -272,6 +272,48 @@ def test_a_hung_actuator_fails_its_job_after_the_timeout_and_the_tick_goes_on():
         hung.gate.set()
 
 
+def test_a_ticks_calls_run_back_to_back_on_one_thread_in_plan_order_and_a_hang_refuses_the_rest():
+    """The tick submits every job's call before it waits for the first: the actuator sees the jobs one at
+    a time, in the plan's order, all on its lane's one thread. A call that hangs mid-way fails its job,
+    the calls queued behind it are not made (each job's failure says what still runs), and the jobs
+    before it are applied and recorded."""
+    import threading
+
+    class Threads(HungActuator):
+        def __init__(self, hung_job):
+            super().__init__(hung_job)
+            self.threads, self.behind, self.lane = [], [], None
+
+        def apply(self, job, desired):
+            self.threads.append(threading.current_thread().name)
+            if not self.behind:          # the first call: are the others submitted before it returns?
+                with self.lane._cond:
+                    self.behind.append(self.lane._cond.wait_for(lambda: len(self.lane._queued) == 3, 1.5))
+            return super().apply(job, desired)
+
+    src = FakeSource(4.0, [job_stats(j) for j in "abcd"])
+    act = Threads("nobody")
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[act], actuator_timeout_s=2.0)
+    act.lane = c.lanes[0]
+    try:
+        rec = c.tick(now=1.0)
+        assert all(rec.results[j].ok for j in "abcd") and act.applied == list("abcd")
+        assert act.behind == [True]                        # b, c and d were submitted while a ran
+        assert len(set(act.threads)) == 1 and act.threads[0].startswith("adloader-actuator-")
+        assert act.threads[0] != threading.current_thread().name
+        act.hung_job = "b"
+        src.jobs["e"] = job_stats("e")                     # the split changes: every job is applied again
+        rec = c.tick(now=2.0)
+        assert act.applied == list("abcd") + ["a", "b"]    # c, d, e never called beside the hung b
+        assert rec.results["a"].ok
+        assert "apply for job 'b' timed out after 2 s" in rec.results["b"].error
+        for j in "cde":
+            assert not rec.results[j].ok and "not called: apply for job 'b' still running" in rec.results[j].error
+    finally:
+        act.gate.set()
+
+
 def test_a_hung_release_is_retried_and_stop_does_not_wait_for_ever():
     """A departed job whose release hangs is retried at a later tick (as a raising one is); ``stop`` waits
     one timeout for a hung call, restores every other actuator and returns."""
