@@ -21,15 +21,17 @@ Invariants (STYLE 8):
   fork starts a fresh client only if called there, which the loader never does).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers``. The primary
-  is the attached loader with the longest pass: the most batches handed out by one epoch's iterator,
-  its longest so far or the one running (``_pass_steps``; the current primary, else the first
-  attached, on a tie). That is the training loader, whose epoch is longer than a validation pass:
-  also where a validation loader is iterated first (Lightning's sanity check runs two validation
-  batches before training starts), during each validation pass (the training loader's last epoch
-  still counts, so nothing moves), and where the training script builds a new training loader every
-  epoch beside one long-lived validation loader (the new one takes the role once its epoch has handed
-  out more batches than the validation loader's longest pass; by lifetime batches, the rule before,
-  the validation loader won for good once its total passed one training epoch). When another loader
+  is the attached loader with the longest epoch (``_epoch_batches``): its ``len()`` where it has one,
+  else the most batches one epoch's iterator has handed out (its longest so far or the one running),
+  counted only once it has handed out a batch (the current primary, else the first attached, on a
+  tie). That is the training loader, whose epoch is longer than a validation pass: also where a
+  validation loader is iterated first (Lightning's sanity check runs two validation batches before
+  training starts: the validation loader leads until the training loader's first batch), during each
+  validation pass, and where the training script builds a new training loader every epoch beside one
+  long-lived validation loader (the new one takes the role at its first batch; by lifetime batches,
+  an earlier rule, the validation loader won for good once its total passed one training epoch, and
+  by the longest pass alone the new one took it only once past the validation pass's length, so the
+  directive went to the validation loader at the start of every epoch). When another loader
   overtakes it, the session's last directive moves to the new primary and the old one goes back to
   its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
@@ -223,8 +225,8 @@ class _Client:
             return dict(self._info)
 
     def _primary(self) -> Any:
-        """The loader to report and direct (module docstring): of the attached loaders, the one whose
-        longest pass handed out the most batches; the current one, else the first attached, on a tie."""
+        """The loader to report and direct (module docstring): of the attached loaders, the one with the
+        longest epoch (``_epoch_batches``); the current one, else the first attached, on a tie."""
         with self._lock:
             self._loaders = [r for r in self._loaders if r() is not None]
             alive = [r() for r in self._loaders]
@@ -233,9 +235,9 @@ class _Client:
         if not alive:
             return None
         best = current if any(lo is current for lo in alive) else alive[0]
-        most = _pass_steps(best)
+        most = _epoch_batches(best)
         for lo in alive:
-            n = _pass_steps(lo)
+            n = _epoch_batches(lo)
             if n > most:
                 best, most = lo, n
         if best is not current:
@@ -543,6 +545,20 @@ def _workers_ok(msg: dict) -> bool:
     _warn_once("directive-workers", "adloader: ignoring a directive with workers=%r (seq %r): a worker count "
                "is at least 0", n, msg.get("seq"))
     return False
+
+
+def _epoch_batches(loader: Any) -> int:
+    """The batches of one epoch of ``loader``, for the choice of the primary: ``len(loader)`` where it has
+    one (a map-style dataset's sampler), else or if more its longest pass (``_pass_steps``); 0 until it
+    has handed out a batch (a loader built and not iterated yet is not training, whatever its length)."""
+    steps = _pass_steps(loader)
+    if steps <= 0:
+        return 0
+    try:
+        n = len(loader)
+    except Exception:           # an IterableDataset without __len__ (TypeError), or a user's __len__ failing
+        return steps
+    return max(steps, n) if isinstance(n, int) and not isinstance(n, bool) else steps
 
 
 def _pass_steps(loader: Any) -> int:

@@ -346,9 +346,10 @@ def test_a_training_loader_rebuilt_every_epoch_stays_the_primary_beside_a_long_l
     """Some training scripts build a new DataLoader for every epoch. By lifetime batches the long-lived
     validation loader (here 4 batches a pass, 12 after three epochs) won over every later epoch's
     training loader (10 batches) for good: its idle stats were reported and the directives resized it.
-    By the longest pass, the new training loader takes the role within its epoch (once past the
-    validation loader's 4), keeps it through the validation pass, and Lightning's sanity check (two
-    validation batches before training) does not win either."""
+    By the longest pass alone, the new training loader took the role only once past the validation
+    loader's 4 batches, so every epoch began with the directive on the validation loader. By its
+    length (10 batches), the new one takes the role at its first batch, keeps it through the validation
+    pass, and Lightning's sanity check (two validation batches before training) does not win either."""
     pytest.importorskip("torch")
     from adloader import DataLoader
 
@@ -360,8 +361,9 @@ def test_a_training_loader_rebuilt_every_epoch_stays_the_primary_beside_a_long_l
     del sanity
     for epoch in range(5):
         train = DataLoader(list(range(40)), batch_size=4, num_workers=0)
+        assert _choose(c, val, train) is val         # not iterated yet: the validation loader leads
         primary = [_choose(c, val, train) is train for _ in train]
-        assert all(primary[4:]), (epoch, primary)   # from the 5th batch on: more than val's pass of 4
+        assert all(primary), (epoch, primary)        # from its first batch on
         assert [_choose(c, val, train) is train for _ in val] == [True] * 4, epoch
         train.close()
     val.close()
