@@ -388,3 +388,38 @@ def test_the_agent_commands_number_flags_refuse_underscores_and_non_ascii_digits
     err = capsys.readouterr().err
     key = flag[2:].replace("-", "_")
     assert f"config key {key!r} from the command line" in err and repr(text) in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["job", "register", "--job", "4242", "--uid", "1_0"],
+    ["job", "register", "--job", "4242", "--cpus", "\u0661\u0660"],
+    ["job", "release", "--job", "4242", "--timeout-s", "0_5"],
+    ["simulate", "--nodes", "1_000"],
+    ["simulate", "--cores", "\uff14\uff18"],
+    ["bench", "--reps", "1_0"],
+    ["demo", "--measure-s", "2_0"],
+    ["profile", "--duration", "6_0", "--", "true"],
+])
+def test_the_other_commands_number_flags_refuse_underscores_and_non_ascii_digits(argv, capsys):
+    """Every command's number flags read text as the agent's config does: '1_0' and digits of other
+    scripts are a usage error (exit 2) naming the value, not the number int() or float() made of them."""
+    from agent import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "in ASCII digits without '_' expected" in err and repr(argv[-1] if argv[-2] != "--" else argv[-3]) in err, err
+
+
+def test_plain_number_types_read_what_int_and_float_read():
+    import argparse
+
+    from agent.commands import plain_float, plain_int
+
+    assert plain_int("42") == 42 and plain_int(" -7 ") == -7 and plain_float("2.5") == 2.5 and plain_float("1e3") == 1000.0
+    for bad in ("x", "4.2", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            plain_int(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        plain_float("two")

@@ -1,0 +1,29 @@
+"""The ``adloader`` subcommands (one module each, ``register(sub)`` and a ``run``), and the argparse
+types they share for numbers: ``plain_int`` and ``plain_float`` read what ``int`` and ``float`` read,
+except text that is not ASCII or holds '_' (Python reads '1_0' as 10 and '١٠' as 10, a number no one
+wrote: ``agent.config`` refuses the same text from the environment and the agent's flags)."""
+from __future__ import annotations
+
+import argparse
+
+
+def _plain(text: str, kind: str) -> str:
+    if not isinstance(text, str) or not text.isascii() or "_" in text:
+        raise argparse.ArgumentTypeError(f"{kind} in ASCII digits without '_' expected, got {text!r}")
+    return text
+
+
+def plain_int(text: str) -> int:
+    """argparse ``type``: an integer written in ASCII digits, without '_'."""
+    try:
+        return int(_plain(text, "an integer"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def plain_float(text: str) -> float:
+    """argparse ``type``: a number written in ASCII, without '_'."""
+    try:
+        return float(_plain(text, "a number"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from agent.commands import plain_float, plain_int
+
 NAME = "bench"
 
 
@@ -27,7 +29,7 @@ def register(sub) -> None:
                         "'plan:FILE' runs the agent with a fixed plan per scenario from FILE "
                         "(python -m evaluation.best_plan --out, or {\"plans\": {scenario: {job: "
                         "{\"workers\": w, \"cpus\": c}}}})")
-    p.add_argument("--reps", type=int, default=None, help="repeats (quick: 1, full: 3)")
+    p.add_argument("--reps", type=plain_int, default=None, help="repeats (quick: 1, full: 3)")
     p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
     p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
     p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
@@ -35,7 +37,7 @@ def register(sub) -> None:
                    help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
-    p.add_argument("--tick-s", type=float, default=1.0)
+    p.add_argument("--tick-s", type=plain_float, default=1.0)
     p.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info",
                    help="the agents' log level (runs/<scenario>/<policy>-repN/agent.log); debug adds an "
                         "'observation' event per window the predictor got, with the curve it made")
@@ -44,18 +46,18 @@ def register(sub) -> None:
                         "(total_steps), as a job that knows its length does: what adaptive's finish guard uses")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep) or a real small model step on CUDA")
-    p.add_argument("--warmup-s", type=float, default=None,
+    p.add_argument("--warmup-s", type=plain_float, default=None,
                    help="seconds before measuring each phase (default: quick 4, full 6; a mix the catalogue's "
                         "[windows] gives a longer minimum gets that)")
-    p.add_argument("--measure-s", type=float, default=None,
+    p.add_argument("--measure-s", type=plain_float, default=None,
                    help="seconds measured per static phase (default: quick 12, full 24; raised to a mix's "
                         "[windows] minimum)")
-    p.add_argument("--sweep-segment-s", type=float, default=None, help="oracle sweep: seconds per worker count")
+    p.add_argument("--sweep-segment-s", type=plain_float, default=None, help="oracle sweep: seconds per worker count")
     p.add_argument("--oracle", choices=("colocated", "solo"), default="colocated",
                    help="the oracle's curves: probes of the whole mix under fixed plans (default; scenarios "
                         "with arrivals use solo) or each job kind swept alone on the node")
-    p.add_argument("--oracle-probe-reps", type=int, default=2, help="repeats of each co-located oracle probe")
-    p.add_argument("--calibration-processes", type=int, default=3,
+    p.add_argument("--oracle-probe-reps", type=plain_int, default=2, help="repeats of each co-located oracle probe")
+    p.add_argument("--calibration-processes", type=plain_int, default=3,
                    help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
                         "(default 3; on a VM one process can run a kind 1.5-2x slower than another); 1 = in "
                         "this process")

@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from agent.commands import plain_float, plain_int
+
 NAME = "job"
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -222,17 +224,17 @@ def register(sub) -> None:
                        help="read SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE "
                             "(and SLURM_NODEID if set); always exit 0, log why on failure")
         v.add_argument("--job", metavar="ID", help="job id (without --slurm; required then)")
-        v.add_argument("--uid", type=int, metavar="N", help="owner's uid (default: the caller's)")
+        v.add_argument("--uid", type=plain_int, metavar="N", help="owner's uid (default: the caller's)")
         if verb == "register":
             v.add_argument("--gpus", metavar="LIST", help="GPU indices or UUIDs, comma-separated (e.g. 0,1)")
-            v.add_argument("--cpus", type=int, metavar="N", help="CPUs allocated to the job on this node")
+            v.add_argument("--cpus", type=plain_int, metavar="N", help="CPUs allocated to the job on this node")
         v.add_argument("--endpoint", metavar="EP",
                        help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of the agent's "
                             "config file, else ipc:///run/adloader/agent.sock)")
         v.add_argument("--config", metavar="PATH",
                        help="the agent's config file, read for its endpoint key only (default "
                             "/etc/adloader/agent.toml when it exists; the Slurm scripts pass it)")
-        v.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+        v.add_argument("--timeout-s", type=plain_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                        help=f"give up after S seconds (default {DEFAULT_TIMEOUT_S:g})")
         v.set_defaults(func=run, verb=verb)
 

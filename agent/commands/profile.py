@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from agent.commands import plain_float
+
 NAME = "profile"
 DEFAULT_DURATION_S = 60.0
 HEARTBEAT_S = 2.0
@@ -39,9 +41,9 @@ WINDOW_MIN_STEPS = 20
 
 def register(sub) -> None:
     p = sub.add_parser(NAME, description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, metavar="S",
+    p.add_argument("--duration", type=plain_float, default=DEFAULT_DURATION_S, metavar="S",
                    help=f"stop the command after S seconds (default {DEFAULT_DURATION_S:g})")
-    p.add_argument("--cores", type=float, default=None, metavar="N",
+    p.add_argument("--cores", type=plain_float, default=None, metavar="N",
                    help="CPU cores the loader may use (default: the CPUs this process may use)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON")
     p.add_argument("--job", default=None, help="job id to give the command (default profile-<pid>)")
