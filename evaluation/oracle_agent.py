@@ -50,7 +50,7 @@ def make_fixed_policy(plan_by_job: dict, loaders_yield: Optional[bool] = None, n
                 allocs[j] = JobAllocation(job=j, workers=max(config.min_workers, int(p["workers"])),
                                           cpus=max(0.01, float(p["cpus"])), reason=reason)
         node = node_allocation(snapshot, config)
-        if loaders_yield is not None and node.loaders_yield != loaders_yield:
+        if loaders_yield is not None:    # the plan's, also where the agent's rule happens to agree this tick
             node = dataclasses.replace(node, loaders_yield=loaders_yield,
                                        reason=f"the plan's: loaders {'yield' if loaders_yield else 'do not yield'}")
         return AllocationPlan(policy=name, allocations=allocs, node=node)
