@@ -476,6 +476,14 @@ def test_any_window_the_record_takes_gives_a_finite_curve(windows, prior):
 
     bank = PredictorBank(prior={"none": None, "default": "default",
                                 "sharp": Prior(sharpness=20.0, log_kc_coef=(0.1, 0.2, -0.3, 0.1))}[prior])
+    for cur in _finite_curves(bank, windows):
+        assert 0.0 <= cur.confidence <= 1.0
+
+
+
+def _finite_curves(bank, windows):
+    """Feed ``windows`` (None: skipped) to job "j" of ``bank``; after each, its curve if it has one,
+    checked: every figure finite and not negative, a normalised throughput in [0, 1], a knee of 1 or more."""
     for o in windows:
         if o is None:
             continue
@@ -486,9 +494,8 @@ def test_any_window_the_record_takes_gives_a_finite_curve(windows, prior):
         for v in (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch, cur.correction,
                   cur.core_efficiency, cur.overhead_s_per_step):
             assert math.isfinite(v) and v >= 0, cur
-        assert 0.0 <= cur.confidence <= 1.0
         assert 0.0 <= cur.normalized(4, 2.0) <= 1.0 and cur.max_useful_workers >= 1
-
+        yield cur
 
 
 _SHARP = st.one_of(st.sampled_from([0.0, 1.0, 20.0, 21.0, 25.0, 40.0, 60.0, 120.0, 1e3, 2.5e4, 1e6, 1e300, 1.7e308]),
@@ -515,17 +522,7 @@ def test_a_prior_of_any_finite_sharpness_gives_a_finite_curve(windows, sharpness
     prior = Prior(sharpness=sharpness, log_kc_coef=coef, theta_w=theta_w, theta_c=theta_c, strength=strength,
                   overhead_frac_of_c=overhead)
     bank = PredictorBank(prior=prior)
-    for o in windows:
-        if o is None:
-            continue
-        bank.observe("j", o)
-        cur = bank.curve("j")
-        if cur is None:
-            continue
-        for v in (cur.compute_s_per_step, cur.cpu_s_per_batch, cur.blocked_s_per_batch, cur.correction,
-                  cur.core_efficiency, cur.overhead_s_per_step):
-            assert math.isfinite(v) and v >= 0, cur
-        assert 0.0 <= cur.normalized(4, 2.0) <= 1.0 and cur.max_useful_workers >= 1
+    for cur in _finite_curves(bank, windows):
         assert cur.max_useful_cores >= 0 and not math.isnan(cur.max_useful_cores)
 
 
