@@ -100,6 +100,15 @@ def autotune(monkeypatch):
     return calls
 
 
+def _welcomed(agent, lo) -> bytes:
+    """Attach ``lo``; the fake agent takes its hello and welcomes it as job "unit-job" (heartbeat 5 s);
+    the client's identity at the agent."""
+    client.attach(lo)
+    ident, _ = agent.recv("hello")
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+    return ident
+
+
 def _detach_all(*loaders):
     for lo in loaders:
         client.detach(lo)
@@ -153,9 +162,7 @@ def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch,
     lo = Loader(workers=2, max_workers=8)
     try:
         with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            ident = _welcomed(agent, lo)
             agent.send(ident, protocol.make("directive", job="other-job", seq=5, workers=7, reason="not yours"))
             agent.send(ident, protocol.make("directive", job="other-job", seq=6, workers=6, reason="not yours"))
             agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
@@ -182,9 +189,7 @@ def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env,
     lo = Loader(workers=2, max_workers=8)
     try:
         with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            ident = _welcomed(agent, lo)
             agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=-1, reason="bad"))
             agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=-3, reason="bad"))
             agent.recv("report")
@@ -216,9 +221,7 @@ def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(base, end
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         try:
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            ident = _welcomed(agent, lo)
             agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
             agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=4, reason="r"))
             wait_for(lambda: client.state().get("directives") == 2, what="both directives applied and counted")
@@ -457,9 +460,7 @@ def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(base,
     agent = FakeAgent(f"{base}/agent.sock")
     lo = Extra()
     try:
-        client.attach(lo)
-        ident, _ = agent.recv("hello")
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        ident = _welcomed(agent, lo)
         _, report = agent.recv("report")
         st = report["stats"]
         assert (st["queued"], st["ratio"], st["tag"], st["nested"]) == (3, 0.5, None, {"n": 7, "bad": None})
