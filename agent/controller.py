@@ -47,13 +47,21 @@ Invariants (what the tests hold it to):
   called on a worker thread of its own (``ActuatorLane``) and waited for that long. A call that has not
   returned by then is that job's failure in this tick (counted by its breaker; a hung ``release`` is
   retried like a raising one, a hung ``apply_node`` is a tick error), and the lane is busy until the call
-  returns: no other call is made to that actuator (for any job) in the meantime, each is a failure
-  that says what is still running, so a hung actuator holds one thread, never one more per tick, and
-  is never called from two threads at once. A call that returns late is dropped: what it applied is
-  not recorded as in force, so the next tick applies the difference again. A tick submits every job's
-  calls before it waits for the first, and a lane runs its calls back to back in that order (each
-  actuator still sees the jobs one at a time, in the plan's order, then ``apply_node``): one thread
-  hand-off per actuator per tick, not one per call (about 0.1 ms each on the dev VM).
+  returns: no other call is made to that actuator (for any job) in the meantime, so a hung actuator
+  holds one thread, never one more per tick, and is never called from two threads at once. A call that
+  returns late is dropped: what it applied is not recorded as in force, so the next tick applies the
+  difference again.
+- Only the job whose call hung is charged for the hang. While the lane is busy, that job's own later
+  applies are refused and each counts against its breaker (so it opens after the timeout and two more
+  ticks, as three raising applies would). Another job's apply that the busy lane kept from running
+  (refused at submit, queued behind the hung call, or not started in time) is not a failure of that
+  job: its breaker is left as it is, nothing is recorded as applied (the diff tries again at each tick,
+  and the change goes in once the lane is free), and its result says ``actuator busy: <actuator>
+  <call> running for N s``. A busy ``apply_node`` or ``restore`` (a call for no job) charges no job.
+- A tick submits every job's calls before it waits for the first, and a lane runs its calls back to
+  back in that order (each actuator still sees the jobs one at a time, in the plan's order, then
+  ``apply_node``): one thread hand-off per actuator per tick, not one per call (about 0.1 ms each on
+  the dev VM).
 """
 from __future__ import annotations
 
@@ -92,12 +100,14 @@ class ActuatorLane:
 
     ``call(fn, *args, timeout_s=...)`` returns ``(True, result)`` or raises what ``fn`` raised, or, where
     the call did not return in time or an earlier one is still running, returns ``(False, why)`` and
-    leaves the lane busy until that call returns. ``call`` is ``wait(submit(...))``: a caller with many
-    calls submits them all, then waits for each in turn. The worker thread is started on the first call and
-    exits after ``LANE_IDLE_S`` without one (a controller's lanes hold no thread while nothing is
-    applied); a hung call holds it, and only it. A lane outlives a controller: the agent hands its lanes
-    to the controller a reload builds, so the new one does not call an actuator its predecessor's hung
-    call still holds.
+    leaves the lane busy until that call returns. A call that was never made says so: its ``ran`` is
+    False and ``blocked_by`` is the hung call it was refused behind (None: not started in time), whose
+    ``key`` (given at ``submit``: the job it is for) tells the caller whose hang it was. ``call`` is
+    ``wait(submit(...))``: a caller with many calls submits them all, then waits for each in turn. The
+    worker thread is started on the first call and exits after ``LANE_IDLE_S`` without one (a
+    controller's lanes hold no thread while nothing is applied); a hung call holds it, and only it. A
+    lane outlives a controller: the agent hands its lanes to the controller a reload builds, so the new
+    one does not call an actuator its predecessor's hung call still holds.
     """
 
     def __init__(self, name: str = "actuator") -> None:
@@ -111,7 +121,7 @@ class ActuatorLane:
         """What the lane's hung call is and how long it has run, or None when the lane is free."""
         with self._cond:
             b = self._busy
-            return None if b is None else f"{b.what} still running after {time.monotonic() - b.started:.1f} s"
+            return None if b is None else f"{b.what} still running after {b.running_s():.1f} s"
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for a hung call to return; whether the lane is free."""
@@ -124,19 +134,22 @@ class ActuatorLane:
                 self._cond.wait(left)
             return True
 
-    def _not_called(self) -> str:
+    def _refuse(self, c: "_Call") -> None:
+        """(Under the lock.) ``c`` is not made: the lane's hung call is still running."""
         b = self._busy
-        return f"not called: {b.what} still running after {time.monotonic() - b.started:.1f} s"
+        c.blocked_by = b
+        c.refused = f"not called: {b.what} still running after {b.running_s():.1f} s"
+        c.done.set()
 
-    def submit(self, fn: Callable, *args, what: str = "call") -> "_Call":
+    def submit(self, fn: Callable, *args, what: str = "call", key: Optional[str] = None) -> "_Call":
         """Queue ``fn(*args)`` and return at once; ``wait`` gives its outcome. Calls run in the order they
         were submitted, back to back, so a tick that submits every job's call before it waits for the
-        first pays one thread hand-off, not one per call. Refused at once while a call is hung."""
-        c = _Call(fn, args, what)
+        first pays one thread hand-off, not one per call. Refused at once while a call is hung.
+        ``key``: whom the call is for (a job id; None: no job), for whoever reads ``blocked_by``."""
+        c = _Call(fn, args, what, key)
         with self._cond:
             if self._busy is not None:
-                c.refused = self._not_called()
-                c.done.set()
+                self._refuse(c)
                 return c
             self._queued.append(c)
             if self._worker:
@@ -161,8 +174,7 @@ class ActuatorLane:
                     return False, f"{c.what} not started within {timeout_s:g} s"
                 self._busy = c
                 for q in self._queued:         # they would run after the hung call: none is made
-                    q.refused = self._not_called()
-                    q.done.set()
+                    self._refuse(q)
                 self._queued.clear()
                 return False, f"{c.what} timed out after {timeout_s:g} s (not called again until it returns)"
         if c.error is not None:
@@ -180,7 +192,7 @@ class ActuatorLane:
                         self._worker = False
                         return
                 c = self._queued.pop(0)
-                c.started = time.monotonic()
+                c.ran, c.started = True, time.monotonic()
             try:
                 c.result = c.fn(*c.args)
             except BaseException as e:   # noqa: BLE001 — handed to the caller, who records it
@@ -190,21 +202,27 @@ class ActuatorLane:
                 if self._busy is c:
                     self._busy = None
                     logs.event(log, "actuator_returned_late", logging.WARNING, actuator=self.name, call=c.what,
-                               after_s=round(time.monotonic() - c.started, 3),
+                               after_s=round(c.running_s(), 3),
                                detail="its result is dropped; the next tick applies the difference again")
                 self._cond.notify_all()
 
 
 class _Call:
-    __slots__ = ("fn", "args", "what", "started", "done", "result", "error", "refused")
+    __slots__ = ("fn", "args", "what", "key", "ran", "started", "done", "result", "error", "refused",
+                 "blocked_by")
 
-    def __init__(self, fn: Callable, args: tuple, what: str) -> None:
-        self.fn, self.args, self.what = fn, args, what
+    def __init__(self, fn: Callable, args: tuple, what: str, key: Optional[str] = None) -> None:
+        self.fn, self.args, self.what, self.key = fn, args, what, key
+        self.ran = False                       # whether the lane's thread began it (set under the lane's lock)
         self.started = time.monotonic()        # when submitted; reset when it starts to run
         self.done = threading.Event()
         self.result = None
         self.error: Optional[BaseException] = None
         self.refused: Optional[str] = None     # why it was never called (a hung call before it)
+        self.blocked_by: Optional[_Call] = None   # that hung call
+
+    def running_s(self) -> float:
+        return time.monotonic() - self.started
 
 
 class PredictorLike(Protocol):
@@ -556,18 +574,33 @@ class Controller:
         return record
 
     # -- internals --------------------------------------------------------------------------
-    def _call(self, i: int, fn: Callable, *args, what: str):
+    def _call(self, i: int, fn: Callable, *args, what: str, key: Optional[str] = None):
         """``fn(*args)`` for actuator ``i``: ``(True, result)``, what it raised, or ``(False, why)`` where it
         did not return within ``actuator_timeout_s`` or the actuator's lane is busy (``ActuatorLane``).
         An actuator with ``may_block = False`` is called here, on the tick's thread."""
-        return self._collect(i, self._submit(i, fn, *args, what=what))
+        return self._collect(i, self._submit(i, fn, *args, what=what, key=key))
 
-    def _submit(self, i: int, fn: Callable, *args, what: str):
+    def _submit(self, i: int, fn: Callable, *args, what: str, key: Optional[str] = None):
         """Start ``fn(*args)`` for actuator ``i`` on its lane and return a token for ``_collect``; for an
-        actuator with ``may_block = False`` nothing starts: ``_collect`` calls it, on the tick's thread."""
+        actuator with ``may_block = False`` nothing starts: ``_collect`` calls it, on the tick's thread.
+        ``key``: the job the call is for (None: no job)."""
         if getattr(self._actuators[i], "may_block", True) is False:
             return ("inline", fn, args)
-        return self.lanes[i].submit(fn, *args, what=what)
+        return self.lanes[i].submit(fn, *args, what=what, key=key)
+
+    def _busy_elsewhere(self, i: int, token, job_id: str) -> Optional[str]:
+        """Why a call for ``job_id`` that did not complete is not that job's failure: it never ran, and
+        what kept it from running was not a hung call of the job's own (module docstring). None when
+        the job is charged: its call ran (and timed out), or its own earlier call is what still runs."""
+        if isinstance(token, tuple) or token.ran:
+            return None
+        holder = token.blocked_by
+        name = getattr(self._actuators[i], "name", str(i))
+        if holder is None:
+            return f"actuator busy: {name} {token.what} not started within {self.actuator_timeout_s:g} s"
+        if holder.key == job_id:
+            return None
+        return f"actuator busy: {name} {holder.what} running for {holder.running_s():.1f} s"
 
     def _collect(self, i: int, token):
         """The outcome of a ``_submit``: as ``_call``. Collect tokens in the order they were submitted."""
@@ -694,7 +727,7 @@ class Controller:
         errors = []
         for i, act in enumerate(self._actuators):
             try:
-                done, why = self._call(i, act.release, job_id, what=f"release of job {job_id!r}")
+                done, why = self._call(i, act.release, job_id, what=f"release of job {job_id!r}", key=job_id)
                 if not done:
                     errors.append(f"{getattr(act, 'name', i)}: {why}")
             except Exception as e:   # noqa: BLE001
@@ -762,7 +795,8 @@ class Controller:
                 calls.append((i, None, f"breaker open: {br.failures} failures in a row; last: {br.last_error}"))
                 continue
             try:
-                calls.append((i, self._submit(i, act.apply, job, desired, what=f"apply for job {job.job!r}"), ""))
+                calls.append((i, self._submit(i, act.apply, job, desired, what=f"apply for job {job.job!r}",
+                                              key=job.job), ""))
             except Exception as e:   # noqa: BLE001 — (a thread that cannot start): this job's failure
                 calls.append((i, e, ""))
         return job, desired, now, before, calls
@@ -785,6 +819,10 @@ class Controller:
                     raise token
                 done, r = self._collect(i, token)
                 if not done:
+                    busy = self._busy_elsewhere(i, token, job.job)
+                    if busy is not None:      # never ran, another call's hang: not charged, retried by the diff
+                        errs.append(busy)
+                        continue
                     r = ApplyResult(job=job.job, ok=False, applied=None, error=r)
                 elif not isinstance(r, ApplyResult):   # (None from an apply that forgot its result)
                     raise TypeError(f"apply returned {type(r).__name__}, not an ApplyResult")

@@ -252,8 +252,8 @@ def test_a_hung_actuator_fails_its_job_after_the_timeout_and_the_tick_goes_on():
         rec = c.tick(now=1.0)
         assert time.monotonic() - t0 < 5.0
         assert not rec.results["a"].ok and "cgroup: apply for job 'a' timed out after 0.05 s" in rec.results["a"].error
-        # b's cgroup apply is not made beside the hung one: it fails saying what still runs
-        assert not rec.results["b"].ok and "not called: apply for job 'a' still running" in rec.results["b"].error
+        # b's cgroup apply is not made beside the hung one: not applied, saying what still runs, not charged
+        assert not rec.results["b"].ok and "actuator busy: cgroup apply for job 'a' running for" in rec.results["b"].error
         assert sorted(x[0] for x in directive.applied) == ["a", "b"]     # the worker counts went out
         assert hung.applied == ["a"] and "a" not in c.applied()
         threads = threading.active_count()
@@ -262,7 +262,7 @@ def test_a_hung_actuator_fails_its_job_after_the_timeout_and_the_tick_goes_on():
             assert set(rec.results) == {"a", "b"} and not rec.results["a"].ok
         assert hung.applied == ["a"]                                    # never called again while hung
         assert threading.active_count() <= threads                      # no thread more per tick
-        assert "a" in rec.breakers and "still running" in rec.breakers["a"]
+        assert "a" in rec.breakers and "still running" in rec.breakers["a"] and "b" not in rec.breakers
         hung.gate.set()                                                 # the call returns, late
         assert c.lanes[1].wait_idle(10.0)
         rec = c.tick(now=40.0)                                          # the breakers' retry time passed
@@ -309,9 +309,89 @@ def test_a_ticks_calls_run_back_to_back_on_one_thread_in_plan_order_and_a_hang_r
         assert rec.results["a"].ok
         assert "apply for job 'b' timed out after 2 s" in rec.results["b"].error
         for j in "cde":
-            assert not rec.results[j].ok and "not called: apply for job 'b' still running" in rec.results[j].error
+            assert not rec.results[j].ok and "actuator busy: cgroup apply for job 'b' running for" in rec.results[j].error
     finally:
         act.gate.set()
+
+
+def test_a_hang_charges_only_the_job_whose_call_hung():
+    """While job a's cgroup apply hangs, the other jobs' applies to that actuator never run. That is not
+    their failure: their breakers stay closed through every tick of the hang, nothing is recorded as in
+    force for them (each result says the actuator is busy with a's call), and their latest changes,
+    also those of a job that arrived during the hang, go in at the first tick after it ends. a is
+    charged: the timeout, then each tick its own call still runs, so its breaker opens at the third."""
+    src = FakeSource(6.0, [job_stats(j) for j in "abc"])
+    directive, hung = RecordingActuator(), HungActuator("a")
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[directive, hung], breaker_retry_s=30.0,
+                   actuator_timeout_s=0.05)
+
+    def busy(rec, jobs):
+        return all(not rec.results[j].ok and rec.results[j].error.startswith(
+            "actuator busy: cgroup apply for job 'a' running for ") for j in jobs)
+
+    try:
+        rec = c.tick(now=1.0)
+        assert "apply for job 'a' timed out after 0.05 s" in rec.results["a"].error and rec.breakers == {}
+        assert busy(rec, "bc")                                        # queued behind a's call
+        rec = c.tick(now=2.0)
+        assert "not called: apply for job 'a' still running" in rec.results["a"].error and rec.breakers == {}
+        assert busy(rec, "bc")                                        # refused at submit
+        rec = c.tick(now=3.0)
+        assert set(rec.breakers) == {"a"} and busy(rec, "bc")         # a's third failure in a row
+        src.jobs["d"] = job_stats("d")                                # the split changes during the hang
+        for t in (4.0, 5.0, 6.0):
+            rec = c.tick(now=t)
+            assert set(rec.breakers) == {"a"} and "breaker open" in rec.results["a"].error
+            assert busy(rec, "bcd")
+        assert hung.applied == ["a"] and c.applied() == {}            # in force on the cgroup actuator: nothing
+        assert [x[1].cpus for x in directive.applied if x[0] == "b"] == [2.0, 1.5]   # the worker counts went on
+        hung.gate.set()
+        assert c.lanes[1].wait_idle(10.0)
+        rec = c.tick(now=7.0)                                         # a's breaker is still open (30 s)
+        assert all(rec.results[j].ok for j in "bcd") and set(rec.breakers) == {"a"}
+        assert hung.applied == ["a", "b", "c", "d"]
+        assert {j: a.cpus for j, a in c.applied().items()} == {"b": 1.5, "c": 1.5, "d": 1.5}
+        rec = c.tick(now=40.0)                                        # half-open: a's apply is tried again
+        assert rec.results["a"].ok and rec.breakers == {} and set(c.applied()) == set("abcd")
+    finally:
+        hung.gate.set()
+
+
+def test_a_hung_apply_node_charges_no_job():
+    """A call for no job (the node allocation) that hangs keeps the jobs' applies to that actuator from
+    running; it is a tick error, and none of the jobs is charged for it."""
+    from agent.model import NodeAllocation
+
+    class HungNode(HungActuator):
+        def apply_node(self, node):
+            assert self.gate.wait(30.0), "the test never opened the gate"
+            return []
+
+    def even_with_node(snapshot, curves, config):
+        plan = get_policy("even")(snapshot, curves, config)
+        return dataclasses.replace(plan, node=NodeAllocation(reason=f"{len(snapshot.jobs)} jobs"))
+
+    src = FakeSource(4.0, [job_stats("a")])
+    hung = HungNode("nobody")
+    c = Controller(snapshot_source=src, policy=even_with_node, policy_config=PolicyConfig(),
+                   predictor=FakeBank(), actuators=[hung], actuator_timeout_s=0.05)
+    try:
+        rec = c.tick(now=1.0)
+        assert rec.results["a"].ok and "apply_node timed out" in rec.errors[0]
+        src.jobs["b"] = job_stats("b")
+        for t in (2.0, 3.0, 4.0, 5.0):
+            rec = c.tick(now=t)
+            for j in "ab":
+                assert rec.results[j].error.startswith("actuator busy: cgroup apply_node running for "), rec.results[j]
+            assert rec.breakers == {}
+        hung.gate.set()
+        assert c.lanes[0].wait_idle(10.0)
+        rec = c.tick(now=6.0)
+        assert rec.results["a"].ok and rec.results["b"].ok and rec.errors == ()
+        assert c.applied_node() == NodeAllocation(reason="2 jobs")
+    finally:
+        hung.gate.set()
 
 
 def test_a_hung_release_is_retried_and_stop_does_not_wait_for_ever():
