@@ -467,7 +467,10 @@ class Agent:
     def _state_problems(self) -> list[str]:
         out = list(self.state_problems)
         for a in self.actuators:
-            err = getattr(getattr(a, "originals", None), "save_error", None)
+            # (an actuator's lane may be inside a save right now: read only what Originals lets another
+            # thread read, which never waits for that save)
+            problem = getattr(getattr(a, "originals", None), "save_problem", None)
+            err = problem() if problem is not None else None
             if err:
                 out.append(f"cgroup originals not saved: {err}")
                 break

@@ -19,7 +19,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          available_bytes (MemAvailable), pressure_pct (PSI memory some over the last
                          tick), under_pressure, note (why the budget in force is below the
                          configured one, "" if it is not)} (null before the first tick),
-                         state_problems [str] (state files set aside, or not writable: the file named),
+                         state_problems [str] (state files set aside, not writable, or a save of them
+                         stuck: the file named),
                          connections {open, max_connections, per_uid, accepted, by_uid_top{uid: n},
                          refused_by_uid{uid: n}} (ordinary users' connections; null without ipc),
                          open_files_limit, message_budget_hits (message handling that yielded to the

@@ -302,6 +302,80 @@ def test_the_actuator_timeout_is_configured_reloaded_and_a_rebuilt_controller_ke
         agent.ctx.term()
 
 
+def test_a_status_read_beside_a_hung_save_of_the_originals_is_prompt_and_consistent(tmp_path, monkeypatch):
+    """What the status document (and the metrics, built from it) reads of an actuator is how its journal
+    of originals was saved (``Originals.save_problem``). The actuator changes that on its lane's thread,
+    and a call that outlived its timeout (a state directory whose disk stopped answering) goes on there
+    while the service loop builds status. A read then returns at once with both halves of one moment:
+    the last save that finished (it failed) and the save still running; once the hung save returns,
+    status says nothing of the originals, and the file holds both groups."""
+    import errno
+    import json
+    import threading
+    import time
+
+    from agent import statefile
+    from agent.actuators.originals import Originals
+    from agent.controller import ActuatorLane
+    from agent.daemon import Agent
+
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg)
+    originals = Originals(str(tmp_path / "cgroup-originals.json"))
+
+    class GroupMaker:            # records each group it makes in the originals, then saves them
+        name = "cgroup-v1"
+
+        def __init__(self):
+            self.originals = originals
+
+        def make(self, rel):
+            originals.created.append(Originals.key("cpu", rel))
+            originals.save()
+
+    maker = GroupMaker()
+    agent.actuators.append(maker)
+    real_write, writes = statefile.write_atomic, []
+    inside, gate = threading.Event(), threading.Event()
+
+    def write_atomic(path, data, mode=0o600):
+        writes.append(data)
+        if len(writes) == 1:
+            raise OSError(errno.EROFS, "Read-only file system")
+        inside.set()
+        assert gate.wait(30.0), "the test never opened the gate"
+        real_write(path, data, mode)
+
+    monkeypatch.setattr(statefile, "write_atomic", write_atomic)
+    lane = ActuatorLane(maker.name)
+
+    def problems():
+        return [p for p in agent.status_doc()["agent"]["state_problems"] if "originals" in p]
+
+    try:
+        assert lane.call(maker.make, "adloader/a", timeout_s=5.0) == (True, None)
+        assert problems() == [f"cgroup originals not saved: {originals.path}: Read-only file system"]
+        call = lane.submit(maker.make, "adloader/b")
+        assert inside.wait(10.0)                        # b is in memory, its save is stuck in the write
+        done, why = lane.wait(call, 0.05)
+        assert not done and "timed out" in why
+        t0 = time.monotonic()
+        seen = problems()
+        assert time.monotonic() - t0 < 2.0              # the read does not wait for the hung save
+        assert len(seen) == 1 and seen[0].startswith(
+            f"cgroup originals not saved: {originals.path}: Read-only file system; a save running for "), seen
+        gate.set()
+        assert lane.wait_idle(10.0)                     # the late call returned: its save finished
+        assert problems() == []
+        with open(originals.path) as f:
+            assert json.load(f)["created"] == ["cpu|adloader/a", "cpu|adloader/b"]
+    finally:
+        gate.set()
+        agent.server.close()
+        agent.ctx.term()
+
+
 def test_a_reload_of_a_config_file_that_never_answers_keeps_the_running_config(tmp_path, monkeypatch, caplog):
     """Before: a SIGHUP reload of a config file on a hung network mount held the service loop for ever.
     Now it fails after the read's timeout with one reload_failed line naming the file."""

@@ -16,12 +16,23 @@ the field (``actuators.build`` then sets it aside and recovers what it can: see 
 ``statefile.write_atomic`` (whole or nothing, the last good copy kept as ``.prev``); a save that
 fails (read-only or full state directory) is not an apply failure: the values stay in memory, so
 ``restore()`` on stop still works, and ``save_error`` says why the file is stale (status reports it).
+
+Threads: the contents (files, created, pids, affinity) are read and changed only by the actuator that
+owns them, on its lane's thread (``agent.controller.ActuatorLane``; before that, while the agent is
+built). The one thing another thread reads is how the saves went: ``save_problem()`` (the status
+document, on the service loop's thread), possibly while a call that outlived its timeout is still
+inside ``save()`` (a state directory whose disk stopped answering). ``_lock`` guards ``save_error`` and
+the start of the save in progress, and is never held across file I/O, so ``save_problem()`` returns at
+once, never waits for a hung save, and sees both of one moment: the last save that finished, and the
+one still running (between ticks, the only time status is built, a save still running is a hung one).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
+import time
 from typing import Optional
 
 from agent import logs, statefile
@@ -38,7 +49,9 @@ class Originals:
         self.created: list[str] = []
         self.pids: dict[str, dict] = {}
         self.affinity: dict[str, dict] = {}
-        self.save_error: Optional[str] = None
+        self._lock = threading.Lock()
+        self._save_error: Optional[str] = None        # why the last save failed (None: it did not)
+        self._saving_since: Optional[float] = None    # monotonic start of the save in progress
         if path and os.path.exists(path):
             self._load(path)
 
@@ -84,9 +97,29 @@ class Originals:
     def empty(self) -> bool:
         return not (self.files or self.created or self.pids or self.affinity)
 
+    @property
+    def save_error(self) -> Optional[str]:
+        """Why the last save that finished failed; None if it did not (or none has)."""
+        with self._lock:
+            return self._save_error
+
+    def save_problem(self) -> Optional[str]:
+        """What status says of the file (any thread, never waits for a save): why the last save failed
+        and, while one is running, for how long; None when the file holds what memory holds."""
+        with self._lock:
+            err, since = self._save_error, self._saving_since
+        if since is None:
+            return err
+        running = f"a save running for {time.monotonic() - since:.1f} s"
+        return f"{err}; {running}" if err else f"{self.path}: {running}"
+
     def save(self) -> None:
         if not self.path:
             return
+        with self._lock:
+            self._saving_since = time.monotonic()
+        err: Optional[str] = None
+        failure: Optional[OSError] = None
         try:
             if self.empty():
                 for p in (self.path, self.path + ".prev"):
@@ -99,11 +132,17 @@ class Originals:
                 data = json.dumps({"version": VERSION, "files": self.files, "created": self.created,
                                    "pids": self.pids, "affinity": self.affinity}, indent=1, sort_keys=True)
                 statefile.write_atomic(self.path, data.encode())
-            if self.save_error is not None:
-                logs.event(log, "originals_saved_again", path=self.path)
-            self.save_error = None
         except OSError as e:
-            if self.save_error is None:
-                logs.event(log, "originals_save_failed", logging.ERROR, path=self.path, error=str(e),
-                           detail="kept in memory: restore on stop still works; a crash now would lose them")
-            self.save_error = f"{self.path}: {e.strerror or e}"
+            err = f"{self.path}: {e.strerror or e}"
+            failure = e
+        except BaseException:        # (not a file error: raised to the caller; nothing is running now)
+            with self._lock:
+                self._saving_since = None
+            raise
+        with self._lock:
+            before, self._save_error, self._saving_since = self._save_error, err, None
+        if err is None and before is not None:
+            logs.event(log, "originals_saved_again", path=self.path)
+        elif err is not None and before is None:
+            logs.event(log, "originals_save_failed", logging.ERROR, path=self.path, error=str(failure),
+                       detail="kept in memory: restore on stop still works; a crash now would lose them")
