@@ -17,7 +17,8 @@ for the ones the command line offers):
     actuator_timeout_s  float  the longest a tick waits for one actuator call (a cgroup write, a release);
                            one that has not returned by then is that job's failure in the tick (three in
                            a row open its breaker) and that actuator is not called again until it
-                           returns (``agent.controller.ActuatorLane``); 0.01..300 s, default 5.0
+                           returns (``agent.controller.ActuatorLane``); the other jobs' calls it holds
+                           back wait and are not counted as their failures; 0.01..300 s, default 5.0
     loader_cpus     float|"auto"  CPU cores for all jobs' loaders together; "auto" (default):
                            the CPUs in the agent's affinity mask minus a 10% reserve for the training
                            processes and the system (``auto_loader_cpus``), grown by the controller into
