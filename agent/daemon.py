@@ -43,6 +43,7 @@ import collections
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -109,6 +110,15 @@ def _policy_config(cfg: AgentConfig):
                         cpu_bound_min_workers=cfg.cpu_bound_min_workers, finish_guard=cfg.finish_guard)
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _error_kind(error: Optional[str]) -> str:
+    """An apply error with its numbers blanked: the same failure still going on (a hung call's
+    "running for 3.0 s", "running for 4.0 s", ...) reads the same, so it is logged once, not every tick."""
+    return _NUMBER.sub("#", error or "")
+
+
 def _pct(xs: list, q: float) -> Optional[float]:
     if not xs:
         return None
@@ -145,7 +155,7 @@ class Agent:
         self.started_at = time.monotonic()
         self.ticks = 0
         self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
-        self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it
+        self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it (_error_kind)
         self._node_read_at: Optional[float] = None   # when the agent's CPUs and memory were last read
         self.last_tick_ms: Optional[float] = None
         self.last_journal_ms: Optional[float] = None
@@ -410,10 +420,11 @@ class Agent:
                                reason=r.applied.reason)
                 if r.ok:
                     self._apply_error.pop(job, None)
-                elif r.error != self._apply_error.get(job):
-                    # each new failure of a job's apply, and its breaker opening (its text differs), once
+                elif _error_kind(r.error) != self._apply_error.get(job):
+                    # each new failure of a job's apply, and its breaker opening (its text differs), once;
+                    # the same failure whose text only counts on (a hang's "running for 12.0 s") is not new
                     logs.event(log, "apply_failed", logging.WARNING, job=job, error=r.error)
-                    self._apply_error[job] = r.error
+                    self._apply_error[job] = _error_kind(r.error)
             node = record.plan.node if record.plan is not None else None
             if node is not None and node.loaders_yield != self._logged_yield:
                 # each switch, with the reason: while not yielding the loaders weigh (and are capped at)

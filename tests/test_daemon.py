@@ -112,6 +112,54 @@ def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker
         agent.ctx.term()
 
 
+def test_a_failure_whose_text_only_counts_on_is_logged_once(tmp_path, caplog):
+    """A hung call's text says how long it has run ("running for 3.0 s", then 4.0 s, ...): the same
+    failure going on, logged once, not once a tick for the whole hang."""
+    import logging
+    import os
+
+    from agent.daemon import Agent
+    from agent.model import ApplyResult, JobAllocation
+    from agent.security import Peer
+
+    class Counting:
+        name = "counting"
+        calls = 0
+
+        def apply(self, job, desired):
+            Counting.calls += 1
+            return ApplyResult(job=job.job, ok=False, applied=None,
+                               error=f"actuator busy: cgroup apply for job 'x' running for {Counting.calls}.0 s")
+
+        def release(self, job_id):
+            pass
+
+        def restore(self):
+            pass
+
+    def policy(snapshot, curves, config):
+        return AllocationPlan(policy="t", allocations={j: JobAllocation(job=j, workers=1, cpus=1.0)
+                                                       for j in snapshot.jobs})
+
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg, policy=policy)
+    try:
+        agent.server.bind()
+        agent.actuators = [Counting()]
+        agent.controller = agent._build_controller()
+        agent.registry.hello(Peer(os.getuid(), 0, os.getpid()), b"c0", {"job": "j", "rank": 0, "pid": os.getpid(),
+                                                                          "gpus": ["0"], "batch_size": 8, "workers": 2}, 0.0)
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            for t in range(2):
+                agent.tick(float(t + 1))
+        got = [r.fields["error"] for r in caplog.records if getattr(r, "event", "") == "apply_failed"]
+        assert Counting.calls == 2 and got == ["counting: actuator busy: cgroup apply for job 'x' running for 1.0 s"], got
+    finally:
+        agent.server.close()
+        agent.ctx.term()
+
+
 def test_the_agents_config_defaults_are_the_policys_defaults():
     """AgentConfig and PolicyConfig each declare the policy knobs (the daemon maps one onto the other):
     an agent run with no config file must decide exactly as the policy's defaults do."""
