@@ -403,7 +403,7 @@ def test_a_hung_release_is_retried_and_stop_does_not_wait_for_ever():
     src = FakeSource(4.0, [job_stats("a")])
     other, hung = RecordingActuator(), HungActuator("a")
     c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
-                   predictor=FakeBank(), actuators=[other, hung], actuator_timeout_s=0.05)
+                   predictor=FakeBank(), actuators=[other, hung], actuator_timeout_s=0.5)   # room for the first apply on a loaded machine
     try:
         hung.hung_job = "nobody"
         assert c.tick(now=1.0).results["a"].ok
