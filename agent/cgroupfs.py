@@ -114,12 +114,14 @@ def detect_layout(root: str = "/sys/fs/cgroup", magic: Callable[[str], int] = fs
 # -- hierarchies --------------------------------------------------------------------------------
 
 class Hierarchy:
-    """One cgroup hierarchy rooted at ``root``; groups are named by paths relative to it ('' = root)."""
+    """One cgroup hierarchy rooted at ``root``; groups are named by paths relative to it ('' = root).
+    ``proc_root``: where ``move`` looks for a process that the kernel refused, to tell one that is gone."""
 
     version = 0
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, proc_root: str = "/proc") -> None:
         self.root = root
+        self.proc_root = proc_root
 
     def path(self, rel: str, file: str = "") -> str:
         p = os.path.join(self.root, rel.strip("/")) if rel.strip("/") else self.root
@@ -184,7 +186,7 @@ class Hierarchy:
             self.write(rel, "cgroup.procs", int(pid))
         except InvalidValue as e:
             # v1 answers EINVAL (v2 ESRCH) for a pid that does not exist any more
-            if not os.path.exists(f"/proc/{int(pid)}"):
+            if not os.path.exists(os.path.join(self.proc_root, str(int(pid)))):
                 raise JobGone(str(e)) from None
             raise
 
@@ -200,11 +202,12 @@ class V1Hierarchy(Hierarchy):
 
     version = 1
 
-    def __init__(self, cgroup_root: str, controller: str, mount: Optional[str] = None) -> None:
+    def __init__(self, cgroup_root: str, controller: str, mount: Optional[str] = None,
+                 proc_root: str = "/proc") -> None:
         from cgroupspy.nodes import Node
 
         mount = os.path.normpath(mount or os.path.join(cgroup_root, controller))
-        super().__init__(mount)
+        super().__init__(mount, proc_root)
         self.controller = controller
         self._top = Node(os.fsencode(os.path.dirname(mount)))
         self._ctrl = Node(os.fsencode(os.path.basename(mount)), parent=self._top)
@@ -452,13 +455,13 @@ def open_hierarchies(cgroup_root: str, version: int,
     """v1: controller -> its hierarchy (at its mount point, ``v1_mount``), for those mounted;
     v2: {'': the unified hierarchy}."""
     if version == 2:
-        return {"": V2Hierarchy(cgroup_root)}
+        return {"": V2Hierarchy(cgroup_root, proc_root)}
     out: dict[str, Hierarchy] = {}
     mounts = v1_mounts(proc_root)
     for c in controllers:
         if c == "memory":
             raise ValueError("the agent never touches the memory hierarchy")
-        h = V1Hierarchy(cgroup_root, c, v1_mount(cgroup_root, c, proc_root, mounts))
+        h = V1Hierarchy(cgroup_root, c, v1_mount(cgroup_root, c, proc_root, mounts), proc_root)
         if h.available():
             out[c] = h
     return out
