@@ -221,7 +221,7 @@ class V1Hierarchy(Hierarchy):
 
         n = self._ctrl
         for part in [p for p in rel.strip("/").split("/") if p]:
-            n = Node(part.encode(), parent=n)
+            n = Node(os.fsencode(part), parent=n)     # the name's bytes, as os.walk decoded them
         return n
 
     def mkdir(self, rel: str) -> bool:
@@ -230,7 +230,7 @@ class V1Hierarchy(Hierarchy):
         parts = rel.strip("/").rsplit("/", 1)
         parent = self.node(parts[0] if len(parts) == 2 else "")
         try:
-            parent.create_cgroup(parts[-1])
+            parent.create_cgroup(os.fsencode(parts[-1]))
             return True
         except OSError as e:
             raise domain_error(e, f"mkdir {self.path(rel)}") from None

@@ -328,6 +328,31 @@ def test_a_restarted_agent_never_caps_the_subtree_below_an_adopted_jobs_quota(cl
     assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
 
 
+def test_a_group_not_ours_named_with_undecodable_bytes_is_left_alone(clean, tmp_path):
+    """A real group named b'\\xff' (not UTF-8) made by someone else in the subtree, the journal lost:
+    restore raised UnicodeEncodeError from cgroupspy on its name. It is left alone; ours are restored
+    and the subtree, which it keeps, loses the dead agent's cap."""
+    pid = busy(clean)
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    first = cgroup_actuator(tmp_path)
+    first.node_cpus = 2.0
+    assert first.apply(stats("u1", [pid], **trainer), JobAllocation(job="u1", workers=1, cpus=1.0)).ok
+    assert _quota_us(SUBTREE) == 170000
+    theirs = os.fsencode(os.path.join(ROOT, "cpu", SUBTREE)) + b"/\xff"
+    os.mkdir(theirs)
+    del first                                          # the agent dies without restoring
+    (tmp_path / "cgroup-originals.json").write_text("{not json")
+    second = cgroup_actuator(tmp_path)
+    second.node_cpus = 2.0
+    assert second.apply(stats("u1", [pid], **trainer), JobAllocation(job="u1", workers=1, cpus=1.0)).ok
+    assert _quota_us(SUBTREE) == 170000                # (a tick: the cap still wanted)
+    with pytest.raises(cgroupfs.CgroupError, match=f"restore incomplete: rmdir .*/{SUBTREE}: Device or resource busy$"):
+        second.restore()
+    assert os.path.isdir(theirs) and cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE, "u1"))
+    assert _quota_us(SUBTREE) == -1
+
+
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     """Two jobs' workers in our subtree and two unmanaged busy processes, all on one CPU: moving the
     workers into our groups must not shrink what they get together against the rest of the node."""

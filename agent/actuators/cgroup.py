@@ -85,12 +85,13 @@ Where the groups live:
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from typing import Optional
 
-from agent import cgroupfs
+from agent import cgroupfs, logs
 from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import Busy, CgroupError, Hierarchy, JobGone, NotSupported
@@ -101,6 +102,7 @@ TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken
 QUOTA_MIN_US = 1000
 V2_BUSY_TRIES = 4           # v2: moves of <own>'s processes to the leaf before its controllers are refused
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
+log = logging.getLogger("agent.cgroup")
 # what the kernel gives a new group in the cpu files the agent writes on its subtree (cpu.idle: 5.15+)
 NEW_GROUP_CPU = {1: {"cpu.idle": "0", "cpu.shares": str(SHARES_DEFAULT), "cpu.cfs_quota_us": "-1"},
                  2: {"cpu.idle": "0", "cpu.weight": "100", "cpu.max": "max 100000"}}
@@ -893,5 +895,22 @@ class CgroupActuator:
 
 
 def _children(h: Hierarchy, rel: str) -> list[str]:
-    """Every group below ``rel`` (not ``rel`` itself)."""
-    return h.children(rel)
+    """Every group below ``rel`` (not ``rel`` itself) whose name is text. A group named with bytes that
+    are not UTF-8 is none of ours (job ids are text, ``protocol.check_job_id``): someone else made it.
+    It is left out, with everything below it, and logged once, by its path's bytes (os.walk hands the
+    name back with surrogates, which cgroupspy, encoding names strictly, refused with UnicodeEncodeError)."""
+    out: list[str] = []
+    skipped: list[str] = []
+    for child in h.children(rel):
+        if any(child.startswith(s + "/") for s in skipped):
+            continue
+        try:
+            child.encode()
+        except UnicodeEncodeError:
+            skipped.append(child)
+            path = repr(os.fsencode(h.path(child)))
+            logs.once(f"cgroup_name_undecodable|{path}", log, "cgroup_name_undecodable", logging.WARNING,
+                      group=path, detail="not a group the agent made: left alone")
+            continue
+        out.append(child)
+    return out
