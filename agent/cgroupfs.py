@@ -449,6 +449,13 @@ def v1_mount(cgroup_root: str, controller: str, proc_root: str = "/proc",
     return min(found)[1] if found else fallback
 
 
+def v1_hierarchy(cgroup_root: str, controller: str, proc_root: str = "/proc",
+                 mounts: Optional[list] = None) -> V1Hierarchy:
+    """The v1 ``controller`` hierarchy at its mount point (``v1_mount``); ``available()`` says whether
+    it is mounted. What every command and test that writes a v1 hierarchy uses, never a built path."""
+    return V1Hierarchy(cgroup_root, controller, v1_mount(cgroup_root, controller, proc_root, mounts), proc_root)
+
+
 def open_hierarchies(cgroup_root: str, version: int,
                      controllers: Iterable[str] = ("cpu", "cpuset", "blkio"),
                      proc_root: str = "/proc") -> dict[str, Hierarchy]:
@@ -461,7 +468,7 @@ def open_hierarchies(cgroup_root: str, version: int,
     for c in controllers:
         if c == "memory":
             raise ValueError("the agent never touches the memory hierarchy")
-        h = V1Hierarchy(cgroup_root, c, v1_mount(cgroup_root, c, proc_root, mounts), proc_root)
+        h = v1_hierarchy(cgroup_root, c, proc_root, mounts)
         if h.available():
             out[c] = h
     return out

@@ -153,3 +153,19 @@ def test_v1_a_group_named_with_undecodable_bytes_is_left_alone_and_logged_once(t
     assert (cpu / "cgroup.procs").read_text() == "4242"
     assert {f: (cpu / "adloader" / f).read_text() for f in ("cpu.shares", "cpu.cfs_quota_us")} == \
         {"cpu.shares": "1024", "cpu.cfs_quota_us": "-1"}          # a new group's values: no cap
+
+
+def test_no_command_or_system_test_builds_a_v1_hierarchy_path():
+    """The evaluation commands and the cgroup system tests wrote /sys/fs/cgroup/cpu (or joined the root
+    and "cpu"), which a host that mounts ``cpu,cpuacct`` with no ``cpu`` symlink does not have. They find
+    each hierarchy at its mount point (``cgroupfs.v1_mount`` / ``v1_hierarchy``), as the agent does."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    built = re.compile(r"/sys/fs/cgroup/(cpu|cpuset|blkio)\b(?![,a-z])|(join|Path)\(\w*ROOT, \"(cpu|cpuset|blkio)\"")
+    files = sorted(repo.glob("evaluation/*.py")) + [repo / "tests" / n for n in (
+        "cgroup_support.py", "test_cgroup_system.py", "test_predictor_corpus.py", "test_sim.py")]
+    found = [f"{f.relative_to(repo)}:{i}: {line.strip()}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1) if built.search(line)]
+    assert not found, "\n".join(found)
