@@ -114,12 +114,14 @@ def detect_layout(root: str = "/sys/fs/cgroup", magic: Callable[[str], int] = fs
 # -- hierarchies --------------------------------------------------------------------------------
 
 class Hierarchy:
-    """One cgroup hierarchy rooted at ``root``; groups are named by paths relative to it ('' = root)."""
+    """One cgroup hierarchy rooted at ``root``; groups are named by paths relative to it ('' = root).
+    ``proc_root``: where ``move`` looks for a process that the kernel refused, to tell one that is gone."""
 
     version = 0
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, proc_root: str = "/proc") -> None:
         self.root = root
+        self.proc_root = proc_root
 
     def path(self, rel: str, file: str = "") -> str:
         p = os.path.join(self.root, rel.strip("/")) if rel.strip("/") else self.root
@@ -184,7 +186,7 @@ class Hierarchy:
             self.write(rel, "cgroup.procs", int(pid))
         except InvalidValue as e:
             # v1 answers EINVAL (v2 ESRCH) for a pid that does not exist any more
-            if not os.path.exists(f"/proc/{int(pid)}"):
+            if not os.path.exists(os.path.join(self.proc_root, str(int(pid)))):
                 raise JobGone(str(e)) from None
             raise
 
@@ -200,11 +202,12 @@ class V1Hierarchy(Hierarchy):
 
     version = 1
 
-    def __init__(self, cgroup_root: str, controller: str, mount: Optional[str] = None) -> None:
+    def __init__(self, cgroup_root: str, controller: str, mount: Optional[str] = None,
+                 proc_root: str = "/proc") -> None:
         from cgroupspy.nodes import Node
 
         mount = os.path.normpath(mount or os.path.join(cgroup_root, controller))
-        super().__init__(mount)
+        super().__init__(mount, proc_root)
         self.controller = controller
         self._top = Node(os.fsencode(os.path.dirname(mount)))
         self._ctrl = Node(os.fsencode(os.path.basename(mount)), parent=self._top)
@@ -218,7 +221,7 @@ class V1Hierarchy(Hierarchy):
 
         n = self._ctrl
         for part in [p for p in rel.strip("/").split("/") if p]:
-            n = Node(part.encode(), parent=n)
+            n = Node(os.fsencode(part), parent=n)     # the name's bytes, as os.walk decoded them
         return n
 
     def mkdir(self, rel: str) -> bool:
@@ -227,7 +230,7 @@ class V1Hierarchy(Hierarchy):
         parts = rel.strip("/").rsplit("/", 1)
         parent = self.node(parts[0] if len(parts) == 2 else "")
         try:
-            parent.create_cgroup(parts[-1])
+            parent.create_cgroup(os.fsencode(parts[-1]))
             return True
         except OSError as e:
             raise domain_error(e, f"mkdir {self.path(rel)}") from None
@@ -446,19 +449,26 @@ def v1_mount(cgroup_root: str, controller: str, proc_root: str = "/proc",
     return min(found)[1] if found else fallback
 
 
+def v1_hierarchy(cgroup_root: str, controller: str, proc_root: str = "/proc",
+                 mounts: Optional[list] = None) -> V1Hierarchy:
+    """The v1 ``controller`` hierarchy at its mount point (``v1_mount``); ``available()`` says whether
+    it is mounted. What every command and test that writes a v1 hierarchy uses, never a built path."""
+    return V1Hierarchy(cgroup_root, controller, v1_mount(cgroup_root, controller, proc_root, mounts), proc_root)
+
+
 def open_hierarchies(cgroup_root: str, version: int,
                      controllers: Iterable[str] = ("cpu", "cpuset", "blkio"),
                      proc_root: str = "/proc") -> dict[str, Hierarchy]:
     """v1: controller -> its hierarchy (at its mount point, ``v1_mount``), for those mounted;
     v2: {'': the unified hierarchy}."""
     if version == 2:
-        return {"": V2Hierarchy(cgroup_root)}
+        return {"": V2Hierarchy(cgroup_root, proc_root)}
     out: dict[str, Hierarchy] = {}
     mounts = v1_mounts(proc_root)
     for c in controllers:
         if c == "memory":
             raise ValueError("the agent never touches the memory hierarchy")
-        h = V1Hierarchy(cgroup_root, c, v1_mount(cgroup_root, c, proc_root, mounts))
+        h = v1_hierarchy(cgroup_root, c, proc_root, mounts)
         if h.available():
             out[c] = h
     return out

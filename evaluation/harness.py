@@ -169,8 +169,7 @@ STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "tr
                     "nothing-to-arbitrate", "memory")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
-STATIC_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
-STATIC_CGROUP_V2_ROOT = "/sys/fs/cgroup"
+STATIC_CGROUP_ROOT = "/sys/fs/cgroup"      # the v2 root, or where the v1 hierarchies are mounted
 
 
 class BenchError(RuntimeError):
@@ -509,9 +508,10 @@ def start_job(cfg: BenchConfig, spec: JobSpec, run_dir: Path, workers, endpoint:
 class StaticCores:
     """Each job in its own cgroup with a hard quota: ``node_cores * gpus / node_gpus`` cores for the
     training process and its loader workers together (Slurm ``--cpus-per-gpu`` with a CPU limit,
-    Kubernetes ``limits.cpu``). cgroup v1: ``cpu.cfs_quota_us`` in ``<root>/adl-bench-<pid>/<job>`` of the
-    ``cpu`` hierarchy (``STATIC_CGROUP_ROOT``); cgroup v2 (``STATIC_CGROUP_V2_ROOT`` has ``cgroup.controllers``
-    with ``cpu`` and no v1 ``cpu`` hierarchy is mounted): ``cpu.max`` in ``<v2 root>/adl-bench-<pid>/<job>``,
+    Kubernetes ``limits.cpu``). cgroup v1: ``cpu.cfs_quota_us`` in ``adl-bench-<pid>/<job>`` of the ``cpu``
+    hierarchy, found at its mount point under ``cgroup_root`` (``agent.cgroupfs.v1_hierarchy``: a joined
+    ``cpu,cpuacct`` too); cgroup v2 (``cgroup_root`` has ``cgroup.controllers`` with ``cpu`` and no v1
+    ``cpu`` hierarchy is mounted): ``cpu.max`` in ``<cgroup_root>/adl-bench-<pid>/<job>``,
     ``+cpu`` enabled in the root's and the base's ``cgroup.subtree_control`` (the root is exempt from the
     no-internal-processes rule; the base holds no process). ``close`` moves processes back to the root
     group and removes the groups (a ``+cpu`` it enabled at the root stays: other groups may rely on it).
@@ -519,21 +519,20 @@ class StaticCores:
 
     PERIOD_US = 100_000
 
-    def __init__(self, node_cores: int, node_gpus: int, root: str = STATIC_CGROUP_ROOT,
-                 v2_root: str = STATIC_CGROUP_V2_ROOT):
+    def __init__(self, node_cores: int, node_gpus: int, cgroup_root: str = STATIC_CGROUP_ROOT,
+                 proc_root: str = "/proc"):
         from agent import cgroupfs
 
         self.per_gpu = node_cores / max(1, node_gpus)
-        self.version = 1 if Path(root, "cpu.cfs_quota_us").exists() else 2
-        if self.version == 2 and "cpu" not in cgroupfs.V2Hierarchy(v2_root).controllers():
+        v1 = cgroupfs.v1_hierarchy(cgroup_root, "cpu", proc_root)
+        self.version = 1 if v1.has_file("", "cpu.cfs_quota_us") else 2
+        if self.version == 2 and "cpu" not in cgroupfs.V2Hierarchy(cgroup_root).controllers():
             self.version = 0
         if os.geteuid() != 0 or self.version == 0:
             raise BenchError("static-cores needs root and a cgroup v1 cpu hierarchy at "
-                             f"{root} or cgroup v2 with the cpu controller at {v2_root} (hard per-job quotas); "
-                             "run it as root or leave it out of --policies")
-        root = root.rstrip("/")
-        self.h = (cgroupfs.V1Hierarchy(os.path.dirname(root), os.path.basename(root)) if self.version == 1
-                  else cgroupfs.V2Hierarchy(v2_root))
+                             f"{v1.root} or cgroup v2 with the cpu controller at {cgroup_root} (hard per-job "
+                             "quotas); run it as root or leave it out of --policies")
+        self.h = v1 if self.version == 1 else cgroupfs.V2Hierarchy(cgroup_root)
         self.rel = f"adl-bench-{os.getpid()}"
         self.base = Path(self.h.path(self.rel))
         if self.version == 2 and "cpu" not in self.h.subtree_control():

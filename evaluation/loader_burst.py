@@ -8,9 +8,9 @@ step with its trainer's CPU part, as ``evaluation.jobproc`` runs it) with each l
 the CPU time of all its threads (``/proc/<pid>/task/*/schedstat``) every 2 ms, and prints the CPU it
 used in sliding 100 ms windows (the CFS bandwidth period) and its steps/s. A loader that hands its
 workers a whole prefetch window at once shows a p99 well above the median; torch's, which sends one
-index per batch taken, does not. With ``--quota CORES`` (root, cgroup v1 ``cpu`` at /sys/fs/cgroup/cpu)
-the job runs in a group with that CFS quota per 100 ms, and the table adds the training process's
-run-queue wait per step (the quota's cost).
+index per batch taken, does not. With ``--quota CORES`` (root, the cgroup v1 ``cpu`` hierarchy, found at
+its mount point under /sys/fs/cgroup) the job runs in a group with that CFS quota per 100 ms, and the
+table adds the training process's run-queue wait per step (the quota's cost).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-V1_CPU = "/sys/fs/cgroup/cpu"
+CGROUP_ROOT = "/sys/fs/cgroup"      # the v1 cpu hierarchy is found at its mount point under it
 
 
 def _child(loader: str, kind: str, seconds: float, ready_path: str) -> None:
@@ -85,9 +85,12 @@ def measure(loader: str, kind: str, seconds: float, quota: float | None) -> dict
     ready = Path(tempfile.mkdtemp(prefix="adl-burst-")) / "ready"
     group = None
     if quota is not None:
-        if os.geteuid() != 0 or not Path(V1_CPU, "cpu.cfs_quota_us").exists():
-            raise SystemExit(f"--quota needs root and a cgroup v1 cpu hierarchy at {V1_CPU}")
-        group = Path(V1_CPU, f"adl-burst-{os.getpid()}")
+        from agent.cgroupfs import v1_mount
+
+        cpu = v1_mount(CGROUP_ROOT, "cpu")
+        if os.geteuid() != 0 or not Path(cpu, "cpu.cfs_quota_us").exists():
+            raise SystemExit(f"--quota needs root and a cgroup v1 cpu hierarchy at {cpu}")
+        group = Path(cpu, f"adl-burst-{os.getpid()}")
         group.mkdir(exist_ok=True)
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text(str(int(quota * 100000)))

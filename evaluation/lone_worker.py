@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CGROUP_ROOT = "/sys/fs/cgroup"      # the v1 cpu hierarchy is found at its mount point under it
 JOBS = {"A": 0.37, "B": 0.49, "C": 0.74}     # planned cores (weights)
 WORKERS = {"A": 1, "C": 2}
 
@@ -93,13 +93,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.repeats < 1:
         ap.error("--seconds must be positive and --repeats at least 1")
-    from agent.cgroupfs import v1_controller_available
+    from agent.cgroupfs import v1_controller_available, v1_mount
 
-    why = "needs root" if os.geteuid() != 0 else v1_controller_available(str(CPU_ROOT.parent), "cpu")
+    why = "needs root" if os.geteuid() != 0 else v1_controller_available(CGROUP_ROOT, "cpu")
     if why:
         print(f"lone_worker: {why} (it runs in cgroup v1 cpu groups of its own)", file=sys.stderr)
         return 2
-    base = CPU_ROOT / f"adloader-lone-{os.getpid()}"
+    base = Path(v1_mount(CGROUP_ROOT, "cpu")) / f"adloader-lone-{os.getpid()}"
     base.mkdir()
     runs = []
     try:

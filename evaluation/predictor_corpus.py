@@ -11,8 +11,9 @@ around each batch's fetch + collate, as ``adloader.DataLoader.stats()`` does).
 
 CPU allowance applies to the loader's worker processes only (the training process is never throttled,
 as with the agent): whole cores by ``sched_setaffinity`` in ``worker_init_fn``; a fractional allowance
-by a cgroup v1 CPU quota group this command creates under /sys/fs/cgroup/cpu/adloader-corpus-<pid>/ and
-removes at exit (needs root; without root fractional points are skipped and the header says so).
+by a cgroup v1 CPU quota group this command creates, ``adloader-corpus-<pid>`` in the cpu hierarchy (found
+at its mount point under /sys/fs/cgroup), and removes at exit (needs root; without root fractional
+points are skipped and the header says so).
 
 Loader (``--loader``): ``adloader.DataLoader`` when it is importable (its ``stats()`` totals), else
 torch's DataLoader with the same in-worker measurement (a batch-level dataset wrapper). The shipped
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_ROOT = "/sys/fs/cgroup"      # the v1 cpu hierarchy is found at its mount point under it
 
 # name -> (WorkloadSpec overrides, batch_size, emulated step seconds). Light, balanced, heavy, IO-bound.
 JOBS: dict[str, tuple[dict, int, float]] = {
@@ -82,11 +83,11 @@ class TimedBatches:
 
 
 def _cpu_hierarchy():
-    """The cgroup v1 cpu hierarchy at ``CGROUP_CPU``, through ``agent.cgroupfs`` (the one module that
-    writes cgroups)."""
-    from agent.cgroupfs import V1Hierarchy
+    """The cgroup v1 cpu hierarchy, at its mount point under ``CGROUP_ROOT``, through ``agent.cgroupfs``
+    (the one module that writes cgroups)."""
+    from agent.cgroupfs import v1_hierarchy
 
-    return V1Hierarchy(str(CGROUP_CPU.parent), CGROUP_CPU.name)
+    return v1_hierarchy(CGROUP_ROOT, "cpu")
 
 
 class CpuLimit:
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown job(s) {unknown}; known: {', '.join(JOBS)}")
     worker_counts = [int(x) for x in args.workers.split(",")]
     core_counts = [float(x) for x in args.cores.split(",")]
-    is_root = os.geteuid() == 0 and (CGROUP_CPU / "cpu.cfs_quota_us").exists()
+    is_root = os.geteuid() == 0 and _cpu_hierarchy().has_file("", "cpu.cfs_quota_us")
     skipped = [c for c in core_counts if c != int(c) and not is_root]
     core_counts = [c for c in core_counts if c not in skipped]
 

@@ -8,6 +8,9 @@ from agent import cgroupfs
 
 ROOT = "/sys/fs/cgroup"
 SUBTREE = f"adloader-test-{os.getpid()}"
+# each v1 hierarchy at its mount point (mountinfo: a joined cpu,cpuacct has no "cpu" name), as the agent finds it
+CPU = cgroupfs.v1_mount(ROOT, "cpu")
+CPUSET = cgroupfs.v1_mount(ROOT, "cpuset")
 
 
 def skip_reason() -> str | None:

@@ -18,7 +18,7 @@ from agent import cgroupfs
 from agent.actuators import build
 from agent.actuators.cgroup import subtree_shares_for_cores
 from agent.model import JobAllocation
-from tests.cgroup_support import ROOT, SUBTREE, skip_reason, wipe
+from tests.cgroup_support import CPU, CPUSET, ROOT, SUBTREE, skip_reason, wipe
 from tests.fakes import cgroup_job
 
 pytestmark = [pytest.mark.system]
@@ -79,7 +79,7 @@ def test_quota_holds_a_busy_loop(clean, tmp_path):
     r = act.apply(stats("q1", [pid]), JobAllocation(job="q1", workers=1, cpus=0.5))
     assert r.ok, r.error
     assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/q1"
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "q1", "cpu.cfs_quota_us")) as f:
+    with open(os.path.join(CPU, SUBTREE, "q1", "cpu.cfs_quota_us")) as f:
         assert int(f.read()) == 50000
     (used,) = cores_used([pid])
     print(f"busy loop under a 0.5-core quota used {used:.3f} cores")
@@ -87,11 +87,11 @@ def test_quota_holds_a_busy_loop(clean, tmp_path):
     assert os.getpid() not in set(act.h["cpu"].procs(f"{SUBTREE}/q1"))   # the training process stays out
     act.restore()
     assert cgroup_of(pid, "cpu") == "/"
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 def _quota_us(rel: str) -> int:
-    with open(os.path.join(ROOT, "cpu", rel, "cpu.cfs_quota_us")) as f:
+    with open(os.path.join(CPU, rel, "cpu.cfs_quota_us")) as f:
         return int(f.read())
 
 
@@ -109,7 +109,7 @@ def test_quota_knob_subtree_cap_never_falls_below_a_jobs_quota(clean, tmp_path):
     assert r.ok, r.error
     assert _quota_us(f"{SUBTREE}/q1") == 183000 and _quota_us(SUBTREE) == 183000
     act.restore()
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 def test_quota_knob_a_job_grows_past_the_subtree_cap(clean, tmp_path):
@@ -131,7 +131,7 @@ def test_quota_knob_a_job_grows_past_the_subtree_cap(clean, tmp_path):
     assert r.ok, r.error
     assert _quota_us(f"{SUBTREE}/q1") == 50000 and _quota_us(SUBTREE) == 100000
     act.restore()
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 def test_shares_split_a_contended_cpu(clean, tmp_path):
@@ -140,9 +140,9 @@ def test_shares_split_a_contended_cpu(clean, tmp_path):
     act = cgroup_actuator(tmp_path, "shares")
     assert act.apply(stats("s1", [a]), JobAllocation(job="s1", workers=1, cpus=0.25)).ok
     assert act.apply(stats("s3", [b]), JobAllocation(job="s3", workers=1, cpus=0.75)).ok
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "s1", "cpu.shares")) as f:
+    with open(os.path.join(CPU, SUBTREE, "s1", "cpu.shares")) as f:
         assert int(f.read()) == 256
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+    with open(os.path.join(CPU, SUBTREE, "cpu.shares")) as f:
         assert int(f.read()) == 2048          # the subtree weighs what its 2 workers would unmanaged
     ua, ub = cores_used([a, b])
     print(f"shares 1:3 on one CPU: {ua:.3f} vs {ub:.3f} cores, ratio {ub / max(ua, 1e-9):.2f}")
@@ -158,7 +158,7 @@ def test_a_plan_cpu_weight_sets_the_group_shares_and_the_subtree_counts_planned_
     trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
     assert act.apply(stats("w1", [a], **trainer), JobAllocation(job="w1", workers=1, cpus=0.25, cpu_weight=0.9)).ok
     assert act.apply(stats("w2", [b], **trainer), JobAllocation(job="w2", workers=1, cpus=1.5)).ok
-    read = lambda rel: int(open(os.path.join(ROOT, "cpu", rel, "cpu.shares")).read())
+    read = lambda rel: int(open(os.path.join(CPU, rel, "cpu.shares")).read())
     assert read(f"{SUBTREE}/w1") == 922 and read(f"{SUBTREE}/w2") == 1536
     assert read(SUBTREE) == subtree_shares_for_cores(1.75)          # 0.25 + 1.5 planned, not 0.9 + 1.5
     act.restore()
@@ -180,7 +180,7 @@ def test_cpuset_written_before_join_and_new_worker_pids_follow(clean, tmp_path):
     assert cgroup_of(pid2, "cpuset") == f"/{SUBTREE}/p1" and cgroup_of(pid2, "cpu") == f"/{SUBTREE}/p1"
     act.release("p1")
     assert cgroup_of(pid, "cpuset") == "/" and cgroup_of(pid2, "cpu") == "/"
-    assert not os.path.exists(os.path.join(ROOT, "cpuset", SUBTREE, "p1"))
+    assert not os.path.exists(os.path.join(CPUSET, SUBTREE, "p1"))
     act.restore()
 
 
@@ -194,7 +194,7 @@ def test_cleanup_leaves_no_group_and_a_gone_pid_is_not_an_error(clean, tmp_path)
     act.release("c1")
     act.restore()
     for ctrl in ("cpu", "cpuset", "blkio"):
-        assert not os.path.exists(os.path.join(ROOT, ctrl, SUBTREE)), ctrl
+        assert not os.path.exists(os.path.join(cgroupfs.v1_mount(ROOT, ctrl), SUBTREE)), ctrl
     assert cgroup_of(pid, "cpu") == "/"
     assert not os.path.exists(tmp_path / "cgroup-originals.json")
 
@@ -222,19 +222,19 @@ def test_a_zombie_worker_is_neither_moved_nor_counted(clean, tmp_path):
         act = cgroup_actuator(tmp_path)
         r = act.apply(stats("z1", [pid, zombie]), JobAllocation(job="z1", workers=2, cpus=1.0))
         assert r.ok, r.error
-        with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+        with open(os.path.join(CPU, SUBTREE, "cpu.shares")) as f:
             assert int(f.read()) == 1024            # one live worker
         assert str(zombie) not in act.originals.pids
         assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/z1"
         act.restore()
-        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+        assert not os.path.exists(os.path.join(CPU, SUBTREE))
     finally:
         os.waitpid(zombie, 0)
 
 
 def test_restart_from_journal_restores_originals(clean, tmp_path):
     # a subtree that existed before the agent, with a value of its own the agent will overwrite
-    base = os.path.join(ROOT, "cpu", SUBTREE)
+    base = os.path.join(CPU, SUBTREE)
     os.mkdir(base)
     with open(os.path.join(base, "cpu.shares"), "w") as f:
         f.write("777")
@@ -260,7 +260,7 @@ def test_restore_while_yielding_puts_back_a_pre_existing_subtree_shares(clean, t
     ends, so cpu.idle must be put back before cpu.shares."""
     from agent.model import NodeAllocation
 
-    base = os.path.join(ROOT, "cpu", SUBTREE)
+    base = os.path.join(CPU, SUBTREE)
     os.mkdir(base)
     if not os.path.exists(os.path.join(base, "cpu.idle")):
         pytest.skip("this kernel has no cpu.idle (5.15+)")
@@ -284,7 +284,7 @@ def test_a_restarted_agent_lifts_the_subtree_cap_a_dead_one_left(clean, tmp_path
     """The dead agent capped the subtree (cpu.cfs_quota_us) for trainers that needed CPU; the new
     agent's plan has no cap, so it must write -1 rather than leave the loaders capped."""
     a, b = busy(clean), busy(clean)
-    quota_file = os.path.join(ROOT, "cpu", SUBTREE, "cpu.cfs_quota_us")
+    quota_file = os.path.join(CPU, SUBTREE, "cpu.cfs_quota_us")
     first = cgroup_actuator(tmp_path)
     first.node_cpus = 2.0
     trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
@@ -297,7 +297,7 @@ def test_a_restarted_agent_lifts_the_subtree_cap_a_dead_one_left(clean, tmp_path
     with open(quota_file) as f:
         assert int(f.read()) == -1
     second.restore()
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 @pytest.mark.parametrize("journal", ["kept", "corrupt"])
@@ -306,7 +306,8 @@ def test_a_restarted_agent_never_caps_the_subtree_below_an_adopted_jobs_quota(cl
     a core of the 2: the subtree's cap (the node less the trainer, never below the planned cores) left
     out the adopted k1, whose planned cores it did not know, and v1 refused the 1.0-core cap below
     k1's quota (EINVAL) until k1 was applied. Its quota is read back as its planned cores. Also with
-    the journal lost, the groups taken as orphans."""
+    the journal lost, the groups taken as orphans, and the subtree with them (it was left behind, with
+    its cap)."""
     a, b = busy(clean), busy(clean)
     first = cgroup_actuator(tmp_path, "quota")
     first.node_cpus = 2.0
@@ -324,10 +325,32 @@ def test_a_restarted_agent_never_caps_the_subtree_below_an_adopted_jobs_quota(cl
     assert second.apply(stats("k1", [a]), JobAllocation(job="k1", workers=1, cpus=0.5)).ok
     assert _quota_us(f"{SUBTREE}/k1") == 50000 and _quota_us(SUBTREE) == 100000
     second.restore()
-    for job in ("k1", "k2"):
-        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE, job))
-    if journal == "kept":               # (with the journal lost, the subtree is not known as ours)
-        assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
+
+
+def test_a_group_not_ours_named_with_undecodable_bytes_is_left_alone(clean, tmp_path):
+    """A real group named b'\\xff' (not UTF-8) made by someone else in the subtree, the journal lost:
+    restore raised UnicodeEncodeError from cgroupspy on its name. It is left alone; ours are restored
+    and the subtree, which it keeps, loses the dead agent's cap."""
+    pid = busy(clean)
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    first = cgroup_actuator(tmp_path)
+    first.node_cpus = 2.0
+    assert first.apply(stats("u1", [pid], **trainer), JobAllocation(job="u1", workers=1, cpus=1.0)).ok
+    assert _quota_us(SUBTREE) == 170000
+    theirs = os.fsencode(os.path.join(CPU, SUBTREE)) + b"/\xff"
+    os.mkdir(theirs)
+    del first                                          # the agent dies without restoring
+    (tmp_path / "cgroup-originals.json").write_text("{not json")
+    second = cgroup_actuator(tmp_path)
+    second.node_cpus = 2.0
+    assert second.apply(stats("u1", [pid], **trainer), JobAllocation(job="u1", workers=1, cpus=1.0)).ok
+    assert _quota_us(SUBTREE) == 170000                # (a tick: the cap still wanted)
+    with pytest.raises(cgroupfs.CgroupError, match=f"restore incomplete: rmdir .*/{SUBTREE}: Device or resource busy$"):
+        second.restore()
+    assert os.path.isdir(theirs) and cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(os.path.join(CPU, SUBTREE, "u1"))
+    assert _quota_us(SUBTREE) == -1
 
 
 def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
@@ -344,7 +367,7 @@ def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     # the policy gives 1 core in all (0.5 each): the job groups weigh 512 each, the loaders 2 workers
     assert act.apply(stats("w1", [m1]), JobAllocation(job="w1", workers=1, cpus=0.5)).ok
     assert act.apply(stats("w2", [m2]), JobAllocation(job="w2", workers=1, cpus=0.5)).ok
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+    with open(os.path.join(CPU, SUBTREE, "cpu.shares")) as f:
         subtree_shares = int(f.read())
     used = cores_used([m1, m2, u1, u2])
     share = [u / max(sum(used), 1e-9) for u in used]
@@ -353,13 +376,13 @@ def test_subtree_weighs_what_its_workers_would_unmanaged(clean, tmp_path):
     assert subtree_shares == 2048                      # 2 loader workers, as 2 tasks in the root weigh
     assert all(0.19 <= s <= 0.31 for s in share), share
     act.release("w1")                                  # one worker left in the subtree
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+    with open(os.path.join(CPU, SUBTREE, "cpu.shares")) as f:
         assert int(f.read()) == 1024
     act.restore()
-    with open(os.path.join(ROOT, "cpu", "cgroup.procs")) as f:
+    with open(os.path.join(CPU, "cgroup.procs")) as f:
         root_procs = set(int(p) for p in f.read().split())
     assert {m1, m2} <= root_procs
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
@@ -377,7 +400,7 @@ def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
     trainers = {"y1": (0.4, 0.4)}
     assert act.apply(stats("y1", [w1, w2], trainer_cpu_s_per_step=0.02, compute_s_per_step=0.05),
                      JobAllocation(job="y1", workers=2, cpus=1.0)).ok
-    idle_file = os.path.join(ROOT, "cpu", SUBTREE, "cpu.idle")
+    idle_file = os.path.join(CPU, SUBTREE, "cpu.idle")
     if not os.path.exists(idle_file):
         pytest.skip("this kernel has no cpu.idle (5.15+)")
 
@@ -392,7 +415,7 @@ def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
     assert act.apply_node(NodeAllocation(True, trainers)) == []
     with open(idle_file) as f:
         assert f.read().strip() == "1"
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.cfs_quota_us")) as f:
+    with open(os.path.join(CPU, SUBTREE, "cpu.cfs_quota_us")) as f:
         assert int(f.read()) == -1                        # yielding needs no cap
     yielding = workers_share()
     print(f"the loader workers' share of one CPU beside a busy training process: weighted {weighted:.3f}, "
@@ -406,10 +429,10 @@ def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
     assert act.apply_node(NodeAllocation(False, trainers)) == []
     with open(idle_file) as f:
         assert f.read().strip() == "0"
-    with open(os.path.join(ROOT, "cpu", SUBTREE, "cpu.shares")) as f:
+    with open(os.path.join(CPU, SUBTREE, "cpu.shares")) as f:
         assert int(f.read()) == subtree_shares_for_cores(1.5)   # written again: leaving idle resets it
     act.restore()
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
 def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
@@ -417,9 +440,9 @@ def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
     from pathlib import Path
 
     from evaluation.catalog import JobSpec
-    from evaluation.harness import STATIC_CGROUP_ROOT, BenchError, StaticCores
+    from evaluation.harness import BenchError, StaticCores
 
-    if os.geteuid() != 0 or not Path(STATIC_CGROUP_ROOT, "cpu.cfs_quota_us").exists():
+    if os.geteuid() != 0 or not Path(CPU, "cpu.cfs_quota_us").exists():
         with pytest.raises(BenchError, match="static-cores needs root and a cgroup v1 cpu hierarchy at .* or cgroup v2"):
             StaticCores(2, 4)
         pytest.skip("needs root and cgroup v1 cpu to place a process (the refusal was checked)")
@@ -464,10 +487,10 @@ def test_static_cores_on_cgroup_v2_writes_cpu_max(tmp_path, monkeypatch):
     v2 = tmp_path / "unified"
     v2.mkdir()
     with pytest.raises(BenchError, match="cgroup v2 with the cpu controller"):
-        StaticCores(2, 4, root=str(tmp_path / "no-v1"), v2_root=str(v2))   # no cgroup.controllers
+        StaticCores(2, 4, cgroup_root=str(v2))   # no cgroup.controllers
     (v2 / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     (v2 / "cgroup.subtree_control").write_text("memory\n")
-    st = StaticCores(node_cores=16, node_gpus=4, root=str(tmp_path / "no-v1"), v2_root=str(v2))
+    st = StaticCores(node_cores=16, node_gpus=4, cgroup_root=str(v2))
     assert st.version == 2 and st.base.parent == v2
     assert (v2 / "cgroup.subtree_control").read_text() == "+cpu"
     assert (st.base / "cgroup.subtree_control").read_text() == "+cpu"
@@ -479,3 +502,30 @@ def test_static_cores_on_cgroup_v2_writes_cpu_max(tmp_path, monkeypatch):
     assert not (st.base / "j2" / "cpu.cfs_quota_us").exists()
     (st.base / "j2" / "cpu.stat").write_text("usage_usec 9000\nnr_periods 40\nnr_throttled 10\nthrottled_usec 250000\n")
     assert st.throttling() == {"j2": {"periods": 40, "throttled": 10, "throttled_s": 0.25}}
+
+
+def test_static_cores_finds_a_joined_cpu_cpuacct_hierarchy_from_mountinfo(tmp_path):
+    """A host that mounts ``cpu,cpuacct`` with no ``cpu`` symlink: the bench looked only at
+    /sys/fs/cgroup/cpu, so static-cores fell to v2 or refused. A directory with a mountinfo that lists
+    it stands in for the mount (the quota files are plain files here)."""
+    from evaluation.catalog import JobSpec
+    from evaluation.harness import StaticCores
+    from tests.fakes import fake_proc
+
+    if os.geteuid() != 0:
+        pytest.skip("StaticCores refuses non-root before it looks at the hierarchy")
+    joined = tmp_path / "cg" / "cpu,cpuacct"
+    joined.mkdir(parents=True)
+    for name, value in {"cgroup.procs": "", "cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}.items():
+        (joined / name).write_text(value)
+    proc = fake_proc(tmp_path, [4242])
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(
+        f"31 23 0:28 / {tmp_path}/cg rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        f"32 31 0:29 / {joined} rw,nosuid,nodev,noexec,relatime shared:7 - cgroup cgroup rw,cpu,cpuacct\n")
+    st = StaticCores(node_cores=16, node_gpus=4, cgroup_root=str(tmp_path / "cg"), proc_root=proc)
+    assert st.version == 1 and st.base.parent == joined
+    spec = JobSpec(job_id="j1", kind="x", batch_size=8, step_s=0.1, demand_cores=1.0, cpu_s_per_sample=0.001,
+                   workload={}, gpus=1)
+    assert st.place(spec, 4242) == pytest.approx(4.0)          # 16 cores x 1 of 4 GPUs
+    assert (st.base / "j1" / "cpu.cfs_quota_us").read_text() == "400000"
+    assert (st.base / "j1" / "cgroup.procs").read_text() == "4242"

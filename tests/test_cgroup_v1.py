@@ -101,3 +101,71 @@ def test_v1_discovery_on_this_machine_gives_the_usual_paths():
             assert cgroupfs.v1_mount("/sys/fs/cgroup", ctrl) == usual
     for ctrl, h in cgroupfs.open_hierarchies("/sys/fs/cgroup", 1).items():
         assert any(mp == h.root and ctrl in opts for mp, _, opts in mounts), (ctrl, h.root)
+
+
+def test_v1_a_group_named_with_undecodable_bytes_is_left_alone_and_logged_once(tmp_path, caplog):
+    """Someone else's group named with a byte that is not UTF-8 (b'\\xff') in the agent's subtree, and
+    the journal of originals lost: adopt_orphans took it as the dead agent's, and restore raised
+    UnicodeEncodeError from cgroupspy on its name (the rest of the restore never ran). It is left out
+    of everything, logged once with its path's bytes; the job's group and the subtree are restored."""
+    import logging
+    import os
+
+    from agent.actuators import build
+    from agent.cgroupfs import CgroupError
+    from agent.model import JobAllocation
+    from tests.fakes import cgroup_job
+
+    cpu = tmp_path / "cg" / "cpu"
+    (cpu / "adloader" / "j").mkdir(parents=True)
+    for rel, files in {"": {}, "adloader": {"cpu.shares": "2048", "cpu.cfs_quota_us": "150000"},
+                       "adloader/j": {"cpu.shares": "512"}}.items():
+        for name, value in {"cgroup.procs": "", **files}.items():
+            (cpu / rel / name).write_text(value)
+    theirs = os.fsencode(cpu / "adloader") + b"/\xff"
+    os.makedirs(theirs + b"/below")
+    state = tmp_path / "st"
+    state.mkdir()
+    (state / "cgroup-originals.json").write_text("{not json")
+    problems: list = []
+    with caplog.at_level(logging.WARNING, logger="agent.cgroup"):
+        act = build("v1", sink=None, cgroup_root=str(tmp_path / "cg"), subtree="adloader", state_dir=str(state),
+                    sys_root=fake_sys(tmp_path, {}), proc_root=fake_proc(tmp_path, [4242]), problems=problems)[1]
+        assert act.originals.created == ["cpu|adloader", "cpu|adloader/j"]
+        assert any(p.endswith("previous agent: j") for p in problems), problems
+        r = act.apply(cgroup_job("j", [4242]), JobAllocation(job="j", workers=1, cpus=0.5))    # a tick
+        assert r.ok, r.error
+        h = act.h["cpu"]
+        real_rmdir = h.rmdir
+
+        def rmdir(rel):                    # as the kernel's: a group's interface files go with it
+            for f in os.scandir(h.path(rel)):
+                if f.is_file():
+                    os.unlink(f.path)
+            real_rmdir(rel)
+
+        h.rmdir = rmdir
+        with pytest.raises(CgroupError, match=r"restore incomplete: rmdir .*/adloader: Directory not empty$"):
+            act.restore()                  # their group keeps the subtree: said, not raised through
+    logged = [r for r in caplog.records if getattr(r, "event", None) == "cgroup_name_undecodable"]   # 3 walks
+    assert [r.fields["group"] for r in logged] == [repr(theirs)]
+    assert os.path.isdir(theirs + b"/below") and not (cpu / "adloader" / "j").exists()
+    assert (cpu / "cgroup.procs").read_text() == "4242"
+    assert {f: (cpu / "adloader" / f).read_text() for f in ("cpu.shares", "cpu.cfs_quota_us")} == \
+        {"cpu.shares": "1024", "cpu.cfs_quota_us": "-1"}          # a new group's values: no cap
+
+
+def test_no_command_or_system_test_builds_a_v1_hierarchy_path():
+    """The evaluation commands and the cgroup system tests wrote /sys/fs/cgroup/cpu (or joined the root
+    and "cpu"), which a host that mounts ``cpu,cpuacct`` with no ``cpu`` symlink does not have. They find
+    each hierarchy at its mount point (``cgroupfs.v1_mount`` / ``v1_hierarchy``), as the agent does."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    built = re.compile(r"/sys/fs/cgroup/(cpu|cpuset|blkio)\b(?![,a-z])|(join|Path)\(\w*ROOT, \"(cpu|cpuset|blkio)\"")
+    files = sorted(repo.glob("evaluation/*.py")) + [repo / "tests" / n for n in (
+        "cgroup_support.py", "test_cgroup_system.py", "test_predictor_corpus.py", "test_sim.py")]
+    found = [f"{f.relative_to(repo)}:{i}: {line.strip()}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1) if built.search(line)]
+    assert not found, "\n".join(found)

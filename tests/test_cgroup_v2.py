@@ -455,6 +455,32 @@ def test_v2_a_restarted_agent_lifts_the_cap_a_dead_one_left(v2, tmp_path):
     assert not kernel.exists("adloader")
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_v2_a_restarted_agent_with_a_lost_journal_takes_the_subtree_and_lifts_its_cap(v2, held):
+    """The journal of originals lost (corrupt: ``build`` then calls ``adopt_orphans``): the job groups
+    were adopted, the subtree itself was not, so restore left it, capped at the dead agent's cpu.max.
+    Now it is removed; where it cannot be (``held``: a group not ours in it), it gets a new group's
+    CPU values back."""
+    kernel, make = v2
+    busy = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    first = make(io=False, node_cpus=4.0)
+    first.apply(cgroup_job("a", [101, 102], **busy), JobAllocation(job="a", workers=2, cpus=2.0))
+    assert [read(kernel, "adloader", f) for f in ("cpu.max", "cpu.weight")] == ["370000 100000", "200"]
+    again = make(io=False, node_cpus=4.0)                       # no restore, and nothing of the first known
+    assert again.adopt_orphans() == ["a"]
+    if held:
+        kernel.mkdir("adloader/theirs")                        # made by someone else after the adoption
+        with pytest.raises(cgroupfs.CgroupError, match="rmdir .*adloader: Device or resource busy"):
+            again.restore()
+        assert not kernel.exists("adloader/a")
+        assert [read(kernel, "adloader", f) for f in ("cpu.max", "cpu.weight", "cpu.idle")] == \
+            ["max 100000", "100", "0"]                          # a new group's: no cap
+    else:
+        again.restore()
+        assert not kernel.exists("adloader")
+    assert set(kernel.procs("user.slice/job.scope")) | set(kernel.procs("")) >= {101, 102, 103}
+
+
 def test_v2_subtree_cap_is_never_below_the_planned_cores(v2):
     """The cap is the node less the trainers' pace in 0.05-core steps, but never below the loaders'
     planned cores: 2 - 0.17 = 1.83 floored to 1.80 cut a job planned 1.83 cores."""

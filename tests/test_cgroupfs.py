@@ -47,3 +47,24 @@ def test_domain_errors_and_parsers(tmp_path):
     with pytest.raises(ValueError, match="memory"):
         cgroupfs.open_hierarchies(str(tmp_path), 1, ("cpu", "memory"))
 
+
+
+def test_move_tells_a_gone_process_by_the_configured_proc_root(tmp_path):
+    """v1 answers EINVAL for a pid that no longer exists; ``move`` then looked at the real /proc, not
+    ``proc_root``: a process the fake tree lists was JobGone, one it does not list was not."""
+    from tests.fakes import fake_proc
+
+    (tmp_path / "cg" / "cpu" / "g").mkdir(parents=True)
+    (tmp_path / "cg" / "cpu" / "cgroup.procs").write_text("")
+    listed = 4194305                       # above the kernel's largest pid_max: never in the real /proc
+    proc = fake_proc(tmp_path, [listed])
+    h = cgroupfs.open_hierarchies(str(tmp_path / "cg"), 1, ("cpu",), proc_root=proc)["cpu"]
+
+    def einval(rel, file, value):          # what v1 says to a write of a pid it cannot move
+        raise domain_error(OSError(errno.EINVAL, "x"), f"write {value} to {h.path(rel, file)}")
+
+    h.write = einval
+    with pytest.raises(InvalidValue):
+        h.move("g", listed)                # in proc_root: a real refusal
+    with pytest.raises(JobGone):
+        h.move("g", os.getpid())           # alive in /proc, but not in proc_root: gone

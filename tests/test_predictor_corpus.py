@@ -10,7 +10,6 @@ import pytest
 from predictor.prior import load_corpus
 from tests.conftest import REPO, repo_env
 
-CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
 
 def _sweep(tmp_path, cores: str, loader: str):
@@ -38,10 +37,12 @@ def test_sweep_records_points_with_worker_side_timing(tmp_path, loader):
 
 @pytest.mark.system
 def test_fractional_allowance_uses_a_quota_group_and_removes_it(tmp_path):
-    if os.geteuid() != 0 or not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
-        pytest.skip("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    from tests.cgroup_support import CPU
+
+    if os.geteuid() != 0 or not (Path(CPU) / "cpu.cfs_quota_us").exists():
+        pytest.skip(f"needs root and the cgroup v1 cpu controller (looked at {CPU}, from mountinfo)")
     def corpus_groups():
-        return {d for d in os.listdir(CGROUP_CPU) if d.startswith("adloader-corpus-")}
+        return {d for d in os.listdir(CPU) if d.startswith("adloader-corpus-")}
 
     before = corpus_groups()    # another sweep running on the machine keeps its own group
     header, points = _sweep(tmp_path, "0.5", "torch")

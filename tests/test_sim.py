@@ -1002,7 +1002,7 @@ def test_lone_worker_command_measures_received_cores_against_the_weights(tmp_pat
     r = subprocess.run([sys.executable, "-m", "evaluation.lone_worker", "--seconds", "0"], capture_output=True,
                        text=True, env=repo_env(), timeout=60)
     assert r.returncode == 2 and "--seconds" in r.stderr
-    from tests.cgroup_support import skip_reason
+    from tests.cgroup_support import CPU, skip_reason
 
     why = skip_reason()
     if why:
@@ -1012,7 +1012,7 @@ def test_lone_worker_command_measures_received_cores_against_the_weights(tmp_pat
     runs = json.loads(out.read_text())["runs"]
     assert [x["b_workers"] for x in runs] == [1, 2]
     assert all(v > 0 for x in runs for v in x["received"].values())
-    assert not list(Path("/sys/fs/cgroup/cpu").glob("adloader-lone-*"))
+    assert not list(Path(CPU).glob("adloader-lone-*"))
 
 
 @pytest.mark.unit

@@ -60,10 +60,11 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     ``PolicyConfig.pin_cpusets``). With ``state_dir`` the journal of originals lives in
     ``<state_dir>/cgroup-originals.json``, so a restarted agent restores what a dead one changed.
     A journal of originals that cannot be trusted (``StateFileError``: corrupt, wrong types) is set
-    aside (``statefile.quarantine``), said in ``problems``, and the groups still found in the subtree
-    are taken as the dead agent's (``CgroupActuator.adopt_orphans``), so they are emptied (their
+    aside (``statefile.quarantine``), said in ``problems``, and the subtree and the groups still found
+    in it are taken as the dead agent's (``CgroupActuator.adopt_orphans``), so they are emptied (their
     processes to the hierarchy's root: where they came from is lost) and removed as jobs leave or on
-    stop. The mode is never changed because of it: ``auto`` does not fall back to ``off``.
+    stop; a subtree that cannot be removed gets a new group's CPU values back (no cap). The mode is
+    never changed because of it: ``auto`` does not fall back to ``off``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -85,7 +86,7 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
         originals = Originals(orig_path)
     except statefile.StateFileError as e:
         moved = statefile.quarantine(orig_path)
-        problems.append(f"{e}; set aside as {moved}; the groups still in the subtree are emptied and removed"
+        problems.append(f"{e}; set aside as {moved}; the subtree and the groups still in it are emptied and removed"
                         if moved else f"{e}; it could not be set aside")
         logs.event(logging.getLogger("agent.actuators"), "originals_unusable", logging.ERROR, path=orig_path,
                    error=str(e), quarantined=moved)

@@ -85,12 +85,13 @@ Where the groups live:
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from typing import Optional
 
-from agent import cgroupfs
+from agent import cgroupfs, logs
 from agent.actuators import CPU_KNOBS
 from agent.actuators.originals import Originals
 from agent.cgroupfs import Busy, CgroupError, Hierarchy, JobGone, NotSupported
@@ -101,6 +102,10 @@ TRAINER_CPU_MIN = 0.05      # cores: below this the training processes are taken
 QUOTA_MIN_US = 1000
 V2_BUSY_TRIES = 4           # v2: moves of <own>'s processes to the leaf before its controllers are refused
 V2_AGENT_LEAF = "agent"      # v2: the leaf under the agent's own cgroup that the agent's processes move to
+log = logging.getLogger("agent.cgroup")
+# what the kernel gives a new group in the cpu files the agent writes on its subtree (cpu.idle: 5.15+)
+NEW_GROUP_CPU = {1: {"cpu.idle": "0", "cpu.shares": str(SHARES_DEFAULT), "cpu.cfs_quota_us": "-1"},
+                 2: {"cpu.idle": "0", "cpu.weight": "100", "cpu.max": "max 100000"}}
 
 
 CGROUP_RESERVED = frozenset({"tasks", "notify_on_release", "release_agent"})   # v1 files without a dot
@@ -360,21 +365,33 @@ class CgroupActuator:
                 self._cores[job] = cores
 
     def adopt_orphans(self) -> list[str]:
-        """Take every group below the subtree that the journal of originals does not list as ours
-        (it was lost): recorded as created, so ``release``/``restore`` empty and remove them.
+        """Take the subtree and every group below it that the journal of originals does not list as
+        ours (it was lost): recorded as created, so ``release``/``restore`` empty and remove them.
+        The subtree's own CPU files (its weight, cap and idle flag, which the dead agent may have left
+        capped) get a new group's values as their originals: where the subtree cannot be removed (a
+        group that is not ours is still in it), ``restore`` writes those back, so no cap outlives us.
         Returns the job names found."""
         found: list[str] = []
+        adopted = False
         for hier, h in self.h.items():
             if not h.exists(self.subtree):
                 continue
+            if Originals.key(hier, self.subtree) not in self.originals.created:
+                if hier == self._cpu_hier:
+                    for file, value in NEW_GROUP_CPU[self.version].items():
+                        if h.has_file(self.subtree, file):
+                            self.originals.files.setdefault(Originals.key(hier, self.subtree, file), value)
+                self.originals.created.append(Originals.key(hier, self.subtree))     # before its children
+                adopted = True
             for rel in sorted(_children(h, self.subtree), key=lambda r: r.count("/")):
                 key = Originals.key(hier, rel)
                 if key not in self.originals.created:
                     self.originals.created.append(key)
+                    adopted = True
                     name = rel[len(self.subtree) + 1:]
                     if "/" not in name and job_of_group(name) not in found:
                         found.append(job_of_group(name))
-        if found:
+        if adopted:
             self.originals.save()
             self._load_existing_shares()      # they weigh, and hold quotas, as the journal's groups do
         return found
@@ -878,5 +895,22 @@ class CgroupActuator:
 
 
 def _children(h: Hierarchy, rel: str) -> list[str]:
-    """Every group below ``rel`` (not ``rel`` itself)."""
-    return h.children(rel)
+    """Every group below ``rel`` (not ``rel`` itself) whose name is text. A group named with bytes that
+    are not UTF-8 is none of ours (job ids are text, ``protocol.check_job_id``): someone else made it.
+    It is left out, with everything below it, and logged once, by its path's bytes (os.walk hands the
+    name back with surrogates, which cgroupspy, encoding names strictly, refused with UnicodeEncodeError)."""
+    out: list[str] = []
+    skipped: list[str] = []
+    for child in h.children(rel):
+        if any(child.startswith(s + "/") for s in skipped):
+            continue
+        try:
+            child.encode()
+        except UnicodeEncodeError:
+            skipped.append(child)
+            path = repr(os.fsencode(h.path(child)))
+            logs.once(f"cgroup_name_undecodable|{path}", log, "cgroup_name_undecodable", logging.WARNING,
+                      group=path, detail="not a group the agent made: left alone")
+            continue
+        out.append(child)
+    return out
