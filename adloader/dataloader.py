@@ -87,7 +87,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
@@ -147,30 +147,16 @@ def _available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _pin(data):
-    """Pin every tensor in a batch (torch's pin_memory semantics for the common containers;
-    objects with a ``pin_memory()`` method are asked to pin themselves)."""
-    if isinstance(data, torch.Tensor):
-        return data.pin_memory()
-    if isinstance(data, (str, bytes)):
-        return data
-    if isinstance(data, Mapping):
-        try:
-            return type(data)({k: _pin(v) for k, v in data.items()})
-        except TypeError:
-            return {k: _pin(v) for k, v in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_pin(v) for v in data))
-    if isinstance(data, tuple):
-        return tuple(_pin(v) for v in data)
-    if isinstance(data, Sequence):
-        try:
-            return type(data)([_pin(v) for v in data])
-        except TypeError:
-            return [_pin(v) for v in data]
-    if hasattr(data, "pin_memory"):
-        return data.pin_memory()
-    return data
+def _pin(data, device=None):
+    """Pin a batch as torch's DataLoader does, with torch's own ``pin_memory``
+    (torch/utils/data/_utils/pin_memory.py, what its pin thread and single-process iterator call): an
+    object with its own ``pin_memory()`` pins itself (a TensorDict, a mapping, is not rebuilt), a
+    mutable mapping or sequence is copied and updated so that its type and extra state survive (a
+    defaultdict's factory, transformers' ``BatchEncoding``), a tuple keeps its type. A walk of our own
+    had rebuilt each container from its items and lost all three."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(data, device)
 
 
 @dataclass(frozen=True)
@@ -185,6 +171,7 @@ class _Config:
     collate_fn: Any
     generator: Any
     pin: bool
+    pin_device: Optional[str]   # the accelerator's type when pinning (torch's ``_pin_memory_device``)
     timeout_s: float
     timeout: Any                # as given, for torch's wording of the timeout error
     datapipe: bool              # an IterDataPipe or MapDataPipe: sharded and seeded as torch does
@@ -652,12 +639,15 @@ class DataLoader(tud.DataLoader[T_co]):
     def _config(self) -> _Config:
         iterable = isinstance(self.dataset, tud.IterableDataset)    # torch's own test
         pin = False
+        pin_device = None
         if self.pin_memory:
             if self.pin_memory_device:
                 warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as "
                               f"the device,ignore pin_memory_device='{self.pin_memory_device}'.", stacklevel=3)
             if torch.accelerator.is_available():
                 pin = True
+                acc = torch.accelerator.current_accelerator()
+                pin_device = acc.type if acc is not None else None
             else:
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                               "then device pinned memory won't be used.", stacklevel=3)
@@ -670,7 +660,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return _Config(
             dataset=self.dataset, iterable=iterable, index_sampler=self._index_sampler,
             auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
-            collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
+            collate_fn=self.collate_fn, generator=self.generator, pin=pin, pin_device=pin_device,
+            timeout_s=float(self.timeout),
             timeout=self.timeout, datapipe=is_datapipe(self.dataset), worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
             persistent=self.persistent_workers, prefetch_factor=max(1, self.prefetch_factor or 2))
 
@@ -999,7 +990,7 @@ class _ElasticIter:
                 payload.reraise()
             raise payload
         if self._cfg.pin:
-            payload = _pin(payload)
+            payload = _pin(payload, self._cfg.pin_device)
         return payload
 
     def _deliver_batch(self, batch: Batch):
