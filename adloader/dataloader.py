@@ -110,6 +110,9 @@ __all__ = ["DataLoader", "STATE_VERSION"]
 STATE_VERSION = 1
 _ITER_IDS = itertools.count(1)
 _WAIT_SLICE_S = 1.0     # longest single wait on the pool (deaths and resizes wake it earlier)
+# the name torch's iterators give each next() in a profiler trace, without workers and with them
+_PROFILE_NAMES = {False: "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+                  True: "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"}
 T_co = TypeVar("T_co", covariant=True)
 
 # Frameworks that copy a loader's attributes into a torch DataLoader of their own (so A-Dloader's
@@ -951,6 +954,17 @@ class _ElasticIter:
 
     # ---- delivery ----------------------------------------------------------------------------
     def __next__(self):
+        # torch's iterators name every next() in a profiler trace (_BaseDataLoaderIter.__next__,
+        # torch/utils/data/dataloader.py): TensorBoard's profiler plugin and other trace tools count the
+        # "enumerate(DataLoader)#...__next__" ranges as DataLoader time
+        with torch.autograd.profiler.record_function(_PROFILE_NAMES[self._uses_workers()]):
+            return self._next_timed()
+
+    def _uses_workers(self) -> bool:
+        """Whether this epoch's batches come from worker processes (the profiler range's name)."""
+        raise NotImplementedError
+
+    def _next_timed(self):
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         c = self._counters
@@ -1154,6 +1168,9 @@ class _MapIter(_ElasticIter):
                 pool.take_queued()      # tasks of an abandoned epoch
             self._fill()
 
+    def _uses_workers(self) -> bool:
+        return self._core.target > 0
+
     # ---- dispatch ----------------------------------------------------------------------------
     def _pull_index(self):
         if self._peeked:
@@ -1324,6 +1341,9 @@ class _IterableIter(_ElasticIter):
             # before it is handed a task of this epoch
             self._handle(pool.poll(0))
             self._fill()
+
+    def _uses_workers(self) -> bool:
+        return self._epoch_workers > 0
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _fill(self) -> None:

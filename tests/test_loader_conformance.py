@@ -298,3 +298,21 @@ def test_pin_memory_rebuilds_batch_containers_as_torch_does(monkeypatch, workers
     dl = DataLoader(list(range(4)), num_workers=workers, **kw)
     assert [_pinned_view(b) for b in dl] == ref
     dl.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_profiler_trace_names_each_next_as_torch_s_iterators_do(workers):
+    # torch's iterators wrap every next() in record_function("enumerate(DataLoader)#<iterator>.__next__");
+    # TensorBoard's profiler plugin and other trace tools count those ranges as DataLoader time, so
+    # without them a profiled job's data wait vanished from its step-time breakdown
+    from torch.profiler import ProfilerActivity, profile
+
+    def ranges(cls):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in cls(list(range(6)), batch_size=2, num_workers=workers):
+                pass
+        return sorted(e.name for e in prof.events() if e.name.startswith("enumerate(DataLoader)#"))
+
+    ref = ranges(tud.DataLoader)
+    assert len(ref) == 4        # three batches and the next() that ends the epoch
+    assert ranges(DataLoader) == ref
