@@ -42,7 +42,8 @@ Deviations from torch (by design, documented):
   round-robin like torch, so batches come in torch's order for the same worker count. The shard
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
   says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
-  ``load_state_dict`` can resume an IterableDataset only at an epoch boundary (ValueError otherwise).
+  ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
+  its epoch from the beginning, with a warning (Lightning loads it on every resume).
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
   seeded from ``task_seed(base_seed, epoch, seq)``, so a seed set in ``worker_init_fn`` is overwritten
   before ``__getitem__`` runs, and ``torch.initial_seed()`` in a worker is the batch's seed (torch:
@@ -697,7 +698,8 @@ class DataLoader(tud.DataLoader[T_co]):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``)."""
+        """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``). An
+        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
                              f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
@@ -705,14 +707,19 @@ class DataLoader(tud.DataLoader[T_co]):
         if state["dataset_kind"] != kind:
             raise ValueError(f"state is for a {state['dataset_kind']}-style dataset, this loader has a "
                              f"{kind}-style one")
-        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
-            raise ValueError("cannot resume an IterableDataset mid-epoch: its workers' shards cannot "
-                             "be replayed to a position; resume at an epoch boundary instead")
         if (state["rng_source"] == "generator") != (self.generator is not None):
             raise ValueError("state was saved with generator=" +
                              ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
                              "; this loader differs")
-        self._resume = dict(state)
+        state = dict(state)
+        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
+            # Lightning loads this on every resume, mid-epoch checkpoints included (torch's loader, which
+            # has no state, starts the epoch again there): restart, never refuse
+            warnings.warn(f"adloader: an IterableDataset cannot resume mid-epoch (its workers' shards cannot "
+                          f"be replayed to a position): epoch {state['epoch']} restarts from its beginning, "
+                          f"its first {state['batches_delivered']} batch(es) come again", stacklevel=2)
+            state["batches_delivered"], state["delivered_ahead"] = 0, []
+        self._resume = state
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
