@@ -249,8 +249,9 @@ def reseed_datapipe(dataset, shared_seed: int) -> None:
 
 
 def set_worker_info(wid: int, num_workers: int, seed: int, dataset) -> None:
-    # The one private touch (allowed by DESIGN.md): torch.utils.data.get_worker_info() returns the
-    # module global ``torch.utils.data._utils.worker._worker_info``, which torch's own worker loop
+    # One of two private touches (the other: torch's own pin_memory, dataloader._pin):
+    # torch.utils.data.get_worker_info() returns the module global
+    # ``torch.utils.data._utils.worker._worker_info``, which torch's own worker loop
     # sets the same way (torch/utils/data/_utils/worker.py, _worker_loop). default_collate also reads
     # it to allocate batches directly in shared memory inside workers.
     from torch.utils.data._utils import worker as _torch_worker

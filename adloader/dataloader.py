@@ -42,7 +42,8 @@ Deviations from torch (by design, documented):
   round-robin like torch, so batches come in torch's order for the same worker count. The shard
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
   says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
-  ``load_state_dict`` can resume an IterableDataset only at an epoch boundary (ValueError otherwise).
+  ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
+  its epoch from the beginning, with a warning (Lightning loads it on every resume).
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
   seeded from ``task_seed(base_seed, epoch, seq)``, so a seed set in ``worker_init_fn`` is overwritten
   before ``__getitem__`` runs, and ``torch.initial_seed()`` in a worker is the batch's seed (torch:
@@ -87,7 +88,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
@@ -110,6 +111,9 @@ __all__ = ["DataLoader", "STATE_VERSION"]
 STATE_VERSION = 1
 _ITER_IDS = itertools.count(1)
 _WAIT_SLICE_S = 1.0     # longest single wait on the pool (deaths and resizes wake it earlier)
+# the name torch's iterators give each next() in a profiler trace, without workers and with them
+_PROFILE_NAMES = {False: "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+                  True: "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"}
 T_co = TypeVar("T_co", covariant=True)
 
 # Frameworks that copy a loader's attributes into a torch DataLoader of their own (so A-Dloader's
@@ -147,30 +151,16 @@ def _available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _pin(data):
-    """Pin every tensor in a batch (torch's pin_memory semantics for the common containers;
-    objects with a ``pin_memory()`` method are asked to pin themselves)."""
-    if isinstance(data, torch.Tensor):
-        return data.pin_memory()
-    if isinstance(data, (str, bytes)):
-        return data
-    if isinstance(data, Mapping):
-        try:
-            return type(data)({k: _pin(v) for k, v in data.items()})
-        except TypeError:
-            return {k: _pin(v) for k, v in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_pin(v) for v in data))
-    if isinstance(data, tuple):
-        return tuple(_pin(v) for v in data)
-    if isinstance(data, Sequence):
-        try:
-            return type(data)([_pin(v) for v in data])
-        except TypeError:
-            return [_pin(v) for v in data]
-    if hasattr(data, "pin_memory"):
-        return data.pin_memory()
-    return data
+def _pin(data, device=None):
+    """Pin a batch as torch's DataLoader does, with torch's own ``pin_memory``
+    (torch/utils/data/_utils/pin_memory.py, what its pin thread and single-process iterator call): an
+    object with its own ``pin_memory()`` pins itself (a TensorDict, a mapping, is not rebuilt), a
+    mutable mapping or sequence is copied and updated so that its type and extra state survive (a
+    defaultdict's factory, transformers' ``BatchEncoding``), a tuple keeps its type. A walk of our own
+    had rebuilt each container from its items and lost all three."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(data, device)
 
 
 @dataclass(frozen=True)
@@ -185,6 +175,7 @@ class _Config:
     collate_fn: Any
     generator: Any
     pin: bool
+    pin_device: Optional[str]   # the accelerator's type when pinning (torch's ``_pin_memory_device``)
     timeout_s: float
     timeout: Any                # as given, for torch's wording of the timeout error
     datapipe: bool              # an IterDataPipe or MapDataPipe: sharded and seeded as torch does
@@ -652,12 +643,15 @@ class DataLoader(tud.DataLoader[T_co]):
     def _config(self) -> _Config:
         iterable = isinstance(self.dataset, tud.IterableDataset)    # torch's own test
         pin = False
+        pin_device = None
         if self.pin_memory:
             if self.pin_memory_device:
                 warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as "
                               f"the device,ignore pin_memory_device='{self.pin_memory_device}'.", stacklevel=3)
             if torch.accelerator.is_available():
                 pin = True
+                acc = torch.accelerator.current_accelerator()
+                pin_device = acc.type if acc is not None else None
             else:
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                               "then device pinned memory won't be used.", stacklevel=3)
@@ -670,7 +664,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return _Config(
             dataset=self.dataset, iterable=iterable, index_sampler=self._index_sampler,
             auto_collation=self._auto_collation, batch_size=self.batch_size, drop_last=self.drop_last,
-            collate_fn=self.collate_fn, generator=self.generator, pin=pin, timeout_s=float(self.timeout),
+            collate_fn=self.collate_fn, generator=self.generator, pin=pin, pin_device=pin_device,
+            timeout_s=float(self.timeout),
             timeout=self.timeout, datapipe=is_datapipe(self.dataset), worker_init_fn=self.worker_init_fn, mp_context=ctx, in_order=self.in_order,
             persistent=self.persistent_workers, prefetch_factor=max(1, self.prefetch_factor or 2))
 
@@ -703,7 +698,8 @@ class DataLoader(tud.DataLoader[T_co]):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``)."""
+        """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``). An
+        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
                              f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
@@ -711,14 +707,19 @@ class DataLoader(tud.DataLoader[T_co]):
         if state["dataset_kind"] != kind:
             raise ValueError(f"state is for a {state['dataset_kind']}-style dataset, this loader has a "
                              f"{kind}-style one")
-        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
-            raise ValueError("cannot resume an IterableDataset mid-epoch: its workers' shards cannot "
-                             "be replayed to a position; resume at an epoch boundary instead")
         if (state["rng_source"] == "generator") != (self.generator is not None):
             raise ValueError("state was saved with generator=" +
                              ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
                              "; this loader differs")
-        self._resume = dict(state)
+        state = dict(state)
+        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
+            # Lightning loads this on every resume, mid-epoch checkpoints included (torch's loader, which
+            # has no state, starts the epoch again there): restart, never refuse
+            warnings.warn(f"adloader: an IterableDataset cannot resume mid-epoch (its workers' shards cannot "
+                          f"be replayed to a position): epoch {state['epoch']} restarts from its beginning, "
+                          f"its first {state['batches_delivered']} batch(es) come again", stacklevel=2)
+            state["batches_delivered"], state["delivered_ahead"] = 0, []
+        self._resume = state
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -960,6 +961,17 @@ class _ElasticIter:
 
     # ---- delivery ----------------------------------------------------------------------------
     def __next__(self):
+        # torch's iterators name every next() in a profiler trace (_BaseDataLoaderIter.__next__,
+        # torch/utils/data/dataloader.py): TensorBoard's profiler plugin and other trace tools count the
+        # "enumerate(DataLoader)#...__next__" ranges as DataLoader time
+        with torch.autograd.profiler.record_function(_PROFILE_NAMES[self._uses_workers()]):
+            return self._next_timed()
+
+    def _uses_workers(self) -> bool:
+        """Whether this epoch's batches come from worker processes (the profiler range's name)."""
+        raise NotImplementedError
+
+    def _next_timed(self):
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         c = self._counters
@@ -999,7 +1011,7 @@ class _ElasticIter:
                 payload.reraise()
             raise payload
         if self._cfg.pin:
-            payload = _pin(payload)
+            payload = _pin(payload, self._cfg.pin_device)
         return payload
 
     def _deliver_batch(self, batch: Batch):
@@ -1162,6 +1174,9 @@ class _MapIter(_ElasticIter):
                 pool.resize(core.target)
                 pool.take_queued()      # tasks of an abandoned epoch
             self._fill()
+
+    def _uses_workers(self) -> bool:
+        return self._core.target > 0
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _pull_index(self):
@@ -1333,6 +1348,9 @@ class _IterableIter(_ElasticIter):
             # before it is handed a task of this epoch
             self._handle(pool.poll(0))
             self._fill()
+
+    def _uses_workers(self) -> bool:
+        return self._epoch_workers > 0
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _fill(self) -> None:

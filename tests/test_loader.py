@@ -486,14 +486,22 @@ def test_state_dict_resume_global_rng_leaves_callers_rng_alone():
     assert torch.equal(torch.rand(1), expected_next)
 
 
-def test_state_dict_refuses_iterable_mid_epoch():
-    dl = DataLoader(Shards(20), batch_size=2, num_workers=2)
+def test_state_dict_of_an_iterable_mid_epoch_restarts_that_epoch_with_a_warning():
+    # Lightning saves the state of every loader with state_dict/load_state_dict in its checkpoints and
+    # loads it when a run resumes (CombinedLoader._load_state_dicts): a run resumed from a mid-epoch
+    # checkpoint (every_n_train_steps, a requeued Slurm job) crashed on a ValueError here, where with
+    # torch's DataLoader it starts the epoch again. The shards cannot be replayed to a position, so the
+    # epoch restarts from its beginning, with the same seeds, and a warning says so.
+    dl = DataLoader(Shards(20), batch_size=2, num_workers=2, generator=torch.Generator().manual_seed(4))
     it = iter(dl)
-    next(it)
+    first = [next(it).tolist() for _ in range(3)]
     state = dl.state_dict()
-    with pytest.raises(ValueError, match="IterableDataset mid-epoch"):
-        DataLoader(Shards(20), batch_size=2).load_state_dict(state)
-    del it
+    epoch = first + [b.tolist() for b in it]
+    assert sorted(x for b in epoch for x, _ in b) == list(range(20))
+    again = DataLoader(Shards(20), batch_size=2, num_workers=2, generator=torch.Generator().manual_seed(99))
+    with pytest.warns(UserWarning, match="restarts from its beginning"):
+        again.load_state_dict(state)
+    assert [b.tolist() for b in again] == epoch and again.stats()["epoch"] == state["epoch"]
 
 
 def test_random_augmentation_does_not_depend_on_workers():

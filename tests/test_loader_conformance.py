@@ -20,6 +20,7 @@ import torch
 import torch.utils.data as tud
 
 from adloader import DataLoader
+from tests.loader_datasets import collate_pin_containers
 
 pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create"),
               pytest.mark.filterwarnings("ignore::UserWarning:torch.utils.data.datapipes")]
@@ -273,3 +274,45 @@ def test_datapipe_in_a_two_rank_gloo_run_shards_over_ranks_and_workers_as_torch(
     for epoch in range(2):                  # the ranks split one shuffled order: every sample once
         seen = [x for o in outs for b in o["adloader"][epoch] for x in b]
         assert sorted(seen) == list(range(40))
+
+
+def _pinned_view(batch):
+    """What a training step can see of a pinned batch: every container's type and extra state, and
+    which leaves were pinned."""
+    enc, grouped, whole, pair = batch["enc"], batch["grouped"], batch["whole"], batch["pair"]
+    return (type(batch).__name__, type(enc).__name__, getattr(enc, "extra", None), enc["ids"].pinned,
+            type(grouped).__name__, getattr(grouped, "default_factory", None), grouped["ids"][0].pinned,
+            type(whole).__name__, getattr(whole, "pinned_whole", False), type(pair).__name__, pair[0].pinned, pair[1])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pin_memory_rebuilds_batch_containers_as_torch_does(monkeypatch, workers):
+    # with an accelerator, a batch is pinned by torch's pin_memory(): it asks an object with its own
+    # pin_memory() first (a TensorDict is a mapping that pins itself), copies a mutable mapping or
+    # sequence so that its type and extra state survive (a defaultdict's factory, transformers'
+    # BatchEncoding), and keeps a tuple's type. Faked here: no accelerator on this machine.
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    kw = dict(batch_size=2, collate_fn=collate_pin_containers, pin_memory=True)
+    ref = [_pinned_view(b) for b in tud.DataLoader(list(range(4)), **kw)]
+    assert ref[0][3] and ref[0][4:7] == ("defaultdict", list, True) and ref[0][7:9] == ("PinnableMapping", True)
+    dl = DataLoader(list(range(4)), num_workers=workers, **kw)
+    assert [_pinned_view(b) for b in dl] == ref
+    dl.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_profiler_trace_names_each_next_as_torch_s_iterators_do(workers):
+    # torch's iterators wrap every next() in record_function("enumerate(DataLoader)#<iterator>.__next__");
+    # TensorBoard's profiler plugin and other trace tools count those ranges as DataLoader time, so
+    # without them a profiled job's data wait vanished from its step-time breakdown
+    from torch.profiler import ProfilerActivity, profile
+
+    def ranges(cls):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in cls(list(range(6)), batch_size=2, num_workers=workers):
+                pass
+        return sorted(e.name for e in prof.events() if e.name.startswith("enumerate(DataLoader)#"))
+
+    ref = ranges(tud.DataLoader)
+    assert len(ref) == 4        # three batches and the next() that ends the epoch
+    assert ranges(DataLoader) == ref
