@@ -553,6 +553,20 @@ class WorkerPool:
             if interrupted is not None:
                 raise interrupted
 
+    def shutdown_unraised(self) -> None:
+        """``shutdown`` as its owner's ``weakref.finalize`` runs it (the iterator collected mid-epoch, or
+        the interpreter exiting). What shutdown raises after stopping every worker (an error torch's
+        SIGCHLD handler raised inside it, see ``shutdown``) has no caller there to reach: Python only
+        prints "Exception ignored in: <finalize object ...>" (pytest: PytestUnraisableExceptionWarning).
+        It is logged as a warning, with its traceback and cause, instead. A ``close()`` or epoch end
+        the user's code runs calls ``shutdown`` itself and raises it."""
+        try:
+            self.shutdown()
+        except Exception as e:  # noqa: BLE001 — logged: nothing above a finalizer can take it
+            log.warning("adloader: stopping the workers of a loader iterator that was garbage-collected (or "
+                        "left at exit) was interrupted by %s: %s (logged, not raised: no caller to raise it "
+                        "to)", type(e).__name__, e, exc_info=e)
+
     def _close_channels(self, slots: list) -> None:
         """shutdown's last part: forget ``slots``, close the task queue, stop the reaper, close the fds
         (these last whatever interrupts the reaper's join)."""

@@ -790,6 +790,15 @@ def _distributed() -> tuple[int, int]:
     return 1, 0
 
 
+def _stop_pool(fin: Optional[weakref.finalize], pool: Optional[WorkerPool]) -> None:
+    """Stop an iterator's ``pool`` now, from the code that ends its epoch or closes its loader: what
+    its shutdown raises reaches that caller. The pool's finalizer (``shutdown_unraised``, for an
+    iterator collected with its pool running) is detached first, so it never runs as well; a
+    finalizer that already ran (at exit) leaves nothing to stop."""
+    if fin is not None and fin.detach() is not None and pool is not None:
+        pool.shutdown()
+
+
 def _new_iter(core: _Core, cfg: _Config) -> _ElasticIter:
     return (_IterableIter if cfg.iterable else _MapIter)(core, cfg)
 
@@ -950,8 +959,9 @@ class _ElasticIter:
         if cfg.persistent:
             core.persistent_pools.add(pool)
         # workers stop when this iterator is collected (abandoned mid-epoch, or the persistent
-        # iterator together with its loader) or at interpreter exit (finalize's atexit)
-        self._pool_finalizer = weakref.finalize(self, pool.shutdown)
+        # iterator together with its loader) or at interpreter exit (finalize's atexit); there an error
+        # is logged (no caller to take it), at an epoch's end or close() it is raised (_stop_pool)
+        self._pool_finalizer = weakref.finalize(self, pool.shutdown_unraised)
         return pool
 
     # ---- resize ------------------------------------------------------------------------------
@@ -1116,19 +1126,17 @@ class _ElasticIter:
         with self._lock:
             self._done = True
             self._seq.clear()
-            fin = None
+            fin = pool = None
             if not self._cfg.persistent:
-                fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
-        if fin is not None:
-            fin()
+                fin, pool, self._pool_finalizer, self._pool = self._pool_finalizer, self._pool, None, None
+        _stop_pool(fin, pool)
 
     def _close(self) -> None:
         """``loader.close()``: end the epoch and stop the workers, persistent ones too."""
         self._finish()
         with self._lock:
-            fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
-        if fin is not None:
-            fin()
+            fin, pool, self._pool_finalizer, self._pool = self._pool_finalizer, self._pool, None, None
+        _stop_pool(fin, pool)
 
     def _state_dict(self) -> dict:
         with self._lock:

@@ -9,6 +9,8 @@ Training processes (the client hook inside ``adloader.DataLoader``):
     RANK, LOCAL_RANK, WORLD_SIZE (torch.distributed), else SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS
     LOCAL_WORLD_SIZE (torchrun), else SLURM_NTASKS_PER_NODE: the job's processes on this node (where
                              ``num_workers="auto"`` starts: its CPUs shared among them)
+    (each of these numbers in ASCII digits alone; a variable holding anything else, '1_0' or '-1', is
+    skipped as an unset one is, with one warning naming it: logger ``adloader.env``)
     CUDA_VISIBLE_DEVICES, else SLURM_JOB_GPUS: the GPUs this process uses (reported in hello)
 
 The agent (``adloader agent``; see ``agent.config``): ``ADLOADER_<KEY>`` for every config key
@@ -21,10 +23,14 @@ Invariant: nothing else in the project reads ``os.environ`` for these names; ask
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Mapping, Optional
 
 PREFIX = "ADLOADER_"
+
+log = logging.getLogger("adloader.env")
 
 
 def _env(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
@@ -98,15 +104,51 @@ def job_id(environ: Optional[Mapping[str, str]] = None, pid: Optional[int] = Non
     return f"pid-{os.getpid() if pid is None else pid}"
 
 
+def _whole_number(text: str) -> Optional[int]:
+    """``text`` (stripped) as a whole number when it is written in ASCII digits alone, else None.
+
+    Python's ``int()`` also reads '1_0' as 10 and digits of other scripts ('١٠', '１０') as ASCII ones,
+    so a typo or a pasted value became a rank or a process count no one wrote (``agent.config`` refuses
+    the same text for the agent's numbers). No number read here has a meaningful sign: ranks and
+    process counts are >= 0 and WATCHDOG_USEC > 0, so '+1' and '-1' are refused too."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+_reported: set[tuple[str, str]] = set()
+_reported_lock = threading.Lock()
+
+
+def _report_malformed(name: str, value: str, instead: str) -> None:
+    """Log, once per variable and value, that ``name`` holds no number this module reads (a training
+    process reads its rank once per client, the autotuner at every loader: one line is enough). Never
+    raises (STYLE 8: the hook inside training does not fail on its own account)."""
+    with _reported_lock:
+        if (name, value) in _reported:
+            return
+        _reported.add((name, value))
+    log.warning("adloader: ignoring %s=%r: not a whole number in ASCII digits (0-9 only: no sign, '_' or "
+                "digits of other scripts); %s", name, value, instead)
+
+
 def _int(env: Mapping[str, str], keys: tuple[str, ...], default: int) -> int:
+    """The first of ``keys`` that is set and holds a whole number (``_whole_number``), else ``default``.
+    A key set to anything else is skipped, as an unset one is, and reported (``_report_malformed``)
+    with what is used instead."""
+    malformed = []
+    value, source = default, None
     for k in keys:
         v = env.get(k, "").strip()
-        if v:
-            try:
-                return int(v)
-            except ValueError:
-                continue
-    return default
+        if not v:
+            continue
+        n = _whole_number(v)
+        if n is not None:
+            value, source = n, k
+            break
+        malformed.append((k, v))
+    for k, v in malformed:
+        _report_malformed(k, v, f"using {source}={value}" if source else f"using the default {value}")
+    return value
 
 
 def rank(environ: Optional[Mapping[str, str]] = None) -> int:
@@ -188,8 +230,8 @@ def watchdog_interval_s(environ: Optional[Mapping[str, str]] = None) -> Optional
         return None
     if wpid and wpid.strip() != str(os.getpid()):
         return None
-    try:
-        v = int(usec)
-    except ValueError:
+    v = _whole_number(usec)
+    if v is None:
+        _report_malformed("WATCHDOG_USEC", usec.strip(), "no watchdog keep-alive is sent")
         return None
     return v / 1e6 if v > 0 else None

@@ -39,6 +39,7 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from adloader import protocol  # noqa: E402
+from evaluation.flags import finite_float, plain_int  # noqa: E402
 
 
 def _env() -> dict:
@@ -274,11 +275,11 @@ def collector_only(clients: int, ticks: int = 200) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--clients", type=plain_int, default=64)
+    ap.add_argument("--seconds", type=finite_float, default=60.0)
     ap.add_argument("--policies", default="adaptive,even")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1, help="clients' seed of the first repeat (repeat r uses seed + r)")
+    ap.add_argument("--repeats", type=plain_int, default=1)
+    ap.add_argument("--seed", type=plain_int, default=1, help="clients' seed of the first repeat (repeat r uses seed + r)")
     ap.add_argument("--out", default="bench-out/agent_bench.json")
     ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
                     "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")

@@ -49,6 +49,7 @@ from agent.model import JobAllocation
 from evaluation import mix_study as MS
 from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
+from evaluation.flags import plain_int
 from evaluation.report import read_bench
 
 FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughput (kept for every job, also
@@ -358,12 +359,12 @@ def main(argv=None) -> int:
     ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
     ap.add_argument("--cost", choices=V.COSTS, default="calibrated",
                     help="the jobs' loader CPU per sample: the bench's calibration or what the run's workers paid")
-    ap.add_argument("--reps", type=int, default=None, help="only the first K repeats of each scenario")
+    ap.add_argument("--reps", type=plain_int, default=None, help="only the first K repeats of each scenario")
     ap.add_argument("--nodes", default=None, help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--mixes", default=",".join(V.MIXES), help="with --nodes: the catalogue mixes")
-    ap.add_argument("--random", type=int, default=0,
+    ap.add_argument("--random", type=plain_int, default=0,
                     help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed)")
-    ap.add_argument("--seed", type=int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
+    ap.add_argument("--seed", type=plain_int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
     ap.add_argument("--pick", default=None,
                     help="with --random N: search only these of the N mixes, by index from 0 (K,K,...; "
                          "mix_study's JSON lists its worst mixes by the same index)")

@@ -182,16 +182,18 @@ def _cuda_step_fn(batch_size: int, crop_px: int):
 
 
 def main(argv=None) -> int:
+    from evaluation.flags import finite_float, plain_int
+
     ap = argparse.ArgumentParser(prog="evaluation.jobproc")
     ap.add_argument("--spec", required=True, help="JobSpec as JSON")
     ap.add_argument("--progress", required=True)
     ap.add_argument("--workers", default="auto")
-    ap.add_argument("--max-workers", type=int, default=None)
-    ap.add_argument("--duration-s", type=float, default=None)
+    ap.add_argument("--max-workers", type=plain_int, default=None)
+    ap.add_argument("--duration-s", type=finite_float, default=None)
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
     ap.add_argument("--sweep", default=None, help="comma-separated worker counts, one segment each")
-    ap.add_argument("--segment-s", type=float, default=3.0)
-    ap.add_argument("--total-steps", type=int, default=None,
+    ap.add_argument("--segment-s", type=finite_float, default=3.0)
+    ap.add_argument("--total-steps", type=plain_int, default=None,
                     help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
     args = ap.parse_args(argv)
 

@@ -53,19 +53,24 @@ def _child(batches: int, workers: int, repeats: int) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--_child"]:
+        # a run of the parent's below (--_child BATCHES WORKERS REPEATS, numbers it parsed): it imports
+        # only the measured tree's adloader, whose checkout need not hold evaluation.flags
+        _child(*(int(x) for x in argv[1:4]))
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))    # (run as a script)
+    from evaluation.flags import plain_int
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a directory with an adloader/ package to measure (repeatable; default: the installed one)")
-    ap.add_argument("--pairs", type=int, default=8, help="runs per tree, in alternating order")
-    ap.add_argument("--batches", type=int, default=3000, help="batches per epoch")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="timed epochs per run (the run reports their median)")
+    ap.add_argument("--pairs", type=plain_int, default=8, help="runs per tree, in alternating order")
+    ap.add_argument("--batches", type=plain_int, default=3000, help="batches per epoch")
+    ap.add_argument("--workers", type=plain_int, default=2)
+    ap.add_argument("--repeats", type=plain_int, default=3, help="timed epochs per run (the run reports their median)")
     ap.add_argument("--out", default="bench-out/loader_overhead.json")
-    ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args._child:
-        _child(args.batches, args.workers, args.repeats)
-        return 0
     trees = []
     for spec in args.tree or ["installed="]:
         name, sep, path = spec.partition("=")
@@ -81,8 +86,8 @@ def main(argv=None) -> int:
             env = dict(os.environ)
             if path:
                 env["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", "--batches", str(args.batches),
-                                  "--workers", str(args.workers), "--repeats", str(args.repeats)],
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", str(args.batches),
+                                  str(args.workers), str(args.repeats)],
                                  env=env, capture_output=True, text=True, check=True, timeout=600)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     first = trees[0][0]

@@ -88,11 +88,13 @@ def run_one(make, workers: int, epochs: int, batch_size: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from evaluation.flags import plain_int
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--workers", type=plain_int, default=2)
+    ap.add_argument("--rows", type=plain_int, default=200_000)
+    ap.add_argument("--epochs", type=plain_int, default=2)
+    ap.add_argument("--batch-size", type=plain_int, default=256)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     res = {}

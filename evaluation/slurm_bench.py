@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from evaluation.slurm_cluster import Cluster, terminate, wait_for, why_not
+from evaluation.flags import plain_int
 
 
 def _agent(cluster: Cluster) -> subprocess.Popen:
@@ -43,7 +44,7 @@ def _spread(xs: list[float]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=plain_int, default=3)
     ap.add_argument("--out", default="bench-out/slurm")
     args = ap.parse_args(argv)
     why = why_not()

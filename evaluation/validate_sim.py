@@ -55,6 +55,7 @@ import sys
 from typing import Optional
 
 from evaluation import simulate as S
+from evaluation.flags import finite_float
 from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 from evaluation.report import read_bench
 
@@ -641,7 +642,7 @@ def main(argv=None) -> int:
                          "over the run's policies)")
     ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
-    ap.add_argument("--floor-fraction", type=float, default=None,
+    ap.add_argument("--floor-fraction", type=finite_float, default=None,
                     help="with --nodes: the agent's floor_fraction (default: the agent's default)")
     ap.add_argument("--jobs", action="store_true",
                     help="with bench files: per job, measured next to simulated (normalised throughput, loader "

@@ -30,6 +30,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 KNEE_TOLERANCE = 0.03  # "within a few percent of the ceiling"
+MIN_SHARPNESS = 1.0    # a soft minimum's p is 0 (hard) or at least this (see ThroughputCurve.__post_init__)
+
+# the fields that are figures: each finite and >= 0 (correction, core_correction and batch_size above 0)
+_FIGURES = ("batch_size", "compute_s_per_step", "cpu_s_per_batch", "blocked_s_per_batch", "correction", "confidence",
+            "observed_configs", "sharpness", "overhead_s_per_step", "worker_memory_bytes")
+
+
+def _figure(v) -> bool:
+    """A finite number (a bool is not one)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,31 @@ class ThroughputCurve:
     worker_memory_bytes: float = 0.0       # memory one worker costs (USS + batches in flight), 0 = unknown
 
     def __post_init__(self) -> None:
+        """A curve is validated where it is made (by the predictor's bank, the prior's fit, a simulator
+        or a test, by hand or by ``dataclasses.replace``), as ``predictor.prior.Prior`` is: every figure
+        finite and >= 0; ``batch_size``, ``correction`` and ``core_correction`` (unless None) above 0;
+        ``confidence`` at most 1; ``observed_configs`` a whole number; ``sharpness`` 0 (hard minimum) or
+        at least ``MIN_SHARPNESS`` (with p < 1 the soft minimum says a batch takes longer than its three
+        limits one after another). Anything else is a ValueError naming the field."""
+        for name in _FIGURES:
+            v = getattr(self, name)
+            if not _figure(v):
+                self._refuse(name, "must be a finite number")
+            if v < 0:
+                self._refuse(name, "must be >= 0")
+        kc = self.core_correction
+        if kc is not None and not _figure(kc):
+            self._refuse("core_correction", "must be None or a finite number")
+        for name in ("batch_size", "correction", "core_correction"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                self._refuse(name, "must be > 0")
+        if self.confidence > 1:
+            self._refuse("confidence", "must be between 0 and 1")
+        if not isinstance(self.observed_configs, int):
+            self._refuse("observed_configs", "must be a whole number")
+        if not (self.sharpness == 0 or self.sharpness >= MIN_SHARPNESS):
+            self._refuse("sharpness", f"must be 0 (hard minimum) or at least {MIN_SHARPNESS:g}")
         # Derived constants are set once per curve (it is immutable; the predictor builds short-lived
         # curves by the hundred per tick and policies evaluate each many times), as plain attributes:
         #   _kc                    the core-bound term's correction (core_correction, else correction)
@@ -57,6 +92,9 @@ class ThroughputCurve:
         g = self.compute_s_per_step + self.overhead_s_per_step
         object.__setattr__(self, "_kc", self.correction if self.core_correction is None else self.core_correction)
         object.__setattr__(self, "ceiling_samples_per_s", self.batch_size / g if g > 0 else math.inf)
+
+    def _refuse(self, name: str, why: str) -> None:
+        raise ValueError(f"throughput curve of job {self.job!r}: field {name!r} {why}, got {getattr(self, name)!r}")
 
     @property
     def core_efficiency(self) -> float:

@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from predictor.curve import MIN_SHARPNESS
 from predictor.observation import Observation
 
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.jsonl"
@@ -44,7 +45,6 @@ SPARE_UTIL = 0.6            # workers busy under this fraction, cores' budget un
 SHARPNESS_GRID = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0)
 K_MIN, K_MAX = 0.05, 20.0   # bounds on learned corrections
 LOG_K_MIN, LOG_K_MAX = math.log(K_MIN), math.log(K_MAX)
-MIN_SHARPNESS = 1.0         # a soft minimum's p is 0 (hard) or at least this (see Prior)
 MAX_STRENGTH = 1e6          # the prior's weight, in configurations: more is "the prior alone"
 MAX_OVERHEAD_FRAC = 1e3     # m = this x c at most when no window measured m
 TERMS_AMBIGUOUS = 0.05      # a window whose two loader terms are this close votes on both corrections

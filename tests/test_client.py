@@ -589,6 +589,31 @@ def test_job_identity_from_the_environment():
     assert env.endpoint({"ADLOADER_ENDPOINT": "ipc:///x.sock"}) == "ipc:///x.sock"
 
 
+def test_a_rank_or_count_not_in_ascii_digits_is_skipped_with_one_warning_naming_the_variable(monkeypatch, caplog):
+    """int() reads '1_0' as 10 and '١٠' (Arabic-Indic) as 10: such a RANK or WORLD_SIZE is skipped as an
+    unset one is (the next variable, else the default) and reported once, by name, with what is used."""
+    import logging
+
+    monkeypatch.setattr(env, "_reported", set(), raising=False)     # (reported once per process)
+    with caplog.at_level(logging.WARNING, logger="adloader.env"):
+        assert env.rank({"RANK": "1_0", "SLURM_PROCID": "3"}) == 3
+        assert env.rank({"RANK": "1_0", "SLURM_PROCID": "3"}) == 3      # read again: not reported again
+        assert env.world_size({"WORLD_SIZE": "\u0661\u0660"}) == 1
+        assert env.local_rank({"LOCAL_RANK": "-1", "SLURM_LOCALID": "+2"}) == 0
+        assert env.local_world_size({"LOCAL_WORLD_SIZE": "\uff12", "SLURM_NTASKS_PER_NODE": "4"}) == 4
+        assert env.watchdog_interval_s({"WATCHDOG_USEC": "1_000_000"}) is None
+        assert env.rank({"RANK": " 7 "}) == 7 and env.world_size({"WORLD_SIZE": "08"}) == 8   # plain: no word
+    said = [r.getMessage() for r in caplog.records if r.name == "adloader.env"]
+    assert len(said) == 6, said
+    for name, value, instead in (("RANK", "1_0", "using SLURM_PROCID=3"),
+                                 ("WORLD_SIZE", "\u0661\u0660", "using the default 1"),
+                                 ("LOCAL_RANK", "-1", "using the default 0"),
+                                 ("SLURM_LOCALID", "+2", "using the default 0"),
+                                 ("LOCAL_WORLD_SIZE", "\uff12", "using SLURM_NTASKS_PER_NODE=4"),
+                                 ("WATCHDOG_USEC", "1_000_000", "no watchdog keep-alive")):
+        assert any(f"{name}={value!r}" in m and instead in m for m in said), (name, said)
+
+
 def test_the_client_reports_the_workers_taking_tasks():
     """A loader that can leave its retiring workers out is asked to (they may exit before the agent
     reads the report); one whose ``worker_pids`` takes no argument is asked plainly; one that fails

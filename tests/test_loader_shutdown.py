@@ -246,11 +246,12 @@ def test_workers_that_cannot_start_raise_like_torch_and_leave_no_file_descriptor
              what=f"open file descriptors back to {before} (now {_open_fds()})")
 
 
-def test_a_shutdown_interrupted_by_a_signal_handlers_error_still_stops_every_worker():
-    """torch's SIGCHLD handler raises ("DataLoader worker ... is killed by signal") wherever the main
-    thread is, also inside this pool's wait for its own workers when a worker of a torch DataLoader of
-    the same process dies. The shutdown is not retried (it is idempotent), so it must finish: every
-    worker stopped, every channel closed, and then the error raised."""
+SIGNAL_ERROR = "DataLoader worker (pid 1) is killed by signal: Killed."    # torch's SIGCHLD handler's words
+
+
+def _iterating_with_a_join_that_raises_once():
+    """A loader with two workers mid-epoch whose first worker's join raises once, as a signal handler
+    raises out of a wait: (loader, iterator, its pool, the workers' pids)."""
     from adloader import DataLoader
     from tests.loader_datasets import Indexed
 
@@ -263,13 +264,22 @@ def test_a_shutdown_interrupted_by_a_signal_handlers_error_still_stops_every_wor
     first = next(iter(pool.slots.values()))
     real_join, calls = first.proc.join, []
 
-    def join(*a, **kw):               # as a signal handler would: raise out of the wait, once
+    def join(*a, **kw):
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+            raise RuntimeError(SIGNAL_ERROR)
         return real_join(*a, **kw)
 
     first.proc.join = join
+    return dl, it, pool, pids
+
+
+def test_a_shutdown_interrupted_by_a_signal_handlers_error_still_stops_every_worker():
+    """torch's SIGCHLD handler raises ("DataLoader worker ... is killed by signal") wherever the main
+    thread is, also inside this pool's wait for its own workers when a worker of a torch DataLoader of
+    the same process dies. The shutdown is not retried (it is idempotent), so it must finish: every
+    worker stopped, every channel closed, and then the error raised."""
+    dl, it, pool, pids = _iterating_with_a_join_that_raises_once()
     with pytest.raises(RuntimeError, match="killed by signal"):
         pool.shutdown()
     wait_for(_gone(pids), timeout=10, what=f"workers {pids} gone after the interrupted shutdown")
@@ -277,3 +287,74 @@ def test_a_shutdown_interrupted_by_a_signal_handlers_error_still_stops_every_wor
     pool.shutdown()                   # idempotent: nothing more to do, nothing raised
     del it
     dl.close()
+
+
+def test_a_shutdown_at_garbage_collection_logs_what_interrupted_it_instead_of_raising_it(monkeypatch, caplog):
+    """An iterator collected mid-epoch stops its workers from its weakref.finalize, where an error raised
+    out of the shutdown (torch's SIGCHLD handler's, as above) reached no caller: Python printed
+    "Exception ignored in: <finalize object ...>" and pytest warned PytestUnraisableExceptionWarning.
+    It is logged with its traceback; nothing is unraisable, every worker and channel is gone."""
+    import logging
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    dl, it, pool, pids = _iterating_with_a_join_that_raises_once()
+    with caplog.at_level(logging.WARNING, logger="adloader"):
+        del it
+        gc.collect()
+    assert [(u.exc_type, str(u.exc_value)) for u in unraisable] == []
+    wait_for(_gone(pids), timeout=10, what=f"workers {pids} gone after the collected iterator's shutdown")
+    assert pool._epoll.closed and pool._reap_epoll.closed
+    said = [r for r in caplog.records if "garbage-collected" in r.getMessage()]
+    assert len(said) == 1 and SIGNAL_ERROR in said[0].getMessage() and said[0].exc_info is not None
+    dl.close()
+
+
+def test_a_close_the_user_calls_still_raises_what_interrupted_the_shutdown(monkeypatch):
+    """close() is the user's own call: the error reaches it (once, after every worker stopped), and the
+    iterator's finalizer, detached, does not run the shutdown again when the iterator is collected."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    dl, it, pool, pids = _iterating_with_a_join_that_raises_once()
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        dl.close()
+    wait_for(_gone(pids), timeout=10, what=f"workers {pids} gone after close()")
+    assert pool._epoll.closed and not it._pool_finalizer
+    del it
+    gc.collect()
+    assert unraisable == []
+
+
+SIGCHLD_CHILD = textwrap.dedent("""
+    import gc, json, signal, sys
+    from adloader import DataLoader
+    from tests.loader_datasets import Indexed
+    dl = DataLoader(Indexed(10_000, sleep_s=0.001), batch_size=4, num_workers=2, max_workers=2)
+    it = iter(dl)
+    next(it)
+    pids = it._pool.worker_pids()
+    raised = []
+
+    def on_sigchld(signum, frame):   # as torch's handler does for a dead worker of a torch DataLoader
+        if not raised:
+            raised.append(signum)
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    signal.signal(signal.SIGCHLD, on_sigchld)
+    del it                            # the iterator's finalizer stops the workers: each exit is a SIGCHLD
+    gc.collect()
+    print(json.dumps({"pids": pids, "raised": len(raised)}), flush=True)
+""")
+
+
+def test_a_signal_handlers_error_in_a_collected_iterators_shutdown_is_not_an_ignored_exception():
+    """The same with a real SIGCHLD handler that raises, in a process of its own: nothing is printed as
+    "Exception ignored", the handler's error is logged, the workers are gone."""
+    out = subprocess.run([sys.executable, "-c", SIGCHLD_CHILD], cwd=REPO, env=repo_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["raised"] == 1 and len(got["pids"]) == 2
+    assert "Exception ignored" not in out.stderr, out.stderr
+    assert "killed by signal" in out.stderr and "garbage-collected" in out.stderr, out.stderr
+    wait_for(_gone(got["pids"]), timeout=10, what=f"workers {got['pids']} gone")

@@ -150,6 +150,51 @@ def test_core_efficiency_is_the_core_bound_terms_correction():
         assert cur.throughput(64, 0.2) == pytest.approx(cur.core_efficiency * 0.2 / 0.1, rel=1e-9)
 
 
+_PLAIN = dict(job="j", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.3, blocked_s_per_batch=0.1)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("sharpness", 0.5, "must be 0 (hard minimum) or at least 1"),
+    ("sharpness", -2.0, "must be >= 0"),
+    ("sharpness", float("nan"), "must be a finite number"),
+    ("compute_s_per_step", -0.1, "must be >= 0"),
+    ("cpu_s_per_batch", float("inf"), "must be a finite number"),
+    ("blocked_s_per_batch", float("nan"), "must be a finite number"),
+    ("correction", 0.0, "must be > 0"),
+    ("correction", "1", "must be a finite number"),
+    ("core_correction", 0.0, "must be > 0"),
+    ("core_correction", float("inf"), "must be None or a finite number"),
+    ("batch_size", 0, "must be > 0"),
+    ("batch_size", True, "must be a finite number"),
+    ("confidence", 1.5, "must be between 0 and 1"),
+    ("observed_configs", 1.5, "must be a whole number"),
+    ("overhead_s_per_step", float("inf"), "must be a finite number"),
+    ("worker_memory_bytes", -1.0, "must be >= 0"),
+])
+def test_a_curve_is_validated_where_it_is_made_naming_the_field(field, value, words):
+    """As a Prior is (predictor.prior): a hand-made curve with 0 < sharpness < 1 (a soft minimum that
+    says a batch takes longer than its three limits one after another), a non-finite or negative figure,
+    a zero correction (knee_workers divides by it) is a ValueError naming the field, also when it is
+    made from another curve with dataclasses.replace."""
+    import dataclasses
+
+    with pytest.raises(ValueError) as e:
+        ThroughputCurve(**{**_PLAIN, field: value})
+    assert f"throughput curve of job 'j': field {field!r} {words}" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match=f"field {field!r}"):
+        dataclasses.replace(ThroughputCurve(**_PLAIN), **{field: value})
+
+
+def test_the_edges_of_a_valid_curve_are_taken():
+    from predictor import prior
+
+    assert prior.MIN_SHARPNESS == 1.0
+    for p in (0.0, 1.0, 1.5, 1e300):
+        assert ThroughputCurve(**_PLAIN, sharpness=p).max_useful_workers >= 1
+    ThroughputCurve(**{**_PLAIN, "batch_size": 32.5}, confidence=1.0, core_correction=1e-300, correction=1e300,
+                    overhead_s_per_step=0.0, worker_memory_bytes=1.7e308, observed_configs=0)
+
+
 @pytest.mark.parametrize("p", [23_000.0, 25_000.0, 1e6, 1e300])
 def test_a_very_sharp_curve_has_knees_near_the_hard_minimums(p):
     """The knee factor 1 / ((1 - tol)^-p - 1)^(1/p) raised OverflowError from p of about 23,000; taken in
