@@ -423,3 +423,17 @@ def test_plain_number_types_read_what_int_and_float_read():
             plain_int(bad)
     with pytest.raises(argparse.ArgumentTypeError):
         plain_float("two")
+
+
+@pytest.mark.parametrize("argv", [["bench", "--warmup-s", "nan"], ["demo", "--measure-s", "inf"],
+                                  ["simulate", "--cores", "1e999"], ["profile", "--cores", "inf", "--", "true"]])
+def test_a_command_s_number_flag_refuses_what_is_not_finite(argv, capsys):
+    """float() reads 'nan', 'inf' and '1e999'; no flag of the adloader command means one ('--warmup-s
+    inf' never ends, 'nan' passes a range check written as ``x < 0``): a usage error naming the value."""
+    from agent import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "a finite number expected" in err and repr(argv[2]) in err, err

@@ -1,10 +1,11 @@
 """The ``adloader`` subcommands (one module each, ``register(sub)`` and a ``run``), and the argparse
 types they share for numbers: ``plain_int`` and ``plain_float`` read what ``int`` and ``float`` read,
-except text that is not ASCII or holds '_' (Python reads '1_0' as 10 and '١٠' as 10, a number no one
+except text that is not ASCII or holds '_', and (``plain_float``) a number that is not finite (Python reads '1_0' as 10 and '١٠' as 10, a number no one
 wrote: ``agent.config`` refuses the same text from the environment and the agent's flags)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def _plain(text: str, kind: str) -> str:
@@ -22,8 +23,13 @@ def plain_int(text: str) -> int:
 
 
 def plain_float(text: str) -> float:
-    """argparse ``type``: a number written in ASCII, without '_'."""
+    """argparse ``type``: a finite number written in ASCII, without '_'. float() also reads 'nan',
+    'inf' and '1e999', which no flag here means: a duration, a share of cores or a period ('--warmup-s
+    inf' never ends, 'nan' passes every range check written as ``if x < 0: error``)."""
     try:
-        return float(_plain(text, "a number"))
+        v = float(_plain(text, "a number"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"a finite number expected, got {text!r}")
+    return v
