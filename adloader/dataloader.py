@@ -388,6 +388,29 @@ class DataLoader(tud.DataLoader[T_co]):
         if "elastic_state" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
             saved["elastic_state"] = self._core
 
+    # ---- torch's private iterator slot ---------------------------------------------------------
+    @property
+    def _iterator(self):
+        """torch's name for a persistent loader's live iterator (``DataLoader._iterator``, set by its
+        ``__iter__`` only with ``persistent_workers``); here the persistent ``_ElasticIter`` or None."""
+        return self.__dict__.get("_persistent_iter")
+
+    @_iterator.setter
+    def _iterator(self, value) -> None:
+        """Frameworks drop a loader's iterator by assigning None: Lightning's teardown of every fit,
+        validate and test run (``_shutdown_workers_and_reset_iterator``, lightning/pytorch/utilities/
+        combined_loader.py) shuts down torch's multiprocessing iterator's workers, then sets
+        ``_iterator = None``. Here that stops this loader's persistent workers and forgets the
+        iterator, so they do not outlive ``trainer.fit()``; the next ``iter()`` starts new ones, with a
+        new base seed, as torch's would. torch's own ``__init__`` assigns None before any iterator
+        exists. Assigning an iterator is refused: only this loader makes its iterators."""
+        if value is not None:
+            raise TypeError("adloader.DataLoader._iterator can only be reset to None")
+        it = self.__dict__.get("_persistent_iter")
+        self.__dict__["_persistent_iter"] = None
+        if it is not None:
+            it._close()
+
     # ---- copies --------------------------------------------------------------------------------
     def __copy__(self):
         """``copy.copy``: the same attributes, so the copy shares the elastic state (and, as torch's

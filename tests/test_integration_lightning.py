@@ -135,3 +135,48 @@ def test_steps_left_callback_counts_the_runs_batches_fresh_and_resumed(tmp_path)
     stream = DataLoader(Stream(), batch_size=8, num_workers=0)
     fit([stream], 1, 1, tmp_path / "stream")
     assert len(seen) == 5 and all(s == [None] for s in seen)
+
+
+def test_persistent_workers_do_not_outlive_fit_as_torch_s_do_not(tmp_path):
+    """Lightning's teardown of a run shuts down a torch loader's persistent workers and sets its
+    ``_iterator`` to None (``_shutdown_workers_and_reset_iterator``). adloader's workers used to stay
+    alive after ``trainer.fit()`` returned, holding their memory until the loader was collected; now
+    they stop as torch's do, and the loader trains again in the next run with new workers."""
+    import lightning as L
+    import psutil
+    import torch
+
+    from adloader import DataLoader
+
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    def fit(loader, root):
+        L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, default_root_dir=str(root),
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  devices=1).fit(M(), loader)
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    for cls in (torch.utils.data.DataLoader, DataLoader):
+        loader = cls(ds, batch_size=8, num_workers=2, persistent_workers=True)
+        try:
+            for run in range(2):
+                fit(loader, tmp_path / f"{cls.__module__}{run}")
+                left = {c.pid for c in me.children(recursive=True) if c.is_running()
+                        and c.status() != psutil.STATUS_ZOMBIE} - before
+                assert not left, (cls, run, left)
+        finally:
+            if hasattr(loader, "close"):
+                loader.close()

@@ -843,3 +843,25 @@ def test_oversized_tasks_go_to_one_worker_and_still_arrive_once():
     got = list(dl)
     assert [len(b) for b in got] == [50000] * 3
     assert _ids(got) == list(range(150000))
+
+
+def test_resetting_torch_s_iterator_slot_stops_persistent_workers_and_the_next_epoch_starts_new_ones():
+    """``loader._iterator = None`` is how frameworks drop a torch loader's persistent iterator (Lightning's
+    teardown, after shutting its workers down): here it stops the persistent workers; the next epoch
+    starts new ones and yields the same batches. Only None may be assigned."""
+    dl = DataLoader(Indexed(16), batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        assert dl._iterator is None
+        first = _ids(dl)
+        old = set(dl.worker_pids())
+        assert len(old) == 2 and dl._iterator is not None
+        dl._iterator = None
+        assert dl._iterator is None
+        wait_for(lambda: not dl.worker_pids(), what="the persistent workers stopped")
+        assert not [p for p in old if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert _ids(dl) == first
+        assert len(dl.worker_pids()) == 2 and not set(dl.worker_pids()) & old
+        with pytest.raises(TypeError, match="only be reset to None"):
+            dl._iterator = iter([])
+    finally:
+        dl.close()
