@@ -272,6 +272,11 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
         outcome = Outcome(False, f"internal error: {type(e).__name__}: {e}")
     if verb == "release" and outcome.code == "unknown_job":
         outcome = Outcome(True, "ok (the agent did not know the job: already released)")
+    if not outcome.ok:
+        from agent import config
+
+        if config.endpoint_from_environment(args.endpoint, environ):
+            ep_note = config.ENDPOINT_FROM_ENV_NOTE
     note = "".join(f"; {n}" for n in (spec.note, ep_note) if n)
     print(f"{prefix}: {what}: {outcome.why}{note}", file=sys.stderr, flush=True)
     if outcome.ok or slurm:
