@@ -283,6 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
                     "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")
     args = ap.parse_args(argv)
+    from agent.policies import POLICIES
+
+    bad = [p for p in args.policies.split(",") if p not in POLICIES]
+    if bad:   # (refused by the first agent it started, as a traceback)
+        ap.error(f"--policies: unknown {', '.join(map(repr, bad))}; choose from: {', '.join(sorted(POLICIES))}")
     rows = []
     for rep in range(args.repeats):
         for policy in args.policies.split(","):

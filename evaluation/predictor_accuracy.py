@@ -179,13 +179,22 @@ def main(argv=None) -> int:
                     help="write the verdict (learned prior beats first principles?) here; the default "
                          "prior is the learned one only if this file says so for the same corpus ('' = skip)")
     args = ap.parse_args(argv)
-    header, points = load_corpus(args.corpus)
+    try:   # (a missing or malformed corpus, or a --starts without ':', was a traceback)
+        starts = [(int(w), float(c)) for w, c in (s.split(":") for s in args.starts.split(","))]
+    except ValueError:
+        ap.error(f"--starts takes WORKERS:CORES pairs separated by commas (e.g. 2:2,1:1), got {args.starts!r}")
+    try:
+        header, points = load_corpus(args.corpus)
+    except OSError as e:
+        ap.error(f"--corpus {args.corpus}: cannot read: {e.strerror or e}")
+    except (ValueError, KeyError, TypeError) as e:
+        ap.error(f"--corpus {args.corpus}: not a corpus (JSON lines of predictor_corpus): {e}")
+    if not points:
+        ap.error(f"--corpus {args.corpus}: no measurements in it")
     noise = noise_level(points)
     knee_tol = knee_tolerance(points)
     results = []
-    for s in args.starts.split(","):
-        w, c = s.split(":")
-        start = (int(w), float(c))
+    for start in starts:
         for learned in (True, False):
             results.append(evaluate(points, start, learned, knee_tol))
     print(f"corpus: {args.corpus} ({len(points)} measurements, {len(by_job(points))} jobs, "
