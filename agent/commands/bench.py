@@ -15,7 +15,6 @@ NAME = "bench"
 
 
 def register(sub) -> None:
-    from agent.actuators import MODES as CGROUP_MODES
     from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL
 
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
@@ -36,9 +35,7 @@ def register(sub) -> None:
                    help="output directory (JSON, markdown, plots, logs; default bench-out)")
     p.add_argument("--loader-cpus", default="auto", metavar="CORES",
                    help="cores for all loaders (default: auto, as the agent's)")
-    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES, metavar="MODE",
-                   help=f"the agent's cgroup mode, {'|'.join(CGROUP_MODES)} (default: v1 when root on cgroup v1, "
-                        "else off)")
+    add_cgroup_mode(p)
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
     p.add_argument("--tick-s", type=plain_float, default=1.0, metavar="S", help="the agent's tick, seconds (default 1)")
@@ -68,6 +65,14 @@ def register(sub) -> None:
                         "(default 3; on a VM one process can run a kind 1.5-2x slower than another); 1 = in "
                         "this process")
     p.set_defaults(func=run)
+
+
+def add_cgroup_mode(p) -> None:
+    """``--cgroup-mode`` of the agents a bench or demo starts (both)."""
+    from agent.actuators import MODES
+
+    p.add_argument("--cgroup-mode", default=None, choices=MODES, metavar="MODE",
+                   help=f"the agent's cgroup mode, {'|'.join(MODES)} (default: v1 when root on cgroup v1, else off)")
 
 
 def _check_cuda() -> str | None:

@@ -23,7 +23,8 @@ NAME = "demo"
 
 
 def register(sub) -> None:
-    from agent.actuators import MODES as CGROUP_MODES
+    from agent.commands.bench import add_cgroup_mode
+
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("--out", default="bench-out/demo", metavar="DIR",
                    help="where the table, JSON and plots go (default bench-out/demo)")
@@ -31,9 +32,7 @@ def register(sub) -> None:
                    help="measured seconds per policy (default 20)")
     p.add_argument("--warmup-s", type=plain_float, default=6.0, metavar="S",
                    help="seconds before measuring, while the agent settles (default 6)")
-    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES, metavar="MODE",
-                   help=f"the agent's cgroup mode, {'|'.join(CGROUP_MODES)} (default: v1 when root on cgroup v1, "
-                        "else off)")
+    add_cgroup_mode(p)
     p.add_argument("--catalog", default=None, metavar="PATH",
                    help="job catalogue TOML (its --mix is used; default: the packaged catalog.toml)")
     p.add_argument("--mix", default="demo", metavar="NAME", help="which catalogue mix runs (default: demo)")
