@@ -52,6 +52,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` were parsed for: ``adloader job register`` -> its own."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
@@ -60,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adloader: unknown command {first!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the (sub)command's own parser, with its usage (not the top level's "adloader: error");
+        # a command may set_defaults(unrecognized_hint=...) for what such arguments usually mean
+        hint = getattr(args, "unrecognized_hint", None)
+        _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({hint})" if hint else ""))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

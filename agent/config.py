@@ -525,6 +525,16 @@ def load(path: Optional[str] = None, cli: Optional[Mapping[str, Any]] = None,
     return cfg
 
 
+ENDPOINT_FROM_ENV_NOTE = "endpoint from ADLOADER_ENDPOINT"
+
+
+def endpoint_from_environment(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``client_endpoint(flag, ...)`` took ADLOADER_ENDPOINT: a command that could not reach the
+    agent says so (``ENDPOINT_FROM_ENV_NOTE``), since a variable set long ago is easy to forget."""
+    environ = os.environ if environ is None else environ
+    return not flag and bool(environ.get("ADLOADER_ENDPOINT", "").strip())
+
+
 def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = None,
                     environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     """The endpoint a command on this node (``adloader job``, ``adloader status``, the Slurm scripts

@@ -274,16 +274,22 @@ def collector_only(clients: int, ticks: int = 200) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", type=plain_int, default=64)
-    ap.add_argument("--seconds", type=finite_float, default=60.0)
-    ap.add_argument("--policies", default="adaptive,even")
-    ap.add_argument("--repeats", type=plain_int, default=1)
+    ap = argparse.ArgumentParser(prog="python -m evaluation.agent_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=plain_int, default=64, help="simulated clients, one job each (default 64)")
+    ap.add_argument("--seconds", type=finite_float, default=60.0, help="measured window per policy (default 60)")
+    ap.add_argument("--policies", default="adaptive,even", help="agent policies, comma-separated (default adaptive,even)")
+    ap.add_argument("--repeats", type=plain_int, default=1, help="runs of each policy (default 1)")
     ap.add_argument("--seed", type=plain_int, default=1, help="clients' seed of the first repeat (repeat r uses seed + r)")
-    ap.add_argument("--out", default="bench-out/agent_bench.json")
+    ap.add_argument("--out", default="bench-out/agent_bench.json",
+                    help="write the JSON result here (default bench-out/agent_bench.json)")
     ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
                     "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")
     args = ap.parse_args(argv)
+    from agent.policies import POLICIES
+
+    bad = [p for p in args.policies.split(",") if p not in POLICIES]
+    if bad:   # (refused by the first agent it started, as a traceback)
+        ap.error(f"--policies: unknown {', '.join(map(repr, bad))}; choose from: {', '.join(sorted(POLICIES))}")
     rows = []
     for rep in range(args.repeats):
         for policy in args.policies.split(","):

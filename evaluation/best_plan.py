@@ -358,12 +358,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.best_plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
     ap.add_argument("--cost", choices=V.COSTS, default="calibrated",
-                    help="the jobs' loader CPU per sample: the bench's calibration or what the run's workers paid")
-    ap.add_argument("--reps", type=plain_int, default=None, help="only the first K repeats of each scenario")
+                    help="the jobs' loader CPU per sample: the bench's calibration (the default) or what the run's workers "
+                         "paid")
+    ap.add_argument("--reps", type=plain_int, default=None, help="only the first K repeats of each scenario (default: all)")
     ap.add_argument("--nodes", default=None, help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
-    ap.add_argument("--mixes", default=",".join(V.MIXES), help="with --nodes: the catalogue mixes")
+    ap.add_argument("--mixes", default=",".join(V.MIXES), help=f"with --nodes: the catalogue mixes (default {','.join(V.MIXES)})")
     ap.add_argument("--random", type=plain_int, default=0,
-                    help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed)")
+                    help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed; "
+                         "default 0)")
     ap.add_argument("--seed", type=plain_int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
     ap.add_argument("--pick", default=None,
                     help="with --random N: search only these of the N mixes, by index from 0 (K,K,...; "

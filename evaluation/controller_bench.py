@@ -138,17 +138,19 @@ def run_case(policy: str, scenario: str, n_jobs: int, cores: float, ticks: int, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", type=plain_int, default=64)
-    ap.add_argument("--ticks", type=plain_int, default=200)
+    ap = argparse.ArgumentParser(prog="python -m evaluation.controller_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=plain_int, default=64, help="jobs on the node (default 64)")
+    ap.add_argument("--ticks", type=plain_int, default=200, help="timed ticks per run (default 200)")
     ap.add_argument("--cores", type=finite_float, nargs="+", default=[60.0, 14.0],
                     help="node loader cores to try (default: 60 and 14)")
     ap.add_argument("--policies", nargs="+", default=sorted(POLICIES),
                     help="policies to time, space- or comma-separated (default: all)")
-    ap.add_argument("--seed", type=plain_int, default=1)
-    ap.add_argument("--repeats", type=plain_int, default=3)
-    ap.add_argument("--target-ms", type=finite_float, default=5.0)
-    ap.add_argument("--out", default="bench-out/controller_bench.json")
+    ap.add_argument("--seed", type=plain_int, default=1, help="seed of the first repeat; repeat r uses seed + r (default 1)")
+    ap.add_argument("--repeats", type=plain_int, default=3, help="runs of each row (default 3)")
+    ap.add_argument("--target-ms", type=finite_float, default=5.0,
+                    help="the tick-time target the table judges against, ms (default 5)")
+    ap.add_argument("--out", default="bench-out/controller_bench.json",
+                    help="write the JSON result here (default bench-out/controller_bench.json)")
     args = ap.parse_args(argv)
     policies = [p for arg in args.policies for p in arg.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]

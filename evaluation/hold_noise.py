@@ -82,10 +82,10 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluation.hold_noise", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=plain_int, default=500, help="random nodes (those with a cold job are left out)")
-    p.add_argument("--ticks", type=plain_int, default=20, help="re-plans per node")
-    p.add_argument("--levels", default="0,0.02,0.05,0.1", help="noise levels, comma-separated fractions")
-    p.add_argument("--seed", type=plain_int, default=1)
+    p.add_argument("--nodes", type=plain_int, default=500, help="random nodes (those with a cold job are left out; default 500)")
+    p.add_argument("--ticks", type=plain_int, default=20, help="re-plans per node (default 20)")
+    p.add_argument("--levels", default="0,0.02,0.05,0.1", help="noise levels, comma-separated fractions (default 0,0.02,0.05,0.1)")
+    p.add_argument("--seed", type=plain_int, default=1, help="the random nodes' and the noise's seed (default 1)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
     try:

@@ -297,10 +297,12 @@ def instrumentation_overhead(n: int) -> dict:
 
 # ---- main ---------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evaluation.loader_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="about a minute instead of a few (single repeats)")
-    ap.add_argument("--out", default="bench-out/loader_bench.json")
-    ap.add_argument("--workers", type=plain_int, default=2)
+    ap.add_argument("--out", default="bench-out/loader_bench.json", metavar="PATH",
+                    help="write the JSON result here (default bench-out/loader_bench.json)")
+    ap.add_argument("--workers", type=plain_int, default=2, metavar="N",
+                    help="workers of each loader in the throughput runs; the fork resize grows from it (default 2)")
     ap.add_argument("--_side", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._side:

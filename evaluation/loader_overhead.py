@@ -62,14 +62,16 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))    # (run as a script)
     from evaluation.flags import plain_int
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evaluation.loader_overhead", description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a directory with an adloader/ package to measure (repeatable; default: the installed one)")
-    ap.add_argument("--pairs", type=plain_int, default=8, help="runs per tree, in alternating order")
-    ap.add_argument("--batches", type=plain_int, default=3000, help="batches per epoch")
-    ap.add_argument("--workers", type=plain_int, default=2)
-    ap.add_argument("--repeats", type=plain_int, default=3, help="timed epochs per run (the run reports their median)")
-    ap.add_argument("--out", default="bench-out/loader_overhead.json")
+    ap.add_argument("--pairs", type=plain_int, default=8, metavar="N", help="runs per tree, in alternating order (default 8)")
+    ap.add_argument("--batches", type=plain_int, default=3000, metavar="N", help="batches per epoch (default 3000)")
+    ap.add_argument("--workers", type=plain_int, default=2, metavar="N", help="persistent workers of the loader (default 2)")
+    ap.add_argument("--repeats", type=plain_int, default=3, metavar="N",
+                    help="timed epochs per run (the run reports their median; default 3)")
+    ap.add_argument("--out", default="bench-out/loader_overhead.json", metavar="PATH",
+                    help="write the JSON result here (default bench-out/loader_overhead.json)")
     args = ap.parse_args(argv)
     trees = []
     for spec in args.tree or ["installed="]:

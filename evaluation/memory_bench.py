@@ -90,11 +90,11 @@ def run_one(make, workers: int, epochs: int, batch_size: int) -> dict:
 def main(argv=None) -> int:
     from evaluation.flags import plain_int
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=plain_int, default=2)
-    ap.add_argument("--rows", type=plain_int, default=200_000)
-    ap.add_argument("--epochs", type=plain_int, default=2)
-    ap.add_argument("--batch-size", type=plain_int, default=256)
+    ap = argparse.ArgumentParser(prog="python -m evaluation.memory_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=plain_int, default=2, help="loader workers (fork; default 2)")
+    ap.add_argument("--rows", type=plain_int, default=200_000, help="rows of the dataset (default 200000)")
+    ap.add_argument("--epochs", type=plain_int, default=2, help="whole epochs run per dataset (default 2)")
+    ap.add_argument("--batch-size", type=plain_int, default=256, help="the loader's batch size (default 256)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     res = {}

@@ -183,14 +183,14 @@ def markdown(summaries: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.mix_study", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default="2:3,2:4,8:4,16:8,32:8,96:8", help="node shapes CORES:GPUS, comma-separated")
-    ap.add_argument("--mixes", type=plain_int, default=100, help="random mixes per node shape")
-    ap.add_argument("--seed", type=plain_int, default=1)
+    ap.add_argument("--nodes", default="2:3,2:4,8:4,16:8,32:8,96:8", help="node shapes CORES:GPUS, comma-separated (default 2:3,2:4,8:4,16:8,32:8,96:8)")
+    ap.add_argument("--mixes", type=plain_int, default=100, help="random mixes per node shape (default 100)")
+    ap.add_argument("--seed", type=plain_int, default=1, help="the mixes' seed; each node shape draws its own stream (default 1)")
     ap.add_argument("--floor-fraction", type=finite_float, default=None,
                     help="the agent's floor_fraction (default: its default)")
     ap.add_argument("--floor-reference", choices=("habit", "share"), default=None,
                     help="the agent's floor_reference (default: its default)")
-    ap.add_argument("--worst", type=plain_int, default=5, help="worst mixes per node kept in the JSON")
+    ap.add_argument("--worst", type=plain_int, default=5, help="worst mixes per node kept in the JSON (default 5)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     try:

@@ -72,12 +72,12 @@ def main(argv=None) -> int:
     from evaluation.flags import plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.oversub_cpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--procs", default="1,2,3,4,6,8,16,32", help="process counts, comma-separated")
-    ap.add_argument("--items", type=plain_int, default=6400, help="items per run, shared by its processes")
-    ap.add_argument("--reps", type=plain_int, default=3, help="interleaved repeats of every count")
+    ap.add_argument("--procs", default="1,2,3,4,6,8,16,32", help="process counts, comma-separated (default 1,2,3,4,6,8,16,32)")
+    ap.add_argument("--items", type=plain_int, default=6400, help="items per run, shared by its processes (default 6400)")
+    ap.add_argument("--reps", type=plain_int, default=3, help="interleaved repeats of every count (default 3)")
     ap.add_argument("--image-px", type=plain_int, default=96,
                     help="image side in pixels (the GPU study's catalogue doubles the default 96)")
-    ap.add_argument("--aug", type=plain_int, default=3, help="augmentation passes per item")
+    ap.add_argument("--aug", type=plain_int, default=3, help="augmentation passes per item (default 3)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     try:

@@ -104,7 +104,7 @@ def _pct(xs, q):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.phase_scan", description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="agent logs (--log-level debug) or folders holding agent.log files")
-    ap.add_argument("--prior", choices=("default", "none"), default="default", help="the bank's prior")
+    ap.add_argument("--prior", choices=("default", "none"), default="default", help="the bank's prior (default: default)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     try:

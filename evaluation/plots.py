@@ -103,17 +103,32 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     """Re-draw the plots of a finished run: ``python -m evaluation.plots BENCH.json [OUT_DIR]``."""
+    import argparse
     import json
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        print("usage: python -m evaluation.plots BENCH.json [OUT_DIR]", file=sys.stderr)
-        return 2
-    src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) > 1 else src.parent
-    out.mkdir(parents=True, exist_ok=True)
-    for p in write_plots(json.loads(src.read_text()), out):
+    ap = argparse.ArgumentParser(prog="python -m evaluation.plots",
+                                 description="Re-draw the PNG plots of a finished `adloader bench` run from its "
+                                             "bench.json (timeline_<scenario>.png, policies.png).")
+    ap.add_argument("bench", metavar="BENCH.json", help="the run's bench.json")
+    ap.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
+                    help="where the PNGs go (default: BENCH.json's folder)")
+    a = ap.parse_args(argv)
+    src = Path(a.bench)
+    try:   # (a missing file, or --help taken for one, was a traceback)
+        result = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        ap.error(f"{src}: cannot read it as JSON: {getattr(e, 'strerror', None) or e}")
+    if not isinstance(result, dict) or not isinstance(result.get("phases"), list):
+        ap.error(f"{src}: not the bench.json of an `adloader bench` run (no phases)")
+    out = Path(a.out) if a.out else src.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        paths = write_plots(result, out)
+    except OSError as e:
+        print(f"{ap.prog}: {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    for p in paths:
         print(p)
     return 0
 

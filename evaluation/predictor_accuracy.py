@@ -171,21 +171,34 @@ def evaluate(points: list[dict], start: tuple[int, float], learned: bool, knee_t
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", default=str(CORPUS_PATH))
-    ap.add_argument("--starts", default="2:2,1:1,4:0.5", help="workers:cores of the single starting window")
-    ap.add_argument("--json", default="predictor-accuracy.json")
+    ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", default=str(CORPUS_PATH), metavar="PATH",
+                    help="measured curves (default predictor/data/corpus.jsonl)")
+    ap.add_argument("--starts", default="2:2,1:1,4:0.5",
+                    help="workers:cores of the single starting window, comma-separated (default 2:2,1:1,4:0.5)")
+    ap.add_argument("--json", default="predictor-accuracy.json", metavar="PATH",
+                    help="write the results here (default predictor-accuracy.json)")
     ap.add_argument("--validation", default=str(VALIDATION_PATH),
                     help="write the verdict (learned prior beats first principles?) here; the default "
-                         "prior is the learned one only if this file says so for the same corpus ('' = skip)")
+                         "prior is the learned one only if this file says so for the same corpus ('' = skip; "
+                         "default predictor/data/prior_validation.json)")
     args = ap.parse_args(argv)
-    header, points = load_corpus(args.corpus)
+    try:   # (a missing or malformed corpus, or a --starts without ':', was a traceback)
+        starts = [(int(w), float(c)) for w, c in (s.split(":") for s in args.starts.split(","))]
+    except ValueError:
+        ap.error(f"--starts takes WORKERS:CORES pairs separated by commas (e.g. 2:2,1:1), got {args.starts!r}")
+    try:
+        header, points = load_corpus(args.corpus)
+    except OSError as e:
+        ap.error(f"--corpus {args.corpus}: cannot read: {e.strerror or e}")
+    except (ValueError, KeyError, TypeError) as e:
+        ap.error(f"--corpus {args.corpus}: not a corpus (JSON lines of predictor_corpus): {e}")
+    if not points:
+        ap.error(f"--corpus {args.corpus}: no measurements in it")
     noise = noise_level(points)
     knee_tol = knee_tolerance(points)
     results = []
-    for s in args.starts.split(","):
-        w, c = s.split(":")
-        start = (int(w), float(c))
+    for start in starts:
         for learned in (True, False):
             results.append(evaluate(points, start, learned, knee_tol))
     print(f"corpus: {args.corpus} ({len(points)} measurements, {len(by_job(points))} jobs, "

@@ -231,16 +231,23 @@ def limit_all_cpus() -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from evaluation.flags import finite_float, plain_int
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO / "predictor" / "data" / "corpus.jsonl"))
-    ap.add_argument("--jobs", default=",".join(JOBS))
-    ap.add_argument("--workers", default="1,2,3,4,6,8")
-    ap.add_argument("--cores", default="0.5,1,2")
-    ap.add_argument("--window-s", type=finite_float, default=2.5)
-    ap.add_argument("--warmup-s", type=finite_float, default=0.8)
+    ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_corpus", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "predictor" / "data" / "corpus.jsonl"), metavar="PATH",
+                    help="the corpus file, JSON lines (default predictor/data/corpus.jsonl: the shipped corpus)")
+    ap.add_argument("--jobs", default=",".join(JOBS), metavar="LIST",
+                    help=f"synthetic jobs, comma-separated (default all: {','.join(JOBS)})")
+    ap.add_argument("--workers", default="1,2,3,4,6,8", metavar="LIST",
+                    help="worker counts, comma-separated (default 1,2,3,4,6,8)")
+    ap.add_argument("--cores", default="0.5,1,2", metavar="LIST",
+                    help="CPU allowances of the workers in cores, comma-separated; fractional ones need root "
+                         "(default 0.5,1,2)")
+    ap.add_argument("--window-s", type=finite_float, default=2.5, metavar="S", help="measured seconds per point (default 2.5)")
+    ap.add_argument("--warmup-s", type=finite_float, default=0.8, metavar="S",
+                    help="seconds before each point's window (default 0.8)")
     ap.add_argument("--loader", choices=("auto", "torch", "adloader"), default="auto",
                     help="auto: adloader.DataLoader when importable, else torch's with in-worker timing")
-    ap.add_argument("--pass-id", type=plain_int, default=1, help="label of this sweep (repeat sweeps to see the noise)")
+    ap.add_argument("--pass-id", type=plain_int, default=1,
+                    help="label of this sweep (repeat sweeps to see the noise; default 1)")
     ap.add_argument("--note", default="", help="what else ran on the machine (recorded in the sweep's header)")
     ap.add_argument("--append", action="store_true", help="add this sweep to --out (a header line per sweep)")
     args = ap.parse_args(argv)

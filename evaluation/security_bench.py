@@ -247,10 +247,11 @@ def _rate(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evaluation.security_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=finite_float, default=10.0, help="attack window per scenario (default 10)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
-    ap.add_argument("--repeats", type=plain_int, default=1)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help="comma-separated, from: " + ", ".join(SCENARIOS) + " (default all)")
+    ap.add_argument("--repeats", type=plain_int, default=1, help="runs of each scenario, each with a fresh agent (default 1)")
     ap.add_argument("--tick-s", type=finite_float, default=1.0, help="the agent's tick (default 1 s, as deployed)")
     import resource
 
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
                          f"LimitNOFILE=: soft 1024, hard 524288 or this process's hard limit, here {hard}; "
                          "'' = inherit)")
     ap.add_argument("--agent-repo", default=str(REPO), help="checkout whose agent to run (default this one)")
-    ap.add_argument("--out", default="bench-out/security_bench.json")
+    ap.add_argument("--out", default="bench-out/security_bench.json",
+                    help="write the JSON result here (default bench-out/security_bench.json)")
     args = ap.parse_args(argv)
     if os.getuid() != 0:
         print("security_bench: needs root (agent as root, attacker and victim as other uids)", file=sys.stderr)

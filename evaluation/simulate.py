@@ -234,6 +234,9 @@ def read_trace(path: str) -> list[TraceJob]:
         if job.gpus < 1:
             raise SimError(f"trace {path}:{n}: gpus must be at least 1, got {r.get('gpus')!r}")
         out.append(job)
+    if not out:   # (an empty file or a header alone printed a table of dashes and exited 0)
+        raise SimError(f"trace {path}: no jobs (CSV: a header node,job,kind,arrival_s,work_s and a row per job; "
+                       f"or one JSON object per line)")
     return out
 
 

@@ -43,9 +43,10 @@ def _spread(xs: list[float]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=plain_int, default=3)
-    ap.add_argument("--out", default="bench-out/slurm")
+    ap = argparse.ArgumentParser(prog="python -m evaluation.slurm_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=plain_int, default=3, help="sbatch jobs per condition (default 3)")
+    ap.add_argument("--out", default="bench-out/slurm",
+                    help="directory slurm_bench.json is written to (default bench-out/slurm)")
     args = ap.parse_args(argv)
     why = why_not()
     if why:

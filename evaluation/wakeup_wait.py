@@ -127,14 +127,14 @@ def main(argv=None) -> int:
     from evaluation.flags import finite_float, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.wakeup_wait", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--neighbours", default="0,1,2,3", help="comma-separated neighbour counts")
-    ap.add_argument("--duty", type=finite_float, default=0.5, help="part of the time each neighbour computes, (0, 1]")
-    ap.add_argument("--iterations", type=plain_int, default=60, help="the trainer's steps per count")
-    ap.add_argument("--gpu-ms", type=finite_float, default=100.0, help="the trainer's sleep per step (its GPU part)")
-    ap.add_argument("--cpu-ms", type=finite_float, default=20.0, help="the trainer's CPU part per step")
+    ap.add_argument("--neighbours", default="0,1,2,3", help="comma-separated neighbour counts (default 0,1,2,3)")
+    ap.add_argument("--duty", type=finite_float, default=0.5, help="part of the time each neighbour computes, (0, 1] (default 0.5)")
+    ap.add_argument("--iterations", type=plain_int, default=60, help="the trainer's steps per count (default 60)")
+    ap.add_argument("--gpu-ms", type=finite_float, default=100.0, help="the trainer's sleep per step, its GPU part (default 100)")
+    ap.add_argument("--cpu-ms", type=finite_float, default=20.0, help="the trainer's CPU part per step (default 20)")
     ap.add_argument("--woken-ms", type=finite_float, default=20.0,
                     help="also measure each count with the trainer's own worker handed this much work at the "
-                         "start of each CPU part (0: do not)")
+                         "start of each CPU part (0: do not; default 20)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if not os.path.exists(SCHEDSTAT):

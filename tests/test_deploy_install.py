@@ -95,6 +95,22 @@ def test_an_edited_config_is_kept(tmp_path):
     assert (root / "etc/adloader/agent.toml.new").read_text() == original
 
 
+def test_an_existing_config_that_is_not_text_is_kept_and_one_that_cannot_be_read_is_named(tmp_path):
+    """(both were tracebacks: an agent.toml saved in Latin-1, or a directory at its path)"""
+    root = tmp_path / "root"
+    config = root / "etc/adloader/agent.toml"
+    config.parent.mkdir(parents=True)
+    config.write_bytes(b"# caf\xe9\npolicy = 'even'\n")
+    p = install(root)
+    assert p.returncode == 0 and "keep " in p.stdout, p.stderr
+    assert config.read_bytes() == b"# caf\xe9\npolicy = 'even'\n" and (config.parent / "agent.toml.new").is_file()
+    config.unlink()
+    config.mkdir()
+    p = install(root, "--dry-run")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"cannot read the existing {config}: Is a directory" in p.stderr, p.stderr
+
+
 def test_dry_run_changes_nothing(tmp_path, fake_systemctl):
     root = tmp_path / "root"
     bin_dir, calls = fake_systemctl

@@ -7,11 +7,13 @@ correctness property of the Slurm prolog (a hung prolog drains the node), not a 
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import pytest
 
 from adloader import protocol
 from agent.commands.job import JobSpecError, parse_cpus_per_node, parse_gpus, slurm_job
+from tests.conftest import adloader_cmd, repo_env
 from tests.slurm_support import SLURM_ENV, one_line, run_job
 
 BOUND_S = 10.0  # "returns within a few seconds", loosely, on a noisy shared machine
@@ -262,6 +264,22 @@ def test_a_long_timeout_is_waited_out_by_the_deadline_not_an_overflow(fake_agent
 def test_bad_endpoint_is_a_clear_failure():
     rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
     assert rc == 1 and "bad endpoint" in one_line(err)
+
+
+@pytest.mark.component
+def test_an_agent_not_reached_at_adloader_endpoint_says_where_the_endpoint_came_from(tmp_path):
+    """`adloader job` and `adloader status` that cannot reach the agent at ADLOADER_ENDPOINT say the
+    endpoint came from there (a variable set long ago, or inherited from a job's environment, is easy to
+    forget; before, only the endpoint was named); with --endpoint, nothing is added."""
+    env = repo_env(ADLOADER_ENDPOINT=f"ipc://{tmp_path}/absent.sock")
+    for argv in (("job", "register", "--job", "4242", "--timeout-s", "1"), ("status", "--timeout-s", "1"),
+                 ("job", "release", "--slurm", "--timeout-s", "1")):
+        p = subprocess.run(adloader_cmd(*argv), env={**env, **SLURM_ENV}, capture_output=True, text=True, timeout=60)
+        assert p.returncode == (0 if "--slurm" in argv else 1), p.stderr
+        assert "absent.sock" in p.stderr and "endpoint from ADLOADER_ENDPOINT" in one_line(p.stderr), p.stderr
+    rc, err, _ = run_job("register", "--job", "4242", endpoint=f"ipc://{tmp_path}/absent.sock",
+                         env={"ADLOADER_ENDPOINT": "ipc:///elsewhere.sock"})
+    assert rc == 1 and "ADLOADER_ENDPOINT" not in err
 
 
 @pytest.mark.unit

@@ -94,6 +94,24 @@ def test_unknown_command_is_named():
     assert "frobnicate" in out.stderr
 
 
+@pytest.mark.parametrize("argv, usage", [(("agent", "--tik-s", "1"), "adloader agent"),
+                                         (("status", "extra"), "adloader status"),
+                                         (("job", "release", "--gpus", "0"), "adloader job release"),
+                                         (("simulate", "--node", "1", "--bogus"), "adloader simulate")])
+def test_an_unknown_option_is_named_by_its_own_command(argv, usage, capsys):
+    """A flag a command does not have is that command's usage error, with its usage line: it was the top
+    level's ("usage: adloader [-h] [--version] COMMAND ... adloader: error: ..."), which does not say
+    which command refused what (and `job release --gpus` looked like a bad top-level flag)."""
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"usage: {usage} [-h]" in err and f"{usage}: error: unrecognized arguments: " in err, err
+    assert "COMMAND ..." not in err
+
+
 def test_framework_integrations_are_imported_only_when_used():
     mods = _imported_after("import adloader")
     assert not {"lightning", "accelerate", "transformers", "adloader.integrations"} & mods

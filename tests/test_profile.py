@@ -86,6 +86,24 @@ def test_profile_needs_a_command(tmp_path):
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
+def test_an_unwritable_json_path_or_a_bad_job_id_is_refused_before_the_command_runs(tmp_path):
+    """(--json in a missing directory was a traceback after the whole run; a job id the client does not
+    send ran the command and then said "no report"; a training command without -- was "adloader: error")"""
+    ran = tmp_path / "ran"
+    cmd = ("--", sys.executable, "-c", f"open({str(ran)!r}, 'w')")
+    for args, words in ((("--json", str(tmp_path / "no-such-dir" / "p.json")), "--json"),
+                        (("--json", str(tmp_path)), "is a directory"),
+                        (("--job", "a/b"), "--job: job id 'a/b' is not allowed")):
+        proc = subprocess.run(adloader_cmd("profile", *args, *cmd), env=repo_env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not ran.exists()
+    proc = subprocess.run(adloader_cmd("profile", sys.executable, "-c", "pass"), env=repo_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "adloader profile: error: unrecognized arguments: -c pass" in proc.stderr
+    assert "goes after --" in proc.stderr
+
+
 TRAIN = textwrap.dedent('''
     import sys
     from adloader import DataLoader

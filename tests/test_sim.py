@@ -70,6 +70,11 @@ def test_a_trace_row_with_impossible_numbers_or_a_file_that_is_not_text_is_refus
     for p in (binary, tmp_path):
         with pytest.raises(S.SimError, match="cannot read it as text"):
             S.read_trace(str(p))
+    # a file with no job in it is refused, not simulated as nothing (a table of dashes, exit 0)
+    for name, text in (("empty.csv", ""), ("header.csv", "node,job,kind,arrival_s,work_s\n"), ("blank.jsonl", "\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(S.SimError, match=f"{name}: no jobs"):
+            S.read_trace(str(tmp_path / name))
 
 
 @pytest.mark.unit

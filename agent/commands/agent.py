@@ -21,19 +21,28 @@ def register(sub) -> None:
                                    "reloads the config file.")
     p.add_argument("--config", metavar="PATH", default=None,
                    help="TOML config file (default /etc/adloader/agent.toml if it exists)")
-    p.add_argument("--endpoint", metavar="EP", help="ipc:// endpoint to bind")
-    p.add_argument("--state-dir", metavar="DIR", help="journal directory")
-    p.add_argument("--policy", metavar="NAME", help=f"allocation policy: {', '.join(sorted(POLICIES))}")
+    p.add_argument("--endpoint", metavar="EP",
+                   help="where to bind: ipc:// and an absolute path, or tcp://HOST:PORT (default "
+                        "ipc:///run/adloader/agent.sock as root, else $XDG_RUNTIME_DIR/adloader/agent.sock or "
+                        "/tmp/adloader-<uid>/agent.sock)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="journal directory (default /var/lib/adloader as root, else <runtime dir>/state)")
+    p.add_argument("--policy", metavar="NAME",
+                   help=f"allocation policy: {', '.join(sorted(POLICIES))} (default adaptive)")
     p.add_argument("--tick-s", metavar="S", help="controller period in seconds (default 1)")
-    p.add_argument("--loader-cpus", metavar="CORES", help="CPU cores for all loaders, or 'auto'")
+    p.add_argument("--loader-cpus", metavar="CORES",
+                   help="CPU cores for all loaders, or 'auto' (the default: the agent's CPUs less 10%%, grown "
+                        "into what the training processes leave)")
     p.add_argument("--loader-memory", metavar="BYTES",
                    help="memory for all loaders' workers: bytes or a size such as 6GiB, 'auto' (node memory or "
-                        "the agent's cgroup limit, minus 25%% and at least 2 GiB) or 'off'")
-    p.add_argument("--max-jobs", metavar="N", help="jobs the node is sized for (even-static)")
-    p.add_argument("--cgroup-mode", metavar="MODE", choices=CGROUP_MODES, help="|".join(CGROUP_MODES))
-    p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1 (0 = off)")
+                        "the agent's cgroup limit, minus 25%% and at least 2 GiB; the default) or 'off'")
+    p.add_argument("--max-jobs", metavar="N",
+                   help="jobs the node is sized for (even-static; default 0: the jobs present)")
+    p.add_argument("--cgroup-mode", metavar="MODE", choices=CGROUP_MODES,
+                   help="|".join(CGROUP_MODES) + " (default auto)")
+    p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1 (default 0 = off)")
     p.add_argument("--log-level", metavar="LEVEL", choices=("debug", "info", "warning", "error"),
-                   help="debug|info|warning|error")
+                   help="debug|info|warning|error (default info)")
     p.set_defaults(func=run)
 
 

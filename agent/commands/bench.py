@@ -1,6 +1,6 @@
 """`adloader bench`: co-located real training jobs under each policy, side by side, on this node.
 
-Default: the quick run (heterogeneous mix, every policy, one repeat; about 2-3 minutes). ``--full``:
+Default: the quick run (heterogeneous mix, every policy, one repeat; a few minutes). ``--full``:
 every scenario, three repeats (long; on request). Prints a markdown table; writes bench.json,
 bench.md and PNG plots under --out.
 """
@@ -15,53 +15,64 @@ NAME = "bench"
 
 
 def register(sub) -> None:
-    from agent.actuators import MODES as CGROUP_MODES
     from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL
 
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
     p.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
-    p.add_argument("--scenarios", default=None,
+    p.add_argument("--scenarios", default=None, metavar="LIST",
                    help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
-    p.add_argument("--policies", default=",".join(POLICIES_ALL),
-                   help="comma-separated policies to compare; an agent policy may be a variant with agent "
+    p.add_argument("--policies", default=",".join(POLICIES_ALL), metavar="LIST",
+                   help=f"comma-separated policies to compare (default: all, {','.join(POLICIES_ALL)}); an agent policy may be a variant with agent "
                         "config keys, e.g. 'adaptive[loaders_yield=never]' (an A/B in one interleaved run); "
                         "'plan:FILE' runs the agent with a fixed plan per scenario from FILE "
                         "(python -m evaluation.best_plan --out, or {\"plans\": {scenario: {job: "
                         "{\"workers\": w, \"cpus\": c}}}})")
-    p.add_argument("--reps", type=plain_int, default=None, help="repeats (quick: 1, full: 3)")
-    p.add_argument("--catalog", default=None, help="job catalogue TOML (default: the packaged catalog.toml)")
-    p.add_argument("--out", default="bench-out", help="output directory (JSON, markdown, plots, logs)")
-    p.add_argument("--loader-cpus", default="auto", help="cores for all loaders (default: the agent's auto)")
-    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES,
-                   help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
+    p.add_argument("--reps", type=plain_int, default=None, metavar="N", help="repeats (quick: 1, full: 3)")
+    p.add_argument("--catalog", default=None, metavar="PATH",
+                   help="job catalogue TOML (default: the packaged catalog.toml)")
+    p.add_argument("--out", default="bench-out", metavar="DIR",
+                   help="output directory (JSON, markdown, plots, logs; default bench-out)")
+    p.add_argument("--loader-cpus", default="auto", metavar="CORES",
+                   help="cores for all loaders (default: auto, as the agent's)")
+    add_cgroup_mode(p)
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="the agent's loader memory budget in the memory scenario (bytes or a size; default 1GiB)")
-    p.add_argument("--tick-s", type=plain_float, default=1.0)
-    p.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info",
-                   help="the agents' log level (runs/<scenario>/<policy>-repN/agent.log); debug adds an "
+    p.add_argument("--tick-s", type=plain_float, default=1.0, metavar="S", help="the agent's tick, seconds (default 1)")
+    p.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info", metavar="LEVEL",
+                   help="the agents' log level, debug|info|warning (default info; runs/<scenario>/<policy>-repN/agent.log); debug adds an "
                         "'observation' event per window the predictor got, with the curve it made")
     p.add_argument("--steps-known", action="store_true",
                    help="jobs with a fixed amount of work (the dynamic scenario's) tell their loaders their steps "
                         "(total_steps), as a job that knows its length does: what adaptive's finish guard uses")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
-                   help="emulated GPU step (sleep) or a real small model step on CUDA")
-    p.add_argument("--warmup-s", type=plain_float, default=None,
+                   help="emulated GPU step (sleep; the default) or a real small model step on CUDA")
+    p.add_argument("--warmup-s", type=plain_float, default=None, metavar="S",
                    help="seconds before measuring each phase (default: quick 4, full 6; a mix the catalogue's "
                         "[windows] gives a longer minimum gets that)")
-    p.add_argument("--measure-s", type=plain_float, default=None,
+    p.add_argument("--measure-s", type=plain_float, default=None, metavar="S",
                    help="seconds measured per static phase (default: quick 12, full 24; raised to a mix's "
                         "[windows] minimum)")
-    p.add_argument("--sweep-segment-s", type=plain_float, default=None, help="oracle sweep: seconds per worker count")
+    p.add_argument("--sweep-segment-s", type=plain_float, default=None, metavar="S",
+                   help="oracle sweep: seconds per worker count (default: quick 2.5, full 4)")
     p.add_argument("--oracle", choices=("colocated", "solo"), default="colocated",
                    help="the oracle's curves: probes of the whole mix under fixed plans (default; scenarios "
                         "with arrivals use solo) or each job kind swept alone on the node")
-    p.add_argument("--oracle-probe-reps", type=plain_int, default=2, help="repeats of each co-located oracle probe")
-    p.add_argument("--calibration-processes", type=plain_int, default=3,
+    p.add_argument("--oracle-probe-reps", type=plain_int, default=2, metavar="N",
+                   help="repeats of each co-located oracle probe (default 2)")
+    p.add_argument("--calibration-processes", type=plain_int, default=3, metavar="N",
                    help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
                         "(default 3; on a VM one process can run a kind 1.5-2x slower than another); 1 = in "
                         "this process")
     p.set_defaults(func=run)
+
+
+def add_cgroup_mode(p) -> None:
+    """``--cgroup-mode`` of the agents a bench or demo starts (both)."""
+    from agent.actuators import MODES
+
+    p.add_argument("--cgroup-mode", default=None, choices=MODES, metavar="MODE",
+                   help=f"the agent's cgroup mode, {'|'.join(MODES)} (default: v1 when root on cgroup v1, else off)")
 
 
 def _check_cuda() -> str | None:

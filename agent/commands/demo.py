@@ -23,16 +23,20 @@ NAME = "demo"
 
 
 def register(sub) -> None:
-    from agent.actuators import MODES as CGROUP_MODES
+    from agent.commands.bench import add_cgroup_mode
+
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
-    p.add_argument("--out", default="bench-out/demo", help="where the table, JSON and plots go")
-    p.add_argument("--measure-s", type=plain_float, default=20.0, help="measured seconds per policy")
-    p.add_argument("--warmup-s", type=plain_float, default=6.0, help="seconds before measuring (agent settles)")
-    p.add_argument("--cgroup-mode", default=None, choices=CGROUP_MODES,
-                   help="the agent's cgroup mode (default: v1 when root on cgroup v1, else off)")
-    p.add_argument("--catalog", default=None, help="job catalogue TOML (its --mix is used)")
-    p.add_argument("--mix", default="demo", help="which catalogue mix runs (default: demo)")
-    p.add_argument("--calibration-processes", type=plain_int, default=3,
+    p.add_argument("--out", default="bench-out/demo", metavar="DIR",
+                   help="where the table, JSON and plots go (default bench-out/demo)")
+    p.add_argument("--measure-s", type=plain_float, default=20.0, metavar="S",
+                   help="measured seconds per policy (default 20)")
+    p.add_argument("--warmup-s", type=plain_float, default=6.0, metavar="S",
+                   help="seconds before measuring, while the agent settles (default 6)")
+    add_cgroup_mode(p)
+    p.add_argument("--catalog", default=None, metavar="PATH",
+                   help="job catalogue TOML (its --mix is used; default: the packaged catalog.toml)")
+    p.add_argument("--mix", default="demo", metavar="NAME", help="which catalogue mix runs (default: demo)")
+    p.add_argument("--calibration-processes", type=plain_int, default=3, metavar="N",
                    help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
                         "(default 3); 1 = in this process")
     p.set_defaults(func=run)

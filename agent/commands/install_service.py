@@ -186,6 +186,18 @@ def run_command(argv: list[str]) -> Action:
     return Action("run " + " ".join(argv), apply)
 
 
+def _existing_text(path: Path) -> Optional[str]:
+    """The text of the operator's file at ``path`` (None if it is not UTF-8 text: it is theirs, kept, and
+    differs from the template); ``InstallError`` naming it if it cannot be read at all (a directory, no
+    permission). Both were tracebacks."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        return None
+    except OSError as e:
+        raise InstallError(f"cannot read the existing {path}: {e.strerror or e}: move it away or fix it") from None
+
+
 def plan(args: argparse.Namespace) -> list[Action]:
     """Every action, in order, for these arguments (nothing is touched here)."""
     prefix = args.prefix.rstrip("/") or "/"
@@ -207,7 +219,7 @@ def plan(args: argparse.Namespace) -> list[Action]:
     template = config_template()
     if not config_path.exists():
         actions.append(write_file(config_path, template, 0o644))
-    elif config_path.read_text() != template:
+    elif _existing_text(config_path) != template:
         new = config_path.with_name(CONFIG_FILE + ".new")
         actions.append(write_file(new, template, 0o644))
         actions.append(Action(f"keep {config_path} (it differs from this version's template: compare with {new.name})",

@@ -221,8 +221,11 @@ def register(sub) -> None:
     ):
         v = verbs.add_parser(verb, help=help_)
         v.add_argument("--slurm", action="store_true",
-                       help="read SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE "
-                            "(and SLURM_NODEID if set); always exit 0, log why on failure")
+                       help=("read SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE (and "
+                             "SLURM_NODEID if set; --job overrides SLURM_JOB_ID, --uid, --gpus and --cpus are ignored)"
+                             if verb == "register" else
+                             "read SLURM_JOB_ID and SLURM_JOB_UID (--job overrides SLURM_JOB_ID, --uid is ignored)")
+                            + "; always exit 0, log why on failure")
         v.add_argument("--job", metavar="ID", help="job id (without --slurm; required then)")
         v.add_argument("--uid", type=plain_int, metavar="N", help="owner's uid (default: the caller's)")
         if verb == "register":
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
             raise JobSpecError(f"--timeout-s {args.timeout_s} must be a positive, finite number of seconds")
         if slurm:
             spec = slurm_job(environ, need_resources=(verb == "register"))
-            # explicit flags still win over the environment (e.g. --uid for a test)
+            # --job still wins over SLURM_JOB_ID; --uid, --gpus and --cpus are not read with --slurm
             if args.job:
                 spec = JobSpec(args.job, spec.uid, spec.gpus, spec.cpus, spec.note)
         else:
@@ -272,6 +275,11 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
         outcome = Outcome(False, f"internal error: {type(e).__name__}: {e}")
     if verb == "release" and outcome.code == "unknown_job":
         outcome = Outcome(True, "ok (the agent did not know the job: already released)")
+    if not outcome.ok:
+        from agent import config
+
+        if config.endpoint_from_environment(args.endpoint, environ):
+            ep_note = config.ENDPOINT_FROM_ENV_NOTE
     note = "".join(f"; {n}" for n in (spec.note, ep_note) if n)
     print(f"{prefix}: {what}: {outcome.why}{note}", file=sys.stderr, flush=True)
     if outcome.ok or slurm:

@@ -46,9 +46,10 @@ def register(sub) -> None:
     p.add_argument("--cores", type=plain_float, default=None, metavar="N",
                    help="CPU cores the loader may use (default: the CPUs this process may use)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON")
-    p.add_argument("--job", default=None, help="job id to give the command (default profile-<pid>)")
+    p.add_argument("--job", default=None, metavar="ID", help="job id to give the command (default profile-<pid>)")
     p.add_argument("cmd", nargs="*", help="the training command, after --")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, unrecognized_hint="the training command goes after --: "
+                                               "adloader profile [options] -- python train.py ...")
 
 
 # -- collecting -----------------------------------------------------------------------------------
@@ -347,6 +348,20 @@ def run(args) -> int:
     if args.cores is not None and not (args.cores > 0 and math.isfinite(args.cores)):
         print(f"adloader profile: --cores must be a positive number of cores, got {args.cores:g}", file=sys.stderr)
         return 2
+    if args.job is not None:   # (a job id the client refuses to send ran the command to say "no report")
+        from adloader.protocol import check_job_id
+
+        why = check_job_id(args.job)
+        if why:
+            print(f"adloader profile: --job: {why}", file=sys.stderr)
+            return 2
+    if args.json:   # (a --json that cannot be written was a traceback after the whole run)
+        from agent.commands.bench import out_file_error
+
+        why = out_file_error(args.json)
+        if why:
+            print(f"adloader profile: --json {args.json}: {why}", file=sys.stderr)
+            return 2
     from adloader.autotune import usable_cpus
 
     cores = args.cores if args.cores else usable_cpus()
@@ -402,8 +417,12 @@ def run(args) -> int:
     doc["stopped_after_s"] = args.duration if stopped else None
     print(render(doc))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+        except OSError as e:   # (checked before the run; a full disk still ends here)
+            print(f"adloader profile: --json {args.json}: cannot write it: {e.strerror or e}", file=sys.stderr)
+            return 1
     if "error" in doc:
         return 1
     return 0 if stopped else (rc or 0)

@@ -37,40 +37,49 @@ def _steps_note(part: float) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--trace", default=None, help="trace file (CSV with header or JSON lines; see evaluation.simulate)")
-    p.add_argument("--nodes", type=plain_int, default=1000)
-    p.add_argument("--jobs-per-node", type=plain_int, default=8)
-    p.add_argument("--mean-gap-s", type=plain_float, default=30.0, help="mean gap between arrivals on a node")
-    p.add_argument("--mean-work-s", type=plain_float, default=300.0, help="mean work per job (s at its ceiling)")
-    p.add_argument("--seed", type=plain_int, default=0)
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="trace file (CSV with header or JSON lines: node, job, kind, arrival_s, work_s[, gpus]"
+                        "[, phases]; default: a generated one)")
+    p.add_argument("--nodes", type=plain_int, default=1000, metavar="N", help="nodes of a generated trace (default 1000)")
+    p.add_argument("--jobs-per-node", type=plain_int, default=8, metavar="N",
+                   help="jobs per node of a generated trace (default 8)")
+    p.add_argument("--mean-gap-s", type=plain_float, default=30.0, metavar="S",
+                   help="mean gap between arrivals on a node (default 30)")
+    p.add_argument("--mean-work-s", type=plain_float, default=300.0, metavar="S",
+                   help="mean work per job, seconds at its ceiling (default 300)")
+    p.add_argument("--seed", type=plain_int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--curves", choices=("auto", "corpus", "builtin"), default="auto",
                    help="job models: the predictor's measured corpus, or first-principles catalogue kinds "
-                        "(auto: corpus when present)")
-    p.add_argument("--catalog", default=None, help="catalogue TOML for --curves builtin")
-    p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle")
+                        "(default auto: corpus when present)")
+    p.add_argument("--catalog", default=None, metavar="PATH", help="catalogue TOML for --curves builtin")
+    p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle", metavar="LIST",
+                   help="policies to compare, comma-separated (default: "
+                        "even-static,even,none,autotune,static-cores,adaptive,oracle)")
     p.add_argument("--predictor", choices=("agent", "first-principles", "perfect"), default="first-principles",
-                   help="what adaptive sees: the agent's PredictorBank (default prior), the bank without "
-                        "its prior, or the true curves")
-    p.add_argument("--cores", type=plain_float, default=48.0, help="CPUs per node")
-    p.add_argument("--gpus", type=plain_int, default=8, help="GPUs per node")
-    p.add_argument("--loader-cpus", type=plain_float, default=None, help="default: cores minus 10%%")
+                   help="what adaptive sees: the agent's PredictorBank with its prior (agent), the bank "
+                        "without its prior (first-principles, the default), or the true curves (perfect)")
+    p.add_argument("--cores", type=plain_float, default=48.0, metavar="N", help="CPUs per node (default 48)")
+    p.add_argument("--gpus", type=plain_int, default=8, metavar="N", help="GPUs per node (default 8)")
+    p.add_argument("--loader-cpus", type=plain_float, default=None, metavar="CORES",
+                   help="loader CPU budget per node (default: cores minus 10%%)")
     p.add_argument("--loader-memory", default=None, metavar="BYTES",
                    help="loader memory budget per node (bytes or a size such as 16GiB; default: none)")
     p.add_argument("--worker-memory", default=None, metavar="BYTES",
                    help="memory one worker holds, for every kind (default: the catalogue's worker_ram_mb; 0 for corpus curves)")
-    p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares")
-    p.add_argument("--tick-s", type=plain_float, default=2.0)
-    p.add_argument("--settle-ticks", type=plain_int, default=2,
+    p.add_argument("--cpu-knob", choices=("shares", "quota"), default="shares",
+                   help="the agent's cpu_knob (default shares)")
+    p.add_argument("--tick-s", type=plain_float, default=2.0, metavar="S", help="the controller's tick (default 2)")
+    p.add_argument("--settle-ticks", type=plain_int, default=2, metavar="N",
                    help="after each event or move, ticks the plan must hold (plus one observation interval) "
-                        "before a learning node stops ticking")
+                        "before a learning node stops ticking (default 2)")
     p.add_argument("--steps-known", nargs="?", const=1.0, default=0.0, type=_part, metavar="PART",
                    help="the jobs tell the agent the steps they have left (the loader's total_steps), as a job "
                         "that knows its length does: adaptive's finish guard uses it; the agent decides every "
                         "tick. PART (0-1, default 1: every job): the part of the jobs that tell, a fixed draw "
                         "by job id")
-    p.add_argument("--processes", type=plain_int, default=None, help="worker processes (default: CPUs)")
-    p.add_argument("--list-kinds", action="store_true")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--processes", type=plain_int, default=None, metavar="N", help="worker processes (default: CPUs)")
+    p.add_argument("--list-kinds", action="store_true", help="list the job kinds (of --curves) and exit")
+    p.add_argument("--out", default=None, metavar="PATH", help="write the JSON result here")
     p.set_defaults(func=run)
 
 

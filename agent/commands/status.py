@@ -29,6 +29,8 @@ def run(args) -> int:
     try:
         doc = status.query(endpoint, timeout_s=args.timeout_s)
     except RuntimeError as e:
+        if config.endpoint_from_environment(args.endpoint):
+            note = config.ENDPOINT_FROM_ENV_NOTE
         print(f"adloader status: {e}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 1
     if args.json:
