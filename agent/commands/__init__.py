@@ -22,14 +22,21 @@ def plain_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
+def plain_number(text: str) -> float:
+    """argparse ``type``: a number written in ASCII, without '_', 'inf' and 'nan' included: for a
+    command that refuses those itself, in its own words (``adloader job``: one line, and exit 0 under
+    Slurm, where a usage error would fail the prolog)."""
+    try:
+        return float(_plain(text, "a number"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def plain_float(text: str) -> float:
     """argparse ``type``: a finite number written in ASCII, without '_'. float() also reads 'nan',
     'inf' and '1e999', which no flag here means: a duration, a share of cores or a period ('--warmup-s
     inf' never ends, 'nan' passes every range check written as ``if x < 0: error``)."""
-    try:
-        v = float(_plain(text, "a number"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    v = plain_number(text)
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"a finite number expected, got {text!r}")
     return v

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from agent.commands import plain_float, plain_int
+from agent.commands import plain_int, plain_number
 
 NAME = "job"
 DEFAULT_TIMEOUT_S = 2.0
@@ -237,7 +237,7 @@ def register(sub) -> None:
         v.add_argument("--config", metavar="PATH",
                        help="the agent's config file, read for its endpoint key only (default "
                             "/etc/adloader/agent.toml when it exists; the Slurm scripts pass it)")
-        v.add_argument("--timeout-s", type=plain_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+        v.add_argument("--timeout-s", type=plain_number, default=DEFAULT_TIMEOUT_S, metavar="S",   # inf, nan: refused in run()
                        help=f"give up after S seconds (default {DEFAULT_TIMEOUT_S:g})")
         v.set_defaults(func=run, verb=verb)
 
