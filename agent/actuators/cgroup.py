@@ -180,12 +180,12 @@ def shares_from_weight(weight: int) -> int:
     return lo
 
 
-def _start_ticks(pid: int) -> Optional[int]:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid, an
-    identity that survives pid reuse. None if it is gone."""
+def _start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
+    """The process's start time (clock ticks since boot, <proc_root>/<pid>/stat field 22): with the pid,
+    an identity that survives pid reuse. None if it is gone."""
     from agent.psi import pid_stat
 
-    rest = pid_stat(pid)
+    rest = pid_stat(pid, proc_root)
     try:
         return int(rest[19]) if rest is not None else None
     except (IndexError, ValueError):
@@ -212,14 +212,19 @@ class AffinityActuator:
     long job whose loader restarts its workers) is left alone. A pid that left the job's worker list
     is put back (or forgotten, if gone) at the job's next apply, so the journal holds the workers of
     now, not every worker the job ever had.
+
+    ``proc_root``: where a process's start time is read (the agent's configured /proc, as for every
+    other read of a process; the affinity itself is a system call on the pid).
     """
 
     name = "affinity"
     tracks_pids = True
 
-    def __init__(self, originals: Optional[Originals] = None, all_cpus: Optional[tuple[int, ...]] = None) -> None:
+    def __init__(self, originals: Optional[Originals] = None, all_cpus: Optional[tuple[int, ...]] = None,
+                 proc_root: str = "/proc") -> None:
         self.originals = originals if originals is not None else Originals()
         self._all_cpus = all_cpus
+        self.proc_root = proc_root
 
     def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
         allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
@@ -245,7 +250,7 @@ class AffinityActuator:
                 try:
                     if key not in self.originals.affinity:
                         entry = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
-                        start = _start_ticks(pid)
+                        start = _start_ticks(pid, self.proc_root)
                         if start is not None:
                             entry["start"] = start
                         self.originals.affinity[key] = entry
@@ -267,7 +272,7 @@ class AffinityActuator:
             entry = self.originals.affinity.pop(key, None)
             if entry is None:
                 continue
-            if "start" in entry and _start_ticks(int(key)) != entry["start"]:
+            if "start" in entry and _start_ticks(int(key), self.proc_root) != entry["start"]:
                 continue      # gone, or the pid is another process's now: nothing of ours to put back
             try:
                 cgroupfs.set_affinity(int(key), entry["cpus"])
@@ -320,7 +325,7 @@ class CgroupActuator:
         self._leaf: Optional[str] = None             # v2: the leaf this actuator created and moved into
         self.originals = originals if originals is not None else Originals()
         self.proc_root = proc_root
-        self.affinity = affinity or AffinityActuator(self.originals)
+        self.affinity = affinity or AffinityActuator(self.originals, proc_root=proc_root)
         self._shares: dict[str, int] = {}            # job -> shares written to its group
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
