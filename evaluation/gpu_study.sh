@@ -15,7 +15,9 @@
 #
 # cgroup v2: the script moves itself into a fresh group at the top (adl-study-PID), so the agent's group
 # (which it must turn into a parent: it moves its processes to a leaf, DESIGN "cgroups") has no other
-# processes and only the root above it. Removed at the end.
+# processes and only the root above it. Removed at the end. The unified layout is the one with
+# cgroup.controllers at /sys/fs/cgroup (a hybrid or legacy host has a tmpfs there): a v1 hierarchy's
+# name is not looked for, since a joined cpu,cpuacct mount has no "cpu" one.
 set -euo pipefail
 out=${1:?usage: evaluation/gpu_study.sh OUT [adloader bench options...]}
 shift
@@ -23,7 +25,7 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 v2=/sys/fs/cgroup
-if [ "$(id -u)" = 0 ] && [ -f $v2/cgroup.controllers ] && [ ! -d $v2/cpu ]; then
+if [ "$(id -u)" = 0 ] && [ -f $v2/cgroup.controllers ]; then
     g=$v2/adl-study-$$      # this run's own: a group left by a run killed before its cleanup cannot block it
     mkdir -p "$g"
     echo $$ > "$g/cgroup.procs"

@@ -169,8 +169,9 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="adlslurm-"))
         os.chmod(self.dir, 0o755)
         self.task_plugin = task_plugin
-        self.cgroup_conf = cgroup_conf
-        self.cgroup_mounts = cgroup_mounts     # v1 controllers to mount under dir/cgroup (CgroupMountpoint)
+        self.cgroup_conf = cgroup_conf         # cgroup.conf: {dir} and {cgroup_mountpoint} are filled in
+        self.cgroup_mounts = cgroup_mounts     # v1 controllers to mount under cgroup_mountpoint
+        self.cgroup_mountpoint = self.dir / "cgroup"    # cgroup.conf's CgroupMountpoint
         self.node = "adlnode"
         self.host = socket.gethostname().split(".")[0]
         self.cpus = os.cpu_count() or 1
@@ -332,7 +333,8 @@ class Cluster:
             """
         self.conf.write_text(textwrap.dedent(conf))
         if self.cgroup_conf is not None:
-            (d / "etc" / "cgroup.conf").write_text(textwrap.dedent(self.cgroup_conf).format(dir=d))
+            (d / "etc" / "cgroup.conf").write_text(textwrap.dedent(self.cgroup_conf).format(
+                dir=d, cgroup_mountpoint=self.cgroup_mountpoint))
         for f in (self.conf, d / "etc" / "cgroup.conf"):
             if f.exists():
                 f.chmod(0o644)
@@ -354,10 +356,12 @@ class Cluster:
     def _mount_cgroups(self) -> None:
         """Only the v1 controllers asked for, mounted under our directory for slurmd (cgroup.conf's
         CgroupMountpoint, CgroupAutomount=no): Slurm cannot reach any other hierarchy (the sandbox's
-        memory hierarchy above all). The groups Slurm leaves there (``slurm_<node>/...``) are removed
-        by ``stop``."""
+        memory hierarchy above all). Each is mounted by its controller's name: Slurm's cgroup/v1 plugin
+        builds ``<CgroupMountpoint>/<controller>`` itself (xcgroup_ns_create, src/plugins/cgroup/v1/
+        xcgroup.c) and does not read mountinfo. The groups Slurm leaves there (``slurm_<node>/...``)
+        are removed by ``stop``."""
         for ctl in self.cgroup_mounts:
-            target = self.dir / "cgroup" / ctl
+            target = self.cgroup_mountpoint / ctl
             target.mkdir(parents=True, exist_ok=True)
             r = subprocess.run(["mount", "-t", "cgroup", "-o", ctl, f"adlslurm-{ctl}", str(target)],
                                capture_output=True, text=True)

@@ -113,3 +113,49 @@ def test_a_worker_that_left_the_job_is_put_back_at_the_next_apply(tmp_path):
         for p in (a, b, c):
             p.kill()
             p.wait(timeout=10)
+
+
+def _fake_stat(proc_root, pid: int, start_ticks: int) -> None:
+    """``<proc_root>/<pid>/stat`` of a sleeping process that started ``start_ticks`` after boot (field 22)."""
+    rest = ["S", "1"] + ["0"] * 17 + [str(start_ticks)] + ["0"] * 10
+    d = proc_root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(f"{pid} (python (x)) {' '.join(rest)}\n")
+
+
+@pytest.mark.parametrize("built_by", ["build", "cgroup-v2"])
+def test_affinity_reads_start_times_from_the_configured_proc_root(tmp_path, v2, built_by):
+    """The start time kept with each original affinity (what tells a reused pid) was read from the real
+    /proc whatever proc_root the agent was built with, as Hierarchy.move's check was (1ae4660). Against
+    a fake /proc that gives the worker another start time than the real one: the fake's is journaled,
+    and a restarted agent to which the fake says the pid is another process's now leaves it alone."""
+    from agent.actuators import build
+    from tests.fakes import FakeSink
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs to see affinity change, this process may use {cpus}")
+    child = _sleeper()
+    try:
+        if built_by == "build":     # the composition root's cooperative mode
+            proc = tmp_path / "fakeproc"
+            state = tmp_path / "state"
+            act = build("cooperative", sink=FakeSink(), proc_root=str(proc), state_dir=str(state))[-1]
+            journal = str(state / "cgroup-originals.json")
+        else:                       # the affinity a v2 CgroupActuator gives its cooperative jobs
+            _kernel, make = v2
+            journal = str(tmp_path / "orig.json")
+            act = make(io=False, journal=journal).affinity
+            proc = tmp_path / "proc"            # the fixture's proc_root
+        _fake_stat(proc, child.pid, 4242)
+        pin = JobAllocation(job="j", workers=1, cpus=1.0, cpuset=(cpus[0],))
+        assert act.apply(cgroup_job("j", [child.pid], allowed_cpus=tuple(cpus)), pin).ok
+        assert os.sched_getaffinity(child.pid) == {cpus[0]}
+        assert json.loads(open(journal).read())["affinity"][str(child.pid)]["start"] == 4242
+        _fake_stat(proc, child.pid, 4243)         # the fake says: another process holds the pid now
+        AffinityActuator(Originals(journal), proc_root=str(proc)).restore()
+        assert os.sched_getaffinity(child.pid) == {cpus[0]}      # not ours: left alone
+        assert not os.path.exists(journal)
+    finally:
+        child.kill()
+        child.wait(timeout=10)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from agent import cgroupfs
 from tests.agentd_support import AgentProc, Trainer, short_dir
+from tests.cgroup_support import CPU, ROOT
 from tests.conftest import wait_for
-
-CPU = "/sys/fs/cgroup/cpu"
 
 pytestmark = pytest.mark.system
 
@@ -21,9 +21,7 @@ pytestmark = pytest.mark.system
 def _v1_writable() -> str:
     if os.getuid() != 0:
         return "needs root"
-    if not os.path.isdir(CPU) or not os.access(CPU, os.W_OK):
-        return f"needs a writable cgroup v1 cpu hierarchy at {CPU}"
-    return ""
+    return cgroupfs.v1_controller_available(ROOT, "cpu") or ""
 
 
 @pytest.mark.skipif(bool(_v1_writable()), reason=_v1_writable() or "ok")

@@ -133,7 +133,8 @@ def _quota_skip_reason():
     if os.geteuid() != 0:
         return "needs root to create a cgroup with a CPU quota"
     from agent import cgroupfs
-    return cgroupfs.v1_controller_available("/sys/fs/cgroup", "cpu")
+    from tests.cgroup_support import ROOT
+    return cgroupfs.v1_controller_available(ROOT, "cpu")
 
 
 V1_MAX_SHARES = 262144      # the most cpu.shares cgroup v1 accepts (1024 is one default task group)
@@ -144,8 +145,10 @@ def _own_cpu_group(name, quota_us=None):
     """A real cgroup v1 cpu group with the most cpu.shares (and a CFS quota of ``quota_us`` per 100 ms
     when given); yields its cgroup.procs path and removes it afterwards (its tasks moved out)."""
     from agent import cgroupfs
+    from tests.cgroup_support import ROOT
 
-    cpu, rel = cgroupfs.V1Hierarchy("/sys/fs/cgroup", "cpu"), f"adloader-test-{os.getpid()}-{name}"
+    # at its mount point, as the agent finds it (a joined cpu,cpuacct mount has no "cpu" name)
+    cpu, rel = cgroupfs.v1_hierarchy(ROOT, "cpu"), f"adloader-test-{os.getpid()}-{name}"
     cpu.mkdir(rel)
     try:
         cpu.write(rel, "cpu.shares", V1_MAX_SHARES)

@@ -308,6 +308,38 @@ def test_v2_delegated_restart_from_journal_keeps_subtree(delegated, tmp_path):
     assert kernel.subtree_control("") == {"memory"} and kernel.subtree_control(OWN) == set()
 
 
+@pytest.mark.parametrize("leaf_by", ["agent", "systemd"])
+def test_v2_a_restarted_agent_removes_the_leaf_a_dead_one_made_and_only_that(delegated, tmp_path, leaf_by):
+    """The dead agent made <own>/agent and moved itself and its helper there; a restarted agent (in that
+    leaf: DelegateSubgroup, or started from a process in it) took <own> as its base but knew the leaf
+    only in memory, so on stop it left the leaf behind with every process of the unit in it, even with
+    a good journal. The journal now lists the leaf the agent made: restore moves the processes back to
+    <own> and removes it. A leaf systemd made (``DelegateSubgroup=agent``: the agent starts in it) is
+    never listed and stays."""
+    kernel, make = delegated
+    journal = str(tmp_path / "state" / "cgroup-originals.json")
+    if leaf_by == "systemd":
+        kernel.mkdir(f"{OWN}/agent")
+        for pid in (500, 501):
+            kernel.move(f"{OWN}/agent", pid)
+    first = make(self_cgroup=f"/{OWN}" if leaf_by == "agent" else f"/{OWN}/agent", journal=journal)
+    assert first.apply(cgroup_job("a", [101]), JobAllocation(job="a", workers=1, cpus=1.0)).ok
+    assert set(kernel.procs(f"{OWN}/agent")) == {500, 501}
+    listed = f"|{OWN}/agent" in json.loads(open(journal).read())["created"]
+    # the first agent dies (no restore); the next one runs in the leaf and reads the journal
+    again = make(self_cgroup=f"/{OWN}/agent", journal=journal)
+    assert again.apply(cgroup_job("b", [102]), JobAllocation(job="b", workers=1, cpus=1.0)).ok
+    again.restore()
+    assert not kernel.exists(f"{OWN}/adloader") and kernel.subtree_control(OWN) == set()
+    assert set(kernel.procs("user.slice/job.scope")) == {101, 102, 103}
+    if leaf_by == "agent":
+        assert not kernel.exists(f"{OWN}/agent") and set(kernel.procs(OWN)) == {500, 501}
+    else:
+        assert set(kernel.procs(f"{OWN}/agent")) == {500, 501} and kernel.procs(OWN) == []
+    assert listed == (leaf_by == "agent")                     # how the restarted agent knew
+    assert not os.path.exists(journal)                         # nothing left to put back
+
+
 def test_v2_own_cgroup_not_in_this_tree_fails_clearly(delegated):
     kernel, make = delegated
     act = make(self_cgroup="/machine.slice/other.scope")

@@ -18,7 +18,7 @@ from agent.actuators import build
 from agent.controller import Controller
 from agent.policies import PolicyConfig, get_policy
 from tests.conftest import wait_for
-from tests.cgroup_support import ROOT, skip_reason, wipe
+from tests.cgroup_support import CPU, ROOT, skip_reason, wipe
 from tests.fakes import FakeBank, FakeSink, FakeSource, job_stats
 
 SUBTREE = f"adloader-test-{os.getpid()}-ctl"
@@ -47,7 +47,7 @@ def sleeper(ps) -> int:
 
 
 def read(*parts) -> str:
-    with open(os.path.join(ROOT, "cpu", *parts)) as f:
+    with open(os.path.join(CPU, *parts)) as f:
         return f.read().strip()
 
 
@@ -71,11 +71,11 @@ def test_controller_drives_real_groups_through_arrival_departure_and_stop(procs,
     del src.jobs["b"]
     rec = c.tick(now=2.0)
     assert rec.departed == ("b",)
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE, "b"))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE, "b"))
     assert cgroupfs.proc_cgroups(b1)["cpu"] == "/"
     assert read(SUBTREE, "a", "cpu.shares") == str(round(1.8 * 1024))
     c.stop()
-    assert not os.path.exists(os.path.join(ROOT, "cpu", SUBTREE))
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
     assert cgroupfs.proc_cgroups(a1)["cpu"] == "/" and cgroupfs.proc_cgroups(a2)["cpu"] == "/"
 
 
@@ -102,7 +102,7 @@ def test_real_agent_moves_worker_pids_and_cleans_up(tmp_path):
         rc = agent.stop()
         trainer.kill()
     assert rc == 0, agent.log()[-2000:]
-    assert not os.path.exists(os.path.join(ROOT, "cpu", "adloader", job))
+    assert not os.path.exists(os.path.join(CPU, "adloader", job))
     for p in pids:
         try:
             assert cgroupfs.proc_cgroups(p)["cpu"] != group

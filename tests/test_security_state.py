@@ -17,6 +17,7 @@ import pytest
 from agent import journal, statefile
 from agent.actuators.originals import Originals
 from tests.agentd_support import AgentProc, Trainer
+from tests.cgroup_support import CPU
 from tests.conftest import wait_for
 
 
@@ -168,7 +169,6 @@ def test_an_unwritable_originals_file_is_not_an_apply_failure(tmp_path, monkeypa
 def needs_root(fn):
     return pytest.mark.system(pytest.mark.security(pytest.mark.skipif(
         os.getuid() != 0, reason="needs root (mount a tmpfs / read-only bind, cgroup v1)")(fn)))
-CPU = "/sys/fs/cgroup/cpu"
 
 
 def _mount(*args: str) -> None:
@@ -217,7 +217,7 @@ def test_a_full_state_dir_never_leaves_a_torn_journal(base, trainers):
 def test_a_read_only_state_dir_opens_no_breaker_and_sigterm_exits_cleanly(base, trainers):
     """Issue 16.9: a read-only state dir opened every job's breaker; SIGTERM then exited 1."""
     if not os.access(f"{CPU}/cgroup.procs", os.W_OK):
-        pytest.skip("no writable cgroup v1 cpu hierarchy")
+        pytest.skip(f"no writable cgroup v1 cpu hierarchy (looked at {CPU})")
     subtree = f"adlsec{os.getpid()}"
     state = f"{base}/state"
     os.makedirs(state)
@@ -258,7 +258,7 @@ def test_corrupt_originals_are_quarantined_the_mode_kept_and_found_groups_restor
     """Issue 16.9: a corrupt cgroup-originals.json gave a traceback (v1) or a silent fall back to
     off (auto), so a dead agent's groups were never restored."""
     if not os.access(f"{CPU}/cgroup.procs", os.W_OK):
-        pytest.skip("no writable cgroup v1 cpu hierarchy")
+        pytest.skip(f"no writable cgroup v1 cpu hierarchy (looked at {CPU})")
     subtree = f"adlsec{os.getpid()}"
     env = {"ADLOADER_CGROUP_SUBTREE": subtree}
     state = f"{base}/state"

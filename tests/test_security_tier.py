@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.agentd_support import AgentProc, Trainer
+from tests.cgroup_support import CPU
 from tests.conftest import repo_env, wait_for
 
 ATTACKER = 65534
@@ -314,9 +315,6 @@ def test_agent_trust_checks_owner_mode_and_the_listening_process(base):
         p.wait()
 
 
-CPU = "/sys/fs/cgroup/cpu"
-
-
 def _cgroup_procs(path: str) -> set[int]:
     try:
         return {int(x) for x in open(f"{path}/cgroup.procs").read().split()}
@@ -330,7 +328,7 @@ def test_look_alike_job_ids_get_their_own_groups_and_a_leaving_attacker_takes_no
     deleted while status still showed its share. Now 'adv/col' is refused and the look-alike that is
     allowed, 'adv.col', gets a group of its own ('~adv~col')."""
     if not os.access(f"{CPU}/cgroup.procs", os.W_OK):
-        pytest.skip("no writable cgroup v1 cpu hierarchy")
+        pytest.skip(f"no writable cgroup v1 cpu hierarchy (looked at {CPU})")
     subtree = f"adlsec{os.getpid()}"
     agent = AgentProc(base, "--policy", "even", "--tick-s", "0.2", "--cgroup-mode", "v1",
                       env={"ADLOADER_CGROUP_SUBTREE": subtree}).start()

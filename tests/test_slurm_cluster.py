@@ -27,13 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from agent import cgroupfs
 from tests.agentd_support import AgentProc
+from tests.cgroup_support import CPU, CPUSET, ROOT
 from tests.conftest import wait_for
 from evaluation.slurm_cluster import JOB_USER, Cluster, why_not
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(bool(why_not()), reason=why_not() or "ok")]
 
-CPU_V1 = "/sys/fs/cgroup/cpu"
 BOUND_S = 5.0            # prolog/epilog wall time, agent down or hung included
 UNSEEN_S = 8.0           # the agent's unseen_job_timeout_s here (default 60): longer than the gap between a
                          # job's last process and its epilog on a loaded 2-core machine, or the agent may
@@ -41,7 +42,9 @@ UNSEEN_S = 8.0           # the agent's unseen_job_timeout_s here (default 60): l
 
 
 def _v1_mode() -> str:
-    return "v1" if os.path.isdir(CPU_V1) and os.access(CPU_V1, os.W_OK) else "off"
+    """The agent's cgroup mode here: v1 where it finds a writable v1 cpu hierarchy (at its mount point,
+    ``tests.cgroup_support.CPU``, where the agent's groups are checked), else off."""
+    return "v1" if cgroupfs.v1_controller_available(ROOT, "cpu") is None else "off"
 
 
 class ConfiguredAgent(AgentProc):
@@ -120,7 +123,7 @@ def test_a_job_registers_attaches_and_is_released_with_no_cgroup_left(cluster, a
     assert st["env"]["ADLOADER_ENDPOINT"] == agent.endpoint != "ipc:///run/adloader/agent.sock"  # from agent.toml
     assert st["env"]["ADLOADER_JOB_ID"] == job.id and st["client"]["job"] == job.id
     assert st["pid"] in j["pids"]
-    group = Path(CPU_V1, "adloader", job.id)
+    group = Path(CPU, "adloader", job.id)
     if _v1_mode() == "v1":
         # the agent's view now, not the snapshot above: the workers may start after the rank attached
         wait_for(lambda: (now := agent.job(job.id)) and now["worker_pids"] and group.is_dir(), 30,
@@ -219,18 +222,19 @@ def test_a_release_missed_while_the_agent_hung_is_made_up_for(cluster, agent):
                     what="the agent forgetting the job by itself")
     assert "no process seen" in gone[0]["why"], gone
     assert agent.job(job.id) is None
-    assert not Path(CPU_V1, "adloader", job.id).exists()
+    assert not Path(CPU, "adloader", job.id).exists()
 
 
 # --- task/cgroup with ConstrainCores=yes: cooperative mode --------------------------------------------------
 @pytest.fixture(scope="module")
 def cgroup_cluster(request, cluster):
-    if not os.path.exists("/sys/fs/cgroup/cpuset/cpuset.cpus"):
-        pytest.skip("task/cgroup is tried here on a cgroup v1 cpuset hierarchy, and this machine has none")
+    if not os.path.exists(os.path.join(CPUSET, "cpuset.cpus")):
+        pytest.skip(f"task/cgroup is tried here on a cgroup v1 cpuset hierarchy, and this machine has none "
+                    f"(looked at {CPUSET})")
     cluster.stop()             # one cluster at a time: the tier stays within a few minutes and two CPUs
     return _start_cluster(request, task_plugin="task/affinity,task/cgroup", cgroup_mounts=("cpuset",), cgroup_conf="""\
         CgroupPlugin=cgroup/v1
-        CgroupMountpoint={dir}/cgroup
+        CgroupMountpoint={cgroup_mountpoint}
         CgroupAutomount=no
         ConstrainCores=yes
         ConstrainRAMSpace=no
@@ -266,7 +270,7 @@ def test_cooperative_mode_under_task_cgroup_keeps_workers_in_the_jobs_cpus(cgrou
                 assert os.sched_getaffinity(w) <= allowed
             except ProcessLookupError:
                 pass
-        assert not Path(CPU_V1, "adloader", job.id).exists()             # cooperative: no cgroup of ours
+        assert not Path(CPU, "adloader", job.id).exists()             # cooperative: no cgroup of ours
         job.stop()
         assert job.wait_done() == "COMPLETED", job.output()
         wait_for(lambda: any(e["why"] == "released" for e in _departed(a, job.id)), 15,

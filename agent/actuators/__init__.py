@@ -94,7 +94,7 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
             raise
         originals = Originals(orig_path)
         orphans = True
-    affinity = AffinityActuator(originals)
+    affinity = AffinityActuator(originals, proc_root=proc_root)
     if mode == "cooperative":
         return actuators + [affinity]
     if mode == "auto":

@@ -81,7 +81,10 @@ Where the groups live:
   group named ``agent`` (a previous run, or systemd ``DelegateSubgroup=agent``) takes its parent as
   ``<own>``. When the agent's cgroup is the root ("0::/"), the groups are ``/<subtree>/<job>`` as on v1.
   ``restore()`` moves the processes of the leaf back to ``<own>`` and removes the leaf once ``<own>`` has
-  no controllers enabled for its children any more.
+  no controllers enabled for its children any more. A leaf the agent made is in the journal of
+  originals (``created``, as ``|<own>/agent``), so a restarted agent (which then usually runs in that
+  leaf itself) removes it on stop as the one that made it would have; a leaf it did not make (systemd's
+  ``DelegateSubgroup=agent``, or one that was there before) is never listed, and stays.
 """
 from __future__ import annotations
 
@@ -180,12 +183,12 @@ def shares_from_weight(weight: int) -> int:
     return lo
 
 
-def _start_ticks(pid: int) -> Optional[int]:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid, an
-    identity that survives pid reuse. None if it is gone."""
+def _start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
+    """The process's start time (clock ticks since boot, <proc_root>/<pid>/stat field 22): with the pid,
+    an identity that survives pid reuse. None if it is gone."""
     from agent.psi import pid_stat
 
-    rest = pid_stat(pid)
+    rest = pid_stat(pid, proc_root)
     try:
         return int(rest[19]) if rest is not None else None
     except (IndexError, ValueError):
@@ -212,14 +215,19 @@ class AffinityActuator:
     long job whose loader restarts its workers) is left alone. A pid that left the job's worker list
     is put back (or forgotten, if gone) at the job's next apply, so the journal holds the workers of
     now, not every worker the job ever had.
+
+    ``proc_root``: where a process's start time is read (the agent's configured /proc, as for every
+    other read of a process; the affinity itself is a system call on the pid).
     """
 
     name = "affinity"
     tracks_pids = True
 
-    def __init__(self, originals: Optional[Originals] = None, all_cpus: Optional[tuple[int, ...]] = None) -> None:
+    def __init__(self, originals: Optional[Originals] = None, all_cpus: Optional[tuple[int, ...]] = None,
+                 proc_root: str = "/proc") -> None:
         self.originals = originals if originals is not None else Originals()
         self._all_cpus = all_cpus
+        self.proc_root = proc_root
 
     def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
         allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
@@ -245,7 +253,7 @@ class AffinityActuator:
                 try:
                     if key not in self.originals.affinity:
                         entry = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
-                        start = _start_ticks(pid)
+                        start = _start_ticks(pid, self.proc_root)
                         if start is not None:
                             entry["start"] = start
                         self.originals.affinity[key] = entry
@@ -267,7 +275,7 @@ class AffinityActuator:
             entry = self.originals.affinity.pop(key, None)
             if entry is None:
                 continue
-            if "start" in entry and _start_ticks(int(key)) != entry["start"]:
+            if "start" in entry and _start_ticks(int(key), self.proc_root) != entry["start"]:
                 continue      # gone, or the pid is another process's now: nothing of ours to put back
             try:
                 cgroupfs.set_affinity(int(key), entry["cpus"])
@@ -317,10 +325,13 @@ class CgroupActuator:
             if own:
                 self.subtree = f"{own}/{self.subtree}"
         self._base_ready = not self.base
-        self._leaf: Optional[str] = None             # v2: the leaf this actuator created and moved into
         self.originals = originals if originals is not None else Originals()
+        # v2: the leaf this actuator (or the dead agent whose journal it read) created and moved into
+        self._leaf: Optional[str] = None
+        if self.base and Originals.key("", self._leaf_path()) in self.originals.created:
+            self._leaf = self._leaf_path()
         self.proc_root = proc_root
-        self.affinity = affinity or AffinityActuator(self.originals)
+        self.affinity = affinity or AffinityActuator(self.originals, proc_root=proc_root)
         self._shares: dict[str, int] = {}            # job -> shares written to its group
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
@@ -464,14 +475,19 @@ class CgroupActuator:
         self._own_to_leaf()
         self._base_ready = True
 
+    def _leaf_path(self) -> str:
+        return f"{self.base}/{V2_AGENT_LEAF}"
+
     def _own_to_leaf(self) -> None:
-        """Every process now in <own> to <own>/agent (created if need be)."""
+        """Every process now in <own> to <own>/agent (created if need be, and then journaled as ours)."""
         h = self.h[""]
         own = h.procs(self.base)
         if own:
-            leaf = f"{self.base}/{V2_AGENT_LEAF}"
+            leaf = self._leaf_path()
             if h.mkdir(leaf):
                 self._leaf = leaf
+                self.originals.created.append(Originals.key("", leaf))
+                self.originals.save()
             for pid in own:
                 try:
                     h.move(leaf, pid)
@@ -499,18 +515,24 @@ class CgroupActuator:
                 self._own_to_leaf()
 
     def _undo_v2_leaf(self) -> None:
-        """Back to how we found it: the leaf's processes to <own>, the leaf removed (only if we made it)."""
+        """Back to how we found it: the leaf's processes to <own>, the leaf removed (only if we made it:
+        this agent, or the dead one whose journal lists it), and forgotten by the journal."""
         if self._leaf is None:
             return
         h = self.h[""]
-        if h.exists(self._leaf) and not h.subtree_control(self.base):
+        if h.exists(self._leaf) and h.subtree_control(self.base):
+            return          # <own> still enables controllers for its children: no process may go back there
+        if h.exists(self._leaf):
             for pid in h.procs(self._leaf):
                 try:
                     h.move(self.base, pid)
                 except JobGone:
                     pass
             h.rmdir(self._leaf)
-            self._leaf = None
+        key = Originals.key("", self._leaf)
+        if key in self.originals.created:
+            self.originals.created.remove(key)
+        self._leaf = None
 
     def _ensure(self, hier: str, rel: str) -> None:
         """Create ``rel`` (and its parents) in the hierarchy, preparing what a task needs to join."""
@@ -842,8 +864,11 @@ class CgroupActuator:
         errors = []
         # Only the groups this agent (or the dead one whose journal it read) created: another agent
         # on the machine (tests, benchmarks) may share the subtree name and own the other children.
+        leaf = Originals.key("", self._leaf) if self._leaf else None
         for key in reversed(list(self.originals.created)):
             hier, rel = key.split("|", 1)
+            if key == leaf:
+                continue        # after <own>'s controllers are put back (_undo_v2_leaf, below)
             if hier in self.h:
                 try:
                     self._drop_group(hier, rel)
