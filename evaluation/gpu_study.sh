@@ -19,7 +19,13 @@
 # cgroup.controllers at /sys/fs/cgroup (a hybrid or legacy host has a tmpfs there): a v1 hierarchy's
 # name is not looked for, since a joined cpu,cpuacct mount has no "cpu" one.
 set -euo pipefail
-out=${1:?usage: evaluation/gpu_study.sh OUT [adloader bench options...]}
+usage="usage: evaluation/gpu_study.sh OUT [adloader bench options...]"
+case "${1:-}" in
+  -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  "") echo "$usage" >&2; exit 2 ;;
+  -*) echo "$usage (OUT first, got option $1)" >&2; exit 2 ;;
+esac
+out=$1
 shift
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)

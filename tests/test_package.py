@@ -112,6 +112,25 @@ def test_an_unknown_option_is_named_by_its_own_command(argv, usage, capsys):
     assert "COMMAND ..." not in err
 
 
+def test_bench_quick_and_full_together_is_a_usage_error(capsys):
+    """``adloader bench --quick --full`` ran the full bench (hours on a small node) without a word."""
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick", "--full"])
+    assert e.value.code == 2 and "--full: not allowed with argument --quick" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, rc, says", [(["--help"], 0, "The GPU study"), ([], 2, "usage: evaluation/gpu_study.sh OUT"),
+                                            (["--device", "emulated"], 2, "OUT first, got option --device")])
+def test_the_gpu_study_script_answers_help_and_refuses_an_option_for_its_output_directory(tmp_path, argv, rc, says):
+    """``evaluation/gpu_study.sh --help`` took '--help' as its output directory and started the study."""
+    p = subprocess.run(["bash", str(REPO / "evaluation" / "gpu_study.sh"), *argv], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == rc and says in (p.stdout + p.stderr), (p.returncode, p.stdout, p.stderr)
+    assert not any(tmp_path.iterdir())             # nothing made, nothing started
+
+
 def test_framework_integrations_are_imported_only_when_used():
     mods = _imported_after("import adloader")
     assert not {"lightning", "accelerate", "transformers", "adloader.integrations"} & mods

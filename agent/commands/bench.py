@@ -18,8 +18,9 @@ def register(sub) -> None:
     from evaluation.harness import POLICIES_ALL, SCENARIOS_ALL
 
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
-    p.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
+    length.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
     p.add_argument("--scenarios", default=None, metavar="LIST",
                    help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
     p.add_argument("--policies", default=",".join(POLICIES_ALL), metavar="LIST",
