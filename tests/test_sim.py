@@ -12,7 +12,7 @@ import pytest
 
 from evaluation import simulate as S
 from predictor.curve import ThroughputCurve
-from tests.conftest import adloader_cmd, repo_env
+from tests.conftest import REPO, adloader_cmd, repo_env
 
 
 def _cv(name, cores_needed, g=0.1, bs=32):
@@ -229,6 +229,22 @@ def test_simulate_list_kinds_names_every_kind_with_its_demand(capsys):
     assert set(lines) == set(S.builtin_curves())
     assert "6.00 loader cores per GPU at the ceiling, 2 GPU(s)" in lines["resnet18x2"]
     assert "1.00 loader cores per GPU at the ceiling, 1 GPU(s)" in lines["bert"]
+
+
+@pytest.mark.unit
+def test_simulate_s_catalog_picks_the_builtin_kinds_and_is_refused_with_the_corpus(tmp_path, capsys):
+    """``--catalog`` with the default ``--curves auto`` was ignored in silence where the corpus exists
+    (the corpus's kinds ran); now it means builtin, and with ``--curves corpus`` it is an error."""
+    from agent.cli import build_parser
+
+    cat = tmp_path / "one.toml"
+    src = (REPO / "evaluation" / "catalog.toml").read_text()
+    cat.write_text(src)
+    args = build_parser().parse_args(["simulate", "--catalog", str(cat), "--list-kinds"])
+    assert args.func(args) == 0
+    assert {ln.split(":")[0] for ln in capsys.readouterr().out.splitlines()} == set(S.builtin_curves(str(cat)))
+    args = build_parser().parse_args(["simulate", "--curves", "corpus", "--catalog", str(cat), "--list-kinds"])
+    assert args.func(args) == 2 and "--catalog is for --curves builtin" in capsys.readouterr().err
 
 
 @pytest.mark.unit

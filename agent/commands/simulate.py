@@ -51,7 +51,8 @@ def register(sub) -> None:
     p.add_argument("--curves", choices=("auto", "corpus", "builtin"), default="auto",
                    help="job models: the predictor's measured corpus, or first-principles catalogue kinds "
                         "(default auto: corpus when present)")
-    p.add_argument("--catalog", default=None, metavar="PATH", help="catalogue TOML for --curves builtin")
+    p.add_argument("--catalog", default=None, metavar="PATH",
+                   help="catalogue TOML for --curves builtin (with --curves auto it means builtin)")
     p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle", metavar="LIST",
                    help="policies to compare, comma-separated (default: "
                         "even-static,even,none,autotune,static-cores,adaptive,oracle)")
@@ -89,8 +90,12 @@ def run(args) -> int:
 
     try:
         source = args.curves
-        if source == "auto":
-            source = "corpus" if S.CORPUS_PATH.exists() else "builtin"
+        if args.catalog is not None and source == "corpus":
+            print("adloader simulate: --catalog is for --curves builtin (the catalogue's kinds), not corpus",
+                  file=sys.stderr)
+            return 2
+        if source == "auto":     # a catalogue given says which: its kinds (it was ignored for the corpus)
+            source = "builtin" if args.catalog is not None or not S.CORPUS_PATH.exists() else "corpus"
         curves = S.corpus_curves() if source == "corpus" else S.builtin_curves(args.catalog)
         if args.list_kinds:
             for k, cv in curves.items():
