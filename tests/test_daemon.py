@@ -65,9 +65,9 @@ def test_each_switch_of_the_loaders_yield_is_logged_with_its_reason(tmp_path, ca
         agent.ctx.term()
 
 
-def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker_opens(tmp_path, caplog):
-    """Found on a real cgroup v2 node: every apply of a job failed and its breaker opened, with nothing in
-    the log (only ``adloader status`` showed it). Now each new error of a job's apply is a warning."""
+def _apply_failures_logged(tmp_path, caplog, errors, ticks: int) -> list:
+    """The ``apply_failed`` log lines of an agent whose one actuator fails every apply of its one job with
+    ``next(errors)`` for ``ticks`` ticks (each line a warning)."""
     import logging
     import os
 
@@ -79,7 +79,7 @@ def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker
         name = "broken"
 
         def apply(self, job, desired):
-            return ApplyResult(job=job.job, ok=False, applied=None, error="Busy: write '+cpu'")
+            return ApplyResult(job=job.job, ok=False, applied=None, error=next(errors))
 
         def release(self, job_id):
             pass
@@ -101,63 +101,35 @@ def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker
         agent.registry.hello(Peer(os.getuid(), 0, os.getpid()), b"c0", {"job": "j", "rank": 0, "pid": os.getpid(),
                                                                           "gpus": ["0"], "batch_size": 8, "workers": 2}, 0.0)
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
-            for t in range(6):
+            for t in range(ticks):
                 agent.tick(float(t + 1))
-        got = [r.fields["error"] for r in caplog.records if getattr(r, "event", "") == "apply_failed"]
-        assert got == ["broken: Busy: write '+cpu'",
-                       "breaker open: 3 failures in a row; last: broken: Busy: write '+cpu'"], got
-        assert all(r.levelno == logging.WARNING for r in caplog.records if getattr(r, "event", "") == "apply_failed")
+        records = [r for r in caplog.records if getattr(r, "event", "") == "apply_failed"]
+        assert all(r.levelno == logging.WARNING for r in records)
+        return [r.fields["error"] for r in records]
     finally:
         agent.server.close()
         agent.ctx.term()
+
+
+def test_a_failing_apply_is_logged_once_per_new_error_and_again_when_its_breaker_opens(tmp_path, caplog):
+    """Found on a real cgroup v2 node: every apply of a job failed and its breaker opened, with nothing in
+    the log (only ``adloader status`` showed it). Now each new error of a job's apply is a warning."""
+    import itertools
+
+    got = _apply_failures_logged(tmp_path, caplog, itertools.repeat("Busy: write '+cpu'"), ticks=6)
+    assert got == ["broken: Busy: write '+cpu'",
+                   "breaker open: 3 failures in a row; last: broken: Busy: write '+cpu'"], got
 
 
 def test_a_failure_whose_text_only_counts_on_is_logged_once(tmp_path, caplog):
     """A hung call's text says how long it has run ("running for 3.0 s", then 4.0 s, ...): the same
     failure going on, logged once, not once a tick for the whole hang."""
-    import logging
-    import os
+    import itertools
 
-    from agent.daemon import Agent
-    from agent.model import ApplyResult, JobAllocation
-    from agent.security import Peer
-
-    class Counting:
-        name = "counting"
-        calls = 0
-
-        def apply(self, job, desired):
-            Counting.calls += 1
-            return ApplyResult(job=job.job, ok=False, applied=None,
-                               error=f"actuator busy: cgroup apply for job 'x' running for {Counting.calls}.0 s")
-
-        def release(self, job_id):
-            pass
-
-        def restore(self):
-            pass
-
-    def policy(snapshot, curves, config):
-        return AllocationPlan(policy="t", allocations={j: JobAllocation(job=j, workers=1, cpus=1.0)
-                                                       for j in snapshot.jobs})
-
-    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
-                                "cgroup_mode": "off", "policy": "even"}, environ={})
-    agent = Agent(cfg, policy=policy)
-    try:
-        agent.server.bind()
-        agent.actuators = [Counting()]
-        agent.controller = agent._build_controller()
-        agent.registry.hello(Peer(os.getuid(), 0, os.getpid()), b"c0", {"job": "j", "rank": 0, "pid": os.getpid(),
-                                                                          "gpus": ["0"], "batch_size": 8, "workers": 2}, 0.0)
-        with caplog.at_level(logging.INFO, logger="agent.daemon"):
-            for t in range(2):
-                agent.tick(float(t + 1))
-        got = [r.fields["error"] for r in caplog.records if getattr(r, "event", "") == "apply_failed"]
-        assert Counting.calls == 2 and got == ["counting: actuator busy: cgroup apply for job 'x' running for 1.0 s"], got
-    finally:
-        agent.server.close()
-        agent.ctx.term()
+    calls = itertools.count(1)
+    errors = (f"actuator busy: cgroup apply for job 'x' running for {next(calls)}.0 s" for _ in itertools.count())
+    got = _apply_failures_logged(tmp_path, caplog, errors, ticks=2)
+    assert next(calls) == 3 and got == ["broken: actuator busy: cgroup apply for job 'x' running for 1.0 s"], got
 
 
 def test_the_agents_config_defaults_are_the_policys_defaults():
