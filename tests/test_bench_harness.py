@@ -645,7 +645,7 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
     for argv, words in ((["--reps", "0"], "--reps must be at least 1"),
                         (["--warmup-s", "-1"], "--warmup-s must be 0 or more"),
                         (["--measure-s", "0"], "--measure-s must be positive"),
-                        (["--tick-s", "nan"], "--tick-s must be positive"),
+                        (["--tick-s", "0"], "--tick-s must be positive"),
                         (["--sweep-segment-s", "-2"], "--sweep-segment-s must be positive"),
                         (["--loader-cpus", "0"], "--loader-cpus must be in (0, "),
                         (["--loader-cpus", "100000"], "this node's CPUs"),
@@ -660,6 +660,10 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
         args = build_parser().parse_args(["demo", "--out", str(out), *argv])
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv
+    for argv in (["bench", "--tick-s", "nan"], ["demo", "--warmup-s", "inf"]):   # refused as they are read
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([argv[0], "--out", str(out), *argv[1:]])
+        assert e.value.code == 2 and f"argument {argv[1]}: a finite number expected" in capsys.readouterr().err
     assert not out.exists()
 
 
