@@ -70,6 +70,17 @@ Deviations from torch (by design, documented):
 - ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).
   ``prefetch_factor=0`` behaves as 2. The IterableDataset "more samples than len()" warning is not
   emitted.
+- ``pin_memory=True`` (with an accelerator) pins as torch does, with torch's ``pin_memory()``: with
+  workers on a background thread (``adloader._pin``), so that the copy overlaps the training step;
+  without workers, and for a batch run in this process after ``resize(0)``, inline at ``next()``. A
+  batch is handed to the thread when a ``next()`` takes it in from the workers (each ``next()`` takes
+  in those that arrived during the step before it; torch's thread reads the workers' results itself,
+  as they arrive), so at most the prefetch window is pinned ahead. A worker's error is not pinned; an
+  error while pinning is raised at that batch's ``next()`` in torch's words ("Caught ValueError in pin
+  memory thread for device 0.") and the epoch goes on. The thread lives for one epoch (torch's
+  persistent iterator keeps one for its life): started at the epoch's first batch, joined when the
+  epoch ends, its iterator is dropped or the loader closed; a ``next()`` waiting on a pin when
+  ``close()`` is called from another thread raises ``StopIteration``.
 - Batches travel from workers as one message per batch with the tensors' shared-memory file
   descriptors attached (SCM_RIGHTS), not through torch's ``resource_sharer`` round trips (see
   ``adloader._transport``); the tensors the caller gets are the same shared-memory tensors.
@@ -96,6 +107,8 @@ import torch
 import torch.utils.data as tud
 
 from adloader._messages import Batch, ShardEnd, ShardTask, Task, WorkerDied
+from adloader._pin import PinJob, PinThread
+from adloader._pin import pin_batch as _pin
 from adloader._pool import WorkerPool, worker_exit_reason
 from adloader._sequencer import Sequencer
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec, fetch_map,
@@ -149,18 +162,6 @@ def _available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _pin(data, device=None):
-    """Pin a batch as torch's DataLoader does, with torch's own ``pin_memory``
-    (torch/utils/data/_utils/pin_memory.py, what its pin thread and single-process iterator call): an
-    object with its own ``pin_memory()`` pins itself (a TensorDict, a mapping, is not rebuilt), a
-    mutable mapping or sequence is copied and updated so that its type and extra state survive (a
-    defaultdict's factory, transformers' ``BatchEncoding``), a tuple keeps its type. A walk of our own
-    had rebuilt each container from its items and lost all three."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    return pin_memory(data, device)
 
 
 @dataclass(frozen=True)
@@ -853,6 +854,9 @@ class _ElasticIter:
         self._base_drawn = True         # this epoch drew its base seed (False: a persistent iterator's)
         self._persistent_base: int | None = None    # base seed of torch's persistent worker iterator,
                                                     # once an epoch with workers created it
+        self._pinner: PinThread | None = None       # this epoch's pin thread (``_pin_ahead``)
+        self._pinner_finalizer = None
+        self._pin_device_id: int | None = None
 
     def __iter__(self):
         return self
@@ -863,6 +867,11 @@ class _ElasticIter:
     # ---- epoch start -------------------------------------------------------------------------
     def _start_epoch(self, resume: dict | None) -> None:
         cfg, core = self._cfg, self._core
+        self._stop_pinning()        # a persistent iterator's abandoned epoch (not ended by _finish)
+        # torch's pin thread uses the device that was current where the iterator was created
+        # (``current_device_id`` in _MultiProcessingDataLoaderIter.__init__): this thread, now
+        self._pin_device_id = (torch.accelerator.current_device_index()
+                               if cfg.pin and cfg.pin_device is not None else None)
         with self._lock:
             self._iter_id = next(_ITER_IDS)
             with core.lock:
@@ -1048,8 +1057,33 @@ class _ElasticIter:
         return payload
 
     def _deliver_batch(self, batch: Batch):
+        """Hand over a batch from a worker; called without ``self._lock`` held: it may wait for the pin
+        thread (a ``resize()`` from another thread does not wait with it)."""
         r = batch.result
+        if type(batch.payload) is PinJob:          # pinned ahead (``_pin_ahead``)
+            self._counters.samples += r.n_samples
+            return batch.payload.take()
         return self._deliver(r.ok, batch.payload, r.n_samples)
+
+    def _pin_ahead(self, seq: int, payload) -> PinJob:
+        """Start pinning batch ``seq`` on this epoch's pin thread (started here, at its first batch) as
+        soon as it is received, so that the copy overlaps the training step, as torch's pin thread does.
+        Only batches received and not delivered are pinned, so at most the prefetch window is pinned
+        ahead (``_fill`` counts them); the thread stops with the epoch (``_finish``, ``_stop_pinning``)
+        or when this iterator is collected."""
+        if self._pinner is None:
+            pinner = PinThread(self._cfg.pin_device, self._pin_device_id, self._cfg.in_order)
+            self._pinner = pinner
+            self._pinner_finalizer = weakref.finalize(self, pinner.stop)
+        return self._pinner.submit(seq, payload)
+
+    def _stop_pinning(self) -> None:
+        """Stop this epoch's pin thread, if it started, and join it (the pin thread never takes
+        ``self._lock``, so this may be called with it held)."""
+        with self._lock:
+            fin, self._pinner_finalizer, self._pinner = self._pinner_finalizer, None, None
+        if fin is not None:
+            fin()
 
     def _check(self) -> None:
         if self._done:
@@ -1108,6 +1142,8 @@ class _ElasticIter:
                 r = ev.result
                 c.add_batch_timing(r.cpu_s, r.wall_s, r.runq_ns)
                 if r.iter_id == iter_id:
+                    if self._cfg.pin and r.ok and r.seq in seq.pending:     # a worker's error is not pinned
+                        ev = Batch(r, self._pin_ahead(r.seq, ev.payload))
                     seq.receive(r.seq, ev)     # refused: a duplicate
             elif kind is ShardEnd:
                 if ev.iter_id == iter_id:
@@ -1149,6 +1185,7 @@ class _ElasticIter:
         with self._lock:
             self._done = True
             self._seq.clear()
+            self._stop_pinning()        # with _done, under the lock: no batch is submitted after it
             fin = pool = None
             if not self._cfg.persistent:
                 fin, pool, self._pool_finalizer, self._pool = self._pool_finalizer, self._pool, None, None
@@ -1299,18 +1336,21 @@ class _MapIter(_ElasticIter):
             with self._lock:
                 self._check()
                 batch = seq.take_ready()
+                task = None
                 if batch is not None:
                     self._fill()
-                    return self._deliver_batch(batch)
-                task = self._take_local()
-                if task is None and not seq.in_flight:
-                    self._fill()
-                    if not seq.in_flight:
-                        if self._exhausted:
-                            self._finish()
-                            raise StopIteration
-                        task = self._take_local()
+                else:
+                    task = self._take_local()
+                    if task is None and not seq.in_flight:
+                        self._fill()
+                        if not seq.in_flight:
+                            if self._exhausted:
+                                self._finish()
+                                raise StopIteration
+                            task = self._take_local()
                 pool = self._pool
+            if batch is not None:
+                return self._deliver_batch(batch)
             if task is not None:
                 return self._run_local(task)
             self._wait(pool, deadline := deadline or self._deadline())
@@ -1468,12 +1508,12 @@ class _IterableIter(_ElasticIter):
                     return self._run_local()
                 batch = seq.take_ready()
                 self._fill()
-                if batch is not None:
-                    return self._deliver_batch(batch)
-                if not seq.in_flight and not seq.ready:
+                if batch is None and not seq.in_flight and not seq.ready:
                     self._finish()
                     raise StopIteration
                 pool = self._pool
+            if batch is not None:
+                return self._deliver_batch(batch)
             self._wait(pool, deadline := deadline or self._deadline())
 
     def _run_local(self):
