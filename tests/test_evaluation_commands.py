@@ -6,7 +6,6 @@ import pytest
 
 from evaluation import agent_bench, predictor_accuracy
 
-pytestmark = pytest.mark.unit
 
 
 def _usage_error(main, argv, capsys) -> str:
@@ -17,6 +16,7 @@ def _usage_error(main, argv, capsys) -> str:
     return err
 
 
+@pytest.mark.unit
 def test_predictor_accuracy_names_a_bad_corpus_or_start(tmp_path, capsys):
     """(a missing or non-JSON corpus, or --starts without ':', was a traceback)"""
     (tmp_path / "text.jsonl").write_text("not json\n")
@@ -28,8 +28,35 @@ def test_predictor_accuracy_names_a_bad_corpus_or_start(tmp_path, capsys):
         assert words in _usage_error(predictor_accuracy.main, argv + ["--validation", ""], capsys)
 
 
+@pytest.mark.unit
 def test_agent_bench_refuses_an_unknown_policy_before_starting_an_agent(capsys, monkeypatch):
     """(the first agent it started refused it, and the bench died with a RuntimeError's traceback)"""
     monkeypatch.setattr(agent_bench, "run_one", lambda *a, **k: pytest.fail("an agent was started"))
     err = _usage_error(agent_bench.main, ["--policies", "even,bogus"], capsys)
     assert "--policies: unknown 'bogus'; choose from: adaptive, even, even-static, none" in err
+
+
+@pytest.mark.unit
+def test_pin_bench_refuses_bad_numbers_before_it_runs(capsys, monkeypatch):
+    from evaluation import pin_bench
+
+    monkeypatch.setattr(pin_bench.subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
+    for argv, words in ((["--steps", "0"], "--steps must be at least 1"), (["--pin-ms", "-1"], "--pin-ms must be 0 or more"),
+                        (["--step-ms", "nan"], "a finite number expected"), (["--repeats", "1_0"], "'1_0'")):
+        assert words in _usage_error(pin_bench.main, argv, capsys), argv
+
+
+@pytest.mark.component
+def test_pin_bench_runs_both_loaders_and_writes_its_json(tmp_path, capsys):
+    """A tiny real run: each loader, in its own process, trains with pinning on under the fake
+    accelerator (torch's multiprocessing iterator included), and the JSON holds both (no timing asserted)."""
+    import json
+
+    from evaluation import pin_bench
+
+    out = tmp_path / "pin.json"
+    assert pin_bench.main(["--steps", "5", "--pin-ms", "1", "--step-ms", "1", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["runs"]) == {"torch", "adloader"} and all(len(v) == 1 for v in doc["runs"].values())
+    assert all(doc["summary"][k]["steps_per_s"]["median"] > 0 for k in ("torch", "adloader"))
+    assert "| adloader |" in capsys.readouterr().out
