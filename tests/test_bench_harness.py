@@ -86,9 +86,21 @@ def _run(tmp_path, catalog, scenario, policies, **kw):
     return result, stream.getvalue()
 
 
-def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
-    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    """One bench of the heterogeneous mix under ``none`` (calibrated in 2 fresh processes), shared by the
+    tests that read a finished run: (result, progress text, the directory it ran in, the processes it
+    left alive). Read only: a test that runs again copies the directory first."""
+    tmp = tmp_path_factory.mktemp("static")
+    cat = tmp / "tiny.toml"
+    cat.write_text(TINY)
+    result, progress = _run(tmp, str(cat), "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
                             calibration_processes=2)
+    return result, progress, tmp, _no_children_left()
+
+
+def test_static_scenario_one_policy_end_to_end(static_run):
+    result, progress, tmp_path, left = static_run
     (ph,) = result["phases"]
     assert ph["error"] is None
     m = ph["metrics"]
@@ -119,7 +131,7 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     assert "Cost per phase, the median over its jobs" in (tmp_path / "out" / "bench.md").read_text()
     assert (tmp_path / "out" / "policies.png").stat().st_size > 0
     assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0
-    assert _no_children_left() == []
+    assert left == []
 
 
 def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_catalog):
@@ -421,7 +433,9 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     """``evaluation/gpu_study.sh`` (run on a lent GPU node) without a GPU: its bench options come after
     its own ``--device cuda``, so ``--device emulated`` replaces it, and a missing ``nvidia-smi`` only
     leaves dmon.log without readings. It writes its catalogue (images twice as wide, min_step_s 0.01),
-    the bench's JSON and markdown, and the runs' logs as runs.tgz."""
+    the bench's JSON and markdown, and the runs' logs as runs.tgz. (Calibrated in this process, not in
+    the default three fresh ones: what this checks is the script; the fresh-process calibration is
+    test_static_scenario_one_policy_end_to_end's and tests/test_bench_metrics.py's.)"""
     import subprocess
     import sys
     import tarfile
@@ -438,7 +452,7 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     p = subprocess.run(
         ["bash", str(Path(REPO, "evaluation", "gpu_study.sh")), str(out), "--device", "emulated",
          "--scenarios", "nothing-to-arbitrate", "--policies", "none", "--reps", "1", "--warmup-s", "1",
-         "--measure-s", "2", "--cgroup-mode", "off"],
+         "--measure-s", "2", "--cgroup-mode", "off", "--calibration-processes", "1"],
         env=repo_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     shipped = tomllib.loads(Path(REPO, "evaluation", "catalog.toml").read_text())
@@ -487,11 +501,15 @@ def test_a_bench_killed_before_its_cleanup_leaves_no_child_running(tmp_path):
             child.kill()
 
 
-def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog):
+def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog, static_run):
     """`adloader demo` twice writes to the same bench-out/demo: the jobs append to their progress files,
-    and the second run measured the first run's records (a phase ended at once with a window of hours)."""
+    and the second run measured the first run's records (a phase ended at once with a window of hours).
+    The first run is ``static_run``'s (the same scenario, policy and windows), copied here."""
+    import shutil
     import time
-    _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    shutil.copytree(static_run[2] / "out", tmp_path / "out")
+    first = sorted((tmp_path / "out" / "runs" / "heterogeneous" / "none-rep1").glob("*.jsonl"))
+    assert len(first) == 2 and all(f.read_text().strip() for f in first)     # the first run's records are there
     t_second = time.monotonic()
     result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
     (ph,) = result["phases"]
