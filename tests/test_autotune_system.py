@@ -21,7 +21,9 @@ import pytest
 from tests.conftest import REPO, repo_env
 
 SCRIPT = textwrap.dedent('''
-    import json, os, sys, time
+    import json, os, signal, sys, time
+    stop = []
+    signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))   # the test has seen enough: end the run now
     if sys.argv[5] == "pin":
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU for the whole job
     import torch
@@ -42,7 +44,7 @@ SCRIPT = textwrap.dedent('''
             st = loader.stats()
             trace.append([round(now - t0, 1), loader.num_workers, (st["samples"] - last[1]) / (now - last[0])])
             last = (now, st["samples"])
-        if now - t0 > run_s:
+        if now - t0 > run_s or stop:
             break
     t = autotune.tuner_of(loader)
     cur = t.bank.curve(t.job) if t else None
@@ -227,11 +229,19 @@ def two_cpu_group():
     yield from _quota_group("resize", 200000)
 
 
+HOLD_AFTER_SHED_S = 8.0     # the job runs on this long once it has shed: 8 one-second windows, room for
+                            # at least two more of the tuner's moves (one per SETTLE_WINDOWS clean windows)
+
+
 @pytest.mark.system
 def test_auto_follows_a_cpu_quota_cut_while_the_job_runs(tmp_path, two_cpu_group):
     # an IO-bound job (b = 160 ms a batch) under a 2-CPU quota grows past 4 workers (its cap there is 8,
     # the script's max_workers); then the quota is cut to half a CPU while it runs (an in-place resize),
-    # whose cap is 4: the tuner reads its CPUs again and sheds to 4 at once, and stays within it
+    # whose cap is 4: the tuner reads its CPUs again and sheds to 4 at once, and stays within it.
+    # The job runs at most 30 s (its own clock); once its worker processes are 4 or fewer after the
+    # cut it runs HOLD_AFTER_SHED_S more and is told to stop (SIGUSR1), so the trace still shows it
+    # stayed shed; a job that never sheds runs its 30 s and fails the same assertions.
+    import signal
     import time
 
     import psutil
@@ -256,6 +266,13 @@ def test_auto_follows_a_cpu_quota_cut_while_the_job_runs(tmp_path, two_cpu_group
         with open(os.path.join(os.path.dirname(two_cpu_group), "cpu.cfs_quota_us"), "w") as f:
             f.write("50000")
         cut_s = time.monotonic() - t0
+        while proc.poll() is None and len(job.children()) > 4:
+            time.sleep(0.5)
+        deadline = time.monotonic() + HOLD_AFTER_SHED_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
