@@ -248,6 +248,7 @@ def test_cuda_device_without_cuda_fails_with_a_clear_message(tmp_path):
     assert "--device cuda needs a CUDA GPU" in p.stderr and "sees no CUDA device" in p.stderr
 
 
+@pytest.mark.slow     # redundant: the policy-variant test runs `even` on these jobs and asserts the same
 def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
     """The real agent (policy `even`, worker counts only) resizes the real jobs' loaders: two jobs that
     start at num_workers = node cores end at the even split of 1 loader core: one worker each."""
@@ -286,11 +287,21 @@ def test_policy_variants_parse_and_bad_ones_are_refused():
 
 
 def test_a_policy_variant_runs_the_agent_with_its_config_keys(tmp_path, tiny_catalog):
-    """``even[loaders_yield=never]``: the real agent runs with that key (its status says so)."""
+    """``even[loaders_yield=never]``: the real agent runs with that key (its status says so). It is the
+    `even` policy, which resizes the real jobs' loaders (what test_agent_policy_phase_directs_the_real_jobs,
+    now slow, checks with the plain policy): two jobs that start at num_workers = node cores end at the
+    even split of 1 loader core, one worker each (on a node of 2 or more cores: below that they start there)."""
     result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["even[loaders_yield=never]"],
-                            warmup_s=1.5, measure_s=1.5)
+                            warmup_s=2.0, measure_s=2.0)
     (ph,) = result["phases"]
     assert ph["error"] is None and ph["policy"] == "even[loaders_yield=never]"
+    m = ph["metrics"]
+    if setup.node_cores() >= 2:
+        for j in m["jobs"].values():
+            assert j["workers_end"] == 1
+            assert j["resizes"] >= 1
+    assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
+    assert m["agent_cpu_cores"] >= 0
     doc = json.loads((tmp_path / "out" / "runs" / "heterogeneous" / "even[loaders_yield=never]-rep1"
                       / "agent-status.json").read_text())
     assert doc["agent"]["policy"] == "even"
