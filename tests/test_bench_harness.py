@@ -411,12 +411,47 @@ def test_worker_memory_reports_the_largest_worker_beside_the_total():
         psutil.wait_procs(kids, timeout=5)
 
 
-@pytest.mark.parametrize("policy", ["none", "adaptive", "oracle"])
+def test_a_solo_sweep_measures_each_worker_count_and_the_largest_workers_memory(tmp_path):
+    """``measure_sweeps``, what the budget oracle plans from (the memory scenario's oracle curves): each
+    kind alone on the node in a real job process, at 1 .. ceil(loader CPUs) + 1 workers (2 here), one
+    sweep per kind whatever the number of its jobs; per job one point per worker count, and one worker's
+    memory the most a single worker held: the fat kind's 200 MiB and more (a mean over a sample taken as
+    the second worker starts would read less)."""
+    from evaluation import harness
+    from evaluation.catalog import calibrate, make_job
+
+    global _before_run
+    p = tmp_path / "mem.toml"
+    p.write_text(TINY_MEMORY)
+    cat = load_catalog(str(p))
+    calib = calibrate(cat, 1.0, ["fat"])
+    specs = [make_job(cat, calib, "fat", f"memo-{i}-fat", seed=100 + i, node_cores=setup.node_cores()) for i in (0, 1)]
+    cfg = harness.BenchConfig(catalog=cat, calib=calib, loader_cpus=1.0, node_cores=setup.node_cores(),
+                              out_dir=tmp_path / "out", sweep_segment_s=1.0)
+    _before_run = _live_children()
+    stream = io.StringIO()
+    memory: dict = {}
+    points = harness.measure_sweeps(cfg, specs, tmp_path / "sweep", report.Progress(stream), memory_out=memory)
+    assert stream.getvalue().count("oracle sweep: fat alone at 1,2 workers") == 1      # one sweep for both jobs
+    assert set(points) == set(memory) == {"memo-0-fat", "memo-1-fat"}
+    assert points["memo-0-fat"] == points["memo-1-fat"] and memory["memo-0-fat"] == memory["memo-1-fat"]
+    assert [w for w, _, _ in points["memo-0-fat"]] == [1, 2], points
+    assert all(c >= 0 and 0 <= v <= 1 for _, c, v in points["memo-0-fat"]), points
+    assert 200 << 20 < memory["memo-0-fat"] < 400 << 20, memory        # one worker: its 200 MiB and more
+    assert _no_children_left() == []
+
+
+@pytest.mark.parametrize("policy", ["none", "adaptive",
+                                    # slow: ~30 s (sweeps, then the phase); its parts are default tests (docstring)
+                                    pytest.param("oracle", marks=pytest.mark.slow)])
 def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
     """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
     `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
     the measured window under it, and so does the budget oracle's (its sweeps measure each worker's
-    memory). The harness reads the workers' memory itself (smaps_rollup)."""
+    memory). The harness reads the workers' memory itself (smaps_rollup). [oracle] is slow: its sweeps
+    are test_a_solo_sweep_measures_each_worker_count_and_the_largest_workers_memory, its planning within
+    the budget from them tests/test_oracle_memory.py's (the bench oracle agent, the solver against brute
+    force), and the scenario under the budget end to end is [adaptive]'s."""
     if setup.node_cores() < 2:
         pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
     cat = tmp_path / "mem.toml"
