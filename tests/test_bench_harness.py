@@ -135,10 +135,14 @@ def test_static_scenario_one_policy_end_to_end(static_run):
     assert left == []
 
 
+@pytest.mark.slow     # four bench phases (~30 s); test_colocated_probes_make_the_oracles_curves runs the same path
 def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_catalog):
     """The oracle's points are measured with the whole mix running, under fixed probe plans that the real
     agent applies (the even split, then each job given 3/4 of the loader cores): one point per job and
-    plan, the cores its workers really used, and the cores all loaders got as the plan's budget."""
+    plan, the cores its workers really used, and the cores all loaders got as the plan's budget.
+    Slow: its path through the harness is test_colocated_probes_make_the_oracles_curves's (the phases
+    faked), a real phase under a fixed plan applied by the real agent test_a_plan_policy_runs_the_agent_
+    with_that_fixed_plan's, the probe plans and the oracle's use of the points tests/test_bench_metrics.py's."""
     result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["oracle"], warmup_s=0.5, measure_s=1.5,
                             oracle_probe_reps=1)
     (ph,) = result["phases"]
@@ -154,6 +158,66 @@ def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_cata
     assert "oracle probe 3/3 rep 1" in progress
     assert all(j["reason"].startswith("oracle:") for j in ph["agent_status"]["jobs"].values())
     assert _no_children_left() == []
+
+
+def test_colocated_probes_make_the_oracles_curves(tmp_path, monkeypatch):
+    """``run_bench`` with the oracle on a static mix, its phases faked (``run_phase`` and ``phase_metrics``:
+    no process): every probe plan runs as an oracle phase on its own plan file, in probe<k>-rep<r>,
+    ``oracle_probe_reps`` times in rotated order; per job one point per plan, (the plan's workers, the
+    median of the cores its workers used, the median normalised throughput); the budget the median of
+    the phases' total cores; a job's memory the largest worker seen; all in oracle-curves.json, which
+    the oracle's own phase then runs on."""
+    from evaluation import harness
+    from evaluation.catalog import JobSpec
+
+    wl = dict(name="l", num_images=8, length=1 << 20, image_px=32, crop_px=16, aug_multiplier=1, seed=1)
+    specs = [JobSpec(job_id=j, kind="l", batch_size=8, step_s=0.01, demand_cores=0.5, cpu_s_per_sample=0.001,
+                     workload=wl) for j in ("a", "b")]
+    sc = harness.Scenario("mix", [harness.Launch(sp) for sp in specs], "static", 0.5, 1.5)
+    cfg = harness.BenchConfig(catalog=None, calib={}, loader_cpus=1.0, node_cores=2, out_dir=tmp_path,
+                              oracle_probe_reps=2)
+    plans = harness.probe_plans(specs, 1.0)
+    assert len(plans) == 3
+    ran = []
+
+    def run_phase(cfg, sc, policy, rep, run_dir, curves_path=None, tick=None):
+        doc = json.loads(curves_path.read_text())
+        ran.append((policy, rep, run_dir.name, curves_path.name, doc))
+        if "plan" not in doc:          # the oracle's own phase, on the curves
+            return {"policy": policy, "rep": rep, "plan": None}
+        return {"policy": policy, "rep": rep, "plan": doc["plan"],
+                "memory": [{"largest": {j: (100 + rep) << 20 for j in doc["plan"]}}]}
+
+    def phase_metrics(ph):
+        if ph["plan"] is None:
+            return {"agg_normalised": 1.0, "gpu_idle_frac": 0.0}
+        # a job's workers use 0.9 of the cores the plan gives it, +0.1 in the second repeat
+        return {"jobs": {j: {"worker_cpu_cores": 0.9 * p["cpus"] + 0.1 * ph["rep"], "normalised": p["cpus"]}
+                         for j, p in ph["plan"].items()}}
+
+    monkeypatch.setattr(harness, "run_phase", run_phase)
+    monkeypatch.setattr(harness, "phase_metrics", phase_metrics)
+    stream = io.StringIO()
+    result = harness.run_bench(cfg, [sc], ["oracle"], 1, report.Progress(stream))
+    probes = [r for r in ran if "plan" in r[4]]
+    assert [r[2] for r in probes] == ["probe0-rep1", "probe1-rep1", "probe2-rep1",      # rotated per repeat
+                                      "probe1-rep2", "probe2-rep2", "probe0-rep2"]
+    assert all(r[0] == "oracle" and r[3] == f"probe{r[2][5]}.json" and r[4]["plan"] == plans[int(r[2][5])]
+               for r in probes)
+    assert "oracle probe 3/3 rep 2" in stream.getvalue()
+    (last,) = [r for r in ran if "plan" not in r[4]]
+    assert last[3] == "oracle-curves.json" and last[0] == "oracle"
+    doc = json.loads((tmp_path / "runs" / "mix" / "oracle-curves.json").read_text())
+    assert doc == last[4] and "co-located probes" in doc["note"]
+    for j in ("a", "b"):
+        want = [[p[j]["workers"], round(0.9 * p[j]["cpus"] + 0.05, 4), round(min(1.0, p[j]["cpus"]), 4)]
+                for p in plans]
+        assert doc["jobs"][j] == want, (j, doc["jobs"][j], want)
+    totals = sorted(sum(0.9 * p[j]["cpus"] + 0.1 * rep for j in ("a", "b")) for p in plans for rep in (0, 1))
+    assert doc["budget_cores"] == pytest.approx((totals[2] + totals[3]) / 2)
+    assert doc["memory"] == {"a": 101 << 20, "b": 101 << 20}
+    (ph,) = result["phases"]
+    assert ph["policy"] == "oracle" and json.loads(json.dumps(ph["oracle_curves"])) == doc["jobs"]
 
 
 def test_dynamic_scenario_reports_makespan_and_jct(tmp_path, tiny_catalog):
