@@ -85,7 +85,22 @@ def _settled(trace, from_s):
     return {w for t, w, _r in trace if t >= from_s}
 
 
+def _quota_skip_reason():
+    if os.geteuid() != 0:
+        return "needs root to create a cgroup with a CPU quota"
+    from agent import cgroupfs
+    return cgroupfs.v1_controller_available("/sys/fs/cgroup", "cpu")
+
+
+def _slow_where_its_quota_twin_runs(test):
+    """A one-CPU (affinity) test whose system-tier twin under a real CPU quota proves the same of the
+    tuner on a real job, with stronger assertions (an exact worker count): slow where that twin runs
+    (root, a v1 cpu controller), redundant there; a default test where the twin is skipped."""
+    return pytest.mark.slow(test) if _quota_skip_reason() is None else test
+
+
 @pytest.mark.component
+@_slow_where_its_quota_twin_runs     # twin: test_auto_under_a_real_cpu_quota_grows_an_io_bound_job_to_the_quota_bound
 def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path, shielded):
     # b = 16 x 5 ms = 80 ms blocked per batch, little CPU, 20 ms step: ~5 workers hide the fetches,
     # and blocked time needs workers, not cores, so one CPU does not cap them at 1.
@@ -102,6 +117,7 @@ def test_auto_grows_workers_for_an_io_bound_job_on_one_cpu(tmp_path, shielded):
 
 
 @pytest.mark.component
+@_slow_where_its_quota_twin_runs     # twin: test_auto_under_a_real_cpu_quota_keeps_a_cpu_bound_job_at_one_worker
 def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path, shielded):
     # pure CPU preprocessing on one CPU it has to itself: more workers cannot help; the tuner must not
     # pile them up, and settles. A neighbour on that CPU (the shield's weight does not hold off
@@ -129,13 +145,6 @@ def test_auto_stays_low_for_a_cpu_bound_job_on_one_cpu(tmp_path, shielded):
     # (the tuner's windows, moves and curve in the message: a failure is read from them)
     assert max(w for _t, w, _r in trace) <= 2, (trace, quiet["tuner"], quiet["cpu_share"])
     assert len(_settled(trace, 5.0)) == 1, (trace, quiet["tuner"], quiet["cpu_share"])
-
-
-def _quota_skip_reason():
-    if os.geteuid() != 0:
-        return "needs root to create a cgroup with a CPU quota"
-    from agent import cgroupfs
-    return cgroupfs.v1_controller_available("/sys/fs/cgroup", "cpu")
 
 
 V1_MAX_SHARES = 262144      # the most cpu.shares cgroup v1 accepts (1024 is one default task group)
