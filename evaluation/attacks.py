@@ -16,12 +16,14 @@ Attacks:
     squat JOB...             ``register`` each JOB for itself (before the real owner's prolog)
     impostor SECONDS         (ENDPOINT is where to bind) pose as the agent: bind a ROUTER there
                              (creating its directory), answer every hello with a welcome and a
-                             directive of 0 workers; report what it heard
+                             directive of 0 workers; report what it heard (SIGTERM: the caller is
+                             done; it listens one more second, for what is on its way, and reports)
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +34,20 @@ import zmq
 from adloader import env, protocol
 
 
+QUIET_S = 1.2       # no reply for this long: ask whether the agent has read everything (_ask)
+
+
 def _ask(ctx, endpoint: str, msgs: list, timeout_s: float = 5.0) -> dict:
-    """Send each message on one connection; count the replies by type/code."""
+    """Send each message on one connection; count the replies by type/code, until every message is
+    answered or the agent has read them all, at most ``timeout_s``.
+
+    A message the agent drops (over a rate limit) gets no reply, so a count of replies alone cannot
+    end: after ``QUIET_S`` without a reply a ``status`` request goes out on the same connection, and
+    its answer ends the count. The agent handles one connection's messages in the order sent and
+    answers them in that order, so by then every reply to the messages before it has arrived.
+    (``QUIET_S`` is over a second, so the connection's token bucket has refilled for the request; one
+    the agent drops all the same is asked again after another ``QUIET_S``. Status answers are not
+    counted.)"""
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 100000)
@@ -44,17 +58,26 @@ def _ask(ctx, endpoint: str, msgs: list, timeout_s: float = 5.0) -> dict:
         while s.poll(0):
             _count(got, s.recv())
     deadline = time.monotonic() + timeout_s
+    heard = time.monotonic()
     while sum(got.values()) < len(msgs) and time.monotonic() < deadline:
         if s.poll(200):
-            _count(got, s.recv())
+            if _count(got, s.recv()) == "status":
+                break
+            heard = time.monotonic()
+        elif time.monotonic() - heard >= QUIET_S:
+            s.send(protocol.encode(protocol.make("status")))
+            heard = time.monotonic()
     s.close(0)
     return got
 
 
-def _count(got: dict, data: bytes) -> None:
+def _count(got: dict, data: bytes) -> str:
+    """Count one reply by type/code (a ``status`` answer is not counted); returns its key."""
     m = protocol.decode(data, max_bytes=None)
     key = m["type"] if m["type"] != "error" else f"error:{m['code']}"
-    got[key] = got.get(key, 0) + 1
+    if key != "status":
+        got[key] = got.get(key, 0) + 1
+    return key
 
 
 def connections(endpoint: str, n: int, hold_s: float) -> dict:
@@ -216,8 +239,18 @@ def expensive(endpoint: str, seconds: float) -> dict:
     return {"sent": sent, "per_s": round(sent / (time.monotonic() - t0)), "replies": got}
 
 
+IMPOSTOR_DRAIN_S = 1.0     # after SIGTERM: a message already sent to the impostor is still heard
+
+
 def impostor(endpoint: str, seconds: float) -> dict:
     path = env.ipc_path(endpoint)
+    t_end = time.monotonic() + seconds
+
+    def done(*_):
+        nonlocal t_end
+        t_end = min(t_end, time.monotonic() + IMPOSTOR_DRAIN_S)
+
+    signal.signal(signal.SIGTERM, done)     # (before the bind: a caller may signal once it sees the socket)
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
@@ -225,7 +258,6 @@ def impostor(endpoint: str, seconds: float) -> dict:
     s.bind(endpoint)
     os.chmod(path, 0o666)
     heard: list = []
-    t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
         if not s.poll(100):
             continue

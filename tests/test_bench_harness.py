@@ -86,9 +86,22 @@ def _run(tmp_path, catalog, scenario, policies, **kw):
     return result, stream.getvalue()
 
 
-def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
-    result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    """One bench of the heterogeneous mix under ``none`` (calibrated in 2 fresh processes; the catalogue's
+    [windows] gives the mix a 1.5 s warm-up over the 0.5 s asked for), shared by the tests that read a
+    finished run: (result, progress text, the directory it ran in, the processes it left alive). Read
+    only: a test that runs again copies the directory first."""
+    tmp = tmp_path_factory.mktemp("static")
+    cat = tmp / "tiny.toml"
+    cat.write_text(TINY + '\n[windows]\nheterogeneous = {warmup_s = 1.5}\n')
+    result, progress = _run(tmp, str(cat), "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
                             calibration_processes=2)
+    return result, progress, tmp, _no_children_left()
+
+
+def test_static_scenario_one_policy_end_to_end(static_run):
+    result, progress, tmp_path, left = static_run
     (ph,) = result["phases"]
     assert ph["error"] is None
     m = ph["metrics"]
@@ -119,13 +132,17 @@ def test_static_scenario_one_policy_end_to_end(tmp_path, tiny_catalog):
     assert "Cost per phase, the median over its jobs" in (tmp_path / "out" / "bench.md").read_text()
     assert (tmp_path / "out" / "policies.png").stat().st_size > 0
     assert (tmp_path / "out" / "timeline_heterogeneous.png").stat().st_size > 0
-    assert _no_children_left() == []
+    assert left == []
 
 
+@pytest.mark.slow     # four bench phases (~30 s); test_colocated_probes_make_the_oracles_curves runs the same path
 def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_catalog):
     """The oracle's points are measured with the whole mix running, under fixed probe plans that the real
     agent applies (the even split, then each job given 3/4 of the loader cores): one point per job and
-    plan, the cores its workers really used, and the cores all loaders got as the plan's budget."""
+    plan, the cores its workers really used, and the cores all loaders got as the plan's budget.
+    Slow: its path through the harness is test_colocated_probes_make_the_oracles_curves's (the phases
+    faked), a real phase under a fixed plan applied by the real agent test_a_plan_policy_runs_the_agent_
+    with_that_fixed_plan's, the probe plans and the oracle's use of the points tests/test_bench_metrics.py's."""
     result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["oracle"], warmup_s=0.5, measure_s=1.5,
                             oracle_probe_reps=1)
     (ph,) = result["phases"]
@@ -141,6 +158,66 @@ def test_oracle_curves_come_from_colocated_probes_of_the_mix(tmp_path, tiny_cata
     assert "oracle probe 3/3 rep 1" in progress
     assert all(j["reason"].startswith("oracle:") for j in ph["agent_status"]["jobs"].values())
     assert _no_children_left() == []
+
+
+def test_colocated_probes_make_the_oracles_curves(tmp_path, monkeypatch):
+    """``run_bench`` with the oracle on a static mix, its phases faked (``run_phase`` and ``phase_metrics``:
+    no process): every probe plan runs as an oracle phase on its own plan file, in probe<k>-rep<r>,
+    ``oracle_probe_reps`` times in rotated order; per job one point per plan, (the plan's workers, the
+    median of the cores its workers used, the median normalised throughput); the budget the median of
+    the phases' total cores; a job's memory the largest worker seen; all in oracle-curves.json, which
+    the oracle's own phase then runs on."""
+    from evaluation import harness
+    from evaluation.catalog import JobSpec
+
+    wl = dict(name="l", num_images=8, length=1 << 20, image_px=32, crop_px=16, aug_multiplier=1, seed=1)
+    specs = [JobSpec(job_id=j, kind="l", batch_size=8, step_s=0.01, demand_cores=0.5, cpu_s_per_sample=0.001,
+                     workload=wl) for j in ("a", "b")]
+    sc = harness.Scenario("mix", [harness.Launch(sp) for sp in specs], "static", 0.5, 1.5)
+    cfg = harness.BenchConfig(catalog=None, calib={}, loader_cpus=1.0, node_cores=2, out_dir=tmp_path,
+                              oracle_probe_reps=2)
+    plans = harness.probe_plans(specs, 1.0)
+    assert len(plans) == 3
+    ran = []
+
+    def run_phase(cfg, sc, policy, rep, run_dir, curves_path=None, tick=None):
+        doc = json.loads(curves_path.read_text())
+        ran.append((policy, rep, run_dir.name, curves_path.name, doc))
+        if "plan" not in doc:          # the oracle's own phase, on the curves
+            return {"policy": policy, "rep": rep, "plan": None}
+        return {"policy": policy, "rep": rep, "plan": doc["plan"],
+                "memory": [{"largest": {j: (100 + rep) << 20 for j in doc["plan"]}}]}
+
+    def phase_metrics(ph):
+        if ph["plan"] is None:
+            return {"agg_normalised": 1.0, "gpu_idle_frac": 0.0}
+        # a job's workers use 0.9 of the cores the plan gives it, +0.1 in the second repeat
+        return {"jobs": {j: {"worker_cpu_cores": 0.9 * p["cpus"] + 0.1 * ph["rep"], "normalised": p["cpus"]}
+                         for j, p in ph["plan"].items()}}
+
+    monkeypatch.setattr(harness, "run_phase", run_phase)
+    monkeypatch.setattr(harness, "phase_metrics", phase_metrics)
+    stream = io.StringIO()
+    result = harness.run_bench(cfg, [sc], ["oracle"], 1, report.Progress(stream))
+    probes = [r for r in ran if "plan" in r[4]]
+    assert [r[2] for r in probes] == ["probe0-rep1", "probe1-rep1", "probe2-rep1",      # rotated per repeat
+                                      "probe1-rep2", "probe2-rep2", "probe0-rep2"]
+    assert all(r[0] == "oracle" and r[3] == f"probe{r[2][5]}.json" and r[4]["plan"] == plans[int(r[2][5])]
+               for r in probes)
+    assert "oracle probe 3/3 rep 2" in stream.getvalue()
+    (last,) = [r for r in ran if "plan" not in r[4]]
+    assert last[3] == "oracle-curves.json" and last[0] == "oracle"
+    doc = json.loads((tmp_path / "runs" / "mix" / "oracle-curves.json").read_text())
+    assert doc == last[4] and "co-located probes" in doc["note"]
+    for j in ("a", "b"):
+        want = [[p[j]["workers"], round(0.9 * p[j]["cpus"] + 0.05, 4), round(min(1.0, p[j]["cpus"]), 4)]
+                for p in plans]
+        assert doc["jobs"][j] == want, (j, doc["jobs"][j], want)
+    totals = sorted(sum(0.9 * p[j]["cpus"] + 0.1 * rep for j in ("a", "b")) for p in plans for rep in (0, 1))
+    assert doc["budget_cores"] == pytest.approx((totals[2] + totals[3]) / 2)
+    assert doc["memory"] == {"a": 101 << 20, "b": 101 << 20}
+    (ph,) = result["phases"]
+    assert ph["policy"] == "oracle" and json.loads(json.dumps(ph["oracle_curves"])) == doc["jobs"]
 
 
 def test_dynamic_scenario_reports_makespan_and_jct(tmp_path, tiny_catalog):
@@ -200,17 +277,16 @@ def test_catalog_windows_name_their_problems(tmp_path):
     assert load_catalog().windows["oversubscribed"]["measure_s"] >= 30     # the packaged catalogue's
 
 
-def test_a_mix_window_lengthens_its_phases_and_says_so(tmp_path, tiny_catalog):
-    p = tmp_path / "win.toml"
-    p.write_text(open(tiny_catalog).read() + '\n[windows]\nheterogeneous = {warmup_s = 1.5}\n')
-    result, progress = _run(tmp_path, str(p), "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+def test_a_mix_window_lengthens_its_phases_and_says_so(static_run):
+    """The catalogue's [windows] warm-up for the mix (1.5 s, ``static_run``'s) over the 0.5 s asked for."""
+    result, progress, _, left = static_run
     (ph,) = result["phases"]
     assert ph["error"] is None and ph["warmup_s"] == 1.5
     a, b = ph["window"]
     assert b - a == pytest.approx(2.0, abs=0.3)             # the window is not raised: no minimum given
     assert a - ph["origin"] == pytest.approx(1.5, abs=0.3)   # it starts after the mix's warm-up
     assert "heterogeneous: warm-up 1.5 s, window 2 s (the catalogue's [windows] minimum" in progress
-    assert _no_children_left() == []
+    assert left == []
 
 
 def test_packaged_catalog_loads_with_every_scenario_mix():
@@ -236,6 +312,7 @@ def test_cuda_device_without_cuda_fails_with_a_clear_message(tmp_path):
     assert "--device cuda needs a CUDA GPU" in p.stderr and "sees no CUDA device" in p.stderr
 
 
+@pytest.mark.slow     # redundant: the policy-variant test runs `even` on these jobs and asserts the same
 def test_agent_policy_phase_directs_the_real_jobs(tmp_path, tiny_catalog):
     """The real agent (policy `even`, worker counts only) resizes the real jobs' loaders: two jobs that
     start at num_workers = node cores end at the even split of 1 loader core: one worker each."""
@@ -274,11 +351,21 @@ def test_policy_variants_parse_and_bad_ones_are_refused():
 
 
 def test_a_policy_variant_runs_the_agent_with_its_config_keys(tmp_path, tiny_catalog):
-    """``even[loaders_yield=never]``: the real agent runs with that key (its status says so)."""
+    """``even[loaders_yield=never]``: the real agent runs with that key (its status says so). It is the
+    `even` policy, which resizes the real jobs' loaders (what test_agent_policy_phase_directs_the_real_jobs,
+    now slow, checks with the plain policy): two jobs that start at num_workers = node cores end at the
+    even split of 1 loader core, one worker each (on a node of 2 or more cores: below that they start there)."""
     result, progress = _run(tmp_path, tiny_catalog, "heterogeneous", ["even[loaders_yield=never]"],
-                            warmup_s=1.5, measure_s=1.5)
+                            warmup_s=2.0, measure_s=2.0)
     (ph,) = result["phases"]
     assert ph["error"] is None and ph["policy"] == "even[loaders_yield=never]"
+    m = ph["metrics"]
+    if setup.node_cores() >= 2:
+        for j in m["jobs"].values():
+            assert j["workers_end"] == 1
+            assert j["resizes"] >= 1
+    assert set(ph["agent_status"]["jobs"]) == set(m["jobs"])
+    assert m["agent_cpu_cores"] >= 0
     doc = json.loads((tmp_path / "out" / "runs" / "heterogeneous" / "even[loaders_yield=never]-rep1"
                       / "agent-status.json").read_text())
     assert doc["agent"]["policy"] == "even"
@@ -388,18 +475,54 @@ def test_worker_memory_reports_the_largest_worker_beside_the_total():
         psutil.wait_procs(kids, timeout=5)
 
 
-@pytest.mark.parametrize("policy", ["none", "adaptive", "oracle"])
+def test_a_solo_sweep_measures_each_worker_count_and_the_largest_workers_memory(tmp_path):
+    """``measure_sweeps``, what the budget oracle plans from (the memory scenario's oracle curves): each
+    kind alone on the node in a real job process, at 1 .. ceil(loader CPUs) + 1 workers (2 here), one
+    sweep per kind whatever the number of its jobs; per job one point per worker count, and one worker's
+    memory the most a single worker held: the fat kind's 200 MiB and more (a mean over a sample taken as
+    the second worker starts would read less)."""
+    from evaluation import harness
+    from evaluation.catalog import calibrate, make_job
+
+    global _before_run
+    p = tmp_path / "mem.toml"
+    p.write_text(TINY_MEMORY)
+    cat = load_catalog(str(p))
+    calib = calibrate(cat, 1.0, ["fat"])
+    specs = [make_job(cat, calib, "fat", f"memo-{i}-fat", seed=100 + i, node_cores=setup.node_cores()) for i in (0, 1)]
+    cfg = harness.BenchConfig(catalog=cat, calib=calib, loader_cpus=1.0, node_cores=setup.node_cores(),
+                              out_dir=tmp_path / "out", sweep_segment_s=1.0)
+    _before_run = _live_children()
+    stream = io.StringIO()
+    memory: dict = {}
+    points = harness.measure_sweeps(cfg, specs, tmp_path / "sweep", report.Progress(stream), memory_out=memory)
+    assert stream.getvalue().count("oracle sweep: fat alone at 1,2 workers") == 1      # one sweep for both jobs
+    assert set(points) == set(memory) == {"memo-0-fat", "memo-1-fat"}
+    assert points["memo-0-fat"] == points["memo-1-fat"] and memory["memo-0-fat"] == memory["memo-1-fat"]
+    assert [w for w, _, _ in points["memo-0-fat"]] == [1, 2], points
+    assert all(c >= 0 and 0 <= v <= 1 for _, c, v in points["memo-0-fat"]), points
+    assert 200 << 20 < memory["memo-0-fat"] < 400 << 20, memory        # one worker: its 200 MiB and more
+    assert _no_children_left() == []
+
+
+@pytest.mark.parametrize("policy", ["none", "adaptive",
+                                    # slow: ~30 s (sweeps, then the phase); its parts are default tests (docstring)
+                                    pytest.param("oracle", marks=pytest.mark.slow)])
 def test_memory_scenario_budget_is_kept_by_the_agent_and_reported(tmp_path, policy):
     """A job whose workers hold 200 MiB each beside a light one, under a 350 MiB loader memory budget:
     `none` (two habitual workers each, no agent) goes over it; the agent's plan keeps every sample of
     the measured window under it, and so does the budget oracle's (its sweeps measure each worker's
-    memory). The harness reads the workers' memory itself (smaps_rollup)."""
+    memory). The harness reads the workers' memory itself (smaps_rollup). [oracle] is slow: its sweeps
+    are test_a_solo_sweep_measures_each_worker_count_and_the_largest_workers_memory, its planning within
+    the budget from them tests/test_oracle_memory.py's (the bench oracle agent, the solver against brute
+    force), and the scenario under the budget end to end is [adaptive]'s."""
     if setup.node_cores() < 2:
         pytest.skip("needs >= 2 cores so that `none` starts two workers per job")
     cat = tmp_path / "mem.toml"
     cat.write_text(TINY_MEMORY)
-    result, _ = _run(tmp_path, str(cat), "memory", [policy], warmup_s=6.0, measure_s=4.0,
-                     loader_memory=350 << 20)
+    # (`none`: no agent to wait for, and a worker holds its 200 MiB from its start: a short warm-up)
+    result, _ = _run(tmp_path, str(cat), "memory", [policy], warmup_s=6.0 if policy != "none" else 1.0,
+                     measure_s=4.0, loader_memory=350 << 20)
     (ph,) = result["phases"]
     assert ph["error"] is None
     m = ph["metrics"]
@@ -421,7 +544,9 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     """``evaluation/gpu_study.sh`` (run on a lent GPU node) without a GPU: its bench options come after
     its own ``--device cuda``, so ``--device emulated`` replaces it, and a missing ``nvidia-smi`` only
     leaves dmon.log without readings. It writes its catalogue (images twice as wide, min_step_s 0.01),
-    the bench's JSON and markdown, and the runs' logs as runs.tgz."""
+    the bench's JSON and markdown, and the runs' logs as runs.tgz. (Calibrated in this process, not in
+    the default three fresh ones: what this checks is the script; the fresh-process calibration is
+    test_static_scenario_one_policy_end_to_end's and tests/test_bench_metrics.py's.)"""
     import subprocess
     import sys
     import tarfile
@@ -438,7 +563,7 @@ def test_the_gpu_study_script_runs_end_to_end_with_an_emulated_step(tmp_path):
     p = subprocess.run(
         ["bash", str(Path(REPO, "evaluation", "gpu_study.sh")), str(out), "--device", "emulated",
          "--scenarios", "nothing-to-arbitrate", "--policies", "none", "--reps", "1", "--warmup-s", "1",
-         "--measure-s", "2", "--cgroup-mode", "off"],
+         "--measure-s", "2", "--cgroup-mode", "off", "--calibration-processes", "1"],
         env=repo_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     shipped = tomllib.loads(Path(REPO, "evaluation", "catalog.toml").read_text())
@@ -487,11 +612,15 @@ def test_a_bench_killed_before_its_cleanup_leaves_no_child_running(tmp_path):
             child.kill()
 
 
-def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog):
+def test_a_second_run_into_the_same_directory_reads_only_its_own_records(tmp_path, tiny_catalog, static_run):
     """`adloader demo` twice writes to the same bench-out/demo: the jobs append to their progress files,
-    and the second run measured the first run's records (a phase ended at once with a window of hours)."""
+    and the second run measured the first run's records (a phase ended at once with a window of hours).
+    The first run is ``static_run``'s (the same scenario and policy), copied here."""
+    import shutil
     import time
-    _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
+    shutil.copytree(static_run[2] / "out", tmp_path / "out")
+    first = sorted((tmp_path / "out" / "runs" / "heterogeneous" / "none-rep1").glob("*.jsonl"))
+    assert len(first) == 2 and all(f.read_text().strip() for f in first)     # the first run's records are there
     t_second = time.monotonic()
     result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0)
     (ph,) = result["phases"]

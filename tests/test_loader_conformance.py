@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -127,21 +126,31 @@ def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order()
 
 
 class Sleepy(tud.Dataset):
+    """Each fetch lasts until ``release`` is set (at most 30 s): longer than any timeout, however slow
+    the machine; the test releases it once the timeout has fired, so no shutdown waits out a sleep."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.release = multiprocessing.Event()
+
     def __len__(self):
         return 2
 
     def __getitem__(self, i):
-        time.sleep(5.0)
+        self.release.wait(30.0)
         return i
 
 
 def test_timeout_error_reads_as_torch_s():
     texts = []
     for cls in (tud.DataLoader, DataLoader):
-        dl = cls(Sleepy(), batch_size=None, num_workers=1, timeout=1)
+        ds = Sleepy()
+        dl = cls(ds, batch_size=None, num_workers=1, timeout=1)
         with pytest.raises(RuntimeError) as e:
             next(iter(dl))
         texts.append(str(e.value))
+        ds.release.set()
         del dl
     assert texts[0] == texts[1] == "DataLoader timed out after 1 seconds"
 

@@ -131,6 +131,11 @@ def test_profile_a_real_training_script(tmp_path):
     assert pred["ceiling_samples_per_s"] > 0 and pred["knee_workers_at_cores"] >= 1
     for what in ("where a step goes", "preprocessing CPU", "what if", "knee"):
         assert what in proc.stdout
+    # the workers' memory came with the client's reports (the copy-on-read test's path, here in a default test)
+    m = doc["memory"]
+    assert m["workers"] == 2 and m["uss_per_worker"] > 0 and m["pss_per_worker"] > 0 and len(m["per_worker"]) == 2
+    assert m["shm_inflight_bytes"] == 2 * 2 * m["batch_bytes"] > 0
+    assert "memory of the loader's workers" in proc.stdout and "growth of a worker's USS" in proc.stdout
 
 
 COW_TRAIN = textwrap.dedent('''
@@ -158,8 +163,15 @@ COW_TRAIN = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow     # a 20 s run each; default tests cover its parts (see the docstring)
 @pytest.mark.parametrize("kind", ["objects", "arrays"])
 def test_profile_names_copy_on_read_for_python_objects_only(tmp_path, kind):
+    """The whole path on a real script: a dataset of Python objects grows every worker's private memory
+    and `adloader profile` names copy-on-read; the same data in one numpy array does not. Its parts, in
+    the default run: the growth measured by the loader (tests/test_memory.py::
+    test_worker_memory_growth_seen_for_python_objects_not_for_arrays), the workers' memory carried to
+    the profile by the client's reports (test_profile_a_real_training_script), and the verdict drawn
+    from a report's growth (test_memory_analysis_names_copy_on_read_from_the_growth)."""
     script = tmp_path / "train.py"
     script.write_text(COW_TRAIN)
     proc, doc = _profile(tmp_path, "--duration", "300", "--", sys.executable, str(script), kind, timeout=330)
@@ -175,6 +187,32 @@ def test_profile_names_copy_on_read_for_python_objects_only(tmp_path, kind):
     else:
         assert not m["copy_on_read"] and m["growth_per_worker"] < 4 << 20, m
         assert "no copy-on-read seen" in proc.stdout
+
+
+def test_memory_analysis_names_copy_on_read_from_the_growth():
+    """The verdict and its lines: copy-on-read, with its remedy, for a worker growth of at least
+    COPY_ON_READ_MIN_BYTES (8 MiB) and COPY_ON_READ_MIN_FRAC (5%) of the worker's first USS; not
+    below either bound."""
+    from agent.commands.profile import memory_analysis, render_memory
+
+    MiB = 1 << 20
+
+    def rep(samples, uss, growth):
+        return {"samples": samples, "workers": 2, "memory_workers": 2, "worker_uss_bytes": 2 * uss,
+                "worker_pss_bytes": 2 * uss, "worker_growth_bytes": growth, "batch_bytes": 1200,
+                "shm_inflight_bytes": 4800}
+
+    for uss, growth, named in ((100 * MiB, 60 * MiB, True), (30 * MiB, 1 * MiB, False),
+                               (400 * MiB, 10 * MiB, False),     # 8 MiB and more, but under 5% of 390 MiB
+                               (40 * MiB, 9 * MiB, True)):
+        m = memory_analysis([rep(0, uss - growth, 0.0), rep(20_000, uss, growth)])
+        assert m["copy_on_read"] is named and m["growth_per_worker"] == growth, (uss, growth, m)
+        text = "\n".join(render_memory(m))
+        assert "memory of the loader's workers" in text and "growth of a worker's USS" in text
+        if named:
+            assert "copy-on-read" in text and "numpy arrays" in text, text
+        else:
+            assert "no copy-on-read seen" in text, text
 
 
 def test_memory_analysis_reads_the_last_report_that_measured_every_worker():

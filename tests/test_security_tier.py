@@ -376,4 +376,5 @@ def test_adloader_job_as_root_says_nothing_to_another_users_socket(base):
                           "--endpoint", f"ipc://{d}/agent.sock"], env=repo_env(), capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 1 and f"belongs to uid {ATTACKER}" in out.stdout + out.stderr, out
+    p.terminate()      # the command has exited: nothing more will talk to the impostor (it drains 1 s, reports)
     assert result(p)["heard"] == []
