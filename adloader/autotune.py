@@ -17,9 +17,9 @@ cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max,
 change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``).
 The training process shares them: its own CPU per step (``main_cpu_s`` of the loader's stats,
 measured) is fed to the tuner, which takes the worker count that is best when the trainer and the
-workers share those CPUs
-(``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
-them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
+workers share those CPUs (``predictor.curve.shared_cpu_throughput``, never above the curve itself:
+``AutoTuner.predict``), not the count that would keep the queue full if the loader had them alone: a
+worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
 job's processes (trainer and workers, every thread, measured from /proc) already used at least
 ``SATURATED_FRAC`` of those CPUs in the window: another worker could only share them. On one CPU the
 time the CPU was taken from a worker by interrupts, the hypervisor or the kernel's own work is neither
@@ -342,20 +342,30 @@ class AutoTuner:
             self.trainer_cpu_s_per_step >= TRAINER_BUSY_MIN * max(curve.compute_s_per_step, 1e-9)
 
     def useful_workers(self, curve) -> int:
-        """Max useful workers on our CPUs: with a training process that needs CPU, the best count when it
-        shares them with the workers (can be below the count that keeps the queue full)."""
-        if self._trainer_busy(curve):
-            from predictor.curve import shared_cpu_knee
+        """Max useful workers on our CPUs: with a training process that needs CPU, the least count within
+        KNEE_TOLERANCE of the best ``predict`` over 1..cap, its trainer sharing the CPUs with the workers
+        (can be below the count that keeps the queue full; ``shared_cpu_knee`` over ``predict``)."""
+        if not self._trainer_busy(curve):
+            return curve.knee_workers(self.cpus)
+        from predictor.curve import KNEE_TOLERANCE
 
-            return shared_cpu_knee(curve, self.cpus, self.trainer_cpu_s_per_step, self.cap)
-        return curve.knee_workers(self.cpus)
+        vals = [self.predict(curve, w) for w in range(1, max(1, self.cap) + 1)]
+        best = max(vals)
+        return next(w for w, v in enumerate(vals, 1) if v >= (1.0 - KNEE_TOLERANCE) * best)
 
     def predict(self, curve, workers: int) -> float:
+        """Predicted samples/s at ``workers`` on our CPUs. With a busy trainer, the shared-CPU model,
+        bounded by the curve itself: that model has no core-bound term (the CPUs appear only as the
+        workers' share of them), so a correction below 1 that the job's own windows put on both terms
+        (the CPUs deliver less than first principles: neighbours on them, SMT siblings) read there as
+        slow workers on idle CPUs, and more of them as the cure (7 workers for a CPU-bound job whose
+        curve tops out at 2 on 2 CPUs). Sharing the CPUs with the trainer can only cost throughput."""
+        plain = curve.throughput(workers, self.cpus)
         if self._trainer_busy(curve):
             from predictor.curve import shared_cpu_throughput
 
-            return shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step)
-        return curve.throughput(workers, self.cpus)
+            return min(plain, shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step))
+        return plain
 
 
 def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:

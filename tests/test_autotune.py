@@ -505,6 +505,26 @@ def test_tuner_still_sheds_when_its_cpus_are_used():
     assert tuner.current == 1, tuner.history
 
 
+@pytest.mark.parametrize("trainer_s", [0.0, 0.0007, 0.003])
+def test_a_busy_trainer_never_makes_the_tuner_want_more_workers_than_its_curve(trainer_s):
+    # A CPU-bound job on 2 CPUs that neighbours share (measured on the loaded 2-CPU dev VM: c = 17 ms a
+    # batch, 0.5 of the 2 CPUs used): its own windows put both corrections at 0.275, so the curve has
+    # the loader at most 0.275 x 2 / c, reached with 2 workers. The shared-CPU model (a trainer busy
+    # past TRAINER_BUSY_MIN of its step: 8% here) has no core-bound term: it read the correction as
+    # slow workers on idle CPUs and wanted 7, so a trainer using 0.7 ms of a 9-ms step took the job
+    # from 2 workers to 4, then 7. Sharing the CPUs with the trainer can only cost throughput.
+    from predictor.curve import ThroughputCurve
+
+    g, c, b = 0.0089, 0.0172, 0.0005
+    curve = ThroughputCurve(job="self", batch_size=8, compute_s_per_step=g, cpu_s_per_batch=c, blocked_s_per_batch=b,
+                            correction=0.275, core_correction=0.275, observed_configs=2)
+    tuner = autotune.AutoTuner(cpus=2.0, cap=8, current=2, bank=_OneCurveBank(curve), trainer_cpu_s_per_step=trainer_s)
+    assert all(tuner.predict(curve, w) <= curve.throughput(w, 2.0) * (1 + 1e-9) for w in range(1, 9))
+    for _ in range(8):
+        tuner.window(simulated_window(tuner.current, 2.0, g=g, c=c, b=b))
+    assert tuner.current <= curve.knee_workers(2.0) == 2, tuner.history
+
+
 def test_processes_cpu_sums_the_cpu_of_processes_read_at_both_ends():
     import subprocess
     import sys
