@@ -536,10 +536,15 @@ def whole_node(cpus: float) -> bool:
     return cpus >= (os.cpu_count() or 1) - 0.5
 
 
-def default_max_workers(cpus: float) -> int:
-    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask (at least 1; a
-    fixed ``num_workers`` above that raises it): the DataLoader calls this, and a model of the loader
-    (the simulator's node, whose mask is the whole node) starts from it."""
+def default_max_workers(cpus: float, auto: bool = False) -> int:
+    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask: one worker per
+    CPU (at least 1; a fixed ``num_workers`` above that raises it); with ``num_workers="auto"``
+    (``auto``) the tuner's own bound, ``worker_cap``: blocked (IO) time needs workers, not cores, and a
+    bound of one per CPU held an IO-bound job whose curve asked for 5 workers at 2 on 2 idle CPUs. The
+    DataLoader calls this, and a model of the loader (the simulator's node, whose mask is the whole
+    node) starts from it."""
+    if auto:
+        return worker_cap(cpus, None)
     return max(1, math.floor(cpus + 1e-9))
 
 

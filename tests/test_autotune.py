@@ -475,6 +475,47 @@ def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch
         dl.close()
 
 
+def test_an_auto_loader_without_max_workers_grows_an_io_bound_job_past_its_cpus(monkeypatch):
+    """The real ``adloader.DataLoader`` with ``num_workers="auto"`` and no ``max_workers`` on 2 CPUs, tuned
+    on the windows of an IO-bound job (50 ms blocked, 1 ms CPU a batch, 10 ms step: 5 workers keep up).
+    The loader's default bound was its CPUs, below the tuner's own (4 workers per CPU: blocked time needs
+    workers, not cores): the job was held at 2 workers, its CPUs idle and its GPU waiting 60% of the
+    time. A fixed ``num_workers`` keeps the CPUs as its default bound."""
+    import torch
+
+    from adloader import DataLoader, dataloader
+    from predictor.curve import ThroughputCurve
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+    monkeypatch.setattr(dataloader, "_available_cpus", lambda: 2)
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 2.0)
+    monkeypatch.setattr(autotune, "gpu_part", lambda *a, **k: 1.0)
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
+                           blocked_s_per_batch=0.05).knee_workers(2.0)
+    assert knee == 5
+    dl = DataLoader(Ids(), batch_size=8, num_workers="auto")
+    try:
+        assert dl.num_workers == 2
+        tuner = autotune._Thread(dl, 2.0, 1.0).tuner      # the thread's tuner for this loader (not started)
+        for _ in range(30):
+            want = tuner.window(simulated_window(tuner.current, 2.0, g=0.01, c=0.001, b=0.05))
+            if want is not None:
+                tuner.current = dl.resize(want)            # what the loader takes of it
+        assert tuner.current == knee, tuner.history
+    finally:
+        dl.close()
+    fixed = DataLoader(Ids(), batch_size=8, num_workers=1)
+    assert fixed.max_workers == 2
+    fixed.close()
+
+
 @pytest.mark.parametrize("cpu_used,grows", [(1.0, False), (0.97, False), (0.5, True), (None, True)])
 def test_tuner_does_not_grow_a_job_that_already_used_all_its_cpus(cpu_used, grows):
     # One CPU, one worker, 5% of each batch's wall time neither CPU nor run-queue wait: real IO, or the
