@@ -41,7 +41,12 @@ add less than that), and it never returns to a count it left within ``TABU_WINDO
 measured throughput there was better, nor to a count that measured worse than the current one; and
 each time it turns back between two counts, the predicted gain that justifies another move between
 them doubles (and the loss it accepts to shed a worker halves): it settles instead of oscillating,
-even where noise moves the curve's knee back and forth.
+even where noise moves the curve's knee back and forth. What it measured is evidence only about the
+job it measured: a new phase of the bank (CPU per sample, compute per step), or, at the count it is at,
+two windows running whose loader time per batch (IO latency included) or step time is
+``CHANGE_RATIO_HERE`` off the count's earlier windows the same way, makes it forget the throughputs,
+tabu and turns (``_changed_here``); it decides nothing on a window off them until the next one says
+whether it was noise.
 Never raises into training.
 """
 from __future__ import annotations
@@ -62,6 +67,8 @@ WINDOW_S = 2.0          # one observation window
 SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
 HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
+CHANGE_RATIO_HERE = 2.0  # a count's loader time per batch or step time this far off its earlier windows there,
+                         # the same way two windows running: the job changed (``AutoTuner._changed_here``)
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
 TRAINER_BUSY_MIN = 0.05  # a training process busy less than this share of its step is not modelled as a CPU user
 SATURATED_FRAC = 0.95    # a job whose processes used this share of its CPUs in a window has none for one more worker
@@ -227,6 +234,9 @@ class AutoTuner:
     trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
     cpu_used: float | None = None                    # CPUs the job's processes used last window (None = unknown)
     phase: int = 0                                   # the bank's new-phase count the evidence above is from
+    here_sum: tuple = (0.0, 0.0)                     # (loader s per batch, step s) summed over the current
+    here_n: int = 0                                  # ... count's windows since the job last changed
+    off_here: tuple = ()                             # the last window's direction off them, per figure
 
     def __post_init__(self):
         if self.bank is None:
@@ -247,11 +257,15 @@ class AutoTuner:
         phase = self.bank.phase_changes(self.job)
         if phase != self.phase:
             self._forget_old_phase(phase)
+        if self._changed_here(obs):
+            self._forget()
+            self._changed_here(obs)         # (the new job's first window at this count)
+            self.windows_here = 0           # settle on the new job before deciding
         self.windows_here += 1
         prev = self.measured.get(self.current, 0.0)
         self.measured[self.current] = max(prev, obs.samples_per_s) if self.windows_here > 1 else obs.samples_per_s
-        if self.windows_here < SETTLE_WINDOWS:
-            return None
+        if self.windows_here < SETTLE_WINDOWS or any(self.off_here):
+            return None     # (a window off the count's earlier ones: the next tells noise from a change)
         curve = self.bank.curve(self.job)
         if curve is None:
             return None
@@ -306,6 +320,7 @@ class AutoTuner:
         self.came_from, self.left_at[self.current] = self.current, self.n_windows
         self.history.append((self.n_windows, want))
         self.current, self.windows_here = want, 0
+        self.here_n, self.off_here = 0, ()
         return want
 
     def _forget_old_phase(self, phase: int) -> None:
@@ -317,11 +332,34 @@ class AutoTuner:
         self.phase = phase
         self._forget()
 
+    def _changed_here(self, obs) -> bool:
+        """Whether the job changed under the current count: two windows running whose loader time per
+        batch (its workers' CPU and blocked time) or step time (compute and data wait, so not pauses
+        outside the training loop) is ``CHANGE_RATIO_HERE`` off the mean of the count's earlier windows,
+        the same way. The bank starts a new phase on CPU per sample or compute per step only (blocked
+        time is too noisy for its finer ratios); a change in IO latency (a page cache warmed, storage
+        busy, a shard elsewhere) moved neither, and what the tuner measured before it held the job: 1
+        worker's 800 samples/s from fast fetches kept it at 1 worker through slow ones for good (200,
+        where 4 workers gave 800). At one count, our own worker count does not move these figures."""
+        x = (obs.cpu_s_per_batch + obs.blocked_s_per_batch, obs.step_s)
+        if self.here_n <= 0:
+            self.here_sum, self.here_n, self.off_here = x, 1, ()
+            return False
+        off = tuple(_off(v, t / self.here_n) for v, t in zip(x, self.here_sum))
+        if any(d and d == p for d, p in zip(off, self.off_here)):
+            return True
+        self.off_here = off
+        if not any(off):
+            self.here_sum = tuple(t + v for t, v in zip(self.here_sum, x))
+            self.here_n += 1
+        return False
+
     def _forget(self) -> None:
         self.measured.clear()
         self.left_at.clear()
         self.reversals.clear()
         self.came_from = None
+        self.here_n, self.off_here = 0, ()
 
     def cpus_changed(self, cpus: float, cap: int) -> int | None:
         """The CPUs this process may use changed while it runs (its affinity or its cgroup's CPU quota:
@@ -381,6 +419,15 @@ def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:
 
 def _pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
+
+
+def _off(value: float, ref: float) -> int:
+    """+1 / -1 when ``value`` is CHANGE_RATIO_HERE times ``ref`` or more / or less, else 0 (0 also
+    when either is not positive: nothing to compare)."""
+    if value <= 0 or ref <= 0:
+        return 0
+    r = value / ref
+    return 1 if r >= CHANGE_RATIO_HERE else -1 if r <= 1.0 / CHANGE_RATIO_HERE else 0
 
 
 # -- the thread -----------------------------------------------------------------------------------

@@ -140,6 +140,31 @@ def test_tuner_follows_a_new_phase_of_the_job_both_ways():
     assert tuner.phase == 2 and not tuner.reversals, (tuner.phase, tuner.reversals)
 
 
+@pytest.mark.parametrize("phases", [(0.04, 0.004, 0.04), (0.08, 0.01, 0.08), (0.06, 0.02, 0.06)])
+def test_tuner_follows_a_change_of_the_jobs_io_latency_both_ways(phases):
+    # An IO-bound job (1 ms CPU a batch, 10 ms step) whose fetches get faster or slower while it runs:
+    # the page cache warms, shared storage gets busy, the dataset's next shard lives elsewhere. The bank
+    # starts a new phase on CPU per sample or step time, not on blocked time (IO latency is noisy), so
+    # the tuner kept what it measured before: a count's best throughput from the fast phase (1 worker:
+    # 800 samples/s) held it at 1 worker through the slow phase for good (200 samples/s where 4 workers
+    # give 800), and a slow phase's figures at 2 workers kept it at 3 where 2 keep up.
+    from predictor.bank import PredictorBank
+    from predictor.curve import ThroughputCurve
+
+    cpus = 2.0
+    tuner = autotune.AutoTuner(cpus=cpus, cap=autotune.worker_cap(cpus, None), current=2,
+                               bank=PredictorBank(prior="default"))
+    for b in phases:
+        knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
+                               blocked_s_per_batch=b).knee_workers(cpus)
+        seen = []
+        for _ in range(30):
+            tuner.window(simulated_window(tuner.current, cpus, c=0.001, b=b))
+            seen.append(tuner.current)
+        assert tuner.current == knee, (b, knee, seen, tuner.history)
+        assert len(set(seen[15:])) == 1, (b, seen)          # it got there within ~30 s and stayed
+
+
 def test_tuner_follows_the_cpus_it_may_use_when_they_change():
     # a CPU-bound job (knee 6 workers on 8 CPUs, 2 on 2) whose CPUs are cut to 2 and given back, as a
     # Kubernetes in-place resize or a moved cpuset does while it runs. What was measured on 8 CPUs
