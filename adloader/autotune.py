@@ -11,9 +11,10 @@ The thread reads ``loader.stats()`` totals every ``WINDOW_S`` seconds, turns two
 an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and asks ``AutoTuner`` for a
 decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by window.
 
-CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
-cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
-/proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
+CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``; the affinity of the process's main
+thread, which the tuner's thread takes before it starts workers: ``follow_process_affinity``): cgroup
+v1 cpu.cfs_quota_us / cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max,
+found through /proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
 change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``).
 The training process shares them: its own CPU per step (``main_cpu_s`` of the loader's stats,
 measured) is fed to the tuner, which takes the worker count that is best when the trainer and the
@@ -137,9 +138,12 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = 
 
 
 def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float:
-    """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0."""
+    """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0. The affinity
+    is the process's main thread's (``os.sched_getaffinity(0)`` in the tuner's thread is that thread's
+    own, which ``os.sched_setaffinity(0, ...)`` in the training script, once the tuner runs, does not
+    change)."""
     try:
-        affinity = float(len(os.sched_getaffinity(0)))
+        affinity = float(len(os.sched_getaffinity(os.getpid())))
     except (AttributeError, OSError):
         affinity = float(os.cpu_count() or 1)
     quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
@@ -458,6 +462,7 @@ class _Thread(threading.Thread):
                 loader = self.loader_ref()
                 if loader is None:
                     break
+                follow_process_affinity()   # (read and start workers with the training process's CPUs)
                 cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
                 t = trainer_cpu_s_per_step(prev, cur)
@@ -497,6 +502,20 @@ class _Thread(threading.Thread):
             return [os.getpid(), *loader.worker_pids()]
         except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
             return []
+
+
+def follow_process_affinity() -> None:
+    """Give the calling thread the CPU affinity of its process's main thread (the training process's).
+    A worker process is forked from the thread that starts it and inherits that thread's mask: without
+    this, workers the tuner's thread started ran on the CPUs the process had when the thread started,
+    also after the training script pinned itself elsewhere (``os.sched_setaffinity(0, ...)`` sets the
+    calling thread's mask only). Never raises."""
+    try:
+        mask = os.sched_getaffinity(os.getpid())
+        if os.sched_getaffinity(0) != mask:
+            os.sched_setaffinity(0, mask)
+    except (AttributeError, OSError) as e:
+        log.debug("autotune: affinity not followed: %s", e)
 
 
 def _resize(loader, n: int) -> None:

@@ -234,7 +234,7 @@ class _SimulatedLoader:
         self.calls += 1
         t = self.totals
         if self.calls > 1:
-            o = simulated_window(self.num_workers, self.cpus)
+            o = simulated_window(self.num_workers, self.cpus, **getattr(self, "simulate", {}))
             n = o.steps
             t["steps"] += n
             t["samples"] += n * o.batch_size
@@ -245,6 +245,7 @@ class _SimulatedLoader:
             t["worker_cpu_s"] += n * o.cpu_s_per_batch
             t["worker_wall_s"] += n * o.wall_s_per_batch
             t["worker_runq_s"] += n * o.runq_s_per_batch
+            t["worker_blocked_s"] += n * o.blocked_s_per_batch
         t["workers"] = t["live_workers"] = self.num_workers
         return dict(t)
 
@@ -295,6 +296,43 @@ def test_a_resize_warning_made_an_error_does_not_stop_the_tuner(monkeypatch):
                      what="windows after the move (the tuner's thread alive)")
         finally:
             autotune.detach(lo)
+
+
+def test_the_tuner_follows_an_affinity_the_training_process_sets_after_it_started():
+    """``os.sched_setaffinity(0, {cpu})`` in the training script sets its main thread's mask; the tuner's
+    thread, started before, kept its own: it read its own mask (2 CPUs for a process pinned to 1) and,
+    as a worker is forked from the thread that starts it, the workers its resizes started ran on CPUs
+    the script had left (measured on a real loader: 5 workers on CPUs 0-1, the trainer on 0). The
+    tuner reads the process's mask, and starts workers with it."""
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip("needs at least 2 CPUs in this process's affinity mask")
+    one = {min(mask)}
+
+    class Loader(_SimulatedLoader):
+        pinned = False
+
+        def stats(self):                # no step before the pin: the tuner cannot move before it
+            return super().stats() if self.pinned else dict(self.totals)
+
+        def resize(self, n):
+            self.forked_with.append(os.sched_getaffinity(0))    # the mask a worker started here inherits
+            super().resize(n)
+
+    lo = Loader(1, 1.0)
+    lo.forked_with = []
+    lo.simulate = dict(c=0.001, b=0.05)          # IO-bound: the tuner grows it, also on 1 CPU
+    autotune.attach(lo, window_s=0.02)           # (its thread started with the whole mask)
+    try:
+        os.sched_setaffinity(0, one)
+        lo.pinned = True
+        wait_for(lambda: lo.forked_with, what="a resize after the pin")
+        tuner = autotune.tuner_of(lo)
+        assert tuner.cpus == 1.0 and tuner.cap == autotune.worker_cap(1.0, None), (tuner.cpus, tuner.cap)
+        assert all(m == one for m in lo.forked_with), lo.forked_with
+    finally:
+        autotune.detach(lo)
+        os.sched_setaffinity(0, mask)
 
 
 @pytest.mark.parametrize("seed", range(8))
