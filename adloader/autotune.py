@@ -11,15 +11,16 @@ The thread reads ``loader.stats()`` totals every ``WINDOW_S`` seconds, turns two
 an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and asks ``AutoTuner`` for a
 decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by window.
 
-CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``): cgroup v1 cpu.cfs_quota_us /
-cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max, found through
-/proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
+CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``; the affinity of the process's main
+thread, which the tuner's thread takes before it starts workers: ``follow_process_affinity``): cgroup
+v1 cpu.cfs_quota_us / cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max,
+found through /proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
 change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``).
 The training process shares them: its own CPU per step (``main_cpu_s`` of the loader's stats,
 measured) is fed to the tuner, which takes the worker count that is best when the trainer and the
-workers share those CPUs
-(``predictor.curve.shared_cpu_knee``), not the count that would keep the queue full if the loader had
-them alone: a worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
+workers share those CPUs (``predictor.curve.shared_cpu_throughput``, never above the curve itself:
+``AutoTuner.predict``), not the count that would keep the queue full if the loader had them alone: a
+worker that only takes the trainer's CPU is not grown (ISSUE 11). Nor is one when the
 job's processes (trainer and workers, every thread, measured from /proc) already used at least
 ``SATURATED_FRAC`` of those CPUs in the window: another worker could only share them. On one CPU the
 time the CPU was taken from a worker by interrupts, the hypervisor or the kernel's own work is neither
@@ -41,7 +42,12 @@ add less than that), and it never returns to a count it left within ``TABU_WINDO
 measured throughput there was better, nor to a count that measured worse than the current one; and
 each time it turns back between two counts, the predicted gain that justifies another move between
 them doubles (and the loss it accepts to shed a worker halves): it settles instead of oscillating,
-even where noise moves the curve's knee back and forth.
+even where noise moves the curve's knee back and forth. What it measured is evidence only about the
+job it measured: a new phase of the bank (CPU per sample, compute per step), or, at the count it is at,
+two windows running whose loader time per batch (IO latency included) or step time is
+``CHANGE_RATIO_HERE`` off the count's earlier windows the same way, makes it forget the throughputs,
+tabu and turns (``_changed_here``); it decides nothing on a window off them until the next one says
+whether it was noise.
 Never raises into training.
 """
 from __future__ import annotations
@@ -62,6 +68,8 @@ WINDOW_S = 2.0          # one observation window
 SETTLE_WINDOWS = 2      # clean windows at a count before deciding again
 HYSTERESIS = 0.03       # least predicted relative gain worth a move
 TABU_WINDOWS = 12       # a count we left is not revisited for this many windows unless it measured better
+CHANGE_RATIO_HERE = 2.0  # a count's loader time per batch or step time this far off its earlier windows there,
+                         # the same way two windows running: the job changed (``AutoTuner._changed_here``)
 WORKERS_PER_CPU_CAP = 4  # blocked (IO) time justifies workers beyond cores, within reason
 TRAINER_BUSY_MIN = 0.05  # a training process busy less than this share of its step is not modelled as a CPU user
 SATURATED_FRAC = 0.95    # a job whose processes used this share of its CPUs in a window has none for one more worker
@@ -130,9 +138,12 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = 
 
 
 def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float:
-    """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0."""
+    """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0. The affinity
+    is the process's main thread's (``os.sched_getaffinity(0)`` in the tuner's thread is that thread's
+    own, which ``os.sched_setaffinity(0, ...)`` in the training script, once the tuner runs, does not
+    change)."""
     try:
-        affinity = float(len(os.sched_getaffinity(0)))
+        affinity = float(len(os.sched_getaffinity(os.getpid())))
     except (AttributeError, OSError):
         affinity = float(os.cpu_count() or 1)
     quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
@@ -227,6 +238,9 @@ class AutoTuner:
     trainer_cpu_s_per_step: float = 0.0              # the training process's own CPU per step (measured)
     cpu_used: float | None = None                    # CPUs the job's processes used last window (None = unknown)
     phase: int = 0                                   # the bank's new-phase count the evidence above is from
+    here_sum: tuple = (0.0, 0.0)                     # (loader s per batch, step s) summed over the current
+    here_n: int = 0                                  # ... count's windows since the job last changed
+    off_here: tuple = ()                             # the last window's direction off them, per figure
 
     def __post_init__(self):
         if self.bank is None:
@@ -247,11 +261,15 @@ class AutoTuner:
         phase = self.bank.phase_changes(self.job)
         if phase != self.phase:
             self._forget_old_phase(phase)
+        if self._changed_here(obs):
+            self._forget()
+            self._changed_here(obs)         # (the new job's first window at this count)
+            self.windows_here = 0           # settle on the new job before deciding
         self.windows_here += 1
         prev = self.measured.get(self.current, 0.0)
         self.measured[self.current] = max(prev, obs.samples_per_s) if self.windows_here > 1 else obs.samples_per_s
-        if self.windows_here < SETTLE_WINDOWS:
-            return None
+        if self.windows_here < SETTLE_WINDOWS or any(self.off_here):
+            return None     # (a window off the count's earlier ones: the next tells noise from a change)
         curve = self.bank.curve(self.job)
         if curve is None:
             return None
@@ -306,6 +324,7 @@ class AutoTuner:
         self.came_from, self.left_at[self.current] = self.current, self.n_windows
         self.history.append((self.n_windows, want))
         self.current, self.windows_here = want, 0
+        self.here_n, self.off_here = 0, ()
         return want
 
     def _forget_old_phase(self, phase: int) -> None:
@@ -317,11 +336,34 @@ class AutoTuner:
         self.phase = phase
         self._forget()
 
+    def _changed_here(self, obs) -> bool:
+        """Whether the job changed under the current count: two windows running whose loader time per
+        batch (its workers' CPU and blocked time) or step time (compute and data wait, so not pauses
+        outside the training loop) is ``CHANGE_RATIO_HERE`` off the mean of the count's earlier windows,
+        the same way. The bank starts a new phase on CPU per sample or compute per step only (blocked
+        time is too noisy for its finer ratios); a change in IO latency (a page cache warmed, storage
+        busy, a shard elsewhere) moved neither, and what the tuner measured before it held the job: 1
+        worker's 800 samples/s from fast fetches kept it at 1 worker through slow ones for good (200,
+        where 4 workers gave 800). At one count, our own worker count does not move these figures."""
+        x = (obs.cpu_s_per_batch + obs.blocked_s_per_batch, obs.step_s)
+        if self.here_n <= 0:
+            self.here_sum, self.here_n, self.off_here = x, 1, ()
+            return False
+        off = tuple(_off(v, t / self.here_n) for v, t in zip(x, self.here_sum))
+        if any(d and d == p for d, p in zip(off, self.off_here)):
+            return True
+        self.off_here = off
+        if not any(off):
+            self.here_sum = tuple(t + v for t, v in zip(self.here_sum, x))
+            self.here_n += 1
+        return False
+
     def _forget(self) -> None:
         self.measured.clear()
         self.left_at.clear()
         self.reversals.clear()
         self.came_from = None
+        self.here_n, self.off_here = 0, ()
 
     def cpus_changed(self, cpus: float, cap: int) -> int | None:
         """The CPUs this process may use changed while it runs (its affinity or its cgroup's CPU quota:
@@ -342,20 +384,30 @@ class AutoTuner:
             self.trainer_cpu_s_per_step >= TRAINER_BUSY_MIN * max(curve.compute_s_per_step, 1e-9)
 
     def useful_workers(self, curve) -> int:
-        """Max useful workers on our CPUs: with a training process that needs CPU, the best count when it
-        shares them with the workers (can be below the count that keeps the queue full)."""
-        if self._trainer_busy(curve):
-            from predictor.curve import shared_cpu_knee
+        """Max useful workers on our CPUs: with a training process that needs CPU, the least count within
+        KNEE_TOLERANCE of the best ``predict`` over 1..cap, its trainer sharing the CPUs with the workers
+        (can be below the count that keeps the queue full; ``shared_cpu_knee`` over ``predict``)."""
+        if not self._trainer_busy(curve):
+            return curve.knee_workers(self.cpus)
+        from predictor.curve import KNEE_TOLERANCE
 
-            return shared_cpu_knee(curve, self.cpus, self.trainer_cpu_s_per_step, self.cap)
-        return curve.knee_workers(self.cpus)
+        vals = [self.predict(curve, w) for w in range(1, max(1, self.cap) + 1)]
+        best = max(vals)
+        return next(w for w, v in enumerate(vals, 1) if v >= (1.0 - KNEE_TOLERANCE) * best)
 
     def predict(self, curve, workers: int) -> float:
+        """Predicted samples/s at ``workers`` on our CPUs. With a busy trainer, the shared-CPU model,
+        bounded by the curve itself: that model has no core-bound term (the CPUs appear only as the
+        workers' share of them), so a correction below 1 that the job's own windows put on both terms
+        (the CPUs deliver less than first principles: neighbours on them, SMT siblings) read there as
+        slow workers on idle CPUs, and more of them as the cure (7 workers for a CPU-bound job whose
+        curve tops out at 2 on 2 CPUs). Sharing the CPUs with the trainer can only cost throughput."""
+        plain = curve.throughput(workers, self.cpus)
         if self._trainer_busy(curve):
             from predictor.curve import shared_cpu_throughput
 
-            return shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step)
-        return curve.throughput(workers, self.cpus)
+            return min(plain, shared_cpu_throughput(curve, workers, self.cpus, self.trainer_cpu_s_per_step))
+        return plain
 
 
 def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:
@@ -371,6 +423,15 @@ def trainer_cpu_s_per_step(prev: dict, cur: dict) -> float | None:
 
 def _pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
+
+
+def _off(value: float, ref: float) -> int:
+    """+1 / -1 when ``value`` is CHANGE_RATIO_HERE times ``ref`` or more / or less, else 0 (0 also
+    when either is not positive: nothing to compare)."""
+    if value <= 0 or ref <= 0:
+        return 0
+    r = value / ref
+    return 1 if r >= CHANGE_RATIO_HERE else -1 if r <= 1.0 / CHANGE_RATIO_HERE else 0
 
 
 # -- the thread -----------------------------------------------------------------------------------
@@ -401,6 +462,7 @@ class _Thread(threading.Thread):
                 loader = self.loader_ref()
                 if loader is None:
                     break
+                follow_process_affinity()   # (read and start workers with the training process's CPUs)
                 cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
                 t = trainer_cpu_s_per_step(prev, cur)
@@ -440,6 +502,20 @@ class _Thread(threading.Thread):
             return [os.getpid(), *loader.worker_pids()]
         except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
             return []
+
+
+def follow_process_affinity() -> None:
+    """Give the calling thread the CPU affinity of its process's main thread (the training process's).
+    A worker process is forked from the thread that starts it and inherits that thread's mask: without
+    this, workers the tuner's thread started ran on the CPUs the process had when the thread started,
+    also after the training script pinned itself elsewhere (``os.sched_setaffinity(0, ...)`` sets the
+    calling thread's mask only). Never raises."""
+    try:
+        mask = os.sched_getaffinity(os.getpid())
+        if os.sched_getaffinity(0) != mask:
+            os.sched_setaffinity(0, mask)
+    except (AttributeError, OSError) as e:
+        log.debug("autotune: affinity not followed: %s", e)
 
 
 def _resize(loader, n: int) -> None:
@@ -526,10 +602,15 @@ def whole_node(cpus: float) -> bool:
     return cpus >= (os.cpu_count() or 1) - 0.5
 
 
-def default_max_workers(cpus: float) -> int:
-    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask (at least 1; a
-    fixed ``num_workers`` above that raises it): the DataLoader calls this, and a model of the loader
-    (the simulator's node, whose mask is the whole node) starts from it."""
+def default_max_workers(cpus: float, auto: bool = False) -> int:
+    """``max_workers`` as the loader defaults it for ``cpus`` CPUs in its affinity mask: one worker per
+    CPU (at least 1; a fixed ``num_workers`` above that raises it); with ``num_workers="auto"``
+    (``auto``) the tuner's own bound, ``worker_cap``: blocked (IO) time needs workers, not cores, and a
+    bound of one per CPU held an IO-bound job whose curve asked for 5 workers at 2 on 2 idle CPUs. The
+    DataLoader calls this, and a model of the loader (the simulator's node, whose mask is the whole
+    node) starts from it."""
+    if auto:
+        return worker_cap(cpus, None)
     return max(1, math.floor(cpus + 1e-9))
 
 

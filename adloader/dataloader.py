@@ -289,7 +289,8 @@ class DataLoader(tud.DataLoader[T_co]):
     Extra arguments: ``num_workers="auto"`` (initial count from ``adloader.autotune``, which then
     resizes the loader from its own measurements unless an agent takes over), ``max_workers``
     (upper bound for ``resize``; default: the larger of ``num_workers`` and the CPUs this process
-    may run on), ``elastic_state`` (another loader's ``elastic_state``: see below).
+    may run on; with ``"auto"``, 4 per such CPU, the tuner's own bound ``autotune.worker_cap``),
+    ``elastic_state`` (another loader's ``elastic_state``: see below).
 
     Rebuilt by a framework. Lightning (``_update_dataloader``), Accelerate and others re-create a
     loader from the instance: either from the arguments the user passed (Lightning records and
@@ -342,7 +343,7 @@ class DataLoader(tud.DataLoader[T_co]):
                          max_workers, core.max_workers)
         else:
             if max_workers is None:
-                max_workers = max(default_max_workers(_available_cpus()), 0 if auto else count)
+                max_workers = max(default_max_workers(_available_cpus(), auto=auto), 0 if auto else count)
             elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
                 raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
             else:

@@ -256,12 +256,12 @@ def own_group_weight(cpus: float, trainers: float, workers: float, ranks: int = 
 def autotune_workers(m: JobModel, node_cores: float, cap: Optional[int] = None) -> int:
     """What the job's own ``num_workers="auto"`` tuner settles at: the best count on the CPUs it may
     use (the whole node: it cannot see the other jobs), its trainer sharing them, within ``cap`` (default
-    the loader's: ``max_workers`` defaults to those CPUs). The simulator runs the tuner itself
+    the loader's: an auto loader's ``max_workers`` defaults to 4 per CPU). The simulator runs the tuner itself
     (``evaluation.simulate``); this is where it settles, for the physics of a job without a count."""
     if not cap:
         from adloader.autotune import default_max_workers, worker_cap
 
-        cap = worker_cap(node_cores, default_max_workers(node_cores))
+        cap = worker_cap(node_cores, default_max_workers(node_cores, auto=True))
     if m.trainer_cpu_s_per_step > 0:
         return shared_cpu_knee(m.curve, node_cores, m.trainer_cpu_s_per_step, cap, m.gpus)
     return max(1, min(cap, m.curve.knee_workers(node_cores)))

@@ -490,7 +490,7 @@ class _SimTuner:
         from adloader import autotune
 
         self.window_s = autotune.WINDOW_S
-        most = autotune.default_max_workers(cpus)
+        most = autotune.default_max_workers(cpus, auto=True)
         self.tuner = autotune.AutoTuner(cpus=float(cpus), cap=autotune.worker_cap(cpus, most),
                                         current=autotune.start_workers(cpus, most, part=part))
         self.next_s = start + self.window_s

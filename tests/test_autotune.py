@@ -140,6 +140,31 @@ def test_tuner_follows_a_new_phase_of_the_job_both_ways():
     assert tuner.phase == 2 and not tuner.reversals, (tuner.phase, tuner.reversals)
 
 
+@pytest.mark.parametrize("phases", [(0.04, 0.004, 0.04), (0.08, 0.01, 0.08), (0.06, 0.02, 0.06)])
+def test_tuner_follows_a_change_of_the_jobs_io_latency_both_ways(phases):
+    # An IO-bound job (1 ms CPU a batch, 10 ms step) whose fetches get faster or slower while it runs:
+    # the page cache warms, shared storage gets busy, the dataset's next shard lives elsewhere. The bank
+    # starts a new phase on CPU per sample or step time, not on blocked time (IO latency is noisy), so
+    # the tuner kept what it measured before: a count's best throughput from the fast phase (1 worker:
+    # 800 samples/s) held it at 1 worker through the slow phase for good (200 samples/s where 4 workers
+    # give 800), and a slow phase's figures at 2 workers kept it at 3 where 2 keep up.
+    from predictor.bank import PredictorBank
+    from predictor.curve import ThroughputCurve
+
+    cpus = 2.0
+    tuner = autotune.AutoTuner(cpus=cpus, cap=autotune.worker_cap(cpus, None), current=2,
+                               bank=PredictorBank(prior="default"))
+    for b in phases:
+        knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
+                               blocked_s_per_batch=b).knee_workers(cpus)
+        seen = []
+        for _ in range(30):
+            tuner.window(simulated_window(tuner.current, cpus, c=0.001, b=b))
+            seen.append(tuner.current)
+        assert tuner.current == knee, (b, knee, seen, tuner.history)
+        assert len(set(seen[15:])) == 1, (b, seen)          # it got there within ~30 s and stayed
+
+
 def test_tuner_follows_the_cpus_it_may_use_when_they_change():
     # a CPU-bound job (knee 6 workers on 8 CPUs, 2 on 2) whose CPUs are cut to 2 and given back, as a
     # Kubernetes in-place resize or a moved cpuset does while it runs. What was measured on 8 CPUs
@@ -209,7 +234,7 @@ class _SimulatedLoader:
         self.calls += 1
         t = self.totals
         if self.calls > 1:
-            o = simulated_window(self.num_workers, self.cpus)
+            o = simulated_window(self.num_workers, self.cpus, **getattr(self, "simulate", {}))
             n = o.steps
             t["steps"] += n
             t["samples"] += n * o.batch_size
@@ -220,6 +245,7 @@ class _SimulatedLoader:
             t["worker_cpu_s"] += n * o.cpu_s_per_batch
             t["worker_wall_s"] += n * o.wall_s_per_batch
             t["worker_runq_s"] += n * o.runq_s_per_batch
+            t["worker_blocked_s"] += n * o.blocked_s_per_batch
         t["workers"] = t["live_workers"] = self.num_workers
         return dict(t)
 
@@ -270,6 +296,43 @@ def test_a_resize_warning_made_an_error_does_not_stop_the_tuner(monkeypatch):
                      what="windows after the move (the tuner's thread alive)")
         finally:
             autotune.detach(lo)
+
+
+def test_the_tuner_follows_an_affinity_the_training_process_sets_after_it_started():
+    """``os.sched_setaffinity(0, {cpu})`` in the training script sets its main thread's mask; the tuner's
+    thread, started before, kept its own: it read its own mask (2 CPUs for a process pinned to 1) and,
+    as a worker is forked from the thread that starts it, the workers its resizes started ran on CPUs
+    the script had left (measured on a real loader: 5 workers on CPUs 0-1, the trainer on 0). The
+    tuner reads the process's mask, and starts workers with it."""
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip("needs at least 2 CPUs in this process's affinity mask")
+    one = {min(mask)}
+
+    class Loader(_SimulatedLoader):
+        pinned = False
+
+        def stats(self):                # no step before the pin: the tuner cannot move before it
+            return super().stats() if self.pinned else dict(self.totals)
+
+        def resize(self, n):
+            self.forked_with.append(os.sched_getaffinity(0))    # the mask a worker started here inherits
+            super().resize(n)
+
+    lo = Loader(1, 1.0)
+    lo.forked_with = []
+    lo.simulate = dict(c=0.001, b=0.05)          # IO-bound: the tuner grows it, also on 1 CPU
+    autotune.attach(lo, window_s=0.02)           # (its thread started with the whole mask)
+    try:
+        os.sched_setaffinity(0, one)
+        lo.pinned = True
+        wait_for(lambda: lo.forked_with, what="a resize after the pin")
+        tuner = autotune.tuner_of(lo)
+        assert tuner.cpus == 1.0 and tuner.cap == autotune.worker_cap(1.0, None), (tuner.cpus, tuner.cap)
+        assert all(m == one for m in lo.forked_with), lo.forked_with
+    finally:
+        autotune.detach(lo)
+        os.sched_setaffinity(0, mask)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -475,6 +538,47 @@ def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch
         dl.close()
 
 
+def test_an_auto_loader_without_max_workers_grows_an_io_bound_job_past_its_cpus(monkeypatch):
+    """The real ``adloader.DataLoader`` with ``num_workers="auto"`` and no ``max_workers`` on 2 CPUs, tuned
+    on the windows of an IO-bound job (50 ms blocked, 1 ms CPU a batch, 10 ms step: 5 workers keep up).
+    The loader's default bound was its CPUs, below the tuner's own (4 workers per CPU: blocked time needs
+    workers, not cores): the job was held at 2 workers, its CPUs idle and its GPU waiting 60% of the
+    time. A fixed ``num_workers`` keeps the CPUs as its default bound."""
+    import torch
+
+    from adloader import DataLoader, dataloader
+    from predictor.curve import ThroughputCurve
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+    monkeypatch.setattr(dataloader, "_available_cpus", lambda: 2)
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 2.0)
+    monkeypatch.setattr(autotune, "gpu_part", lambda *a, **k: 1.0)
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
+                           blocked_s_per_batch=0.05).knee_workers(2.0)
+    assert knee == 5
+    dl = DataLoader(Ids(), batch_size=8, num_workers="auto")
+    try:
+        assert dl.num_workers == 2
+        tuner = autotune._Thread(dl, 2.0, 1.0).tuner      # the thread's tuner for this loader (not started)
+        for _ in range(30):
+            want = tuner.window(simulated_window(tuner.current, 2.0, g=0.01, c=0.001, b=0.05))
+            if want is not None:
+                tuner.current = dl.resize(want)            # what the loader takes of it
+        assert tuner.current == knee, tuner.history
+    finally:
+        dl.close()
+    fixed = DataLoader(Ids(), batch_size=8, num_workers=1)
+    assert fixed.max_workers == 2
+    fixed.close()
+
+
 @pytest.mark.parametrize("cpu_used,grows", [(1.0, False), (0.97, False), (0.5, True), (None, True)])
 def test_tuner_does_not_grow_a_job_that_already_used_all_its_cpus(cpu_used, grows):
     # One CPU, one worker, 5% of each batch's wall time neither CPU nor run-queue wait: real IO, or the
@@ -503,6 +607,26 @@ def test_tuner_still_sheds_when_its_cpus_are_used():
     for _ in range(6):
         tuner.window(simulated_window(tuner.current, 1.0, g=0.0052, c=0.0129, b=0.0, bs=16, dur=1.0))
     assert tuner.current == 1, tuner.history
+
+
+@pytest.mark.parametrize("trainer_s", [0.0, 0.0007, 0.003])
+def test_a_busy_trainer_never_makes_the_tuner_want_more_workers_than_its_curve(trainer_s):
+    # A CPU-bound job on 2 CPUs that neighbours share (measured on the loaded 2-CPU dev VM: c = 17 ms a
+    # batch, 0.5 of the 2 CPUs used): its own windows put both corrections at 0.275, so the curve has
+    # the loader at most 0.275 x 2 / c, reached with 2 workers. The shared-CPU model (a trainer busy
+    # past TRAINER_BUSY_MIN of its step: 8% here) has no core-bound term: it read the correction as
+    # slow workers on idle CPUs and wanted 7, so a trainer using 0.7 ms of a 9-ms step took the job
+    # from 2 workers to 4, then 7. Sharing the CPUs with the trainer can only cost throughput.
+    from predictor.curve import ThroughputCurve
+
+    g, c, b = 0.0089, 0.0172, 0.0005
+    curve = ThroughputCurve(job="self", batch_size=8, compute_s_per_step=g, cpu_s_per_batch=c, blocked_s_per_batch=b,
+                            correction=0.275, core_correction=0.275, observed_configs=2)
+    tuner = autotune.AutoTuner(cpus=2.0, cap=8, current=2, bank=_OneCurveBank(curve), trainer_cpu_s_per_step=trainer_s)
+    assert all(tuner.predict(curve, w) <= curve.throughput(w, 2.0) * (1 + 1e-9) for w in range(1, 9))
+    for _ in range(8):
+        tuner.window(simulated_window(tuner.current, 2.0, g=g, c=c, b=b))
+    assert tuner.current <= curve.knee_workers(2.0) == 2, tuner.history
 
 
 def test_processes_cpu_sums_the_cpu_of_processes_read_at_both_ends():

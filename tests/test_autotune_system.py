@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent('''
     io_sleep_s, aug, step_s, run_s = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
     ds = SyntheticImageDataset(WorkloadSpec(num_images=32, length=100000, image_px=96, crop_px=64,
                                             io_sleep_s=io_sleep_s, aug_multiplier=aug))
-    # max_workers: the loader's own bound (its default is the usable CPUs); 8 lets blocked time use workers
+    # max_workers: the loader's own bound (an auto loader's default is 4 per CPU in its affinity mask); 8
+    # leaves the tuner's own bound (4 per usable CPU, quota included) to decide
     loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers="auto", max_workers=8)
     start_workers = loader.num_workers
     t0 = time.monotonic(); trace = []; last = (t0, 0)
