@@ -118,7 +118,9 @@ def main(argv=None) -> int:
         xs = [run[key] for run in runs[loader]]
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
-    doc = {"steps": args.steps, "pin_ms": args.pin_ms, "step_ms": args.step_ms, "repeats": args.repeats,
+    doc = {"command": "python -m evaluation.pin_bench " + " ".join(argv), "loadavg": os.getloadavg(),
+           "cpus": len(os.sched_getaffinity(0)),
+           "steps": args.steps, "pin_ms": args.pin_ms, "step_ms": args.step_ms, "repeats": args.repeats,
            "runs": runs, "summary": {k: {"steps_per_s": summary(k, "steps_per_s"),
                                          "data_wait_ms_per_step": summary(k, "data_wait_ms_per_step")}
                                      for k in LOADERS}}
