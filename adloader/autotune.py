@@ -389,11 +389,9 @@ class AutoTuner:
         (can be below the count that keeps the queue full; ``shared_cpu_knee`` over ``predict``)."""
         if not self._trainer_busy(curve):
             return curve.knee_workers(self.cpus)
-        from predictor.curve import KNEE_TOLERANCE
+        from predictor.curve import least_near_best
 
-        vals = [self.predict(curve, w) for w in range(1, max(1, self.cap) + 1)]
-        best = max(vals)
-        return next(w for w, v in enumerate(vals, 1) if v >= (1.0 - KNEE_TOLERANCE) * best)
+        return least_near_best([self.predict(curve, w) for w in range(1, max(1, self.cap) + 1)])
 
     def predict(self, curve, workers: int) -> float:
         """Predicted samples/s at ``workers`` on our CPUs. With a busy trainer, the shared-CPU model,

@@ -279,19 +279,16 @@ def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_
     return SharedCpuState(min(bps * curve.batch_size, curve.ceiling_samples_per_s), s_t, s_w, u, r)
 
 
+def least_near_best(values) -> int:
+    """The least count (``values[0]`` is 1 worker's) whose value is within KNEE_TOLERANCE of the best."""
+    best = max(values)
+    return next(w for w, v in enumerate(values, 1) if v >= (1.0 - KNEE_TOLERANCE) * best)
+
+
 def shared_cpu_knee(curve: ThroughputCurve, cpus: float, trainer_cpu_s_per_step: float,
                     max_workers: int, trainer_threads: int = 1) -> int:
     """The least worker count within KNEE_TOLERANCE of the best ``shared_cpu_throughput`` over
     1..``max_workers``: max useful workers when the trainer shares the CPUs. Can be well below the count
     that keeps the loader's queue full (``knee_workers``), because a worker past it slows the trainer."""
-    best_w, best = 1, -1.0
-    vals = {}
-    for w in range(1, max(1, int(max_workers)) + 1):
-        v = shared_cpu_throughput(curve, w, cpus, trainer_cpu_s_per_step, trainer_threads)
-        vals[w] = v
-        if v > best:
-            best, best_w = v, w
-    for w in range(1, best_w + 1):
-        if vals[w] >= (1.0 - KNEE_TOLERANCE) * best:
-            return w
-    return best_w
+    return least_near_best([shared_cpu_throughput(curve, w, cpus, trainer_cpu_s_per_step, trainer_threads)
+                            for w in range(1, max(1, int(max_workers)) + 1)])
