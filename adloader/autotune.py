@@ -62,6 +62,8 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adloader._affinity import follow_process_affinity
+
 log = logging.getLogger("adloader.autotune")
 
 WINDOW_S = 2.0          # one observation window
@@ -500,20 +502,6 @@ class _Thread(threading.Thread):
             return [os.getpid(), *loader.worker_pids()]
         except Exception:   # noqa: BLE001 — a loader without worker pids: its use is not measured
             return []
-
-
-def follow_process_affinity() -> None:
-    """Give the calling thread the CPU affinity of its process's main thread (the training process's).
-    A worker process is forked from the thread that starts it and inherits that thread's mask: without
-    this, workers the tuner's thread started ran on the CPUs the process had when the thread started,
-    also after the training script pinned itself elsewhere (``os.sched_setaffinity(0, ...)`` sets the
-    calling thread's mask only). Never raises."""
-    try:
-        mask = os.sched_getaffinity(os.getpid())
-        if os.sched_getaffinity(0) != mask:
-            os.sched_setaffinity(0, mask)
-    except (AttributeError, OSError) as e:
-        log.debug("autotune: affinity not followed: %s", e)
 
 
 def _resize(loader, n: int) -> None:

@@ -396,6 +396,40 @@ def test_a_validation_loader_iterated_within_every_epoch_does_not_take_the_role(
     val.close()
 
 
+def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_client_threads(base, endpoint_env,
+                                                                                             monkeypatch):
+    """``os.sched_setaffinity(0, ...)`` in a training script sets its main thread's mask only; the
+    client's thread, started at the loader's first ``iter()``, kept the mask it was created with, and a
+    worker process is forked from the thread that starts it and inherits that thread's mask: the workers
+    a directive started ran on CPUs the script had left. The client's thread takes the main thread's
+    mask before it applies a directive (as the tuner's does, 3264581), so a real worker started by a
+    directive runs where the training script pinned itself."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip("needs at least 2 CPUs in this process's affinity mask")
+    one = {min(mask)}
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(4000)), batch_size=4, num_workers=0, max_workers=2)
+    try:
+        it = iter(loader)
+        next(it)                                    # attaches: the client's thread starts with the whole mask
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        os.sched_setaffinity(0, one)                # the training script pins itself (its main thread)
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=1, reason="start one"))
+        pids = wait_for(loader.worker_pids, what="a worker started by the directive")
+        assert [os.sched_getaffinity(p) for p in pids] == [one]
+        next(it)                                    # and the loader goes on with it
+    finally:
+        loader.close()
+        os.sched_setaffinity(0, mask)
+        agent.close()
+
+
 def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.1)
