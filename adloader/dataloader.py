@@ -199,6 +199,19 @@ def _as_count(value) -> Optional[int]:
         return None
 
 
+def _torch_worker_count(value) -> Optional[int]:
+    """``num_workers`` as torch's DataLoader takes it (the constructor's argument, the attribute): any
+    integer ``_as_count`` takes, and a bool, which is an int to torch (its checks compare it, and
+    ``_MultiProcessingDataLoaderIter`` starts ``range(num_workers)`` workers:
+    torch/utils/data/dataloader.py), so ``True`` is one worker and ``False`` none. None otherwise.
+    ``loader.num_workers`` then reads the live count (1, where torch's attribute keeps ``True``);
+    ``vars(loader)["num_workers"]`` keeps the argument. ``resize()`` and ``max_workers``, ours only,
+    still refuse a bool."""
+    if isinstance(value, bool):
+        return int(value)
+    return _as_count(value)
+
+
 def _check_total_steps(total_steps) -> None:
     if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
                                     or total_steps < 0):
@@ -319,7 +332,7 @@ class DataLoader(tud.DataLoader[T_co]):
         _check_total_steps(total_steps)
         if auto and num_workers != "auto":
             raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
-        count = None if auto else _as_count(num_workers)
+        count = None if auto else _torch_worker_count(num_workers)
         if not auto and count is None:
             raise TypeError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if elastic_state is not None and not isinstance(elastic_state, _Core):
@@ -452,7 +465,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if not self.__dict__.get("_elastic_ready"):
             self.__dict__["_target_init"] = n     # torch's constructor assigns it
         else:
-            self.resize(n)
+            count = _torch_worker_count(n)
+            self.resize(n if count is None else count)
 
     @property
     def max_workers(self) -> int:

@@ -712,6 +712,31 @@ def test_integer_like_worker_counts_are_taken_like_torch():
             DataLoader(Indexed(6), num_workers=bad)
 
 
+def test_a_bool_worker_count_is_taken_like_torch():
+    """torch 2.13's DataLoader takes ``num_workers=True``/``False`` (a bool is an int: its checks compare
+    it, and ``_MultiProcessingDataLoaderIter`` starts ``range(True)``, one worker); the loader refused
+    both with a TypeError. True is one worker and False none, here too, with torch's own refusals of
+    what needs workers (``persistent_workers``, ``prefetch_factor``) when it is False."""
+    for flag in (True, False):
+        dl = DataLoader(Indexed(6), batch_size=2, num_workers=flag, max_workers=2)
+        ref = tud.DataLoader(Indexed(6), batch_size=2, num_workers=flag)
+        assert dl.num_workers == int(flag) and type(dl.num_workers) is int and dl.prefetch_factor == ref.prefetch_factor
+        it = iter(dl)
+        first = next(it)
+        assert len(dl.worker_pids()) == int(flag)
+        assert _ids([first, *it]) == _ids(list(ref))
+        dl.num_workers = not flag                   # the attribute, as torch's (read at the next iter())
+        assert dl.num_workers == int(not flag) and _ids(list(dl)) == list(range(6))
+        dl.close()
+    assert DataLoader(Indexed(6), num_workers=True, persistent_workers=True).num_workers == 1
+    for kw in (dict(persistent_workers=True), dict(prefetch_factor=2)):
+        with pytest.raises(ValueError) as theirs:
+            tud.DataLoader(Indexed(6), num_workers=False, **kw)
+        with pytest.raises(ValueError) as ours:
+            DataLoader(Indexed(6), num_workers=False, **kw)
+        assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_other_start_methods(method):
     ds = Indexed(30)
