@@ -553,8 +553,11 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch              index of the current (latest started) epoch, 0-based
         workers            target worker count (``num_workers``)
         live_workers       worker processes that currently take tasks (not retiring)
-        max_workers, requested_workers, batch_size   (batch_size None without auto-batching;
-                           requested_workers: the job's own count, see ``requested_workers``)
+        max_workers, requested_workers   (requested_workers: the job's own count, see ``requested_workers``)
+        batch_size         samples per batch, what ``samples`` is counted in and what the agent and the
+                           tuner divide it by to count steps (``_stats_batch_size``): torch's
+                           ``batch_size``, else (a custom ``batch_sampler``, ``batch_size=None``) the mean
+                           of what the delivered batches held; None before the first batch
         data_wait_s        time the caller spent blocked in ``next()``
         compute_s          time between two ``next()`` calls (the training step)
         worker_cpu_s       CPU seconds spent on batches (``time.process_time`` in the worker)
@@ -604,7 +607,7 @@ class DataLoader(tud.DataLoader[T_co]):
         out = {
             "steps": c.steps, "samples": c.samples, "batches": c.batches, "epoch": core.epoch,
             "workers": core.target, "live_workers": live, "max_workers": core.max_workers,
-            "requested_workers": core.requested, "batch_size": self.batch_size,
+            "requested_workers": core.requested, "batch_size": self._stats_batch_size(c),
             "data_wait_s": c.data_wait_s, "compute_s": c.compute_s, "worker_cpu_s": c.worker_cpu_s,
             "worker_wall_s": c.worker_wall_s, "worker_runq_s": c.worker_runq_s,
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
@@ -630,6 +633,20 @@ class DataLoader(tud.DataLoader[T_co]):
         core = self._core
         with core.lock:
             core.steps_goal = None if total_steps is None else (int(total_steps), core.counters.steps)
+
+    def _stats_batch_size(self, c) -> Optional[int]:
+        """Samples per batch as ``stats()`` reports it: consistent with ``samples``, which counts what
+        each delivered batch held (``_deliver``): its indices with auto-batching, one per dataset item
+        without (``batch_size=None``: an item may be a ready-made batch or one sample, a [3, H, W]
+        image is not 3 samples, and nothing tells the two apart; counted as one, the agent still counts
+        steps right). torch's ``batch_size`` where it has one; else (a custom ``batch_sampler``, whose
+        loader's ``batch_size`` torch sets to None, or ``batch_size=None``) the mean over the batches
+        delivered so far, at least 1, None before the first. Read as 1, a batch sampler's None made the
+        agent and the tuner count each sample as a step."""
+        if self.batch_size is not None:
+            return self.batch_size
+        steps, samples = c.steps, c.samples
+        return max(1, round(samples / steps)) if steps > 0 else None
 
     def _main_runq_s(self) -> float:
         core = self._core

@@ -678,6 +678,36 @@ def test_stats_keys_and_counters():
     assert s["rates"]["window_s"] >= 0
 
 
+class _ReadyBatches(tud.IterableDataset):
+    """Yields ready-made batches of 8 (for ``batch_size=None``)."""
+
+    def __iter__(self):
+        for i in range(5):
+            yield torch.arange(i * 8, i * 8 + 8)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_stats_batch_size_is_the_samples_a_delivered_batch_held_where_torch_has_no_batch_size(num_workers):
+    """The agent and the tuner read steps as ``samples / batch_size`` (the curve's ceiling is
+    ``batch_size / step``). A custom ``batch_sampler`` leaves torch's ``loader.batch_size`` None, which
+    they read as 1, while samples were counted from each batch's indices: 8 "steps" per step. Where
+    torch has no batch size, stats' ``batch_size`` is the mean of what the delivered batches held. With
+    ``batch_size=None`` a batch is one dataset item, counted as one sample: a ready-made batch cannot
+    be told from a single sample (a [3, H, W] image is not 3 samples), and 1 keeps steps right."""
+    bs = DataLoader(Indexed(48), batch_sampler=[list(range(i, i + n)) for i, n in ((0, 6), (6, 10), (16, 8), (24, 8))],
+                    num_workers=num_workers)
+    assert bs.batch_size is None and bs.stats()["batch_size"] is None      # nothing delivered yet
+    assert [len(b) for b in bs] == [6, 10, 8, 8]
+    s = bs.stats()
+    assert (s["steps"], s["samples"], s["batch_size"]) == (4, 32, 8)
+    bs.close()
+    ready = DataLoader(_ReadyBatches(), batch_size=None, num_workers=num_workers)
+    assert [len(b) for b in ready] == [8] * 5
+    s = ready.stats()
+    assert (s["steps"], s["samples"], s["batch_size"]) == (5, 5, 1)
+    ready.close()
+
+
 def test_constructor_checks_like_torch():
     with pytest.raises(ValueError):
         DataLoader(Indexed(4), num_workers=-1)
