@@ -432,9 +432,33 @@ def test_get_worker_info_and_worker_init_fn():
     assert [m[1] for m in main] == [-1, -1, -1]        # get_worker_info() is None in the main process
 
 
-def test_worker_init_fn_error_reaches_caller():
-    with pytest.raises(OSError, match="worker_init_fn refuses"):
-        list(DataLoader(Indexed(8), batch_size=2, num_workers=2, worker_init_fn=init_fails))
+def test_worker_init_fn_error_reaches_caller_at_the_first_next_as_torch_raises_it():
+    """A ``worker_init_fn`` that raises: checked against torch 2.13, and the loader already did what
+    torch does. ``iter()`` does not raise; the first ``next()`` raises the init function's exception
+    type with torch's text ("Caught OSError in DataLoader worker process 0.", "Original Traceback",
+    the worker's frames down to the ``raise``, the error's own line), for a map-style dataset and an
+    IterableDataset alike. Where the two differ, after that: torch's iterator goes on (a healthy
+    worker's batches, the failed worker's next batch raising torch's own UnboundLocalError), this
+    loader ends the epoch, as its workers share one task queue and no batch belongs to the failed
+    worker (the next ``next()`` raises StopIteration; a new ``iter()`` tries again)."""
+    def first_error(cls, ds):
+        it = iter(cls(ds, batch_size=2, num_workers=1, worker_init_fn=init_fails))
+        with pytest.raises(OSError) as exc:
+            next(it)
+        lines = str(exc.value).strip().splitlines()
+        del exc                                     # (its traceback holds the iterator)
+        return it, lines
+
+    torch_it, theirs = first_error(tud.DataLoader, Indexed(8))
+    del torch_it                                    # (its worker stops now, not at the interpreter's exit)
+    assert theirs[:2] == ["Caught OSError in DataLoader worker process 0.", "Original Traceback (most recent call last):"]
+    assert theirs[-1] == "OSError: worker_init_fn refuses in worker 0"
+    for ds in (Indexed(8), Shards(8)):
+        it, ours = first_error(DataLoader, ds)
+        assert ours[:2] == theirs[:2] and ours[-1] == theirs[-1], ours
+        assert '    raise OSError(f"worker_init_fn refuses in worker {worker_id}")' in ours
+        with pytest.raises(StopIteration):
+            next(it)
 
 
 def test_timeout():
