@@ -244,10 +244,16 @@ def cgroup_cluster(request, cluster):
 
 
 def _slurm_memory_groups() -> set[str]:
-    try:
-        return {n for n in os.listdir("/sys/fs/cgroup/memory") if "slurm" in n}   # reading only
-    except OSError:
-        return set()
+    """The groups named for Slurm at the top of the v1 memory hierarchy, wherever mountinfo says it is
+    mounted (reading only: nothing here writes it; ``cgroupfs.v1_mount`` refuses the memory controller)."""
+    found = set()
+    for mount, _root, opts in cgroupfs.v1_mounts() or ():
+        if "memory" in opts:
+            try:
+                found |= {n for n in os.listdir(mount) if "slurm" in n}
+            except OSError:
+                pass
+    return found
 
 
 def test_cooperative_mode_under_task_cgroup_keeps_workers_in_the_jobs_cpus(cgroup_cluster):
