@@ -9,8 +9,9 @@ Training processes (the client hook inside ``adloader.DataLoader``):
     RANK, LOCAL_RANK, WORLD_SIZE (torch.distributed), else SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS
     LOCAL_WORLD_SIZE (torchrun), else SLURM_NTASKS_PER_NODE: the job's processes on this node (where
                              ``num_workers="auto"`` starts: its CPUs shared among them)
-    (each of these numbers in ASCII digits alone; a variable holding anything else, '1_0' or '-1', is
-    skipped as an unset one is, with one warning naming it: logger ``adloader.env``)
+    (each of these numbers in ASCII digits alone, and the two process counts at least 1; a variable
+    holding anything else, '1_0', '-1' or WORLD_SIZE=0, is skipped as an unset one is, with one
+    warning naming it: logger ``adloader.env``)
     CUDA_VISIBLE_DEVICES, else SLURM_JOB_GPUS: the GPUs this process uses (reported in hello)
 
 The agent (``adloader agent``; see ``agent.config``): ``ADLOADER_<KEY>`` for every config key
@@ -109,8 +110,8 @@ def _whole_number(text: str) -> Optional[int]:
 
     Python's ``int()`` also reads '1_0' as 10 and digits of other scripts ('١٠', '１０') as ASCII ones,
     so a typo or a pasted value became a rank or a process count no one wrote (``agent.config`` refuses
-    the same text for the agent's numbers). No number read here has a meaningful sign: ranks and
-    process counts are >= 0 and WATCHDOG_USEC > 0, so '+1' and '-1' are refused too."""
+    the same text for the agent's numbers). No number read here has a meaningful sign: ranks are >= 0,
+    process counts >= 1 (``_int``'s ``least``) and WATCHDOG_USEC > 0, so '+1' and '-1' are refused too."""
     text = text.strip()
     return int(text) if text.isascii() and text.isdigit() else None
 
@@ -119,22 +120,24 @@ _reported: set[tuple[str, str]] = set()
 _reported_lock = threading.Lock()
 
 
-def _report_malformed(name: str, value: str, instead: str) -> None:
-    """Log, once per variable and value, that ``name`` holds no number this module reads (a training
-    process reads its rank once per client, the autotuner at every loader: one line is enough). Never
-    raises (STYLE 8: the hook inside training does not fail on its own account)."""
+NOT_DIGITS = "not a whole number in ASCII digits (0-9 only: no sign, '_' or digits of other scripts)"
+
+
+def _report_malformed(name: str, value: str, instead: str, why: str = NOT_DIGITS) -> None:
+    """Log, once per variable and value, that ``name`` holds no number this module reads, ``why``
+    (a training process reads its rank once per client, the autotuner at every loader: one line is
+    enough). Never raises (STYLE 8: the hook inside training does not fail on its own account)."""
     with _reported_lock:
         if (name, value) in _reported:
             return
         _reported.add((name, value))
-    log.warning("adloader: ignoring %s=%r: not a whole number in ASCII digits (0-9 only: no sign, '_' or "
-                "digits of other scripts); %s", name, value, instead)
+    log.warning("adloader: ignoring %s=%r: %s; %s", name, value, why, instead)
 
 
-def _int(env: Mapping[str, str], keys: tuple[str, ...], default: int) -> int:
-    """The first of ``keys`` that is set and holds a whole number (``_whole_number``), else ``default``.
-    A key set to anything else is skipped, as an unset one is, and reported (``_report_malformed``)
-    with what is used instead."""
+def _int(env: Mapping[str, str], keys: tuple[str, ...], default: int, least: int = 0) -> int:
+    """The first of ``keys`` that is set and holds a whole number (``_whole_number``) of at least
+    ``least``, else ``default``. A key set to anything else is skipped, as an unset one is, and
+    reported (``_report_malformed``) with what is used instead."""
     malformed = []
     value, source = default, None
     for k in keys:
@@ -142,12 +145,12 @@ def _int(env: Mapping[str, str], keys: tuple[str, ...], default: int) -> int:
         if not v:
             continue
         n = _whole_number(v)
-        if n is not None:
+        if n is not None and n >= least:
             value, source = n, k
             break
-        malformed.append((k, v))
-    for k, v in malformed:
-        _report_malformed(k, v, f"using {source}={value}" if source else f"using the default {value}")
+        malformed.append((k, v, NOT_DIGITS if n is None else f"a count of processes must be at least {least}"))
+    for k, v, why in malformed:
+        _report_malformed(k, v, f"using {source}={value}" if source else f"using the default {value}", why)
     return value
 
 
@@ -160,13 +163,16 @@ def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 def world_size(environ: Optional[Mapping[str, str]] = None) -> int:
-    return _int(_env(environ), ("WORLD_SIZE", "SLURM_NTASKS"), 1)
+    """Processes of this job: WORLD_SIZE, else SLURM_NTASKS; 1 when neither is set or readable. A count
+    of 0 is refused as a malformed one is (the agent refuses a hello with world_size 0: the rank was
+    never registered)."""
+    return _int(_env(environ), ("WORLD_SIZE", "SLURM_NTASKS"), 1, least=1)
 
 
 def local_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
     """Processes of this job on this node: LOCAL_WORLD_SIZE (torchrun, and the launchers built on it),
-    else SLURM_NTASKS_PER_NODE; 1 when neither is set or readable."""
-    return max(1, _int(_env(environ), ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), 1))
+    else SLURM_NTASKS_PER_NODE; 1 when neither is set or readable (0 included, as for ``world_size``)."""
+    return _int(_env(environ), ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), 1, least=1)
 
 
 def gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:

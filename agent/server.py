@@ -112,7 +112,8 @@ class Server:
                     f"the socket directory {d} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
                     f"another user could replace the socket, and clients refuse such an agent; remove it or "
                     f"set endpoint to a directory owned by uid {os.getuid()} (or root) that only it can write")
-            self._lock(path + ".lock")
+            # what is at the path is refused before the lock file beside it is made: a refused start
+            # leaves nothing behind (the lock was made first, and <path>.lock stayed next to the file)
             try:
                 kind = stat.S_IFMT(os.lstat(path).st_mode)
             except FileNotFoundError:
@@ -122,6 +123,7 @@ class Server:
                     f"cannot bind {self.endpoint}: {path} exists and is not a socket ("
                     f"{'a directory' if kind == stat.S_IFDIR else 'a file, which binding would delete'}): "
                     f"move it away or set endpoint to another path")
+            self._lock(path + ".lock")
         s = self.ctx.socket(zmq.ROUTER)
         try:
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)

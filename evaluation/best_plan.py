@@ -49,7 +49,7 @@ from agent.model import JobAllocation
 from evaluation import mix_study as MS
 from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
-from evaluation.flags import plain_int
+from evaluation.flags import comma_list, plain_int
 from evaluation.report import read_bench
 
 FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughput (kept for every job, also
@@ -361,13 +361,14 @@ def main(argv=None) -> int:
                     help="the jobs' loader CPU per sample: the bench's calibration (the default) or what the run's workers "
                          "paid")
     ap.add_argument("--reps", type=plain_int, default=None, help="only the first K repeats of each scenario (default: all)")
-    ap.add_argument("--nodes", default=None, help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
+    ap.add_argument("--nodes", type=comma_list(V._shape), default=None,
+                    help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--mixes", default=",".join(V.MIXES), help=f"with --nodes: the catalogue mixes (default {','.join(V.MIXES)})")
     ap.add_argument("--random", type=plain_int, default=0,
                     help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed; "
                          "default 0)")
     ap.add_argument("--seed", type=plain_int, default=1, help="with --random: the mixes' seed (mix_study's default 1)")
-    ap.add_argument("--pick", default=None,
+    ap.add_argument("--pick", type=comma_list(plain_int), default=None,
                     help="with --random N: search only these of the N mixes, by index from 0 (K,K,...; "
                          "mix_study's JSON lists its worst mixes by the same index)")
     ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
@@ -380,10 +381,7 @@ def main(argv=None) -> int:
         ap.error("--random takes a count >= 0 and needs --nodes")
     pick = None
     if args.pick is not None:
-        try:
-            pick = frozenset(int(k) for k in args.pick.split(","))
-        except ValueError:
-            ap.error(f"--pick takes mix indices K,K,... (integers), got {args.pick!r}")
+        pick = frozenset(args.pick)
         bad = sorted(k for k in pick if not 0 <= k < args.random)
         if not args.random or bad:
             ap.error(f"--pick needs --random N and indices from 0 to N-1"
@@ -407,11 +405,7 @@ def main(argv=None) -> int:
         print(f"{path}: {len(got)} phase(s) searched", file=sys.stderr)
         rows += got
     if args.nodes:
-        try:
-            shapes = [V._shape(x) for x in args.nodes.split(",")]
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
-        for cores, gpus in shapes:
+        for cores, gpus in args.nodes:
             print(f"node {cores}:{gpus}: {len(mixes)} mix(es)", file=sys.stderr)
             rows += node_rows(cores, gpus, mixes)
             if args.random:

@@ -8,10 +8,32 @@ a number no one wrote), and a float flag must be finite as well: float() reads '
 (exit 2) naming the flag: "argument --seconds: a finite number expected, got 'nan'"."""
 from __future__ import annotations
 
+import argparse
+from typing import Callable, TypeVar
+
 from agent.commands import plain_float, plain_int
 
-__all__ = ["finite_float", "plain_int"]
+__all__ = ["comma_list", "finite_float", "plain_int"]
 
+T = TypeVar("T")
 
 # agent.commands.plain_float refuses what is not finite itself; the name says what a flag gets
 finite_float = plain_float
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """argparse ``type`` for a comma-separated list whose items ``item`` reads (``plain_int``,
+    ``finite_float``, or a type of the command's own such as ``validate_sim._shape``): ``type=
+    comma_list(plain_int)`` reads '0,1, 2' as [0, 1, 2]. Spaces around an item are allowed; an empty
+    item ('1,,2', '1,', an empty list) is refused, as is an item ``item`` refuses: "argument
+    --neighbours: not an integer: '1e3' (in '0,1e3')". (Ranges are the command's to check.)"""
+    def parse(text: str) -> list[T]:
+        items = [part.strip() for part in text.split(",")]
+        if "" in items:
+            raise argparse.ArgumentTypeError(f"a comma-separated list without empty items expected, got {text!r}")
+        try:
+            return [item(x) for x in items]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (in {text!r})" if len(items) > 1 else str(e)) from None
+
+    return parse

@@ -25,7 +25,7 @@ import sys
 import time
 
 from agent.policies import get_policy
-from evaluation.flags import plain_int
+from evaluation.flags import comma_list, finite_float, plain_int
 from evaluation.random_nodes import curve_for, random_node
 
 
@@ -84,16 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluation.hold_noise", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=plain_int, default=500, help="random nodes (those with a cold job are left out; default 500)")
     p.add_argument("--ticks", type=plain_int, default=20, help="re-plans per node (default 20)")
-    p.add_argument("--levels", default="0,0.02,0.05,0.1", help="noise levels, comma-separated fractions (default 0,0.02,0.05,0.1)")
+    p.add_argument("--levels", type=comma_list(finite_float), default="0,0.02,0.05,0.1", help="noise levels, comma-separated fractions (default 0,0.02,0.05,0.1)")
     p.add_argument("--seed", type=plain_int, default=1, help="the random nodes' and the noise's seed (default 1)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
-    try:
-        levels = [float(x) for x in args.levels.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--levels: not a list of numbers: {args.levels!r}")
-    if not levels or any(not 0 <= x < 1 for x in levels):
-        p.error(f"--levels: fractions in [0, 1), got {args.levels!r}")
+    levels = args.levels
+    if any(not 0 <= x < 1 for x in levels):
+        p.error(f"--levels: fractions in [0, 1), got {','.join(map(str, levels))}")
     if args.nodes < 1 or args.ticks < 2:
         p.error("--nodes must be >= 1 and --ticks >= 2")
     t0 = time.perf_counter()

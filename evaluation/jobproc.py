@@ -182,7 +182,7 @@ def _cuda_step_fn(batch_size: int, crop_px: int):
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import finite_float, plain_int
+    from evaluation.flags import comma_list, finite_float, plain_int
 
     ap = argparse.ArgumentParser(prog="evaluation.jobproc")
     ap.add_argument("--spec", required=True, help="JobSpec as JSON")
@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-workers", type=plain_int, default=None)
     ap.add_argument("--duration-s", type=finite_float, default=None)
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
-    ap.add_argument("--sweep", default=None, help="comma-separated worker counts, one segment each")
+    ap.add_argument("--sweep", type=comma_list(plain_int), default=None,
+                    help="comma-separated worker counts, one segment each")
     ap.add_argument("--segment-s", type=finite_float, default=3.0)
     ap.add_argument("--total-steps", type=plain_int, default=None,
                     help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
     else:
         def do_step(batch):
             emulated_step(batch, step_s, trainer_cpu_s, ranks)
-    sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
+    sweep = args.sweep
     workers = sweep[0] if sweep else (args.workers if args.workers == "auto" else int(args.workers))
     max_workers = args.max_workers
     if sweep:  # the loader's default bound is the CPU count; a sweep may go past it

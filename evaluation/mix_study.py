@@ -45,8 +45,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from evaluation.validate_sim import BASELINES
-from evaluation.flags import finite_float, plain_int
+from evaluation.validate_sim import BASELINES, _shape
+from evaluation.flags import comma_list, finite_float, plain_int
 
 POLICIES = BASELINES + ("adaptive",)
 GPU_CHOICES = (1, 1, 1, 2, 2, 4)
@@ -144,23 +144,6 @@ def summarise(rows: list[dict]) -> dict:
             "best_baseline": dict(Counter(r["best"] for r in rows).most_common())}
 
 
-def parse_nodes(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        try:
-            c, g = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ValueError(f"--nodes takes CORES:GPUS pairs separated by commas, got {part.strip()!r}") from None
-        if c < 1 or g < 1:
-            raise ValueError(f"--nodes: cores and GPUs must be at least 1, got {part.strip()!r}")
-        out.append((c, g))
-    if not out:
-        raise ValueError("--nodes names no node shape")
-    return out
-
-
 def _g(v) -> str:
     return "-" if v is None else format(v, ".3f")
 
@@ -193,10 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worst", type=plain_int, default=5, help="worst mixes per node kept in the JSON (default 5)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
-    try:
-        nodes = parse_nodes(args.nodes)
-    except ValueError as e:
-        print(f"mix_study: {e}", file=sys.stderr)
+    try:   # (read here, not by argparse: the JSON records the flag as given)
+        nodes = comma_list(_shape)(args.nodes)
+    except argparse.ArgumentTypeError as e:
+        print(f"mix_study: --nodes: {e}", file=sys.stderr)
         return 2
     if args.mixes < 1 or args.worst < 0:
         print("mix_study: --mixes must be at least 1 and --worst at least 0", file=sys.stderr)

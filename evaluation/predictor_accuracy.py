@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from evaluation.flags import comma_list, finite_float, plain_int  # noqa: E402
 from predictor.bank import PredictorBank  # noqa: E402
 from predictor.curve import KNEE_TOLERANCE  # noqa: E402
 from predictor.prior import (CORPUS_PATH, VALIDATION_PATH, by_job, corpus_digest, fit_prior,  # noqa: E402
@@ -170,6 +171,15 @@ def evaluate(points: list[dict], start: tuple[int, float], learned: bool, knee_t
     return {"summary": summary, "per_job": per_job}
 
 
+def _start(text: str) -> tuple[int, float]:
+    """One ``--starts`` item (``evaluation.flags.comma_list``): "4:0.5" -> (4 workers, 0.5 cores)."""
+    try:
+        workers, cores = text.split(":")
+        return plain_int(workers), finite_float(cores)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"not WORKERS:CORES: {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", default=str(CORPUS_PATH), metavar="PATH",
@@ -184,9 +194,9 @@ def main(argv=None) -> int:
                          "default predictor/data/prior_validation.json)")
     args = ap.parse_args(argv)
     try:   # (a missing or malformed corpus, or a --starts without ':', was a traceback)
-        starts = [(int(w), float(c)) for w, c in (s.split(":") for s in args.starts.split(","))]
-    except ValueError:
-        ap.error(f"--starts takes WORKERS:CORES pairs separated by commas (e.g. 2:2,1:1), got {args.starts!r}")
+        starts = comma_list(_start)(args.starts)   # (read here, not by argparse: the JSON records the flag as given)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--starts takes WORKERS:CORES pairs separated by commas (e.g. 2:2,1:1): {e}")
     try:
         header, points = load_corpus(args.corpus)
     except OSError as e:

@@ -229,16 +229,16 @@ def limit_all_cpus() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evaluation.flags import finite_float, plain_int
+    from evaluation.flags import comma_list, finite_float, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "predictor" / "data" / "corpus.jsonl"), metavar="PATH",
                     help="the corpus file, JSON lines (default predictor/data/corpus.jsonl: the shipped corpus)")
     ap.add_argument("--jobs", default=",".join(JOBS), metavar="LIST",
                     help=f"synthetic jobs, comma-separated (default all: {','.join(JOBS)})")
-    ap.add_argument("--workers", default="1,2,3,4,6,8", metavar="LIST",
+    ap.add_argument("--workers", type=comma_list(plain_int), default="1,2,3,4,6,8", metavar="LIST",
                     help="worker counts, comma-separated (default 1,2,3,4,6,8)")
-    ap.add_argument("--cores", default="0.5,1,2", metavar="LIST",
+    ap.add_argument("--cores", type=comma_list(finite_float), default="0.5,1,2", metavar="LIST",
                     help="CPU allowances of the workers in cores, comma-separated; fractional ones need root "
                          "(default 0.5,1,2)")
     ap.add_argument("--window-s", type=finite_float, default=2.5, metavar="S", help="measured seconds per point (default 2.5)")
@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
         ap.error(f"unknown job(s) {unknown}; known: {', '.join(JOBS)}")
-    worker_counts = [int(x) for x in args.workers.split(",")]
-    core_counts = [float(x) for x in args.cores.split(",")]
+    worker_counts, core_counts = args.workers, args.cores
     is_root = os.geteuid() == 0 and _cpu_hierarchy().has_file("", "cpu.cfs_quota_us")
     skipped = [c for c in core_counts if c != int(c) and not is_root]
     core_counts = [c for c in core_counts if c not in skipped]

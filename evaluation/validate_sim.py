@@ -55,7 +55,7 @@ import sys
 from typing import Optional
 
 from evaluation import simulate as S
-from evaluation.flags import finite_float
+from evaluation.flags import comma_list, finite_float, plain_int
 from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 from evaluation.report import read_bench
 
@@ -620,12 +620,13 @@ def markdown_records(study: dict, policies=("adaptive",)) -> str:
 
 
 def _shape(text: str) -> tuple[int, int]:
+    """argparse ``type`` (an item of ``comma_list``): "16:8" -> (16, 8)."""
     try:
-        c, g = (int(x) for x in text.split(":"))
-    except ValueError:
+        c, g = (plain_int(x) for x in text.split(":"))
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"node shape {text!r}: expected CORES:GPUS, e.g. 16:8") from None
     if c < 1 or g < 1:
-        raise argparse.ArgumentTypeError(f"node shape {text!r}: cores and GPUs must be >= 1")
+        raise argparse.ArgumentTypeError(f"node shape {text!r}: cores and GPUs must be at least 1")
     return c, g
 
 
@@ -640,7 +641,8 @@ def main(argv=None) -> int:
                     help="each job's loader CPU per sample in the simulator: the bench's calibration (default), or "
                          "what its workers paid in the run (``with_measured_costs``: one figure per job, the median "
                          "over the run's policies)")
-    ap.add_argument("--nodes", default=None, help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
+    ap.add_argument("--nodes", type=comma_list(_shape), default=None,
+                    help="node shapes for the study, CORES:GPUS,... (e.g. 16:8,96:8)")
     ap.add_argument("--explain", action="store_true", help="with --nodes: adaptive's plan and each job's rates")
     ap.add_argument("--floor-fraction", type=finite_float, default=None,
                     help="with --nodes: the agent's floor_fraction (default: the agent's default)")
@@ -651,12 +653,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
         ap.error("give bench.json files and/or --nodes")
-    shapes = []
-    if args.nodes:
-        try:
-            shapes = [_shape(x) for x in args.nodes.split(",")]
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
+    shapes = args.nodes or []
     doc: dict = {"validation": [], "study": {}}
     for path in args.bench:
         try:

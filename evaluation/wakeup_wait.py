@@ -124,10 +124,10 @@ def modelled_wait_s(cpus: int, neighbours: int, duty: float, cpu_s: float, woken
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import finite_float, plain_int
+    from evaluation.flags import comma_list, finite_float, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.wakeup_wait", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--neighbours", default="0,1,2,3", help="comma-separated neighbour counts (default 0,1,2,3)")
+    ap.add_argument("--neighbours", type=comma_list(plain_int), default="0,1,2,3", help="comma-separated neighbour counts (default 0,1,2,3)")
     ap.add_argument("--duty", type=finite_float, default=0.5, help="part of the time each neighbour computes, (0, 1] (default 0.5)")
     ap.add_argument("--iterations", type=plain_int, default=60, help="the trainer's steps per count (default 60)")
     ap.add_argument("--gpu-ms", type=finite_float, default=100.0, help="the trainer's sleep per step, its GPU part (default 100)")
@@ -139,12 +139,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not os.path.exists(SCHEDSTAT):
         ap.error(f"{SCHEDSTAT} is missing: this needs Linux with schedstats (CONFIG_SCHED_INFO)")
-    try:
-        counts = [int(x) for x in a.neighbours.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--neighbours must be comma-separated integers, got {a.neighbours!r}")
-    if any(c < 0 for c in counts) or not counts:
-        ap.error(f"--neighbours must be non-negative integers, got {a.neighbours!r}")
+    counts = a.neighbours
+    if any(c < 0 for c in counts):
+        ap.error(f"--neighbours must be non-negative integers, got {','.join(map(str, counts))}")
     if not 0.0 < a.duty <= 1.0:
         ap.error(f"--duty must be in (0, 1], got {a.duty}")
     if a.iterations < 1 or a.gpu_ms < 0 or a.cpu_ms <= 0 or a.woken_ms < 0:

@@ -196,6 +196,9 @@ def test_an_endpoint_that_cannot_be_bound_is_one_error_line_and_the_agent_exits(
                          timeout=60)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and f"cannot bind {endpoint}" in out.stderr, out.stderr
+    if what == "directory":   # (before: the refused start left agent.sock.lock beside the directory)
+        assert "exists and is not a socket (a directory)" in out.stderr, out.stderr
+        assert not os.path.exists(f"{base}/agent.sock.lock")
 
 
 def test_a_file_at_the_socket_path_is_refused_and_kept(base):
@@ -204,12 +207,15 @@ def test_a_file_at_the_socket_path_is_refused_and_kept(base):
     victim = f"{base}/notes.txt"
     with open(victim, "w") as f:
         f.write("keep me\n")
+    before = os.listdir(base)
     out = subprocess.run(adloader_cmd("agent", "--endpoint", f"ipc://{victim}", "--state-dir", f"{base}/state",
                                       "--cgroup-mode", "off"), env=repo_env(), capture_output=True, text=True,
                          timeout=20)
     assert out.returncode == 1 and "exists and is not a socket" in out.stderr, out.stderr
     with open(victim) as f:
         assert f.read() == "keep me\n"
+    # (before: the refused start left notes.txt.lock beside it)
+    assert [f for f in os.listdir(base) if f not in before and f != "state"] == []
 
 
 AS_USER = """

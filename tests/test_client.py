@@ -648,6 +648,29 @@ def test_a_rank_or_count_not_in_ascii_digits_is_skipped_with_one_warning_naming_
         assert any(f"{name}={value!r}" in m and instead in m for m in said), (name, said)
 
 
+def test_a_process_count_of_zero_is_skipped_with_one_warning_naming_the_variable(monkeypatch, caplog):
+    """WORLD_SIZE=0 (or SLURM_NTASKS, LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE) is refused as '1_0' is:
+    skipped as an unset one is and reported once, by name and value. (Before: WORLD_SIZE=0 was read
+    as 0 and sent in hello, which the agent refuses as malformed; LOCAL_WORLD_SIZE=0 became 1 without
+    a word.) A rank of 0 is a rank."""
+    import logging
+
+    monkeypatch.setattr(env, "_reported", set(), raising=False)     # (reported once per process)
+    with caplog.at_level(logging.WARNING, logger="adloader.env"):
+        assert env.world_size({"WORLD_SIZE": "0"}) == 1
+        assert env.world_size({"WORLD_SIZE": "0", "SLURM_NTASKS": "4"}) == 4
+        assert env.world_size({"SLURM_NTASKS": "00"}) == 1
+        assert env.local_world_size({"LOCAL_WORLD_SIZE": "0", "SLURM_NTASKS_PER_NODE": "2"}) == 2
+        assert env.rank({"RANK": "0", "SLURM_PROCID": "3"}) == 0 and env.local_rank({"LOCAL_RANK": "0"}) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "adloader.env"]
+    assert len(said) == 3, said
+    for name, value, instead in (("WORLD_SIZE", "0", "using the default 1"),
+                                 ("SLURM_NTASKS", "00", "using the default 1"),
+                                 ("LOCAL_WORLD_SIZE", "0", "using SLURM_NTASKS_PER_NODE=2")):
+        want = f"{name}={value!r}: a count of processes must be at least 1; {instead}"
+        assert any(want in m for m in said), (name, said)
+
+
 def test_the_client_reports_the_workers_taking_tasks():
     """A loader that can leave its retiring workers out is asked to (they may exit before the agent
     reads the report); one whose ``worker_pids`` takes no argument is asked plainly; one that fails

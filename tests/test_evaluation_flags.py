@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from evaluation.flags import finite_float, plain_int
+from evaluation.flags import comma_list, finite_float, plain_int
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
@@ -49,4 +49,60 @@ def test_no_evaluation_command_reads_a_number_flag_with_int_or_float():
     plain = re.compile(r"\btype\s*=\s*(int|float)\b")
     found = [f"{p.name}:{i}" for p in sorted((REPO / "evaluation").glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if plain.search(line)]
+    assert found == []
+
+
+def test_a_comma_separated_list_reads_its_items_with_the_plain_types():
+    assert comma_list(plain_int)("0,1, 2") == [0, 1, 2] and comma_list(plain_int)("7") == [7]
+    assert comma_list(finite_float)("0,0.05,1e-2") == [0.0, 0.05, 0.01]
+    for text in ("1,,2", "1,", ",1", "", " ", "1e3", "1_0", "\u0661", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            comma_list(plain_int)(text)
+    for text in ("0,nan", "inf", "0,-Infinity", "1e999", "0,,1", "0.1_0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            comma_list(finite_float)(text)
+
+
+@pytest.mark.parametrize("module, argv, flag, bad", [
+    # (before: int() and float() over text.split(","): '1e3' and '1_0' read or a traceback, 'nan' and
+    # 'inf' read as levels or CPU allowances, empty items skipped without a word)
+    ("wakeup_wait", ["--neighbours", "0,1e3"], "--neighbours", "1e3"),
+    ("wakeup_wait", ["--neighbours", "0,,1"], "--neighbours", "0,,1"),
+    ("oversub_cpu", ["--procs", "1,2_0"], "--procs", "2_0"),
+    ("hold_noise", ["--levels", "0,nan"], "--levels", "nan"),
+    ("predictor_corpus", ["--cores", "1,inf"], "--cores", "inf"),
+    ("predictor_corpus", ["--workers", "1,"], "--workers", "1,"),
+    ("best_plan", ["--nodes", "2:3", "--random", "2", "--pick", "1e0"], "--pick", "1e0"),
+    ("best_plan", ["--nodes", "2:\u0663"], "--nodes", "2:\u0663"),
+    ("validate_sim", ["--nodes", "16:8,1_6:8"], "--nodes", "1_6:8"),
+    ("jobproc", ["--spec", "{}", "--progress", "/nonexistent/p", "--sweep", "1,2.5"], "--sweep", "2.5"),
+])
+def test_a_malformed_item_of_a_number_list_is_a_usage_error_naming_the_flag(module, argv, flag, bad, tmp_path,
+                                                                            capsys):
+    mod = importlib.import_module(f"evaluation.{module}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and repr(bad) in err, err
+
+
+def test_number_lists_read_here_rather_than_by_argparse_refuse_the_same_items(capsys):
+    """mix_study --nodes and predictor_accuracy --starts are read after argparse (their JSON records
+    the flag as given), with the same list type."""
+    from evaluation import mix_study, predictor_accuracy
+
+    assert mix_study.main(["--nodes", "8:4,1_6:8"]) == 2
+    assert "--nodes: " in (err := capsys.readouterr().err) and "'1_6:8'" in err, err
+    assert mix_study.main(["--nodes", "8:4,"]) == 2 and "empty items" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        predictor_accuracy.main(["--starts", "2:nan", "--validation", ""])
+    assert e.value.code == 2 and "--starts" in (err := capsys.readouterr().err) and "'2:nan'" in err, err
+
+
+def test_no_evaluation_command_reads_a_comma_separated_list_with_int_or_float():
+    """A list flag's items go through evaluation.flags.comma_list (the same text rules as one number)."""
+    bare = re.compile(r"\b(int|float)\(.*split\(\",\"\)")
+    found = [f"{p.name}:{i}" for p in sorted((REPO / "evaluation").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if bare.search(line)]
     assert found == []

@@ -261,9 +261,26 @@ def test_a_long_timeout_is_waited_out_by_the_deadline_not_an_overflow(fake_agent
 
 
 @pytest.mark.component
-def test_bad_endpoint_is_a_clear_failure():
-    rc, err, _ = run_job("register", "--job", "1", endpoint="carrier-pigeon://x")
-    assert rc == 1 and "bad endpoint" in one_line(err)
+@pytest.mark.parametrize("bad, why", [("carrier-pigeon://x", "must start with ipc:// or tcp://"),
+                                      ("ipc://", "needs the socket's path"),
+                                      ("ipc://rel/agent.sock", "must be absolute"),
+                                      ("", "must start with ipc:// or tcp://")])
+def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
+    """Checked as the agent checks its own (``agent.config.endpoint_problem``), before anything is sent:
+    exit 2 without --slurm, 0 with it, one line naming --endpoint and the value. (Before: exit 1 with
+    libzmq's "Protocol not supported", or "agent down: no socket at " for 'ipc://' and a relative path
+    taken as the agent being down.)"""
+    for how, want_rc in ((("--job", "1"), 2), (("--slurm",), 0)):
+        rc, err, _ = run_job("register", *how, endpoint=bad, env=SLURM_ENV)
+        line = one_line(err)
+        assert rc == want_rc and f"not sent: bad variable: --endpoint {bad!r}: " in line and why in line, line
+
+
+@pytest.mark.component
+def test_status_refuses_a_malformed_endpoint_naming_it():
+    p = subprocess.run(adloader_cmd("status", "--endpoint", "ipc://", "--timeout-s", "1"), env=repo_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--endpoint 'ipc://': " in one_line(p.stderr) and "socket's path" in p.stderr
 
 
 @pytest.mark.component

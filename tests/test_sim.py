@@ -1008,7 +1008,7 @@ def test_wakeup_wait_command_measures_the_kernel_beside_the_model(tmp_path):
     full = W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02, woken_s=0.02)
     assert full > 0.0
     assert 0.0 < W.modelled_wait_s(cpus, cpus - 1, 1.0, 0.02, woken_s=0.005) < full
-    for bad, msg in ((["--neighbours", "x"], "comma-separated integers"), (["--duty", "0"], "--duty"),
+    for bad, msg in ((["--neighbours", "x"], "argument --neighbours: not an integer: 'x'"), (["--duty", "0"], "--duty"),
                      (["--cpu-ms", "0"], "--cpu-ms"), (["--woken-ms", "-1"], "--woken-ms")):
         r = subprocess.run([sys.executable, "-m", "evaluation.wakeup_wait", *bad], capture_output=True, text=True,
                            env=repo_env(), timeout=60)
@@ -1247,8 +1247,9 @@ def test_oversub_cpu_fit_and_bad_arguments(capsys):
     ref, slope = O.fit(2, med)
     assert ref == 1.0 and slope == pytest.approx(0.03)
     assert O.fit(4, {1: 2.0, 2: 2.0})[1] == 0.0          # nothing above one per CPU: no slope
-    assert O.main(["--procs", "2,x"]) == 2
-    assert "--procs must be integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        O.main(["--procs", "2,x"])
+    assert e.value.code == 2 and "argument --procs: not an integer: 'x'" in capsys.readouterr().err
     assert O.main(["--reps", "0"]) == 2
     assert O.main(["--image-px", "4"]) == 2 and "--image-px at least 16" in capsys.readouterr().err
 

@@ -25,6 +25,10 @@ def register(sub) -> None:
 def run(args) -> int:
     from agent import config, status
 
+    why = None if args.endpoint is None else config.endpoint_problem(args.endpoint)
+    if why:
+        print(f"adloader status: --endpoint {config.shown(args.endpoint)}: {why}", file=sys.stderr)
+        return 2
     endpoint, note = config.client_endpoint(args.endpoint)
     try:
         doc = status.query(endpoint, timeout_s=args.timeout_s)
