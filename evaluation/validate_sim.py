@@ -630,6 +630,31 @@ def _shape(text: str) -> tuple[int, int]:
     return c, g
 
 
+WITHIN = 0.05      # issue 11's target: each simulated ratio within 5% of the measured one
+
+
+def within_summary(rows: list[dict]) -> dict:
+    """How many of ``validate``'s rows put the simulated ratio over the best baseline within ``WITHIN`` of
+    the measured one; the mean and largest difference; the rows outside, largest first."""
+    diffs = [(abs(r["sim_best"] / r["measured_best"] - 1.0), r) for r in rows
+             if r.get("sim_best") and r.get("measured_best")]
+    outside = sorted(((d, r) for d, r in diffs if d > WITHIN + 1e-12), key=lambda x: -x[0])
+    return {"rows": len(diffs), "within": len(diffs) - len(outside),
+            "mean_diff": sum(d for d, _ in diffs) / len(diffs) if diffs else None,
+            "max_diff": max((d for d, _ in diffs), default=None),
+            "outside": [{"scenario": r["scenario"], "policy": r["policy"], "diff": d} for d, r in outside]}
+
+
+def markdown_within(s: dict, what: str) -> str:
+    if not s["rows"]:
+        return f"{what}: no row with a measured and a simulated ratio"
+    out = (f"{what}: {s['within']} of {s['rows']} rows within {100 * WITHIN:g}% of the measured ratio over the best "
+           f"baseline (mean difference {100 * s['mean_diff']:.1f}%, largest {100 * s['max_diff']:.1f}%)")
+    if s["outside"]:
+        out += "; outside: " + ", ".join(f"{o['scenario']} {o['policy']} {100 * o['diff']:.1f}%" for o in s["outside"])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.validate_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
@@ -655,6 +680,7 @@ def main(argv=None) -> int:
         ap.error("give bench.json files and/or --nodes")
     shapes = args.nodes or []
     doc: dict = {"validation": [], "study": {}}
+    every: list[dict] = []
     for path in args.bench:
         try:
             bench = read_bench(path)
@@ -676,6 +702,10 @@ def main(argv=None) -> int:
                   "the run, less the simulator's own slicing cost): " + ", ".join(f"{sc} {j} {f:.2f}" for (sc, j), f in sorted(factors.items())) + "\n")
         if rows:
             print(markdown_validation(rows))
+            summary = within_summary(rows)
+            doc.setdefault("within", {})[path] = summary
+            every += rows
+            print("\n" + markdown_within(summary, "this run"))
         if dyn:
             print(markdown_dynamic(dyn))
         if not rows and not dyn:
@@ -688,6 +718,9 @@ def main(argv=None) -> int:
             doc.setdefault("jobs", []).extend(per_job)
             print()
             print(markdown_jobs(per_job))
+    if len(args.bench) > 1 and every:
+        doc["within_all"] = within_summary(every)
+        print("\n" + markdown_within(doc["within_all"], f"all {len(args.bench)} runs"))
     if args.floor_fraction is not None and not 0 < args.floor_fraction <= 1:
         ap.error(f"--floor-fraction must be in (0, 1], got {args.floor_fraction}")
     for c, g in shapes:

@@ -706,6 +706,45 @@ def test_validate_sim_can_charge_each_job_the_loader_cost_its_workers_paid(tmp_p
 
 
 @pytest.mark.unit
+def test_validate_sim_counts_the_rows_within_five_percent(tmp_path, capsys):
+    """The issue's target as the command prints it: per run, how many rows put the simulated ratio over
+    the best baseline within 5% of the measured one, which are outside (largest first), and with several
+    runs the count over all of them, also in the JSON."""
+    from evaluation import validate_sim as V
+
+    rows = [{"scenario": "mix", "policy": "a", "measured_best": 1.00, "sim_best": 1.04},
+            {"scenario": "mix", "policy": "b", "measured_best": 0.80, "sim_best": 0.88},     # 10% over
+            {"scenario": "mix", "policy": "c", "measured_best": 1.20, "sim_best": 1.10},     # 8.3% under
+            {"scenario": "mix", "policy": "d", "measured_best": None, "sim_best": 1.0}]      # not counted
+    s = V.within_summary(rows)
+    assert (s["rows"], s["within"]) == (3, 1)
+    assert [o["policy"] for o in s["outside"]] == ["b", "c"]
+    assert s["max_diff"] == pytest.approx(0.10) and s["mean_diff"] == pytest.approx((0.04 + 0.10 + 0.1 / 1.2) / 3)
+    assert "1 of 3 rows within 5%" in V.markdown_within(s, "run") and "mix b 10.0%" in V.markdown_within(s, "run")
+    # the command, on two copies of a small run: per run and over both
+    spec = {"batch_size": 64, "step_s": 0.1, "demand_cores": 0.9, "cpu_s_per_sample": 0.9 * 0.1 / 64,
+            "trainer_cpu_frac": 0.2, "gpus": 1, "num_workers": 4}
+    phases = [{"scenario": "mix", "kind": "static", "policy": policy, "rep": rep, "warmup_s": 6,
+               "window": [0.0, 12.0], "specs": {"x": spec, "y": spec},
+               "metrics": {"agg_normalised": agg, "jobs": {}}}
+              for rep in range(2) for policy, agg in (("none", 1.5), ("even-static", 1.6), ("adaptive", 1.7))]
+    paths = []
+    for name in ("one.json", "two.json"):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps({"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0},
+                                         "phases": phases}))
+    out = tmp_path / "rows.json"
+    assert V.main([str(p) for p in paths] + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    per_run = doc["within"][str(paths[0])]
+    assert per_run["rows"] == 3 and doc["within_all"]["rows"] == 6
+    assert doc["within_all"]["within"] == 2 * per_run["within"]
+    assert f"this run: {per_run['within']} of 3 rows" in printed
+    assert f"all 2 runs: {doc['within_all']['within']} of 6 rows" in printed
+
+
+@pytest.mark.unit
 def test_validate_sim_runs_a_job_whose_pipeline_changes_with_its_later_phase():
     """The bench's ``phase`` scenario: a job's spec carries its later workload; the simulator runs it with
     that phase, whose cost per sample is the run's calibrated job with the same workload (its seed
