@@ -365,14 +365,16 @@ def test_node_model_modes_on_a_trainer_heavy_mix():
     # node with no idle CPU (both CPUs busy: 0.15^2 of the time here; the agent's yielding loaders are
     # never in a trainer's way); a hard quota of one core per job is a budget per period that these jobs
     # (0.3 cores each) never spend, not a slower CPU (measured: the quiet 2-core nothing-to-arbitrate
-    # mix, static-cores 0.98x none)
+    # mix, static-cores 0.98x none). What a rare wake-up costs is the model's own figure: about 1.4% of
+    # the aggregate with the other job's group weighing WAKE_GROUP_WEIGHT (1.5) there, 0.6% at 1.0; the
+    # measured quiet nothing-to-arbitrate mix puts none and autotune at 0.95-0.96x even-static
     small = {j: N.curve_with_workload(model(j, 0.2, 0.1).curve, 0.01, 1, 2) for j in ("a", "b")}
     cfg2 = S.SimConfig(cores=2.0, gpus=2, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
     agg = {p: S.steady_state(small, p, cfg2)["window_agg"] for p in ("none", "autotune", "adaptive", "static-cores")}
     assert agg["adaptive"] == pytest.approx(2.0, rel=1e-4)
     assert agg["static-cores"] == pytest.approx(agg["none"], rel=1e-6)
     for p in ("none", "autotune"):
-        assert 2.0 * 0.99 < agg[p] < 2.0
+        assert 2.0 * 0.98 < agg[p] < 2.0
 
 
 @pytest.mark.unit
