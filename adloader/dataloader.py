@@ -65,6 +65,9 @@ Deviations from torch (by design, documented):
   made to the dataset between epochs reach fresh workers); ``True`` keeps them.
 - ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
   worker count (iterable).
+- A worker runs on the CPU mask of the training process's main thread as it is when the worker starts,
+  set before ``worker_init_fn``, whichever thread started it and with any start method
+  (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
 - The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
   does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
 - ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).

@@ -4,7 +4,9 @@ Each test runs a few dozen small batches; worker processes are forked unless the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import threading
@@ -17,13 +19,14 @@ import torch
 import torch.utils.data as tud
 
 from adloader import DataLoader, memory
+from adloader._pool import WorkerPool
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.loader_datasets import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, SparseSamples, WhoAmI,
-                                    collate_dict,
+from tests.loader_datasets import (Awkward, CpusAtInit, FailsAt, Indexed, RandomAug, Shards, Slow, SparseSamples,
+                                    WhoAmI, collate_dict,
                                     collate_keep_views, collate_tuple, init_fails,
-                                    init_marks_worker)
+                                    init_marks_worker, init_notes_cpus)
 
 pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -289,6 +292,175 @@ def test_worker_killed_mid_epoch_is_replaced_and_its_batches_redispatched(caplog
     assert s["redispatched"] >= 1
     assert any("exited unexpectedly" in r.getMessage() for r in caplog.records)
     assert any("re-dispatched" in r.getMessage() for r in caplog.records)
+
+
+# ---- the CPU mask a worker runs on (adloader._affinity) -------------------------------------------
+# A training script pins itself with os.sched_setaffinity(0, ...), which sets its calling (main) thread's
+# mask only; a new process inherits the mask of the thread that forked it (or, forkserver, the fork
+# server's). Each test starts a worker from somewhere whose mask is not the main thread's.
+
+def _whole_mask_and_one_cpu() -> tuple[set[int], set[int]]:
+    """This process's CPUs, and one of them to pin to (skips where there is only one)."""
+    whole = os.sched_getaffinity(0)
+    if len(whole) < 2:
+        pytest.skip(f"needs 2 CPUs for a worker's mask to differ from its starter's; this process may use "
+                    f"{sorted(whole)}")
+    return whole, {min(whole)}
+
+
+@contextlib.contextmanager
+def _training_thread_pinned(cpus: set[int]):
+    """Pin this, the main, thread to ``cpus`` as a training script does; its mask is put back after."""
+    assert threading.current_thread() is threading.main_thread()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpus_at_init(notes, pid: int) -> set[int]:
+    """The CPUs worker ``pid`` ran on in its ``worker_init_fn`` (``init_notes_cpus``)."""
+    path = notes / f"init-{pid}"
+    wait_for(path.exists, what=f"the worker_init_fn of worker {pid}")
+    return {int(c) for c in path.read_text().split()}
+
+
+def test_a_worker_a_users_thread_starts_runs_on_the_training_process_cpu_mask(tmp_path):
+    """``loader.resize(2)`` from a thread of the user's own, created before the script pinned itself:
+    the worker it starts runs, from before its ``worker_init_fn``, on the main thread's CPU (it was forked
+    from that thread, with that thread's whole mask). The worker started before the pin keeps the mask
+    it started with, as torch's do."""
+    whole, one = _whole_mask_and_one_cpu()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 40, sleep_s=0.002), batch_size=2, num_workers=1, max_workers=2,
+                    worker_init_fn=init_notes_cpus)
+    go = threading.Event()
+    user = threading.Thread(target=lambda: go.wait() and dl.resize(2))    # the whole mask
+    user.start()
+    try:
+        it = iter(dl)
+        got = [next(it)]
+        old, = dl.worker_pids()
+        with _training_thread_pinned(one):
+            go.set()
+            user.join()
+            new, = wait_for(lambda: [p for p in dl.worker_pids() if p != old], what="the worker resize(2) started")
+            assert os.sched_getaffinity(new) == one
+            assert _cpus_at_init(tmp_path, new) == one
+            assert os.sched_getaffinity(old) == whole
+            got.extend(it)
+        assert _ids(got) == list(range(40))
+    finally:
+        go.set()
+        user.join()
+        dl.close()
+
+
+def test_a_replacement_worker_runs_on_the_training_process_cpu_mask(tmp_path):
+    """A worker killed mid-epoch is replaced by whichever thread handles its death: the one iterating
+    the loader (here a thread created before the pin, with the whole mask) or the pool's reaper. The
+    replacement runs on the main thread's CPU, from before its ``worker_init_fn``, and the epoch is whole."""
+    _, one = _whole_mask_and_one_cpu()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 40, sleep_s=0.002), batch_size=2, num_workers=2, max_workers=2,
+                    worker_init_fn=init_notes_cpus)
+    ready, pinned = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def train() -> None:
+        try:
+            it = iter(dl)
+            got = [next(it)]
+            before = dl.worker_pids()
+            ready.set()
+            pinned.wait()
+            os.kill(before[1], signal.SIGKILL)
+            wait_for(lambda: gone(before[1]), what="the killed worker's exit")
+            got.append(next(it))            # this thread's poll sees the death and starts the replacement
+            seen["new"] = new = [p for p in dl.worker_pids() if p not in before]
+            seen["masks"] = [os.sched_getaffinity(p) for p in new]
+            got.extend(it)
+            seen["ids"] = _ids(got)
+        except BaseException as e:          # noqa: BLE001 — raised in the test's thread below
+            seen["error"] = e
+        finally:
+            ready.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        ready.wait()
+        with _training_thread_pinned(one):
+            pinned.set()
+            trainer.join()
+        if "error" in seen:
+            raise seen["error"]
+        assert len(seen["new"]) == 1 and seen["masks"] == [one]
+        assert _cpus_at_init(tmp_path, seen["new"][0]) == one
+        assert seen["ids"] == list(range(40))
+        assert dl.stats()["worker_restarts"] == 1
+    finally:
+        pinned.set()
+        trainer.join()
+        dl.close()
+
+
+@pytest.mark.parametrize("by", ["pool", "worker"])
+def test_a_forkserver_worker_runs_on_the_training_process_cpu_mask(tmp_path, monkeypatch, by):
+    """With ``multiprocessing_context="forkserver"`` every worker is forked by the fork server and
+    inherits its mask (here the whole one: the server started before the pin), whichever thread asked.
+    The pool sets the main thread's mask on it (``by="pool"``); where the pool's call is left out (a worker
+    that ran ahead of it, or a call that failed: ``by="worker"``), the worker sets it on itself, before
+    its ``worker_init_fn``."""
+    _, one = _whole_mask_and_one_cpu()
+    multiprocessing.forkserver.ensure_running()     # with this thread's whole mask
+    if by == "worker":
+        monkeypatch.setattr(WorkerPool, "_give_cpu_mask", lambda self, wid, pid, mask: None)
+    dl = DataLoader(CpusAtInit(str(tmp_path), 8), batch_size=2, num_workers=1, multiprocessing_context="forkserver",
+                    worker_init_fn=init_notes_cpus)
+    try:
+        with _training_thread_pinned(one):
+            it = iter(dl)
+            got = [next(it)]
+            pid, = dl.worker_pids()
+            assert os.sched_getaffinity(pid) == one
+            assert _cpus_at_init(tmp_path, pid) == one
+            got.extend(it)
+        assert _ids(got) == list(range(8))
+    finally:
+        dl.close()
+
+
+def test_a_mask_set_on_a_started_worker_is_not_undone_by_the_worker(tmp_path):
+    """The node agent (cooperative mode) sets the CPU mask of a worker it learns of from the client's
+    report, once the pool has published its pid. The pool gives a worker the training process's mask
+    before that (so the agent records that mask as the one to put back), and the worker, which with
+    forkserver or spawn reaches its own code only after imports and unpickling, then leaves its mask
+    alone: what was set on it in the meantime stays."""
+    whole, one = _whole_mask_and_one_cpu()
+    multiprocessing.forkserver.ensure_running()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 8), batch_size=2, num_workers=1, multiprocessing_context="forkserver",
+                    worker_init_fn=init_notes_cpus)
+    try:
+        with _training_thread_pinned(one):
+            it = iter(dl)                           # starts the worker
+            pid, = dl.worker_pids()
+            assert os.sched_getaffinity(pid) == one
+            other = {max(whole)}
+            os.sched_setaffinity(pid, other)        # what the agent does
+            got = [next(it)]
+            _cpus_at_init(tmp_path, pid)            # (its worker_init_fn ran)
+            assert os.sched_getaffinity(pid) == other
+            got.extend(it)
+        assert _ids(got) == list(range(8))
+    finally:
+        dl.close()
 
 
 def test_dataset_exception_keeps_original_traceback():
