@@ -20,6 +20,9 @@ Invariants:
   ``shutdown``), so an event is never read as one of a newer worker's;
 - a worker runs on the training process's CPU mask (its main thread's) as it was when the worker was
   started, whichever thread started it and however (``adloader._affinity``);
+- a worker whose ``worker_init_fn`` raised is told to exit, and its error kept in ``init_failed``
+  (worker id -> error, in the order read, for the pool's life; the iterator decides when to raise
+  it); from then on no worker is started (a new one would run that function again);
 - a worker that dies otherwise is reported once (``WorkerDied``) after every message it wrote was
   read, and is replaced if its id is still below the target;
 - ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded);
@@ -138,7 +141,8 @@ class WorkerPool:
         self.lock = threading.RLock()
         self.target = 0
         self.slots: dict[int, _Slot] = {}
-        self.fatal: BaseException | RemoteError | None = None
+        self.fatal: BaseException | RemoteError | None = None     # raised at the caller's next next()
+        self.init_failed: dict[int, RemoteError] = {}             # see the module docstring
         self._closed = False
         self._owner_pid = os.getpid()       # shutdown acts only here, never in a forked copy
         _POOLS.add(self)
@@ -191,7 +195,8 @@ class WorkerPool:
                 self._send_ctrl(slot, Control.RETIRE)
                 self._set_state(slot, "retiring")
             # a retiring one back under the target is resumed when its Retired arrives (_drain)
-        if self.fatal is not None or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS:
+        if (self.fatal is not None or self.init_failed
+                or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS):
             return
         for wid in range(self.target):
             if wid not in self.slots:
@@ -445,7 +450,7 @@ class WorkerPool:
                     self._send_ctrl(slot, Control.EXIT)
                     self._set_state(slot, "exiting")
             elif kind is InitError:
-                self.fatal = msg.error
+                self.init_failed.setdefault(slot.wid, msg.error)
                 self._send_ctrl(slot, Control.EXIT)
                 self._set_state(slot, "exiting")
 
@@ -518,6 +523,11 @@ class WorkerPool:
         ``WorkerDied`` then follows from a later ``poll``)."""
         with self.lock:
             return wid in self.slots
+
+    def init_failures(self) -> dict[int, RemoteError]:
+        """``init_failed``, copied (the reaper may add to it)."""
+        with self.lock:
+            return dict(self.init_failed)
 
     def live_workers(self) -> int:
         with self.lock:
