@@ -18,6 +18,11 @@ Invariants:
 - one thread at a time waits on and handles worker events (``poll`` or the reaper, holding
   ``_poll_lock``): a worker's fds are closed, and their numbers reused, only by that thread (or by
   ``shutdown``), so an event is never read as one of a newer worker's;
+- a worker runs on the training process's CPU mask (its main thread's) as it was when the worker was
+  started, whichever thread started it and however (``adloader._affinity``);
+- a worker whose ``worker_init_fn`` raised is told to exit, and its error kept in ``init_failed``
+  (worker id -> error, in the order read, for the pool's life; the iterator decides when to raise
+  it); from then on no worker is started (a new one would run that function again);
 - a worker that dies otherwise is reported once (``WorkerDied``) after every message it wrote was
   read, and is replaced if its id is still below the target;
 - ``shutdown()`` leaves no process behind (exit, then terminate, then kill, each bounded);
@@ -40,6 +45,7 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 
+from adloader._affinity import take_cpu_mask, training_cpu_mask
 from adloader._messages import (IDLE, Batch, Control, InitError, Result, Retired, ShardEnd, WorkerDied, from_wire,
                                 running_task, to_wire)
 from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, MessageReader, PayloadError, out_of_file_descriptors,
@@ -135,7 +141,8 @@ class WorkerPool:
         self.lock = threading.RLock()
         self.target = 0
         self.slots: dict[int, _Slot] = {}
-        self.fatal: BaseException | RemoteError | None = None
+        self.fatal: BaseException | RemoteError | None = None     # raised at the caller's next next()
+        self.init_failed: dict[int, RemoteError] = {}             # see the module docstring
         self._closed = False
         self._owner_pid = os.getpid()       # shutdown acts only here, never in a forked copy
         _POOLS.add(self)
@@ -147,6 +154,7 @@ class WorkerPool:
         self._current = ctx.RawArray("q", self.max_workers)
         for i in range(len(self._current)):
             self._current[i] = IDLE
+        self._mask_taken = ctx.RawArray("b", self.max_workers)    # worker wid's CPU mask was set by us
         if self.iterable:
             self._task_w = self._task_r = None
         else:
@@ -187,21 +195,29 @@ class WorkerPool:
                 self._send_ctrl(slot, Control.RETIRE)
                 self._set_state(slot, "retiring")
             # a retiring one back under the target is resumed when its Retired arrives (_drain)
-        if self.fatal is not None or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS:
+        if (self.fatal is not None or self.init_failed
+                or self._deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS):
             return
         for wid in range(self.target):
             if wid not in self.slots:
                 self._start(wid)
 
     def _start(self, wid: int) -> None:
+        """Start worker ``wid`` on the training process's CPU mask, from whichever thread calls (see
+        ``adloader._affinity``: set here before its pid is published, and by the worker first thing
+        unless we already had)."""
         ctx = self.ctx
         ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
         res_r, res_w = result_channel()
-        spec = replace(self.spec, wid=wid, num_workers=self.target)
+        mask = training_cpu_mask()
+        spec = replace(self.spec, wid=wid, num_workers=self.target, cpu_mask=mask)
         self._current[wid] = IDLE
-        proc = ctx.Process(target=worker_main, args=(spec, self._task_r, ctrl_r, res_w, self._current),
+        self._mask_taken[wid] = 0
+        proc = ctx.Process(target=worker_main,
+                           args=(spec, self._task_r, ctrl_r, res_w, self._current, self._mask_taken),
                            name=f"adloader-worker-{wid}", daemon=True)
         proc.start()
+        self._give_cpu_mask(wid, proc.pid, mask)
         ctrl_r.close()
         res_w.close()
         slot = _Slot(wid, proc, ctrl_w, res_r)
@@ -211,6 +227,12 @@ class WorkerPool:
         self._epoll.register(res_r.fileno(), select.EPOLLIN)
         self._epoll.register(slot.sentinel, select.EPOLLIN)
         log.debug("adloader worker %d started (pid %d)", wid, proc.pid)
+
+    def _give_cpu_mask(self, wid: int, pid: int, mask) -> None:
+        """Set the new worker's CPU mask, and tell it so (it then leaves its mask alone); before its pid
+        is published (``adloader._affinity``)."""
+        take_cpu_mask(mask, pid)
+        self._mask_taken[wid] = 1
 
     def _set_state(self, slot: _Slot, state: str) -> None:
         """Every change of ``slot.state``. The reaper watches a retiring worker's result channel and
@@ -428,7 +450,7 @@ class WorkerPool:
                     self._send_ctrl(slot, Control.EXIT)
                     self._set_state(slot, "exiting")
             elif kind is InitError:
-                self.fatal = msg.error
+                self.init_failed.setdefault(slot.wid, msg.error)
                 self._send_ctrl(slot, Control.EXIT)
                 self._set_state(slot, "exiting")
 
@@ -501,6 +523,11 @@ class WorkerPool:
         ``WorkerDied`` then follows from a later ``poll``)."""
         with self.lock:
             return wid in self.slots
+
+    def init_failures(self) -> dict[int, RemoteError]:
+        """``init_failed``, copied (the reaper may add to it)."""
+        with self.lock:
+            return dict(self.init_failed)
 
     def live_workers(self) -> int:
         with self.lock:

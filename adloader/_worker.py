@@ -16,6 +16,8 @@ Invariants kept here:
   handshake (``RETIRE`` -> ``Retired`` -> ``RESUME``/``EXIT``) so the main process has unpickled every
   result (and fetched every shared-memory file descriptor, which the worker serves where storages go
   torch's way) before it goes;
+- a worker runs on the training process's CPU mask, read when it was started, from its first line
+  (before ``worker_init_fn``), whichever thread or start method started it (``adloader._affinity``);
 - no ZeroMQ socket is ever created here;
 - no Python signal handler of the training process runs here (``drop_inherited_handlers``).
 """
@@ -38,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from adloader._affinity import take_cpu_mask
 from adloader._messages import (IDLE, Control, InitError, Result, Retired, ShardEnd, ShardTask, from_wire,
                                 running_key, to_wire)
 from adloader._transport import (MAX_TASK_BYTES, TOO_MANY_FILES, fd_passing_supported, out_of_file_descriptors,
@@ -275,6 +278,7 @@ class WorkerSpec:
     worker_init_fn: Callable | None
     world_size: int = 1         # torch.distributed's, when initialised (DataPipe sharding)
     rank: int = 0
+    cpu_mask: frozenset[int] | None = None  # the training process's CPUs when this worker started
 
 
 class _ShardPasses:
@@ -324,8 +328,13 @@ def drop_inherited_handlers() -> None:
             pass
 
 
-def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task) -> None:
-    """Worker process entry point. See the module docstring and ``adloader._messages`` for the protocol."""
+def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task,
+                mask_taken) -> None:
+    """Worker process entry point. See the module docstring and ``adloader._messages`` for the protocol.
+    ``mask_taken[wid]``: the pool already gave this process ``spec.cpu_mask`` (``adloader._affinity``)."""
+    # first, so that worker_init_fn and every thread started here run on the training process's CPUs
+    if not mask_taken[spec.wid]:
+        take_cpu_mask(spec.cpu_mask)
     # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
     # same process group must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -12,7 +12,7 @@ an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and 
 decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by window.
 
 CPUs we may use = min(affinity, cgroup CPU quota) (``usable_cpus``; the affinity of the process's main
-thread, which the tuner's thread takes before it starts workers: ``follow_process_affinity``): cgroup
+thread, which the workers the tuner's resizes start run on too: ``adloader._affinity``): cgroup
 v1 cpu.cfs_quota_us / cpu.cfs_period_us of this process's cpu cgroup and its ancestors, or v2 cpu.max,
 found through /proc/self/cgroup (never ``os.cpu_count()``, which ignores both); read again every window, and a
 change (an in-place resize, a moved cpuset) moves the tuner's CPUs and cap (``AutoTuner.cpus_changed``).
@@ -61,8 +61,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from adloader._affinity import follow_process_affinity
 
 log = logging.getLogger("adloader.autotune")
 
@@ -462,7 +460,6 @@ class _Thread(threading.Thread):
                 loader = self.loader_ref()
                 if loader is None:
                     break
-                follow_process_affinity()   # (read and start workers with the training process's CPUs)
                 cur = loader.stats()
                 obs = observation_from_totals(prev, cur, self.tuner.cpus)
                 t = trainer_cpu_s_per_step(prev, cur)

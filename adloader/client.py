@@ -35,9 +35,6 @@ Invariants (STYLE 8):
   overtakes it, the session's last directive moves to the new primary and the old one goes back to
   its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
-  Before it resizes a loader the thread takes the CPU affinity of the process's main thread
-  (``adloader._affinity``): the workers a directive starts are forked from this thread and inherit
-  its mask, not the one the training script set on itself after the thread started.
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
   process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
@@ -68,7 +65,6 @@ import weakref
 from typing import Any, Optional
 
 from adloader import env, protocol, trust
-from adloader._affinity import follow_process_affinity
 from adloader.trust import agent_untrusted  # noqa: F401 (re-exported: the check the client makes)
 
 log = logging.getLogger("adloader.client")
@@ -491,9 +487,7 @@ class _Client:
 
     def _direct(self, loader, msg: dict) -> None:
         """Apply a directive to the primary ``loader``; the loader directed before, if another one, goes
-        back to its own count; autotune is detached from a loader before its first directive. Workers
-        either resize starts are forked from this thread: it takes the training process's CPU mask first."""
-        follow_process_affinity()
+        back to its own count; autotune is detached from a loader before its first directive."""
         previous = self._directed()
         if previous is not loader:
             self._release(previous)

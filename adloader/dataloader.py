@@ -65,6 +65,14 @@ Deviations from torch (by design, documented):
   made to the dataset between epochs reach fresh workers); ``True`` keeps them.
 - ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
   worker count (iterable).
+- A ``worker_init_fn`` error is raised at the batch torch raises it at (``_init_error_due``), or
+  later when it is read after that batch was made by another worker; then the epoch ends, where
+  torch's iterator goes on (each batch it gave the failed worker raising ``UnboundLocalError``). A
+  persistent pool keeps the failure: every later epoch raises it again at its batch (torch's failed
+  worker runs later epochs without its ``worker_init_fn``).
+- A worker runs on the CPU mask of the training process's main thread as it is when the worker starts,
+  set before ``worker_init_fn``, whichever thread started it and with any start method
+  (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
 - The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
   does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
 - ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).
@@ -889,6 +897,8 @@ class _ElasticIter:
         self._pinner: PinThread | None = None       # this epoch's pin thread (``_pin_ahead``)
         self._pinner_finalizer = None
         self._pin_device_id: int | None = None
+        self._first_seq = 0                         # this epoch's first batch (``_init_error_due``)
+        self._init_turns: dict[int, int] = {}       # worker id -> the batch its init error stands for
 
     def __iter__(self):
         return self
@@ -938,6 +948,8 @@ class _ElasticIter:
             finally:
                 if user_global is not None:
                     torch.set_rng_state(user_global)
+            self._first_seq = self._seq.delivered_below
+            self._init_turns = {}
             self._start_workers()
 
     def _draw_seeds(self, gen, resume: dict | None) -> None:
@@ -1125,12 +1137,40 @@ class _ElasticIter:
             self._finish()
             raise err
         pool = self._pool
-        if pool is not None and pool.fatal is not None:
-            fatal = pool.fatal
+        if pool is None:
+            return
+        fatal = pool.fatal if pool.fatal is not None else self._init_error_due(pool)
+        if fatal is not None:
             self._finish()
             if isinstance(fatal, RemoteError):
                 fatal.reraise()
             raise fatal
+
+    def _init_error_due(self, pool: WorkerPool) -> RemoteError | None:
+        """The error of a worker whose ``worker_init_fn`` raised, once it is that error's turn; else None.
+
+        torch 2.13 (torch/utils/data/_utils/worker.py, ``_worker_loop``) sends a worker's init error as
+        the result of the first batch that worker is given, which is batch ``w`` of the epoch for worker
+        ``w`` (round-robin from worker 0, ``_try_put_index``), and raises it in order at that batch's
+        turn (``_next_data``): the batches before it come first, and the worker named is the failed one
+        whose first batch comes first. Here that batch is the error's turn, or the next batch to deliver
+        when the error is read only after that batch was delivered (another worker made it: workers
+        share one queue; a worker started mid-epoch), and the earliest turn is raised. Sooner where
+        torch raises sooner, or nothing else would come: ``in_order=False`` (torch raises it as it
+        arrives: the first read), or no worker left to make the batches before it. Called with
+        ``self._lock`` held, before any batch is delivered, so a turn is set before it passes."""
+        if not pool.init_failed:       # (the common case, on every next(): no lock taken)
+            return None
+        failed = pool.init_failures()
+        if not self._cfg.in_order:
+            return next(iter(failed.values()))
+        below = self._seq.delivered_below
+        for wid in failed:
+            self._init_turns.setdefault(wid, max(self._first_seq + wid, below))
+        turn, wid = min((self._init_turns[w], w) for w in failed)
+        if turn <= below or (pool.live_workers() == 0 and self._uses_workers()):
+            return failed[wid]
+        return None
 
     def _deadline(self):
         t = self._cfg.timeout_s
@@ -1476,9 +1516,10 @@ class _IterableIter(_ElasticIter):
             self._worker_of[s] = wid
             seq.dispatch(s, task)
             if not pool.submit_to(wid, task):
-                if not pool.has_worker(wid):
+                if not pool.has_worker(wid) and wid not in pool.init_failures():
                     self._error = RuntimeError(f"DataLoader worker {wid} is gone mid-epoch")
-                # else it exited and a poll reports it: its tasks go to its replacement or the epoch ends
+                # else it exited and a poll reports it: its tasks go to its replacement or the epoch ends;
+                # or its worker_init_fn raised, which is raised at its first task's turn (``_check``)
                 return
 
     def _on_resize(self, n: int) -> Optional[str]:

@@ -67,6 +67,42 @@ def init_fails(worker_id: int) -> None:
     raise OSError(f"worker_init_fn refuses in worker {worker_id}")
 
 
+def init_fails_but_in_worker_0(worker_id: int) -> None:
+    if worker_id:
+        init_fails(worker_id)
+
+
+class Gated(Indexed):
+    """``Indexed`` whose samples wait for the file ``gate`` to exist (60 s at most)."""
+
+    def __init__(self, gate: str, n: int = 16):
+        super().__init__(n)
+        self.gate = gate
+
+    def __getitem__(self, i):
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().__getitem__(i)
+
+
+class CpusAtInit(Indexed):
+    """``Indexed`` with a folder, ``notes``, where ``init_notes_cpus`` has each worker write the CPUs it ran
+    on in its ``worker_init_fn`` (a file, not the environment: a forkserver worker gets the fork server's)."""
+
+    def __init__(self, notes: str, n: int = 24, sleep_s: float = 0.0):
+        super().__init__(n, sleep_s)
+        self.notes = notes
+
+
+def init_notes_cpus(worker_id: int) -> None:
+    """Write this worker's CPUs to ``<notes>/init-<pid>`` (whole: written aside, then renamed)."""
+    path = os.path.join(tud.get_worker_info().dataset.notes, f"init-{os.getpid()}")
+    with open(path + ".tmp", "w") as f:
+        f.write(" ".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+    os.replace(path + ".tmp", path)
+
+
 class FailsAt(tud.Dataset):
     def __init__(self, n: int = 20, bad: int = 7):
         self.n, self.bad = n, bad

@@ -401,8 +401,8 @@ def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_cl
     """``os.sched_setaffinity(0, ...)`` in a training script sets its main thread's mask only; the
     client's thread, started at the loader's first ``iter()``, kept the mask it was created with, and a
     worker process is forked from the thread that starts it and inherits that thread's mask: the workers
-    a directive started ran on CPUs the script had left. The client's thread takes the main thread's
-    mask before it applies a directive (as the tuner's does, 3264581), so a real worker started by a
+    a directive started ran on CPUs the script had left. The pool gives every worker it starts the main
+    thread's mask, whichever thread starts it (adloader._affinity), so a real worker started by a
     directive runs where the training script pinned itself."""
     pytest.importorskip("torch")
     from adloader import DataLoader

@@ -4,7 +4,9 @@ Each test runs a few dozen small batches; worker processes are forked unless the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import threading
@@ -17,13 +19,14 @@ import torch
 import torch.utils.data as tud
 
 from adloader import DataLoader, memory
+from adloader._pool import WorkerPool
 from adloader.dataloader import _pin
 from adloader.stats import RATE_KEYS, TOTAL_KEYS
 from tests.conftest import wait_for
-from tests.loader_datasets import (Awkward, FailsAt, Indexed, RandomAug, Shards, Slow, SparseSamples, WhoAmI,
-                                    collate_dict,
-                                    collate_keep_views, collate_tuple, init_fails,
-                                    init_marks_worker)
+from tests.loader_datasets import (Awkward, CpusAtInit, FailsAt, Gated, Indexed, RandomAug, Shards, Slow,
+                                    SparseSamples, WhoAmI, collate_dict,
+                                    collate_keep_views, collate_tuple, init_fails, init_fails_but_in_worker_0,
+                                    init_marks_worker, init_notes_cpus)
 
 pytestmark = [pytest.mark.component, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -291,6 +294,175 @@ def test_worker_killed_mid_epoch_is_replaced_and_its_batches_redispatched(caplog
     assert any("re-dispatched" in r.getMessage() for r in caplog.records)
 
 
+# ---- the CPU mask a worker runs on (adloader._affinity) -------------------------------------------
+# A training script pins itself with os.sched_setaffinity(0, ...), which sets its calling (main) thread's
+# mask only; a new process inherits the mask of the thread that forked it (or, forkserver, the fork
+# server's). Each test starts a worker from somewhere whose mask is not the main thread's.
+
+def _whole_mask_and_one_cpu() -> tuple[set[int], set[int]]:
+    """This process's CPUs, and one of them to pin to (skips where there is only one)."""
+    whole = os.sched_getaffinity(0)
+    if len(whole) < 2:
+        pytest.skip(f"needs 2 CPUs for a worker's mask to differ from its starter's; this process may use "
+                    f"{sorted(whole)}")
+    return whole, {min(whole)}
+
+
+@contextlib.contextmanager
+def _training_thread_pinned(cpus: set[int]):
+    """Pin this, the main, thread to ``cpus`` as a training script does; its mask is put back after."""
+    assert threading.current_thread() is threading.main_thread()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpus_at_init(notes, pid: int) -> set[int]:
+    """The CPUs worker ``pid`` ran on in its ``worker_init_fn`` (``init_notes_cpus``)."""
+    path = notes / f"init-{pid}"
+    wait_for(path.exists, what=f"the worker_init_fn of worker {pid}")
+    return {int(c) for c in path.read_text().split()}
+
+
+def test_a_worker_a_users_thread_starts_runs_on_the_training_process_cpu_mask(tmp_path):
+    """``loader.resize(2)`` from a thread of the user's own, created before the script pinned itself:
+    the worker it starts runs, from before its ``worker_init_fn``, on the main thread's CPU (it was forked
+    from that thread, with that thread's whole mask). The worker started before the pin keeps the mask
+    it started with, as torch's do."""
+    whole, one = _whole_mask_and_one_cpu()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 40, sleep_s=0.002), batch_size=2, num_workers=1, max_workers=2,
+                    worker_init_fn=init_notes_cpus)
+    go = threading.Event()
+    user = threading.Thread(target=lambda: go.wait() and dl.resize(2))    # the whole mask
+    user.start()
+    try:
+        it = iter(dl)
+        got = [next(it)]
+        old, = dl.worker_pids()
+        with _training_thread_pinned(one):
+            go.set()
+            user.join()
+            new, = wait_for(lambda: [p for p in dl.worker_pids() if p != old], what="the worker resize(2) started")
+            assert os.sched_getaffinity(new) == one
+            assert _cpus_at_init(tmp_path, new) == one
+            assert os.sched_getaffinity(old) == whole
+            got.extend(it)
+        assert _ids(got) == list(range(40))
+    finally:
+        go.set()
+        user.join()
+        dl.close()
+
+
+def test_a_replacement_worker_runs_on_the_training_process_cpu_mask(tmp_path):
+    """A worker killed mid-epoch is replaced by whichever thread handles its death: the one iterating
+    the loader (here a thread created before the pin, with the whole mask) or the pool's reaper. The
+    replacement runs on the main thread's CPU, from before its ``worker_init_fn``, and the epoch is whole."""
+    _, one = _whole_mask_and_one_cpu()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 40, sleep_s=0.002), batch_size=2, num_workers=2, max_workers=2,
+                    worker_init_fn=init_notes_cpus)
+    ready, pinned = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def train() -> None:
+        try:
+            it = iter(dl)
+            got = [next(it)]
+            before = dl.worker_pids()
+            ready.set()
+            pinned.wait()
+            os.kill(before[1], signal.SIGKILL)
+            wait_for(lambda: gone(before[1]), what="the killed worker's exit")
+            got.append(next(it))            # this thread's poll sees the death and starts the replacement
+            seen["new"] = new = [p for p in dl.worker_pids() if p not in before]
+            seen["masks"] = [os.sched_getaffinity(p) for p in new]
+            got.extend(it)
+            seen["ids"] = _ids(got)
+        except BaseException as e:          # noqa: BLE001 — raised in the test's thread below
+            seen["error"] = e
+        finally:
+            ready.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        ready.wait()
+        with _training_thread_pinned(one):
+            pinned.set()
+            trainer.join()
+        if "error" in seen:
+            raise seen["error"]
+        assert len(seen["new"]) == 1 and seen["masks"] == [one]
+        assert _cpus_at_init(tmp_path, seen["new"][0]) == one
+        assert seen["ids"] == list(range(40))
+        assert dl.stats()["worker_restarts"] == 1
+    finally:
+        pinned.set()
+        trainer.join()
+        dl.close()
+
+
+@pytest.mark.parametrize("by", ["pool", "worker"])
+def test_a_forkserver_worker_runs_on_the_training_process_cpu_mask(tmp_path, monkeypatch, by):
+    """With ``multiprocessing_context="forkserver"`` every worker is forked by the fork server and
+    inherits its mask (here the whole one: the server started before the pin), whichever thread asked.
+    The pool sets the main thread's mask on it (``by="pool"``); where the pool's call is left out (a worker
+    that ran ahead of it, or a call that failed: ``by="worker"``), the worker sets it on itself, before
+    its ``worker_init_fn``."""
+    _, one = _whole_mask_and_one_cpu()
+    multiprocessing.forkserver.ensure_running()     # with this thread's whole mask
+    if by == "worker":
+        monkeypatch.setattr(WorkerPool, "_give_cpu_mask", lambda self, wid, pid, mask: None)
+    dl = DataLoader(CpusAtInit(str(tmp_path), 8), batch_size=2, num_workers=1, multiprocessing_context="forkserver",
+                    worker_init_fn=init_notes_cpus)
+    try:
+        with _training_thread_pinned(one):
+            it = iter(dl)
+            got = [next(it)]
+            pid, = dl.worker_pids()
+            assert os.sched_getaffinity(pid) == one
+            assert _cpus_at_init(tmp_path, pid) == one
+            got.extend(it)
+        assert _ids(got) == list(range(8))
+    finally:
+        dl.close()
+
+
+def test_a_mask_set_on_a_started_worker_is_not_undone_by_the_worker(tmp_path):
+    """The node agent (cooperative mode) sets the CPU mask of a worker it learns of from the client's
+    report, once the pool has published its pid. The pool gives a worker the training process's mask
+    before that (so the agent records that mask as the one to put back), and the worker, which with
+    forkserver or spawn reaches its own code only after imports and unpickling, then leaves its mask
+    alone: what was set on it in the meantime stays."""
+    whole, one = _whole_mask_and_one_cpu()
+    multiprocessing.forkserver.ensure_running()
+    dl = DataLoader(CpusAtInit(str(tmp_path), 8), batch_size=2, num_workers=1, multiprocessing_context="forkserver",
+                    worker_init_fn=init_notes_cpus)
+    try:
+        with _training_thread_pinned(one):
+            it = iter(dl)                           # starts the worker
+            pid, = dl.worker_pids()
+            assert os.sched_getaffinity(pid) == one
+            other = {max(whole)}
+            os.sched_setaffinity(pid, other)        # what the agent does
+            got = [next(it)]
+            _cpus_at_init(tmp_path, pid)            # (its worker_init_fn ran)
+            assert os.sched_getaffinity(pid) == other
+            got.extend(it)
+        assert _ids(got) == list(range(8))
+    finally:
+        dl.close()
+
+
 def test_dataset_exception_keeps_original_traceback():
     dl = DataLoader(FailsAt(20, bad=7), batch_size=2, num_workers=2)
     it = iter(dl)
@@ -432,15 +604,24 @@ def test_get_worker_info_and_worker_init_fn():
     assert [m[1] for m in main] == [-1, -1, -1]        # get_worker_info() is None in the main process
 
 
+def _stop_torch_iter(it) -> None:
+    """Stop the workers of torch's iterator ``it`` now. An iterator that raised a worker's error is held
+    in a reference cycle, and when the garbage collector frees it, in whichever later test, its
+    shutdown waited 5 s per worker (torch 2.13, measured: 15 s for 3 workers, in a script without
+    adloader); its own ``_shutdown_workers``, called here, takes milliseconds."""
+    it._shutdown_workers()
+
+
 def test_worker_init_fn_error_reaches_caller_at_the_first_next_as_torch_raises_it():
     """A ``worker_init_fn`` that raises: checked against torch 2.13, and the loader already did what
     torch does. ``iter()`` does not raise; the first ``next()`` raises the init function's exception
     type with torch's text ("Caught OSError in DataLoader worker process 0.", "Original Traceback",
     the worker's frames down to the ``raise``, the error's own line), for a map-style dataset and an
     IterableDataset alike. Where the two differ, after that: torch's iterator goes on (a healthy
-    worker's batches, the failed worker's next batch raising torch's own UnboundLocalError), this
-    loader ends the epoch, as its workers share one task queue and no batch belongs to the failed
-    worker (the next ``next()`` raises StopIteration; a new ``iter()`` tries again)."""
+    worker's batches, the failed worker's next batch raising torch's own UnboundLocalError, its
+    samples never delivered), this loader ends the epoch: the next ``next()`` raises StopIteration; a
+    new ``iter()`` starts workers again (persistent workers: see the test below). Several workers:
+    the test after this one."""
     def first_error(cls, ds):
         it = iter(cls(ds, batch_size=2, num_workers=1, worker_init_fn=init_fails))
         with pytest.raises(OSError) as exc:
@@ -450,7 +631,7 @@ def test_worker_init_fn_error_reaches_caller_at_the_first_next_as_torch_raises_i
         return it, lines
 
     torch_it, theirs = first_error(tud.DataLoader, Indexed(8))
-    del torch_it                                    # (its worker stops now, not at the interpreter's exit)
+    _stop_torch_iter(torch_it)
     assert theirs[:2] == ["Caught OSError in DataLoader worker process 0.", "Original Traceback (most recent call last):"]
     assert theirs[-1] == "OSError: worker_init_fn refuses in worker 0"
     for ds in (Indexed(8), Shards(8)):
@@ -459,6 +640,130 @@ def test_worker_init_fn_error_reaches_caller_at_the_first_next_as_torch_raises_i
         assert '    raise OSError(f"worker_init_fn refuses in worker {worker_id}")' in ours
         with pytest.raises(StopIteration):
             next(it)
+
+
+def _outcomes(it, n: int) -> list:
+    """What ``n`` calls of ``next(it)`` give: a batch's values, an error's type and first line, or
+    "StopIteration" (the last)."""
+    out: list = []
+    for _ in range(n):
+        try:
+            out.append(next(it).flatten().tolist())
+        except StopIteration:
+            out.append("StopIteration")
+            break
+        except Exception as e:      # noqa: BLE001 — what it was is the outcome
+            out.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    return out
+
+
+def _open_when_read(dl, failed: int, gate) -> threading.Thread:
+    """A thread that creates ``gate`` once the pool of ``dl``'s epoch (started: after ``iter()``) has
+    read ``failed`` workers' init errors (they are then told to exit and leave ``worker_pids()``), so no
+    batch is made before they are read."""
+    def run():
+        try:
+            wait_for(lambda: len(dl.worker_pids()) <= dl.num_workers - failed, what="the init errors read")
+        finally:
+            gate.touch()
+    opener = threading.Thread(target=run)
+    opener.start()
+    return opener
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_init_errors_of_several_workers_come_at_the_first_failed_workers_batch_in_order_as_torch(tmp_path, iterable):
+    """torch 2.13 hands worker ``w`` the epoch's batch ``w`` first and, when that worker's
+    ``worker_init_fn`` raised, raises the error in that batch's place, in order: the batches before it
+    come first and the worker named is the failed one whose batch comes first. Three workers, 1 and 2
+    failing: batch 0, then worker 1's error, in both loaders (this loader used to raise an init error as
+    soon as it read one, and of several the last read). Then torch goes on (worker 2's error, batch 2,
+    UnboundLocalError for the failed workers' later batches); this loader ends the epoch. Map-style,
+    batches wait until the loader has read both errors (a gate): its workers share one queue, and an
+    error read only after a healthy worker made its batch comes at the next batch instead."""
+    gate = tmp_path / "gate"
+    ds = Shards(12) if iterable else Gated(str(gate), 12)
+
+    def loader(cls):
+        return cls(ds, batch_size=2, num_workers=3, worker_init_fn=init_fails_but_in_worker_0)
+
+    gate.touch()
+    torch_it = iter(loader(tud.DataLoader))
+    theirs = _outcomes(torch_it, 2)
+    _stop_torch_iter(torch_it)
+    assert theirs[1] == "OSError: Caught OSError in DataLoader worker process 1.", theirs
+    gate.unlink()
+    dl = loader(DataLoader)
+    it = iter(dl)
+    opener = _open_when_read(dl, 2, gate) if not iterable else None    # (shards: batch 1 is worker 1's)
+    try:
+        assert _outcomes(it, 3) == theirs + ["StopIteration"]
+    finally:
+        if opener is not None:
+            opener.join()
+        dl.close()
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_when_every_workers_init_fails_worker_0_is_named_as_torch(iterable):
+    """Every worker's ``worker_init_fn`` raises: worker 0's error at the first ``next()``, whichever
+    failure this loader reads first (batch 0 is worker 0's turn), then the epoch ends."""
+    ds = Shards(12) if iterable else Indexed(12)
+    torch_it = iter(tud.DataLoader(ds, batch_size=2, num_workers=3, worker_init_fn=init_fails))
+    theirs = _outcomes(torch_it, 1)
+    _stop_torch_iter(torch_it)
+    assert theirs == ["OSError: Caught OSError in DataLoader worker process 0."]
+    it = iter(DataLoader(ds, batch_size=2, num_workers=3, worker_init_fn=init_fails))
+    assert _outcomes(it, 2) == theirs + ["StopIteration"]
+
+
+def test_an_init_error_out_of_order_comes_as_it_is_read_and_a_persistent_pool_keeps_it(tmp_path):
+    """``in_order=False``: torch raises a worker's init error when it arrives, and so does this loader
+    (here before any batch: they wait for the error to be read). A persistent pool keeps the failure:
+    no worker is started in its place, and each later epoch raises it again at its batch (worker 1's:
+    batch 1, after batch 0); torch's persistent failed worker runs later epochs' batches without its
+    ``worker_init_fn`` having run."""
+    gate = tmp_path / "gate"
+    for in_order in (False, True):
+        gate.unlink(missing_ok=True)
+        dl = DataLoader(Gated(str(gate), 8), batch_size=2, num_workers=2, worker_init_fn=init_fails_but_in_worker_0,
+                        persistent_workers=True, in_order=in_order)
+        it = iter(dl)
+        opener = _open_when_read(dl, 1, gate)
+        try:
+            first = _outcomes(it, 3)
+            opener.join()
+            err = "OSError: Caught OSError in DataLoader worker process 1."
+            assert first == ([err, "StopIteration"] if not in_order else [[0, 1], err, "StopIteration"]), first
+            if in_order:
+                assert _outcomes(iter(dl), 3) == [[0, 1], err, "StopIteration"]
+                assert len(dl.worker_pids()) == 1
+        finally:
+            opener.join()
+            dl.close()
+
+
+def test_an_init_error_waiting_for_its_batch_is_raised_when_no_worker_is_left_to_make_the_ones_before():
+    """Worker 1's init error waits for batch 1, after batch 0; when worker 0, the only one left, dies
+    first (no worker is started once an init failed), nothing would ever make batch 0: the error is
+    raised then, instead of the ``next()`` waiting for good (here: for its ``timeout``)."""
+    gate = "/nonexistent/never"                     # batch 0 is never made
+    dl = DataLoader(Gated(gate, 8), batch_size=2, num_workers=2, worker_init_fn=init_fails_but_in_worker_0,
+                    timeout=30)
+    it = iter(dl)
+    healthy = dl.worker_pids()[0]
+
+    def kill_when_read():
+        wait_for(lambda: len(dl.worker_pids()) <= 1, what="worker 1's init error read")
+        os.kill(healthy, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_read)
+    killer.start()
+    try:
+        assert _outcomes(it, 2) == ["OSError: Caught OSError in DataLoader worker process 1.", "StopIteration"]
+    finally:
+        killer.join()
+        dl.close()
 
 
 def test_timeout():
