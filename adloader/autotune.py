@@ -7,6 +7,12 @@ The loader calls (BRIEF, "Loader -> everyone"):
     attach(loader)                   at first ``__iter__``: starts a daemon thread (idempotent)
     detach(loader)                   from ``close()``, or from the agent client before its first directive
 
+A new auto loader over the same data as an earlier one of the process (``loader_signature``: the
+dataset's type and length, batch size, collate and worker-init functions; a script that builds its
+loader every epoch) starts from a copy of what the latest such tuner learned, its curve, measured
+counts and count, if it tuned on the same CPUs (``carried_tuner``): ``initial_workers`` returns that
+count and ``attach`` tunes on from that state, not from an empty curve.
+
 The thread reads ``loader.stats()`` totals every ``WINDOW_S`` seconds, turns two successive totals into
 an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and asks ``AutoTuner`` for a
 decision. ``AutoTuner`` is pure (no clock, no thread): tests drive it window by window.
@@ -445,9 +451,18 @@ class _Thread(threading.Thread):
         self.key = id(loader)
         self.stop_event = threading.Event()
         self.window_s = window_s
+        self.state_lock = threading.Lock()      # the tuner's state, between a window and a copy of it
+        self.signature = loader_signature(loader)
         cap = worker_cap(cpus, getattr(loader, "max_workers", None))
-        self.tuner = AutoTuner(cpus=cpus, cap=cap, current=int(loader.num_workers))
+        carried = carried_tuner(self.signature, cpus)
+        if carried is not None:     # what the last loader over this data learned (see ``loader_signature``)
+            carried.cap, carried.current = cap, int(loader.num_workers)
+            carried.windows_here, carried.here_n, carried.off_here, carried.cpu_used = 0, 0, (), None
+            log.info("autotune: starting from what the last loader over this dataset learned (%d workers, "
+                     "%d counts measured)", carried.current, len(carried.measured))
+        self.tuner = carried if carried is not None else AutoTuner(cpus=cpus, cap=cap, current=int(loader.num_workers))
         self.cpu_meter = ProcessesCpu()
+        _publish(self)
 
     def run(self) -> None:
         try:
@@ -474,14 +489,16 @@ class _Thread(threading.Thread):
                     log.info("autotune: the CPUs this process may use changed from %.2f to %.2f",
                              self.tuner.cpus, cpus)
                     obs = None      # (a window across the change is measured on neither)
-                    shed = self.tuner.cpus_changed(cpus, worker_cap(cpus, getattr(loader, "max_workers", None)))
+                    with self.state_lock:
+                        shed = self.tuner.cpus_changed(cpus, worker_cap(cpus, getattr(loader, "max_workers", None)))
                     if shed is not None and not self.stop_event.is_set():
                         _resize(loader, shed)
                 try:
                     mcap = memory_cap(cur, *memory_limits())
                 except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
                     mcap = None
-                want = self.tuner.window(obs, mcap)
+                with self.state_lock:
+                    want = self.tuner.window(obs, mcap)
                 if want is not None and not self.stop_event.is_set():
                     log.debug("autotune: %s -> %s workers", cur.get("workers"), want)
                     _resize(loader, want)
@@ -510,6 +527,70 @@ def _resize(loader, n: int) -> None:
         loader.resize(n)
     except Warning as w:
         log.debug("autotune: resize(%d) warned: %s", n, w)
+
+
+# -- what one auto loader learned, for the next one over the same data ---------------------------
+
+CARRY_MAX = 8       # signatures remembered per process (the most recent)
+_carry: dict[tuple, "_Thread"] = {}     # signature -> the latest tuner thread for it (guarded by _carry_lock)
+_carry_lock = threading.Lock()          # (not _lock: attach() builds a thread, which reads this, under _lock)
+
+
+def loader_signature(loader) -> tuple | None:
+    """What makes two loaders of one process "the same input pipeline" for the tuner: the dataset's type
+    and length, the batch size, and the collate and worker-init functions (by module and name). A script
+    that builds a new ``num_workers="auto"`` loader every epoch (over the same dataset, or a new one of
+    the same kind) would otherwise start every epoch from ``initial_workers`` and an empty curve, and an
+    epoch shorter than the tuner's settling never reached its count. Two loaders with the same signature
+    that are not the same pipeline (a train and a validation set of one class, length and batch size)
+    share a start: the tuner forgets what it measured when the job's windows change under it
+    (``AutoTuner._changed_here``, the bank's phases), as it does for a job that changes. None where the
+    loader cannot be read (nothing carried)."""
+    def name(fn):
+        if fn is None:
+            return None
+        f = getattr(fn, "func", fn)     # functools.partial: its function
+        return (getattr(f, "__module__", None), getattr(f, "__qualname__", type(f).__qualname__))
+
+    try:
+        ds = loader.dataset
+        try:
+            n = len(ds)
+        except Exception:   # noqa: BLE001 — an IterableDataset without __len__
+            n = None
+        return (type(ds).__module__, type(ds).__qualname__, n, getattr(loader, "batch_size", None),
+                name(getattr(loader, "collate_fn", None)), name(getattr(loader, "worker_init_fn", None)))
+    except Exception:       # noqa: BLE001
+        return None
+
+
+def _publish(thread: "_Thread") -> None:
+    """Make ``thread`` the latest tuner for its signature (at most ``CARRY_MAX`` kept, oldest dropped)."""
+    if thread.signature is None:
+        return
+    with _carry_lock:
+        _carry.pop(thread.signature, None)
+        _carry[thread.signature] = thread
+        while len(_carry) > CARRY_MAX:
+            del _carry[next(iter(_carry))]
+
+
+def carried_tuner(signature, cpus: float) -> "AutoTuner | None":
+    """A copy of what the latest tuner with ``signature`` learned (its curve, its measured counts, the
+    count it was at), if it tuned on the same CPUs; else None. The copy is the new loader's own: the
+    earlier loader, if it is still running, goes on with its own."""
+    import copy
+
+    if signature is None:
+        return None
+    with _carry_lock:
+        thread = _carry.get(signature)
+    if thread is None:
+        return None
+    with thread.state_lock:
+        if abs(thread.tuner.cpus - cpus) > 1e-6 or thread.tuner.n_windows == 0:
+            return None
+        return copy.deepcopy(thread.tuner)
 
 
 class ProcessesCpu:
@@ -611,6 +692,9 @@ def initial_workers(loader) -> int:
         from adloader import env
 
         cpus, ranks = usable_cpus(), env.local_world_size()
+        carried = carried_tuner(loader_signature(loader), cpus)
+        if carried is not None:     # the count the last loader over this data was tuned to
+            return max(1, min(carried.current, worker_cap(cpus, getattr(loader, "max_workers", None))))
         part = gpu_part(ranks=ranks) if whole_node(cpus) else 1.0
         return start_workers(cpus, getattr(loader, "max_workers", None), ranks, part)
     except Exception:

@@ -537,16 +537,11 @@ def test_an_auto_loader_on_a_shared_gpu_node_starts_at_its_gpus_part(monkeypatch
         dl.close()
 
 
-def test_an_auto_loader_without_max_workers_grows_an_io_bound_job_past_its_cpus(monkeypatch):
-    """The real ``adloader.DataLoader`` with ``num_workers="auto"`` and no ``max_workers`` on 2 CPUs, tuned
-    on the windows of an IO-bound job (50 ms blocked, 1 ms CPU a batch, 10 ms step: 5 workers keep up).
-    The loader's default bound was its CPUs, below the tuner's own (4 workers per CPU: blocked time needs
-    workers, not cores): the job was held at 2 workers, its CPUs idle and its GPU waiting 60% of the
-    time. A fixed ``num_workers`` keeps the CPUs as its default bound."""
+def _ids_on_two_cpus(monkeypatch):
+    """A 64-item dataset class, with the loader and the tuner seeing 2 CPUs and the whole node's GPUs."""
     import torch
 
-    from adloader import DataLoader, dataloader
-    from predictor.curve import ThroughputCurve
+    from adloader import dataloader
 
     class Ids(torch.utils.data.Dataset):
         def __len__(self):
@@ -558,6 +553,19 @@ def test_an_auto_loader_without_max_workers_grows_an_io_bound_job_past_its_cpus(
     monkeypatch.setattr(dataloader, "_available_cpus", lambda: 2)
     monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: 2.0)
     monkeypatch.setattr(autotune, "gpu_part", lambda *a, **k: 1.0)
+    return Ids
+
+
+def test_an_auto_loader_without_max_workers_grows_an_io_bound_job_past_its_cpus(monkeypatch):
+    """The real ``adloader.DataLoader`` with ``num_workers="auto"`` and no ``max_workers`` on 2 CPUs, tuned
+    on the windows of an IO-bound job (50 ms blocked, 1 ms CPU a batch, 10 ms step: 5 workers keep up).
+    The loader's default bound was its CPUs, below the tuner's own (4 workers per CPU: blocked time needs
+    workers, not cores): the job was held at 2 workers, its CPUs idle and its GPU waiting 60% of the
+    time. A fixed ``num_workers`` keeps the CPUs as its default bound."""
+    from adloader import DataLoader
+    from predictor.curve import ThroughputCurve
+
+    Ids = _ids_on_two_cpus(monkeypatch)
     monkeypatch.setenv("ADLOADER_DISABLE", "1")
     knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
                            blocked_s_per_batch=0.05).knee_workers(2.0)
@@ -657,3 +665,102 @@ def test_processes_cpu_sums_the_cpu_of_processes_read_at_both_ends():
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class _Rows:
+    """A dataset as ``loader_signature`` sees one: a type and a length."""
+
+    def __len__(self):
+        return 640
+
+
+class _OtherRows(_Rows):
+    pass
+
+
+class _EpochLoader(_SimulatedLoader):
+    """A simulated IO-bound job (50 ms blocked, 1 ms CPU a batch, 10 ms step: 5 workers keep up on 2
+    CPUs) that looks like a DataLoader over ``dataset`` to ``loader_signature``."""
+    batch_size, collate_fn, worker_init_fn = 8, None, None
+    simulate = {"g": 0.01, "c": 0.001, "b": 0.05}
+
+    def __init__(self, dataset, workers, cpus=2.0):
+        super().__init__(workers, cpus)
+        self.dataset = dataset
+
+
+def test_a_new_auto_loader_over_the_same_data_starts_where_the_last_one_was_tuned(monkeypatch):
+    """A script that builds a new ``num_workers="auto"`` loader every epoch: each one started from
+    ``initial_workers`` with an empty curve, and an epoch shorter than the climb never reached the count.
+    The next loader over the same data (dataset type and length, batch size, collate and init functions)
+    starts at the count the last one was tuned to, with a copy of what it measured; a loader over other
+    data, or on other CPUs, starts afresh."""
+    from predictor.curve import ThroughputCurve
+
+    cpus = [2.0]
+    monkeypatch.setattr(autotune, "usable_cpus", lambda *a, **k: cpus[0])
+    monkeypatch.setattr(autotune, "gpu_part", lambda *a, **k: 1.0)
+    monkeypatch.setattr(autotune, "_carry", {})
+    knee = ThroughputCurve(job="t", batch_size=8, compute_s_per_step=0.01, cpu_s_per_batch=0.001,
+                           blocked_s_per_batch=0.05).knee_workers(2.0)
+    ds = _Rows()
+    first = _EpochLoader(ds, 1)
+    fresh = autotune.initial_workers(first)
+    assert fresh == 2 and knee == 5                   # nothing carried yet: one worker per CPU
+    autotune.attach(first, window_s=0.02)
+    try:
+        wait_for(lambda: first.num_workers == knee and autotune.tuner_of(first).windows_here >= 2,
+                 what=f"the first loader tuned to {knee} workers")
+        first_tuner = autotune.tuner_of(first)
+    finally:
+        autotune.detach(first)
+    learned = dict(autotune._carry[autotune.loader_signature(first)].tuner.measured)
+    assert {1, knee} <= set(learned)
+
+    second = _EpochLoader(ds, 0)
+    assert autotune.initial_workers(second) == knee
+    second.num_workers = knee                         # (what the DataLoader starts at)
+    autotune.attach(second, window_s=0.02)
+    try:
+        t = autotune.tuner_of(second)
+        assert t is not None and t.measured == learned and t.current == knee and t.windows_here == 0
+        assert t is not first_tuner                     # a copy: the first loader's tuner is its own
+        assert autotune._carry[autotune.loader_signature(second)] is autotune._tuners[id(second)]   # the latest
+        wait_for(lambda: t.windows_here >= 3, what="three windows of the second loader")
+        assert second.num_workers == knee and second.totals["resizes"] == 0   # no climb again
+    finally:
+        autotune.detach(second)
+    # other data (another dataset type, or the same type of another length) or other CPUs: afresh
+    assert autotune.initial_workers(_EpochLoader(_OtherRows(), 0)) == fresh
+    cpus[0] = 4.0
+    assert autotune.initial_workers(_EpochLoader(ds, 0)) == 4
+
+
+def test_the_real_auto_loader_starts_from_the_count_its_predecessor_was_tuned_to(monkeypatch):
+    """The same through ``adloader.DataLoader``: a second ``num_workers="auto"`` loader over the same
+    dataset and batch size starts at the count the first one's tuner reached; one with another batch
+    size does not."""
+    from adloader import DataLoader
+
+    Ids = _ids_on_two_cpus(monkeypatch)
+    monkeypatch.setattr(autotune, "_carry", {})
+    monkeypatch.setenv("ADLOADER_DISABLE", "1")
+    ds = Ids()
+    dl = DataLoader(ds, batch_size=8, num_workers="auto")
+    try:
+        assert dl.num_workers == 2
+        thread = autotune._Thread(dl, 2.0, 1.0)           # the thread's tuner for this loader (not started)
+        for _ in range(30):
+            want = thread.tuner.window(simulated_window(thread.tuner.current, 2.0, g=0.01, c=0.001, b=0.05))
+            if want is not None:
+                thread.tuner.current = dl.resize(want)
+        assert thread.tuner.current == 5, thread.tuner.history
+    finally:
+        dl.close()
+    again = DataLoader(ds, batch_size=8, num_workers="auto")
+    other = DataLoader(ds, batch_size=16, num_workers="auto")
+    try:
+        assert again.num_workers == 5 and other.num_workers == 2
+    finally:
+        again.close()
+        other.close()
