@@ -468,10 +468,28 @@ class _Client:
 
         return protocol.make(
             "hello", job=self.job, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
-            pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=attr("batch_size", 1),
+            pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=self._batch_size(loader),
             workers=attr("num_workers", 0), requested_workers=attr("requested_workers", attr("num_workers", 0)),
             max_workers=attr("max_workers"), hostname=_socket.gethostname(), uid=os.getuid(),
         )
+
+    @staticmethod
+    def _batch_size(loader) -> Optional[int]:
+        """The hello's ``batch_size``, as ``loader.stats()`` reports it: torch's ``batch_size`` where
+        the loader has one, else (a custom ``batch_sampler``, ``batch_size=None``: torch's attribute is
+        None) the ``batch_size`` of its stats, the mean delivered batch, else None (unknown: nothing
+        delivered yet; the agent keeps what it knew, or 1, until a report carries it)."""
+        def count(v):
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+        try:
+            size = count(getattr(loader, "batch_size", None))
+            if size is None and callable(getattr(loader, "stats", None)):
+                size = count(dict(loader.stats()).get("batch_size"))
+            return size
+        except Exception:
+            log.debug("adloader client: the loader's batch size cannot be read", exc_info=True)
+            return None
 
     def _report(self, loader) -> dict:
         try:

@@ -12,9 +12,10 @@ Readers ignore unknown fields (a newer minor adds fields) and refuse another maj
 error that says which side to upgrade. Messages, by direction (fields beyond v/type):
 
 client -> agent
-    hello      job, rank, local_rank, world_size, pid, worker_pids[int], gpus[str], batch_size,
-               workers (current target), requested_workers (the user's num_workers),
-               max_workers (int|null), hostname, uid
+    hello      job, rank, local_rank, world_size, pid, worker_pids[int], gpus[str],
+               batch_size (int >= 1|null: as ``stats()`` reports it, null before a loader with a custom
+               batch_sampler has delivered a batch), workers (current target), requested_workers (the
+               user's num_workers), max_workers (int|null), hostname, uid
     report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
     heartbeat  job, rank, pid
     bye        job, rank, pid

@@ -453,6 +453,33 @@ def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env,
         agent.close()
 
 
+def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_first_batch(base, endpoint_env,
+                                                                                         monkeypatch):
+    """A loader with a custom batch_sampler has torch's ``batch_size`` None; ``stats()`` reports the mean
+    delivered batch, None before the first. Its hello says the same: null at first (it said 1, a batch
+    of one sample), then, in the hello after a reconnect, the mean (4 here, as the reports say)."""
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    dl = DataLoader(list(range(16)), batch_sampler=[[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]], num_workers=0)
+    try:
+        client.attach(dl)
+        ident, hello = agent.recv("hello")
+        assert dl.batch_size is None and dl.stats()["batch_size"] is None and hello["batch_size"] is None
+        assert [len(b) for b in dl] == [6, 2, 4]
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        _, report = agent.recv("report")
+        assert report["stats"]["batch_size"] == 4
+        agent.send(ident, protocol.error("unknown_job", "send hello first"))
+        _, hello = agent.recv("hello")
+        assert hello["batch_size"] == 4
+    finally:
+        _detach_all(dl)
+        dl.close()
+        agent.close()
+
+
 @pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0])
 def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
                                                                                     heartbeat_s):
