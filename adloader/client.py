@@ -48,7 +48,9 @@ Invariants (STYLE 8):
   Anything else (a socket another user bound first at the predictable ``/tmp/adloader-<uid>`` path,
   a tcp:// endpoint nobody can authenticate) is refused and logged once per reason at WARNING;
   training goes on without the agent, the check is repeated with the missing-socket backoff.
-- The job id must satisfy ``protocol.check_job_id``; if not, one WARNING and no agent contact.
+- The job id must satisfy ``protocol.check_job_id``; if not, one WARNING and no agent contact. So must
+  ADLOADER_ENDPOINT, where it is set, ``protocol.endpoint_problem`` (``env.endpoint_problem``: one
+  WARNING naming the variable and value, and no agent contact, not even at the default socket).
 """
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ class _Client:
     def __init__(self, previous: Optional["_Client"] = None) -> None:
         self._previous = previous
         self.pid = os.getpid()
-        self.endpoint = env.endpoint()
+        self.endpoint, self.endpoint_problem = env.endpoint(), env.endpoint_problem()
         self.job = env.job_id()
         self.rank = env.rank()
         self.local_rank = env.local_rank()
@@ -283,6 +285,10 @@ class _Client:
             _warn_once(f"job:{self.job}", "adloader: not contacting the node agent: %s (set ADLOADER_JOB_ID); "
                        "training goes on without it", why)
             self._set(last_error=f"job id: {why}")
+            return
+        why = self.endpoint_problem
+        if why is not None:             # (warned once by env, naming the variable and value)
+            self._set(last_error=f"ADLOADER_ENDPOINT: {why}")
             return
         path = env.ipc_path(self.endpoint)
         recheck_s = RECHECK_S

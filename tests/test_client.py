@@ -582,6 +582,40 @@ def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, end
         agent.close()
 
 
+@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120])
+def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, endpoint_env, monkeypatch,
+                                                                                    caplog, value):
+    """ADLOADER_ENDPOINT is checked as the agent checks its own endpoint (``protocol.endpoint_problem``):
+    a malformed one is one warning naming the variable, its value and why, for every loader, and the
+    client contacts no agent; training goes on. Before, the relative 'ipc://agent.sock', run where an
+    agent listens at ./agent.sock, said hello to it (another working directory: another file); 'ipc://'
+    was taken, silently, for an agent not there yet; 'bogus' was warned about as an untrusted agent,
+    without the variable's name."""
+    import logging
+
+    monkeypatch.setattr(env, "_reported", set())
+    monkeypatch.chdir(base)
+    monkeypatch.setenv("ADLOADER_ENDPOINT", value)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo, lo2 = Loader(), Loader()
+    try:
+        with caplog.at_level(logging.WARNING):
+            client.attach(lo)
+            wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
+            client.attach(lo2)
+            client._client._thread.join(10)
+        st = client.state()
+        assert st["active"] and not st["connected"] and st["reports_sent"] == 0
+        assert st["last_error"] == f"ADLOADER_ENDPOINT: {protocol.endpoint_problem(value)}"
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1 and f"ADLOADER_ENDPOINT={value!r}" in said[0], said
+        assert protocol.endpoint_problem(value) in said[0] and "training goes on" in said[0]
+        assert not agent.sock.poll(0)                       # no hello reached the agent
+    finally:
+        _detach_all(lo, lo2)
+        agent.close()
+
+
 def test_silent_without_agent_and_disabled(base, endpoint_env, monkeypatch):
     lo = Loader()
     client.attach(lo)
