@@ -68,6 +68,8 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adloader._affinity import training_cpu_mask
+
 log = logging.getLogger("adloader.autotune")
 
 WINDOW_S = 2.0          # one observation window
@@ -145,13 +147,11 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = 
 
 def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float:
     """CPU cores this process may use: min(affinity CPU count, cgroup quota). Always > 0. The affinity
-    is the process's main thread's (``os.sched_getaffinity(0)`` in the tuner's thread is that thread's
-    own, which ``os.sched_setaffinity(0, ...)`` in the training script, once the tuner runs, does not
-    change)."""
-    try:
-        affinity = float(len(os.sched_getaffinity(os.getpid())))
-    except (AttributeError, OSError):
-        affinity = float(os.cpu_count() or 1)
+    is the process's main thread's, ``training_cpu_mask`` (``os.sched_getaffinity(0)`` in the tuner's
+    thread is that thread's own, which ``os.sched_setaffinity(0, ...)`` in the training script, once the
+    tuner runs, does not change); the loader's default ``max_workers`` counts the same mask."""
+    mask = training_cpu_mask()
+    affinity = float(len(mask) if mask else (os.cpu_count() or 1))
     quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
     return max(0.01, min(affinity, quota) if quota is not None else affinity)
 

@@ -48,7 +48,9 @@ Invariants (STYLE 8):
   Anything else (a socket another user bound first at the predictable ``/tmp/adloader-<uid>`` path,
   a tcp:// endpoint nobody can authenticate) is refused and logged once per reason at WARNING;
   training goes on without the agent, the check is repeated with the missing-socket backoff.
-- The job id must satisfy ``protocol.check_job_id``; if not, one WARNING and no agent contact.
+- The job id must satisfy ``protocol.check_job_id``; if not, one WARNING and no agent contact. So must
+  ADLOADER_ENDPOINT, where it is set, ``protocol.endpoint_problem`` (``env.endpoint_problem``: one
+  WARNING naming the variable and value, and no agent contact, not even at the default socket).
 """
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ class _Client:
     def __init__(self, previous: Optional["_Client"] = None) -> None:
         self._previous = previous
         self.pid = os.getpid()
-        self.endpoint = env.endpoint()
+        self.endpoint, self.endpoint_problem = env.endpoint(), env.endpoint_problem()
         self.job = env.job_id()
         self.rank = env.rank()
         self.local_rank = env.local_rank()
@@ -283,6 +285,10 @@ class _Client:
             _warn_once(f"job:{self.job}", "adloader: not contacting the node agent: %s (set ADLOADER_JOB_ID); "
                        "training goes on without it", why)
             self._set(last_error=f"job id: {why}")
+            return
+        why = self.endpoint_problem
+        if why is not None:             # (warned once by env, naming the variable and value)
+            self._set(last_error=f"ADLOADER_ENDPOINT: {why}")
             return
         path = env.ipc_path(self.endpoint)
         recheck_s = RECHECK_S
@@ -468,10 +474,28 @@ class _Client:
 
         return protocol.make(
             "hello", job=self.job, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
-            pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=attr("batch_size", 1),
+            pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=self._batch_size(loader),
             workers=attr("num_workers", 0), requested_workers=attr("requested_workers", attr("num_workers", 0)),
             max_workers=attr("max_workers"), hostname=_socket.gethostname(), uid=os.getuid(),
         )
+
+    @staticmethod
+    def _batch_size(loader) -> Optional[int]:
+        """The hello's ``batch_size``, as ``loader.stats()`` reports it: torch's ``batch_size`` where
+        the loader has one, else (a custom ``batch_sampler``, ``batch_size=None``: torch's attribute is
+        None) the ``batch_size`` of its stats, the mean delivered batch, else None (unknown: nothing
+        delivered yet; the agent keeps what it knew, or 1, until a report carries it)."""
+        def count(v):
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+        try:
+            size = count(getattr(loader, "batch_size", None))
+            if size is None and callable(getattr(loader, "stats", None)):
+                size = count(dict(loader.stats()).get("batch_size"))
+            return size
+        except Exception:
+            log.debug("adloader client: the loader's batch size cannot be read", exc_info=True)
+            return None
 
     def _report(self, loader) -> dict:
         try:

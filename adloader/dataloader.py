@@ -114,6 +114,7 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.utils.data as tud
 
+from adloader._affinity import training_cpu_mask
 from adloader._messages import Batch, ShardEnd, ShardTask, Task, WorkerDied
 from adloader._pin import PinJob, PinThread
 from adloader._pin import pin_batch as _pin
@@ -166,10 +167,11 @@ def _warn_if_foreign_copy(frame) -> None:
 
 
 def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """CPUs in the training process's mask, its main thread's (``training_cpu_mask``), whichever thread
+    builds the loader: ``os.sched_getaffinity(0)`` is the calling thread's own mask, which a pin the
+    script put on its main thread after the thread was created does not change."""
+    mask = training_cpu_mask()
+    return len(mask) if mask else (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Training processes (the client hook inside ``adloader.DataLoader``):
 
     ADLOADER_DISABLE=1       no agent client at all: the loader trains exactly as without an agent
-    ADLOADER_ENDPOINT        where the agent listens (``ipc:///path``); default: ``default_endpoint()``
+    ADLOADER_ENDPOINT        where the agent listens (``ipc:///path``); default: ``default_endpoint()``;
+                             a malformed one (``endpoint_problem``): one warning, and no agent contact
     ADLOADER_JOB_ID          the job this process belongs to; default: SLURM_JOB_ID, then torchrun's
                              TORCHELASTIC_RUN_ID, then ``pid-<pid>`` (a job of one process)
     RANK, LOCAL_RANK, WORLD_SIZE (torch.distributed), else SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS
@@ -28,6 +29,8 @@ import logging
 import os
 import threading
 from typing import Mapping, Optional
+
+from adloader import protocol
 
 PREFIX = "ADLOADER_"
 
@@ -80,6 +83,21 @@ def endpoint(environ: Optional[Mapping[str, str]] = None) -> str:
     if os.getuid() != 0 and not os.path.exists(ipc_path(system) or ""):
         return default_endpoint(None, env)
     return system
+
+
+def endpoint_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why ADLOADER_ENDPOINT cannot be the agent's endpoint (``protocol.endpoint_problem``, the check the
+    agent makes of its own and ``adloader job``/``status`` of ``--endpoint``), else None (unset, or well
+    formed). A malformed value is reported once per value (``_report_malformed``): the agent client
+    then contacts no agent, neither at that value (``ipc://`` with no path, a relative path that names
+    a different file in each working directory, ``bogus``, which libzmq refuses) nor at the default
+    socket (the variable was set to reach some other agent); training goes on without one."""
+    value = _env(environ).get("ADLOADER_ENDPOINT", "").strip()
+    why = protocol.endpoint_problem(value) if value else None
+    if why is not None:
+        _report_malformed("ADLOADER_ENDPOINT", value, "the agent client contacts no agent; training goes on "
+                          "without it", why)
+    return why
 
 
 def ipc_path(ep: str) -> Optional[str]:

@@ -12,9 +12,10 @@ Readers ignore unknown fields (a newer minor adds fields) and refuse another maj
 error that says which side to upgrade. Messages, by direction (fields beyond v/type):
 
 client -> agent
-    hello      job, rank, local_rank, world_size, pid, worker_pids[int], gpus[str], batch_size,
-               workers (current target), requested_workers (the user's num_workers),
-               max_workers (int|null), hostname, uid
+    hello      job, rank, local_rank, world_size, pid, worker_pids[int], gpus[str],
+               batch_size (int >= 1|null: as ``stats()`` reports it, null before a loader with a custom
+               batch_sampler has delivered a batch), workers (current target), requested_workers (the
+               user's num_workers), max_workers (int|null), hostname, uid
     report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
     heartbeat  job, rank, pid
     bye        job, rank, pid
@@ -46,6 +47,9 @@ Notes on use (v1.0, no wire change; agentd):
 - Error code ``over_limit`` (v1.0, added): the caller's uid is over a per-user bound of the agent
   (jobs, jobs registered without a process); the message says which and the agent key that sets it.
   A client backs off as for ``not_permitted``.
+- Endpoints (``endpoint_problem``): ``ipc://`` and an absolute path of at most 100 characters, or
+  ``tcp://``; the agent's ``endpoint`` key, ``--endpoint`` of ``adloader job``/``status`` and a
+  training process's ADLOADER_ENDPOINT are each checked by it.
 - Job ids (``check_job_id``): 1 to 128 characters from ``A-Z a-z 0-9 _ . : @ + = -``, starting with a
   letter, digit or ``_`` (so never ``.``, ``..`` or a hidden name); no ``/``, no whitespace, no control
   characters. Slurm ids (``4242``, array ``4242_7``), ``pid-<pid>`` and ``torchrun-<run id>`` fit. The
@@ -117,6 +121,25 @@ def check_job_id(job: Any) -> Optional[str]:
     if _JOB_ID_RE.fullmatch(job) is None:
         return (f"job id {job[:64]!r} is not allowed: use letters, digits and _ . : @ + = - only, "
                 f"starting with a letter, digit or _ (grammar {JOB_ID_GRAMMAR})")
+    return None
+
+
+def endpoint_problem(endpoint: str) -> Optional[str]:
+    """None if ``endpoint`` can be the agent's endpoint (ipc:// with an absolute path of at most 100
+    characters, or tcp://), else why not (for an error message). One check for every side: the agent's
+    ``endpoint`` key (``agent.config``), ``--endpoint`` of ``adloader job``/``status``, and the
+    training process's ADLOADER_ENDPOINT (``adloader.env.endpoint_problem``)."""
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        return "must start with ipc:// or tcp://"
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path:
+            return "an ipc:// endpoint needs the socket's path, e.g. ipc:///run/adloader/agent.sock"
+        if not path.startswith("/"):
+            return ("an ipc:// path must be absolute (ipc:///...): a relative one names a different file in "
+                    "each process's working directory")
+        if len(path) > 100:
+            return "an ipc:// path must be at most 100 characters (the unix socket limit)"
     return None
 
 

@@ -127,6 +127,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
 from adloader import env, memory
+from adloader.protocol import endpoint_problem
 from agent.actuators import CPU_KNOBS
 from agent.actuators import MODES as CGROUP_MODES
 
@@ -309,22 +310,6 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {shown(value)}")
     return value
-
-
-def endpoint_problem(endpoint: str) -> Optional[str]:
-    """Why ``endpoint`` cannot be the agent's endpoint, or None."""
-    if not endpoint.startswith(("ipc://", "tcp://")):
-        return "must start with ipc:// or tcp://"
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not path:
-            return "an ipc:// endpoint needs the socket's path, e.g. ipc:///run/adloader/agent.sock"
-        if not path.startswith("/"):
-            return ("an ipc:// path must be absolute (ipc:///...): a relative one names a different file in "
-                    "each process's working directory")
-        if len(path) > 100:
-            return "an ipc:// path must be at most 100 characters (the unix socket limit)"
-    return None
 
 
 def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:

@@ -154,6 +154,18 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
     return v
 
 
+def _hello_batch_size(msg: dict, old: Optional[Rank], pid: int) -> int:
+    """A hello's ``batch_size``: an integer >= 1, or null when the client does not know it yet (a loader
+    with a custom ``batch_sampler`` before its first batch: torch's ``batch_size`` is None and
+    ``stats()`` reports the mean delivered batch only once there is one). Unknown keeps what this
+    process's rank already had (a reconnect, or a rank adopted from the journal), else 1 until a report
+    carries it: ``samples`` are 0 until then, so no step is counted from the placeholder."""
+    v = _opt_int(msg, "batch_size", None, 1)
+    if v is not None:
+        return v
+    return old.batch_size if old is not None and old.pid == pid else 1
+
+
 def _job_id(msg: dict) -> str:
     job = msg["job"]
     why = protocol.check_job_id(job)
@@ -255,7 +267,7 @@ class Registry:
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids),
                  local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
-                 gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_opt_int(msg, "batch_size", 1, 1),
+                 gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_hello_batch_size(msg, old, pid),
                  workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
                  max_workers=_opt_int(msg, "max_workers", None),
                  hostname=str(msg.get("hostname") or "")[:255],

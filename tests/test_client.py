@@ -453,6 +453,33 @@ def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env,
         agent.close()
 
 
+def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_first_batch(base, endpoint_env,
+                                                                                         monkeypatch):
+    """A loader with a custom batch_sampler has torch's ``batch_size`` None; ``stats()`` reports the mean
+    delivered batch, None before the first. Its hello says the same: null at first (it said 1, a batch
+    of one sample), then, in the hello after a reconnect, the mean (4 here, as the reports say)."""
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    dl = DataLoader(list(range(16)), batch_sampler=[[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]], num_workers=0)
+    try:
+        client.attach(dl)
+        ident, hello = agent.recv("hello")
+        assert dl.batch_size is None and dl.stats()["batch_size"] is None and hello["batch_size"] is None
+        assert [len(b) for b in dl] == [6, 2, 4]
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        _, report = agent.recv("report")
+        assert report["stats"]["batch_size"] == 4
+        agent.send(ident, protocol.error("unknown_job", "send hello first"))
+        _, hello = agent.recv("hello")
+        assert hello["batch_size"] == 4
+    finally:
+        _detach_all(dl)
+        dl.close()
+        agent.close()
+
+
 @pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0])
 def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
                                                                                     heartbeat_s):
@@ -552,6 +579,40 @@ def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, end
         assert len(refusals) == 2 and "not_permitted" in refusals[0] and "over_limit" in refusals[1], refusals
     finally:
         _detach_all(lo)
+        agent.close()
+
+
+@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120])
+def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, endpoint_env, monkeypatch,
+                                                                                    caplog, value):
+    """ADLOADER_ENDPOINT is checked as the agent checks its own endpoint (``protocol.endpoint_problem``):
+    a malformed one is one warning naming the variable, its value and why, for every loader, and the
+    client contacts no agent; training goes on. Before, the relative 'ipc://agent.sock', run where an
+    agent listens at ./agent.sock, said hello to it (another working directory: another file); 'ipc://'
+    was taken, silently, for an agent not there yet; 'bogus' was warned about as an untrusted agent,
+    without the variable's name."""
+    import logging
+
+    monkeypatch.setattr(env, "_reported", set())
+    monkeypatch.chdir(base)
+    monkeypatch.setenv("ADLOADER_ENDPOINT", value)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo, lo2 = Loader(), Loader()
+    try:
+        with caplog.at_level(logging.WARNING):
+            client.attach(lo)
+            wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
+            client.attach(lo2)
+            client._client._thread.join(10)
+        st = client.state()
+        assert st["active"] and not st["connected"] and st["reports_sent"] == 0
+        assert st["last_error"] == f"ADLOADER_ENDPOINT: {protocol.endpoint_problem(value)}"
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1 and f"ADLOADER_ENDPOINT={value!r}" in said[0], said
+        assert protocol.endpoint_problem(value) in said[0] and "training goes on" in said[0]
+        assert not agent.sock.poll(0)                       # no hello reached the agent
+    finally:
+        _detach_all(lo, lo2)
         agent.close()
 
 

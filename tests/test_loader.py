@@ -357,6 +357,29 @@ def test_a_worker_a_users_thread_starts_runs_on_the_training_process_cpu_mask(tm
         dl.close()
 
 
+def test_max_workers_defaults_from_the_training_process_cpu_mask_in_any_thread():
+    """A loader built in a thread created before the script pinned its main thread to one CPU: its
+    default ``max_workers`` (one per CPU) counts the main thread's mask, 1, not the building thread's
+    own, which still holds every CPU."""
+    whole, one = _whole_mask_and_one_cpu()
+    go, built = threading.Event(), []
+    builder = threading.Thread(target=lambda: go.wait() and built.append(
+        DataLoader(list(range(8)), batch_size=2, num_workers=0)))
+    builder.start()
+    try:
+        with _training_thread_pinned(one):
+            go.set()
+            builder.join()
+        dl, = built
+        assert dl.max_workers == 1
+        with _training_thread_pinned(one):
+            assert DataLoader(list(range(8)), batch_size=2, num_workers=0).max_workers == 1
+        assert DataLoader(list(range(8)), batch_size=2, num_workers=0).max_workers == len(whole)
+    finally:
+        go.set()
+        builder.join()
+
+
 def test_a_replacement_worker_runs_on_the_training_process_cpu_mask(tmp_path):
     """A worker killed mid-epoch is replaced by whichever thread handles its death: the one iterating
     the loader (here a thread created before the pin, with the whole mask) or the pool's reaper. The

@@ -108,3 +108,31 @@ def test_a_worker_that_exited_before_the_agent_read_the_report_is_left_out_not_r
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_hello_without_a_batch_size_keeps_what_the_rank_had_and_a_bad_one_is_malformed():
+    """batch_size null in a hello (a batch_sampler's loader before its first batch) is accepted: 1 for a
+    new rank until a report carries the size; a hello again from the same process (a reconnect) keeps
+    the size its reports gave, where it was set back to 1. Anything but an integer >= 1 or null is
+    refused as malformed."""
+    from adloader import protocol
+
+    me = os.getpid()
+    reg = Registry()
+    peer = Peer(os.getuid(), os.getgid(), me)
+
+    def hello(batch_size):
+        return reg.hello(peer, b"a", protocol.make("hello", job="j", rank=0, pid=me, uid=os.getuid(),
+                                                   batch_size=batch_size), 0.0)
+
+    assert hello(None).batch_size == 1
+    reg.report(b"a", peer, protocol.make("report", job="j", rank=0, pid=me, stats={"batch_size": None}), 1.0)
+    assert reg.jobs["j"].ranks[0].batch_size == 1
+    reg.report(b"a", peer, protocol.make("report", job="j", rank=0, pid=me, stats={"batch_size": 24}), 2.0)
+    assert hello(None).batch_size == 24
+    assert hello(32).batch_size == 32
+    for bad in (0, -4, True, 2.5, "16", [16]):
+        with pytest.raises(Refused, match="batch_size") as e:
+            hello(bad)
+        assert e.value.code == "malformed"
+    assert reg.jobs["j"].ranks[0].batch_size == 32
