@@ -431,7 +431,17 @@ def _read_bounded(path: str, missing_ok: bool = False, timeout_s: Optional[float
 
 def read_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[dict]:
     """The config file's keys (None: it does not exist, where ``missing_ok``), read within ``timeout_s``
-    (``_read_bounded``); every problem is a ``ConfigError`` naming the file."""
+    (``_read_bounded``); every problem, an unknown key included, is a ``ConfigError`` naming the file."""
+    data = _parse_toml(path, missing_ok=missing_ok, timeout_s=timeout_s)
+    if data is not None:
+        unknown = unknown_keys_problem(path, data)
+        if unknown:
+            raise ConfigError(f"{unknown}; known keys: {', '.join(KEYS)}")
+    return data
+
+
+def _parse_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float] = None) -> Optional[dict]:
+    """``read_toml`` without the check for unknown keys."""
     try:
         import tomllib
     except ImportError:   # Python 3.10
@@ -440,7 +450,7 @@ def read_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float]
         raw = _read_bounded(path, missing_ok, timeout_s)
         if raw is None:
             return None
-        data = tomllib.loads(raw.decode("utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
@@ -450,12 +460,17 @@ def read_toml(path: str, *, missing_ok: bool = False, timeout_s: Optional[float]
     except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
         raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
+
+
+def unknown_keys_problem(path: str, data: Mapping[str, Any]) -> str:
+    """"config file PATH: unknown key(s) 'endpiont' (did you mean 'endpoint'?)" naming at most
+    ``MAX_UNKNOWN_NAMED`` of the file's keys that are not config keys (a ``[section]`` is one), or ""."""
     unknown = sorted(set(data) - set(KEYS))
-    if unknown:
-        named = ", ".join(map(_with_suggestion, unknown[:MAX_UNKNOWN_NAMED]))
-        more = f" and {len(unknown) - MAX_UNKNOWN_NAMED} more..." if len(unknown) > MAX_UNKNOWN_NAMED else ""
-        raise ConfigError(f"config file {path}: unknown key(s) {named}{more}; known keys: {', '.join(KEYS)}")
-    return data
+    if not unknown:
+        return ""
+    named = ", ".join(map(_with_suggestion, unknown[:MAX_UNKNOWN_NAMED]))
+    more = f" and {len(unknown) - MAX_UNKNOWN_NAMED} more..." if len(unknown) > MAX_UNKNOWN_NAMED else ""
+    return f"config file {path}: unknown key(s) {named}{more}"
 
 
 def _file_kind(st: os.stat_result) -> str:
@@ -520,6 +535,48 @@ def endpoint_from_environment(flag: Optional[str] = None, environ: Optional[Mapp
     return not flag and bool(environ.get("ADLOADER_ENDPOINT", "").strip())
 
 
+@dataclass(frozen=True)
+class FileEndpoint:
+    """What the agent's config file says about the endpoint, for the commands and scripts that talk to
+    the agent (``file_endpoint``).
+
+    ``endpoint``: the file's ``endpoint`` key, valid; None where it gives none, and then the caller
+    uses its default. ``note``: "" when nothing is worth saying, else what went wrong, naming the file,
+    for the caller's log line."""
+
+    endpoint: Optional[str]
+    note: str = ""
+
+
+def file_endpoint(path: str, *, missing_ok: bool = True) -> FileEndpoint:
+    """The ``endpoint`` key of the agent config file at ``path``, read with the agent's own reader
+    (``_parse_toml``: bounded in time; TOML quoting, escapes, comments as the agent reads them).
+
+    The one rule for every reader of the endpoint (``client_endpoint``: ``adloader job``, ``adloader
+    status``; ``adloader job endpoint``: the Slurm TaskProlog): a valid ``endpoint`` key is used even
+    where the file also holds keys the agent does not know (nothing the file says is lost), and those
+    keys are named in the note ("did you mean" included: a misspelt ``endpiont`` is not silent), since
+    the agent refuses to start with them. A file that cannot be read or is not TOML, and an invalid
+    ``endpoint`` value, give no endpoint and a note that names the file. An absent file gives none and
+    no note where ``missing_ok``, else a note."""
+    try:
+        doc = _parse_toml(path, missing_ok=True)    # (bounded in time, the existence check with it)
+    except ConfigError as e:
+        return FileEndpoint(None, str(e))
+    if doc is None:
+        return FileEndpoint(None, "" if missing_ok else f"no agent config at {path}")
+    notes = []
+    unknown = unknown_keys_problem(path, doc)
+    if unknown:
+        notes.append(f"{unknown}, which the agent refuses to start with")
+    value = doc.get("endpoint")
+    why = None if value is None else "must be a string" if not isinstance(value, str) else endpoint_problem(value)
+    if why:
+        notes.append(f"config key 'endpoint' in {path} {why}, got {shown(value)}")
+        value = None
+    return FileEndpoint(value, "; ".join(notes))
+
+
 def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = None,
                     environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     """The endpoint a command on this node (``adloader job``, ``adloader status``, the Slurm scripts
@@ -528,26 +585,18 @@ def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = Non
     One source of truth: the agent's own config file. In order: ``flag`` (``--endpoint``), else
     ADLOADER_ENDPOINT, else the ``endpoint`` key of ``config_path`` (default: DEFAULT_CONFIG_PATH when
     it exists), else ``adloader.env.endpoint()`` (the system socket, else the user's) -- the same
-    precedence as the agent's own (file < environment < command line). A config file that cannot be
-    read, or whose endpoint is invalid, is named in the note and the default is used. Light: tomllib
-    only (the prolog pays for every import)."""
+    precedence as the agent's own (file < environment < command line). The file is read by
+    ``file_endpoint``: a valid endpoint is used and keys the agent does not know are named in the note;
+    a file that cannot be read, or whose endpoint is invalid, is named in the note and the default is
+    used. Light: tomllib only (the prolog pays for every import)."""
     if flag:
         return flag, ""
     environ = os.environ if environ is None else environ
     ep = environ.get("ADLOADER_ENDPOINT", "").strip()
     if ep:
         return ep, ""
-    path = config_path or DEFAULT_CONFIG_PATH
-    try:
-        doc = read_toml(path, missing_ok=True)    # (bounded in time, the existence check with it)
-    except ConfigError as e:
-        return env.endpoint(environ), f"{e}: default endpoint"
-    if doc is None:
-        return env.endpoint(environ), f"no agent config at {path}: default endpoint" if config_path else ""
-    value = doc.get("endpoint")
-    if value is None:
-        return env.endpoint(environ), ""
-    why = "must be a string" if not isinstance(value, str) else endpoint_problem(value)
-    if why:
-        return env.endpoint(environ), f"config key 'endpoint' in {path} {why}, got {shown(value)}: default endpoint"
-    return value, ""
+    found = file_endpoint(config_path or DEFAULT_CONFIG_PATH, missing_ok=not config_path)
+    endpoint = found.endpoint or env.endpoint(environ)
+    if found.note and not found.endpoint:
+        return endpoint, f"{found.note}: default endpoint"
+    return endpoint, found.note

@@ -322,3 +322,25 @@ def test_endpoint_precedence_flag_environment_config_default(tmp_path):
     assert ep == env.endpoint({}) and "not valid TOML" in note
     ep, note = client_endpoint(None, str(tmp_path / "absent.toml"), {})
     assert ep == env.endpoint({}) and "no agent config" in note
+
+
+@pytest.mark.unit
+def test_a_valid_endpoint_beside_an_unknown_key_is_used_and_the_key_named(tmp_path):
+    """An unknown key does not hide the file's valid endpoint from the commands (nothing the file says
+    is lost; before, the whole file was refused and the default used): the endpoint is taken and the
+    key named, with its "did you mean"; a misspelt endpoint key alone is named too, not silent."""
+    from adloader import env
+    from agent.config import client_endpoint
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('endpoint = "ipc:///srv/from-config.sock"\npolcy = "even"\n[agent]\ntick_s = 1\n')
+    ep, note = client_endpoint(None, str(cfg), {})
+    assert ep == "ipc:///srv/from-config.sock"
+    assert str(cfg) in note and "'polcy' (did you mean 'policy'?)" in note and "'agent'" in note
+    assert "default endpoint" not in note
+    cfg.write_text('endpiont = "ipc:///srv/from-config.sock"\n')
+    ep, note = client_endpoint(None, str(cfg), {})
+    assert ep == env.endpoint({}) and "'endpiont' (did you mean 'endpoint'?)" in note and "default endpoint" in note
+    cfg.write_text('endpoint = "http://nope"\npolcy = "even"\n')
+    ep, note = client_endpoint(None, str(cfg), {})
+    assert ep == env.endpoint({}) and "'polcy'" in note and "must start with ipc:// or tcp://" in note

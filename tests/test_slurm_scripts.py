@@ -145,6 +145,18 @@ def test_a_bad_config_is_named_and_the_default_endpoint_used(installed, adloader
     assert rc == 0 and "must start with ipc:// or tcp://" in line and str(config) in line and "default endpoint" in line
 
 
+def test_a_valid_endpoint_beside_an_unknown_key_is_used_and_the_key_named(installed, fake_agent, adloader_bin):  # noqa: F811
+    """`adloader job --config` takes the file's valid endpoint although another key is unknown, and its
+    log line names that key (before, the whole file was refused and the default endpoint used)."""
+    d, config, _ = installed
+    agent = fake_agent()
+    config.write_text(f'endpoint = "{agent.endpoint}"\npolcy = "even"\n')
+    rc, _, err, _ = run_script(d / "prolog.sh", {**SLURM_ENV, "ADLOADER_BIN": adloader_bin})
+    line = log_line(err, "adloader-prolog")
+    assert rc == 0 and ": ok" in line and "'polcy' (did you mean 'policy'?)" in line and str(config) in line
+    assert [m["type"] for m in agent.messages] == ["register"]
+
+
 @pytest.mark.parametrize("text, want", [
     ('endpoint = "ipc:///srv/adl/agent.sock"\n', "ipc:///srv/adl/agent.sock"),
     ('  endpoint="ipc:///srv/adl/a.sock"   # a comment\n', "ipc:///srv/adl/a.sock"),
