@@ -276,6 +276,35 @@ def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
         assert rc == want_rc and f"not sent: bad variable: --endpoint {bad!r}: " in line and why in line, line
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("as_json", [False, True])
+def test_status_names_a_broken_agent_config_also_when_it_succeeds(tmp_path, monkeypatch, capsys, as_json):
+    """A misspelt key in the agent's config file is named by `adloader status` on stderr also when the
+    agent answered on the default endpoint (before, the note was printed only on failure); stdout stays
+    the table or the JSON document alone."""
+    import argparse
+    import json
+
+    from agent import config, status
+    from agent.commands import status as status_command
+    from tests.fakes import status_doc
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('endpiont = "ipc:///srv/adl/agent.sock"\n')
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", str(cfg))
+    monkeypatch.delenv("ADLOADER_ENDPOINT", raising=False)
+    asked = []
+    monkeypatch.setattr(status, "query", lambda endpoint, timeout_s: asked.append(endpoint) or status_doc())
+    rc = status_command.run(argparse.Namespace(endpoint=None, json=as_json, timeout_s=1.0))
+    out, err = capsys.readouterr()
+    assert rc == 0 and len(asked) == 1
+    assert "'endpiont' (did you mean 'endpoint'?)" in one_line(err) and str(cfg) in err and "adloader status" in err
+    if as_json:
+        assert json.loads(out) == status_doc()
+    else:
+        assert out == status.render_table(status_doc()) + "\n"
+
+
 @pytest.mark.component
 def test_status_refuses_a_malformed_endpoint_naming_it():
     p = subprocess.run(adloader_cmd("status", "--endpoint", "ipc://", "--timeout-s", "1"), env=repo_env(),

@@ -37,6 +37,8 @@ def run(args) -> int:
             note = config.ENDPOINT_FROM_ENV_NOTE
         print(f"adloader status: {e}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 1
+    if note:   # on stderr: a broken agent config is worth a word when the agent answered too (stdout is for scripts)
+        print(f"adloader status: {note}", file=sys.stderr)
     if args.json:
         json.dump(doc, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
