@@ -552,8 +552,9 @@ def file_endpoint(path: str, *, missing_ok: bool = True) -> FileEndpoint:
     """The ``endpoint`` key of the agent config file at ``path``, read with the agent's own reader
     (``_parse_toml``: bounded in time; TOML quoting, escapes, comments as the agent reads them).
 
-    The one rule for every reader of the endpoint (``client_endpoint``: ``adloader job``, ``adloader
-    status``; ``adloader job endpoint``: the Slurm TaskProlog): a valid ``endpoint`` key is used even
+    The one rule for the commands that read the endpoint (``client_endpoint``: ``adloader job``,
+    ``adloader status``; the Slurm TaskProlog reads the key with bash alone, in two plain forms): a
+    valid ``endpoint`` key is used even
     where the file also holds keys the agent does not know (nothing the file says is lost), and those
     keys are named in the note ("did you mean" included: a misspelt ``endpiont`` is not silent), since
     the agent refuses to start with them. A file that cannot be read or is not TOML, and an invalid
