@@ -578,6 +578,20 @@ def file_endpoint(path: str, *, missing_ok: bool = True) -> FileEndpoint:
     return FileEndpoint(value, "; ".join(notes))
 
 
+def endpoint_argument_problem(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """"--endpoint 'x': why" or "ADLOADER_ENDPOINT 'x': why" where the endpoint a command was given, on
+    its command line or else in its environment, is malformed (``endpoint_problem``, as the agent checks
+    its own); "" otherwise. The training-side client refuses a malformed ADLOADER_ENDPOINT the same way
+    (``adloader.env.endpoint_problem``) rather than falling back to another agent."""
+    if flag is not None:
+        why = endpoint_problem(flag)
+        return f"--endpoint {shown(flag)}: {why}" if why else ""
+    environ = os.environ if environ is None else environ
+    value = environ.get("ADLOADER_ENDPOINT", "").strip()
+    why = endpoint_problem(value) if value else None
+    return f"ADLOADER_ENDPOINT {shown(value)}: {why}" if why else ""
+
+
 def client_endpoint(flag: Optional[str] = None, config_path: Optional[str] = None,
                     environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     """The endpoint a command on this node (``adloader job``, ``adloader status``, the Slurm scripts

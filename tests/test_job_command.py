@@ -276,6 +276,28 @@ def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
         assert rc == want_rc and f"not sent: bad variable: --endpoint {bad!r}: " in line and why in line, line
 
 
+@pytest.mark.component
+def test_a_malformed_adloader_endpoint_is_a_bad_variable_naming_it():
+    """ADLOADER_ENDPOINT is checked as --endpoint is, by job and status, before anything is sent (as the
+    training-side client refuses it). Before: 'ipc://' was taken as the agent being down ("no socket
+    at "), 'bogus' failed in libzmq ("Invalid argument"). With --slurm the prolog still exits 0."""
+    for bad, why in (("ipc://", "needs the socket's path"), ("bogus", "must start with ipc:// or tcp://")):
+        env = repo_env(ADLOADER_ENDPOINT=bad, **SLURM_ENV)
+        for how, want_rc in ((("--job", "1"), 2), (("--slurm",), 0)):
+            p = subprocess.run(adloader_cmd("job", "register", *how, "--timeout-s", "1"), env=env,
+                               capture_output=True, text=True, timeout=60)
+            line = one_line(p.stderr)
+            assert p.returncode == want_rc and p.stdout == "", (p.returncode, p.stdout)
+            assert f"not sent: bad variable: ADLOADER_ENDPOINT {bad!r}: " in line and why in line, line
+        p = subprocess.run(adloader_cmd("status", "--timeout-s", "1"), env=repo_env(ADLOADER_ENDPOINT=bad),
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and f"ADLOADER_ENDPOINT {bad!r}: " in one_line(p.stderr) and why in p.stderr, p.stderr
+    # --endpoint wins over the variable: a good flag is used whatever the variable holds
+    rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "1", endpoint="ipc:///nonexistent/agent.sock",
+                         env={"ADLOADER_ENDPOINT": "bogus"})
+    assert rc == 1 and "bad variable" not in err, err
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("as_json", [False, True])
 def test_status_names_a_broken_agent_config_also_when_it_succeeds(tmp_path, monkeypatch, capsys, as_json):

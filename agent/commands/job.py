@@ -250,12 +250,11 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     try:
         if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
             raise JobSpecError(f"--timeout-s {args.timeout_s} must be a positive, finite number of seconds")
-        if args.endpoint is not None:
-            from agent import config
+        from agent import config
 
-            why = config.endpoint_problem(args.endpoint)
-            if why:
-                raise JobSpecError(f"--endpoint {config.shown(args.endpoint)}: {why}")
+        bad_endpoint = config.endpoint_argument_problem(args.endpoint, environ)
+        if bad_endpoint:
+            raise JobSpecError(bad_endpoint)
         if slurm:
             spec = slurm_job(environ, need_resources=(verb == "register"))
             # --job still wins over SLURM_JOB_ID; --uid, --gpus and --cpus are not read with --slurm

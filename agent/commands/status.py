@@ -25,9 +25,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from agent import config, status
 
-    why = None if args.endpoint is None else config.endpoint_problem(args.endpoint)
-    if why:
-        print(f"adloader status: --endpoint {config.shown(args.endpoint)}: {why}", file=sys.stderr)
+    bad_endpoint = config.endpoint_argument_problem(args.endpoint)
+    if bad_endpoint:
+        print(f"adloader status: {bad_endpoint}", file=sys.stderr)
         return 2
     endpoint, note = config.client_endpoint(args.endpoint)
     try:
