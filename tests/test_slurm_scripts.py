@@ -179,6 +179,20 @@ def test_taskprolog_reads_the_endpoint_as_the_agent_does(installed, text, want):
     assert configmod.client_endpoint(None, str(config), environ={})[0] == expect or want is None
 
 
+def test_taskprolog_takes_no_endpoint_from_a_table(installed):
+    """An ``endpoint`` key after a ``[table]`` header is that table's, not the agent's top-level key
+    (TOML): the agent's own reader finds no endpoint there, and the TaskProlog exports the default, as
+    it does with no key at all. Before, its line reader took the table's key."""
+    from agent import config as configmod
+
+    d, config, _ = installed
+    config.write_text('policy = "even"\n[extra]\nendpoint = "ipc:///srv/adl/table.sock"\n')
+    rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    assert rc == 0 and err == ""
+    assert out.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock", "export ADLOADER_JOB_ID=4242"]
+    assert configmod.file_endpoint(str(config)).endpoint is None
+
+
 def test_taskprolog_says_so_when_it_cannot_read_the_endpoint(installed):
     d, config, _ = installed
     config.write_text('endpoint = "ipc:///srv/odd\\u0041.sock"\n')        # a TOML escape: not taken

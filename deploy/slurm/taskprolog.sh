@@ -11,7 +11,8 @@
 #
 # The endpoint has one source of truth, the agent's config file (AGENT_CONFIG, mode 0644): its
 # `endpoint` key, read here with bash alone in the forms `endpoint = "..."` and `endpoint = '...'`
-# (a comment may follow), else the agent's default. A key in another form (escapes, a quoted key)
+# (a comment may follow) before any `[table]` header (a key after one is the table's), else the
+# agent's default. A key in another form (escapes, a quoted key)
 # is reported on stderr and no endpoint is exported (the client then uses its own default); so is a
 # file the job's user cannot read.
 
@@ -27,6 +28,7 @@ config_endpoint() {
     local basic='^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*"([^"\\]*)"[[:space:]]*(#.*)?$'
     local literal="^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*'([^']*)'[[:space:]]*(#.*)?\$"
     local any='^[[:space:]]*["'"'"']?endpoint["'"'"']?[[:space:]]*='
+    local table='^[[:space:]]*\['      # a [table] header: every key after it is the table's, not top-level
     if [ -e "$AGENT_CONFIG" ] && [ ! -r "$AGENT_CONFIG" ]; then
         # the job's user cannot read it (mode 0600?): its endpoint may not be the default, so guess nothing
         echo "adloader-taskprolog: cannot read $AGENT_CONFIG as uid $UID (it must be readable by job users, mode 0644): no endpoint exported" >&2
@@ -34,6 +36,7 @@ config_endpoint() {
     fi
     if [ -r "$AGENT_CONFIG" ]; then
         while IFS= read -r line || [ -n "$line" ]; do
+            [[ $line =~ $table ]] && break
             if [[ $line =~ $basic ]] || [[ $line =~ $literal ]]; then
                 echo "${BASH_REMATCH[1]}"
                 return 0
