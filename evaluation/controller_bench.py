@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import random
@@ -189,10 +188,9 @@ def main(argv=None) -> int:
               "load_average_1m": load, "rows": rows, "runs": runs,
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
               "command": "python -m evaluation.controller_bench " + " ".join(argv if argv is not None else sys.argv[1:])}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    from evaluation.report import write_json
+
+    write_json(args.out, result)
     return 0
 
 

@@ -106,10 +106,9 @@ def main(argv=None) -> int:
               + f"{statistics.median(cpu):>14.1f} [{min(cpu):.1f}, {max(cpu):.1f}]".ljust(37) + f"{ratio:>10.2f}")
     doc = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "trees": dict(trees),
            "loadavg": os.getloadavg(), "cpus": len(os.sched_getaffinity(0)), "runs": runs, "summary": summary}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {args.out}")
+    from evaluation.report import write_json
+
+    write_json(args.out, doc)
     return 0
 
 

@@ -131,10 +131,9 @@ def main(argv=None) -> int:
     for k in LOADERS:
         s, w = doc["summary"][k]["steps_per_s"], doc["summary"][k]["data_wait_ms_per_step"]
         print(f"| {k} | {s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] | {w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}] |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"\nwrote {args.out}")
+    from evaluation.report import write_json
+
+    write_json(args.out, doc)
     return 0
 
 

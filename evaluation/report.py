@@ -343,6 +343,17 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def write_json(path, doc: dict) -> None:
+    """Write a command's JSON result to ``path`` (its folder made as needed) and say so: what every
+    benchmark command that takes ``--out FILE`` does at its end."""
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
 def _json_default(o):
     if isinstance(o, Path):
         return str(o)
