@@ -575,10 +575,11 @@ def _publish(thread: "_Thread") -> None:
             del _carry[next(iter(_carry))]
 
 
-def carried_tuner(signature, cpus: float) -> "AutoTuner | None":
+def carried_tuner(signature, cpus: float, copy_it: bool = True):
     """A copy of what the latest tuner with ``signature`` learned (its curve, its measured counts, the
     count it was at), if it tuned on the same CPUs; else None. The copy is the new loader's own: the
-    earlier loader, if it is still running, goes on with its own."""
+    earlier loader, if it is still running, goes on with its own. ``copy_it=False``: only the count it
+    was at (``initial_workers``: no copy of the curve for one number)."""
     import copy
 
     if signature is None:
@@ -590,7 +591,7 @@ def carried_tuner(signature, cpus: float) -> "AutoTuner | None":
     with thread.state_lock:
         if abs(thread.tuner.cpus - cpus) > 1e-6 or thread.tuner.n_windows == 0:
             return None
-        return copy.deepcopy(thread.tuner)
+        return copy.deepcopy(thread.tuner) if copy_it else thread.tuner.current
 
 
 class ProcessesCpu:
@@ -692,9 +693,9 @@ def initial_workers(loader) -> int:
         from adloader import env
 
         cpus, ranks = usable_cpus(), env.local_world_size()
-        carried = carried_tuner(loader_signature(loader), cpus)
+        carried = carried_tuner(loader_signature(loader), cpus, copy_it=False)
         if carried is not None:     # the count the last loader over this data was tuned to
-            return max(1, min(carried.current, worker_cap(cpus, getattr(loader, "max_workers", None))))
+            return max(1, min(carried, worker_cap(cpus, getattr(loader, "max_workers", None))))
         part = gpu_part(ranks=ranks) if whole_node(cpus) else 1.0
         return start_workers(cpus, getattr(loader, "max_workers", None), ranks, part)
     except Exception:
