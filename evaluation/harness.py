@@ -1006,6 +1006,7 @@ def phase_metrics(ph: dict, bin_s: float = 1.0) -> dict:
         jct = M.completion_times(arrivals, finishes)
         out.update(makespan_s=M.makespan(list(arrivals.values()), list(finishes.values())) if finishes else math.nan,
                    jct_mean_s=M.mean(jct.values()), jct_p95_s=M.percentile(jct.values(), 95),
+                   jct_gpu_mean_s=M.gpu_weighted_mean(jct, {j: jobs[j]["spec"].get("gpus") or 1 for j in jct}),
                    unfinished=len(jobs) - len(finishes))
     # reaction after each event: allocation settling (last worker change) and throughput settling
     evs = sorted(ph.get("events") or [], key=lambda e: e["t"])

@@ -6,7 +6,8 @@ Definitions (one GPU per job unless said otherwise):
   (``batch_size / step_s``, the ceiling). Aggregate = the GPU-weighted sum over jobs.
 - GPU idle fraction (emulated GPUs: the data-wait fraction) = total time jobs spent blocked on data
   over total time they were alive, i.e. time-weighted over jobs and over time.
-- makespan = last finish - first arrival; JCT = finish - arrival of each job.
+- makespan = last finish - first arrival; JCT = finish - arrival of each job; GPU-weighted mean JCT =
+  the mean with each job counted once per GPU (``gpu_weighted_mean``).
 - Jain's index = (sum x)^2 / (n * sum x^2): 1 when all equal, 1/n when one job has everything.
 - fairness vs even = min over jobs of (job's normalised throughput / its throughput under an even split).
 - settling time after an event = time from the event until a series stops moving (see ``settle_time``).
@@ -62,6 +63,15 @@ def makespan(arrivals_s: Sequence[float], finishes_s: Sequence[float]) -> float:
 def completion_times(arrivals_s: Mapping[str, float], finishes_s: Mapping[str, float]) -> dict[str, float]:
     """JCT per job that finished."""
     return {j: finishes_s[j] - arrivals_s[j] for j in finishes_s if j in arrivals_s}
+
+
+def gpu_weighted_mean(values: Mapping[str, float], gpus: Mapping[str, int]) -> float:
+    """Mean of per-job ``values`` with each job counted once per GPU (``gpus``, at least 1): for
+    completion times, how long the node's GPUs waited on average for their job to finish, the way
+    the aggregate throughput counts a job once per GPU. NaN without jobs."""
+    w = {j: max(1, int(gpus.get(j) or 1)) for j in values}
+    total = sum(w.values())
+    return sum(w[j] * float(v) for j, v in values.items()) / total if total else math.nan
 
 
 def normalised(samples_per_s: float, ceiling_samples_per_s: float) -> float:

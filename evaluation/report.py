@@ -14,8 +14,8 @@ from typing import Optional
 from evaluation import metrics as M
 
 METRICS = ("agg_normalised", "samples_per_s", "gpu_idle_frac", "jain", "fairness_vs_even", "fairness_vs_static",
-           "makespan_s", "jct_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max", "agent_cpu_cores",
-           "resizes", "loader_memory_max_bytes", "loader_memory_over_budget_samples", "loader_memory_samples")
+           "makespan_s", "jct_mean_s", "jct_gpu_mean_s", "jct_p95_s", "reaction_s_max", "tput_settle_s_max",
+           "agent_cpu_cores", "resizes", "loader_memory_max_bytes", "loader_memory_over_budget_samples", "loader_memory_samples")
 BASELINES = ("oracle", "even-static", "even", "none", "autotune", "static-cores")
 # what users and operators run instead of the agent: "× best" is against the best of these in the same repeat
 USER_BASELINES = ("none", "autotune", "static-cores", "even-static")
@@ -33,6 +33,10 @@ GOALS = (
     # under the loader memory budget the oracle is the budget oracle: the best plan the budget allows
     ("memory", "adaptive", "ratio_oracle", 0.95, "memory: adaptive >= 0.95 x the budget oracle"),
 )
+# a run with fixed work (the dynamic scenario): per repeat, the best user baseline's figure over the
+# policy's (above 1: the policy finishes sooner); the GPU-weighted mean JCT counts a job once per GPU, as
+# the aggregate throughput does (``metrics.gpu_weighted_mean``)
+TIME_METRICS = ("makespan_s", "jct_mean_s", "jct_gpu_mean_s")
 SETTLE_GOAL_S = 5.0
 # the workload check: a job's loader CPU per sample in its workers over the calibration outside this band
 # means the run's loader demand is not the catalogue's design (BENCHMARKS.md, thirtieth pass)
@@ -75,6 +79,7 @@ def summarise(phases: list[dict]) -> dict:
             # one slot per repeat of the scenario (None where this policy's or the baseline's phase failed),
             # so the printed lists line up with the cost per phase's, repeat by repeat
             ratios = {b: [None] * len(reps) for b in BASELINES + ("best",)}
+            times = {k: [None] * len(reps) for k in TIME_METRICS}     # the best user baseline's / this one's
             for k_rep, (rep, pols) in enumerate(sorted(reps.items())):
                 ph = pols.get(p)
                 if not ph:
@@ -97,6 +102,11 @@ def summarise(phases: list[dict]) -> dict:
                 best = _finite(best)
                 if best and p not in USER_BASELINES:
                     ratios["best"][k_rep] = m["agg_normalised"] / max(best)
+                for k in TIME_METRICS:
+                    theirs = _finite([((pols.get(b) or {}).get("metrics") or {}).get(k)
+                                      for b in USER_BASELINES if b != p])
+                    if theirs and p not in USER_BASELINES and _finite([m.get(k)]) and m[k] > 0:
+                        times[k][k_rep] = min(theirs) / m[k]
             for k, xs in vals.items():
                 xs = _finite(xs)
                 if xs:
@@ -107,6 +117,10 @@ def summarise(phases: list[dict]) -> dict:
                 if _finite(xs) and b != p:
                     row[f"ratio_{b}"] = M.median(_finite(xs))
                     row[f"ratio_{b}_all"] = [None if x is None else round(x, 4) for x in xs]
+            for k, xs in times.items():
+                if _finite(xs):
+                    row[f"{k}_best_over"] = M.median(_finite(xs))
+                    row[f"{k}_best_over_all"] = [None if x is None else round(x, 4) for x in xs]
             table[p] = row
         out[sc] = table
     return out
@@ -263,7 +277,8 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
         lines.append(f"### {sc}\n")
         lines.append("| policy | reps | GPU-weighted agg. norm. throughput (median [min–max]) "
                      "| × best user baseline (per repeat) | × static-cores | × none | × even-static | × oracle "
-                     "| GPU idle | min job ratio to static-cores | min ratio to even | makespan s | JCT mean / p95 s "
+                     "| GPU idle | min job ratio to static-cores | min ratio to even | makespan s "
+                     "| JCT mean / GPU-weighted mean / p95 s "
                      "| settle s (alloc / tput) | agent CPU cores | resizes |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p, r in table.items():
@@ -276,12 +291,24 @@ def markdown(summary: dict, goal_rows: list[dict], meta: dict, workload: Optiona
                 f"| {_fmt(r.get('ratio_none'))} | {_fmt(r.get('ratio_even-static'))} | {_fmt(r.get('ratio_oracle'))} "
                 f"| {_fmt(r.get('gpu_idle_frac'), '.1%')} | {_fmt(r.get('fairness_vs_static'), '.2f')} "
                 f"| {_fmt(r.get('fairness_vs_even'), '.2f')} | {_fmt(r.get('makespan_s'), '.1f')} "
-                f"| {_fmt(r.get('jct_mean_s'), '.1f')} / {_fmt(r.get('jct_p95_s'), '.1f')} "
+                f"| {_fmt(r.get('jct_mean_s'), '.1f')} / {_fmt(r.get('jct_gpu_mean_s'), '.1f')} "
+                f"/ {_fmt(r.get('jct_p95_s'), '.1f')} "
                 f"| {_fmt(r.get('reaction_s_max'), '.1f')} / {_fmt(r.get('tput_settle_s_max'), '.1f')} "
                 f"| {_fmt(r.get('agent_cpu_cores'), '.3f')} | {_fmt(r.get('resizes'), '.0f')} |")
             for e in r.get("errors", [])[:2]:
                 lines.append(f"|  | error: {e.splitlines()[0][:150]} |" + " |" * 14)
         lines.append("")
+        if any(f"{k}_best_over" in r for r in table.values() for k in TIME_METRICS):
+            lines.append("| policy | the best user baseline's makespan / this one's (per repeat; above 1: sooner) "
+                         "| the same, mean JCT | the same, GPU-weighted mean JCT |")
+            lines.append("|---|---|---|---|")
+            for p, r in table.items():
+                if not any(f"{k}_best_over" in r for k in TIME_METRICS):
+                    continue
+                cells = [f"{_fmt(r.get(f'{k}_best_over'))} ({', '.join(_fmt(x) for x in r.get(f'{k}_best_over_all') or [])})"
+                         for k in TIME_METRICS]
+                lines.append(f"| {p} | " + " | ".join(cells) + " |")
+            lines.append("")
         if any("loader_memory_max_bytes" in r for r in table.values()):
             lines.append("| policy | loader memory peak, MiB (median over repeats) | samples over the budget / samples |")
             lines.append("|---|---|---|")

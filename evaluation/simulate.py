@@ -751,7 +751,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
     window = {jb.tj.job: jb.win_norm_s / jb.win_s for jb in everyone if jb.win_s > 0}
     recorded = controller.applied() if controller is not None else {}
     return {
-        "jobs": {jb.tj.job: {"kind": jb.tj.kind, "jct_s": jb.done - jb.start, "norm_mean": jb.norm_s / jb.alive_s
+        "jobs": {jb.tj.job: {"kind": jb.tj.kind, "gpus": max(1, jb.tj.gpus), "jct_s": jb.done - jb.start, "norm_mean": jb.norm_s / jb.alive_s
                              if jb.alive_s > 0 else 0.0, "wait_s": jb.wait_s, "alive_s": jb.alive_s,
                              "norm_s": jb.norm_s * max(1, jb.tj.gpus), "changes": jb.changes} for jb in finished},
         "makespan_s": span, "decisions": decisions, "n_jobs": n_jobs,
@@ -856,11 +856,16 @@ def simulate(trace: list[TraceJob], curves: dict, policies, cfg: SimConfig, sour
             "config": cfg.__dict__ | {"loader_cpus_resolved": cfg.loader}}
 
 
-def _node_figures(r: dict) -> Optional[tuple[float, float]]:
-    """A node's (makespan, mean JCT), None for a node with no finished job."""
+def _jct_gpu_mean(jobs: dict) -> float:
+    """Mean JCT with each job counted once per GPU (``metrics.gpu_weighted_mean``)."""
+    return M.gpu_weighted_mean({j: v["jct_s"] for j, v in jobs.items()}, {j: v.get("gpus", 1) for j, v in jobs.items()})
+
+
+def _node_figures(r: dict) -> Optional[tuple[float, float, float]]:
+    """A node's (makespan, mean JCT, GPU-weighted mean JCT), None for a node with no finished job."""
     if r["makespan_s"] <= 0 or not r["jobs"]:
         return None
-    return r["makespan_s"], M.mean([v["jct_s"] for v in r["jobs"].values()])
+    return r["makespan_s"], M.mean([v["jct_s"] for v in r["jobs"].values()]), _jct_gpu_mean(r["jobs"])
 
 
 PER_NODE_TIE = 0.001     # per-node ratios within this of 1 are ties (neither better nor worse)
@@ -869,7 +874,8 @@ PER_NODE_TIE = 0.001     # per-node ratios within this of 1 are ties (neither be
 def per_node_comparison(per_policy: dict) -> dict:
     """Each policy node by node against the best of the other policies on that node (the oracle is no
     one's alternative and is left out of "the others"): for the makespan and the mean JCT, the best
-    other's figure over the policy's (above 1: the policy is better there), its median, 10th
+    other's figure over the policy's (above 1: the policy is better there; "jct_gpu": the mean JCT with
+    each job counted once per GPU, as the aggregate counts throughput), its median, 10th
     percentile, min and max over the nodes, and on how many nodes it is better or worse (beyond
     ``PER_NODE_TIE``). (A trace's aggregate is its work over the makespan: the makespan's ratio is the
     aggregate's.) An average over a trace can hide the nodes where a policy loses; this shows them."""
@@ -880,13 +886,13 @@ def per_node_comparison(per_policy: dict) -> dict:
     out = {}
     for p in per_policy:
         others = [o for o in users if o != p]
-        rows: dict[str, list[float]] = {"makespan": [], "jct": []}
+        rows: dict[str, list[float]] = {"makespan": [], "jct": [], "jct_gpu": []}
         for n, mine in figs[p].items():
             theirs = [figs[o].get(n) for o in others]
             if mine is None or any(t is None for t in theirs) or min(mine) <= 0:
                 continue
-            rows["makespan"].append(min(t[0] for t in theirs) / mine[0])
-            rows["jct"].append(min(t[1] for t in theirs) / mine[1])
+            for i, k in enumerate(rows):
+                rows[k].append(min(t[i] for t in theirs) / mine[i])
         out[p] = {k: {"median": M.median(v), "p10": M.percentile(v, 10), "min": min(v), "max": max(v),
                       "better": sum(x > 1.0 + PER_NODE_TIE for x in v),
                       "worse": sum(x < 1.0 - PER_NODE_TIE for x in v), "nodes": len(v)}
@@ -903,6 +909,7 @@ def with_memory(truth: dict, cfg: SimConfig) -> dict:
 
 def summarise_policy(nodes: dict) -> dict:
     aggs, spans, jcts, waits, alive, norms, changes, decisions = [], [], [], 0.0, 0.0, [], 0, 0
+    gpu_jct = gpu_n = 0.0
     peaks = [r.get("loader_memory_peak_bytes", 0.0) for r in nodes.values()]
     over = sum(r.get("memory_over_budget_s", 0.0) for r in nodes.values())
     for r in nodes.values():
@@ -911,6 +918,8 @@ def summarise_policy(nodes: dict) -> dict:
             spans.append(r["makespan_s"])
         for v in r["jobs"].values():
             jcts.append(v["jct_s"])
+            gpu_jct += v.get("gpus", 1) * v["jct_s"]
+            gpu_n += v.get("gpus", 1)
             waits += v["wait_s"]
             alive += v["alive_s"]
             norms.append(v["norm_mean"])
@@ -918,6 +927,7 @@ def summarise_policy(nodes: dict) -> dict:
         decisions += r["decisions"]
     return {"agg_normalised": M.mean(aggs), "makespan_mean_s": M.mean(spans),
             "makespan_max_s": max(spans) if spans else math.nan, "jct_mean_s": M.mean(jcts),
+            "jct_gpu_mean_s": gpu_jct / gpu_n if gpu_n else math.nan,
             "jct_p95_s": M.percentile(jcts, 95), "gpu_idle_frac": M.gpu_idle_fraction([waits], [alive]),
             "jain": M.jain_index(norms), "worker_changes": changes, "decisions": decisions,
             "loader_memory_peak_max_bytes": max(peaks) if peaks else 0.0,
@@ -928,7 +938,8 @@ def summarise_policy(nodes: dict) -> dict:
 def markdown(result: dict) -> str:
     s = result["summary"]
     lines = ["| policy | agg. norm. throughput / node | × oracle | × even-static | × even | makespan mean / max s "
-             "| JCT mean / p95 s | GPU idle | Jain | min ratio to even (p5) | worker changes | decisions |",
+             "| JCT mean / GPU-weighted mean / p95 s | GPU idle | Jain | min ratio to even (p5) | worker changes "
+             "| decisions |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, spec=".3f"):
@@ -937,13 +948,15 @@ def markdown(result: dict) -> str:
     for p, r in s.items():
         lines.append(f"| {p} | {f(r['agg_normalised'])} | {f(r.get('ratio_oracle'))} | {f(r.get('ratio_even-static'))} "
                      f"| {f(r.get('ratio_even'))} | {f(r['makespan_mean_s'], '.1f')} / {f(r['makespan_max_s'], '.1f')} "
-                     f"| {f(r['jct_mean_s'], '.1f')} / {f(r['jct_p95_s'], '.1f')} | {f(r['gpu_idle_frac'], '.1%')} "
+                     f"| {f(r['jct_mean_s'], '.1f')} / {f(r.get('jct_gpu_mean_s'), '.1f')} / {f(r['jct_p95_s'], '.1f')} "
+                     f"| {f(r['gpu_idle_frac'], '.1%')} "
                      f"| {f(r['jain'])} | {f(r.get('fairness_vs_even_min'), '.2f')} ({f(r.get('fairness_vs_even_p5'), '.2f')}) "
                      f"| {r['worker_changes']} | {r['decisions']} |")
     if any(r.get("per_node") for r in s.values()):
         lines += ["", "| policy | per node, the best other policy's makespan / this one's (above 1: better), median "
-                  "[p10, min–max] | the same for mean JCT | nodes better / worse: makespan; JCT |",
-                  "|---|---|---|---|"]
+                  "[p10, min–max] | the same for mean JCT | the same for GPU-weighted mean JCT "
+                  "| nodes better / worse: makespan; JCT; GPU-weighted JCT |",
+                  "|---|---|---|---|---|"]
 
         def dist(d):
             return "–" if d is None else f"{d['median']:.3f} [{d['p10']:.3f}, {d['min']:.3f}–{d['max']:.3f}]"
@@ -953,8 +966,10 @@ def markdown(result: dict) -> str:
             if not c:
                 continue
             n = max(d["nodes"] for d in c.values())
-            wins = "; ".join(f"{c[k]['better']} / {c[k]['worse']}" if k in c else "–" for k in ("makespan", "jct"))
-            lines.append(f"| {p} | {dist(c.get('makespan'))} | {dist(c.get('jct'))} | {wins} of {n} |")
+            wins = "; ".join(f"{c[k]['better']} / {c[k]['worse']}" if k in c else "–"
+                             for k in ("makespan", "jct", "jct_gpu"))
+            lines.append(f"| {p} | {dist(c.get('makespan'))} | {dist(c.get('jct'))} | {dist(c.get('jct_gpu'))} "
+                         f"| {wins} of {n} |")
     if any(r.get("loader_memory_peak_max_bytes") for r in s.values()):
         budget = (result.get("config") or {}).get("loader_memory")
         lines += ["", "| policy | loader memory peak per node, max / p95 GiB | node-time over the budget"

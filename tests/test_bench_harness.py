@@ -227,6 +227,11 @@ def test_dynamic_scenario_reports_makespan_and_jct(tmp_path, tiny_catalog):
     assert m["unfinished"] == 0, ph["error"]
     assert m["makespan_s"] > 0 and m["jct_mean_s"] > 0
     assert m["jct_p95_s"] >= m["jct_mean_s"] - 1e-9 or math.isclose(m["jct_p95_s"], m["jct_mean_s"])
+    gpus = [v["gpus"] for v in m["jobs"].values()]
+    if all(g == 1 for g in gpus):         # one GPU each: the GPU-weighted mean is the plain one
+        assert m["jct_gpu_mean_s"] == pytest.approx(m["jct_mean_s"])
+    else:
+        assert m["jct_gpu_mean_s"] > 0
     kinds = [e["kind"] for e in ph["events"]]
     assert kinds.count("arrival") == 1 and kinds.count("finish") == 2
     assert "reactions" in m

@@ -44,6 +44,39 @@ def test_makespan_and_jct():
     assert M.completion_times(arr, fin) == {"a": 20.0, "b": 7.0, "c": 23.0}
 
 
+def test_gpu_weighted_mean_counts_a_job_once_per_gpu():
+    # a 2-GPU job finishing in 10 s and a 1-GPU job in 40 s: three GPUs waited 10, 10 and 40 s
+    assert M.gpu_weighted_mean({"a": 10.0, "b": 40.0}, {"a": 2, "b": 1}) == pytest.approx(20.0)
+    assert M.mean([10.0, 40.0]) == pytest.approx(25.0)
+    # a job without a GPU count (or 0) counts once, as the aggregate throughput counts it
+    assert M.gpu_weighted_mean({"a": 10.0, "b": 40.0}, {"b": 0}) == pytest.approx(25.0)
+    assert math.isnan(M.gpu_weighted_mean({}, {}))
+
+
+def test_dynamic_summary_gives_each_repeats_finishing_times_against_the_best_baseline():
+    """With fixed work, every repeat's makespan, mean JCT and GPU-weighted mean JCT of a policy are
+    compared with the best user baseline's in the same repeat (theirs / its: above 1, it finishes
+    sooner); the GPU-weighted JCT may favour it where the plain mean does not."""
+    from evaluation import report
+
+    def phase(rep, policy, span, jct, gjct):
+        return {"scenario": "dynamic", "rep": rep, "policy": policy,
+                "metrics": {"agg_normalised": 1.0, "makespan_s": span, "jct_mean_s": jct, "jct_gpu_mean_s": gjct}}
+
+    phases = [phase(0, "even-static", 80.0, 40.0, 44.0), phase(0, "none", 90.0, 50.0, 50.0),
+              phase(0, "adaptive", 80.0, 42.0, 40.0),
+              phase(1, "even-static", 78.0, 40.0, 42.0), phase(1, "adaptive", 82.0, 41.0, 42.0)]
+    row = report.summarise(phases)["dynamic"]["adaptive"]
+    assert row["makespan_s_best_over_all"] == [pytest.approx(1.0), pytest.approx(78 / 82, abs=1e-4)]
+    assert row["jct_mean_s_best_over_all"] == [pytest.approx(40 / 42, abs=1e-4), pytest.approx(40 / 41, abs=1e-4)]
+    assert row["jct_gpu_mean_s_best_over_all"] == [pytest.approx(1.1), pytest.approx(1.0)]
+    assert row["jct_gpu_mean_s_best_over"] == pytest.approx(1.05)
+    assert "jct_mean_s_best_over" not in report.summarise(phases)["dynamic"]["none"]    # a baseline itself
+    md = report.markdown(report.summarise(phases), [], {})
+    assert "| adaptive | 0.976 (1.000, 0.951) | 0.964 (0.952, 0.976) | 1.050 (1.100, 1.000) |" in md, md
+    assert "| 42.0 / 41.0 / – |" not in md and "/ 41.0 /" in md        # JCT mean / GPU-weighted / p95
+
+
 def test_counters_interpolate_and_rate():
     recs = [{"t": 0.0, "samples": 0}, {"t": 1.0, "samples": 100}, {"t": 3.0, "samples": 500}]
     assert M.counter_at(recs, "samples", 2.0) == pytest.approx(300)

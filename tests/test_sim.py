@@ -1276,7 +1276,16 @@ def test_per_node_comparison_against_the_best_other_policy():
     doc = {"summary": {p: dict(S.summarise_policy(per_policy[p]), per_node=cmp[p]) for p in per_policy}}
     md = S.markdown(doc)
     assert cmp["b"]["jct"]["worse"] == 1 and cmp["a"]["jct"]["worse"] == 0
-    assert "| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1 / 1; 1 / 0 of 2 |" in md, md
+    assert ("| a | 1.000 [0.840, 0.800–1.200] | 1.100 [1.020, 1.000–1.200] | 1.100 [1.020, 1.000–1.200] "
+            "| 1 / 1; 1 / 0; 1 / 0 of 2 |") in md, md
+    # counted once per GPU: on n0 a's 4-s job holds 3 GPUs ((3x4 + 6) / 4 = 4.5 s), b's 5-s jobs one
+    # each (5 s), so a is better there by GPU-weighted JCT though its plain mean JCT ties
+    per_policy["a"]["n0"]["jobs"]["j0"]["gpus"] = 3
+    per_policy["b"]["n0"]["jobs"]["j0"]["gpus"] = 3
+    cmp = S.per_node_comparison(per_policy)
+    assert cmp["a"]["jct_gpu"]["min"] == pytest.approx(5 / 4.5) and cmp["a"]["jct"]["min"] == pytest.approx(1.0)
+    assert cmp["a"]["jct_gpu"]["better"] == 2 and cmp["b"]["jct_gpu"]["worse"] == 2
+    assert S.summarise_policy(per_policy["a"])["jct_gpu_mean_s"] == pytest.approx((3 * 4 + 6 + 10) / 5)
 
 
 @pytest.mark.unit
