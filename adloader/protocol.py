@@ -14,7 +14,8 @@ error that says which side to upgrade. Messages, by direction (fields beyond v/t
 client -> agent
     hello      job, rank, local_rank, world_size, pid, worker_pids[int], gpus[str],
                batch_size (int >= 1|null: as ``stats()`` reports it, null before a loader with a custom
-               batch_sampler has delivered a batch), workers (current target), requested_workers (the
+               batch_sampler has delivered a batch; a rounded mean may flip by one: the agent's
+               predictor takes sizes within ``predictor.bank.BATCH_SIZE_TOL`` as one), workers (current target), requested_workers (the
                user's num_workers), max_workers (int|null), hostname, uid
     report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
     heartbeat  job, rank, pid

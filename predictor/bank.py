@@ -34,6 +34,22 @@ a trainer's wait for a CPU stretches: 13% at the 90th percentile, 45% at most), 
 are dropped (``_new_phase``; counted in the curve's
 ``extra["phase_changes"]``). One odd window drops nothing.
 
+Batch size (samples per batch, ``Observation.batch_size``) is what the client reports: torch's
+``batch_size``, or for a custom ``batch_sampler`` the mean delivered batch rounded to a whole number
+(``adloader.DataLoader._stats_batch_size``), which near x.5 flips between two integers from report to
+report and drifts as batches of other sizes are delivered. A job's windows are not keyed by batch
+size. A window whose batch size differs from the earlier windows' recency-weighted mean by more than
+``BATCH_SIZE_TOL`` of it plus ``BATCH_SIZE_SLACK`` samples (``batch_size_changed``) is a new phase at
+once, on that one window (a batch size is the loader's configuration, not a noisy measurement): the
+earlier windows' compute per step and CPU per batch were for batches of another size (64 -> 128
+pooled with the old windows predicted 40% above what the new size gave). Inside that tolerance the
+windows are one job: the CPU-per-sample vote of ``_new_phase`` divides by the windows' pooled batch
+size rather than each window's own (a rounded 1 <-> 2 or 2 <-> 3 flip moved it 1.5-2x and dropped the
+job's history), and the curve's ``batch_size`` is the pooled (recency- and step-weighted) mean of the
+windows' sizes, as ``g`` and ``c`` are pooled over the same windows, so its samples/s is batches/s
+times the samples a batch held on average (a whole number where every window agrees), not the last
+window's rounding.
+
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
 another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
 so 64 jobs observe+curve per tick in a few ms. What a window contributes (its pooled-cost terms, its
@@ -59,6 +75,23 @@ _DECAY = tuple(0.5 ** (k / HALF_LIFE_WINDOWS) for k in range(HISTORY_WINDOWS + 1
 CHANGE_WINDOWS = 2
 CHANGE_RATIO_CPU = 1.5
 CHANGE_RATIO_STEP = 2.0
+# a new batch size (module docstring): off the earlier windows' mean by more than BATCH_SIZE_TOL of it plus
+# BATCH_SIZE_SLACK samples. The slack is two roundings of half a sample (the client rounds its mean batch;
+# the pooled mean is of rounded sizes), so a rounding flip is never a change, at any size, and neither is a
+# real change of one sample, which nothing can tell from rounding. The relative part lets a mean batch
+# drift (a bucketed sampler's mix of lengths) by up to 10%, which moves compute per step and CPU per batch
+# by at most about as much: less than the window-to-window noise the pooled figures already carry (compute
+# per step 13% at the 90th percentile, above); real changes of batch size are steps of 1.5x-2x (64 -> 128).
+BATCH_SIZE_TOL = 0.10
+BATCH_SIZE_SLACK = 1.0
+
+
+def batch_size_changed(reference: float, batch_size: float) -> bool:
+    """Whether ``batch_size`` is another batch size than ``reference`` (the earlier windows' pooled mean),
+    not the same one rounded or drifting: off it by more than ``BATCH_SIZE_TOL`` x ``reference`` +
+    ``BATCH_SIZE_SLACK``. 32 vs 33, 34 or 32.4: the same; 64 vs 128, 32 vs 37, 2 vs 4: changed; 1 vs 2 or
+    2 vs 3: the same."""
+    return abs(batch_size - reference) > BATCH_SIZE_TOL * reference + BATCH_SIZE_SLACK
 
 
 def configuration(o: Observation) -> tuple[int, float]:
@@ -133,7 +166,12 @@ def _new_phase(facts) -> int:
         return 0
     new = [facts[i] for i in recent]
     m = len(old)
-    for ratio, value, voter in ((CHANGE_RATIO_CPU, lambda f: f.c / f.obs.batch_size, lambda f: f.timed),
+    # CPU per sample at the windows' pooled batch size: within BATCH_SIZE_TOL the windows have one batch
+    # size (a larger one is a new phase, ``_new_batch_size``), and each window's own rounded size moved
+    # its CPU per sample by 1/size (1 <-> 2: 2x, a "new phase" on every flip)
+    sbs = sum(_DECAY[m - 1 - i] * f.steps_w * f.obs.batch_size for i, f in enumerate(old))
+    bs = sbs / sum(_DECAY[m - 1 - i] * f.steps_w for i, f in enumerate(old))
+    for ratio, value, voter in ((CHANGE_RATIO_CPU, lambda f: f.c / bs, lambda f: f.timed),
                                 (CHANGE_RATIO_STEP, lambda f: f.g, lambda f: True)):
         sw = sv = 0.0
         for i, f in enumerate(old):
@@ -148,6 +186,23 @@ def _new_phase(facts) -> int:
         if all(r >= ratio for r in rs) or all(r <= 1.0 / ratio for r in rs):
             return len(facts) - first
     return 0
+
+
+def _new_batch_size(facts) -> bool:
+    """Whether the latest window (usable) has another batch size than the usable windows before it
+    (``batch_size_changed`` against their recency- and step-weighted mean, the weights of ``pooled_costs``)."""
+    if not facts or facts[-1] is None:
+        return False
+    old = [f for f in list(facts)[:-1] if f is not None]
+    if not old:
+        return False
+    m = len(old)
+    sw = sbs = 0.0
+    for i, f in enumerate(old):
+        w = _DECAY[m - 1 - i] * f.steps_w
+        sw += w
+        sbs += w * f.obs.batch_size
+    return batch_size_changed(sbs / sw, facts[-1].obs.batch_size)
 
 
 def pooled_costs(windows) -> tuple[float, float, float, float]:
@@ -209,7 +264,7 @@ class PredictorBank:
         st.windows.append(obs)
         st.facts.append(_WindowFacts(obs) if _usable(obs) else None)
         st.dirty = True
-        keep = _new_phase(st.facts)
+        keep = 1 if _new_batch_size(st.facts) else _new_phase(st.facts)
         if keep:
             for _ in range(len(st.facts) - keep):
                 st.facts.popleft()
@@ -259,10 +314,11 @@ class PredictorBank:
             return None
         n = len(facts)
         # pooled_costs, from the facts
-        sg = wg = sc = sb = sr = wc = 0.0
+        sg = wg = sc = sb = sr = wc = sbs = 0.0
         for i, f in enumerate(facts):
             w = _DECAY[n - 1 - i] * f.steps_w
             sg += w * f.g
+            sbs += w * f.obs.batch_size
             wg += w
             if f.timed:
                 sc += w * f.c
@@ -274,6 +330,8 @@ class PredictorBank:
         configs = {f.config for f in facts}
         confidence = curve_confidence(n, len(configs))
         last = facts[-1].obs
+        # samples per batch, pooled as g and c are (module docstring): whole where the windows agree
+        bs = last.batch_size if all(f.obs.batch_size == last.batch_size for f in facts) else sbs / wg
         # memory per worker: the latest measured window (a worker's private memory grows as it runs)
         mem = next((f.obs.worker_memory_bytes for f in reversed(facts) if f.obs.worker_memory_bytes > 0), 0.0)
         params: dict = {}
@@ -297,7 +355,7 @@ class PredictorBank:
                                         bound_windows=[f.obs for f in facts if f.loader_bound])
             source = "first-principles+learned" if prior.log_kc_coef or prior.sharpness > 0 else "first-principles+own"
         return ThroughputCurve(
-            job=job_id, batch_size=last.batch_size, compute_s_per_step=g, cpu_s_per_batch=c,
+            job=job_id, batch_size=bs, compute_s_per_step=g, cpu_s_per_batch=c,
             blocked_s_per_batch=b, confidence=round(confidence, 4), observed_configs=len(configs),
             source=source, worker_memory_bytes=mem, **params,
             extra={"runq_s_per_batch": runq, "windows": n, "phase_changes": phase_changes,

@@ -45,7 +45,8 @@ def _figure(v) -> bool:
 @dataclass(frozen=True)
 class ThroughputCurve:
     job: str
-    batch_size: int
+    batch_size: float              # samples per batch (> 0): whole for a fixed batch size; the bank's is the
+                                   # pooled mean of its windows' sizes where they differ (predictor.bank)
     compute_s_per_step: float      # g
     cpu_s_per_batch: float         # c
     blocked_s_per_batch: float     # b

@@ -325,16 +325,19 @@ def _rest(t: float, p: float, other: float, gm: float) -> float:
 ANCHOR_TOL = 0.05   # the curve at an observed configuration stays within this of the measurement
 
 
-def observed_throughputs(windows: Sequence[Observation]) -> dict[tuple, tuple[int, float, float]]:
-    """(workers, cores) -> (batch_size, workers, mean measured samples/s) over the windows there."""
+def observed_throughputs(windows: Sequence[Observation]) -> dict[tuple, tuple[float, float, float]]:
+    """(workers, cores) -> (batch_size, cores, mean measured samples/s) over the windows there; the batch
+    size is the windows' mean there (a rounded mean batch that flips between two sizes, ``predictor.bank``,
+    is compared at the size its samples/s were measured at, not the first window's)."""
     acc: dict[tuple, list] = {}
     for o in windows:
         if o.steps <= 0 or o.samples_per_s <= 0:
             continue
-        a = acc.setdefault((o.workers, round(o.cores, 3)), [o.batch_size, o.cores, 0.0, 0])
+        a = acc.setdefault((o.workers, round(o.cores, 3)), [0, o.cores, 0.0, 0])
+        a[0] += o.batch_size
         a[2] += o.samples_per_s
         a[3] += 1
-    return {k: (bs, cores, s / n) for k, (bs, cores, s, n) in acc.items()}
+    return {k: (bs / n, cores, s / n) for k, (bs, cores, s, n) in acc.items()}
 
 
 def anchor_miss(g: float, c: float, b: float, params: dict, anchors: dict) -> float:

@@ -540,3 +540,68 @@ def test_a_prior_no_curve_could_follow_is_refused_naming_the_field(field, value)
     with pytest.raises(ValueError, match=f"prior field {field!r}"):
         Prior(**{field: value})
     assert Prior(sharpness=1e300).sharpness == 1e300 and Prior(sharpness=0.0).sharpness == 0.0
+
+
+@pytest.mark.parametrize("reference,size,changed", [
+    (32, 33, False), (32.5, 32, False), (32, 34, False), (64, 70, False),     # rounding, a few percent
+    (1, 2, False), (1.5, 2, False), (2, 3, False),                            # a rounding flip at any size
+    (64, 128, True), (128, 64, True), (32, 37, True), (2, 4, True), (8, 10, True)])
+def test_a_batch_size_is_changed_only_beyond_the_tolerance(reference, size, changed):
+    from predictor.bank import batch_size_changed
+
+    assert batch_size_changed(reference, size) is changed
+
+
+def _sampled_window(reported_bs, mean_bs, c_per_sample=0.004, g=0.05, workers=2, cores=2.0, steps=60):
+    """A window of a job whose batches hold ``mean_bs`` samples on average (a bucketed batch sampler) while
+    its client reports ``reported_bs`` (the rounded mean, ``DataLoader._stats_batch_size``)."""
+    c = c_per_sample * mean_bs
+    step = max(g, c / min(workers, cores))
+    return Observation(workers=workers, cores=cores, batch_size=reported_bs, compute_s_per_step=g,
+                       data_wait_s_per_step=step - g, cpu_s_per_batch=c, wall_s_per_batch=c, runq_s_per_batch=0.0,
+                       blocked_s_per_batch=0.0, samples_per_s=mean_bs / step, duration_s=steps * step, steps=steps)
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+@pytest.mark.parametrize("mean_bs", [1.5, 2.5, 32.5])
+def test_a_rounded_mean_batch_that_flips_keeps_the_jobs_curve(prior, mean_bs):
+    """A batch sampler's mean batch near x.5 is reported as one integer or the next from window to
+    window: the same job. Its windows are all kept (before: a 1 <-> 2 or 2 <-> 3 flip moved the CPU per
+    sample 1.5-2x and dropped the job's history as a new phase), and the curve's samples/s is the pooled
+    mean batch's, near what the job delivers, not the last window's rounding (before: 20 or 40 for 30)."""
+    lo, hi = math.floor(mean_bs), math.ceil(mean_bs)
+    bank = PredictorBank(prior=prior)
+    sizes = [lo] * 6 + [hi, hi, lo, hi, lo, hi, hi, lo, lo, hi]
+    for bs in sizes:
+        bank.observe("j", _sampled_window(bs, mean_bs))
+    cur = bank.curve("j")
+    assert bank.phase_changes("j") == 0 and len(bank.windows("j")) == len(sizes)
+    assert lo < cur.batch_size < hi
+    measured = _sampled_window(lo, mean_bs).samples_per_s
+    assert cur.throughput(2, 2.0) == pytest.approx(measured, rel=0.2)
+    assert abs(cur.throughput(2, 2.0) - measured) < abs(lo / hi - 1) * measured     # nearer than a rounding
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_a_mean_batch_drifting_a_few_percent_keeps_the_curve(prior):
+    bank = PredictorBank(prior=prior)
+    for k in range(16):                                  # 32 -> 35, one sample per few windows
+        bank.observe("j", _sampled_window(32 + k // 5, 32.0 + k / 5.0))
+    assert bank.phase_changes("j") == 0 and len(bank.windows("j")) == 16
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+@pytest.mark.parametrize("old_bs,new_bs", [(64, 128), (128, 64), (32, 37)])
+def test_a_real_change_of_batch_size_starts_a_new_curve(prior, old_bs, new_bs):
+    """64 -> 128 is another job: on the first window at the new size its earlier windows are dropped (the
+    compute per step and CPU per batch they pooled were for the old batches; before, the blend predicted
+    40% above what the new size gave), and the curve is the one the new windows alone give."""
+    old = [_sampled_window(old_bs, old_bs, g=0.05) for _ in range(8)]
+    new = [_sampled_window(new_bs, new_bs, g=0.05 * new_bs / old_bs)]
+    bank = PredictorBank(prior=prior)
+    cur = _feed(bank, "j", old + new)
+    assert bank.windows("j") == new and cur.extra["phase_changes"] == 1
+    assert cur.batch_size == new_bs
+    fresh = _feed(PredictorBank(prior=prior), "j", new)
+    assert (cur.compute_s_per_step, cur.cpu_s_per_batch) == (fresh.compute_s_per_step, fresh.cpu_s_per_batch)
+    assert cur.throughput(2, 2.0) == pytest.approx(new[0].samples_per_s, rel=0.05)
