@@ -26,6 +26,10 @@ finish_guard, log_level,
 unseen_job_timeout_s, actuator_timeout_s
 take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
+A refused start (a config the actuators or the socket cannot serve, a busy metrics port) exits with one
+line naming the key, and removes the state directory if that start made it (empty only; one that
+existed before is kept).
+
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
 changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
 SIGKILL between an actuator's write and the end of that tick cannot orphan the job's cgroup) and
@@ -53,7 +57,7 @@ import zmq
 
 from adloader import __version__, env, protocol
 from agent import config as configmod
-from agent import journal, logs
+from agent import journal, logs, statefile
 from agent import status as statusmod
 from adloader import memory as adl_memory
 from agent.collector import Collector
@@ -188,12 +192,27 @@ class Agent:
             predictor = PredictorBank()
         self.predictor = predictor
         self.policy = policy
-        os.makedirs(config.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
+        # the directories this start made for state_dir: a refused start removes them again (empty only)
+        self._made_state_dirs: list[str] = []
+        self._make_state_dir()
         self.journal_error: Optional[str] = None
         self.state_problems: list[str] = []   # state files set aside or not writable (status: state_problems)
-        self.actuators, self.cgroup_mode = self._build_actuators()
-        self.controller = self._build_controller()
+        try:
+            self.actuators, self.cgroup_mode = self._build_actuators()
+            self.controller = self._build_controller()
+        except BaseException:
+            self._remove_made_state_dir()
+            raise
         self.metrics = None
+
+    def _make_state_dir(self) -> None:
+        self._made_state_dirs += statefile.make_dir(self.config.state_dir, mode=0o700 if os.getuid() else 0o755)
+
+    def _remove_made_state_dir(self) -> None:
+        """A refused start leaves no state directory that it made itself (one that existed before is
+        kept, and so is any file written in it)."""
+        statefile.remove_made(self._made_state_dirs)
+        self._made_state_dirs = []
 
     @property
     def policy_name(self) -> str:
@@ -253,7 +272,7 @@ class Agent:
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.config
-        os.makedirs(cfg.state_dir, mode=0o700 if os.getuid() else 0o755, exist_ok=True)
+        self._make_state_dir()
         self.server.bind()
         self._adopt_journal(time.monotonic())
         self._warm_predictor()
@@ -533,8 +552,10 @@ class Agent:
             except BaseException:
                 self.server.close()
                 self.ctx.term()
+                self._remove_made_state_dir()
                 raise
             self._started = True
+            self._made_state_dirs = []   # started: the state directory is the agent's to keep
             poller = zmq.Poller()
             poller.register(self.server.sock, zmq.POLLIN)
             poller.register(rfd, zmq.POLLIN)

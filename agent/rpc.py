@@ -4,7 +4,9 @@
 that answers it, or raises a ``RequestError`` subclass whose message says what went wrong:
 
     AgentDown     no socket file behind an ipc:// endpoint, nobody listening on it (a stale socket file
-                  left by a dead agent), bad endpoint
+                  left by a dead agent), bad endpoint, a tcp:// host that does not resolve (``_unresolved``:
+                  ZeroMQ resolves it in its I/O thread and says nothing, so it read as "nobody accepts
+                  connections" after the whole timeout)
     AgentTimeout  no answer came before the deadline: the message went out and was not answered, or
                   (ipc://) the socket has a listener that never completed the ZeroMQ handshake -- the
                   kernel queues connections for a stopped or hung process (``_listening``), so that is
@@ -90,6 +92,9 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
         endpoint, timeout_s=max(0.05, min(1.0, deadline - time.monotonic())))
     if why is not None and why != trust.NO_SOCKET and not why.startswith(trust.UNCHECKED):
         raise AgentUntrusted(f"not talking to {endpoint}: {why}")
+    why = _unresolved(endpoint, deadline) if endpoint.startswith("tcp://") else None
+    if why is not None:
+        raise AgentDown(f"cannot reach {endpoint}: {why}")
     ctx = zmq.Context()  # our own: never share a context with the caller (fork safety)
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -133,6 +138,43 @@ def request(endpoint: str, msg: dict, timeout_s: float, *, expect: str = "ok",
     finally:
         sock.close(0)
         ctx.term()
+
+
+def tcp_host(endpoint: str) -> Optional[str]:
+    """The host a ``tcp://[source;]HOST:PORT`` endpoint connects to (an IPv6 address without its
+    brackets), or None when there is no ``HOST:`` to read (ZeroMQ's connect says what is wrong then)."""
+    rest = endpoint[len("tcp://"):].rpartition(";")[2]
+    host, colon, _ = rest.rpartition(":")
+    if not colon or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _unresolved(endpoint: str, deadline: float) -> Optional[str]:
+    """Why the host of a tcp:// ``endpoint`` cannot be resolved (``socket.getaddrinfo``), or None.
+    The lookup runs in a daemon thread waited for until ``deadline`` (getaddrinfo has no timeout of its
+    own, and a hung resolver must not hang a Slurm prolog); one not done by then is a reason too."""
+    import socket
+    import threading
+
+    host = tcp_host(endpoint)
+    if host is None:
+        return None
+    result: list[Optional[str]] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            result.append(None)
+        except (OSError, UnicodeError) as e:
+            result.append(f"cannot resolve host {host!r}: {getattr(e, 'strerror', None) or e}")
+
+    t = threading.Thread(target=lookup, name="adloader-resolve", daemon=True)
+    t.start()
+    t.join(max(0.0, deadline - time.monotonic()))
+    if not result:
+        return f"cannot resolve host {host!r}: no answer from the resolver in time"
+    return result[0]
 
 
 def _listening(path: str) -> bool:

@@ -10,6 +10,11 @@ the directory fsynced. A reader sees the old or the new file, never a torn one, 
 ``quarantine(path)``: renames a file that failed to load to ``<path>.bad-<UTC time>`` (kept for the
 operator, never read again) and returns the new name.
 
+``make_dir(path, mode)``: ``os.makedirs(path, exist_ok=True)`` that returns the directories this call
+created itself (outermost first; each ``mkdir`` that found one already there is not counted), and
+``remove_made(dirs)`` removes them again, innermost first, each only while it is empty: a refused
+start takes away the state directory it made, never one that existed before, nor anything written in it.
+
 ``StateFileError``: a file that exists but cannot be used; its message names the file and the field.
 """
 from __future__ import annotations
@@ -65,6 +70,40 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def make_dir(path: str, mode: int = 0o777) -> list[str]:
+    """``os.makedirs(path, mode, exist_ok=True)`` (``mode`` for ``path`` itself, the default for the
+    levels above it); returns the directories this call made, outermost first."""
+    path = os.path.abspath(path)
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    made = []
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, mode if p == path else 0o777)
+        except FileExistsError:   # made by someone else meanwhile, or a file (refused just below)
+            if not os.path.isdir(p):
+                raise
+            continue
+        made.append(p)
+    return made
+
+
+def remove_made(dirs: list[str]) -> None:
+    """Remove what ``make_dir`` made, innermost first, stopping at the first one that is not empty
+    (or cannot be removed): a file written there is kept, and so is every directory above it."""
+    for p in reversed(dirs):
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
 
 
 def quarantine(path: str) -> Optional[str]:

@@ -5,7 +5,11 @@ They read text as the ``adloader`` command's flags and the agent's config do
 a number no one wrote), and a float flag must be finite as well: float() reads 'nan', 'inf' and
 '1e999', which measure nothing ('--seconds inf' never ends, '--target-ms nan' makes every tick
 "miss") and pass any range check written as ``if x < 0: error``. A bad value is argparse's usage error
-(exit 2) naming the flag: "argument --seconds: a finite number expected, got 'nan'"."""
+(exit 2) naming the flag: "argument --seconds: a finite number expected, got 'nan'".
+
+``at_least(item, lo)`` and ``above(item, lo)`` add a range to a type, for a value with a natural one (a
+worker count at least 1, cores above 0): "argument --cores: a number above 0 expected, got '-1'", and
+inside ``comma_list`` the list it was in as well."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +17,7 @@ from typing import Callable, TypeVar
 
 from agent.commands import plain_float, plain_int
 
-__all__ = ["comma_list", "finite_float", "plain_int"]
+__all__ = ["above", "at_least", "comma_list", "finite_float", "plain_int"]
 
 T = TypeVar("T")
 
@@ -21,12 +25,35 @@ T = TypeVar("T")
 finite_float = plain_float
 
 
+def at_least(item: Callable[[str], T], lo) -> Callable[[str], T]:
+    """argparse ``type``: what ``item`` reads, refused below ``lo``: ``at_least(plain_int, 1)``."""
+    return _ranged(item, lambda v: v >= lo, f"at least {lo}")
+
+
+def above(item: Callable[[str], T], lo) -> Callable[[str], T]:
+    """argparse ``type``: what ``item`` reads, refused at or below ``lo``: ``above(finite_float, 0)``."""
+    return _ranged(item, lambda v: v > lo, f"above {lo}")
+
+
+def _ranged(item: Callable[[str], T], ok: Callable[[T], bool], what: str) -> Callable[[str], T]:
+    kind = "an integer" if item is plain_int else "a number"
+
+    def parse(text: str) -> T:
+        v = item(text)
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{kind} {what} expected, got {text!r}")
+        return v
+
+    return parse
+
+
 def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     """argparse ``type`` for a comma-separated list whose items ``item`` reads (``plain_int``,
     ``finite_float``, or a type of the command's own such as ``validate_sim._shape``): ``type=
     comma_list(plain_int)`` reads '0,1, 2' as [0, 1, 2]. Spaces around an item are allowed; an empty
     item ('1,,2', '1,', an empty list) is refused, as is an item ``item`` refuses: "argument
-    --neighbours: not an integer: '1e3' (in '0,1e3')". (Ranges are the command's to check.)"""
+    --neighbours: not an integer: '1e3' (in '0,1e3')". A range goes on the item: ``comma_list(at_least(
+    plain_int, 1))``."""
     def parse(text: str) -> list[T]:
         items = [part.strip() for part in text.split(",")]
         if "" in items:

@@ -182,18 +182,24 @@ def _cuda_step_fn(batch_size: int, crop_px: int):
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import comma_list, finite_float, plain_int
+    from evaluation.flags import above, at_least, comma_list, finite_float, plain_int
+
+    count = at_least(plain_int, 0)   # a loader's num_workers: 0 loads in the training process
+
+    def workers_arg(text: str):
+        return text if text == "auto" else count(text)
 
     ap = argparse.ArgumentParser(prog="evaluation.jobproc")
     ap.add_argument("--spec", required=True, help="JobSpec as JSON")
     ap.add_argument("--progress", required=True)
-    ap.add_argument("--workers", default="auto")
+    ap.add_argument("--workers", type=workers_arg, default="auto", metavar="N|auto",
+                    help="the loader's num_workers: an integer >= 0, or auto (the default)")
     ap.add_argument("--max-workers", type=plain_int, default=None)
     ap.add_argument("--duration-s", type=finite_float, default=None)
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
-    ap.add_argument("--sweep", type=comma_list(plain_int), default=None,
-                    help="comma-separated worker counts, one segment each")
-    ap.add_argument("--segment-s", type=finite_float, default=3.0)
+    ap.add_argument("--sweep", type=comma_list(count), default=None,
+                    help="comma-separated worker counts (integers >= 0), one segment each")
+    ap.add_argument("--segment-s", type=above(finite_float, 0), default=3.0)
     ap.add_argument("--total-steps", type=plain_int, default=None,
                     help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
     args = ap.parse_args(argv)
@@ -244,7 +250,7 @@ def main(argv=None) -> int:
         def do_step(batch):
             emulated_step(batch, step_s, trainer_cpu_s, ranks)
     sweep = args.sweep
-    workers = sweep[0] if sweep else (args.workers if args.workers == "auto" else int(args.workers))
+    workers = sweep[0] if sweep else args.workers
     max_workers = args.max_workers
     if sweep:  # the loader's default bound is the CPU count; a sweep may go past it
         max_workers = max(max_workers or 0, max(sweep))

@@ -175,9 +175,12 @@ def _start(text: str) -> tuple[int, float]:
     """One ``--starts`` item (``evaluation.flags.comma_list``): "4:0.5" -> (4 workers, 0.5 cores)."""
     try:
         workers, cores = text.split(":")
-        return plain_int(workers), finite_float(cores)
+        workers, cores = plain_int(workers), finite_float(cores)
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"not WORKERS:CORES: {text!r}") from None
+    if workers < 1 or cores <= 0:
+        raise argparse.ArgumentTypeError(f"workers at least 1 and cores above 0 expected, got {text!r}")
+    return workers, cores
 
 
 def main(argv=None) -> int:

@@ -229,20 +229,20 @@ def limit_all_cpus() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evaluation.flags import comma_list, finite_float, plain_int
+    from evaluation.flags import above, at_least, comma_list, finite_float, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "predictor" / "data" / "corpus.jsonl"), metavar="PATH",
                     help="the corpus file, JSON lines (default predictor/data/corpus.jsonl: the shipped corpus)")
     ap.add_argument("--jobs", default=",".join(JOBS), metavar="LIST",
                     help=f"synthetic jobs, comma-separated (default all: {','.join(JOBS)})")
-    ap.add_argument("--workers", type=comma_list(plain_int), default="1,2,3,4,6,8", metavar="LIST",
-                    help="worker counts, comma-separated (default 1,2,3,4,6,8)")
-    ap.add_argument("--cores", type=comma_list(finite_float), default="0.5,1,2", metavar="LIST",
-                    help="CPU allowances of the workers in cores, comma-separated; fractional ones need root "
+    ap.add_argument("--workers", type=comma_list(at_least(plain_int, 1)), default="1,2,3,4,6,8", metavar="LIST",
+                    help="worker counts (at least 1), comma-separated (default 1,2,3,4,6,8)")
+    ap.add_argument("--cores", type=comma_list(above(finite_float, 0)), default="0.5,1,2", metavar="LIST",
+                    help="CPU allowances of the workers in cores (above 0), comma-separated; fractional ones need root "
                          "(default 0.5,1,2)")
-    ap.add_argument("--window-s", type=finite_float, default=2.5, metavar="S", help="measured seconds per point (default 2.5)")
-    ap.add_argument("--warmup-s", type=finite_float, default=0.8, metavar="S",
+    ap.add_argument("--window-s", type=above(finite_float, 0), default=2.5, metavar="S", help="measured seconds per point (default 2.5)")
+    ap.add_argument("--warmup-s", type=at_least(finite_float, 0), default=0.8, metavar="S",
                     help="seconds before each point's window (default 0.8)")
     ap.add_argument("--loader", choices=("auto", "torch", "adloader"), default="auto",
                     help="auto: adloader.DataLoader when importable, else torch's with in-worker timing")

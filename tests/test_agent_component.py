@@ -214,8 +214,31 @@ def test_a_file_at_the_socket_path_is_refused_and_kept(base):
     assert out.returncode == 1 and "exists and is not a socket" in out.stderr, out.stderr
     with open(victim) as f:
         assert f.read() == "keep me\n"
-    # (before: the refused start left notes.txt.lock beside it)
-    assert [f for f in os.listdir(base) if f not in before and f != "state"] == []
+    # (before: the refused start left notes.txt.lock beside it, and the empty state directory)
+    assert [f for f in os.listdir(base) if f not in before] == []
+
+
+@pytest.mark.parametrize("refusal", ["unknown_key", "cgroup_root", "endpoint"])
+def test_a_refused_start_removes_the_state_dir_it_made_and_keeps_one_that_existed(base, refusal):
+    # each refusal at a different point: the config read, building the actuators (Agent()), binding (start())
+    # (before: the refused start left the empty state directory, and the levels above it, behind)
+    os.mkdir(f"{base}/nocgroup")
+    cfg, endpoint = f"{base}/agent.toml", f"ipc://{base}/agent.sock"
+    with open(cfg, "w") as f:
+        f.write(f'cgroup_root = "{base}/nocgroup"\n' + ("tick_seconds = 2\n" if refusal == "unknown_key" else ""))
+    if refusal == "endpoint":
+        os.mkdir(f"{base}/agent.sock")
+    mode = "v2" if refusal == "cgroup_root" else "off"
+    os.mkdir(f"{base}/kept")
+    for state_dir in (f"{base}/new/deeper/state", f"{base}/kept"):
+        out = subprocess.run(adloader_cmd("agent", "--config", cfg, "--endpoint", endpoint, "--state-dir", state_dir,
+                                          "--cgroup-mode", mode), env=repo_env(), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr
+        assert {"unknown_key": "'tick_seconds'", "cgroup_root": "'cgroup_mode'",
+                "endpoint": "is not a socket"}[refusal] in out.stderr, out.stderr
+    assert not os.path.exists(f"{base}/new")               # made by the refused start: removed, every level
+    assert os.path.isdir(f"{base}/kept")                    # there before: kept
 
 
 AS_USER = """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import socket as _real_socket
 import types
 
 import pytest
@@ -614,6 +615,34 @@ def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_con
     finally:
         _detach_all(lo, lo2)
         agent.close()
+
+
+def test_a_tcp_endpoint_whose_host_does_not_resolve_is_one_warning_and_no_lookup(base, endpoint_env, monkeypatch,
+                                                                                  caplog):
+    """ADLOADER_ENDPOINT=tcp://nohost:5555 passes the syntax check (``protocol.endpoint_problem``); the
+    client refuses tcp:// before any contact (nothing authenticates it, ``adloader.trust``), so it never
+    looks the host up (the loader must never block on the network): one warning naming the endpoint, and
+    training goes on. (``adloader job``/``status`` resolve the host themselves: ``agent.rpc``.)"""
+    import logging
+
+    lookups = []
+    monkeypatch.setattr(_real_socket, "getaddrinfo", lambda *a, **k: lookups.append(a) or [])
+    monkeypatch.setattr(client, "_warned", set())
+    monkeypatch.setenv("ADLOADER_ENDPOINT", "tcp://nohost.invalid:5555")
+    lo, lo2 = Loader(), Loader()
+    try:
+        with caplog.at_level(logging.WARNING):
+            client.attach(lo)
+            wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
+            client.attach(lo2)
+        st = client.state()
+        assert st["active"] and not st["connected"] and st["reports_sent"] == 0
+        assert st["last_error"].startswith("untrusted agent: ") and "tcp://" in st["last_error"]
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1 and "tcp://nohost.invalid:5555" in said[0] and "training goes on" in said[0], said
+        assert lookups == []
+    finally:
+        _detach_all(lo, lo2)
 
 
 def test_silent_without_agent_and_disabled(base, endpoint_env, monkeypatch):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from evaluation.flags import comma_list, finite_float, plain_int
+from evaluation.flags import above, at_least, comma_list, finite_float, plain_int
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
@@ -98,6 +98,54 @@ def test_number_lists_read_here_rather_than_by_argparse_refuse_the_same_items(ca
     with pytest.raises(SystemExit) as e:
         predictor_accuracy.main(["--starts", "2:nan", "--validation", ""])
     assert e.value.code == 2 and "--starts" in (err := capsys.readouterr().err) and "'2:nan'" in err, err
+
+
+JOBPROC = ["--spec", "{}", "--progress", "/nonexistent/p"]
+
+
+@pytest.mark.parametrize("module, argv, flag, bad", [
+    # (before: jobproc --workers went through a bare int() after parsing, a traceback; the lists took any
+    # number: 0 workers or -1 cores reached the measurement, 0 processes were dropped by a check after
+    # parsing that did not name the value)
+    ("jobproc", JOBPROC + ["--workers", "x"], "--workers", "x"),
+    ("jobproc", JOBPROC + ["--workers", "1_0"], "--workers", "1_0"),
+    ("jobproc", JOBPROC + ["--workers", "-1"], "--workers", "-1"),
+    ("jobproc", JOBPROC + ["--sweep", "1,-1"], "--sweep", "-1"),
+    ("jobproc", JOBPROC + ["--segment-s", "0"], "--segment-s", "0"),
+    ("predictor_corpus", ["--workers", "0"], "--workers", "0"),
+    ("predictor_corpus", ["--workers", "1,2,-3"], "--workers", "-3"),
+    ("predictor_corpus", ["--cores", "-1"], "--cores", "-1"),
+    ("predictor_corpus", ["--cores", "1,0"], "--cores", "0"),
+    ("predictor_corpus", ["--window-s", "0"], "--window-s", "0"),
+    ("predictor_corpus", ["--warmup-s", "-0.5"], "--warmup-s", "-0.5"),
+    ("oversub_cpu", ["--procs", "1,0"], "--procs", "0"),
+])
+def test_an_item_out_of_its_range_is_a_usage_error_naming_the_flag_and_value(module, argv, flag, bad, capsys):
+    mod = importlib.import_module(f"evaluation.{module}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and repr(bad) in err and "Traceback" not in err, err
+
+
+def test_the_range_types_refuse_outside_and_take_the_bound_as_said():
+    assert at_least(plain_int, 1)("1") == 1 and above(finite_float, 0)("0.25") == 0.25
+    assert at_least(finite_float, 0)("0") == 0.0
+    for parse, text in ((at_least(plain_int, 1), "0"), (above(finite_float, 0), "0"), (at_least(plain_int, 0), "x")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"an integer at least 1 expected, got '0' \(in '2,0'\)"):
+        comma_list(at_least(plain_int, 1))("2,0")
+
+
+def test_predictor_accuracy_starts_out_of_range_is_a_usage_error_naming_the_pair(capsys):
+    from evaluation import predictor_accuracy
+
+    for bad in ("0:1", "2:0", "1:-0.5"):
+        with pytest.raises(SystemExit) as e:
+            predictor_accuracy.main(["--starts", f"2:2,{bad}", "--validation", ""])
+        assert e.value.code == 2 and "--starts" in (err := capsys.readouterr().err) and repr(bad) in err, err
 
 
 def test_no_evaluation_command_reads_a_comma_separated_list_with_int_or_float():

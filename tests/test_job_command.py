@@ -395,3 +395,17 @@ def test_a_valid_endpoint_beside_an_unknown_key_is_used_and_the_key_named(tmp_pa
     cfg.write_text('endpoint = "http://nope"\npolcy = "even"\n')
     ep, note = client_endpoint(None, str(cfg), {})
     assert ep == env.endpoint({}) and "'polcy'" in note and "must start with ipc:// or tcp://" in note
+
+
+@pytest.mark.component
+def test_a_tcp_endpoint_whose_host_does_not_resolve_is_one_line_naming_the_host():
+    """(before: "agent down: nobody accepts connections at tcp://nohost.invalid:5555 within 2s", after
+    the whole timeout: the host was never named)"""
+    ep = "tcp://nohost.invalid:5555"   # .invalid never resolves (RFC 6761)
+    for argv, want_rc in ((("job", "register", "--job", "4242"), 1), (("job", "release", "--slurm"), 0),
+                          (("status",), 1), (("status", "--json"), 1)):
+        p = subprocess.run(adloader_cmd(*argv, "--endpoint", ep, "--timeout-s", "10"), env=repo_env(**SLURM_ENV),
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == want_rc and p.stdout == "", p.stderr
+        line = one_line(p.stderr)
+        assert f"cannot reach {ep}: cannot resolve host 'nohost.invalid'" in line and "Traceback" not in line, line

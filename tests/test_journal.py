@@ -24,3 +24,21 @@ def test_journal_atomic_roundtrip_and_corrupt_file(tmp_path):
     assert got["jobs"] == {} and got["applied"] == {} and "journal.json" in got["problems"][0]
     assert journal.load(str(tmp_path / "nothing")) is None
 
+
+
+def test_make_dir_reports_only_what_it_made_and_remove_made_keeps_what_holds_a_file(tmp_path):
+    from agent import statefile
+
+    os.mkdir(tmp_path / "there")
+    assert statefile.make_dir(str(tmp_path / "there")) == []
+    made = statefile.make_dir(str(tmp_path / "there" / "a" / "b"), mode=0o700)
+    assert made == [str(tmp_path / "there" / "a"), str(tmp_path / "there" / "a" / "b")]
+    assert os.stat(made[-1]).st_mode & 0o777 == 0o700
+    (tmp_path / "there" / "a" / "note").write_text("x")
+    statefile.remove_made(made)           # b is empty: removed; a holds a file: kept, and all above it
+    assert not os.path.exists(made[-1]) and os.path.isfile(tmp_path / "there" / "a" / "note")
+    statefile.remove_made(statefile.make_dir(str(tmp_path / "there" / "c" / "d")))
+    assert sorted(os.listdir(tmp_path / "there")) == ["a"]
+    (tmp_path / "f").write_text("")
+    with pytest.raises(FileExistsError):  # a file at the path: refused, as os.makedirs does
+        statefile.make_dir(str(tmp_path / "f"))

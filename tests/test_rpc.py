@@ -107,3 +107,63 @@ def test_status_refuses_a_timeout_that_is_not_positive_and_finite(scripted):
         out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--timeout-s", bad),
                              env=repo_env(), capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "--timeout-s" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_host_of_a_tcp_endpoint():
+    assert rpc.tcp_host("tcp://nohost:5555") == "nohost"
+    assert rpc.tcp_host("tcp://[::1]:5555") == "::1"
+    assert rpc.tcp_host("tcp://eth0;agent.example:5555") == "agent.example"   # (ZeroMQ's source;host:port)
+    assert rpc.tcp_host("tcp://nohost") is None and rpc.tcp_host("tcp://:5555") is None
+
+
+def test_a_tcp_host_that_does_not_resolve_is_agent_down_naming_it_at_once():
+    # ``.invalid`` never resolves (RFC 6761). Before: "agent down: nobody accepts connections at
+    # tcp://nohost.invalid:5555 within 5s", after the whole timeout (ZeroMQ resolves in its I/O thread
+    # and says nothing)
+    with pytest.raises(rpc.AgentDown, match=r"^cannot reach tcp://nohost\.invalid:5555: cannot resolve host "
+                                            r"'nohost\.invalid': "):
+        rpc.request("tcp://nohost.invalid:5555", protocol.make("status"), 5)
+
+
+def test_a_resolver_that_never_answers_is_bounded_by_the_deadline(monkeypatch):
+    import socket
+    import threading
+    import time
+
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(30) and [])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(rpc.AgentDown, match="cannot resolve host 'slow.example': no answer from the resolver"):
+            rpc.request("tcp://slow.example:5555", protocol.make("status"), 0.3)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_tcp_endpoint_with_a_host_name_that_resolves_is_served():
+    """The lookup refuses only what does not resolve: an agent at tcp://localhost answers as before."""
+    import zmq
+
+    from evaluation.slurm_cluster import free_port
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        import threading
+
+        def answer():
+            if router.poll(10_000):
+                ident, _ = router.recv_multipart()
+                router.send_multipart([ident, protocol.encode(protocol.make("ok", re="status"))])
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        assert rpc.request(f"tcp://localhost:{port}", protocol.make("status"), 5)["type"] == "ok"
+        t.join(5)
+    finally:
+        router.close(0)
+        ctx.term()
