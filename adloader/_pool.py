@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import multiprocessing.process as _mp_process
 import os
@@ -112,7 +113,7 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Slot:
-    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state")
+    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state", "served")
 
     def __init__(self, wid, proc, ctrl, result):
         self.wid = wid
@@ -123,6 +124,32 @@ class _Slot:
         self.reader = MessageReader(result)
         self.sentinel = proc.sentinel
         self.state = "running"    # running | retiring (RETIRE sent) | exiting (EXIT sent); see _set_state
+        self.served = False       # a task's result (or shard end) was read from it: it finished starting
+
+
+def _start_process(ctx, proc) -> None:
+    """``proc.start()``; with ``fork``, the worker inherits every object of the training process in
+    CPython's permanent generation (``gc.freeze()`` just before the fork, ``gc.unfreeze()`` just after,
+    here; the worker never unfreezes), so the worker's garbage collector never walks them.
+
+    Without it a worker's first full collection writes the GC header of every container it inherited
+    (torch's modules, the dataset) and so copies each page that holds one: about 35 MiB per worker
+    with torch alone, more with a dataset of Python objects, whatever the dataset is read with. The
+    fork's gc counters decide when that collection comes (a fork at gen1 count 11 of 10 ran it at the
+    worker's first allocations, 0.45 s of CPU), so its copy landed before or after the worker's first
+    memory sample depending on the scheduling, and a loaded node showed a numpy dataset's workers
+    "growing" 20-35 MiB as they read (``adloader.memory``: copy-on-read). The CPython documentation
+    of ``gc.freeze`` gives this use (freeze right before ``fork()``). In the training process the
+    unfreeze puts the objects back in the oldest generation: the ones that were young are collected
+    at the next full collection instead of a younger one; nothing is lost."""
+    if ctx.get_start_method() != "fork":
+        proc.start()
+        return
+    gc.freeze()
+    try:
+        proc.start()
+    finally:
+        gc.unfreeze()
 
 
 class WorkerPool:
@@ -216,7 +243,7 @@ class WorkerPool:
         proc = ctx.Process(target=worker_main,
                            args=(spec, self._task_r, ctrl_r, res_w, self._current, self._mask_taken),
                            name=f"adloader-worker-{wid}", daemon=True)
-        proc.start()
+        _start_process(ctx, proc)
         self._give_cpu_mask(wid, proc.pid, mask)
         ctrl_r.close()
         res_w.close()
@@ -438,9 +465,11 @@ class WorkerPool:
                     payload = RemoteError((type(e), e, e.__traceback__), where=where)
                     msg = msg._replace(ok=False)
                 self._deaths_without_progress = 0
+                slot.served = True
                 out.append(Batch(msg, payload))
             elif kind is ShardEnd:
                 self._deaths_without_progress = 0
+                slot.served = True
                 out.append(msg)
             elif kind is Retired:
                 if slot.wid < self.target and self.fatal is None and not self._closed:
@@ -517,6 +546,12 @@ class WorkerPool:
         with self.lock:
             return [s.pid for s in self.slots.values()
                     if s.state == "running" or (retiring and s.state == "retiring")]
+
+    def served_pids(self) -> list[int]:
+        """Workers that finished a task (a result or a shard end was read from them): started, their
+        ``worker_init_fn`` run; what ``adloader.memory`` measures a worker's growth from."""
+        with self.lock:
+            return [s.pid for s in self.slots.values() if s.served]
 
     def has_worker(self, wid: int) -> bool:
         """Worker ``wid`` has a slot: a process started and not yet reported gone (it may have exited: its

@@ -670,7 +670,8 @@ class DataLoader(tud.DataLoader[T_co]):
     def _memory_stats(self) -> dict:
         core = self._core
         try:
-            m = core.memory.sample(self.worker_pids())
+            served = [pid for pool in core.pools() for pid in pool.served_pids()]
+            m = core.memory.sample(self.worker_pids(), ready=served)
         except Exception:   # noqa: BLE001 — measurement never hurts training
             log.debug("adloader: memory sample failed", exc_info=True)
             m = core.memory.summary

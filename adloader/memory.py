@@ -274,6 +274,7 @@ class _WorkerTrack:
     last: ProcessMemory
     first_t: float
     last_t: float
+    fixed: bool = True                    # ``first`` is the baseline; False: it moves with each sample
 
 
 @dataclass
@@ -285,7 +286,7 @@ class MemorySummary:
     rss: int = 0
     uss_per_worker: float = 0.0           # mean over workers
     pss_per_worker: float = 0.0
-    growth_per_worker: float = 0.0        # mean USS growth since each worker's first sample
+    growth_per_worker: float = 0.0        # mean USS growth since each worker's baseline (first ready sample)
     max_uss: int = 0
     sampled_at: float = 0.0               # monotonic seconds of the sample (0 = never)
     sample_cost_s: float = 0.0            # CPU seconds the last sample cost (all workers)
@@ -302,7 +303,8 @@ class MemorySummary:
 class WorkerMemorySampler:
     """Samples the USS/PSS of a set of worker pids at most once per ``every_s`` (default 2 s).
 
-    Each worker's first sample is its baseline; growth = its USS now - at its baseline. A worker that
+    Each worker's first sample once it is ready (``sample``'s ``ready``: it finished a task) is its
+    baseline; growth = its USS now - at its baseline. A worker that
     has gone keeps its last sample in ``last_seen`` (for a death report) until ``forget_dead``.
     Cost: one ``smaps_rollup`` read per worker per sample (``sample_cost_s``: the CPU time of the
     sampling thread, the kernel's page-table walk included; BENCHMARKS.md): the next sample is taken
@@ -323,11 +325,20 @@ class WorkerMemorySampler:
         except Exception:   # noqa: BLE001 — never fail a loader for a counter
             self._oom_kills = None
 
-    def sample(self, pids: Iterable[int], now: Optional[float] = None, force: bool = False) -> MemorySummary:
+    def sample(self, pids: Iterable[int], now: Optional[float] = None, force: bool = False,
+               ready: Optional[Iterable[int]] = None) -> MemorySummary:
+        """``ready``: the workers that finished starting (None: all of ``pids``). A worker's baseline is
+        its first sample once ready; until then each sample replaces it (growth 0). A fork copies pages
+        into the new worker as it starts (its own start-up writes and its parent's, about 8 MiB with
+        torch): measured from a sample taken before that, which a busy node's scheduling decides, a
+        worker whose dataset stays shared would seem to grow with the samples it reads."""
         now = time.monotonic() if now is None else now
         pids = list(pids)
-        if not force and now < self._next and all(p in self._tracks for p in pids):
-            # (a new worker is sampled at once: its baseline should be early); a worker that left the
+        ready = set(pids) if ready is None else set(ready)
+        if not force and now < self._next and all(
+                p in self._tracks and (self._tracks[p].fixed or p not in ready) for p in pids):
+            # (a new worker, or one just ready, is sampled at once: its baseline should be early,
+            # before it reads many samples); a worker that left the
             # set (retired) leaves the summary at once too, from the others' last samples, reading nothing
             if len(self._tracks) > len(set(pids)):
                 self._drop_all_but(set(pids))
@@ -342,8 +353,8 @@ class WorkerMemorySampler:
                 continue
             alive.add(pid)
             tr = self._tracks.get(pid)
-            if tr is None:
-                self._tracks[pid] = _WorkerTrack(m, m, now, now)
+            if tr is None or not tr.fixed:
+                self._tracks[pid] = _WorkerTrack(m, m, now, now, fixed=pid in ready)
             else:
                 tr.last, tr.last_t = m, now
             self.last_seen[pid] = m

@@ -214,6 +214,50 @@ def test_sampler_is_rate_limited_and_keeps_a_dead_workers_last_sample():
     assert sampler.last_memory(me) is None
 
 
+def test_a_workers_baseline_is_its_first_sample_once_ready(tmp_path):
+    """Until a worker is ready (it finished a task) each sample replaces its baseline: the pages a fork
+    copies as the worker starts are not growth, however late the scheduler ran the worker's start."""
+    def rollup(uss_mib: int) -> None:
+        (tmp_path / "7").mkdir(exist_ok=True)
+        (tmp_path / "7" / "smaps_rollup").write_text(f"Rss: {uss_mib * 1024 + 4096} kB\nPss: {uss_mib * 1024} kB\n"
+                                                     f"Private_Dirty: {uss_mib * 1024} kB\n")
+
+    sampler = memory.WorkerMemorySampler(every_s=2.0, proc_root=str(tmp_path))
+    rollup(1)                                                  # just forked
+    assert sampler.sample([7], now=10.0, ready=[]).growth_per_worker == 0
+    rollup(9)                                                  # started: not growth
+    s = sampler.sample([7], now=13.0, ready=[])
+    assert s.growth_per_worker == 0 and s.uss == 9 * MiB
+    rollup(10)
+    assert sampler.sample([7], now=13.1, ready=[7]).growth_per_worker == 0   # ready: sampled at once
+    rollup(30)                                                 # reading copies pages: growth
+    assert sampler.sample([7], now=13.2, ready=[7]).growth_per_worker == 0   # within every_s: no read
+    assert sampler.sample([7], now=16.0, ready=[7]).growth_per_worker == 20 * MiB
+    assert sampler.sample([7], now=19.0).growth_per_worker == 20 * MiB        # ready=None: all ready
+
+
+def test_forked_workers_leave_the_inherited_objects_to_the_permanent_gc_generation():
+    """(A worker's first full collection copied every page of torch's objects and the dataset's, ~35
+    MiB, at a time its gc counters decided: ``adloader._pool._start_process``.)"""
+    import gc
+
+    class FreezeCount(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int):
+            return gc.get_freeze_count()
+
+    frozen_before = gc.get_freeze_count()
+    dl = DataLoader(FreezeCount(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    try:
+        counts = [int(x) for x in dl]
+    finally:
+        dl.close()
+    assert all(c > 1000 for c in counts), counts               # torch alone is many thousands
+    assert gc.get_freeze_count() == frozen_before              # the training process is left as it was
+
+
 def test_stats_document_every_memory_key():
     from adloader.dataloader import DataLoader as DL
 
