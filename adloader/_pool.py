@@ -141,8 +141,11 @@ def _start_process(ctx, proc) -> None:
     "growing" 20-35 MiB as they read (``adloader.memory``: copy-on-read). The CPython documentation
     of ``gc.freeze`` gives this use (freeze right before ``fork()``). In the training process the
     unfreeze puts the objects back in the oldest generation: the ones that were young are collected
-    at the next full collection instead of a younger one; nothing is lost."""
-    if ctx.get_start_method() != "fork":
+    at the next full collection instead of a younger one; nothing is lost. A training process that
+    froze objects itself (``gc.get_freeze_count()`` above 0: a server that forks its own children) is
+    left as it is: ``gc.unfreeze()`` would thaw its objects too, and a second freeze left in place would
+    keep the young ones from ever being collected."""
+    if ctx.get_start_method() != "fork" or gc.get_freeze_count():
         proc.start()
         return
     gc.freeze()

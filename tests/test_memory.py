@@ -258,6 +258,37 @@ def test_forked_workers_leave_the_inherited_objects_to_the_permanent_gc_generati
     assert gc.get_freeze_count() == frozen_before              # the training process is left as it was
 
 
+def test_a_training_process_that_froze_objects_itself_keeps_them_frozen():
+    """A process that called ``gc.freeze()`` itself is left alone: the pool's ``gc.unfreeze()`` would
+    thaw the user's objects too."""
+    import gc
+
+    class FreezeCount(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int):
+            return gc.get_freeze_count()
+
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        assert mine > 0
+        young = [[i] for i in range(2000)]                         # allocated after the user's freeze
+        dl = DataLoader(FreezeCount(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+        try:
+            counts = [int(x) for x in dl]
+        finally:
+            dl.close()
+        # no second freeze around the fork: the worker's frozen objects are the user's (some die in the
+        # worker), not the user's plus the 2,000 young lists and the loader's own
+        assert all(c <= mine for c in counts), (counts, mine)
+        assert gc.get_freeze_count() > mine // 2                   # the user's freeze not thawed (a thaw: 0)
+        del young
+    finally:
+        gc.unfreeze()
+
+
 def test_stats_document_every_memory_key():
     from adloader.dataloader import DataLoader as DL
 
