@@ -9,6 +9,12 @@ numpy array, with W real workers (fork), it runs whole epochs and reports:
 - each worker's USS, PSS and USS growth at the end of the run (copy-on-read shows as growth);
 - the cost of sizing a delivered batch (``batch_nbytes``, done every 16th step).
 
+With ``--gc-collect`` each worker runs one full garbage collection at its first sample (as a library
+in the pipeline calling ``gc.collect()`` does, or the collection that the gc counters a worker inherits
+from its fork can bring at its first allocations): it writes the header of every container it walks,
+so any inherited object it walks is copied into the worker (the loader keeps the inherited ones
+frozen for that reason: ``adloader._pool._start_process``).
+
 Prints a table and writes JSON (``--out``). Timing figures on a shared machine are noisy: medians
 and ranges are given, and the machine's load should be stated with them.
 """
@@ -24,9 +30,18 @@ import time
 MiB = 1 << 20
 
 
-def _datasets(n: int):
+def _datasets(n: int, gc_collect: bool = False):
+    import gc
+
     import numpy as np
     import torch
+
+    collected = []      # per process: a forked worker starts with the parent's (empty) list
+
+    def first_item() -> None:
+        if gc_collect and not collected:
+            collected.append(os.getpid())
+            gc.collect()
 
     class ObjectRows(torch.utils.data.Dataset):
         def __init__(self):
@@ -36,6 +51,7 @@ def _datasets(n: int):
             return len(self.rows)
 
         def __getitem__(self, i):
+            first_item()
             return torch.tensor(self.rows[i]["vals"])
 
     class ArrayRows(torch.utils.data.Dataset):
@@ -46,39 +62,57 @@ def _datasets(n: int):
             return len(self.vals)
 
         def __getitem__(self, i):
+            first_item()
             return torch.from_numpy(self.vals[i].copy())
 
     return {"python-objects": ObjectRows, "numpy-array": ArrayRows}
 
 
-def run_one(make, workers: int, epochs: int, batch_size: int) -> dict:
+def run_one(make, workers: int, epochs: int, batch_size: int, loader: str = "adloader") -> dict:
+    """One dataset's run. ``loader`` "torch": torch's own DataLoader (persistent workers, fork), its
+    workers measured by the same sampler (adloader's own ``WorkerMemorySampler``) from their pids."""
+    import torch
+
     from adloader import DataLoader
-    from adloader.memory import batch_nbytes
+    from adloader.memory import WorkerMemorySampler, batch_nbytes
 
     ds = make()
-    dl = DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=True,
-                    multiprocessing_context="fork")
-    sampler = dl._core.memory
+    if loader == "torch":
+        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=True,
+                                         multiprocessing_context="fork")
+        sampler = WorkerMemorySampler()
+        it = iter(dl)
+
+        def pids() -> list[int]:
+            return [w.pid for w in it._workers]     # torch's _MultiProcessingDataLoaderIter, persistent
+
+        def close() -> None:
+            it._shutdown_workers()
+    else:
+        dl = DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=True,
+                        multiprocessing_context="fork")
+        sampler = dl._core.memory
+        it = iter(dl)
+        pids, close = dl.worker_pids, dl.close
     costs = []
     nbytes_s = []
     try:
-        it = iter(dl)
         next(it)
-        sampler.sample(dl.worker_pids(), force=True)
+        sampler.sample(pids(), force=True)
         t_last = time.monotonic()
         for _ in range(epochs):
             for b in it:
                 if time.monotonic() - t_last > 0.5:
                     t_last = time.monotonic()
-                    s = sampler.sample(dl.worker_pids(), force=True)
+                    s = sampler.sample(pids(), force=True)
                     costs.append(s.sample_cost_s / max(1, s.workers))
                     t0 = time.thread_time()
                     batch_nbytes(b)
                     nbytes_s.append(time.thread_time() - t0)
             it = iter(dl)
-        s = sampler.sample(dl.worker_pids(), force=True)
+        s = sampler.sample(pids(), force=True)
     finally:
-        dl.close()
+        close()
     return {"workers": s.workers, "uss_per_worker": s.uss_per_worker, "pss_per_worker": s.pss_per_worker,
             "growth_per_worker": s.growth_per_worker, "samples": len(costs),
             "sample_cpu_s_per_worker_median": statistics.median(costs) if costs else None,
@@ -95,12 +129,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=plain_int, default=200_000, help="rows of the dataset (default 200000)")
     ap.add_argument("--epochs", type=plain_int, default=2, help="whole epochs run per dataset (default 2)")
     ap.add_argument("--batch-size", type=plain_int, default=256, help="the loader's batch size (default 256)")
+    ap.add_argument("--gc-collect", action="store_true",
+                    help="each worker runs one full gc collection at its first sample (module docstring)")
+    ap.add_argument("--loader", choices=("adloader", "torch"), default="adloader",
+                    help="whose workers are measured: adloader.DataLoader's (default) or torch's own DataLoader's "
+                         "(fork, persistent workers; the same sampler reads them)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     res = {}
-    for name, make in _datasets(args.rows).items():
-        res[name] = run_one(make, args.workers, args.epochs, args.batch_size)
-    print(f"memory measurement, {args.workers} workers, {args.rows} rows, {args.epochs} epochs "
+    for name, make in _datasets(args.rows, args.gc_collect).items():
+        res[name] = run_one(make, args.workers, args.epochs, args.batch_size, args.loader)
+    print(f"memory measurement, {args.loader} workers: {args.workers}, {args.rows} rows, {args.epochs} epochs"
+          f"{', a full gc collection in each worker' if args.gc_collect else ''} "
           f"({platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
     print("| dataset | USS / worker MiB | PSS / worker MiB | USS growth / worker MiB | sample CPU ms / worker, "
           "median (min-max) | sampling period with 8 workers under the 1% cap | batch_nbytes µs |")

@@ -60,3 +60,26 @@ def test_pin_bench_runs_both_loaders_and_writes_its_json(tmp_path, capsys):
     assert set(doc["runs"]) == {"torch", "adloader"} and all(len(v) == 1 for v in doc["runs"].values())
     assert all(doc["summary"][k]["steps_per_s"]["median"] > 0 for k in ("torch", "adloader"))
     assert "| adloader |" in capsys.readouterr().out
+
+
+@pytest.mark.component
+def test_memory_bench_measures_both_loaders_after_a_full_collection(tmp_path, capsys):
+    """A small real run of each loader's forked workers, each running one full gc collection: torch's
+    workers copy the pages of the training process's objects that the collection walks (tens of MiB
+    with torch imported); adloader's keep them frozen (``adloader._pool._start_process``). Memory, not
+    time, is asserted."""
+    import json
+
+    from evaluation import memory_bench
+
+    uss = {}
+    for loader in ("torch", "adloader"):
+        out = tmp_path / f"{loader}.json"
+        assert memory_bench.main(["--rows", "20000", "--epochs", "1", "--gc-collect", "--loader", loader,
+                                  "--out", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["args"]["loader"] == loader and doc["args"]["gc_collect"] is True
+        uss[loader] = doc["results"]["numpy-array"]["uss_per_worker"]
+        assert doc["results"]["numpy-array"]["workers"] == 2
+    assert uss["adloader"] < uss["torch"] - 15 * (1 << 20), uss
+    assert "a full gc collection in each worker" in capsys.readouterr().out
