@@ -120,10 +120,34 @@ JOBPROC = ["--spec", "{}", "--progress", "/nonexistent/p"]
     ("predictor_corpus", ["--warmup-s", "-0.5"], "--warmup-s", "-0.5"),
     ("oversub_cpu", ["--procs", "1,0"], "--procs", "0"),
     # (before: any integer or finite number: a negative --max-workers or --total-steps was the loader's
-    # ValueError as a traceback; a --duration-s of 0 or less stopped at the first step)
+    # ValueError as a traceback, a --duration-s of 0 or less stopped at the first step; 0 repeats, clients
+    # or seconds measured nothing; 0 workers with persistent workers was torch's ValueError)
     ("jobproc", JOBPROC + ["--max-workers", "-1"], "--max-workers", "-1"),
     ("jobproc", JOBPROC + ["--total-steps", "-5"], "--total-steps", "-5"),
     ("jobproc", JOBPROC + ["--duration-s", "0"], "--duration-s", "0"),
+    ("agent_bench", ["--clients", "0"], "--clients", "0"),
+    ("agent_bench", ["--seconds", "-1"], "--seconds", "-1"),
+    ("agent_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("controller_bench", ["--jobs", "0"], "--jobs", "0"),
+    ("controller_bench", ["--ticks", "0"], "--ticks", "0"),
+    ("controller_bench", ["--cores", "60", "-14"], "--cores", "-14"),
+    ("controller_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("controller_bench", ["--target-ms", "0"], "--target-ms", "0"),
+    ("loader_bench", ["--workers", "0"], "--workers", "0"),
+    ("loader_burst", ["--seconds", "0"], "--seconds", "0"),
+    ("loader_burst", ["--quota", "-0.5"], "--quota", "-0.5"),
+    ("loader_overhead", ["--pairs", "0"], "--pairs", "0"),
+    ("loader_overhead", ["--batches", "0"], "--batches", "0"),
+    ("loader_overhead", ["--workers", "0"], "--workers", "0"),
+    ("loader_overhead", ["--repeats", "0"], "--repeats", "0"),
+    ("memory_bench", ["--workers", "0"], "--workers", "0"),
+    ("memory_bench", ["--rows", "0"], "--rows", "0"),
+    ("memory_bench", ["--epochs", "0"], "--epochs", "0"),
+    ("memory_bench", ["--batch-size", "-1"], "--batch-size", "-1"),
+    ("security_bench", ["--seconds", "0"], "--seconds", "0"),
+    ("security_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("security_bench", ["--tick-s", "-1"], "--tick-s", "-1"),
+    ("slurm_bench", ["--repeats", "0"], "--repeats", "0"),
 ])
 def test_an_item_out_of_its_range_is_a_usage_error_naming_the_flag_and_value(module, argv, flag, bad, capsys):
     mod = importlib.import_module(f"evaluation.{module}")
