@@ -27,8 +27,8 @@ unseen_job_timeout_s, actuator_timeout_s
 take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
 A refused start (a config the actuators or the socket cannot serve, a busy metrics port) exits with one
-line naming the key, and removes the state directory if that start made it (empty only; one that
-existed before is kept).
+line naming the key, and removes the state directory and the ipc socket's directory (with the lock
+file beside the socket) if that start made them (empty only; one that existed before is kept).
 
 Restart: the journal (``agent.journal``) is written whenever the registry or the applied state
 changed — after each batch of messages (so a job is journaled before any tick acts on it, and a
@@ -550,7 +550,7 @@ class Agent:
             try:
                 self.start()
             except BaseException:
-                self.server.close()
+                self.server.close(refused=True)   # with the socket directory it made, empty only
                 self.ctx.term()
                 self._remove_made_state_dir()
                 raise

@@ -9,7 +9,9 @@ and in all by ``security.ConnectionGuard``), SNDHWM bounded, sends non-blocking:
 a directive or reply that cannot go out now is dropped (the client re-asks; directives are resent on
 hello). The ipc socket's directory is created 0755; the socket is made 0666 when the agent runs as
 root (any user's training process may connect; peer credentials decide what each may do) and 0600
-otherwise (only the agent's user). An ipc path that holds anything but a socket is refused (libzmq
+otherwise (only the agent's user). ``close(refused=True)`` (a start refused after ``bind``) also
+removes what this bind made: the lock file beside the socket, then the directories (empty only; one
+that existed before is kept, and so is another agent's socket: only the holder of the lock touches it). An ipc path that holds anything but a socket is refused (libzmq
 unlinks whatever is there before it binds), and so is an endpoint libzmq cannot bind: both are
 ``EndpointUnusable``, raised with the socket closed (an open one would hang the context's ``term``).
 
@@ -42,7 +44,7 @@ from typing import Callable, Optional
 import zmq
 
 from adloader import env, protocol
-from agent import logs, security
+from agent import logs, security, statefile
 from agent.registry import Refused, Registry
 
 log = logging.getLogger("agent.server")
@@ -93,6 +95,8 @@ class Server:
         self.budget_hits = 0          # handle_ready calls that stopped on the time budget
         self.sock: Optional[zmq.Socket] = None
         self._lock_fd: Optional[int] = None
+        self._made_lock = False                 # this bind created <path>.lock
+        self._made_dirs: list[str] = []         # the socket directory levels this bind created
         self._last_heartbeat = 0.0
         self._limited_log = logs.RateLimitedLog(log, period_s=10.0)
         self._limited_reply: dict[bytes, float] = {}
@@ -105,7 +109,7 @@ class Server:
         path = env.ipc_path(self.endpoint)
         if path is not None:
             d = os.path.dirname(path)
-            os.makedirs(d, mode=0o755, exist_ok=True)
+            self._made_dirs += statefile.make_dir(d, mode=0o755)
             st = os.stat(d)
             if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 raise EndpointUnsafe(
@@ -172,25 +176,50 @@ class Server:
         self._limited_log.event(f"conn:{uid}", "connection_refused", logging.WARNING, uid=uid, pid=pid, why=why)
 
     def _lock(self, lock_path: str) -> None:
-        """One agent per endpoint: libzmq would silently unlink a live agent's socket on bind."""
+        """One agent per endpoint: libzmq would silently unlink a live agent's socket on bind.
+
+        A refused start unlinks the lock file it made (while holding it), so a lock taken on a file
+        that is no longer the one at ``lock_path`` proves nothing: it is let go and taken again."""
         import fcntl
 
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        for _ in range(10):
             try:
-                other = os.read(fd, 32).decode().strip()
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                made = True
+            except FileExistsError:
+                try:
+                    fd = os.open(lock_path, os.O_RDWR)
+                except FileNotFoundError:   # unlinked meanwhile by a refused start: again
+                    continue
+                made = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                other = "?"
+                try:
+                    other = os.read(fd, 32).decode().strip()
+                except OSError:
+                    other = "?"
+                os.close(fd)
+                raise EndpointBusy(f"another agent (pid {other or '?'}) is serving {self.endpoint} "
+                                   f"(lock {lock_path} is held)") from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise EndpointBusy(f"another agent (pid {other or '?'}) is serving {self.endpoint} "
-                               f"(lock {lock_path} is held)") from None
+        else:
+            raise EndpointBusy(f"cannot take the lock {lock_path} for {self.endpoint}: it keeps being replaced")
+        self._made_lock = made
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
 
-    def close(self) -> None:
+    def close(self, *, refused: bool = False) -> None:
+        """Close the socket, and unlink it if this agent holds the lock. ``refused``: the start did not
+        go through, so the lock file and the directories this bind made are removed as well (empty
+        directories only)."""
         if self.guard is not None:
             self.guard.close()
             self.guard = None
@@ -204,9 +233,18 @@ class Server:
                     os.unlink(path)
             except OSError:
                 pass
+        if path is not None and self._lock_fd is not None and refused and self._made_lock:
+            try:   # unlinked while still held: an agent that opened it meanwhile sees it replaced (_lock)
+                os.unlink(path + ".lock")
+            except OSError:
+                pass
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._made_lock = False
+        if refused:
+            statefile.remove_made(self._made_dirs)
+        self._made_dirs = []
 
     # --- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg) -> bool:

@@ -194,15 +194,19 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", required=True)
     ap.add_argument("--workers", type=workers_arg, default="auto", metavar="N|auto",
                     help="the loader's num_workers: an integer >= 0, or auto (the default)")
-    ap.add_argument("--max-workers", type=plain_int, default=None)
-    ap.add_argument("--duration-s", type=finite_float, default=None)
+    ap.add_argument("--max-workers", type=count, default=None,
+                    help="the loader's max_workers (an integer >= 0; default: the loader's own bound)")
+    ap.add_argument("--duration-s", type=above(finite_float, 0), default=None)
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
     ap.add_argument("--sweep", type=comma_list(count), default=None,
                     help="comma-separated worker counts (integers >= 0), one segment each")
     ap.add_argument("--segment-s", type=above(finite_float, 0), default=3.0)
-    ap.add_argument("--total-steps", type=plain_int, default=None,
+    ap.add_argument("--total-steps", type=count, default=None,
                     help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
     args = ap.parse_args(argv)
+    if (args.max_workers is not None and not args.sweep and args.workers != "auto"
+            and args.workers > args.max_workers):   # (the loader's ValueError, as a traceback)
+        ap.error(f"--workers {args.workers} exceeds --max-workers {args.max_workers}")
 
     import psutil
     import torch

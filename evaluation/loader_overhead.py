@@ -60,15 +60,15 @@ def main(argv=None) -> int:
         _child(*(int(x) for x in argv[1:4]))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))    # (run as a script)
-    from evaluation.flags import plain_int
+    from evaluation.flags import at_least, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.loader_overhead", description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a directory with an adloader/ package to measure (repeatable; default: the installed one)")
-    ap.add_argument("--pairs", type=plain_int, default=8, metavar="N", help="runs per tree, in alternating order (default 8)")
-    ap.add_argument("--batches", type=plain_int, default=3000, metavar="N", help="batches per epoch (default 3000)")
-    ap.add_argument("--workers", type=plain_int, default=2, metavar="N", help="persistent workers of the loader (default 2)")
-    ap.add_argument("--repeats", type=plain_int, default=3, metavar="N",
+    ap.add_argument("--pairs", type=at_least(plain_int, 1), default=8, metavar="N", help="runs per tree, in alternating order (default 8)")
+    ap.add_argument("--batches", type=at_least(plain_int, 1), default=3000, metavar="N", help="batches per epoch (default 3000)")
+    ap.add_argument("--workers", type=at_least(plain_int, 1), default=2, metavar="N", help="persistent workers of the loader (default 2)")
+    ap.add_argument("--repeats", type=at_least(plain_int, 1), default=3, metavar="N",
                     help="timed epochs per run (the run reports their median; default 3)")
     ap.add_argument("--out", default="bench-out/loader_overhead.json", metavar="PATH",
                     help="write the JSON result here (default bench-out/loader_overhead.json)")

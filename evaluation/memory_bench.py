@@ -122,13 +122,13 @@ def run_one(make, workers: int, epochs: int, batch_size: int, loader: str = "adl
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import plain_int
+    from evaluation.flags import at_least, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.memory_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=plain_int, default=2, help="loader workers (fork; default 2)")
-    ap.add_argument("--rows", type=plain_int, default=200_000, help="rows of the dataset (default 200000)")
-    ap.add_argument("--epochs", type=plain_int, default=2, help="whole epochs run per dataset (default 2)")
-    ap.add_argument("--batch-size", type=plain_int, default=256, help="the loader's batch size (default 256)")
+    ap.add_argument("--workers", type=at_least(plain_int, 1), default=2, help="loader workers (fork; default 2)")
+    ap.add_argument("--rows", type=at_least(plain_int, 1), default=200_000, help="rows of the dataset (default 200000)")
+    ap.add_argument("--epochs", type=at_least(plain_int, 1), default=2, help="whole epochs run per dataset (default 2)")
+    ap.add_argument("--batch-size", type=at_least(plain_int, 1), default=256, help="the loader's batch size (default 256)")
     ap.add_argument("--gc-collect", action="store_true",
                     help="each worker runs one full gc collection at its first sample (module docstring)")
     ap.add_argument("--loader", choices=("adloader", "torch"), default="adloader",

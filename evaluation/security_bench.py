@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from evaluation.flags import finite_float, plain_int  # noqa: E402
+from evaluation.flags import above, at_least, finite_float, plain_int  # noqa: E402
 
 ATTACKER, VICTIM = 65534, 65533
 SCENARIOS = {
@@ -248,11 +248,11 @@ def _rate(row: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.security_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=finite_float, default=10.0, help="attack window per scenario (default 10)")
+    ap.add_argument("--seconds", type=above(finite_float, 0), default=10.0, help="attack window per scenario (default 10)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS),
                     help="comma-separated, from: " + ", ".join(SCENARIOS) + " (default all)")
-    ap.add_argument("--repeats", type=plain_int, default=1, help="runs of each scenario, each with a fresh agent (default 1)")
-    ap.add_argument("--tick-s", type=finite_float, default=1.0, help="the agent's tick (default 1 s, as deployed)")
+    ap.add_argument("--repeats", type=at_least(plain_int, 1), default=1, help="runs of each scenario, each with a fresh agent (default 1)")
+    ap.add_argument("--tick-s", type=above(finite_float, 0), default=1.0, help="the agent's tick (default 1 s, as deployed)")
     import resource
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]

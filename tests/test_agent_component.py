@@ -180,6 +180,8 @@ def test_second_agent_on_same_endpoint_refuses(base, agent):
                            timeout=30)
     assert other.returncode == 1 and "another agent" in other.stderr
     assert agent.status()["agent"]["pid"] == agent.proc.pid   # the first one still serves
+    sock = agent.endpoint[len("ipc://"):]                     # its socket and lock are not the refused start's
+    assert os.path.exists(sock) and os.path.exists(sock + ".lock")
 
 
 @pytest.mark.parametrize("what", ["directory", "tcp"])
@@ -239,6 +241,31 @@ def test_a_refused_start_removes_the_state_dir_it_made_and_keeps_one_that_existe
                 "endpoint": "is not a socket"}[refusal] in out.stderr, out.stderr
     assert not os.path.exists(f"{base}/new")               # made by the refused start: removed, every level
     assert os.path.isdir(f"{base}/kept")                    # there before: kept
+
+
+def test_a_start_refused_after_the_bind_removes_the_socket_dir_it_made_and_keeps_one_that_existed(base):
+    # the metrics port is taken after the ipc socket is bound: the refused start closed the socket but
+    # (before) left its directory behind, with the lock file in it, and every level above it
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    os.mkdir(f"{base}/kept")
+    with open(f"{base}/kept/note", "w") as f:
+        f.write("keep me\n")
+    try:
+        for sock_dir in (f"{base}/run/deeper", f"{base}/kept"):
+            out = subprocess.run(adloader_cmd("agent", "--endpoint", f"ipc://{sock_dir}/agent.sock",
+                                              "--state-dir", f"{base}/state", "--cgroup-mode", "off",
+                                              "--metrics-port", str(port)), env=repo_env(), capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            assert "'metrics_port'" in out.stderr, out.stderr
+    finally:
+        busy.close()
+    assert not os.path.exists(f"{base}/run")                   # made by the refused start: removed, every level
+    assert os.listdir(f"{base}/kept") == ["note"]              # there before: kept, with what it held, no lock
+    assert not os.path.exists(f"{base}/state")
 
 
 AS_USER = """

@@ -433,3 +433,73 @@ def test_a_reload_of_a_config_file_that_never_answers_keeps_the_running_config(t
             time.sleep(0.01)
         agent.server.close()
         agent.ctx.term()
+
+
+def test_a_refused_bind_removes_only_what_it_made_and_never_another_servers_socket(tmp_path):
+    """``Server.close(refused=True)``: the lock file and the socket directories this bind made go (empty
+    only); a second server refused by the lock touches neither the first one's socket nor its lock."""
+    import os
+
+    import zmq
+
+    from agent.registry import Registry
+    from agent.server import EndpointBusy, Server
+
+    ctx = zmq.Context()
+    sock = f"{tmp_path}/run/deeper/agent.sock"
+
+    def server():
+        return Server(f"ipc://{sock}", Registry(), heartbeat_s=1.0, on_report=lambda *a: None,
+                      status_doc=dict, ctx=ctx)
+    try:
+        first, second = server(), server()
+        first.bind()
+        with pytest.raises(EndpointBusy):
+            second.bind()
+        second.close(refused=True)
+        assert sorted(os.listdir(os.path.dirname(sock))) == ["agent.sock", "agent.sock.lock"]
+        first.close(refused=True)
+        assert os.listdir(tmp_path) == []              # run/ and run/deeper/ were made by this bind
+        os.makedirs(os.path.dirname(sock))
+        third = server()
+        third.bind()
+        third.close(refused=True)                      # the lock it made goes, the directory that existed stays
+        assert os.listdir(os.path.dirname(sock)) == []
+        fourth = server()
+        fourth.bind()
+        fourth.close()                                 # a normal stop keeps the lock file, as before
+        assert os.listdir(os.path.dirname(sock)) == ["agent.sock.lock"]
+    finally:
+        ctx.term()
+
+
+def test_a_lock_file_replaced_while_it_is_taken_is_taken_again(tmp_path, monkeypatch):
+    """A refused start unlinks the lock file it made while holding it; an agent that had opened that file
+    and locked it after is holding a lock on a file no longer at the path, and must take the new one."""
+    import fcntl
+    import os
+
+    from agent import server as servermod
+    from agent.registry import Registry
+
+    lock = str(tmp_path / "agent.sock.lock")
+    with open(lock, "w"):
+        pass
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(os.fstat(fd).st_ino)
+        if len(calls) == 1:                            # the first file is unlinked and replaced meanwhile
+            os.unlink(lock)
+            with open(lock, "w"):
+                pass
+        return real_flock(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    s = servermod.Server(f"ipc://{tmp_path}/agent.sock", Registry(), heartbeat_s=1.0, on_report=lambda *a: None,
+                         status_doc=dict)
+    s._lock(lock)
+    try:
+        assert len(calls) == 2 and calls[0] != calls[1]
+        assert os.path.samestat(os.fstat(s._lock_fd), os.stat(lock))
+    finally:
+        os.close(s._lock_fd)

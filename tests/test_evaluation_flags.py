@@ -119,6 +119,35 @@ JOBPROC = ["--spec", "{}", "--progress", "/nonexistent/p"]
     ("predictor_corpus", ["--window-s", "0"], "--window-s", "0"),
     ("predictor_corpus", ["--warmup-s", "-0.5"], "--warmup-s", "-0.5"),
     ("oversub_cpu", ["--procs", "1,0"], "--procs", "0"),
+    # (before: any integer or finite number: a negative --max-workers or --total-steps was the loader's
+    # ValueError as a traceback, a --duration-s of 0 or less stopped at the first step; 0 repeats, clients
+    # or seconds measured nothing; 0 workers with persistent workers was torch's ValueError)
+    ("jobproc", JOBPROC + ["--max-workers", "-1"], "--max-workers", "-1"),
+    ("jobproc", JOBPROC + ["--total-steps", "-5"], "--total-steps", "-5"),
+    ("jobproc", JOBPROC + ["--duration-s", "0"], "--duration-s", "0"),
+    ("agent_bench", ["--clients", "0"], "--clients", "0"),
+    ("agent_bench", ["--seconds", "-1"], "--seconds", "-1"),
+    ("agent_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("controller_bench", ["--jobs", "0"], "--jobs", "0"),
+    ("controller_bench", ["--ticks", "0"], "--ticks", "0"),
+    ("controller_bench", ["--cores", "60", "-14"], "--cores", "-14"),
+    ("controller_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("controller_bench", ["--target-ms", "0"], "--target-ms", "0"),
+    ("loader_bench", ["--workers", "0"], "--workers", "0"),
+    ("loader_burst", ["--seconds", "0"], "--seconds", "0"),
+    ("loader_burst", ["--quota", "-0.5"], "--quota", "-0.5"),
+    ("loader_overhead", ["--pairs", "0"], "--pairs", "0"),
+    ("loader_overhead", ["--batches", "0"], "--batches", "0"),
+    ("loader_overhead", ["--workers", "0"], "--workers", "0"),
+    ("loader_overhead", ["--repeats", "0"], "--repeats", "0"),
+    ("memory_bench", ["--workers", "0"], "--workers", "0"),
+    ("memory_bench", ["--rows", "0"], "--rows", "0"),
+    ("memory_bench", ["--epochs", "0"], "--epochs", "0"),
+    ("memory_bench", ["--batch-size", "-1"], "--batch-size", "-1"),
+    ("security_bench", ["--seconds", "0"], "--seconds", "0"),
+    ("security_bench", ["--repeats", "0"], "--repeats", "0"),
+    ("security_bench", ["--tick-s", "-1"], "--tick-s", "-1"),
+    ("slurm_bench", ["--repeats", "0"], "--repeats", "0"),
 ])
 def test_an_item_out_of_its_range_is_a_usage_error_naming_the_flag_and_value(module, argv, flag, bad, capsys):
     mod = importlib.import_module(f"evaluation.{module}")
@@ -127,6 +156,17 @@ def test_an_item_out_of_its_range_is_a_usage_error_naming_the_flag_and_value(mod
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and repr(bad) in err and "Traceback" not in err, err
+
+
+def test_jobproc_workers_above_max_workers_is_a_usage_error_naming_both(capsys):
+    # (before: the loader's ValueError "num_workers=4 exceeds max_workers=2", as a traceback)
+    from evaluation import jobproc
+
+    with pytest.raises(SystemExit) as e:
+        jobproc.main(JOBPROC + ["--workers", "4", "--max-workers", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--workers 4 exceeds --max-workers 2" in err and "Traceback" not in err, err
 
 
 def test_the_range_types_refuse_outside_and_take_the_bound_as_said():
