@@ -376,6 +376,33 @@ def test_endpoint_precedence_flag_environment_config_default(tmp_path):
 
 
 @pytest.mark.unit
+def test_an_ordinary_user_without_a_system_socket_gets_their_own_and_the_help_says_so(tmp_path, monkeypatch):
+    """The commands' last default is the client's (``adloader.env.endpoint``): the system socket if it
+    exists, else the user's own. ``job --help`` said "else ipc:///run/adloader/agent.sock" while a user
+    beside their own agent was sent to theirs; it now says what ``status --help`` says."""
+    import io
+    from contextlib import redirect_stdout
+
+    from adloader import env
+    from agent.cli import build_parser
+    from agent.commands.job import resolve_endpoint
+
+    xdg = tmp_path / "run"
+    xdg.mkdir()
+    monkeypatch.setattr(env.os, "getuid", lambda: 1000)
+    ep, _ = resolve_endpoint(None, str(tmp_path / "absent.toml"), {"XDG_RUNTIME_DIR": str(xdg)})
+    if not (env.ipc_path(env.default_endpoint(0, {})) and
+            env.os.path.exists(env.ipc_path(env.default_endpoint(0, {})))):
+        assert ep == f"ipc://{xdg}/adloader/agent.sock"
+    for verb in ("register", "release"):
+        out = io.StringIO()
+        with redirect_stdout(out), pytest.raises(SystemExit):
+            build_parser("job").parse_args(["job", verb, "--help"])
+        text = " ".join(out.getvalue().split())
+        assert "else the system socket if it exists, else your user's" in text, text
+
+
+@pytest.mark.unit
 def test_a_valid_endpoint_beside_an_unknown_key_is_used_and_the_key_named(tmp_path):
     """An unknown key does not hide the file's valid endpoint from the commands (nothing the file says
     is lost; before, the whole file was refused and the default used): the endpoint is taken and the

@@ -233,7 +233,7 @@ def register(sub) -> None:
             v.add_argument("--cpus", type=plain_int, metavar="N", help="CPUs allocated to the job on this node")
         v.add_argument("--endpoint", metavar="EP",
                        help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of the agent's "
-                            "config file, else ipc:///run/adloader/agent.sock)")
+                            "config file, else the system socket if it exists, else your user's)")
         v.add_argument("--config", metavar="PATH",
                        help="the agent's config file, read for its endpoint key only (default "
                             "/etc/adloader/agent.toml when it exists; the Slurm scripts pass it)")
