@@ -277,6 +277,19 @@ def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
 
 
 @pytest.mark.component
+def test_a_malformed_job_id_is_a_bad_argument_and_not_sent(tmp_path):
+    """A --job the agent would refuse (``protocol.check_job_id``) is a bad argument: exit 2 (0 with
+    --slurm), named in the line, nothing sent. Before, it went to the agent and came back refused
+    (exit 1, "agent refused register: malformed"); without an agent it read as "agent down"."""
+    absent = f"ipc://{tmp_path}/agent.sock"     # nothing listens: a sent request would say "agent down"
+    for verb in ("register", "release"):
+        for how, want_rc in ((("--job", "bad/id"), 2), (("--slurm", "--job", "../x"), 0)):
+            rc, err, _ = run_job(verb, *how, endpoint=absent, env=SLURM_ENV)
+            line = one_line(err)
+            assert rc == want_rc and "not sent: bad variable: --job: job id" in line and "agent down" not in line, line
+
+
+@pytest.mark.component
 def test_a_malformed_adloader_endpoint_is_a_bad_variable_naming_it():
     """ADLOADER_ENDPOINT is checked as --endpoint is, by job and status, before anything is sent (as the
     training-side client refuses it). Before: 'ipc://' was taken as the agent being down ("no socket

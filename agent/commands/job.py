@@ -262,6 +262,11 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
                 spec = JobSpec(args.job, spec.uid, spec.gpus, spec.cpus, spec.note)
         else:
             spec = cli_job(args)
+        from adloader import protocol
+
+        bad_job = protocol.check_job_id(spec.job)   # what the agent would refuse (malformed): not sent
+        if bad_job:
+            raise JobSpecError(f"--job: {bad_job}")
     except JobSpecError as e:
         print(f"{prefix}: not sent: bad variable: {e}", file=sys.stderr, flush=True)
         return EXIT_OK if slurm else EXIT_USAGE
