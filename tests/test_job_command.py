@@ -277,6 +277,19 @@ def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
 
 
 @pytest.mark.component
+def test_a_malformed_job_id_is_a_bad_argument_and_not_sent(tmp_path):
+    """A --job the agent would refuse (``protocol.check_job_id``) is a bad argument: exit 2 (0 with
+    --slurm), named in the line, nothing sent. Before, it went to the agent and came back refused
+    (exit 1, "agent refused register: malformed"); without an agent it read as "agent down"."""
+    absent = f"ipc://{tmp_path}/agent.sock"     # nothing listens: a sent request would say "agent down"
+    for verb in ("register", "release"):
+        for how, want_rc in ((("--job", "bad/id"), 2), (("--slurm", "--job", "../x"), 0)):
+            rc, err, _ = run_job(verb, *how, endpoint=absent, env=SLURM_ENV)
+            line = one_line(err)
+            assert rc == want_rc and "not sent: bad variable: --job: job id" in line and "agent down" not in line, line
+
+
+@pytest.mark.component
 def test_a_malformed_adloader_endpoint_is_a_bad_variable_naming_it():
     """ADLOADER_ENDPOINT is checked as --endpoint is, by job and status, before anything is sent (as the
     training-side client refuses it). Before: 'ipc://' was taken as the agent being down ("no socket
@@ -373,6 +386,33 @@ def test_endpoint_precedence_flag_environment_config_default(tmp_path):
     assert ep == env.endpoint({}) and "not valid TOML" in note
     ep, note = client_endpoint(None, str(tmp_path / "absent.toml"), {})
     assert ep == env.endpoint({}) and "no agent config" in note
+
+
+@pytest.mark.unit
+def test_an_ordinary_user_without_a_system_socket_gets_their_own_and_the_help_says_so(tmp_path, monkeypatch):
+    """The commands' last default is the client's (``adloader.env.endpoint``): the system socket if it
+    exists, else the user's own. ``job --help`` said "else ipc:///run/adloader/agent.sock" while a user
+    beside their own agent was sent to theirs; it now says what ``status --help`` says."""
+    import io
+    from contextlib import redirect_stdout
+
+    from adloader import env
+    from agent.cli import build_parser
+    from agent.commands.job import resolve_endpoint
+
+    xdg = tmp_path / "run"
+    xdg.mkdir()
+    monkeypatch.setattr(env.os, "getuid", lambda: 1000)
+    ep, _ = resolve_endpoint(None, str(tmp_path / "absent.toml"), {"XDG_RUNTIME_DIR": str(xdg)})
+    if not (env.ipc_path(env.default_endpoint(0, {})) and
+            env.os.path.exists(env.ipc_path(env.default_endpoint(0, {})))):
+        assert ep == f"ipc://{xdg}/adloader/agent.sock"
+    for verb in ("register", "release"):
+        out = io.StringIO()
+        with redirect_stdout(out), pytest.raises(SystemExit):
+            build_parser("job").parse_args(["job", verb, "--help"])
+        text = " ".join(out.getvalue().split())
+        assert "else the system socket if it exists, else your user's" in text, text
 
 
 @pytest.mark.unit

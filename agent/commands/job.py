@@ -233,7 +233,7 @@ def register(sub) -> None:
             v.add_argument("--cpus", type=plain_int, metavar="N", help="CPUs allocated to the job on this node")
         v.add_argument("--endpoint", metavar="EP",
                        help="agent endpoint (default: ADLOADER_ENDPOINT, else the endpoint key of the agent's "
-                            "config file, else ipc:///run/adloader/agent.sock)")
+                            "config file, else the system socket if it exists, else your user's)")
         v.add_argument("--config", metavar="PATH",
                        help="the agent's config file, read for its endpoint key only (default "
                             "/etc/adloader/agent.toml when it exists; the Slurm scripts pass it)")
@@ -262,6 +262,11 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
                 spec = JobSpec(args.job, spec.uid, spec.gpus, spec.cpus, spec.note)
         else:
             spec = cli_job(args)
+        from adloader import protocol
+
+        bad_job = protocol.check_job_id(spec.job)   # what the agent would refuse (malformed): not sent
+        if bad_job:
+            raise JobSpecError(f"--job: {bad_job}")
     except JobSpecError as e:
         print(f"{prefix}: not sent: bad variable: {e}", file=sys.stderr, flush=True)
         return EXIT_OK if slurm else EXIT_USAGE
