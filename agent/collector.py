@@ -14,6 +14,18 @@ A job's figures aggregate its ranks (DESIGN "Measurement"): samples/s and worker
 wait per step and wait fraction as the max over ranks (a stall on one rank stalls every rank of a
 synchronous job), compute per step and per-batch costs as the mean over ranks that have data.
 
+Batch size of a window (``JobStats.samples_per_step``, ``JobWindow.samples_per_step``): the samples the
+ranks' loaders delivered in the window over the steps they took in it (``window_batch_size``), not the
+client's reported ``batch_size``: for a custom ``batch_sampler`` that is the mean over every batch since
+the loader started, rounded (``adloader.DataLoader._stats_batch_size``), which after a real change
+creeps toward the new size over many reports, and flips near x.5. Samples per *step* (a batch handed to
+the training loop; ``samples`` counts what those held), not per worker ``batch``: that counter also
+counts batches prefetched but not yet taken and batches made twice for a worker that died. With several
+ranks a step is one rank's: the figure is the ranks' samples over their steps, which is one rank's batch
+(what the reported ``batch_size`` is), and the window's steps are per rank (``window_steps``). A figure
+that cannot be a window's batch size is not taken and says why (``samples_per_step_note``): the
+reported size stands then (and where the window took no step).
+
 Memory (gauges, not counters: the latest report's value is the figure): each rank's loader reports
 its workers' USS, the number of workers measured and the batches in flight (``adloader.memory``);
 a job's ``loader_memory_bytes`` sums them over its ranks, ``worker_memory_bytes`` is that over its
@@ -59,6 +71,7 @@ from agent import psi
 from agent.memory import MemoryGuard, MemoryState
 from agent.model import JobStats, NodeSnapshot, Report
 from agent.registry import Job, Registry
+from predictor.bank import batch_size_changed
 from predictor.observation import blocked_s, counter_deltas
 
 log = logging.getLogger(__name__)
@@ -79,6 +92,13 @@ GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_gr
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
          "trainer_cpu_s_per_step", "trainer_runq_s_per_step")
+
+
+# a window's own batch size (``window_batch_size``): refused where it is off the reported size by more than
+# this factor either way. A batch sampler's reported size is a mean since the loader started, which after
+# a real change lags the window's (32 -> 64 is 2x for the first windows after it); 16x is a size changed
+# 16-fold long after the start, or no loader's counters: the reported size stands, as it did before
+BATCH_SIZE_DISAGREE = 16.0
 
 
 MAX_FIGURE = float(2 ** 53)   # a report's figure above this is no count, time or size (float counters stop
@@ -111,6 +131,8 @@ class RankRates:
                                                        # steps left
     mark_rises: deque = field(default_factory=deque)   # when the end mark rose (the last STEPS_LEFT_RESET_S)
     steps_left_refused: bool = False               # the last report's steps_left was refused (not counting down)
+    window_steps: float = 0.0                      # the last window's steps and samples (counter deltas):
+    window_samples: float = 0.0                    # its batch size (``window_batch_size``)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
@@ -164,6 +186,7 @@ class RankRates:
             self.rates[k] = v if old is None else old + alpha * (v - old)
         self.observed_s += dt
         self.window_s = dt
+        self.window_steps, self.window_samples = d["steps"], d["samples"]
         self.windows += 1
         return True
 
@@ -196,6 +219,41 @@ class RankRates:
             self.history.popleft()
 
 
+def window_batch_size(samples: float, steps: float, ranks: int,
+                      reported: float) -> tuple[Optional[float], bool, str]:
+    """A window's batch size from its counter deltas (module docstring): (samples per step, or None where
+    the reported size stands; whether the window's step count stands; why the window's own size is not
+    taken, "" where it is). ``samples``, ``steps``: the window's, summed over its ``ranks`` ranks;
+    ``reported``: the client's ``batch_size`` (one rank's, the most over ranks).
+
+    - no step: None, and no step count (the controller estimates one from samples/s, as before);
+    - no samples counted (a client that does not count them): None; its steps stand;
+    - under one sample a step, or more than ``BATCH_SIZE_DISAGREE`` times off the reported size (either
+      way): counters that are no loader's (a lying or broken client): None, and its steps do not stand;
+    - below the reported size by more than the predictor's tolerance (``predictor.bank.
+      batch_size_changed``) yet short of ``steps x reported`` by less than one batch a rank: an epoch's
+      short last batch (``drop_last=False``) in a window of few steps of a fixed batch size, not a new
+      size (a 3-step window of 256, 256 and 10 samples is 174 a step: taken, every epoch's end was a new
+      phase for a slow job): None; its steps stand;
+    - else the mean: a batch sampler's exact mean for the window (32.5 where the rounded report flips
+      between 32 and 33), a new size from the first window after a change.
+    """
+    if not steps >= 1:
+        return None, False, "no step in the window"
+    if not samples > 0:
+        return None, True, "no samples counted in the window"
+    mean = samples / steps
+    if mean < 1:
+        return None, False, f"{mean:.3g} samples a step: under one"
+    if reported >= 1 and not reported / BATCH_SIZE_DISAGREE <= mean <= reported * BATCH_SIZE_DISAGREE:
+        return None, False, (f"{mean:.6g} samples a step, more than {BATCH_SIZE_DISAGREE:g}x off the reported "
+                             f"batch size {reported:g}")
+    if mean < reported and batch_size_changed(reported, mean) and steps * reported - samples < max(1, ranks) * reported:
+        return None, True, (f"{mean:.6g} samples a step: short of the reported {reported:g} by less than one "
+                            f"batch a rank (an epoch's short last batch)")
+    return mean, True, ""
+
+
 @dataclass(frozen=True)
 class JobWindow:
     """A job's window between two reports of each of its ranks, from the raw totals (no smoothing):
@@ -207,6 +265,9 @@ class JobWindow:
     duration_s: float               # mean over ranks (their own clocks)
     workers: int                    # the worker count throughout (max over ranks)
     steps: int                      # steps per rank (mean, rounded; >= 1)
+    samples: float                  # samples delivered in the window, summed over ranks
+    total_steps: float              # steps in the window, summed over ranks (``ranks`` of them)
+    ranks: int
     samples_per_s: float
     compute_s_per_step: float
     data_wait_s_per_step: float
@@ -217,10 +278,15 @@ class JobWindow:
     blocked_s_per_batch: float
     worker_cpu_cores: float
 
-    def stats_fields(self) -> dict:
-        """The ``JobStats`` fields this window replaces (``dataclasses.replace(job, **w.stats_fields())``)."""
+    def stats_fields(self, batch_size: float) -> dict:
+        """The ``JobStats`` fields this window replaces (``dataclasses.replace(job, **w.stats_fields(
+        job.batch_size))``). ``batch_size``: the job's reported one, what the window's own samples per
+        step are checked against and what stands where they are not taken (``window_batch_size``)."""
         wait, step = self.data_wait_s_per_step, self.data_wait_s_per_step + self.compute_s_per_step
+        per_step, steps_stand, note = window_batch_size(self.samples, self.total_steps, self.ranks, batch_size)
         return dict(workers=self.workers, samples_per_s=self.samples_per_s,
+                    samples_per_step=per_step, samples_per_step_note=note,
+                    window_steps=float(self.steps) if steps_stand else None,
                     compute_s_per_step=self.compute_s_per_step, data_wait_s_per_step=wait,
                     data_wait_frac=wait / step if step > 0 else 0.0,
                     trainer_runq_s_per_step=self.trainer_runq_s_per_step,
@@ -286,6 +352,7 @@ def settled_window(history, since: float, span_s: float, min_s: float,
         duration_s=sum(dur for *_, dur in per) / n,
         workers=max(last.workers for _, last, _, _ in per),
         steps=max(1, int(round(sum(d["steps"] for _, _, d, _ in per) / n))),
+        samples=sum(d["samples"] for _, _, d, _ in per), total_steps=sum(d["steps"] for _, _, d, _ in per), ranks=n,
         samples_per_s=sum(d["samples"] / dur for _, _, d, dur in per),
         compute_s_per_step=sum(d["compute_s"] / d["steps"] for _, _, d, _ in per) / n,
         data_wait_s_per_step=max(d["data_wait_s"] / d["steps"] for _, _, d, _ in per),
@@ -421,6 +488,8 @@ class Collector:
             if r.max_workers is not None:
                 max_workers = r.max_workers if max_workers is None else min(max_workers, r.max_workers)
         observed_s = window_s = 0.0
+        w_steps = w_samples = 0.0           # the ranks' last windows: their batch size (window_batch_size)
+        w_ranks = 0
         uss = shm = mworkers = growth = 0.0
         steps_left: Optional[float] = None
         refused = False
@@ -438,6 +507,11 @@ class Collector:
                 observed_s = max(observed_s, rr.observed_s)
                 if rr.windows:
                     window_s = max(window_s, rr.window_s)
+                    w_steps += rr.window_steps
+                    w_samples += rr.window_samples
+                    w_ranks += 1
+        per_step, steps_stand, per_step_note = (window_batch_size(w_samples, w_steps, w_ranks, batch_size)
+                                                if w_ranks else (None, False, ""))
         # GPUs (the job's weight): what the job registered (Slurm), else for a one-process job the GPUs it
         # reported in its hello (one process may drive several; counting ranks alone gave such a 2-GPU
         # job the weight of a 1-GPU one), else one per rank (ranks of a multi-process job often each see
@@ -451,6 +525,8 @@ class Collector:
         return JobStats(
             job=job.job, uid=job.uid, ranks=len(ranks), gpus=max(1, len(ranks), n_gpus),
             batch_size=batch_size, workers=workers, requested_workers=requested, max_workers=max_workers,
+            samples_per_step=per_step, samples_per_step_note=per_step_note,
+            window_steps=w_steps / w_ranks if steps_stand else None,
             samples_per_s=total("samples_per_s"),
             compute_s_per_step=mean("compute_s_per_step"),
             data_wait_s_per_step=top("data_wait_s_per_step"),

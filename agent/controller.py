@@ -79,7 +79,7 @@ from agent.collector import settled_window
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
 from agent.policies import Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, trainer_compute_s
 from predictor.curve import ThroughputCurve
-from predictor.observation import BadObservation, Observation
+from predictor.observation import BadObservation, Observation, as_batch_size
 
 log = logging.getLogger("agent.controller")
 
@@ -312,8 +312,15 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     cpu_starved_loader``) counts the CPU they received, where that
     is less than the share. With "share" the curve learns such a gap as the job's own inefficiency and
     the policy plans it more cores on the same workers, which the same sharing withholds again.
+
+    Batch size and steps (``Observation.batch_size``, ``steps``): the window's own, from its counters
+    (``JobStats.samples_per_step``: samples over steps; ``window_steps``: the steps each rank took),
+    where the collector took them (``agent.collector.window_batch_size``); else the reported
+    ``batch_size`` (a batch sampler's rounded mean since its loader started, which lags a change by
+    many reports) and the steps that samples/s at that size make (off by up to 1 in ``batch_size``).
     """
-    if job.window_s <= 0 or job.batch_size <= 0:
+    bs = job.samples_per_step if job.samples_per_step is not None and job.samples_per_step > 0 else job.batch_size
+    if job.window_s <= 0 or not bs > 0:
         return None
     share = True                           # the figure is a share or an even split, not a CPU set
     applied = snapshot.applied.get(job.job)
@@ -334,16 +341,18 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
             cores = job.worker_cpu_cores
     if cores <= 0:
         return None
-    if job.cpu_s_per_batch > 0 and job.batch_size > 0:
+    if job.cpu_s_per_batch > 0:
         # Batches delivered cost CPU in the workers: a window that delivered far more than its workers'
         # CPU could have made was draining a queue filled earlier (the first seconds after a job that
         # started with 16 workers was cut to one: it ran at its ceiling on a fraction of a core, and its
         # curve said 0.05 cores were enough). Such a window says nothing about what the cores buy.
-        made = job.samples_per_s / job.batch_size * job.cpu_s_per_batch
+        made = job.samples_per_s / bs * job.cpu_s_per_batch
         if made > DRAINING_FACTOR * job.worker_cpu_cores + DRAINING_SLACK_CORES:
             return None
-    ranks = max(1, job.ranks)
-    steps = int(round(job.samples_per_s / ranks / job.batch_size * job.window_s))
+    if job.window_steps is not None:
+        steps = int(round(job.window_steps))
+    else:
+        steps = int(round(job.samples_per_s / max(1, job.ranks) / bs * job.window_s))
     if steps == 0 and job.samples_per_s > 0 and job.compute_s_per_step > 0:
         # a slow job (a step every few seconds: several GPUs' batches per step, or a starved loader)
         # finishes under half a step per report window; its smoothed per-step figures still describe
@@ -353,7 +362,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
         return Observation(
             workers=max(0, int(job.workers)),
             cores=float(cores),
-            batch_size=int(job.batch_size),
+            batch_size=as_batch_size(bs),
             # the step with data ready AND the trainer not starved of CPU: a trainer kept waiting for a core
             # would make the loader look like it needs fewer cores than it does (ISSUE 11)
             compute_s_per_step=trainer_compute_s(job),
@@ -669,8 +678,8 @@ class Controller:
             due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
-                obs = observation_from_stats(job if window is None else dataclasses.replace(job, **window.stats_fields()),
-                                             snapshot, self.work_conserving,
+                seen = job if window is None else dataclasses.replace(job, **window.stats_fields(job.batch_size))
+                obs = observation_from_stats(seen, snapshot, self.work_conserving,
                                              applied_cpus=(self._mean_cpus(job_id, window.start_t, window.end_t)
                                                            if window is not None else None),
                                              observed_cores=self.observed_cores)
@@ -694,6 +703,7 @@ class Controller:
                     logs.event(log, "observation", logging.DEBUG, job=job_id,
                                window={k: round(v, 5) if isinstance(v, float) else v
                                        for k, v in dataclasses.asdict(obs).items()},
+                               batch_size_note=seen.samples_per_step_note,
                                curve=dict(self._summaries[job_id], correction=round(curve.correction, 4),
                                           core_correction=curve.core_correction,
                                           blocked_s_per_batch=curve.blocked_s_per_batch,

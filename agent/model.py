@@ -86,7 +86,8 @@ class JobStats:
     uid: int
     ranks: int                            # training processes of this job on this node
     gpus: int                             # GPUs this job uses on this node (weight in the objective; >= 1)
-    batch_size: int
+    batch_size: int                       # as the client reports it (a batch sampler's: a rounded mean since
+                                          # its loader started), the most over ranks: one rank's batch
     workers: int                          # current worker target reported by the client(s), max over ranks
     requested_workers: int                # the user's own num_workers (what `none` keeps)
     max_workers: Optional[int]            # the loader's max_workers bound, if any
@@ -111,6 +112,12 @@ class JobStats:
     age_s: float = 0.0                    # since arrival
     observed_s: float = 0.0               # how long we have reports for
     window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
+    samples_per_step: Optional[float] = None  # that window's own batch size: samples delivered over steps taken,
+                                          # over the ranks (one rank's batch; ``agent.collector.window_batch_size``).
+                                          # None: ``batch_size`` stands (no step, no samples, refused)
+    window_steps: Optional[float] = None  # steps per rank in that window (counter deltas, mean over ranks);
+                                          # None: not counted (no step, refused; hand-made stats)
+    samples_per_step_note: str = ""       # why that window's own batch size is not taken ("" where it is)
     requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
     pids: tuple[int, ...] = ()            # training processes (ranks) on this node: never throttled
     worker_pids: tuple[int, ...] = ()     # the loader worker processes: what CPU actuators move/pin

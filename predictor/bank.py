@@ -34,8 +34,11 @@ a trainer's wait for a CPU stretches: 13% at the 90th percentile, 45% at most), 
 are dropped (``_new_phase``; counted in the curve's
 ``extra["phase_changes"]``). One odd window drops nothing.
 
-Batch size (samples per batch, ``Observation.batch_size``) is what the client reports: torch's
-``batch_size``, or for a custom ``batch_sampler`` the mean delivered batch rounded to a whole number
+Batch size (samples per batch, i.e. per step, ``Observation.batch_size``): in the agent, each window's
+own, the samples its loaders delivered over the steps they took in it (``agent.collector.
+window_batch_size``; a float where a batch sampler's batches differ, 32.5); where that is not taken,
+and in the autotuner and ``adloader profile``, what the client reports: torch's ``batch_size``, or for
+a custom ``batch_sampler`` the mean delivered batch since the loader started rounded to a whole number
 (``adloader.DataLoader._stats_batch_size``), which near x.5 flips between two integers from report to
 report and drifts as batches of other sizes are delivered. A job's windows are not keyed by batch
 size. A window whose batch size differs from the earlier windows' recency-weighted mean by more than

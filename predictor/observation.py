@@ -55,6 +55,14 @@ def blocked_s(d, reported: bool) -> float:
     return max(0.0, d["worker_wall_s"] - d["worker_cpu_s"] - d["worker_runq_s"])
 
 
+def as_batch_size(v: float) -> int | float:
+    """A batch size as an ``Observation`` holds it: an int where it is whole (a fixed batch size: records
+    and logs as they always were), else the float (a window's mean of a batch sampler's batches; truncated
+    to an int, 32.5 read 32)."""
+    v = float(v)
+    return int(v) if v.is_integer() else v
+
+
 _OPTIONAL = ("worker_memory_bytes",)   # fields added after version 1's first records
 
 # What no window of a real job holds: the predictor raises its figures to powers (the prior's soft
@@ -78,7 +86,9 @@ class BadObservation(ValueError):
 class Observation:
     workers: int                 # loader worker processes during the window (>= 0; 0 = in-process)
     cores: float                 # CPU cores the loader may use (quota/affinity/share), > 0
-    batch_size: int              # samples per batch (> 0)
+    batch_size: float            # samples per batch, i.e. per step (> 0): an int where whole (a fixed size, as
+                                 # records have always held it; ``as_batch_size``), a window's mean where a
+                                 # batch sampler's batches differ (the agent's: ``agent.collector.window_batch_size``)
     compute_s_per_step: float    # time outside next(): the training step (GPU or emulated), >= 0
     data_wait_s_per_step: float  # time blocked in next() waiting for a batch, >= 0
     cpu_s_per_batch: float       # worker CPU seconds per batch (time.process_time), >= 0
@@ -124,7 +134,7 @@ class Observation:
         return asdict(self)
 
     @classmethod
-    def from_window(cls, prev, cur, *, workers: int, cores: float, batch_size: int,
+    def from_window(cls, prev, cur, *, workers: int, cores: float, batch_size: float,
                     compute_s: float | None = None, duration_s: float | None = None) -> "Observation | None":
         """The window between two loader totals (``WINDOW_COUNTERS``), or None when it holds no step or
         no time. ``duration_s``: default the totals' own ``uptime_s`` difference. ``compute_s``: the
@@ -136,7 +146,7 @@ class Observation:
             return None
         per_b = (lambda x: x / batches) if batches > 0 else (lambda x: 0.0)
         return cls(
-            workers=int(workers), cores=float(cores), batch_size=int(batch_size),
+            workers=int(workers), cores=float(cores), batch_size=as_batch_size(batch_size),
             compute_s_per_step=(d["compute_s"] if compute_s is None else compute_s) / steps,
             data_wait_s_per_step=d["data_wait_s"] / steps,
             cpu_s_per_batch=per_b(d["worker_cpu_s"]), wall_s_per_batch=per_b(d["worker_wall_s"]),

@@ -441,3 +441,65 @@ def test_a_ranks_allowed_cpus_are_read_again_when_they_change():
         assert col.snapshot(1.0 + 2 * PLACEMENT_REFRESH_S).jobs["j"].allowed_cpus == ()
     finally:
         os.sched_setaffinity(0, set(mine))
+
+
+# -- a window's own batch size: samples over steps (window_batch_size) -------------------------------
+
+def test_a_windows_batch_size_is_its_samples_over_its_steps_and_refused_with_the_reason_where_absurd():
+    from agent.collector import BATCH_SIZE_DISAGREE, window_batch_size
+    assert window_batch_size(325.0, 10.0, 1, 33) == (32.5, True, "")     # a wobbling sampler: the exact mean
+    assert window_batch_size(640.0, 10.0, 1, 33) == (64.0, True, "")     # 32 -> 64: the new size at once
+    assert window_batch_size(1280.0, 20.0, 2, 64) == (64.0, True, "")    # two ranks: one rank's batch
+    assert window_batch_size(320.0, 10.0, 1, 60) == (32.0, True, "")     # a real drop, the report lagging
+    assert window_batch_size(32 * 29 + 10.0, 30.0, 1, 32)[0] == pytest.approx(31.27, abs=0.01)   # within tolerance
+    per, stands, why = window_batch_size(0.0, 0.0, 1, 32)
+    assert per is None and not stands and "no step" in why
+    per, stands, why = window_batch_size(0.0, 10.0, 1, 32)
+    assert per is None and stands and "no samples" in why
+    per, stands, why = window_batch_size(5.0, 10.0, 1, 32)                 # a lying client's counters
+    assert per is None and not stands and "under one" in why
+    for samples in (10 * 32 * (BATCH_SIZE_DISAGREE + 1), 10 * 32 / (BATCH_SIZE_DISAGREE + 1), 2.0 ** 53):
+        per, stands, why = window_batch_size(samples, 10.0, 1, 32)
+        assert per is None and not stands and "off the reported batch size 32" in why, samples
+    # an epoch's short last batch (drop_last=False) in a window of three steps of a fixed 256: not a new size
+    per, stands, why = window_batch_size(256 + 256 + 10.0, 3.0, 1, 256)
+    assert per is None and stands and "short last batch" in why
+    per, stands, why = window_batch_size(2 * (256 + 10.0), 4.0, 2, 256)    # one on each rank
+    assert per is None and stands and "short last batch" in why
+
+
+def test_job_stats_carry_the_last_windows_batch_size_a_change_seen_in_the_first_window_after_it():
+    """The client reports its mean batch since the start (a batch sampler's, rounded): after 32 -> 64 it
+    creeps up a report at a time; the job's figures take the window's own samples over steps at once."""
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"id0", {"job": "j", "rank": 0, "pid": me, "batch_size": 32, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    assert col.snapshot(0.0).jobs["j"].samples_per_step is None       # no window yet
+    steps = samples = 0
+    for t in range(1, 8):
+        size = 32 if t <= 4 else 64                                    # the batches doubled after t = 4
+        steps, samples = steps + 10, samples + 10 * size
+        col.on_report("j", 0, me, {**_totals(float(t), steps, 0.1 * t, 0.9 * t, samples=samples),
+                                   "batch_size": round(samples / steps)}, float(t))
+        job = col.snapshot(float(t)).jobs["j"]
+        if t >= 2:
+            assert job.samples_per_step == size and job.window_steps == 10 and job.samples_per_step_note == ""
+        assert job.batch_size == 32                                    # the reported one, as status shows it
+    # a window without a step: the reported size stands, with the reason
+    col.on_report("j", 0, me, _totals(8.0, steps, 0.8, 6.3, samples=samples), 8.0)
+    job = col.snapshot(8.0).jobs["j"]
+    assert job.samples_per_step is None and job.window_steps is None and "no step" in job.samples_per_step_note
+
+
+def test_settled_windows_batch_size_is_its_own_over_the_ranks():
+    from agent.collector import settled_window
+    r0 = tuple(_report(float(t), 1 + 10 * t, bs=8) for t in range(4))
+    r1 = tuple(_report(float(t), 1 + 10 * t, bs=9) for t in range(4))
+    w = settled_window((r0, r1), since=0.0, span_s=3.0, min_s=0.9)
+    f = w.stats_fields(9)                      # the reported size: the most over ranks
+    assert f["samples_per_step"] == pytest.approx(8.5) and f["window_steps"] == 30.0
+    assert f["samples_per_step_note"] == ""
+    f = w.stats_fields(9 * 17)                 # a reported size 18x the window's: no loader's counters
+    assert f["samples_per_step"] is None and f["window_steps"] is None
+    assert "off the reported" in f["samples_per_step_note"]

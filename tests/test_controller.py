@@ -555,6 +555,32 @@ def test_observation_cores():
     assert observation_from_stats(job_stats("a", worker_cpu_cores=0.9, **made), snap) is not None
 
 
+def test_observation_takes_the_windows_own_batch_size_and_steps_else_the_reported_ones():
+    snap = FakeSource(4.0, [job_stats("a")])(0.0)
+    base = dict(samples_per_s=325.0, window_s=3.0, batch_size=33, ranks=1, cpu_s_per_batch=0.01, worker_cpu_cores=1.0)
+    # a batch sampler's window: 32.5 samples a step over 30 steps, while the client reports its rounded
+    # mean since the start (33): the window's own figures, the steps its real count
+    obs = observation_from_stats(job_stats("a", **base, samples_per_step=32.5, window_steps=30.0), snap)
+    assert obs.batch_size == 32.5 and obs.steps == 30
+    # a change 32 -> 64 in the first window after it, while the reported mean has crept to 35
+    obs = observation_from_stats(job_stats("a", **{**base, "samples_per_s": 640.0, "batch_size": 35},
+                                           samples_per_step=64.0, window_steps=30.0), snap)
+    assert obs.batch_size == 64 and isinstance(obs.batch_size, int) and obs.steps == 30
+    # two ranks: the window's steps are each rank's (the collector's mean), its batch size one rank's
+    obs = observation_from_stats(job_stats("a", **{**base, "samples_per_s": 1280.0, "ranks": 2},
+                                           samples_per_step=64.0, window_steps=30.0), snap)
+    assert obs.batch_size == 64 and obs.steps == 30
+    # none taken (no step, refused, hand-made stats): the reported size, and the steps samples/s make at it
+    obs = observation_from_stats(job_stats("a", **base), snap)
+    assert obs.batch_size == 33 and obs.steps == round(325.0 / 33 * 3.0)
+    obs = observation_from_stats(job_stats("a", **base, samples_per_step=None, window_steps=30.0), snap)
+    assert obs.batch_size == 33 and obs.steps == 30
+    # the draining check counts batches at the window's size: 640 samples/s of 64 is 10 batches/s, 0.1 core
+    drain = dict(base, samples_per_s=640.0, batch_size=2, cpu_s_per_batch=0.05, worker_cpu_cores=0.6)
+    assert observation_from_stats(job_stats("a", **drain), snap) is None        # 320 batches/s of 2: 16 cores
+    assert observation_from_stats(job_stats("a", **drain, samples_per_step=64.0, window_steps=30.0), snap) is not None
+
+
 def test_build_off_is_directive_only():
     acts = build("off", sink=FakeSink())
     assert [a.name for a in acts] == ["directive"]

@@ -1,6 +1,6 @@
 """The agent's decision loop with clients that lie: a real Collector, the real PredictorBank (with and
 without its prior) and the adaptive policy, fed reports from random jobs, a third of which corrupt
-their figures now and then (no or enormous compute, worker or trainer CPU, samples, steps left; a
+their figures now and then (no or enormous compute, worker or trainer CPU, samples, steps, steps left; a
 clock that jumps back; absurd worker counts). Every tick must run without a recorded error, every plan
 must stay within the node (finite cores, at least one worker, the loader CPUs in all), and a job that
 never lies must never have its steps left refused. (This loop found the prior's None for windows that
@@ -44,6 +44,8 @@ def _lie(rng: random.Random, st: dict, total: dict) -> None:
         st["main_cpu_s"] = 1e9
     elif r < 0.9:
         st["workers"] = rng.choice([0, 10 ** 6])
+    elif r < 0.95:      # steps that disagree with the samples (the window's own batch size: under one, huge)
+        st["steps"] = rng.choice([total["steps"] * 1000, total["steps"] / 1000 + 1, 1e15])
 
 
 def _node(rng: random.Random) -> None:

@@ -62,3 +62,13 @@ def test_the_autotuner_and_the_collector_use_the_same_window():
     for k in ("cpu_s_per_batch", "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch",
               "compute_s_per_step", "data_wait_s_per_step", "samples_per_s"):
         assert rr.rates[k] == pytest.approx(getattr(o, k)), k
+
+
+def test_a_batch_size_is_whole_where_it_is_and_a_windows_mean_where_not():
+    from predictor.observation import as_batch_size
+    assert as_batch_size(32.0) == 32 and isinstance(as_batch_size(32.0), int)
+    assert as_batch_size(32.5) == 32.5                   # a batch sampler's mean: never truncated to 32
+    prev, cur = _totals(1, 0, 0, 0, 0, 0, blocked=0), _totals(3, 10, 20, 2.0, 6.0, 1.0, blocked=2.5)
+    assert Observation.from_window(prev, cur, workers=2, cores=1.0, batch_size=32.5).batch_size == 32.5
+    assert Observation.from_dict(Observation.from_window(prev, cur, workers=2, cores=1.0,
+                                                         batch_size=32.5).to_dict()).batch_size == 32.5
