@@ -127,32 +127,56 @@ class _Slot:
         self.served = False       # a task's result (or shard end) was read from it: it finished starting
 
 
+_starting_workers = 0     # > 0 while a pool forks a worker (``_start_process``): read in the child
+_starting_lock = threading.Lock()     # for the count only; never held across the fork
+
+
+def _freeze_in_worker_after_fork() -> None:
+    """In a child forked while a pool starts a worker (``_start_process``): ``gc.freeze()``, first
+    thing, before the child allocates. Every object the worker inherited then sits in the child's
+    permanent generation, and no collection in the worker walks it. Only a few list links are written,
+    so only a few pages are copied. Other forks of the process are left alone, unless another thread
+    forks at that very moment, which is harmless. Never raises."""
+    if _starting_workers > 0:
+        try:
+            gc.freeze()
+        except Exception:   # noqa: BLE001 — a hook in a fork must never fail it
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_freeze_in_worker_after_fork)
+
+
 def _start_process(ctx, proc) -> None:
-    """``proc.start()``; with ``fork``, the worker inherits every object of the training process in
-    CPython's permanent generation (``gc.freeze()`` just before the fork, ``gc.unfreeze()`` just after,
-    here; the worker never unfreezes), so the worker's garbage collector never walks them.
+    """``proc.start()``; with ``fork``, the worker freezes every object it inherits from the training
+    process first thing after the fork (``_freeze_in_worker_after_fork``), so its garbage collector
+    never walks them. The training process's own collector is not touched.
 
     Without it a worker's first full collection writes the GC header of every container it inherited
-    (torch's modules, the dataset) and so copies each page that holds one: about 35 MiB per worker
-    with torch alone, more with a dataset of Python objects, whatever the dataset is read with. The
-    fork's gc counters decide when that collection comes (a fork at gen1 count 11 of 10 ran it at the
-    worker's first allocations, 0.45 s of CPU), so its copy landed before or after the worker's first
-    memory sample depending on the scheduling, and a loaded node showed a numpy dataset's workers
-    "growing" 20-35 MiB as they read (``adloader.memory``: copy-on-read). The CPython documentation
-    of ``gc.freeze`` gives this use (freeze right before ``fork()``). In the training process the
-    unfreeze puts the objects back in the oldest generation: the ones that were young are collected
-    at the next full collection instead of a younger one; nothing is lost. A training process that
-    froze objects itself (``gc.get_freeze_count()`` above 0: a server that forks its own children) is
-    left as it is: ``gc.unfreeze()`` would thaw its objects too, and a second freeze left in place would
-    keep the young ones from ever being collected."""
-    if ctx.get_start_method() != "fork" or gc.get_freeze_count():
+    (torch's modules, the dataset) and so copies each page that holds one: about 38 MiB per worker with
+    torch alone, more with a dataset of Python objects, whatever the dataset is read with (BENCHMARKS.md,
+    fortieth pass: ``python -m evaluation.memory_bench --gc-collect``). The fork's gc counters decide
+    when that collection comes (a fork at gen1 count 11 of 10 ran it at the worker's first allocations,
+    0.45 s of CPU), so its copy landed before or after the worker's first memory sample depending on
+    the scheduling, and a loaded node showed a numpy dataset's workers "growing" 20-35 MiB as they read
+    (``adloader.memory``: copy-on-read). CPython's documentation of ``gc.freeze`` suggests freezing in
+    the parent before ``fork()``, and an earlier form of this did that (freeze, fork, unfreeze). The
+    unfreeze moved every object that was young at the fork into the training process's oldest
+    generation, and with workers started every epoch the cyclic garbage among them waited for a full
+    collection that the promotion does not count towards. Freezing in the child leaves the training
+    process as it was, a process that froze objects itself included."""
+    global _starting_workers
+    if ctx.get_start_method() != "fork":
         proc.start()
         return
-    gc.freeze()
+    with _starting_lock:
+        _starting_workers += 1
     try:
         proc.start()
     finally:
-        gc.unfreeze()
+        with _starting_lock:
+            _starting_workers -= 1
 
 
 class WorkerPool:
