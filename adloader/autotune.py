@@ -196,16 +196,22 @@ def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = 
     when ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the
     compute time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the
     compute time as measured (what a report shows the user)."""
-    from predictor.observation import BadObservation, Observation, counter_deltas
+    from predictor.bank import window_batch_size
+    from predictor.observation import BadObservation, Observation, as_batch_size, counter_deltas
 
     if strict and (cur.get("resizes", 0) != prev.get("resizes", 0) or cur.get("workers") != prev.get("workers")):
         return None
     if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
         return None
-    compute = counter_deltas(prev, cur, ("compute_s",))["compute_s"]
+    d = counter_deltas(prev, cur, ("compute_s", "samples", "steps"))
+    compute = d["compute_s"]
+    # the window's own batch size (samples over steps), as the agent takes it: the reported one is a batch
+    # sampler's rounded mean since the loader started, which lags a change (``predictor.bank.window_batch_size``)
+    reported = float(cur.get("batch_size") or 0)        # 0: not known yet (a batch sampler before its first batch)
+    own, _, _ = window_batch_size(d["samples"], d["steps"], 1, reported)
     try:
         return Observation.from_window(prev, cur, workers=int(cur.get("workers") or 0), cores=float(cores),
-                                       batch_size=int(cur.get("batch_size") or 1),
+                                       batch_size=as_batch_size(own if own is not None else (reported or 1)),
                                        compute_s=_unstarved_compute(compute, prev, cur) if unstarved else compute)
     except BadObservation as e:     # skipped: raised here, it would stop the tuner's thread for good
         log.debug("autotune: window skipped: %s", e)

@@ -15,7 +15,7 @@ wait per step and wait fraction as the max over ranks (a stall on one rank stall
 synchronous job), compute per step and per-batch costs as the mean over ranks that have data.
 
 Batch size of a window (``JobStats.samples_per_step``, ``JobWindow.samples_per_step``): the samples the
-ranks' loaders delivered in the window over the steps they took in it (``window_batch_size``), not the
+ranks' loaders delivered in the window over the steps they took in it (``predictor.bank.window_batch_size``, which the per-job tuner uses too), not the
 client's reported ``batch_size``: for a custom ``batch_sampler`` that is the mean over every batch since
 the loader started, rounded (``adloader.DataLoader._stats_batch_size``), which after a real change
 creeps toward the new size over many reports, and flips near x.5. Samples per *step* (a batch handed to
@@ -71,7 +71,7 @@ from agent import psi
 from agent.memory import MemoryGuard, MemoryState
 from agent.model import JobStats, NodeSnapshot, Report
 from agent.registry import Job, Registry
-from predictor.bank import batch_size_changed
+from predictor.bank import BATCH_SIZE_DISAGREE, window_batch_size  # noqa: F401 (BATCH_SIZE_DISAGREE re-exported)
 from predictor.observation import blocked_s, counter_deltas
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,6 @@ RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wa
          "trainer_cpu_s_per_step", "trainer_runq_s_per_step")
 
 
-# a window's own batch size (``window_batch_size``): refused where it is off the reported size by more than
-# this factor either way. A batch sampler's reported size is a mean since the loader started, which after
-# a real change lags the window's (32 -> 64 is 2x for the first windows after it); 16x is a size changed
-# 16-fold long after the start, or no loader's counters: the reported size stands, as it did before
-BATCH_SIZE_DISAGREE = 16.0
 
 
 MAX_FIGURE = float(2 ** 53)   # a report's figure above this is no count, time or size (float counters stop
@@ -217,41 +212,6 @@ class RankRates:
                                    live_workers=int(live) if live is not None else None))
         while self.history and self.history[0].recv_t < recv_t - HISTORY_S:
             self.history.popleft()
-
-
-def window_batch_size(samples: float, steps: float, ranks: int,
-                      reported: float) -> tuple[Optional[float], bool, str]:
-    """A window's batch size from its counter deltas (module docstring): (samples per step, or None where
-    the reported size stands; whether the window's step count stands; why the window's own size is not
-    taken, "" where it is). ``samples``, ``steps``: the window's, summed over its ``ranks`` ranks;
-    ``reported``: the client's ``batch_size`` (one rank's, the most over ranks).
-
-    - no step: None, and no step count (the controller estimates one from samples/s, as before);
-    - no samples counted (a client that does not count them): None; its steps stand;
-    - under one sample a step, or more than ``BATCH_SIZE_DISAGREE`` times off the reported size (either
-      way): counters that are no loader's (a lying or broken client): None, and its steps do not stand;
-    - below the reported size by more than the predictor's tolerance (``predictor.bank.
-      batch_size_changed``) yet short of ``steps x reported`` by less than one batch a rank: an epoch's
-      short last batch (``drop_last=False``) in a window of few steps of a fixed batch size, not a new
-      size (a 3-step window of 256, 256 and 10 samples is 174 a step: taken, every epoch's end was a new
-      phase for a slow job): None; its steps stand;
-    - else the mean: a batch sampler's exact mean for the window (32.5 where the rounded report flips
-      between 32 and 33), a new size from the first window after a change.
-    """
-    if not steps >= 1:
-        return None, False, "no step in the window"
-    if not samples > 0:
-        return None, True, "no samples counted in the window"
-    mean = samples / steps
-    if mean < 1:
-        return None, False, f"{mean:.3g} samples a step: under one"
-    if reported >= 1 and not reported / BATCH_SIZE_DISAGREE <= mean <= reported * BATCH_SIZE_DISAGREE:
-        return None, False, (f"{mean:.6g} samples a step, more than {BATCH_SIZE_DISAGREE:g}x off the reported "
-                             f"batch size {reported:g}")
-    if mean < reported and batch_size_changed(reported, mean) and steps * reported - samples < max(1, ranks) * reported:
-        return None, True, (f"{mean:.6g} samples a step: short of the reported {reported:g} by less than one "
-                            f"batch a rank (an epoch's short last batch)")
-    return mean, True, ""
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
 
     Batch size and steps (``Observation.batch_size``, ``steps``): the window's own, from its counters
     (``JobStats.samples_per_step``: samples over steps; ``window_steps``: the steps each rank took),
-    where the collector took them (``agent.collector.window_batch_size``); else the reported
+    where the collector took them (``predictor.bank.window_batch_size``); else the reported
     ``batch_size`` (a batch sampler's rounded mean since its loader started, which lags a change by
     many reports) and the steps that samples/s at that size make (off by up to 1 in ``batch_size``).
     """

@@ -113,7 +113,7 @@ class JobStats:
     observed_s: float = 0.0               # how long we have reports for
     window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
     samples_per_step: Optional[float] = None  # that window's own batch size: samples delivered over steps taken,
-                                          # over the ranks (one rank's batch; ``agent.collector.window_batch_size``).
+                                          # over the ranks (one rank's batch; ``predictor.bank.window_batch_size``).
                                           # None: ``batch_size`` stands (no step, no samples, refused)
     window_steps: Optional[float] = None  # steps per rank in that window (counter deltas, mean over ranks);
                                           # None: not counted (no step, refused; hand-made stats)

@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation
@@ -95,6 +96,49 @@ def batch_size_changed(reference: float, batch_size: float) -> bool:
     ``BATCH_SIZE_SLACK``. 32 vs 33, 34 or 32.4: the same; 64 vs 128, 32 vs 37, 2 vs 4: changed; 1 vs 2 or
     2 vs 3: the same."""
     return abs(batch_size - reference) > BATCH_SIZE_TOL * reference + BATCH_SIZE_SLACK
+
+
+# a window's own batch size (``window_batch_size``): refused where it is off the reported size by more than
+# this factor either way. A batch sampler's reported size is a mean since the loader started, which after
+# a real change lags the window's (32 -> 64 is 2x for the first windows after it); 16x is a size changed
+# 16-fold long after the start, or no loader's counters: the reported size stands, as it did before
+BATCH_SIZE_DISAGREE = 16.0
+
+
+def window_batch_size(samples: float, steps: float, ranks: int,
+                      reported: float) -> tuple[Optional[float], bool, str]:
+    """A window's batch size from its counter deltas (``agent.collector``'s module docstring; the per-job
+    tuner uses it too, ``adloader.autotune``): (samples per step, or None where
+    the reported size stands; whether the window's step count stands; why the window's own size is not
+    taken, "" where it is). ``samples``, ``steps``: the window's, summed over its ``ranks`` ranks;
+    ``reported``: the client's ``batch_size`` (one rank's, the most over ranks).
+
+    - no step: None, and no step count (the controller estimates one from samples/s, as before);
+    - no samples counted (a client that does not count them): None; its steps stand;
+    - under one sample a step, or more than ``BATCH_SIZE_DISAGREE`` times off the reported size (either
+      way): counters that are no loader's (a lying or broken client): None, and its steps do not stand;
+    - below the reported size by more than the predictor's tolerance (``predictor.bank.
+      batch_size_changed``) yet short of ``steps x reported`` by less than one batch a rank: an epoch's
+      short last batch (``drop_last=False``) in a window of few steps of a fixed batch size, not a new
+      size (a 3-step window of 256, 256 and 10 samples is 174 a step: taken, every epoch's end was a new
+      phase for a slow job): None; its steps stand;
+    - else the mean: a batch sampler's exact mean for the window (32.5 where the rounded report flips
+      between 32 and 33), a new size from the first window after a change.
+    """
+    if not steps >= 1:
+        return None, False, "no step in the window"
+    if not samples > 0:
+        return None, True, "no samples counted in the window"
+    mean = samples / steps
+    if mean < 1:
+        return None, False, f"{mean:.3g} samples a step: under one"
+    if reported >= 1 and not reported / BATCH_SIZE_DISAGREE <= mean <= reported * BATCH_SIZE_DISAGREE:
+        return None, False, (f"{mean:.6g} samples a step, more than {BATCH_SIZE_DISAGREE:g}x off the reported "
+                             f"batch size {reported:g}")
+    if mean < reported and batch_size_changed(reported, mean) and steps * reported - samples < max(1, ranks) * reported:
+        return None, True, (f"{mean:.6g} samples a step: short of the reported {reported:g} by less than one "
+                            f"batch a rank (an epoch's short last batch)")
+    return mean, True, ""
 
 
 def configuration(o: Observation) -> tuple[int, float]:

@@ -88,7 +88,7 @@ class Observation:
     cores: float                 # CPU cores the loader may use (quota/affinity/share), > 0
     batch_size: float            # samples per batch, i.e. per step (> 0): an int where whole (a fixed size, as
                                  # records have always held it; ``as_batch_size``), a window's mean where a
-                                 # batch sampler's batches differ (the agent's: ``agent.collector.window_batch_size``)
+                                 # batch sampler's batches differ (the agent's: ``predictor.bank.window_batch_size``)
     compute_s_per_step: float    # time outside next(): the training step (GPU or emulated), >= 0
     data_wait_s_per_step: float  # time blocked in next() waiting for a batch, >= 0
     cpu_s_per_batch: float       # worker CPU seconds per batch (time.process_time), >= 0

@@ -82,6 +82,22 @@ def test_observation_from_totals():
     assert autotune.observation_from_totals(a, {**a, "uptime_s": 2.0}, 1.5) is None
 
 
+def test_observation_from_totals_takes_the_windows_own_batch_size():
+    """A batch sampler's ``batch_size`` in ``stats()`` is its rounded mean since the loader started: the
+    tuner's window takes samples over steps, as the agent does (``predictor.bank.window_batch_size``)."""
+    a = _totals(10, 80, 10, 2, 1.0, compute=0.5)
+    b = _totals(30, 80 + 20 * 32.5, 30, 2, 3.0, compute=1.5)             # a sampler of 32 and 33
+    assert autotune.observation_from_totals(a, {**b, "batch_size": 33}, 1.5).batch_size == pytest.approx(32.5)
+    c = _totals(50, 80 + 20 * 32.5 + 20 * 64, 50, 2, 5.0, compute=2.5)    # batches doubled; the mean lags
+    o = autotune.observation_from_totals(b, {**c, "batch_size": 45}, 1.5)
+    assert o.batch_size == 64 and isinstance(o.batch_size, int) and o.samples_per_s == pytest.approx(640.0)
+    # fixed batches: the same int as reported; no size reported yet: the window's
+    assert autotune.observation_from_totals(a, _totals(30, 240, 30, 2, 3.0, compute=1.5), 1.5).batch_size == 8
+    assert autotune.observation_from_totals(a, {**b, "batch_size": None}, 1.5).batch_size == pytest.approx(32.5)
+    # counters no loader's (16x off what it reports): the reported size stands
+    assert autotune.observation_from_totals(a, {**b, "batch_size": 1000}, 1.5).batch_size == 1000
+
+
 def simulated_window(workers, cpus, g=0.01, c=0.03, b=0.0, bs=8, dur=2.0):
     """What a job with these true costs does at ``workers`` on ``cpus`` (first principles + the
     run-queue delay that oversubscription causes)."""

@@ -1,7 +1,7 @@
 """A custom batch_sampler's batch size through the real path (unit tier): the loader's rounded mean
 delivered batch (``DataLoader._stats_batch_size``) in each report -> Registry -> Collector -> Controller ->
 the real PredictorBank. The agent takes each window's batch size from its own counters (samples over
-steps, ``agent.collector.window_batch_size``), so a mean near x.5 that the rounding flips from report to
+steps, ``predictor.bank.window_batch_size``), so a mean near x.5 that the rounding flips from report to
 report is the window's exact mean (the job's windows and curve kept), and a real change of batch size
 (32.5 -> 65 samples a batch) is the new size from the first window after it, while the reported mean
 (over every batch since the start) has crept a fraction of the way."""
