@@ -184,15 +184,11 @@ def shares_from_weight(weight: int) -> int:
 
 
 def _start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
-    """The process's start time (clock ticks since boot, <proc_root>/<pid>/stat field 22): with the pid,
-    an identity that survives pid reuse. None if it is gone."""
-    from agent.psi import pid_stat
+    """The process's start time (``agent.security.pid_start_ticks``): with the pid, an identity that
+    survives pid reuse. None if it is gone."""
+    from agent.security import pid_start_ticks
 
-    rest = pid_stat(pid, proc_root)
-    try:
-        return int(rest[19]) if rest is not None else None
-    except (IndexError, ValueError):
-        return None
+    return pid_start_ticks(pid, proc_root)
 
 
 def _exited(pid: int, proc_root: str = "/proc") -> bool:
