@@ -909,7 +909,7 @@ def with_memory(truth: dict, cfg: SimConfig) -> dict:
 
 def summarise_policy(nodes: dict) -> dict:
     aggs, spans, jcts, waits, alive, norms, changes, decisions = [], [], [], 0.0, 0.0, [], 0, 0
-    gpu_jct = gpu_n = 0.0
+    every_job = {(n, j): v for n, r in nodes.items() for j, v in r["jobs"].items()}
     peaks = [r.get("loader_memory_peak_bytes", 0.0) for r in nodes.values()]
     over = sum(r.get("memory_over_budget_s", 0.0) for r in nodes.values())
     for r in nodes.values():
@@ -918,8 +918,6 @@ def summarise_policy(nodes: dict) -> dict:
             spans.append(r["makespan_s"])
         for v in r["jobs"].values():
             jcts.append(v["jct_s"])
-            gpu_jct += v.get("gpus", 1) * v["jct_s"]
-            gpu_n += v.get("gpus", 1)
             waits += v["wait_s"]
             alive += v["alive_s"]
             norms.append(v["norm_mean"])
@@ -927,7 +925,7 @@ def summarise_policy(nodes: dict) -> dict:
         decisions += r["decisions"]
     return {"agg_normalised": M.mean(aggs), "makespan_mean_s": M.mean(spans),
             "makespan_max_s": max(spans) if spans else math.nan, "jct_mean_s": M.mean(jcts),
-            "jct_gpu_mean_s": gpu_jct / gpu_n if gpu_n else math.nan,
+            "jct_gpu_mean_s": _jct_gpu_mean(every_job),
             "jct_p95_s": M.percentile(jcts, 95), "gpu_idle_frac": M.gpu_idle_fraction([waits], [alive]),
             "jain": M.jain_index(norms), "worker_changes": changes, "decisions": decisions,
             "loader_memory_peak_max_bytes": max(peaks) if peaks else 0.0,
