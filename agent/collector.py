@@ -12,7 +12,17 @@ report over the client's own ``uptime_s`` clock (the agent's receive time when t
 
 A job's figures aggregate its ranks (DESIGN "Measurement"): samples/s and worker cores summed, data
 wait per step and wait fraction as the max over ranks (a stall on one rank stalls every rank of a
-synchronous job), compute per step and per-batch costs as the mean over ranks that have data.
+synchronous job), compute per step as the mean over ranks that have data.
+
+A job of several ranks on this node (one training process per GPU, each with its own loader) is one
+loader to the predictor and the policy: the ranks' loaders together, alike in a data-parallel job. Its
+batch is one step's batches of every rank (``JobStats.batch_size``: the ranks' reported sizes summed),
+its per-batch costs are that batch's (each rank's mean cost of a batch, over the ranks that have data,
+times the ranks), and its workers, requested workers and ``max_workers`` are its ranks' summed. So the
+curve's ceiling (batch over step time) is the job's, as its summed samples/s are, and a plan's worker
+count is the job's: the server splits it among the ranks (``agent.server.Server.send_directive``).
+Counting one rank's batch and workers beside the ranks' summed samples/s made a 2-rank job's curve
+reach its ceiling at half the cores the job needed. With one rank (the common case) nothing changes.
 
 Batch size of a window (``JobStats.samples_per_step``, ``JobWindow.samples_per_step``): the samples the
 ranks' loaders delivered in the window over the steps they took in it (``predictor.bank.window_batch_size``, which the per-job tuner uses too), not the
@@ -21,8 +31,9 @@ the loader started, rounded (``adloader.DataLoader._stats_batch_size``), which a
 creeps toward the new size over many reports, and flips near x.5. Samples per *step* (a batch handed to
 the training loop; ``samples`` counts what those held), not per worker ``batch``: that counter also
 counts batches prefetched but not yet taken and batches made twice for a worker that died. With several
-ranks a step is one rank's: the figure is the ranks' samples over their steps, which is one rank's batch
-(what the reported ``batch_size`` is), and the window's steps are per rank (``window_steps``). A figure
+ranks a step is one rank's: the ranks' samples over their steps is one rank's batch, checked against the
+ranks' mean reported size, and the job's figure is that times the ranks (as ``batch_size`` is); the
+window's steps are per rank (``window_steps``), as the job steps in lockstep. A figure
 that cannot be a window's batch size is not taken and says why (``samples_per_step_note``): the
 reported size stands then (and where the window took no step).
 
@@ -218,12 +229,13 @@ class RankRates:
 class JobWindow:
     """A job's window between two reports of each of its ranks, from the raw totals (no smoothing):
     what the predictor is fed (``agent.controller.observation_from_stats``). Aggregated over ranks as
-    ``JobStats`` is: samples/s and worker cores summed, data wait per step the max, compute per step
-    and the trainer's run-queue wait per step the mean, per-batch costs pooled over the ranks' batches."""
+    ``JobStats`` is: samples/s, worker cores and workers summed, data wait per step the max, compute per
+    step and the trainer's run-queue wait per step the mean, per-batch costs pooled over the ranks'
+    batches and times the ranks (the job's batch is one of each rank's: module docstring)."""
     start_t: float                  # the agent's clock at the earliest rank's first report
     end_t: float                    # ... at the latest rank's last report
     duration_s: float               # mean over ranks (their own clocks)
-    workers: int                    # the worker count throughout (max over ranks)
+    workers: int                    # the worker count throughout (summed over ranks)
     steps: int                      # steps per rank (mean, rounded; >= 1)
     samples: float                  # samples delivered in the window, summed over ranks
     total_steps: float              # steps in the window, summed over ranks (``ranks`` of them)
@@ -243,9 +255,10 @@ class JobWindow:
         job.batch_size))``). ``batch_size``: the job's reported one, what the window's own samples per
         step are checked against and what stands where they are not taken (``window_batch_size``)."""
         wait, step = self.data_wait_s_per_step, self.data_wait_s_per_step + self.compute_s_per_step
-        per_step, steps_stand, note = window_batch_size(self.samples, self.total_steps, self.ranks, batch_size)
+        n = max(1, self.ranks)
+        per_step, steps_stand, note = window_batch_size(self.samples, self.total_steps, n, batch_size / n)
         return dict(workers=self.workers, samples_per_s=self.samples_per_s,
-                    samples_per_step=per_step, samples_per_step_note=note,
+                    samples_per_step=per_step * n if per_step is not None else None, samples_per_step_note=note,
                     window_steps=float(self.steps) if steps_stand else None,
                     compute_s_per_step=self.compute_s_per_step, data_wait_s_per_step=wait,
                     data_wait_frac=wait / step if step > 0 else 0.0,
@@ -310,16 +323,16 @@ def settled_window(history, since: float, span_s: float, min_s: float,
     return JobWindow(
         start_t=min(rep.recv_t for rep, _, _, _ in per), end_t=max(last.recv_t for _, last, _, _ in per),
         duration_s=sum(dur for *_, dur in per) / n,
-        workers=max(last.workers for _, last, _, _ in per),
+        workers=sum(last.workers for _, last, _, _ in per),
         steps=max(1, int(round(sum(d["steps"] for _, _, d, _ in per) / n))),
         samples=sum(d["samples"] for _, _, d, _ in per), total_steps=sum(d["steps"] for _, _, d, _ in per), ranks=n,
         samples_per_s=sum(d["samples"] / dur for _, _, d, dur in per),
         compute_s_per_step=sum(d["compute_s"] / d["steps"] for _, _, d, _ in per) / n,
         data_wait_s_per_step=max(d["data_wait_s"] / d["steps"] for _, _, d, _ in per),
         trainer_runq_s_per_step=sum(d["main_runq_s"] / d["steps"] for _, _, d, _ in per) / n,
-        cpu_s_per_batch=per_batch("worker_cpu_s"), wall_s_per_batch=per_batch("worker_wall_s"),
-        runq_s_per_batch=per_batch("worker_runq_s"),
-        blocked_s_per_batch=blocked / batches if batches > 0 else 0.0,
+        cpu_s_per_batch=n * per_batch("worker_cpu_s"), wall_s_per_batch=n * per_batch("worker_wall_s"),
+        runq_s_per_batch=n * per_batch("worker_runq_s"),
+        blocked_s_per_batch=n * blocked / batches if batches > 0 else 0.0,
         worker_cpu_cores=sum(d["worker_cpu_s"] / dur for _, _, d, dur in per))
 
 
@@ -439,14 +452,14 @@ class Collector:
         if gpu_idle is None and rates:
             gpu_idle = data_wait_frac
         allowed, cooperative = self._placement(ranks[0].pid, now) if ranks else ((), False)
-        batch_size, workers, requested, max_workers = (1, 0, 0, None) if not ranks else (
-            ranks[0].batch_size, ranks[0].workers, ranks[0].requested_workers, ranks[0].max_workers)
-        for r in ranks[1:]:                    # (one pass; a job has one rank per GPU on this node)
-            batch_size = max(batch_size, r.batch_size)
-            workers = max(workers, r.workers)
-            requested = max(requested, r.requested_workers)
-            if r.max_workers is not None:
-                max_workers = r.max_workers if max_workers is None else min(max_workers, r.max_workers)
+        # The job's loader is its ranks' loaders together (one per rank, alike in a data-parallel job): its
+        # batch is one step's batches of every rank, its workers all of theirs (module docstring)
+        n = len(ranks)
+        batch_size = sum(r.batch_size for r in ranks) if ranks else 1
+        workers = sum(r.workers for r in ranks)
+        requested = sum(r.requested_workers for r in ranks)
+        max_workers = (None if not ranks or any(r.max_workers is None for r in ranks)
+                       else sum(r.max_workers for r in ranks))
         observed_s = window_s = 0.0
         w_steps = w_samples = 0.0           # the ranks' last windows: their batch size (window_batch_size)
         w_ranks = 0
@@ -470,7 +483,7 @@ class Collector:
                     w_steps += rr.window_steps
                     w_samples += rr.window_samples
                     w_ranks += 1
-        per_step, steps_stand, per_step_note = (window_batch_size(w_samples, w_steps, w_ranks, batch_size)
+        per_step, steps_stand, per_step_note = (window_batch_size(w_samples, w_steps, w_ranks, batch_size / n)
                                                 if w_ranks else (None, False, ""))
         # GPUs (the job's weight): what the job registered (Slurm), else for a one-process job the GPUs it
         # reported in its hello (one process may drive several; counting ranks alone gave such a 2-GPU
@@ -485,14 +498,14 @@ class Collector:
         return JobStats(
             job=job.job, uid=job.uid, ranks=len(ranks), gpus=max(1, len(ranks), n_gpus),
             batch_size=batch_size, workers=workers, requested_workers=requested, max_workers=max_workers,
-            samples_per_step=per_step, samples_per_step_note=per_step_note,
+            samples_per_step=per_step * n if per_step is not None else None, samples_per_step_note=per_step_note,
             window_steps=w_steps / w_ranks if steps_stand else None,
             samples_per_s=total("samples_per_s"),
             compute_s_per_step=mean("compute_s_per_step"),
             data_wait_s_per_step=top("data_wait_s_per_step"),
             data_wait_frac=data_wait_frac,
-            cpu_s_per_batch=mean("cpu_s_per_batch"), wall_s_per_batch=mean("wall_s_per_batch"),
-            runq_s_per_batch=mean("runq_s_per_batch"), blocked_s_per_batch=mean("blocked_s_per_batch"),
+            cpu_s_per_batch=n * mean("cpu_s_per_batch"), wall_s_per_batch=n * mean("wall_s_per_batch"),
+            runq_s_per_batch=n * mean("runq_s_per_batch"), blocked_s_per_batch=n * mean("blocked_s_per_batch"),
             worker_cpu_cores=total("worker_cpu_cores"),
             trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
             trainer_runq_s_per_step=mean("trainer_runq_s_per_step"),

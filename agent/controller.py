@@ -352,7 +352,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     if job.window_steps is not None:
         steps = int(round(job.window_steps))
     else:
-        steps = int(round(job.samples_per_s / max(1, job.ranks) / bs * job.window_s))
+        steps = int(round(job.samples_per_s / bs * job.window_s))      # bs: the job's step, every rank's batch
     if steps == 0 and job.samples_per_s > 0 and job.compute_s_per_step > 0:
         # a slow job (a step every few seconds: several GPUs' batches per step, or a starved loader)
         # finishes under half a step per report window; its smoothed per-step figures still describe

@@ -86,17 +86,18 @@ class JobStats:
     uid: int
     ranks: int                            # training processes of this job on this node
     gpus: int                             # GPUs this job uses on this node (weight in the objective; >= 1)
-    batch_size: int                       # as the client reports it (a batch sampler's: a rounded mean since
-                                          # its loader started), the most over ranks: one rank's batch
-    workers: int                          # current worker target reported by the client(s), max over ranks
-    requested_workers: int                # the user's own num_workers (what `none` keeps)
-    max_workers: Optional[int]            # the loader's max_workers bound, if any
+    # A job of several ranks is one loader here, its ranks' loaders together (agent.collector's docstring):
+    batch_size: int                       # as the clients report it (a batch sampler's: a rounded mean since
+                                          # its loader started), summed over ranks: one step's batch of each
+    workers: int                          # current worker target reported by the client(s), summed over ranks
+    requested_workers: int                # the user's own num_workers (what `none` keeps), summed over ranks
+    max_workers: Optional[int]            # the loaders' max_workers bound, summed over ranks (None: a rank has none)
     samples_per_s: float                  # summed over ranks
     compute_s_per_step: float             # mean over ranks
     data_wait_s_per_step: float           # max over ranks (a stall on one rank stalls all)
     data_wait_frac: float                 # data_wait / (data_wait + compute), max over ranks
-    cpu_s_per_batch: float
-    wall_s_per_batch: float
+    cpu_s_per_batch: float                # per-batch figures are the job's batch's (``batch_size``): each rank's
+    wall_s_per_batch: float               # mean over its batches, times the ranks
     runq_s_per_batch: float
     blocked_s_per_batch: float
     worker_cpu_cores: float               # CPU cores the job's workers used (rate)
@@ -112,8 +113,8 @@ class JobStats:
     age_s: float = 0.0                    # since arrival
     observed_s: float = 0.0               # how long we have reports for
     window_s: float = 0.0                 # length of the window these figures cover (0 = no data yet)
-    samples_per_step: Optional[float] = None  # that window's own batch size: samples delivered over steps taken,
-                                          # over the ranks (one rank's batch; ``predictor.bank.window_batch_size``).
+    samples_per_step: Optional[float] = None  # that window's own batch size: samples delivered over steps taken
+                                          # (``predictor.bank.window_batch_size``), the job's (as ``batch_size``).
                                           # None: ``batch_size`` stands (no step, no samples, refused)
     window_steps: Optional[float] = None  # steps per rank in that window (counter deltas, mean over ranks);
                                           # None: not counted (no step, refused; hand-made stats)

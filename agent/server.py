@@ -75,6 +75,20 @@ class EndpointUnusable(EndpointBusy):
     would be lost, so the agent refuses instead)."""
 
 
+def rank_directive(directive: dict, ranks: int) -> dict:
+    """One rank's part of a job's directive (``workers`` and ``cpus`` the job's, all its ranks' together):
+    the workers spread evenly, rounded up (a data-parallel job steps at its slowest rank's pace, so a
+    rank short of its part would hold every rank back), and the cores divided. With one rank (or none
+    said hello yet), the directive as it is."""
+    if ranks <= 1:
+        return dict(directive)
+    out = dict(directive)
+    out["workers"] = -(-int(directive["workers"]) // ranks)
+    if directive.get("cpus") is not None:
+        out["cpus"] = directive["cpus"] / ranks
+    return out
+
+
 class Server:
     def __init__(self, endpoint: str, registry: Registry, *, heartbeat_s: float,
                  on_report: Callable[[str, int, int, dict, float], None],
@@ -275,16 +289,20 @@ class Server:
         """DirectiveActuator's sink: send to every connected rank of the job. True if at least one
         rank was sent it, or if the job has no rank connected yet (registered by the Slurm prolog,
         or re-adopted after a restart): the directive is kept on the job and every rank that says
-        hello gets it with its welcome. False when ranks are connected and none could be sent it."""
+        hello gets it with its welcome. False when ranks are connected and none could be sent it.
+
+        ``workers`` and ``cpus`` are the job's (all its ranks' together, as the collector counts them);
+        each rank is sent its part (``rank_directive``)."""
         job = self.registry.jobs.get(job_id)
         if job is None:
             return False
         job.last_directive = {"workers": int(workers), "cpus": cpus, "cpuset": list(cpuset) if cpuset else None,
                               "reason": reason}
-        msg = protocol.make("directive", job=job_id, seq=self.registry.next_seq(job_id), **job.last_directive)
         connected = [r for r in job.ranks.values() if r.identity]
         if not connected:
             return True
+        msg = protocol.make("directive", job=job_id, seq=self.registry.next_seq(job_id),
+                            **rank_directive(job.last_directive, len(job.ranks)))
         sent = False
         for r in connected:
             if self._send(r.identity, msg):
@@ -419,4 +437,4 @@ class Server:
         self._send(identity, protocol.make("welcome", job=r.job, heartbeat_s=self.heartbeat_s, challenge=None))
         if job.last_directive is not None:
             self._send(identity, protocol.make("directive", job=r.job, seq=self.registry.next_seq(r.job),
-                                               **job.last_directive))
+                                               **rank_directive(job.last_directive, len(job.ranks))))

@@ -128,8 +128,8 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "ranks": len(job.ranks), "pids": list(job.pids()), "worker_pids": list(job.worker_pids()),
             "gpus": list(job.gpus),
             "weight": st.gpus if st is not None else None,
-            "workers": max((r.workers for r in job.ranks.values()), default=0),
-            "requested_workers": max((r.requested_workers for r in job.ranks.values()), default=0),
+            "workers": sum(r.workers for r in job.ranks.values()),            # the job's: all its ranks'
+            "requested_workers": sum(r.requested_workers for r in job.ranks.values()),
             "max_workers": st.max_workers if st is not None else None,
             "cpus": _r(a.cpus) if a is not None else None,
             "cpu_weight": _r(a.cpu_weight) if a is not None and a.cpu_weight is not None else None,

@@ -111,7 +111,7 @@ def window_batch_size(samples: float, steps: float, ranks: int,
     tuner uses it too, ``adloader.autotune``): (samples per step, or None where
     the reported size stands; whether the window's step count stands; why the window's own size is not
     taken, "" where it is). ``samples``, ``steps``: the window's, summed over its ``ranks`` ranks;
-    ``reported``: the client's ``batch_size`` (one rank's, the most over ranks).
+    ``reported``: the client's ``batch_size`` (one rank's: the mean over the ranks' reported sizes).
 
     - no step: None, and no step count (the controller estimates one from samples/s, as before);
     - no samples counted (a client that does not count them): None; its steps stand;

@@ -72,6 +72,24 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
              5, what="departure logged with its reason")
 
 
+def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, agent, trainers):
+    """Two training processes of one job (ranks 0 and 1): the agent counts the job's workers over both,
+    and the `even` policy's 3 workers for the job's 3 cores reach each rank as 2 (3 over 2 ranks,
+    rounded up: a rank short of its part would pace both), with half the cores. Before, each rank was
+    sent the job's whole count, and the job ran twice the workers its plan was sized for."""
+    ranks = [Trainer(base, agent.endpoint, job="jm", workers=1,
+                     env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    trainers += ranks
+    wait_for(lambda: (x := agent.job("jm")) and x["ranks"] == 2 and x["desired_workers"] == 3, 20,
+             what="the 2-rank job planned")
+    for t in ranks:
+        wait_for(lambda: t.state().get("num_workers") == 2, 20, what="each rank's part applied")
+        d = t.state()["last_directive"]
+        assert d["workers"] == 2 and d["cpus"] == pytest.approx(1.5)
+    j = wait_for(lambda: (x := agent.job("jm")) and x["workers"] == 4 and x, 20, what="the job's workers counted")
+    assert j["cpus"] == pytest.approx(3.0) and len(j["worker_pids"]) == 4 and len(j["pids"]) == 2
+
+
 def test_two_jobs_share_and_bye_hands_share_back(base, agent, trainers):
     a = Trainer(base, agent.endpoint, job="ja", workers=1, run_s=4)
     b = Trainer(base, agent.endpoint, job="jb", workers=1)

@@ -72,7 +72,10 @@ def test_a_figure_too_large_to_be_a_count_never_makes_a_rate_inf_or_nan():
     assert js.samples_per_s > 0 and js.cpu_s_per_batch > 0
 
 
-def test_job_stats_aggregate_ranks_max_stall():
+def test_job_stats_aggregate_ranks_max_stall_and_count_the_jobs_batch_and_workers():
+    """Two ranks of batch 8 (2 and 3 workers): the job's step stalls by its worst rank, and its loader is
+    both ranks' together: a batch of 16 (one of each rank), 5 workers, each batch costing both ranks'
+    CPU, so the curve's ceiling (batch over step) is the job's, as its summed samples/s are."""
     reg = Registry()
     me = os.getpid()
     for rank in (0, 1):
@@ -85,7 +88,10 @@ def test_job_stats_aggregate_ranks_max_stall():
     col.on_report("j", 1, me, _totals(1, 10, 0.5, 0.5, cpu=0.2), 1.0)    # 50% stall
     snap = col.snapshot(2.0)
     js = snap.jobs["j"]
-    assert js.ranks == 2 and js.gpus == 2 and js.workers == 3
+    assert js.ranks == 2 and js.gpus == 2 and js.workers == 5
+    assert js.batch_size == 16 and js.samples_per_step == pytest.approx(16) and js.window_steps == 10
+    assert js.cpu_s_per_batch == pytest.approx(0.04 + 0.02)              # rank batches 0.04 and 0.02 CPU s
+    assert js.samples_per_s / js.samples_per_step * js.cpu_s_per_batch == pytest.approx(js.worker_cpu_cores)
     assert js.data_wait_frac == pytest.approx(0.5)                        # max over ranks
     assert js.data_wait_s_per_step == pytest.approx(0.05)
     assert js.compute_s_per_step == pytest.approx(0.07)                   # mean over ranks
@@ -398,7 +404,9 @@ def test_settled_window_aggregates_ranks_like_job_stats_and_needs_every_rank():
     assert w.data_wait_s_per_step == pytest.approx(0.05)          # max over ranks: a stall stalls all
     assert w.compute_s_per_step == pytest.approx(0.07)            # mean over ranks
     assert w.samples_per_s == pytest.approx(160.0)                # summed
-    assert w.steps == 30 and w.workers == 2
+    assert w.steps == 30 and w.workers == 4                      # the job's: both ranks' workers
+    assert w.cpu_s_per_batch == pytest.approx(2 * 0.1)           # the job's batch: one of each rank
+    assert w.samples_per_s / w.stats_fields(16)["samples_per_step"] * w.cpu_s_per_batch == pytest.approx(w.worker_cpu_cores)
     assert settled_window((r0, r1[:1]), since=0.0, span_s=3.0, min_s=0.9) is None
 
 
@@ -497,9 +505,51 @@ def test_settled_windows_batch_size_is_its_own_over_the_ranks():
     r0 = tuple(_report(float(t), 1 + 10 * t, bs=8) for t in range(4))
     r1 = tuple(_report(float(t), 1 + 10 * t, bs=9) for t in range(4))
     w = settled_window((r0, r1), since=0.0, span_s=3.0, min_s=0.9)
-    f = w.stats_fields(9)                      # the reported size: the most over ranks
-    assert f["samples_per_step"] == pytest.approx(8.5) and f["window_steps"] == 30.0
+    f = w.stats_fields(17)                     # the job's reported size: the ranks' summed
+    assert f["samples_per_step"] == pytest.approx(17) and f["window_steps"] == 30.0
     assert f["samples_per_step_note"] == ""
-    f = w.stats_fields(9 * 17)                 # a reported size 18x the window's: no loader's counters
+    f = w.stats_fields(17 * 18)                # a reported size 18x the window's: no loader's counters
     assert f["samples_per_step"] is None and f["window_steps"] is None
     assert "off the reported" in f["samples_per_step_note"]
+
+
+def _job_at_its_ceiling(ranks: int):
+    """A job of ``ranks`` ranks (batch 32, 2 workers each), each stepping every 0.1 s with data always
+    ready, its workers paying 0.05 CPU s a batch: reports for 6 s, its stats at the end."""
+    reg = Registry()
+    me = os.getpid()
+    for rank in range(ranks):
+        reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me, "gpus": [str(rank)],
+                                                           "batch_size": 32, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=4.0, cpu_ids=(0, 1, 2, 3))
+    for t in range(7):
+        for rank in range(ranks):
+            col.on_report("j", rank, me, {**_totals(float(t), 10 * t, 0.0, 0.1 * 10 * t, cpu=0.05 * 10 * t,
+                                                    samples=320 * t), "workers": 2}, float(t))
+    snap = col.snapshot(6.0)
+    return snap.jobs["j"], snap
+
+
+def test_a_multi_rank_jobs_curve_is_the_jobs_not_one_ranks():
+    """Each rank of a 2-rank job makes 320 samples/s on half a core: the job makes 640 on one core. The
+    predictor's curve from the job's figures must say so (ceiling 640, useful cores 1), twice a 1-rank
+    job's. Counting one rank's batch beside both ranks' samples gave a ceiling of 320 and 0.5 useful
+    cores: a plan that held the job at half its speed and called it saturated."""
+    from agent.controller import observation_from_stats
+    from predictor.bank import PredictorBank
+    curves = {}
+    for ranks in (1, 2):
+        js, snap = _job_at_its_ceiling(ranks)
+        assert js.samples_per_s == pytest.approx(320 * ranks)
+        obs = observation_from_stats(js, snap)
+        assert obs.workers == 2 * ranks and obs.batch_size == 32 * ranks and obs.steps == 10
+        bank = PredictorBank()
+        for _ in range(4):
+            bank.observe("j", obs)
+        curves[ranks] = bank.curve("j")
+    one, two = curves[1], curves[2]
+    assert one.ceiling_samples_per_s == pytest.approx(320, rel=0.02)
+    assert two.ceiling_samples_per_s == pytest.approx(640, rel=0.02)
+    assert one.max_useful_cores == pytest.approx(0.5, rel=0.1)
+    assert two.max_useful_cores == pytest.approx(1.0, rel=0.1)
+    assert two.throughput(4, 1.0) == pytest.approx(640, rel=0.05) and two.normalized(4, 0.5) < 0.6
