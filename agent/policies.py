@@ -318,6 +318,35 @@ def clamp_workers(w: int, job: JobStats, config: PolicyConfig) -> int:
     return max(config.min_workers, min(worker_bound(job, config), int(w)))
 
 
+def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
+    """Every policy's plan, with each job of several ranks given a worker count its ranks can split evenly
+    (``agent.server.rank_directive`` sends each rank its part): the next multiple of its ranks, so no rank
+    is short of the plan's pace (a data-parallel job steps at its slowest rank's); the multiple below
+    (at least one a rank) where its loaders' ``max_workers`` bound it, or where a loader memory budget is
+    in force and the workers over it would not fit (each job's workers at its measured cost,
+    ``JobStats.worker_memory_bytes``; none measured: up). The reason says so. One-rank jobs, counts
+    already whole, and observe-only allocations (``none``: each rank keeps its own count) are left."""
+    def cost(j: str, w: int) -> float:
+        job = snapshot.jobs.get(j)
+        return w * job.worker_memory_bytes if job is not None and job.worker_memory_bytes > 0 else 0.0
+
+    allocs = dict(plan.allocations)
+    budget = snapshot.loader_memory_bytes
+    for j, a in plan.allocations.items():
+        job = snapshot.jobs.get(j)
+        n = job.ranks if job is not None else 1
+        if n <= 1 or a.workers % n == 0 or not a.enforce_cpu:
+            continue
+        up, down = -(-a.workers // n) * n, max(n, a.workers // n * n)
+        w = up if job.max_workers is None or up <= job.max_workers else down
+        if budget is not None and w == up != down:
+            total = sum(cost(k, allocs[k].workers) for k in allocs)
+            if total - cost(j, a.workers) + cost(j, up) > budget:
+                w = down
+        allocs[j] = dataclasses.replace(a, workers=w, reason=f"{a.reason}; {w} workers: {w // n} on each of {n} ranks")
+    return dataclasses.replace(plan, allocations=allocs) if allocs != dict(plan.allocations) else plan
+
+
 def most_workers(job: JobStats, config: PolicyConfig, cap: Optional[int] = None) -> int:
     """The most workers a job may get: ``worker_bound``, and at most ``cap`` (what its memory allows)."""
     bound = worker_bound(job, config)

@@ -74,13 +74,14 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
 
 def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, agent, trainers):
     """Two training processes of one job (ranks 0 and 1): the agent counts the job's workers over both,
-    and the `even` policy's 3 workers for the job's 3 cores reach each rank as 2 (3 over 2 ranks,
-    rounded up: a rank short of its part would pace both), with half the cores. Before, each rank was
-    sent the job's whole count, and the job ran twice the workers its plan was sized for."""
+    and the `even` policy's 3 workers for the job's 3 cores become 4 in the plan (a multiple of its
+    ranks, rounded up: a rank short of its part would pace both) and reach each rank as 2, with half
+    the cores. Before, each rank was sent the job's whole count, and the job ran twice the workers its
+    plan was sized for."""
     ranks = [Trainer(base, agent.endpoint, job="jm", workers=1,
                      env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
     trainers += ranks
-    wait_for(lambda: (x := agent.job("jm")) and x["ranks"] == 2 and x["desired_workers"] == 3, 20,
+    wait_for(lambda: (x := agent.job("jm")) and x["ranks"] == 2 and x["desired_workers"] == 4, 20,
              what="the 2-rank job planned")
     for t in ranks:
         wait_for(lambda: t.state().get("num_workers") == 2, 20, what="each rank's part applied")

@@ -76,7 +76,7 @@ def test_without_an_agent_training_is_silent_and_unchanged(base):
 
 
 def test_two_rank_torchrun_gloo_job_registers_as_one_job(base):
-    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.3").start()
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "4", "--tick-s", "0.3").start()
     p = None
     try:
         state = f"{base}/ddp.json"
@@ -94,9 +94,13 @@ def test_two_rank_torchrun_gloo_job_registers_as_one_job(base):
                   for s in (f"{state}.0", f"{state}.1"))
         assert sorted(job["pids"]) == sorted([r0["pid"], r1["pid"]])
         assert r0["job"] == r1["job"] == job["job"] and {r0["rank"], r1["rank"]} == {0, 1}
-        # the directive reaches both ranks: the even policy gives the job both loader cores
+        # the directive reaches both ranks: the even policy gives the job all 4 loader cores, 4 workers for
+        # the job, its part to each rank (2 each, from the 1 they started with; the job's count is theirs together)
         wait_for(lambda: _read(f"{state}.0").get("num_workers") == 2 and _read(f"{state}.1").get("num_workers") == 2,
                  30, what="both ranks resized")
+        assert all(_read(f"{state}.{r}")["last_directive"]["workers"] == 2 for r in (0, 1))
+        wait_for(lambda: (j := agent.job(job["job"])) and j["workers"] == 4 and j["desired_workers"] == 4, 20,
+                 what="the job's workers, both ranks' together")
     finally:
         if p is not None:
             p.terminate()

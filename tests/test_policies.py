@@ -1131,3 +1131,55 @@ def test_property_absurd_figures_give_a_finite_plan_within_the_node(sc, policy):
         assert config.min_workers <= a.workers <= max(config.min_workers, bound), a
     assert plan.predicted_total is None or math.isfinite(plan.predicted_total)
     assert pol(s, curves, config) == plan
+
+
+# -- a job of several ranks: a worker count its ranks split evenly (whole_ranks) -------------------
+
+def _planned(workers: int, enforce: bool = True) -> "AllocationPlan":
+    from agent.model import AllocationPlan
+    return AllocationPlan(policy="t", allocations={
+        "ddp": JobAllocation(job="ddp", workers=workers, cpus=1.5, reason="planned", enforce_cpu=enforce),
+        "one": JobAllocation(job="one", workers=3, cpus=1.5, reason="planned", enforce_cpu=enforce)})
+
+
+def test_a_multi_rank_jobs_workers_are_a_multiple_of_its_ranks_and_memory_or_its_bound_rounds_down():
+    """Each rank is sent the job's workers over its ranks, rounded up: a plan of 3 for 2 ranks would run
+    4. The plan says 4 (and why) so what it counts is what runs; 2 where the 4th worker would not fit
+    the loader memory budget or its loaders' max_workers; a one-rank job, a whole count and an
+    observe-only plan (``none``: each rank keeps its own) are left as they were."""
+    from agent.policies import whole_ranks
+    mib = 1 << 20
+    ddp = job("ddp", ranks=2, gpus=2, workers=2, worker_memory_bytes=100 * mib)
+    one = job("one", worker_memory_bytes=100 * mib)
+    s = snap("gpu-8core", [ddp, one])
+    out = whole_ranks(_planned(3), s)
+    assert out.allocations["ddp"].workers == 4 and "2 on each of 2 ranks" in out.allocations["ddp"].reason
+    assert out.allocations["one"] == _planned(3).allocations["one"]
+    plan4 = _planned(4)
+    assert whole_ranks(plan4, s) is plan4
+    observe = _planned(3, enforce=False)
+    assert whole_ranks(observe, s) is observe
+    # 6 workers of 100 MiB fit 650 MiB (4 + 3 = 7 would not): down to 2 for the 2-rank job
+    tight = dataclasses.replace(s, loader_memory_bytes=650 * mib)
+    assert whole_ranks(_planned(3), tight).allocations["ddp"].workers == 2
+    roomy = dataclasses.replace(s, loader_memory_bytes=700 * mib)
+    assert whole_ranks(_planned(3), roomy).allocations["ddp"].workers == 4
+    bound = snap("gpu-8core", [dataclasses.replace(ddp, max_workers=3), one])
+    assert whole_ranks(_planned(3), bound).allocations["ddp"].workers == 2
+    # never below one worker a rank
+    assert whole_ranks(_planned(1), s).allocations["ddp"].workers == 2
+
+
+def test_the_controller_plans_a_multi_rank_job_in_whole_ranks():
+    """Every policy's plan goes through it: ``even`` on 3 loader cores gives a lone 2-rank job 3
+    workers, the controller's plan 4 (2 a rank)."""
+    from agent.controller import Controller
+    from agent.policies import get_policy
+    ddp = job("ddp", ranks=2, gpus=2, workers=2)
+    s = NodeSnapshot(now=0.0, loader_cpus=3.0, cpu_ids=(0, 1, 2, 3), jobs={"ddp": ddp})
+    from predictor.bank import PredictorBank
+    ctl = Controller(snapshot_source=lambda now: s, policy=get_policy("even"), policy_config=PolicyConfig(),
+                     predictor=PredictorBank(), actuators=[])
+    rec = ctl.tick(0.0)
+    assert not rec.errors, rec.errors
+    assert rec.plan.allocations["ddp"].workers == 4
