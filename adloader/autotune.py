@@ -11,7 +11,7 @@ A new auto loader over the same data as an earlier one of the process (``loader_
 dataset's type and length, batch size, collate and worker-init functions; a script that builds its
 loader every epoch) starts from a copy of what the latest such tuner learned, its curve, measured
 counts and count, if it tuned on the same CPUs (``carried_tuner``): ``initial_workers`` returns that
-count and ``attach`` tunes on from that state, not from an empty curve.
+count (``carried_count``) and ``attach`` tunes on from that state, not from an empty curve.
 
 The thread reads ``loader.stats()`` totals every ``WINDOW_S`` seconds, turns two successive totals into
 an ``Observation`` (``observation_from_totals``), feeds a ``PredictorBank`` and asks ``AutoTuner`` for a
@@ -581,13 +581,10 @@ def _publish(thread: "_Thread") -> None:
             del _carry[next(iter(_carry))]
 
 
-def carried_tuner(signature, cpus: float, copy_it: bool = True):
-    """A copy of what the latest tuner with ``signature`` learned (its curve, its measured counts, the
-    count it was at), if it tuned on the same CPUs; else None. The copy is the new loader's own: the
-    earlier loader, if it is still running, goes on with its own. ``copy_it=False``: only the count it
-    was at (``initial_workers``: no copy of the curve for one number)."""
-    import copy
-
+def _carried(signature, cpus: float, take):
+    """``take(tuner)`` of the latest tuner with ``signature``, under its state lock, if it tuned on the
+    same CPUs and has seen at least one window; else None. The one lookup behind ``carried_tuner`` and
+    ``carried_count``."""
     if signature is None:
         return None
     with _carry_lock:
@@ -597,7 +594,22 @@ def carried_tuner(signature, cpus: float, copy_it: bool = True):
     with thread.state_lock:
         if abs(thread.tuner.cpus - cpus) > 1e-6 or thread.tuner.n_windows == 0:
             return None
-        return copy.deepcopy(thread.tuner) if copy_it else thread.tuner.current
+        return take(thread.tuner)
+
+
+def carried_tuner(signature, cpus: float) -> AutoTuner | None:
+    """A copy of what the latest tuner with ``signature`` learned (its curve, its measured counts, the
+    count it was at), if it tuned on the same CPUs; else None. The copy is the new loader's own: the
+    earlier loader, if it is still running, goes on with its own."""
+    import copy
+
+    return _carried(signature, cpus, copy.deepcopy)
+
+
+def carried_count(signature, cpus: float) -> int | None:
+    """Only the count the latest tuner with ``signature`` was at, on the same terms as ``carried_tuner``
+    (``initial_workers``: no copy of the curve for one number); else None."""
+    return _carried(signature, cpus, lambda tuner: tuner.current)
 
 
 class ProcessesCpu:
@@ -699,7 +711,7 @@ def initial_workers(loader) -> int:
         from adloader import env
 
         cpus, ranks = usable_cpus(), env.local_world_size()
-        carried = carried_tuner(loader_signature(loader), cpus, copy_it=False)
+        carried = carried_count(loader_signature(loader), cpus)
         if carried is not None:     # the count the last loader over this data was tuned to
             return max(1, min(carried, worker_cap(cpus, getattr(loader, "max_workers", None))))
         part = gpu_part(ranks=ranks) if whole_node(cpus) else 1.0

@@ -115,6 +115,14 @@ def _detach_all(*loaders):
         client.detach(lo)
 
 
+def _attach_after_the_verdict(first, second) -> None:
+    """Attach ``first``, wait for the client's verdict on its endpoint (``last_error``), then attach
+    ``second``: a second loader meets a client that has already judged the endpoint."""
+    client.attach(first)
+    wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
+    client.attach(second)
+
+
 def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     agent = FakeAgent(f"{base}/agent.sock")
@@ -601,9 +609,7 @@ def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_con
     lo, lo2 = Loader(), Loader()
     try:
         with caplog.at_level(logging.WARNING):
-            client.attach(lo)
-            wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
-            client.attach(lo2)
+            _attach_after_the_verdict(lo, lo2)
             client._client._thread.join(10)
         st = client.state()
         assert st["active"] and not st["connected"] and st["reports_sent"] == 0
@@ -632,9 +638,7 @@ def test_a_tcp_endpoint_whose_host_does_not_resolve_is_one_warning_and_no_lookup
     lo, lo2 = Loader(), Loader()
     try:
         with caplog.at_level(logging.WARNING):
-            client.attach(lo)
-            wait_for(lambda: client.state().get("last_error"), what="the client's verdict on its endpoint")
-            client.attach(lo2)
+            _attach_after_the_verdict(lo, lo2)
         st = client.state()
         assert st["active"] and not st["connected"] and st["reports_sent"] == 0
         assert st["last_error"].startswith("untrusted agent: ") and "tcp://" in st["last_error"]
