@@ -59,6 +59,12 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         gpu_idle_source     "nvml" (driver) or "client" (data_wait_frac stands in)
         samples_per_s       summed over ranks
         compute_s_per_step  mean over ranks
+        samples_per_step    the job's batch size in its last window: the samples its loaders delivered over
+                            the steps they took (``agent.collector``, the ranks' together), null where the
+                            window's own figure is not taken (the reported batch size stands) or before a window
+        batch_size_note     why that window's batch size is not taken (``predictor.bank.window_batch_size``: no
+                            step in the window, under one sample a step, more than ``BATCH_SIZE_DISAGREE``
+                            times off the reported batch size, ...), "" where it is taken or before a window
         worker_cpu_cores    CPU cores the job's workers used
         trainer_cpu_cores   CPU cores the job's training processes themselves used
         trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
@@ -142,6 +148,8 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "gpu_idle_source": st.gpu_idle_source if st is not None else "client",
             "samples_per_s": _r(st.samples_per_s, 2) if st is not None else None,
             "compute_s_per_step": _r(st.compute_s_per_step) if st is not None else None,
+            "samples_per_step": _r(st.samples_per_step, 3) if st is not None else None,
+            "batch_size_note": st.samples_per_step_note if st is not None else "",
             "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,
             "trainer_cpu_cores": _r(st.trainer_cpu_cores, 3) if st is not None else None,
             "trainer_cores_needed": _r(trainer_need(st), 3) if st is not None else None,

@@ -41,6 +41,8 @@ FAKE_TRAINER = textwrap.dedent('''
             self.requested_workers = workers
             self.max_workers = max_workers
             self.batch_size = batch_size
+            # samples counted a step: the batch size unless a test makes the counters disagree with it
+            self.samples_per_step = int(os.environ.get("FAKE_SAMPLES_PER_STEP") or batch_size)
             self._procs = []
             self._t0 = time.monotonic()
             self.resize(workers)
@@ -58,7 +60,7 @@ FAKE_TRAINER = textwrap.dedent('''
         def stats(self):
             up = time.monotonic() - self._t0
             steps = int(up * 20)
-            return {"steps": steps, "samples": steps * self.batch_size, "batches": steps, "epoch": 0,
+            return {"steps": steps, "samples": steps * self.samples_per_step, "batches": steps, "epoch": 0,
                     "workers": self.num_workers, "live_workers": self.num_workers,
                     "max_workers": self.max_workers, "requested_workers": self.requested_workers,
                     "batch_size": self.batch_size, "data_wait_s": up * 0.3, "compute_s": up * 0.7,

@@ -72,6 +72,31 @@ def test_arrival_directive_status_json_and_departure(base, agent, trainers):
              5, what="departure logged with its reason")
 
 
+def test_status_shows_each_jobs_window_batch_size_or_why_it_was_not_taken(base, agent, trainers):
+    """``samples_per_step`` and ``batch_size_note`` (``agent.collector``'s window batch size): a job whose
+    loader counts 8 samples a step at a reported batch size of 8 shows 8 and no note; one that counts 1000
+    a step at the same reported size (counters no loader of that size makes) shows null and why. Before,
+    the refusal reached only the agent's debug log."""
+    honest = Trainer(base, agent.endpoint, job="honest", workers=1)
+    absurd = Trainer(base, agent.endpoint, job="absurd", workers=1, env={"FAKE_SAMPLES_PER_STEP": "1000"})
+    trainers += [honest, absurd]
+    j = wait_for(lambda: (x := agent.job("honest")) and x.get("samples_per_step") is not None and x, 20,
+                 what="the honest job's window batch size in status")
+    assert j["samples_per_step"] == pytest.approx(8) and j["batch_size_note"] == "", j
+    j = wait_for(lambda: (x := agent.job("absurd")) and "off the reported" in x.get("batch_size_note", "") and x,
+                 20, what="the absurd job's refusal in status")
+    assert j["samples_per_step"] is None, j
+    assert j["batch_size_note"].startswith("1000 samples a step, more than 16x off the reported batch size 8"), j
+    # and through the command: --json carries both fields
+    out = subprocess.run(adloader_cmd("status", "--endpoint", agent.endpoint, "--json"), env=repo_env(),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    jobs = {x["job"]: x for x in json.loads(out.stdout)["jobs"]}
+    assert jobs["honest"]["samples_per_step"] == pytest.approx(8) and jobs["honest"]["batch_size_note"] == ""
+    assert jobs["absurd"]["samples_per_step"] is None
+    assert "off the reported batch size 8" in jobs["absurd"]["batch_size_note"]
+
+
 def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, agent, trainers):
     """Two training processes of one job (ranks 0 and 1): the agent counts the job's workers over both,
     and the `even` policy's 3 workers for the job's 3 cores become 4 in the plan (a multiple of its

@@ -234,9 +234,11 @@ def test_cli_usage_errors_exit_2(tmp_path):
     rc, err, _ = run_job("register", endpoint=ep)
     assert rc == 2 and "--job is required" in one_line(err)
     rc, err, _ = run_job("register", "--job", "1", "--cpus", "0", endpoint=ep)
-    assert rc == 2 and "--cpus" in err
+    assert rc == 2 and "not sent: bad --cpus value: 0 " in one_line(err)
+    rc, err, _ = run_job("register", "--job", "1", "--uid", "-1", endpoint=ep)
+    assert rc == 2 and "not sent: bad --uid value: -1 " in one_line(err)
     rc, err, _ = run_job("register", "--job", "1", "--timeout-s", "0", endpoint=ep)
-    assert rc == 2 and "--timeout-s" in err
+    assert rc == 2 and "not sent: bad --timeout-s value: 0 " in one_line(err)
 
 
 @pytest.mark.component
@@ -248,7 +250,8 @@ def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(fake_agent,
     for bad in ("inf", "nan", "-1"):
         rc, err, _ = run_job("register", *how, "--timeout-s", bad, endpoint=agent.endpoint, env=SLURM_ENV)
         line = one_line(err)
-        assert rc == (0 if slurm else 2) and "bad variable: --timeout-s" in line and "internal" not in line, line
+        assert rc == (0 if slurm else 2) and f"not sent: bad --timeout-s value: {bad}" in line, line
+        assert "internal" not in line and "variable" not in line, line
     assert agent.messages == []
 
 
@@ -273,7 +276,7 @@ def test_a_malformed_endpoint_is_a_bad_argument_naming_the_value(bad, why):
     for how, want_rc in ((("--job", "1"), 2), (("--slurm",), 0)):
         rc, err, _ = run_job("register", *how, endpoint=bad, env=SLURM_ENV)
         line = one_line(err)
-        assert rc == want_rc and f"not sent: bad variable: --endpoint {bad!r}: " in line and why in line, line
+        assert rc == want_rc and f"not sent: bad --endpoint value: {bad!r}: " in line and why in line, line
 
 
 @pytest.mark.component
@@ -286,7 +289,12 @@ def test_a_malformed_job_id_is_a_bad_argument_and_not_sent(tmp_path):
         for how, want_rc in ((("--job", "bad/id"), 2), (("--slurm", "--job", "../x"), 0)):
             rc, err, _ = run_job(verb, *how, endpoint=absent, env=SLURM_ENV)
             line = one_line(err)
-            assert rc == want_rc and "not sent: bad variable: --job: job id" in line and "agent down" not in line, line
+            assert rc == want_rc and f"not sent: bad --job value: job id {how[-1]!r}" in line, line
+            assert "agent down" not in line, line
+    # with --slurm and no --job the id is SLURM_JOB_ID's, named as the variable (before: "--job: ...")
+    rc, err, _ = run_job("register", "--slurm", endpoint=absent, env={**SLURM_ENV, "SLURM_JOB_ID": "9" * 129})
+    line = one_line(err)
+    assert rc == 0 and "not sent: bad variable: SLURM_JOB_ID: a job id must be 1 to 128 characters" in line, line
 
 
 @pytest.mark.component

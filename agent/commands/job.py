@@ -9,7 +9,7 @@ Invariants (DESIGN "Slurm": a failing or hanging prolog drains the node):
   deadline): the call returns within ``--timeout-s`` (plus process start-up) whether the agent is up,
   down (no socket / nobody listening) or hung (never answers).
 - Exactly one line is printed per call, on stderr, saying what was done or why not (agent down,
-  timeout, bad variable, error reply). The prolog hands that line to ``logger``.
+  timeout, bad flag value or variable, error reply). The prolog hands that line to ``logger``.
 - With ``--slurm`` the exit status is ALWAYS 0: the prolog must never fail because of A-Dloader.
   Without it: 0 on success, 1 when the agent could not be reached or refused, 2 for bad arguments.
 - Idempotent from the caller's side: registering twice is the agent's business (it answers ok or
@@ -36,7 +36,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class JobSpecError(ValueError):
-    """A job description that cannot be sent: a missing or malformed SLURM_* variable or flag."""
+    """A job description that cannot be sent: a missing or malformed SLURM_* variable or flag.
+
+    ``heading`` says what is at fault in the log line ("not sent: <heading>: <text>"): "bad variable"
+    for an environment variable (the text names it), "bad --job value" for a flag's value (the text says
+    what is wrong with it), "" where the text says it all ("--job is required without --slurm")."""
+
+    def __init__(self, text: str, heading: str = "bad variable"):
+        super().__init__(text)
+        self.heading = heading
+
+    def line(self) -> str:
+        return f"{self.heading}: {self}" if self.heading else str(self)
 
 
 @dataclass(frozen=True)
@@ -155,13 +166,13 @@ def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpe
 def cli_job(args: argparse.Namespace) -> JobSpec:
     """The job as the command-line flags describe it (``--job`` required)."""
     if not args.job:
-        raise JobSpecError("--job is required without --slurm")
+        raise JobSpecError("--job is required without --slurm", heading="")
     uid = os.getuid() if args.uid is None else args.uid
     if uid < 0:
-        raise JobSpecError(f"--uid {uid} is negative")
+        raise JobSpecError(f"{uid} is negative", heading="bad --uid value")
     cpus = getattr(args, "cpus", None)  # release has no --gpus/--cpus
     if cpus is not None and cpus <= 0:
-        raise JobSpecError(f"--cpus {cpus} must be positive")
+        raise JobSpecError(f"{cpus} must be positive", heading="bad --cpus value")
     return JobSpec(job=args.job, uid=uid, gpus=parse_gpus(getattr(args, "gpus", None) or ""), cpus=cpus)
 
 
@@ -249,12 +260,19 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     slurm = bool(args.slurm)
     try:
         if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
-            raise JobSpecError(f"--timeout-s {args.timeout_s} must be a positive, finite number of seconds")
+            raise JobSpecError(f"{args.timeout_s:g} must be a positive, finite number of seconds",
+                               heading="bad --timeout-s value")
+        from adloader import protocol
         from agent import config
 
-        bad_endpoint = config.endpoint_argument_problem(args.endpoint, environ)
-        if bad_endpoint:
-            raise JobSpecError(bad_endpoint)
+        if args.endpoint is not None:   # the flag wins over ADLOADER_ENDPOINT (config.client_endpoint)
+            why = protocol.endpoint_problem(args.endpoint)
+            if why:
+                raise JobSpecError(f"{config.shown(args.endpoint)}: {why}", heading="bad --endpoint value")
+        else:
+            bad_endpoint = config.endpoint_argument_problem(None, environ)   # "ADLOADER_ENDPOINT 'x': why"
+            if bad_endpoint:
+                raise JobSpecError(bad_endpoint)
         if slurm:
             spec = slurm_job(environ, need_resources=(verb == "register"))
             # --job still wins over SLURM_JOB_ID; --uid, --gpus and --cpus are not read with --slurm
@@ -262,13 +280,12 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
                 spec = JobSpec(args.job, spec.uid, spec.gpus, spec.cpus, spec.note)
         else:
             spec = cli_job(args)
-        from adloader import protocol
-
         bad_job = protocol.check_job_id(spec.job)   # what the agent would refuse (malformed): not sent
-        if bad_job:
-            raise JobSpecError(f"--job: {bad_job}")
+        if bad_job:   # --job, else (--slurm) SLURM_JOB_ID: digits, but maybe too many
+            raise (JobSpecError(bad_job, heading="bad --job value") if args.job
+                   else JobSpecError(f"SLURM_JOB_ID: {bad_job}"))
     except JobSpecError as e:
-        print(f"{prefix}: not sent: bad variable: {e}", file=sys.stderr, flush=True)
+        print(f"{prefix}: not sent: {e.line()}", file=sys.stderr, flush=True)
         return EXIT_OK if slurm else EXIT_USAGE
     except Exception as e:  # a bug of ours reading the variables: the prolog must not fail on it either
         print(f"{prefix}: not sent: internal error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
