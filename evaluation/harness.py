@@ -328,12 +328,14 @@ class Proc:
     """A child process in its own session; ``stop`` ends it and every process in its group. The child gets
     SIGTERM if the bench process dies first (spawn from the main thread only: the signal follows the thread)."""
 
-    def __init__(self, argv: list[str], env: dict, log_path: Path):
+    def __init__(self, argv: list[str], env: dict, log_path: Path, cwd: Optional[Path] = None):
+        """``cwd``: the child's working directory (default this process's). ``python -m`` puts it first on
+        the module path, before PYTHONPATH: a child meant to run another checkout's code must start there."""
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")     # this start's output only (a run directory may be reused)
         bench_pid = os.getpid()
-        self.p = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
                                   preexec_fn=lambda: _term_when_bench_dies(bench_pid))
         self.pid = self.p.pid
