@@ -2,6 +2,7 @@
 
     python -m evaluation.jobproc --spec JSON --progress FILE [--workers N|auto] [--max-workers N]
                                   [--duration-s S] [--device cpu|cuda] [--sweep 1,2,3 --segment-s S]
+                                  [--lockstep]
 
 The step emulates a GPU (``adloader.synthetic.emulated_step``: host-side copy, the spec's
 ``trainer_cpu_frac * step_s`` seconds of real CPU work per GPU rank (one thread each, in lockstep), then a
@@ -203,6 +204,11 @@ def main(argv=None) -> int:
     ap.add_argument("--segment-s", type=above(finite_float, 0), default=3.0)
     ap.add_argument("--total-steps", type=count, default=None,
                     help="tell the loader the job's steps (DataLoader.set_total_steps): a job that knows its length")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="one rank of a data-parallel job: with WORLD_SIZE > 1 in the environment, join the "
+                         "job's torch.distributed group (gloo, env:// rendezvous: MASTER_ADDR, MASTER_PORT, "
+                         "RANK, WORLD_SIZE) and all-reduce one number after every step, as its gradient "
+                         "all-reduce would: every rank steps at the slowest one's pace")
     args = ap.parse_args(argv)
     if (args.max_workers is not None and not args.sweep and args.workers != "auto"
             and args.workers > args.max_workers):   # (the loader's ValueError, as a traceback)
@@ -253,6 +259,16 @@ def main(argv=None) -> int:
     else:
         def do_step(batch):
             emulated_step(batch, step_s, trainer_cpu_s, ranks)
+    world = int(os.environ.get("WORLD_SIZE") or 1) if args.lockstep else 1
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        one_step = do_step
+
+        def do_step(batch):     # the all-reduce is part of the step, as a DDP backward's is
+            one_step(batch)
+            dist.all_reduce(torch.ones(1))
     sweep = args.sweep
     workers = sweep[0] if sweep else args.workers
     max_workers = args.max_workers
@@ -350,6 +366,8 @@ def main(argv=None) -> int:
         close = getattr(loader, "close", None)
         if callable(close):
             close()
+        if world > 1:
+            dist.destroy_process_group()
     return 0
 
 

@@ -2,22 +2,25 @@
 data-parallel job runs (torchrun, Slurm tasks), beside a one-rank neighbour.
 
     python -m evaluation.multirank_check [--against TREE] [--reps 3] [--warmup-s 8] [--measure-s 16]
-                                         [--policy adaptive] [--out FILE.json]
+                                         [--policy adaptive] [--agent-log-level info] [--out FILE.json]
 
 The bench's multi-GPU kinds are one process driving several GPUs; this one is R processes of one job
 (``ADLOADER_JOB_ID`` shared, ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` set, one GPU each), so the agent
-sees R ranks, each reporting its own loader. The mix: a 2-rank job whose ranks each need about half a
-core (the catalogue's ResNet-50-like kind, its trainer busy 20% of a step) and a 1-GPU AlexNet-like
-neighbour that would take every core it is given. Calibrated figures are the bench's on the 2-core VM
+sees R ranks, each reporting its own loader. The ranks step in lockstep (``evaluation.jobproc
+--lockstep``: a gloo all-reduce after every step, as a data-parallel job's gradient all-reduce), so
+the job runs at its slowest rank's pace, as a real one does. The mix: a 2-rank job whose ranks each
+need about half a core (the catalogue's ResNet-50-like kind, its trainer busy 20% of a step) and a
+1-GPU AlexNet-like neighbour that would take every core it is given. Calibrated figures are the bench's on the 2-core VM
 (``evaluation/results/bench_issue11_fortieth_all_baselines.json``): on another machine the ratios hold
 less well than the bench's own calibration would make them.
 
-Each phase starts the agent (``--policy``) and the three processes from one source tree, waits
-``--warmup-s``, and measures ``--measure-s``. ``--against TREE``: a checkout of other code (another
-commit's worktree, with the same interpreter) whose phases alternate with this tree's, repeat by repeat
-(ABBA order), so the two are compared side by side. The job processes do not step in lockstep as a real
-data-parallel job's ranks do, so a job's pace is its slowest rank's: its throughput is R x the least of
-its ranks' samples/s, normalised by one rank's ceiling (batch / step time), and it counts once per GPU.
+Each phase starts the agent (``--policy``) from one source tree and the three job processes (always
+this checkout's jobproc and loader: the comparison is of agents), waits ``--warmup-s``, and measures
+``--measure-s``. ``--against TREE``: a checkout of other code (another commit's worktree, with the same
+interpreter) whose agent's phases alternate with this tree's, repeat by repeat (ABBA order), so the two
+are compared side by side. The 2-rank job's throughput is R x its slowest rank's samples/s (the ranks
+are in lockstep: they agree to a step), normalised by one rank's ceiling (batch / step time), and it
+counts once per GPU.
 
 Prints, per tree, the GPU-weighted aggregate (median [range] over repeats), each job's normalised
 throughput, and what the agent's status said of each job at the end (workers, cores, useful cores);
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 
 from evaluation.harness import Proc, ProgressReader, child_env, query_status
+from evaluation.slurm_cluster import free_port
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -96,18 +100,21 @@ def run_phase(tree: Path, policy: str, warmup_s: float, measure_s: float, run_di
             if not agent.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the agent from {tree} did not start: {agent.log_tail()}")
             time.sleep(0.05)
+        port = str(free_port())
         launches = [(f"mr-rank{r}", dict(RANK_SPEC, job_id="mr-2rank"),
                      {"ADLOADER_JOB_ID": "mr-2rank", "RANK": str(r), "LOCAL_RANK": str(r),
-                      "WORLD_SIZE": str(RANKS), "CUDA_VISIBLE_DEVICES": str(r)}) for r in range(RANKS)]
+                      "WORLD_SIZE": str(RANKS), "CUDA_VISIBLE_DEVICES": str(r), "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": port}) for r in range(RANKS)]
         launches.append(("mr-neighbour", dict(NEIGHBOUR_SPEC, job_id="mr-neighbour"),
                          {"ADLOADER_JOB_ID": "mr-neighbour", "CUDA_VISIBLE_DEVICES": str(RANKS)}))
         for name, spec, extra in launches:
             prog = run_dir / f"{name}.jsonl"
             prog.unlink(missing_ok=True)
             argv = [sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
-                    "--workers", str(spec["num_workers"]), "--device", "emulated"]
-            procs[name] = (Proc(argv, _env(tree, ADLOADER_ENDPOINT=endpoint, **extra), run_dir / f"{name}.log",
-                                cwd=tree), ProgressReader(prog))
+                    "--workers", str(spec["num_workers"]), "--device", "emulated",
+                    *(["--lockstep"] if "RANK" in extra else [])]
+            procs[name] = (Proc(argv, _env(HERE, ADLOADER_ENDPOINT=endpoint, **extra), run_dir / f"{name}.log",
+                                cwd=HERE), ProgressReader(prog))
         start = time.monotonic()
         while time.monotonic() < start + warmup_s + measure_s:
             time.sleep(0.5)
