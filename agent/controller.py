@@ -76,7 +76,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from agent import logs
 from agent.collector import settled_window
-from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
+from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, live_workers
 from agent.policies import Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, trainer_compute_s, whole_ranks
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation, as_batch_size
@@ -678,7 +678,11 @@ class Controller:
             due = False            # the window spans an allocation change: wait for a clean one
         try:
             if due:
-                seen = job if window is None else dataclasses.replace(job, **window.stats_fields(job.batch_size))
+                if window is not None:
+                    seen = dataclasses.replace(job, **window.stats_fields(job.batch_size))
+                else:       # the smoothed figures, of the workers that took tasks (not a target not yet live)
+                    live = live_workers(job)
+                    seen = job if live is None or live == job.workers else dataclasses.replace(job, workers=live)
                 obs = observation_from_stats(seen, snapshot, self.work_conserving,
                                              applied_cpus=(self._mean_cpus(job_id, window.start_t, window.end_t)
                                                            if window is not None else None),

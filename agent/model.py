@@ -171,3 +171,17 @@ class ApplyResult:
     applied: Optional[JobAllocation]      # what is now in force (may be partial)
     error: str = ""
     not_enforced: tuple[str, ...] = ()    # knobs that exist but do nothing here, e.g. ("io: scheduler none",)
+
+
+def live_workers(job: JobStats) -> Optional[int]:
+    """The workers taking tasks at each rank's latest report (``Report.live_workers``), summed over the
+    ranks; None where a rank has no report or does not say. Below the target (``JobStats.workers``)
+    while a resize is under way, and for as long as an ``IterableDataset``'s epoch lasts: its worker
+    shards are fixed until the next epoch (``adloader.DataLoader.resize``), which for an endless stream
+    is never. A job whose reports never settle is observed from its smoothed figures
+    (``agent.controller.UNSETTLED_FALLBACK_S``): those are the live workers' work, and counted as the target's they
+    told the predictor that the target's workers buy what the live ones do."""
+    lasts = [h[-1] for h in job.history if h]
+    if not lasts or len(lasts) < job.ranks or any(r.live_workers is None for r in lasts):
+        return None
+    return sum(r.live_workers for r in lasts)

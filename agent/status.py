@@ -43,9 +43,12 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         worker_pids[]       loader worker pids (all ranks)
         gpus[]              GPU ids (registration, else what the ranks see)
         weight              GPUs the policy weighs the job by (JobStats.gpus)
-        workers             loader workers now (reported by the clients, max over ranks)
-        requested_workers   the user's num_workers
-        max_workers         the loader's bound, null if none
+        workers             the job's loader worker target (reported by the clients, summed over its ranks)
+        live_workers        the workers taking tasks at the ranks' latest reports (summed), null where a rank
+                            does not say: below ``workers`` while a resize is under way, and until the next
+                            epoch for an IterableDataset (its epoch's shards are fixed)
+        requested_workers   the user's num_workers (summed over the ranks)
+        max_workers         the loaders' bound (summed over the ranks), null if none
         cpus                CPU cores in force for the job's loader workers (null before any apply)
         cpu_weight          cores the job's CPU group weighs when not ``cpus`` (adaptive with the shares
                             knob: a job planned all the cores it can use weighs the loader CPUs), else null
@@ -96,6 +99,12 @@ from typing import Any, Optional
 STATUS_VERSION = 1
 
 
+def live_workers(st) -> Optional[int]:
+    from agent.model import live_workers as live
+
+    return live(st)
+
+
 def trainer_need(st) -> float:
     from agent.policies import trainer_cores_needed
 
@@ -135,6 +144,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "gpus": list(job.gpus),
             "weight": st.gpus if st is not None else None,
             "workers": sum(r.workers for r in job.ranks.values()),            # the job's: all its ranks'
+            "live_workers": live_workers(st) if st is not None else None,
             "requested_workers": sum(r.requested_workers for r in job.ranks.values()),
             "max_workers": st.max_workers if st is not None else None,
             "cpus": _r(a.cpus) if a is not None else None,

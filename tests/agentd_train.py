@@ -1,7 +1,8 @@
 """A real training process for the agent/client component tests: adloader.DataLoader over the
 synthetic JPEG dataset, an emulated GPU step, and (under torchrun) torch.distributed with gloo and an
 all-reduce per step. Run as ``python -m tests.agentd_train STATE_FILE RUN_S WORKERS STEP_S``; it writes
-the agent client's state, the loader's worker count and pids to STATE_FILE every 0.1 s."""
+the agent client's state, the loader's worker count and pids to STATE_FILE every 0.1 s. With
+``TRAIN_STREAM=1`` the loader reads an endless IterableDataset over the same images instead."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,16 @@ def main() -> int:
 
         dist.init_process_group("gloo")
     ds = SyntheticImageDataset(num_images=16, image_px=64, crop_px=32, length=1_000_000, seed=rank)
+    if os.environ.get("TRAIN_STREAM"):      # an endless IterableDataset (a stream: its epoch never ends)
+        import itertools
+
+        images = ds
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return (images[i % 64] for i in itertools.count())
+
+        ds = Stream()
     loader = DataLoader(ds, batch_size=4, num_workers=workers, max_workers=4, persistent_workers=True)
     if world > 1:
         state_file = f"{state_file}.{rank}"

@@ -112,7 +112,8 @@ def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, 
         wait_for(lambda: t.state().get("num_workers") == 2, 20, what="each rank's part applied")
         d = t.state()["last_directive"]
         assert d["workers"] == 2 and d["cpus"] == pytest.approx(1.5)
-    j = wait_for(lambda: (x := agent.job("jm")) and x["workers"] == 4 and x, 20, what="the job's workers counted")
+    j = wait_for(lambda: (x := agent.job("jm")) and x["workers"] == 4 and x["live_workers"] == 4 and x, 20,
+                 what="the job's workers counted")
     assert j["cpus"] == pytest.approx(3.0) and len(j["worker_pids"]) == 4 and len(j["pids"]) == 2
 
 

@@ -59,6 +59,26 @@ def test_agent_directive_resizes_a_real_loader(base):
         agent.stop()
 
 
+def test_an_endless_streams_resize_waits_for_an_epoch_that_never_comes_and_status_says_so(base):
+    """A loader over an endless IterableDataset keeps its epoch's worker shards: the agent's 3 workers
+    become its target, never its live workers. Status shows both (workers 3, live_workers 1); the agent
+    counts its windows as the one live worker's (agent.controller's fallback)."""
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "3", "--tick-s", "0.3").start()
+    p = None
+    try:
+        p, state = _train(base, agent.endpoint, 60, 1, ADLOADER_JOB_ID="stream-1", TRAIN_STREAM="1")
+        wait_for(lambda: (s := _read(state)) and s.get("last_directive") and s["num_workers"] == 3, 60,
+                 what="the directive taken as the stream's target")
+        j = wait_for(lambda: (x := agent.job("stream-1")) and x["samples_per_s"] and x["workers"] == 3
+                     and x["live_workers"] is not None and x, 30, what="status with the stream's figures")
+        assert j["live_workers"] == 1 and len(_read(state)["worker_pids"]) == 1
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        agent.stop()
+
+
 def test_without_an_agent_training_is_silent_and_unchanged(base):
     p, state = _train(base, f"ipc://{base}/no-agent.sock", 1.5, 2, ADLOADER_JOB_ID="lonely")
     out, _ = p.communicate(timeout=120)

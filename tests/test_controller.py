@@ -971,3 +971,6 @@ def test_a_job_that_never_holds_still_falls_back_to_the_smoothed_figures():
             seen_at.append(float(t))
     assert seen_at and seen_at[0] >= UNSETTLED_FALLBACK_S            # not before the fallback
     assert bank.seen[0][1].samples_per_s == pytest.approx(320.0)      # the smoothed figures (job_stats')
+    # ... of the one worker that took tasks, not of the target of 2 (an IterableDataset's epoch keeps its
+    # shards: a resize waits for the next epoch, which for an endless stream never comes)
+    assert all(obs.workers == 1 for _, obs in bank.seen)
