@@ -1,7 +1,7 @@
 """A bench job of several rank processes (the catalogue's ``rank_processes``): the kind variant, and
 ``evaluation.jobproc`` as rank 0 of two, for real: its second rank its own process and loader, both in
 lockstep, the job's progress file summing them, nothing left behind, and a rank that dies failing the
-job.
+job. The harness's ``worker_memory`` counts the ranks' workers, not the second rank's training process.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def test_a_kind_variant_with_rank_processes_makes_a_spec_of_rank_processes(tmp_p
     p.write_text('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{kind = "x", rank_processes = "yes"}]\n')
     with pytest.raises(CatalogError, match="rank_processes of x must be true or false"):
         load_catalog(str(p))
+    ddp = load_catalog().mixes["gpu-weighted-ddp"]
+    assert ddp[0] == "resnet18x2[rank_processes=true]" and ddp[1:] == load_catalog().mixes["gpu-weighted"][1:]
 
 
 def _records(path):
@@ -92,6 +94,31 @@ def test_two_rank_processes_step_in_lockstep_and_the_job_file_is_the_jobs(tmp_pa
     # the job's workers and CPU are both ranks' (one worker each: the job's 2 split)
     assert last["workers"] == 2 and last1["workers"] == 1
     assert last["cpu_s"] > last1["cpu_s"] > 0 and last["main_cpu_s"] > last1["main_cpu_s"] > 0
+    assert _left(tmp_path) == []
+
+
+@pytest.mark.component
+def test_worker_memory_counts_every_ranks_workers_not_the_other_ranks(tmp_path):
+    """Two ranks of one worker each: ``worker_memory`` of the job's process (rank 0) measures two
+    workers, not three (rank 1's training process is a child of rank 0, not a worker). SIGTERM to rank 0
+    stops both ranks after the same step."""
+    from evaluation.harness import worker_memory
+
+    proc = _jobproc(tmp_path)
+    try:
+        _wait_until(lambda: any(r.get("live") == 2 for r in _records(tmp_path / "job.jsonl")
+                                if "event" not in r) if (tmp_path / "job.jsonl").exists() else False)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert len(kids) >= 3                       # rank 1 and the two workers
+        n, total, largest = worker_memory(proc.pid)
+        assert n == 2 and total >= largest > 0
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0].decode(errors="replace")
+    assert proc.returncode == 0, out
+    job, rank1 = _records(tmp_path / "job.jsonl"), _records(tmp_path / "job.jsonl.rank1")
+    assert job[-1]["reason"] == "signal" and rank1[-1]["reason"] == "rank"
+    assert job[-2]["steps"] == rank1[-2]["steps"]       # both stopped after the step they agreed on
     assert _left(tmp_path) == []
 
 
