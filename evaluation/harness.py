@@ -463,7 +463,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
     return proc, endpoint
 
 
-STATUS_KEYS = ("weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "cpu_weight", "delivery",
+STATUS_KEYS = ("ranks", "weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "cpu_weight", "delivery",
                "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
                "apply_error", "gpu_idle_frac", "gpu_idle_source", "steps_left")
@@ -557,7 +557,9 @@ class StaticCores:
         else:
             self.h.write(g, "cpu.cfs_period_us", self.PERIOD_US)
             self.h.write(g, "cpu.cfs_quota_us", quota)
-        self.h.move(g, pid)     # before it forks its workers: they inherit it
+        # before it forks its workers, or starts its other ranks (a job of rank processes: after its imports,
+        # seconds from now): they and theirs inherit the group
+        self.h.move(g, pid)
         self.groups.append(g)
         return cores
 
