@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from evaluation.catalog import CatalogError, JobSpec, habitual_workers, load_catalog, make_job
+from evaluation.poll import wait_for
 from tests.conftest import REPO, repo_env
 
 WORKLOAD = {"name": "r", "num_images": 8, "length": 1 << 20, "image_px": 48, "crop_px": 16, "aug_multiplier": 1,
@@ -58,20 +58,10 @@ def _jobproc(tmp_path, *args, spec=None):
 def _left(tmp_path) -> list[int]:
     """Processes still running that were started for this test's job (its ranks and their workers)."""
     out = []
-    for p in psutil.process_iter(["pid", "cmdline", "ppid"]):
+    for p in psutil.process_iter(["pid", "cmdline"]):
         if any(str(tmp_path) in a for a in p.info["cmdline"] or []):
             out.append(p.info["pid"])
     return out
-
-
-def _wait_until(cond, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s")
 
 
 @pytest.mark.component
@@ -106,8 +96,9 @@ def test_worker_memory_counts_every_ranks_workers_not_the_other_ranks(tmp_path):
 
     proc = _jobproc(tmp_path)
     try:
-        _wait_until(lambda: any(r.get("live") == 2 for r in _records(tmp_path / "job.jsonl")
-                                if "event" not in r) if (tmp_path / "job.jsonl").exists() else False)
+        wait_for(lambda: (tmp_path / "job.jsonl").exists() and any(
+            r.get("live") == 2 for r in _records(tmp_path / "job.jsonl") if "event" not in r),
+            timeout=60, interval=0.1, what="both ranks' workers up")
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert len(kids) >= 3                       # rank 1 and the two workers
         n, total, largest = worker_memory(proc.pid)
@@ -126,7 +117,8 @@ def test_worker_memory_counts_every_ranks_workers_not_the_other_ranks(tmp_path):
 def test_a_rank_that_dies_fails_the_job_at_once(tmp_path):
     proc = _jobproc(tmp_path, "--duration-s", "60")
     try:
-        _wait_until(lambda: (tmp_path / "job.jsonl.rank1").exists() and len(_records(tmp_path / "job.jsonl.rank1")) > 2)
+        wait_for(lambda: (tmp_path / "job.jsonl.rank1").exists() and len(_records(tmp_path / "job.jsonl.rank1")) > 2,
+                 timeout=60, interval=0.1, what="rank 1 stepping")
         (rank1,) = [c for c in psutil.Process(proc.pid).children() if "--spawned-rank" in c.cmdline()]
         rank1.kill()
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
@@ -135,7 +127,7 @@ def test_a_rank_that_dies_fails_the_job_at_once(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 1 and "rank 1 of 2 exited (rc -9) before the job stopped" in out, out
-    _wait_until(lambda: _left(tmp_path) == [], timeout_s=10)
+    wait_for(lambda: _left(tmp_path) == [], timeout=10, interval=0.1, what="every rank and worker gone")
 
 
 @pytest.mark.component
