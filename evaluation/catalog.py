@@ -18,8 +18,16 @@ What a kind says about its training process and its user (the workload model, IS
 - ``gpus``: GPUs (ranks) the job has on this node. Its step consumes one batch per GPU in lockstep (a
   data-parallel job), so its loader demand and its samples per step scale with ``gpus``, its step
   time does not, and its normalised throughput counts ``gpus`` times in the node's aggregate.
+- ``rank_processes``: the job's GPUs as separate training processes, one rank per GPU, each with its
+  own loader, stepping in lockstep, as torchrun starts a data-parallel job (``evaluation.jobproc``
+  starts them; each rank takes ``batch_size``, burns its ``trainer_cpu_frac`` on one thread and loads
+  with its share of ``num_workers``). Off (the default): one process drives every GPU of the job with
+  one loader. Ignored with one GPU. In a mix: ``{kind = "resnet18x2", rank_processes = true}``, named
+  ``resnet18x2[rank_processes=true]``.
 - ``num_workers``: what its user sets (0 = the ``cpus // ranks`` habit, as Lightning suggests).
-  ``none`` and ``static-cores`` run with it; the agent's policies start from it.
+  ``none`` and ``static-cores`` run with it; the agent's policies start from it. With
+  ``rank_processes`` it is every rank's loader together (as the agent counts a job's workers): a set
+  figure is split evenly among the ranks, and the habit gives each rank ``cpus // ranks``.
 - ``worker_ram_mb``: memory one loader worker holds (its copy of the dataset index, decoded buffers);
   the simulator and the memory budget read it, and ``jobproc`` touches that much in every worker.
 - ``phase_kind``, ``phase_after_s``: a second phase of the job's pipeline. ``phase_after_s`` seconds
@@ -61,6 +69,7 @@ class JobKind:
     gpus: int = 1                     # GPUs (ranks) on this node
     num_workers: int = 0              # the user's habitual num_workers (0: node cores // gpus)
     worker_ram_mb: float = 0.0        # memory one loader worker holds
+    rank_processes: bool = False      # one training process (rank) per GPU, each its own loader, in lockstep
     phase_kind: str = ""              # from phase_after_s after its start, the pipeline of this kind
     phase_after_s: float = 0.0
     note: str = ""
@@ -97,6 +106,7 @@ class JobSpec:
     num_workers: int = 1           # the user's habitual num_workers (resolved for this node)
     worker_ram_mb: float = 0.0
     phases: list = field(default_factory=list)   # [{"after_s": S, "workload": {...}}]: later pipelines
+    rank_processes: bool = False   # ``gpus`` training processes, one per GPU (evaluation.jobproc starts them)
 
     @property
     def ceiling_samples_per_s(self) -> float:
@@ -145,6 +155,9 @@ def load_catalog(path: str | None = None) -> Catalog:
         if kind.gpus < 1 or kind.num_workers < 0 or kind.worker_ram_mb < 0:
             raise CatalogError(f"catalogue {path}: [jobs.{name}] needs gpus >= 1, num_workers >= 0 and "
                                f"worker_ram_mb >= 0")
+        if not isinstance(kind.rank_processes, bool):
+            raise CatalogError(f"catalogue {path}: [jobs.{name}] rank_processes must be true or false, "
+                               f"got {kind.rank_processes!r}")
         kinds[name] = kind
     if not kinds:
         raise CatalogError(f"catalogue {path}: no [jobs.*] entries")
@@ -212,7 +225,12 @@ def _variant(path, mix: str, entry: dict, kinds: dict) -> str:
     unknown = set(changes) - (set(JobKind.__dataclass_fields__) - {"name", "note"})
     if unknown:
         raise CatalogError(f"catalogue {path}: mix {mix!r}: unknown keys for {base}: {', '.join(sorted(unknown))}")
-    name = base + "[" + ",".join(f"{k}={v}" for k, v in sorted(changes.items())) + "]" if changes else base
+    if not isinstance(changes.get("rank_processes", False), bool):
+        raise CatalogError(f"catalogue {path}: mix {mix!r}: rank_processes of {base} must be true or false, "
+                           f"got {changes['rank_processes']!r}")
+    # (a boolean as TOML writes it: resnet18x2[rank_processes=true])
+    name = base + "[" + ",".join(f"{k}={json.dumps(v) if isinstance(v, bool) else v}"
+                                 for k, v in sorted(changes.items())) + "]" if changes else base
     if name not in kinds:
         kinds[name] = dataclasses.replace(kinds[base], name=name, **changes)
     return name
@@ -305,8 +323,13 @@ def calibrate(catalog: Catalog, loader_cores: float, kinds: list[str] | None = N
 
 
 def habitual_workers(kind: JobKind, node_cores: int) -> int:
-    """The ``num_workers`` the kind's user sets: the catalogue's figure, else ``cpus // ranks``."""
-    return kind.num_workers if kind.num_workers > 0 else max(1, node_cores // kind.gpus)
+    """The ``num_workers`` the kind's user sets: the catalogue's figure, else ``cpus // ranks``. With
+    ``rank_processes`` the habit is every rank's (each rank's loader its ``cpus // ranks``), so the job's
+    figure, all its ranks' together, is that times the ranks."""
+    if kind.num_workers > 0:
+        return kind.num_workers
+    per_loader = max(1, node_cores // kind.gpus)
+    return per_loader * kind.gpus if kind.rank_processes and kind.gpus > 1 else per_loader
 
 
 def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: str, seed: int,
@@ -317,7 +340,7 @@ def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: s
                    demand_cores=c["demand_cores"], cpu_s_per_sample=c["cpu_s_per_sample"],
                    workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s, gpus=kind.gpus,
                    trainer_cpu_frac=kind.trainer_cpu_frac, num_workers=habitual_workers(kind, node_cores),
-                   worker_ram_mb=kind.worker_ram_mb,
+                   worker_ram_mb=kind.worker_ram_mb, rank_processes=kind.rank_processes,
                    phases=[{"after_s": kind.phase_after_s, "workload": workload_for(catalog.kinds[kind.phase_kind], seed)}]
                    if kind.phase_kind else [])
 

@@ -166,7 +166,7 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
         raise BenchError(f"policy {spec!r}: {e}") from None
     return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
-                    "nothing-to-arbitrate", "memory")
+                    "nothing-to-arbitrate", "memory", "gpu-weighted-ddp")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup"      # the v2 root, or where the v1 hierarchies are mounted
@@ -463,8 +463,8 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
     return proc, endpoint
 
 
-STATUS_KEYS = ("weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "cpu_weight", "delivery",
-               "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
+STATUS_KEYS = ("ranks", "weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "cpu_weight",
+               "delivery", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
                "apply_error", "gpu_idle_frac", "gpu_idle_source", "steps_left")
 
@@ -557,7 +557,9 @@ class StaticCores:
         else:
             self.h.write(g, "cpu.cfs_period_us", self.PERIOD_US)
             self.h.write(g, "cpu.cfs_quota_us", quota)
-        self.h.move(g, pid)     # before it forks its workers: they inherit it
+        # before it forks its workers, or starts its other ranks (a job of rank processes: after its imports,
+        # seconds from now): they and theirs inherit the group
+        self.h.move(g, pid)
         self.groups.append(g)
         return cores
 
@@ -898,16 +900,35 @@ def node_busy_s() -> float:
     return sum(float(getattr(t, k, 0.0)) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
+def _rank_processes(job) -> set[int]:
+    """The other ranks' training processes of a job of rank processes: ``job``'s (rank 0's) children
+    started as ``evaluation.jobproc --spawned-rank``. (Their own forked workers carry the same command
+    line, but are their children, not rank 0's; rank 0's forked workers carry rank 0's, without the flag.)"""
+    import psutil
+
+    out = set()
+    for k in job.children():
+        try:
+            if "--spawned-rank" in k.cmdline():
+                out.add(k.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 def worker_memory(pid: int) -> tuple[int, int, int]:
     """(loader workers measured, their unique memory (USS, ``/proc/<pid>/smaps_rollup``) in bytes, the
-    largest one worker's) of one job process: its children (the training process itself is not loader
-    memory)."""
+    largest one worker's) of one job process: its descendants (the training process itself is not loader
+    memory), but for a job of rank processes its other ranks' training processes (``_rank_processes``):
+    their workers count, they do not."""
     import psutil
 
     from adloader.memory import process_memory
 
     try:
-        kids = psutil.Process(pid).children(recursive=True)
+        job = psutil.Process(pid)
+        ranks = _rank_processes(job)
+        kids = [k for k in job.children(recursive=True) if k.pid not in ranks]
     except psutil.Error:
         kids = []
     n = total = largest = 0

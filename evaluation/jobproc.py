@@ -15,12 +15,32 @@ much). A step whose real part is longer than ``step_s`` sets the ceiling (``step
 
 It connects to the node agent by itself (the loader's client reads ADLOADER_ENDPOINT/ADLOADER_JOB_ID).
 
+A job of several rank processes (the spec's ``rank_processes`` with ``gpus`` R > 1; ``RankProcesses``):
+the process the harness starts is rank 0 of R. It starts ranks 1..R-1 as its own children (this module,
+the same spec, ``--spawned-rank``, each with its progress file ``<progress>.rank<r>``) with ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (a free port it
+picked) set, its own ``ADLOADER_*`` environment, and with the emulated device ``CUDA_VISIBLE_DEVICES``
+narrowed to the rank's GPU; every rank, itself included, steps in lockstep (as ``--lockstep``), as
+torchrun starts a data-parallel job. Each rank loads ``batch_size // R`` samples a step (the spec's
+batch is the job's, every GPU's together; not divisible: refused), with ``ceil(workers / R)`` workers
+(``--workers`` and ``--max-workers`` are the job's, as the agent counts them; ``auto`` stays ``auto``),
+and burns its trainer CPU on one thread; ``step_s`` is unchanged. Rank 0's progress file is the job's:
+samples and the ``workers``, ``live``, ``resizes``, ``cpu_s``, ``main_cpu_s``, ``main_runq_s`` figures
+are every rank's together (each other rank's latest record); steps, ``wait_s`` and ``compute_s`` are
+rank 0's own (the ranks agree to a step). A rank that exits before the job stops fails rank 0 at once
+(a lockstep job cannot step without it); rank 0 stops its ranks when it stops.
+
+Lockstep and stopping: the number every rank all-reduces (MAX) after each step is its wish to stop
+(a signal, its work done, its duration over), so every rank stops after the same step, and none waits
+in an all-reduce for a rank that left (``reason`` "rank": another rank's wish). ``--sweep`` is not
+supported with rank processes.
+
 Progress file: JSON lines, appended and flushed, read by the harness while the job runs:
-    {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch"}
+    {"event": "start", "t", "pid", "job", "step_s", "batch_size", "loader": "adloader"|"torch", "ranks"}
     {"t", "samples", "steps", "wait_s", "compute_s", "workers", "live", "resizes", "cpu_s", "main_cpu_s", "main_runq_s"}   every ~0.25 s
     {"event": "segment", "t", "workers"}          (sweep mode: a new worker count from here on)
     {"event": "phase", "t", "index"}              (the spec's ``phases``: its pipeline is the index-th's from here on)
-    {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep")
+    {"event": "done", "t", "samples", "reason"}   ("work" | "duration" | "signal" | "sweep" | "rank")
 ``t`` is ``time.monotonic()`` (system-wide on Linux, so comparable across processes); counters are
 cumulative; ``cpu_s`` is the loader workers' CPU seconds, ``main_cpu_s`` the training process's own
 (every thread of it); ``main_runq_s`` the time its threads waited runnable for a CPU; ``wait_s`` the time blocked in ``next()``.
@@ -28,6 +48,7 @@ cumulative; ``cpu_s`` is the loader workers' CPU seconds, ``main_cpu_s`` the tra
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -35,6 +56,8 @@ import sys
 import time
 
 PROGRESS_EVERY_S = 0.25
+RANK_TIMEOUT_S = 120.0      # a lockstep rank's longest wait for the others (rendezvous, each all-reduce)
+RANK_SUMMED = ("workers", "live", "resizes", "cpu_s", "main_cpu_s", "main_runq_s")
 
 
 class _Progress:
@@ -102,6 +125,101 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
 
         kw["worker_init_fn"] = functools.partial(hold_worker_ram, worker_ram_mb)
     return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, **kw), "adloader"
+
+
+class RankProcesses:
+    """Rank 0's ranks 1..R-1 of a ``rank_processes`` job (module docstring): started as its children,
+    watched, read and stopped by it. ``figures()`` sums the ``RANK_SUMMED`` fields of each rank's latest
+    progress record (read incrementally: ``evaluation.harness.ProgressReader``, emptied after each read).
+    A watcher thread ends rank 0 (exit 1, the other ranks killed) when a rank exits before ``stop``: rank
+    0 may be blocked in the rendezvous or an all-reduce that would otherwise wait ``RANK_TIMEOUT_S``."""
+
+    def __init__(self, argv: list[str], progress: str, world: int, narrow_gpus: bool):
+        """``argv``: the job's jobproc arguments but ``--progress`` (each rank is given its own)."""
+        import subprocess
+        import threading
+
+        from evaluation.harness import ProgressReader, _term_when_bench_dies
+        from evaluation.slurm_cluster import free_port
+
+        self.world, self.stopping = world, False
+        port = str(free_port())
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        rank_env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port}
+        os.environ.update(rank_env, RANK="0", LOCAL_RANK="0")      # this process: rank 0 (read by env://
+        if narrow_gpus and len(gpus) >= world:                     # and by the loader's client)
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]
+        self.paths = [f"{progress}.rank{r}" for r in range(1, world)]
+        self.readers, self.procs = [], []
+        me = os.getpid()
+        for r, path in enumerate(self.paths, start=1):
+            try:
+                os.unlink(path)         # a run directory used before: the last run's records
+            except FileNotFoundError:
+                pass
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))
+            if narrow_gpus and len(gpus) >= world:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[r]
+            # (from the main thread, before any other thread: the death signal follows the thread)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "evaluation.jobproc", *argv, "--progress", path,
+                                                "--spawned-rank"], env=env, stdin=subprocess.DEVNULL,
+                                               preexec_fn=lambda: _term_when_bench_dies(me)))
+            self.readers.append(ProgressReader(path))
+        self.latest: list[dict] = [{} for _ in self.paths]
+        threading.Thread(target=self._watch, name="ranks-watch", daemon=True).start()
+
+    def _finished(self, i: int) -> bool:
+        """Rank ``i + 1`` wrote its "done" record (it stopped after the step every rank agreed on)."""
+        try:
+            with open(self.paths[i], "rb") as f:
+                f.seek(max(0, os.path.getsize(self.paths[i]) - 4096))
+                return b'"event": "done"' in f.read()
+        except OSError:
+            return False
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            for i, p in enumerate(self.procs):
+                rc = p.poll()
+                if rc is not None and not self.stopping and not (rc == 0 and self._finished(i)):
+                    r = i + 1
+                    print(f"evaluation.jobproc: rank {r} of {self.world} exited (rc {rc}) before the job "
+                          f"stopped; a lockstep job cannot step without it: stopping every rank",
+                          file=sys.stderr, flush=True)
+                    self.kill()
+                    os._exit(1)
+            time.sleep(0.2)
+
+    def figures(self) -> dict:
+        """The ``RANK_SUMMED`` fields of ranks 1..R-1, each rank's latest record, summed."""
+        for i, rd in enumerate(self.readers):
+            rd.poll()
+            if rd.records:
+                self.latest[i] = rd.records[-1]
+                rd.records.clear()
+        return {k: sum(float(rec.get(k, 0.0)) for rec in self.latest) for k in RANK_SUMMED}
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """After the agreed last step: each rank finishes on its own (its loader closed, its last record
+        written) within ``grace_s``; then SIGTERM, and SIGKILL for what is left."""
+        import subprocess
+
+        self.stopping = True
+        for wait_s in (grace_s, 5.0):
+            deadline = time.monotonic() + wait_s
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.terminate()
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def _main_runq_s() -> float:
@@ -209,6 +327,9 @@ def main(argv=None) -> int:
                          "job's torch.distributed group (gloo, env:// rendezvous: MASTER_ADDR, MASTER_PORT, "
                          "RANK, WORLD_SIZE) and all-reduce one number after every step, as its gradient "
                          "all-reduce would: every rank steps at the slowest one's pace")
+    ap.add_argument("--spawned-rank", action="store_true",
+                    help="internal: a rank that rank 0 of a rank_processes job started (RANK and the rest in "
+                         "the environment); it starts no ranks and steps in lockstep")
     args = ap.parse_args(argv)
     if (args.max_workers is not None and not args.sweep and args.workers != "auto"
             and args.workers > args.max_workers):   # (the loader's ValueError, as a traceback)
@@ -220,6 +341,34 @@ def main(argv=None) -> int:
     from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
 
     spec = json.loads(args.spec)
+    batch_size = int(spec["batch_size"])
+    ranks = int(spec.get("gpus") or 1)
+    # a job of rank processes: this process is one of them (``ranks`` of the job), each rank one GPU
+    job_ranks = ranks if spec.get("rank_processes") and ranks > 1 else 1
+    job_workers, job_max_workers = args.workers, args.max_workers     # (every rank's given the same)
+    if job_ranks > 1:
+        if batch_size % job_ranks:
+            ap.error(f"spec {spec['job_id']}: batch_size {batch_size} (the job's, every GPU's together) is "
+                     f"not divisible by its {job_ranks} rank processes")
+        if args.sweep:
+            ap.error("--sweep with rank_processes: a sweep runs one loader (use the co-located oracle)")
+        batch_size, ranks = batch_size // job_ranks, 1      # each rank its share, its CPU on one thread
+        per_rank = lambda n: -(-n // job_ranks)             # noqa: E731 (the agent's split: rounded up)
+        if args.workers != "auto":
+            args.workers = per_rank(args.workers)
+        if args.max_workers is not None:
+            args.max_workers = per_rank(args.max_workers)
+    rank_procs = None
+    if job_ranks > 1 and not args.spawned_rank:
+        # (the harness moved this process into a job cgroup, where it has one, as it started it, long
+        # before this: the ranks and their workers inherit the group)
+        rank_argv = ["--spec", args.spec, "--workers", str(job_workers), "--device", args.device]
+        for flag, value in (("--max-workers", job_max_workers), ("--duration-s", args.duration_s),
+                            ("--total-steps", args.total_steps)):
+            if value is not None:
+                rank_argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+        rank_procs = RankProcesses(rank_argv, args.progress, job_ranks, narrow_gpus=args.device == "emulated")
+        atexit.register(rank_procs.stop, 5.0)    # whatever ends this process ends its ranks
     torch.set_num_threads(1)
     stop = {"signal": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("signal", True))
@@ -237,9 +386,7 @@ def main(argv=None) -> int:
         crop = spec["workload"].get("crop_px")
         ds = PhasedDataset([ds] + [SyntheticImageDataset(WorkloadSpec(**{**p["workload"], "crop_px": crop}))
                                    for p in phases], f"{args.progress}.phase")
-    batch_size = int(spec["batch_size"])
     step_s = float(spec["step_s"])
-    ranks = int(spec.get("gpus") or 1)
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
     gpu = {}
     if args.device == "cuda":
@@ -259,16 +406,35 @@ def main(argv=None) -> int:
     else:
         def do_step(batch):
             emulated_step(batch, step_s, trainer_cpu_s, ranks)
-    world = int(os.environ.get("WORLD_SIZE") or 1) if args.lockstep else 1
+    lockstep = args.lockstep or job_ranks > 1
+    world = int(os.environ.get("WORLD_SIZE") or 1) if lockstep else 1
+    target = spec.get("samples")
+    job_batch = batch_size * job_ranks                   # the samples the job takes in one (lockstep) step
+    vote = {"stop": False}                               # every rank's wish to stop after this step, MAXed
+
+    def stop_reason(now, steps_done):
+        if stop["signal"]:
+            return "signal"
+        if target is not None and steps_done * job_batch >= target:
+            return "work"
+        if args.duration_s is not None and now - t_start >= args.duration_s:
+            return "duration"
+        return None
+
     if world > 1:
+        import datetime
+
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
         one_step = do_step
 
         def do_step(batch):     # the all-reduce is part of the step, as a DDP backward's is
             one_step(batch)
-            dist.all_reduce(torch.ones(1))
+            vote["mine"] = stop_reason(time.monotonic(), steps + 1)
+            wish = torch.tensor([1.0 if vote["mine"] else 0.0])
+            dist.all_reduce(wish, op=dist.ReduceOp.MAX)
+            vote["stop"] = bool(wish.item() > 0)
     sweep = args.sweep
     workers = sweep[0] if sweep else args.workers
     max_workers = args.max_workers
@@ -278,10 +444,11 @@ def main(argv=None) -> int:
     if args.total_steps is not None and hasattr(loader, "set_total_steps"):
         loader.set_total_steps(args.total_steps)
     me = psutil.Process()
-    target = spec.get("samples")
     t_start = time.monotonic()
+    # rank 0 of rank processes writes the job's figures: its batch the job's (the ranks are in lockstep)
+    share = job_ranks if rank_procs is not None else 1
     prog.write({"event": "start", "t": t_start, "pid": os.getpid(), "job": spec["job_id"], "step_s": step_s,
-                "batch_size": batch_size, "loader": kind, "device": args.device, **gpu})
+                "batch_size": batch_size * share, "loader": kind, "device": args.device, "ranks": share, **gpu})
     samples = steps = 0
     wait_s = compute_s = 0.0
     last_report = 0.0
@@ -303,10 +470,14 @@ def main(argv=None) -> int:
                     left = {"steps_left": st["steps_left"]}
             except Exception:
                 pass
-        prog.write({"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
-                    "workers": int(loader.num_workers), "live": live_n, "resizes": resizes, **left,
-                    "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time(),
-                    "main_runq_s": _main_runq_s()})
+        rec = {"t": now, "samples": samples, "steps": steps, "wait_s": wait_s, "compute_s": compute_s,
+               "workers": int(loader.num_workers), "live": live_n, "resizes": resizes, **left,
+               "cpu_s": _worker_cpu_s(loader, kind, me), "main_cpu_s": time.process_time(),
+               "main_runq_s": _main_runq_s()}
+        if rank_procs is not None:      # the job's: every rank's together
+            for k, v in rank_procs.figures().items():
+                rec[k] = type(rec[k])(rec[k] + v)
+        prog.write(rec)
 
     try:
         done = False
@@ -324,7 +495,7 @@ def main(argv=None) -> int:
                 wait_s += t1 - t0
                 compute_s += t2 - t1
                 steps += 1
-                samples += batch_size
+                samples += batch_size * share   # rank 0 of rank processes: the job's (lockstep: R alike)
                 if seg_t0 is None:
                     seg_t0 = t2
                     if sweep:
@@ -335,12 +506,12 @@ def main(argv=None) -> int:
                 if phases and ds.k < len(phases) and t2 - t_start >= float(phases[ds.k]["after_s"]):
                     ds.begin(ds.k + 1)
                     prog.write({"event": "phase", "t": t2, "index": ds.k})
-                if stop["signal"]:
-                    reason, done = "signal", True
-                elif target is not None and samples >= target:
-                    reason, done = "work", True
-                elif args.duration_s is not None and t2 - t_start >= args.duration_s:
-                    reason, done = "duration", True
+                if world > 1:       # the ranks stop together, after the step every rank voted on
+                    why = (vote.get("mine") or "rank") if vote["stop"] else None
+                else:
+                    why = stop_reason(t2, steps)
+                if why:
+                    reason, done = why, True
                 elif sweep and t2 - seg_t0 >= args.segment_s:
                     seg_i += 1
                     if seg_i >= len(sweep):
@@ -359,10 +530,14 @@ def main(argv=None) -> int:
                         prog.write({"event": "segment", "t": t2, "workers": sweep[seg_i]})
                 if done:
                     break
-        now = time.monotonic()
+        now = time.monotonic()          # (the job's end: not when its ranks have closed their loaders)
+        if rank_procs is not None:      # their last records first: the job's last figures sum them
+            rank_procs.stop()
         record(now)
         prog.write({"event": "done", "t": now, "samples": samples, "reason": reason})
     finally:
+        if rank_procs is not None:
+            rank_procs.stop(grace_s=5.0)
         close = getattr(loader, "close", None)
         if callable(close):
             close()
