@@ -563,6 +563,9 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch              index of the current (latest started) epoch, 0-based
         workers            target worker count (``num_workers``)
         live_workers       worker processes that currently take tasks (not retiring)
+        dataset_kind       "map": a resize takes effect between two batches; "iterable" (an
+                           ``IterableDataset``): at the next epoch, as the epoch's worker shards are fixed
+                           (for an endless stream, never: ``live_workers`` stays the epoch's count)
         max_workers, requested_workers   (requested_workers: the job's own count, see ``requested_workers``)
         batch_size         samples per batch, what ``samples`` is counted in and what the agent and the
                            tuner divide it by to count steps (``_stats_batch_size``): torch's
@@ -624,6 +627,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
             "main_runq_s": self._main_runq_s(),
+            "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
             "rates": core.rates.rates(now),
         }
         goal = core.steps_goal

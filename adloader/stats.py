@@ -18,7 +18,7 @@ TOTAL_KEYS = (
     "steps", "samples", "batches", "epoch", "workers", "live_workers", "max_workers",
     "requested_workers", "batch_size", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
     "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts", "redispatched", "uptime_s",
-    "main_cpu_s", "main_runq_s",
+    "main_cpu_s", "main_runq_s", "dataset_kind",
 )
 RATE_KEYS = (
     "window_s", "samples_per_s", "steps_per_s", "data_wait_frac", "compute_s_per_step",

@@ -347,6 +347,45 @@ def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
     return dataclasses.replace(plan, allocations=allocs) if allocs != dict(plan.allocations) else plan
 
 
+def epoch_fixed_view(snapshot: NodeSnapshot) -> tuple[NodeSnapshot, dict[str, tuple[int, int]]]:
+    """The node as a policy must plan it while some jobs' workers cannot change before their epoch ends
+    (``agent.model.epoch_fixed_workers``: an ``IterableDataset``'s loader holds its epoch's worker shards,
+    its target waiting for the next epoch, which for an endless stream never comes): each such job bounded
+    to the workers it runs (``max_workers``), so that its cores are planned and valued for those, not for
+    a target it cannot reach. Returns that snapshot and {job: (live workers, pending target)} for
+    ``keep_epoch_targets``. Without such a job, the snapshot itself."""
+    from agent.model import epoch_fixed_workers
+
+    held: dict[str, tuple[int, int]] = {}
+    jobs = dict(snapshot.jobs)
+    for j, job in snapshot.jobs.items():
+        fixed = epoch_fixed_workers(job)
+        if fixed is None or fixed[0] < 1:
+            continue
+        live = fixed[0]
+        held[j] = (live, job.workers)
+        jobs[j] = dataclasses.replace(job, max_workers=live if job.max_workers is None else min(job.max_workers, live))
+    return (dataclasses.replace(snapshot, jobs=jobs) if held else snapshot), held
+
+
+def keep_epoch_targets(plan: AllocationPlan, held: Mapping[str, tuple[int, int]]) -> AllocationPlan:
+    """``plan`` with each job of ``epoch_fixed_view`` left at its pending target: a new count would wait
+    for the same epoch's end, so it is not sent (the directive would change nothing now and one more
+    resize would be queued); the target sent before takes effect at that epoch, and the next plan
+    after it sizes the job again. The reason says so."""
+    if not held:
+        return plan
+    allocs = dict(plan.allocations)
+    for j, (live, target) in held.items():
+        a = allocs.get(j)
+        if a is None:
+            continue
+        allocs[j] = dataclasses.replace(a, workers=target, reason=(
+            f"{a.reason}; its loader runs {live} workers until its epoch ends (an IterableDataset's "
+            f"epoch keeps its worker shards): planned for those, {target} from the next epoch"))
+    return dataclasses.replace(plan, allocations=allocs)
+
+
 def most_workers(job: JobStats, config: PolicyConfig, cap: Optional[int] = None) -> int:
     """The most workers a job may get: ``worker_bound``, and at most ``cap`` (what its memory allows)."""
     bound = worker_bound(job, config)

@@ -62,7 +62,9 @@ def test_agent_directive_resizes_a_real_loader(base):
 def test_an_endless_streams_resize_waits_for_an_epoch_that_never_comes_and_status_says_so(base):
     """A loader over an endless IterableDataset keeps its epoch's worker shards: the agent's 3 workers
     become its target, never its live workers. Status shows both (workers 3, live_workers 1); the agent
-    counts its windows as the one live worker's (agent.controller's fallback)."""
+    counts its windows as the one live worker's (agent.controller's fallback), plans the job for the
+    worker it runs, and leaves the target as it is (the reason says so; no directive that changes
+    nothing now): its client got exactly one directive."""
     agent = AgentProc(base, "--policy", "even", "--loader-cpus", "3", "--tick-s", "0.3").start()
     p = None
     try:
@@ -72,6 +74,10 @@ def test_an_endless_streams_resize_waits_for_an_epoch_that_never_comes_and_statu
         j = wait_for(lambda: (x := agent.job("stream-1")) and x["samples_per_s"] and x["workers"] == 3
                      and x["live_workers"] is not None and x, 30, what="status with the stream's figures")
         assert j["live_workers"] == 1 and len(_read(state)["worker_pids"]) == 1
+        j = wait_for(lambda: (x := agent.job("stream-1")) and "until its epoch ends" in x["reason"] and x, 20,
+                     what="the plan held at the stream's live worker")
+        assert j["desired_workers"] == 3 and j["workers"] == 3
+        assert _read(state)["directives"] == 1
     finally:
         if p is not None:
             p.kill()

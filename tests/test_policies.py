@@ -1183,3 +1183,41 @@ def test_the_controller_plans_a_multi_rank_job_in_whole_ranks():
     rec = ctl.tick(0.0)
     assert not rec.errors, rec.errors
     assert rec.plan.allocations["ddp"].workers == 4
+
+
+# -- a loader whose workers change only at an epoch (an IterableDataset): planned for what it runs ------
+
+def _streaming(job_stats_, live: int, target: int, epoch_fixed: bool = True):
+    """``job_stats_`` whose latest report says the loader runs ``live`` workers toward a target of
+    ``target``, and (``epoch_fixed``) that it changes workers only at an epoch (an IterableDataset)."""
+    from agent.model import Report
+    rep = Report(recv_t=1.0, uptime_s=1.0, totals={}, workers=target, live_workers=live, epoch=0,
+                 epoch_fixed=epoch_fixed)
+    return dataclasses.replace(job_stats_, workers=target, history=((rep,),))
+
+
+def test_a_stream_that_cannot_take_its_target_before_its_epoch_ends_is_planned_for_the_workers_it_runs():
+    """An endless IterableDataset keeps its epoch's worker shards: a directive to 4 workers waits for an
+    epoch that never comes, and its one worker can use about one core. Held at the workers it runs, the
+    plan counts the cores one worker uses and gives its neighbour more; its pending target stays (no
+    new directive that would change nothing now), and the reason says so. A map-style loader whose new
+    workers are still starting is not held."""
+    from agent.policies import epoch_fixed_view, keep_epoch_targets
+    heavy = job("stream", "heavy", worker_cpu_cores=1.0)
+    other = job("other", "heavy", worker_cpu_cores=1.0)
+    free = snap("gpu-8core", [_streaming(heavy, 4, 4), other])
+    held_snap = snap("gpu-8core", [_streaming(heavy, 1, 4), other])
+    view, held = epoch_fixed_view(held_snap)
+    assert held == {"stream": (1, 4)} and view.jobs["stream"].max_workers == 1
+    assert view.jobs["other"] is held_snap.jobs["other"]
+    policy, cfg = get_policy("adaptive"), PolicyConfig()
+    before = policy(free, curves_of(free), cfg).allocations
+    after = keep_epoch_targets(policy(view, curves_of(view), cfg), held).allocations
+    assert after["stream"].workers == 4 and "until its epoch ends" in after["stream"].reason
+    assert after["stream"].cpus < before["stream"].cpus and after["other"].cpus > before["other"].cpus
+    # one worker of c = 0.3 s a batch uses a core: the plan says so, and hands the rest out as spare
+    assert after["stream"].reason.startswith("uses 1.00 cores at most") and before["stream"].workers == 3
+    # nothing to hold: the same snapshot back; a map-style loader still starting its workers: not held
+    assert epoch_fixed_view(free) == (free, {})
+    starting = snap("gpu-8core", [_streaming(heavy, 1, 4, epoch_fixed=False), other])
+    assert epoch_fixed_view(starting) == (starting, {})
