@@ -308,6 +308,8 @@ def render_table(doc: dict) -> str:
         workers = _count(g("workers"))
         if g("desired_workers") not in (None, MISSING, g("workers")):
             workers += f"->{_count(g('desired_workers'))}"
+        if g("live_workers") not in (None, MISSING, g("workers")):     # a resize not (yet) in force
+            workers += f" (live {_count(g('live_workers'))})"
         idle = _fmt(g("gpu_idle_frac"), ".0%")
         if g("gpu_idle_frac") not in (None, MISSING) and g("gpu_idle_source") == "client":
             idle += "*"

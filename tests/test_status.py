@@ -18,6 +18,19 @@ def test_status_table_names_every_column():
 
 
 
+def test_the_workers_column_shows_the_live_workers_where_a_resize_is_not_in_force():
+    """An endless IterableDataset's loader keeps its epoch's workers: target 3, 1 live, shown as such;
+    a job whose workers are all live (or whose client does not say) shows its count alone."""
+    from agent.status import render_table
+
+    doc = status_doc()
+    doc["jobs"][0].update(workers=3, desired_workers=3, live_workers=1)
+    assert "3 (live 1)" in render_table(doc)
+    for live in (3, None):
+        doc["jobs"][0]["live_workers"] = live
+        assert "(live" not in render_table(doc)
+
+
 @pytest.mark.parametrize("change,in_row", [
     (lambda d: d["jobs"][0].pop("workers"), True),
     (lambda d: d["jobs"][0].pop("uid"), True),
