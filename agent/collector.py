@@ -217,11 +217,10 @@ class RankRates:
 
     def _remember(self, totals: dict, t: float, stats: Mapping, recv_t: float) -> None:
         """Keep the report's totals for the predictor's windows (the last ``HISTORY_S`` of them)."""
-        workers, live, epoch = _num(stats.get("workers")), _num(stats.get("live_workers")), _num(stats.get("epoch"))
+        workers, live = _num(stats.get("workers")), _num(stats.get("live_workers"))
         self.history.append(Report(recv_t=recv_t, uptime_s=t, totals=totals,
                                    workers=int(workers) if workers is not None else 0,
                                    live_workers=int(live) if live is not None else None,
-                                   epoch=int(epoch) if epoch is not None else None,
                                    epoch_fixed=stats.get("dataset_kind") == "iterable"))
         while self.history and self.history[0].recv_t < recv_t - HISTORY_S:
             self.history.popleft()

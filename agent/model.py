@@ -77,7 +77,6 @@ class Report:
     totals: Mapping[str, Optional[float]] # counter -> total (None: the client does not report it)
     workers: int                          # the loader's target worker count at the report
     live_workers: Optional[int] = None    # worker processes taking tasks (None: the client does not say)
-    epoch: Optional[int] = None           # the loader's epoch (None: the client does not say)
     epoch_fixed: bool = False             # its workers change only at an epoch (stats dataset_kind "iterable")
 
 
@@ -175,18 +174,18 @@ class ApplyResult:
     not_enforced: tuple[str, ...] = ()    # knobs that exist but do nothing here, e.g. ("io: scheduler none",)
 
 
-def epoch_fixed_workers(job: JobStats) -> Optional[tuple[int, tuple]]:
-    """(live workers, each rank's epoch) of a job whose worker count cannot follow its target before an
-    epoch ends: every rank's latest report says its loader changes workers only at an epoch (an
-    ``IterableDataset``: its epoch's worker shards are fixed) and says its epoch, and the live workers
+def epoch_fixed_workers(job: JobStats) -> Optional[int]:
+    """The live workers of a job whose worker count cannot follow its target before an epoch ends: every
+    rank's latest report says its loader changes workers only at an epoch (an ``IterableDataset``: its
+    epoch's worker shards are fixed), and the live workers
     (``live_workers``) differ from the target (``JobStats.workers``): a resize waits for the next epoch,
     which for an endless stream never comes. None otherwise (a map-style loader's resize is under way
     between two batches; its workers may take a while to start and must not be held)."""
     lasts = [h[-1] for h in job.history if h]
     live = live_workers(job)
-    if (live is None or live == job.workers or not all(r.epoch_fixed and r.epoch is not None for r in lasts)):
+    if live is None or live == job.workers or not all(r.epoch_fixed for r in lasts):
         return None
-    return live, tuple(r.epoch for r in lasts)
+    return live
 
 
 def live_workers(job: JobStats) -> Optional[int]:

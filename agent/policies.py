@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from agent.model import AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot
+from agent.model import AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers
 from predictor.curve import ThroughputCurve
 from predictor.prior import LOADER_BOUND_WAIT
 
@@ -354,15 +354,12 @@ def epoch_fixed_view(snapshot: NodeSnapshot) -> tuple[NodeSnapshot, dict[str, tu
     to the workers it runs (``max_workers``), so that its cores are planned and valued for those, not for
     a target it cannot reach. Returns that snapshot and {job: (live workers, pending target)} for
     ``keep_epoch_targets``. Without such a job, the snapshot itself."""
-    from agent.model import epoch_fixed_workers
-
     held: dict[str, tuple[int, int]] = {}
     jobs = dict(snapshot.jobs)
     for j, job in snapshot.jobs.items():
-        fixed = epoch_fixed_workers(job)
-        if fixed is None or fixed[0] < 1:
+        live = epoch_fixed_workers(job)
+        if live is None or live < 1:
             continue
-        live = fixed[0]
         held[j] = (live, job.workers)
         jobs[j] = dataclasses.replace(job, max_workers=live if job.max_workers is None else min(job.max_workers, live))
     return (dataclasses.replace(snapshot, jobs=jobs) if held else snapshot), held

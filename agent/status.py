@@ -96,13 +96,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from agent.model import live_workers
+
 STATUS_VERSION = 1
-
-
-def live_workers(st) -> Optional[int]:
-    from agent.model import live_workers as live
-
-    return live(st)
 
 
 def trainer_need(st) -> float:

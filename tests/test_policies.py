@@ -1191,7 +1191,7 @@ def _streaming(job_stats_, live: int, target: int, epoch_fixed: bool = True):
     """``job_stats_`` whose latest report says the loader runs ``live`` workers toward a target of
     ``target``, and (``epoch_fixed``) that it changes workers only at an epoch (an IterableDataset)."""
     from agent.model import Report
-    rep = Report(recv_t=1.0, uptime_s=1.0, totals={}, workers=target, live_workers=live, epoch=0,
+    rep = Report(recv_t=1.0, uptime_s=1.0, totals={}, workers=target, live_workers=live,
                  epoch_fixed=epoch_fixed)
     return dataclasses.replace(job_stats_, workers=target, history=((rep,),))
 
