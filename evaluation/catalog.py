@@ -20,8 +20,8 @@ What a kind says about its training process and its user (the workload model, IS
   time does not, and its normalised throughput counts ``gpus`` times in the node's aggregate.
 - ``rank_processes``: the job's GPUs as separate training processes, one rank per GPU, each with its
   own loader, stepping in lockstep, as torchrun starts a data-parallel job (``evaluation.jobproc``
-  starts them; each rank takes ``batch_size``, burns its ``trainer_cpu_frac`` on one thread and loads
-  with its share of ``num_workers``). Off (the default): one process drives every GPU of the job with
+  starts them; each rank takes its share of ``batch_size``, the job's, every GPU's together, burns its
+  ``trainer_cpu_frac`` on one thread and loads with its share of ``num_workers``). Off (the default): one process drives every GPU of the job with
   one loader. Ignored with one GPU. In a mix: ``{kind = "resnet18x2", rank_processes = true}``, named
   ``resnet18x2[rank_processes=true]``.
 - ``num_workers``: what its user sets (0 = the ``cpus // ranks`` habit, as Lightning suggests).
