@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from evaluation import metrics as M
 from evaluation.harness import Proc, ProgressReader, child_env, query_status
 from evaluation.slurm_cluster import free_port
 
@@ -64,14 +65,6 @@ def _env(tree: Path, **extra: str) -> dict:
     env = child_env(**extra)
     env["PYTHONPATH"] = str(tree)
     return env
-
-
-def _rate(reader: ProgressReader, t0: float, t1: float) -> float:
-    """Samples/s between the progress records nearest after ``t0`` and before ``t1``."""
-    recs = [r for r in reader.records if "samples" in r and t0 <= r["t"] <= t1]
-    if len(recs) < 2 or recs[-1]["t"] <= recs[0]["t"]:
-        return 0.0
-    return (recs[-1]["samples"] - recs[0]["samples"]) / (recs[-1]["t"] - recs[0]["t"])
 
 
 def imports_from(tree: Path) -> Path:
@@ -128,7 +121,8 @@ def run_phase(tree: Path, policy: str, warmup_s: float, measure_s: float, run_di
         for p, _ in procs.values():
             p.stop()
         agent.stop()
-    rates = {name: _rate(rd, t0, t1) for name, (_, rd) in procs.items()}
+    rates = {name: M.rate_between([r for r in rd.records if "samples" in r], "samples", t0, t1)
+             for name, (_, rd) in procs.items()}
     rank_ceiling = RANK_SPEC["batch_size"] / RANK_SPEC["step_s"]
     job_norm = min(rates[f"mr-rank{r}"] for r in range(RANKS)) / rank_ceiling
     neigh_norm = rates["mr-neighbour"] / (NEIGHBOUR_SPEC["batch_size"] / NEIGHBOUR_SPEC["step_s"])
