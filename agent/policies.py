@@ -332,6 +332,7 @@ def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
 
     allocs = dict(plan.allocations)
     budget = snapshot.loader_memory_bytes
+    total = sum(cost(k, a.workers) for k, a in allocs.items())     # the plan's loader memory as it stands
     for j, a in plan.allocations.items():
         job = snapshot.jobs.get(j)
         n = job.ranks if job is not None else 1
@@ -339,10 +340,9 @@ def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
             continue
         up, down = -(-a.workers // n) * n, max(n, a.workers // n * n)
         w = up if job.max_workers is None or up <= job.max_workers else down
-        if budget is not None and w == up != down:
-            total = sum(cost(k, allocs[k].workers) for k in allocs)
-            if total - cost(j, a.workers) + cost(j, up) > budget:
-                w = down
+        if budget is not None and w == up != down and total - cost(j, a.workers) + cost(j, up) > budget:
+            w = down
+        total += cost(j, w) - cost(j, a.workers)
         allocs[j] = dataclasses.replace(a, workers=w, reason=f"{a.reason}; {w} workers: {w // n} on each of {n} ranks")
     return dataclasses.replace(plan, allocations=allocs) if allocs != dict(plan.allocations) else plan
 

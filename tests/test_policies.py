@@ -1170,6 +1170,24 @@ def test_a_multi_rank_jobs_workers_are_a_multiple_of_its_ranks_and_memory_or_its
     assert whole_ranks(_planned(1), s).allocations["ddp"].workers == 2
 
 
+def test_two_multi_rank_jobs_under_a_memory_budget_round_up_in_turn_on_what_is_left():
+    """The room a job's rounding up takes is gone for the next: with room for one more worker, the
+    first 2-rank job (in the plan's order) goes up from 3 to 4 and the second down from 3 to 2."""
+    from agent.model import AllocationPlan
+    from agent.policies import whole_ranks
+    mib = 1 << 20
+    a = job("a", ranks=2, gpus=2, workers=2, worker_memory_bytes=100 * mib)
+    b = job("b", ranks=2, gpus=2, workers=2, worker_memory_bytes=100 * mib)
+    plan = AllocationPlan(policy="t", allocations={
+        j: JobAllocation(job=j, workers=3, cpus=1.5, reason="planned") for j in ("a", "b")})
+    s = dataclasses.replace(snap("gpu-8core", [a, b]), loader_memory_bytes=700 * mib)
+    out = whole_ranks(plan, s)
+    assert (out.allocations["a"].workers, out.allocations["b"].workers) == (4, 2)
+    roomy = dataclasses.replace(s, loader_memory_bytes=800 * mib)
+    out = whole_ranks(plan, roomy)
+    assert (out.allocations["a"].workers, out.allocations["b"].workers) == (4, 4)
+
+
 def test_the_controller_plans_a_multi_rank_job_in_whole_ranks():
     """Every policy's plan goes through it: ``even`` on 3 loader cores gives a lone 2-rank job 3
     workers, the controller's plan 4 (2 a rank)."""
