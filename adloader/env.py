@@ -3,6 +3,7 @@
 Training processes (the client hook inside ``adloader.DataLoader``):
 
     ADLOADER_DISABLE=1       no agent client at all: the loader trains exactly as without an agent
+                             (also true/yes/on; 0/false/no/off: on; anything else: one warning, on)
     ADLOADER_ENDPOINT        where the agent listens (``ipc:///path``); default: ``default_endpoint()``;
                              a malformed one (``endpoint_problem``): one warning, and no agent contact
     ADLOADER_JOB_ID          the job this process belongs to; default: SLURM_JOB_ID, then torchrun's
@@ -41,9 +42,23 @@ def _env(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+DISABLE_ON = ("1", "true", "yes", "on")
+DISABLE_OFF = ("", "0", "false", "no", "off")
+
+
 def disabled(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """ADLOADER_DISABLE set to 1/true/yes: no client, no agent contact at all."""
-    return _env(environ).get("ADLOADER_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+    """ADLOADER_DISABLE set to 1/true/yes/on (any case): no client, no agent contact at all.
+    0/false/no/off or unset: the client runs. Any other value ('y', '2', 'disabled') is not read as
+    either: the client runs, and one warning names the variable and its value (a user who meant to
+    opt out would otherwise be connected without a word)."""
+    raw = _env(environ).get("ADLOADER_DISABLE", "")
+    value = raw.strip().lower()
+    if value in DISABLE_ON:
+        return True
+    if value not in DISABLE_OFF:
+        _report_malformed("ADLOADER_DISABLE", raw, "the agent client stays on",
+                          f"not one of {', '.join(DISABLE_ON)} (opt out) or {', '.join(DISABLE_OFF[1:])}")
+    return False
 
 
 def runtime_dir(uid: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> (module, one-line help)
@@ -61,7 +62,29 @@ def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> a
         parser = sub.choices[getattr(args, sub.dest)]
 
 
+# what a shell reports for a command killed by SIGPIPE (128 + 13), as `cat` piped into `head` gives
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Its output piped into a reader that stops early (``adloader status --json |
+    head``) ends the command quietly with ``EXIT_BROKEN_PIPE``, not with a BrokenPipeError traceback
+    (Python ignores SIGPIPE; the recipe is the one in the ``signal`` module's documentation)."""
+    try:
+        try:
+            return _main(argv)
+        finally:    # also after argparse's SystemExit (--help): a flush at interpreter exit would print the error
+            sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())   # so that the exit's own flush finds nothing to say
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     only = first if first in COMMANDS else None

@@ -84,6 +84,14 @@ class CannotStart(RuntimeError):
     """The agent cannot start with this config; the message names the key (no traceback)."""
 
 
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every directory above it, outermost first: '/a/b' -> ['/', '/a', '/a/b']."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out[::-1]
+
+
 def sd_notify(state: str, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Send ``state`` (e.g. "READY=1") to systemd's NOTIFY_SOCKET; False when not under systemd.
     An address starting with '@' is in the abstract namespace (sd_notify(3))."""
@@ -206,7 +214,19 @@ class Agent:
         self.metrics = None
 
     def _make_state_dir(self) -> None:
-        self._made_state_dirs += statefile.make_dir(self.config.state_dir, mode=0o700 if os.getuid() else 0o755)
+        """Make ``state_dir`` where it is missing; one that cannot be made is ``CannotStart`` naming the
+        key and the path (an ``OSError`` alone read "cannot start: [Errno 17] File exists: '/x'", with
+        '/x' a file somewhere above the directory asked for)."""
+        path = self.config.state_dir
+        try:
+            self._made_state_dirs += statefile.make_dir(path, mode=0o700 if os.getuid() else 0o755)
+        except OSError as e:
+            blocker = next((p for p in _ancestors(os.path.abspath(path)) if os.path.lexists(p) and not os.path.isdir(p)),
+                           None)
+            why = (f"{blocker} is not a directory" if blocker is not None
+                   else f"cannot make it: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+            raise CannotStart(f"state_dir {path!r}: {why}; set state_dir (or --state-dir) to a directory "
+                              f"the agent may create and write") from None
 
     def _remove_made_state_dir(self) -> None:
         """A refused start leaves no state directory that it made itself (one that existed before is

@@ -717,6 +717,29 @@ def test_job_identity_from_the_environment():
     assert env.endpoint({"ADLOADER_ENDPOINT": "ipc:///x.sock"}) == "ipc:///x.sock"
 
 
+def test_an_adloader_disable_value_that_is_neither_on_nor_off_is_one_warning_naming_it(monkeypatch, caplog):
+    """ADLOADER_DISABLE=1/true/yes/on (any case) opts out; unset, 0/false/no/off do not. Anything else
+    ('y', '2', 'disabled') left the client on without a word, so a user who meant to opt out was
+    connected to the agent all the same: now one warning names the variable and its value."""
+    import logging
+
+    monkeypatch.setattr(env, "_reported", set(), raising=False)
+    with caplog.at_level(logging.WARNING, logger="adloader.env"):
+        for on in ("1", "true", "YES", " on "):
+            assert env.disabled({"ADLOADER_DISABLE": on})
+        for off in ("", "0", "False", "no", "off"):
+            assert not env.disabled({"ADLOADER_DISABLE": off})
+        assert not env.disabled({})
+        assert caplog.records == []
+        assert not env.disabled({"ADLOADER_DISABLE": "y"})
+        assert not env.disabled({"ADLOADER_DISABLE": "y"})       # read at every loader: said once
+        assert not env.disabled({"ADLOADER_DISABLE": "2"})
+    said = [r.getMessage() for r in caplog.records if r.name == "adloader.env"]
+    assert len(said) == 2, said
+    assert "ADLOADER_DISABLE='y'" in said[0] and "the agent client stays on" in said[0]
+    assert "ADLOADER_DISABLE='2'" in said[1]
+
+
 def test_a_rank_or_count_not_in_ascii_digits_is_skipped_with_one_warning_naming_the_variable(monkeypatch, caplog):
     """int() reads '1_0' as 10 and '١٠' (Arabic-Indic) as 10: such a RANK or WORLD_SIZE is skipped as an
     unset one is (the next variable, else the default) and reported once, by name, with what is used."""

@@ -437,3 +437,20 @@ def test_a_command_s_number_flag_refuses_what_is_not_finite(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "a finite number expected" in err and repr(argv[2]) in err, err
+
+
+def test_a_state_dir_that_cannot_be_made_is_named_with_what_is_in_the_way(tmp_path, capsys):
+    """state_dir is made at start where missing; where it cannot be (a file in its place or above it)
+    the command said "cannot start: [Errno 17] File exists: '<the file>'", naming neither the key nor
+    the directory asked for. Now one line names state_dir, the path and the file in the way; exit 1,
+    and nothing is bound."""
+    from agent import cli
+
+    blocker = tmp_path / "state"
+    blocker.write_text("")
+    for state_dir in (blocker, blocker / "sub"):
+        rc = cli.main(["agent", "--state-dir", str(state_dir), "--endpoint", f"ipc://{tmp_path}/a.sock",
+                       "--cgroup-mode", "off"])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.startswith(f"adloader agent: state_dir '{state_dir}': {blocker} is not a directory"), err
+        assert not (tmp_path / "a.sock").exists()

@@ -88,6 +88,27 @@ def test_cli_help_lists_commands():
         assert cmd in out.stdout
 
 
+@pytest.mark.parametrize("argv", [("simulate", "--list-kinds")])
+def test_output_into_a_closed_pipe_ends_quietly_without_a_traceback(argv):
+    """`adloader status --json | head` closes the pipe before the command is done writing: Python
+    ignores SIGPIPE, so the write raised BrokenPipeError and the operator saw a traceback (and
+    "Exception ignored ... BrokenPipeError" for a flush at exit). Now nothing on stderr and exit 141,
+    what a shell reports for a command SIGPIPE ended. The reading end is closed before the command
+    starts, so every write fails, deterministically."""
+    import os
+
+    from agent.cli import EXIT_BROKEN_PIPE
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run(adloader_cmd(*argv), env=repo_env(), cwd=REPO, stdout=w, stderr=subprocess.PIPE,
+                             text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert out.returncode == EXIT_BROKEN_PIPE == 141 and out.stderr == "", (out.returncode, out.stderr)
+
+
 def test_unknown_command_is_named():
     out = subprocess.run(adloader_cmd("frobnicate"), env=repo_env(), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2

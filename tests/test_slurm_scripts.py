@@ -259,6 +259,25 @@ def test_the_log_line_reaches_stderr_and_syslog_or_the_log_file(installed, tmp_p
         assert all("job 4242" in l and "agent down" in l for l in lines)
 
 
+def test_a_log_file_that_cannot_be_written_adds_nothing_to_stderr(tmp_path, adloader_bin):
+    """A node without syslog whose LOG_FILE's directory is missing (scripts copied by hand, not by
+    install-service): stderr holds the one log line and no bash error about the file (the redirect of
+    stderr came after the file's, so bash reported the failed open on the script's stderr)."""
+    from agent.commands.install_service import slurm_script
+
+    d = tmp_path / "slurm"
+    d.mkdir()
+    for name in ("prolog.sh", "epilog.sh"):
+        (d / name).write_text(slurm_script(name, "/opt/adloader", config=str(tmp_path / "agent.toml"),
+                                           log_file=str(tmp_path / "missing" / "slurm.log")))
+        (d / name).chmod(0o755)
+    env = {**SLURM_ENV, "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": f"ipc://{tmp_path}/none.sock"}
+    for script in ("prolog.sh", "epilog.sh"):
+        rc, _, err, _ = run_script(d / script, env)
+        assert rc == 0 and "agent down" in log_line(err, "adloader-" + script[:-3])
+        assert err.strip().splitlines() == [log_line(err, "adloader-" + script[:-3])], err
+
+
 def test_install_time_lines_are_set_once_each():
     from agent.commands.install_service import slurm_script
 

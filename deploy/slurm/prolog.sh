@@ -35,7 +35,7 @@ log() {
         done
     fi
     # no syslog: a file (bash's printf builds the timestamp; no program needed)
-    [ -n "$LOG_FILE" ] && printf '%(%Y-%m-%dT%H:%M:%S%z)T %s[%d]: %s\n' -1 "$TAG" "$$" "$1" >>"$LOG_FILE" 2>/dev/null
+    [ -n "$LOG_FILE" ] && printf '%(%Y-%m-%dT%H:%M:%S%z)T %s[%d]: %s\n' -1 "$TAG" "$$" "$1" 2>/dev/null >>"$LOG_FILE"   # 2> first: a missing log dir is not a bash error on stderr
     return 0
 }
 
