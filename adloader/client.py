@@ -476,8 +476,20 @@ class _Client:
             "hello", job=self.job, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
             pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=self._batch_size(loader),
             workers=attr("num_workers", 0), requested_workers=attr("requested_workers", attr("num_workers", 0)),
-            max_workers=attr("max_workers"), hostname=_socket.gethostname(), uid=os.getuid(),
+            max_workers=attr("max_workers"), dataset_kind=self._dataset_kind(loader),
+            hostname=_socket.gethostname(), uid=os.getuid(),
         )
+
+    @staticmethod
+    def _dataset_kind(loader) -> Optional[str]:
+        """The hello's ``dataset_kind`` (``adloader.DataLoader.dataset_kind``), None where the loader does
+        not say: the agent knows from the first plan on that an IterableDataset's count waits for its
+        next epoch, before the first report (a second later) says so."""
+        try:
+            kind = getattr(loader, "dataset_kind", None)
+        except Exception:
+            return None
+        return kind if kind in ("map", "iterable") else None
 
     @staticmethod
     def _batch_size(loader) -> Optional[int]:

@@ -489,6 +489,12 @@ class DataLoader(tud.DataLoader[T_co]):
         it: this is the count an observe-only agent (policy ``none``) leaves the job at."""
         return self._core.requested
 
+    @property
+    def dataset_kind(self) -> str:
+        """"map": a resize takes effect between two batches; "iterable" (an ``IterableDataset``): at the
+        next epoch, as the epoch's worker shards are fixed. In ``stats()`` and the agent client's hello."""
+        return "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map"
+
     def set_epoch(self, epoch: int) -> None:
         """Tell the sampler which epoch comes next, as Accelerate's loaders do: forwarded to the
         batch sampler if it has ``set_epoch``, else to the sampler (``DistributedSampler`` reshuffles
@@ -627,7 +633,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
             "main_runq_s": self._main_runq_s(),
-            "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
+            "dataset_kind": self.dataset_kind,
             "rates": core.rates.rates(now),
         }
         goal = core.steps_goal

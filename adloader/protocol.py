@@ -16,7 +16,8 @@ client -> agent
                batch_size (int >= 1|null: as ``stats()`` reports it, null before a loader with a custom
                batch_sampler has delivered a batch; a rounded mean may flip by one: the agent's
                predictor takes sizes within ``predictor.bank.BATCH_SIZE_TOL`` as one), workers (current target), requested_workers (the
-               user's num_workers), max_workers (int|null), hostname, uid
+               user's num_workers), max_workers (int|null), dataset_kind ("map"|"iterable", optional: as
+               ``stats()`` says it; "iterable": the worker count changes only at an epoch), hostname, uid
     report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
     heartbeat  job, rank, pid
     bye        job, rank, pid

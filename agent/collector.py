@@ -217,11 +217,11 @@ class RankRates:
 
     def _remember(self, totals: dict, t: float, stats: Mapping, recv_t: float) -> None:
         """Keep the report's totals for the predictor's windows (the last ``HISTORY_S`` of them)."""
-        workers, live = _num(stats.get("workers")), _num(stats.get("live_workers"))
+        workers, live, epoch = _num(stats.get("workers")), _num(stats.get("live_workers")), _num(stats.get("epoch"))
         self.history.append(Report(recv_t=recv_t, uptime_s=t, totals=totals,
                                    workers=int(workers) if workers is not None else 0,
                                    live_workers=int(live) if live is not None else None,
-                                   epoch_fixed=stats.get("dataset_kind") == "iterable"))
+                                   epoch=int(epoch) if epoch is not None else None))
         while self.history and self.history[0].recv_t < recv_t - HISTORY_S:
             self.history.popleft()
 
@@ -519,6 +519,7 @@ class Collector:
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,
+            epoch_fixed=bool(ranks) and all(r.dataset_kind == "iterable" for r in ranks),
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 

@@ -77,8 +77,8 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from agent import logs
 from agent.collector import settled_window
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, live_workers
-from agent.policies import (Policy, PolicyConfig, cpu_starved_loader, epoch_fixed_view, grown_loader_cpus,
-                            keep_epoch_targets, trainer_compute_s, whole_ranks)
+from agent.policies import (Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, plan_around_epochs,
+                            trainer_compute_s)
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation, as_batch_size
 
@@ -552,8 +552,7 @@ class Controller:
                 curves[job_id] = self._summaries[job_id] if curve is not None else curve_summary(None)
             t2 = time.perf_counter()
             try:
-                planned, held = epoch_fixed_view(snapshot)
-                plan = keep_epoch_targets(whole_ranks(self._policy(planned, model, self._config), snapshot), held)
+                plan = plan_around_epochs(self._policy, snapshot, model, self._config)
             except Exception as e:   # noqa: BLE001
                 errors.append(f"policy: {type(e).__name__}: {e}")
             t3 = time.perf_counter()

@@ -77,7 +77,7 @@ class Report:
     totals: Mapping[str, Optional[float]] # counter -> total (None: the client does not report it)
     workers: int                          # the loader's target worker count at the report
     live_workers: Optional[int] = None    # worker processes taking tasks (None: the client does not say)
-    epoch_fixed: bool = False             # its workers change only at an epoch (stats dataset_kind "iterable")
+    epoch: Optional[int] = None           # the loader's epoch, 0-based (None: the client does not say)
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,9 @@ class JobStats:
                                           # the most over ranks); None: the job did not say
     steps_left_refused: bool = False      # a rank's steps_left is not taken: it does not count down
                                           # (``agent.collector``)
+    epoch_fixed: bool = False             # every rank's loader changes workers only at an epoch: its hello or
+                                          # latest report says dataset_kind "iterable" (False: a rank says
+                                          # "map", or does not say: a client older than dataset_kind)
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)
@@ -175,17 +178,30 @@ class ApplyResult:
 
 
 def epoch_fixed_workers(job: JobStats) -> Optional[int]:
-    """The live workers of a job whose worker count cannot follow its target before an epoch ends: every
-    rank's latest report says its loader changes workers only at an epoch (an ``IterableDataset``: its
-    epoch's worker shards are fixed), and the live workers
-    (``live_workers``) differ from the target (``JobStats.workers``): a resize waits for the next epoch,
-    which for an endless stream never comes. None otherwise (a map-style loader's resize is under way
-    between two batches; its workers may take a while to start and must not be held)."""
-    lasts = [h[-1] for h in job.history if h]
-    live = live_workers(job)
-    if live is None or live == job.workers or not all(r.epoch_fixed for r in lasts):
+    """The workers a job runs until its epoch ends, where its worker count cannot change before then:
+    every rank's loader says so (``JobStats.epoch_fixed``: an ``IterableDataset``, whose epoch's worker
+    shards are fixed; a resize waits for the next epoch, which for an endless stream never comes). That
+    holds whether or not a target is pending: a count sent now waits for the epoch's end as well. The
+    ranks' live workers (``live_workers``); before any rank has reported, the target its hello said
+    (the hello comes at the loader's first iteration, so its first epoch runs that many). 0: the job
+    loads in its training processes (``num_workers=0``), and a count sent now starts workers only at
+    its next epoch. None otherwise: a map-style loader (its resize is under way between two batches;
+    its workers may take a while to start and must not be held), a client that does not say its
+    dataset's kind (older than ``dataset_kind``: never held), or ranks of which only some reported."""
+    if not job.epoch_fixed:
         return None
-    return live
+    if not any(job.history):
+        return job.workers
+    return live_workers(job)
+
+
+def epochs_end(job: JobStats) -> bool:
+    """Whether the job's loaders have been seen past an epoch's end: every rank's latest report is of an
+    epoch after its first (``Report.epoch`` >= 1). A target sent to an ``IterableDataset``'s loader then
+    takes effect at the next epoch; an endless stream stays in its first epoch (so does a finite one in
+    its first: it is told a count only from its second on)."""
+    lasts = [h[-1] for h in job.history if h]
+    return bool(lasts) and len(lasts) >= job.ranks and all(r.epoch is not None and r.epoch >= 1 for r in lasts)
 
 
 def live_workers(job: JobStats) -> Optional[int]:

@@ -27,6 +27,9 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
   (``memory_caps``; property-tested in tests/test_memory_policy.py); the baselines ignore memory;
 - ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
   returns the same allocations (no oscillation).
+What the controller applies is ``plan_around_epochs`` of a policy's plan: a job whose workers cannot
+change before its epoch ends (an ``IterableDataset``) keeps its count for that epoch, which may be 0 (a
+stream loading in its training process), its cores planned for the workers it runs.
 
 Workers for a job = enough to use its cores: ``ceil(cores * (c + b) / c)`` (a worker is on CPU
 ``c / (c + b)`` of the time), bounded by ``curve.max_useful_workers`` and by ``max_workers``; without a
@@ -41,7 +44,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from agent.model import AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers
+from agent.model import (AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers,
+                         epochs_end)
 from predictor.curve import ThroughputCurve
 from predictor.prior import LOADER_BOUND_WAIT
 
@@ -347,40 +351,84 @@ def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
     return dataclasses.replace(plan, allocations=allocs) if allocs != dict(plan.allocations) else plan
 
 
-def epoch_fixed_view(snapshot: NodeSnapshot) -> tuple[NodeSnapshot, dict[str, tuple[int, int]]]:
-    """The node as a policy must plan it while some jobs' workers cannot change before their epoch ends
-    (``agent.model.epoch_fixed_workers``: an ``IterableDataset``'s loader holds its epoch's worker shards,
-    its target waiting for the next epoch, which for an endless stream never comes): each such job bounded
-    to the workers it runs (``max_workers``), so that its cores are planned and valued for those, not for
-    a target it cannot reach. Returns that snapshot and {job: (live workers, pending target)} for
+@dataclass(frozen=True)
+class EpochHold:
+    """A job whose worker count cannot change before its epoch ends (``agent.model.epoch_fixed_workers``)."""
+    live: int          # the workers it runs until then (0: it loads in its training processes)
+    target: int        # its target now: pending where it differs from ``live``
+    retarget: bool     # a plan may set its next epoch's count: none pending, its epochs end, it runs workers
+
+
+def epoch_fixed_view(snapshot: NodeSnapshot) -> tuple[NodeSnapshot, dict[str, EpochHold]]:
+    """The node as a policy must plan it now while some jobs' workers cannot change before their epoch
+    ends (``agent.model.epoch_fixed_workers``: an ``IterableDataset``'s loader holds its epoch's worker
+    shards; a target waits for the next epoch, which for an endless stream never comes): each such job
+    bounded to the workers it runs (``max_workers``; one where it runs none, the least a plan gives), so
+    that its cores are planned and valued for those, not for a count it cannot reach before its epoch
+    ends. That holds from the agent's first plan for the job (its hello says its dataset's kind), not
+    only once a target is pending. Returns that snapshot and {job: ``EpochHold``} for
     ``keep_epoch_targets``. Without such a job, the snapshot itself."""
-    held: dict[str, tuple[int, int]] = {}
+    held: dict[str, EpochHold] = {}
     jobs = dict(snapshot.jobs)
     for j, job in snapshot.jobs.items():
         live = epoch_fixed_workers(job)
-        if live is None or live < 1:
+        if live is None:
             continue
-        held[j] = (live, job.workers)
-        jobs[j] = dataclasses.replace(job, max_workers=live if job.max_workers is None else min(job.max_workers, live))
+        held[j] = EpochHold(live=live, target=job.workers,
+                            retarget=live >= 1 and live == job.workers and epochs_end(job))
+        bound = max(1, live) if job.max_workers is None else min(job.max_workers, max(1, live))
+        jobs[j] = dataclasses.replace(job, max_workers=bound)
     return (dataclasses.replace(snapshot, jobs=jobs) if held else snapshot), held
 
 
-def keep_epoch_targets(plan: AllocationPlan, held: Mapping[str, tuple[int, int]]) -> AllocationPlan:
-    """``plan`` with each job of ``epoch_fixed_view`` left at its pending target: a new count would wait
-    for the same epoch's end, so it is not sent (the directive would change nothing now and one more
-    resize would be queued); the target sent before takes effect at that epoch, and the next plan
-    after it sizes the job again. The reason says so."""
+def keep_epoch_targets(plan: AllocationPlan, held: Mapping[str, EpochHold],
+                       later: Optional[AllocationPlan] = None) -> AllocationPlan:
+    """``plan`` (made on ``epoch_fixed_view``) with each held job's count set for its next epoch, its
+    cores left as planned for the workers it runs:
+
+    - a job with ``retarget`` (no target pending, its epochs end: ``agent.model.epochs_end``) gets the
+      count ``later`` gives it, the plan made as if its workers could change (on the snapshot itself):
+      what the plan wants for when its epoch ends, where the target then applies;
+    - every other held job keeps its target. A pending one stays: a new count would wait for the same
+      epoch's end (one more resize queued), and the next plan after that epoch sizes the job again. A job
+      still in its first epoch is sent no count: an endless stream stays there, and a count would never
+      apply (its loader would warn, its windows would never settle). A job that loads in its training
+      processes (0 workers) is never moved out of them: an ``IterableDataset`` written for that need
+      not shard by worker (``torch.utils.data.get_worker_info``), and each of N workers would yield it
+      whole.
+
+    The reason says so."""
     if not held:
         return plan
     allocs = dict(plan.allocations)
-    for j, (live, target) in held.items():
+    for j, h in held.items():
         a = allocs.get(j)
         if a is None:
             continue
+        b = later.allocations.get(j) if h.retarget and later is not None else None
+        target = b.workers if b is not None else h.target
+        runs = (f"runs {h.live} workers", "planned for those") if h.live else \
+            ("loads in its training process", "planned as one worker, the least a plan gives")
         allocs[j] = dataclasses.replace(a, workers=target, reason=(
-            f"{a.reason}; its loader runs {live} workers until its epoch ends (an IterableDataset's "
-            f"epoch keeps its worker shards): planned for those, {target} from the next epoch"))
+            f"{a.reason}; its loader {runs[0]} until its epoch ends (an IterableDataset's epoch keeps its "
+            f"worker shards): {runs[1]}, {target} from the next epoch"))
     return dataclasses.replace(plan, allocations=allocs)
+
+
+def plan_around_epochs(policy: Policy, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
+                       config: PolicyConfig) -> AllocationPlan:
+    """``policy``'s plan in whole ranks (``whole_ranks``) for a node on which some jobs' workers cannot
+    change before their epoch ends: made on ``epoch_fixed_view`` (their cores for the workers they run),
+    and where a held job's next epoch is open (``EpochHold.retarget``), made once more on the snapshot
+    itself for that job's count (``keep_epoch_targets``). Without such a job, one plan, as before. Pure,
+    like the policy (the controller calls it in each tick)."""
+    planned, held = epoch_fixed_view(snapshot)
+    plan = whole_ranks(policy(planned, curves, config), snapshot)
+    if not held:
+        return plan
+    later = (whole_ranks(policy(snapshot, curves, config), snapshot)
+             if any(h.retarget for h in held.values()) else None)
+    return keep_epoch_targets(plan, held, later)
 
 
 def most_workers(job: JobStats, config: PolicyConfig, cap: Optional[int] = None) -> int:

@@ -89,6 +89,8 @@ class Rank:
     workers: int = 0
     requested_workers: int = 0
     max_workers: Optional[int] = None
+    dataset_kind: Optional[str] = None     # "map" | "iterable" (its workers change only at an epoch), from the
+                                           # hello or the latest report; None: the client does not say
     hostname: str = ""
     stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
     reports: int = 0
@@ -152,6 +154,13 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 1_000_000:
         raise Refused("malformed", f"field {name!r} must be an integer >= {lo}, got {v!r}")
     return v
+
+
+def _dataset_kind(msg: dict) -> Optional[str]:
+    """A hello's or a report's ``dataset_kind`` ("map" or "iterable"); None where it does not say (an older
+    client) or says something else (ignored, as an unknown field is)."""
+    v = msg.get("dataset_kind")
+    return v if v in ("map", "iterable") else None
 
 
 def _hello_batch_size(msg: dict, old: Optional[Rank], pid: int) -> int:
@@ -269,7 +278,7 @@ class Registry:
                  local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
                  gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_hello_batch_size(msg, old, pid),
                  workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
-                 max_workers=_opt_int(msg, "max_workers", None),
+                 max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
                  hostname=str(msg.get("hostname") or "")[:255],
                  claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
         if old is not None and old.pid == pid:
@@ -321,6 +330,7 @@ class Registry:
             v = stats.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
                 setattr(r, attr, v)
+        r.dataset_kind = _dataset_kind(stats) or r.dataset_kind
         return r
 
     def _map_workers(self, claimed: list[int], host: int, known: dict[int, int]) -> dict[int, int]:

@@ -127,6 +127,7 @@ def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch)
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=5)
+    lo.dataset_kind = "iterable"               # adloader.DataLoader's: its workers change only at an epoch
     try:
         client.attach(lo)
         client.attach(lo)                      # idempotent
@@ -135,6 +136,7 @@ def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch)
         assert hello["job"] == "unit-job" and hello["rank"] == 0 and hello["pid"] == os.getpid()
         assert hello["gpus"] == ["1", "3"] and hello["uid"] == os.getuid() and hello["worker_pids"] == [os.getpid()]
         assert (hello["workers"], hello["requested_workers"], hello["max_workers"], hello["batch_size"]) == (2, 2, 5, 16)
+        assert hello["dataset_kind"] == "iterable"
         agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
         _, report = agent.recv("report")
         assert report["stats"]["samples"] > 0

@@ -974,3 +974,98 @@ def test_a_job_that_never_holds_still_falls_back_to_the_smoothed_figures():
     # ... of the one worker that took tasks, not of the target of 2 (an IterableDataset's epoch keeps its
     # shards: a resize waits for the next epoch, which for an endless stream never comes)
     assert all(obs.workers == 1 for _, obs in bank.seen)
+
+
+# -- a loader whose workers change only at an epoch (an IterableDataset), through the real collector -----
+
+def _stream_agent(hello_extra: dict, workers: int = 1):
+    """A registry, collector and controller (``even`` on 3 loader cores, a recording actuator) with one
+    rank of job "s" that said hello with ``workers`` (its own count) and ``hello_extra``; returns
+    (controller, actuator, bank, report(t, stats))."""
+    import os
+
+    from adloader import protocol
+    from agent.collector import Collector
+    from agent.registry import Registry
+    from agent.security import Peer
+
+    me, peer = os.getpid(), Peer(os.getuid(), 0, os.getpid())
+    reg = Registry()
+    reg.hello(peer, b"c", protocol.make("hello", job="s", rank=0, pid=me, gpus=["0"], batch_size=4, workers=workers,
+                                        requested_workers=workers, max_workers=4, **hello_extra), 0.0)
+    col = Collector(reg, loader_cpus=3.0, cpu_ids=(0, 1, 2))
+    act, bank = RecordingActuator(), FakeBank()
+    ctl = Controller(snapshot_source=col.snapshot, policy=get_policy("even"), policy_config=PolicyConfig(),
+                     predictor=bank, actuators=[act], observe_interval_s=3.0)
+
+    def report(t: float, stats: dict) -> None:
+        r = reg.report(b"c", peer, protocol.make("report", job="s", rank=0, pid=me, worker_pids=[], stats=stats), t)
+        col.on_report(r.job, r.rank, r.pid, stats, t)
+
+    return ctl, act, bank, report
+
+
+def _stream_totals(t: float) -> dict:
+    """A loader's totals after ``t`` seconds of 10 steps a second, 4 samples each."""
+    steps = 10.0 * t
+    return {"steps": steps, "samples": 4 * steps, "batches": steps, "data_wait_s": 0.05 * t, "compute_s": 0.9 * t,
+            "worker_cpu_s": 0.5 * t, "worker_wall_s": 0.9 * t, "uptime_s": t, "batch_size": 4}
+
+
+def test_a_streams_first_directive_sends_no_count_its_epoch_cannot_take_and_a_finite_ones_next_epoch_gets_one():
+    """The hello says dataset_kind "iterable": from the first plan on (before any report), the stream is
+    held at the worker it runs; a count sent then would only become a target for the next epoch, which
+    for an endless stream never comes (the old first directive said 3). Its reports in epoch 0 keep it
+    there. Past its first epoch's end (a finite IterableDataset) the plan sets the next epoch's count,
+    3, once: the pending target then stays, and at the epoch after, its 3 workers run."""
+    ctl, act, _, report = _stream_agent({"dataset_kind": "iterable"})
+    rec = ctl.tick(0.5)
+    assert not rec.errors and rec.plan.allocations["s"].workers == 1
+    assert "runs 1 workers until its epoch ends" in rec.plan.allocations["s"].reason
+    base = dict(workers=1, live_workers=1, dataset_kind="iterable")
+    for t in range(1, 4):
+        report(float(t), {**_stream_totals(t), **base, "epoch": 0})
+        assert ctl.tick(t + 0.5).plan.allocations["s"].workers == 1
+    assert [d.workers for _, d, _ in act.applied] == [1]
+    report(4.0, {**_stream_totals(4), **base, "epoch": 1})
+    assert ctl.tick(4.5).plan.allocations["s"].workers == 3               # for when epoch 1 ends
+    report(5.0, {**_stream_totals(5), **base, "workers": 3, "epoch": 1})    # target 3, 1 live until then
+    assert ctl.tick(5.5).plan.allocations["s"].workers == 3
+    report(6.0, {**_stream_totals(6), **base, "workers": 3, "live_workers": 3, "epoch": 2})
+    assert ctl.tick(6.5).plan.allocations["s"].workers == 3
+    assert [d.workers for _, d, _ in act.applied] == [1, 3]
+
+
+def test_a_client_that_does_not_say_its_datasets_kind_is_never_held_and_is_learned_by_its_live_workers():
+    """An adloader older than ``dataset_kind`` (hello and stats without it): the agent cannot tell a
+    stream from a map-style loader, so it is planned as one whose workers change when told (3 at once,
+    and its target stays 3) and never held. Its windows never settle (1 live worker of 3) and it is
+    learned from its smoothed figures labelled with the 1 worker that ran, and nothing raises."""
+    from agent.controller import UNSETTLED_FALLBACK_S
+
+    ctl, act, bank, report = _stream_agent({})
+    assert ctl.tick(0.5).plan.allocations["s"].workers == 3
+    for t in range(1, int(UNSETTLED_FALLBACK_S) + 8):
+        report(float(t), {**_stream_totals(t), "workers": 3, "live_workers": 1, "epoch": 0})
+        rec = ctl.tick(t + 0.5)
+        assert not rec.errors, rec.errors
+        assert rec.plan.allocations["s"].workers == 3 and "epoch" not in rec.plan.allocations["s"].reason
+    assert bank.seen and all(obs.workers == 1 for _, obs in bank.seen)
+
+
+def test_a_stream_loading_in_its_training_process_is_not_told_to_start_workers():
+    """``num_workers=0`` over an IterableDataset: its loading runs in the training process, 0 live workers.
+    A count sent mid-epoch only becomes its target (adloader warns; it starts workers at the next epoch,
+    never for an endless stream). Held from the hello on, before and after its first epoch's end: its
+    count stays 0, and it is learned as the in-process loader it is (the old plan said 3 at once)."""
+    ctl, act, bank, report = _stream_agent({"dataset_kind": "iterable"}, workers=0)
+    assert ctl.tick(0.5).plan.allocations["s"].workers == 0
+    for t in range(1, 8):
+        report(float(t), {**_stream_totals(t), "workers": 0, "live_workers": 0, "dataset_kind": "iterable",
+                          "epoch": 0 if t < 4 else 1})
+        rec = ctl.tick(t + 0.5)
+        assert not rec.errors, rec.errors
+        a = rec.plan.allocations["s"]
+        assert a.workers == 0 and "loads in its training process" in a.reason
+    assert [d.workers for _, d, _ in act.applied] == [0]
+    assert bank.seen and all(obs.workers == 0 for _, obs in bank.seen)

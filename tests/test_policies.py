@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Optional
 
 import pytest
 from hypothesis import example, given, settings
@@ -1205,13 +1206,14 @@ def test_the_controller_plans_a_multi_rank_job_in_whole_ranks():
 
 # -- a loader whose workers change only at an epoch (an IterableDataset): planned for what it runs ------
 
-def _streaming(job_stats_, live: int, target: int, epoch_fixed: bool = True):
+def _streaming(job_stats_, live: Optional[int], target: int, epoch_fixed: bool = True, epoch: Optional[int] = 0):
     """``job_stats_`` whose latest report says the loader runs ``live`` workers toward a target of
-    ``target``, and (``epoch_fixed``) that it changes workers only at an epoch (an IterableDataset)."""
+    ``target`` in its epoch ``epoch``, and (``epoch_fixed``) that it changes workers only at an epoch (an
+    IterableDataset). ``live`` None: no report yet, only the hello (its target ``target``)."""
     from agent.model import Report
-    rep = Report(recv_t=1.0, uptime_s=1.0, totals={}, workers=target, live_workers=live,
-                 epoch_fixed=epoch_fixed)
-    return dataclasses.replace(job_stats_, workers=target, history=((rep,),))
+    rep = Report(recv_t=1.0, uptime_s=1.0, totals={}, workers=target, live_workers=live, epoch=epoch)
+    return dataclasses.replace(job_stats_, workers=target, epoch_fixed=epoch_fixed,
+                               history=((rep,),) if live is not None else ())
 
 
 def test_a_stream_that_cannot_take_its_target_before_its_epoch_ends_is_planned_for_the_workers_it_runs():
@@ -1220,13 +1222,13 @@ def test_a_stream_that_cannot_take_its_target_before_its_epoch_ends_is_planned_f
     plan counts the cores one worker uses and gives its neighbour more; its pending target stays (no
     new directive that would change nothing now), and the reason says so. A map-style loader whose new
     workers are still starting is not held."""
-    from agent.policies import epoch_fixed_view, keep_epoch_targets
+    from agent.policies import EpochHold, epoch_fixed_view, keep_epoch_targets
     heavy = job("stream", "heavy", worker_cpu_cores=1.0)
     other = job("other", "heavy", worker_cpu_cores=1.0)
-    free = snap("gpu-8core", [_streaming(heavy, 4, 4), other])
+    free = snap("gpu-8core", [_streaming(heavy, 4, 4, epoch_fixed=False), other])   # as if it could change
     held_snap = snap("gpu-8core", [_streaming(heavy, 1, 4), other])
     view, held = epoch_fixed_view(held_snap)
-    assert held == {"stream": (1, 4)} and view.jobs["stream"].max_workers == 1
+    assert held == {"stream": EpochHold(live=1, target=4, retarget=False)} and view.jobs["stream"].max_workers == 1
     assert view.jobs["other"] is held_snap.jobs["other"]
     policy, cfg = get_policy("adaptive"), PolicyConfig()
     before = policy(free, curves_of(free), cfg).allocations
@@ -1239,3 +1241,61 @@ def test_a_stream_that_cannot_take_its_target_before_its_epoch_ends_is_planned_f
     assert epoch_fixed_view(free) == (free, {})
     starting = snap("gpu-8core", [_streaming(heavy, 1, 4, epoch_fixed=False), other])
     assert epoch_fixed_view(starting) == (starting, {})
+
+
+def _plan_with_epochs(s: NodeSnapshot) -> dict:
+    """What the controller plans (``policies.plan_around_epochs``) with adaptive."""
+    from agent.policies import plan_around_epochs
+    return plan_around_epochs(get_policy("adaptive"), s, curves_of(s), PolicyConfig()).allocations
+
+
+@pytest.mark.parametrize("live", [1, None], ids=["first-report", "hello-only"])
+def test_a_streams_first_plan_sends_it_no_count_and_plans_its_cores_for_the_workers_it_runs(live):
+    """The first plan for a stream (its hello, or its first report: 1 worker, its own count, epoch 0)
+    comes before any target is pending. A count sent then waits for the epoch's end like any other (for
+    an endless stream: never) and its cores would be planned for workers it cannot start: it keeps its
+    1 worker and the cores one worker uses, its neighbour the rest. (Before: 3 workers, 3.5 cores.)"""
+    heavy = job("stream", "heavy", worker_cpu_cores=1.0)
+    other = job("other", "heavy", worker_cpu_cores=1.0)
+    s = snap("gpu-8core", [_streaming(heavy, live, 1), other])
+    free = snap("gpu-8core", [_streaming(heavy, live, 1, epoch_fixed=False), other])
+    before = get_policy("adaptive")(free, curves_of(free), PolicyConfig()).allocations
+    after = _plan_with_epochs(s)
+    assert before["stream"].workers == 3 and after["stream"].workers == 1
+    assert after["stream"].reason.startswith("uses 1.00 cores at most")
+    assert "1 from the next epoch" in after["stream"].reason
+    assert after["stream"].cpus < before["stream"].cpus and after["other"].cpus > before["other"].cpus
+
+
+def test_a_finite_streams_next_epoch_gets_the_count_the_plan_wants_its_cores_follow_the_workers_it_runs():
+    """A finite IterableDataset's epochs end (its report says epoch 1): with no target pending, the plan
+    sets its next epoch's count to what a plan without the hold gives it (3), and its cores stay planned
+    for the 1 worker it runs now. Once that target is pending (live 1, target 3), it stays."""
+    heavy = job("stream", "heavy", worker_cpu_cores=1.0)
+    other = job("other", "heavy", worker_cpu_cores=1.0)
+    first = _plan_with_epochs(snap("gpu-8core", [_streaming(heavy, 1, 1, epoch=0), other]))
+    second = _plan_with_epochs(snap("gpu-8core", [_streaming(heavy, 1, 1, epoch=1), other]))
+    assert first["stream"].workers == 1 and second["stream"].workers == 3
+    assert "3 from the next epoch" in second["stream"].reason
+    assert second["stream"].cpus == pytest.approx(first["stream"].cpus)
+    pending = _plan_with_epochs(snap("gpu-8core", [_streaming(heavy, 1, 3, epoch=1), other]))
+    assert pending["stream"].workers == 3 and pending["stream"].cpus == pytest.approx(first["stream"].cpus)
+
+
+@pytest.mark.parametrize("target", [0, 3])
+def test_a_stream_that_loads_in_its_training_process_is_held_there(target):
+    """``num_workers=0`` over an IterableDataset: 0 live workers, its loading in the training process. A
+    count sent mid-epoch only becomes its target (adloader warns; for an endless stream it never
+    applies; at a finite one's next epoch N workers start, and a dataset written for 0 workers, not
+    sharded by ``get_worker_info``, yields its data N times). It is held: its count stays (0, or a
+    target already pending), also past an epoch's end, and its cores are planned as one worker's, the
+    least a plan gives (its loader group has no process). (Before: not held, 3 workers, 3.5 cores.)"""
+    heavy = job("stream", "heavy", worker_cpu_cores=1.0)
+    other = job("other", "heavy", worker_cpu_cores=1.0)
+    one = _plan_with_epochs(snap("gpu-8core", [_streaming(heavy, 1, 1), other]))
+    for epoch in (0, 1):
+        after = _plan_with_epochs(snap("gpu-8core", [_streaming(heavy, 0, target, epoch=epoch), other]))
+        assert after["stream"].workers == target and "loads in its training process" in after["stream"].reason
+        assert after["stream"].reason.startswith("uses 1.00 cores at most")
+        assert after["stream"].cpus == pytest.approx(one["stream"].cpus)
+        assert after["other"].cpus == pytest.approx(one["other"].cpus)
