@@ -39,7 +39,9 @@ Invariants:
 
 Deviations from torch (by design, documented):
 - IterableDataset: each worker iterates its own copy (shard via ``get_worker_info()``), dispatched
-  round-robin like torch, so batches come in torch's order for the same worker count. The shard
+  round-robin like torch, so batches come in torch's order for the same worker count. Built with
+  ``num_workers`` 0 or 1 and no ``max_workers``, it gets no more workers, with "auto" at most one
+  (``ITERABLE_HELD_NOTE``: a dataset that does not shard would be yielded whole by each). The shard
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
   says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
   ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
@@ -127,6 +129,16 @@ from adloader.memory import WorkerMemorySampler, batch_nbytes
 from adloader.stats import LoaderCounters, RateWindow
 
 log = logging.getLogger("adloader")
+
+# An IterableDataset is copied into every worker, and each copy yields the whole stream unless the
+# dataset splits it by ``torch.utils.data.get_worker_info()`` (torch's docs: "the replicas must be
+# configured differently to avoid duplicated data"). A loader built with num_workers 0 or 1 says nothing
+# about whether it does, so it never gets more (``max_workers`` defaults to that count; with "auto", 1):
+# neither a directive of the agent nor the autotuner duplicates its samples. A user who passes
+# ``max_workers`` (or builds it with ``num_workers`` >= 2, as torch would run it) says it shards itself.
+ITERABLE_HELD_NOTE = ("an IterableDataset built with num_workers 0, 1 or 'auto' is not given more workers than "
+                      "that (auto: 1), which would each yield it whole unless it shards itself by "
+                      "get_worker_info(); pass max_workers to allow them")
 
 __all__ = ["DataLoader", "STATE_VERSION"]
 
@@ -252,6 +264,7 @@ class _Core:
         self.persistent_pools: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
         self.warned_iterable_resize = False
+        self.iterable_held = False  # max_workers is the count of an IterableDataset's loader (ITERABLE_HELD_NOTE)
         self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
         self.prefetch_factor = 2
@@ -365,8 +378,12 @@ class DataLoader(tud.DataLoader[T_co]):
                 log.info("adloader: max_workers=%s ignored: the shared elastic state has max_workers=%d",
                          max_workers, core.max_workers)
         else:
+            held = False
             if max_workers is None:
                 max_workers = max(default_max_workers(_available_cpus(), auto=auto), 0 if auto else count)
+                held = (auto or count <= 1) and isinstance(dataset, tud.IterableDataset)
+                if held:
+                    max_workers = 1 if auto else count      # ITERABLE_HELD_NOTE: the user's 0 or 1, "auto" 1
             elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
                 raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
             else:
@@ -374,6 +391,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 if not auto and count > max_workers:
                     raise ValueError(f"num_workers={count} exceeds max_workers={max_workers}")
             core = _Core(min(self._target_init, max_workers), max_workers)
+            core.iterable_held = held
             core.auto = auto
             core.requested = core.target
             core.owner = weakref.ref(self)
@@ -526,7 +544,11 @@ class DataLoader(tud.DataLoader[T_co]):
             raise ValueError(f"resize() needs n >= 0, got {n}")
         core = self._core
         if n > core.max_workers:
-            log.info("adloader: resize(%d) clamped to max_workers=%d", n, core.max_workers)
+            if own and core.iterable_held:
+                log.warning("adloader: resize(%d) clamped to max_workers=%d: %s", n, core.max_workers,
+                            ITERABLE_HELD_NOTE)
+            else:
+                log.info("adloader: resize(%d) clamped to max_workers=%d", n, core.max_workers)
             n = core.max_workers
         with core.lock:
             if core.closed:

@@ -155,6 +155,17 @@ class Shards(tud.IterableDataset):
             yield torch.tensor([i, w])
 
 
+class Whole(tud.IterableDataset):
+    """An IterableDataset that does not shard: every worker's copy yields all ``n`` items (torch's
+    documented duplication with more than one worker)."""
+
+    def __init__(self, n: int = 20):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
 def collate_dict(samples):
     return {"x": torch.stack([s for s in samples]), "n": len(samples)}
 

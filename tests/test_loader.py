@@ -586,6 +586,40 @@ def test_iterable_resize_waits_for_next_epoch_and_says_so():
     dl.close()
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_iterable_loader_built_with_0_or_1_workers_is_never_given_more(workers, caplog):
+    """A dataset that does not shard by get_worker_info() yields itself whole in every worker: a loader
+    over it with num_workers 0 or 1 that an agent's directive or the user's resize(3) took to 3 workers
+    at the next epoch handed out every sample three times (60 of 20). Its max_workers is that count, so
+    neither can; a resize of its own says why (a warning naming max_workers); with max_workers passed,
+    the user allows more (and the copies are the dataset's own doing, as in torch)."""
+    from tests.loader_datasets import Whole
+    dl = DataLoader(Whole(20), batch_size=5, num_workers=workers)
+    assert dl.max_workers == workers
+    assert sorted(int(x) for b in dl for x in b) == list(range(20))
+    dl._resize(3, own=False)                        # the agent client's directive
+    with caplog.at_level(logging.WARNING, logger="adloader"):
+        assert dl.resize(3) == workers
+    assert "pass max_workers" in caplog.text
+    assert sorted(int(x) for b in dl for x in b) == list(range(20))
+    dl.close()
+    allowed = DataLoader(Whole(20), batch_size=5, num_workers=workers, max_workers=2)
+    assert allowed.resize(2) == 2 and len([x for b in allowed for x in b]) == 40
+    allowed.close()
+    assert DataLoader(Shards(20), batch_size=5, num_workers=2).max_workers >= 2   # a user's 2: it shards
+
+
+def test_an_iterable_loader_with_auto_workers_runs_one_unless_max_workers_allows_more():
+    """"auto" over an IterableDataset: the autotuner starts and grows workers that would each yield a
+    dataset that does not shard whole; it runs one unless the user passes max_workers."""
+    from tests.loader_datasets import Whole
+    dl = DataLoader(Whole(20), batch_size=5, num_workers="auto")
+    assert dl.max_workers == 1 and dl.num_workers <= 1
+    assert sorted(int(x) for b in dl for x in b) == list(range(20))
+    dl.close()
+    assert DataLoader(Whole(20), batch_size=5, num_workers="auto", max_workers=3).max_workers == 3
+
+
 def test_iterable_resize_warning_made_an_error_comes_after_the_resize_is_done():
     """Under ``python -W error`` the mid-epoch warning of an IterableDataset's resize raised from inside
     ``resize``, before the idle persistent workers of a loader sharing its state were resized (here they
