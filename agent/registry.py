@@ -94,6 +94,9 @@ class Rank:
     reports: int = 0
     claimed_pid: Optional[int] = None      # the pid the process knows itself by, when not ``pid`` (container)
     ns_workers: dict[int, int] = field(default_factory=dict)   # container: claimed worker pid -> host pid
+    # worker pid -> its start time (clock ticks) when the agent took it: with the pid, the identity a
+    # journal-adopted rank's workers are checked by (a pid reused while the agent was down is another process)
+    worker_starts: dict[int, Optional[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -272,6 +275,7 @@ class Registry:
                  max_workers=_opt_int(msg, "max_workers", None),
                  hostname=str(msg.get("hostname") or "")[:255],
                  claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
+        r.worker_starts = self._worker_starts(r.worker_pids, old.worker_starts if old is not None and old.pid == pid else {})
         if old is not None and old.pid == pid:
             r.stats, r.reports = old.stats, old.reports
         job.ranks[rank_no] = r
@@ -311,6 +315,7 @@ class Registry:
                 worker_pids = [p for p in worker_pids if p not in gone]
         if tuple(worker_pids) != r.worker_pids:
             self.version += 1
+            r.worker_starts = self._worker_starts(worker_pids, r.worker_starts)
         r.worker_pids = tuple(worker_pids)
         stats = msg["stats"]
         r.stats = stats
@@ -322,6 +327,10 @@ class Registry:
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
                 setattr(r, attr, v)
         return r
+
+    def _worker_starts(self, pids, known: dict[int, Optional[int]]) -> dict[int, Optional[int]]:
+        """Each worker pid's start time: as recorded when it was first taken, read now for a new one."""
+        return {p: known[p] if p in known else security.pid_start_ticks(p, self.proc_root) for p in pids}
 
     def _map_workers(self, claimed: list[int], host: int, known: dict[int, int]) -> dict[int, int]:
         """Claimed (namespace-local) worker pids -> host pids: those already in ``known`` as they are,
@@ -466,6 +475,15 @@ class Registry:
             elif now - (j.seen_at if j.seen_at is not None else j.arrived_at) > timeout:
                 self._depart(j.job, f"no process seen for {timeout:g} s (registered, never released)")
 
+    def _adoptable_workers(self, pids: list[int], starts: dict[int, Optional[int]], uid: int) -> list[int]:
+        """The journaled worker pids that are still the processes the dead agent took: alive, with the start
+        time it recorded (a journal without one: any), and still the rank's uid's. A worker that exited while
+        no agent ran may have left its pid to another process, of any user: adopted as a worker, the first
+        tick moved it into the job's cgroup (a root daemon or another user's process, throttled with the
+        job's loaders until the job left)."""
+        return [p for p in pids if security.alive(p, starts.get(p), self.proc_root)
+                and security.pid_uid(p, self.proc_root) == uid]
+
     def take_departed(self) -> list[tuple[str, str]]:
         out, self._departed = self._departed, []
         return out
@@ -486,6 +504,7 @@ class Registry:
                 "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
                 "ranks": {str(r.rank): {"pid": r.pid, "uid": r.uid, "start_ticks": r.start_ticks,
                                         "worker_pids": list(r.worker_pids), "gpus": list(r.gpus),
+                                        "worker_start_ticks": {str(p): r.worker_starts.get(p) for p in r.worker_pids},
                                         "batch_size": r.batch_size, "workers": r.workers,
                                         "requested_workers": r.requested_workers, "max_workers": r.max_workers,
                                         "world_size": r.world_size, "local_rank": r.local_rank}
@@ -496,7 +515,8 @@ class Registry:
 
     def adopt(self, doc: dict, now: float) -> tuple[list[str], list[str]]:
         """Re-adopt jobs from a journal: live ranks come back (waiting for their hello, with a full
-        heartbeat grace), dead ones are dropped. Returns (adopted job ids, dead job ids)."""
+        heartbeat grace), dead ones are dropped, and so is each worker pid that is no longer the worker
+        the dead agent took (``_adoptable_workers``). Returns (adopted job ids, dead job ids)."""
         adopted, dead = [], []
         for job_id, j in (doc or {}).items():
             try:
@@ -509,10 +529,13 @@ class Registry:
                 for rk, r in (j.get("ranks") or {}).items():
                     if not security.alive(int(r["pid"]), r.get("start_ticks"), self.proc_root):
                         continue
+                    starts = {int(p): ct for p, ct in (r.get("worker_start_ticks") or {}).items()}
+                    workers = self._adoptable_workers([int(p) for p in r.get("worker_pids") or ()], starts,
+                                                      int(r["uid"]))
                     job.ranks[int(rk)] = Rank(
                         job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
                         identity=b"", start_ticks=r.get("start_ticks"), last_seen=now, connected_at=now,
-                        worker_pids=tuple(int(p) for p in r.get("worker_pids") or ()),
+                        worker_pids=tuple(workers), worker_starts={p: starts.get(p) for p in workers},
                         gpus=tuple(r.get("gpus") or ()), batch_size=int(r.get("batch_size") or 1),
                         workers=int(r.get("workers") or 0), requested_workers=int(r.get("requested_workers") or 0),
                         max_workers=r.get("max_workers"), world_size=int(r.get("world_size") or 1),

@@ -136,3 +136,45 @@ def test_a_hello_without_a_batch_size_keeps_what_the_rank_had_and_a_bad_one_is_m
             hello(bad)
         assert e.value.code == "malformed"
     assert reg.jobs["j"].ranks[0].batch_size == 32
+
+
+def test_a_journaled_worker_pid_now_held_by_another_process_is_not_adopted():
+    """A worker that exited while no agent ran may leave its pid to another process. Adopted as the
+    rank's worker, the restarted agent's first tick moved that process (a root daemon, another user's)
+    into the job's cgroup (found by killing an agent, giving a journaled worker pid to a uid-65534
+    process and restarting it). Kept: the worker still running with the start time journaled for it,
+    and a live one of the rank's uid from a journal written before start times were kept."""
+    import subprocess
+
+    me = os.getpid()
+    kept, reused = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    other_uid = None
+    if os.geteuid() == 0:
+        from agent.security import pid_uid
+        from tests.conftest import wait_for
+
+        other_uid = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+        wait_for(lambda: pid_uid(other_uid.pid) == 65534, 10, what="the process as uid 65534")
+    try:
+        reg = Registry()
+        reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me,
+                                                    "worker_pids": [kept.pid, reused.pid]}, 0.0)
+        doc = json.loads(json.dumps(reg.to_doc()))
+        rank = doc["j"]["ranks"]["0"]
+        assert rank["worker_start_ticks"][str(kept.pid)] is not None
+        rank["worker_start_ticks"][str(reused.pid)] += 1      # the pid is another process now
+        if other_uid is not None:                            # a journaled worker pid held by another uid
+            rank["worker_pids"].append(other_uid.pid)
+        fresh = Registry()
+        assert fresh.adopt(doc, 10.0) == (["j"], [])
+        assert fresh.jobs["j"].ranks[0].worker_pids == (kept.pid,)
+        # a journal without start times (an older agent's): the rank's uid still decides
+        del rank["worker_start_ticks"]
+        older = Registry()
+        older.adopt(doc, 10.0)
+        assert older.jobs["j"].ranks[0].worker_pids == (kept.pid, reused.pid)
+    finally:
+        for p in (kept, reused, other_uid):
+            if p is not None:
+                p.kill()
+                p.wait()
