@@ -54,6 +54,8 @@ LOST_AFTER_BEATS = 3
 MAX_PIDS_PER_MESSAGE = 256    # worker or registered pids in one message (each is one /proc read)
 MAX_WORKER_PIDS = MAX_PIDS_PER_MESSAGE
 UNSEEN_TIMEOUT_S = 60.0   # default of config key unseen_job_timeout_s
+MAX_UID = 2 ** 32 - 2     # the largest uid: uid_t is 32 bits and (uid_t)-1 means "no uid" (setresuid(2))
+MAX_SOURCE_CHARS = 64     # a register's ``source`` ("slurm", "cli"), as logged
 
 
 @dataclass(frozen=True)
@@ -157,13 +159,24 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
     return v
 
 
-def _hello_batch_size(msg: dict, old: Optional[Rank], pid: int) -> int:
+def _opt_str(msg: dict, name: str, limit: int = 255) -> str:
+    """An optional string field, cut to ``limit`` characters; another type is ``malformed``, naming it
+    (before, ``str()`` of an object or a list was taken as the rank's host name)."""
+    v = msg.get(name)
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise Refused("malformed", f"field {name!r} must be a string, got {type(v).__name__}")
+    return v[:limit]
+
+
+def _hello_batch_size(v: Optional[int], old: Optional[Rank], pid: int) -> int:
     """A hello's ``batch_size``: an integer >= 1, or null when the client does not know it yet (a loader
     with a custom ``batch_sampler`` before its first batch: torch's ``batch_size`` is None and
     ``stats()`` reports the mean delivered batch only once there is one). Unknown keeps what this
     process's rank already had (a reconnect, or a rank adopted from the journal), else 1 until a report
-    carries it: ``samples`` are 0 until then, so no step is counted from the placeholder."""
-    v = _opt_int(msg, "batch_size", None, 1)
+    carries it: ``samples`` are 0 until then, so no step is counted from the placeholder. ``v``: the
+    hello's field, checked (``_opt_int(msg, "batch_size", None, 1)``)."""
     if v is not None:
         return v
     return old.batch_size if old is not None and old.pid == pid else 1
@@ -239,6 +252,8 @@ class Registry:
                                            "process may only speak for itself")
         uid = peer.uid
         claimed = msg.get("uid")
+        if claimed is not None and (not isinstance(claimed, int) or isinstance(claimed, bool)):
+            raise Refused("malformed", f"field 'uid' must be an integer, got {claimed!r}"[:200])
         if claimed is not None and claimed != uid:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
         ns_workers: dict[int, int] = {}
@@ -249,6 +264,14 @@ class Registry:
         worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
         if why:
             raise Refused("not_permitted", f"worker_pids: {why}")
+        # every field is checked before the registry changes: a refusal below used to leave the job it had
+        # just made, with no rank, in the registry for good (never swept, journaled, counted against the
+        # uid's jobs_per_uid and holding the id against other uids)
+        fields = dict(local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
+                      gpus=tuple(_str_list(msg.get("gpus"), "gpus")),
+                      workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
+                      max_workers=_opt_int(msg, "max_workers", None), hostname=_opt_str(msg, "hostname"))
+        batch_size = _opt_int(msg, "batch_size", None, 1)
         job = self._owned(job_id, uid)
         if job is None:
             self._room_for(uid, idle=False)
@@ -268,12 +291,7 @@ class Registry:
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
                  start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
-                 worker_pids=tuple(worker_pids),
-                 local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
-                 gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_hello_batch_size(msg, old, pid),
-                 workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
-                 max_workers=_opt_int(msg, "max_workers", None),
-                 hostname=str(msg.get("hostname") or "")[:255],
+                 worker_pids=tuple(worker_pids), batch_size=_hello_batch_size(batch_size, old, pid), **fields,
                  claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
         r.worker_starts = self._worker_starts(r.worker_pids, old.worker_starts if old is not None and old.pid == pid else {})
         if old is not None and old.pid == pid:
@@ -362,8 +380,14 @@ class Registry:
         peer = self._caller(peer)
         job_id = _job_id(msg)
         uid = msg["uid"]
-        if uid < 0:
-            raise Refused("malformed", f"uid must be >= 0, got {uid}")
+        if not 0 <= uid <= MAX_UID:
+            # (a uid no process can have: before, accepted, and the job's journal entry was then refused
+            # at the next start, so a restart lost the registration)
+            raise Refused("malformed", f"uid must be 0 to {MAX_UID}, got {uid}")
+        source = msg.get("source")
+        if source is not None and (not isinstance(source, str) or len(source) > MAX_SOURCE_CHARS):
+            raise Refused("malformed", f"source must be a string of at most {MAX_SOURCE_CHARS} characters "
+                                       f"(\"slurm\", \"cli\") or null, got {str(source)[:64]!r}")
         if uid != peer.uid and not peer.root:
             raise Refused("not_permitted", f"uid {peer.uid} may not register a job for uid {uid}")
         pids = _int_list(msg.get("pids"), "pids")
