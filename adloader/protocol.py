@@ -21,7 +21,7 @@ client -> agent
     report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
     heartbeat  job, rank, pid
     bye        job, rank, pid
-    register   job, uid, gpus[str], cpus (int|null), pids[int], source ("slurm"|"cli")
+    register   job, uid (0 to 2**32 - 2), gpus[str], cpus (int|null), pids[int], source ("slurm"|"cli"|null)
     release    job, uid
     status     (no fields) -> reply "status" with the agent's status document
 agent -> client

@@ -383,6 +383,22 @@ class Collector:
         for k in [k for k in self.rank_rates if k[0] == job]:
             del self.rank_rates[k]
 
+    def _drop_replaced_ranks(self) -> None:
+        """Forget the rates of each process that no longer holds its rank (another process holds it, or
+        its job left): they are keyed by pid, so a job that outlives its processes (a Slurm allocation
+        running one step after another, a rank restarted by torchrun) kept one ``RankRates`` (with its
+        reports) for every process it ever had, until the job itself left. A rank that is only away
+        (dropped, not yet replaced) keeps its rates for its return."""
+        jobs = self.registry.jobs
+        stale = []
+        for key in self.rank_rates:
+            job = jobs.get(key[0])
+            r = job.ranks.get(key[1]) if job is not None else None
+            if job is None or (r is not None and r.pid != key[2]):
+                stale.append(key)
+        for key in stale:
+            del self.rank_rates[key]
+
     def _placement(self, pid: int, now: float) -> tuple[tuple[int, ...], bool]:
         """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup), read at
         most every ``PLACEMENT_REFRESH_S`` per process (before, once for its life: a rank whose CPUs an
@@ -528,6 +544,7 @@ class Collector:
         if self.gpu is not None:
             self.gpu.sample(now)
         self.pressure = psi.read(self.proc_root)
+        self._drop_replaced_ranks()
         # only jobs with a connected rank: a registered job none of whose ranks has said hello (yet, or
         # any more) has no loader to give a share to, and must cost its neighbours nothing
         jobs = {j.job: self.job_stats(j, now) for j in self.registry.jobs.values() if j.ranks}

@@ -133,6 +133,9 @@ def _check_job(p: str, job: str, j) -> dict:
         wp = r.get("worker_pids") or []
         need(isinstance(wp, list) and all(is_int(x, 1, 2 ** 31) for x in wp), p, f"{rw}.worker_pids",
              "a list of pids", wp)
+        ws = r.get("worker_start_ticks") or {}
+        need(isinstance(ws, dict) and all(statefile.int_key(k) and (v is None or is_int(v, 0)) for k, v in ws.items()),
+             p, f"{rw}.worker_start_ticks", "an object of pid -> start ticks", ws)
         g = r.get("gpus") or []
         need(isinstance(g, list) and all(isinstance(x, str) for x in g), p, f"{rw}.gpus", "a list of strings", g)
     return j

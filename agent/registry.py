@@ -54,6 +54,8 @@ LOST_AFTER_BEATS = 3
 MAX_PIDS_PER_MESSAGE = 256    # worker or registered pids in one message (each is one /proc read)
 MAX_WORKER_PIDS = MAX_PIDS_PER_MESSAGE
 UNSEEN_TIMEOUT_S = 60.0   # default of config key unseen_job_timeout_s
+MAX_UID = 2 ** 32 - 2     # the largest uid: uid_t is 32 bits and (uid_t)-1 means "no uid" (setresuid(2))
+MAX_SOURCE_CHARS = 64     # a register's ``source`` ("slurm", "cli"), as logged
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class Rank:
     reports: int = 0
     claimed_pid: Optional[int] = None      # the pid the process knows itself by, when not ``pid`` (container)
     ns_workers: dict[int, int] = field(default_factory=dict)   # container: claimed worker pid -> host pid
+    # worker pid -> its start time (clock ticks) when the agent took it: with the pid, the identity a
+    # journal-adopted rank's workers are checked by (a pid reused while the agent was down is another process)
+    worker_starts: dict[int, Optional[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,13 +168,24 @@ def _dataset_kind(msg: dict) -> Optional[str]:
     return v if v in ("map", "iterable") else None
 
 
-def _hello_batch_size(msg: dict, old: Optional[Rank], pid: int) -> int:
+def _opt_str(msg: dict, name: str, limit: int = 255) -> str:
+    """An optional string field, cut to ``limit`` characters; another type is ``malformed``, naming it
+    (before, ``str()`` of an object or a list was taken as the rank's host name)."""
+    v = msg.get(name)
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise Refused("malformed", f"field {name!r} must be a string, got {type(v).__name__}")
+    return v[:limit]
+
+
+def _hello_batch_size(v: Optional[int], old: Optional[Rank], pid: int) -> int:
     """A hello's ``batch_size``: an integer >= 1, or null when the client does not know it yet (a loader
     with a custom ``batch_sampler`` before its first batch: torch's ``batch_size`` is None and
     ``stats()`` reports the mean delivered batch only once there is one). Unknown keeps what this
     process's rank already had (a reconnect, or a rank adopted from the journal), else 1 until a report
-    carries it: ``samples`` are 0 until then, so no step is counted from the placeholder."""
-    v = _opt_int(msg, "batch_size", None, 1)
+    carries it: ``samples`` are 0 until then, so no step is counted from the placeholder. ``v``: the
+    hello's field, checked (``_opt_int(msg, "batch_size", None, 1)``)."""
     if v is not None:
         return v
     return old.batch_size if old is not None and old.pid == pid else 1
@@ -245,6 +261,8 @@ class Registry:
                                            "process may only speak for itself")
         uid = peer.uid
         claimed = msg.get("uid")
+        if claimed is not None and (not isinstance(claimed, int) or isinstance(claimed, bool)):
+            raise Refused("malformed", f"field 'uid' must be an integer, got {claimed!r}"[:200])
         if claimed is not None and claimed != uid:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
         ns_workers: dict[int, int] = {}
@@ -255,6 +273,15 @@ class Registry:
         worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
         if why:
             raise Refused("not_permitted", f"worker_pids: {why}")
+        # every field is checked before the registry changes: a refusal below used to leave the job it had
+        # just made, with no rank, in the registry for good (never swept, journaled, counted against the
+        # uid's jobs_per_uid and holding the id against other uids)
+        fields = dict(local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
+                      gpus=tuple(_str_list(msg.get("gpus"), "gpus")),
+                      workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
+                      max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
+                      hostname=_opt_str(msg, "hostname"))
+        batch_size = _opt_int(msg, "batch_size", None, 1)
         job = self._owned(job_id, uid)
         if job is None:
             self._room_for(uid, idle=False)
@@ -274,13 +301,9 @@ class Registry:
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,
                  start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
-                 worker_pids=tuple(worker_pids),
-                 local_rank=_opt_int(msg, "local_rank", 0), world_size=_opt_int(msg, "world_size", 1, 1),
-                 gpus=tuple(_str_list(msg.get("gpus"), "gpus")), batch_size=_hello_batch_size(msg, old, pid),
-                 workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
-                 max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
-                 hostname=str(msg.get("hostname") or "")[:255],
+                 worker_pids=tuple(worker_pids), batch_size=_hello_batch_size(batch_size, old, pid), **fields,
                  claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
+        r.worker_starts = self._worker_starts(r.worker_pids, old.worker_starts if old is not None and old.pid == pid else {})
         if old is not None and old.pid == pid:
             r.stats, r.reports = old.stats, old.reports
         job.ranks[rank_no] = r
@@ -320,6 +343,7 @@ class Registry:
                 worker_pids = [p for p in worker_pids if p not in gone]
         if tuple(worker_pids) != r.worker_pids:
             self.version += 1
+            r.worker_starts = self._worker_starts(worker_pids, r.worker_starts)
         r.worker_pids = tuple(worker_pids)
         stats = msg["stats"]
         r.stats = stats
@@ -332,6 +356,10 @@ class Registry:
                 setattr(r, attr, v)
         r.dataset_kind = _dataset_kind(stats) or r.dataset_kind
         return r
+
+    def _worker_starts(self, pids, known: dict[int, Optional[int]]) -> dict[int, Optional[int]]:
+        """Each worker pid's start time: as recorded when it was first taken, read now for a new one."""
+        return {p: known[p] if p in known else security.pid_start_ticks(p, self.proc_root) for p in pids}
 
     def _map_workers(self, claimed: list[int], host: int, known: dict[int, int]) -> dict[int, int]:
         """Claimed (namespace-local) worker pids -> host pids: those already in ``known`` as they are,
@@ -363,8 +391,14 @@ class Registry:
         peer = self._caller(peer)
         job_id = _job_id(msg)
         uid = msg["uid"]
-        if uid < 0:
-            raise Refused("malformed", f"uid must be >= 0, got {uid}")
+        if not 0 <= uid <= MAX_UID:
+            # (a uid no process can have: before, accepted, and the job's journal entry was then refused
+            # at the next start, so a restart lost the registration)
+            raise Refused("malformed", f"uid must be 0 to {MAX_UID}, got {uid}")
+        source = msg.get("source")
+        if source is not None and (not isinstance(source, str) or len(source) > MAX_SOURCE_CHARS):
+            raise Refused("malformed", f"source must be a string of at most {MAX_SOURCE_CHARS} characters "
+                                       f"(\"slurm\", \"cli\") or null, got {str(source)[:64]!r}")
         if uid != peer.uid and not peer.root:
             raise Refused("not_permitted", f"uid {peer.uid} may not register a job for uid {uid}")
         pids = _int_list(msg.get("pids"), "pids")
@@ -476,6 +510,15 @@ class Registry:
             elif now - (j.seen_at if j.seen_at is not None else j.arrived_at) > timeout:
                 self._depart(j.job, f"no process seen for {timeout:g} s (registered, never released)")
 
+    def _adoptable_workers(self, pids: list[int], starts: dict[int, Optional[int]], uid: int) -> list[int]:
+        """The journaled worker pids that are still the processes the dead agent took: alive, with the start
+        time it recorded (a journal without one: any), and still the rank's uid's. A worker that exited while
+        no agent ran may have left its pid to another process, of any user: adopted as a worker, the first
+        tick moved it into the job's cgroup (a root daemon or another user's process, throttled with the
+        job's loaders until the job left)."""
+        return [p for p in pids if security.alive(p, starts.get(p), self.proc_root)
+                and security.pid_uid(p, self.proc_root) == uid]
+
     def take_departed(self) -> list[tuple[str, str]]:
         out, self._departed = self._departed, []
         return out
@@ -496,6 +539,7 @@ class Registry:
                 "reg_pids": {str(p): ct for p, ct in job.reg_pids.items()},
                 "ranks": {str(r.rank): {"pid": r.pid, "uid": r.uid, "start_ticks": r.start_ticks,
                                         "worker_pids": list(r.worker_pids), "gpus": list(r.gpus),
+                                        "worker_start_ticks": {str(p): r.worker_starts.get(p) for p in r.worker_pids},
                                         "batch_size": r.batch_size, "workers": r.workers,
                                         "requested_workers": r.requested_workers, "max_workers": r.max_workers,
                                         "world_size": r.world_size, "local_rank": r.local_rank}
@@ -506,7 +550,8 @@ class Registry:
 
     def adopt(self, doc: dict, now: float) -> tuple[list[str], list[str]]:
         """Re-adopt jobs from a journal: live ranks come back (waiting for their hello, with a full
-        heartbeat grace), dead ones are dropped. Returns (adopted job ids, dead job ids)."""
+        heartbeat grace), dead ones are dropped, and so is each worker pid that is no longer the worker
+        the dead agent took (``_adoptable_workers``). Returns (adopted job ids, dead job ids)."""
         adopted, dead = [], []
         for job_id, j in (doc or {}).items():
             try:
@@ -519,10 +564,13 @@ class Registry:
                 for rk, r in (j.get("ranks") or {}).items():
                     if not security.alive(int(r["pid"]), r.get("start_ticks"), self.proc_root):
                         continue
+                    starts = {int(p): ct for p, ct in (r.get("worker_start_ticks") or {}).items()}
+                    workers = self._adoptable_workers([int(p) for p in r.get("worker_pids") or ()], starts,
+                                                      int(r["uid"]))
                     job.ranks[int(rk)] = Rank(
                         job=job_id, rank=int(rk), pid=int(r["pid"]), uid=int(r["uid"]),
                         identity=b"", start_ticks=r.get("start_ticks"), last_seen=now, connected_at=now,
-                        worker_pids=tuple(int(p) for p in r.get("worker_pids") or ()),
+                        worker_pids=tuple(workers), worker_starts={p: starts.get(p) for p in workers},
                         gpus=tuple(r.get("gpus") or ()), batch_size=int(r.get("batch_size") or 1),
                         workers=int(r.get("workers") or 0), requested_workers=int(r.get("requested_workers") or 0),
                         max_workers=r.get("max_workers"), world_size=int(r.get("world_size") or 1),

@@ -199,6 +199,32 @@ def test_cleanup_leaves_no_group_and_a_gone_pid_is_not_an_error(clean, tmp_path)
     assert not os.path.exists(tmp_path / "cgroup-originals.json")
 
 
+def test_the_originals_keep_only_the_workers_still_listed_or_still_in_the_group(clean, tmp_path):
+    """Every worker a job ever had kept its origin in cgroup-originals.json until the job left: a job
+    resized again and again grew the file, rewritten whole at every move (found by applying thirty
+    short-lived workers in turn and counting the entries). A worker the job no longer lists goes once it
+    is out of the group; one still in it keeps its origin, and is put back where it came from."""
+    import json
+
+    act = cgroup_actuator(tmp_path)
+    retired = subprocess.Popen(["sleep", "60"])
+    clean.append(retired)
+    assert act.apply(stats("o1", [retired.pid]), JobAllocation(job="o1", workers=1, cpus=1.0)).ok
+    for _ in range(20):                                 # short-lived workers, each listed at one apply
+        p = subprocess.Popen(["sleep", "60"])
+        assert act.apply(stats("o1", [p.pid]), JobAllocation(job="o1", workers=1, cpus=1.0)).ok
+        p.kill()
+        p.wait()
+    with open(tmp_path / "cgroup-originals.json") as f:
+        pids = json.load(f)["pids"]
+    # the last one (listed at the last apply) and the retired one, still in the group, alive
+    assert sorted(pids) == sorted([str(p.pid), str(retired.pid)]), pids
+    assert cgroup_of(retired.pid, "cpu") == f"/{SUBTREE}/o1"
+    act.release("o1")
+    assert cgroup_of(retired.pid, "cpu") == "/"
+    act.restore()
+
+
 def _zombie() -> int:
     """A child that has exited and is not reaped: state Z until ``os.waitpid``."""
     from agent.psi import pid_stat

@@ -553,3 +553,29 @@ def test_a_multi_rank_jobs_curve_is_the_jobs_not_one_ranks():
     assert one.max_useful_cores == pytest.approx(0.5, rel=0.1)
     assert two.max_useful_cores == pytest.approx(1.0, rel=0.1)
     assert two.throughput(4, 1.0) == pytest.approx(640, rel=0.05) and two.normalized(4, 0.5) < 0.6
+
+
+def test_a_process_that_no_longer_holds_its_rank_leaves_no_rates_behind():
+    """Rates are kept per (job, rank, pid). A registered job that outlives its processes (one Slurm step
+    after another in one allocation, a rank restarted by torchrun) kept every former process's rates and
+    reports until the job left (found reading ``rank_rates`` after ranks were replaced). Those of a
+    process whose rank another process holds now go at the next snapshot; a rank that is only away keeps
+    its rates, and a departed job's go too."""
+    reg = Registry()
+    me = os.getpid()
+    reg.register(Peer(0, 0, 1), {"job": "j", "uid": os.getuid()}, 0.0)
+    reg.hello(Peer(os.getuid(), 0, me), b"id0", {"job": "j", "rank": 0, "pid": me, "batch_size": 8}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    rank = reg.jobs["j"].ranks[0]
+    for step in range(50):                      # fifty processes in turn hold rank 0 (the registry's view)
+        rank.pid = 10_000 + step
+        for t in range(3):
+            col.on_report("j", 0, rank.pid, _totals(t, 10 * t, 0.1 * t, 0.9 * t), float(step * 3 + t))
+        col.snapshot(float(step * 3 + 3))
+    assert list(col.rank_rates) == [("j", 0, 10_049)]
+    del reg.jobs["j"].ranks[0]                  # away (its job registered): kept for its return
+    col.snapshot(200.0)
+    assert list(col.rank_rates) == [("j", 0, 10_049)]
+    del reg.jobs["j"]
+    col.snapshot(201.0)
+    assert col.rank_rates == {}

@@ -108,3 +108,60 @@ def test_real_agent_moves_worker_pids_and_cleans_up(tmp_path):
             assert cgroupfs.proc_cgroups(p)["cpu"] != group
         except cgroupfs.JobGone:
             pass
+
+
+def test_a_restarted_agent_moves_no_process_that_took_a_dead_workers_pid():
+    """The agent is SIGKILLed while a job's worker is in the job's group; the worker exits and its pid
+    goes to another user's process before the agent restarts (a journal edit stands in for the pid's
+    reuse). The restarted agent adopts the job, and leaves that process where it is (it moved it into
+    the job's group on its first tick before)."""
+    import json
+    import shutil
+
+    import zmq
+
+    from tests.agentd_support import AgentProc, short_dir
+
+    sub = f"{SUBTREE}-e2e"
+    base = short_dir()
+    env = {"ADLOADER_CGROUP_SUBTREE": sub, "ADLOADER_HEARTBEAT_S": "5"}
+    agent = AgentProc(base, "--cgroup-mode", "v1", "--tick-s", "0.2", env=env).start()
+    again = None
+    worker = subprocess.Popen(["sleep", "120"])
+    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "120"])
+    ctx = zmq.Context()
+    group = f"/{sub}/reuse"
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(agent.endpoint)
+        s.send(json.dumps({"v": "1.0", "type": "hello", "job": "reuse", "rank": 0, "pid": os.getpid(),
+                           "worker_pids": [worker.pid], "gpus": ["0"]}).encode())
+        wait_for(lambda: cgroupfs.proc_cgroups(worker.pid)["cpu"] == group, 20, what="the worker in its group")
+        agent.kill9()
+        worker.kill()
+        worker.wait()
+        path = os.path.join(agent.state_dir, "journal.json")
+        with open(path) as f:
+            doc = json.load(f)
+        rank = doc["jobs"]["reuse"]["ranks"]["0"]
+        rank["worker_pids"] = [other.pid]
+        rank.setdefault("worker_start_ticks", {})[str(other.pid)] = rank.get("worker_start_ticks", {}).get(
+            str(worker.pid))
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        again = AgentProc(base, "--cgroup-mode", "v1", "--tick-s", "0.2", env=env, state_dir=agent.state_dir).start()
+        wait_for(lambda: again.events("allocation_applied"), 20, what="the adopted job's allocation applied")
+        assert [e["adopted"] for e in again.events("journal_adopted")] == [["reuse"]]
+        assert cgroupfs.proc_cgroups(other.pid)["cpu"] != group
+    finally:
+        rc = again.stop() if again is not None else None
+        for p in (worker, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ctx.destroy(0)
+        left = wipe(sub)
+        shutil.rmtree(base, ignore_errors=True)
+    assert rc == 0, again.log()[-2000:]
+    assert left == [], left

@@ -136,3 +136,95 @@ def test_a_hello_without_a_batch_size_keeps_what_the_rank_had_and_a_bad_one_is_m
             hello(bad)
         assert e.value.code == "malformed"
     assert reg.jobs["j"].ranks[0].batch_size == 32
+
+
+def test_a_journaled_worker_pid_now_held_by_another_process_is_not_adopted():
+    """A worker that exited while no agent ran may leave its pid to another process. Adopted as the
+    rank's worker, the restarted agent's first tick moved that process (a root daemon, another user's)
+    into the job's cgroup (found by killing an agent, giving a journaled worker pid to a uid-65534
+    process and restarting it). Kept: the worker still running with the start time journaled for it,
+    and a live one of the rank's uid from a journal written before start times were kept."""
+    import subprocess
+
+    me = os.getpid()
+    kept, reused = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    other_uid = None
+    if os.geteuid() == 0:
+        from agent.security import pid_uid
+        from tests.conftest import wait_for
+
+        other_uid = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+        wait_for(lambda: pid_uid(other_uid.pid) == 65534, 10, what="the process as uid 65534")
+    try:
+        reg = Registry()
+        reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me,
+                                                    "worker_pids": [kept.pid, reused.pid]}, 0.0)
+        doc = json.loads(json.dumps(reg.to_doc()))
+        rank = doc["j"]["ranks"]["0"]
+        assert rank["worker_start_ticks"][str(kept.pid)] is not None
+        rank["worker_start_ticks"][str(reused.pid)] += 1      # the pid is another process now
+        if other_uid is not None:                            # a journaled worker pid held by another uid
+            rank["worker_pids"].append(other_uid.pid)
+        fresh = Registry()
+        assert fresh.adopt(doc, 10.0) == (["j"], [])
+        assert fresh.jobs["j"].ranks[0].worker_pids == (kept.pid,)
+        # a journal without start times (an older agent's): the rank's uid still decides
+        del rank["worker_start_ticks"]
+        older = Registry()
+        older.adopt(doc, 10.0)
+        assert older.jobs["j"].ranks[0].worker_pids == (kept.pid, reused.pid)
+    finally:
+        for p in (kept, reused, other_uid):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
+def test_a_refused_hello_leaves_no_job_behind():
+    """A hello refused for one of its fields (world_size 0, gpus not a list, a host name that is an
+    object) made its job first and then refused: the job stayed with no rank for good (never swept,
+    journaled, holding the id, counted against the uid's jobs_per_uid, so that 32 such hellos locked
+    the user out: found by sending malformed hellos and reading the registry). Each is now refused
+    before anything changes, naming the field, and the uid's bound is untouched."""
+    from agent.registry import Limits
+
+    me = os.getpid()
+    peer = Peer(os.getuid(), 0, me)
+    reg = Registry(limits=Limits(jobs_per_uid=2))
+    bad = [({"world_size": 0}, "world_size"), ({"gpus": "0"}, "gpus"), ({"hostname": {"a": 1}}, "hostname"),
+           ({"batch_size": 0}, "batch_size"), ({"uid": "0"}, "'uid' must be an integer"),
+           ({"max_workers": -1}, "max_workers")]
+    for i, (field, named) in enumerate(bad):
+        with pytest.raises(Refused, match=named) as e:
+            reg.hello(peer, b"c%d" % i, {"job": f"ghost{i}", "rank": 0, "pid": me, **field}, 0.0)
+        assert e.value.code == "malformed"
+    assert reg.jobs == {} and reg.by_identity == {} and reg.version == 0
+    # a connection whose rank is in one job and whose next hello, for another job, is refused keeps its rank
+    reg.hello(peer, b"c", {"job": "real", "rank": 0, "pid": me}, 0.0)
+    with pytest.raises(Refused):
+        reg.hello(peer, b"c", {"job": "other", "rank": 0, "pid": me, "world_size": 0}, 0.0)
+    assert list(reg.jobs) == ["real"] and reg.by_identity[b"c"] == ("real", 0)
+    reg.hello(peer, b"d", {"job": "second", "rank": 0, "pid": me}, 0.0)     # the bound of 2 is still free
+
+
+def test_a_registration_for_a_uid_no_process_can_have_is_refused_naming_it():
+    """root's register with uid 2**32 or more was accepted, and the job's journal entry refused at the
+    next start (a uid beyond uid_t), so a restart lost it; uid (uid_t)-1 is no uid either. A source
+    that is not a short string went into the log line as it came."""
+    from agent.registry import MAX_UID
+
+    root = Peer(0, 0, 1)
+    reg = Registry()
+    for uid in (2 ** 32 - 1, 12345678901, -1):
+        with pytest.raises(Refused, match=f"uid must be 0 to {MAX_UID}") as e:
+            reg.register(root, {"job": "s", "uid": uid}, 0.0)
+        assert e.value.code == "malformed"
+    for source in ({"x": 1}, "s" * 65):
+        with pytest.raises(Refused, match="source must be a string") as e:
+            reg.register(root, {"job": "s", "uid": 1000, "source": source}, 0.0)
+    assert reg.jobs == {}
+    reg.register(root, {"job": "s", "uid": MAX_UID, "source": "slurm"}, 0.0)
+    from agent import journal
+
+    entry = json.loads(json.dumps(reg.to_doc()))["s"]
+    assert journal._check_job("journal.json", "s", entry) == entry

@@ -602,6 +602,18 @@ class CgroupActuator:
                 if not self.originals.pids.get(key, {}).get("origins"):
                     self.originals.pids.pop(key, None)
                 changed = True
+        # a worker the job no longer lists and that is not in the group has nothing left to put back here:
+        # its origin goes (before, every worker a job ever had stayed in cgroup-originals.json until the job
+        # left, the file growing with each resize and rewritten whole at each move)
+        listed = set(worker_pids(job))
+        for key, entry in list(self.originals.pids.items()):
+            if entry.get("job") != job.job or int(key) in listed or int(key) in inside:
+                continue
+            origins = entry.get("origins") or {}
+            changed = origins.pop(hier, None) is not None or changed
+            if not origins:
+                del self.originals.pids[key]
+                changed = True
         if changed:
             self.originals.save()
         return count
