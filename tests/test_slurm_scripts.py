@@ -104,8 +104,11 @@ def test_taskprolog_exports_endpoint_and_job_id():
 def test_taskprolog_keeps_the_jobs_own_endpoint_and_respects_opt_out():
     rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7", "ADLOADER_ENDPOINT": "ipc:///tmp/mine.sock"})
     assert rc == 0 and out.splitlines() == ["export ADLOADER_JOB_ID=7"]
-    rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7", "ADLOADER_DISABLE": "1"})
-    assert rc == 0 and out == ""
+    for opt_out in ("1", "TRUE", " Yes "):     # any case, as the client reads it (adloader.env.disabled)
+        rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7", "ADLOADER_DISABLE": opt_out})
+        assert rc == 0 and out == "", opt_out
+    rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7", "ADLOADER_DISABLE": "0"})
+    assert rc == 0 and out.splitlines()[-1] == "export ADLOADER_JOB_ID=7"
     rc, out, _, _ = run_script(TASKPROLOG, {"SLURM_JOB_ID": "7; rm -rf /"})
     assert rc == 0 and "ADLOADER_JOB_ID" not in out
 

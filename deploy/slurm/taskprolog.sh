@@ -50,7 +50,9 @@ config_endpoint() {
     echo "$DEFAULT_ENDPOINT"
 }
 
-case "${ADLOADER_DISABLE:-}" in
+disable=${ADLOADER_DISABLE:-}
+disable=${disable//[[:space:]]/}
+case "${disable,,}" in      # any case, blanks aside, as the client reads it (adloader.env.disabled)
     1|true|yes|on) exit 0 ;;
 esac
 if [ -z "${ADLOADER_ENDPOINT:-}" ]; then
