@@ -516,8 +516,7 @@ class Registry:
         no agent ran may have left its pid to another process, of any user: adopted as a worker, the first
         tick moved it into the job's cgroup (a root daemon or another user's process, throttled with the
         job's loaders until the job left)."""
-        return [p for p in pids if security.alive(p, starts.get(p), self.proc_root)
-                and security.pid_uid(p, self.proc_root) == uid]
+        return [p for p in pids if security.same_process(p, starts.get(p), uid, self.proc_root)]
 
     def take_departed(self) -> list[tuple[str, str]]:
         out, self._departed = self._departed, []
