@@ -132,6 +132,10 @@ class Job:
     def worker_pids(self) -> tuple[int, ...]:
         return tuple(sorted({p for r in self.ranks.values() for p in r.worker_pids}))
 
+    def worker_starts(self) -> dict[int, Optional[int]]:
+        """Each worker pid -> its start time as recorded when the rank listed it (``Rank.worker_starts``)."""
+        return {p: r.worker_starts.get(p) for r in self.ranks.values() for p in r.worker_pids}
+
 
 def _int_list(value, name: str, limit: int = MAX_WORKER_PIDS) -> list[int]:
     if value is None:
