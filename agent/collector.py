@@ -531,7 +531,7 @@ class Collector:
             age_s=max(0.0, now - job.arrived_at),
             observed_s=observed_s, window_s=window_s,
             requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
-            pids=job.pids(), worker_pids=job.worker_pids(),
+            pids=job.pids(), worker_pids=job.worker_pids(), worker_starts=job.worker_starts(),
             worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,

@@ -123,6 +123,12 @@ class JobStats:
     requested_cpus: Optional[float] = None    # from registration (Slurm CPUs), if any
     pids: tuple[int, ...] = ()            # training processes (ranks) on this node: never throttled
     worker_pids: tuple[int, ...] = ()     # the loader worker processes: what CPU actuators move/pin
+    # worker pid -> its start time (clock ticks) as the registry recorded it when it took the worker
+    # (``registry.Rank.worker_starts``; None: not recorded, a journal older than start times). Actuators
+    # check it, with ``uid``, right before each write to a worker pid (``security.same_process``): a worker
+    # that exited may have left its pid to another process since the client's last report. A pid not
+    # here is not checked (stats made by hand, the simulator); the collector puts every worker here.
+    worker_starts: Mapping[int, Optional[int]] = field(default_factory=dict, repr=False, compare=False)
     # memory (bytes; from the loaders' reports, ``adloader.memory``; 0 = not measured yet)
     worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight
     loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight

@@ -132,6 +132,10 @@ class Job:
     def worker_pids(self) -> tuple[int, ...]:
         return tuple(sorted({p for r in self.ranks.values() for p in r.worker_pids}))
 
+    def worker_starts(self) -> dict[int, Optional[int]]:
+        """Each worker pid -> its start time as recorded when the rank listed it (``Rank.worker_starts``)."""
+        return {p: r.worker_starts.get(p) for r in self.ranks.values() for p in r.worker_pids}
+
 
 def _int_list(value, name: str, limit: int = MAX_WORKER_PIDS) -> list[int]:
     if value is None:
@@ -516,8 +520,7 @@ class Registry:
         no agent ran may have left its pid to another process, of any user: adopted as a worker, the first
         tick moved it into the job's cgroup (a root daemon or another user's process, throttled with the
         job's loaders until the job left)."""
-        return [p for p in pids if security.alive(p, starts.get(p), self.proc_root)
-                and security.pid_uid(p, self.proc_root) == uid]
+        return [p for p in pids if security.same_process(p, starts.get(p), uid, self.proc_root)]
 
     def take_departed(self) -> list[tuple[str, str]]:
         out, self._departed = self._departed, []

@@ -145,6 +145,14 @@ def alive(pid: int, start_ticks: Optional[int], proc_root: str = "/proc") -> boo
     return start_ticks is None or st[2] == start_ticks
 
 
+def same_process(pid: int, start_ticks: Optional[int], uid: Optional[int], proc_root: str = "/proc") -> bool:
+    """True if ``pid`` is still the process recorded as (pid, ``start_ticks``) and, with ``uid``, still
+    that uid's (``alive``, then ``pid_uid``: two reads of ``<proc_root>/<pid>``). What a worker pid is
+    checked by before anything is written to it: a pid reused since it was recorded is another process,
+    possibly another user's. ``start_ticks`` None (not recorded): any live process of ``uid``."""
+    return alive(pid, start_ticks, proc_root) and (uid is None or pid_uid(pid, proc_root) == uid)
+
+
 def ns_pids(pid: int, proc_root: str = "/proc") -> Optional[tuple[int, ...]]:
     """The ``NSpid`` line of ``<proc_root>/<pid>/status``: the process's pid in each pid namespace it is
     in, from the one of ``proc_root``'s mount (the agent's) to its own. None if the process is gone or

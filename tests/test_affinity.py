@@ -159,3 +159,31 @@ def test_affinity_reads_start_times_from_the_configured_proc_root(tmp_path, v2, 
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def test_a_worker_pid_that_is_another_process_now_is_not_pinned(tmp_path):
+    """A listed worker pid whose process started after the one the registry recorded (the worker exited
+    and its pid went to another process before the client's next report) keeps its affinity; the worker
+    is pinned, and the apply is no failure."""
+    from agent.security import pid_start_ticks
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs to see affinity change, this process may use {cpus}")
+    worker, reused = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        act = AffinityActuator(Originals(str(tmp_path / "orig.json")), proc_root="/proc")
+        job = cgroup_job("j", [worker.pid, reused.pid], uid=os.getuid(), allowed_cpus=tuple(cpus),
+                         worker_starts={worker.pid: pid_start_ticks(worker.pid),
+                                        reused.pid: pid_start_ticks(reused.pid) - 1})
+        r = act.apply(job, JobAllocation(job="j", workers=2, cpus=1.0, cpuset=(cpus[0],)))
+        assert r.ok, r.error
+        assert os.sched_getaffinity(worker.pid) == {cpus[0]}
+        assert os.sched_getaffinity(reused.pid) == set(cpus)
+        assert sorted(act.originals.affinity) == [str(worker.pid)] and act.pids_skipped == 1
+        act.release("j")
+        assert os.sched_getaffinity(worker.pid) == set(cpus)
+    finally:
+        for p in (worker, reused):
+            p.kill()
+            p.wait(timeout=10)

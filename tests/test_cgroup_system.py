@@ -555,3 +555,33 @@ def test_static_cores_finds_a_joined_cpu_cpuacct_hierarchy_from_mountinfo(tmp_pa
     assert st.place(spec, 4242) == pytest.approx(4.0)          # 16 cores x 1 of 4 GPUs
     assert (st.base / "j1" / "cpu.cfs_quota_us").read_text() == "400000"
     assert (st.base / "j1" / "cgroup.procs").read_text() == "4242"
+
+
+def test_a_worker_pid_another_process_took_is_not_moved_into_the_jobs_group(clean, tmp_path):
+    """A worker that exits may leave its pid to another process, of any user, before the client's next
+    report (about a second): the next apply moved that process into the job's group with the job's
+    loaders. Here a real process stands for it, listed with a start time other than its own (the worker's,
+    recorded when the registry took it), and one of uid 65534 with its own start time in a job of this
+    uid: neither is moved, the worker is, and the apply succeeds."""
+    from agent.security import pid_start_ticks, pid_uid
+    from tests.conftest import wait_for
+
+    worker, reused = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    stranger = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+    clean.extend([worker, reused, stranger])
+    wait_for(lambda: pid_uid(stranger.pid) == 65534, 10, what="the process as uid 65534")
+    before = {p.pid: cgroup_of(p.pid, "cpu") for p in (reused, stranger)}
+    act = cgroup_actuator(tmp_path)
+    job = stats("r1", [worker.pid, reused.pid, stranger.pid], uid=os.getuid(),
+                worker_starts={worker.pid: pid_start_ticks(worker.pid),
+                               reused.pid: pid_start_ticks(reused.pid) - 1,
+                               stranger.pid: pid_start_ticks(stranger.pid)})
+    r = act.apply(job, JobAllocation(job="r1", workers=3, cpus=1.0))
+    assert r.ok, r.error
+    assert cgroup_of(worker.pid, "cpu") == f"/{SUBTREE}/r1"
+    assert {p: cgroup_of(p, "cpu") for p in before} == before
+    with open(os.path.join(CPU, SUBTREE, "r1", "cgroup.procs")) as f:
+        assert [int(x) for x in f.read().split()] == [worker.pid]
+    act.release("r1")
+    act.restore()
+    assert cgroup_of(worker.pid, "cpu") == "/"

@@ -1,6 +1,8 @@
 """The cgroup actuator on a v1 tree in tmp_path (the real v1 hierarchy: test_cgroup_system.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from agent import cgroupfs
@@ -238,3 +240,50 @@ def test_no_command_or_test_builds_a_v1_hierarchy_path():
     assert len(files) > 80                   # the globs found the modules
     found = [f"{f.relative_to(repo)}:{line}: {what}" for f in files for line, what in _built_v1_paths(f.read_text())]
     assert not found, "\n".join(found)
+
+
+def _fake_process(proc_root: str, pid: int, start_ticks: int, uid: int) -> None:
+    """``<proc_root>/<pid>/stat`` (start time: field 22, proc(5)) and ``status`` (its Uid line)."""
+    d = os.path.join(proc_root, str(pid))
+    os.makedirs(d, exist_ok=True)
+    fields = ["S", "1"] + ["0"] * 17 + [str(start_ticks)] + ["0"] * 10
+    with open(os.path.join(d, "stat"), "w") as f:
+        f.write(f"{pid} (python (worker)) " + " ".join(fields) + "\n")
+    with open(os.path.join(d, "status"), "w") as f:
+        f.write(f"Name:\tpython\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+
+
+def test_a_worker_pid_that_is_another_process_now_is_not_moved(tmp_path):
+    """A worker that exits may leave its pid to another process (any user's) before the client's next
+    report; the actuator moved whatever held the pid into the job's group. Each pid is checked against the
+    start time the registry recorded and the job's uid right before its move: the worker is moved, a pid
+    now held by a process started later, or by another uid, is left alone (and is no error); a pid with
+    no start time recorded (a journal older than start times) needs the job's uid only."""
+    from agent.model import JobAllocation
+    from tests.fakes import cgroup_job
+
+    root = tmp_path / "cg"
+    (root / "cpu" / "adloader" / "j").mkdir(parents=True)      # plain directories: no kernel files
+    for d in ("", "adloader", "adloader/j"):
+        (root / "cpu" / d / "cgroup.procs").write_text("")
+    worker, reused, other_uid, unrecorded, gone = 4242, 4243, 4244, 4245, 4246
+    proc = fake_proc(tmp_path, [worker, reused, other_uid, unrecorded, gone], origin="/")
+    for pid in (worker, reused, other_uid):
+        _fake_process(proc, pid, start_ticks=1000, uid=1000)
+    _fake_process(proc, unrecorded, start_ticks=5000, uid=1000)
+    hier = cgroupfs.open_hierarchies(str(root), 1, proc_root=proc)
+    _fake_process(proc, reused, start_ticks=3000, uid=1000)          # the worker exited, its pid reused
+    _fake_process(proc, other_uid, start_ticks=1000, uid=65534)      # (same tick, another user's process)
+    moved = []
+    move = hier["cpu"].move
+    hier["cpu"].move = lambda rel, pid: (moved.append(pid), move(rel, pid))
+    act = CgroupActuator(hier, version=1, io=False, subtree="adloader", sys_root=fake_sys(tmp_path, {}),
+                         proc_root=proc)
+    job = cgroup_job("j", [worker, reused, other_uid, unrecorded, gone], uid=1000,
+                     worker_starts={worker: 1000, reused: 1000, other_uid: 1000, unrecorded: None, gone: 1000})
+    r = act.apply(job, JobAllocation(job="j", workers=5, cpus=1.0))
+    assert r.ok, r.error
+    assert moved == [worker, unrecorded]
+    assert sorted(act.originals.pids) == sorted([str(worker), str(unrecorded)])
+    assert act.pids_skipped == 3
+    assert (root / "cpu" / "adloader" / "cpu.shares").read_text() == "2048"      # two workers weigh

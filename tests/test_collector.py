@@ -579,3 +579,28 @@ def test_a_process_that_no_longer_holds_its_rank_leaves_no_rates_behind():
     del reg.jobs["j"]
     col.snapshot(201.0)
     assert col.rank_rates == {}
+
+
+def test_job_stats_carry_each_workers_recorded_start_time():
+    """The actuators check each worker pid against the start time the registry recorded for it before they
+    move it (a pid reused since the client's last report is another process): the collector hands those
+    on, every rank's, for every worker pid it lists."""
+    import subprocess
+
+    from agent.security import pid_start_ticks
+
+    reg = Registry()
+    me = os.getpid()
+    workers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for rank, w in enumerate(workers):
+            reg.hello(Peer(os.getuid(), 0, me), b"id%d" % rank, {"job": "j", "rank": rank, "pid": me,
+                                                               "worker_pids": [w.pid]}, 0.0)
+        js = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1)).snapshot(1.0).jobs["j"]
+        assert js.worker_pids == tuple(sorted(w.pid for w in workers))
+        assert dict(js.worker_starts) == {w.pid: pid_start_ticks(w.pid) for w in workers}
+        assert all(v is not None for v in js.worker_starts.values())
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()

@@ -66,7 +66,9 @@ Cooperative jobs (Slurm with ConstrainCores owns the job's cgroup; ``JobStats.co
 
 Every original value is recorded before the first write (``Originals``), restored by ``restore()``;
 a job's groups are removed on ``release()`` after its processes are moved back where they came from.
-Worker pids change (resizes, restarts): every ``apply`` moves the job's new worker pids in.
+Worker pids change (resizes, restarts): every ``apply`` moves the job's new worker pids in, each only
+while it is still the process the registry took as the worker (``still_the_worker``: its recorded start
+time and the job's uid; a pid reused since the client's last report is left where it is).
 
 Where the groups live:
 - v1: ``<hierarchy>/<subtree>/<job>`` at the top of each controller hierarchy (e.g. /sys/fs/cgroup/cpu/adloader/j).
@@ -191,6 +193,28 @@ def _start_ticks(pid: int, proc_root: str = "/proc") -> Optional[int]:
     return pid_start_ticks(pid, proc_root)
 
 
+def still_the_worker(job: JobStats, pid: int, proc_root: str = "/proc") -> bool:
+    """Whether ``pid`` is still the worker the registry took: the start time it recorded
+    (``JobStats.worker_starts``) and the job's uid (``agent.security.same_process``). Checked right before
+    each write to a worker pid (a move into a group, an affinity): a worker that exited may have left its
+    pid to another process, of any user, since the client's last report, and that process was moved into
+    the job's group with the job's loaders. Such a pid is skipped, not an error (the job's other workers
+    are applied, its breaker is not tripped), and logged at debug. A pid the stats carry no start time
+    for is not checked (``JobStats.worker_starts``). The check and the write are two system calls: a pid
+    reused between them (microseconds, against the second or so to the client's next report) is not
+    caught; cgroup v1 has no pidfd to write."""
+    if pid not in job.worker_starts:
+        return True
+    from agent.security import same_process
+
+    if same_process(pid, job.worker_starts[pid], job.uid, proc_root):
+        return True
+    logs.event(log, "worker_pid_not_the_worker", logging.DEBUG, job=job.job, pid=pid,
+               start_ticks=job.worker_starts[pid], uid=job.uid,
+               detail="exited; its pid is another process now, or gone: left alone")
+    return False
+
+
 def _exited(pid: int, proc_root: str = "/proc") -> bool:
     """True for a process that has exited but is not reaped yet (state Z or X in /proc/<pid>/stat).
     A pid whose stat cannot be read is not taken as exited here (moving it says JobGone if it is gone)."""
@@ -210,7 +234,8 @@ class AffinityActuator:
     process: a worker's pid that another process holds by the time it is put back (pid reuse, on a
     long job whose loader restarts its workers) is left alone. A pid that left the job's worker list
     is put back (or forgotten, if gone) at the job's next apply, so the journal holds the workers of
-    now, not every worker the job ever had.
+    now, not every worker the job ever had. A listed pid that is no longer the worker the registry took
+    (``still_the_worker``) is neither recorded nor pinned.
 
     ``proc_root``: where a process's start time is read (the agent's configured /proc, as for every
     other read of a process; the affinity itself is a system call on the pid).
@@ -224,6 +249,7 @@ class AffinityActuator:
         self.originals = originals if originals is not None else Originals()
         self._all_cpus = all_cpus
         self.proc_root = proc_root
+        self.pids_skipped = 0        # worker pids left alone: no longer the recorded worker (still_the_worker)
 
     def cpus_for(self, job: JobStats, desired: JobAllocation) -> tuple[int, ...]:
         allowed = tuple(job.allowed_cpus) or self._all_cpus or cgroupfs.get_affinity(0)
@@ -246,6 +272,9 @@ class AffinityActuator:
                                 if v.get("job") == job.job and k not in current])
             for pid in pids:
                 key = str(pid)
+                if not still_the_worker(job, pid, self.proc_root):
+                    self.pids_skipped += 1
+                    continue
                 try:
                     if key not in self.originals.affinity:
                         entry = {"job": job.job, "cpus": list(cgroupfs.get_affinity(pid))}
@@ -338,6 +367,7 @@ class CgroupActuator:
         self._subtree_cap_read = False               # _subtree_cap read back from the subtree (a restart)
         self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
         self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
+        self.pids_skipped = 0                        # worker pids not moved: no longer the recorded worker
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
         self._cpu_hier = "cpu" if version == 1 else ""
         if self._cpu_hier not in self.h:
@@ -587,6 +617,9 @@ class CgroupActuator:
                 continue
             if pid in inside:
                 count += 1
+                continue
+            if not still_the_worker(job, pid, self.proc_root):
+                self.pids_skipped += 1
                 continue
             key = str(pid)
             try:
