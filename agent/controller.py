@@ -294,7 +294,8 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
                            work_conserving: bool = True, applied_cpus: Optional[float] = None,
                            observed_cores: str = "share") -> Optional[Observation]:
     """The predictor's window for one job, or None when the job has no usable window yet (or the window
-    delivered more batches than its workers' CPU could make: a queue filled earlier was draining).
+    delivered more batches than its workers' CPU could make: a queue filled earlier was draining; or a
+    figure of it is not a finite number). Never raises for the job's figures.
 
     Cores the loader could use (``Observation.cores``): the applied CPU allocation
     (``snapshot.applied``; ``applied_cpus``, where given, is its cores over the window), else the job's
@@ -321,7 +322,7 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     many reports) and the steps that samples/s at that size make (off by up to 1 in ``batch_size``).
     """
     bs = job.samples_per_step if job.samples_per_step is not None and job.samples_per_step > 0 else job.batch_size
-    if job.window_s <= 0 or not bs > 0:
+    if not 0 < job.window_s < math.inf or not bs > 0:
         return None
     share = True                           # the figure is a share or an even split, not a CPU set
     applied = snapshot.applied.get(job.job)
@@ -351,9 +352,14 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
         if made > DRAINING_FACTOR * job.worker_cpu_cores + DRAINING_SLACK_CORES:
             return None
     if job.window_steps is not None:
-        steps = int(round(job.window_steps))
+        per_rank = job.window_steps
     else:
-        steps = int(round(job.samples_per_s / bs * job.window_s))      # bs: the job's step, every rank's batch
+        per_rank = job.samples_per_s / bs * job.window_s      # bs: the job's step, every rank's batch
+    if not math.isfinite(per_rank):
+        # (no collector's figure: it takes report figures only up to 2**53, over at least MIN_WINDOW_S; a
+        # hand-made or corrupt JobStats, NaN samples/s or steps, raised ValueError from int() here)
+        return None
+    steps = int(round(per_rank))
     if steps == 0 and job.samples_per_s > 0 and job.compute_s_per_step > 0:
         # a slow job (a step every few seconds: several GPUs' batches per step, or a starved loader)
         # finishes under half a step per report window; its smoothed per-step figures still describe

@@ -1069,3 +1069,19 @@ def test_a_stream_loading_in_its_training_process_is_not_told_to_start_workers()
         assert a.workers == 0 and "loads in its training process" in a.reason
     assert [d.workers for _, d, _ in act.applied] == [0]
     assert bank.seen and all(obs.workers == 0 for _, obs in bank.seen)
+
+
+@pytest.mark.parametrize("fields", [dict(window_s=float("nan")), dict(window_s=float("inf")),
+                                    dict(samples_per_s=float("nan")), dict(window_steps=float("nan")),
+                                    dict(window_steps=float("inf")),
+                                    dict(window_steps=float("nan"), samples_per_s=float("nan"))])
+def test_a_window_whose_figures_are_not_numbers_is_no_observation(fields):
+    """A JobStats with a NaN or infinite window length, samples/s or step count (no collector's: it takes
+    report figures up to 2**53 over at least MIN_WINDOW_S; a hand-made or corrupt one) raised ValueError or
+    OverflowError from int(round(...)) while counting the window's steps, where the docstring promised None:
+    the controller caught it, but dropped the job's curve and recorded an error at every tick it lasted."""
+    snap = FakeSource(4.0, [job_stats("a")])(0.0)
+    assert observation_from_stats(job_stats("a", **fields), snap) is None
+    # and a finite window still counts its steps as before
+    assert observation_from_stats(job_stats("a", window_steps=30.4), snap).steps == 30
+    assert observation_from_stats(job_stats("a"), snap).steps == round(320.0 / 32 * 2.0)
