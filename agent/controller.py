@@ -287,6 +287,8 @@ def curve_summary(curve: Optional[ThroughputCurve]) -> dict:
         "cpu_s_per_batch": curve.cpu_s_per_batch,
         "compute_s_per_step": curve.compute_s_per_step,
         "phase_changes": curve.extra.get("phase_changes", 0),
+        # what its data source gives at most, measured (predictor.bank, "Supply cap"); null: none seen
+        "supply_cap_samples_per_s": fin(curve.supply_cap_samples_per_s) if curve.supply_cap_samples_per_s else None,
     }
 
 

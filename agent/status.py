@@ -77,6 +77,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         curve_confidence    0..1
         phase_changes       how often the predictor found a new pipeline in the job's windows and dropped
                             its earlier ones (``predictor.bank``), 0 before its first curve
+        supply_cap_samples_per_s  what the job's data source was measured to give at most, however many
+                            workers read it (``predictor.bank``, "Supply cap"): its curve stops there;
+                            null where none was seen
         steps_left          the steps the job said it has left (its loader's ``total_steps`` counted down,
                             the most over ranks), null if it did not say
         steps_left_refused  true while a rank's steps_left is not taken: it does not count down as the
@@ -163,6 +166,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "max_useful_cores": _r(curve.get("max_useful_cores")),
             "curve_confidence": _r(curve.get("confidence"), 3),
             "phase_changes": int(curve.get("phase_changes") or 0),
+            "supply_cap_samples_per_s": _r(curve.get("supply_cap_samples_per_s"), 2),
             "steps_left": _r(st.steps_left, 0) if st is not None and st.steps_left is not None else None,
             "steps_left_refused": bool(st is not None and st.steps_left_refused),
             "reason": reason,

@@ -53,6 +53,22 @@ windows' sizes, as ``g`` and ``c`` are pooled over the same windows, so its samp
 times the samples a batch held on average (a whole number where every window agrees), not the last
 window's rounding.
 
+Supply cap: blocked time per batch is taken as a cost each batch pays whatever the worker count (a
+fetch's latency), so ``b`` large against ``c`` reads as "more workers, more batches". A source shared by
+the workers (a disk's or a network filesystem's bandwidth, a lock around a file) breaks that: it serves
+so many batches a second, and each added worker only queues longer at it, its blocked time growing with
+the workers. The curve then asked for twice the workers in every window, each measured at the same
+samples/s (1 -> 2 -> 4 ... -> 64 workers on a source of 10 batches/s). So where the windows show it
+(``supply_cap``: a configuration with more workers and no fewer cores than another that the curve
+expected to give 15% more gave at most 5% more, its GPU waiting for data, its batches' wall time outside
+the run queue grown with the workers and mostly blocked), the curve's ``supply_cap_samples_per_s`` is the
+best a configuration measured, and its blocked time per batch the least a configuration measured (the
+source's latency without the queue: the queue is what the cap stands for), so that its workers' term is
+min(w / (c + b0), cap) and its knee the least workers that reach the cap. A window that measures 5% more lifts it,
+so does a new phase, and so does ``SUPPLY_HOLD_WINDOWS`` without the windows showing it again (then the
+job may be tried at more workers once more). None of the 30 jobs of the measured corpus (CPU-bound
+sweeps) ever gets one, in their order or shuffled.
+
 Invariants: ``curve()`` is None until a window with finished steps arrived; a curve never comes from
 another job's windows; ``observe`` is O(1) and ``curve`` recomputes only after a new window (cached),
 so 64 jobs observe+curve per tick in a few ms. What a window contributes (its pooled-cost terms, its
@@ -63,6 +79,7 @@ Not thread-safe: one owner (controller or autotuner).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,6 +105,18 @@ CHANGE_RATIO_STEP = 2.0
 # per step 13% at the 90th percentile, above); real changes of batch size are steps of 1.5x-2x (64 -> 128).
 BATCH_SIZE_TOL = 0.10
 BATCH_SIZE_SLACK = 1.0
+# The supply cap (module docstring, "Supply cap"): a configuration with more workers and no fewer cores
+# than another, at which the curve expected SUPPLY_EXPECTED_GAIN more and the job measured at most
+# SUPPLY_TOL more (the window-to-window noise at one configuration is 4-13%, above: one window's figures,
+# here each configuration's mean), while each batch's wall time outside the run queue grew at least
+# SUPPLY_WALL_GROWTH of the workers' ratio, at least half of that growth blocked (waiting on the data, not
+# for a CPU). A window that measures SUPPLY_TOL over the cap lifts it.
+SUPPLY_EXPECTED_GAIN = 0.15
+SUPPLY_TOL = 0.05
+SUPPLY_WALL_GROWTH = 0.75
+SUPPLY_DATA_BOUND = 0.9      # ... and below this part of the GPU's ceiling there (else the GPU is the limit)
+SUPPLY_SPREAD = 1.25         # a configuration counts where two or more windows' samples/s agree this far (max / min)
+SUPPLY_HOLD_WINDOWS = 2 * HISTORY_WINDOWS   # a cap no window has shown again for this long is dropped (a re-probe)
 
 
 def batch_size_changed(reference: float, batch_size: float) -> bool:
@@ -180,6 +209,51 @@ class _WindowFacts:
         self.loader_bound = o.workers >= 1 and pr.loader_bound(o)
 
 
+def supply_cap(curve: ThroughputCurve, facts: list) -> tuple[float, float]:
+    """The samples/s the job's data source gives at most, where its windows show one (module docstring,
+    "Supply cap"), else 0: the best any configuration measured, where a configuration with more workers
+    and no fewer cores than another, which ``curve`` expected to give at least ``SUPPLY_EXPECTED_GAIN``
+    more, measured at most ``SUPPLY_TOL`` more and under ``SUPPLY_DATA_BOUND`` of the ceiling (its GPU
+    waiting for data), its batches' wall time outside the run queue (c + b)
+    having grown with the workers (by ``SUPPLY_WALL_GROWTH`` of their ratio at least, half of it or
+    more blocked time). Each configuration by the mean of its windows' figures, where two or more
+    agree (``SUPPLY_SPREAD``). Returns (that cap, the least blocked time per batch a configuration
+    measured: the source's latency without the queue more workers make at it), or (0, 0)."""
+    acc: dict[tuple, list] = {}
+    for f in facts:
+        if not f.timed or f.obs.workers < 1:
+            continue
+        a = acc.setdefault(f.config, [0, 0.0, 0.0, 0.0, math.inf, 0.0])
+        t = f.obs.samples_per_s
+        a[0] += 1
+        a[1] += t
+        a[2] += f.c
+        a[3] += f.b
+        a[4], a[5] = min(a[4], t), max(a[5], t)
+    # a configuration whose windows disagree (its job or its source changed while it ran there: IO latency
+    # is not a new phase, ``_new_phase``) says nothing here
+    seen = {k: (t / n, c / n, b / n) for k, (n, t, c, b, lo, hi) in acc.items()
+            if n >= 2 and hi <= SUPPLY_SPREAD * lo}
+    if len(seen) < 2:
+        return 0.0, 0.0
+    ceiling = curve.ceiling_samples_per_s
+    for (w_lo, k_lo), (t_lo, c_lo, b_lo) in seen.items():
+        x_lo = c_lo + b_lo
+        if x_lo <= 0:
+            continue
+        p_lo = curve.throughput(w_lo, k_lo)
+        for (w_hi, k_hi), (t_hi, c_hi, b_hi) in seen.items():
+            if w_hi <= w_lo or k_hi < 0.97 * k_lo:
+                continue
+            grew = c_hi + b_hi - x_lo
+            if (curve.throughput(w_hi, k_hi) >= (1.0 + SUPPLY_EXPECTED_GAIN) * p_lo
+                    and t_hi <= (1.0 + SUPPLY_TOL) * t_lo and t_hi < SUPPLY_DATA_BOUND * ceiling
+                    and c_hi + b_hi >= SUPPLY_WALL_GROWTH * (w_hi / w_lo) * x_lo
+                    and b_hi - b_lo >= 0.5 * grew):
+                return max(t for t, _, _ in seen.values()), min(b for _, _, b in seen.values())
+    return 0.0, 0.0
+
+
 @dataclass
 class _JobState:
     windows: deque
@@ -187,6 +261,9 @@ class _JobState:
     curve: ThroughputCurve | None = None
     dirty: bool = True
     phase_changes: int = 0  # new phases detected (``_new_phase``): older windows dropped
+    supply_cap: float = 0.0  # samples/s the job's data source was measured to give at most (0: none)
+    supply_cap_age: int = 0  # windows since the windows last showed it (``SUPPLY_HOLD_WINDOWS``)
+    supply_blocked: float = 0.0  # with it: blocked s per batch without the queue at the source
 
 
 def _usable(obs: Observation) -> bool:
@@ -311,12 +388,17 @@ class PredictorBank:
         st.windows.append(obs)
         st.facts.append(_WindowFacts(obs) if _usable(obs) else None)
         st.dirty = True
+        st.supply_cap_age += 1
+        if st.supply_cap and ((_usable(obs) and obs.samples_per_s > (1.0 + SUPPLY_TOL) * st.supply_cap)
+                              or st.supply_cap_age > SUPPLY_HOLD_WINDOWS):
+            st.supply_cap = 0.0         # the source gave more, or long unconfirmed: found again if still the limit
         keep = 1 if _new_batch_size(st.facts) else _new_phase(st.facts)
         if keep:
             for _ in range(len(st.facts) - keep):
                 st.facts.popleft()
                 st.windows.popleft()
             st.phase_changes += 1
+            st.supply_cap = 0.0
 
     def curve(self, job_id: str) -> ThroughputCurve | None:
         """The job's current curve; None before any usable window (or for an unknown job)."""
@@ -324,7 +406,17 @@ class PredictorBank:
         if st is None:
             return None
         if st.dirty:
-            st.curve = self._build(job_id, [f for f in st.facts if f is not None], st.phase_changes)
+            facts = [f for f in st.facts if f is not None]
+            curve = self._build(job_id, facts, st.phase_changes)
+            if curve is not None:
+                cap, blocked = supply_cap(curve, facts)
+                if cap:
+                    st.supply_cap, st.supply_blocked, st.supply_cap_age = cap, blocked, 0
+                if st.supply_cap:
+                    # the workers' term with the source's own latency, not the queue's: min(w / (c + b0), cap)
+                    curve = dataclasses.replace(curve, supply_cap_samples_per_s=st.supply_cap,
+                                                blocked_s_per_batch=min(curve.blocked_s_per_batch, st.supply_blocked))
+            st.curve = curve
             st.dirty = False
         return st.curve
 

@@ -11,6 +11,10 @@ runs ``workers`` worker processes on ``cores`` CPU cores. The first-principles s
 
     batches/s = min of the three (workers = 0: the main process loads in line, 1 / (g + c + b))
 
+and never above ``supply_cap_samples_per_s`` where the bank has measured one (0, the default: none): what
+the job's data source gave it however many workers read from it, a limit neither its workers nor its
+cores move (a shared disk's or a network filesystem's bandwidth; ``predictor.bank``, "supply cap").
+
 ``correction`` (from the learned model) multiplies the worker-bound term and ``core_correction`` the
 core-bound term (``core_correction`` None: same as ``correction``); they stay 1.0 until observations
 say otherwise. ``sharpness`` p > 0 replaces the hard min by the soft min (sum r_i^-p)^(-1/p), which
@@ -34,7 +38,8 @@ MIN_SHARPNESS = 1.0    # a soft minimum's p is 0 (hard) or at least this (see Th
 
 # the fields that are figures: each finite and >= 0 (correction, core_correction and batch_size above 0)
 _FIGURES = ("batch_size", "compute_s_per_step", "cpu_s_per_batch", "blocked_s_per_batch", "correction", "confidence",
-            "observed_configs", "sharpness", "overhead_s_per_step", "worker_memory_bytes")
+            "observed_configs", "sharpness", "overhead_s_per_step", "worker_memory_bytes",
+            "supply_cap_samples_per_s")
 
 
 def _figure(v) -> bool:
@@ -59,6 +64,7 @@ class ThroughputCurve:
     sharpness: float = 0.0                 # soft-min exponent p (0 = hard min)
     overhead_s_per_step: float = 0.0       # m: per-step cost of taking a ready batch in the training process
     worker_memory_bytes: float = 0.0       # memory one worker costs (USS + batches in flight), 0 = unknown
+    supply_cap_samples_per_s: float = 0.0  # the most the job's data source gives, measured (0 = no cap)
 
     def __post_init__(self) -> None:
         """A curve is validated where it is made (by the predictor's bank, the prior's fit, a simulator
@@ -90,8 +96,11 @@ class ThroughputCurve:
         # curves by the hundred per tick and policies evaluate each many times), as plain attributes:
         #   _kc                    the core-bound term's correction (core_correction, else correction)
         #   ceiling_samples_per_s  throughput with data always ready: one batch per g + m seconds
+        #   _cap_bps               the supply cap in batches/s (inf: none)
         g = self.compute_s_per_step + self.overhead_s_per_step
         object.__setattr__(self, "_kc", self.correction if self.core_correction is None else self.core_correction)
+        cap = self.supply_cap_samples_per_s
+        object.__setattr__(self, "_cap_bps", cap / self.batch_size if cap > 0 else math.inf)
         object.__setattr__(self, "ceiling_samples_per_s", self.batch_size / g if g > 0 else math.inf)
 
     def _refuse(self, name: str, why: str) -> None:
@@ -148,6 +157,7 @@ class ThroughputCurve:
             if c > 0:
                 rates.append(self._kc * cores / c if cores > 0 else 0.0)
             bps = self._softmin(rates)
+        bps = min(bps, self._cap_bps)
         return min(bps * self.batch_size, self.ceiling_samples_per_s) if bps != math.inf else math.inf
 
     def normalized(self, workers: float, cores: float) -> float:
@@ -161,6 +171,9 @@ class ThroughputCurve:
     def max_useful_cores(self) -> float:
         """Least cores that reach within KNEE_TOLERANCE of the ceiling (with enough workers)."""
         g, c = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch
+        if self._cap_bps < (1.0 / g if g > 0 else math.inf):
+            # the supply binds first: the cores that reach within KNEE_TOLERANCE of what it gives
+            return self._knee_factor * c * self._cap_bps / self._kc
         if g <= 0:
             return math.inf
         den = g * self._kc
@@ -181,8 +194,8 @@ class ThroughputCurve:
         g, c, b = self.compute_s_per_step + self.overhead_s_per_step, self.cpu_s_per_batch, self.blocked_s_per_batch
         if c + b <= 0:
             return 1
-        limit_bps = self._softmin([1.0 / g if g > 0 else math.inf,
-                                   (self._kc * cores / c if cores > 0 else 0.0) if c > 0 else math.inf])
+        limit_bps = min(self._cap_bps, self._softmin([1.0 / g if g > 0 else math.inf,
+                                                     (self._kc * cores / c if cores > 0 else 0.0) if c > 0 else math.inf]))
         if limit_bps == math.inf:
             return 1 << 16
         if limit_bps <= 0:
@@ -277,6 +290,7 @@ def shared_cpu_state(curve: ThroughputCurve, workers: int, cpus: float, trainer_
             bps = new
             break
         bps, u, r = new, 0.5 * u + 0.5 * u_new, 0.5 * r + 0.5 * r_new
+    bps = min(bps, curve._cap_bps)
     return SharedCpuState(min(bps * curve.batch_size, curve.ceiling_samples_per_s), s_t, s_w, u, r)
 
 

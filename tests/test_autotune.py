@@ -780,3 +780,30 @@ def test_the_real_auto_loader_starts_from_the_count_its_predecessor_was_tuned_to
     finally:
         again.close()
         other.close()
+
+
+def test_tuner_stops_adding_workers_that_only_queue_at_a_shared_source():
+    """A loader reading a source that serves 100 batches/s however many workers ask (a shared disk's
+    bandwidth), the GPU able to take 200: each added worker only waits longer at the source. Before the
+    predictor's supply cap the tuner read every window's blocked time as a latency more workers would
+    hide and grew to its cap of workers, each measured at the same throughput; now it stays within a
+    worker of the one that reaches the source's rate."""
+    from predictor.bank import PredictorBank
+
+    cpus, g, c, rate, bs = 8.0, 0.005, 0.002, 100.0, 8
+
+    def window(workers: int) -> Observation:
+        bps = min(rate, workers / (c + 0.008), 1 / g, cpus / c)
+        wall = max(workers / bps, c + 0.008)
+        return Observation(workers=workers, cores=cpus, batch_size=bs, compute_s_per_step=g,
+                           data_wait_s_per_step=max(0.0, 1 / bps - g), cpu_s_per_batch=c, wall_s_per_batch=wall,
+                           runq_s_per_batch=0.0, blocked_s_per_batch=wall - c, samples_per_s=bps * bs,
+                           duration_s=2.0, steps=int(bps * 2.0))
+
+    tuner = autotune.AutoTuner(cpus=cpus, cap=autotune.worker_cap(cpus, None), current=1,
+                               bank=PredictorBank(prior="default"))
+    seen = []
+    for _ in range(40):
+        tuner.window(window(tuner.current))
+        seen.append(tuner.current)
+    assert tuner.cap >= 8 and max(seen) <= 3, seen      # 1 worker reaches 100 batches/s

@@ -1299,3 +1299,23 @@ def test_a_stream_that_loads_in_its_training_process_is_held_there(target):
         assert after["stream"].reason.startswith("uses 1.00 cores at most")
         assert after["stream"].cpus == pytest.approx(one["stream"].cpus)
         assert after["other"].cpus == pytest.approx(one["other"].cpus)
+
+
+def test_adaptive_gives_a_job_at_its_sources_cap_no_more_than_reach_it():
+    """A job whose source serves a third of what its GPU could take (the bank's supply cap): its curve
+    gains nothing past the cap, so adaptive gives it the cores and workers that reach the cap and the
+    rest to its neighbour. Without the cap the same job reads as wanting 4 workers and 0.5 cores."""
+    from agent.policies import adaptive
+    io = job("io", "io", batch_size=32)
+    heavy = job("heavy", "heavy", batch_size=32)
+    s = snap("gpu-8core", [io, heavy])
+    free = curves_of(s)
+    capped = dict(free, io=dataclasses.replace(free["io"], supply_cap_samples_per_s=free["io"].ceiling_samples_per_s / 3))
+    a_free, a_cap = adaptive(s, free, PolicyConfig()), adaptive(s, capped, PolicyConfig())
+    check_invariants(a_cap, s)
+    io_free, io_cap = a_free.allocations["io"], a_cap.allocations["io"]
+    assert io_free.workers >= 4
+    assert io_cap.workers <= capped["io"].max_useful_workers + 1 and io_cap.workers < io_free.workers
+    assert io_cap.cpus <= io_free.cpus + 1e-9
+    assert capped["io"].normalized(io_cap.workers, io_cap.cpus) >= 0.97 * (1 / 3)    # it still reaches the cap
+    assert a_cap.allocations["heavy"].cpus >= a_free.allocations["heavy"].cpus - 1e-9

@@ -605,3 +605,92 @@ def test_a_real_change_of_batch_size_starts_a_new_curve(prior, old_bs, new_bs):
     fresh = _feed(PredictorBank(prior=prior), "j", new)
     assert (cur.compute_s_per_step, cur.cpu_s_per_batch) == (fresh.compute_s_per_step, fresh.cpu_s_per_batch)
     assert cur.throughput(2, 2.0) == pytest.approx(new[0].samples_per_s, rel=0.05)
+
+
+# -- the supply cap: a data source that gives the same samples/s however many workers read it -------------
+
+def _source_window(workers: int, *, rate_bps: float = 10.0, g: float = 0.05, c: float = 0.02,
+                   latency_s: float = 0.05, cores: float = 8.0, runq_s: float = 0.0, bs: int = 32) -> Observation:
+    """A window of a job reading a source that serves ``rate_bps`` batches/s at most, shared by its
+    workers (a disk's or a network filesystem's bandwidth): each batch's blocked time is what the queue
+    at the source makes it, ``workers / rate`` less its CPU, at least ``latency_s``."""
+    rate = min(rate_bps, workers / (c + latency_s + runq_s), 1.0 / g)
+    wall = max(workers / rate, c + latency_s + runq_s)
+    step = 1.0 / rate
+    return Observation(workers=workers, cores=cores, batch_size=bs, compute_s_per_step=g,
+                       data_wait_s_per_step=max(0.0, step - g), cpu_s_per_batch=c, wall_s_per_batch=wall,
+                       runq_s_per_batch=runq_s, blocked_s_per_batch=wall - c - runq_s,
+                       samples_per_s=bs * rate, duration_s=3.0, steps=int(3.0 * rate))
+
+
+def _follow(bank: PredictorBank, windows_at, rounds: int = 15, start: int = 1, every: int = 3) -> list[int]:
+    """Move the job to its curve's max_useful_workers every ``every`` windows, as a tuner would; the
+    counts it ran at."""
+    w, seen = start, []
+    for i in range(rounds * every):
+        bank.observe("j", windows_at(w))
+        if i % every == every - 1:
+            seen.append(w)
+            w = min(64, bank.curve("j").max_useful_workers)
+    return seen
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_a_source_that_gives_no_more_to_more_workers_caps_the_curve(prior):
+    """Before the cap, a job bound by its source's bandwidth (10 batches/s at any worker count, its GPU
+    able to take 20) read as wanting twice its workers in every window, its blocked time per batch
+    taken as a fixed cost though it grew with the workers: 1 -> 2 -> 4 -> ... -> 64 workers, every one
+    of them measured at the same 320 samples/s. The first configuration that gave no more than the one
+    before it while the curve expected much more caps it at the best the source gave."""
+    bank = PredictorBank(prior=prior)
+    seen = _follow(bank, lambda w: _source_window(w))
+    curve = bank.curve("j")
+    assert max(seen) <= 2, seen
+    assert curve.supply_cap_samples_per_s == pytest.approx(320.0)
+    assert curve.max_useful_workers <= 2 and curve.throughput(64, 64.0) <= 320.0 + 1e-6
+
+
+@pytest.mark.parametrize("prior", [None, "default"])
+def test_no_cap_where_more_workers_bring_more_or_a_cpu_was_what_they_lacked(prior):
+    """Not a supply limit: (1) a source with latency but bandwidth to spare (each worker's batches
+    arrive no later as workers are added: the curve grows to the GPU's ceiling); (2) more workers on no
+    more CPU (their batches wait in the run queue, not on the source); (3) the GPU taking all it can."""
+    latency = PredictorBank(prior=prior)
+    seen = _follow(latency, lambda w: _source_window(w, rate_bps=1e9, latency_s=0.2))
+    assert latency.curve("j").supply_cap_samples_per_s == 0.0 and max(seen) >= 4, seen
+    starved = PredictorBank(prior=prior)
+    for w in (1, 1, 1, 2, 2, 2, 4, 4, 4):
+        # CPU-bound at 0.5 cores: each added worker's batch waits for a CPU as long as it computes
+        starved.observe("j", _source_window(w, rate_bps=1e9, latency_s=0.0, c=0.04, runq_s=0.04 * (w - 1),
+                                            cores=0.5 * w, g=0.01))
+    assert starved.curve("j").supply_cap_samples_per_s == 0.0
+    gpu = PredictorBank(prior=prior)
+    _follow(gpu, lambda w: _source_window(w, rate_bps=20.0, latency_s=0.03))
+    assert gpu.curve("j").supply_cap_samples_per_s == 0.0
+
+
+def test_the_cap_is_lifted_when_the_source_gives_more_and_forgotten_at_a_new_phase():
+    bank = PredictorBank(prior=None)
+    _follow(bank, lambda w: _source_window(w))
+    assert bank.curve("j").supply_cap_samples_per_s == pytest.approx(320.0)
+    bank.observe("j", _source_window(2, rate_bps=15.0))           # the neighbour stopped reading the disk
+    assert bank.curve("j").supply_cap_samples_per_s == 0.0
+    _follow(bank, lambda w: _source_window(w))
+    assert bank.curve("j").supply_cap_samples_per_s == pytest.approx(320.0)
+    for _ in range(2):                                            # a batch of 64: a new phase
+        bank.observe("j", _source_window(2, bs=64))
+    assert bank.curve("j").supply_cap_samples_per_s == 0.0
+
+
+def test_a_configuration_whose_windows_disagree_is_no_evidence_of_a_cap():
+    """IO latency that changes while the job runs is no new phase (``_new_phase``): a configuration
+    measured fast, then slow, averaged to a figure it never ran at, and set beside a slower configuration
+    with more workers it read as a cap (the autotuner stopped one worker short of the knee)."""
+    bank = PredictorBank(prior=None)
+    for _ in range(8):
+        bank.observe("j", _source_window(2, rate_bps=1e9, latency_s=0.01, g=0.01))
+    for _ in range(3):
+        bank.observe("j", _source_window(2, rate_bps=1e9, latency_s=0.08, g=0.01))
+    for _ in range(2):
+        bank.observe("j", _source_window(4, rate_bps=1e9, latency_s=0.08, g=0.01))
+    assert bank.curve("j").supply_cap_samples_per_s == 0.0

@@ -1,4 +1,5 @@
 """ThroughputCurve invariants (hypothesis), knees, and the Observation record's errors (unit tier)."""
+import dataclasses
 import math
 
 import pytest
@@ -211,3 +212,22 @@ def test_a_very_sharp_curve_has_knees_near_the_hard_minimums(p):
     below = ThroughputCurve(job="j", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.3,
                             blocked_s_per_batch=0.1, sharpness=22_000.0)   # (the power's own branch)
     assert below._knee_factor == pytest.approx(sharp._knee_factor, rel=1e-4)
+
+
+def test_a_supply_cap_bounds_throughput_and_brings_the_knees_down_to_it():
+    """A measured supply cap (what the job's data source gives however many workers read it) is a fourth
+    limit: no worker count or core count predicts more, and the knees are where the cap is reached, not
+    the GPU's ceiling. 0 (the default) changes nothing."""
+    free = ThroughputCurve(job="io", batch_size=32, compute_s_per_step=0.05, cpu_s_per_batch=0.02,
+                           blocked_s_per_batch=0.08)
+    capped = dataclasses.replace(free, supply_cap_samples_per_s=320.0)      # 10 batches/s; the GPU does 20
+    assert free.max_useful_workers == 2 and free.throughput(2, 8.0) == pytest.approx(640.0)
+    assert capped.throughput(64, 64.0) == pytest.approx(320.0) and capped.throughput(1, 8.0) == pytest.approx(320.0)
+    assert capped.max_useful_workers == 1 and capped.knee_workers(8.0) == 1
+    assert capped.max_useful_cores == pytest.approx((1 - KNEE_TOLERANCE) * 0.02 * 10.0)
+    assert capped.normalized(64, 64.0) == pytest.approx(0.5)            # its GPU waits half the time
+    from predictor.curve import shared_cpu_knee, shared_cpu_throughput
+    assert shared_cpu_throughput(capped, 8, 2.0, 0.01) <= 320.0 + 1e-9
+    assert shared_cpu_knee(capped, 2.0, 0.01, 8) == 1
+    with pytest.raises(ValueError, match="supply_cap_samples_per_s"):
+        dataclasses.replace(free, supply_cap_samples_per_s=-1.0)
