@@ -83,3 +83,13 @@ def test_memory_bench_measures_both_loaders_after_a_full_collection(tmp_path, ca
         assert doc["results"]["numpy-array"]["workers"] == 2
     assert uss["adloader"] < uss["torch"] - 15 * (1 << 20), uss
     assert "a full gc collection in each worker" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_supply_check_refuses_bad_numbers_and_a_tree_that_is_not_a_checkout(tmp_path, capsys, monkeypatch):
+    from evaluation import supply_check
+
+    monkeypatch.setattr(supply_check, "run_once", lambda *a, **k: pytest.fail("a run was started"))
+    for argv, words in ((["--seconds", "5"], "--seconds"), (["--repeats", "0"], "--repeats"),
+                        (["--read-ms", "0"], "--read-ms"), (["--against", str(tmp_path)], "not a checkout")):
+        assert words in _usage_error(supply_check.main, argv, capsys), argv
