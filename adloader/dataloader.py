@@ -780,7 +780,9 @@ class DataLoader(tud.DataLoader[T_co]):
         arguments, any worker count) yields every batch not yet delivered exactly once, in the same
         order and with the same per-batch seeds. The sampler is replayed from the recorded RNG state
         and the delivered prefix skipped (indices only: no sample is loaded for it); a custom sampler
-        must therefore be deterministic given that state (e.g. DistributedSampler after set_epoch)."""
+        must therefore be deterministic given that state (e.g. DistributedSampler after set_epoch).
+        A map-style state taken after the epoch's last batch, before its ``StopIteration``, resumes
+        at the start of the next epoch (``_ElasticIter._past_spent_epoch``)."""
         it = self._last_iter() if self._last_iter is not None else None
         if it is not None and not it._done and it._started:
             return it._state_dict()
@@ -950,6 +952,8 @@ class _ElasticIter:
         self._pin_device_id = (torch.accelerator.current_device_index()
                                if cfg.pin and cfg.pin_device is not None else None)
         with self._lock:
+            if resume is not None:
+                resume = self._past_spent_epoch(resume)
             self._iter_id = next(_ITER_IDS)
             with core.lock:
                 if resume is not None:
@@ -986,6 +990,41 @@ class _ElasticIter:
             self._first_seq = self._seq.delivered_below
             self._init_turns = {}
             self._start_workers()
+
+    def _past_spent_epoch(self, resume: dict) -> dict:
+        """A map-style state saved after its epoch's last batch and before the ``StopIteration`` that
+        ends it (Lightning's checkpoint at the last ``on_train_batch_end`` of an epoch: its fetcher knows
+        the length and does not call ``next()`` again) resumes as the start of the next epoch, with
+        the RNG where that epoch's draws left it, as a state saved after the ``StopIteration`` would.
+        Resuming it as saved gave an empty epoch, which Lightning counts as the next one: a whole epoch
+        lost. torchdata's StatefulDataLoader does the same (meta-pytorch/data#1437). Any other state,
+        and one whose sampler has no length, is returned as it is."""
+        cfg = self._cfg
+        try:
+            spent = not cfg.iterable and int(resume["batches_delivered"]) >= len(cfg.index_sampler) > 0
+        except TypeError:
+            spent = False
+        if not spent:
+            return resume
+        gen = cfg.generator
+        user_global = None
+        if gen is not None:
+            gen.set_state(resume["rng_state"])
+        else:
+            user_global = torch.get_rng_state()
+            torch.set_rng_state(resume["rng_state"])
+        try:
+            self._draw_seeds(gen, resume)
+            for _ in cfg.index_sampler:     # the sampler's draws for the spent epoch, as torch's iterator
+                pass
+            after = gen.get_state() if gen is not None else torch.get_rng_state()
+        finally:
+            if user_global is not None:
+                torch.set_rng_state(user_global)
+        kept = cfg.persistent and self._persistent_base is not None   # as ``DataLoader.state_dict``
+        return dict(resume, epoch=int(resume["epoch"]) + 1, batches_delivered=0, delivered_ahead=[],
+                    base_seed=self._persistent_base if kept else None, base_seed_drawn=not kept,
+                    rng_state=after)
 
     def _draw_seeds(self, gen, resume: dict | None) -> None:
         """Draw from the loader's generator exactly what torch's iterator draws, in its order, so the

@@ -180,3 +180,62 @@ def test_persistent_workers_do_not_outlive_fit_as_torch_s_do_not(tmp_path):
         finally:
             if hasattr(loader, "close"):
                 loader.close()
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_at_the_next_epoch_as_torch_s(tmp_path):
+    """Lightning saves a loader's ``state_dict()`` in every checkpoint and loads it on resume
+    (``_FitLoop.on_save_checkpoint`` / ``_load_combined_loader_states``). A checkpoint taken at an
+    epoch's last batch (``ModelCheckpoint(every_n_train_steps=...)`` landing there) held "epoch 0, all
+    4 batches delivered": its fetcher knows the length and never asked for the ``StopIteration``.
+    Lightning counts that epoch done and starts the next, which the loader resumed as the rest of
+    epoch 0, nothing: 4 batches trained where torch's loader trains 8, a whole epoch lost. Now that
+    state resumes at the next epoch (as torchdata's StatefulDataLoader does): the run trains epochs 1
+    and 2, each sample once an epoch, epoch 1 the uninterrupted run's; and a mid-epoch checkpoint still
+    resumes at its next batch (torch's loader, without state, restarts the epoch from a new order)."""
+    import lightning as L
+    import torch
+    import torch.utils.data as tud
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from adloader import DataLoader
+    from tests.loader_datasets import Indexed
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, i, sorted(int(v) for v in batch.flatten())))
+            return self.lin(batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    def fit(cls, root, ckpt=None):
+        L.seed_everything(0, verbose=False)
+        loader = cls(Indexed(16), batch_size=4, shuffle=True, num_workers=1)
+        m = M()
+        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        L.Trainer(max_epochs=3, callbacks=[saves], logger=False, default_root_dir=str(root),
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  devices=1).fit(m, loader, ckpt_path=ckpt)
+        if hasattr(loader, "close"):
+            loader.close()
+        return m.seen
+
+    def epochs(seen):
+        return [e for e, _, _ in seen]
+
+    full = fit(DataLoader, tmp_path / "full")
+    assert epochs(full) == [0] * 4 + [1] * 4 + [2] * 4
+    at_end = fit(DataLoader, tmp_path / "end", ckpt=tmp_path / "full" / "step=4.ckpt")
+    fit(tud.DataLoader, tmp_path / "torch_full")      # torch's loader has no state in its checkpoints
+    torch_at_end = fit(tud.DataLoader, tmp_path / "torch", ckpt=tmp_path / "torch_full" / "step=4.ckpt")
+    assert epochs(at_end) == epochs(torch_at_end) == [1] * 4 + [2] * 4, (at_end, torch_at_end)
+    for e in (1, 2):
+        assert sorted(v for ep, _, b in at_end if ep == e for v in b) == list(range(16)), at_end
+    assert at_end[:4] == full[4:8]                  # epoch 1 as the uninterrupted run's
+    mid = fit(DataLoader, tmp_path / "mid", ckpt=tmp_path / "full" / "step=2.ckpt")
+    assert mid[:2] == full[2:4], (mid, full)        # the rest of epoch 0, exactly once
+    assert epochs(mid) == [0] * 2 + [1] * 4 + [2] * 4

@@ -13,6 +13,14 @@ sharing the user's loader's ``elastic_state``:
 The prepared object shards, places batches on the device and synchronises RNGs as Accelerate's own;
 ``prepared.stats()``/``resize()`` reach the A-Dloader loader (the wrapper forwards attributes), and
 the user's original loader stays a live handle on the same workers and counters.
+
+Resuming mid-epoch: ``accelerator.skip_first_batches(prepared, n)`` builds a new wrapper around a new
+torch loader (``accelerate/data_loader.py``, ``skip_first_batches``), so the resumed epoch ran on
+torch's DataLoader. ``skip_first_batches`` below does the same and keeps an ``adloader.DataLoader``
+inside, sharing the prepared loader's elastic state:
+
+    from adloader.integrations.accelerate import skip_first_batches
+    for batch in skip_first_batches(prepared, n):     # instead of accelerator.skip_first_batches
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import torch.utils.data as tud
 from adloader import dataloader as _dl
 from adloader.dataloader import DataLoader
 
-__all__ = ["prepare", "adloader_base"]
+__all__ = ["prepare", "adloader_base", "skip_first_batches"]
 
 
 def prepare(accelerator, *objects: Any, device_placement=None):
@@ -38,6 +46,26 @@ def prepare(accelerator, *objects: Any, device_placement=None):
     for original, result in zip(objects, prepared):
         if isinstance(original, DataLoader) and result is not original:
             adloader_base(result, like=original)
+    return out
+
+
+def skip_first_batches(prepared, num_batches: int = 0):
+    """``accelerate.skip_first_batches(prepared, num_batches)`` (what ``accelerator.skip_first_batches``
+    and the transformers Trainer's resume call): the same wrapper skipping the same batches, with the
+    torch loader it builds replaced by an ``adloader.DataLoader`` sharing the elastic state of the one
+    inside ``prepared``. Any other loader is passed to Accelerate's function unchanged."""
+    from accelerate.data_loader import skip_first_batches as accelerate_skip
+
+    base = getattr(prepared, "base_dataloader", None)
+    if not isinstance(base, DataLoader):
+        return accelerate_skip(prepared, num_batches=num_batches)
+    _dl._foreign_copy_allowed.on = True     # Accelerate reads the loader's attributes on purpose here
+    try:
+        out = accelerate_skip(prepared, num_batches=num_batches)
+    finally:
+        _dl._foreign_copy_allowed.on = False
+    if out is not prepared and isinstance(getattr(out, "base_dataloader", None), tud.DataLoader):
+        adloader_base(out, like=base)
     return out
 
 

@@ -16,6 +16,13 @@ an ``adloader.DataLoader`` with the same arguments (``adloader.integrations.acce
 ``trainer.adloader_loaders`` ({"train": ..., "eval": ..., "test": ...}), live handles for ``stats()``
 and ``resize()``.
 
+A run resumed mid-epoch (``train(resume_from_checkpoint=...)``) skips the batches already trained with
+Accelerate's ``skip_first_batches``, which builds a new torch loader (``Trainer._inner_training_loop``):
+the resumed epoch ran on torch's DataLoader. During ``train()`` the name ``skip_first_batches`` in
+``transformers.trainer`` is ``adloader.integrations.accelerate.skip_first_batches``, which keeps an
+``adloader.DataLoader`` inside (sharing the train loader's state) and passes any other loader to
+Accelerate's function unchanged.
+
 The Trainer knows how long it trains (``state.max_steps``): at the start of ``train()`` the train
 loader is told the batches left (``max_steps`` less the steps done, times the gradient accumulation:
 ``DataLoader.set_total_steps``), which the node agent's finish guard uses; the hint is withdrawn
@@ -26,7 +33,7 @@ from __future__ import annotations
 import transformers
 
 from adloader.dataloader import DataLoader
-from adloader.integrations.accelerate import adloader_base
+from adloader.integrations.accelerate import adloader_base, skip_first_batches
 
 __all__ = ["AdloaderTrainerMixin", "Trainer"]
 
@@ -55,6 +62,19 @@ class AdloaderTrainerMixin:
             old.close()          # a loader the Trainer rebuilt (each evaluation, a new train() call)
         self.adloader_loaders[key] = loader
         return prepared
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, with the resumed epoch's loader kept an ``adloader.DataLoader`` (see the
+        module docstring)."""
+        import transformers.trainer as hf_trainer
+
+        original = hf_trainer.skip_first_batches
+        hf_trainer.skip_first_batches = skip_first_batches
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if hf_trainer.skip_first_batches is skip_first_batches:
+                hf_trainer.skip_first_batches = original
 
     def get_train_dataloader(self):
         return self._adloader(super().get_train_dataloader(), "train")
