@@ -14,6 +14,7 @@ series are removed. Names:
     adloader_job_gpu_idle_fraction{job}         0..1
     adloader_job_samples_per_second{job}
     adloader_job_max_useful_workers{job}
+    adloader_job_supply_cap_samples_per_second{job}  (absent unless the predictor saw one: ``predictor.bank``)
     adloader_messages_total{type}, adloader_errors_total{code}  (from the server's counts)
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ JOB_GAUGES = {
     "gpu_idle_frac": ("adloader_job_gpu_idle_fraction", "share of time the job's GPUs were idle"),
     "samples_per_s": ("adloader_job_samples_per_second", "samples per second, all ranks"),
     "max_useful_workers": ("adloader_job_max_useful_workers", "predicted max useful loader workers"),
+    "supply_cap_samples_per_s": ("adloader_job_supply_cap_samples_per_second",
+                                 "samples/s the job's data source gave at most, however many workers read it"),
 }
 
 
