@@ -312,8 +312,11 @@ def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
 
 
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
+    """The most workers a plan gives the job: ``max_workers_per_job``, its loaders' ``max_workers``, and at
+    least ``min_workers`` (a loader that may start none, ``max_workers`` 0, is planned as one worker, the
+    least a plan gives; its loader clamps the directive to 0. Before, 0 read as no bound at all)."""
     bound = config.max_workers_per_job
-    if job.max_workers is not None and job.max_workers >= 1:
+    if job.max_workers is not None:
         bound = min(bound, job.max_workers)
     return max(config.min_workers, bound)
 
@@ -376,7 +379,7 @@ def epoch_fixed_view(snapshot: NodeSnapshot) -> tuple[NodeSnapshot, dict[str, Ep
             continue
         held[j] = EpochHold(live=live, target=job.workers,
                             retarget=live >= 1 and live == job.workers and epochs_end(job))
-        bound = max(1, live) if job.max_workers is None else min(job.max_workers, max(1, live))
+        bound = max(1, live) if job.max_workers is None else max(1, min(job.max_workers, live))
         jobs[j] = dataclasses.replace(job, max_workers=bound)
     return (dataclasses.replace(snapshot, jobs=jobs) if held else snapshot), held
 

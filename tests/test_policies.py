@@ -1299,6 +1299,25 @@ def test_a_stream_that_loads_in_its_training_process_is_held_there(target):
         assert after["stream"].reason.startswith("uses 1.00 cores at most")
         assert after["stream"].cpus == pytest.approx(one["stream"].cpus)
         assert after["other"].cpus == pytest.approx(one["other"].cpus)
+        # as adloader reports it since 4cabd4a: max_workers 0 (the user's 0 over an IterableDataset); a bound
+        # of 0 read as none, and the held job was planned the cores of every worker its curve wanted
+        zero = dataclasses.replace(_streaming(heavy, 0, target, epoch=epoch), max_workers=0)
+        bounded = _plan_with_epochs(snap("gpu-8core", [zero, other]))
+        assert bounded["stream"].workers == target and bounded["stream"].cpus == pytest.approx(one["stream"].cpus)
+
+
+def test_a_loader_whose_max_workers_is_0_is_planned_one_workers_cores_not_unbounded():
+    """``max_workers=0`` (a loader that may not start workers: the user's bound, or an IterableDataset built
+    with ``num_workers=0``) was read as no bound: the plan gave it every worker and core its curve wanted,
+    which its loader clamps to 0. It is planned as one worker, the least a plan gives."""
+    heavy = dataclasses.replace(job("h", "heavy", worker_cpu_cores=1.0), max_workers=0)
+    other = job("other", "heavy", worker_cpu_cores=1.0)
+    s = snap("gpu-8core", [heavy, other])
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig()).allocations
+    one = dataclasses.replace(heavy, max_workers=1)
+    s1 = snap("gpu-8core", [one, other])
+    plan1 = get_policy("adaptive")(s1, curves_of(s1), PolicyConfig()).allocations
+    assert plan["h"].workers == 1 and plan["h"].cpus == pytest.approx(plan1["h"].cpus)
 
 
 def test_adaptive_gives_a_job_at_its_sources_cap_no_more_than_reach_it():
