@@ -381,7 +381,7 @@ class DataLoader(tud.DataLoader[T_co]):
             held = False
             if max_workers is None:
                 max_workers = max(default_max_workers(_available_cpus(), auto=auto), 0 if auto else count)
-                held = (auto or count <= 1) and isinstance(dataset, tud.IterableDataset)
+                held = (auto or count <= 1) and self.dataset_kind == "iterable"
                 if held:
                     max_workers = 1 if auto else count      # ITERABLE_HELD_NOTE: the user's 0 or 1, "auto" 1
             elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
@@ -791,7 +791,7 @@ class DataLoader(tud.DataLoader[T_co]):
         kept = it is not None and it._persistent_base is not None
         return {
             "version": STATE_VERSION,
-            "dataset_kind": "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map",
+            "dataset_kind": self.dataset_kind,
             "epoch": self._core.next_epoch, "batches_delivered": 0, "delivered_ahead": [],
             "base_seed": it._persistent_base if kept else None, "base_seed_drawn": not kept,
             "rng_source": "generator" if gen is not None else "global",
@@ -804,7 +804,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
                              f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
-        kind = "iterable" if isinstance(self.dataset, tud.IterableDataset) else "map"
+        kind = self.dataset_kind
         if state["dataset_kind"] != kind:
             raise ValueError(f"state is for a {state['dataset_kind']}-style dataset, this loader has a "
                              f"{kind}-style one")
