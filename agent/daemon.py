@@ -547,6 +547,7 @@ class Agent:
             "metrics_port": cfg.metrics_port, "errors": dict(self.server.errors), "messages": dict(self.server.counts),
             "recent_ticks": _tick_summary(self.recent_ticks), "journal_ms": self.last_journal_ms,
             "unseen_job_timeout_s": cfg.unseen_job_timeout_s, "job_scans": self.registry.scans,
+            "pids_skipped": sum(getattr(a, "pids_skipped", 0) for a in self.actuators),
             "memory": self.collector.memory_state.to_dict() if self.collector.memory_state else None,
             "state_problems": self._state_problems()[:20],
             "connections": self.server.guard.snapshot() if self.server.guard is not None else None,

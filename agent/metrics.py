@@ -8,6 +8,7 @@ series are removed. Names:
                                                 "auto" budget grown into the reserve the trainers leave)
     adloader_tick_seconds                       duration of the last tick
     adloader_ticks_total                        ticks run
+    adloader_pids_skipped_total                 worker pids not moved or pinned: no longer the reported worker
     adloader_job_workers{job}                   loader workers (reported)
     adloader_job_cpus{job}                      CPU cores in force (absent before the first apply)
     adloader_job_data_wait_fraction{job}        0..1
@@ -45,6 +46,9 @@ class Metrics:
         self.loader_cpus = Gauge("adloader_loader_cpus", "CPU cores for loaders, all jobs", registry=self.registry)
         self.tick_s = Gauge("adloader_tick_seconds", "duration of the last tick", registry=self.registry)
         self.ticks = Gauge("adloader_ticks_total", "ticks run", registry=self.registry)
+        self.pids_skipped = Gauge("adloader_pids_skipped_total",
+                                  "worker pids not moved or pinned: the pid was no longer the reported worker",
+                                  registry=self.registry)
         self.messages = Gauge("adloader_messages_total", "messages received by type", ["type"], registry=self.registry)
         self.errors = Gauge("adloader_errors_total", "error replies by code", ["code"], registry=self.registry)
         self.per_job = {k: Gauge(name, help_, ["job"], registry=self.registry) for k, (name, help_) in JOB_GAUGES.items()}
@@ -68,6 +72,7 @@ class Metrics:
         self.loader_cpus.set(a.get("loader_cpus_in_force") or a.get("loader_cpus") or 0)
         self.tick_s.set((a.get("last_tick_ms") or 0) / 1000.0)
         self.ticks.set(a.get("ticks") or 0)
+        self.pids_skipped.set(a.get("pids_skipped") or 0)
         for t, n in (counts or {}).items():
             self.messages.labels(type=t).set(n)
         for c, n in (errors or {}).items():

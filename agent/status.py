@@ -13,7 +13,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          cpu_ms_p50, cpu_ms_p95, controller_ms_p50, phases_ms_p50{snapshot, predict,
                          policy, apply}} over the last 60 ticks, journal_ms (last write),
                          unseen_job_timeout_s, job_scans (/proc scans for registered jobs' processes,
-                         ``agent.jobprocs``),
+                         ``agent.jobprocs``), pids_skipped (worker pids the actuators left alone since
+                         start: the pid was no longer the worker the client reported, see
+                         ``security.same_process``),
                          memory {budget_bytes (loader memory budget in force, null = none),
                          configured_bytes, used_bytes (all loaders' workers + batches in flight),
                          available_bytes (MemAvailable), pressure_pct (PSI memory some over the last

@@ -503,3 +503,24 @@ def test_a_lock_file_replaced_while_it_is_taken_is_taken_again(tmp_path, monkeyp
         assert os.path.samestat(os.fstat(s._lock_fd), os.stat(lock))
     finally:
         os.close(s._lock_fd)
+
+
+def test_status_counts_the_worker_pids_every_actuator_left_alone(tmp_path):
+    """``agent.pids_skipped`` is the actuators' count of worker pids not moved or pinned because another
+    process held the pid by then (before, the count was kept but no operator could read it)."""
+    from agent.actuators.cgroup import AffinityActuator
+    from agent.actuators.originals import Originals
+    from agent.daemon import Agent
+
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even"}, environ={})
+    agent = Agent(cfg)
+    try:
+        assert agent.status_doc()["agent"]["pids_skipped"] == 0
+        pinning = AffinityActuator(Originals(str(tmp_path / "orig.json")))
+        pinning.pids_skipped = 2
+        agent.actuators.append(pinning)
+        assert agent.status_doc()["agent"]["pids_skipped"] == 2
+    finally:
+        agent.server.close()
+        agent.ctx.term()
