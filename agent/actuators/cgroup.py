@@ -510,10 +510,8 @@ class CgroupActuator:
         own = h.procs(self.base)
         if own:
             leaf = self._leaf_path()
-            if h.mkdir(leaf):
+            if not h.exists(leaf) and self._mkdir_journaled("", leaf):
                 self._leaf = leaf
-                self.originals.created.append(Originals.key("", leaf))
-                self.originals.save()
             for pid in own:
                 try:
                     h.move(leaf, pid)
@@ -575,13 +573,29 @@ class CgroupActuator:
                 self._enable_v2_controllers_on_own()
             elif h.version == 2:
                 self._enable_v2_controllers(parent)
-            h.mkdir(cur)
-            self.originals.created.append(Originals.key(hier, cur))
-            self.originals.save()
+            self._mkdir_journaled(hier, cur)
             if hier == "cpuset":
                 # a new v1 cpuset group starts empty: both must be set before a task may join (ENOSPC)
                 h.write(cur, "cpuset.cpus", h.read(parent, "cpuset.cpus"))
                 h.write(cur, "cpuset.mems", h.read(parent, "cpuset.mems"))
+
+    def _mkdir_journaled(self, hier: str, rel: str) -> bool:
+        """Create a group, listed in the journal of originals (``created``) BEFORE the mkdir: a SIGKILL
+        between the two leaves a listed group that was never made (``_drop_group`` forgets it), never a
+        made one that no journal lists (a restarted agent found it existing, took it as not its own, and
+        neither removed it on stop nor moved its workers out: the subtree's rmdir then failed EBUSY).
+        False (and not listed) if the group existed already: someone else made it meanwhile."""
+        key = Originals.key(hier, rel)
+        self.originals.created.append(key)
+        self.originals.save()
+        made = False
+        try:
+            made = self.h[hier].mkdir(rel)
+        finally:
+            if not made:
+                self.originals.created.remove(key)
+                self.originals.save()
+        return made
 
     def _enable_v2_controllers(self, rel: str) -> None:
         h = self.h[""]
@@ -845,7 +859,12 @@ class CgroupActuator:
         A process that is gone (JobGone, no ``<proc_root>/<pid>``, or a zombie) needs no move: it
         exited while we moved it (the origin refused it, then so did the root), which is not a failure."""
         h = self.h[hier]
-        if not h.exists(rel):
+        key = Originals.key(hier, rel)
+        if not h.exists(rel):     # removed by someone else, or listed by a mkdir that a SIGKILL cut short
+            if key in self.originals.created:
+                self.originals.created.remove(key)
+            for k in [k for k in self.originals.files if k.startswith(key + "|")]:
+                del self.originals.files[k]
             return
         for pid in h.procs(rel):
             entry = self.originals.pids.get(str(pid), {})
@@ -865,7 +884,6 @@ class CgroupActuator:
                     if not self._gone(pid):
                         raise
         h.rmdir(rel)
-        key = Originals.key(hier, rel)
         if key in self.originals.created:
             self.originals.created.remove(key)
         for k in [k for k in self.originals.files if k.startswith(key + "|")]:
