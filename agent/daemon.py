@@ -325,15 +325,22 @@ class Agent:
         logs.event(log, "predictor_ready", seconds=round(time.perf_counter() - t0, 3))
 
     def _adopt_journal(self, now: float) -> None:
-        doc = journal.load(self.config.state_dir)
-        if not doc:
-            return
+        """Adopt the journal's live jobs; forget its dead ones, and every job an actuator still holds
+        something for (a group, a moved process, an affinity: ``held_jobs``) that the journal does not
+        adopt. Before, such a job (the journal lost, or a release still being retried when the agent was
+        killed) kept its group and its workers there until the agent stopped."""
+        loaded = journal.load(self.config.state_dir)
+        doc = loaded or {"applied": {}, "jobs": {}, "agent_pid": None}
         self.state_problems.extend(doc.get("problems") or [])
         adopted, dead = self.registry.adopt(doc["jobs"], now)
         self.controller.adopt(doc["applied"])
-        for job in set(dead) | (set(doc["applied"]) - set(adopted)):
+        held = set().union(*(a.held_jobs() for a in self.actuators if hasattr(a, "held_jobs")))
+        forgotten = sorted(set(dead) | ((set(doc["applied"]) | held) - set(adopted)))
+        for job in forgotten:
             self.controller.forget(job)
-        logs.event(log, "journal_adopted", adopted=adopted, forgotten=sorted(set(dead) | (set(doc["applied"]) - set(adopted))),
+        if not (loaded or forgotten):
+            return
+        logs.event(log, "journal_adopted", adopted=adopted, forgotten=forgotten,
                    previous_agent_pid=doc.get("agent_pid"))
         try:
             self._write_journal(force=True)

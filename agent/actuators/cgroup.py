@@ -311,6 +311,10 @@ class AffinityActuator:
     def release(self, job_id: str) -> None:
         self._restore_pids([k for k, v in self.originals.affinity.items() if v.get("job") == job_id])
 
+    def held_jobs(self) -> set[str]:
+        """The jobs whose workers' original affinity the journal of originals holds."""
+        return {v["job"] for v in self.originals.affinity.values()}
+
     def restore(self) -> None:
         self._restore_pids(list(self.originals.affinity))
 
@@ -916,6 +920,18 @@ class CgroupActuator:
         self.originals.save()
         if errors:
             raise CgroupError(f"release of job {job_id!r}: " + "; ".join(errors))
+
+    def held_jobs(self) -> set[str]:
+        """The jobs this actuator (or the dead agent whose journal of originals it read) holds something
+        for: a group it created, a moved process's origin, an affinity. A restarted agent releases those
+        its journal does not adopt (``Agent._adopt_journal``)."""
+        jobs = {v["job"] for v in self.originals.pids.values()} | self.affinity.held_jobs()
+        prefix = self.subtree + "/"
+        for key in self.originals.created:
+            rel = key.split("|", 1)[1]
+            if rel.startswith(prefix) and "/" not in rel[len(prefix):]:
+                jobs.add(job_of_group(rel[len(prefix):]))
+        return jobs
 
     def restore(self) -> None:
         """Put back everything: processes to their origins, the groups we created removed (children
