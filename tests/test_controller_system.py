@@ -190,7 +190,8 @@ def test_a_restarted_agent_releases_a_group_its_journal_does_not_adopt(procs, tm
         assert cgroupfs.proc_cgroups(worker)["cpu"] == f"/{SUBTREE}/lost1"
         if journal == "without the job":
             journalmod.save(cfg.state_dir, {}, {})
-        # the agent is killed: nothing restored; a new one starts on the same state directory
+        # the agent is killed: nothing restored, its lock let go; a new one starts on the same state directory
+        agents[0].unlock_state_dir()
         agents.append(Agent(cfg))
         agents[1]._adopt_journal(0.0)
         assert cgroupfs.proc_cgroups(worker)["cpu"] == "/"
