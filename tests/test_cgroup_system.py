@@ -280,8 +280,9 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     assert os.path.isdir(base)                  # not ours to remove
 
 
-def _die_after_mkdir(tmp_path, rel: str, job: str, worker: int) -> None:
-    """An agent (a forked child) applying ``job`` is SIGKILLed right after its cpu mkdir of ``rel``."""
+def _die_after_mkdir(tmp_path, rel: str, job: str, worker: int, ctrl: str = "cpu", knob: str = "shares",
+                     cpuset=None) -> None:
+    """An agent (a forked child) applying ``job`` is SIGKILLed right after its ``ctrl`` mkdir of ``rel``."""
     import signal
 
     child = os.fork()
@@ -291,12 +292,13 @@ def _die_after_mkdir(tmp_path, rel: str, job: str, worker: int) -> None:
 
             def mkdir(self, path):
                 made = real(self, path)
-                if self.controller == "cpu" and path == rel:
+                if self.controller == ctrl and path == rel:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return made
 
             cgroupfs.V1Hierarchy.mkdir = mkdir
-            cgroup_actuator(tmp_path).apply(stats(job, [worker]), JobAllocation(job=job, workers=1, cpus=1.0))
+            cgroup_actuator(tmp_path, knob).apply(stats(job, [worker]),
+                                                  JobAllocation(job=job, workers=1, cpus=1.0, cpuset=cpuset))
         finally:
             os._exit(1)
     _, status = os.waitpid(child, 0)
@@ -320,6 +322,28 @@ def test_an_agent_killed_between_a_mkdir_and_its_journal_leaves_no_group(clean, 
     assert cgroup_of(pid, "cpu") == "/"
     assert not os.path.exists(os.path.join(CPU, SUBTREE))
     assert not os.path.exists(tmp_path / "cgroup-originals.json")
+
+
+@pytest.mark.parametrize("killed_after", ["subtree", "job group"])
+def test_a_cpuset_group_left_empty_by_a_killed_agent_is_filled_on_restart(clean, tmp_path, killed_after):
+    """An agent SIGKILLed between a cpuset group's mkdir and the writes of its cpuset.cpus and
+    cpuset.mems left them empty; the restarted agent found the group existing and skipped it, so every
+    cpuset job failed for ever (the kernel refuses a child's CPUs outside an empty parent's: "Permission
+    denied", or a task joining an empty group: ENOSPC)."""
+    pid = busy(clean)
+    cpu = max(os.sched_getaffinity(0))
+    rel = SUBTREE if killed_after == "subtree" else f"{SUBTREE}/e1"
+    _die_after_mkdir(tmp_path, rel, "e1", pid, ctrl="cpuset", knob="cpuset", cpuset=(cpu,))
+    with open(os.path.join(CPUSET, rel, "cpuset.mems")) as f:
+        assert f.read().strip() == ""               # what the dead agent left
+    second = cgroup_actuator(tmp_path, "cpuset")
+    r = second.apply(stats("e1", [pid]), JobAllocation(job="e1", workers=1, cpus=1.0, cpuset=(cpu,)))
+    assert r.ok, r.error
+    assert cgroup_of(pid, "cpuset") == f"/{SUBTREE}/e1"
+    assert os.sched_getaffinity(pid) == {cpu}
+    second.restore()
+    assert cgroup_of(pid, "cpuset") == "/"
+    assert not os.path.exists(os.path.join(CPUSET, SUBTREE))
 
 
 def test_a_journaled_group_that_is_gone_is_forgotten(clean, tmp_path):

@@ -570,18 +570,29 @@ class CgroupActuator:
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             cur = "/".join(parts[:i])
-            if h.exists(cur):
-                continue
             parent = "/".join(parts[:i - 1])
+            if h.exists(cur):
+                if hier == "cpuset" and Originals.key(hier, cur) in self.originals.created:
+                    self._fill_cpuset(cur, parent)   # made by an agent killed before it filled them
+                continue
             if h.version == 2 and parent == self.base and self.base:
                 self._enable_v2_controllers_on_own()
             elif h.version == 2:
                 self._enable_v2_controllers(parent)
             self._mkdir_journaled(hier, cur)
             if hier == "cpuset":
-                # a new v1 cpuset group starts empty: both must be set before a task may join (ENOSPC)
-                h.write(cur, "cpuset.cpus", h.read(parent, "cpuset.cpus"))
-                h.write(cur, "cpuset.mems", h.read(parent, "cpuset.mems"))
+                self._fill_cpuset(cur, parent)
+
+    def _fill_cpuset(self, rel: str, parent: str) -> None:
+        """v1: a new cpuset group starts with empty ``cpuset.cpus`` and ``cpuset.mems``; both must be set
+        before a task may join (ENOSPC), and a child's CPUs must be within its parent's (an empty parent
+        refuses every one: EACCES). Each that is empty gets the parent's. Also done for a group of ours
+        found existing: an agent SIGKILLed between the mkdir and these writes left them empty, and every
+        cpuset job then failed, for ever, with "Permission denied"."""
+        h = self.h["cpuset"]
+        for file in ("cpuset.cpus", "cpuset.mems"):
+            if not h.read(rel, file):
+                h.write(rel, file, h.read(parent, file))
 
     def _mkdir_journaled(self, hier: str, rel: str) -> bool:
         """Create a group, listed in the journal of originals (``created``) BEFORE the mkdir: a SIGKILL
