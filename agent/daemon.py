@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import logging
 import os
 import re
@@ -202,13 +203,16 @@ class Agent:
         self.policy = policy
         # the directories this start made for state_dir: a refused start removes them again (empty only)
         self._made_state_dirs: list[str] = []
+        self._state_lock_fd: Optional[int] = None
         self._make_state_dir()
         self.journal_error: Optional[str] = None
         self.state_problems: list[str] = []   # state files set aside or not writable (status: state_problems)
         try:
+            self._lock_state_dir()
             self.actuators, self.cgroup_mode = self._build_actuators()
             self.controller = self._build_controller()
         except BaseException:
+            self.unlock_state_dir()
             self._remove_made_state_dir()
             raise
         self.metrics = None
@@ -227,6 +231,34 @@ class Agent:
                    else f"cannot make it: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
             raise CannotStart(f"state_dir {path!r}: {why}; set state_dir (or --state-dir) to a directory "
                               f"the agent may create and write") from None
+
+    def _lock_state_dir(self) -> None:
+        """One agent per state directory: an exclusive ``flock`` on the directory itself (no file to leave
+        behind), taken before anything reads or writes the journals or a cgroup, held until ``stop`` and let
+        go by the kernel when the process dies (SIGKILL included). A second agent started by mistake on the
+        same state directory (another endpoint: the socket's lock did not stop it) is refused with
+        ``CannotStart``; before, it adopted the first one's jobs and both wrote the same groups and journals."""
+        path = self.config.state_dir
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CannotStart(f"state_dir {path!r}: cannot open it: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            holder = journal.agent_pid(path)
+            raise CannotStart(f"state_dir {path!r} is in use by another agent on this node"
+                              + (f" (its journal names pid {holder})" if holder else "")
+                              + "; stop that one first (systemctl stop adloader-agent), or give this one a "
+                              "state_dir, endpoint and cgroup_subtree of its own") from None
+        self._state_lock_fd = fd
+
+    def unlock_state_dir(self) -> None:
+        """Let go of the state directory (``stop``, a refused start; tests, to play a killed agent)."""
+        if self._state_lock_fd is not None:
+            os.close(self._state_lock_fd)
+            self._state_lock_fd = None
 
     def _remove_made_state_dir(self) -> None:
         """A refused start leaves no state directory that it made itself (one that existed before is
@@ -325,15 +357,22 @@ class Agent:
         logs.event(log, "predictor_ready", seconds=round(time.perf_counter() - t0, 3))
 
     def _adopt_journal(self, now: float) -> None:
-        doc = journal.load(self.config.state_dir)
-        if not doc:
-            return
+        """Adopt the journal's live jobs; forget its dead ones, and every job an actuator still holds
+        something for (a group, a moved process, an affinity: ``held_jobs``) that the journal does not
+        adopt. Before, such a job (the journal lost, or a release still being retried when the agent was
+        killed) kept its group and its workers there until the agent stopped."""
+        loaded = journal.load(self.config.state_dir)
+        doc = loaded or {"applied": {}, "jobs": {}, "agent_pid": None}
         self.state_problems.extend(doc.get("problems") or [])
         adopted, dead = self.registry.adopt(doc["jobs"], now)
         self.controller.adopt(doc["applied"])
-        for job in set(dead) | (set(doc["applied"]) - set(adopted)):
+        held = set().union(*(a.held_jobs() for a in self.actuators if hasattr(a, "held_jobs")))
+        forgotten = sorted(set(dead) | ((set(doc["applied"]) | held) - set(adopted)))
+        for job in forgotten:
             self.controller.forget(job)
-        logs.event(log, "journal_adopted", adopted=adopted, forgotten=sorted(set(dead) | (set(doc["applied"]) - set(adopted))),
+        if not (loaded or forgotten):
+            return
+        logs.event(log, "journal_adopted", adopted=adopted, forgotten=forgotten,
                    previous_agent_pid=doc.get("agent_pid"))
         try:
             self._write_journal(force=True)
@@ -361,6 +400,7 @@ class Agent:
             self.metrics.stop()
         self.server.close()
         self.ctx.term()
+        self.unlock_state_dir()
         logs.event(log, "agent_stopped", ticks=self.ticks)
 
     def reload(self) -> None:
@@ -573,6 +613,7 @@ class Agent:
             except BaseException:
                 self.server.close(refused=True)   # with the socket directory it made, empty only
                 self.ctx.term()
+                self.unlock_state_dir()
                 self._remove_made_state_dir()
                 raise
             self._started = True

@@ -162,6 +162,17 @@ def _read(p: str) -> dict:
     return doc
 
 
+def agent_pid(state_dir: str) -> Optional[int]:
+    """The pid of the agent that last wrote the journal, read only (nothing is set aside): None if there
+    is none or it cannot be read. For messages only: the pid may be another process's by now."""
+    try:
+        with open(path_in(state_dir), "rb") as f:
+            pid = json.loads(f.read()).get("agent_pid")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return pid if is_int(pid, 1) else None
+
+
 def load(state_dir: str) -> Optional[dict]:
     """``{"applied": {job: JobAllocation}, "jobs": {...}, "agent_pid", "problems": [str]}``, or None when
     there is no journal (module docstring: what is checked, what is set aside)."""

@@ -280,6 +280,87 @@ def test_restart_from_journal_restores_originals(clean, tmp_path):
     assert os.path.isdir(base)                  # not ours to remove
 
 
+def _die_after_mkdir(tmp_path, rel: str, job: str, worker: int, ctrl: str = "cpu", knob: str = "shares",
+                     cpuset=None) -> None:
+    """An agent (a forked child) applying ``job`` is SIGKILLed right after its ``ctrl`` mkdir of ``rel``."""
+    import signal
+
+    child = os.fork()
+    if child == 0:
+        try:
+            real = cgroupfs.V1Hierarchy.mkdir
+
+            def mkdir(self, path):
+                made = real(self, path)
+                if self.controller == ctrl and path == rel:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return made
+
+            cgroupfs.V1Hierarchy.mkdir = mkdir
+            cgroup_actuator(tmp_path, knob).apply(stats(job, [worker]),
+                                                  JobAllocation(job=job, workers=1, cpus=1.0, cpuset=cpuset))
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+@pytest.mark.parametrize("killed_after", ["subtree", "job group"])
+def test_an_agent_killed_between_a_mkdir_and_its_journal_leaves_no_group(clean, tmp_path, killed_after):
+    """The group was made first and journaled after: a SIGKILL between the two left a group no journal
+    listed. The restarted agent found it existing, took it as not its own, and on stop neither removed it
+    nor moved the worker out of it (the subtree's rmdir failed EBUSY, the worker stayed in the job's
+    group); a bare subtree was left behind. Now the journal lists a group before it is made."""
+    pid = busy(clean)
+    _die_after_mkdir(tmp_path, SUBTREE if killed_after == "subtree" else f"{SUBTREE}/d1", "d1", pid)
+    assert os.path.isdir(os.path.join(CPU, SUBTREE))
+    second = cgroup_actuator(tmp_path)               # restarted: the job is still alive, applied again
+    r = second.apply(stats("d1", [pid]), JobAllocation(job="d1", workers=1, cpus=1.0))
+    assert r.ok, r.error
+    assert cgroup_of(pid, "cpu") == f"/{SUBTREE}/d1"
+    second.restore()
+    assert cgroup_of(pid, "cpu") == "/"
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
+    assert not os.path.exists(tmp_path / "cgroup-originals.json")
+
+
+@pytest.mark.parametrize("killed_after", ["subtree", "job group"])
+def test_a_cpuset_group_left_empty_by_a_killed_agent_is_filled_on_restart(clean, tmp_path, killed_after):
+    """An agent SIGKILLed between a cpuset group's mkdir and the writes of its cpuset.cpus and
+    cpuset.mems left them empty; the restarted agent found the group existing and skipped it, so every
+    cpuset job failed for ever (the kernel refuses a child's CPUs outside an empty parent's: "Permission
+    denied", or a task joining an empty group: ENOSPC)."""
+    pid = busy(clean)
+    cpu = max(os.sched_getaffinity(0))
+    rel = SUBTREE if killed_after == "subtree" else f"{SUBTREE}/e1"
+    _die_after_mkdir(tmp_path, rel, "e1", pid, ctrl="cpuset", knob="cpuset", cpuset=(cpu,))
+    with open(os.path.join(CPUSET, rel, "cpuset.mems")) as f:
+        assert f.read().strip() == ""               # what the dead agent left
+    second = cgroup_actuator(tmp_path, "cpuset")
+    r = second.apply(stats("e1", [pid]), JobAllocation(job="e1", workers=1, cpus=1.0, cpuset=(cpu,)))
+    assert r.ok, r.error
+    assert cgroup_of(pid, "cpuset") == f"/{SUBTREE}/e1"
+    assert os.sched_getaffinity(pid) == {cpu}
+    second.restore()
+    assert cgroup_of(pid, "cpuset") == "/"
+    assert not os.path.exists(os.path.join(CPUSET, SUBTREE))
+
+
+def test_a_journaled_group_that_is_gone_is_forgotten(clean, tmp_path):
+    """A group listed but not there (someone removed it, or a SIGKILL came between the journal and the
+    mkdir) stayed in the journal for ever: nothing to remove, so it was never struck off."""
+    pid = busy(clean)
+    act = cgroup_actuator(tmp_path)
+    assert act.apply(stats("g1", [pid]), JobAllocation(job="g1", workers=1, cpus=1.0)).ok
+    with open(os.path.join(CPU, "cgroup.procs"), "w") as f:     # someone else empties and removes it
+        f.write(str(pid))
+    os.rmdir(os.path.join(CPU, SUBTREE, "g1"))
+    act.release("g1")
+    act.restore()
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
+    assert not os.path.exists(tmp_path / "cgroup-originals.json")
+
+
 def test_restore_while_yielding_puts_back_a_pre_existing_subtree_shares(clean, tmp_path):
     """A subtree there before the agent (cpu.shares 777) and an agent stopped while its loaders yield:
     the real kernel refuses cpu.shares for an idle group (EINVAL) and resets it to 1024 when idle

@@ -165,3 +165,40 @@ def test_a_restarted_agent_moves_no_process_that_took_a_dead_workers_pid():
         shutil.rmtree(base, ignore_errors=True)
     assert rc == 0, again.log()[-2000:]
     assert left == [], left
+
+
+@pytest.mark.parametrize("journal", ["lost", "without the job"])
+def test_a_restarted_agent_releases_a_group_its_journal_does_not_adopt(procs, tmp_path, journal):
+    """The dead agent made a job's group and moved a worker into it; the restarted agent's journal does
+    not know the job (journal.json lost, or the job already gone from it while its release was still
+    being retried when the agent was killed). Only the journal's jobs were forgotten at start, so this
+    one kept its group, and its worker stayed in it, until the agent stopped. Now every job the cgroup
+    actuator holds something for and the journal does not adopt is released at start."""
+    from agent import config as configmod
+    from agent import journal as journalmod
+    from agent.daemon import Agent
+    from agent.model import JobAllocation
+
+    worker = sleeper(procs)
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "v1", "cgroup_subtree": SUBTREE, "policy": "even"}, environ={})
+    agents = [Agent(cfg)]
+    try:
+        act = agents[0].actuators[1]
+        job = job_stats("lost1", worker_pids=(worker,), pids=(os.getpid(),), uid=0)
+        assert act.apply(job, JobAllocation(job="lost1", workers=1, cpus=1.0)).ok
+        assert cgroupfs.proc_cgroups(worker)["cpu"] == f"/{SUBTREE}/lost1"
+        if journal == "without the job":
+            journalmod.save(cfg.state_dir, {}, {})
+        # the agent is killed: nothing restored, its lock let go; a new one starts on the same state directory
+        agents[0].unlock_state_dir()
+        agents.append(Agent(cfg))
+        agents[1]._adopt_journal(0.0)
+        assert cgroupfs.proc_cgroups(worker)["cpu"] == "/"
+        assert not os.path.exists(os.path.join(CPU, SUBTREE, "lost1"))
+        agents[1].controller.stop()
+        assert not os.path.exists(os.path.join(CPU, SUBTREE))
+    finally:
+        for a in agents:
+            a.server.close()
+            a.ctx.term()

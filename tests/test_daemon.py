@@ -524,3 +524,42 @@ def test_status_counts_the_worker_pids_every_actuator_left_alone(tmp_path):
     finally:
         agent.server.close()
         agent.ctx.term()
+        agent.unlock_state_dir()
+
+
+def test_a_second_agent_on_the_same_state_dir_is_refused_before_it_touches_anything(tmp_path):
+    """Two agents started by mistake with one state_dir and two endpoints (the socket's lock stopped only
+    a second one on the same endpoint): the second adopted the first one's journal, then both applied to
+    the same groups and rewrote the same journals. It is refused, naming the directory and the first
+    agent's pid, before it reads (or sets aside) a single state file; once the first has let go, an agent
+    starts there again."""
+    import json
+    import os
+
+    from agent.daemon import Agent, CannotStart
+
+    state = tmp_path / "state"
+
+    def cfg(name):
+        return configmod.load(None, {"endpoint": f"ipc://{tmp_path}/{name}.sock", "state_dir": str(state),
+                                     "cgroup_mode": "off", "policy": "even"}, environ={})
+
+    first = Agent(cfg("first"))
+    try:
+        first._write_journal(force=True)
+        (state / "cgroup-originals.json").write_text("{torn")
+        before = sorted(os.listdir(state))
+        with pytest.raises(CannotStart) as e:
+            Agent(cfg("second"))
+        assert str(state) in str(e.value) and "another agent" in str(e.value)
+        assert f"pid {os.getpid()}" in str(e.value)
+        assert sorted(os.listdir(state)) == before          # nothing set aside, nothing written
+        assert json.loads((state / "journal.json").read_text())["agent_pid"] == os.getpid()
+    finally:
+        first.server.close()
+        first.ctx.term()
+        first.unlock_state_dir()
+    again = Agent(cfg("again"))
+    again.server.close()
+    again.ctx.term()
+    again.unlock_state_dir()

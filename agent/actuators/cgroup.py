@@ -311,6 +311,10 @@ class AffinityActuator:
     def release(self, job_id: str) -> None:
         self._restore_pids([k for k, v in self.originals.affinity.items() if v.get("job") == job_id])
 
+    def held_jobs(self) -> set[str]:
+        """The jobs whose workers' original affinity the journal of originals holds."""
+        return {v["job"] for v in self.originals.affinity.values()}
+
     def restore(self) -> None:
         self._restore_pids(list(self.originals.affinity))
 
@@ -510,10 +514,8 @@ class CgroupActuator:
         own = h.procs(self.base)
         if own:
             leaf = self._leaf_path()
-            if h.mkdir(leaf):
+            if not h.exists(leaf) and self._mkdir_journaled("", leaf):
                 self._leaf = leaf
-                self.originals.created.append(Originals.key("", leaf))
-                self.originals.save()
             for pid in own:
                 try:
                     h.move(leaf, pid)
@@ -568,20 +570,47 @@ class CgroupActuator:
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             cur = "/".join(parts[:i])
-            if h.exists(cur):
-                continue
             parent = "/".join(parts[:i - 1])
+            if h.exists(cur):
+                if hier == "cpuset" and Originals.key(hier, cur) in self.originals.created:
+                    self._fill_cpuset(cur, parent)   # made by an agent killed before it filled them
+                continue
             if h.version == 2 and parent == self.base and self.base:
                 self._enable_v2_controllers_on_own()
             elif h.version == 2:
                 self._enable_v2_controllers(parent)
-            h.mkdir(cur)
-            self.originals.created.append(Originals.key(hier, cur))
-            self.originals.save()
+            self._mkdir_journaled(hier, cur)
             if hier == "cpuset":
-                # a new v1 cpuset group starts empty: both must be set before a task may join (ENOSPC)
-                h.write(cur, "cpuset.cpus", h.read(parent, "cpuset.cpus"))
-                h.write(cur, "cpuset.mems", h.read(parent, "cpuset.mems"))
+                self._fill_cpuset(cur, parent)
+
+    def _fill_cpuset(self, rel: str, parent: str) -> None:
+        """v1: a new cpuset group starts with empty ``cpuset.cpus`` and ``cpuset.mems``; both must be set
+        before a task may join (ENOSPC), and a child's CPUs must be within its parent's (an empty parent
+        refuses every one: EACCES). Each that is empty gets the parent's. Also done for a group of ours
+        found existing: an agent SIGKILLed between the mkdir and these writes left them empty, and every
+        cpuset job then failed, for ever, with "Permission denied"."""
+        h = self.h["cpuset"]
+        for file in ("cpuset.cpus", "cpuset.mems"):
+            if not h.read(rel, file):
+                h.write(rel, file, h.read(parent, file))
+
+    def _mkdir_journaled(self, hier: str, rel: str) -> bool:
+        """Create a group, listed in the journal of originals (``created``) BEFORE the mkdir: a SIGKILL
+        between the two leaves a listed group that was never made (``_drop_group`` forgets it), never a
+        made one that no journal lists (a restarted agent found it existing, took it as not its own, and
+        neither removed it on stop nor moved its workers out: the subtree's rmdir then failed EBUSY).
+        False (and not listed) if the group existed already: someone else made it meanwhile."""
+        key = Originals.key(hier, rel)
+        self.originals.created.append(key)
+        self.originals.save()
+        made = False
+        try:
+            made = self.h[hier].mkdir(rel)
+        finally:
+            if not made:
+                self.originals.created.remove(key)
+                self.originals.save()
+        return made
 
     def _enable_v2_controllers(self, rel: str) -> None:
         h = self.h[""]
@@ -845,7 +874,12 @@ class CgroupActuator:
         A process that is gone (JobGone, no ``<proc_root>/<pid>``, or a zombie) needs no move: it
         exited while we moved it (the origin refused it, then so did the root), which is not a failure."""
         h = self.h[hier]
-        if not h.exists(rel):
+        key = Originals.key(hier, rel)
+        if not h.exists(rel):     # removed by someone else, or listed by a mkdir that a SIGKILL cut short
+            if key in self.originals.created:
+                self.originals.created.remove(key)
+            for k in [k for k in self.originals.files if k.startswith(key + "|")]:
+                del self.originals.files[k]
             return
         for pid in h.procs(rel):
             entry = self.originals.pids.get(str(pid), {})
@@ -865,7 +899,6 @@ class CgroupActuator:
                     if not self._gone(pid):
                         raise
         h.rmdir(rel)
-        key = Originals.key(hier, rel)
         if key in self.originals.created:
             self.originals.created.remove(key)
         for k in [k for k in self.originals.files if k.startswith(key + "|")]:
@@ -898,6 +931,18 @@ class CgroupActuator:
         self.originals.save()
         if errors:
             raise CgroupError(f"release of job {job_id!r}: " + "; ".join(errors))
+
+    def held_jobs(self) -> set[str]:
+        """The jobs this actuator (or the dead agent whose journal of originals it read) holds something
+        for: a group it created, a moved process's origin, an affinity. A restarted agent releases those
+        its journal does not adopt (``Agent._adopt_journal``)."""
+        jobs = {v["job"] for v in self.originals.pids.values()} | self.affinity.held_jobs()
+        prefix = self.subtree + "/"
+        for key in self.originals.created:
+            rel = key.split("|", 1)[1]
+            if rel.startswith(prefix) and "/" not in rel[len(prefix):]:
+                jobs.add(job_of_group(rel[len(prefix):]))
+        return jobs
 
     def restore(self) -> None:
         """Put back everything: processes to their origins, the groups we created removed (children
