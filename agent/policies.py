@@ -42,7 +42,7 @@ import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 from agent.model import (AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers,
                          epochs_end)
@@ -450,6 +450,11 @@ def worker_rule(curve: Optional[ThroughputCurve], job: JobStats, config: PolicyC
     lo, bound = config.min_workers, most_workers(job, config, cap)
     if curve is None:
         return lambda cores: max(lo, min(bound, math.ceil(cores - 1e-6)))
+    return _curve_worker_rule(curve, lo, bound)
+
+
+def _curve_worker_rule(curve: ThroughputCurve, lo: int, bound: int) -> Callable[[float], int]:
+    """``worker_rule`` for a job with a curve, from the curve and its worker limits [lo, bound] alone."""
     top = min(bound, curve.max_useful_workers)
     c, b = curve.cpu_s_per_batch, curve.blocked_s_per_batch
     if c <= 0:
@@ -747,6 +752,135 @@ def paced_fixed_point(pace: Callable[[float], float], iterations: int = 20) -> f
     return lo
 
 
+def curve_value(curve: ThroughputCurve, workers: int, cores: float) -> float:
+    """``curve.normalized(workers, cores)``, kept in the curve's ``memo`` (a pure function of the immutable
+    curve and the two numbers): a decision asks for the same points many times (the floors' fixed
+    points, the greedy, the hysteresis), and the next tick asks again while the job's curve stands."""
+    key = (workers, cores)
+    v = curve.memo.get(key)
+    if v is None:
+        v = curve.remember(key, curve.normalized(workers, cores))
+    return v
+
+
+class FloorInputs(NamedTuple):
+    """Everything a warm job's fairness floor is computed from besides its curve (``job_floor``): its
+    GPU share of the budget, its cores' bounds (``min_c``; ``useful``, ``cap``: the most it can use and
+    may get), the greedy's step (``quantum``), its static-cores allotment (``allotment`` cores of the node,
+    ``part`` of them the loaders'), its trainers' full-speed need (``trainer_need``, cores), its worker
+    limits (``min_workers``, ``most_workers``: ``worker_rule``'s), its user's own worker count with
+    ``floor_reference`` "habit" (else None) and ``floor_fraction``."""
+    share: float
+    min_c: float
+    useful: float
+    cap: float
+    quantum: float
+    part: float
+    allotment: float
+    trainer_need: float
+    min_workers: int
+    most_workers: int
+    habit_workers: Optional[int]
+    floor_fraction: float
+
+
+def job_floor(curve: ThroughputCurve, f: FloorInputs) -> tuple[float, float]:
+    """A warm job's fairness floor, in cores, and the raise its static-cores allotment asks above it
+    (``_compute_job_floor``), kept in the curve's ``memo`` under ``f``.
+
+    Why that is safe: ``_compute_job_floor`` is a pure function of the curve and ``f`` (it reads nothing
+    else: no snapshot, no config, no clock), the curve is immutable, and its memo dies with it (the
+    predictor makes a new curve from each new window). Any change of an input is another key (floats
+    compared exactly). Why it is there: the floor's fixed points and root searches were most of a
+    decision's time at 64 jobs, and a job's curve and inputs stay as they were between its windows
+    (two ticks in three at the controller's default observe interval)."""
+    key = ("floor", f)
+    out = curve.memo.get(key)
+    if out is None:
+        out = curve.remember(key, _compute_job_floor(curve, f))
+    return out
+
+
+def _compute_job_floor(curve: ThroughputCurve, f: FloorInputs) -> tuple[float, float]:
+    """``job_floor`` computed: (the least cores that keep ``floor_fraction`` of the throughput of
+    min(its GPU share, useful cores), with ``habit_workers`` at most what its static-cores allotment
+    gives with its user's own workers; the raise above that, 0 or more, to the same fraction of what its
+    static-cores allotment gives its loader, where that is more than the share: the budget reserves
+    every trainer's full-speed need, so a slow job's GPU share of it can be below what static cores give
+    its loader; issue 11's fairness target: no job below 0.9x its static-cores throughput)."""
+    rule = _curve_worker_rule(curve, f.min_workers, f.most_workers)
+
+    def norm(w: int, x: float) -> float:
+        return curve_value(curve, w, x)
+
+    def value(x: float) -> float:
+        return norm(rule(x), x)
+
+    def allotment_left(x: float) -> float:
+        """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
+        node's CPUs x its GPUs / all GPUs for its training processes and loader together) less what its
+        trainers use at pace ``x``, in the loaders' part of the node (x loader_cpus / node CPUs: the
+        agent's reserve is no job's)."""
+        return max(f.min_c, f.part * (f.allotment - f.trainer_need * x))
+
+    def static_share() -> float:
+        """``allotment_left`` at the throughput those cores give (a fixed point on its curve)."""
+        return allotment_left(paced_fixed_point(lambda x: value(allotment_left(x))))
+
+    def floor_cores(top: float, lo: Optional[float] = None, limit: Optional[float] = None) -> float:
+        """The least cores that keep floor_fraction of what ``top`` cores give, to a sixteenth of the
+        greedy's step (the rest is the knapsack's): regula falsi with the Illinois rule on the job's own
+        curve, which is non-decreasing in cores, keeping the root bracketed; a few curve evaluations
+        where bisection takes ten. ``lo``: cores known to give less than the target (the floor for a
+        lower target), where the search starts."""
+        min_c = f.min_c
+        top = max(min_c, min(top, f.useful, f.cap))
+        if top <= min_c:
+            return top
+        full = value(top)
+        if limit is not None and limit < full:
+            want = f.floor_fraction * limit
+        elif f.floor_fraction >= 1.0:
+            return top
+        else:
+            want = f.floor_fraction * full
+        lo, hi = min(top, max(min_c, lo or min_c)), top
+        f_lo, f_hi = value(lo) - want, value(hi) - want
+        if f_lo >= 0:
+            return lo
+        tol, side = f.quantum / 16, 0
+        for _ in range(64):
+            if hi - lo <= tol:
+                break
+            x = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else 0.5 * (lo + hi)
+            x = min(hi - 0.25 * tol, max(lo + 0.25 * tol, x))
+            fx = value(x) - want
+            if fx >= 0:
+                hi, f_hi = x, fx
+                if side > 0:
+                    f_lo *= 0.5
+                side = 1
+            else:
+                lo, f_lo = x, fx
+                if side < 0:
+                    f_hi *= 0.5
+                side = -1
+        return hi
+
+    # with floor_reference "habit": what the job's static-cores allotment gives it with its user's own
+    # ``num_workers`` (a batch scheduler's cores and the workers the user asked for)
+    lim = (paced_fixed_point(lambda x: norm(f.habit_workers, allotment_left(x)))
+           if f.habit_workers is not None else None)
+    floor = floor_cores(f.share, limit=lim)
+    extra = 0.0
+    # (a job its GPU share already covers, or whose whole static allotment is no more, needs no raise)
+    if f.share < min(f.useful, f.cap) and f.part * f.allotment > f.share:
+        top = static_share()
+        if top > f.share:
+            extra = max(0.0, floor_cores(top, lo=floor, limit=lim) - floor)
+    return floor, extra
+
+
 def _finish_guard(snapshot: NodeSnapshot, warm: Mapping[str, ThroughputCurve], cpus: dict[str, float],
                   useful: Mapping[str, float], need: Mapping[str, float], node_cpus: float,
                   value: Callable[[str, float], float]) -> dict[str, float]:
@@ -903,14 +1037,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
 
     rule = {j: worker_rule(warm[j], snapshot.jobs[j], config, wcap.get(j)) for j in warm}
 
-    memo: dict[tuple, float] = {}   # (job, workers, cores) -> normalised throughput, for this decision
-
     def norm(j: str, w: int, x: float) -> float:
-        k = (j, w, x)
-        v = memo.get(k)
-        if v is None:
-            v = memo[k] = warm[j].normalized(w, x)
-        return v
+        return curve_value(warm[j], w, x)
 
     def value(j: str, x: float) -> float:
         return norm(j, rule[j](x), x)
@@ -923,80 +1051,20 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     need = {j: trainer_cores_needed(snapshot.jobs[j]) for j in ids}     # each job's trainers at full speed
     allotment = {j: node_cpus * gpus[j] / total_gpus for j in ids}     # its static-cores allotment, whole
 
-    def allotment_left(j: str, x: float) -> float:
-        """The loader cores of the job's static-cores allotment (what a batch scheduler gives: the
-        node's CPUs x its GPUs / all GPUs for its training processes and loader together) less what its
-        trainers use at pace ``x``, in the loaders' part of the node (x loader_cpus / node CPUs: the
-        agent's reserve is no job's)."""
-        return max(min_c, part * (allotment[j] - need[j] * x))
-
-    def static_share(j: str) -> float:
-        """``allotment_left`` at the throughput those cores give (a fixed point on its curve)."""
-        return allotment_left(j, paced_fixed_point(lambda x: value(j, allotment_left(j, x))))
-
-    def floor_cores(j: str, top: float, lo: Optional[float] = None, limit: Optional[float] = None) -> float:
-        """The least cores that keep floor_fraction of what ``top`` cores give, to a sixteenth of the
-        greedy's step (the rest is the knapsack's): regula falsi with the Illinois rule on the job's own
-        curve, which is non-decreasing in cores, keeping the root bracketed; a few curve evaluations
-        where bisection takes ten (this runs for every job on every tick). ``lo``: cores known to give
-        less than the target (the floor for a lower target), where the search starts."""
-        top = max(min_c, min(top, useful[j], cap[j]))
-        if top <= min_c:
-            return top
-        full = value(j, top)
-        if limit is not None and limit < full:
-            want = config.floor_fraction * limit
-        elif config.floor_fraction >= 1.0:
-            return top
-        else:
-            want = config.floor_fraction * full
-        lo, hi = min(top, max(min_c, lo or min_c)), top
-        f_lo, f_hi = value(j, lo) - want, value(j, hi) - want
-        if f_lo >= 0:
-            return lo
-        tol, side = q / 16, 0
-        for _ in range(64):
-            if hi - lo <= tol:
-                break
-            x = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else 0.5 * (lo + hi)
-            x = min(hi - 0.25 * tol, max(lo + 0.25 * tol, x))
-            f = value(j, x) - want
-            if f >= 0:
-                hi, f_hi = x, f
-                if side > 0:
-                    f_lo *= 0.5
-                side = 1
-            else:
-                lo, f_lo = x, f
-                if side < 0:
-                    f_hi *= 0.5
-                side = -1
-        return hi
-
-    def habit_value(j: str) -> float:
-        """What the job's static-cores allotment gives it with its user's own ``num_workers`` (the
-        fairness target's reference: a batch scheduler's cores and the workers the user asked for)."""
-        w = clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
-        return paced_fixed_point(lambda x: norm(j, w, allotment_left(j, x)))
-
     # Floors: the GPU share of the loader budget, raised where the job's static-cores allotment lets its
-    # loader use more (the budget reserves every trainer's full-speed need, so a slow job's GPU share of
-    # it can be below what static cores give its loader; issue 11's fairness target: no job below 0.9x its
-    # static-cores throughput). The raises are scaled down, if need be, to fit the loader CPUs. With
-    # floor_reference "habit" each is at most what the allotment gives with the user's own workers.
+    # loader use more (``job_floor``). The raises are scaled down, if need be, to fit the loader CPUs.
     extra: dict[str, float] = {}
     for j in warm:
         if not config.fairness_floor:
             cpus[j] = min_c
             continue
-        lim = habit_value(j) if config.floor_reference == "habit" else None
-        cpus[j] = floor_cores(j, share[j], limit=lim)
-        extra[j] = 0.0
-        # (a job its GPU share already covers, or whose whole static allotment is no more, needs no raise)
-        if share[j] < min(useful[j], cap[j]) and part * allotment[j] > share[j]:
-            top = static_share(j)
-            if top > share[j]:
-                extra[j] = max(0.0, floor_cores(j, top, lo=cpus[j], limit=lim) - cpus[j])
+        habit = (clamp_workers(max(1, snapshot.jobs[j].requested_workers), snapshot.jobs[j], config)
+                 if config.floor_reference == "habit" else None)
+        cpus[j], extra[j] = job_floor(warm[j], FloorInputs(
+            share=share[j], min_c=min_c, useful=useful[j], cap=cap[j], quantum=q, part=part,
+            allotment=allotment[j], trainer_need=need[j], min_workers=config.min_workers,
+            most_workers=most_workers(snapshot.jobs[j], config, wcap.get(j)), habit_workers=habit,
+            floor_fraction=config.floor_fraction))
     room = snapshot.loader_cpus - sum(cpus.values())
     if extra and sum(extra.values()) > EPS:
         k = min(1.0, max(0.0, room) / sum(extra.values()))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 KNEE_TOLERANCE = 0.03  # "within a few percent of the ceiling"
+MEMO_ENTRIES = 1024     # the most results one curve keeps in its ``memo`` (0: none; a decision adds up to ~100 a job)
 MIN_SHARPNESS = 1.0    # a soft minimum's p is 0 (hard) or at least this (see ThroughputCurve.__post_init__)
 
 # the fields that are figures: each finite and >= 0 (correction, core_correction and batch_size above 0)
@@ -105,6 +106,26 @@ class ThroughputCurve:
 
     def _refuse(self, name: str, why: str) -> None:
         raise ValueError(f"throughput curve of job {self.job!r}: field {name!r} {why}, got {getattr(self, name)!r}")
+
+    @cached_property
+    def memo(self) -> dict:
+        """Results computed from this curve alone and the other inputs their key holds: the policy's
+        ``normalized`` values and fairness floors (``agent.policies.curve_value``, ``job_floor``). Safe to
+        keep because the curve is immutable and the memo dies with it: the predictor makes a new curve
+        from each new window, with an empty memo, so no result outlives the figures it came from. At
+        most ``MEMO_ENTRIES`` (``remember``). Not part of the curve's value (equality, repr), and
+        ``dataclasses.replace`` starts an empty one."""
+        return {}
+
+    def remember(self, key, value):
+        """Keep ``value`` in ``memo`` under ``key`` and return it. A full memo starts afresh;
+        ``MEMO_ENTRIES`` 0 keeps nothing (every result computed anew: what the tests compare with)."""
+        memo = self.memo
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        if MEMO_ENTRIES > 0:
+            memo[key] = value
+        return value
 
     @property
     def core_efficiency(self) -> float:
