@@ -290,3 +290,59 @@ def test_install_time_lines_are_set_once_each():
             assert text.count("\n" + line + "\n") == 1, (name, line)
     text = slurm_script("taskprolog.sh", "/srv/adl", config="/srv/adl/agent.toml")
     assert "\nAGENT_CONFIG=/srv/adl/agent.toml\n" in text and "ADLOADER=" not in text
+
+
+def test_a_syslog_that_stopped_reading_does_not_hang_the_scripts(tmp_path):
+    """journald or rsyslog hung or stopped: /dev/log is a socket whose queue is full, and logger(1)
+    blocks in its send. The scripts bound it as they bound the command, and the line goes to
+    LOG_FILE instead. Before, logger ran without a bound and the prolog hung until the test's own
+    60 s limit (slurmd: until PrologEpilogTimeout, then the node drains). Runs the real script in a
+    private mount namespace whose /dev holds /dev/null and that socket (the host's /dev is untouched)."""
+    import os
+    import shlex
+    import shutil
+    import socket
+
+    from agent.commands.install_service import slurm_script
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None or not os.path.exists("/usr/bin/logger") and not os.path.exists("/bin/logger"):
+        pytest.skip("needs root, unshare(1) and logger(1) to give the script a /dev/log of its own")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "null").touch()
+    syslog = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)     # bound, never read
+    syslog.bind(str(dev / "log"))
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.connect(str(dev / "log"))
+    sender.setblocking(False)
+    try:
+        while True:                                                 # fill its queue, as a stuck daemon's fills
+            sender.send(b"<13>filler")
+    except BlockingIOError:
+        pass
+    ok = tmp_path / "adloader"                                      # answers at once: only logger can block
+    ok.write_text("#!/bin/sh\necho 'adloader job register: job 4242 uid 1000: ok' >&2\n")
+    ok.chmod(0o755)
+    log = tmp_path / "slurm.log"
+    try:
+        for name in ("prolog.sh", "epilog.sh"):
+            script = tmp_path / name
+            script.write_text(slurm_script(name, "/opt/adloader", config=str(tmp_path / "agent.toml"), log_file=str(log)))
+            script.chmod(0o755)
+            inner = (f"mount --bind /dev/null {dev}/null && mount --rbind {dev} /dev && [ -S /dev/log ] && "
+                     f"exec {ENV_BIN} -i PATH={NO_PATH} {' '.join(shlex.quote(f'{k}={v}') for k, v in SLURM_ENV.items())} "
+                     f"ADLOADER_BIN={ok} {BASH} {script}")
+            try:
+                p = subprocess.run([unshare, "--mount", "--propagation", "private", BASH, "-c", inner],
+                                   capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} hung on a syslog socket that is not read")
+            assert p.returncode == 0, (name, p.stderr)
+            assert ": ok" in log_line(p.stderr, "adloader-" + name[:-3])
+        lines = log.read_text().splitlines()
+        assert len(lines) == 2 and "adloader-prolog[" in lines[0] and "adloader-epilog[" in lines[1], lines
+    finally:
+        sender.close()
+        syslog.close()
