@@ -236,6 +236,49 @@ def test_taskprolog_run_as_a_user_who_cannot_read_the_config_guesses_no_endpoint
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_taskprolog_run_as_a_user_who_cannot_search_the_config_directory_guesses_no_endpoint():
+    """/etc/adloader mode 0700: to the job's user the config looks absent (stat fails), yet it may be
+    there with another endpoint. The script says so and exports none. Before, it took the file for
+    missing and exported the default endpoint, a guess the config may contradict."""
+    import os
+    import shutil
+    import tempfile
+
+    from agent.commands.install_service import slurm_script
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run the script as another user")
+    d = tempfile.mkdtemp(prefix="adl-taskprolog-")
+    try:
+        os.chmod(d, 0o755)
+        closed = os.path.join(d, "etc-adloader")
+        os.mkdir(closed, 0o700)
+        os.chmod(closed, 0o700)
+        config, script = os.path.join(closed, "agent.toml"), os.path.join(d, "taskprolog.sh")
+        with open(config, "w") as fh:
+            fh.write('endpoint = "ipc:///srv/adl/agent.sock"\n')
+        os.chmod(config, 0o644)
+        with open(script, "w") as fh:
+            fh.write(slurm_script("taskprolog.sh", "/opt/adloader", config=config))
+        os.chmod(script, 0o755)
+        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
+        assert f"cannot look into {closed} as uid 65534" in p.stderr
+        # a config directory that does not exist at all still means the default
+        os.rename(closed, closed + ".gone")
+        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stderr == ""
+        assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock", "export ADLOADER_JOB_ID=4242"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_taskprolog_without_a_config_file_exports_the_default(installed):
     d, _, _ = installed
     rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
