@@ -113,6 +113,23 @@ def test_taskprolog_keeps_the_jobs_own_endpoint_and_respects_opt_out():
     assert rc == 0 and "ADLOADER_JOB_ID" not in out
 
 
+def test_taskprolog_prints_only_its_own_lines_whatever_the_jobs_shell_environment(tmp_path):
+    """slurmstepd execs the TaskProlog (its #! line decides the shell) with the job's environment, and
+    parses every `export` line on its stdout into the task's. A BASH_ENV file (module systems export
+    one) and exported functions are the job's; bash used to source and import them before the script
+    ran, so their output, or an exported `echo`, became the TaskProlog's export lines."""
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    bash_env = tmp_path / "bash_env"
+    bash_env.write_text('echo "Welcome to the cluster"\necho "export PATH=/from/bash_env"\n')
+    p = subprocess.run([ENV_BIN, "-i", f"PATH={NO_PATH}", "SLURM_JOB_ID=7", f"BASH_ENV={bash_env}",
+                        'BASH_FUNC_echo%%=() { builtin echo "export EVIL=1"; }', "SHELLOPTS=errexit:nounset",
+                        str(TASKPROLOG)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock",
+                                     "export ADLOADER_JOB_ID=7"], p.stdout
+
+
 # --- installed copies: the endpoint from the agent's config, the log line's destinations (issue 13) -----
 @pytest.fixture
 def installed(tmp_path):

@@ -1,4 +1,4 @@
-#!/bin/bash
+#!/bin/bash -p
 # Slurm TaskProlog: point the job's training processes at this node's A-Dloader agent.
 #   slurm.conf:  TaskProlog=/opt/adloader/slurm/taskprolog.sh     (see docs/operations.md, "Slurm")
 #
@@ -8,6 +8,10 @@
 #   export ADLOADER_JOB_ID=<SLURM_JOB_ID>           (the id the prolog registered the job under)
 # Nothing else is printed on stdout. Always exits 0; no PATH assumed; calls no program at all.
 # A job opts out with ADLOADER_DISABLE=1 in its environment: then nothing is printed.
+# `bash -p` (the first line): slurmstepd runs this with the job's environment, from which bash would
+# otherwise source the file named by BASH_ENV (module systems set it) and import exported functions
+# (one named `echo` included) before a line of this script runs; whatever they print on stdout
+# would be read as the task's export lines. -p skips both, and ignores SHELLOPTS and BASHOPTS.
 #
 # The endpoint has one source of truth, the agent's config file (AGENT_CONFIG, mode 0644): its
 # `endpoint` key, read here with bash alone in the forms `endpoint = "..."` and `endpoint = '...'`
