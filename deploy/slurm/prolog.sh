@@ -13,7 +13,7 @@
 #   to LOG_FILE; "timed out" (agent hung) and "agent down" (nobody listening) are told apart.
 # - the agent's endpoint comes from the agent's own config file (AGENT_CONFIG, its endpoint key):
 #   one source of truth; slurmd gives this script an empty environment.
-# Reads (via the command) SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE.
+# Reads (via the command) SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GPUS, SLURM_JOB_CPUS_PER_NODE, SLURM_NODEID.
 
 # Install-time lines, set by `adloader install-service` (--prefix DIR sets ADLOADER=DIR/venv/bin/adloader):
 ADLOADER=/opt/adloader/venv/bin/adloader
