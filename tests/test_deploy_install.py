@@ -111,6 +111,36 @@ def test_an_existing_config_that_is_not_text_is_kept_and_one_that_cannot_be_read
     assert f"cannot read the existing {config}: Is a directory" in p.stderr, p.stderr
 
 
+def test_a_restrictive_umask_still_lets_job_users_run_the_taskprolog():
+    """root's umask 0077 (hardened hosts): the directories install-service creates are 0755 all the
+    same, so the job's user reaches PREFIX/slurm/taskprolog.sh (slurmstepd runs it as that user; one
+    it cannot run fails every task, "TaskProlog failed status=1") and /etc/adloader/agent.toml. Before,
+    they were made 0700 and the installed TaskProlog could not be opened by anyone but root."""
+    import shutil
+    import tempfile
+
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run the installed TaskProlog as another user")
+    root = Path(tempfile.mkdtemp(prefix="adl-install-"))
+    try:
+        root.chmod(0o755)                       # the user must reach --root itself (pytest's tmp_path is 0700)
+        p = subprocess.run(adloader_cmd("install-service", "--root", str(root), "--no-venv"), env=repo_env(),
+                           capture_output=True, text=True, timeout=60, umask=0o077)
+        assert p.returncode == 0, p.stderr
+        for d in ("etc", "etc/adloader", "opt", "opt/adloader", "opt/adloader/slurm", "var/log/adloader"):
+            assert (root / d).stat().st_mode & 0o777 == 0o755, d
+        script = root / "opt/adloader/slurm/taskprolog.sh"
+        run = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                              f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", str(script)],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert run.returncode == 0 and run.stdout.splitlines()[-1] == "export ADLOADER_JOB_ID=4242", (run.stdout, run.stderr)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_dry_run_changes_nothing(tmp_path, fake_systemctl):
     root = tmp_path / "root"
     bin_dir, calls = fake_systemctl

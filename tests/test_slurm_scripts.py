@@ -113,6 +113,23 @@ def test_taskprolog_keeps_the_jobs_own_endpoint_and_respects_opt_out():
     assert rc == 0 and "ADLOADER_JOB_ID" not in out
 
 
+def test_taskprolog_prints_only_its_own_lines_whatever_the_jobs_shell_environment(tmp_path):
+    """slurmstepd execs the TaskProlog (its #! line decides the shell) with the job's environment, and
+    parses every `export` line on its stdout into the task's. A BASH_ENV file (module systems export
+    one) and exported functions are the job's; bash used to source and import them before the script
+    ran, so their output, or an exported `echo`, became the TaskProlog's export lines."""
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    bash_env = tmp_path / "bash_env"
+    bash_env.write_text('echo "Welcome to the cluster"\necho "export PATH=/from/bash_env"\n')
+    p = subprocess.run([ENV_BIN, "-i", f"PATH={NO_PATH}", "SLURM_JOB_ID=7", f"BASH_ENV={bash_env}",
+                        'BASH_FUNC_echo%%=() { builtin echo "export EVIL=1"; }', "SHELLOPTS=errexit:nounset",
+                        str(TASKPROLOG)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock",
+                                     "export ADLOADER_JOB_ID=7"], p.stdout
+
+
 # --- installed copies: the endpoint from the agent's config, the log line's destinations (issue 13) -----
 @pytest.fixture
 def installed(tmp_path):
@@ -236,6 +253,49 @@ def test_taskprolog_run_as_a_user_who_cannot_read_the_config_guesses_no_endpoint
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_taskprolog_run_as_a_user_who_cannot_search_the_config_directory_guesses_no_endpoint():
+    """/etc/adloader mode 0700: to the job's user the config looks absent (stat fails), yet it may be
+    there with another endpoint. The script says so and exports none. Before, it took the file for
+    missing and exported the default endpoint, a guess the config may contradict."""
+    import os
+    import shutil
+    import tempfile
+
+    from agent.commands.install_service import slurm_script
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run the script as another user")
+    d = tempfile.mkdtemp(prefix="adl-taskprolog-")
+    try:
+        os.chmod(d, 0o755)
+        closed = os.path.join(d, "etc-adloader")
+        os.mkdir(closed, 0o700)
+        os.chmod(closed, 0o700)
+        config, script = os.path.join(closed, "agent.toml"), os.path.join(d, "taskprolog.sh")
+        with open(config, "w") as fh:
+            fh.write('endpoint = "ipc:///srv/adl/agent.sock"\n')
+        os.chmod(config, 0o644)
+        with open(script, "w") as fh:
+            fh.write(slurm_script("taskprolog.sh", "/opt/adloader", config=config))
+        os.chmod(script, 0o755)
+        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
+        assert f"cannot look into {closed} as uid 65534" in p.stderr
+        # a config directory that does not exist at all still means the default
+        os.rename(closed, closed + ".gone")
+        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
+                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stderr == ""
+        assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock", "export ADLOADER_JOB_ID=4242"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_taskprolog_without_a_config_file_exports_the_default(installed):
     d, _, _ = installed
     rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
@@ -290,3 +350,59 @@ def test_install_time_lines_are_set_once_each():
             assert text.count("\n" + line + "\n") == 1, (name, line)
     text = slurm_script("taskprolog.sh", "/srv/adl", config="/srv/adl/agent.toml")
     assert "\nAGENT_CONFIG=/srv/adl/agent.toml\n" in text and "ADLOADER=" not in text
+
+
+def test_a_syslog_that_stopped_reading_does_not_hang_the_scripts(tmp_path):
+    """journald or rsyslog hung or stopped: /dev/log is a socket whose queue is full, and logger(1)
+    blocks in its send. The scripts bound it as they bound the command, and the line goes to
+    LOG_FILE instead. Before, logger ran without a bound and the prolog hung until the test's own
+    60 s limit (slurmd: until PrologEpilogTimeout, then the node drains). Runs the real script in a
+    private mount namespace whose /dev holds /dev/null and that socket (the host's /dev is untouched)."""
+    import os
+    import shlex
+    import shutil
+    import socket
+
+    from agent.commands.install_service import slurm_script
+    from tests.slurm_support import ENV_BIN, NO_PATH
+
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None or not os.path.exists("/usr/bin/logger") and not os.path.exists("/bin/logger"):
+        pytest.skip("needs root, unshare(1) and logger(1) to give the script a /dev/log of its own")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "null").touch()
+    syslog = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)     # bound, never read
+    syslog.bind(str(dev / "log"))
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.connect(str(dev / "log"))
+    sender.setblocking(False)
+    try:
+        while True:                                                 # fill its queue, as a stuck daemon's fills
+            sender.send(b"<13>filler")
+    except BlockingIOError:
+        pass
+    ok = tmp_path / "adloader"                                      # answers at once: only logger can block
+    ok.write_text("#!/bin/sh\necho 'adloader job register: job 4242 uid 1000: ok' >&2\n")
+    ok.chmod(0o755)
+    log = tmp_path / "slurm.log"
+    try:
+        for name in ("prolog.sh", "epilog.sh"):
+            script = tmp_path / name
+            script.write_text(slurm_script(name, "/opt/adloader", config=str(tmp_path / "agent.toml"), log_file=str(log)))
+            script.chmod(0o755)
+            inner = (f"mount --bind /dev/null {dev}/null && mount --rbind {dev} /dev && [ -S /dev/log ] && "
+                     f"exec {ENV_BIN} -i PATH={NO_PATH} {' '.join(shlex.quote(f'{k}={v}') for k, v in SLURM_ENV.items())} "
+                     f"ADLOADER_BIN={ok} {BASH} {script}")
+            try:
+                p = subprocess.run([unshare, "--mount", "--propagation", "private", BASH, "-c", inner],
+                                   capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} hung on a syslog socket that is not read")
+            assert p.returncode == 0, (name, p.stderr)
+            assert ": ok" in log_line(p.stderr, "adloader-" + name[:-3])
+        lines = log.read_text().splitlines()
+        assert len(lines) == 2 and "adloader-prolog[" in lines[0] and "adloader-epilog[" in lines[1], lines
+    finally:
+        sender.close()
+        syslog.close()

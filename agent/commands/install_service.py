@@ -163,9 +163,24 @@ class Action:
     apply: Callable[[], None]
 
 
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each mode 0755 whatever the umask: the job's user must
+    reach PREFIX/slurm/taskprolog.sh (slurmstepd runs it as that user, and a TaskProlog it cannot run
+    fails every task: "TaskProlog failed status=1") and /etc/adloader/agent.toml (the TaskProlog reads
+    its endpoint). Under root's umask 0077 mkdir alone made them 0700. Existing directories are left
+    as they are."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        d.chmod(0o755)
+
+
 def write_file(path: Path, text: str, mode: int) -> Action:
     def apply():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(text)
         tmp.chmod(mode)
@@ -229,7 +244,7 @@ def plan(args: argparse.Namespace) -> list[Action]:
         actions.append(write_file(under(prefix) / "slurm" / name, slurm_script(name, prefix), 0o755))
     log_dir = under(LOG_DIR)
     actions.append(Action(f"create {log_dir} (mode 755: the Slurm scripts' log without syslog)",
-                          lambda: log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)))
+                          lambda: make_dirs(log_dir)))
 
     if args.venv:
         venv = under(prefix) / "venv"

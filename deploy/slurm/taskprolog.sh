@@ -1,4 +1,4 @@
-#!/bin/bash
+#!/bin/bash -p
 # Slurm TaskProlog: point the job's training processes at this node's A-Dloader agent.
 #   slurm.conf:  TaskProlog=/opt/adloader/slurm/taskprolog.sh     (see docs/operations.md, "Slurm")
 #
@@ -8,13 +8,17 @@
 #   export ADLOADER_JOB_ID=<SLURM_JOB_ID>           (the id the prolog registered the job under)
 # Nothing else is printed on stdout. Always exits 0; no PATH assumed; calls no program at all.
 # A job opts out with ADLOADER_DISABLE=1 in its environment: then nothing is printed.
+# `bash -p` (the first line): slurmstepd runs this with the job's environment, from which bash would
+# otherwise source the file named by BASH_ENV (module systems set it) and import exported functions
+# (one named `echo` included) before a line of this script runs; whatever they print on stdout
+# would be read as the task's export lines. -p skips both, and ignores SHELLOPTS and BASHOPTS.
 #
 # The endpoint has one source of truth, the agent's config file (AGENT_CONFIG, mode 0644): its
 # `endpoint` key, read here with bash alone in the forms `endpoint = "..."` and `endpoint = '...'`
 # (a comment may follow) before any `[table]` header (a key after one is the table's), else the
 # agent's default. A key in another form (escapes, a quoted key)
 # is reported on stderr and no endpoint is exported (the client then uses its own default); so is a
-# file the job's user cannot read.
+# file the job's user cannot read, or one in a directory the user cannot search (it may be there).
 
 # Install-time line, set by `adloader install-service`:
 AGENT_CONFIG=/etc/adloader/agent.toml
@@ -29,9 +33,16 @@ config_endpoint() {
     local literal="^[[:space:]]*endpoint[[:space:]]*=[[:space:]]*'([^']*)'[[:space:]]*(#.*)?\$"
     local any='^[[:space:]]*["'"'"']?endpoint["'"'"']?[[:space:]]*='
     local table='^[[:space:]]*\['      # a [table] header: every key after it is the table's, not top-level
+    local dir=${AGENT_CONFIG%/*}
     if [ -e "$AGENT_CONFIG" ] && [ ! -r "$AGENT_CONFIG" ]; then
         # the job's user cannot read it (mode 0600?): its endpoint may not be the default, so guess nothing
         echo "adloader-taskprolog: cannot read $AGENT_CONFIG as uid $UID (it must be readable by job users, mode 0644): no endpoint exported" >&2
+        return 1
+    fi
+    if [ ! -e "$AGENT_CONFIG" ] && [ -n "$dir" ] && [ -e "$dir" ] && [ ! -x "$dir" ]; then
+        # its directory is closed to the job's user (mode 0700?): the file looks absent but may be
+        # there with another endpoint, so guess nothing either
+        echo "adloader-taskprolog: cannot look into $dir as uid $UID (it must be searchable by job users, mode 0755): no endpoint exported" >&2
         return 1
     fi
     if [ -r "$AGENT_CONFIG" ]; then
