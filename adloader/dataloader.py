@@ -79,6 +79,10 @@ Deviations from torch (by design, documented):
   (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
 - The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
   does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+- An epoch left mid-way leaves the generator where torch's loader with the worker count in effect
+  then leaves it (the prefetch window, ``prefetch_factor`` times that count, decides whether the
+  sampler ran out and a ``RandomSampler`` drew again): after a resize in that epoch, not the count
+  the loader was built with.
 - ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).
   ``prefetch_factor=0`` behaves as 2. The IterableDataset "more samples than len()" warning is not
   emitted.
