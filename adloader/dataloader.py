@@ -1585,7 +1585,8 @@ class _IterableIter(_ElasticIter):
         if pool is None or self._cfg.worker_init_fn is None or pool.started_for(n) <= {n}:
             return
         fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
-        self._core.persistent_pools.discard(pool)
+        with self._core.lock:           # (``_resize`` reads the set under it)
+            self._core.persistent_pools.discard(pool)
         _stop_pool(fin, pool)
 
     def _uses_workers(self) -> bool:
