@@ -113,10 +113,11 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Slot:
-    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state", "served")
+    __slots__ = ("wid", "proc", "pid", "ctrl", "result", "reader", "sentinel", "state", "served", "num_workers")
 
-    def __init__(self, wid, proc, ctrl, result):
+    def __init__(self, wid, proc, ctrl, result, num_workers):
         self.wid = wid
+        self.num_workers = num_workers      # the target it was started for (its WorkerInfo.num_workers)
         self.proc = proc
         self.pid = proc.pid
         self.ctrl = ctrl          # main's write end of the control pipe
@@ -274,7 +275,7 @@ class WorkerPool:
         self._give_cpu_mask(wid, proc.pid, mask)
         ctrl_r.close()
         res_w.close()
-        slot = _Slot(wid, proc, ctrl_w, res_r)
+        slot = _Slot(wid, proc, ctrl_w, res_r, spec.num_workers)
         self.slots[wid] = slot
         self._fds[res_r.fileno()] = ("result", wid)
         self._fds[slot.sentinel] = ("sentinel", wid)
@@ -585,6 +586,12 @@ class WorkerPool:
         ``WorkerDied`` then follows from a later ``poll``)."""
         with self.lock:
             return wid in self.slots
+
+    def started_for(self, n: int) -> set[int]:
+        """The worker counts that the workers ``0..n-1`` it has were started for (the
+        ``get_worker_info().num_workers`` their ``worker_init_fn`` saw)."""
+        with self.lock:
+            return {s.num_workers for wid, s in self.slots.items() if wid < n}
 
     def init_failures(self) -> dict[int, RemoteError]:
         """``init_failed``, copied (the reaper may add to it)."""

@@ -43,7 +43,9 @@ Deviations from torch (by design, documented):
   ``num_workers`` 0 or 1 and no ``max_workers``, it gets no more workers, with "auto" at most one
   (``ITERABLE_HELD_NOTE``: a dataset that does not shard would be yielded whole by each). The shard
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
-  says so). A worker that dies mid-epoch cannot be replayed: the epoch raises ``RuntimeError``.
+  says so); a persistent pool with a ``worker_init_fn`` is restarted at an epoch whose count differs
+  (``_drop_workers_set_up_for_another_count``). A worker that dies mid-epoch cannot be replayed: the
+  epoch raises ``RuntimeError``.
   ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
   its epoch from the beginning, with a warning (Lightning loads it on every resume).
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
@@ -77,6 +79,10 @@ Deviations from torch (by design, documented):
   (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
 - The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
   does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+- An epoch left mid-way leaves the generator where torch's loader with the worker count in effect
+  then leaves it (the prefetch window, ``prefetch_factor`` times that count, decides whether the
+  sampler ran out and a ``RandomSampler`` drew again): after a resize in that epoch, not the count
+  the loader was built with.
 - ``timeout`` bounds one ``next()`` call's wait for its batch (torch: one queue read).
   ``prefetch_factor=0`` behaves as 2. The IterableDataset "more samples than len()" warning is not
   emitted.
@@ -1559,12 +1565,29 @@ class _IterableIter(_ElasticIter):
     def _start_workers(self) -> None:
         n = self._epoch_workers
         if n > 0:
+            self._drop_workers_set_up_for_another_count(n)
             pool = self._ensure_pool(n)
             pool.resize(n)
             # a persistent pool's worker that died between epochs is noticed (and replaced by the pool)
             # before it is handed a task of this epoch
             self._handle(pool.poll(0))
             self._fill()
+
+    def _drop_workers_set_up_for_another_count(self, n: int) -> None:
+        """A persistent pool whose workers ran ``worker_init_fn`` for another worker count is stopped,
+        so that this epoch's ``n`` workers start afresh and run it for ``n``, as torch's loader with
+        ``num_workers=n`` does. torch's docs shard an IterableDataset there, by
+        ``get_worker_info().num_workers`` (``torch.utils.data.IterableDataset``, example 2): a worker
+        kept from an epoch with another count yields its old shard, so samples came twice or never.
+        Without a ``worker_init_fn`` the workers are kept (with their dataset copies, as torch's
+        persistent workers are): a dataset that shards in ``__iter__`` reads the new count there."""
+        pool = self._pool
+        if pool is None or self._cfg.worker_init_fn is None or pool.started_for(n) <= {n}:
+            return
+        fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
+        with self._core.lock:           # (``_resize`` reads the set under it)
+            self._core.persistent_pools.discard(pool)
+        _stop_pool(fin, pool)
 
     def _uses_workers(self) -> bool:
         return self._epoch_workers > 0

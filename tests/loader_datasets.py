@@ -155,6 +155,26 @@ class Shards(tud.IterableDataset):
             yield torch.tensor([i, w])
 
 
+class Span(tud.IterableDataset):
+    """Yields ``range(start, end)``; ``split_span`` (a ``worker_init_fn``) gives each worker's copy its
+    part: example 2 of torch's ``IterableDataset`` docs, which shards in ``worker_init_fn`` by
+    ``get_worker_info().num_workers``."""
+
+    def __init__(self, n: int = 23):
+        self.start, self.end = 0, n
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_span(worker_id: int) -> None:
+    info = tud.get_worker_info()
+    ds = info.dataset
+    per = -(-ds.end // info.num_workers)
+    ds.start = info.id * per
+    ds.end = min(ds.start + per, ds.end)
+
+
 class Whole(tud.IterableDataset):
     """An IterableDataset that does not shard: every worker's copy yields all ``n`` items (torch's
     documented duplication with more than one worker)."""

@@ -586,6 +586,31 @@ def test_iterable_resize_waits_for_next_epoch_and_says_so():
     dl.close()
 
 
+def test_a_persistent_iterable_loader_resized_between_epochs_reruns_worker_init_fn_for_the_new_count():
+    """torch's docs shard an IterableDataset in ``worker_init_fn`` by ``get_worker_info().num_workers``
+    (``Span``/``split_span``). A persistent loader resized between epochs kept the workers whose
+    ``worker_init_fn`` had cut their copies for the old count: at 3 workers after 2, samples 12-21 came
+    twice; after 3 -> 1, only the first third came. Each epoch must equal torch's for the epoch's
+    worker count, whatever the resizes before it (mid-epoch ones included)."""
+    from tests.loader_datasets import Span, split_span
+    dl = DataLoader(Span(23), batch_size=3, num_workers=2, max_workers=4, persistent_workers=True,
+                    worker_init_fn=split_span)
+    try:
+        for workers, resize_to in ((2, 3), (3, 1), (1, 3), (3, 0), (0, 2), (2, None)):
+            ref = [b.tolist() for b in tud.DataLoader(Span(23), batch_size=3, num_workers=workers,
+                                                       worker_init_fn=split_span if workers else None)]
+            got = []
+            for b in dl:
+                got.append(b.tolist())
+                if len(got) == 2 and resize_to is not None:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")     # "takes effect at the next epoch"
+                        dl.resize(resize_to)
+            assert got == ref, f"epoch with {workers} workers"
+    finally:
+        dl.close()
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_iterable_loader_built_with_0_or_1_workers_is_never_given_more(workers, caplog):
     """A dataset that does not shard by get_worker_info() yields itself whole in every worker: a loader

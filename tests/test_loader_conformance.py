@@ -71,8 +71,11 @@ def test_map_datapipe_batches_equal_torch(workers):
 
 
 class Numbers(tud.Dataset):
+    def __init__(self, n: int = 12):
+        self.n = n
+
     def __len__(self):
-        return 12
+        return self.n
 
     def __getitem__(self, i):
         return i
@@ -87,6 +90,28 @@ def test_sampler_order_every_epoch_equals_torch_with_and_without_persistent_work
     dl = DataLoader(Numbers(), generator=torch.Generator().manual_seed(3), max_workers=2, **kw)
     assert _epochs(dl, 3) == ref
     dl.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_epoch_left_after_a_resize_moves_the_generator_as_torch_s_loader_with_the_new_count(persistent):
+    # documented deviation (docs/users.md): how far a left epoch's sampler was drawn is the prefetch
+    # window of the count in effect when it was left; RandomSampler draws again when it runs out
+    def run(cls, workers, resize_to=None):
+        dl = cls(Numbers(15), batch_size=2, shuffle=True, num_workers=workers, persistent_workers=persistent,
+                 generator=torch.Generator().manual_seed(0), **({} if cls is tud.DataLoader else dict(max_workers=3)))
+        out = [[b.tolist() for b in dl]]
+        left = []
+        for b in dl:
+            left.append(b.tolist())
+            if len(left) == 1 and resize_to is not None:
+                dl.resize(resize_to)
+            if len(left) == 3:
+                break
+        out += [left, [b.tolist() for b in dl]]
+        return out
+
+    assert run(DataLoader, 2, resize_to=3) == run(tud.DataLoader, 3)
+    assert run(DataLoader, 2) == run(tud.DataLoader, 2)
 
 
 @pytest.mark.parametrize("plan", [(2, 0, 2, 2), (2, 0, 0, 1), (2, 1, 0, 2)])
