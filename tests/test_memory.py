@@ -63,13 +63,70 @@ def test_process_memory_reads_smaps_rollup(tmp_path):
     assert (m.rss, m.pss, m.uss, m.swap, m.source) == (20 * MiB, 12 * MiB, 8 * MiB, 512 * 1024, "smaps_rollup")
 
 
-def test_process_memory_falls_back_to_statm_and_none_when_gone(tmp_path):
+SMAPS = """00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3
+Rss:                4096 kB
+Pss:                2048 kB
+Shared_Clean:       4096 kB
+Private_Clean:         0 kB
+Private_Dirty:         0 kB
+VmFlags: rd ex mr mw me dw
+7f00-7f80 rw-p 00000000 00:00 0
+Rss:                8192 kB
+Pss:                8192 kB
+Private_Clean:      1024 kB
+Private_Dirty:      7168 kB
+Swap:                512 kB
+"""
+
+
+def test_process_memory_falls_back_to_smaps_summed_and_none_when_gone(tmp_path):
     (tmp_path / "7").mkdir()
-    page = os.sysconf("SC_PAGE_SIZE")
-    (tmp_path / "7" / "statm").write_text("1000 300 100 1 0 200 0\n")
+    (tmp_path / "7" / "smaps").write_text(SMAPS)                  # a kernel before 4.14: no smaps_rollup
     m = memory.process_memory(7, str(tmp_path))
-    assert (m.rss, m.uss, m.pss, m.source) == (300 * page, 200 * page, 200 * page, "statm")
+    assert (m.rss, m.pss, m.uss, m.swap, m.source) == (12 * MiB, 10 * MiB, 8 * MiB, 512 * 1024, "smaps")
     assert memory.process_memory(8, str(tmp_path)) is None
+
+
+def test_statm_is_not_taken_for_unique_memory(tmp_path):
+    """statm's "shared" is file-backed and shmem pages, not pages shared with other processes: a forked
+    worker's inherited copy-on-write pages counted as its own there (404 MiB "unique" for a worker whose
+    smaps_rollup said 1.4 MiB). A process whose smaps cannot be read is not measured."""
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "statm").write_text("1000 300 100 1 0 200 0\n")
+    assert memory.process_memory(7, str(tmp_path)) is None
+
+
+def test_a_forked_child_reading_its_parents_array_is_measured_unique_only_from_its_own_pages(tmp_path):
+    """A real fork over a 64 MiB array (read, never written): its smaps (the fallback) and smaps_rollup
+    both say a few MiB unique, though its RSS holds the array."""
+    arr = np.ones(64 * MiB // 8)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                  # the child: read every page, then wait
+        os.close(r)
+        float(arr[::512].sum())
+        os.write(w, b"x")
+        import time as _time
+        _time.sleep(30)
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"x"
+        (tmp_path / str(pid)).mkdir()
+        with open(f"/proc/{pid}/smaps") as f:
+            (tmp_path / str(pid) / "smaps").write_text(f.read())
+        with open(f"/proc/{pid}/statm") as f:
+            (tmp_path / str(pid) / "statm").write_text(f.read())
+        fallback = memory.process_memory(pid, str(tmp_path))
+        live = memory.process_memory(pid)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
+    assert fallback.source == "smaps" and live.source == "smaps_rollup"
+    for m in (fallback, live):
+        assert m.rss > 64 * MiB and m.uss < 16 * MiB, m
+        assert m.pss < m.rss
 
 
 def test_node_memory_reads_meminfo_and_psi(tmp_path):
