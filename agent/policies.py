@@ -1417,7 +1417,10 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     worker that buys little and costs much goes first. Fairness: no job is taken below its floor
     (``memory_floors``: its GPU share of the budget) while another job above its own floor can give;
     only when every job is at its floor and the budget is still short are floors cut, in the same
-    order (and that is reported). No job drops below ``min_workers``.
+    order (and that is reported). No job drops below ``min_workers``. When even that is over the budget
+    (one job's worker alone above its share of it: a leak, or a dataset copied into each worker), the
+    text names the jobs whose minimum is over their share, with their workers' growth, and tells the
+    others which jobs held them to their minimum.
     Returns (caps for the jobs that lost workers, what could not be kept: job -> text).
     """
     workers = {j: a.workers for j, a in plan.allocations.items() if j in snapshot.jobs}
@@ -1449,10 +1452,23 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
             heapq.heappush(heap, key(j))
     unfit = {}
     if used > budget + 1e-6:
+        lo = config.min_workers
+        total_gpus = float(sum(gpus.values())) or 1.0
+        share = {j: budget * gpus[j] / total_gpus for j in workers}
+        over = sorted(j for j in workers if lo * mem[j] > share[j] + 1e-6)
         for j in workers:
-            if mem[j] > 0:
-                unfit[j] = (f"loader memory budget {_gib(budget)} is below {config.min_workers} worker(s) per job "
-                            f"({_gib(used)} needed)")
+            if mem[j] <= 0:
+                continue
+            why = f"loader memory budget {_gib(budget)} is below {lo} worker(s) per job ({_gib(used)} needed)"
+            if j in over:
+                grew = snapshot.jobs[j].worker_growth_bytes
+                why += f": this job's {lo} worker(s) of {_gib(mem[j])} each are more than its share {_gib(share[j])}"
+                if grew > 0:
+                    why += (f"; its workers grew by {_gib(grew)} each since they started (a leak, or a dataset "
+                            f"of Python objects copied into each worker: `adloader profile`)")
+            elif over:
+                why += f": held to its minimum by job(s) {', '.join(over)}, whose minimum is more than their share"
+            unfit[j] = why
     else:
         for j in workers:
             if workers[j] < floor[j]:
@@ -1496,9 +1512,10 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         w = min(a.workers, caps.get(j, a.workers))
         if w < wanted.get(j, w) or j in caps:
             mem = _worker_memory(j, snapshot, curves)
+            fit = "do not fit" if w * mem > budget else "fit"
             allocs[j] = dataclasses.replace(
                 a, workers=max(config.min_workers, w),
-                reason=f"memory: {w} workers of {mem / (1 << 20):.0f} MiB fit the loader memory budget "
+                reason=f"memory: {w} workers of {mem / (1 << 20):.0f} MiB {fit} the loader memory budget "
                        f"{_gib(budget)}{note}; {a.reason}")
             if w < wanted.get(j, w):
                 unsatisfied[j] = (f"wanted {wanted[j]} workers, the loader memory budget allows {w}"

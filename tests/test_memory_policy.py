@@ -113,6 +113,23 @@ def test_a_budget_below_one_worker_each_keeps_one_and_says_so():
     assert all("below 1 worker(s) per job" in plan.unsatisfied[j] for j in ("a", "b"))
 
 
+def test_a_job_whose_one_worker_outgrew_the_budget_is_named_as_the_cause():
+    """A leak (or a dataset copied into each worker): one worker of "leaky" holds more than the whole
+    budget, and every job is held to one worker. Before, every job was told the same ("budget below
+    1 worker(s) per job"), the leaky one that its worker fit the budget, and nothing named the cause."""
+    leaky = job("leaky", mem=10 * GiB, worker_growth_bytes=9 * GiB)
+    ok = job("ok", mem=200 * MiB)
+    curves = {j.job: curve(j) for j in (leaky, ok)}
+    plan = adaptive(node([leaky, ok], budget=8 * GiB), curves, CFG)
+    assert plan.allocations["leaky"].workers == plan.allocations["ok"].workers == 1
+    why = plan.unsatisfied["leaky"]
+    assert "below 1 worker(s) per job" in why and "more than its share 4.00 GiB" in why
+    assert "grew by 9.00 GiB" in why and "a leak" in why
+    assert "held to its minimum by job(s) leaky" in plan.unsatisfied["ok"]
+    assert "1 workers of 10240 MiB do not fit the loader memory budget" in plan.allocations["leaky"].reason
+    assert "1 workers of 200 MiB fit the loader memory budget" in plan.allocations["ok"].reason
+
+
 def test_cold_jobs_are_held_to_the_budget_too():
     jobs = [job("cold1", mem=500 * MiB), job("cold2", mem=500 * MiB)]
     s = node(jobs, budget=1500 * MiB)
