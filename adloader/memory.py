@@ -5,7 +5,8 @@ shared nodes the memory cgroup hierarchy belongs to someone else (the batch syst
 A-Dloader reads memory and acts only through worker counts.
 
 Figures, all in bytes:
-- ``uss``  unique set size: Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``. What the
+- ``uss``  unique set size: Private_Clean + Private_Dirty (+ Private_Hugetlb, which Rss leaves out) of
+  ``/proc/<pid>/smaps_rollup``. What the
   node gets back when the process exits, hence a worker's marginal memory cost.
 - ``pss``  proportional set size (shared pages divided among the processes that map them): the fair
   per-process share; a job's workers' PSS sum to what they hold together.
@@ -117,8 +118,11 @@ def process_memory(pid: int, proc_root: str = "/proc") -> Optional[ProcessMemory
         except (OSError, ValueError):
             continue
         if "Rss" in d:
-            uss = d.get("Private_Clean", 0) + d.get("Private_Dirty", 0)
-            return ProcessMemory(pid, d["Rss"], d.get("Pss", uss), uss, d.get("Swap", 0), name)
+            # hugetlbfs pages are in none of Rss, Pss, Private_* ("for historical reasons",
+            # Documentation/filesystems/proc.rst); a private one is the process's own all the same
+            huge = d.get("Private_Hugetlb", 0)
+            uss = d.get("Private_Clean", 0) + d.get("Private_Dirty", 0) + huge
+            return ProcessMemory(pid, d["Rss"] + huge, d.get("Pss", uss - huge) + huge, uss, d.get("Swap", 0), name)
     return None
 
 

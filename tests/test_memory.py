@@ -63,6 +63,15 @@ def test_process_memory_reads_smaps_rollup(tmp_path):
     assert (m.rss, m.pss, m.uss, m.swap, m.source) == (20 * MiB, 12 * MiB, 8 * MiB, 512 * 1024, "smaps_rollup")
 
 
+def test_private_hugetlb_pages_count_as_the_process_s_own(tmp_path):
+    """hugetlbfs pages are left out of Rss, Pss and Private_* by the kernel (proc.rst): a worker holding
+    64 MiB of them measured 8 MiB before."""
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "smaps_rollup").write_text(ROLLUP + "Shared_Hugetlb:        0 kB\nPrivate_Hugetlb:   65536 kB\n")
+    m = memory.process_memory(42, str(tmp_path))
+    assert (m.uss, m.pss, m.rss) == (72 * MiB, 76 * MiB, 84 * MiB)
+
+
 SMAPS = """00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3
 Rss:                4096 kB
 Pss:                2048 kB
