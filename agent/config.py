@@ -92,7 +92,8 @@ for the ones the command line offers):
                            yield again under half of it; 0..4096, default 0.5
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
-                           agent's cgroup memory limit when lower, minus a 25% reserve (at least
+                           memory limit over the agent's cgroup when lower and every job process is
+                           under it too (one container; v2's delegated subtree), minus a 25% reserve (at least
                            2 GiB) for the training processes, page cache and system
                            (``auto_loader_memory``; computed again every 10 s while the agent
                            runs); "off": no budget
@@ -204,11 +205,12 @@ class AgentConfig:
     def resolved_loader_cpus(self) -> float:
         return auto_loader_cpus() if self.loader_cpus == "auto" else float(self.loader_cpus)
 
-    def resolved_loader_memory(self) -> Optional[int]:
-        """The loader memory budget in bytes (None: "off", or "auto" where the node's memory is unknown)."""
+    def resolved_loader_memory(self, loader_pids: tuple[int, ...] = ()) -> Optional[int]:
+        """The loader memory budget in bytes (None: "off", or "auto" where the node's memory is unknown).
+        ``loader_pids``: the jobs' training processes and workers now (``auto_loader_memory``)."""
         if self.loader_memory == "off":
             return None
-        return auto_loader_memory() if self.loader_memory == "auto" else int(self.loader_memory)
+        return auto_loader_memory(loader_pids=loader_pids) if self.loader_memory == "auto" else int(self.loader_memory)
 
     def resolved_memory_min_available(self) -> int:
         if self.memory_min_available == "auto":
@@ -238,13 +240,27 @@ def auto_loader_cpus() -> float:
     return max(0.5, round(n * (1.0 - LOADER_CPU_RESERVE), 2))
 
 
-def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """The default loader memory budget: the node's MemTotal, or the memory limit of the agent's own
-    cgroup when that is lower (read only), minus a reserve of ``LOADER_MEMORY_RESERVE`` (25%) and at
-    least ``LOADER_MEMORY_RESERVE_MIN`` (2 GiB) for the training processes, page cache and system;
-    at least 10% of it. (24 GiB node -> 18 GiB; 512 GiB -> 384 GiB.) None if MemTotal is unreadable."""
+def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup",
+                       loader_pids: tuple[int, ...] = ()) -> Optional[int]:
+    """The default loader memory budget: the node's MemTotal, or the memory limit over the agent's own
+    cgroup when that is lower and binds the loaders too (read only), minus a reserve of
+    ``LOADER_MEMORY_RESERVE`` (25%) and at least ``LOADER_MEMORY_RESERVE_MIN`` (2 GiB) for the training
+    processes, page cache and system; at least 10% of it. (24 GiB node -> 18 GiB; 512 GiB -> 384 GiB.)
+    None if MemTotal is unreadable.
+
+    The agent's limit binds the loaders when every process of ``loader_pids`` (the jobs' training
+    processes and workers; none: it binds nothing yet) is in the group whose limit it is or below it:
+    cgroup v2 with the job groups in the agent's delegated subtree, or agent and jobs in one container.
+    A limit on the agent alone (a Kubernetes DaemonSet's ``limits.memory``, a unit's ``MemoryMax`` on
+    cgroup v1, where the jobs' memory groups are not the agent's) caps the agent, not the loaders: read
+    as the budget, the DaemonSet's 512Mi held every job on the node to one worker (51 MiB)."""
     total, _ = memory.meminfo(proc_root)
-    limit = memory.cgroup_memory("self", proc_root, cgroup_root).limit
+    own = memory.cgroup_memory("self", proc_root, cgroup_root)
+    limit = None
+    if own.limit is not None and loader_pids:
+        paths = [memory.cgroup_memory(pid, proc_root, cgroup_root).path for pid in loader_pids]
+        if all(p == own.path or p.startswith(own.path + "/") for p in paths):
+            limit = own.limit
     if total is None and limit is None:
         return None
     base = min(x for x in (total, limit) if x is not None)

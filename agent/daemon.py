@@ -469,7 +469,8 @@ class Agent:
             return
         was_budget, was_min = guard.configured, guard.min_available
         if self.config.loader_memory == "auto":
-            guard.configured = self.config.resolved_loader_memory()
+            pids = tuple(p for job in self.registry.jobs.values() for p in job.pids() + job.worker_pids())
+            guard.configured = self.config.resolved_loader_memory(pids)
         if self.config.memory_min_available == "auto":
             guard.min_available = self.config.resolved_memory_min_available()
         if (guard.configured, guard.min_available) != (was_budget, was_min):

@@ -198,8 +198,18 @@ def test_the_agent_follows_a_change_of_its_own_memory_limit(tmp_path, monkeypatc
     group.mkdir(parents=True)
     (group / "memory.limit_in_bytes").write_text(str(16 * gib))
     (group / "memory.usage_in_bytes").write_text(str(gib))
+    # a loader process in the agent's group (cgroup v2: the job groups in its delegated subtree): its limit
+    # binds the loaders too (test_memory_policy: a limit on the agent alone is not their budget)
+    (proc / "4242").mkdir()
+    (proc / "4242" / "cgroup").write_text("4:memory:/system.slice/adloader-agent.service/adloader/job-1\n")
     real = configmod.auto_loader_memory
-    monkeypatch.setattr(configmod, "auto_loader_memory", lambda: real(str(proc), str(root)))
+    asked = []
+
+    def auto(loader_pids=()):
+        asked.append(loader_pids)
+        return real(str(proc), str(root), loader_pids=(4242,))
+
+    monkeypatch.setattr(configmod, "auto_loader_memory", auto)
 
     def agent_with(loader_memory):
         cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent-{loader_memory}.sock",
@@ -563,3 +573,29 @@ def test_a_second_agent_on_the_same_state_dir_is_refused_before_it_touches_anyth
     again.server.close()
     again.ctx.term()
     again.unlock_state_dir()
+
+
+def test_the_auto_memory_budget_is_computed_over_the_jobs_processes(tmp_path, monkeypatch):
+    """The "auto" loader memory budget is told the jobs' training processes and workers at each refresh
+    (``auto_loader_memory`` takes the agent's own limit only where it binds them)."""
+    import os
+
+    from agent.daemon import Agent
+    from agent.registry import Job, Rank
+
+    asked = []
+    monkeypatch.setattr(configmod, "auto_loader_memory", lambda loader_pids=(): asked.append(loader_pids) or 8 << 30)
+    cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
+                                "cgroup_mode": "off", "policy": "even", "loader_memory": "auto"}, environ={})
+    agent = Agent(cfg)
+    try:
+        agent.registry.jobs["j"] = Job(job="j", uid=os.getuid(), arrived_at=0.0, source="hello", ranks={
+            0: Rank(job="j", rank=0, pid=os.getpid(), uid=os.getuid(), identity=b"r0", start_ticks=None,
+                    last_seen=0.0, connected_at=0.0, worker_pids=(4243, 4244))})
+        agent._node_read_at = None
+        agent._refresh_node_resources(1.0)
+        assert sorted(asked[-1]) == sorted((os.getpid(), 4243, 4244))
+    finally:
+        agent.server.close()
+        agent.ctx.term()
+        agent.unlock_state_dir()

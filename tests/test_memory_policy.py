@@ -425,10 +425,37 @@ def test_auto_loader_memory_is_node_memory_or_the_cgroup_limit_minus_the_reserve
     (proc / "self").mkdir(parents=True)
     (proc / "meminfo").write_text(f"MemTotal: {32 * GiB // 1024} kB\nMemAvailable: {20 * GiB // 1024} kB\n")
     (proc / "self" / "cgroup").write_text("4:memory:/agent\n")
-    assert auto_loader_memory(str(proc), str(cg)) == 24 * GiB                 # 32 GiB - 25%
+    (proc / "77").mkdir()
+    (proc / "77" / "cgroup").write_text("4:memory:/agent/adloader/job-1\n")     # a loader in the agent's group
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(77,)) == 24 * GiB   # 32 GiB - 25%
     (cg / "memory" / "agent").mkdir(parents=True)
     (cg / "memory" / "agent" / "memory.limit_in_bytes").write_text(str(4 * GiB))
-    assert auto_loader_memory(str(proc), str(cg)) == 2 * GiB                  # 4 GiB limit - 2 GiB minimum reserve
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(77,)) == 2 * GiB   # 4 GiB limit - 2 GiB minimum reserve
+
+
+def test_a_limit_on_the_agent_alone_is_not_the_loaders_budget(tmp_path):
+    """The shipped Kubernetes DaemonSet limits the agent's container to 512Mi (its own memory), and a
+    unit's MemoryMax on cgroup v1 caps the agent's group only: the jobs' processes are in memory groups
+    of their own. Read as the loaders' budget, that limit held every job on the node to one worker (51
+    MiB). It is the budget only when every loader process is in the limited group or below it."""
+    from agent.config import auto_loader_memory
+
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {32 * GiB // 1024} kB\nMemAvailable: {20 * GiB // 1024} kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/kubepods/agent-pod\n")
+    (cg / "memory" / "kubepods" / "agent-pod").mkdir(parents=True)
+    (cg / "memory" / "kubepods" / "agent-pod" / "memory.limit_in_bytes").write_text(str(512 << 20))
+    for pid, group in ((100, "/kubepods/train-pod"), (101, "/kubepods/agent-pod/inner"), (102, "/kubepods/agent-pod-2")):
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "cgroup").write_text(f"4:memory:{group}\n")
+    node = 24 * GiB                                                             # 32 GiB - 25%
+    assert auto_loader_memory(str(proc), str(cg)) == node                       # no loader yet: nothing to bind
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(100,)) == node  # another pod's training process
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(102,)) == node  # a group whose name only starts alike
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(100, 101)) == node
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(101,)) == int(0.1 * (512 << 20))   # bound: its 10%
+    assert auto_loader_memory(str(proc), str(cg), loader_pids=(999,)) == node  # vanished: not known to be bound
 
 
 def test_the_agent_command_takes_loader_memory():
