@@ -257,9 +257,13 @@ def auto_loader_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgr
     total, _ = memory.meminfo(proc_root)
     own = memory.cgroup_memory("self", proc_root, cgroup_root)
     limit = None
-    if own.limit is not None and loader_pids:
-        paths = [memory.cgroup_memory(pid, proc_root, cgroup_root).path for pid in loader_pids]
-        if all(p == own.path or p.startswith(own.path + "/") for p in paths):
+    if own.limit is not None and (total is None or own.limit < total) and loader_pids:
+
+        def bound(pid: int) -> bool:
+            path = memory.cgroup_memory(pid, proc_root, cgroup_root).path
+            return path == own.path or path.startswith(own.path + "/")
+
+        if all(bound(pid) for pid in loader_pids):
             limit = own.limit
     if total is None and limit is None:
         return None
