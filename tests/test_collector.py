@@ -417,6 +417,19 @@ def test_settled_window_never_reaches_back_past_a_resume_from_a_pause():
     assert settled_window((tuple(plain),), since=0.0, span_s=3.0, min_s=0.9).start_t == 2.0
 
 
+def test_settled_window_ends_at_the_last_report_with_a_step():
+    """The loop stopped after its report of t=5 (a validation pass, a debugger; the loader counts the
+    stop only when it resumes): the reports of t=6..9 add seconds and no step. The window [4, 9] said the
+    job delivered 5 steps in 5 s at its configuration, a fifth of its pace (5 a second); it ends at t=5,
+    and after it, while the loop stands still, there is none."""
+    from agent.collector import settled_window
+
+    hist = [_report(float(t), 1 + 5 * min(t, 5)) for t in range(10)]
+    w = settled_window((tuple(hist),), since=0.0, span_s=3.0, min_s=0.9)
+    assert w is not None and w.end_t == 5.0 and w.samples_per_s == pytest.approx(5 * 8)
+    assert settled_window((tuple(hist),), since=5.0, span_s=3.0, min_s=0.9) is None
+
+
 def test_settled_window_aggregates_ranks_like_job_stats_and_needs_every_rank():
     from agent.collector import settled_window
     r0 = tuple(_report(float(t), 1 + 10 * t, wait_per_step=0.01, compute_per_step=0.09) for t in range(4))
