@@ -74,13 +74,16 @@ class LoaderCounters:
     def add_step(self, step_s: float, cpu_s: float) -> None:
         """One step's time between two next() calls and the training process's CPU over it. Once
         ``PACE_STEPS`` steps set the loop's pace, a step of ``PAUSE_FACTOR`` times it and at least
-        ``PAUSE_MIN_S`` is a pace's worth of compute and the rest ``paused_s`` (its CPU scaled alike);
-        every other step is compute and moves the pace."""
+        ``PAUSE_MIN_S`` is a pace's worth of compute and the rest ``paused_s`` (its CPU scaled alike),
+        and moves the pace as a step of ``PAUSE_FACTOR`` times it would: a pause barely moves it, and a
+        lasting change of the step (a backbone unfrozen: 0.1 s -> 1.5 s) is compute again from its second
+        step (from a 100x change, its fifth). Every other step is compute and moves the pace."""
         pace = self.pace_s
         if self.paced_steps >= PACE_STEPS and step_s >= max(PAUSE_MIN_S, PAUSE_FACTOR * pace):
             self.compute_s += pace
             self.paused_s += step_s - pace
             self.step_cpu_s += cpu_s * pace / step_s
+            self.pace_s = pace + PACE_WEIGHT * (PAUSE_FACTOR * pace - pace)
             return
         self.compute_s += step_s
         self.step_cpu_s += cpu_s

@@ -1102,7 +1102,14 @@ def test_loader_counters_take_a_step_many_times_the_pace_for_a_pause_and_nothing
     pace, compute, cpu = c.pace_s, c.compute_s, c.step_cpu_s
     c.add_step(25.0, 2.0)                        # a checkpoint save: a pace's worth of compute, the rest paused
     assert c.compute_s == pytest.approx(compute + pace) and c.paused_s == pytest.approx(25.0 - pace)
-    assert c.step_cpu_s == pytest.approx(cpu + 2.0 * pace / 25.0) and c.pace_s == pace
+    assert c.step_cpu_s == pytest.approx(cpu + 2.0 * pace / 25.0) and pace < c.pace_s < 2.0 * pace
+    # a lasting change of the step, 15x (layers unfrozen), is not a pause for long: compute from its second step
+    c = LoaderCounters()
+    for _ in range(PACE_STEPS + 100):
+        c.add_step(0.1, 0.01)
+    for _ in range(5):
+        c.add_step(1.5, 0.01)
+    assert c.paused_s == pytest.approx(1.5 - 0.1, rel=0.05)
 
 
 class _ReadyBatches(tud.IterableDataset):
