@@ -1,7 +1,8 @@
 """Loader instrumentation: monotonic counters kept on the hot path, turned into rates in one place.
 
 Hot path (``DataLoader.__next__`` and result handling) only adds to plain float/int attributes of
-``LoaderCounters``; a step costs two ``time.perf_counter()`` calls and a few additions. Rates are
+``LoaderCounters``; a step costs two ``time.perf_counter()`` calls, a few additions and one comparison
+with the loop's pace (``LoaderCounters.add_step``: a pause of the loop is not a step's compute). Rates are
 computed on demand in ``RateWindow`` from snapshots of the counters (monotonic clock, negative deltas
 clamped to 0), so readers (the agent client, autotune) never see raw counters they must difference.
 
