@@ -193,7 +193,9 @@ def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = 
     """One window from two ``loader.stats()`` totals (``Observation.from_window``: negative deltas
     count 0, one rule for blocked time); None if the window is unusable (no steps; figures the
     observation limits refuse, ``BadObservation``: that window is skipped, the next one is used; and
-    when ``strict``, a resize in between or workers not yet at their target). ``unstarved``: the
+    when ``strict``, a resize in between, workers not yet at their target, or a pause of the training
+    loop in it: the loader's ``paused_s`` rose, and the window's time holds the pause's seconds but
+    none of its steps). ``unstarved``: the
     compute time less the trainer's run-queue wait (what the predictor's ``g`` means); False keeps the
     compute time as measured (what a report shows the user)."""
     from predictor.bank import window_batch_size
@@ -203,6 +205,8 @@ def observation_from_totals(prev: dict, cur: dict, cores: float, strict: bool = 
         return None
     if strict and cur.get("live_workers", cur.get("workers")) != cur.get("workers"):
         return None
+    if strict and (cur.get("paused_s") or 0.0) > (prev.get("paused_s") or 0.0):
+        return None     # the loop paused in it (a validation pass, a checkpoint): its time is no step's
     d = counter_deltas(prev, cur, ("compute_s", "samples", "steps"))
     compute = d["compute_s"]
     # the window's own batch size (samples over steps), as the agent takes it: the reported one is a batch

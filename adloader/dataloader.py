@@ -606,7 +606,11 @@ class DataLoader(tud.DataLoader[T_co]):
                            ``batch_size``, else (a custom ``batch_sampler``, ``batch_size=None``) the mean
                            of what the delivered batches held; None before the first batch
         data_wait_s        time the caller spent blocked in ``next()``
-        compute_s          time between two ``next()`` calls (the training step)
+        compute_s          time between two ``next()`` calls (the training step), pauses left out
+        paused_s           time between two ``next()`` calls that was no step: a step of
+                           ``adloader.stats.PAUSE_FACTOR`` (10) times the loop's pace and at least 1 s (a
+                           validation pass or checkpoint save every N steps, a debugger stop) counts the
+                           pace's worth as compute and the rest here (``LoaderCounters.add_step``)
         worker_cpu_s       CPU seconds spent on batches (``time.process_time`` in the worker)
         worker_wall_s      wall seconds spent on batches
         worker_runq_s      of which runnable but waiting for a CPU (/proc/self/schedstat field 2;
@@ -660,7 +664,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
-            "main_runq_s": self._main_runq_s(),
+            "main_runq_s": self._main_runq_s(), "paused_s": c.paused_s,
             "dataset_kind": self.dataset_kind,
             "rates": core.rates.rates(now),
         }
@@ -1142,8 +1146,8 @@ class _ElasticIter:
         cpu0 = time.process_time()
         c = self._counters
         if self._t_last is not None:
-            c.compute_s += t0 - self._t_last
-            c.step_cpu_s += cpu0 - self._cpu_last     # the training process's CPU during the step
+            # the step, and the training process's CPU during it (a pause of the loop is not compute)
+            c.add_step(t0 - self._t_last, cpu0 - self._cpu_last)
         try:
             data = self._next_batch()
         except StopIteration:

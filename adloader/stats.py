@@ -1,7 +1,8 @@
 """Loader instrumentation: monotonic counters kept on the hot path, turned into rates in one place.
 
 Hot path (``DataLoader.__next__`` and result handling) only adds to plain float/int attributes of
-``LoaderCounters``; a step costs two ``time.perf_counter()`` calls and a few additions. Rates are
+``LoaderCounters``; a step costs two ``time.perf_counter()`` calls, a few additions and one comparison
+with the loop's pace (``LoaderCounters.add_step``: a pause of the loop is not a step's compute). Rates are
 computed on demand in ``RateWindow`` from snapshots of the counters (monotonic clock, negative deltas
 clamped to 0), so readers (the agent client, autotune) never see raw counters they must difference.
 
@@ -18,7 +19,7 @@ TOTAL_KEYS = (
     "steps", "samples", "batches", "epoch", "workers", "live_workers", "max_workers",
     "requested_workers", "batch_size", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
     "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts", "redispatched", "uptime_s",
-    "main_cpu_s", "main_runq_s", "dataset_kind",
+    "main_cpu_s", "main_runq_s", "paused_s", "dataset_kind",
 )
 RATE_KEYS = (
     "window_s", "samples_per_s", "steps_per_s", "data_wait_frac", "compute_s_per_step",
@@ -31,6 +32,18 @@ _SNAP_FIELDS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "work
                 "worker_wall_s", "worker_runq_s", "worker_blocked_s")
 
 
+# A pause of the training loop between two next() calls (a validation pass or a checkpoint save every N
+# steps, a debugger stop, a hung trainer): the loader sees one step of many times the loop's pace. Such a
+# step's time beyond the pace is ``paused_s``, not ``compute_s`` (``LoaderCounters.add_step``): counted as
+# compute, a 25 s checkpoint was one step of 25 s among 0.1 s ones, and the agent's and the tuner's
+# curves read the job's GPU step as 10-40% slower (and its loader as needing that much less) for tens of
+# seconds after every pause: a job validating every 30 s lost a worker after each pause.
+PAUSE_FACTOR = 10.0     # a step this many times the loop's pace (the mean of its recent steps) ...
+PAUSE_MIN_S = 1.0       # ... and at least this long holds a pause
+PACE_STEPS = 8          # steps that set the pace before any step is taken for a pause
+PACE_WEIGHT = 0.1       # the pace: an exponential mean of the steps, each new one weighing this
+
+
 class LoaderCounters:
     """Monotonic totals for one loader. Written by the iterating thread (and result handling),
     read from any thread; single attribute updates are atomic under the GIL, which is all readers need
@@ -38,7 +51,7 @@ class LoaderCounters:
 
     __slots__ = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
                  "worker_wall_s", "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts",
-                 "redispatched", "created_mono", "step_cpu_s")
+                 "redispatched", "created_mono", "step_cpu_s", "paused_s", "pace_s", "paced_steps")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -55,6 +68,28 @@ class LoaderCounters:
         self.redispatched = 0
         self.created_mono = time.monotonic()
         self.step_cpu_s = 0.0       # the training process's CPU (all its threads) during its steps (ISSUE 11)
+        self.paused_s = 0.0         # time between next() calls that was no step: pauses of the loop (add_step)
+        self.pace_s = 0.0           # the loop's pace: the exponential mean of its steps (pauses left out)
+        self.paced_steps = 0        # steps that set it
+
+    def add_step(self, step_s: float, cpu_s: float) -> None:
+        """One step's time between two next() calls and the training process's CPU over it. Once
+        ``PACE_STEPS`` steps set the loop's pace, a step of ``PAUSE_FACTOR`` times it and at least
+        ``PAUSE_MIN_S`` is a pace's worth of compute and the rest ``paused_s`` (its CPU scaled alike),
+        and moves the pace as a step of ``PAUSE_FACTOR`` times it would: a pause barely moves it, and a
+        lasting change of the step (a backbone unfrozen: 0.1 s -> 1.5 s) is compute again from its second
+        step (from a 100x change, its fifth). Every other step is compute and moves the pace."""
+        pace = self.pace_s
+        if self.paced_steps >= PACE_STEPS and step_s >= max(PAUSE_MIN_S, PAUSE_FACTOR * pace):
+            self.compute_s += pace
+            self.paused_s += step_s - pace
+            self.step_cpu_s += cpu_s * pace / step_s
+            self.pace_s = pace + PACE_WEIGHT * (PAUSE_FACTOR * pace - pace)
+            return
+        self.compute_s += step_s
+        self.step_cpu_s += cpu_s
+        self.pace_s = step_s if self.paced_steps == 0 else pace + PACE_WEIGHT * (step_s - pace)
+        self.paced_steps += 1
 
     def add_batch_timing(self, cpu_s: float, wall_s: float, runq_ns: int) -> None:
         """One batch finished by a worker (or in-process): blocked = wall - cpu - run-queue delay,

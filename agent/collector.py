@@ -98,7 +98,7 @@ PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read ag
 HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
 HISTORY_REPORTS = 64       # ... and at most this many of them
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
-            "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s")
+            "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s", "paused_s")
 GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
@@ -277,11 +277,17 @@ def settled_window(history, since: float, span_s: float, min_s: float,
     """The job's latest window in one configuration, cut from its ranks' reports (``JobStats.history``).
 
     Per rank: from a report at or after ``since`` (the agent's clock: the job's last allocation change,
-    or the end of its last window) to its latest report, over which the loader's worker count did not
-    change and all its workers were live (a resize the client has not finished is not the new
+    or the end of its last window) to its latest report (with a step in it: below), over which the
+    loader's worker count did not change and all its workers were live (a resize the client has not finished is not the new
     configuration yet), and which starts after the loop's first step (the wait for the first batch is
     workers starting and the dataset opening, not the loader's pace). The window is ``span_s`` long
     where the reports allow, longer (back to the same bounds) until it holds ``min_steps`` steps.
+
+    It ends at the rank's latest report that holds a step, and it never reaches back past a report after
+    which the loop resumed from a pause (the loader's ``paused_s`` rose: a validation pass, a checkpoint
+    save, a debugger stop). A window over a pause counted its seconds but none of its steps: a 3 s window
+    of which 2 s were the pause said the job delivered a third of its pace at its configuration (a live
+    loop pausing 6 s every 150 steps: 5 of its 18 windows at 19-64 samples/s beside 152).
 
     Smoothed rates are not fit for this: an exponential average (``SMOOTH_TAU_S``) a second after a
     change still holds most of the previous configuration, and at a job's start it holds the start-up;
@@ -296,8 +302,16 @@ def settled_window(history, since: float, span_s: float, min_s: float,
         last = reports[-1]
         if last.live_workers is not None and last.live_workers != last.workers:
             return None
+        end = len(reports) - 1      # the window ends at the rank's last report with a new step in it
+        while end > 0 and (reports[end].totals.get("steps") or 0.0) <= (reports[end - 1].totals.get("steps") or 0.0):
+            end -= 1
+        reports, last = reports[:end + 1], reports[end]
         start = None        # (report, duration, steps) of the earliest start found so far
+        later = last        # the report after ``rep``
         for rep in reversed(reports[:-1]):
+            if (later.totals.get("paused_s") or 0.0) > (rep.totals.get("paused_s") or 0.0):
+                break       # the loop resumed from a pause between them: its time is no step of the loader's pace
+            later = rep
             if (rep.recv_t < since or rep.workers != last.workers
                     or (rep.live_workers is not None and rep.live_workers != rep.workers)
                     or (rep.totals.get("steps") or 0.0) < 1):
@@ -335,6 +349,24 @@ def settled_window(history, since: float, span_s: float, min_s: float,
         runq_s_per_batch=n * per_batch("worker_runq_s"),
         blocked_s_per_batch=n * blocked / batches if batches > 0 else 0.0,
         worker_cpu_cores=sum(d["worker_cpu_s"] / dur for _, _, d, dur in per))
+
+
+def stepped_since(history, since: float) -> bool:
+    """Whether a rank's training loop took a step after ``since`` (the agent's clock): its step counter
+    rose from its last report at or before ``since`` (its earliest kept, where none is) to its latest.
+    False for a loop that stopped iterating while still connected (a debugger, a hung trainer, a long
+    validation pass or checkpoint save): its reports keep coming, its totals stand still."""
+    for reports in history:
+        if len(reports) < 2:
+            continue
+        base = reports[0]
+        for rep in reports:
+            if rep.recv_t > since:
+                break
+            base = rep
+        if (reports[-1].totals.get("steps") or 0.0) > (base.totals.get("steps") or 0.0):
+            return True
+    return False
 
 
 class Collector:

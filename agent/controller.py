@@ -32,7 +32,9 @@ Invariants (what the tests hold it to):
   the window, and one that started before the last change was applied (``now - window_s <
   applied_at``) is not fed; the job is observed again once a whole window lies after the change. A job
   with reports but no settled window for ``UNSETTLED_FALLBACK_S`` (its worker count never holds still
-  that long) is observed from the smoothed figures, by the same rule, until it has one again. Only
+  that long) is observed from the smoothed figures, by the same rule, until it has one again; not one
+  whose loop took no step over that time (paused in a debugger, hung, in a long validation pass): its
+  wait starts again, from when it steps again (``agent.collector.stepped_since``). Only
   a change of the allocation counts (workers, cores, cpuset, IO weight), not re-applying the same one
   to new worker pids.
 - ``applied`` is the controller's alone: the snapshot source measures, the controller adds what is in
@@ -75,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from agent import logs
-from agent.collector import settled_window
+from agent.collector import settled_window, stepped_since
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, live_workers
 from agent.policies import (Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, plan_around_epochs,
                             trainer_compute_s)
@@ -682,6 +684,12 @@ class Controller:
                 # long enough (epochs shorter than a window with workers restarted at each, a client
                 # whose live worker count never matches its target) falls back to the smoothed figures
                 first = self._unsettled_since.setdefault(job_id, now)
+                if not stepped_since(job.history, now - UNSETTLED_FALLBACK_S):
+                    # ... but a loop that took no step over that time (paused, hung, validating) is not one
+                    # that never holds still: its smoothed figures only decay (each such window said the job
+                    # delivered ~0 samples/s at its configuration, a step count of 1 made up for it; a 150 s
+                    # stop was its whole history), and for seconds after it resumes they still hold the stop
+                    first = self._unsettled_since[job_id] = now
                 due = now - first >= UNSETTLED_FALLBACK_S
         if due and window is None and changed_at is not None and changed_at <= now and now - job.window_s < changed_at:
             due = False            # the window spans an allocation change: wait for a clean one

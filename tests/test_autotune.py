@@ -82,6 +82,18 @@ def test_observation_from_totals():
     assert autotune.observation_from_totals(a, {**a, "uptime_s": 2.0}, 1.5) is None
 
 
+def test_observation_from_totals_skips_a_window_the_loop_paused_in():
+    """The loader's ``paused_s`` rose in the window (a validation pass or a checkpoint between two
+    next() calls): its time holds the pause's seconds but none of its steps, no window of the loop's
+    pace (the tuner's curve read the job's throughput at its count as a fraction of what it was)."""
+    a = _totals(10, 80, 10, 2, 1.0, compute=0.5, cpu=0.2, wall=0.5)
+    b = _totals(30, 240, 30, 2, 3.0, compute=1.5, cpu=0.6, wall=1.5)
+    assert autotune.observation_from_totals({**a, "paused_s": 0.0}, {**b, "paused_s": 0.0}, 1.5) is not None
+    assert autotune.observation_from_totals({**a, "paused_s": 0.0}, {**b, "paused_s": 8.0}, 1.5) is None
+    # (what ``adloader profile`` reads over its whole run is not a tuner's window: kept)
+    assert autotune.observation_from_totals({**a, "paused_s": 0.0}, {**b, "paused_s": 8.0}, 1.5, strict=False)
+
+
 def test_observation_from_totals_takes_the_windows_own_batch_size():
     """A batch sampler's ``batch_size`` in ``stats()`` is its rounded mean since the loader started: the
     tuner's window takes samples over steps, as the agent does (``predictor.bank.window_batch_size``)."""

@@ -2,6 +2,7 @@
 the max stall, NVML preferred to the client's estimate when present."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -394,6 +395,39 @@ def test_settled_window_never_spans_a_change_an_unfinished_resize_or_the_first_b
     w = settled_window((tuple(slow),), since=0.0, span_s=3.0, min_s=0.9, min_steps=2)
     assert w.steps >= 2 and w.start_t <= 3.0
     assert settled_window((tuple(slow[:3]),), since=0.0, span_s=3.0, min_s=0.9, min_steps=2) is None
+
+
+def test_settled_window_never_reaches_back_past_a_resume_from_a_pause():
+    """The loop stopped (a validation pass, a checkpoint save) from t=3 to t=8 and resumed before the
+    report of t=9 (the loader's ``paused_s`` rose there): a window reaching back over the stop held its
+    seconds but none of its steps (3 s of which 2 were the stop: a third of the job's pace at its
+    configuration). It starts at the report after the resume, once that holds enough."""
+    from agent.collector import settled_window
+
+    def rep(t, steps, paused):
+        r = _report(float(t), steps)
+        return dataclasses.replace(r, totals={**r.totals, "paused_s": paused})
+
+    hist = [rep(t, 1 + 5 * min(t, 3), 0.0) for t in range(9)] + [rep(9, 21, 5.0), rep(10, 26, 5.0)]
+    assert settled_window((tuple(hist[:-1]),), since=0.0, span_s=3.0, min_s=0.9) is None
+    w = settled_window((tuple(hist),), since=0.0, span_s=3.0, min_s=0.9)
+    assert w is not None and w.start_t == 9.0 and w.samples_per_s == pytest.approx(5 * 8)
+    # a client without the counter: as before
+    plain = [_report(float(t), 1 + 5 * t) for t in range(6)]
+    assert settled_window((tuple(plain),), since=0.0, span_s=3.0, min_s=0.9).start_t == 2.0
+
+
+def test_settled_window_ends_at_the_last_report_with_a_step():
+    """The loop stopped after its report of t=5 (a validation pass, a debugger; the loader counts the
+    stop only when it resumes): the reports of t=6..9 add seconds and no step. The window [4, 9] said the
+    job delivered 5 steps in 5 s at its configuration, a fifth of its pace (5 a second); it ends at t=5,
+    and after it, while the loop stands still, there is none."""
+    from agent.collector import settled_window
+
+    hist = [_report(float(t), 1 + 5 * min(t, 5)) for t in range(10)]
+    w = settled_window((tuple(hist),), since=0.0, span_s=3.0, min_s=0.9)
+    assert w is not None and w.end_t == 5.0 and w.samples_per_s == pytest.approx(5 * 8)
+    assert settled_window((tuple(hist),), since=5.0, span_s=3.0, min_s=0.9) is None
 
 
 def test_settled_window_aggregates_ranks_like_job_stats_and_needs_every_rank():

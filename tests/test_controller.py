@@ -976,6 +976,42 @@ def test_a_job_that_never_holds_still_falls_back_to_the_smoothed_figures():
     assert all(obs.workers == 1 for _, obs in bank.seen)
 
 
+def test_a_loop_that_stopped_stepping_is_not_observed_from_its_decaying_smoothed_figures():
+    """A training loop that stops iterating while its client stays connected (a debugger, a hung trainer,
+    a long validation pass): its reports keep coming with the same totals, so no window settles. The
+    fallback to the smoothed figures after UNSETTLED_FALLBACK_S fed a window every 3 s in which the job
+    took "1 step" (made up) and delivered ~0 samples/s at its configuration: a 150 s stop filled its whole
+    history. It is fed none until the loop steps again, and then windows of its steps only."""
+    from agent.controller import UNSETTLED_FALLBACK_S
+    from agent.model import Report
+
+    bank = FakeBank()
+    src = FakeSource(4.0, [job_stats("a", window_s=1.0)])
+    c = Controller(snapshot_source=src, policy=get_policy("even"), policy_config=PolicyConfig(),
+                   predictor=bank, actuators=[RecordingActuator()], observe_interval_s=3.0)
+    reports, steps = [], 1.0
+    stop, resume = 6, 6 + int(UNSETTLED_FALLBACK_S) + 20
+    fed = []
+    for t in range(resume + 10):
+        if not stop <= t < resume:
+            steps += 10
+        # (the loader counts the stop as paused_s at the next() that ends it)
+        reports.append(Report(recv_t=float(t), uptime_s=float(t), workers=2, live_workers=2,
+                              totals={"steps": steps, "samples": 32 * steps, "batches": steps,
+                                      "data_wait_s": 0.01 * steps, "compute_s": 0.09 * steps,
+                                      "paused_s": float(resume - stop) if t >= resume else 0.0}))
+        # (the smoothed figures decay toward nothing while the loop stands still)
+        rate = 320.0 if not stop <= t < resume else 320.0 * 0.5 ** (t - stop)
+        src.jobs["a"] = dataclasses.replace(src.jobs["a"], samples_per_s=rate, history=(tuple(reports[-30:]),))
+        n = len(bank.seen)
+        c.tick(now=float(t))
+        if len(bank.seen) > n:
+            fed.append(float(t))
+    assert any(t < stop for t in fed) and any(t > resume for t in fed)
+    assert not [t for t in fed if stop + 1 < t <= resume], fed           # (nor the resume's own report)
+    assert all(o.samples_per_s >= 300.0 for _, o in bank.seen)
+
+
 # -- a loader whose workers change only at an epoch (an IterableDataset), through the real collector -----
 
 def _stream_agent(hello_extra: dict, workers: int = 1):

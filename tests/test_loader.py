@@ -1089,6 +1089,54 @@ def test_stats_keys_and_counters():
     assert s["rates"]["window_s"] >= 0
 
 
+def test_a_pause_of_the_training_loop_is_paused_s_not_a_steps_compute():
+    """A loop that stops between two next() calls (a validation pass or checkpoint save every N steps, a
+    debugger) for many times its pace: the stop is ``paused_s``, and ``compute_s`` keeps the loop's own
+    steps. Counted as compute, one 25 s checkpoint among 0.1 s steps made the agent's curve read the GPU
+    step 10-40% slower for tens of seconds after each one, and a job validating every 30 s lost a worker
+    after every pause."""
+    from adloader.stats import PACE_STEPS, PAUSE_MIN_S
+
+    dl = DataLoader(Indexed(64), batch_size=2, num_workers=1)
+    it = iter(dl)
+    for _ in range(PACE_STEPS + 4):              # quick steps: the loop's pace, far under the pause
+        next(it)
+    before = dl.stats()
+    time.sleep(1.5 * PAUSE_MIN_S)                # the loop stops
+    next(it)
+    next(it)                                     # (the step after the stop ends at this next())
+    s = dl.stats()
+    assert s["paused_s"] >= 1.4 * PAUSE_MIN_S
+    assert s["compute_s"] - before["compute_s"] < 0.5 * PAUSE_MIN_S
+    assert before["paused_s"] == 0.0
+    del it
+
+
+def test_loader_counters_take_a_step_many_times_the_pace_for_a_pause_and_nothing_else():
+    from adloader.stats import PACE_STEPS, PAUSE_FACTOR, LoaderCounters
+
+    c = LoaderCounters()
+    c.add_step(30.0, 1.0)                        # the first steps set the pace, however long (a compile)
+    for _ in range(PACE_STEPS + 100):
+        c.add_step(0.1, 0.01)
+    assert c.paused_s == 0.0
+    pace, compute, cpu = c.pace_s, c.compute_s, c.step_cpu_s
+    assert pace == pytest.approx(0.1, rel=0.05)
+    c.add_step(0.9 * PAUSE_FACTOR * pace, 0.5)   # long, but not a pause: compute, and it moves the pace
+    assert c.paused_s == 0.0 and c.compute_s == pytest.approx(compute + 0.9 * PAUSE_FACTOR * pace)
+    pace, compute, cpu = c.pace_s, c.compute_s, c.step_cpu_s
+    c.add_step(25.0, 2.0)                        # a checkpoint save: a pace's worth of compute, the rest paused
+    assert c.compute_s == pytest.approx(compute + pace) and c.paused_s == pytest.approx(25.0 - pace)
+    assert c.step_cpu_s == pytest.approx(cpu + 2.0 * pace / 25.0) and pace < c.pace_s < 2.0 * pace
+    # a lasting change of the step, 15x (layers unfrozen), is not a pause for long: compute from its second step
+    c = LoaderCounters()
+    for _ in range(PACE_STEPS + 100):
+        c.add_step(0.1, 0.01)
+    for _ in range(5):
+        c.add_step(1.5, 0.01)
+    assert c.paused_s == pytest.approx(1.5 - 0.1, rel=0.05)
+
+
 class _ReadyBatches(tud.IterableDataset):
     """Yields ready-made batches of 8 (for ``batch_size=None``)."""
 
