@@ -10,7 +10,10 @@ Invariants (STYLE 8):
   at most ``DETACH_WAIT_S``); sends are non-blocking with a small SNDHWM and IMMEDIATE, so a report
   that cannot go out now is dropped, never queued behind a slow or absent agent.
 - Never raises into training: every failure of the client itself is caught and logged at DEBUG
-  (a version mismatch or a refusal is logged once at WARNING). Errors raised by the loader's own
+  (a version mismatch or a refusal is logged once at WARNING; so is a message from the agent that
+  ``protocol.decode`` refuses, once per kind of problem; an agent of another major version stops the
+  client). The socket takes no frame over ``protocol.MAX_MESSAGE_BYTES`` (``MAXMSGSIZE``: libzmq drops
+  the connection instead) and at most ``RCVHWM`` are queued. Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
   comes after the resize is done: the directive counts as applied.
@@ -80,6 +83,8 @@ CONNECT_POLL_S = 0.05     # hello not sent because the connection is not up yet:
 DEFAULT_HEARTBEAT_S = 2.0
 LOST_AFTER_BEATS = 3      # no message from the agent for this many heartbeat periods: reconnect
 SNDHWM = 4
+RCVHWM = 64               # messages libzmq queues from the agent; each at most protocol.MAX_MESSAGE_BYTES
+HEARTBEAT_RANGE_S = (0.1, 300.0)   # the agent's own bounds on heartbeat_s (agent.config); else the default
 DETACH_WAIT_S = 1.0
 REFUSED_BACKOFF_S = 60.0
 
@@ -161,12 +166,16 @@ def _finite(obj: Any) -> Any:
 
 
 def _period_s(value: Any, default: float) -> float:
-    """A period the agent gives (``heartbeat_s``): a finite number of seconds above 0, else ``default``."""
+    """A period the agent gives (``heartbeat_s``): a number of seconds within ``HEARTBEAT_RANGE_S``, the
+    range the agent's own config allows, else ``default``. (A period of a nanosecond made the client drop
+    every connection before its first report and say hello again, for good; one of years would leave a
+    hung agent undetected.)"""
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
         return default
-    return v if math.isfinite(v) and v > 0 else default
+    low, high = HEARTBEAT_RANGE_S
+    return v if math.isfinite(v) and low <= v <= high else default
 
 
 class _Client:
@@ -320,7 +329,9 @@ class _Client:
         sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        # libzmq drops a connection that brings a bigger frame: it never lands in this process's memory
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         said_bye = False
@@ -383,7 +394,9 @@ class _Client:
                         try:
                             msg = protocol.decode(data)
                         except protocol.ProtocolError as e:
-                            log.debug("adloader client: bad message from agent: %s", e)
+                            if self._unreadable(e):
+                                self._set(connected=False)
+                                return 0.0
                             continue
                         t = msg["type"]
                         if t == "welcome":
@@ -419,6 +432,26 @@ class _Client:
                 sock.close(linger=200 if said_bye else 0)
             except Exception:
                 pass
+
+    def _unreadable(self, e: protocol.ProtocolError) -> bool:
+        """A message from the agent that ``protocol.decode`` refused: one WARNING per kind of problem
+        (a directive with workers 1.5, a frame that is not JSON), the message ignored; another major
+        version (a newer agent): the WARNING says which side to upgrade and the client stops, as on the
+        agent's own ``version`` error. True when the client stops. A type this version does not know
+        (a newer minor's) is left alone quietly."""
+        if e.code == "unknown_type":
+            log.debug("adloader client: ignoring a message from the agent: %s", e)
+            return False
+        self._set(last_error=f"message from the agent: {e.code}: {e}")
+        if e.code == "version":
+            _warn_once(f"refused:version:{e}", "adloader: cannot understand the node agent (%s); training goes "
+                       "on without it", e)
+            self._stop.set()
+            return True
+        _warn_once(f"unreadable:{e.code}", "adloader: ignoring a message from the node agent that breaks the "
+                   "protocol (%s: %s); training goes on, later messages are still read (logged once)",
+                   e.code, str(e)[:200])
+        return False
 
     def _on_error(self, msg: dict) -> Optional[float]:
         code, text = msg.get("code"), msg.get("message")
