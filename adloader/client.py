@@ -13,7 +13,8 @@ Invariants (STYLE 8):
   (a version mismatch or a refusal is logged once at WARNING; so is a message from the agent that
   ``protocol.decode`` refuses, once per kind of problem; an agent of another major version stops the
   client). The socket takes no frame over ``protocol.MAX_MESSAGE_BYTES`` (``MAXMSGSIZE``: libzmq drops
-  the connection instead) and at most ``RCVHWM`` are queued. Errors raised by the loader's own
+  the connection instead) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
+  a time, so an agent that floods never holds up ``detach``, reports or the silence check. Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
   comes after the resize is done: the directive counts as applied.
@@ -38,10 +39,13 @@ Invariants (STYLE 8):
   overtakes it, the session's last directive moves to the new primary and the old one goes back to
   its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
-- Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
+- Directives are applied in ``seq`` order; a directive with a seq not above the last one accepted in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
   process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
-  not counted and does not move the seq.
+  not counted and does not move the seq. At most one directive is applied per ``DIRECTIVE_MIN_S``:
+  one that comes sooner waits, and a newer one that comes meanwhile replaces it (an agent in a resize
+  loop applied thousands a second, starting and retiring workers, and training slowed sixfold; the
+  agent sees a count's effect only in the next report, ``REPORT_S`` later, anyway).
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
 - The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
@@ -84,6 +88,8 @@ DEFAULT_HEARTBEAT_S = 2.0
 LOST_AFTER_BEATS = 3      # no message from the agent for this many heartbeat periods: reconnect
 SNDHWM = 4
 RCVHWM = 64               # messages libzmq queues from the agent; each at most protocol.MAX_MESSAGE_BYTES
+MESSAGES_PER_PASS = RCVHWM  # messages read before the loop looks at its clock again (stop, reports)
+DIRECTIVE_MIN_S = 0.25    # at most one directive applied per this period (the newest when the time comes)
 HEARTBEAT_RANGE_S = (0.1, 300.0)   # the agent's own bounds on heartbeat_s (agent.config); else the default
 DETACH_WAIT_S = 1.0
 REFUSED_BACKOFF_S = 60.0
@@ -345,6 +351,8 @@ class _Client:
             last_heard = time.monotonic()
             last_seq = -1
             directive: Optional[dict] = None     # the last directive applied in this session
+            pending: Optional[dict] = None       # the newest directive accepted, waiting for next_directive
+            next_directive = 0.0
             while True:
                 now = time.monotonic()
                 if self._stop.is_set():
@@ -380,12 +388,18 @@ class _Client:
                     log.debug("adloader client: agent silent for %.1fs; reconnecting", now - last_heard)
                     self._set(connected=False)
                     return hello_retry_s
+                if pending is not None and now >= next_directive:
+                    self._direct(loader, pending)
+                    directive, pending = pending, None
+                    next_directive = now + DIRECTIVE_MIN_S
                 # hold the loader only while using it: the client keeps weak references, so a loader
                 # the training script drops (without close()) can be collected and its workers stop
                 loader = None
                 wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
+                if pending is not None:
+                    wait_s = min(wait_s, next_directive - time.monotonic())
                 if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
-                    while True:
+                    for _ in range(MESSAGES_PER_PASS):   # an agent that floods never holds up stop and reports
                         try:
                             data = sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
@@ -415,11 +429,9 @@ class _Client:
                                            "(this process is job %r)", msg["job"], self.job)
                             elif msg["seq"] > last_seq and _workers_ok(msg):
                                 last_seq = msg["seq"]
-                                target = self._primary()
-                                if target is not None:
-                                    self._direct(target, msg)
-                                    directive = msg
-                                target = None
+                                pending = msg     # applied at once, or replaced by a newer one before its time
+                                if time.monotonic() >= next_directive:
+                                    break         # at once: at the top of the loop
                         elif t == "error":
                             pause = self._on_error(msg)
                             if pause is not None:

@@ -893,3 +893,30 @@ def test_a_frame_over_the_message_limit_never_reaches_the_client(base, endpoint_
     finally:
         _detach_all(lo)
         agent.close()
+
+
+def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_wins(base, endpoint_env, monkeypatch):
+    """An agent that sends directives as fast as it can (a resize loop): each was applied as it came,
+    thousands of resizes a second, starting and retiring worker processes (training ran six times slower
+    here) and starving the client's own reports. Now at most one directive per ``DIRECTIVE_MIN_S`` is
+    applied, the newest one when its time comes, and the last one sent is the one that stays."""
+    import time
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "DIRECTIVE_MIN_S", 0.5)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2)
+    try:
+        ident = _welcomed(agent, lo)
+        t0 = time.monotonic()
+        for seq in range(1, 501):
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=seq, workers=seq % 5, reason="churn"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=501, workers=7, reason="last"))
+        wait_for(lambda: lo.resizes[-1:] == [7], what=f"the last directive applied (resizes {lo.resizes[-5:]})")
+        periods = (time.monotonic() - t0) / client.DIRECTIVE_MIN_S
+        assert len(lo.resizes) <= periods + 2, (len(lo.resizes), periods)
+        agent.recv("report")
+        assert client.state()["last_directive"]["seq"] == 501
+    finally:
+        _detach_all(lo)
+        agent.close()
