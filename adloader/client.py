@@ -437,8 +437,11 @@ class _Client:
                             if pause is not None:
                                 self._set(connected=False)
                                 return pause
-                            welcomed = False   # e.g. unknown_job after an agent restart: hello again
-                            next_hello = 0.0
+                            # e.g. unknown_job after an agent restart: hello again, after the hello back-off
+                            # (at once, an agent that answered every hello with an error had ~4,000
+                            # hellos a second from this process, a core busy on it)
+                            welcomed = False
+                            next_hello = time.monotonic() + hello_retry_s
         finally:
             try:
                 sock.close(linger=200 if said_bye else 0)
@@ -477,7 +480,11 @@ class _Client:
             return REFUSED_BACKOFF_S
         if code == "rate_limited":
             return 1.0
-        log.debug("adloader client: agent error %s: %s", code, text)
+        if code == "unknown_job":       # the agent restarted and forgot this connection: nothing wrong
+            log.debug("adloader client: agent error %s: %s", code, text)
+        else:
+            _warn_once(f"error:{code}", "adloader: the node agent answered with an error (%s: %s); the client "
+                       "says hello again later, training goes on (logged once)", code, str(text)[:200])
         return None
 
     def _bump(self, key: str) -> None:

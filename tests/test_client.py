@@ -920,3 +920,34 @@ def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_w
     finally:
         _detach_all(lo)
         agent.close()
+
+
+@pytest.mark.parametrize("code", ["internal", "unknown_job"])
+def test_an_agent_that_answers_each_hello_with_an_error_gets_hellos_at_the_back_off_not_at_once(
+        base, endpoint_env, monkeypatch, caplog, code):
+    """After an error reply (other than a refusal) the client said hello again at once: an agent that
+    answered every hello with one (``internal``, or ``unknown_job`` from an agent that forgets at once)
+    had about 4,000 hellos a second from the training process, a core busy on them, and the user's log
+    said nothing. Now the next hello waits for the hello back-off, and an error other than
+    ``unknown_job`` (the normal one after an agent restart) is one WARNING naming it."""
+    import logging
+
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 3600.0)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.error(code, "no such thing"))
+            wait_for(lambda: code in (client.state().get("last_error") or ""), what="the error read")
+            assert not agent.sock.poll(1000), "a hello right after the error"
+        warned = [r.getMessage() for r in caplog.records]
+        if code == "unknown_job":
+            assert warned == []
+        else:
+            assert len(warned) == 1 and code in warned[0] and "no such thing" in warned[0], warned
+    finally:
+        _detach_all(lo)
+        agent.close()
