@@ -123,3 +123,43 @@ def test_a_resize_loop_leaves_the_batches_torchs_and_bounded_resizes_and_nothing
         wait_for(lambda: not psutil.Process().children(recursive=True), what="no worker process left")
     finally:
         agent.stop()
+
+
+class _Stream(tud.IterableDataset):
+    """0..n-1, sharded by worker."""
+
+    def __init__(self, n: int = 64):
+        self.n = n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(torch.tensor([i]) for i in range(wid, self.n, workers))
+
+
+def test_directives_an_iterable_dataset_cannot_take_this_epoch_are_one_warning_not_one_each(caplog):
+    """Each directive during an IterableDataset's epoch (its worker shards are fixed: the count waits for
+    the next epoch) logged a WARNING: an agent that changed its count every second, or kept sending, wrote
+    one line a directive into the user's log for the whole of an endless stream's epoch. Now the first
+    says so once (log and ``warnings``), later ones go to DEBUG; the batches are torch's."""
+    import logging
+    import warnings
+
+    from adloader import DataLoader
+
+    expected = [b.tolist() for b in tud.DataLoader(_Stream(), batch_size=4, num_workers=2)]
+    lo = DataLoader(_Stream(), batch_size=4, num_workers=2, max_workers=3)
+    got = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader"), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for i, b in enumerate(lo):
+                got.append(b.tolist())
+                if i < 6:
+                    lo._resize(1 if i % 2 else 3, own=False)     # what the agent client calls
+    finally:
+        lo.close()
+    assert got == expected
+    said = [r.getMessage() for r in caplog.records if "takes effect at the next epoch" in r.getMessage()]
+    assert len(said) == 1, said
+    assert len([x for x in w if "takes effect at the next epoch" in str(x.message)]) == 1
