@@ -593,7 +593,8 @@ def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, end
         agent.close()
 
 
-@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120])
+@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120,
+                                   "ipc:///" + "\u00e9" * 60])
 def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, endpoint_env, monkeypatch,
                                                                                     caplog, value):
     """ADLOADER_ENDPOINT is checked as the agent checks its own endpoint (``protocol.endpoint_problem``):
