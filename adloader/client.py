@@ -426,7 +426,7 @@ class _Client:
                                 # not ours (an agent that mixed up its connections): not applied, not
                                 # counted, and its seq says nothing about ours
                                 _warn_once("directive-job", "adloader: ignoring a directive for job %r "
-                                           "(this process is job %r)", msg["job"], self.job)
+                                           "(this process is job %r)", msg["job"][:128], self.job)
                             elif msg["seq"] > last_seq and _workers_ok(msg):
                                 last_seq = msg["seq"]
                                 pending = msg     # applied at once, or replaced by a newer one before its time
@@ -473,7 +473,7 @@ class _Client:
         self._set(last_error=f"{code}: {text}")
         if code in ("version", "not_permitted", "over_limit"):
             _warn_once(f"refused:{code}:{text}", "adloader: the node agent refused this process (%s): %s; "
-                       "training goes on without it", code, text)
+                       "training goes on without it", code, str(text)[:200])
             if code == "version":
                 self._stop.set()
                 return 0.0
@@ -482,9 +482,10 @@ class _Client:
             return 1.0
         if code == "unknown_job":       # the agent restarted and forgot this connection: nothing wrong
             log.debug("adloader client: agent error %s: %s", code, text)
-        else:
-            _warn_once(f"error:{code}", "adloader: the node agent answered with an error (%s: %s); the client "
-                       "says hello again later, training goes on (logged once)", code, str(text)[:200])
+        else:   # once per code of the protocol's (any other code is one more: the agent chooses them)
+            known = code if code in protocol.ERROR_CODES else "other"
+            _warn_once(f"error:{known}", "adloader: the node agent answered with an error (%s: %s); the client "
+                       "says hello again later, training goes on (logged once)", str(code)[:40], str(text)[:200])
         return None
 
     def _bump(self, key: str) -> None:
