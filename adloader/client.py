@@ -10,7 +10,11 @@ Invariants (STYLE 8):
   at most ``DETACH_WAIT_S``); sends are non-blocking with a small SNDHWM and IMMEDIATE, so a report
   that cannot go out now is dropped, never queued behind a slow or absent agent.
 - Never raises into training: every failure of the client itself is caught and logged at DEBUG
-  (a version mismatch or a refusal is logged once at WARNING). Errors raised by the loader's own
+  (a version mismatch or a refusal is logged once at WARNING; so is a message from the agent that
+  ``protocol.decode`` refuses, once per kind of problem; an agent of another major version stops the
+  client). The socket takes no frame over ``protocol.MAX_MESSAGE_BYTES`` (``MAXMSGSIZE``: libzmq drops
+  the connection instead) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
+  a time, so an agent that floods never holds up ``detach``, reports or the silence check. Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
   comes after the resize is done: the directive counts as applied.
@@ -35,10 +39,13 @@ Invariants (STYLE 8):
   overtakes it, the session's last directive moves to the new primary and the old one goes back to
   its own count (``requested_workers``). Before it first applies a directive to a loader it calls
   ``adloader.autotune.detach(loader)`` if that module exists: the agent wins over local autotuning.
-- Directives are applied in ``seq`` order; a directive with a seq not above the last one applied in
+- Directives are applied in ``seq`` order; a directive with a seq not above the last one accepted in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
   process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
-  not counted and does not move the seq.
+  not counted and does not move the seq. At most one directive is applied per ``DIRECTIVE_MIN_S``:
+  one that comes sooner waits, and a newer one that comes meanwhile replaces it (an agent in a resize
+  loop applied thousands a second, starting and retiring workers, and training slowed sixfold; the
+  agent sees a count's effect only in the next report, ``REPORT_S`` later, anyway).
 - Identity: ``protocol.client_identity(job, rank, pid)`` plus ``:<random>`` per socket, so a new
   socket after a reconnect never collides with the old one still known to the agent's ROUTER.
 - The agent is authenticated before the client says anything (``adloader.trust.agent_untrusted``):
@@ -80,6 +87,10 @@ CONNECT_POLL_S = 0.05     # hello not sent because the connection is not up yet:
 DEFAULT_HEARTBEAT_S = 2.0
 LOST_AFTER_BEATS = 3      # no message from the agent for this many heartbeat periods: reconnect
 SNDHWM = 4
+RCVHWM = 64               # messages libzmq queues from the agent; each at most protocol.MAX_MESSAGE_BYTES
+MESSAGES_PER_PASS = RCVHWM  # messages read before the loop looks at its clock again (stop, reports)
+DIRECTIVE_MIN_S = 0.25    # at most one directive applied per this period (the newest when the time comes)
+HEARTBEAT_RANGE_S = (0.1, 300.0)   # the agent's own bounds on heartbeat_s (agent.config); else the default
 DETACH_WAIT_S = 1.0
 REFUSED_BACKOFF_S = 60.0
 
@@ -161,12 +172,16 @@ def _finite(obj: Any) -> Any:
 
 
 def _period_s(value: Any, default: float) -> float:
-    """A period the agent gives (``heartbeat_s``): a finite number of seconds above 0, else ``default``."""
+    """A period the agent gives (``heartbeat_s``): a number of seconds within ``HEARTBEAT_RANGE_S``, the
+    range the agent's own config allows, else ``default``. (A period of a nanosecond made the client drop
+    every connection before its first report and say hello again, for good; one of years would leave a
+    hung agent undetected.)"""
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
         return default
-    return v if math.isfinite(v) and v > 0 else default
+    low, high = HEARTBEAT_RANGE_S
+    return v if math.isfinite(v) and low <= v <= high else default
 
 
 class _Client:
@@ -320,7 +335,9 @@ class _Client:
         sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        # libzmq drops a connection that brings a bigger frame: it never lands in this process's memory
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         said_bye = False
@@ -334,6 +351,8 @@ class _Client:
             last_heard = time.monotonic()
             last_seq = -1
             directive: Optional[dict] = None     # the last directive applied in this session
+            pending: Optional[dict] = None       # the newest directive accepted, waiting for next_directive
+            next_directive = 0.0
             while True:
                 now = time.monotonic()
                 if self._stop.is_set():
@@ -369,12 +388,18 @@ class _Client:
                     log.debug("adloader client: agent silent for %.1fs; reconnecting", now - last_heard)
                     self._set(connected=False)
                     return hello_retry_s
+                if pending is not None and now >= next_directive:
+                    self._direct(loader, pending)
+                    directive, pending = pending, None
+                    next_directive = now + DIRECTIVE_MIN_S
                 # hold the loader only while using it: the client keeps weak references, so a loader
                 # the training script drops (without close()) can be collected and its workers stop
                 loader = None
                 wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
+                if pending is not None:
+                    wait_s = min(wait_s, next_directive - time.monotonic())
                 if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
-                    while True:
+                    for _ in range(MESSAGES_PER_PASS):   # an agent that floods never holds up stop and reports
                         try:
                             data = sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
@@ -383,7 +408,9 @@ class _Client:
                         try:
                             msg = protocol.decode(data)
                         except protocol.ProtocolError as e:
-                            log.debug("adloader client: bad message from agent: %s", e)
+                            if self._unreadable(e):
+                                self._set(connected=False)
+                                return 0.0
                             continue
                         t = msg["type"]
                         if t == "welcome":
@@ -399,40 +426,66 @@ class _Client:
                                 # not ours (an agent that mixed up its connections): not applied, not
                                 # counted, and its seq says nothing about ours
                                 _warn_once("directive-job", "adloader: ignoring a directive for job %r "
-                                           "(this process is job %r)", msg["job"], self.job)
+                                           "(this process is job %r)", msg["job"][:128], self.job)
                             elif msg["seq"] > last_seq and _workers_ok(msg):
                                 last_seq = msg["seq"]
-                                target = self._primary()
-                                if target is not None:
-                                    self._direct(target, msg)
-                                    directive = msg
-                                target = None
+                                pending = msg     # applied at once, or replaced by a newer one before its time
+                                if time.monotonic() >= next_directive:
+                                    break         # at once: at the top of the loop
                         elif t == "error":
                             pause = self._on_error(msg)
                             if pause is not None:
                                 self._set(connected=False)
                                 return pause
-                            welcomed = False   # e.g. unknown_job after an agent restart: hello again
-                            next_hello = 0.0
+                            # e.g. unknown_job after an agent restart: hello again, after the hello back-off
+                            # (at once, an agent that answered every hello with an error had ~4,000
+                            # hellos a second from this process, a core busy on it)
+                            welcomed = False
+                            next_hello = time.monotonic() + hello_retry_s
         finally:
             try:
                 sock.close(linger=200 if said_bye else 0)
             except Exception:
                 pass
 
+    def _unreadable(self, e: protocol.ProtocolError) -> bool:
+        """A message from the agent that ``protocol.decode`` refused: one WARNING per kind of problem
+        (a directive with workers 1.5, a frame that is not JSON), the message ignored; another major
+        version (a newer agent): the WARNING says which side to upgrade and the client stops, as on the
+        agent's own ``version`` error. True when the client stops. A type this version does not know
+        (a newer minor's) is left alone quietly."""
+        if e.code == "unknown_type":
+            log.debug("adloader client: ignoring a message from the agent: %s", e)
+            return False
+        self._set(last_error=f"message from the agent: {e.code}: {e}")
+        if e.code == "version":
+            _warn_once(f"refused:version:{e}", "adloader: cannot understand the node agent (%s); training goes "
+                       "on without it", e)
+            self._stop.set()
+            return True
+        _warn_once(f"unreadable:{e.code}", "adloader: ignoring a message from the node agent that breaks the "
+                   "protocol (%s: %s); training goes on, later messages are still read (logged once)",
+                   e.code, str(e)[:200])
+        return False
+
     def _on_error(self, msg: dict) -> Optional[float]:
         code, text = msg.get("code"), msg.get("message")
         self._set(last_error=f"{code}: {text}")
         if code in ("version", "not_permitted", "over_limit"):
             _warn_once(f"refused:{code}:{text}", "adloader: the node agent refused this process (%s): %s; "
-                       "training goes on without it", code, text)
+                       "training goes on without it", code, str(text)[:200])
             if code == "version":
                 self._stop.set()
                 return 0.0
             return REFUSED_BACKOFF_S
         if code == "rate_limited":
             return 1.0
-        log.debug("adloader client: agent error %s: %s", code, text)
+        if code == "unknown_job":       # the agent restarted and forgot this connection: nothing wrong
+            log.debug("adloader client: agent error %s: %s", code, text)
+        else:   # once per code of the protocol's (any other code is one more: the agent chooses them)
+            known = code if code in protocol.ERROR_CODES else "other"
+            _warn_once(f"error:{known}", "adloader: the node agent answered with an error (%s: %s); the client "
+                       "says hello again later, training goes on (logged once)", str(code)[:40], str(text)[:200])
         return None
 
     def _bump(self, key: str) -> None:

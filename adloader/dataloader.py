@@ -43,9 +43,9 @@ Deviations from torch (by design, documented):
   ``num_workers`` 0 or 1 and no ``max_workers``, it gets no more workers, with "auto" at most one
   (``ITERABLE_HELD_NOTE``: a dataset that does not shard would be yielded whole by each). The shard
   layout is fixed for an epoch: ``resize()`` during an epoch takes effect at the next epoch (a warning
-  says so); a persistent pool with a ``worker_init_fn`` is restarted at an epoch whose count differs
-  (``_drop_workers_set_up_for_another_count``). A worker that dies mid-epoch cannot be replayed: the
-  epoch raises ``RuntimeError``.
+  says so, once per loader; then DEBUG); a persistent pool with a ``worker_init_fn`` is restarted at an
+  epoch whose count differs (``_drop_workers_set_up_for_another_count``). A worker that dies mid-epoch
+  cannot be replayed: the epoch raises ``RuntimeError``.
   ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
   its epoch from the beginning, with a warning (Lightning loads it on every resume).
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
@@ -1629,10 +1629,13 @@ class _IterableIter(_ElasticIter):
                 return None
             msg = (f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch "
                    f"(this epoch's {self._epoch_workers} worker shards are fixed)")
-            log.warning(msg)
             if not self._core.warned_iterable_resize:
                 self._core.warned_iterable_resize = True
+                log.warning(msg)
                 return msg      # warned by ``_resize`` once the resize is done
+            # once per loader: an agent that changes its count every second (or a resize loop) logged
+            # a WARNING for each directive of an endless stream's one epoch
+            log.debug(msg)
             return None
 
     def _on_shard_end(self, s: int) -> None:

@@ -49,7 +49,7 @@ Notes on use (v1.0, no wire change; agentd):
 - Error code ``over_limit`` (v1.0, added): the caller's uid is over a per-user bound of the agent
   (jobs, jobs registered without a process); the message says which and the agent key that sets it.
   A client backs off as for ``not_permitted``.
-- Endpoints (``endpoint_problem``): ``ipc://`` and an absolute path of at most 100 characters, or
+- Endpoints (``endpoint_problem``): ``ipc://`` and an absolute path of at most 100 bytes (UTF-8), or
   ``tcp://``; the agent's ``endpoint`` key, ``--endpoint`` of ``adloader job``/``status`` and a
   training process's ADLOADER_ENDPOINT are each checked by it.
 - Job ids (``check_job_id``): 1 to 128 characters from ``A-Z a-z 0-9 _ . : @ + = -``, starting with a
@@ -59,7 +59,10 @@ Notes on use (v1.0, no wire change; agentd):
   from the id one-to-one (``agent.actuators.cgroup.group_name``).
 - A directive's ``workers`` is a count, at least 0 (0: the loader loads in the training process).
   ``validate`` checks types only; a client ignores a directive with a negative count (one warning),
-  it does not clamp it to 0.
+  it does not clamp it to 0. A client applies at most one directive per ``adloader.client.DIRECTIVE_MIN_S``
+  (0.25 s): one that comes sooner waits, and a newer one replaces it meanwhile.
+- A client reads no frame over ``MAX_MESSAGE_BYTES`` either (``MAXMSGSIZE`` on its DEALER); after an
+  ``error`` reply it says hello again after its hello back-off, not at once.
 - Integers are at most ``MAX_INT_DIGITS`` digits (a 4,000-digit number is ``malformed``, not an
   ``OverflowError`` deep inside the agent); ``NaN``, ``Infinity`` and numbers that overflow a float
   are ``malformed`` too.
@@ -128,7 +131,7 @@ def check_job_id(job: Any) -> Optional[str]:
 
 def endpoint_problem(endpoint: str) -> Optional[str]:
     """None if ``endpoint`` can be the agent's endpoint (ipc:// with an absolute path of at most 100
-    characters, or tcp://), else why not (for an error message). One check for every side: the agent's
+    bytes, or tcp://), else why not (for an error message). One check for every side: the agent's
     ``endpoint`` key (``agent.config``), ``--endpoint`` of ``adloader job``/``status``, and the
     training process's ADLOADER_ENDPOINT (``adloader.env.endpoint_problem``)."""
     if not endpoint.startswith(("ipc://", "tcp://")):
@@ -140,8 +143,10 @@ def endpoint_problem(endpoint: str) -> Optional[str]:
         if not path.startswith("/"):
             return ("an ipc:// path must be absolute (ipc:///...): a relative one names a different file in "
                     "each process's working directory")
-        if len(path) > 100:
-            return "an ipc:// path must be at most 100 characters (the unix socket limit)"
+        if len(path.encode("utf-8", "surrogateescape")) > 100:
+            # bytes, not characters: sun_path holds 108 bytes (unix(7)); 'é' * 60 passed as 60 characters,
+            # and the client's connect failed on it without a word, for the whole run
+            return "an ipc:// path must be at most 100 bytes (the unix socket limit)"
     return None
 
 

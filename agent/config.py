@@ -9,7 +9,7 @@ ASCII digits without '_' (``_plain_number_text``).
 Keys (flat; TOML key == field name; environment ``ADLOADER_<KEY upper>``; flag ``--<key with dashes>``
 for the ones the command line offers):
 
-    endpoint        str    where the agent binds (ipc:// and an absolute path of at most 100 characters, or
+    endpoint        str    where the agent binds (ipc:// and an absolute path of at most 100 bytes, or
                            tcp://...); default ``adloader.env.default_endpoint()``
     state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"

@@ -491,7 +491,7 @@ def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_f
         agent.close()
 
 
-@pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0])
+@pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0, 1e-9, 1e9])
 def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
                                                                                     heartbeat_s):
     """A welcome whose heartbeat_s is not a positive number (the schema does not type it): the client
@@ -593,7 +593,8 @@ def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, end
         agent.close()
 
 
-@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120])
+@pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120,
+                                   "ipc:///" + "\u00e9" * 60])
 def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, endpoint_env, monkeypatch,
                                                                                     caplog, value):
     """ADLOADER_ENDPOINT is checked as the agent checks its own endpoint (``protocol.endpoint_problem``):
@@ -805,3 +806,153 @@ def test_the_client_reports_the_workers_taking_tasks():
     assert pids(None, Retiring()) == [11] and calls == [False]
     assert pids(None, Loader()) == [os.getpid()]
     assert pids(None, Loader(fail=True)) == []
+
+
+def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stops(base, endpoint_env, monkeypatch,
+                                                                                    caplog):
+    """An agent of another major version answers in a format this client cannot read. Every message was
+    dropped at DEBUG: the client said hello again and again, for the whole run, and the user saw nothing.
+    Now one WARNING names both versions and what to upgrade, the client stops (as on the agent's own
+    ``version`` error) and the loader is left alone."""
+    import json
+    import logging
+
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            for m in ({"type": "welcome", "job": "unit-job"}, {"type": "directive", "job": "unit-job", "seq": 1,
+                                                              "workers": 0}):
+                agent.sock.send_multipart([ident, json.dumps({"v": "2.0", **m}).encode()])
+            wait_for(lambda: client.state() == {"active": False}, what="the client stops")
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and "2.0" in warned[0] and "1.0" in warned[0] and "upgrade" in warned[0], warned
+        assert lo.resizes == []
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_directives_of_the_wrong_types_are_ignored_with_one_warning(base, endpoint_env, autotune, monkeypatch, caplog):
+    """A directive whose ``workers`` is 1.5, true, "3", null or NaN (the schema refuses each) was dropped at
+    DEBUG: the agent's decisions went unheeded and the user's log said nothing. Now: one WARNING naming the
+    problem however many come, nothing applied, and the next valid directive is applied as usual."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            ident = _welcomed(agent, lo)
+            for seq, workers in enumerate(["1.5", "true", '"3"', "null", "NaN", "[4]"], 1):
+                agent.sock.send_multipart([ident, (f'{{"v":"1.0","type":"directive","job":"unit-job","seq":{seq},'
+                                                   f'"workers":{workers},"reason":"bad"}}').encode()])
+            agent.sock.send_multipart([ident, b"\xff not json"])
+            for _ in range(3):
+                agent.recv("report")
+            assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
+            wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and "workers" in warned[0] and "1.5" in warned[0], warned
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_a_frame_over_the_message_limit_never_reaches_the_client(base, endpoint_env, monkeypatch):
+    """The client's socket took frames of any size from the agent (libzmq had no MAXMSGSIZE on it), up to
+    RCVHWM of them queued: an agent sending huge frames filled the training process's memory. Now libzmq
+    drops the connection that brings one; the client notices the silence and says hello again."""
+    seen = []
+    decode = protocol.decode
+
+    def recording(data, *a, **kw):
+        seen.append(len(data))
+        return decode(data, *a, **kw)
+
+    monkeypatch.setattr(client.protocol, "decode", recording)
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+        agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
+        ident2, _ = agent.recv("hello")         # after 3 silent heartbeat periods: a new connection
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+        wait_for(lambda: lo.resizes == [3], what="the client still served after the oversized frame")
+        assert seen and max(seen) <= protocol.MAX_MESSAGE_BYTES, max(seen)
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_wins(base, endpoint_env, monkeypatch):
+    """An agent that sends directives as fast as it can (a resize loop): each was applied as it came,
+    thousands of resizes a second, starting and retiring worker processes (training ran six times slower
+    here) and starving the client's own reports. Now at most one directive per ``DIRECTIVE_MIN_S`` is
+    applied, the newest one when its time comes, and the last one sent is the one that stays."""
+    import time
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "DIRECTIVE_MIN_S", 0.5)
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2)
+    try:
+        ident = _welcomed(agent, lo)
+        t0 = time.monotonic()
+        for seq in range(1, 501):
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=seq, workers=seq % 5, reason="churn"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=501, workers=7, reason="last"))
+        wait_for(lambda: lo.resizes[-1:] == [7], what=f"the last directive applied (resizes {lo.resizes[-5:]})")
+        periods = (time.monotonic() - t0) / client.DIRECTIVE_MIN_S
+        assert len(lo.resizes) <= periods + 2, (len(lo.resizes), periods)
+        agent.recv("report")
+        assert client.state()["last_directive"]["seq"] == 501
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+@pytest.mark.parametrize("code", ["internal", "unknown_job"])
+def test_an_agent_that_answers_each_hello_with_an_error_gets_hellos_at_the_back_off_not_at_once(
+        base, endpoint_env, monkeypatch, caplog, code):
+    """After an error reply (other than a refusal) the client said hello again at once: an agent that
+    answered every hello with one (``internal``, or ``unknown_job`` from an agent that forgets at once)
+    had about 4,000 hellos a second from the training process, a core busy on them, and the user's log
+    said nothing. Now the next hello waits for the hello back-off, and an error other than
+    ``unknown_job`` (the normal one after an agent restart) is one WARNING naming it."""
+    import logging
+
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 3600.0)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.error(code, "no such thing"))
+            wait_for(lambda: code in (client.state().get("last_error") or ""), what="the error read")
+            assert not agent.sock.poll(1000), "a hello right after the error"
+            # errors of codes the protocol does not have, in a burst: one more warning, not one each
+            for i in range(20):
+                agent.send(ident, protocol.error("internal", "x") | {"code": f"made-up-{i}"})
+            wait_for(lambda: "made-up-19" in (client.state().get("last_error") or ""), what="the burst read")
+        warned = [r.getMessage() for r in caplog.records]
+        if code == "unknown_job":
+            assert len(warned) == 1 and "made-up-" in warned[0], warned
+        else:
+            assert len(warned) == 2 and code in warned[0] and "no such thing" in warned[0], warned
+    finally:
+        _detach_all(lo)
+        agent.close()
