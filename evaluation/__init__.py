@@ -24,6 +24,8 @@ Component benchmarks (``python -m evaluation.<name> --help``):
     phase_noise.py         what kind of noise moved a bench run's phases (the jobs' cost per phase)
     best_plan.py           the best fixed plan the agent's knobs reach in the node model, under the
                            fairness floors, against adaptive and the ideal bound
+    workload_audit.py      the agent's and the tuner's moves on simulated loops unlike the bench's
+                           (pauses, noise, phase shifts, slow disks, very fast or slow steps)
 Every command's number flags are read with ``flags.py``'s types (``plain_int``, ``finite_float``).
 results/: the JSON, markdown and plots that BENCHMARKS.md cites.
 """
