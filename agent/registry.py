@@ -96,7 +96,7 @@ class Rank:
     hostname: str = ""
     stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
     reports: int = 0
-    claimed_pid: Optional[int] = None      # the pid the process knows itself by, when not ``pid`` (container)
+    claimed_pid: Optional[int] = None      # the pid the process knows itself by, in its own pid namespace (container)
     ns_workers: dict[int, int] = field(default_factory=dict)   # container: claimed worker pid -> host pid
     # worker pid -> its start time (clock ticks) when the agent took it: with the pid, the identity a
     # journal-adopted rank's workers are checked by (a pid reused while the agent was down is another process)
@@ -271,7 +271,11 @@ class Registry:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
         ns_workers: dict[int, int] = {}
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
-        if claimed_pid != pid:   # a container: its pids are local to its pid namespace
+        # a container: its pids are local to its pid namespace. Asked of the kernel, not of the claim: a
+        # container pid equal to the host pid (NSpid "N N") took the host path, and its worker pids were
+        # read as host pids (other processes of the same uid: every root pod's, on Kubernetes)
+        contained = claimed_pid != pid or security.in_child_pid_namespace(pid, self.proc_root)
+        if contained:
             ns_workers = self._map_workers(worker_pids, pid, {})
             worker_pids = [ns_workers[p] for p in worker_pids if p in ns_workers]
         worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
@@ -306,7 +310,7 @@ class Registry:
                  start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids), batch_size=_hello_batch_size(batch_size, old, pid), **fields,
-                 claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
+                 claimed_pid=claimed_pid if contained else None, ns_workers=ns_workers)
         r.worker_starts = self._worker_starts(r.worker_pids, old.worker_starts if old is not None and old.pid == pid else {})
         if old is not None and old.pid == pid:
             r.stats, r.reports = old.stats, old.reports

@@ -167,6 +167,14 @@ def ns_pids(pid: int, proc_root: str = "/proc") -> Optional[tuple[int, ...]]:
     return None
 
 
+def in_child_pid_namespace(pid: int, proc_root: str = "/proc") -> bool:
+    """True if ``pid`` is in a pid namespace below the agent's (``proc_root``'s): more than one
+    ``NSpid`` field. Such a process numbers itself and its workers in its own namespace, even where its
+    pid there happens to equal its host pid (then the claim alone cannot tell)."""
+    ns = ns_pids(pid, proc_root)
+    return ns is not None and len(ns) > 1
+
+
 def host_pid(claimed: int, peer_pid: int, proc_root: str = "/proc") -> Optional[int]:
     """The (host) pid of the process that claims to be ``claimed`` and connected as ``peer_pid``
     (SO_PEERCRED): ``peer_pid`` when the claim is that process itself, in the agent's pid namespace or

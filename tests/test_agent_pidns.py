@@ -139,6 +139,26 @@ def test_a_claimed_pid_held_by_no_process_of_the_namespace_is_left_out(tmp_path,
 
 
 @pytest.mark.component
+def test_a_container_pid_equal_to_its_host_pid_still_maps_workers_through_the_namespace(tmp_path, children):
+    """A process in its own pid namespace whose pid there happens to be its host pid too (NSpid "N N")
+    claims that pid: its worker pids are still its namespace's, mapped through its descendants. Before,
+    the claim equal to the peer's pid sent it down the host path, where a worker claimed as 6 (its own
+    worker's pid in the container) was taken as host pid 6: another process, pinned or moved as this
+    job's worker when it was the same uid's (every root pod's, on Kubernetes)."""
+    me, (w1, stranger, _) = os.getpid(), children
+    proc = fake_proc(tmp_path, {me: (1, (me, me)), w1: (me, (w1, stranger)), stranger: (1, (stranger,))})
+    reg = Registry(proc_root=proc)
+    peer = Peer(os.getuid(), os.getgid(), me)
+    r = reg.hello(peer, b"id", protocol.make("hello", job="j", rank=0, pid=me, uid=os.getuid(),
+                                             worker_pids=[stranger]), 0.0)
+    assert (r.pid, r.claimed_pid, r.worker_pids, r.ns_workers) == (me, me, (w1,), {stranger: w1})
+    r = reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=me, worker_pids=[stranger],
+                                              stats={}), 1.0)
+    assert r.worker_pids == (w1,)
+    assert reg.jobs["j"].worker_pids() == (w1,)
+
+
+@pytest.mark.component
 def test_the_pid_namespace_link_is_read_from_the_real_proc():
     assert security.pid_namespace(os.getpid()) == os.readlink("/proc/self/ns/pid")
     assert security.pid_namespace(2 ** 22 + 1) is None
