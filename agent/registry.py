@@ -256,6 +256,11 @@ class Registry:
     def hello(self, peer: Optional[Peer], identity: bytes, msg: dict, now: float) -> Rank:
         """A training process says hello: create or join its job, (re)bind its identity."""
         peer = self._caller(peer)
+        if peer.pid == 0:
+            raise Refused("not_permitted", "the agent cannot see this process (the kernel gave its pid as 0: "
+                                           "it is in a pid namespace the agent is not in or above); run the "
+                                           "agent in the host's pid namespace (Kubernetes: hostPID: true; "
+                                           "docker/podman: --pid=host)")
         job_id = _job_id(msg)
         rank_no = _opt_int(msg, "rank", 0)
         claimed_pid = msg["pid"]

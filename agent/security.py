@@ -82,7 +82,9 @@ class Peer:
 
 
 def parse_peer_address(value: Optional[str]) -> Optional[Peer]:
-    """``"host:uid:gid:pid"`` -> Peer; None when the transport gave no credentials."""
+    """``"host:uid:gid:pid"`` -> Peer; None when the transport gave no credentials. A pid of 0 is kept:
+    the kernel gives 0 for a peer whose process is not in the reader's pid namespace or below it (an agent
+    without the host's pid namespace: ``hostPID`` on Kubernetes), and the uid is still the caller's."""
     if not value:
         return None
     parts = value.rsplit(":", 3)
@@ -92,7 +94,7 @@ def parse_peer_address(value: Optional[str]) -> Optional[Peer]:
         uid, gid, pid = int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
-    if uid < 0 or pid <= 0:
+    if uid < 0 or pid < 0:
         return None
     return Peer(uid, gid, pid)
 
