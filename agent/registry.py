@@ -94,6 +94,8 @@ class Rank:
     dataset_kind: Optional[str] = None     # "map" | "iterable" (its workers change only at an epoch), from the
                                            # hello or the latest report; None: the client does not say
     hostname: str = ""
+    cpu_quota: Optional[float] = None      # cores its cgroup's CPU quota allows (the client reads its own: in a
+                                           # container only it sees its cgroup); None: no quota, or not said
     stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
     reports: int = 0
     claimed_pid: Optional[int] = None      # the pid the process knows itself by, in its own pid namespace (container)
@@ -163,6 +165,16 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 1_000_000:
         raise Refused("malformed", f"field {name!r} must be an integer >= {lo}, got {v!r}")
     return v
+
+
+def _cpu_quota(msg: dict) -> Optional[float]:
+    """A hello's or a report's ``cpu_quota`` (cores, > 0); None where it does not say (no quota, an older
+    client) or says something else (ignored, as an unknown field is). It can only lower the job's cores:
+    a client that overstates it gets no more than a job without a quota."""
+    v = msg.get("cpu_quota")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1_000_000:
+        return float(v)
+    return None
 
 
 def _dataset_kind(msg: dict) -> Optional[str]:
@@ -293,7 +305,7 @@ class Registry:
                       gpus=tuple(_str_list(msg.get("gpus"), "gpus")),
                       workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
                       max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
-                      hostname=_opt_str(msg, "hostname"))
+                      hostname=_opt_str(msg, "hostname"), cpu_quota=_cpu_quota(msg))
         batch_size = _opt_int(msg, "batch_size", None, 1)
         job = self._owned(job_id, uid)
         if job is None:
@@ -368,6 +380,8 @@ class Registry:
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
                 setattr(r, attr, v)
         r.dataset_kind = _dataset_kind(stats) or r.dataset_kind
+        if "cpu_quota" in msg:   # every report says it (null: none): an in-place resize moves it
+            r.cpu_quota = _cpu_quota(msg)
         return r
 
     def _worker_starts(self, pids, known: dict[int, Optional[int]]) -> dict[int, Optional[int]]:
