@@ -530,7 +530,7 @@ class _Client:
             pid=self.pid, worker_pids=self._pids(loader), gpus=self.gpus, batch_size=self._batch_size(loader),
             workers=attr("num_workers", 0), requested_workers=attr("requested_workers", attr("num_workers", 0)),
             max_workers=attr("max_workers"), dataset_kind=self._dataset_kind(loader),
-            hostname=_socket.gethostname(), uid=os.getuid(),
+            hostname=_socket.gethostname(), uid=os.getuid(), cpu_quota=_cpu_quota(),
         )
 
     @staticmethod
@@ -569,7 +569,7 @@ class _Client:
             log.debug("adloader client: loader.stats() failed", exc_info=True)
             stats = {}
         msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
-                            worker_pids=self._pids(loader), stats=stats)
+                            worker_pids=self._pids(loader), stats=stats, cpu_quota=_cpu_quota())
         if len(json.dumps(msg)) > protocol.MAX_MESSAGE_BYTES:   # never send what the agent refuses
             msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
         return msg
@@ -658,6 +658,21 @@ def _pass_steps(loader: Any) -> int:
     except Exception:
         return 0
     return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def _cpu_quota() -> Optional[float]:
+    """Cores this process's cgroup CPU quota allows (``adloader.autotune.cgroup_cpu_quota``: a container's
+    CPU limit, e.g. Kubernetes' ``limits.cpu`` without exclusive cores), None when there is none or it
+    cannot be read. Sent in the hello and every report: the agent cannot read it itself where the
+    container has its own cgroup namespace, and would plan the job cores the kernel throttles."""
+    try:
+        from adloader.autotune import cgroup_cpu_quota
+
+        q = cgroup_cpu_quota()
+    except Exception:
+        log.debug("adloader client: reading the cgroup CPU quota failed", exc_info=True)
+        return None
+    return round(q, 3) if q is not None and math.isfinite(q) and q > 0 else None
 
 
 def _detach_autotune(loader: Any) -> None:

@@ -17,8 +17,11 @@ client -> agent
                batch_sampler has delivered a batch; a rounded mean may flip by one: the agent's
                predictor takes sizes within ``predictor.bank.BATCH_SIZE_TOL`` as one), workers (current target), requested_workers (the
                user's num_workers), max_workers (int|null), dataset_kind ("map"|"iterable", optional: as
-               ``stats()`` says it; "iterable": the worker count changes only at an epoch), hostname, uid
-    report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals)
+               ``stats()`` says it; "iterable": the worker count changes only at an epoch), hostname, uid,
+               cpu_quota (float|null, optional: cores the process's cgroup CPU quota allows, a container's
+               CPU limit; null: none)
+    report     job, rank, pid, worker_pids[int], stats{...}  (``adloader.DataLoader.stats()``: totals),
+               cpu_quota (as in hello, read again for each report)
     heartbeat  job, rank, pid
     bye        job, rank, pid
     register   job, uid (0 to 2**32 - 2), gpus[str], cpus (int|null), pids[int], source ("slurm"|"cli"|null)

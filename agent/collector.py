@@ -386,7 +386,7 @@ class Collector:
         self.proc_root = proc_root
         self.rank_rates: dict[tuple[str, int, int], RankRates] = {}
         self.pressure = psi.Pressure(None, None)
-        self._allowed_cache: dict[int, tuple[float, tuple[int, ...], bool]] = {}   # pid -> (read at, ...)
+        self._allowed_cache: dict[int, tuple[float, tuple[int, ...], bool, str]] = {}   # pid -> (read at, ...)
         self.last: Optional[NodeSnapshot] = None
         self.memory_guard = memory_guard
         self.memory_state: Optional[MemoryState] = None
@@ -431,13 +431,14 @@ class Collector:
         for key in stale:
             del self.rank_rates[key]
 
-    def _placement(self, pid: int, now: float) -> tuple[tuple[int, ...], bool]:
-        """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup), read at
-        most every ``PLACEMENT_REFRESH_S`` per process (before, once for its life: a rank whose CPUs an
-        operator's taskset narrowed kept its old placement in every plan)."""
+    def _placement(self, pid: int, now: float) -> tuple[tuple[int, ...], bool, str]:
+        """(allowed CPUs if narrower than the agent's, whether another manager owns its cgroup, its
+        ``/proc/<pid>/cgroup`` text: which group it is in, as the agent sees it), read at most every
+        ``PLACEMENT_REFRESH_S`` per process (before, once for its life: a rank whose CPUs an operator's
+        taskset narrowed kept its old placement in every plan)."""
         got = self._allowed_cache.get(pid)
         if got is not None and 0.0 <= now - got[0] < PLACEMENT_REFRESH_S:
-            return got[1], got[2]
+            return got[1], got[2], got[3]
         allowed: tuple[int, ...] = ()
         try:
             aff = tuple(sorted(os.sched_getaffinity(pid)))
@@ -445,16 +446,30 @@ class Collector:
                 allowed = aff
         except (OSError, AttributeError):
             pass
-        cooperative = False
+        cgroup = ""
         try:
             with open(os.path.join(self.proc_root, str(pid), "cgroup")) as f:
-                cooperative = any("/slurm" in line or "/job_" in line for line in f)
+                cgroup = f.read()
         except OSError:
             pass
+        cooperative = any("/slurm" in line or "/job_" in line for line in cgroup.splitlines())
         if len(self._allowed_cache) > 4096:
             self._allowed_cache.clear()
-        self._allowed_cache[pid] = (now, allowed, cooperative)
-        return allowed, cooperative
+        self._allowed_cache[pid] = (now, allowed, cooperative, cgroup)
+        return allowed, cooperative, cgroup
+
+    def _cpu_quota(self, ranks, now: float) -> Optional[float]:
+        """Cores the job's CPU quotas allow its ranks together (a container's CPU limit without exclusive
+        cores: Kubernetes' ``limits.cpu``, ``docker --cpus``), None when a rank has none. Each rank says its
+        own (``Rank.cpu_quota``: it reads its cgroup from inside its container, where the agent cannot
+        resolve the path); ranks in one group (torchrun's ranks in one pod) share one quota, counted once."""
+        groups: dict[str, float] = {}
+        for r in ranks:
+            if r.cpu_quota is None:
+                return None
+            key = self._placement(r.pid, now)[2] or f"pid {r.pid}"
+            groups[key] = r.cpu_quota
+        return sum(groups.values()) if groups else None
 
     def job_stats(self, job: Job, now: float) -> JobStats:
         ranks = list(job.ranks.values())
@@ -500,7 +515,7 @@ class Collector:
                 source = "nvml"
         if gpu_idle is None and rates:
             gpu_idle = data_wait_frac
-        allowed, cooperative = self._placement(ranks[0].pid, now) if ranks else ((), False)
+        allowed, cooperative, _ = self._placement(ranks[0].pid, now) if ranks else ((), False, "")
         # The job's loader is its ranks' loaders together (one per rank, alike in a data-parallel job): its
         # batch is one step's batches of every rank, its workers all of theirs (module docstring)
         n = len(ranks)
@@ -559,7 +574,7 @@ class Collector:
             trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
             trainer_runq_s_per_step=mean("trainer_runq_s_per_step"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
-            allowed_cpus=allowed, cooperative=cooperative,
+            allowed_cpus=allowed, cooperative=cooperative, cpu_quota_cores=self._cpu_quota(ranks, now),
             age_s=max(0.0, now - job.arrived_at),
             observed_s=observed_s, window_s=window_s,
             requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,

@@ -339,8 +339,8 @@ def observation_from_stats(job: JobStats, snapshot: NodeSnapshot,
     capped = not work_conserving and applied is not None and applied.enforce_cpu
     if share and not capped and not job.cooperative:          # cooperative jobs are pinned (affinity)
         cap = snapshot.loader_cpus
-        if job.allowed_cpus:
-            cap = min(cap, float(len(job.allowed_cpus)))
+        if job.cpu_cap_cores:
+            cap = min(cap, job.cpu_cap_cores)
         if cap > 0:
             cores = min(cap, max(cores, job.worker_cpu_cores))
         if observed_cores == "received" and 0 < job.worker_cpu_cores < cores and cpu_starved_loader(job):

@@ -110,6 +110,8 @@ class JobStats:
     gpu_idle_frac: Optional[float] = None # from NVML when available, else None
     gpu_idle_source: str = "client"       # "nvml" or "client" (data_wait_frac stands in)
     allowed_cpus: tuple[int, ...] = ()    # CPUs the job may use (Slurm/affinity); () = all node loader CPUs
+    cpu_quota_cores: Optional[float] = None   # cores its ranks' cgroup CPU quotas allow together (a container's
+                                          # CPU limit), trainers included; None = no quota
     cooperative: bool = False             # another manager owns the job's cgroup: no cgroup writes
     age_s: float = 0.0                    # since arrival
     observed_s: float = 0.0               # how long we have reports for
@@ -143,6 +145,15 @@ class JobStats:
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def cpu_cap_cores(self) -> Optional[float]:
+        """The most cores the job can run on: its allowed CPUs' count or its CPU quota, whichever is less;
+        None when neither bounds it. Cores planned above it are throttled by the kernel, not used."""
+        caps = [float(len(self.allowed_cpus))] if self.allowed_cpus else []
+        if self.cpu_quota_cores is not None and self.cpu_quota_cores > 0:
+            caps.append(self.cpu_quota_cores)
+        return min(caps) if caps else None
 
 
 @dataclass(frozen=True)

@@ -1010,8 +1010,7 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     reserve_note = f" (trainers keep {trainer_need:.2f} cores)" if trainer_need >= 0.005 else ""
     warm = {j: curves[j] for j in ids
             if j in curves and curves[j].confidence >= config.min_confidence}
-    cap_node = {j: float(len(snapshot.jobs[j].allowed_cpus)) if snapshot.jobs[j].allowed_cpus else math.inf
-                for j in ids}
+    cap_node = {j: snapshot.jobs[j].cpu_cap_cores or math.inf for j in ids}   # its CPUs, or its CPU quota
     # A job's most cores: a cold one's within the share budget C (which reserves every trainer's
     # full-speed need: without a curve its trainers' pace is unknown); a warm one's within the loader
     # CPUs, the greedy below charging each step the trainer CPU its throughput brings (a data-starved

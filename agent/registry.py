@@ -94,9 +94,11 @@ class Rank:
     dataset_kind: Optional[str] = None     # "map" | "iterable" (its workers change only at an epoch), from the
                                            # hello or the latest report; None: the client does not say
     hostname: str = ""
+    cpu_quota: Optional[float] = None      # cores its cgroup's CPU quota allows (the client reads its own: in a
+                                           # container only it sees its cgroup); None: no quota, or not said
     stats: Optional[dict] = None           # latest totals from the client (the collector windows them)
     reports: int = 0
-    claimed_pid: Optional[int] = None      # the pid the process knows itself by, when not ``pid`` (container)
+    claimed_pid: Optional[int] = None      # the pid the process knows itself by, in its own pid namespace (container)
     ns_workers: dict[int, int] = field(default_factory=dict)   # container: claimed worker pid -> host pid
     # worker pid -> its start time (clock ticks) when the agent took it: with the pid, the identity a
     # journal-adopted rank's workers are checked by (a pid reused while the agent was down is another process)
@@ -163,6 +165,16 @@ def _opt_int(msg: dict, name: str, default, lo: int = 0):
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 1_000_000:
         raise Refused("malformed", f"field {name!r} must be an integer >= {lo}, got {v!r}")
     return v
+
+
+def _cpu_quota(msg: dict) -> Optional[float]:
+    """A hello's or a report's ``cpu_quota`` (cores, > 0); None where it does not say (no quota, an older
+    client) or says something else (ignored, as an unknown field is). It can only lower the job's cores:
+    a client that overstates it gets no more than a job without a quota."""
+    v = msg.get("cpu_quota")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1_000_000:
+        return float(v)
+    return None
 
 
 def _dataset_kind(msg: dict) -> Optional[str]:
@@ -256,6 +268,11 @@ class Registry:
     def hello(self, peer: Optional[Peer], identity: bytes, msg: dict, now: float) -> Rank:
         """A training process says hello: create or join its job, (re)bind its identity."""
         peer = self._caller(peer)
+        if peer.pid == 0:
+            raise Refused("not_permitted", "the agent cannot see this process (the kernel gave its pid as 0: "
+                                           "it is in a pid namespace the agent is not in or above); run the "
+                                           "agent in the host's pid namespace (Kubernetes: hostPID: true; "
+                                           "docker/podman: --pid=host)")
         job_id = _job_id(msg)
         rank_no = _opt_int(msg, "rank", 0)
         claimed_pid = msg["pid"]
@@ -271,7 +288,11 @@ class Registry:
             raise Refused("not_permitted", f"hello claims uid {claimed!r} but comes from uid {uid}")
         ns_workers: dict[int, int] = {}
         worker_pids = _int_list(msg.get("worker_pids"), "worker_pids")
-        if claimed_pid != pid:   # a container: its pids are local to its pid namespace
+        # a container: its pids are local to its pid namespace. Asked of the kernel, not of the claim: a
+        # container pid equal to the host pid (NSpid "N N") took the host path, and its worker pids were
+        # read as host pids (other processes of the same uid: every root pod's, on Kubernetes)
+        contained = claimed_pid != pid or security.in_child_pid_namespace(pid, self.proc_root)
+        if contained:
             ns_workers = self._map_workers(worker_pids, pid, {})
             worker_pids = [ns_workers[p] for p in worker_pids if p in ns_workers]
         worker_pids, why = security.live_pids_owned_by(worker_pids, uid)   # (a worker gone since: left out)
@@ -284,7 +305,7 @@ class Registry:
                       gpus=tuple(_str_list(msg.get("gpus"), "gpus")),
                       workers=_opt_int(msg, "workers", 0), requested_workers=_opt_int(msg, "requested_workers", 0),
                       max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
-                      hostname=_opt_str(msg, "hostname"))
+                      hostname=_opt_str(msg, "hostname"), cpu_quota=_cpu_quota(msg))
         batch_size = _opt_int(msg, "batch_size", None, 1)
         job = self._owned(job_id, uid)
         if job is None:
@@ -306,7 +327,7 @@ class Registry:
                  start_ticks=security.pid_start_ticks(pid, self.proc_root), last_seen=now,
                  connected_at=old.connected_at if old is not None and old.pid == pid else now,
                  worker_pids=tuple(worker_pids), batch_size=_hello_batch_size(batch_size, old, pid), **fields,
-                 claimed_pid=claimed_pid if claimed_pid != pid else None, ns_workers=ns_workers)
+                 claimed_pid=claimed_pid if contained else None, ns_workers=ns_workers)
         r.worker_starts = self._worker_starts(r.worker_pids, old.worker_starts if old is not None and old.pid == pid else {})
         if old is not None and old.pid == pid:
             r.stats, r.reports = old.stats, old.reports
@@ -359,6 +380,8 @@ class Registry:
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000:
                 setattr(r, attr, v)
         r.dataset_kind = _dataset_kind(stats) or r.dataset_kind
+        if "cpu_quota" in msg:   # every report says it (null: none): an in-place resize moves it
+            r.cpu_quota = _cpu_quota(msg)
         return r
 
     def _worker_starts(self, pids, known: dict[int, Optional[int]]) -> dict[int, Optional[int]]:

@@ -82,7 +82,9 @@ class Peer:
 
 
 def parse_peer_address(value: Optional[str]) -> Optional[Peer]:
-    """``"host:uid:gid:pid"`` -> Peer; None when the transport gave no credentials."""
+    """``"host:uid:gid:pid"`` -> Peer; None when the transport gave no credentials. A pid of 0 is kept:
+    the kernel gives 0 for a peer whose process is not in the reader's pid namespace or below it (an agent
+    without the host's pid namespace: ``hostPID`` on Kubernetes), and the uid is still the caller's."""
     if not value:
         return None
     parts = value.rsplit(":", 3)
@@ -92,7 +94,7 @@ def parse_peer_address(value: Optional[str]) -> Optional[Peer]:
         uid, gid, pid = int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
-    if uid < 0 or pid <= 0:
+    if uid < 0 or pid < 0:
         return None
     return Peer(uid, gid, pid)
 
@@ -165,6 +167,14 @@ def ns_pids(pid: int, proc_root: str = "/proc") -> Optional[tuple[int, ...]]:
     except (OSError, ValueError):
         return None
     return None
+
+
+def in_child_pid_namespace(pid: int, proc_root: str = "/proc") -> bool:
+    """True if ``pid`` is in a pid namespace below the agent's (``proc_root``'s): more than one
+    ``NSpid`` field. Such a process numbers itself and its workers in its own namespace, even where its
+    pid there happens to equal its host pid (then the claim alone cannot tell)."""
+    ns = ns_pids(pid, proc_root)
+    return ns is not None and len(ns) > 1
 
 
 def host_pid(claimed: int, peer_pid: int, proc_root: str = "/proc") -> Optional[int]:

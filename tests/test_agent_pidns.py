@@ -139,6 +139,39 @@ def test_a_claimed_pid_held_by_no_process_of_the_namespace_is_left_out(tmp_path,
 
 
 @pytest.mark.component
+def test_a_container_pid_equal_to_its_host_pid_still_maps_workers_through_the_namespace(tmp_path, children):
+    """A process in its own pid namespace whose pid there happens to be its host pid too (NSpid "N N")
+    claims that pid: its worker pids are still its namespace's, mapped through its descendants. Before,
+    the claim equal to the peer's pid sent it down the host path, where a worker claimed as 6 (its own
+    worker's pid in the container) was taken as host pid 6: another process, pinned or moved as this
+    job's worker when it was the same uid's (every root pod's, on Kubernetes)."""
+    me, (w1, stranger, _) = os.getpid(), children
+    proc = fake_proc(tmp_path, {me: (1, (me, me)), w1: (me, (w1, stranger)), stranger: (1, (stranger,))})
+    reg = Registry(proc_root=proc)
+    peer = Peer(os.getuid(), os.getgid(), me)
+    r = reg.hello(peer, b"id", protocol.make("hello", job="j", rank=0, pid=me, uid=os.getuid(),
+                                             worker_pids=[stranger]), 0.0)
+    assert (r.pid, r.claimed_pid, r.worker_pids, r.ns_workers) == (me, me, (w1,), {stranger: w1})
+    r = reg.report(b"id", peer, protocol.make("report", job="j", rank=0, pid=me, worker_pids=[stranger],
+                                              stats={}), 1.0)
+    assert r.worker_pids == (w1,)
+    assert reg.jobs["j"].worker_pids() == (w1,)
+
+
+@pytest.mark.component
+def test_a_caller_the_agent_cannot_see_is_refused_saying_why(tmp_path):
+    """An agent outside the host's pid namespace (a DaemonSet without hostPID) gets pid 0 from the kernel
+    for a caller in another namespace. Refused, naming that and hostPID; before, it was told the transport
+    had no peer credentials and to use the ipc:// endpoint it was on."""
+    reg = Registry(proc_root=fake_proc(tmp_path, {}))
+    with pytest.raises(Refused, match="cannot see this process .* hostPID: true"):
+        reg.hello(Peer(0, 0, 0), b"id", protocol.make("hello", job="j", rank=0, pid=1, uid=0), 0.0)
+    assert not reg.jobs
+    job = reg.register(Peer(0, 0, 0), {"job": "k", "uid": 1000, "gpus": [], "cpus": 1, "pids": []}, 0.0)
+    assert job.uid == 1000          # register and release need only the uid, which the kernel still gives
+
+
+@pytest.mark.component
 def test_the_pid_namespace_link_is_read_from_the_real_proc():
     assert security.pid_namespace(os.getpid()) == os.readlink("/proc/self/ns/pid")
     assert security.pid_namespace(2 ** 22 + 1) is None
@@ -188,6 +221,25 @@ def test_client_in_its_own_pid_namespace_is_accepted_with_host_pids(base):
         # workers the agent tracks are the host pids of the process's children (after any resize)
         wait_for(lambda: agent.job("boxed")["worker_pids"] == host_view()[1], 20, what="host worker pids")
         assert not agent.events("request_refused"), agent.events("request_refused")
+    finally:
+        trainer.kill()
+        agent.stop()
+
+
+@pytest.mark.system
+@pytest.mark.skipif(not _unshare_works(), reason="needs root and a working `unshare --pid` for a real pid namespace")
+def test_agent_in_its_own_pid_namespace_tells_the_client_it_needs_the_host_pids(base):
+    """The agent in a pid namespace of its own (no hostPID), the client on the host: the kernel gives the
+    agent pid 0 for the caller. The client's refusal names the cause."""
+    os.chmod(base, 0o755)
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2",
+                      wrap=("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")).start()
+    trainer = Trainer(base, agent.endpoint, job="unseen", workers=1)
+    try:
+        why = wait_for(lambda: trainer.state().get("last_error"), 30, what="the client's refusal")
+        assert "cannot see this process" in why and "hostPID" in why, why
+        assert "no peer credentials" not in why
+        assert agent.job("unseen") is None
     finally:
         trainer.kill()
         agent.stop()

@@ -491,6 +491,41 @@ def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_f
         agent.close()
 
 
+def test_hello_and_reports_say_the_processs_cgroup_cpu_quota(base, endpoint_env, monkeypatch):
+    """The process's cgroup CPU quota (a container's CPU limit) goes in the hello and in every report,
+    read again each time (an in-place resize moves it); the agent, outside the container's cgroup
+    namespace, cannot read it itself. None where there is no quota, and a failing read is no quota."""
+    from adloader import DataLoader, autotune
+
+    quota = [1.5]
+
+    def read(*_a, **_k):
+        if quota[0] == "boom":
+            raise OSError("unreadable")
+        return quota[0]
+
+    monkeypatch.setattr(autotune, "cgroup_cpu_quota", read)
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    dl = DataLoader(list(range(16)), batch_size=4, num_workers=0)
+    try:
+        client.attach(dl)
+        ident, hello = agent.recv("hello")
+        assert hello["cpu_quota"] == 1.5
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        assert list(dl)
+        _, report = agent.recv("report")
+        assert report["cpu_quota"] == 1.5
+        quota[0] = None
+        wait_for(lambda: agent.recv("report")[1]["cpu_quota"] is None, 10, what="a report without a quota")
+        quota[0] = "boom"
+        wait_for(lambda: agent.recv("report")[1]["cpu_quota"] is None, 10, what="a report after a failed read")
+    finally:
+        _detach_all(dl)
+        dl.close()
+        agent.close()
+
+
 @pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0, 1e-9, 1e9])
 def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
                                                                                     heartbeat_s):

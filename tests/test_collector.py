@@ -485,6 +485,42 @@ def test_a_ranks_allowed_cpus_are_read_again_when_they_change():
         os.sched_setaffinity(0, set(mine))
 
 
+def test_a_jobs_cpu_quota_is_its_ranks_quotas_one_per_cgroup(tmp_path):
+    """Each rank says its cgroup's CPU quota (a container's CPU limit; the agent cannot read it where the
+    container has its own cgroup namespace); the job's is one per group its ranks are in (torchrun's ranks
+    in one pod share one), summed over groups; a rank without a quota leaves the job unbounded; a report
+    moves it (an in-place resize). Groups are told apart by /proc/<pid>/cgroup as the agent reads it."""
+    import subprocess
+
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    me, a, b = os.getpid(), kids[0].pid, kids[1].pid
+    try:
+        groups = {me: "0::/../../kubepods.slice/pod1/c1.scope\n", a: "0::/../../kubepods.slice/pod1/c1.scope\n",
+                  b: "0::/../../kubepods.slice/pod2/c2.scope\n"}
+        for pid, text in groups.items():
+            (tmp_path / str(pid)).mkdir()
+            (tmp_path / str(pid) / "cgroup").write_text(text)
+        reg = Registry()
+        for rank, pid in enumerate((me, a)):
+            reg.hello(Peer(os.getuid(), 0, pid), b"id%d" % rank, {"job": "j", "rank": rank, "pid": pid,
+                      "gpus": [str(rank)], "batch_size": 8, "workers": 2, "cpu_quota": 2.0}, 0.0)
+        col = Collector(reg, loader_cpus=8.0, cpu_ids=tuple(range(8)), proc_root=str(tmp_path))
+        assert col.snapshot(1.0).jobs["j"].cpu_quota_cores == 2.0        # one pod, one quota
+        reg.hello(Peer(os.getuid(), 0, b), b"id2", {"job": "j", "rank": 2, "pid": b, "gpus": ["2"],
+                  "batch_size": 8, "workers": 2, "cpu_quota": 1.5}, 2.0)
+        assert col.snapshot(3.0).jobs["j"].cpu_quota_cores == 3.5        # another pod: its own quota too
+        reg.report(b"id2", Peer(os.getuid(), 0, b), {"job": "j", "rank": 2, "pid": b, "worker_pids": [],
+                   "stats": {}, "cpu_quota": None}, 4.0)
+        assert col.snapshot(5.0).jobs["j"].cpu_quota_cores is None        # a rank with no quota: unbounded
+        reg.report(b"id2", Peer(os.getuid(), 0, b), {"job": "j", "rank": 2, "pid": b, "worker_pids": [],
+                   "stats": {}, "cpu_quota": "lots"}, 6.0)                 # nonsense: ignored, as no quota
+        assert reg.jobs["j"].ranks[2].cpu_quota is None
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
 # -- a window's own batch size: samples over steps (window_batch_size) -------------------------------
 
 def test_a_windows_batch_size_is_its_samples_over_its_steps_and_refused_with_the_reason_where_absurd():

@@ -623,6 +623,19 @@ def test_allowed_cpus_cap_a_job():
     assert plan.allocations["a"].cpus <= 2.0 + 1e-9
 
 
+def test_a_cpu_quota_caps_a_job():
+    """A container's CPU limit without exclusive cores (Kubernetes ``limits.cpu``): every CPU in its
+    affinity, 2 cores of quota. Before, the heavy job was planned more than 2 cores, which the kernel
+    throttles, taken from a neighbour that could use them."""
+    s = snap("gpu-8core", [job("a", "heavy", cpu_quota_cores=2.0), job("b", "heavy")])
+    assert s.jobs["a"].cpu_cap_cores == 2.0 and s.jobs["b"].cpu_cap_cores is None
+    plan = get_policy("adaptive")(s, curves_of(s), PolicyConfig())
+    assert plan.allocations["a"].cpus <= 2.0 + 1e-9
+    assert plan.allocations["b"].cpus > 2.0
+    both = job("c", "heavy", cpu_quota_cores=3.0, allowed_cpus=(0, 1))
+    assert both.cpu_cap_cores == 2.0                                   # the tighter of the two
+
+
 def test_even_static_keeps_arrival_shares_and_uses_max_jobs():
     s = snap("dev-2vcpu", [job("a"), job("b")], max_jobs=4)
     plan = get_policy("even-static")(s, {}, PolicyConfig())

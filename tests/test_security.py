@@ -14,6 +14,9 @@ def test_peer_address_parsing_and_token_bucket():
     assert security.parse_peer_address("localhost:1000:100:4242") == Peer(1000, 100, 4242)
     assert security.parse_peer_address("127.0.0.1:5555") is None
     assert security.parse_peer_address("") is None
+    # the kernel's pid for a peer outside the reader's pid namespace: kept, so the refusal can say so
+    assert security.parse_peer_address("localhost:1000:100:0") == Peer(1000, 100, 0)
+    assert security.parse_peer_address("localhost:1000:100:-1") is None
     tb = TokenBuckets(rate_per_s=10, burst=5)
     assert [tb.take(b"a", 0.0) for _ in range(7)] == [True] * 5 + [False] * 2
     assert tb.take(b"b", 0.0)                      # other identities unaffected
