@@ -267,3 +267,36 @@ def test_a_rank_that_joins_late_or_comes_back_gets_the_part_its_peers_were_sent(
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restart_is_not():
+    """Two jobs started with the same ADLOADER_JOB_ID by mistake, of 2 and 4 ranks: the second's rank 0
+    was refused (rank 0 held), but its ranks 2 and 3 joined the first, which was then planned as one job
+    of both's ranks. A hello whose world size differs from a live rank's is refused, naming both; one
+    that says none (1) is taken; a torchrun restart with a new WORLD_SIZE joins once its old ranks died."""
+    import subprocess
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        uid = os.getuid()
+        reg = Registry()
+
+        def hello(identity, rank, pid, ws):
+            return reg.hello(Peer(uid, 0, pid), identity, {"job": "j", "rank": rank, "pid": pid, "world_size": ws}, 0.0)
+
+        hello(b"a0", 0, procs[0].pid, 2)
+        with pytest.raises(Refused, match=r"rank 0 of world size 2 \(live pid \d+\), and this hello says world "
+                                          r"size 4: two jobs share the job id"):
+            hello(b"b2", 2, procs[1].pid, 4)
+        assert sorted(reg.jobs["j"].ranks) == [0]
+        hello(b"a1", 1, procs[1].pid, 2)
+        hello(b"x", 3, os.getpid(), 1)                                # says no world size: taken
+        reg._drop_rank(reg.jobs["j"], 3, "bye")
+        procs[0].kill(), procs[1].kill()
+        procs[0].wait(), procs[1].wait()
+        hello(b"n0", 0, procs[2].pid, 3)                              # the restart: old ranks are dead
+        assert reg.jobs["j"].ranks[0].world_size == 3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
