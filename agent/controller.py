@@ -6,7 +6,9 @@ Invariants (what the tests hold it to):
 - Desired and applied state are kept apart, per actuator. An actuator is called for a job only when
   the job's desired allocation differs from what that actuator last applied for it (cores compared
   with a small tolerance, the reason ignored), or, for actuators with ``tracks_pids = True`` (cgroup,
-  affinity), when the job's loader worker pids changed since that actuator last applied.
+  affinity), when the job's loader worker pids changed since that actuator last applied, or, for
+  actuators with ``tracks_ranks = True`` (the directive), when the job's training processes did (a rank
+  joined, left or was restarted: its ranks' part of an unchanged count is not what was sent).
 - Breaker: three failed applies in a row of one actuator for one job open that breaker; the actuator
   is skipped for that job (its result says so) until ``breaker_retry_s`` has passed, then one apply is
   tried again (half-open). Other jobs, and the job's other actuators, are never affected: a cgroup
@@ -457,6 +459,7 @@ class Controller:
         self._node_by: dict[int, NodeAllocation] = {}                      # actuator -> node allocation applied
         self._applied_by: dict[int, dict[str, JobAllocation]] = {i: {} for i in range(len(self._actuators))}
         self._pids_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
+        self._ranks_by: dict[int, dict[str, tuple[int, ...]]] = {i: {} for i in range(len(self._actuators))}
         self._breakers: dict[str, dict[int, _Breaker]] = {}   # job -> actuator index -> breaker
         self._pending_forget: set[str] = set()
         self._seen: dict[str, None] = {}           # jobs of earlier snapshots not forgotten yet (in order)
@@ -516,6 +519,7 @@ class Controller:
         for i in self._applied_by:
             self._applied_by[i].clear()
             self._pids_by[i].clear()
+            self._ranks_by[i].clear()
 
     def tick(self, now: float) -> TickRecord:
         t0 = time.perf_counter()
@@ -765,6 +769,7 @@ class Controller:
                 errors.append(f"{getattr(act, 'name', i)}: {e}")
             self._applied_by[i].pop(job_id, None)
             self._pids_by[i].pop(job_id, None)
+            self._ranks_by[i].pop(job_id, None)
         self._applied.pop(job_id, None)
         self._seen.pop(job_id, None)
         self._breakers.pop(job_id, None)
@@ -812,6 +817,8 @@ class Controller:
                 todo.append(i)
             elif getattr(act, "tracks_pids", False) and self._pids_by[i].get(job.job) != job.worker_pids:
                 todo.append(i)
+            elif getattr(act, "tracks_ranks", False) and self._ranks_by[i].setdefault(job.job, job.pids) != job.pids:
+                todo.append(i)      # (none recorded: adopted from the journal, its ranks say hello again)
         if not todo:
             return None
         brs = self._breakers.setdefault(job.job, {})
@@ -863,6 +870,7 @@ class Controller:
             if r.ok:
                 self._applied_by[i][job.job] = desired
                 self._pids_by[i][job.job] = job.worker_pids
+                self._ranks_by[i][job.job] = job.pids
                 if not same_allocation(before[i], desired):
                     self._applied_at[job.job] = now
                     if not same_configuration(before[i], desired):

@@ -84,7 +84,7 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
     return alloc_from_dict(dict(a, job=job))
 
 
-_DIRECTIVE_FIELDS = ("workers", "cpus", "cpuset", "reason")   # Job.last_directive (agent.server.send_directive)
+_DIRECTIVE_FIELDS = ("workers", "cpus", "cpuset", "reason", "ranks")   # Job.last_directive (agent.server.send_directive)
 _RANK_INTS = {"pid": (1, 2 ** 31), "uid": (0, 2 ** 32), "batch_size": (1, 10 ** 9), "workers": (0, 10 ** 6),
               "requested_workers": (0, 10 ** 6), "world_size": (1, 10 ** 9), "local_rank": (0, 10 ** 9)}
 
@@ -117,6 +117,7 @@ def _check_job(p: str, job: str, j) -> dict:
         need(cs is None or (isinstance(cs, list) and all(is_int(c, 0, 1 << 20) for c in cs)), p, f"{dw}.cpuset",
              "null or a list of CPU numbers", cs)
         need(isinstance(ld.get("reason", ""), str), p, f"{dw}.reason", "a string", ld.get("reason"))
+        need(is_int(ld.get("ranks", 0), 0, 1_000_000), p, f"{dw}.ranks", "an integer >= 0", ld.get("ranks"))
     ranks = j.get("ranks") or {}
     need(isinstance(ranks, dict), p, f"{w}.ranks", "an object", ranks)
     for rk, r in ranks.items():

@@ -30,6 +30,10 @@ Invariants:
   the pid the process knows itself by in ``Rank.claimed_pid`` and its worker mapping in ``Rank.ns_workers``;
   a claimed worker pid that no live process holds (it exited since the loader listed it) is left out of
   the rank's workers, on either path; one that another live process holds is refused;
+- a job's live ranks agree on the world size where they say one (over 1): a hello saying another is
+  refused (``not_permitted``), as two jobs run under one job id by mistake would otherwise be counted
+  as one job of both's ranks (the one rank number they share was refused already); ranks of a torchrun
+  restart with another ``WORLD_SIZE`` join once the old processes are gone;
 - register and release are idempotent;
 - every job id in the registry satisfies ``protocol.check_job_id`` (checked here, at the boundary);
 - ownership is settled by who has the right to the id: root's ``register`` (the Slurm prolog) takes a
@@ -321,6 +325,13 @@ class Registry:
         old = job.ranks.get(rank_no)
         if old is not None and old.pid != pid and security.alive(old.pid, old.start_ticks, self.proc_root):
             raise Refused("not_permitted", f"rank {rank_no} of job {job_id!r} is already held by live pid {old.pid}")
+        ws = fields["world_size"]
+        for o in job.ranks.values():   # (a world size of 1 is also what a rank that does not say sends)
+            if (o.rank != rank_no and o.pid != pid and o.world_size > 1 and ws > 1 and o.world_size != ws
+                    and security.alive(o.pid, o.start_ticks, self.proc_root)):
+                raise Refused("not_permitted", f"job {job_id!r} already has rank {o.rank} of world size "
+                                               f"{o.world_size} (live pid {o.pid}), and this hello says world size "
+                                               f"{ws}: two jobs share the job id (ADLOADER_JOB_ID)?")
         if old is not None:
             self.by_identity.pop(old.identity, None)
         r = Rank(job=job_id, rank=rank_no, pid=pid, uid=uid, identity=identity,

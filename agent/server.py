@@ -78,11 +78,17 @@ class EndpointUnusable(EndpointBusy):
 def rank_directive(directive: dict, ranks: int) -> dict:
     """One rank's part of a job's directive (``workers`` and ``cpus`` the job's, all its ranks' together):
     the workers spread evenly, rounded up (a data-parallel job steps at its slowest rank's pace, so a
-    rank short of its part would hold every rank back), and the cores divided. With one rank (or none
-    said hello yet), the directive as it is."""
+    rank short of its part would hold every rank back), and the cores divided. The ranks are those the
+    job had when the directive was made (its ``ranks``, recorded by ``Server.send_directive``; ``ranks``
+    where it has none: a journal from before), not those connected when a rank says hello: a rank that
+    joins late (or comes back) gets the part its peers were sent. Before, a second rank joining a job
+    planned 2 workers for its first was welcomed with 1 (2 over 2 ranks) while its peer ran 2, and a
+    lone rank reconnecting after its peer died was sent both ranks' workers. With one rank (or none said
+    hello yet), the directive as it is."""
+    out = {k: v for k, v in directive.items() if k != "ranks"}
+    ranks = directive.get("ranks") or ranks
     if ranks <= 1:
-        return dict(directive)
-    out = dict(directive)
+        return out
     out["workers"] = -(-int(directive["workers"]) // ranks)
     if directive.get("cpus") is not None:
         out["cpus"] = directive["cpus"] / ranks
@@ -297,7 +303,7 @@ class Server:
         if job is None:
             return False
         job.last_directive = {"workers": int(workers), "cpus": cpus, "cpuset": list(cpuset) if cpuset else None,
-                              "reason": reason}
+                              "reason": reason, "ranks": len(job.ranks)}
         connected = [r for r in job.ranks.values() if r.identity]
         if not connected:
             return True

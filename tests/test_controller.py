@@ -1121,3 +1121,29 @@ def test_a_window_whose_figures_are_not_numbers_is_no_observation(fields):
     # and a finite window still counts its steps as before
     assert observation_from_stats(job_stats("a", window_steps=30.4), snap).steps == 30
     assert observation_from_stats(job_stats("a"), snap).steps == round(320.0 / 32 * 2.0)
+
+
+def test_a_change_of_the_jobs_ranks_resends_its_directive_to_rank_tracking_actuators_only():
+    """The directive's count is the job's, each rank sent its part: when a rank leaves (or joins, or is
+    restarted) the parts sent no longer add up to it. Before, a 2-rank job planned 4 workers (2 a rank)
+    that lost a rank ran 2 while the plan, held, and ``adloader status`` said 4: nothing was sent again."""
+    two = dict(ranks=2, pids=(10, 11), workers=4, worker_pids=(1, 2, 3, 4))
+    src = FakeSource(4.0, [job_stats("a", **two)])
+    act, sink = RecordingActuator(), FakeSink()
+    c = make(src, [DirectiveActuator(sink), act])
+    c.tick(now=1.0)
+    assert [s[:2] for s in sink.sent] == [("a", 4)] and len(act.applied) == 1
+    c.tick(now=2.0)
+    assert len(sink.sent) == 1                                      # nothing changed: nothing sent
+    src.jobs["a"] = job_stats("a", **dict(two, ranks=1, pids=(10,), workers=2, worker_pids=(1, 2)))
+    rec = c.tick(now=3.0)
+    assert rec.results["a"].ok and [s[:2] for s in sink.sent] == [("a", 4), ("a", 4)]
+    assert len(act.applied) == 2                                    # (its worker pids changed too)
+    src.jobs["a"] = job_stats("a", **dict(two, pids=(10, 12)))      # a rank restarted: new pid, same count
+    c.tick(now=4.0)
+    assert len(sink.sent) == 3
+    # adopted from the journal: in force as it was, its ranks' pids not known yet; nothing is re-sent
+    c2 = make(src, [DirectiveActuator(sink)])
+    c2.adopt({"a": c.applied()["a"]})
+    c2.tick(now=5.0)
+    assert len(sink.sent) == 3

@@ -228,3 +228,75 @@ def test_a_registration_for_a_uid_no_process_can_have_is_refused_naming_it():
 
     entry = json.loads(json.dumps(reg.to_doc()))["s"]
     assert journal._check_job("journal.json", "s", entry) == entry
+
+
+def test_a_rank_that_joins_late_or_comes_back_gets_the_part_its_peers_were_sent():
+    """A job's directive is split over the ranks it had when it was made, not those connected when a
+    rank says hello. Before, rank 1 joining a job planned 2 workers for its rank 0 alone was welcomed
+    with 1 (2 over 2 ranks) while rank 0 ran 2, so the job stepped at the pace of a rank with half the
+    workers until the next plan; and after rank 1 died, rank 0 reconnecting was sent both ranks' 6."""
+    import subprocess
+
+    from agent.server import Server
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        me, uid = os.getpid(), os.getuid()
+        reg = Registry()
+        s = Server("ipc:///nonexistent/agent.sock", reg, heartbeat_s=1.0, on_report=lambda *a: None, status_doc=dict)
+        sent = []
+        s._send = lambda identity, msg: sent.append((identity, msg)) or True
+
+        def hello(identity, rank, pid):
+            s._hello(identity, Peer(uid, 0, pid), {"job": "j", "rank": rank, "pid": pid, "world_size": 2}, 0.0)
+            return [m for i, m in sent if i == identity and m["type"] == "directive"][-1]
+
+        # (the hello of another pid is taken as that pid's: its peer credentials are the test's to give)
+        s._hello(b"r0", Peer(uid, 0, me), {"job": "j", "rank": 0, "pid": me, "world_size": 2}, 0.0)
+        assert s.send_directive("j", 2, 1.0, None, "rank 0 alone")
+        assert hello(b"r1", 1, peer.pid)["workers"] == 2              # rank 0's part, not 2 over 2 ranks
+        assert s.send_directive("j", 6, 2.0, None, "both ranks")
+        assert [m["workers"] for _, m in sent[-2:]] == [3, 3] and sent[-1][1]["cpus"] == 1.0
+        assert "ranks" not in sent[-1][1]
+        reg._drop_rank(reg.jobs["j"], 1, "process gone")
+        d = hello(b"r0-again", 0, me)
+        assert d["workers"] == 3 and d["cpus"] == 1.0                 # its part of the 6, not all 6
+        # a journal written before the directive recorded its ranks: the ranks connected stand in
+        reg.jobs["j"].last_directive = {"workers": 6, "cpus": 2.0, "cpuset": None, "reason": "old"}
+        assert hello(b"r1-again", 1, peer.pid)["workers"] == 3
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restart_is_not():
+    """Two jobs started with the same ADLOADER_JOB_ID by mistake, of 2 and 4 ranks: the second's rank 0
+    was refused (rank 0 held), but its ranks 2 and 3 joined the first, which was then planned as one job
+    of both's ranks. A hello whose world size differs from a live rank's is refused, naming both; one
+    that says none (1) is taken; a torchrun restart with a new WORLD_SIZE joins once its old ranks died."""
+    import subprocess
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        uid = os.getuid()
+        reg = Registry()
+
+        def hello(identity, rank, pid, ws):
+            return reg.hello(Peer(uid, 0, pid), identity, {"job": "j", "rank": rank, "pid": pid, "world_size": ws}, 0.0)
+
+        hello(b"a0", 0, procs[0].pid, 2)
+        with pytest.raises(Refused, match=r"rank 0 of world size 2 \(live pid \d+\), and this hello says world "
+                                          r"size 4: two jobs share the job id"):
+            hello(b"b2", 2, procs[1].pid, 4)
+        assert sorted(reg.jobs["j"].ranks) == [0]
+        hello(b"a1", 1, procs[1].pid, 2)
+        hello(b"x", 3, os.getpid(), 1)                                # says no world size: taken
+        reg._drop_rank(reg.jobs["j"], 3, "bye")
+        procs[0].kill(), procs[1].kill()
+        procs[0].wait(), procs[1].wait()
+        hello(b"n0", 0, procs[2].pid, 3)                              # the restart: old ranks are dead
+        assert reg.jobs["j"].ranks[0].world_size == 3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

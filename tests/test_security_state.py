@@ -139,6 +139,19 @@ def test_journal_applied_ids_and_last_directives_are_checked_too(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_last_directives_ranks_are_kept_and_checked(tmp_path):
+    """``ranks`` (the ranks a job's directive was split over when it was made: agent.server.rank_directive)
+    is journaled with it, so a rank that says hello after a restart gets its peers' part."""
+    p = _journal(tmp_path, {"version": 1, "applied": {}, "jobs": {
+        "r1": {"uid": 5, "registered": True, "last_directive": {"workers": 2, "ranks": -1}},
+        "good": {"uid": 5, "registered": True,
+                 "last_directive": {"workers": 4, "cpus": 1.5, "cpuset": None, "reason": "r", "ranks": 2}}}})
+    doc = journal.load(str(tmp_path))
+    assert list(doc["jobs"]) == ["good"] and doc["jobs"]["good"]["last_directive"]["ranks"] == 2
+    assert "jobs['r1'].last_directive.ranks" in "\n".join(doc["problems"]) and p
+
+
+@pytest.mark.unit
 def test_originals_with_wrong_types_raise_naming_the_file_and_field(tmp_path):
     p = str(tmp_path / "cgroup-originals.json")
     with open(p, "w") as f:

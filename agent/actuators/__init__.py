@@ -8,7 +8,8 @@
 
 Only the controller calls them, and only with the difference between desired and applied state.
 An actuator with ``tracks_pids = True`` (cgroup, affinity) is also called when the job's loader worker
-pids changed since its last apply (resizes, restarts), so new workers join the job's group.
+pids changed since its last apply (resizes, restarts), so new workers join the job's group; one with
+``tracks_ranks = True`` (the directive) when the job's training processes changed (ranks joined or left).
 
 Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
 (v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).

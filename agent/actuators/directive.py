@@ -9,6 +9,12 @@ Slurm prolog registered before its training started) is not a failure: the resul
 Observe-only allocations (``enforce_cpu=False``, the ``none`` policy) whose worker count is what the
 job runs already send nothing: the job keeps its own num_workers (and its own autotune, if any).
 
+``tracks_ranks = True``: the controller calls it again when the job's training processes change (a
+rank joined, left, or was restarted by torchrun), even where the job's count did not: the count is the
+job's, all its ranks' together, and each rank is sent its part (``agent.server.rank_directive``), so a
+2-rank job planned 4 that lost a rank ran 2 while its plan (and ``adloader status``) said 4, for as long
+as the plan held; and a rank that joined between plans kept the part it was welcomed with.
+
 Nothing to restore on stop: a client whose agent goes away keeps its last worker count.
 
 ``may_block = False``: the controller calls it on the tick's own thread, not on an actuator lane
@@ -23,6 +29,7 @@ from agent.model import ApplyResult, JobAllocation, JobStats
 class DirectiveActuator:
     name = "directive"
     tracks_pids = False
+    tracks_ranks = True
     may_block = False
 
     def __init__(self, sink) -> None:
