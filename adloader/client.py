@@ -24,7 +24,9 @@ Invariants (STYLE 8):
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
   fork starts a fresh client only if called there, which the loader never does).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
-  applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers``. The primary
+  applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
+  growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
+  ``last_directive.applied_workers`` is the count the loader took). The primary
   is the attached loader with the longest epoch (``_epoch_batches``): its ``len()`` where it has one,
   else the most batches one epoch's iterator has handed out (its longest so far or the one running),
   counted only once it has handed out a batch (the current primary, else the first attached, on a
@@ -609,10 +611,13 @@ class _Client:
             # an agent's directive is not the job's own choice: requested_workers stays
             resize = getattr(loader, "_resize", None)
             try:
-                resize(n, own=False) if resize is not None else loader.resize(n)
+                got = resize(n, own=False) if resize is not None else loader.resize(n)
             except Warning as w:   # made an exception by the warning filters (-W error): the loader
                 # warns once the resize is done (an IterableDataset's takes effect at the next epoch)
                 log.debug("adloader client: loader.resize(%s) warned: %s", n, w)
+                got = getattr(loader, "num_workers", n)
+            if isinstance(got, int) and not isinstance(got, bool):
+                n = got     # what the loader took: less where its memory holds fewer workers
             with self._lock:
                 self._info["directives"] += 1
                 self._info["last_directive"] = {k: msg.get(k) for k in ("seq", "workers", "cpus", "cpuset", "reason")}

@@ -11,6 +11,9 @@ Same constructor, same batches in the same order as torch's DataLoader; in addit
 - ``resize(n)`` / ``num_workers = n``: growing starts workers (a started worker takes queued tasks at
   once), shrinking retires the highest ids after their current task. ``num_workers`` reports the
   target, bounded by ``max_workers``. ``resize(0)`` switches to loading in the main process.
+  A node agent's directive (``_resize(own=False)``) never grows the workers past what this process's
+  memory holds (``memory_bound_workers``: its cgroup limit or MemAvailable, whichever is tighter, at
+  the workers' measured cost); it never shrinks them for it.
 - one shared task queue, sequence numbers and a reorder buffer: every batch is delivered exactly once
   and in sampler order (``in_order=False``: as they finish), whatever the worker count and however
   often it changes. The loader owns its pool; torch's iterator internals are not used.
@@ -131,7 +134,7 @@ from adloader._sequencer import Sequencer
 from adloader._worker import (IterableFetcher, RemoteError, RngGuard, RunQueueClock, WorkerSpec, fetch_map,
                               is_datapipe, reseed_datapipe, seed_all, shard_datapipe, task_seed)
 from adloader.autotune import default_max_workers
-from adloader.memory import WorkerMemorySampler, batch_nbytes
+from adloader.memory import WorkerMemorySampler, batch_nbytes, format_bytes
 from adloader.stats import LoaderCounters, RateWindow
 
 log = logging.getLogger("adloader")
@@ -270,6 +273,7 @@ class _Core:
         self.persistent_pools: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
         self.warned_iterable_resize = False
+        self.warned_memory_bound = False    # a directive was clamped to what memory holds (one WARNING)
         self.iterable_held = False  # max_workers is the count of an IterableDataset's loader (ITERABLE_HELD_NOTE)
         self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
@@ -556,6 +560,8 @@ class DataLoader(tud.DataLoader[T_co]):
             else:
                 log.info("adloader: resize(%d) clamped to max_workers=%d", n, core.max_workers)
             n = core.max_workers
+        if not own and n > core.target:
+            n = self._memory_clamp(n)
         with core.lock:
             if core.closed:
                 return core.target
@@ -577,6 +583,50 @@ class DataLoader(tud.DataLoader[T_co]):
             # for it (autotune, the agent client) catch ``Warning`` and go on
             warnings.warn(msg, stacklevel=3)
         return n
+
+    def memory_bound_workers(self) -> Optional[int]:
+        """The most workers this loader's memory holds, by the ``num_workers="auto"`` tuner's rule
+        (``adloader.autotune.memory_cap``): its workers' measured memory now plus the room left to this
+        process (``adloader.memory.memory_room``: the least of MemAvailable and its cgroup's limit less
+        usage), less a reserve, over one worker's measured cost (its USS plus its batches in flight).
+        None where nothing is known (no worker measured yet, no room readable). Never raises."""
+        from adloader import autotune
+
+        try:
+            stats = dict(self._memory_stats(), workers=self._core.target)
+            return autotune.memory_cap(stats, *autotune.memory_limits())
+        except Exception:   # noqa: BLE001 — measurement never hurts training
+            log.debug("adloader: memory bound failed", exc_info=True)
+            return None
+
+    def _memory_clamp(self, n: int) -> int:
+        """A directive's growth to ``n`` workers, at most to what memory holds (``memory_bound_workers``),
+        never below the workers it has: an agent plans a node-wide memory budget and cannot see this
+        process's own limit (a pod's ``limits.memory``, Slurm's ConstrainRAMSpace); a worker started past
+        it meets the OOM killer, which may take the training process. Unmeasured: growth is allowed."""
+        core = self._core
+        bound = self.memory_bound_workers()
+        if bound is None or n <= bound:
+            return n
+        clamped = max(core.target, bound)
+        if not core.warned_memory_bound:
+            core.warned_memory_bound = True
+            from adloader import autotune
+
+            room, limit = autotune.memory_limits()
+            log.warning("adloader: the agent asked for %d workers; this process's memory holds %d "
+                        "(room %s under a limit of %s, %s per worker measured): keeping %d. The agent sees "
+                        "memory_bound_workers in the loader's reports (logged once per loader)", n, bound,
+                        format_bytes(room), format_bytes(limit), format_bytes(self._worker_cost()), clamped)
+        return clamped
+
+    def _worker_cost(self) -> Optional[float]:
+        """One worker's measured memory (USS plus its batches in flight), as ``memory_cap`` counts it."""
+        m = self._memory_stats()
+        n = m["memory_workers"]
+        if not n:
+            return None
+        return m["worker_uss_bytes"] / n + m["shm_inflight_bytes"] / max(1, self._core.target or n)
 
     def worker_pids(self, retiring: bool = True) -> list[int]:
         """PIDs of this loader's live worker processes (including ones finishing before retiring; a
@@ -646,6 +696,9 @@ class DataLoader(tud.DataLoader[T_co]):
             last_worker_death      the last worker that died unexpectedly: its last measured memory and
                                    the likely cause (OOM killer: SIGKILL with much memory held); "" if none
             memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
+            memory_bound_workers   the most workers this process's memory holds
+                                   (``memory_bound_workers``; None before a worker was measured): an
+                                   agent's directive never grows the workers past it
         rates              over the last ``window_s`` seconds (about 5 s):
             window_s, samples_per_s, steps_per_s, data_wait_frac (wait / (wait + compute)),
             compute_s_per_step, data_wait_s_per_step, cpu_s_per_batch, wall_s_per_batch,
@@ -672,6 +725,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if goal is not None:
             out["steps_left"] = max(0, goal[0] - (c.steps - goal[1]))
         out.update(self._memory_stats())
+        out["memory_bound_workers"] = self.memory_bound_workers()
         return out
 
     def set_total_steps(self, total_steps: Optional[int]) -> None:

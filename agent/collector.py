@@ -18,7 +18,9 @@ A job of several ranks on this node (one training process per GPU, each with its
 loader to the predictor and the policy: the ranks' loaders together, alike in a data-parallel job. Its
 batch is one step's batches of every rank (``JobStats.batch_size``: the ranks' reported sizes summed),
 its per-batch costs are that batch's (each rank's mean cost of a batch, over the ranks that have data,
-times the ranks), and its workers, requested workers and ``max_workers`` are its ranks' summed. So the
+times the ranks), and its workers, requested workers and ``max_workers`` are its ranks' summed (a
+rank's ``max_workers`` is at most the ``memory_bound_workers`` its loader reports, the workers its own
+memory limit holds, which it never grows past for a directive: ``_rank_bound``). So the
 curve's ceiling (batch over step time) is the job's, as its summed samples/s are, and a plan's worker
 count is the job's: the server splits it among the ranks (``agent.server.Server.send_directive``).
 Counting one rank's batch and workers beside the ranks' summed samples/s made a 2-rank job's curve
@@ -522,8 +524,8 @@ class Collector:
         batch_size = sum(r.batch_size for r in ranks) if ranks else 1
         workers = sum(r.workers for r in ranks)
         requested = sum(r.requested_workers for r in ranks)
-        max_workers = (None if not ranks or any(r.max_workers is None for r in ranks)
-                       else sum(r.max_workers for r in ranks))
+        max_workers = (None if not ranks or any(_rank_bound(r) is None for r in ranks)
+                       else sum(_rank_bound(r) for r in ranks))
         observed_s = window_s = 0.0
         w_steps = w_samples = 0.0           # the ranks' last windows: their batch size (window_batch_size)
         w_ranks = 0
@@ -703,3 +705,15 @@ def _process_cpu(pid: int, proc_root: str = "/proc") -> Optional[tuple[float, fl
         return (int(rest[11]) + int(rest[12])) / tick, uptime - int(rest[19]) / tick
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _rank_bound(rank) -> Optional[int]:
+    """The most workers a rank's loader takes: its ``max_workers``, and at most the
+    ``memory_bound_workers`` of its latest report (what its process's memory holds, by its own cgroup
+    limit, which the agent cannot read: ``adloader.DataLoader.memory_bound_workers``; at least 1).
+    None where neither is known."""
+    bound = rank.max_workers
+    mem = (rank.stats or {}).get("memory_bound_workers")
+    if isinstance(mem, int) and not isinstance(mem, bool) and 1 <= mem <= 1_000_000:
+        bound = mem if bound is None else min(bound, mem)
+    return bound

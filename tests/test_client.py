@@ -991,3 +991,45 @@ def test_an_agent_that_answers_each_hello_with_an_error_gets_hellos_at_the_back_
     finally:
         _detach_all(lo)
         agent.close()
+
+
+def test_a_directive_past_the_jobs_own_memory_is_clamped_and_the_agent_sees_the_bound(base, endpoint_env,
+                                                                                      monkeypatch, caplog):
+    """The agent's loader memory budget is node-wide; a job's own limit (a pod's ``limits.memory``,
+    Slurm's ConstrainRAMSpace) it cannot see. A directive for 6 workers to a real loader whose 2
+    workers hold 1 GiB each, with 2.5 GiB left under its 8 GiB limit, started all 6 and the OOM killer
+    followed. The loader keeps 3 (what its memory holds, less the reserve), says so once at WARNING,
+    and its reports carry workers 3 and ``memory_bound_workers`` 3, which the agent's worker bound takes."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader, memory
+
+    gib = 1 << 30
+    monkeypatch.setattr(memory, "process_memory", lambda pid, proc_root="/proc": memory.ProcessMemory(
+        pid=pid, rss=gib, pss=gib, uss=gib))
+    room = lambda: 9 * gib // 2 - gib * len(loader.worker_pids())     # noqa: E731 — each worker takes 1 GiB
+    monkeypatch.setattr(memory, "memory_room", lambda *a, **k: room())
+    monkeypatch.setattr(memory, "cgroup_memory", lambda *a, **k: memory.CgroupMemory(8 * gib, 8 * gib - room(), "/x"))
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(4000)), batch_size=4, num_workers=2, max_workers=8)
+    try:
+        it = iter(loader)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        wait_for(lambda: next(it) is not None and loader.stats()["memory_bound_workers"] == 3,
+                 what="both workers measured")
+        with caplog.at_level("WARNING", logger="adloader"):
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=6, reason="grow"))
+            wait_for(lambda: client.state().get("last_directive"), what="the directive applied")
+        assert client.state()["last_directive"]["applied_workers"] == 3
+        assert loader.num_workers == 3
+        warned = [r.getMessage() for r in caplog.records if "memory holds" in r.getMessage()]
+        assert len(warned) == 1 and "asked for 6 workers" in warned[0]
+        _, rep = agent.recv("report")
+        _, rep = agent.recv("report")       # one sent after the directive
+        assert rep["stats"]["workers"] == 3 and rep["stats"]["memory_bound_workers"] == 3
+        next(it)
+    finally:
+        loader.close()
+        agent.close()

@@ -503,3 +503,55 @@ def test_a_sigkilled_worker_is_reported_with_its_last_memory_and_the_likely_caus
         assert dl.stats()["last_worker_death"].startswith(f"worker pid {victim}: last measured memory")
     finally:
         dl.close()
+
+
+# -- an agent's directive: the process's own memory bounds the growth it asks for -----------------
+
+def _fake_memory(monkeypatch, uss: int, room: int, limit: int) -> None:
+    """Every worker measured at ``uss`` bytes; ``room`` left under a cgroup ``limit`` (read only)."""
+    monkeypatch.setattr(memory, "process_memory", lambda pid, proc_root="/proc": memory.ProcessMemory(
+        pid=pid, rss=uss, pss=uss, uss=uss))
+    monkeypatch.setattr(memory, "memory_room", lambda *a, **k: room)
+    monkeypatch.setattr(memory, "cgroup_memory", lambda *a, **k: memory.CgroupMemory(limit, limit - room, "/x"))
+    monkeypatch.setattr(memory, "meminfo", lambda *a, **k: (64 << 30, 32 << 30))
+
+
+def test_a_directive_grows_workers_only_as_far_as_the_processs_memory_holds(monkeypatch, caplog):
+    """A pod's ``limits.memory`` (or Slurm's ConstrainRAMSpace) is invisible to the agent, whose memory
+    budget is node-wide: a directive asked for workers the job could not hold, and the OOM killer took
+    a worker or the trainer. 2 workers of 1 GiB, 2.5 GiB left under an 8 GiB limit, 0.8 GiB reserve:
+    (2 + 2.5 - 0.8) GiB / 1 GiB holds 3 workers."""
+    _fake_memory(monkeypatch, uss=1 << 30, room=5 << 29, limit=8 << 30)
+    dl = DataLoader(list(range(400)), batch_size=4, num_workers=2, max_workers=8)
+    try:
+        it = iter(dl)
+        for _ in range(8):
+            next(it)
+        assert dl.stats()["memory_bound_workers"] == 3
+        with caplog.at_level("WARNING", logger="adloader"):
+            assert dl._resize(6, own=False) == 3                   # clamped to what memory holds
+            _fake_memory(monkeypatch, uss=1 << 30, room=3 << 29, limit=8 << 30)   # the third took 1 GiB
+            assert dl._resize(7, own=False) == 3                   # again: no second warning
+        warned = [r.getMessage() for r in caplog.records if "memory holds" in r.getMessage()]
+        assert len(warned) == 1 and "asked for 6 workers" in warned[0] and "keeping 3" in warned[0]
+        assert dl.num_workers == 3 and dl.requested_workers == 2
+        assert dl._resize(1, own=False) == 1                       # shrinking is the agent's to ask
+        assert dl.resize(5) == 5                                   # the job's own count is its own
+        _fake_memory(monkeypatch, uss=1 << 30, room=0, limit=8 << 30)
+        dl.stats()
+        assert dl._resize(8, own=False) == 5                       # no room: never shrunk for it
+        assert sorted(sum((b.tolist() for b in it), [])) == list(range(32, 400))
+    finally:
+        dl.close()
+
+
+def test_a_directive_to_a_loader_with_no_worker_measured_is_applied(monkeypatch):
+    """Before a worker has run there is nothing to measure a worker's cost by: growth is allowed (as
+    for ``num_workers="auto"``); the bound applies from the first sample on."""
+    _fake_memory(monkeypatch, uss=1 << 30, room=0, limit=8 << 30)
+    dl = DataLoader(list(range(40)), batch_size=4, num_workers=0, max_workers=4)
+    try:
+        assert dl.stats()["memory_bound_workers"] is None
+        assert dl._resize(3, own=False) == 3
+    finally:
+        dl.close()

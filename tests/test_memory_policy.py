@@ -399,6 +399,31 @@ def test_injected_pressure_shrinks_workers_within_two_ticks_and_they_grow_back()
     assert any("growing back" in note and "growing back" in why for note, why in notes)
 
 
+def test_a_loaders_memory_bound_is_the_jobs_worker_bound():
+    """A loader refuses a directive's growth past what its own memory limit holds (the agent cannot read
+    a container's limit) and reports ``memory_bound_workers``: the job's ``max_workers`` takes it, so
+    the plan gives no cores to workers the job cannot hold, and the directive matches the loader."""
+    reg = Registry()
+    me = os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"id0",
+              {"job": "pod", "rank": 0, "pid": me, "gpus": ["0"], "batch_size": 32, "workers": 2,
+               "max_workers": 8}, 0.0)
+    col = Collector(reg, loader_cpus=8.0, cpu_ids=tuple(range(8)))
+    stats = {**_report(1.0, 2, 1 * GiB, 10), "max_workers": 8, "memory_bound_workers": 3}
+    reg.report(b"id0", Peer(os.getuid(), 0, me), {"job": "pod", "rank": 0, "pid": me, "worker_pids": [],
+                                                   "stats": stats}, 1.0)
+    col.on_report("pod", 0, me, stats, 1.0)
+    job = col.snapshot(1.0).jobs["pod"]
+    assert job.max_workers == 3
+    ctl = Controller(snapshot_source=col.snapshot, policy=adaptive, policy_config=PolicyConfig(),
+                     predictor=PredictorBank(prior=None), actuators=[WorkersFollowDirectives()])
+    assert ctl.tick(1.0).plan.allocations["pod"].workers <= 3
+    stats["memory_bound_workers"] = None                  # nothing measured: the loader's own bound alone
+    reg.report(b"id0", Peer(os.getuid(), 0, me), {"job": "pod", "rank": 0, "pid": me, "worker_pids": [],
+                                                   "stats": stats}, 2.0)
+    assert col.snapshot(2.0).jobs["pod"].max_workers == 8
+
+
 # -- config ----------------------------------------------------------------------------------------
 
 def test_loader_memory_config_units_sources_and_errors(tmp_path):
