@@ -1081,7 +1081,8 @@ def test_stats_keys_and_counters():
     for _ in dl:
         pass
     s = dl.stats()
-    assert tuple(s) == TOTAL_KEYS + ("rates",) + memory.STATS_KEYS + ("memory",)
+    assert tuple(s) == TOTAL_KEYS + ("rates",) + memory.STATS_KEYS + ("memory", "memory_bound_workers")
+    assert s["memory_bound_workers"] is None or s["memory_bound_workers"] >= 0   # what memory holds (c616e74)
     assert tuple(s["rates"]) == RATE_KEYS
     assert s["steps"] == 6 and s["samples"] == 24 and s["batches"] >= 6
     assert s["workers"] == 2 and s["max_workers"] == 2 and s["requested_workers"] == 2 and s["batch_size"] == 4
