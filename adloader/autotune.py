@@ -166,16 +166,24 @@ def memory_cap(stats: dict, room: float | None, limit: float | None) -> int | No
 
     ``stats``: ``loader.stats()``; ``room``: bytes more the process may take (None = unknown: no cap);
     ``limit``: the cgroup limit, else MemTotal, for the reserve. None when no worker was measured."""
-    n = stats.get("memory_workers") or 0
-    if room is None or n <= 0:
+    if room is None:
         return None
-    uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
-    held = uss + shm
-    per = uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
-    if per <= 0:
+    per = worker_cost(stats)
+    if per is None or per <= 0:
         return None
+    held = float(stats.get("worker_uss_bytes") or 0) + float(stats.get("shm_inflight_bytes") or 0)
     reserve = max(MEMORY_RESERVE_MIN, MEMORY_RESERVE_FRAC * limit) if limit else MEMORY_RESERVE_MIN
     return max(1, int((held + room - reserve) // per))
+
+
+def worker_cost(stats: dict) -> float | None:
+    """One worker's measured memory, as ``memory_cap`` counts it: its mean USS plus its part of the
+    batches in flight. None when no worker was measured."""
+    n = stats.get("memory_workers") or 0
+    if n <= 0:
+        return None
+    uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
+    return uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
 
 
 def memory_limits() -> tuple[float | None, float | None]:

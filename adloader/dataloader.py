@@ -584,16 +584,17 @@ class DataLoader(tud.DataLoader[T_co]):
             warnings.warn(msg, stacklevel=3)
         return n
 
-    def memory_bound_workers(self) -> Optional[int]:
+    def memory_bound_workers(self, memory_stats: Optional[dict] = None) -> Optional[int]:
         """The most workers this loader's memory holds, by the ``num_workers="auto"`` tuner's rule
         (``adloader.autotune.memory_cap``): its workers' measured memory now plus the room left to this
         process (``adloader.memory.memory_room``: the least of MemAvailable and its cgroup's limit less
         usage), less a reserve, over one worker's measured cost (its USS plus its batches in flight).
-        None where nothing is known (no worker measured yet, no room readable). Never raises."""
+        None where nothing is known (no worker measured yet, no room readable). Never raises.
+        ``memory_stats``: ``_memory_stats()`` where the caller has it (``stats``), not sampled again."""
         from adloader import autotune
 
         try:
-            stats = dict(self._memory_stats(), workers=self._core.target)
+            stats = dict(memory_stats or self._memory_stats(), workers=self._core.target)
             return autotune.memory_cap(stats, *autotune.memory_limits())
         except Exception:   # noqa: BLE001 — measurement never hurts training
             log.debug("adloader: memory bound failed", exc_info=True)
@@ -617,16 +618,10 @@ class DataLoader(tud.DataLoader[T_co]):
             log.warning("adloader: the agent asked for %d workers; this process's memory holds %d "
                         "(room %s under a limit of %s, %s per worker measured): keeping %d. The agent sees "
                         "memory_bound_workers in the loader's reports (logged once per loader)", n, bound,
-                        format_bytes(room), format_bytes(limit), format_bytes(self._worker_cost()), clamped)
+                        format_bytes(room), format_bytes(limit),
+                        format_bytes(autotune.worker_cost(dict(self._memory_stats(), workers=core.target))),
+                        clamped)
         return clamped
-
-    def _worker_cost(self) -> Optional[float]:
-        """One worker's measured memory (USS plus its batches in flight), as ``memory_cap`` counts it."""
-        m = self._memory_stats()
-        n = m["memory_workers"]
-        if not n:
-            return None
-        return m["worker_uss_bytes"] / n + m["shm_inflight_bytes"] / max(1, self._core.target or n)
 
     def worker_pids(self, retiring: bool = True) -> list[int]:
         """PIDs of this loader's live worker processes (including ones finishing before retiring; a
@@ -724,8 +719,9 @@ class DataLoader(tud.DataLoader[T_co]):
         goal = core.steps_goal
         if goal is not None:
             out["steps_left"] = max(0, goal[0] - (c.steps - goal[1]))
-        out.update(self._memory_stats())
-        out["memory_bound_workers"] = self.memory_bound_workers()
+        mem = self._memory_stats()
+        out.update(mem)
+        out["memory_bound_workers"] = self.memory_bound_workers(mem)
         return out
 
     def set_total_steps(self, total_steps: Optional[int]) -> None:
