@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,7 @@ def run_phase(tree: Path, policy: str, warmup_s: float, measure_s: float, run_di
         for p, _ in procs.values():
             p.stop()
         agent.stop()
+        shutil.rmtree(sock, ignore_errors=True)     # the agent's socket and state: the run's records are in run_dir
     rates = {name: M.rate_between([r for r in rd.records if "samples" in r], "samples", t0, t1)
              for name, (_, rd) in procs.items()}
     rank_ceiling = RANK_SPEC["batch_size"] / RANK_SPEC["step_s"]

@@ -273,7 +273,7 @@ def run_transformers() -> dict:
     def train(cls, epochs, torch_workers=0, **extra):
         rec = Recorder()
         args = transformers.TrainingArguments(
-            output_dir=tempfile.mkdtemp(prefix="adl-fw-hf-"), per_device_train_batch_size=BATCH,
+            output_dir=scratch, per_device_train_batch_size=BATCH,
             num_train_epochs=epochs, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
             disable_tqdm=True, seed=SEED, ddp_backend="gloo" if WORLD > 1 else None, learning_rate=0.01,
             dataloader_num_workers=torch_workers, per_device_eval_batch_size=BATCH)
@@ -306,9 +306,11 @@ def run_transformers() -> dict:
             ev.close()
         return summary, user
 
-    run, user = train(Trainer, EPOCHS, adloader_num_workers=1, adloader_max_workers=2)
-    auto_run, auto = train(Trainer, 1, adloader_num_workers="auto", adloader_max_workers=2)
-    ref, _ = train(transformers.Trainer, EPOCHS, torch_workers=1)
+    # the Trainer's output_dir (nothing is saved there: save_strategy "no"), removed afterwards
+    with tempfile.TemporaryDirectory(prefix="adl-fw-hf-") as scratch:
+        run, user = train(Trainer, EPOCHS, adloader_num_workers=1, adloader_max_workers=2)
+        auto_run, auto = train(Trainer, 1, adloader_num_workers="auto", adloader_max_workers=2)
+        ref, _ = train(transformers.Trainer, EPOCHS, torch_workers=1)
     return {"runs": {"trainer": run, "auto": auto_run, "torch": ref}, "handles": [user, auto]}
 
 
