@@ -78,6 +78,12 @@ for the ones the command line offers):
                            its workers received a smaller part of their cores than the other CPU-bound
                            jobs' (``agent.policies._delivery_factors``); default 1.0 (off: measured
                            within noise on 2 cores, BENCHMARKS.md, thirty-fifth pass)
+    delivery_workers  int  0..8, adaptive with CPU weights (the shares knob): the most workers a
+                           CPU-bound job gets over its thread split when its workers received less of its
+                           planned cores than the other CPU-bound jobs' did (``agent.policies.
+                           _delivery_workers``: a contended CPU on a small node is shared per thread more
+                           than per group weight, and one worker beside several receives less); default 0
+                           (off)
     finish_guard    bool   adaptive: when every job says how many steps it has left (the loader's
                            ``total_steps``), the jobs whose remaining time sets the node's finishing time
                            get the cores they can use before the rest is shared for throughput
@@ -188,6 +194,7 @@ class AgentConfig:
     delivery_correction: float = 1.0
     observed_cores: str = "share"
     cpu_bound_min_workers: int = 1
+    delivery_workers: int = 0
     finish_guard: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
@@ -382,6 +389,8 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("observed_cores", f"must be one of {', '.join(OBSERVED_CORES)}")
     if not 1 <= cfg.cpu_bound_min_workers <= 64:
         bad("cpu_bound_min_workers", "must be in 1..64")
+    if not 0 <= cfg.delivery_workers <= 8:
+        bad("delivery_workers", "must be in 0..8")
     if isinstance(cfg.loader_memory, int) and cfg.loader_memory < (64 << 20):
         bad("loader_memory", "must be at least 64 MiB (or \"auto\" or \"off\")")
     if not 0 < cfg.memory_pressure_psi <= 100:

@@ -806,11 +806,13 @@ class Controller:
         submitted to its actuator's lane (``_submit``); None if nothing differs."""
         held = self._applied.get(job.job)
         if held is not None and same_allocation(held, desired) \
-                and (held.reason, held.cold, held.budget) != (desired.reason, desired.cold, desired.budget):
+                and (held.reason, held.cold, held.budget, held.extra_workers) != \
+                (desired.reason, desired.cold, desired.budget, desired.extra_workers):
             # what is in force stays; its record follows the policy (why it holds, whether the plan still
-            # holds a cold-start rule's allocation, the budget it split: adaptive's hold reads them)
+            # holds a cold-start rule's allocation, the budget it split, which of its workers are over its
+            # thread split: adaptive's hold reads them)
             self._applied[job.job] = dataclasses.replace(held, reason=desired.reason, cold=desired.cold,
-                                                         budget=desired.budget)
+                                                         budget=desired.budget, extra_workers=desired.extra_workers)
         todo = []
         for i, act in enumerate(self._actuators):
             if not same_allocation(self._applied_by[i].get(job.job), desired):

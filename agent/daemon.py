@@ -21,8 +21,8 @@ A tick never raises out of the loop.
 Signals: SIGTERM/SIGINT stop cleanly (``controller.stop()`` restores every original value the
 actuators changed, the socket file is removed, the journal is kept for the next start); SIGHUP
 reloads the config file (policy, tick_s, heartbeat_s, loader_cpus, max_jobs, hysteresis, min_confidence,
-fairness_floor, floor_fraction, floor_reference, floor_allotment, delivery_correction, observed_cores, cpu_bound_min_workers,
-finish_guard, log_level,
+fairness_floor, floor_fraction, floor_reference, floor_allotment, delivery_correction, delivery_workers, observed_cores,
+cpu_bound_min_workers, finish_guard, log_level,
 unseen_job_timeout_s, actuator_timeout_s
 take effect at once; endpoint, state_dir, cgroup settings and metrics_port need a restart and are reported as such).
 
@@ -72,7 +72,7 @@ log = logging.getLogger("agent.daemon")
 # the keys whose change rebuilds the controller (its policy and what the policy is told)
 POLICY_KEYS = ("policy", "hysteresis", "min_confidence", "fairness_floor", "floor_fraction", "floor_reference",
                "floor_allotment", "delivery_correction",
-               "observed_cores", "cpu_bound_min_workers", "finish_guard")
+               "observed_cores", "cpu_bound_min_workers", "delivery_workers", "finish_guard")
 RELOADABLE = POLICY_KEYS + ("tick_s", "heartbeat_s", "loader_cpus", "max_jobs", "log_level", "unseen_job_timeout_s",
                             "actuator_timeout_s",
                             "loader_memory", "memory_pressure_psi", "memory_min_available")
@@ -120,7 +120,8 @@ def _policy_config(cfg: AgentConfig):
                         delivery_correction=cfg.delivery_correction,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores,
-                        cpu_bound_min_workers=cfg.cpu_bound_min_workers, finish_guard=cfg.finish_guard)
+                        cpu_bound_min_workers=cfg.cpu_bound_min_workers, delivery_workers=cfg.delivery_workers,
+                        finish_guard=cfg.finish_guard)
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")

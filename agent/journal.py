@@ -81,6 +81,8 @@ def _check_alloc(p: str, job: str, a) -> JobAllocation:
          "null or a number >= 0", a.get("budget"))
     need(is_num(a.get("delivery", 1.0)) and a.get("delivery", 1.0) >= 1.0, p, f"{w}.delivery", "a number >= 1",
          a.get("delivery"))
+    need(is_int(a.get("extra_workers", 0), 0, 1_000_000), p, f"{w}.extra_workers", "an integer >= 0",
+         a.get("extra_workers"))
     return alloc_from_dict(dict(a, job=job))
 
 

@@ -36,6 +36,8 @@ class JobAllocation:
                                           # record, so that a re-plan keeps the budget in force (its sticky rule)
     delivery: float = 1.0                 # the factor its CPU weight carries over its cores so that it receives
                                           # them (adaptive's ``delivery_correction``; 1 = none)
+    extra_workers: int = 0                # of ``workers``, those over its thread split because its workers received
+                                          # less of its cores than the other CPU-bound jobs' (``delivery_workers``)
 
     @property
     def weight_cores(self) -> float:

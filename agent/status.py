@@ -56,6 +56,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                             knob: a job planned all the cores it can use weighs the loader CPUs), else null
         delivery            the factor its CPU weight carries over ``cpus`` so that it receives them (adaptive's
                             ``delivery_correction``; 1 = none), null before any apply
+        extra_workers       of ``workers``, those over the plan's thread split because the job's workers received
+                            less of its cores than the other CPU-bound jobs' (adaptive's ``delivery_workers``;
+                            0 = none), null before any apply
         cpuset[]            exclusive CPUs in force, null if not pinned
         desired_workers     what the last plan wants (may differ from workers while a directive travels)
         desired_cpus
@@ -151,6 +154,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "cpus": _r(a.cpus) if a is not None else None,
             "cpu_weight": _r(a.cpu_weight) if a is not None and a.cpu_weight is not None else None,
             "delivery": _r(a.delivery) if a is not None else None,
+            "extra_workers": a.extra_workers if a is not None else None,
             "cpuset": list(a.cpuset) if a is not None and a.cpuset else None,
             "desired_workers": desired.workers if desired is not None else None,
             "desired_cpus": _r(desired.cpus) if desired is not None else None,

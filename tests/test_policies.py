@@ -586,6 +586,59 @@ def test_delivery_correction_raises_the_weight_of_a_job_that_receives_less_than_
         PolicyConfig(delivery_correction=0.5)
 
 
+def test_delivery_workers_give_a_job_that_receives_less_than_its_cores_one_worker_more():
+    """A kernel that shares a contended CPU per thread, a lone worker getting three quarters of a thread's
+    part (the 2-core VM: one worker received 0.78 of its planned cores, two 1.16): with delivery_workers
+    the one-worker job gets a second worker once its allocation has settled, keeps it while it stays
+    CPU-bound (a hold included), and its neighbour, now receiving less than its part, gets its own;
+    cores untouched; never over a job's max_workers; nothing without a data wait, before the allocations
+    settle, or by default."""
+    s = snap("dev-2vcpu", [job("two", "heavy", gpus=2, max_workers=8), job("one", "heavy", max_workers=8)])
+    cv = curves_of(s)
+    assert PolicyConfig().delivery_workers == 0
+    cfg = PolicyConfig(cpu_weights=True, delivery_workers=1)
+    first = dict(get_policy("adaptive")(s, cv, cfg).allocations)
+    assert (first["one"].workers, first["two"].workers) == (1, 2), first
+    assert all(a.extra_workers == 0 for a in first.values())
+
+    def kernel(applied):
+        w = {j: (a.workers if a.workers > 1 else 0.75) for j, a in applied.items()}
+        return {j: 1.6 * w[j] / sum(w.values()) for j in w}
+
+    def decide(applied, config=cfg, **kw):
+        now = dataclasses.replace(_received(s, kernel(applied)), applied=dict(applied), **kw)
+        plan = get_policy("adaptive")(now, cv, config)
+        check_invariants(plan, now, config)
+        return plan.allocations
+
+    got = decide(first)
+    assert (got["one"].workers, got["one"].extra_workers) == (2, 1), got
+    assert "+1 worker (its workers received 0.44 of 0.60 cores)" in got["one"].reason
+    assert (got["two"].workers, got["two"].extra_workers) == (2, 0)
+    assert all(got[j].cpus == pytest.approx(first[j].cpus) for j in got)
+    got = decide(got)           # two workers each: "two" now receives less than its part, "one" keeps its own
+    assert (got["one"].workers, got["two"].workers) == (2, 3) and got["two"].extra_workers == 1, got
+    again = decide(got)         # stable: at most delivery_workers over the split, kept while CPU-bound
+    assert {j: (a.workers, a.extra_workers) for j, a in again.items()} == {"one": (2, 1), "two": (3, 1)}
+    # nothing before the allocations have been in force DELIVERY_SETTLE_S
+    young = decide(first, applied_age_s={"one": 1.0, "two": 10.0})
+    assert young["one"].workers == 1 and young["one"].extra_workers == 0
+    # nothing where the GPU did not wait for data (its loader is not what holds it back)
+    fed = dataclasses.replace(s, jobs={j: dataclasses.replace(st, worker_cpu_cores=kernel(first)[j], data_wait_frac=0.0)
+                                       for j, st in s.jobs.items()}, applied=dict(first))
+    assert get_policy("adaptive")(fed, cv, cfg).allocations["one"].workers == 1
+    # never over the job's worker bound
+    capped = snap("dev-2vcpu", [job("two", "heavy", gpus=2, max_workers=8), job("one", "heavy", max_workers=1)])
+    c_first = dict(get_policy("adaptive")(capped, cv, cfg).allocations)
+    now = dataclasses.replace(_received(capped, kernel(c_first)), applied=c_first)
+    assert get_policy("adaptive")(now, cv, cfg).allocations["one"].workers == 1
+    # off (0, the default): the same window changes nothing
+    off = decide(first, config=PolicyConfig(cpu_weights=True))
+    assert all(a.extra_workers == 0 and a.workers == first[j].workers for j, a in off.items())
+    with pytest.raises(ValueError, match="delivery_workers"):
+        PolicyConfig(delivery_workers=-1)
+
+
 def test_restart_cost_is_charged():
     s = snap("dev-2vcpu", [job("a", "heavy"), job("b", "io")])
     cv = curves_of(s)

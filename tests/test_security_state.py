@@ -98,7 +98,8 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
         "b": {"job": "b", "workers": 1, "cpus": 0.5, "reason": "ok"},
         "c": {"job": "c", "workers": 1, "cpus": 0.5, "cpu_weight": -1},
         "d": {"job": "d", "workers": 1, "cpus": 0.5, "budget": "all"},
-        "e": {"job": "e", "workers": 1, "cpus": 0.5, "delivery": 0.5}},
+        "e": {"job": "e", "workers": 1, "cpus": 0.5, "delivery": 0.5},
+        "f": {"job": "f", "workers": 2, "cpus": 0.5, "extra_workers": -1}},
         "jobs": {
             "x": {"uid": 5, "registered": True, "reg_cpus": "two"},
             "y": {"uid": 5, "registered": True, "reg_cpus": 2},
@@ -109,9 +110,9 @@ def test_journal_entries_with_wrong_types_are_dropped_one_by_one_and_named(tmp_p
     assert list(doc["jobs"]) == ["y"]
     text = "\n".join(doc["problems"])
     for what in ("applied['a'].cpus", "applied['c'].cpu_weight", "applied['d'].budget", "applied['e'].delivery",
-                 "jobs['x'].reg_cpus", "a job id", "jobs['z'].ranks['0'].pid"):
+                 "applied['f'].extra_workers", "jobs['x'].reg_cpus", "a job id", "jobs['z'].ranks['0'].pid"):
         assert what in text, (what, text)
-    assert text.count(p) == 7
+    assert text.count(p) == 8
 
 
 @pytest.mark.unit
