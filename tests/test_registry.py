@@ -300,3 +300,20 @@ def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restar
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_hello_whose_rank_is_not_below_its_world_size_is_refused_and_one_that_says_none_is_taken():
+    """Rank 3 of a world of 2 joined its job as a third rank (its directive then split three ways).
+    Refused ``malformed`` before the registry changes, naming both values; a hello that does not say
+    its world size, or says 1 (what a client sends when neither WORLD_SIZE nor SLURM_NTASKS is set),
+    is taken as before."""
+    me = os.getpid()
+    peer = Peer(os.getuid(), 0, me)
+    reg = Registry()
+    with pytest.raises(Refused, match=r"rank 3 is not below world_size 2 \(ranks are numbered 0 to "
+                                      r"world_size - 1: check RANK and WORLD_SIZE") as e:
+        reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me, "world_size": 2}, 0.0)
+    assert e.value.code == "malformed"
+    assert reg.jobs == {} and reg.version == 0
+    assert reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me}, 0.0).world_size == 1
+    assert reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me, "world_size": 1}, 0.0).rank == 3
