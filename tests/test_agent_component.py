@@ -444,3 +444,30 @@ def test_a_hello_whose_rank_is_not_below_its_world_size_is_refused_naming_both(b
         assert "fine" in jobs and not jobs & {"over", "more", "neg", "zero"}
     finally:
         ctx.term()
+
+
+def test_a_rank_that_joins_late_gets_its_share_of_the_plan_at_its_hello_and_its_peer_too(base, trainers):
+    """A 2-rank job under ``adaptive`` whose rank 0 was planned alone (3 workers for 3 cores): rank 1's
+    hello brings it the plan over the 2 ranks now known (2 workers, 1.5 cores), and rank 0 gets the same
+    directive (one seq), before any tick re-plans. Before, rank 1 was welcomed with the plan for one
+    rank (3), and the job ran 3 workers on each rank until the next tick (a tick of 5 s here; ``tick_s``
+    on a node)."""
+    agent = AgentProc(base, "--policy", "adaptive", "--loader-cpus", "3", "--tick-s", "5").start()
+    try:
+        env = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"} for r in (0, 1)]
+        r0 = Trainer(base, agent.endpoint, job="late", workers=1, env=env[0])
+        trainers.append(r0)
+        wait_for(lambda: (r0.state().get("last_directive") or {}).get("workers") == 3, 30,
+                 what="rank 0 planned alone")
+        r1 = Trainer(base, agent.endpoint, job="late", workers=1, env=env[1])
+        trainers.append(r1)
+        st = wait_for(lambda: (s := r1.state()).get("directives", 0) >= 1 and s, 30, what="rank 1's first directive")
+        first = st["last_directive"]     # the welcome's (the next tick is seconds away)
+        assert first["workers"] == 2 and first["cpus"] == pytest.approx(1.5), first
+        d0 = wait_for(lambda: (d := r0.state().get("last_directive") or {}).get("seq", 0) >= first["seq"] and d,
+                      10, what="rank 0's new part")
+        assert d0["workers"] == 2 and d0["cpus"] == pytest.approx(1.5), d0
+        wait_for(lambda: r0.state().get("num_workers") == 2 and r1.state().get("num_workers") == 2, 10,
+                 what="each rank runs its part")
+    finally:
+        agent.stop()
