@@ -274,6 +274,7 @@ class _Core:
         self.closed = False
         self.warned_iterable_resize = False
         self.warned_memory_bound = False    # a directive was clamped to what memory holds (one WARNING)
+        self.memory_bound: Optional[int] = None   # the last memory_bound_workers (its band: memory_cap's previous)
         self.iterable_held = False  # max_workers is the count of an IterableDataset's loader (ITERABLE_HELD_NOTE)
         self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
@@ -590,12 +591,19 @@ class DataLoader(tud.DataLoader[T_co]):
         process (``adloader.memory.memory_room``: the least of MemAvailable and its cgroup's limit less
         usage), less a reserve, over one worker's measured cost (its USS plus its batches in flight).
         None where nothing is known (no worker measured yet, no room readable). Never raises.
+        It holds its last value while MemAvailable moves by noise (page cache): it tightens on a real
+        shortage and loosens with a margin (``memory_cap``'s ``previous``), so an agent's plan does not
+        move the workers up and down with the page cache.
         ``memory_stats``: ``_memory_stats()`` where the caller has it (``stats``), not sampled again."""
         from adloader import autotune
 
+        core = self._core
         try:
-            stats = dict(memory_stats or self._memory_stats(), workers=self._core.target)
-            return autotune.memory_cap(stats, *autotune.memory_limits())
+            stats = dict(memory_stats or self._memory_stats(), workers=core.target)
+            bound = autotune.memory_cap(stats, *autotune.memory_limits(), previous=core.memory_bound)
+            if bound is not None:
+                core.memory_bound = bound
+            return bound
         except Exception:   # noqa: BLE001 — measurement never hurts training
             log.debug("adloader: memory bound failed", exc_info=True)
             return None
