@@ -196,12 +196,18 @@ def memory_cap(stats: dict, room: float | None, limit: float | None, previous: i
 
 def worker_cost(stats: dict) -> float | None:
     """One worker's measured memory, as ``memory_cap`` counts it: its mean USS plus its part of the
-    batches in flight. None when no worker was measured."""
+    batches in flight, and never less than the most one worker was measured to cost since the loader's
+    workers first ran (``worker_cost_peak_bytes`` of ``adloader.DataLoader.stats()``, where the stats
+    carry it). A worker's USS grows as it reads a dataset of Python objects (copy-on-read,
+    ``adloader.memory``): measured right after workers start (a new epoch's, or one started by a
+    resize), the mean understates what they will hold by the end of the epoch. None when no worker was
+    measured."""
     n = stats.get("memory_workers") or 0
     if n <= 0:
         return None
     uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
-    return uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    now = uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    return max(now, float(stats.get("worker_cost_peak_bytes") or 0))
 
 
 def memory_limits() -> tuple[float | None, float | None]:

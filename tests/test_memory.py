@@ -497,6 +497,54 @@ def test_a_loaders_memory_bound_under_a_moving_memavailable_does_not_churn_the_a
         dl.close()
 
 
+def test_a_workers_cost_never_falls_below_the_most_seen_though_new_workers_start_small():
+    """Real workers reading a list of Python objects copy the objects' pages as they touch them (their
+    USS grows over the epoch). Workers started mid-epoch (a resize) and a new epoch's workers
+    (``persistent_workers=False``) measure small again at first: the mean cost fell, and with it the
+    worker cost that ``memory_bound_workers`` and the agent plan by (measured here: 9 MiB at an epoch's
+    start, 31 MiB at its end, 24 -> 20 MiB at the resize), so both allowed workers the node could not
+    hold by the epoch's end. The cost (``autotune.worker_cost`` of ``stats()``, and the agent's
+    ``JobStats.worker_memory_bytes`` from the same reports) now never falls below the most seen."""
+    from adloader import autotune
+    from agent.collector import Collector
+    from agent.registry import Registry
+    from agent.security import Peer
+
+    def raw(s):      # one worker's cost by the workers now: their mean USS plus a share of the batches
+        return s["worker_uss_bytes"] / s["memory_workers"] + s["shm_inflight_bytes"] / max(1, s["workers"])
+
+    reg, me = Registry(), os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"r0", {"job": "j", "rank": 0, "pid": me, "batch_size": 100}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    dl = DataLoader(ObjectRows(200_000), batch_size=100, num_workers=2, max_workers=4, persistent_workers=False,
+                    multiprocessing_context="fork")
+    dl._core.memory.every_s, dl._core.memory.max_overhead = 0.0, 1.0    # a sample at each stats()
+    seen = []        # (epoch, batch, raw cost, the loader's cost, the agent's cost)
+    try:
+        t = 0.0
+        for epoch in range(2):
+            for i, _ in enumerate(dl):
+                if epoch == 0 and i == 1000:
+                    dl.resize(3)                # a worker started mid-epoch: it has copied nothing yet
+                if i % 100 == 0 or i in (1001, 1003, 1990) or (epoch == 1 and i < 5):
+                    s = dl.stats()
+                    if s["memory_workers"]:
+                        t += 1.0
+                        col.on_report("j", 0, me, dict(s, uptime_s=t), t)
+                        job = col.snapshot(t).jobs["j"]
+                        seen.append((epoch, i, raw(s), autotune.worker_cost(s), job.worker_memory_bytes))
+        costs = [c for _, _, _, c, _ in seen]
+        assert all(b >= a for a, b in zip(costs, costs[1:])), seen                 # never falls
+        assert [x[4] for x in seen] == pytest.approx(costs), seen                 # the agent's: the same
+        most0 = max(r for e, _, r, _, _ in seen if e == 0)
+        start1 = [x for x in seen if x[0] == 1][0]
+        assert start1[2] < 0.8 * most0, seen          # the new epoch's workers measure small at first ...
+        assert start1[3] >= most0                     # ... and are counted at the most seen
+        assert dl.stats()["worker_cost_peak_bytes"] == pytest.approx(costs[-1])
+    finally:
+        dl.close()
+
+
 def test_tuner_sheds_workers_over_its_memory_cap_and_never_grows_past_it():
     from adloader.autotune import AutoTuner
     from predictor.observation import Observation
