@@ -424,7 +424,7 @@ def test_memory_cap_holds_through_noise_tightens_on_a_real_shortage_and_loosens_
         assert memory_cap(s, room + wiggle * MiB, 10 * GiB, previous=5) == 5
         assert memory_cap(s, room + wiggle * MiB, 10 * GiB) in (4, 5, 6)
     # a real shortage: 5 workers would eat into more than half the reserve -> the figure now, at once
-    assert memory_cap(s, room - 600 * MiB, 10 * GiB, previous=5) == 0 + 1   # fit -100 MiB: at least 1
+    assert memory_cap(s, room - 600 * MiB, 10 * GiB, previous=5) == 1       # fit -100 MiB: at least 1
     assert memory_cap(s, room - 200 * MiB, 10 * GiB, previous=5) == 5       # 300 MiB into the reserve: held
     assert memory_cap(s, room - 520 * MiB, 10 * GiB, previous=5) == 1       # fit -20 MiB, 520 MiB short
     # looser only with the margin to spare: 6 workers need fit >= 600 MiB + 512 MiB
