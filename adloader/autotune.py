@@ -38,8 +38,9 @@ workers hold now plus the room left (``adloader.memory.memory_room``: the least 
 this process's cgroup memory limit minus its usage, read only), less a reserve of
 ``MEMORY_RESERVE_FRAC`` of the limit (at least ``MEMORY_RESERVE_MIN``), over one worker's measured cost
 (its unique memory plus its share of the batches in flight). A count above the cap is shed at the next
-window whatever the hysteresis; the tuner never grows past it. Before a worker has been measured
-there is no cap (a worker's cost is not known until it runs).
+window whatever the hysteresis; the tuner never grows past it. The cap holds through the page cache's
+moves of MemAvailable (a band of ``MEMORY_BOUND_MARGIN`` of the reserve: ``memory_cap``'s ``previous``).
+Before a worker has been measured there is no cap (a worker's cost is not known until it runs).
 
 Invariants: the tuner never asks for fewer than 1 or more than ``max_workers`` workers; it moves only
 after ``SETTLE_WINDOWS`` clean windows at the current count (a window that straddles a resize is
@@ -83,6 +84,7 @@ TRAINER_BUSY_MIN = 0.05  # a training process busy less than this share of its s
 SATURATED_FRAC = 0.95    # a job whose processes used this share of its CPUs in a window has none for one more worker
 MEMORY_RESERVE_FRAC = 0.10   # of the memory limit (cgroup, else MemTotal) kept free of loader workers
 MEMORY_RESERVE_MIN = 256 << 20
+MEMORY_BOUND_MARGIN = 0.5    # of the reserve: the band a memory bound holds through (``memory_cap``'s ``previous``)
 
 # -- CPUs this process may use ------------------------------------------------------------------
 
@@ -161,11 +163,20 @@ def worker_cap(cpus: float, max_workers: int | None) -> int:
     return max(1, min(cap, max_workers)) if max_workers else cap
 
 
-def memory_cap(stats: dict, room: float | None, limit: float | None) -> int | None:
+def memory_cap(stats: dict, room: float | None, limit: float | None, previous: int | None = None) -> int | None:
     """Most workers whose memory fits: (workers' memory now + ``room`` - reserve) / one worker's cost.
 
     ``stats``: ``loader.stats()``; ``room``: bytes more the process may take (None = unknown: no cap);
-    ``limit``: the cgroup limit, else MemTotal, for the reserve. None when no worker was measured."""
+    ``limit``: the cgroup limit, else MemTotal, for the reserve. None when no worker was measured.
+
+    ``previous``: the cap this caller last took (None: none yet). The room is MemAvailable, which moves
+    with the page cache by a few percent from one second to the next: without a band, a cap near the
+    workers' count went up and down with it (measured: 43 re-plans of a job's workers in 80 agent ticks
+    at +-3%, tests/test_memory.py). So the cap keeps ``previous`` unless the figure moved past a margin of
+    ``MEMORY_BOUND_MARGIN`` of the reserve: it tightens (to the figure now) only on a real shortage, when
+    ``previous`` workers would eat into more than that margin of the reserve, and loosens only when one
+    more worker fits with the margin to spare. Held through noise, the workers still leave half the
+    reserve free."""
     if room is None:
         return None
     per = worker_cost(stats)
@@ -173,17 +184,30 @@ def memory_cap(stats: dict, room: float | None, limit: float | None) -> int | No
         return None
     held = float(stats.get("worker_uss_bytes") or 0) + float(stats.get("shm_inflight_bytes") or 0)
     reserve = max(MEMORY_RESERVE_MIN, MEMORY_RESERVE_FRAC * limit) if limit else MEMORY_RESERVE_MIN
-    return max(1, int((held + room - reserve) // per))
+    fit = held + room - reserve
+    cap = max(1, int(fit // per))
+    if previous is None or cap == previous:
+        return cap
+    margin = MEMORY_BOUND_MARGIN * reserve
+    if cap < previous:
+        return cap if fit + margin < previous * per else previous
+    return max(previous, int((fit - margin) // per))
 
 
 def worker_cost(stats: dict) -> float | None:
     """One worker's measured memory, as ``memory_cap`` counts it: its mean USS plus its part of the
-    batches in flight. None when no worker was measured."""
+    batches in flight, and never less than the most one worker was measured to cost since the loader's
+    workers first ran (``worker_cost_peak_bytes`` of ``adloader.DataLoader.stats()``, where the stats
+    carry it). A worker's USS grows as it reads a dataset of Python objects (copy-on-read,
+    ``adloader.memory``): measured right after workers start (a new epoch's, or one started by a
+    resize), the mean understates what they will hold by the end of the epoch. None when no worker was
+    measured."""
     n = stats.get("memory_workers") or 0
     if n <= 0:
         return None
     uss, shm = float(stats.get("worker_uss_bytes") or 0), float(stats.get("shm_inflight_bytes") or 0)
-    return uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    now = uss / n + shm / max(1, int(stats.get("workers") or 0) or n)
+    return max(now, float(stats.get("worker_cost_peak_bytes") or 0))
 
 
 def memory_limits() -> tuple[float | None, float | None]:
@@ -512,7 +536,7 @@ class _Thread(threading.Thread):
                     if shed is not None and not self.stop_event.is_set():
                         _resize(loader, shed)
                 try:
-                    mcap = memory_cap(cur, *memory_limits())
+                    mcap = memory_cap(cur, *memory_limits(), previous=self.tuner.memory_cap)
                 except Exception:   # noqa: BLE001 — unreadable memory figures: no memory bound
                     mcap = None
                 with self.state_lock:

@@ -274,6 +274,8 @@ class _Core:
         self.closed = False
         self.warned_iterable_resize = False
         self.warned_memory_bound = False    # a directive was clamped to what memory holds (one WARNING)
+        self.memory_bound: Optional[int] = None   # the last memory_bound_workers (its band: memory_cap's previous)
+        self.worker_cost_peak = 0.0              # the most one worker was measured to cost (stats' worker_cost_peak_bytes)
         self.iterable_held = False  # max_workers is the count of an IterableDataset's loader (ITERABLE_HELD_NOTE)
         self.memory = WorkerMemorySampler()      # workers' USS/PSS, sampled from stats() (every 2 s at most)
         self.batch_bytes = 0                     # size of a delivered batch, sampled every 16th step
@@ -588,14 +590,22 @@ class DataLoader(tud.DataLoader[T_co]):
         """The most workers this loader's memory holds, by the ``num_workers="auto"`` tuner's rule
         (``adloader.autotune.memory_cap``): its workers' measured memory now plus the room left to this
         process (``adloader.memory.memory_room``: the least of MemAvailable and its cgroup's limit less
-        usage), less a reserve, over one worker's measured cost (its USS plus its batches in flight).
+        usage), less a reserve, over one worker's measured cost (its USS plus its batches in flight, never
+        less than the most one worker cost so far: ``worker_cost_peak_bytes`` in ``stats()``).
         None where nothing is known (no worker measured yet, no room readable). Never raises.
+        It holds its last value while MemAvailable moves by noise (page cache): it tightens on a real
+        shortage and loosens with a margin (``memory_cap``'s ``previous``), so an agent's plan does not
+        move the workers up and down with the page cache.
         ``memory_stats``: ``_memory_stats()`` where the caller has it (``stats``), not sampled again."""
         from adloader import autotune
 
+        core = self._core
         try:
-            stats = dict(memory_stats or self._memory_stats(), workers=self._core.target)
-            return autotune.memory_cap(stats, *autotune.memory_limits())
+            stats = dict(memory_stats or self._memory_stats(), workers=core.target)
+            bound = autotune.memory_cap(stats, *autotune.memory_limits(), previous=core.memory_bound)
+            if bound is not None:
+                core.memory_bound = bound
+            return bound
         except Exception:   # noqa: BLE001 — measurement never hurts training
             log.debug("adloader: memory bound failed", exc_info=True)
             return None
@@ -690,6 +700,11 @@ class DataLoader(tud.DataLoader[T_co]):
             memory_sample_cost_s   CPU seconds the last sample cost this process
             last_worker_death      the last worker that died unexpectedly: its last measured memory and
                                    the likely cause (OOM killer: SIGKILL with much memory held); "" if none
+            worker_cost_peak_bytes the most one worker was measured to cost (its USS plus its part of the
+                                   batches in flight) since this loader's workers first ran: what
+                                   ``memory_bound_workers`` counts a worker at when the workers now cost
+                                   less (workers just started, by a new epoch or a resize, have not
+                                   copied the dataset's objects they will read yet). 0 before a sample
             memory                 the same sample per worker: {pid: {uss, pss, growth}} (a dict)
             memory_bound_workers   the most workers this process's memory holds
                                    (``memory_bound_workers``; None before a worker was measured): an
@@ -767,15 +782,22 @@ class DataLoader(tud.DataLoader[T_co]):
         except Exception:   # noqa: BLE001 — measurement never hurts training
             log.debug("adloader: memory sample failed", exc_info=True)
             m = core.memory.summary
+        from adloader import autotune
+
         workers = max(core.target, m.workers)
-        return {
+        out = {
             "worker_uss_bytes": m.uss, "worker_pss_bytes": m.pss, "worker_uss_per_worker": m.uss_per_worker,
             "worker_growth_bytes": m.growth_per_worker, "memory_workers": m.workers,
             "batch_bytes": core.batch_bytes,
             "shm_inflight_bytes": core.prefetch_factor * workers * core.batch_bytes,
             "memory_sample_cost_s": m.sample_cost_s, "last_worker_death": core.memory.last_death,
-            "memory": {str(p): dict(v) for p, v in m.per_worker.items()},
         }
+        now = autotune.worker_cost(dict(out, workers=workers))
+        if now is not None and now > core.worker_cost_peak:
+            core.worker_cost_peak = now
+        out["worker_cost_peak_bytes"] = core.worker_cost_peak
+        out["memory"] = {str(p): dict(v) for p, v in m.per_worker.items()}
+        return out
 
     # ---- iteration -------------------------------------------------------------------------
     def __iter__(self):

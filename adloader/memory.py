@@ -458,4 +458,5 @@ def batch_nbytes(data, _depth: int = 0) -> int:
 
 #: Keys that ``adloader.DataLoader.stats()`` adds for memory (bytes; see ``stats`` for their meaning).
 STATS_KEYS = ("worker_uss_bytes", "worker_pss_bytes", "worker_uss_per_worker", "worker_growth_bytes",
-              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s", "last_worker_death")
+              "memory_workers", "batch_bytes", "shm_inflight_bytes", "memory_sample_cost_s", "last_worker_death",
+              "worker_cost_peak_bytes")

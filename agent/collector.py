@@ -42,7 +42,13 @@ reported size stands then (and where the window took no step).
 Memory (gauges, not counters: the latest report's value is the figure): each rank's loader reports
 its workers' USS, the number of workers measured and the batches in flight (``adloader.memory``);
 a job's ``loader_memory_bytes`` sums them over its ranks, ``worker_memory_bytes`` is that over its
-measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. The node's budget in
+measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. One worker's cost never
+falls below the most it was on any of the job's ranks since that rank's loader started (a new loader in
+the process, its counters reset, starts afresh; the loader's own ``worker_cost_peak_bytes`` counts
+too): a worker's private memory grows over an epoch as it reads a dataset of Python objects
+(copy-on-read, ``adloader.memory``), so workers just started (a new epoch's, or a resize's) cost less
+now than they will by the epoch's end, and a plan at their early cost would hand out workers the node
+cannot hold by then. The node's budget in
 force comes from ``agent.memory.MemoryGuard`` (configured budget, lowered under memory pressure).
 
 Remaining work: a loader told its job's remaining steps (``total_steps``) reports ``steps_left``; the
@@ -133,6 +139,8 @@ class RankRates:
     window_s: float = 0.0
     windows: int = 0
     gauges: dict = field(default_factory=dict)     # memory figures of the latest report
+    cost_peak: float = 0.0                         # the most one worker cost since this rank's loader started
+                                                   # (``worker_cost``; module docstring, "Memory")
     steps_left: Optional[float] = None             # the latest report's ``steps_left`` (None: not reported,
                                                    # or not counting down: ``_check_steps_left``)
     end_mark: Optional[tuple[float, float]] = None     # (steps_left + steps, steps) at the last report with
@@ -149,6 +157,7 @@ class RankRates:
             v = _num(stats.get(k))
             if v is not None:
                 self.gauges[k] = v
+        cost = self.worker_cost(stats)
         t = _num(stats.get("uptime_s"))
         if t is None:
             t = recv_t
@@ -157,10 +166,12 @@ class RankRates:
         self._remember(totals, t, stats, recv_t)
         if self.prev is None:
             self.prev, self.prev_t = totals, t
+            self.cost_peak = cost
             return False
         dt = t - self.prev_t
         reset = dt < 0 or any(v is not None and p is not None and v < p - 1e-9
                               for k, (v, p) in ((k, (totals[k], self.prev[k])) for k in ("steps", "samples", "batches")))
+        self.cost_peak = cost if reset else max(self.cost_peak, cost)    # (a new loader: its own workers)
         if reset:
             self.prev, self.prev_t = totals, t
             self.history.clear()
@@ -197,6 +208,15 @@ class RankRates:
         self.window_steps, self.window_samples = d["steps"], d["samples"]
         self.windows += 1
         return True
+
+    def worker_cost(self, stats: Mapping) -> float:
+        """One worker's cost by the latest report (its mean USS plus its part of the batches in flight, as
+        ``adloader.autotune.worker_cost`` counts it; the loader's own ``worker_cost_peak_bytes`` where it
+        reports one); 0 where no worker was measured."""
+        g = self.gauges
+        n = g.get("memory_workers", 0.0)
+        now = (g.get("worker_uss_bytes", 0.0) + g.get("shm_inflight_bytes", 0.0)) / n if n > 0 else 0.0
+        return max(now, _num(stats.get("worker_cost_peak_bytes")) or 0.0)
 
     def _check_steps_left(self, left: Optional[float], steps: Optional[float], recv_t: float) -> Optional[float]:
         """The report's ``steps_left``, or None while this rank's count does not fall as it steps (its
@@ -529,7 +549,7 @@ class Collector:
         observed_s = window_s = 0.0
         w_steps = w_samples = 0.0           # the ranks' last windows: their batch size (window_batch_size)
         w_ranks = 0
-        uss = shm = mworkers = growth = 0.0
+        uss = shm = mworkers = growth = cost_peak = 0.0
         steps_left: Optional[float] = None
         refused = False
         for rr in per:
@@ -543,6 +563,7 @@ class Collector:
                     shm += g.get("shm_inflight_bytes", 0.0)
                     mworkers += g.get("memory_workers", 0.0)
                     growth = max(growth, g.get("worker_growth_bytes", 0.0))
+                cost_peak = max(cost_peak, rr.cost_peak)
                 observed_s = max(observed_s, rr.observed_s)
                 if rr.windows:
                     window_s = max(window_s, rr.window_s)
@@ -581,7 +602,7 @@ class Collector:
             observed_s=observed_s, window_s=window_s,
             requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(), worker_starts=job.worker_starts(),
-            worker_memory_bytes=(uss + shm) / mworkers if mworkers > 0 else 0.0,
+            worker_memory_bytes=max((uss + shm) / mworkers if mworkers > 0 else 0.0, cost_peak),
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,
             epoch_fixed=bool(ranks) and all(r.dataset_kind == "iterable" for r in ranks),

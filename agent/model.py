@@ -134,7 +134,8 @@ class JobStats:
     # here is not checked (stats made by hand, the simulator); the collector puts every worker here.
     worker_starts: Mapping[int, Optional[int]] = field(default_factory=dict, repr=False, compare=False)
     # memory (bytes; from the loaders' reports, ``adloader.memory``; 0 = not measured yet)
-    worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight
+    worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight,
+                                          # never below the most seen since the loaders started (collector)
     loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight
     worker_growth_bytes: float = 0.0      # mean USS growth of a worker since it started (copy-on-read)
     steps_left: Optional[float] = None    # steps the job has left (its loader's ``total_steps`` counted down,

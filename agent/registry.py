@@ -34,6 +34,8 @@ Invariants:
   refused (``not_permitted``), as two jobs run under one job id by mistake would otherwise be counted
   as one job of both's ranks (the one rank number they share was refused already); ranks of a torchrun
   restart with another ``WORLD_SIZE`` join once the old processes are gone;
+- a rank's number is below the world size its hello says, where that is over 1 (``malformed``
+  otherwise, naming both; 1 is also what a client that does not know its world size sends);
 - register and release are idempotent;
 - every job id in the registry satisfies ``protocol.check_job_id`` (checked here, at the boundary);
 - ownership is settled by who has the right to the id: root's ``register`` (the Slurm prolog) takes a
@@ -311,6 +313,13 @@ class Registry:
                       max_workers=_opt_int(msg, "max_workers", None), dataset_kind=_dataset_kind(msg),
                       hostname=_opt_str(msg, "hostname"), cpu_quota=_cpu_quota(msg))
         batch_size = _opt_int(msg, "batch_size", None, 1)
+        if rank_no >= fields["world_size"] > 1:
+            # (before, taken: rank 3 of a world of 2 joined its job as a third rank, and the job's directive
+            # was split three ways. A world size of 1 is what a client sends when neither WORLD_SIZE nor
+            # SLURM_NTASKS is set, whatever its rank: it says nothing, as in the world-size check below)
+            raise Refused("malformed", f"rank {rank_no} is not below world_size {fields['world_size']} (ranks are "
+                                       f"numbered 0 to world_size - 1: check RANK and WORLD_SIZE, or SLURM_PROCID "
+                                       f"and SLURM_NTASKS, of the training process)")
         job = self._owned(job_id, uid)
         if job is None:
             self._room_for(uid, idle=False)

@@ -78,13 +78,16 @@ class EndpointUnusable(EndpointBusy):
 def rank_directive(directive: dict, ranks: int) -> dict:
     """One rank's part of a job's directive (``workers`` and ``cpus`` the job's, all its ranks' together):
     the workers spread evenly, rounded up (a data-parallel job steps at its slowest rank's pace, so a
-    rank short of its part would hold every rank back), and the cores divided. The ranks are those the
-    job had when the directive was made (its ``ranks``, recorded by ``Server.send_directive``; ``ranks``
-    where it has none: a journal from before), not those connected when a rank says hello: a rank that
-    joins late (or comes back) gets the part its peers were sent. Before, a second rank joining a job
-    planned 2 workers for its first was welcomed with 1 (2 over 2 ranks) while its peer ran 2, and a
-    lone rank reconnecting after its peer died was sent both ranks' workers. With one rank (or none said
-    hello yet), the directive as it is."""
+    rank short of its part would hold every rank back), and the cores divided. The ranks are the most the
+    job has had since the directive was made (its ``ranks``, recorded by ``Server.send_directive`` and
+    raised by ``Server._hello`` when a rank joins; ``ranks`` where it has none: a journal from before):
+    until the next plan, the job's ranks together never run more than its plan (rounded up to whole
+    ranks), and every rank runs the same part. A rank that joins late gets the plan's total over the
+    ranks now known at its hello, and its peers are sent their new part with it (before, it was sent
+    the part its peers had, the plan for fewer ranks, so a 2-rank job planned 3 workers for its first
+    rank ran 3 on each until the next tick re-split the plan); a lone rank reconnecting after its peer
+    died is sent its part of the plan made for both, not both ranks' workers. With one rank (or none
+    said hello yet), the directive as it is."""
     out = {k: v for k, v in directive.items() if k != "ranks"}
     ranks = directive.get("ranks") or ranks
     if ranks <= 1:
@@ -441,6 +444,16 @@ class Server:
         logs.event(log, "rank_hello", job=r.job, rank=r.rank, pid=r.pid, workers=r.workers,
                    worker_pids=len(r.worker_pids))
         self._send(identity, protocol.make("welcome", job=r.job, heartbeat_s=self.heartbeat_s, challenge=None))
-        if job.last_directive is not None:
-            self._send(identity, protocol.make("directive", job=r.job, seq=self.registry.next_seq(r.job),
-                                               **rank_directive(job.last_directive, len(job.ranks))))
+        d = job.last_directive
+        if d is None:
+            return
+        to = [r]
+        if d.get("ranks") is not None and len(job.ranks) > d["ranks"]:
+            # a rank joined since the plan: the plan's total over the ranks now known, to every connected
+            # rank at once, not only at the next tick (``rank_directive``)
+            d["ranks"] = len(job.ranks)
+            to = [x for x in job.ranks.values() if x.identity]
+        msg = protocol.make("directive", job=r.job, seq=self.registry.next_seq(r.job),
+                            **rank_directive(d, len(job.ranks)))
+        for x in to:
+            self._send(x.identity, msg)

@@ -96,7 +96,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         breaker             why the job's breaker is open, null if closed
         age_s, observed_s   since arrival; seconds of reports
         loader_memory_bytes the job's loader memory: its workers' unique memory + batches in flight
-        worker_memory_bytes one worker's cost (mean USS + its share of the batches in flight)
+        worker_memory_bytes one worker's cost (mean USS + its share of the batches in flight; never below the
+                            most one cost since the job's loaders started: workers grow as they read)
         worker_growth_bytes mean growth of a worker's unique memory since it started (copy-on-read)
 """
 from __future__ import annotations

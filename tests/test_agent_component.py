@@ -405,3 +405,69 @@ def test_metrics_endpoint_serves_job_gauges(base, trainers):
         assert "adloader_jobs 1.0" in body and 'adloader_job_workers{job="metered"}' in body
     finally:
         agent.stop()
+
+
+def test_a_hello_whose_rank_is_not_below_its_world_size_is_refused_naming_both(base, agent):
+    """Over a real socket: rank 2 of a world of 2 (or 5 of 4) was welcomed and joined its job as one
+    more rank, so the job's directive was split over a rank that cannot exist. Now refused
+    ``malformed``, the reply naming the rank, the world size and the variables they come from; a
+    negative rank and a world size of 0 stay refused, naming the field; rank 1 of 2 is welcomed."""
+    import zmq
+
+    from adloader import protocol
+
+    ctx = zmq.Context()
+    try:
+        def hello(job: str, rank: int, world_size: int) -> dict:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            try:
+                s.connect(agent.endpoint)
+                s.send(protocol.encode(protocol.make("hello", job=job, rank=rank, world_size=world_size,
+                                                     pid=os.getpid(), worker_pids=[], gpus=[], batch_size=8)))
+                assert s.poll(10_000), "no reply from the agent"
+                return protocol.decode(s.recv())
+            finally:
+                s.close()
+
+        for job, rank, ws, named in (("over", 2, 2, "rank 2 is not below world_size 2"),
+                                     ("more", 5, 4, "rank 5 is not below world_size 4"),
+                                     ("neg", -1, 2, "field 'rank' must be an integer >= 0, got -1"),
+                                     ("zero", 0, 0, "field 'world_size' must be an integer >= 1, got 0")):
+            reply = hello(job, rank, ws)
+            assert reply["type"] == "error" and reply["code"] == "malformed" and reply["re"] == "hello", reply
+            assert named in reply["message"], reply
+            if rank >= ws >= 1:
+                assert "RANK and WORLD_SIZE" in reply["message"]
+        assert hello("fine", 1, 2)["type"] == "welcome"
+        jobs = {j["job"] for j in agent.status()["jobs"]}
+        assert "fine" in jobs and not jobs & {"over", "more", "neg", "zero"}
+    finally:
+        ctx.term()
+
+
+def test_a_rank_that_joins_late_gets_its_share_of_the_plan_at_its_hello_and_its_peer_too(base, trainers):
+    """A 2-rank job under ``adaptive`` whose rank 0 was planned alone (3 workers for 3 cores): rank 1's
+    hello brings it the plan over the 2 ranks now known (2 workers, 1.5 cores), and rank 0 gets the same
+    directive (one seq), before any tick re-plans. Before, rank 1 was welcomed with the plan for one
+    rank (3), and the job ran 3 workers on each rank until the next tick (a tick of 5 s here; ``tick_s``
+    on a node)."""
+    agent = AgentProc(base, "--policy", "adaptive", "--loader-cpus", "3", "--tick-s", "5").start()
+    try:
+        env = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"} for r in (0, 1)]
+        r0 = Trainer(base, agent.endpoint, job="late", workers=1, env=env[0])
+        trainers.append(r0)
+        wait_for(lambda: (r0.state().get("last_directive") or {}).get("workers") == 3, 30,
+                 what="rank 0 planned alone")
+        r1 = Trainer(base, agent.endpoint, job="late", workers=1, env=env[1])
+        trainers.append(r1)
+        st = wait_for(lambda: (s := r1.state()).get("directives", 0) >= 1 and s, 30, what="rank 1's first directive")
+        first = st["last_directive"]     # the welcome's (the next tick is seconds away)
+        assert first["workers"] == 2 and first["cpus"] == pytest.approx(1.5), first
+        d0 = wait_for(lambda: (d := r0.state().get("last_directive") or {}).get("seq", 0) >= first["seq"] and d,
+                      10, what="rank 0's new part")
+        assert d0["workers"] == 2 and d0["cpus"] == pytest.approx(1.5), d0
+        wait_for(lambda: r0.state().get("num_workers") == 2 and r1.state().get("num_workers") == 2, 10,
+                 what="each rank runs its part")
+    finally:
+        agent.stop()

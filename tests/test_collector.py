@@ -674,3 +674,25 @@ def test_job_stats_carry_each_workers_recorded_start_time():
         for w in workers:
             w.kill()
             w.wait()
+
+
+def test_a_jobs_worker_cost_never_falls_below_the_most_seen_until_its_loader_is_replaced():
+    """One worker's cost (``JobStats.worker_memory_bytes``) from a client that does not report its own
+    peak (``worker_cost_peak_bytes``: an older one): its workers grew to 30 MiB each, then a new epoch's
+    workers measured 10 MiB: the cost stays at 30 (it fell to 10, and the plan made room for workers the
+    node could not hold by the epoch's end). Over ranks: the most of any. A new loader in the process
+    (its counters start again) starts afresh; a loader's own peak counts too."""
+    MiB = 1 << 20
+    col, me = _two_rank_job()
+
+    def report(rank, t, steps, uss_per_worker, **extra):
+        col.on_report("j", rank, me, {**_totals(t, steps, 0.0, 0.1 * steps), "memory_workers": 2,
+                                      "worker_uss_bytes": 2 * uss_per_worker, "shm_inflight_bytes": 0, **extra}, t)
+        return col.snapshot(t).jobs["j"].worker_memory_bytes / MiB
+
+    assert report(0, 1.0, 10, 10 * MiB) == pytest.approx(10)
+    assert report(0, 2.0, 20, 30 * MiB) == pytest.approx(30)          # grown as they read
+    assert report(0, 3.0, 30, 10 * MiB) == pytest.approx(30)          # a new epoch's workers: not 10
+    assert report(1, 3.0, 30, 12 * MiB) == pytest.approx(30)          # the other rank: the most of any
+    assert report(0, 4.0, 5, 8 * MiB) == pytest.approx(12)            # rank 0's new loader: afresh (rank 1's 12)
+    assert report(0, 5.0, 6, 8 * MiB, worker_cost_peak_bytes=40 * MiB) == pytest.approx(40)

@@ -410,6 +410,141 @@ def test_memory_cap_from_stats_room_and_limit():
     assert memory_cap(s, 0, None) == 1                             # never below one worker
 
 
+def test_memory_cap_holds_through_noise_tightens_on_a_real_shortage_and_loosens_with_a_margin():
+    """MemAvailable (the room) moves with the page cache; the cap a caller last took (``previous``) is
+    kept until the figure moves past half the reserve. 2 workers of 100 MiB, limit 10 GiB (reserve
+    1 GiB, margin 512 MiB)."""
+    from adloader.autotune import memory_cap
+
+    GiB = 1 << 30
+    s = {"memory_workers": 2, "workers": 2, "worker_uss_bytes": 200 * MiB, "shm_inflight_bytes": 0}
+    room = GiB + 300 * MiB                       # fit = 200 + 1324 - 1024 = 500 MiB: 5 workers
+    assert memory_cap(s, room, 10 * GiB) == 5
+    for wiggle in (-50, -99, +60, +99, -1, +1):   # +-100 MiB: the band holds 5 (without it: 4, 5 or 6)
+        assert memory_cap(s, room + wiggle * MiB, 10 * GiB, previous=5) == 5
+        assert memory_cap(s, room + wiggle * MiB, 10 * GiB) in (4, 5, 6)
+    # a real shortage: 5 workers would eat into more than half the reserve -> the figure now, at once
+    assert memory_cap(s, room - 600 * MiB, 10 * GiB, previous=5) == 1       # fit -100 MiB: at least 1
+    assert memory_cap(s, room - 200 * MiB, 10 * GiB, previous=5) == 5       # 300 MiB into the reserve: held
+    assert memory_cap(s, room - 520 * MiB, 10 * GiB, previous=5) == 1       # fit -20 MiB, 520 MiB short
+    # looser only with the margin to spare: 6 workers need fit >= 600 MiB + 512 MiB
+    assert memory_cap(s, room + 600 * MiB, 10 * GiB, previous=5) == 5
+    assert memory_cap(s, room + 612 * MiB, 10 * GiB, previous=5) == 6
+    assert memory_cap(s, room + 2 * GiB, 10 * GiB, previous=5) == (500 * MiB + 2 * GiB - 512 * MiB) // (100 * MiB)
+
+
+def test_a_loaders_memory_bound_under_a_moving_memavailable_does_not_churn_the_agents_plan(monkeypatch):
+    """The loader's ``memory_bound_workers`` (real workers, their USS measured as 1 GiB each) under a
+    MemAvailable that moves +-3% a tick (page cache), reported to the agent's registry and collector,
+    planned by ``adaptive`` for 80 ticks: the job's plan is not re-made with the noise. The node's free
+    memory is such that 2 workers fit with 0.05 GiB to spare, give or take the noise (room = free less
+    what the workers hold: they leave it when retired). Before, the bound went 1, 2, 1, ... with the
+    noise and the plan followed it (43 worker changes in 80 ticks); a real shortage (free memory down
+    by more than the band, half the 3.2 GiB reserve) still takes a worker at once."""
+    import random
+
+    from adloader import autotune
+    from agent.collector import Collector
+    from agent.controller import Controller
+    from agent.policies import PolicyConfig, adaptive
+    from agent.registry import Registry
+    from agent.security import Peer
+    from predictor.bank import PredictorBank
+    from tests.test_memory_policy import WorkersFollowDirectives, _report
+
+    GiB = 1 << 30
+    limit = 32 * GiB                                # reserve 3.2 GiB
+    free = {"bytes": 5.25 * GiB, "reads": 0}        # fit = free - reserve = 2.05 GiB of 1 GiB workers
+    rnd = random.Random(7)
+
+    def limits():   # MemAvailable: the node's free memory +-3% (the first reading as it is), less the workers
+        free["reads"] += 1
+        wiggle = rnd.uniform(-0.03, 0.03) if free["reads"] > 1 else 0.0
+        return free["bytes"] * (1 + wiggle) - dl.num_workers * GiB, limit
+
+    dl = DataLoader(list(range(400)), batch_size=4, num_workers=2, max_workers=8)
+    monkeypatch.setattr(memory, "process_memory", lambda pid, proc_root="/proc": memory.ProcessMemory(
+        pid=pid, rss=GiB, pss=GiB, uss=GiB))
+    monkeypatch.setattr(autotune, "memory_limits", limits)
+    reg, me = Registry(), os.getpid()
+    peer = Peer(os.getuid(), 0, me)
+    reg.hello(peer, b"r0", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"], "batch_size": 32, "workers": 2}, 0.0)
+    col = Collector(reg, loader_cpus=8.0, cpu_ids=tuple(range(8)))
+    act = WorkersFollowDirectives()
+    ctl = Controller(snapshot_source=col.snapshot, policy=adaptive, policy_config=PolicyConfig(),
+                     predictor=PredictorBank(prior=None), actuators=[act])
+    planned = []
+    try:
+        it = iter(dl)
+        next(it)
+        for t in range(1, 81):
+            if t == 70:
+                free["bytes"] -= 2 * GiB            # a real shortage: another tenant took 2 GiB
+            n = act.workers.get("j", 2)
+            if n != dl.num_workers:
+                dl._resize(n, own=False)
+            dl._core.memory.sample(dl.worker_pids(), force=True)      # (the sampler's 2 s, in ticks)
+            bound = dl.stats()["memory_bound_workers"]
+            stats = {**_report(float(t), dl.num_workers, GiB, 10 * t), "memory_bound_workers": bound}
+            reg.report(b"r0", peer, {"job": "j", "rank": 0, "pid": me, "worker_pids": [], "stats": stats}, float(t))
+            col.on_report("j", 0, me, stats, float(t))
+            ctl.tick(float(t))
+            planned.append(act.workers.get("j"))
+        changes = [t for t, (a, b) in enumerate(zip(planned, planned[1:]), start=2) if a != b]
+        assert planned[60] == 2 and planned[-1] == 1, planned
+        assert len(changes) <= 2 and changes[-1] >= 70, planned      # the first plan, and the shortage
+    finally:
+        dl.close()
+
+
+def test_a_workers_cost_never_falls_below_the_most_seen_though_new_workers_start_small():
+    """Real workers reading a list of Python objects copy the objects' pages as they touch them (their
+    USS grows over the epoch). Workers started mid-epoch (a resize) and a new epoch's workers
+    (``persistent_workers=False``) measure small again at first: the mean cost fell, and with it the
+    worker cost that ``memory_bound_workers`` and the agent plan by (measured here: 9 MiB at an epoch's
+    start, 31 MiB at its end, 24 -> 20 MiB at the resize), so both allowed workers the node could not
+    hold by the epoch's end. The cost (``autotune.worker_cost`` of ``stats()``, and the agent's
+    ``JobStats.worker_memory_bytes`` from the same reports) now never falls below the most seen."""
+    from adloader import autotune
+    from agent.collector import Collector
+    from agent.registry import Registry
+    from agent.security import Peer
+
+    def raw(s):      # one worker's cost by the workers now: their mean USS plus a share of the batches
+        return s["worker_uss_bytes"] / s["memory_workers"] + s["shm_inflight_bytes"] / max(1, s["workers"])
+
+    reg, me = Registry(), os.getpid()
+    reg.hello(Peer(os.getuid(), 0, me), b"r0", {"job": "j", "rank": 0, "pid": me, "batch_size": 100}, 0.0)
+    col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
+    dl = DataLoader(ObjectRows(200_000), batch_size=100, num_workers=2, max_workers=4, persistent_workers=False,
+                    multiprocessing_context="fork")
+    dl._core.memory.every_s, dl._core.memory.max_overhead = 0.0, 1.0    # a sample at each stats()
+    seen = []        # (epoch, batch, raw cost, the loader's cost, the agent's cost)
+    try:
+        t = 0.0
+        for epoch in range(2):
+            for i, _ in enumerate(dl):
+                if epoch == 0 and i == 1000:
+                    dl.resize(3)                # a worker started mid-epoch: it has copied nothing yet
+                if i % 100 == 0 or i in (1001, 1003, 1990) or (epoch == 1 and i < 5):
+                    s = dl.stats()
+                    if s["memory_workers"]:
+                        t += 1.0
+                        col.on_report("j", 0, me, dict(s, uptime_s=t), t)
+                        job = col.snapshot(t).jobs["j"]
+                        seen.append((epoch, i, raw(s), autotune.worker_cost(s), job.worker_memory_bytes))
+        costs = [c for _, _, _, c, _ in seen]
+        assert all(b >= a for a, b in zip(costs, costs[1:])), seen                 # never falls
+        assert [x[4] for x in seen] == pytest.approx(costs), seen                 # the agent's: the same
+        most0 = max(r for e, _, r, _, _ in seen if e == 0)
+        start1 = [x for x in seen if x[0] == 1][0]
+        assert start1[2] < 0.8 * most0, seen          # the new epoch's workers measure small at first ...
+        assert start1[3] >= most0                     # ... and are counted at the most seen
+        assert dl.stats()["worker_cost_peak_bytes"] == pytest.approx(costs[-1])
+    finally:
+        dl.close()
+
+
 def test_tuner_sheds_workers_over_its_memory_cap_and_never_grows_past_it():
     from adloader.autotune import AutoTuner
     from predictor.observation import Observation

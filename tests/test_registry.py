@@ -230,11 +230,13 @@ def test_a_registration_for_a_uid_no_process_can_have_is_refused_naming_it():
     assert journal._check_job("journal.json", "s", entry) == entry
 
 
-def test_a_rank_that_joins_late_or_comes_back_gets_the_part_its_peers_were_sent():
-    """A job's directive is split over the ranks it had when it was made, not those connected when a
-    rank says hello. Before, rank 1 joining a job planned 2 workers for its rank 0 alone was welcomed
-    with 1 (2 over 2 ranks) while rank 0 ran 2, so the job stepped at the pace of a rank with half the
-    workers until the next plan; and after rank 1 died, rank 0 reconnecting was sent both ranks' 6."""
+def test_a_rank_that_joins_late_gets_the_plan_over_the_ranks_now_and_one_that_comes_back_its_part():
+    """A job's directive is split over the most ranks it has had since it was made. Rank 1 joining a job
+    planned 2 workers for its rank 0 alone is welcomed with 1 (the plan over 2 ranks), and rank 0 is sent
+    its new part, 1, in the same message: the job runs its plan's 2, not 2 on each rank until the next
+    tick (the split once made, before: rank 1 welcomed with rank 0's 2). Earlier still, rank 1 was
+    welcomed with 1 while rank 0 kept 2, so the job stepped at the pace of a rank with half the workers.
+    After rank 1 died, rank 0 reconnecting is sent its part of the 6 planned for both, not all 6."""
     import subprocess
 
     from agent.server import Server
@@ -254,7 +256,12 @@ def test_a_rank_that_joins_late_or_comes_back_gets_the_part_its_peers_were_sent(
         # (the hello of another pid is taken as that pid's: its peer credentials are the test's to give)
         s._hello(b"r0", Peer(uid, 0, me), {"job": "j", "rank": 0, "pid": me, "world_size": 2}, 0.0)
         assert s.send_directive("j", 2, 1.0, None, "rank 0 alone")
-        assert hello(b"r1", 1, peer.pid)["workers"] == 2              # rank 0's part, not 2 over 2 ranks
+        d = hello(b"r1", 1, peer.pid)
+        assert d["workers"] == 1 and d["cpus"] == 0.5                  # the plan over the 2 ranks now
+        assert [i for i, m in sent if m is d] == [b"r0", b"r1"]       # and rank 0 its new part, at once
+        assert reg.jobs["j"].last_directive["ranks"] == 2
+        d = hello(b"r1", 1, peer.pid)                                 # a reconnect: to it alone
+        assert d["workers"] == 1 and [i for i, m in sent if m is d] == [b"r1"]
         assert s.send_directive("j", 6, 2.0, None, "both ranks")
         assert [m["workers"] for _, m in sent[-2:]] == [3, 3] and sent[-1][1]["cpus"] == 1.0
         assert "ranks" not in sent[-1][1]
@@ -300,3 +307,20 @@ def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restar
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_hello_whose_rank_is_not_below_its_world_size_is_refused_and_one_that_says_none_is_taken():
+    """Rank 3 of a world of 2 joined its job as a third rank (its directive then split three ways).
+    Refused ``malformed`` before the registry changes, naming both values; a hello that does not say
+    its world size, or says 1 (what a client sends when neither WORLD_SIZE nor SLURM_NTASKS is set),
+    is taken as before."""
+    me = os.getpid()
+    peer = Peer(os.getuid(), 0, me)
+    reg = Registry()
+    with pytest.raises(Refused, match=r"rank 3 is not below world_size 2 \(ranks are numbered 0 to "
+                                      r"world_size - 1: check RANK and WORLD_SIZE") as e:
+        reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me, "world_size": 2}, 0.0)
+    assert e.value.code == "malformed"
+    assert reg.jobs == {} and reg.version == 0
+    assert reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me}, 0.0).world_size == 1
+    assert reg.hello(peer, b"a", {"job": "j", "rank": 3, "pid": me, "world_size": 1}, 0.0).rank == 3
