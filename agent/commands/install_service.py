@@ -215,6 +215,13 @@ def _existing_text(path: Path) -> Optional[str]:
 
 def plan(args: argparse.Namespace) -> list[Action]:
     """Every action, in order, for these arguments (nothing is touched here)."""
+    # an empty value (``--root "$DESTDIR"`` with the variable unset) is refused, not read as "/": an
+    # empty --root installed into the live / while skipping systemctl as if staging, and an empty
+    # --prefix put the Slurm scripts in /slurm and the venv in /venv
+    for flag, value in (("--prefix", args.prefix), ("--root", args.root)):
+        if value is not None and not value.strip():
+            raise InstallError(f"{flag} is empty: give a directory" + (
+                " (leave --root out to install into /)" if flag == "--root" else f" (default {DEFAULT_PREFIX})"))
     prefix = args.prefix.rstrip("/") or "/"
     if not os.path.isabs(prefix):
         raise InstallError(f"--prefix {args.prefix!r} must be an absolute path")
