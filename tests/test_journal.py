@@ -25,6 +25,15 @@ def test_journal_atomic_roundtrip_and_corrupt_file(tmp_path):
     assert journal.load(str(tmp_path / "nothing")) is None
 
 
+@pytest.mark.parametrize("version", ["true", "1.0", '"1"', "2", "null"])
+def test_a_journal_whose_version_is_not_the_integer_1_is_set_aside(tmp_path, version):
+    """Before: ``"version": true`` and ``1.0`` passed the check (``== 1`` in Python) and the journal was
+    adopted as version 1. Now each version that is not the integer 1 is set aside and reported."""
+    (tmp_path / "journal.json").write_text('{"version": %s, "applied": {}, "jobs": {"j": {"uid": 0}}}' % version)
+    got = journal.load(str(tmp_path))
+    assert got["jobs"] == {} and len(got["problems"]) == 1 and "version must be 1" in got["problems"][0], got
+    assert not (tmp_path / "journal.json").exists()
+
 
 def test_make_dir_reports_only_what_it_made_and_remove_made_keeps_what_holds_a_file(tmp_path):
     from agent import statefile
