@@ -181,6 +181,7 @@ def load(state_dir: str) -> Optional[dict]:
     p = path_in(state_dir)
     problems: list[str] = []
     doc = None
+    statefile.remove_stale_temps(p)     # (the agent holds the state directory's lock: no writer but itself)
     for candidate in (p, p + ".prev"):
         try:
             doc = _read(candidate)

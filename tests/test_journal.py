@@ -51,3 +51,23 @@ def test_make_dir_reports_only_what_it_made_and_remove_made_keeps_what_holds_a_f
     (tmp_path / "f").write_text("")
     with pytest.raises(FileExistsError):  # a file at the path: refused, as os.makedirs does
         statefile.make_dir(str(tmp_path / "f"))
+
+
+def test_temporary_files_left_by_a_writer_killed_mid_write_are_removed_at_load(tmp_path):
+    """Before: an agent killed between writing its temporary file and renaming it (SIGKILL, the OOM
+    killer, power loss) left ``.journal.json.<pid>.tmp`` (and ``.prev`` link) for good, one more per crash.
+    Now the next load removes them, and only them; the journal and its last good copy are read as before."""
+    from agent import statefile
+    from agent.actuators.originals import Originals
+
+    journal.save(str(tmp_path), {}, {"j": {"uid": 0}})
+    journal.save(str(tmp_path), {}, {"j": {"uid": 0}})            # a .prev too
+    orig = tmp_path / "cgroup-originals.json"
+    left = [".journal.json.4321.tmp", ".journal.json.4321.tmp.prev", ".cgroup-originals.json.99.tmp"]
+    others = ["journal.json.bad-20260101T000000Z", ".journal.json.x.tmp", "notes.tmp"]
+    for name in left + others:
+        (tmp_path / name).write_text("{")
+    assert journal.load(str(tmp_path))["jobs"] == {"j": {"uid": 0}}
+    Originals(str(orig))
+    assert sorted(os.listdir(tmp_path)) == sorted(["journal.json", "journal.json.prev", *others])
+    assert statefile.remove_stale_temps(str(tmp_path / "nothing" / "journal.json")) == []
