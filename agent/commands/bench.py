@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent.commands import plain_float, plain_int
+from agent.commands import path_arg, plain_float, plain_int
 
 NAME = "bench"
 
@@ -30,9 +30,9 @@ def register(sub) -> None:
                         "(python -m evaluation.best_plan --out, or {\"plans\": {scenario: {job: "
                         "{\"workers\": w, \"cpus\": c}}}})")
     p.add_argument("--reps", type=plain_int, default=None, metavar="N", help="repeats (quick: 1, full: 3)")
-    p.add_argument("--catalog", default=None, metavar="PATH",
+    p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="job catalogue TOML (default: the packaged catalog.toml)")
-    p.add_argument("--out", default="bench-out", metavar="DIR",
+    p.add_argument("--out", default="bench-out", metavar="DIR", type=path_arg,
                    help="output directory (JSON, markdown, plots, logs; default bench-out)")
     p.add_argument("--loader-cpus", default="auto", metavar="CORES",
                    help="cores for all loaders (default: auto, as the agent's)")

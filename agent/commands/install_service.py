@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from agent.commands import path_arg
+
 NAME = "install-service"
 UNIT = "adloader-agent.service"
 DEFAULT_PREFIX = "/opt/adloader"
@@ -297,7 +299,7 @@ def register(sub) -> None:
                    help="install but do not enable or (re)start the service")
     p.add_argument("--no-venv", dest="venv", action="store_false",
                    help="do not create or update PREFIX/venv (it is managed elsewhere)")
-    p.add_argument("--source", metavar="DIR", help="project checkout to pip-install (default: this one)")
+    p.add_argument("--source", metavar="DIR", type=path_arg, help="project checkout to pip-install (default: this one)")
     p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for pip install, repeatable (e.g. --pip-arg=--no-index "
                         "--pip-arg=--find-links=/srv/wheels on an offline node)")
