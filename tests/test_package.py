@@ -151,6 +151,22 @@ def test_an_empty_path_is_a_usage_error_naming_the_flag(argv, empty, capsys):
     assert e.value.code == 2 and f"argument {flag}: an empty path" in err, err
 
 
+@pytest.mark.parametrize("argv", [("bench", "--scenarios"), ("bench", "--policies"), ("simulate", "--policies"),
+                                  ("demo", "--mix")])
+@pytest.mark.parametrize("empty", ["", " ", ",", " , "])
+def test_a_list_that_names_nothing_is_a_usage_error_naming_the_flag(argv, empty, capsys):
+    """'' or ',' was read as no list (``bench --scenarios ''`` ran the default scenario) or an empty one
+    (``simulate --policies ''`` printed an empty table and exited 0; ``bench --policies ''`` calibrated
+    the job kinds for no run). Parsed only: the old code would run the command."""
+    from agent.cli import build_parser
+
+    command, flag = argv
+    with pytest.raises(SystemExit) as e:
+        build_parser(command).parse_args([command, flag, empty])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: no name given in {empty!r}" in err, err
+
+
 def test_bench_quick_and_full_together_is_a_usage_error(capsys):
     """``adloader bench --quick --full`` ran the full bench (hours on a small node) without a word."""
     from agent.cli import main

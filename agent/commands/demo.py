@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent.commands import path_arg, plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
 NAME = "demo"
 
@@ -35,7 +35,7 @@ def register(sub) -> None:
     add_cgroup_mode(p)
     p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="job catalogue TOML (its --mix is used; default: the packaged catalog.toml)")
-    p.add_argument("--mix", default="demo", metavar="NAME", help="which catalogue mix runs (default: demo)")
+    p.add_argument("--mix", default="demo", metavar="NAME", type=names_arg, help="which catalogue mix runs (default: demo)")
     p.add_argument("--calibration-processes", type=plain_int, default=3, metavar="N",
                    help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
                         "(default 3); 1 = in this process")

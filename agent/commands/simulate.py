@@ -13,7 +13,7 @@ import math
 import sys
 import time
 
-from agent.commands import path_arg, plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
 NAME = "simulate"
 
@@ -54,6 +54,7 @@ def register(sub) -> None:
     p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="catalogue TOML for --curves builtin (with --curves auto it means builtin)")
     p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle", metavar="LIST",
+                   type=names_arg,
                    help="policies to compare, comma-separated (default: "
                         "even-static,even,none,autotune,static-cores,adaptive,oracle)")
     p.add_argument("--predictor", choices=("agent", "first-principles", "perfect"), default="first-principles",
