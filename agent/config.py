@@ -11,7 +11,7 @@ for the ones the command line offers):
 
     endpoint        str    where the agent binds (ipc:// and an absolute path of at most 100 bytes, or
                            tcp://...); default ``adloader.env.default_endpoint()``
-    state_dir       str    journal directory; root /var/lib/adloader, a user <runtime dir>/state
+    state_dir       str    journal directory, an absolute path; root /var/lib/adloader, a user <runtime dir>/state
     policy          str    allocation policy name (``agent.policies.POLICIES``), default "adaptive"
     tick_s          float  controller period, 0.05..60 s, default 1.0
     actuator_timeout_s  float  the longest a tick waits for one actuator call (a cgroup write, a release);
@@ -27,7 +27,7 @@ for the ones the command line offers):
     max_jobs        int    jobs the node is sized for (even-static divides by it), 0 = by jobs present
                            (at most 4096)
     cgroup_mode     str    auto|v1|v2|cooperative|off, default "auto"
-    cgroup_root     str    default /sys/fs/cgroup
+    cgroup_root     str    an absolute path, default /sys/fs/cgroup
     cgroup_subtree  str    the agent's group in each hierarchy, job groups below it; one name (letters,
                            digits, _ - only), default "adloader"; give each agent on a machine its own
     cpu_knob        str    shares|quota|cpuset, default "shares"
@@ -348,6 +348,11 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
         bad("endpoint", why)
     if not cfg.state_dir:
         bad("state_dir", "must be a directory path")
+    # a relative path names a different directory in each working directory (an agent started by hand in
+    # a checkout wrote its journal there, and the one systemd starts in / never found it)
+    for key in ("state_dir", "cgroup_root"):
+        if not os.path.isabs(getattr(cfg, key)):
+            bad(key, "must be an absolute path")
     try:
         from agent.policies import POLICIES
     except ImportError:   # pragma: no cover

@@ -158,7 +158,8 @@ def _read(p: str) -> dict:
     except (ValueError, RecursionError) as e:
         raise StateFileError(f"{p}: not valid JSON ({e})") from None
     need(isinstance(doc, dict), p, "the document", "an object", type(doc).__name__)
-    need(doc.get("version") == JOURNAL_VERSION, p, "version", f"{JOURNAL_VERSION}", doc.get("version"))
+    need(is_int(doc.get("version")) and doc["version"] == JOURNAL_VERSION, p, "version", f"{JOURNAL_VERSION}",
+         doc.get("version"))     # (is_int: JSON's true and 1.0 equal 1 in Python, and are no version)
     for key in ("applied", "jobs"):
         need(doc.get(key) is None or isinstance(doc.get(key), dict), p, key, "an object", doc.get(key))
     need(doc.get("agent_pid") is None or is_int(doc.get("agent_pid"), 1), p, "agent_pid", "a pid", doc.get("agent_pid"))
@@ -182,6 +183,7 @@ def load(state_dir: str) -> Optional[dict]:
     p = path_in(state_dir)
     problems: list[str] = []
     doc = None
+    statefile.remove_stale_temps(p)     # (the agent holds the state directory's lock: no writer but itself)
     for candidate in (p, p + ".prev"):
         try:
             doc = _read(candidate)

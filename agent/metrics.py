@@ -17,6 +17,11 @@ series are removed. Names:
     adloader_job_max_useful_workers{job}
     adloader_job_supply_cap_samples_per_second{job}  (absent unless the predictor saw one: ``predictor.bank``)
     adloader_messages_total{type}, adloader_errors_total{code}  (from the server's counts)
+
+The ``_total`` ones are counters (``# TYPE ... counter``: they only grow, and start again from 0 with a
+new agent process, which ``rate()`` takes as a counter reset), the rest gauges. They are counts the
+agent keeps itself, so they are exposed by a collector that reads the last values ``update`` was given
+(``_Totals``) rather than by prometheus_client's ``Counter``, which can only be incremented.
 """
 from __future__ import annotations
 
@@ -34,6 +39,38 @@ JOB_GAUGES = {
 }
 
 
+# counter -> (help, label name or None); exposed as <name>_total
+TOTALS = {
+    "adloader_ticks": ("ticks run", None),
+    "adloader_pids_skipped": ("worker pids not moved or pinned: the pid was no longer the reported worker", None),
+    "adloader_messages": ("messages received by type", "type"),
+    "adloader_errors": ("error replies by code", "code"),
+}
+
+
+class _Totals:
+    """A prometheus_client collector of the counters in ``TOTALS``, at the values last ``set``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {name: ({} if label else 0.0) for name, (_, label) in TOTALS.items()}
+
+    def set(self, name: str, value) -> None:
+        self.values[name] = dict(value) if isinstance(value, dict) else float(value)   # (a copy: read by the scrape)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, (help_, label) in TOTALS.items():
+            value = self.values[name]
+            if label is None:
+                yield CounterMetricFamily(name, help_, value=value)
+                continue
+            family = CounterMetricFamily(name, help_, labels=[label])
+            for key, n in sorted(value.items()):
+                family.add_metric([str(key)], float(n))
+            yield family
+
+
 class Metrics:
     def __init__(self, port: int, addr: str = "127.0.0.1"):
         from prometheus_client import CollectorRegistry, Gauge
@@ -45,12 +82,8 @@ class Metrics:
         self.jobs = Gauge("adloader_jobs", "jobs on the node", registry=self.registry)
         self.loader_cpus = Gauge("adloader_loader_cpus", "CPU cores for loaders, all jobs", registry=self.registry)
         self.tick_s = Gauge("adloader_tick_seconds", "duration of the last tick", registry=self.registry)
-        self.ticks = Gauge("adloader_ticks_total", "ticks run", registry=self.registry)
-        self.pids_skipped = Gauge("adloader_pids_skipped_total",
-                                  "worker pids not moved or pinned: the pid was no longer the reported worker",
-                                  registry=self.registry)
-        self.messages = Gauge("adloader_messages_total", "messages received by type", ["type"], registry=self.registry)
-        self.errors = Gauge("adloader_errors_total", "error replies by code", ["code"], registry=self.registry)
+        self.totals = _Totals()
+        self.registry.register(self.totals)
         self.per_job = {k: Gauge(name, help_, ["job"], registry=self.registry) for k, (name, help_) in JOB_GAUGES.items()}
         self._known: set[str] = set()
 
@@ -71,12 +104,12 @@ class Metrics:
         self.jobs.set(len(doc.get("jobs", [])))
         self.loader_cpus.set(a.get("loader_cpus_in_force") or a.get("loader_cpus") or 0)
         self.tick_s.set((a.get("last_tick_ms") or 0) / 1000.0)
-        self.ticks.set(a.get("ticks") or 0)
-        self.pids_skipped.set(a.get("pids_skipped") or 0)
-        for t, n in (counts or {}).items():
-            self.messages.labels(type=t).set(n)
-        for c, n in (errors or {}).items():
-            self.errors.labels(code=c).set(n)
+        self.totals.set("adloader_ticks", a.get("ticks") or 0)
+        self.totals.set("adloader_pids_skipped", a.get("pids_skipped") or 0)
+        if counts is not None:
+            self.totals.set("adloader_messages", counts)
+        if errors is not None:
+            self.totals.set("adloader_errors", errors)
         seen = set()
         for j in doc.get("jobs", []):
             job = j["job"]

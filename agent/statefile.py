@@ -7,6 +7,10 @@ leaves the temporary file removed and ``path`` untouched), ``fsync``, then the c
 hard-linked to ``<path>.prev`` (the last good copy), the temporary file renamed over ``path`` and
 the directory fsynced. A reader sees the old or the new file, never a torn one, even after SIGKILL.
 
+``remove_stale_temps(path)``: removes the temporary files of ``path`` that a writer killed mid-write
+left (``.<name>.<pid>.tmp`` and its ``.prev`` link); called when the file is loaded, at start, when the
+state directory's lock says no other agent writes there. Before, each such crash left one for good.
+
 ``quarantine(path)``: renames a file that failed to load to ``<path>.bad-<UTC time>`` (kept for the
 operator, never read again) and returns the new name.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from typing import Any, Optional
 
@@ -29,9 +34,13 @@ class StateFileError(ValueError):
     """A state file that cannot be trusted; the message names the file and what is wrong."""
 
 
+def _temp_name(path: str, pid: int) -> str:
+    return os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{pid}.tmp")
+
+
 def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
     d = os.path.dirname(path) or "."
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    tmp = _temp_name(path, os.getpid())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         view = memoryview(data)
@@ -104,6 +113,25 @@ def remove_made(dirs: list[str]) -> None:
             os.rmdir(p)
         except OSError:
             return
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove what ``write_atomic(path, ...)`` of a process killed mid-write left (its temporary file, the
+    ``.prev`` link it was making); returns the names removed. Only for a file no other process writes now."""
+    d = os.path.dirname(path) or "."
+    left = re.compile(rf"\.{re.escape(os.path.basename(path))}\.\d+\.tmp(\.prev)?")
+    removed = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for name in filter(left.fullmatch, names):
+        try:
+            os.unlink(os.path.join(d, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def quarantine(path: str) -> Optional[str]:

@@ -241,6 +241,13 @@ def _fmt(v: Any, spec: str = "") -> str:
     return str(v)
 
 
+def _job_cell(v: Any) -> str:
+    """The JOB cell: the id whole, on one line (an id from a broken or other agent that holds a control
+    character, a newline, shows it escaped, as ``repr`` writes it, rather than breaking the table)."""
+    text = _fmt(v)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _count(v: Any) -> str:
     """A count (uid, ranks, workers): an integer, or "?"."""
     x = _number(v)
@@ -301,11 +308,14 @@ def render_table(doc: dict) -> str:
         lines.append(f"loaders {'yield to the training processes' if n.get('loaders_yield') else 'weighted'}: "
                      f"{n.get('reason', '')}  (node CPU {_fmt(_get(n, 'busy_cpu_cores'), '.2f')}, "
                      f"other processes {_fmt(_get(n, 'foreign_cpu_cores'), '.2f')})")
-    cols = [("JOB", 14), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("MEM", 9), ("WAIT", 5),
-            ("GPU-IDLE", 8), ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
-    lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))
     jobs = _get(doc, "jobs")
     jobs = jobs if isinstance(jobs, list) else []
+    # the JOB column as wide as the longest id (up to 128 characters, protocol.check_job_id): cut to 14,
+    # torchrun-4012345 and torchrun-4012399 (two jobs of one node) were both "torchrun-40123"
+    ids = {id(j): _job_cell(_get(j, "job")) for j in jobs if isinstance(j, dict)}
+    cols = [("JOB", max([14, *map(len, ids.values())])), ("UID", 6), ("RANKS", 5), ("WORKERS", 7), ("CPUS", 5), ("MEM", 9), ("WAIT", 5),
+            ("GPU-IDLE", 8), ("SAMPLES/S", 9), ("MAX-USEFUL", 10), ("REASON", 0)]
+    lines.append("  ".join(name.ljust(w) if w else name for name, w in cols))
     shown = 0
     for j in jobs:
         if not isinstance(j, dict):
@@ -323,7 +333,7 @@ def render_table(doc: dict) -> str:
         mem = g("loader_memory_bytes")
         mem_cell = "-" if mem in (None, 0) else "?" if _number(mem) is None else f"{_number(mem) / (1 << 20):.0f}M"
         reason = g("reason")
-        row = [_fmt(g("job"))[:14], _count(g("uid")), _count(g("ranks")), workers, _fmt(g("cpus"), ".2f"),
+        row = [ids[id(j)], _count(g("uid")), _count(g("ranks")), workers, _fmt(g("cpus"), ".2f"),
                mem_cell, _fmt(g("data_wait_frac"), ".0%"), idle, _fmt(g("samples_per_s"), ".1f"),
                _fmt(g("max_useful_workers")), ("" if reason in (None, MISSING) else str(reason)) + (
                    f" [unsatisfied: {j['unsatisfied']}]" if j.get("unsatisfied") else "") + (

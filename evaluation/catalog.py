@@ -39,6 +39,7 @@ What a kind says about its training process and its user (the workload model, IS
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -136,6 +137,15 @@ def load_catalog(path: str | None = None) -> Catalog:
         raise CatalogError(f"catalogue {path}: not valid TOML: {e}") from None
     except UnicodeDecodeError as e:   # (tomllib decodes the bytes itself and lets this through)
         raise CatalogError(f"catalogue {path}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    unknown = set(doc) - set(TOP_LEVEL)
+    if unknown:
+        raise CatalogError(f"catalogue {path}: unknown top-level keys: {', '.join(sorted(unknown))} "
+                           f"(known: {', '.join(TOP_LEVEL)})")
+    for key in ("jobs", "mixes", "dynamic"):
+        if not isinstance(doc.get(key, {}), dict):
+            raise CatalogError(f"catalogue {path}: {key} must be a table ([{key}]), got {doc[key]!r}")
+    for key in ("reference_cores", "min_step_s", "max_step_s"):
+        _need_type(path, key, doc.get(key, 1.0), "float")
     kinds = {}
     for name, entry in (doc.get("jobs") or {}).items():
         if not isinstance(entry, dict) or "cores_per_gpu" not in entry:
@@ -143,6 +153,8 @@ def load_catalog(path: str | None = None) -> Catalog:
         unknown = set(entry) - (set(JobKind.__dataclass_fields__) - {"name"})
         if unknown:
             raise CatalogError(f"catalogue {path}: [jobs.{name}] has unknown keys: {', '.join(sorted(unknown))}")
+        for k, v in entry.items():
+            _need_type(path, f"[jobs.{name}] {k}", v, JobKind.__dataclass_fields__[k].type)
         try:
             kind = JobKind(name=name, **entry)
         except TypeError as e:
@@ -163,6 +175,8 @@ def load_catalog(path: str | None = None) -> Catalog:
         raise CatalogError(f"catalogue {path}: no [jobs.*] entries")
     mixes = {}
     for mix, members in (doc.get("mixes") or {}).items():
+        if not isinstance(members, list):
+            raise CatalogError(f"catalogue {path}: mix {mix!r} must be a list of kinds, got {members!r}")
         names = []
         for m in members:
             if isinstance(m, dict):      # {kind = "alexnet", num_workers = 8, ...}: a variant of a kind
@@ -178,6 +192,15 @@ def load_catalog(path: str | None = None) -> Catalog:
             raise CatalogError(f"catalogue {path}: {name}: phase_kind must name a kind ({kind.phase_kind!r}) "
                                f"and phase_after_s be > 0 (got {kind.phase_after_s!r})")
     dyn = doc.get("dynamic") or {}
+    unknown = set(dyn) - {"arrivals_s", "work_s"}
+    if unknown:
+        raise CatalogError(f"catalogue {path}: [dynamic] has unknown keys: {', '.join(sorted(unknown))} "
+                           f"(known: arrivals_s, work_s)")
+    for key, v in dyn.items():
+        if not isinstance(v, list):
+            raise CatalogError(f"catalogue {path}: [dynamic] {key} must be a list of seconds, got {v!r}")
+        for x in v:
+            _need_type(path, f"[dynamic] {key}", x, "float")
     windows = _windows(path, doc.get("windows") or {}, mixes)
     return Catalog(path=str(path), kinds=kinds, mixes=mixes, windows=windows,
                    reference_cores=float(doc.get("reference_cores", 12.0)),
@@ -187,6 +210,21 @@ def load_catalog(path: str | None = None) -> Catalog:
 
 
 WINDOW_KEYS = ("warmup_s", "measure_s")
+TOP_LEVEL = ("reference_cores", "min_step_s", "max_step_s", "jobs", "mixes", "dynamic", "windows")
+_TOML_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}
+
+
+def _need_type(path, where: str, value, kind: str) -> None:
+    """``value`` is what a ``kind`` field ("float", "int", "bool", "str": JobKind's annotations) takes from
+    TOML (an integer for a float; a boolean for no number), else a ``CatalogError`` naming ``where``.
+    Before, ``cores_per_gpu = "x"`` or ``reference_cores = "x"`` was a TypeError or ValueError traceback
+    from whatever first used the value."""
+    ok = isinstance(value, _TOML_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+    if ok and kind == "float" and not math.isfinite(value):
+        ok = False
+    if not ok:
+        what = {"float": "a finite number", "int": "an integer", "bool": "true or false", "str": "a string"}[kind]
+        raise CatalogError(f"catalogue {path}: {where} must be {what}, got {value!r}")
 
 
 def _windows(path, table, mixes: dict) -> dict[str, dict[str, float]]:
@@ -225,9 +263,8 @@ def _variant(path, mix: str, entry: dict, kinds: dict) -> str:
     unknown = set(changes) - (set(JobKind.__dataclass_fields__) - {"name", "note"})
     if unknown:
         raise CatalogError(f"catalogue {path}: mix {mix!r}: unknown keys for {base}: {', '.join(sorted(unknown))}")
-    if not isinstance(changes.get("rank_processes", False), bool):
-        raise CatalogError(f"catalogue {path}: mix {mix!r}: rank_processes of {base} must be true or false, "
-                           f"got {changes['rank_processes']!r}")
+    for k, v in changes.items():
+        _need_type(path, f"mix {mix!r}: {k} of {base}", v, JobKind.__dataclass_fields__[k].type)
     # (a boolean as TOML writes it: resnet18x2[rank_processes=true])
     name = base + "[" + ",".join(f"{k}={json.dumps(v) if isinstance(v, bool) else v}"
                                  for k, v in sorted(changes.items())) + "]" if changes else base

@@ -251,6 +251,46 @@ def test_catalog_errors_name_the_problem(tmp_path):
         load_catalog(str(p))
 
 
+@pytest.mark.parametrize("text,err", [
+    ('[jobs.x]\ncores_per_gpu = "x"\n', r"\[jobs.x\] cores_per_gpu must be a finite number, got 'x'"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\nbatch_size = 6.5\n', r"\[jobs.x\] batch_size must be an integer, got 6.5"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\ngpus = true\n', r"\[jobs.x\] gpus must be an integer, got True"),
+    ('[jobs.x]\ncores_per_gpu = nan\n', r"\[jobs.x\] cores_per_gpu must be a finite number, got nan"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\nphase_kind = 3\n', r"\[jobs.x\] phase_kind must be a string, got 3"),
+    ('reference_cores = "x"\n[jobs.x]\ncores_per_gpu = 1.0\n', "reference_cores must be a finite number, got 'x'"),
+    ('mixs = ["x"]\n[jobs.x]\ncores_per_gpu = 1.0\n', "unknown top-level keys: mixs"),
+    ('jobs = 5\n', r"jobs must be a table \(\[jobs\]\), got 5"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = "x"\n', "mix 'm' must be a list of kinds, got 'x'"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{kind = "x", num_workers = "8"}]\n',
+     "mix 'm': num_workers of x must be an integer, got '8'"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\n[dynamic]\narrivals_s = "0, 4"\n', r"\[dynamic\] arrivals_s must be a list"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\n[dynamic]\nwork_s = ["a"]\n', r"\[dynamic\] work_s must be a finite number"),
+    ('[jobs.x]\ncores_per_gpu = 1.0\n[dynamic]\narrival_s = [1]\n', r"\[dynamic\] has unknown keys: arrival_s"),
+])
+def test_a_catalog_value_of_the_wrong_type_or_an_unknown_table_is_named(tmp_path, text, err):
+    """Before: a value of the wrong type (``cores_per_gpu = "x"``, ``[mixes] m = 5``, ``jobs = 5``) was a
+    TypeError, ValueError or AttributeError traceback from `adloader bench/demo/simulate --catalog`,
+    and a misspelt table or key outside [jobs.*] (``mixs``, ``[dynamic] arrival_s``) was ignored
+    without a word. Now each is a CatalogError naming the entry."""
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(CatalogError, match=f"catalogue {re.escape(str(p))}: {err}"):
+        load_catalog(str(p))
+
+
+def test_simulate_names_a_catalog_value_of_the_wrong_type_without_a_traceback(tmp_path):
+    import subprocess
+
+    from tests.conftest import adloader_cmd, repo_env
+
+    p = tmp_path / "c.toml"
+    p.write_text('[jobs.x]\ncores_per_gpu = "x"\n')
+    out = subprocess.run(adloader_cmd("simulate", "--curves", "builtin", "--catalog", str(p), "--nodes", "1"),
+                         env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == (f"adloader simulate: catalogue {p}: [jobs.x] cores_per_gpu must "
+                                                  f"be a finite number, got 'x'\n"), out.stderr
+
+
 def test_a_catalog_that_cannot_be_read_is_a_catalog_error_and_simulate_says_so(tmp_path):
     # (before: a catalogue that is not UTF-8 was a bare UnicodeDecodeError, without the file's name, and
     # `adloader simulate --catalog` with a missing or unreadable one a traceback)

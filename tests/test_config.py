@@ -454,3 +454,19 @@ def test_a_state_dir_that_cannot_be_made_is_named_with_what_is_in_the_way(tmp_pa
         err = capsys.readouterr().err
         assert rc == 1 and err.startswith(f"adloader agent: state_dir '{state_dir}': {blocker} is not a directory"), err
         assert not (tmp_path / "a.sock").exists()
+
+
+
+@pytest.mark.parametrize("key,value", [("state_dir", "state"), ("state_dir", "\x01"), ("cgroup_root", "sys/fs/cgroup")])
+@pytest.mark.parametrize("source", ["environment", "the command line"])
+def test_a_relative_state_dir_or_cgroup_root_is_refused_naming_the_key(key, value, source):
+    """Before: ``--state-dir state`` (or ``ADLOADER_STATE_DIR=$'\\x01'``, a stray control character)
+    started the agent with its journal in whatever directory it was started from; systemd starts it in /,
+    so its journal was another one. Now a config error names the key and where it came from."""
+    from agent.config import ConfigError, load
+
+    environ = {f"ADLOADER_{key.upper()}": value} if source == "environment" else {}
+    cli = {key: value} if source == "the command line" else {}
+    with pytest.raises(ConfigError) as e:
+        load("/dev/null", cli, environ=environ)
+    assert f"config key '{key}' ({source}" in str(e.value) and "must be an absolute path" in str(e.value), e.value

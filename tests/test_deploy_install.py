@@ -167,6 +167,20 @@ def test_relative_prefix_is_refused(tmp_path):
     assert p.returncode == 2 and "--prefix" in p.stderr and "absolute" in p.stderr
 
 
+@pytest.mark.parametrize("flag", ["--prefix", "--root"])
+def test_an_empty_prefix_or_root_is_refused_naming_it(flag):
+    """Before: ``--root ""`` (``--root "$DESTDIR"`` with the variable unset) planned every file under the
+    live / and skipped systemctl as if staging; ``--prefix ""`` became "/", the Slurm scripts /slurm/*.sh.
+    Now one line names the flag and exit 2 (checked under --dry-run: the old code touched nothing)."""
+    args = ["install-service", "--dry-run", "--no-venv", flag, ""]
+    if flag == "--prefix":
+        args += ["--root", "/nonexistent-staging-root"]
+    p = subprocess.run(adloader_cmd(*args), env=repo_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
+    assert p.stderr == f"adloader install-service: {flag} is empty: give a directory" + (
+        " (leave --root out to install into /)\n" if flag == "--root" else " (default /opt/adloader)\n"), p.stderr
+
+
 def test_installed_unit_passes_systemd_analyze_verify(tmp_path):
     tool = shutil.which("systemd-analyze")
     if tool is None:

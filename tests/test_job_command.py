@@ -160,6 +160,18 @@ def test_agent_down_no_socket(tmp_path, slurm, want_rc):
 
 
 @pytest.mark.component
+@pytest.mark.parametrize("slurm", [True, False])
+def test_a_gpu_id_with_a_newline_or_an_escape_keeps_the_log_line_one_line(tmp_path, slurm):
+    """Before: the log line printed the GPU ids as given, so ``SLURM_JOB_GPUS=$'0\\n1'`` (or ``--gpus``)
+    split the prolog's one line in two, and an escape sequence went to the terminal or the log as is."""
+    env = dict(SLURM_ENV, SLURM_JOB_GPUS="0\n1,2\x1b[2J")
+    args = ("register", "--slurm") if slurm else ("register", "--job", "4242", "--gpus", "0\n1,2\x1b[2J")
+    rc, err, _ = run_job(*args, endpoint=f"ipc://{tmp_path}/absent.sock", env=env)
+    line = one_line(err)
+    assert rc == (0 if slurm else 1) and "gpus [0\\n1,2\\x1b[2J]" in line and "\x1b" not in line, line
+
+
+@pytest.mark.component
 def test_agent_down_stale_socket_file(tmp_path):
     """The agent crashed and left its socket file: nobody listens behind it."""
     path = tmp_path / "stale.sock"

@@ -25,6 +25,15 @@ def test_journal_atomic_roundtrip_and_corrupt_file(tmp_path):
     assert journal.load(str(tmp_path / "nothing")) is None
 
 
+@pytest.mark.parametrize("version", ["true", "1.0", '"1"', "2", "null"])
+def test_a_journal_whose_version_is_not_the_integer_1_is_set_aside(tmp_path, version):
+    """Before: ``"version": true`` and ``1.0`` passed the check (``== 1`` in Python) and the journal was
+    adopted as version 1. Now each version that is not the integer 1 is set aside and reported."""
+    (tmp_path / "journal.json").write_text('{"version": %s, "applied": {}, "jobs": {"j": {"uid": 0}}}' % version)
+    got = journal.load(str(tmp_path))
+    assert got["jobs"] == {} and len(got["problems"]) == 1 and "version must be 1" in got["problems"][0], got
+    assert not (tmp_path / "journal.json").exists()
+
 
 def test_make_dir_reports_only_what_it_made_and_remove_made_keeps_what_holds_a_file(tmp_path):
     from agent import statefile
@@ -42,3 +51,23 @@ def test_make_dir_reports_only_what_it_made_and_remove_made_keeps_what_holds_a_f
     (tmp_path / "f").write_text("")
     with pytest.raises(FileExistsError):  # a file at the path: refused, as os.makedirs does
         statefile.make_dir(str(tmp_path / "f"))
+
+
+def test_temporary_files_left_by_a_writer_killed_mid_write_are_removed_at_load(tmp_path):
+    """Before: an agent killed between writing its temporary file and renaming it (SIGKILL, the OOM
+    killer, power loss) left ``.journal.json.<pid>.tmp`` (and ``.prev`` link) for good, one more per crash.
+    Now the next load removes them, and only them; the journal and its last good copy are read as before."""
+    from agent import statefile
+    from agent.actuators.originals import Originals
+
+    journal.save(str(tmp_path), {}, {"j": {"uid": 0}})
+    journal.save(str(tmp_path), {}, {"j": {"uid": 0}})            # a .prev too
+    orig = tmp_path / "cgroup-originals.json"
+    left = [".journal.json.4321.tmp", ".journal.json.4321.tmp.prev", ".cgroup-originals.json.99.tmp"]
+    others = ["journal.json.bad-20260101T000000Z", ".journal.json.x.tmp", "notes.tmp"]
+    for name in left + others:
+        (tmp_path / name).write_text("{")
+    assert journal.load(str(tmp_path))["jobs"] == {"j": {"uid": 0}}
+    Originals(str(orig))
+    assert sorted(os.listdir(tmp_path)) == sorted(["journal.json", "journal.json.prev", *others])
+    assert statefile.remove_stale_temps(str(tmp_path / "nothing" / "journal.json")) == []

@@ -44,3 +44,42 @@ def test_metrics_exposed_on_localhost():
     finally:
         m.stop()
 
+
+
+def test_the_exposition_parses_with_counters_typed_as_counters_and_odd_label_values_escaped():
+    """Before: adloader_ticks_total, adloader_pids_skipped_total, adloader_messages_total and
+    adloader_errors_total were gauges (``# TYPE adloader_ticks_total gauge``): a ``_total`` name that is not
+    a counter, which promtool's lint refuses and rate() dashboards treat as a gauge. Now they are counters,
+    under the same sample names; every family has one HELP and one TYPE, no series is repeated, and a
+    label value holding a quote, a backslash or a newline comes back from the parser as it was sent."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.metrics import Metrics
+
+    m = Metrics(0)
+    odd = ['a"b', "c\\d", "e\nf", "ü"]
+    doc = status_doc()
+    doc["agent"].update(ticks=9, pids_skipped=2)
+    doc["jobs"] = [dict(doc["jobs"][0], job=j) for j in ["j1", *odd]]
+    m.update(doc, {"report": 7, "hello": 2}, {"malformed": 2})
+    m.update(doc, {"report": 8, "hello": 2}, {"malformed": 2})       # a second tick: values, not new series
+    text = generate_latest(m.registry).decode()
+    for name in ("adloader_ticks_total", "adloader_pids_skipped_total", "adloader_messages_total",
+                 "adloader_errors_total"):
+        assert text.count(f"# TYPE {name} counter\n") == 1 and text.count(f"# HELP {name} ") == 1, text
+    assert "adloader_ticks_total 9.0" in text and 'adloader_messages_total{type="report"} 8.0' in text
+    families = list(text_string_to_metric_families(text))
+    types = {f.name: f.type for f in families}
+    assert types["adloader_ticks"] == types["adloader_messages"] == "counter"
+    assert types["adloader_jobs"] == types["adloader_job_workers"] == "gauge"
+    assert len(types) == len(families)                                  # one family per name
+    series = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
+    assert len(series) == len(set(series)), series
+    workers = {s.labels["job"]: s.value for f in families if f.name == "adloader_job_workers" for s in f.samples}
+    assert workers == {j: 2.0 for j in ["j1", *odd]}
+    om = {f.name: f.type for f in parse_openmetrics(openmetrics_latest(m.registry).decode())}   # (raises if invalid)
+    assert om["adloader_ticks"] == "counter" and om["adloader_jobs"] == "gauge"

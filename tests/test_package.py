@@ -133,6 +133,40 @@ def test_an_unknown_option_is_named_by_its_own_command(argv, usage, capsys):
     assert "COMMAND ..." not in err
 
 
+@pytest.mark.parametrize("argv", [("agent", "--config"), ("profile", "--json"), ("bench", "--catalog"),
+                                  ("bench", "--out"), ("demo", "--out"), ("demo", "--catalog"),
+                                  ("simulate", "--trace"), ("simulate", "--catalog"), ("simulate", "--out"),
+                                  ("install-service", "--source")])
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_path_is_a_usage_error_naming_the_flag(argv, empty, capsys):
+    """``--trace "$TRACE"`` with the variable unset: '' was read as the flag not given (simulate ran its
+    default 1000-node trace, bench and demo wrote into the working directory or took the packaged
+    catalogue, profile wrote no JSON), without a word. Parsed only: the old code would run the command."""
+    from agent.cli import build_parser
+
+    command, flag = argv
+    with pytest.raises(SystemExit) as e:
+        build_parser(command).parse_args([command, flag, empty])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: an empty path" in err, err
+
+
+@pytest.mark.parametrize("argv", [("bench", "--scenarios"), ("bench", "--policies"), ("simulate", "--policies"),
+                                  ("demo", "--mix")])
+@pytest.mark.parametrize("empty", ["", " ", ",", " , "])
+def test_a_list_that_names_nothing_is_a_usage_error_naming_the_flag(argv, empty, capsys):
+    """'' or ',' was read as no list (``bench --scenarios ''`` ran the default scenario) or an empty one
+    (``simulate --policies ''`` printed an empty table and exited 0; ``bench --policies ''`` calibrated
+    the job kinds for no run). Parsed only: the old code would run the command."""
+    from agent.cli import build_parser
+
+    command, flag = argv
+    with pytest.raises(SystemExit) as e:
+        build_parser(command).parse_args([command, flag, empty])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: no name given in {empty!r}" in err, err
+
+
 def test_bench_quick_and_full_together_is_a_usage_error(capsys):
     """``adloader bench --quick --full`` ran the full bench (hours on a small node) without a word."""
     from agent.cli import main

@@ -96,3 +96,24 @@ def test_status_says_when_the_document_is_not_the_version_this_client_reads(chan
     else:
         assert len(notes) == 1 and note in notes[0], lines
         assert f"version {STATUS_VERSION}" in notes[0] and protocol.VERSION in notes[0], notes
+
+
+def test_the_job_column_shows_each_job_id_whole_and_on_one_line():
+    """Before: the JOB cell was cut to 14 characters, so torchrun-4012345 and torchrun-4012399 (two
+    jobs named after their torchrun agents' pids) both showed as "torchrun-40123". Now the column is
+    as wide as the longest id; an id with a control character (a broken agent's document) is escaped."""
+    from agent.status import render_table
+
+    doc = status_doc()
+    second = dict(doc["jobs"][0], job="torchrun-4012399")
+    doc["jobs"] = [dict(doc["jobs"][0], job="torchrun-4012345"), second,
+                   dict(doc["jobs"][0], job="slurm-123456789_1000:rank@node+x=y")]
+    lines = render_table(doc).splitlines()
+    rows = [line for line in lines if "marginal gain" in line]
+    assert [r.split()[0] for r in rows] == ["torchrun-4012345", "torchrun-4012399",
+                                            "slurm-123456789_1000:rank@node+x=y"]
+    header = next(line for line in lines if line.startswith("JOB"))
+    assert {r.index("marginal gain") for r in rows} == {header.index("REASON")}   # the columns still line up
+    doc["jobs"] = [dict(second, job="a\nb\x1b[2J")]
+    row = next(line for line in render_table(doc).splitlines() if "marginal gain" in line)
+    assert row.startswith("a\\nb\\x1b[2J "), row

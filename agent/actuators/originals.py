@@ -52,6 +52,8 @@ class Originals:
         self._lock = threading.Lock()
         self._save_error: Optional[str] = None        # why the last save failed (None: it did not)
         self._saving_since: Optional[float] = None    # monotonic start of the save in progress
+        if path:
+            statefile.remove_stale_temps(path)   # (one Originals per file: built at start, under the state dir's lock)
         if path and os.path.exists(path):
             self._load(path)
 

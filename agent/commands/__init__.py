@@ -1,7 +1,9 @@
 """The ``adloader`` subcommands (one module each, ``register(sub)`` and a ``run``), and the argparse
 types they share for numbers: ``plain_int`` and ``plain_float`` read what ``int`` and ``float`` read,
 except text that is not ASCII or holds '_', and (``plain_float``) a number that is not finite (Python reads '1_0' as 10 and '١٠' as 10, a number no one
-wrote: ``agent.config`` refuses the same text from the environment and the agent's flags)."""
+wrote: ``agent.config`` refuses the same text from the environment and the agent's flags); and ``path_arg`` for a file or directory,
+which refuses an empty one, and ``names_arg`` for a name or a comma-separated list of names, which
+refuses one that names none."""
 from __future__ import annotations
 
 import argparse
@@ -40,3 +42,22 @@ def plain_float(text: str) -> float:
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"a finite number expected, got {text!r}")
     return v
+
+
+def path_arg(text: str) -> str:
+    """argparse ``type``: a file or directory path, not empty. ``--trace "$TRACE"`` with the variable unset
+    gave '', which each command read as the flag not given: simulate ran its default generated trace
+    (1000 nodes), bench wrote its runs into the working directory (``--out ''``), ``--catalog ''`` took
+    the packaged catalogue, ``profile --json ''`` wrote nothing, all without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (a variable left unset?)")
+    return text
+
+
+def names_arg(text: str) -> str:
+    """argparse ``type``: a name, or a comma-separated list of names, naming at least one. '' or ','
+    was read as no list (``bench --scenarios ''``: the default ones) or as an empty one (``simulate
+    --policies ''`` printed an empty table and exited 0; ``bench --policies ''`` calibrated for no run)."""
+    if not any(part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"no name given in {text!r} (a variable left unset?)")
+    return text

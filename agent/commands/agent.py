@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from agent.commands import path_arg
+
 NAME = "agent"
 FLAGS = ("endpoint", "state_dir", "policy", "tick_s", "loader_cpus", "loader_memory", "max_jobs", "cgroup_mode",
          "metrics_port", "log_level")
@@ -19,7 +21,7 @@ def register(sub) -> None:
                                    "file <- ADLOADER_<KEY> environment <- these flags. Logs one JSON object "
                                    "per line on stdout. SIGTERM stops (restoring what it changed), SIGHUP "
                                    "reloads the config file.")
-    p.add_argument("--config", metavar="PATH", default=None,
+    p.add_argument("--config", metavar="PATH", default=None, type=path_arg,
                    help="TOML config file (default /etc/adloader/agent.toml if it exists)")
     p.add_argument("--endpoint", metavar="EP",
                    help="where to bind: ipc:// and an absolute path, or tcp://HOST:PORT (default "

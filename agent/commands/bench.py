@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent.commands import plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
 NAME = "bench"
 
@@ -21,18 +21,18 @@ def register(sub) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true", help="the bounded run (default unless --full)")
     length.add_argument("--full", action="store_true", help="every scenario, 3 repeats, longer phases")
-    p.add_argument("--scenarios", default=None, metavar="LIST",
+    p.add_argument("--scenarios", default=None, metavar="LIST", type=names_arg,
                    help=f"comma-separated, from: {','.join(SCENARIOS_ALL)} (quick: heterogeneous; full: all)")
-    p.add_argument("--policies", default=",".join(POLICIES_ALL), metavar="LIST",
+    p.add_argument("--policies", default=",".join(POLICIES_ALL), metavar="LIST", type=names_arg,
                    help=f"comma-separated policies to compare (default: all, {','.join(POLICIES_ALL)}); an agent policy may be a variant with agent "
                         "config keys, e.g. 'adaptive[loaders_yield=never]' (an A/B in one interleaved run); "
                         "'plan:FILE' runs the agent with a fixed plan per scenario from FILE "
                         "(python -m evaluation.best_plan --out, or {\"plans\": {scenario: {job: "
                         "{\"workers\": w, \"cpus\": c}}}})")
     p.add_argument("--reps", type=plain_int, default=None, metavar="N", help="repeats (quick: 1, full: 3)")
-    p.add_argument("--catalog", default=None, metavar="PATH",
+    p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="job catalogue TOML (default: the packaged catalog.toml)")
-    p.add_argument("--out", default="bench-out", metavar="DIR",
+    p.add_argument("--out", default="bench-out", metavar="DIR", type=path_arg,
                    help="output directory (JSON, markdown, plots, logs; default bench-out)")
     p.add_argument("--loader-cpus", default="auto", metavar="CORES",
                    help="cores for all loaders (default: auto, as the agent's)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent.commands import plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
 NAME = "demo"
 
@@ -26,16 +26,16 @@ def register(sub) -> None:
     from agent.commands.bench import add_cgroup_mode
 
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
-    p.add_argument("--out", default="bench-out/demo", metavar="DIR",
+    p.add_argument("--out", default="bench-out/demo", metavar="DIR", type=path_arg,
                    help="where the table, JSON and plots go (default bench-out/demo)")
     p.add_argument("--measure-s", type=plain_float, default=20.0, metavar="S",
                    help="measured seconds per policy (default 20)")
     p.add_argument("--warmup-s", type=plain_float, default=6.0, metavar="S",
                    help="seconds before measuring, while the agent settles (default 6)")
     add_cgroup_mode(p)
-    p.add_argument("--catalog", default=None, metavar="PATH",
+    p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="job catalogue TOML (its --mix is used; default: the packaged catalog.toml)")
-    p.add_argument("--mix", default="demo", metavar="NAME", help="which catalogue mix runs (default: demo)")
+    p.add_argument("--mix", default="demo", metavar="NAME", type=names_arg, help="which catalogue mix runs (default: demo)")
     p.add_argument("--calibration-processes", type=plain_int, default=3, metavar="N",
                    help="fresh processes the job kinds' CPU per sample is measured in, the least taken "
                         "(default 3); 1 = in this process")

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from agent.commands import path_arg
+
 NAME = "install-service"
 UNIT = "adloader-agent.service"
 DEFAULT_PREFIX = "/opt/adloader"
@@ -215,6 +217,13 @@ def _existing_text(path: Path) -> Optional[str]:
 
 def plan(args: argparse.Namespace) -> list[Action]:
     """Every action, in order, for these arguments (nothing is touched here)."""
+    # an empty value (``--root "$DESTDIR"`` with the variable unset) is refused, not read as "/": an
+    # empty --root installed into the live / while skipping systemctl as if staging, and an empty
+    # --prefix put the Slurm scripts in /slurm and the venv in /venv
+    for flag, value in (("--prefix", args.prefix), ("--root", args.root)):
+        if value is not None and not value.strip():
+            raise InstallError(f"{flag} is empty: give a directory" + (
+                " (leave --root out to install into /)" if flag == "--root" else f" (default {DEFAULT_PREFIX})"))
     prefix = args.prefix.rstrip("/") or "/"
     if not os.path.isabs(prefix):
         raise InstallError(f"--prefix {args.prefix!r} must be an absolute path")
@@ -290,7 +299,7 @@ def register(sub) -> None:
                    help="install but do not enable or (re)start the service")
     p.add_argument("--no-venv", dest="venv", action="store_false",
                    help="do not create or update PREFIX/venv (it is managed elsewhere)")
-    p.add_argument("--source", metavar="DIR", help="project checkout to pip-install (default: this one)")
+    p.add_argument("--source", metavar="DIR", type=path_arg, help="project checkout to pip-install (default: this one)")
     p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for pip install, repeatable (e.g. --pip-arg=--no-index "
                         "--pip-arg=--find-links=/srv/wheels on an offline node)")

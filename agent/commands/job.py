@@ -293,7 +293,10 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
 
     what = f"job {spec.job} uid {spec.uid}"
     if verb == "register":
-        what += f" gpus [{','.join(spec.gpus)}] cpus {spec.cpus if spec.cpus is not None else '?'}"
+        # (a GPU id is any text to the agent: one with a newline or an escape, shown as repr writes it,
+        # kept the prolog's log one line)
+        gpus = ",".join(g if g.isprintable() else repr(g)[1:-1] for g in spec.gpus)
+        what += f" gpus [{gpus}] cpus {spec.cpus if spec.cpus is not None else '?'}"
     ep_note = ""
     try:
         endpoint, ep_note = resolve_endpoint(args.endpoint, getattr(args, "config", None), environ)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from agent.commands import plain_float
+from agent.commands import path_arg, plain_float
 
 NAME = "profile"
 DEFAULT_DURATION_S = 60.0
@@ -45,7 +45,7 @@ def register(sub) -> None:
                    help=f"stop the command after S seconds (default {DEFAULT_DURATION_S:g})")
     p.add_argument("--cores", type=plain_float, default=None, metavar="N",
                    help="CPU cores the loader may use (default: the CPUs this process may use)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", type=path_arg, help="also write the profile as JSON")
     p.add_argument("--job", default=None, metavar="ID", help="job id to give the command (default profile-<pid>)")
     p.add_argument("cmd", nargs="*", help="the training command, after --")
     p.set_defaults(func=run, unrecognized_hint="the training command goes after --: "

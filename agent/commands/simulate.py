@@ -13,7 +13,7 @@ import math
 import sys
 import time
 
-from agent.commands import plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
 NAME = "simulate"
 
@@ -37,7 +37,7 @@ def _steps_note(part: float) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser(NAME, description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--trace", default=None, metavar="PATH",
+    p.add_argument("--trace", default=None, metavar="PATH", type=path_arg,
                    help="trace file (CSV with header or JSON lines: node, job, kind, arrival_s, work_s[, gpus]"
                         "[, phases]; default: a generated one)")
     p.add_argument("--nodes", type=plain_int, default=1000, metavar="N", help="nodes of a generated trace (default 1000)")
@@ -51,9 +51,10 @@ def register(sub) -> None:
     p.add_argument("--curves", choices=("auto", "corpus", "builtin"), default="auto",
                    help="job models: the predictor's measured corpus, or first-principles catalogue kinds "
                         "(default auto: corpus when present)")
-    p.add_argument("--catalog", default=None, metavar="PATH",
+    p.add_argument("--catalog", default=None, metavar="PATH", type=path_arg,
                    help="catalogue TOML for --curves builtin (with --curves auto it means builtin)")
     p.add_argument("--policies", default="even-static,even,none,autotune,static-cores,adaptive,oracle", metavar="LIST",
+                   type=names_arg,
                    help="policies to compare, comma-separated (default: "
                         "even-static,even,none,autotune,static-cores,adaptive,oracle)")
     p.add_argument("--predictor", choices=("agent", "first-principles", "perfect"), default="first-principles",
@@ -80,7 +81,7 @@ def register(sub) -> None:
                         "by job id")
     p.add_argument("--processes", type=plain_int, default=None, metavar="N", help="worker processes (default: CPUs)")
     p.add_argument("--list-kinds", action="store_true", help="list the job kinds (of --curves) and exit")
-    p.add_argument("--out", default=None, metavar="PATH", help="write the JSON result here")
+    p.add_argument("--out", default=None, metavar="PATH", type=path_arg, help="write the JSON result here")
     p.set_defaults(func=run)
 
 
