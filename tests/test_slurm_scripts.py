@@ -410,3 +410,35 @@ def test_a_syslog_that_stopped_reading_does_not_hang_the_scripts(tmp_path):
     finally:
         sender.close()
         syslog.close()
+
+
+def test_a_fifo_as_log_file_or_agent_config_never_hangs_the_scripts(installed, fake_agent, adloader_bin):  # noqa: F811
+    """LOG_FILE or AGENT_CONFIG a FIFO (or any file that is not a regular one) that nobody writes or
+    reads: every script still exits 0 at once. Before, the prolog and epilog hung for ever in the
+    append to a FIFO LOG_FILE (a redirection of bash's own, which `timeout` does not bound; slurmd:
+    until PrologEpilogTimeout, then the node drains), and the TaskProlog in its read of a FIFO
+    AGENT_CONFIG (the task never started)."""
+    import os
+
+    d, config, log = installed
+    os.mkfifo(config)
+    os.mkfifo(log)
+    agent = fake_agent()
+    env = {**SLURM_ENV, "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": agent.endpoint}
+    for script, tag in (("prolog.sh", "adloader-prolog"), ("epilog.sh", "adloader-epilog")):
+        try:
+            rc, _, err, wall_s = run_script(d / script, env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{script} hung on a FIFO")
+        assert rc == 0 and ": ok" in log_line(err, tag), err
+    assert [m["type"] for m in agent.messages] == ["register", "release"]
+    # without ADLOADER_ENDPOINT the command reads AGENT_CONFIG: a FIFO is named, the default used
+    rc, _, err, _ = run_script(d / "prolog.sh", {**SLURM_ENV, "ADLOADER_BIN": adloader_bin})
+    assert rc == 0 and "is not a regular file (a FIFO)" in log_line(err, "adloader-prolog")
+    try:
+        rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("taskprolog.sh hung on a FIFO")
+    assert rc == 0 and out.splitlines() == ["export ADLOADER_JOB_ID=4242"]
+    assert f"{config} is not a regular file: no endpoint exported" in err
+
