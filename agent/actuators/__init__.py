@@ -10,6 +10,8 @@ Only the controller calls them, and only with the difference between desired and
 An actuator with ``tracks_pids = True`` (cgroup, affinity) is also called when the job's loader worker
 pids changed since its last apply (resizes, restarts), so new workers join the job's group; one with
 ``tracks_ranks = True`` (the directive) when the job's training processes changed (ranks joined or left).
+One with a ``lost_group(job_id) -> bool`` method (cgroup) is called again with the same allocation when
+that says what it made for the job is gone (its group removed by an admin or a systemd reset).
 
 Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
 (v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).

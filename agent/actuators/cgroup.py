@@ -370,6 +370,7 @@ class CgroupActuator:
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
         self._subtree_cap_read = False               # _subtree_cap read back from the subtree (a restart)
         self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
+        self._subtree_ident: Optional[int] = None    # the subtree group those three were written to (inode)
         self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
         self.pids_skipped = 0                        # worker pids not moved: no longer the recorded worker
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
@@ -601,13 +602,15 @@ class CgroupActuator:
         neither removed it on stop nor moved its workers out: the subtree's rmdir then failed EBUSY).
         False (and not listed) if the group existed already: someone else made it meanwhile."""
         key = Originals.key(hier, rel)
-        self.originals.created.append(key)
-        self.originals.save()
+        listed = key in self.originals.created       # made before, and removed by someone else since
+        if not listed:
+            self.originals.created.append(key)
+            self.originals.save()
         made = False
         try:
             made = self.h[hier].mkdir(rel)
         finally:
-            if not made:
+            if not made and not listed:
                 self.originals.created.remove(key)
                 self.originals.save()
         return made
@@ -781,6 +784,7 @@ class CgroupActuator:
         yielding and it is written again after."""
         if not self.h[self._cpu_hier].exists(self.subtree):
             return []
+        self._check_subtree_identity()
         notes: list[str] = []
         need, pace = self._trainer_figures()
         want_idle = bool(self._node is not None and self._node.loaders_yield)
@@ -828,6 +832,36 @@ class CgroupActuator:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
         return notes
+
+    def _check_subtree_identity(self) -> None:
+        """The subtree's weight, cap and idle flag are written on change only, against what was last
+        written (``_subtree_shares``, ``_subtree_cap``, ``_subtree_idle``). A subtree removed and made
+        again since (an admin's rmdir, a systemd reset; made again by our next apply, or by someone
+        else) has the kernel's defaults instead: before, the agent compared against its cache, wrote
+        nothing, and the loaders ran at 1024 shares (or another's cap) for good. A new inode forgets
+        what was written, as a restarted agent starts (read back where it can)."""
+        ident = self.h[self._cpu_hier].identity(self.subtree)
+        if ident == self._subtree_ident:
+            return
+        if self._subtree_ident is not None:
+            logs.event(log, "cgroup_subtree_recreated", logging.WARNING,
+                       group=self.h[self._cpu_hier].path(self.subtree),
+                       detail="removed and made again since the agent last wrote it: its weight, cap and "
+                              "idle flag are written again")
+            self._subtree_shares = None
+            self._subtree_cap = None
+            self._subtree_cap_read = False
+            self._subtree_idle = None
+        self._subtree_ident = ident
+
+    def lost_group(self, job_id: str) -> bool:
+        """Whether the cpu group an apply made for the job is gone (an admin's rmdir, a systemd reset of
+        the subtree) while the job still holds an allocation here. The controller then applies the job
+        again with its allocation unchanged (``Controller._prepare_job``), which makes the group again
+        (the subtree too, if it went), writes its weight and moves the job's workers back in; before,
+        nothing changed for the controller, so the group stayed gone until the job's allocation or
+        workers did. A stat per job and tick; read on the tick's thread (``_workers`` only by key)."""
+        return job_id in self._workers and not self.h[self._cpu_hier].exists(self._group(job_id))
 
     def _current_subtree_cap(self) -> Optional[float]:
         if not self._subtree_cap_read:
@@ -992,6 +1026,7 @@ class CgroupActuator:
         self._subtree_cap = None
         self._subtree_cap_read = False
         self._subtree_idle = None
+        self._subtree_ident = None
         self._node = None
         self.affinity.restore()
         self.originals.save()
