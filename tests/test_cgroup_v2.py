@@ -608,3 +608,18 @@ def test_a_subtree_made_again_by_someone_else_gets_its_weight_and_cap_again(v2):
     assert act.lost_group("a") and act.apply(cgroup_job("a", [101, 102]), alloc).ok
     assert read(kernel, "adloader", "cpu.weight") == "200"
     act.restore()
+
+
+def test_a_subtree_we_made_that_cannot_be_removed_gets_a_new_groups_cpu_values_back(v2):
+    """Someone put a group of theirs in our subtree: restore cannot remove the subtree (EBUSY), and
+    before, it kept the weight and cap the agent wrote (the loaders capped after the agent stopped)."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=2.0)
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    assert act.apply(cgroup_job("a", [101, 102], **trainer), JobAllocation(job="a", workers=2, cpus=1.0)).ok
+    assert read(kernel, "adloader", "cpu.max") != "max 100000"          # capped for the trainers
+    kernel.mkdir("adloader/theirs")
+    with pytest.raises(cgroupfs.CgroupError, match="restore incomplete"):
+        act.restore()
+    assert kernel.exists("adloader/theirs") and not kernel.exists("adloader/a")
+    assert read(kernel, "adloader", "cpu.max") == "max 100000" and read(kernel, "adloader", "cpu.weight") == "100"

@@ -980,7 +980,8 @@ class CgroupActuator:
 
     def restore(self) -> None:
         """Put back everything: processes to their origins, the groups we created removed (children
-        first), original values written. Groups in the subtree that we did not create are left alone."""
+        first), original values written. Groups in the subtree that we did not create are left alone;
+        our subtree, if one of them keeps it from being removed, gets a new group's CPU values."""
         errors = []
         # Only the groups this agent (or the dead one whose journal it read) created: another agent
         # on the machine (tests, benchmarks) may share the subtree name and own the other children.
@@ -994,6 +995,14 @@ class CgroupActuator:
                     self._drop_group(hier, rel)
                 except CgroupError as e:
                     errors.append(str(e))
+        # our subtree, still there: a group that is not ours is in it (rmdir EBUSY). It gets a new group's
+        # CPU values back, so no weight, cap or idle flag of ours outlives us (adopt_orphans does the same
+        # for a subtree it takes over; here for one this agent, or the journal it read, made itself)
+        h = self.h[self._cpu_hier]
+        if Originals.key(self._cpu_hier, self.subtree) in self.originals.created and h.exists(self.subtree):
+            for file, value in NEW_GROUP_CPU[self.version].items():
+                if h.has_file(self.subtree, file):
+                    self.originals.files.setdefault(Originals.key(self._cpu_hier, self.subtree, file), value)
         # deepest group first: a parent's subtree_control is put back after its children's (older kernels
         # refuse to disable a controller that a child still enables: EBUSY). Within a group cpu.idle goes
         # first: an idle group refuses a weight (EINVAL) and leaving idle resets it to the default
