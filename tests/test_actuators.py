@@ -129,3 +129,37 @@ def test_a_previous_copy_that_is_unusable_too_is_set_aside_and_the_groups_still_
     names = os.listdir(tmp_path)
     assert sum(n.startswith("cgroup-originals.json.bad-") for n in names) + \
         sum(n.startswith("cgroup-originals.json.prev.bad-") for n in names) == 2, names
+
+
+@pytest.mark.component
+def test_a_claimed_subtree_refuses_a_second_claim_naming_both_until_it_is_let_go(tmp_path):
+    """``build(lock_dir=...)``: the cgroup actuator claims its subtree; a second build on the same subtree
+    (another state_dir) raises SubtreeInUse naming the subtree, the holder's pid and state_dir and its
+    own; a build on another subtree does not; restore lets go (and removes the lock file)."""
+    from agent.actuators.cgroup import SubtreeInUse
+
+    class Sink:
+        def send_directive(self, *a):
+            return True
+
+    proc = fake_proc(tmp_path, [])
+    FakeV2Kernel(str(tmp_path / "cg"), proc)
+    run = tmp_path / "run"
+
+    def agent(state, subtree="adloader"):
+        return build("v2", sink=Sink(), cgroup_root=str(tmp_path / "cg"), state_dir=str(tmp_path / state),
+                     subtree=subtree, sys_root=str(tmp_path), proc_root=proc, lock_dir=str(run))[1]
+
+    first = agent("a")
+    with pytest.raises(SubtreeInUse) as e:
+        agent("b")
+    msg = str(e.value)
+    assert str(tmp_path / "cg" / "adloader") in msg and f"pid {os.getpid()}" in msg, msg
+    assert f"state_dir {str(tmp_path / 'a')!r}" in msg and f"this agent's state_dir is {str(tmp_path / 'b')!r}" in msg
+    other = agent("c", subtree="adloader2")
+    assert len(os.listdir(run)) == 2
+    first.restore()
+    second = agent("b")
+    second.restore()
+    other.restore()
+    assert os.listdir(run) == []       # the lock files removed on release

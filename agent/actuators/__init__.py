@@ -43,6 +43,12 @@ class Actuator(Protocol):
 
 from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
 
+class SubtreeInUse(RuntimeError):
+    """Another live agent on this node holds the same cgroup subtree (``cgroup.SubtreeClaim``). Not a
+    ``CgroupError``: ``cgroup_mode = "auto"`` must not fall back to ``off`` because of it. (Here, not in
+    ``cgroup``: the daemon catches it in every mode, and mode ``off`` imports nothing of the cgroups.)"""
+
+
 # the one list of each: config validation and every command's argparse choices read these
 MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
@@ -50,7 +56,8 @@ CPU_KNOBS = ("shares", "quota", "cpuset")
 
 def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str = "shares",
           io: bool = True, subtree: str = "adloader", state_dir: Optional[str] = None,
-          sys_root: str = "/sys", proc_root: str = "/proc", problems: Optional[list] = None) -> list:
+          sys_root: str = "/sys", proc_root: str = "/proc", problems: Optional[list] = None,
+          lock_dir: Optional[str] = None) -> list:
     """The actuators for a cgroup mode; the directive actuator (worker counts) always comes first.
 
     - ``off``: worker counts only.
@@ -70,6 +77,11 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     they came from) and removed as jobs leave or on stop; a subtree that cannot be removed gets a new
     group's CPU values back (no cap). The mode is never changed because of it: ``auto`` does not fall
     back to ``off``.
+
+    ``lock_dir`` (the agent: ``adloader.env.runtime_dir()``): the cgroup actuator claims its subtree
+    there (``cgroup.SubtreeClaim``) before it reads or writes a group; another live agent holding the
+    same subtree raises ``SubtreeInUse`` naming both (whatever the mode: ``auto`` does not fall
+    back to ``off``). Without it (tests, the simulator) nothing is claimed.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -106,10 +118,20 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     hierarchies = cgroupfs.open_hierarchies(cgroup_root, version, proc_root=proc_root)
     act = CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
                          originals=originals, sys_root=sys_root, proc_root=proc_root, affinity=affinity)
-    if orphans:
-        found = act.adopt_orphans()
-        if found:
-            problems.append(f"found {len(found)} group(s) of a previous agent: {', '.join(found[:10])}")
+    if lock_dir:
+        try:
+            act.claim_subtree(lock_dir, owner=state_dir or "(none)")
+        except OSError as e:       # a runtime directory this agent cannot write: run, unguarded, and say so
+            problems.append(f"cgroup subtree not claimed (another agent on {subtree!r} would not be "
+                            f"refused): {lock_dir}: {e.strerror or e}")
+    try:
+        if orphans:
+            found = act.adopt_orphans()
+            if found:
+                problems.append(f"found {len(found)} group(s) of a previous agent: {', '.join(found[:10])}")
+    except BaseException:
+        act.release_subtree()
+        raise
     actuators.append(act)
     return actuators
 

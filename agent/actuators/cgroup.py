@@ -90,14 +90,17 @@ Where the groups live:
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import logging
 import math
 import os
 import time
 from typing import Optional
 
-from agent import cgroupfs, logs
-from agent.actuators import CPU_KNOBS
+from agent import cgroupfs, logs, statefile
+from agent.actuators import CPU_KNOBS, SubtreeInUse
 from agent.actuators.originals import Originals
 from agent.cgroupfs import Busy, CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats, NodeAllocation
@@ -325,6 +328,82 @@ def worker_pids(job: JobStats) -> list[int]:
     return [p for p in job.worker_pids if p not in training and p > 0]
 
 
+class SubtreeClaim:
+    """One agent per cgroup subtree: an exclusive ``flock`` on ``<lock_dir>/cgroup-subtree-<hash>.lock``,
+    the hash of the subtree's path in the cpu hierarchy (so agents on other subtrees, or on fake trees,
+    never meet), held from before the first write until ``release``, and let go by the kernel when the
+    process dies (SIGKILL included). The file holds the holder's pid, state directory and subtree, for
+    the message of the agent it refuses.
+
+    Why: the state directory's lock (``agent.daemon``) stops two agents on one state directory, not two
+    with their own state directories and the same ``cgroup_subtree``. Each took the subtree as its own:
+    each wrote the subtree's weight over the other's, one that lost its journal of originals took the
+    other's job groups as a dead agent's (``adopt_orphans``) and emptied and removed them, and the
+    first to stop put the subtree back under the other's groups.
+
+    ``lock_dir`` is shared by every agent of this user on the node (``adloader.env.runtime_dir``:
+    /run/adloader for root, the systemd unit's RuntimeDirectory). The file is removed on ``release``
+    while still locked; a claim checks, once locked, that the path is still the file it locked (one
+    removed meanwhile by a releasing holder is tried again), so two holders never lock two files."""
+
+    def __init__(self, lock_dir: str, subtree_path: str, owner: str) -> None:
+        self.subtree_path = subtree_path
+        name = hashlib.sha256(os.fsencode(subtree_path)).hexdigest()[:20]
+        self.path = os.path.join(lock_dir, f"cgroup-subtree-{name}.lock")
+        self._made = statefile.make_dir(lock_dir, mode=0o755)
+        self.fd: Optional[int] = None
+        for _ in range(5):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                statefile.remove_made(self._made)
+                raise SubtreeInUse(
+                    f"cgroup subtree {subtree_path} is in use by another agent on this node "
+                    f"(pid {holder.get('pid', '?')}, state_dir {holder.get('state_dir', '?')!r}); this agent's "
+                    f"state_dir is {owner!r}. Two agents on one subtree remove each other's groups: give each a "
+                    f"cgroup_subtree of its own (config key cgroup_subtree, ADLOADER_CGROUP_SUBTREE), or stop "
+                    f"the other one (lock {self.path})") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:            # released (and removed) by its holder between our open and our lock
+                os.close(fd)
+                continue
+            doc = json.dumps({"pid": os.getpid(), "state_dir": owner, "subtree": subtree_path}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, doc, 0)
+            self.fd = fd
+            return
+        raise SubtreeInUse(f"cgroup subtree {subtree_path}: its lock {self.path} kept changing hands")
+
+    @staticmethod
+    def _holder(fd: int) -> dict:
+        try:
+            doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def release(self) -> None:
+        """Remove the file (still locked: no other claim can hold it) and let go; idempotent."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        statefile.remove_made(self._made)
+
+
 class CgroupActuator:
     """One cgroup group per job under ``subtree`` in each hierarchy it needs (see the module docstring).
 
@@ -378,7 +457,19 @@ class CgroupActuator:
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
         self.io_mode, self.io_notes = self._probe_io(io, sys_root, proc_root)
+        self.claim: Optional[SubtreeClaim] = None
         self._load_existing_shares()
+
+    def claim_subtree(self, lock_dir: str, owner: str) -> None:
+        """Take the subtree for this agent (``SubtreeClaim``; raises ``SubtreeInUse``); ``restore`` or
+        ``release_subtree`` lets it go."""
+        if self.claim is None:
+            self.claim = SubtreeClaim(lock_dir, self.h[self._cpu_hier].path(self.subtree), owner)
+
+    def release_subtree(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
     def _load_existing_shares(self) -> None:
         """After a restart, the job groups already in our subtree still weigh what they weighed, and
@@ -1039,6 +1130,7 @@ class CgroupActuator:
         self._node = None
         self.affinity.restore()
         self.originals.save()
+        self.release_subtree()       # (an incomplete restore too: the agent stops, its journal says what is left)
         if errors:
             raise CgroupError("restore incomplete: " + "; ".join(errors))
 
