@@ -136,6 +136,14 @@ class Hierarchy:
     def has_file(self, rel: str, file: str) -> bool:
         return os.path.exists(self.path(rel, file))
 
+    def identity(self, rel: str) -> Optional[int]:
+        """The group's inode number (None if it is gone): a group removed and made again under the same
+        name (an admin's rmdir, systemd) is another group, with the kernel's defaults in its files."""
+        try:
+            return os.stat(self.path(rel)).st_ino
+        except OSError:
+            return None
+
     def mkdir(self, rel: str) -> bool:
         """Create the group; False if it existed already."""
         try:
@@ -224,16 +232,10 @@ class V1Hierarchy(Hierarchy):
             n = Node(os.fsencode(part), parent=n)     # the name's bytes, as os.walk decoded them
         return n
 
-    def mkdir(self, rel: str) -> bool:
-        if self.exists(rel):
-            return False
-        parts = rel.strip("/").rsplit("/", 1)
-        parent = self.node(parts[0] if len(parts) == 2 else "")
-        try:
-            parent.create_cgroup(os.fsencode(parts[-1]))
-            return True
-        except OSError as e:
-            raise domain_error(e, f"mkdir {self.path(rel)}") from None
+    # mkdir: Hierarchy's plain mkdir, not cgroupspy's Node.create_cgroup: that one remembers every child
+    # it made on the parent node, and the hierarchy's top node lives as long as the agent, so a subtree
+    # removed by someone else could never be made again (RuntimeError "Node ... already exists" at
+    # every apply, not even a CgroupError)
 
     def read(self, rel: str, file: str) -> str:
         node = self.node(rel)

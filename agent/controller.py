@@ -8,7 +8,9 @@ Invariants (what the tests hold it to):
   with a small tolerance, the reason ignored), or, for actuators with ``tracks_pids = True`` (cgroup,
   affinity), when the job's loader worker pids changed since that actuator last applied, or, for
   actuators with ``tracks_ranks = True`` (the directive), when the job's training processes did (a rank
-  joined, left or was restarted: its ranks' part of an unchanged count is not what was sent).
+  joined, left or was restarted: its ranks' part of an unchanged count is not what was sent), or, for
+  actuators with a ``lost_group(job)`` check (cgroup), when it says what was made for the job is gone
+  (removed by someone else; asked only while the actuator's lane is free; ``_lost_group``).
 - Breaker: three failed applies in a row of one actuator for one job open that breaker; the actuator
   is skipped for that job (its result says so) until ``breaker_retry_s`` has passed, then one apply is
   tried again (half-open). Other jobs, and the job's other actuators, are never affected: a cgroup
@@ -821,6 +823,8 @@ class Controller:
                 todo.append(i)
             elif getattr(act, "tracks_ranks", False) and self._ranks_by[i].setdefault(job.job, job.pids) != job.pids:
                 todo.append(i)      # (none recorded: adopted from the journal, its ranks say hello again)
+            elif self._lost_group(i, act, job.job):
+                todo.append(i)
         if not todo:
             return None
         brs = self._breakers.setdefault(job.job, {})
@@ -840,6 +844,23 @@ class Controller:
             except Exception as e:   # noqa: BLE001 — (a thread that cannot start): this job's failure
                 calls.append((i, e, ""))
         return job, desired, now, before, calls
+
+    def _lost_group(self, i: int, act, job_id: str) -> bool:
+        """Whether the actuator says what it made for the job is gone (``lost_group``: the cgroup
+        actuator's group removed by someone else), so an unchanged allocation is applied again. Not asked
+        while the actuator's lane is busy (a hung call: nothing is submitted to it anyway), nor for a job
+        whose allocation it never applied. A check that raises counts as not lost."""
+        fn = getattr(act, "lost_group", None)
+        if fn is None or job_id not in self._applied_by[i] or self.lanes[i].busy() is not None:
+            return False
+        try:
+            lost = bool(fn(job_id))
+        except Exception:   # noqa: BLE001 — a check, never a reason to stop the tick
+            return False
+        if lost:
+            logs.event(log, "group_lost", logging.WARNING, job=job_id, actuator=getattr(act, "name", str(i)),
+                       detail="removed by someone else: the allocation is applied again")
+        return lost
 
     def _finish_job(self, prepared: tuple) -> ApplyResult:
         """The second half of ``_apply_job``: each submitted call's outcome, recorded; the breakers."""

@@ -213,6 +213,7 @@ class Agent:
             self.actuators, self.cgroup_mode = self._build_actuators()
             self.controller = self._build_controller()
         except BaseException:
+            self._release_subtrees()
             self.unlock_state_dir()
             self._remove_made_state_dir()
             raise
@@ -255,6 +256,13 @@ class Agent:
                               "state_dir, endpoint and cgroup_subtree of its own") from None
         self._state_lock_fd = fd
 
+    def _release_subtrees(self) -> None:
+        """Let go of the cgroup subtree's claim (``cgroup.SubtreeClaim``; a refused start, stop)."""
+        for a in getattr(self, "actuators", ()):
+            release = getattr(a, "release_subtree", None)
+            if release is not None:
+                release()
+
     def unlock_state_dir(self) -> None:
         """Let go of the state directory (``stop``, a refused start; tests, to play a killed agent)."""
         if self._state_lock_fd is not None:
@@ -279,11 +287,13 @@ class Agent:
         cfg = self.config
         kw = dict(sink=self.server, cgroup_root=cfg.cgroup_root, cpu_knob=cfg.cpu_knob, io=cfg.io_weights,
                   state_dir=cfg.state_dir, proc_root=self.collector.proc_root, subtree=cfg.cgroup_subtree,
-                  problems=self.state_problems)
+                  problems=self.state_problems, lock_dir=env.runtime_dir())
         from agent import cgroupfs
 
         try:
             return actuators.build(cfg.cgroup_mode, **kw), cfg.cgroup_mode
+        except actuators.SubtreeInUse as e:       # (whatever the mode: auto does not fall back to off over it)
+            raise CannotStart(f"config key 'cgroup_subtree' = {cfg.cgroup_subtree!r}: {e}") from None
         except cgroupfs.CgroupError as e:
             if cfg.cgroup_mode != "auto":
                 raise CannotStart(f"config key 'cgroup_mode' = {cfg.cgroup_mode!r} (cgroup_root "
@@ -401,6 +411,7 @@ class Agent:
             self.metrics.stop()
         self.server.close()
         self.ctx.term()
+        self._release_subtrees()      # (restore let it go; not if restore was skipped: a hung lane)
         self.unlock_state_dir()
         logs.event(log, "agent_stopped", ticks=self.ticks)
 
@@ -615,6 +626,7 @@ class Agent:
             except BaseException:
                 self.server.close(refused=True)   # with the socket directory it made, empty only
                 self.ctx.term()
+                self._release_subtrees()
                 self.unlock_state_dir()
                 self._remove_made_state_dir()
                 raise

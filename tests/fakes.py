@@ -187,6 +187,8 @@ class FakeV2Kernel(V2Hierarchy):
             with open(os.path.join(root, name), "w") as f:
                 f.write(value)
         self.writes: list[tuple[str, str, str]] = []
+        self._ids: dict[str, int] = {}       # group -> the id its last mkdir gave it (``identity``)
+        self._next_id = 0
 
     @staticmethod
     def _err(code, what):
@@ -195,6 +197,8 @@ class FakeV2Kernel(V2Hierarchy):
     def mkdir(self, rel):
         created = super().mkdir(rel)
         if created:
+            self._next_id += 1
+            self._ids[rel.strip("/")] = self._next_id
             parent = os.path.dirname(rel.strip("/"))
             for name, value in self.FILES.items():
                 with open(self.path(rel, name), "w") as f:
@@ -202,6 +206,13 @@ class FakeV2Kernel(V2Hierarchy):
             with open(self.path(rel, "cgroup.controllers"), "w") as f:
                 f.write(" ".join(sorted(self.subtree_control(parent))))
         return created
+
+    def identity(self, rel):
+        """A group made again gets a new id, as kernfs gives it a new inode number (ids from
+        idr_alloc_cyclic, fs/kernfs/dir.c); the files under tmp_path may reuse a freed inode."""
+        if not self.exists(rel):
+            return None
+        return self._ids.get(rel.strip("/")) or -super().identity(rel)
 
     def read(self, rel, file):
         parent = os.path.dirname(rel.strip("/"))

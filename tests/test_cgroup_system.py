@@ -672,3 +672,37 @@ def test_a_worker_pid_another_process_took_is_not_moved_into_the_jobs_group(clea
     act.release("r1")
     act.restore()
     assert cgroup_of(worker.pid, "cpu") == "/"
+
+
+def test_a_subtree_removed_by_an_admin_is_made_again_with_its_weight(clean, tmp_path):
+    """An admin empties and removes the agent's subtree (cgdelete, a systemd reset) while the agent runs:
+    the actuator says the job's group is lost (the controller then applies the job again), and that
+    apply makes the groups again, moves the workers back in and writes the subtree's weight again
+    (a new group by its kernfs inode). Before, the weight it had written was cached: the new subtree
+    kept the kernel's 1024 for two workers' 2048."""
+    pids = []
+    for _ in range(2):
+        p = subprocess.Popen(["sleep", "300"])
+        clean.append(p)
+        pids.append(p.pid)
+    act = cgroup_actuator(tmp_path)
+    alloc = JobAllocation(job="gone", workers=2, cpus=0.5)
+    assert act.apply(stats("gone", pids), alloc).ok
+    subtree = os.path.join(CPU, SUBTREE)
+    with open(os.path.join(subtree, "cpu.shares")) as f:
+        assert f.read().strip() == "2048"
+    assert not act.lost_group("gone")
+    for pid in pids:                                             # the admin: tasks to the root, rmdir
+        with open(os.path.join(CPU, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    os.rmdir(os.path.join(subtree, "gone"))
+    os.rmdir(subtree)
+    assert act.lost_group("gone")
+    assert act.apply(stats("gone", pids), alloc).ok              # what the controller does then
+    assert not act.lost_group("gone")
+    with open(os.path.join(subtree, "cpu.shares")) as f:
+        assert f.read().strip() == "2048"
+    assert {cgroup_of(p, "cpu") for p in pids} == {f"/{SUBTREE}/gone"}
+    act.restore()
+    assert not os.path.exists(subtree)
+    assert {cgroup_of(p, "cpu") for p in pids} == {"/"}

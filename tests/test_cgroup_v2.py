@@ -560,3 +560,66 @@ def test_release_of_a_worker_that_exits_while_moved_back_is_not_a_failure(v2, tm
     assert set(kernel.procs("user.slice/job.scope")) >= {101}
     act.restore()
     assert not kernel.exists("adloader")
+
+
+def test_a_subtree_removed_by_someone_else_is_made_again_with_its_weights(v2):
+    """An admin (or a systemd reset) empties and removes the agent's subtree while the agent runs. The
+    actuator says the job's group is lost (the controller then applies the job again), and that apply
+    makes the groups again, moves the workers back and writes the subtree's weight again. Before, the
+    subtree's weight was cached: the new subtree kept the kernel's default (cpu.weight 100 for two
+    workers' 200) for good, and the journal of originals listed the subtree twice."""
+    kernel, make = v2
+    act = make(io=False)
+    alloc = JobAllocation(job="a", workers=2, cpus=0.5)
+    assert act.apply(cgroup_job("a", [101, 102]), alloc).ok
+    assert read(kernel, "adloader", "cpu.weight") == "200" and read(kernel, "adloader/a", "cpu.weight") == "50"
+    assert not act.lost_group("a") and not act.lost_group("never-applied")
+    for pid in (101, 102):                                     # what `cgdelete -r` or systemd does
+        kernel.move("user.slice/job.scope", pid)
+    kernel.rmdir("adloader/a")
+    kernel.rmdir("adloader")
+    assert act.lost_group("a")
+    assert act.apply(cgroup_job("a", [101, 102]), alloc).ok    # what the controller does then
+    assert not act.lost_group("a")
+    assert read(kernel, "adloader", "cpu.weight") == "200"     # old code: "100", never written again
+    assert read(kernel, "adloader/a", "cpu.weight") == "50"
+    assert set(kernel.procs("adloader/a")) == {101, 102}
+    created = act.originals.created
+    assert len(created) == len(set(created)), created
+    act.restore()
+    assert not kernel.exists("adloader")
+    assert cgroupfs.proc_cgroups(101, kernel.proc_root)[""] == "/user.slice/job.scope"
+
+
+def test_a_subtree_made_again_by_someone_else_gets_its_weight_and_cap_again(v2):
+    """The subtree gone and made again by someone else (systemd) before the agent's next apply: it
+    exists, so the agent makes only the job's group in it, and its weight is written again all the
+    same (a new group, by its inode, forgets what was written to the old one)."""
+    kernel, make = v2
+    act = make(io=False)
+    alloc = JobAllocation(job="a", workers=2, cpus=0.5)
+    assert act.apply(cgroup_job("a", [101, 102]), alloc).ok
+    for pid in (101, 102):
+        kernel.move("user.slice/job.scope", pid)
+    kernel.rmdir("adloader/a")
+    kernel.rmdir("adloader")
+    kernel.mkdir("adloader")
+    assert read(kernel, "adloader", "cpu.weight") == "100"
+    assert act.lost_group("a") and act.apply(cgroup_job("a", [101, 102]), alloc).ok
+    assert read(kernel, "adloader", "cpu.weight") == "200"
+    act.restore()
+
+
+def test_a_subtree_we_made_that_cannot_be_removed_gets_a_new_groups_cpu_values_back(v2):
+    """Someone put a group of theirs in our subtree: restore cannot remove the subtree (EBUSY), and
+    before, it kept the weight and cap the agent wrote (the loaders capped after the agent stopped)."""
+    kernel, make = v2
+    act = make(io=False, node_cpus=2.0)
+    trainer = dict(trainer_cpu_s_per_step=0.03, compute_s_per_step=0.1)
+    assert act.apply(cgroup_job("a", [101, 102], **trainer), JobAllocation(job="a", workers=2, cpus=1.0)).ok
+    assert read(kernel, "adloader", "cpu.max") != "max 100000"          # capped for the trainers
+    kernel.mkdir("adloader/theirs")
+    with pytest.raises(cgroupfs.CgroupError, match="restore incomplete"):
+        act.restore()
+    assert kernel.exists("adloader/theirs") and not kernel.exists("adloader/a")
+    assert read(kernel, "adloader", "cpu.max") == "max 100000" and read(kernel, "adloader", "cpu.weight") == "100"

@@ -504,6 +504,39 @@ def test_new_worker_pids_reapply_to_pid_tracking_actuators_only():
     assert len(sink.sent) == 1
 
 
+def test_a_lost_group_reapplies_the_unchanged_allocation_to_that_actuator_only():
+    """An actuator that says what it made for a job is gone (``lost_group``: the cgroup actuator's
+    group removed by an admin) gets the job's unchanged allocation again at the next tick; before,
+    only a change of the allocation or of the worker pids made the controller call it."""
+    class Losing(RecordingActuator):
+        name = "losing"
+        lost: set = set()
+
+        def lost_group(self, job_id):
+            return job_id in self.lost
+
+    class Raising(RecordingActuator):
+        name = "raising"
+
+        def lost_group(self, job_id):
+            raise OSError("a check that fails counts as not lost")
+
+    src = FakeSource(2.0, [job_stats("a", worker_pids=(1, 2)), job_stats("b", worker_pids=(3,))])
+    act, other, raising, sink = Losing(), RecordingActuator(), Raising(), FakeSink()
+    c = make(src, [DirectiveActuator(sink), act, other, raising])
+    c.tick(now=1.0)
+    c.tick(now=2.0)
+    assert sorted(x[0] for x in act.applied) == ["a", "b"] and len(other.applied) == len(raising.applied) == 2
+    act.lost = {"a"}
+    rec = c.tick(now=3.0)
+    assert rec.results["a"].ok and [x[0] for x in act.applied[2:]] == ["a"]
+    assert act.applied[2][1] == act.applied[0][1] if act.applied[0][0] == "a" else act.applied[1][1]
+    assert len(other.applied) == len(raising.applied) == 2 and len(sink.sent) == 2     # nobody else called
+    act.lost = set()
+    c.tick(now=4.0)
+    assert len(act.applied) == 3
+
+
 def test_adopt_and_stop():
     src = FakeSource(4.0, [job_stats("a")])
     sink, act = FakeSink(), RecordingActuator()

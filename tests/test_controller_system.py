@@ -190,8 +190,9 @@ def test_a_restarted_agent_releases_a_group_its_journal_does_not_adopt(procs, tm
         assert cgroupfs.proc_cgroups(worker)["cpu"] == f"/{SUBTREE}/lost1"
         if journal == "without the job":
             journalmod.save(cfg.state_dir, {}, {})
-        # the agent is killed: nothing restored, its lock let go; a new one starts on the same state directory
+        # the agent is killed: nothing restored, its locks let go; a new one starts on the same state directory
         agents[0].unlock_state_dir()
+        agents[0]._release_subtrees()
         agents.append(Agent(cfg))
         agents[1]._adopt_journal(0.0)
         assert cgroupfs.proc_cgroups(worker)["cpu"] == "/"
@@ -202,3 +203,56 @@ def test_a_restarted_agent_releases_a_group_its_journal_does_not_adopt(procs, tm
         for a in agents:
             a.server.close()
             a.ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["v1", "auto"])
+def test_a_second_agent_on_the_same_cgroup_subtree_is_refused_naming_both(procs, tmp_path, mode):
+    """Two agents with their own state directories and one cgroup_subtree: each took the subtree as its
+    own (each wrote the subtree's weight over the other's; one whose journal of originals was lost took
+    the other's job groups as a dead agent's and emptied and removed them). The second is refused,
+    whatever the mode (auto must not fall back to off over it), naming the subtree, the first agent's
+    pid and state directory and its own; once the first stops, the subtree can be had again; another
+    subtree is never refused."""
+    from agent import config as configmod
+    from agent.daemon import Agent, CannotStart
+    from agent.model import JobAllocation
+
+    from adloader import env
+
+    worker = sleeper(procs)
+    run_dir_there = os.path.isdir(env.runtime_dir())        # where the claims live (/run/adloader for root)
+
+    def cfg(name, subtree=SUBTREE):
+        return configmod.load(None, {"endpoint": f"ipc://{tmp_path}/{name}.sock", "state_dir": str(tmp_path / name),
+                                     "cgroup_mode": mode, "cgroup_subtree": subtree, "policy": "even"}, environ={})
+
+    first = Agent(cfg("first"))
+    agents = [first]
+    try:
+        act = first.actuators[1]
+        assert act.apply(job_stats("mine", worker_pids=(worker,), pids=(os.getpid(),), uid=0),
+                         JobAllocation(job="mine", workers=1, cpus=1.0)).ok
+        (tmp_path / "second").mkdir()
+        (tmp_path / "second" / "cgroup-originals.json").write_text("{torn")     # would adopt the first's groups
+        with pytest.raises(CannotStart) as e:
+            Agent(cfg("second"))
+        msg = str(e.value)
+        assert "'cgroup_subtree'" in msg and os.path.join(CPU, SUBTREE) in msg and "another agent" in msg, msg
+        assert f"pid {os.getpid()}" in msg and str(tmp_path / "first") in msg and str(tmp_path / "second") in msg, msg
+        assert cgroupfs.proc_cgroups(worker)["cpu"] == f"/{SUBTREE}/mine"      # the first's group untouched
+        other = Agent(cfg("other", f"{SUBTREE}-b"))                              # another subtree: no conflict
+        agents.append(other)
+        first.stop()
+        agents.remove(first)
+        assert not os.path.exists(os.path.join(CPU, SUBTREE))
+        again = Agent(cfg("second"))                                             # the subtree is free again
+        agents.append(again)
+    finally:
+        for a in agents:
+            a.stop()
+        wipe(f"{SUBTREE}-b")
+        if not run_dir_there:
+            try:
+                os.rmdir(env.runtime_dir())     # (empty: every claim removed its file)
+            except OSError:
+                pass

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from adloader import protocol
-from agent.commands.job import JobSpecError, parse_cpus_per_node, parse_gpus, slurm_job
+from agent.commands.job import JobSpecError, cpus_per_node_runs, parse_cpus_per_node, parse_gpus, slurm_job
 from tests.conftest import adloader_cmd, repo_env
 from tests.slurm_support import SLURM_ENV, one_line, run_job
 
@@ -50,15 +50,22 @@ def test_a_huge_repeat_count_is_not_expanded_and_huge_counts_are_refused():
     assert spec.cpus is None and "'100000001' is not one of their 100000001 nodes" in spec.note
     for value in ("99999999999999999999(x99999999999)", "9" * 5000, "2(x" + "9" * 5000 + ")"):
         with pytest.raises(JobSpecError, match="SLURM_JOB_CPUS_PER_NODE"):
-            slurm_job(dict(env, SLURM_JOB_CPUS_PER_NODE=value))
+            cpus_per_node_runs(value)
+        spec = slurm_job(dict(env, SLURM_JOB_CPUS_PER_NODE=value))    # registered all the same, no CPU count
+        assert spec.cpus is None and "cpus left to the agent: SLURM_JOB_CPUS_PER_NODE" in spec.note
 
 
 @pytest.mark.component
-def test_an_unusable_cpu_count_still_exits_0_under_slurm(fake_agent):
+def test_an_unusable_cpu_count_still_exits_0_under_slurm_and_registers_without_it(fake_agent):
+    # (before: "not sent: bad variable: SLURM_JOB_CPUS_PER_NODE", and the job went unregistered)
     agent = fake_agent()
-    env = dict(SLURM_ENV, SLURM_JOB_CPUS_PER_NODE="2(x99999999999)")
-    rc, err, _ = run_job("register", "--slurm", endpoint=agent.endpoint, env=env)
-    assert rc == 0 and "bad variable: SLURM_JOB_CPUS_PER_NODE" in one_line(err)
+    for value in ("2(x99999999999)", "4(x)", "2(x3),bad", ""):
+        env = dict(SLURM_ENV, SLURM_JOB_CPUS_PER_NODE=value)
+        rc, err, _ = run_job("register", "--slurm", endpoint=agent.endpoint, env=env)
+        line = one_line(err)
+        assert rc == 0 and "cpus ?: ok" in line and "cpus left to the agent: SLURM_JOB_CPUS_PER_NODE" in line, line
+        assert (value and repr(value) in line) or "SLURM_JOB_CPUS_PER_NODE is empty" in line, line
+    assert [(m["type"], m["cpus"]) for m in agent.messages] == [("register", None)] * 4
 
 
 @pytest.mark.unit
@@ -89,12 +96,32 @@ def test_slurm_job_reads_this_nodes_cpu_count():
         ({"SLURM_JOB_ID": "12"}, "SLURM_JOB_UID is not set"),
         ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "bob"}, "not a numeric uid"),
         ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "-5"}, "negative"),
-        ({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "5", "SLURM_JOB_CPUS_PER_NODE": "lots"}, "cannot parse"),
     ],
 )
 def test_slurm_job_names_the_bad_variable(env, why):
     with pytest.raises(JobSpecError, match=why):
         slurm_job(env)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value, why", [("lots", "cannot parse 'lots'"), ("2(x3),bad", "cannot parse 'bad'"),
+                                        ("", "SLURM_JOB_CPUS_PER_NODE is empty"), (" ", "is empty")])
+def test_a_malformed_or_empty_cpu_count_is_left_out_and_named(value, why):
+    """The job is registered without its CPU count and the note names the variable and its fault."""
+    spec = slurm_job({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "5", "SLURM_JOB_GPUS": "0",
+                      "SLURM_JOB_CPUS_PER_NODE": value})
+    assert (spec.job, spec.uid, spec.gpus, spec.cpus) == ("12", 5, ["0"], None)
+    assert spec.note.startswith("cpus left to the agent: ") and "SLURM_JOB_CPUS_PER_NODE" in spec.note and why in spec.note
+    assert slurm_job({"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "5"}).note == ""    # not set: nothing to say
+
+
+@pytest.mark.unit
+def test_a_heterogeneous_component_keeps_its_own_id_and_names_the_leader():
+    env = {"SLURM_JOB_ID": "4243", "SLURM_JOB_UID": "5", "SLURM_HET_JOB_ID": "4242", "SLURM_JOB_CPUS_PER_NODE": "2"}
+    for need in (True, False):
+        spec = slurm_job(env, need_resources=need)
+        assert spec.job == "4243" and "leader 4242" in spec.note and "attach as job 4242" in spec.note
+    assert slurm_job(dict(env, SLURM_JOB_ID="4242")).note == ""
 
 
 @pytest.mark.unit
@@ -228,7 +255,6 @@ def test_error_reply_is_reported(fake_agent, slurm, want_rc):
     [
         ({"SLURM_JOB_ID": "", "SLURM_JOB_UID": "1000"}, "SLURM_JOB_ID is not set"),
         ({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": "nobody"}, "SLURM_JOB_UID='nobody'"),
-        ({**SLURM_ENV, "SLURM_JOB_CPUS_PER_NODE": "4(x)"}, "SLURM_JOB_CPUS_PER_NODE"),
     ],
 )
 def test_bad_slurm_variable_exits_0_and_sends_nothing(fake_agent, env, why):

@@ -410,3 +410,75 @@ def test_a_syslog_that_stopped_reading_does_not_hang_the_scripts(tmp_path):
     finally:
         sender.close()
         syslog.close()
+
+
+def test_a_fifo_as_log_file_or_agent_config_never_hangs_the_scripts(installed, fake_agent, adloader_bin):  # noqa: F811
+    """LOG_FILE or AGENT_CONFIG a FIFO (or any file that is not a regular one) that nobody writes or
+    reads: every script still exits 0 at once. Before, the prolog and epilog hung for ever in the
+    append to a FIFO LOG_FILE (a redirection of bash's own, which `timeout` does not bound; slurmd:
+    until PrologEpilogTimeout, then the node drains), and the TaskProlog in its read of a FIFO
+    AGENT_CONFIG (the task never started)."""
+    import os
+
+    d, config, log = installed
+    os.mkfifo(config)
+    os.mkfifo(log)
+    agent = fake_agent()
+    env = {**SLURM_ENV, "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": agent.endpoint}
+    for script, tag in (("prolog.sh", "adloader-prolog"), ("epilog.sh", "adloader-epilog")):
+        try:
+            rc, _, err, wall_s = run_script(d / script, env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{script} hung on a FIFO")
+        assert rc == 0 and ": ok" in log_line(err, tag), err
+    assert [m["type"] for m in agent.messages] == ["register", "release"]
+    # without ADLOADER_ENDPOINT the command reads AGENT_CONFIG: a FIFO is named, the default used
+    rc, _, err, _ = run_script(d / "prolog.sh", {**SLURM_ENV, "ADLOADER_BIN": adloader_bin})
+    assert rc == 0 and "is not a regular file (a FIFO)" in log_line(err, "adloader-prolog")
+    try:
+        rc, out, err, _ = run_script(d / "taskprolog.sh", {"SLURM_JOB_ID": "4242"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("taskprolog.sh hung on a FIFO")
+    assert rc == 0 and out.splitlines() == ["export ADLOADER_JOB_ID=4242"]
+    assert f"{config} is not a regular file: no endpoint exported" in err
+
+
+def test_a_malformed_cpu_count_still_registers_the_job(fake_agent, adloader_bin):  # noqa: F811
+    """SLURM_JOB_CPUS_PER_NODE set but malformed or empty: the job is registered without its CPU count
+    and the log line says why (before, the prolog sent nothing: "not sent: bad variable")."""
+    agent = fake_agent()
+    for value in ("2(x3),bad", ""):
+        env = {**SLURM_ENV, "SLURM_JOB_CPUS_PER_NODE": value, "ADLOADER_BIN": adloader_bin,
+               "ADLOADER_ENDPOINT": agent.endpoint}
+        rc, _, err, wall_s = run_script(PROLOG, env)
+        line = log_line(err, "adloader-prolog")
+        assert rc == 0 and wall_s < BOUND_S and ": ok" in line and "cpus ?" in line, line
+        assert "cpus left to the agent: SLURM_JOB_CPUS_PER_NODE" in line, line
+    assert [(m["type"], m["job"], m["cpus"], m["gpus"]) for m in agent.messages] == [
+        ("register", "4242", None, ["0", "1"])] * 2
+
+
+def test_a_heterogeneous_job_component_is_registered_and_released_under_one_id(fake_agent, adloader_bin):  # noqa: F811
+    """Component 1 of het job 4242 (its own id 4243) on this node: slurmd gives its prolog and epilog
+    SLURM_JOB_ID=4243 and the leader's id in SLURM_HET_JOB_ID and SLURM_PACK_JOB_ID (Slurm 22.05,
+    prep/script's environment; docs/operations.md, "Heterogeneous jobs"). Both scripts must key the job
+    by the same id, or the release misses the registration and it lingers until unseen_job_timeout_s."""
+    agent = fake_agent()
+    env = {"SLURM_JOB_ID": "4243", "SLURM_JOBID": "4243", "SLURM_HET_JOB_ID": "4242", "SLURM_PACK_JOB_ID": "4242",
+           "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "1", "SLURM_JOB_CPUS_PER_NODE": "2",
+           "SLURM_SCRIPT_CONTEXT": "prolog_slurmd", "ADLOADER_BIN": adloader_bin, "ADLOADER_ENDPOINT": agent.endpoint}
+    rc, _, err, _ = run_script(PROLOG, env)
+    line = log_line(err, "adloader-prolog")
+    assert rc == 0 and ": ok" in line and "leader 4242" in line, line
+    rc, _, err, _ = run_script(EPILOG, {**env, "SLURM_SCRIPT_CONTEXT": "epilog_slurmd"})
+    line = log_line(err, "adloader-epilog")
+    assert rc == 0 and ": ok" in line and "already released" not in line, line
+    assert [(m["type"], m["job"]) for m in agent.messages] == [("register", "4243"), ("release", "4243")]
+    assert agent.messages[0]["cpus"] == 2 and agent.messages[0]["gpus"] == ["1"]
+    # the leader's own component (offset 0): SLURM_HET_JOB_ID is its own id; no note
+    env0 = {**env, "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242"}
+    rc, _, err, _ = run_script(PROLOG, env0)
+    assert rc == 0 and "leader" not in log_line(err, "adloader-prolog")
+    rc, _, err, _ = run_script(EPILOG, env0)
+    assert rc == 0 and "already released" not in log_line(err, "adloader-epilog")
+    assert [(m["type"], m["job"]) for m in agent.messages[2:]] == [("register", "4242"), ("release", "4242")]

@@ -10,6 +10,8 @@ Only the controller calls them, and only with the difference between desired and
 An actuator with ``tracks_pids = True`` (cgroup, affinity) is also called when the job's loader worker
 pids changed since its last apply (resizes, restarts), so new workers join the job's group; one with
 ``tracks_ranks = True`` (the directive) when the job's training processes changed (ranks joined or left).
+One with a ``lost_group(job_id) -> bool`` method (cgroup) is called again with the same allocation when
+that says what it made for the job is gone (its group removed by an admin or a systemd reset).
 
 Implementations: ``DirectiveActuator`` (worker count, to the job's clients), ``cgroup.CgroupActuator``
 (v1 through cgroupspy, v2 through interface files), ``cgroup.AffinityActuator`` (cooperative mode).
@@ -41,6 +43,12 @@ class Actuator(Protocol):
 
 from agent.actuators.directive import DirectiveActuator  # noqa: E402  (re-exported)
 
+class SubtreeInUse(RuntimeError):
+    """Another live agent on this node holds the same cgroup subtree (``cgroup.SubtreeClaim``). Not a
+    ``CgroupError``: ``cgroup_mode = "auto"`` must not fall back to ``off`` because of it. (Here, not in
+    ``cgroup``: the daemon catches it in every mode, and mode ``off`` imports nothing of the cgroups.)"""
+
+
 # the one list of each: config validation and every command's argparse choices read these
 MODES = ("auto", "v1", "v2", "cooperative", "off")
 CPU_KNOBS = ("shares", "quota", "cpuset")
@@ -48,7 +56,8 @@ CPU_KNOBS = ("shares", "quota", "cpuset")
 
 def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str = "shares",
           io: bool = True, subtree: str = "adloader", state_dir: Optional[str] = None,
-          sys_root: str = "/sys", proc_root: str = "/proc", problems: Optional[list] = None) -> list:
+          sys_root: str = "/sys", proc_root: str = "/proc", problems: Optional[list] = None,
+          lock_dir: Optional[str] = None) -> list:
     """The actuators for a cgroup mode; the directive actuator (worker counts) always comes first.
 
     - ``off``: worker counts only.
@@ -60,12 +69,19 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     ``cpu_knob`` (default ``shares``, work-conserving; ``quota`` caps hard; ``cpuset`` pins, with
     ``PolicyConfig.pin_cpusets``). With ``state_dir`` the journal of originals lives in
     ``<state_dir>/cgroup-originals.json``, so a restarted agent restores what a dead one changed.
-    A journal of originals that cannot be trusted (``StateFileError``: corrupt, wrong types) is set
-    aside (``statefile.quarantine``), said in ``problems``, and the subtree and the groups still found
-    in it are taken as the dead agent's (``CgroupActuator.adopt_orphans``), so they are emptied (their
-    processes to the hierarchy's root: where they came from is lost) and removed as jobs leave or on
-    stop; a subtree that cannot be removed gets a new group's CPU values back (no cap). The mode is
-    never changed because of it: ``auto`` does not fall back to ``off``.
+    A journal of originals that cannot be trusted (``StateFileError``: corrupt, truncated, wrong types)
+    is set aside (``statefile.quarantine``) and its last good copy ``.prev`` adopted where that one
+    loads (``_recover_originals``), said in ``problems``; the subtree and the groups found in it that
+    the adopted journal does not list are taken as the dead agent's (``CgroupActuator.adopt_orphans``),
+    so they are emptied (their processes to the hierarchy's root, where the journal does not say where
+    they came from) and removed as jobs leave or on stop; a subtree that cannot be removed gets a new
+    group's CPU values back (no cap). The mode is never changed because of it: ``auto`` does not fall
+    back to ``off``.
+
+    ``lock_dir`` (the agent: ``adloader.env.runtime_dir()``): the cgroup actuator claims its subtree
+    there (``cgroup.SubtreeClaim``) before it reads or writes a group; another live agent holding the
+    same subtree raises ``SubtreeInUse`` naming both (whatever the mode: ``auto`` does not fall
+    back to ``off``). Without it (tests, the simulator) nothing is claimed.
     """
     if mode not in MODES:
         raise ValueError(f"unknown cgroup mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -78,7 +94,7 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     from agent.actuators.cgroup import AffinityActuator, CgroupActuator
     from agent.actuators.originals import Originals
 
-    from agent import logs, statefile
+    from agent import statefile
 
     problems = problems if problems is not None else []
     orig_path = os.path.join(state_dir, "cgroup-originals.json") if state_dir else None
@@ -86,14 +102,7 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     try:
         originals = Originals(orig_path)
     except statefile.StateFileError as e:
-        moved = statefile.quarantine(orig_path)
-        problems.append(f"{e}; set aside as {moved}; the subtree and the groups still in it are emptied and removed"
-                        if moved else f"{e}; it could not be set aside")
-        logs.event(logging.getLogger("agent.actuators"), "originals_unusable", logging.ERROR, path=orig_path,
-                   error=str(e), quarantined=moved)
-        if moved is None:
-            raise
-        originals = Originals(orig_path)
+        originals = _recover_originals(orig_path, e, problems)
         orphans = True
     affinity = AffinityActuator(originals, proc_root=proc_root)
     if mode == "cooperative":
@@ -109,12 +118,63 @@ def build(mode: str, *, sink, cgroup_root: str = "/sys/fs/cgroup", cpu_knob: str
     hierarchies = cgroupfs.open_hierarchies(cgroup_root, version, proc_root=proc_root)
     act = CgroupActuator(hierarchies, version=version, cpu_knob=cpu_knob, io=io, subtree=subtree,
                          originals=originals, sys_root=sys_root, proc_root=proc_root, affinity=affinity)
-    if orphans:
-        found = act.adopt_orphans()
-        if found:
-            problems.append(f"found {len(found)} group(s) of a previous agent: {', '.join(found[:10])}")
+    if lock_dir:
+        try:
+            act.claim_subtree(lock_dir, owner=state_dir or "(none)")
+        except OSError as e:       # a runtime directory this agent cannot write: run, unguarded, and say so
+            problems.append(f"cgroup subtree not claimed (another agent on {subtree!r} would not be "
+                            f"refused): {lock_dir}: {e.strerror or e}")
+    try:
+        if orphans:
+            found = act.adopt_orphans()
+            if found:
+                problems.append(f"found {len(found)} group(s) of a previous agent: {', '.join(found[:10])}")
+    except BaseException:
+        act.release_subtree()
+        raise
     actuators.append(act)
     return actuators
+
+
+def _recover_originals(path: str, error: Exception, problems: list):
+    """The journal of originals at ``path`` failed to load (``error``): set it aside and adopt the last
+    good copy ``<path>.prev`` (kept by every save, ``statefile.write_atomic``), itself set aside if it
+    fails too; with neither, an empty journal. Each step is said in ``problems`` and logged. Raises
+    ``error`` when the file cannot even be set aside (it would be read, and fail, at every start).
+
+    The copy is one save behind at most: a group made or a process moved by that last save is not in
+    it, so the caller still takes what it finds in the subtree and the copy does not list
+    (``CgroupActuator.adopt_orphans``); what the copy holds (where each moved process came from, the
+    original values) is put back as the dead agent would have. Before, the whole journal was lost:
+    every process went back to the hierarchy's root."""
+    from agent import logs, statefile
+    from agent.actuators.originals import Originals
+
+    log = logging.getLogger("agent.actuators")
+    moved = statefile.quarantine(path)
+    logs.event(log, "originals_unusable", logging.ERROR, path=path, error=str(error), quarantined=moved)
+    if moved is None:
+        problems.append(f"{error}; it could not be set aside")
+        raise error
+    prev = path + ".prev"
+    if os.path.exists(prev):
+        try:
+            originals = Originals(path, read_from=prev)
+        except statefile.StateFileError as e2:
+            moved_prev = statefile.quarantine(prev)
+            logs.event(log, "originals_unusable", logging.ERROR, path=prev, error=str(e2), quarantined=moved_prev)
+            problems.append(f"{error}; set aside as {moved}; the previous copy is unusable too ({e2}"
+                            + (f"; set aside as {moved_prev}" if moved_prev else "")
+                            + "); the subtree and the groups still in it are emptied and removed")
+        else:
+            originals.save()          # the adopted copy becomes the journal (and its own .prev)
+            logs.event(log, "originals_previous_adopted", logging.WARNING, path=path, previous=prev)
+            problems.append(f"{error}; set aside as {moved}; the previous copy {prev} was adopted instead "
+                            f"(one save behind at most: groups it does not list are emptied and removed)")
+            return originals
+    else:
+        problems.append(f"{error}; set aside as {moved}; the subtree and the groups still in it are emptied and removed")
+    return Originals(path)
 
 
 def resolve_auto(cgroup_root: str = "/sys/fs/cgroup", proc_root: str = "/proc") -> str:

@@ -90,14 +90,17 @@ Where the groups live:
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import logging
 import math
 import os
 import time
 from typing import Optional
 
-from agent import cgroupfs, logs
-from agent.actuators import CPU_KNOBS
+from agent import cgroupfs, logs, statefile
+from agent.actuators import CPU_KNOBS, SubtreeInUse
 from agent.actuators.originals import Originals
 from agent.cgroupfs import Busy, CgroupError, Hierarchy, JobGone, NotSupported
 from agent.model import ApplyResult, JobAllocation, JobStats, NodeAllocation
@@ -325,6 +328,82 @@ def worker_pids(job: JobStats) -> list[int]:
     return [p for p in job.worker_pids if p not in training and p > 0]
 
 
+class SubtreeClaim:
+    """One agent per cgroup subtree: an exclusive ``flock`` on ``<lock_dir>/cgroup-subtree-<hash>.lock``,
+    the hash of the subtree's path in the cpu hierarchy (so agents on other subtrees, or on fake trees,
+    never meet), held from before the first write until ``release``, and let go by the kernel when the
+    process dies (SIGKILL included). The file holds the holder's pid, state directory and subtree, for
+    the message of the agent it refuses.
+
+    Why: the state directory's lock (``agent.daemon``) stops two agents on one state directory, not two
+    with their own state directories and the same ``cgroup_subtree``. Each took the subtree as its own:
+    each wrote the subtree's weight over the other's, one that lost its journal of originals took the
+    other's job groups as a dead agent's (``adopt_orphans``) and emptied and removed them, and the
+    first to stop put the subtree back under the other's groups.
+
+    ``lock_dir`` is shared by every agent of this user on the node (``adloader.env.runtime_dir``:
+    /run/adloader for root, the systemd unit's RuntimeDirectory). The file is removed on ``release``
+    while still locked; a claim checks, once locked, that the path is still the file it locked (one
+    removed meanwhile by a releasing holder is tried again), so two holders never lock two files."""
+
+    def __init__(self, lock_dir: str, subtree_path: str, owner: str) -> None:
+        self.subtree_path = subtree_path
+        name = hashlib.sha256(os.fsencode(subtree_path)).hexdigest()[:20]
+        self.path = os.path.join(lock_dir, f"cgroup-subtree-{name}.lock")
+        self._made = statefile.make_dir(lock_dir, mode=0o755)
+        self.fd: Optional[int] = None
+        for _ in range(5):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                statefile.remove_made(self._made)
+                raise SubtreeInUse(
+                    f"cgroup subtree {subtree_path} is in use by another agent on this node "
+                    f"(pid {holder.get('pid', '?')}, state_dir {holder.get('state_dir', '?')!r}); this agent's "
+                    f"state_dir is {owner!r}. Two agents on one subtree remove each other's groups: give each a "
+                    f"cgroup_subtree of its own (config key cgroup_subtree, ADLOADER_CGROUP_SUBTREE), or stop "
+                    f"the other one (lock {self.path})") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:            # released (and removed) by its holder between our open and our lock
+                os.close(fd)
+                continue
+            doc = json.dumps({"pid": os.getpid(), "state_dir": owner, "subtree": subtree_path}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, doc, 0)
+            self.fd = fd
+            return
+        raise SubtreeInUse(f"cgroup subtree {subtree_path}: its lock {self.path} kept changing hands")
+
+    @staticmethod
+    def _holder(fd: int) -> dict:
+        try:
+            doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def release(self) -> None:
+        """Remove the file (still locked: no other claim can hold it) and let go; idempotent."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        statefile.remove_made(self._made)
+
+
 class CgroupActuator:
     """One cgroup group per job under ``subtree`` in each hierarchy it needs (see the module docstring).
 
@@ -370,6 +449,7 @@ class CgroupActuator:
         self._subtree_cap: Optional[float] = None    # the subtree's CPU cap last written (None: none)
         self._subtree_cap_read = False               # _subtree_cap read back from the subtree (a restart)
         self._subtree_idle: Optional[bool] = None    # cpu.idle last written (None: never written)
+        self._subtree_ident: Optional[int] = None    # the subtree group those three were written to (inode)
         self._node: Optional[NodeAllocation] = None  # the last node allocation (apply_node)
         self.pids_skipped = 0                        # worker pids not moved: no longer the recorded worker
         self.node_cpus = node_cpus if node_cpus is not None else _node_cpus()
@@ -377,7 +457,19 @@ class CgroupActuator:
         if self._cpu_hier not in self.h:
             raise NotSupported(f"no cgroup v{version} cpu hierarchy to write (looked in {sorted(self.h)})")
         self.io_mode, self.io_notes = self._probe_io(io, sys_root, proc_root)
+        self.claim: Optional[SubtreeClaim] = None
         self._load_existing_shares()
+
+    def claim_subtree(self, lock_dir: str, owner: str) -> None:
+        """Take the subtree for this agent (``SubtreeClaim``; raises ``SubtreeInUse``); ``restore`` or
+        ``release_subtree`` lets it go."""
+        if self.claim is None:
+            self.claim = SubtreeClaim(lock_dir, self.h[self._cpu_hier].path(self.subtree), owner)
+
+    def release_subtree(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
     def _load_existing_shares(self) -> None:
         """After a restart, the job groups already in our subtree still weigh what they weighed, and
@@ -601,13 +693,15 @@ class CgroupActuator:
         neither removed it on stop nor moved its workers out: the subtree's rmdir then failed EBUSY).
         False (and not listed) if the group existed already: someone else made it meanwhile."""
         key = Originals.key(hier, rel)
-        self.originals.created.append(key)
-        self.originals.save()
+        listed = key in self.originals.created       # made before, and removed by someone else since
+        if not listed:
+            self.originals.created.append(key)
+            self.originals.save()
         made = False
         try:
             made = self.h[hier].mkdir(rel)
         finally:
-            if not made:
+            if not made and not listed:
                 self.originals.created.remove(key)
                 self.originals.save()
         return made
@@ -781,6 +875,7 @@ class CgroupActuator:
         yielding and it is written again after."""
         if not self.h[self._cpu_hier].exists(self.subtree):
             return []
+        self._check_subtree_identity()
         notes: list[str] = []
         need, pace = self._trainer_figures()
         want_idle = bool(self._node is not None and self._node.loaders_yield)
@@ -828,6 +923,36 @@ class CgroupActuator:
                 self._write("", self.subtree, "cpu.max", f"{'max' if cap is None else quota} {period}")
             self._subtree_cap = cap
         return notes
+
+    def _check_subtree_identity(self) -> None:
+        """The subtree's weight, cap and idle flag are written on change only, against what was last
+        written (``_subtree_shares``, ``_subtree_cap``, ``_subtree_idle``). A subtree removed and made
+        again since (an admin's rmdir, a systemd reset; made again by our next apply, or by someone
+        else) has the kernel's defaults instead: before, the agent compared against its cache, wrote
+        nothing, and the loaders ran at 1024 shares (or another's cap) for good. A new inode forgets
+        what was written, as a restarted agent starts (read back where it can)."""
+        ident = self.h[self._cpu_hier].identity(self.subtree)
+        if ident == self._subtree_ident:
+            return
+        if self._subtree_ident is not None:
+            logs.event(log, "cgroup_subtree_recreated", logging.WARNING,
+                       group=self.h[self._cpu_hier].path(self.subtree),
+                       detail="removed and made again since the agent last wrote it: its weight, cap and "
+                              "idle flag are written again")
+            self._subtree_shares = None
+            self._subtree_cap = None
+            self._subtree_cap_read = False
+            self._subtree_idle = None
+        self._subtree_ident = ident
+
+    def lost_group(self, job_id: str) -> bool:
+        """Whether the cpu group an apply made for the job is gone (an admin's rmdir, a systemd reset of
+        the subtree) while the job still holds an allocation here. The controller then applies the job
+        again with its allocation unchanged (``Controller._prepare_job``), which makes the group again
+        (the subtree too, if it went), writes its weight and moves the job's workers back in; before,
+        nothing changed for the controller, so the group stayed gone until the job's allocation or
+        workers did. A stat per job and tick; read on the tick's thread (``_workers`` only by key)."""
+        return job_id in self._workers and not self.h[self._cpu_hier].exists(self._group(job_id))
 
     def _current_subtree_cap(self) -> Optional[float]:
         if not self._subtree_cap_read:
@@ -946,7 +1071,8 @@ class CgroupActuator:
 
     def restore(self) -> None:
         """Put back everything: processes to their origins, the groups we created removed (children
-        first), original values written. Groups in the subtree that we did not create are left alone."""
+        first), original values written. Groups in the subtree that we did not create are left alone;
+        our subtree, if one of them keeps it from being removed, gets a new group's CPU values."""
         errors = []
         # Only the groups this agent (or the dead one whose journal it read) created: another agent
         # on the machine (tests, benchmarks) may share the subtree name and own the other children.
@@ -960,6 +1086,14 @@ class CgroupActuator:
                     self._drop_group(hier, rel)
                 except CgroupError as e:
                     errors.append(str(e))
+        # our subtree, still there: a group that is not ours is in it (rmdir EBUSY). It gets a new group's
+        # CPU values back, so no weight, cap or idle flag of ours outlives us (adopt_orphans does the same
+        # for a subtree it takes over; here for one this agent, or the journal it read, made itself)
+        h = self.h[self._cpu_hier]
+        if Originals.key(self._cpu_hier, self.subtree) in self.originals.created and h.exists(self.subtree):
+            for file, value in NEW_GROUP_CPU[self.version].items():
+                if h.has_file(self.subtree, file):
+                    self.originals.files.setdefault(Originals.key(self._cpu_hier, self.subtree, file), value)
         # deepest group first: a parent's subtree_control is put back after its children's (older kernels
         # refuse to disable a controller that a child still enables: EBUSY). Within a group cpu.idle goes
         # first: an idle group refuses a weight (EINVAL) and leaving idle resets it to the default
@@ -992,9 +1126,11 @@ class CgroupActuator:
         self._subtree_cap = None
         self._subtree_cap_read = False
         self._subtree_idle = None
+        self._subtree_ident = None
         self._node = None
         self.affinity.restore()
         self.originals.save()
+        self.release_subtree()       # (an incomplete restore too: the agent stops, its journal says what is left)
         if errors:
             raise CgroupError("restore incomplete: " + "; ".join(errors))
 

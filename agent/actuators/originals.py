@@ -43,7 +43,9 @@ log = logging.getLogger("agent.originals")
 
 
 class Originals:
-    def __init__(self, path: Optional[str] = None) -> None:
+    def __init__(self, path: Optional[str] = None, read_from: Optional[str] = None) -> None:
+        """``read_from``: load that file instead of ``path`` (the last good copy, ``path + ".prev"``,
+        when ``path`` is unusable: ``actuators._recover_originals``); saves still go to ``path``."""
         self.path = path
         self.files: dict[str, str] = {}
         self.created: list[str] = []
@@ -54,8 +56,9 @@ class Originals:
         self._saving_since: Optional[float] = None    # monotonic start of the save in progress
         if path:
             statefile.remove_stale_temps(path)   # (one Originals per file: built at start, under the state dir's lock)
-        if path and os.path.exists(path):
-            self._load(path)
+        source = read_from or path
+        if source and os.path.exists(source):
+            self._load(source)
 
     def _load(self, p: str) -> None:
         try:

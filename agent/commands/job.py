@@ -135,7 +135,14 @@ def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpe
     Reads SLURM_JOB_ID and SLURM_JOB_UID (required), SLURM_JOB_GPUS and SLURM_JOB_CPUS_PER_NODE
     (optional; ``need_resources=False`` for release skips them). The CPU count is this node's entry:
     indexed by SLURM_NODEID when Slurm sets it, else the common value when every node has the same
-    count; with differing counts and no index the count is left to the agent (cpus None, noted)."""
+    count; with differing counts and no index the count is left to the agent (cpus None, noted). A
+    SLURM_JOB_CPUS_PER_NODE that is set but empty or malformed (``"2(x3),bad"``) is no reason to leave
+    the job unregistered: cpus is None and the note says what was wrong with it (before, the prolog
+    sent nothing and the job ran without the agent's share).
+
+    Heterogeneous jobs: slurmd gives a component's prolog and epilog that component's own id in
+    SLURM_JOB_ID (and the leader's in SLURM_HET_JOB_ID); both scripts key the job by SLURM_JOB_ID, so
+    they register and release the same id (docs/operations.md, "Heterogeneous jobs")."""
     job = environ.get("SLURM_JOB_ID", "").strip()
     if not job:
         raise JobSpecError("SLURM_JOB_ID is not set (not running as a Slurm prolog/epilog?)")
@@ -144,13 +151,19 @@ def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpe
     if "SLURM_JOB_UID" not in environ:
         raise JobSpecError("SLURM_JOB_UID is not set")
     uid = _parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
+    het = environ.get("SLURM_HET_JOB_ID", "").strip()
+    het_note = (f"heterogeneous job component (leader {het[:20]}): its ranks attach as job {het[:20]}"
+                if het and het != job else "")
     if not need_resources:
-        return JobSpec(job=job, uid=uid)
+        return JobSpec(job=job, uid=uid, note=het_note)
     gpus = parse_gpus(environ.get("SLURM_JOB_GPUS", ""))
     cpus, note = None, ""
-    raw = environ.get("SLURM_JOB_CPUS_PER_NODE", "")
-    if raw.strip():
-        runs = cpus_per_node_runs(raw)
+    raw = environ.get("SLURM_JOB_CPUS_PER_NODE")
+    try:
+        runs = cpus_per_node_runs(raw) if raw is not None else []
+    except JobSpecError as e:   # the job is registered all the same, without its CPU count
+        runs, note = [], f"cpus left to the agent: {e}"
+    if runs:
         node = environ.get("SLURM_NODEID", "").strip()
         mine = _node_count(runs, int(node)) if node.isascii() and node.isdigit() else None
         if mine is not None:
@@ -160,7 +173,7 @@ def slurm_job(environ: Mapping[str, str], need_resources: bool = True) -> JobSpe
         else:
             note = (f"cpus left to the agent: per-node counts {raw[:80]!r} differ and SLURM_NODEID "
                     + (f"{node[:20]!r} is not one of their {sum(r for _, r in runs)} nodes" if node else "is not set"))
-    return JobSpec(job=job, uid=uid, gpus=gpus, cpus=cpus, note=note)
+    return JobSpec(job=job, uid=uid, gpus=gpus, cpus=cpus, note="; ".join(n for n in (note, het_note) if n))
 
 
 def cli_job(args: argparse.Namespace) -> JobSpec:

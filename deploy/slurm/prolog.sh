@@ -49,8 +49,10 @@ log() {
             break   # the one logger failed or timed out: the log file below (another would block too)
         done
     fi
-    # no syslog: a file (bash's printf builds the timestamp; no program needed)
-    [ -n "$LOG_FILE" ] && printf '%(%Y-%m-%dT%H:%M:%S%z)T %s[%d]: %s\n' -1 "$TAG" "$$" "$1" 2>/dev/null >>"$LOG_FILE"   # 2> first: a missing log dir is not a bash error on stderr
+    # no syslog: a file (bash's printf builds the timestamp; no program needed). Only a regular file
+    # (or none yet): opening a FIFO that nobody reads blocks for ever, and `timeout` does not bound a
+    # redirection of bash's own (before, LOG_FILE a FIFO hung the prolog until PrologEpilogTimeout)
+    [ -n "$LOG_FILE" ] && { [ ! -e "$LOG_FILE" ] || [ -f "$LOG_FILE" ]; } && printf '%(%Y-%m-%dT%H:%M:%S%z)T %s[%d]: %s\n' -1 "$TAG" "$$" "$1" 2>/dev/null >>"$LOG_FILE"   # 2> first: a missing log dir is not a bash error on stderr
     return 0
 }
 

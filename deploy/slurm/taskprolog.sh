@@ -45,6 +45,12 @@ config_endpoint() {
         echo "adloader-taskprolog: cannot look into $dir as uid $UID (it must be searchable by job users, mode 0755): no endpoint exported" >&2
         return 1
     fi
+    if [ -e "$AGENT_CONFIG" ] && [ ! -f "$AGENT_CONFIG" ]; then
+        # a FIFO would block the read below for ever (and the task's launch with it); a directory,
+        # a device: not a config file either, so guess nothing (the agent refuses such a file too)
+        echo "adloader-taskprolog: $AGENT_CONFIG is not a regular file: no endpoint exported" >&2
+        return 1
+    fi
     if [ -r "$AGENT_CONFIG" ]; then
         while IFS= read -r line || [ -n "$line" ]; do
             [[ $line =~ $table ]] && break
