@@ -69,7 +69,10 @@ Deviations from torch (by design, documented):
   when a batch cannot cross for lack of file descriptors. A death the loader recovers from (map-style)
   is a warning on the ``adloader`` logger, not an error.
 - ``persistent_workers=False`` stops the workers at the end of each epoch, as torch does (so changes
-  made to the dataset between epochs reach fresh workers); ``True`` keeps them.
+  made to the dataset between epochs reach fresh workers); ``True`` keeps them, except workers that a
+  ``resize()`` started in an epoch begun without workers: torch's loader creates its persistent worker
+  iterator (new workers, a new base seed) at the next epoch with workers, and so does this one
+  (``_drop_workers_seeded_for_another_base``).
 - ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
   worker count (iterable).
 - A ``worker_init_fn`` error is raised at the batch torch raises it at (``_init_error_due``), or
@@ -1153,6 +1156,26 @@ class _ElasticIter:
         """Start (or reuse) the pool for this epoch and dispatch the first tasks."""
         raise NotImplementedError
 
+    def _drop_workers_seeded_for_another_base(self) -> None:
+        """A persistent pool whose workers were started with another base seed than this epoch's is
+        stopped, so that this epoch's workers start afresh from it: ``get_worker_info().seed`` and the
+        RNG ``worker_init_fn`` runs under are torch's ``base_seed + worker_id`` of the worker iterator.
+        That happens when an epoch that began with no workers (its own base seed, as torch's
+        in-process iterator) was resized up mid-epoch before the loader's first epoch with workers:
+        torch's loader creates its persistent worker iterator, with new workers and a new base seed,
+        at that next epoch (``DataLoader.__iter__``), and so does this one."""
+        pool = self._pool
+        if pool is None or not self._cfg.persistent or pool.spec.base_seed == self._base_seed:
+            return
+        self._drop_pool(pool)
+
+    def _drop_pool(self, pool: WorkerPool) -> None:
+        """Stop this iterator's persistent ``pool`` now; the next ``_ensure_pool`` starts another."""
+        fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
+        with self._core.lock:           # (``_resize`` reads the set under it)
+            self._core.persistent_pools.discard(pool)
+        _stop_pool(fin, pool)
+
     def _ensure_pool(self, target: int) -> WorkerPool:
         cfg, core = self._cfg, self._core
         if self._pool is not None:
@@ -1443,6 +1466,7 @@ class _MapIter(_ElasticIter):
     def _start_workers(self) -> None:
         core = self._core
         if core.target > 0:
+            self._drop_workers_seeded_for_another_base()
             pool = self._ensure_pool(core.target)
             if self._cfg.persistent:
                 pool.resize(core.target)
@@ -1619,6 +1643,7 @@ class _IterableIter(_ElasticIter):
     def _start_workers(self) -> None:
         n = self._epoch_workers
         if n > 0:
+            self._drop_workers_seeded_for_another_base()
             self._drop_workers_set_up_for_another_count(n)
             pool = self._ensure_pool(n)
             pool.resize(n)
@@ -1638,10 +1663,7 @@ class _IterableIter(_ElasticIter):
         pool = self._pool
         if pool is None or self._cfg.worker_init_fn is None or pool.started_for(n) <= {n}:
             return
-        fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
-        with self._core.lock:           # (``_resize`` reads the set under it)
-            self._core.persistent_pools.discard(pool)
-        _stop_pool(fin, pool)
+        self._drop_pool(pool)
 
     def _uses_workers(self) -> bool:
         return self._epoch_workers > 0

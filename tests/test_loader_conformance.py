@@ -131,6 +131,49 @@ def test_persistent_loader_set_to_no_workers_for_an_epoch_keeps_torch_order(plan
     assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
 
 
+class WorkerSeeds(tud.Dataset):
+    """Each sample: its index and ``get_worker_info().seed`` (-1 in the main process)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        return i, info.seed if info is not None else -1
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_persistent_workers_started_in_an_epoch_begun_without_workers_are_replaced_by_torch_s_next_epoch(seeded):
+    # torch: an epoch begun with num_workers = 0 is a fresh in-process iterator; the persistent worker
+    # iterator is created at the next epoch with workers, drawing a new base seed (its workers' seed
+    # is base_seed + worker_id). Here the epoch begun without workers was resized up after its first
+    # batch; its workers had that epoch's base seed and were kept: every later epoch's workers saw
+    # another get_worker_info().seed (and worker_init_fn another RNG) than torch's.
+    def run(cls, **kw):
+        if not seeded:
+            torch.manual_seed(5)
+        dl = cls(WorkerSeeds(), batch_size=2, shuffle=True, num_workers=2, persistent_workers=True,
+                 generator=torch.Generator().manual_seed(3) if seeded else None, collate_fn=list, **kw)
+        order, seeds = [], []
+        for epoch, n in enumerate((0, 2, 2)):
+            dl.num_workers = n
+            got = []
+            for b in dl:
+                got.append(b)
+                if epoch == 0 and len(got) == 1 and cls is DataLoader:
+                    dl.resize(2)
+            order.append([[i for i, _ in b] for b in got])
+            seeds.append({s for b in got for _, s in b})
+        getattr(dl, "close", lambda: None)()
+        return order, seeds
+
+    order, seeds = run(DataLoader, max_workers=2)
+    ref_order, ref_seeds = run(tud.DataLoader)
+    assert order == ref_order
+    for epoch in (1, 2):        # the workers that ran the batches are torch's (which ran which may differ)
+        assert seeds[epoch] and seeds[epoch] <= ref_seeds[epoch], epoch
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
