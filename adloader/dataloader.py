@@ -50,7 +50,8 @@ Deviations from torch (by design, documented):
   epoch whose count differs (``_drop_workers_set_up_for_another_count``). A worker that dies mid-epoch
   cannot be replayed: the epoch raises ``RuntimeError``.
   ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
-  its epoch from the beginning, with a warning (Lightning loads it on every resume).
+  its epoch from the beginning, with a warning (Lightning loads it on every resume), unless Lightning
+  loads it as an ended epoch's (``limit_train_batches``): then the next epoch starts.
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
   seeded from ``task_seed(base_seed, epoch, seq)``, so a seed set in ``worker_init_fn`` is overwritten
   before ``__getitem__`` runs, and ``torch.initial_seed()`` in a worker is the batch's seed (torch:
@@ -834,10 +835,12 @@ class DataLoader(tud.DataLoader[T_co]):
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position in the epoch: ``{"version", "dataset_kind", "epoch", "batches_delivered",
-        "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}`` (plain values
-        and one CPU tensor, fit for ``torch.save``; ``base_seed_drawn`` False: the epoch reuses the base
-        seed of a persistent iterator, as torch's does, and a state without it counts as True).
-        Between epochs it describes the start of the next one.
+        "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}``, mid-epoch also
+        ``"sampler_drawn"`` (plain values and one CPU tensor, fit for ``torch.save``; ``base_seed_drawn``
+        False: the epoch reuses the base seed of a persistent iterator, as torch's does, and a state
+        without it counts as True; ``sampler_drawn``: ``[items the sampler gave, whether it ran out]``,
+        map-style, None for an IterableDataset: how far the sampler's RNG moved, for a state resumed as
+        an ended epoch). Between epochs it describes the start of the next one.
 
         Resuming (``load_state_dict`` on a fresh loader with the same dataset and sampler
         arguments, any worker count) yields every batch not yet delivered exactly once, in the same
@@ -845,7 +848,9 @@ class DataLoader(tud.DataLoader[T_co]):
         and the delivered prefix skipped (indices only: no sample is loaded for it); a custom sampler
         must therefore be deterministic given that state (e.g. DistributedSampler after set_epoch).
         A map-style state taken after the epoch's last batch, before its ``StopIteration``, resumes
-        at the start of the next epoch (``_ElasticIter._past_spent_epoch``)."""
+        at the start of the next epoch (``_ElasticIter._past_spent_epoch``), and so does any state that
+        Lightning's fit loop loads as an ended epoch's (``limit_train_batches``:
+        ``_lightning_ended_the_epoch``)."""
         it = self._last_iter() if self._last_iter is not None else None
         if it is not None and not it._done and it._started:
             return it._state_dict()
@@ -863,7 +868,9 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``). An
-        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning."""
+        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning.
+        Loaded by Lightning's fit loop from a checkpoint taken at the last batch of an epoch (Lightning's,
+        which ``limit_train_batches`` ends before the sampler does), it resumes at the next epoch."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
                              f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
@@ -876,7 +883,10 @@ class DataLoader(tud.DataLoader[T_co]):
                              ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
                              "; this loader differs")
         state = dict(state)
-        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
+        mid_epoch = bool(state["batches_delivered"] or state["delivered_ahead"])
+        if mid_epoch and _lightning_ended_the_epoch():
+            state["epoch_ended"] = True     # resumed at the next epoch (``_ElasticIter._past_spent_epoch``)
+        elif kind == "iterable" and mid_epoch:
             # Lightning loads this on every resume, mid-epoch checkpoints included (torch's loader, which
             # has no state, starts the epoch again there): restart, never refuse
             warnings.warn(f"adloader: an IterableDataset cannot resume mid-epoch (its workers' shards cannot "
@@ -943,6 +953,31 @@ class DataLoader(tud.DataLoader[T_co]):
             handle._call_hook("adloader.client", "attach")
         if self._core.auto:
             handle._call_hook("adloader.autotune", "attach")
+
+
+def _lightning_ended_the_epoch() -> bool:
+    """Whether ``load_state_dict``'s caller is Lightning's fit loop restoring a checkpoint whose epoch
+    it counts as ended: it then starts the next epoch and never asks for the rest of this one.
+    Lightning loads every train loader's state in ``_FitLoop._load_combined_loader_states`` (through
+    ``CombinedLoader._load_state_dicts``; lightning/pytorch/loops/fit_loop.py). A checkpoint taken at
+    an epoch's last batch has ``epoch_loop.batch_progress.is_last_batch`` set, on which the loop's
+    ``reset()`` counts the epoch done; with ``limit_train_batches`` that batch comes before the
+    sampler's end, which the loader cannot see, so it reads Lightning's word there. False for any
+    other caller, and where Lightning's loop lacks these attributes."""
+    frame = sys._getframe(2)        # (1: load_state_dict)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_load_combined_loader_states":
+            loop = frame.f_locals.get("self")
+            if not type(loop).__module__.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
+                return False
+            try:
+                return loop.epoch_loop.batch_progress.is_last_batch is True
+            except AttributeError:
+                return False
+        frame = frame.f_back
+    return False
 
 
 def _distributed() -> tuple[int, int]:
@@ -1055,16 +1090,24 @@ class _ElasticIter:
             self._start_workers()
 
     def _past_spent_epoch(self, resume: dict) -> dict:
-        """A map-style state saved after its epoch's last batch and before the ``StopIteration`` that
-        ends it (Lightning's checkpoint at the last ``on_train_batch_end`` of an epoch: its fetcher knows
-        the length and does not call ``next()`` again) resumes as the start of the next epoch, with
-        the RNG where that epoch's draws left it, as a state saved after the ``StopIteration`` would.
-        Resuming it as saved gave an empty epoch, which Lightning counts as the next one: a whole epoch
-        lost. torchdata's StatefulDataLoader does the same (meta-pytorch/data#1437). Any other state,
-        and one whose sampler has no length, is returned as it is."""
+        """A state whose epoch is over though its iterator did not raise ``StopIteration`` resumes as
+        the start of the next epoch, with the RNG where that epoch's draws left it, as a state saved
+        after the ``StopIteration`` would:
+        - a map-style state saved after its epoch's last batch (Lightning's checkpoint at the last
+          ``on_train_batch_end`` of an epoch: its fetcher knows the length and does not call ``next()``
+          again). Resuming it as saved gave an empty epoch, which Lightning counts as the next one: a
+          whole epoch lost. torchdata's StatefulDataLoader does the same (meta-pytorch/data#1437).
+        - a state that the framework loading it counts as its epoch's end (``epoch_ended``, set by
+          ``load_state_dict``: Lightning's ``limit_train_batches`` ends an epoch before the sampler
+          does). Resumed as saved, the next epoch began with the rest of the ended one.
+        The sampler is replayed as far as the state says it was drawn (``sampler_drawn``: torch's
+        loader, and this one, leave an epoch with the sampler drawn that far; a ``RandomSampler``
+        that ran out drew again); a state without it (older) is replayed to the sampler's end.
+        Any other state, and one whose sampler has no length, is returned as it is."""
         cfg = self._cfg
         try:
-            spent = not cfg.iterable and int(resume["batches_delivered"]) >= len(cfg.index_sampler) > 0
+            spent = (resume.get("epoch_ended", False)
+                     or not cfg.iterable and int(resume["batches_delivered"]) >= len(cfg.index_sampler) > 0)
         except TypeError:
             spent = False
         if not spent:
@@ -1078,8 +1121,15 @@ class _ElasticIter:
             torch.set_rng_state(resume["rng_state"])
         try:
             self._draw_seeds(gen, resume)
-            for _ in cfg.index_sampler:     # the sampler's draws for the spent epoch, as torch's iterator
-                pass
+            if not cfg.iterable:        # the sampler's draws for the spent epoch, as torch's iterator
+                drawn = resume.get("sampler_drawn")
+                items = iter(cfg.index_sampler)
+                if drawn is None:
+                    for _ in items:
+                        pass
+                else:
+                    for _ in itertools.islice(items, int(drawn[0]) + bool(drawn[1])):
+                        pass
             after = gen.get_state() if gen is not None else torch.get_rng_state()
         finally:
             if user_global is not None:
@@ -1087,7 +1137,7 @@ class _ElasticIter:
         kept = cfg.persistent and self._persistent_base is not None   # as ``DataLoader.state_dict``
         return dict(resume, epoch=int(resume["epoch"]) + 1, batches_delivered=0, delivered_ahead=[],
                     base_seed=self._persistent_base if kept else None, base_seed_drawn=not kept,
-                    rng_state=after)
+                    rng_state=after, epoch_ended=False, sampler_drawn=None)
 
     def _draw_seeds(self, gen, resume: dict | None) -> None:
         """Draw from the loader's generator exactly what torch's iterator draws, in its order, so the
@@ -1438,7 +1488,12 @@ class _ElasticIter:
                 "base_seed": self._base_seed, "base_seed_drawn": self._base_drawn,
                 "rng_source": "generator" if self._cfg.generator is not None else "global",
                 "rng_state": self._rng_state.clone(),
+                "sampler_drawn": self._sampler_drawn(),
             }
+
+    def _sampler_drawn(self) -> Optional[list]:
+        """``[items the sampler gave this epoch, whether it ran out]`` (map-style), else None."""
+        return None
 
 
 class _MapIter(_ElasticIter):
@@ -1451,9 +1506,11 @@ class _MapIter(_ElasticIter):
             self._shard_in_process()
         self._peeked: deque = deque()
         self._exhausted = False
+        self._drawn = 0         # items the sampler gave this epoch (``_state_dict``: how far its RNG moved)
         self._sampler_iter = iter(self._cfg.index_sampler)
         try:
             self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
+            self._drawn = 1
         except StopIteration:
             self._exhausted = True
         if resume is not None:
@@ -1476,6 +1533,9 @@ class _MapIter(_ElasticIter):
     def _uses_workers(self) -> bool:
         return self._core.target > 0
 
+    def _sampler_drawn(self) -> Optional[list]:
+        return [self._drawn, self._exhausted]
+
     # ---- dispatch ----------------------------------------------------------------------------
     def _pull_index(self):
         if self._peeked:
@@ -1483,10 +1543,12 @@ class _MapIter(_ElasticIter):
         if self._exhausted:
             return None
         try:
-            return next(self._sampler_iter)
+            index = next(self._sampler_iter)
         except StopIteration:
             self._exhausted = True
             return None
+        self._drawn += 1
+        return index
 
     def _next_task(self) -> Task | None:
         """The next batch of the sampler as a pending task, or None when the sampler is exhausted."""

@@ -174,6 +174,31 @@ def test_persistent_workers_started_in_an_epoch_begun_without_workers_are_replac
         assert seeds[epoch] and seeds[epoch] <= ref_seeds[epoch], epoch
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_at_an_epochs_last_batch_resumes_the_next_epoch_with_the_generator_where_the_run_left_it(workers):
+    # a loop that knows the epoch's length (Lightning's fetcher) takes its last batch and never asks for
+    # the StopIteration; a state saved there resumes at the next epoch. The replay ran the sampler to its
+    # end, where RandomSampler draws once more; without workers nothing had asked it past the last batch
+    # (torch's in-process iterator neither), so the resumed run's later epochs were shuffled differently
+    def loader():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers, max_workers=2,
+                          generator=torch.Generator().manual_seed(1))
+
+    dl = loader()
+    it = iter(dl)
+    first = [next(it).tolist() for _ in range(3)]       # all of epoch 0, no StopIteration asked for
+    state = dl.state_dict()
+    rest = _epochs(dl, 2)
+    ref = tud.DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers,
+                         generator=torch.Generator().manual_seed(1))
+    ref_it = iter(ref)
+    assert [next(ref_it).tolist() for _ in range(3)] == first and _epochs(ref, 2) == rest
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert _epochs(resumed, 2) == rest
+    dl.close(), resumed.close()
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
