@@ -398,8 +398,12 @@ class DataLoader(tud.DataLoader[T_co]):
                 held = (auto or count <= 1) and self.dataset_kind == "iterable"
                 if held:
                     max_workers = 1 if auto else count      # ITERABLE_HELD_NOTE: the user's 0 or 1, "auto" 1
-            elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
-                raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
+            elif _as_count(max_workers) is None:
+                raise TypeError(f"max_workers must be an int >= 0 (the most workers resize() and the agent may "
+                                f"give), got {max_workers!r} ({type(max_workers).__name__})")
+            elif _as_count(max_workers) < 0:
+                raise ValueError(f"max_workers must be an int >= 0 (the most workers resize() and the agent may "
+                                 f"give), got {_as_count(max_workers)}")
             else:
                 max_workers = _as_count(max_workers)
                 if not auto and count > max_workers:
@@ -508,7 +512,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self.__dict__["_target_init"] = n     # torch's constructor assigns it
         else:
             count = _torch_worker_count(n)
-            self.resize(n if count is None else count)
+            self._resize(n if count is None else count, own=True, name="num_workers")
 
     @property
     def max_workers(self) -> int:
@@ -540,7 +544,10 @@ class DataLoader(tud.DataLoader[T_co]):
 
     # ---- elasticity ------------------------------------------------------------------------
     def resize(self, n: int) -> int:
-        """Set the number of workers to ``n`` (clamped to ``[0, max_workers]``); returns the target.
+        """Set the number of workers to ``n`` (an int from 0 to ``max_workers``; a larger one is clamped
+        to ``max_workers``, a negative one raises ``ValueError``, anything but an int, a bool included,
+        ``TypeError``); returns the target. ``0``: the batches from the next one on are loaded in this
+        process (tasks queued for the workers come back; a worker finishes the batch it is making).
 
         Callable from any thread at any time. Map-style datasets: takes effect between two batches
         (new workers take queued batches at once; retired ones finish their current batch first).
@@ -548,15 +555,21 @@ class DataLoader(tud.DataLoader[T_co]):
         (``requested_workers``), which an observe-only agent keeps."""
         return self._resize(n, own=True)
 
-    def _resize(self, n: int, own: bool) -> int:
-        """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``."""
-        count = _as_count(n)
-        if count is None:
-            raise TypeError(f"resize() needs an int, got {n!r}")
-        n = count
-        if n < 0:
-            raise ValueError(f"resize() needs n >= 0, got {n}")
+    def _resize(self, n: int, own: bool, name: str = "resize(n): n") -> int:
+        """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``.
+        ``name``: what the caller set, for the error (``loader.num_workers = n`` says so)."""
         core = self._core
+        count = _as_count(n)
+        if count is None or count < 0:
+            allowed = (f"an int from 0 (load in the main process) to max_workers={core.max_workers} (a larger "
+                       "one is clamped to it)")
+            if count is not None:
+                raise ValueError(f"{name} must be {allowed}, got {count}")
+            if isinstance(n, str) and n == "auto":
+                raise TypeError(f"{name} must be {allowed}, got 'auto': \"auto\" is taken only when the "
+                                "loader is built (DataLoader(..., num_workers=\"auto\"))")
+            raise TypeError(f"{name} must be {allowed}, got {n!r} ({type(n).__name__})")
+        n = count
         if n > core.max_workers:
             if own and core.iterable_held:
                 log.warning("adloader: resize(%d) clamped to max_workers=%d: %s", n, core.max_workers,
