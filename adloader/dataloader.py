@@ -84,8 +84,10 @@ Deviations from torch (by design, documented):
 - A worker runs on the CPU mask of the training process's main thread as it is when the worker starts,
   set before ``worker_init_fn``, whichever thread started it and with any start method
   (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
-- The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
-  does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+- The first batch of indices is drawn from the sampler when the epoch's iterator is created where torch
+  does (with workers), and at the first ``next()`` where torch does (``num_workers=0``), except for an
+  epoch resumed from ``load_state_dict`` with ``num_workers=0``: its sampler is replayed under the
+  saved RNG state when the iterator is created.
 - An epoch left mid-way leaves the generator where torch's loader with the worker count in effect
   then leaves it (the prefetch window, ``prefetch_factor`` times that count, decides whether the
   sampler ran out and a ``RandomSampler`` drew again): after a resize in that epoch, not the count
@@ -1205,7 +1207,8 @@ class _ElasticIter:
         return int(seed.item())
 
     def _begin(self, resume: dict | None) -> None:
-        """The kind's own epoch state (the sampler's first draw happens here, under the restored RNG)."""
+        """The kind's own epoch state (a resumed epoch's sampler is replayed here, under the restored
+        RNG; an epoch with workers draws the sampler's first batch here too, as torch's iterator)."""
         raise NotImplementedError
 
     def _shard_in_process(self) -> None:
@@ -1521,6 +1524,11 @@ class _MapIter(_ElasticIter):
         self._exhausted = False
         self._drawn = 0         # items the sampler gave this epoch (``_state_dict``: how far its RNG moved)
         self._sampler_iter = iter(self._cfg.index_sampler)
+        if self._core.target == 0 and resume is None:
+            # torch's in-process iterator draws the sampler's first batch at the first next(): a draw
+            # from the generator in between (Lightning's on_train_epoch_start hook, with the global
+            # generator) comes before the sampler's, as there
+            return
         try:
             self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
             self._drawn = 1

@@ -199,6 +199,25 @@ def test_a_state_at_an_epochs_last_batch_resumes_the_next_epoch_with_the_generat
     dl.close(), resumed.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_draw_between_iter_and_the_first_next_comes_before_the_samplers_as_in_torch(workers):
+    # torch's in-process iterator draws the sampler's first batch at the first next(), its worker
+    # iterator when it is created; without workers this loader drew it at iter(): with the global
+    # generator, a draw in between (Lightning's on_train_epoch_start hook) shuffled the epoch differently
+    def run(cls, **kw):
+        torch.manual_seed(7)
+        dl = cls(Numbers(), batch_size=4, shuffle=True, num_workers=workers, **kw)
+        out = []
+        for _ in range(2):
+            it = iter(dl)
+            torch.rand(3)
+            out.append([b.tolist() for b in it])
+        getattr(dl, "close", lambda: None)()
+        return out
+
+    assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
