@@ -865,7 +865,7 @@ class DataLoader(tud.DataLoader[T_co]):
         A map-style state taken after the epoch's last batch, before its ``StopIteration``, resumes
         at the start of the next epoch (``_ElasticIter._past_spent_epoch``), and so does any state that
         Lightning's fit loop loads as an ended epoch's (``limit_train_batches``:
-        ``_lightning_ended_the_epoch``)."""
+        ``_lightning_resume_at``)."""
         it = self._last_iter() if self._last_iter is not None else None
         if it is not None and not it._done and it._started:
             return it._state_dict()
@@ -898,10 +898,10 @@ class DataLoader(tud.DataLoader[T_co]):
                              ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
                              "; this loader differs")
         state = dict(state)
-        mid_epoch = bool(state["batches_delivered"] or state["delivered_ahead"])
-        if mid_epoch and _lightning_ended_the_epoch():
-            state["epoch_ended"] = True     # resumed at the next epoch (``_ElasticIter._past_spent_epoch``)
-        elif kind == "iterable" and mid_epoch:
+        if state["batches_delivered"] or state["delivered_ahead"]:
+            state = _lightning_resume_at(state)     # (an ended epoch: ``_ElasticIter._past_spent_epoch``)
+        if kind == "iterable" and not state.get("epoch_ended") and (state["batches_delivered"]
+                                                                    or state["delivered_ahead"]):
             # Lightning loads this on every resume, mid-epoch checkpoints included (torch's loader, which
             # has no state, starts the epoch again there): restart, never refuse
             warnings.warn(f"adloader: an IterableDataset cannot resume mid-epoch (its workers' shards cannot "
@@ -970,29 +970,50 @@ class DataLoader(tud.DataLoader[T_co]):
             handle._call_hook("adloader.autotune", "attach")
 
 
-def _lightning_ended_the_epoch() -> bool:
-    """Whether ``load_state_dict``'s caller is Lightning's fit loop restoring a checkpoint whose epoch
-    it counts as ended: it then starts the next epoch and never asks for the rest of this one.
-    Lightning loads every train loader's state in ``_FitLoop._load_combined_loader_states`` (through
-    ``CombinedLoader._load_state_dicts``; lightning/pytorch/loops/fit_loop.py). A checkpoint taken at
-    an epoch's last batch has ``epoch_loop.batch_progress.is_last_batch`` set, on which the loop's
-    ``reset()`` counts the epoch done; with ``limit_train_batches`` that batch comes before the
-    sampler's end, which the loader cannot see, so it reads Lightning's word there. False for any
-    other caller, and where Lightning's loop lacks these attributes."""
+def _lightning_fit_loop():
+    """Lightning's fit loop when it is ``load_state_dict``'s caller, else None. Lightning loads every
+    train loader's state in ``_FitLoop._load_combined_loader_states`` (through
+    ``CombinedLoader._load_state_dicts``; lightning/pytorch/loops/fit_loop.py), after restoring its own
+    progress counters, which say what the loader cannot see (``_lightning_resume_at``)."""
     frame = sys._getframe(2)        # (1: load_state_dict)
     for _ in range(6):
         if frame is None:
-            return False
+            return None
         if frame.f_code.co_name == "_load_combined_loader_states":
             loop = frame.f_locals.get("self")
-            if not type(loop).__module__.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
-                return False
-            try:
-                return loop.epoch_loop.batch_progress.is_last_batch is True
-            except AttributeError:
-                return False
+            if type(loop).__module__.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
+                return loop
+            return None
         frame = frame.f_back
-    return False
+    return None
+
+
+def _lightning_resume_at(state: dict) -> dict:
+    """A mid-epoch ``state`` as Lightning's fit loop will use it, when it is the loader's caller:
+    - ``epoch_ended``: the checkpoint was taken at the epoch's last batch by Lightning's count
+      (``epoch_loop.batch_progress.is_last_batch``, on which the loop's ``reset()`` counts the epoch
+      done and starts the next); ``limit_train_batches`` puts that batch before the sampler's end;
+    - ``batches_delivered`` lowered to the batches Lightning trained this epoch
+      (``batch_progress.current.ready``) where it took more: for a loader without ``len()`` (a custom
+      ``batch_sampler`` or ``sampler`` without ``__len__``) its ``_PrefetchDataFetcher`` fetches one
+      batch ahead, which the checkpoint's run never trained and the resumed one starts with. Only for
+      a fit with this loader alone (several are interleaved or cycled) and in-order delivery.
+    Any other state, caller or Lightning version without these attributes: ``state`` unchanged."""
+    loop = _lightning_fit_loop()
+    if loop is None:
+        return state
+    try:
+        progress = loop.epoch_loop.batch_progress
+        if progress.is_last_batch is True:
+            return dict(state, epoch_ended=True)
+        trained = progress.current.ready
+        alone = len(loop._combined_loader.flattened) == 1
+    except (AttributeError, TypeError):
+        return state
+    if (alone and not state["delivered_ahead"] and type(trained) is int
+            and 0 <= trained < int(state["batches_delivered"])):
+        return dict(state, batches_delivered=trained)
+    return state
 
 
 def _distributed() -> tuple[int, int]:
