@@ -851,11 +851,14 @@ class DataLoader(tud.DataLoader[T_co]):
     def state_dict(self) -> dict:
         """Position in the epoch: ``{"version", "dataset_kind", "epoch", "batches_delivered",
         "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}``, mid-epoch also
-        ``"sampler_drawn"`` (plain values and one CPU tensor, fit for ``torch.save``; ``base_seed_drawn``
-        False: the epoch reuses the base seed of a persistent iterator, as torch's does, and a state
-        without it counts as True; ``sampler_drawn``: ``[items the sampler gave, whether it ran out]``,
-        map-style, None for an IterableDataset: how far the sampler's RNG moved, for a state resumed as
-        an ended epoch). Between epochs it describes the start of the next one.
+        ``"sampler_drawn"``, and ``"persistent_base_seed"`` (plain values and one CPU tensor, fit for
+        ``torch.save``; ``base_seed_drawn`` False: the epoch reuses the base seed of a persistent
+        iterator, as torch's does, and a state without it counts as True; ``sampler_drawn``: ``[items the
+        sampler gave, whether it ran out]``, map-style, None for an IterableDataset: how far the sampler's
+        RNG moved, for a state resumed as an ended epoch; ``persistent_base_seed``: the base seed of the
+        persistent worker iterator, None before the first epoch with workers or without persistent
+        workers, kept through an epoch run without workers). Between epochs it describes the start of
+        the next one.
 
         Resuming (``load_state_dict`` on a fresh loader with the same dataset and sampler
         arguments, any worker count) yields every batch not yet delivered exactly once, in the same
@@ -879,6 +882,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "base_seed": it._persistent_base if kept else None, "base_seed_drawn": not kept,
             "rng_source": "generator" if gen is not None else "global",
             "rng_state": gen.get_state() if gen is not None else torch.get_rng_state(),
+            "persistent_base_seed": it._persistent_base if it is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -1212,8 +1216,11 @@ class _ElasticIter:
             if cfg.iterable and cfg.datapipe and workers:
                 self._share_seed(gen)
         self._base_drawn = not keep_base
-        # torch's persistent worker iterator: created by the first epoch with workers, kept after
-        if cfg.persistent and (keep_base or (workers and (self._persistent_base is None or resume is not None))):
+        # torch's persistent worker iterator: created by the first epoch with workers, kept after; a
+        # state says its base seed (``persistent_base_seed``), also from an epoch run without workers
+        if cfg.persistent and resume is not None and resume.get("persistent_base_seed") is not None:
+            self._persistent_base = int(resume["persistent_base_seed"])
+        elif cfg.persistent and (keep_base or (workers and (self._persistent_base is None or resume is not None))):
             self._persistent_base = self._base_seed
 
     def _share_seed(self, gen) -> int:
@@ -1526,6 +1533,7 @@ class _ElasticIter:
                 "rng_source": "generator" if self._cfg.generator is not None else "global",
                 "rng_state": self._rng_state.clone(),
                 "sampler_drawn": self._sampler_drawn(),
+                "persistent_base_seed": self._persistent_base,
             }
 
     def _sampler_drawn(self) -> Optional[list]:

@@ -218,6 +218,46 @@ def test_a_draw_between_iter_and_the_first_next_comes_before_the_samplers_as_in_
     assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
 
 
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_persistent_loader_resumed_in_an_epoch_run_without_workers_keeps_its_worker_iterator_s_seed(at):
+    # epochs 0 and 2 with workers, epoch 1 without (num_workers = 0), saved after `at` of its 2 batches
+    # (2: its last, no StopIteration asked for, as Lightning's fetcher does). The state held only that
+    # epoch's own base seed (an in-process iterator's), so a resumed run drew a new one for epoch 2
+    # where torch's loader keeps its persistent worker iterator's: epoch 2 was shuffled differently
+    # and its workers had other seeds
+    def loader(cls, **kw):
+        return cls(WorkerSeeds(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
+                   generator=torch.Generator().manual_seed(3), collate_fn=list, **kw)
+
+    def order(batches):             # (which worker ran a batch, so its seed, may differ from torch's)
+        return [[i for i, _ in b] for b in batches]
+
+    ref = loader(tud.DataLoader)
+    full = [list(ref)]
+    ref.num_workers = 0
+    it = iter(ref)
+    full.append([next(it) for _ in range(at)] + (list(it) if at < 2 else []))
+    ref.num_workers = 2
+    full.append(list(ref))
+    dl = loader(DataLoader, max_workers=2)
+    assert order(dl) == order(full[0])
+    dl.num_workers = 0
+    it = iter(dl)
+    assert [next(it) for _ in range(at)] == full[1][:at]      # in-process: seed -1
+    state = dl.state_dict()
+    dl.close()
+    resumed = loader(DataLoader, max_workers=2)
+    resumed.load_state_dict(state)
+    if at < 2:                      # (at its last batch the state resumes at the next epoch)
+        resumed.num_workers = 0
+        assert list(resumed) == full[1][at:]
+        resumed.num_workers = 2
+    after = list(resumed)
+    resumed.close()
+    assert order(after) == order(full[2])
+    assert {s for b in after for _, s in b} <= {s for b in full[2] for _, s in b}      # torch's workers' seeds
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
