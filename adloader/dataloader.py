@@ -50,7 +50,8 @@ Deviations from torch (by design, documented):
   epoch whose count differs (``_drop_workers_set_up_for_another_count``). A worker that dies mid-epoch
   cannot be replayed: the epoch raises ``RuntimeError``.
   ``load_state_dict`` resumes an IterableDataset only at an epoch boundary: a mid-epoch state restarts
-  its epoch from the beginning, with a warning (Lightning loads it on every resume).
+  its epoch from the beginning, with a warning (Lightning loads it on every resume), unless Lightning
+  loads it as an ended epoch's (``limit_train_batches``): then the next epoch starts.
 - Seeding is per batch: before every batch torch's, ``random``'s and NumPy's global generators are
   seeded from ``task_seed(base_seed, epoch, seq)``, so a seed set in ``worker_init_fn`` is overwritten
   before ``__getitem__`` runs, and ``torch.initial_seed()`` in a worker is the batch's seed (torch:
@@ -69,7 +70,10 @@ Deviations from torch (by design, documented):
   when a batch cannot cross for lack of file descriptors. A death the loader recovers from (map-style)
   is a warning on the ``adloader`` logger, not an error.
 - ``persistent_workers=False`` stops the workers at the end of each epoch, as torch does (so changes
-  made to the dataset between epochs reach fresh workers); ``True`` keeps them.
+  made to the dataset between epochs reach fresh workers); ``True`` keeps them, except workers that a
+  ``resize()`` started in an epoch begun without workers: torch's loader creates its persistent worker
+  iterator (new workers, a new base seed) at the next epoch with workers, and so does this one
+  (``_drop_workers_seeded_for_another_base``).
 - ``get_worker_info().num_workers`` is the target when the worker started (map-style) or the epoch's
   worker count (iterable).
 - A ``worker_init_fn`` error is raised at the batch torch raises it at (``_init_error_due``), or
@@ -80,8 +84,10 @@ Deviations from torch (by design, documented):
 - A worker runs on the CPU mask of the training process's main thread as it is when the worker starts,
   set before ``worker_init_fn``, whichever thread started it and with any start method
   (``adloader._affinity``); torch's workers inherit the starting thread's mask, or the fork server's.
-- The first batch of indices is drawn from the sampler when the epoch's iterator is created (torch
-  does this with workers; with ``num_workers=0`` torch draws it at the first ``next()``).
+- The first batch of indices is drawn from the sampler when the epoch's iterator is created where torch
+  does (with workers), and at the first ``next()`` where torch does (``num_workers=0``), except for an
+  epoch resumed from ``load_state_dict`` with ``num_workers=0``: its sampler is replayed under the
+  saved RNG state when the iterator is created.
 - An epoch left mid-way leaves the generator where torch's loader with the worker count in effect
   then leaves it (the prefetch window, ``prefetch_factor`` times that count, decides whether the
   sampler ran out and a ``RandomSampler`` drew again): after a resize in that epoch, not the count
@@ -396,8 +402,12 @@ class DataLoader(tud.DataLoader[T_co]):
                 held = (auto or count <= 1) and self.dataset_kind == "iterable"
                 if held:
                     max_workers = 1 if auto else count      # ITERABLE_HELD_NOTE: the user's 0 or 1, "auto" 1
-            elif _as_count(max_workers) is None or _as_count(max_workers) < 0:
-                raise ValueError(f"max_workers must be an int >= 0, got {max_workers!r}")
+            elif _as_count(max_workers) is None:
+                raise TypeError(f"max_workers must be an int >= 0 (the most workers resize() and the agent may "
+                                f"give), got {max_workers!r} ({type(max_workers).__name__})")
+            elif _as_count(max_workers) < 0:
+                raise ValueError(f"max_workers must be an int >= 0 (the most workers resize() and the agent may "
+                                 f"give), got {_as_count(max_workers)}")
             else:
                 max_workers = _as_count(max_workers)
                 if not auto and count > max_workers:
@@ -506,7 +516,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self.__dict__["_target_init"] = n     # torch's constructor assigns it
         else:
             count = _torch_worker_count(n)
-            self.resize(n if count is None else count)
+            self._resize(n if count is None else count, own=True, name="num_workers")
 
     @property
     def max_workers(self) -> int:
@@ -538,7 +548,10 @@ class DataLoader(tud.DataLoader[T_co]):
 
     # ---- elasticity ------------------------------------------------------------------------
     def resize(self, n: int) -> int:
-        """Set the number of workers to ``n`` (clamped to ``[0, max_workers]``); returns the target.
+        """Set the number of workers to ``n`` (an int from 0 to ``max_workers``; a larger one is clamped
+        to ``max_workers``, a negative one raises ``ValueError``, anything but an int, a bool included,
+        ``TypeError``); returns the target. ``0``: the batches from the next one on are loaded in this
+        process (tasks queued for the workers come back; a worker finishes the batch it is making).
 
         Callable from any thread at any time. Map-style datasets: takes effect between two batches
         (new workers take queued batches at once; retired ones finish their current batch first).
@@ -546,15 +559,21 @@ class DataLoader(tud.DataLoader[T_co]):
         (``requested_workers``), which an observe-only agent keeps."""
         return self._resize(n, own=True)
 
-    def _resize(self, n: int, own: bool) -> int:
-        """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``."""
-        count = _as_count(n)
-        if count is None:
-            raise TypeError(f"resize() needs an int, got {n!r}")
-        n = count
-        if n < 0:
-            raise ValueError(f"resize() needs n >= 0, got {n}")
+    def _resize(self, n: int, own: bool, name: str = "resize(n): n") -> int:
+        """``resize``; ``own=False`` for the agent's directives, which leave ``requested_workers``.
+        ``name``: what the caller set, for the error (``loader.num_workers = n`` says so)."""
         core = self._core
+        count = _as_count(n)
+        if count is None or count < 0:
+            allowed = (f"an int from 0 (load in the main process) to max_workers={core.max_workers} (a larger "
+                       "one is clamped to it)")
+            if count is not None:
+                raise ValueError(f"{name} must be {allowed}, got {count}")
+            if isinstance(n, str) and n == "auto":
+                raise TypeError(f"{name} must be {allowed}, got 'auto': \"auto\" is taken only when the "
+                                "loader is built (DataLoader(..., num_workers=\"auto\"))")
+            raise TypeError(f"{name} must be {allowed}, got {n!r} ({type(n).__name__})")
+        n = count
         if n > core.max_workers:
             if own and core.iterable_held:
                 log.warning("adloader: resize(%d) clamped to max_workers=%d: %s", n, core.max_workers,
@@ -853,10 +872,15 @@ class DataLoader(tud.DataLoader[T_co]):
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position in the epoch: ``{"version", "dataset_kind", "epoch", "batches_delivered",
-        "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}`` (plain values
-        and one CPU tensor, fit for ``torch.save``; ``base_seed_drawn`` False: the epoch reuses the base
-        seed of a persistent iterator, as torch's does, and a state without it counts as True).
-        Between epochs it describes the start of the next one.
+        "delivered_ahead", "base_seed", "base_seed_drawn", "rng_source", "rng_state"}``, mid-epoch also
+        ``"sampler_drawn"``, and ``"persistent_base_seed"`` (plain values and one CPU tensor, fit for
+        ``torch.save``; ``base_seed_drawn`` False: the epoch reuses the base seed of a persistent
+        iterator, as torch's does, and a state without it counts as True; ``sampler_drawn``: ``[items the
+        sampler gave, whether it ran out]``, map-style, None for an IterableDataset: how far the sampler's
+        RNG moved, for a state resumed as an ended epoch; ``persistent_base_seed``: the base seed of the
+        persistent worker iterator, None before the first epoch with workers or without persistent
+        workers, kept through an epoch run without workers). Between epochs it describes the start of
+        the next one.
 
         Resuming (``load_state_dict`` on a fresh loader with the same dataset and sampler
         arguments, any worker count) yields every batch not yet delivered exactly once, in the same
@@ -864,7 +888,9 @@ class DataLoader(tud.DataLoader[T_co]):
         and the delivered prefix skipped (indices only: no sample is loaded for it); a custom sampler
         must therefore be deterministic given that state (e.g. DistributedSampler after set_epoch).
         A map-style state taken after the epoch's last batch, before its ``StopIteration``, resumes
-        at the start of the next epoch (``_ElasticIter._past_spent_epoch``)."""
+        at the start of the next epoch (``_ElasticIter._past_spent_epoch``), and so does any state that
+        Lightning's fit loop loads as an ended epoch's (``limit_train_batches``:
+        ``_lightning_resume_at``)."""
         it = self._last_iter() if self._last_iter is not None else None
         if it is not None and not it._done and it._started:
             return it._state_dict()
@@ -878,11 +904,14 @@ class DataLoader(tud.DataLoader[T_co]):
             "base_seed": it._persistent_base if kept else None, "base_seed_drawn": not kept,
             "rng_source": "generator" if gen is not None else "global",
             "rng_state": gen.get_state() if gen is not None else torch.get_rng_state(),
+            "persistent_base_seed": it._persistent_base if it is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` output at the next ``iter()`` (see ``state_dict``). An
-        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning."""
+        IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning.
+        Loaded by Lightning's fit loop from a checkpoint taken at the last batch of an epoch (Lightning's,
+        which ``limit_train_batches`` ends before the sampler does), it resumes at the next epoch."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
                              f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
@@ -895,7 +924,10 @@ class DataLoader(tud.DataLoader[T_co]):
                              ("a torch.Generator" if state["rng_source"] == "generator" else "None") +
                              "; this loader differs")
         state = dict(state)
-        if kind == "iterable" and (state["batches_delivered"] or state["delivered_ahead"]):
+        if state["batches_delivered"] or state["delivered_ahead"]:
+            state = _lightning_resume_at(state)     # (an ended epoch: ``_ElasticIter._past_spent_epoch``)
+        if kind == "iterable" and not state.get("epoch_ended") and (state["batches_delivered"]
+                                                                    or state["delivered_ahead"]):
             # Lightning loads this on every resume, mid-epoch checkpoints included (torch's loader, which
             # has no state, starts the epoch again there): restart, never refuse
             warnings.warn(f"adloader: an IterableDataset cannot resume mid-epoch (its workers' shards cannot "
@@ -962,6 +994,52 @@ class DataLoader(tud.DataLoader[T_co]):
             handle._call_hook("adloader.client", "attach")
         if self._core.auto:
             handle._call_hook("adloader.autotune", "attach")
+
+
+def _lightning_fit_loop():
+    """Lightning's fit loop when it is ``load_state_dict``'s caller, else None. Lightning loads every
+    train loader's state in ``_FitLoop._load_combined_loader_states`` (through
+    ``CombinedLoader._load_state_dicts``; lightning/pytorch/loops/fit_loop.py), after restoring its own
+    progress counters, which say what the loader cannot see (``_lightning_resume_at``)."""
+    frame = sys._getframe(2)        # (1: load_state_dict)
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_load_combined_loader_states":
+            loop = frame.f_locals.get("self")
+            if type(loop).__module__.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
+                return loop
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _lightning_resume_at(state: dict) -> dict:
+    """A mid-epoch ``state`` as Lightning's fit loop will use it, when it is the loader's caller:
+    - ``epoch_ended``: the checkpoint was taken at the epoch's last batch by Lightning's count
+      (``epoch_loop.batch_progress.is_last_batch``, on which the loop's ``reset()`` counts the epoch
+      done and starts the next); ``limit_train_batches`` puts that batch before the sampler's end;
+    - ``batches_delivered`` lowered to the batches Lightning trained this epoch
+      (``batch_progress.current.ready``) where it took more: for a loader without ``len()`` (a custom
+      ``batch_sampler`` or ``sampler`` without ``__len__``) its ``_PrefetchDataFetcher`` fetches one
+      batch ahead, which the checkpoint's run never trained and the resumed one starts with. Only for
+      a fit with this loader alone (several are interleaved or cycled) and in-order delivery.
+    Any other state, caller or Lightning version without these attributes: ``state`` unchanged."""
+    loop = _lightning_fit_loop()
+    if loop is None:
+        return state
+    try:
+        progress = loop.epoch_loop.batch_progress
+        if progress.is_last_batch is True:
+            return dict(state, epoch_ended=True)
+        trained = progress.current.ready
+        alone = len(loop._combined_loader.flattened) == 1
+    except (AttributeError, TypeError):
+        return state
+    if (alone and not state["delivered_ahead"] and type(trained) is int
+            and 0 <= trained < int(state["batches_delivered"])):
+        return dict(state, batches_delivered=trained)
+    return state
 
 
 def _distributed() -> tuple[int, int]:
@@ -1074,16 +1152,24 @@ class _ElasticIter:
             self._start_workers()
 
     def _past_spent_epoch(self, resume: dict) -> dict:
-        """A map-style state saved after its epoch's last batch and before the ``StopIteration`` that
-        ends it (Lightning's checkpoint at the last ``on_train_batch_end`` of an epoch: its fetcher knows
-        the length and does not call ``next()`` again) resumes as the start of the next epoch, with
-        the RNG where that epoch's draws left it, as a state saved after the ``StopIteration`` would.
-        Resuming it as saved gave an empty epoch, which Lightning counts as the next one: a whole epoch
-        lost. torchdata's StatefulDataLoader does the same (meta-pytorch/data#1437). Any other state,
-        and one whose sampler has no length, is returned as it is."""
+        """A state whose epoch is over though its iterator did not raise ``StopIteration`` resumes as
+        the start of the next epoch, with the RNG where that epoch's draws left it, as a state saved
+        after the ``StopIteration`` would:
+        - a map-style state saved after its epoch's last batch (Lightning's checkpoint at the last
+          ``on_train_batch_end`` of an epoch: its fetcher knows the length and does not call ``next()``
+          again). Resuming it as saved gave an empty epoch, which Lightning counts as the next one: a
+          whole epoch lost. torchdata's StatefulDataLoader does the same (meta-pytorch/data#1437).
+        - a state that the framework loading it counts as its epoch's end (``epoch_ended``, set by
+          ``load_state_dict``: Lightning's ``limit_train_batches`` ends an epoch before the sampler
+          does). Resumed as saved, the next epoch began with the rest of the ended one.
+        The sampler is replayed as far as the state says it was drawn (``sampler_drawn``: torch's
+        loader, and this one, leave an epoch with the sampler drawn that far; a ``RandomSampler``
+        that ran out drew again); a state without it (older) is replayed to the sampler's end.
+        Any other state, and one whose sampler has no length, is returned as it is."""
         cfg = self._cfg
         try:
-            spent = not cfg.iterable and int(resume["batches_delivered"]) >= len(cfg.index_sampler) > 0
+            spent = (resume.get("epoch_ended", False)
+                     or not cfg.iterable and int(resume["batches_delivered"]) >= len(cfg.index_sampler) > 0)
         except TypeError:
             spent = False
         if not spent:
@@ -1097,8 +1183,15 @@ class _ElasticIter:
             torch.set_rng_state(resume["rng_state"])
         try:
             self._draw_seeds(gen, resume)
-            for _ in cfg.index_sampler:     # the sampler's draws for the spent epoch, as torch's iterator
-                pass
+            if not cfg.iterable:        # the sampler's draws for the spent epoch, as torch's iterator
+                drawn = resume.get("sampler_drawn")
+                items = iter(cfg.index_sampler)
+                if drawn is None:
+                    for _ in items:
+                        pass
+                else:
+                    for _ in itertools.islice(items, int(drawn[0]) + bool(drawn[1])):
+                        pass
             after = gen.get_state() if gen is not None else torch.get_rng_state()
         finally:
             if user_global is not None:
@@ -1106,7 +1199,7 @@ class _ElasticIter:
         kept = cfg.persistent and self._persistent_base is not None   # as ``DataLoader.state_dict``
         return dict(resume, epoch=int(resume["epoch"]) + 1, batches_delivered=0, delivered_ahead=[],
                     base_seed=self._persistent_base if kept else None, base_seed_drawn=not kept,
-                    rng_state=after)
+                    rng_state=after, epoch_ended=False, sampler_drawn=None)
 
     def _draw_seeds(self, gen, resume: dict | None) -> None:
         """Draw from the loader's generator exactly what torch's iterator draws, in its order, so the
@@ -1145,8 +1238,11 @@ class _ElasticIter:
             if cfg.iterable and cfg.datapipe and workers:
                 self._share_seed(gen)
         self._base_drawn = not keep_base
-        # torch's persistent worker iterator: created by the first epoch with workers, kept after
-        if cfg.persistent and (keep_base or (workers and (self._persistent_base is None or resume is not None))):
+        # torch's persistent worker iterator: created by the first epoch with workers, kept after; a
+        # state says its base seed (``persistent_base_seed``), also from an epoch run without workers
+        if cfg.persistent and resume is not None and resume.get("persistent_base_seed") is not None:
+            self._persistent_base = int(resume["persistent_base_seed"])
+        elif cfg.persistent and (keep_base or (workers and (self._persistent_base is None or resume is not None))):
             self._persistent_base = self._base_seed
 
     def _share_seed(self, gen) -> int:
@@ -1161,7 +1257,8 @@ class _ElasticIter:
         return int(seed.item())
 
     def _begin(self, resume: dict | None) -> None:
-        """The kind's own epoch state (the sampler's first draw happens here, under the restored RNG)."""
+        """The kind's own epoch state (a resumed epoch's sampler is replayed here, under the restored
+        RNG; an epoch with workers draws the sampler's first batch here too, as torch's iterator)."""
         raise NotImplementedError
 
     def _shard_in_process(self) -> None:
@@ -1174,6 +1271,26 @@ class _ElasticIter:
     def _start_workers(self) -> None:
         """Start (or reuse) the pool for this epoch and dispatch the first tasks."""
         raise NotImplementedError
+
+    def _drop_workers_seeded_for_another_base(self) -> None:
+        """A persistent pool whose workers were started with another base seed than this epoch's is
+        stopped, so that this epoch's workers start afresh from it: ``get_worker_info().seed`` and the
+        RNG ``worker_init_fn`` runs under are torch's ``base_seed + worker_id`` of the worker iterator.
+        That happens when an epoch that began with no workers (its own base seed, as torch's
+        in-process iterator) was resized up mid-epoch before the loader's first epoch with workers:
+        torch's loader creates its persistent worker iterator, with new workers and a new base seed,
+        at that next epoch (``DataLoader.__iter__``), and so does this one."""
+        pool = self._pool
+        if pool is None or not self._cfg.persistent or pool.spec.base_seed == self._base_seed:
+            return
+        self._drop_pool(pool)
+
+    def _drop_pool(self, pool: WorkerPool) -> None:
+        """Stop this iterator's persistent ``pool`` now; the next ``_ensure_pool`` starts another."""
+        fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
+        with self._core.lock:           # (``_resize`` reads the set under it)
+            self._core.persistent_pools.discard(pool)
+        _stop_pool(fin, pool)
 
     def _ensure_pool(self, target: int) -> WorkerPool:
         cfg, core = self._cfg, self._core
@@ -1437,7 +1554,13 @@ class _ElasticIter:
                 "base_seed": self._base_seed, "base_seed_drawn": self._base_drawn,
                 "rng_source": "generator" if self._cfg.generator is not None else "global",
                 "rng_state": self._rng_state.clone(),
+                "sampler_drawn": self._sampler_drawn(),
+                "persistent_base_seed": self._persistent_base,
             }
+
+    def _sampler_drawn(self) -> Optional[list]:
+        """``[items the sampler gave this epoch, whether it ran out]`` (map-style), else None."""
+        return None
 
 
 class _MapIter(_ElasticIter):
@@ -1450,9 +1573,16 @@ class _MapIter(_ElasticIter):
             self._shard_in_process()
         self._peeked: deque = deque()
         self._exhausted = False
+        self._drawn = 0         # items the sampler gave this epoch (``_state_dict``: how far its RNG moved)
         self._sampler_iter = iter(self._cfg.index_sampler)
+        if self._core.target == 0 and resume is None:
+            # torch's in-process iterator draws the sampler's first batch at the first next(): a draw
+            # from the generator in between (Lightning's on_train_epoch_start hook, with the global
+            # generator) comes before the sampler's, as there
+            return
         try:
             self._peeked.append(next(self._sampler_iter))   # the sampler's first draw
+            self._drawn = 1
         except StopIteration:
             self._exhausted = True
         if resume is not None:
@@ -1465,6 +1595,7 @@ class _MapIter(_ElasticIter):
     def _start_workers(self) -> None:
         core = self._core
         if core.target > 0:
+            self._drop_workers_seeded_for_another_base()
             pool = self._ensure_pool(core.target)
             if self._cfg.persistent:
                 pool.resize(core.target)
@@ -1474,6 +1605,9 @@ class _MapIter(_ElasticIter):
     def _uses_workers(self) -> bool:
         return self._core.target > 0
 
+    def _sampler_drawn(self) -> Optional[list]:
+        return [self._drawn, self._exhausted]
+
     # ---- dispatch ----------------------------------------------------------------------------
     def _pull_index(self):
         if self._peeked:
@@ -1481,10 +1615,12 @@ class _MapIter(_ElasticIter):
         if self._exhausted:
             return None
         try:
-            return next(self._sampler_iter)
+            index = next(self._sampler_iter)
         except StopIteration:
             self._exhausted = True
             return None
+        self._drawn += 1
+        return index
 
     def _next_task(self) -> Task | None:
         """The next batch of the sampler as a pending task, or None when the sampler is exhausted."""
@@ -1641,6 +1777,7 @@ class _IterableIter(_ElasticIter):
     def _start_workers(self) -> None:
         n = self._epoch_workers
         if n > 0:
+            self._drop_workers_seeded_for_another_base()
             self._drop_workers_set_up_for_another_count(n)
             pool = self._ensure_pool(n)
             pool.resize(n)
@@ -1660,10 +1797,7 @@ class _IterableIter(_ElasticIter):
         pool = self._pool
         if pool is None or self._cfg.worker_init_fn is None or pool.started_for(n) <= {n}:
             return
-        fin, self._pool_finalizer, self._pool = self._pool_finalizer, None, None
-        with self._core.lock:           # (``_resize`` reads the set under it)
-            self._core.persistent_pools.discard(pool)
-        _stop_pool(fin, pool)
+        self._drop_pool(pool)
 
     def _uses_workers(self) -> bool:
         return self._epoch_workers > 0

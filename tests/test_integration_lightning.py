@@ -239,3 +239,110 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_at_the_next_epoch_as_torch
     mid = fit(DataLoader, tmp_path / "mid", ckpt=tmp_path / "full" / "step=2.ckpt")
     assert mid[:2] == full[2:4], (mid, full)        # the rest of epoch 0, exactly once
     assert epochs(mid) == [0] * 2 + [1] * 4 + [2] * 4
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_limit_train_batches_resume_from_any_step_trains_the_uninterrupted_runs_batches(tmp_path, num_workers):
+    """``limit_train_batches=5`` of 8: Lightning ends each epoch at its 5th batch, before the sampler
+    does. A checkpoint there held "epoch 0, 5 batches delivered", which Lightning counts as a finished
+    epoch; the loader resumed it as the rest of epoch 0, so the resumed epoch 1 trained epoch 0's
+    batches 5-7 (never trained by the uninterrupted run) and stopped after 3. Now the loader reads
+    Lightning's own word (``is_last_batch``) when its state is loaded and resumes at the next epoch, with
+    the generator where the run's left it: from every checkpoint, mid-epoch or at a limited epoch's end,
+    the resumed run trains the uninterrupted run's remaining batches, in its order. The uninterrupted
+    run equals torch's loader's."""
+    import lightning as L
+    import torch
+    import torch.utils.data as tud
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from adloader import DataLoader
+    from tests.loader_datasets import Indexed
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, i, batch.flatten().tolist()))
+            return self.lin(batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    def fit(cls, root, ckpt=None):
+        L.seed_everything(0, verbose=False)
+        loader = cls(Indexed(32), batch_size=4, shuffle=True, num_workers=num_workers,
+                     generator=torch.Generator().manual_seed(1))
+        m = M()
+        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        L.Trainer(max_epochs=3, limit_train_batches=5, callbacks=[saves], logger=False, default_root_dir=str(root),
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  devices=1).fit(m, loader, ckpt_path=ckpt)
+        if hasattr(loader, "close"):
+            loader.close()
+        return m.seen
+
+    full = fit(DataLoader, tmp_path / "full")
+    assert [e for e, _, _ in full] == [0] * 5 + [1] * 5 + [2] * 5
+    assert full == fit(tud.DataLoader, tmp_path / "torch")
+    for step in (2, 5, 7, 10):
+        resumed = fit(DataLoader, tmp_path / f"from{step}", ckpt=tmp_path / "full" / f"step={step}.ckpt")
+        assert resumed == full[step:], (step, resumed, full[step:])
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_batch_sampler_without_len_trains_as_torch_s_and_resumes_mid_epoch_at_the_batch_lightning_left(
+        tmp_path, num_workers):
+    """A custom ``batch_sampler`` without ``__len__`` (an iterable of index lists): ``len(loader)`` raises
+    TypeError as torch's does, so Lightning's ``_PrefetchDataFetcher`` fetches one batch ahead of the
+    training step. The loader's state in a mid-epoch checkpoint counted that batch as delivered, and the
+    resumed run skipped it (trained by neither run). Now the loader resumes at the batch Lightning
+    trains next (its ``batch_progress``). The uninterrupted run equals torch's loader's; resumed from any
+    step it trains the uninterrupted run's remaining batches of that epoch."""
+    import lightning as L
+    import torch
+    import torch.utils.data as tud
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from adloader import DataLoader
+    from tests.loader_datasets import Indexed
+
+    class Batches:
+        def __iter__(self):
+            order = torch.randperm(24).tolist()        # torch's global generator: seed_everything
+            for i in range(0, 24, 3):
+                yield order[i:i + 3]
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, i, batch.flatten().tolist()))
+            return self.lin(batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    def fit(cls, root, ckpt=None):
+        L.seed_everything(0, verbose=False)
+        loader = cls(Indexed(24), batch_sampler=Batches(), num_workers=num_workers)
+        with pytest.raises(TypeError):
+            len(loader)
+        m = M()
+        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        L.Trainer(max_epochs=1, callbacks=[saves], logger=False, default_root_dir=str(root),
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  devices=1).fit(m, loader, ckpt_path=ckpt)
+        if hasattr(loader, "close"):
+            loader.close()
+        return m.seen
+
+    full = fit(DataLoader, tmp_path / "full")
+    assert len(full) == 8 and full == fit(tud.DataLoader, tmp_path / "torch")
+    for step in (1, 3, 6):
+        resumed = fit(DataLoader, tmp_path / f"from{step}", ckpt=tmp_path / "full" / f"step={step}.ckpt")
+        assert resumed == full[step:], (step, resumed, full[step:])

@@ -1185,6 +1185,49 @@ def test_constructor_checks_like_torch():
         dl.resize(-1)
 
 
+def test_bad_worker_counts_are_refused_with_the_argument_and_its_range_named():
+    """``resize(n)`` and ``loader.num_workers = n`` said "resize() needs an int" / "needs n >= 0" for
+    either way of setting it, without the range or what 0 means; ``max_workers`` of the wrong type was a
+    ValueError. Now each names what was set, the range (0 to max_workers, larger clamped) and the value."""
+    import re
+
+    dl = DataLoader(Indexed(8), batch_size=2, num_workers=1, max_workers=3)
+    rng = re.escape("an int from 0 (load in the main process) to max_workers=3 (a larger one is clamped to it)")
+    for set_, name in ((dl.resize, r"resize\(n\): n"), (lambda v: setattr(dl, "num_workers", v), "num_workers")):
+        with pytest.raises(ValueError, match=f"^{name} must be {rng}, got -1$"):
+            set_(-1)
+        for bad, shown in ((2.0, "2.0 (float)"), ("2", "'2' (str)"), (None, "None (NoneType)")):
+            with pytest.raises(TypeError, match=f"^{name} must be {rng}, got {re.escape(shown)}$"):
+                set_(bad)
+        with pytest.raises(TypeError, match='got .auto.: "auto" is taken only when the loader is built'):
+            set_("auto")
+    with pytest.raises(TypeError, match=re.escape("got True (bool)")):
+        dl.resize(True)             # ours only: a bool is no count (num_workers = True is torch's 1)
+    assert dl.num_workers == 1 and dl.resize(99) == 3 and dl.resize(0) == 0
+    assert _ids(list(dl)) == list(range(8))
+    dl.close()
+    with pytest.raises(TypeError, match=re.escape("max_workers must be an int >= 0 (the most workers resize() "
+                                                  "and the agent may give), got 2.5 (float)")):
+        DataLoader(Indexed(4), max_workers=2.5)
+    with pytest.raises(ValueError, match="max_workers must be an int >= 0 .*got -1$"):
+        DataLoader(Indexed(4), max_workers=-1)
+
+
+def test_resize_to_zero_mid_epoch_loads_the_rest_in_this_process_exactly_once():
+    """docs/users.md: ``resize(0)`` loads the next batches in this process, the workers' queued batches
+    come back and the one each is making is still taken from it: every batch once, in order."""
+    dl = DataLoader(Indexed(20), batch_size=2, num_workers=2, max_workers=2)
+    got = []
+    for b in dl:
+        got.append(b)
+        if len(got) == 2:
+            dl.resize(0)
+        if len(got) > 6:            # past the prefetch window: no worker takes tasks
+            assert dl.stats()["live_workers"] == 0
+    assert _ids(got) == list(range(20))
+    dl.close()
+
+
 def test_integer_like_worker_counts_are_taken_like_torch():
     # torch takes any integer for num_workers (it only compares it and range()s over it): a NumPy
     # integer from a config or np.clip, a 0-d integer tensor

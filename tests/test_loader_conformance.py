@@ -131,6 +131,133 @@ def test_persistent_loader_set_to_no_workers_for_an_epoch_keeps_torch_order(plan
     assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
 
 
+class WorkerSeeds(tud.Dataset):
+    """Each sample: its index and ``get_worker_info().seed`` (-1 in the main process)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        return i, info.seed if info is not None else -1
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_persistent_workers_started_in_an_epoch_begun_without_workers_are_replaced_by_torch_s_next_epoch(seeded):
+    # torch: an epoch begun with num_workers = 0 is a fresh in-process iterator; the persistent worker
+    # iterator is created at the next epoch with workers, drawing a new base seed (its workers' seed
+    # is base_seed + worker_id). Here the epoch begun without workers was resized up after its first
+    # batch; its workers had that epoch's base seed and were kept: every later epoch's workers saw
+    # another get_worker_info().seed (and worker_init_fn another RNG) than torch's.
+    def run(cls, **kw):
+        if not seeded:
+            torch.manual_seed(5)
+        dl = cls(WorkerSeeds(), batch_size=2, shuffle=True, num_workers=2, persistent_workers=True,
+                 generator=torch.Generator().manual_seed(3) if seeded else None, collate_fn=list, **kw)
+        order, seeds = [], []
+        for epoch, n in enumerate((0, 2, 2)):
+            dl.num_workers = n
+            got = []
+            for b in dl:
+                got.append(b)
+                if epoch == 0 and len(got) == 1 and cls is DataLoader:
+                    dl.resize(2)
+            order.append([[i for i, _ in b] for b in got])
+            seeds.append({s for b in got for _, s in b})
+        getattr(dl, "close", lambda: None)()
+        return order, seeds
+
+    order, seeds = run(DataLoader, max_workers=2)
+    ref_order, ref_seeds = run(tud.DataLoader)
+    assert order == ref_order
+    for epoch in (1, 2):        # the workers that ran the batches are torch's (which ran which may differ)
+        assert seeds[epoch] and seeds[epoch] <= ref_seeds[epoch], epoch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_at_an_epochs_last_batch_resumes_the_next_epoch_with_the_generator_where_the_run_left_it(workers):
+    # a loop that knows the epoch's length (Lightning's fetcher) takes its last batch and never asks for
+    # the StopIteration; a state saved there resumes at the next epoch. The replay ran the sampler to its
+    # end, where RandomSampler draws once more; without workers nothing had asked it past the last batch
+    # (torch's in-process iterator neither), so the resumed run's later epochs were shuffled differently
+    def loader():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers, max_workers=2,
+                          generator=torch.Generator().manual_seed(1))
+
+    dl = loader()
+    it = iter(dl)
+    first = [next(it).tolist() for _ in range(3)]       # all of epoch 0, no StopIteration asked for
+    state = dl.state_dict()
+    rest = _epochs(dl, 2)
+    ref = tud.DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers,
+                         generator=torch.Generator().manual_seed(1))
+    ref_it = iter(ref)
+    assert [next(ref_it).tolist() for _ in range(3)] == first and _epochs(ref, 2) == rest
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert _epochs(resumed, 2) == rest
+    dl.close(), resumed.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_draw_between_iter_and_the_first_next_comes_before_the_samplers_as_in_torch(workers):
+    # torch's in-process iterator draws the sampler's first batch at the first next(), its worker
+    # iterator when it is created; without workers this loader drew it at iter(): with the global
+    # generator, a draw in between (Lightning's on_train_epoch_start hook) shuffled the epoch differently
+    def run(cls, **kw):
+        torch.manual_seed(7)
+        dl = cls(Numbers(), batch_size=4, shuffle=True, num_workers=workers, **kw)
+        out = []
+        for _ in range(2):
+            it = iter(dl)
+            torch.rand(3)
+            out.append([b.tolist() for b in it])
+        getattr(dl, "close", lambda: None)()
+        return out
+
+    assert run(DataLoader, max_workers=2) == run(tud.DataLoader)
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_persistent_loader_resumed_in_an_epoch_run_without_workers_keeps_its_worker_iterator_s_seed(at):
+    # epochs 0 and 2 with workers, epoch 1 without (num_workers = 0), saved after `at` of its 2 batches
+    # (2: its last, no StopIteration asked for, as Lightning's fetcher does). The state held only that
+    # epoch's own base seed (an in-process iterator's), so a resumed run drew a new one for epoch 2
+    # where torch's loader keeps its persistent worker iterator's: epoch 2 was shuffled differently
+    # and its workers had other seeds
+    def loader(cls, **kw):
+        return cls(WorkerSeeds(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
+                   generator=torch.Generator().manual_seed(3), collate_fn=list, **kw)
+
+    def order(batches):             # (which worker ran a batch, so its seed, may differ from torch's)
+        return [[i for i, _ in b] for b in batches]
+
+    ref = loader(tud.DataLoader)
+    full = [list(ref)]
+    ref.num_workers = 0
+    it = iter(ref)
+    full.append([next(it) for _ in range(at)] + (list(it) if at < 2 else []))
+    ref.num_workers = 2
+    full.append(list(ref))
+    dl = loader(DataLoader, max_workers=2)
+    assert order(dl) == order(full[0])
+    dl.num_workers = 0
+    it = iter(dl)
+    assert [next(it) for _ in range(at)] == full[1][:at]      # in-process: seed -1
+    state = dl.state_dict()
+    dl.close()
+    resumed = loader(DataLoader, max_workers=2)
+    resumed.load_state_dict(state)
+    if at < 2:                      # (at its last batch the state resumes at the next epoch)
+        resumed.num_workers = 0
+        assert list(resumed) == full[1][at:]
+        resumed.num_workers = 2
+    after = list(resumed)
+    resumed.close()
+    assert order(after) == order(full[2])
+    assert {s for b in after for _, s in b} <= {s for b in full[2] for _, s in b}      # torch's workers' seeds
+
+
 def test_persistent_loader_resumed_between_and_within_epochs_keeps_torch_order():
     kw = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, max_workers=2)
     ref = _epochs(DataLoader(Numbers(), generator=torch.Generator().manual_seed(9), **kw), 3)
