@@ -44,7 +44,9 @@ Invariants (STYLE 8):
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one accepted in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
   process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
-  not counted and does not move the seq. At most one directive is applied per ``DIRECTIVE_MIN_S``:
+  not counted and does not move the seq. A directive before the session's welcome is ignored (DEBUG),
+  and so is a ``welcome`` for another job than this process's (one WARNING naming both): the client
+  stays unwelcomed and says hello again after its hello back-off. At most one directive is applied per ``DIRECTIVE_MIN_S``:
   one that comes sooner waits, and a newer one that comes meanwhile replaces it (an agent in a resize
   loop applied thousands a second, starting and retiring workers, and training slowed sixfold; the
   agent sees a count's effect only in the next report, ``REPORT_S`` later, anyway).
@@ -415,7 +417,16 @@ class _Client:
                                 return 0.0
                             continue
                         t = msg["type"]
-                        if t == "welcome":
+                        if t == "welcome" and msg["job"] != self.job:
+                            # a welcome for another job (an agent that mixed up its connections): not
+                            # taken; hello again after the back-off, as after an error reply
+                            _warn_once("welcome-job", "adloader: ignoring a welcome from the node agent for "
+                                       "job %r (this process said hello as job %r); it says hello again "
+                                       "later, training goes on", msg["job"][:128], self.job)
+                            self._set(last_error=f"welcome for another job: {msg['job'][:128]!r}")
+                            welcomed = False
+                            next_hello = max(next_hello, time.monotonic() + hello_retry_s)
+                        elif t == "welcome":
                             welcomed = True
                             last_seq = -1
                             heartbeat_s = _period_s(msg.get("heartbeat_s"), DEFAULT_HEARTBEAT_S)
@@ -424,7 +435,13 @@ class _Client:
                             self._set(connected=True)
                             self._bump("welcomes")
                         elif t == "directive":
-                            if msg["job"] != self.job:
+                            if not welcomed:
+                                # before this session's welcome (or after an error reply): the agent
+                                # does not know this connection as ours yet; its seq would not survive
+                                # the welcome either
+                                log.debug("adloader client: ignoring a directive before a welcome (seq %s)",
+                                          msg["seq"])
+                            elif msg["job"] != self.job:
                                 # not ours (an agent that mixed up its connections): not applied, not
                                 # counted, and its seq says nothing about ours
                                 _warn_once("directive-job", "adloader: ignoring a directive for job %r "

@@ -188,6 +188,43 @@ def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch,
         agent.close()
 
 
+def test_a_welcome_for_another_job_is_refused_with_one_warning_and_hello_is_said_again(base, endpoint_env, monkeypatch,
+                                                                                         caplog):
+    """A ``welcome`` naming another job than the one this process said hello for (an agent that mixed up
+    its connections) was taken: the client counted itself connected, sent that agent its reports and
+    took its directives. Now it is refused with one WARNING naming both jobs: the client stays
+    unwelcomed, takes no directive on that connection (directives before any welcome are ignored too)
+    and says hello again after its back-off; a welcome for its own job then works as before."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader(workers=2, max_workers=8)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            for _ in range(3):
+                agent.send(ident, protocol.make("welcome", job="other-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=7, reason="before welcome"))
+            ident2, _ = agent.recv("hello")              # said hello again: the welcome was not taken
+            st = client.state()
+            assert not st["connected"] and st["welcomes"] == 0 and st["reports_sent"] == 0
+            assert "other-job" in st["last_error"] and lo.resizes == []
+            agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.recv("report")
+            agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
+            wait_for(lambda: lo.resizes == [3], what=f"the directive after the right welcome (resizes {lo.resizes})")
+            assert client.state()["connected"] and client.state()["welcomes"] == 1
+        foreign = [r for r in caplog.records if "other-job" in r.getMessage() and r.levelno >= logging.WARNING]
+        assert len(foreign) == 1 and "unit-job" in foreign[0].getMessage(), [r.getMessage() for r in foreign]
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env, autotune, monkeypatch, caplog):
     """A directive with workers < 0 was clamped to 0 workers (in-process loading, the biggest change a
     directive can make). Now nothing changes: no resize, autotune left attached, not counted, the seq
