@@ -698,6 +698,39 @@ def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_con
         agent.close()
 
 
+def test_an_agent_socket_whose_resolved_path_is_too_long_for_a_unix_address_is_one_warning_naming_it(
+        base, endpoint_env, monkeypatch, caplog):
+    """ADLOADER_ENDPOINT names a short path through a symlink to a directory whose own path is long: the
+    agent binds there (the kernel resolves the link), but the client checks and connects to the
+    resolved path (a link could be re-pointed after the check), which is over the 107 bytes a unix
+    socket address holds. The probe connection failed with "AF_UNIX path too long", taken for "nobody
+    listening": no word, no agent, for the whole run. Now it is one WARNING naming the resolved path
+    and the limit, and training goes on without the agent."""
+    import logging
+
+    monkeypatch.setattr(client, "RECHECK_S", 0.01)
+    monkeypatch.setattr(client, "RECHECK_MAX_S", 0.02)
+    monkeypatch.setattr(client, "_warned", set())
+    deep = os.path.join(base, "d" * 60, "e" * 60)
+    os.makedirs(deep, mode=0o700)
+    os.symlink(deep, f"{base}/l")
+    ep = f"ipc://{base}/l/agent.sock"
+    monkeypatch.setenv("ADLOADER_ENDPOINT", ep)
+    agent = FakeAgent(f"{base}/l/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            client.attach(lo)
+            wait_for(lambda: "bytes" in (client.state().get("last_error") or ""), what="the client's verdict")
+            assert not agent.sock.poll(300), "the client said something to the agent"
+        warned = [r.getMessage() for r in caplog.records]
+        real = os.path.join(deep, "agent.sock")
+        assert len(warned) == 1 and real in warned[0] and "107" in warned[0], warned
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_a_tcp_endpoint_whose_host_does_not_resolve_is_one_warning_and_no_lookup(base, endpoint_env, monkeypatch,
                                                                                   caplog):
     """ADLOADER_ENDPOINT=tcp://nohost:5555 passes the syntax check (``protocol.endpoint_problem``); the
