@@ -18,6 +18,11 @@ Invariants (STYLE 8):
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
   comes after the resize is done: the directive counts as applied.
+- A failure of the thread's own loop (an exception the client did not expect: a bug) is one WARNING
+  with the job, the endpoint and the traceback; the loader the agent directed goes back to its own
+  count (``requested_workers``) at once, and the loop starts again, on a new context and socket, after
+  ``RESTART_S`` (doubling up to ``RESTART_MAX_S``), at most ``MAX_RESTARTS`` times; then the client
+  stops (one more WARNING), and the next ``attach`` starts a new one that takes over its loaders.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
@@ -96,6 +101,9 @@ MESSAGES_PER_PASS = RCVHWM  # messages read before the loop looks at its clock a
 DIRECTIVE_MIN_S = 0.25    # at most one directive applied per this period (the newest when the time comes)
 HEARTBEAT_RANGE_S = (0.1, 300.0)   # the agent's own bounds on heartbeat_s (agent.config); else the default
 DETACH_WAIT_S = 1.0
+RESTART_S = 1.0           # the client thread's loop raised: start it again after this, doubling up to RESTART_MAX_S
+RESTART_MAX_S = 30.0
+MAX_RESTARTS = 5          # then the client stops for good (the next loader's attach starts a new one)
 REFUSED_BACKOFF_S = 60.0
 
 _lock = threading.Lock()
@@ -208,7 +216,7 @@ class _Client:
         self._info = {
             "active": True, "connected": False, "endpoint": self.endpoint, "job": self.job,
             "rank": self.rank, "pid": self.pid, "directives": 0, "last_directive": None,
-            "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None,
+            "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None, "restarts": 0,
         }
         self._thread = threading.Thread(target=self._run, name="adloader-client", daemon=True)
 
@@ -280,23 +288,52 @@ class _Client:
         except Exception:
             log.debug("adloader client: pyzmq not importable; no agent contact")
             return
-        ctx = None
+        failures, pause_s = 0, RESTART_S
+        while not self._stop.is_set():
+            try:
+                self._contact(zmq)
+                return
+            except Exception as e:   # a bug of the client's own: training goes on without the agent
+                failures += 1
+                self._failed(e, failures, pause_s)
+            if failures > MAX_RESTARTS:
+                self._stop.set()     # stopped for good: ``attach`` replaces it, ``state`` says so
+                return
+            self._stop.wait(pause_s)
+            pause_s = min(RESTART_MAX_S, pause_s * 2)
+
+    def _contact(self, zmq) -> None:
+        """The client's life with one ZeroMQ context (``_loop``); the context is gone when it returns."""
+        ctx = zmq.Context()
         try:
-            ctx = zmq.Context()
             self._loop(zmq, ctx)
-        except Exception as e:   # a bug of the client's own: training goes on, the next attach starts afresh
-            _warn_once(f"died:{type(e).__name__}:{e}", "adloader: the agent client stopped after an unexpected "
-                       "error (%s: %s); training goes on, a new client starts with the next loader",
-                       type(e).__name__, str(e)[:200])
-            log.debug("adloader client: thread failed", exc_info=True)
-            self._set(last_error=f"client thread died: {type(e).__name__}: {e}")
-            self._stop.set()     # a thread that died is stopped: ``attach`` replaces it, ``state`` says so
         finally:
-            if ctx is not None:
-                try:
-                    ctx.destroy(linger=0)
-                except Exception:
-                    pass
+            try:
+                ctx.destroy(linger=0)
+            except Exception:
+                pass
+
+    def _failed(self, e: Exception, failures: int, pause_s: float) -> None:
+        """The thread's loop raised (a bug of the client's own): log it once at WARNING with its
+        traceback (later ones at DEBUG), and hand the loader the agent directed back to its own worker
+        count, so that no loader runs for good at a count nobody manages any more."""
+        last = failures > MAX_RESTARTS
+        then = (f"it stops after {failures} failures" if last else
+                f"it starts again in {pause_s:g} s (at most {MAX_RESTARTS} times)")
+        self._set(connected=False, restarts=failures - 1 if last else failures,
+                  last_error=f"client thread failed: {type(e).__name__}: {str(e)[:200]}")
+        key = f"failed:{type(e).__name__}" if not last else "failed:stopped"
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("adloader: the agent client (job %s, endpoint %s) failed with an unexpected error "
+                        "(%s: %s); loaders go back to their own worker counts and training goes on; %s",
+                        self.job, self.endpoint, type(e).__name__, str(e)[:200], then,
+                        exc_info=not last)
+        else:
+            log.debug("adloader client: thread failed (%s)", then, exc_info=True)
+        directed, self._directed = self._directed(), _dead_ref
+        self._release(directed)
+        directed = None
 
     def _loop(self, zmq, ctx) -> None:
         why = protocol.check_job_id(self.job)

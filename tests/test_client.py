@@ -307,22 +307,77 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endp
         agent.close()
 
 
-def test_a_client_thread_that_dies_is_replaced_by_the_next_attach_with_its_loaders(base, endpoint_env, monkeypatch,
-                                                                                      caplog):
-    """The client thread died of an unexpected exception (a bug: here its first session raises) and
-    still counted as active: state() said so and every later loader was added to the dead client, so
-    the job never reported again. Now its death is logged once, the client is stopped, and the next
-    attach starts a fresh one that takes over the loaders already attached (the training loader
-    attaches only once)."""
+def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(base, endpoint_env,
+                                                                                          monkeypatch, caplog):
+    """The client thread's loop raised (a bug of the client's own; injected here in the report it builds
+    after a directive) and the thread ended: one line of WARNING without the traceback, a real loader
+    left for good at the count the agent had set (3 workers where the job asked for 1, which nobody
+    managed any more), and the training loader, which attaches once, never reported again. Now the
+    failure is one WARNING with the job, the endpoint and the traceback; the loader goes back to its
+    own count at once and keeps loading; the client starts again after its back-off, says hello and
+    takes the agent's directives again."""
+    pytest.importorskip("torch")
+    import logging
+
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "RESTART_S", 0.05)
+    monkeypatch.setattr(client, "_warned", set())
+    real, failed = client._Client._report, []
+
+    def report(self, loader):
+        if self.snapshot()["directives"] and not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the client")
+        return real(self, loader)
+
+    monkeypatch.setattr(client._Client, "_report", report)
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            it = iter(loader)
+            next(it)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
+            ident2, hello = agent.recv("hello")          # the client started again, on a new socket
+            assert failed and ident2 != ident
+            assert loader.num_workers == 1 and hello["workers"] == 1    # handed back its own count
+            st = client.state()
+            assert st["active"] and st["restarts"] == 1 and "a bug in the client" in st["last_error"]
+            next(it)                                     # the loader went on loading
+            agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="again"))
+            wait_for(lambda: loader.num_workers == 2, what="the directive after the restart applied")
+            next(it)
+        died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
+        assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+        assert "unit-job" in died[0].getMessage() and endpoint_env in died[0].getMessage()
+        assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
+    finally:
+        loader.close()
+        agent.close()
+
+
+def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_it_with_its_loaders(
+        base, endpoint_env, monkeypatch, caplog):
+    """A client whose loop fails every time it starts (a bug: here its session raises until a flag is
+    cleared) is started again at most ``MAX_RESTARTS`` times, then stops with one more WARNING saying so;
+    ``state()`` says it is not active. The next attach starts a fresh client that takes over the
+    loaders already attached (the training loader attaches only once) and serves them."""
     import logging
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "RESTART_S", 0.01)
+    monkeypatch.setattr(client, "MAX_RESTARTS", 2)
     monkeypatch.setattr(client, "_warned", set())
-    real, calls = client._Client._session, []
+    real, calls, broken = client._Client._session, [], [True]
 
     def session(self, zmq, ctx):
         calls.append(self)
-        if len(calls) == 1:
+        if broken:
             raise RuntimeError("a bug in the client")
         return real(self, zmq, ctx)
 
@@ -332,16 +387,19 @@ def test_a_client_thread_that_dies_is_replaced_by_the_next_attach_with_its_loade
     try:
         with caplog.at_level(logging.DEBUG, logger="adloader.client"):
             client.attach(first)
-            wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to die")
+            wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to stop")
+            assert len(calls) == 3 and all(c is calls[0] for c in calls)      # the first try and 2 restarts
             assert client.state() == {"active": False}
+            broken.clear()
             client.attach(second)                      # never raises; a fresh client
             ident, hello = agent.recv("hello")
-            assert len(calls) == 2 and calls[1] is not calls[0] and client.state()["active"]
+            assert calls[-1] is not calls[0] and client.state()["active"]
             agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
             agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=4, reason="r"))
             wait_for(lambda: first.resizes == [4], what="the directive applied to the loader attached first")
-        died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
-        assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 2 and "a bug in the client" in warned[0] and "starts again" in warned[0], warned
+        assert "stops after 3 failures" in warned[1], warned
     finally:
         _detach_all(first, second)
         agent.close()
