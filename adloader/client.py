@@ -13,7 +13,8 @@ Invariants (STYLE 8):
   (a version mismatch or a refusal is logged once at WARNING; so is a message from the agent that
   ``protocol.decode`` refuses, once per kind of problem; an agent of another major version stops the
   client). The socket takes no frame over ``protocol.MAX_MESSAGE_BYTES`` (``MAXMSGSIZE``: libzmq drops
-  the connection instead) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
+  the connection instead, which ``_ConnectionWatch`` notices: one WARNING naming the limit, and the
+  client connects again at once) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
   a time, so an agent that floods never holds up ``detach``, reports or the silence check. Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
@@ -210,6 +211,7 @@ class _Client:
         # version) hands them on: a loader attaches once, and would otherwise never be reported again
         self._loaders: list[weakref.ref] = previous._live_loaders() if previous is not None else []
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
+        self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -382,7 +384,12 @@ class _Client:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         said_bye = False
+        watch = None
         try:
+            watch = _ConnectionWatch(zmq, sock)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(watch.mon, zmq.POLLIN)
             sock.connect(getattr(self, "_connect_to", self.endpoint))
             heartbeat_s = DEFAULT_HEARTBEAT_S
             welcomed = False
@@ -439,7 +446,19 @@ class _Client:
                 wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
                 if pending is not None:
                     wait_s = min(wait_s, next_directive - time.monotonic())
-                if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
+                ready = dict(poller.poll(max(0, min(int(wait_s * 1000), 200))))
+                if watch.mon in ready:
+                    watch.read()
+                if watch.dropped():
+                    self._oversize_drops += 1
+                    _warn_once("oversize", "adloader: the node agent at %s sent a message over the client's "
+                               "limit of %d bytes (MAXMSGSIZE) and libzmq closed the connection; the client "
+                               "connects again and says hello, training goes on (logged once)",
+                               self.endpoint, protocol.MAX_MESSAGE_BYTES)
+                    self._set(connected=False, last_error=f"connection closed by libzmq: a message over "
+                              f"{protocol.MAX_MESSAGE_BYTES} bytes (MAXMSGSIZE)")
+                    return min(HELLO_RETRY_MAX_S, HELLO_RETRY_S * 2 ** (self._oversize_drops - 1))
+                if sock in ready:
                     for _ in range(MESSAGES_PER_PASS):   # an agent that floods never holds up stop and reports
                         try:
                             data = sock.recv(zmq.NOBLOCK)
@@ -499,6 +518,8 @@ class _Client:
                             welcomed = False
                             next_hello = time.monotonic() + hello_retry_s
         finally:
+            if watch is not None:
+                watch.close(sock)
             try:
                 sock.close(linger=200 if said_bye else 0)
             except Exception:
@@ -682,6 +703,57 @@ class _Client:
 
 def _dead_ref() -> None:
     return None
+
+
+class _ConnectionWatch:
+    """Watches a DEALER's connection through its monitor socket, to tell the one way libzmq ends it
+    without a word: a frame over ``MAXMSGSIZE`` is a protocol error, on which libzmq closes the
+    connection and, unlike after a connection error (the agent stopped or restarted), does not connect
+    again (session_base.cpp ``engine_error``: reconnect only for connection and timeout errors). So a
+    connection that succeeded its handshake and was then closed with no reconnect attempt following
+    (``EVENT_CONNECT_RETRIED``, which libzmq emits at once when it schedules one) within ``GRACE_S`` was
+    ended for a frame over the limit (the only protocol error an agent built on libzmq can cause after
+    the handshake). Without this the client heard nothing more and reconnected only after three silent
+    heartbeat periods, with no word in the log."""
+
+    GRACE_S = 1.0
+
+    def __init__(self, zmq, sock) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        self._zmq, self._parse = zmq, parse_monitor_message
+        self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                           | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED)
+        self._handshaken = False
+        self._closed_at: Optional[float] = None
+
+    def read(self) -> None:
+        zmq = self._zmq
+        while True:
+            try:
+                event = self._parse(self.mon.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken, self._closed_at = True, None
+            elif event == zmq.EVENT_DISCONNECTED and self._handshaken:
+                self._handshaken, self._closed_at = False, time.monotonic()
+            elif event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED):
+                self._closed_at = None      # libzmq connects again: the agent went away, not a frame
+
+    def dropped(self) -> bool:
+        """Whether libzmq closed the connection for good (a frame over the limit)."""
+        return self._closed_at is not None and time.monotonic() - self._closed_at >= self.GRACE_S
+
+    def close(self, sock) -> None:
+        try:
+            sock.disable_monitor()
+        except Exception:
+            pass
+        try:
+            self.mon.close(linger=0)
+        except Exception:
+            pass
 
 
 def _workers_ok(msg: dict) -> bool:

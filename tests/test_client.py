@@ -1059,6 +1059,63 @@ def test_a_frame_over_the_message_limit_never_reaches_the_client(base, endpoint_
         agent.close()
 
 
+def test_a_frame_over_the_limit_is_one_warning_naming_it_and_the_client_connects_again_at_once(
+        base, endpoint_env, monkeypatch, caplog):
+    """libzmq closes a connection that brings a frame over MAXMSGSIZE and does not connect again; the
+    client heard nothing more, said nothing in the log, and reconnected only after three silent
+    heartbeat periods (15 s at a heartbeat of 5 s; at the agent's largest, 15 minutes without the
+    agent). Now the client's monitor sees the connection end with no reconnect following: one WARNING
+    naming the limit, hello again on a new socket at once, and the job is served again."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            for _ in range(2):                          # twice: one warning all the same
+                client.attach(lo)
+                ident, _ = agent.recv("hello")
+                agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+                agent.recv("report")
+                agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
+            ident3, _ = agent.recv("hello")
+            agent.send(ident3, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident3, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+            wait_for(lambda: lo.resizes == [3], what="the client served again after the oversized frames")
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and str(protocol.MAX_MESSAGE_BYTES) in warned[0] and "MAXMSGSIZE" in warned[0], warned
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
+def test_an_agent_that_restarts_is_no_oversized_frame_and_keeps_the_connection(base, endpoint_env, monkeypatch,
+                                                                                caplog):
+    """The other way a connection ends (the agent stops and binds again): libzmq connects again by
+    itself; the client neither warns about a frame over the limit nor drops its socket."""
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    monkeypatch.setattr(client, "_warned", set())
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        with caplog.at_level(logging.WARNING, logger="adloader.client"):
+            ident = _welcomed(agent, lo)
+            agent.recv("report")
+            agent.close()
+            agent = FakeAgent(f"{base}/agent.sock")
+            # reports for well over the watch's grace period, all on the first socket
+            for _ in range(int(3 * client._ConnectionWatch.GRACE_S / client.REPORT_S)):
+                assert agent.recv("report")[0] == ident
+        assert [r.getMessage() for r in caplog.records] == []
+    finally:
+        _detach_all(lo)
+        agent.close()
+
+
 def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_wins(base, endpoint_env, monkeypatch):
     """An agent that sends directives as fast as it can (a resize loop): each was applied as it came,
     thousands of resizes a second, starting and retiring worker processes (training ran six times slower
