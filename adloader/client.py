@@ -28,7 +28,8 @@ Invariants (STYLE 8):
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
-  fork starts a fresh client only if called there, which the loader never does).
+  fork starts a fresh client only if called there, which the loader never does), and closes its
+  copies of the connection to the agent at once (``close_inherited_agent_connections``).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -699,6 +700,63 @@ class _Client:
                 self._info["last_directive"]["applied_workers"] = n
         except Exception:
             log.debug("adloader client: loader.resize(%s) failed", n, exc_info=True)
+
+
+def close_inherited_agent_connections() -> int:
+    """In a process forked from a training process (a loader worker started with ``fork``, a user's
+    ``os.fork()``): close this process's copies of the client's connections to the agent; how many.
+    Runs in every forked child (``os.register_at_fork``); never raises.
+
+    fork copies every file descriptor (close-on-exec, which libzmq sets, helps only a child that
+    execs). The child never uses the parent's context or socket (no libzmq thread runs there; pyzmq
+    closes nothing in a pid other than its creator's), but its copy of the connection kept it open at
+    the agent after the parent's client closed it (a reconnect), for as long as the worker lived: the
+    agent counted it against the user's ``connections_per_uid`` and never saw it end. Closing the copy
+    leaves the parent's own descriptor, and so its connection, untouched (``close``, never
+    ``shutdown``). A descriptor is closed only when it is a unix stream socket whose peer is the
+    agent's socket file (the peer's address, symlinks resolved, as the client connected to it), found
+    through /proc/self/fd: no number recorded in the parent, which another thread may have reused
+    by the time of the fork. The context's own eventfd and epoll descriptors are left: they lead
+    nowhere outside this process and cannot be told from a dataset's own."""
+    c = _client
+    target = getattr(c, "_connect_to", None) if c is not None and c.pid != os.getpid() else None
+    path = env.ipc_path(target) if target else None
+    if path is None:        # no client here, never connected, or tcp://
+        return 0
+    closed = 0
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            probe = _socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            peer = probe.getpeername() if probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM else None
+            if isinstance(peer, str) and peer and os.path.realpath(peer) == path:
+                os.close(fd)
+                closed += 1
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return closed
+
+
+def _after_fork_in_child() -> None:
+    try:
+        close_inherited_agent_connections()
+    except Exception:   # noqa: BLE001 — a hook in someone else's fork must never fail it
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _dead_ref() -> None:

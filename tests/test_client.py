@@ -870,6 +870,62 @@ def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
         client.detach(lo)
 
 
+def _open_connections(mon, accepted: set) -> int:
+    """Connections the fake agent's ROUTER holds open now, from its monitor's events (``accepted``: the
+    fds of those accepted so far and not yet closed, updated)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    while mon.poll(0):
+        ev = parse_monitor_message(mon.recv_multipart())
+        if ev["event"] == zmq.EVENT_ACCEPTED:
+            accepted.add(ev["value"])
+        elif ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            accepted.discard(ev["value"])
+    return len(accepted)
+
+
+def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(base, endpoint_env, monkeypatch):
+    """Loader workers forked after the client connected (here: started by the agent's directive) inherited
+    the file descriptor of the client's connection to the agent (fork copies every fd; libzmq's
+    close-on-exec helps only where a child execs). No worker used it, but while any worker lived the
+    connection stayed open at the agent after the training process's client had closed it (a reconnect
+    after silence): the agent counted it against the user's ``connections_per_uid`` and never saw it
+    end. Now a forked child closes its copies at once (``close_inherited_agent_connections``, at
+    fork), so the agent sees the old connection close while the workers run on, and the parent's own
+    socket is untouched (its client goes on being served)."""
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.1)
+    agent = FakeAgent(f"{base}/agent.sock")
+    mon, accepted = agent.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED), set()
+    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    try:
+        it = iter(loader)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="fork one more"))
+        pids = wait_for(lambda: len(loader.worker_pids()) == 2 and loader.worker_pids(), what="two forked workers")
+        next(it)
+        # the agent says nothing more: after three heartbeat periods the client closes its socket and
+        # connects again on a new one
+        ident2 = wait_for(lambda: (i := agent.recv("hello")[0]) != ident and i, what="a hello on a new socket")
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        wait_for(lambda: _open_connections(mon, accepted) == 1,
+                 what="the agent to hold only the new connection")
+        assert sorted(loader.worker_pids()) == sorted(pids) and all(os.path.exists(f"/proc/{p}") for p in pids)
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=1, reason="the parent's socket"))
+        wait_for(lambda: loader.num_workers == 1, what="the directive on the new connection applied")
+        next(it)
+    finally:
+        loader.close()
+        agent.sock.disable_monitor()
+        mon.close(0)
+        agent.close()
+
+
 def test_job_identity_from_the_environment():
     assert env.job_id({"ADLOADER_JOB_ID": "a", "SLURM_JOB_ID": "7"}) == "a"
     assert env.job_id({"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "r"}) == "7"
