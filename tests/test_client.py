@@ -888,8 +888,8 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(b
     """Loader workers forked after the client connected (here: started by the agent's directive) inherited
     the file descriptor of the client's connection to the agent (fork copies every fd; libzmq's
     close-on-exec helps only where a child execs). No worker used it, but while any worker lived the
-    connection stayed open at the agent after the training process's client had closed it (a reconnect
-    after silence): the agent counted it against the user's ``connections_per_uid`` and never saw it
+    connection stayed open at the agent after the training process's client had closed it (a reconnect,
+    here after a frame over the limit): the agent counted it against the user's ``connections_per_uid`` and never saw it
     end. Now a forked child closes its copies at once (``close_inherited_agent_connections``, at
     fork), so the agent sees the old connection close while the workers run on, and the parent's own
     socket is untouched (its client goes on being served)."""
@@ -905,12 +905,14 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(b
         it = iter(loader)
         next(it)
         ident, _ = agent.recv("hello")
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
         agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="fork one more"))
         pids = wait_for(lambda: len(loader.worker_pids()) == 2 and loader.worker_pids(), what="two forked workers")
         next(it)
-        # the agent says nothing more: after three heartbeat periods the client closes its socket and
-        # connects again on a new one
+        while sorted(agent.recv("report")[1]["worker_pids"]) != sorted(pids):
+            pass                  # the parent's connection still carries its reports after the worker closed its copy
+        # a frame over the limit: libzmq closes the client's connection and the client connects again
+        agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
         ident2 = wait_for(lambda: (i := agent.recv("hello")[0]) != ident and i, what="a hello on a new socket")
         agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
         wait_for(lambda: _open_connections(mon, accepted) == 1,
