@@ -79,6 +79,7 @@ import operator
 import os
 import secrets
 import socket as _socket
+import sys
 import threading
 import time
 import weakref
@@ -390,7 +391,8 @@ class _Client:
             watch = _ConnectionWatch(zmq, sock)
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
-            poller.register(watch.mon, zmq.POLLIN)
+            if watch.mon is not None:
+                poller.register(watch.mon, zmq.POLLIN)
             sock.connect(getattr(self, "_connect_to", self.endpoint))
             heartbeat_s = DEFAULT_HEARTBEAT_S
             welcomed = False
@@ -448,7 +450,7 @@ class _Client:
                 if pending is not None:
                     wait_s = min(wait_s, next_directive - time.monotonic())
                 ready = dict(poller.poll(max(0, min(int(wait_s * 1000), 200))))
-                if watch.mon in ready:
+                if watch.mon is not None and watch.mon in ready:
                     watch.read()
                 if watch.dropped():
                     self._oversize_drops += 1
@@ -777,21 +779,26 @@ class _ConnectionWatch:
     GRACE_S = 1.0
 
     def __init__(self, zmq, sock) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        self._zmq, self._parse = zmq, parse_monitor_message
-        self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                           | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED)
+        self._zmq = zmq
         self._handshaken = False
         self._closed_at: Optional[float] = None
+        try:
+            self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED)
+        except Exception:   # no monitor: such a close is found as silence, after three heartbeat periods
+            log.debug("adloader client: no monitor on the agent connection", exc_info=True)
+            self.mon = None
 
     def read(self) -> None:
         zmq = self._zmq
-        while True:
+        while self.mon is not None:
             try:
-                event = self._parse(self.mon.recv_multipart(zmq.NOBLOCK))["event"]
+                frames = self.mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            # zmq_socket_monitor(3): frame 1 is a 16-bit event and a 32-bit value, frame 2 the endpoint.
+            # (Not zmq.utils.monitor: it imports asyncio, which a training process need not be able to.)
+            event = int.from_bytes(frames[0][:2], sys.byteorder) if frames and len(frames[0]) >= 2 else 0
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken, self._closed_at = True, None
             elif event == zmq.EVENT_DISCONNECTED and self._handshaken:
@@ -804,6 +811,8 @@ class _ConnectionWatch:
         return self._closed_at is not None and time.monotonic() - self._closed_at >= self.GRACE_S
 
     def close(self, sock) -> None:
+        if self.mon is None:
+            return
         try:
             sock.disable_monitor()
         except Exception:
