@@ -327,13 +327,13 @@ class _Client:
         self._set(connected=False, restarts=failures - 1 if last else failures,
                   last_error=f"client thread failed: {type(e).__name__}: {str(e)[:200]}")
         key = f"failed:{type(e).__name__}" if not last else "failed:stopped"
+        traced = key not in _warned and not last
         if key not in _warned:
             _warned.add(key)
             log.warning("adloader: the agent client (job %s, endpoint %s) failed with an unexpected error "
                         "(%s: %s); loaders go back to their own worker counts and training goes on; %s",
-                        self.job, self.endpoint, type(e).__name__, str(e)[:200], then,
-                        exc_info=not last)
-        else:
+                        self.job, self.endpoint, type(e).__name__, str(e)[:200], then, exc_info=traced)
+        if not traced:
             log.debug("adloader client: thread failed (%s)", then, exc_info=True)
         directed, self._directed = self._directed(), _dead_ref
         self._release(directed)
@@ -735,8 +735,13 @@ def close_inherited_agent_connections() -> int:
             fd = int(name)
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            probe = _socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except (OSError, ValueError):
+            continue
+        try:
+            probe = _socket.socket(fileno=dup)
+        except OSError:         # a family Python does not know
+            os.close(dup)
             continue
         try:
             peer = probe.getpeername() if probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM else None

@@ -870,6 +870,52 @@ def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
         client.detach(lo)
 
 
+def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, endpoint_env):
+    """``close_inherited_agent_connections`` in a child of ``os.fork()`` (what a loader worker is): its
+    copy of the client's connection to the agent is closed (told by the peer's address); a connection
+    to another unix socket and a socket pair (a worker's result channel) are left open, and so is the
+    parent's connection."""
+    other = _real_socket.socket(_real_socket.AF_UNIX, _real_socket.SOCK_STREAM)
+    other.bind(f"{base}/other.sock")
+    other.listen(1)
+    conn = _real_socket.socket(_real_socket.AF_UNIX, _real_socket.SOCK_STREAM)
+    conn.connect(f"{base}/other.sock")
+    pair = _real_socket.socketpair()
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        _welcomed(agent, lo)
+        agent.recv("report")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the at-fork hook already ran; a second call finds nothing more to close
+            ok = client.close_inherited_agent_connections() == 0
+            for s in (conn, pair[0], pair[1]):
+                try:
+                    os.fstat(s.fileno())
+                except OSError:
+                    ok = False
+            agent_peers = 0
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    with _real_socket.socket(fileno=os.dup(int(name))) as s:
+                        agent_peers += s.family == _real_socket.AF_UNIX and s.getpeername() == f"{base}/agent.sock"
+                except (OSError, ValueError):
+                    pass
+            os.write(w, b"1" if ok and agent_peers == 0 else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        os.close(r)
+        assert agent.recv("report")       # the parent's connection carries on
+    finally:
+        client.detach(lo)
+        agent.close()
+        for s in (other, conn, *pair):
+            s.close()
+
+
 def _open_connections(mon, accepted: set) -> int:
     """Connections the fake agent's ROUTER holds open now, from its monitor's events (``accepted``: the
     fds of those accepted so far and not yet closed, updated)."""
