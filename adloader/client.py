@@ -744,7 +744,8 @@ def close_inherited_agent_connections() -> int:
             os.close(dup)
             continue
         try:
-            peer = probe.getpeername() if probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM else None
+            stream = probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM
+            peer = probe.getpeername() if stream else None
             if isinstance(peer, str) and peer and os.path.realpath(peer) == path:
                 os.close(fd)
                 closed += 1
