@@ -18,7 +18,8 @@ Invariants kept here:
   torch's way) before it goes;
 - a worker runs on the training process's CPU mask, read when it was started, from its first line
   (before ``worker_init_fn``), whichever thread or start method started it (``adloader._affinity``);
-- no ZeroMQ socket is ever created here;
+- no ZeroMQ socket is ever created here, and a copy of the agent client's connection inherited
+  through ``fork`` is closed (``_close_agent_connections``);
 - no Python signal handler of the training process runs here (``drop_inherited_handlers``).
 """
 from __future__ import annotations
@@ -328,6 +329,21 @@ def drop_inherited_handlers() -> None:
             pass
 
 
+def _close_agent_connections() -> None:
+    """With ``fork``: close this worker's copies of the agent client's connections once more
+    (``adloader.client.close_inherited_agent_connections``; the client's at-fork hook did it at the fork).
+    A connection the training process was making at the very moment of the fork (a socket made, not yet
+    connected: nothing told it from any other socket then) is connected by now, and the agent would
+    otherwise see it open for as long as this worker lives. Not imported where the client never was."""
+    client = sys.modules.get("adloader.client")
+    if client is None:
+        return
+    try:
+        client.close_inherited_agent_connections()
+    except Exception:   # noqa: BLE001 — never stop a worker over it
+        pass
+
+
 def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result, current_task,
                 mask_taken) -> None:
     """Worker process entry point. See the module docstring and ``adloader._messages`` for the protocol.
@@ -335,6 +351,7 @@ def worker_main(spec: WorkerSpec, task_sock: socket.socket | None, ctrl, result,
     # first, so that worker_init_fn and every thread started here run on the training process's CPUs
     if not mask_taken[spec.wid]:
         take_cpu_mask(spec.cpu_mask)
+    _close_agent_connections()
     # The main process turns Ctrl-C into KeyboardInterrupt and shuts the pool down; workers in the
     # same process group must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -13,16 +13,23 @@ Invariants (STYLE 8):
   (a version mismatch or a refusal is logged once at WARNING; so is a message from the agent that
   ``protocol.decode`` refuses, once per kind of problem; an agent of another major version stops the
   client). The socket takes no frame over ``protocol.MAX_MESSAGE_BYTES`` (``MAXMSGSIZE``: libzmq drops
-  the connection instead) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
+  the connection instead, which ``_ConnectionWatch`` notices: one WARNING naming the limit, and the
+  client connects again at once) and at most ``RCVHWM`` are queued; a burst is read ``MESSAGES_PER_PASS`` at
   a time, so an agent that floods never holds up ``detach``, reports or the silence check. Errors raised by the loader's own
   ``resize``/``stats`` are caught too; the loader surfaces its dataset errors on the training thread.
   A ``Warning`` that ``resize`` raises (the warning filters make its notice an error, ``-W error``)
   comes after the resize is done: the directive counts as applied.
+- A failure of the thread's own loop (an exception the client did not expect: a bug) is one WARNING
+  with the job, the endpoint and the traceback; the loader the agent directed goes back to its own
+  count (``requested_workers``) at once, and the loop starts again, on a new context and socket, after
+  ``RESTART_S`` (doubling up to ``RESTART_MAX_S``), at most ``MAX_RESTARTS`` times; then the client
+  stops (one more WARNING), and the next ``attach`` starts a new one that takes over its loaders.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
-  fork starts a fresh client only if called there, which the loader never does).
+  fork starts a fresh client only if called there, which the loader never does), and closes its
+  copies of the connection to the agent at once (``close_inherited_agent_connections``).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -44,7 +51,9 @@ Invariants (STYLE 8):
 - Directives are applied in ``seq`` order; a directive with a seq not above the last one accepted in
   this session (since the last welcome) is ignored. So is a directive whose ``job`` is not this
   process's job, or whose ``workers`` is negative (each logged once at WARNING): it is not applied,
-  not counted and does not move the seq. At most one directive is applied per ``DIRECTIVE_MIN_S``:
+  not counted and does not move the seq. A directive before the session's welcome is ignored (DEBUG),
+  and so is a ``welcome`` for another job than this process's (one WARNING naming both): the client
+  stays unwelcomed and says hello again after its hello back-off. At most one directive is applied per ``DIRECTIVE_MIN_S``:
   one that comes sooner waits, and a newer one that comes meanwhile replaces it (an agent in a resize
   loop applied thousands a second, starting and retiring workers, and training slowed sixfold; the
   agent sees a count's effect only in the next report, ``REPORT_S`` later, anyway).
@@ -70,6 +79,7 @@ import operator
 import os
 import secrets
 import socket as _socket
+import sys
 import threading
 import time
 import weakref
@@ -94,6 +104,9 @@ MESSAGES_PER_PASS = RCVHWM  # messages read before the loop looks at its clock a
 DIRECTIVE_MIN_S = 0.25    # at most one directive applied per this period (the newest when the time comes)
 HEARTBEAT_RANGE_S = (0.1, 300.0)   # the agent's own bounds on heartbeat_s (agent.config); else the default
 DETACH_WAIT_S = 1.0
+RESTART_S = 1.0           # the client thread's loop raised: start it again after this, doubling up to RESTART_MAX_S
+RESTART_MAX_S = 30.0
+MAX_RESTARTS = 5          # then the client stops for good (the next loader's attach starts a new one)
 REFUSED_BACKOFF_S = 60.0
 
 _lock = threading.Lock()
@@ -200,13 +213,14 @@ class _Client:
         # version) hands them on: a loader attaches once, and would otherwise never be reported again
         self._loaders: list[weakref.ref] = previous._live_loaders() if previous is not None else []
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
+        self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
             "active": True, "connected": False, "endpoint": self.endpoint, "job": self.job,
             "rank": self.rank, "pid": self.pid, "directives": 0, "last_directive": None,
-            "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None,
+            "reports_sent": 0, "reports_dropped": 0, "welcomes": 0, "last_error": None, "restarts": 0,
         }
         self._thread = threading.Thread(target=self._run, name="adloader-client", daemon=True)
 
@@ -278,23 +292,52 @@ class _Client:
         except Exception:
             log.debug("adloader client: pyzmq not importable; no agent contact")
             return
-        ctx = None
+        failures, pause_s = 0, RESTART_S
+        while not self._stop.is_set():
+            try:
+                self._contact(zmq)
+                return
+            except Exception as e:   # a bug of the client's own: training goes on without the agent
+                failures += 1
+                self._failed(e, failures, pause_s)
+            if failures > MAX_RESTARTS:
+                self._stop.set()     # stopped for good: ``attach`` replaces it, ``state`` says so
+                return
+            self._stop.wait(pause_s)
+            pause_s = min(RESTART_MAX_S, pause_s * 2)
+
+    def _contact(self, zmq) -> None:
+        """The client's life with one ZeroMQ context (``_loop``); the context is gone when it returns."""
+        ctx = zmq.Context()
         try:
-            ctx = zmq.Context()
             self._loop(zmq, ctx)
-        except Exception as e:   # a bug of the client's own: training goes on, the next attach starts afresh
-            _warn_once(f"died:{type(e).__name__}:{e}", "adloader: the agent client stopped after an unexpected "
-                       "error (%s: %s); training goes on, a new client starts with the next loader",
-                       type(e).__name__, str(e)[:200])
-            log.debug("adloader client: thread failed", exc_info=True)
-            self._set(last_error=f"client thread died: {type(e).__name__}: {e}")
-            self._stop.set()     # a thread that died is stopped: ``attach`` replaces it, ``state`` says so
         finally:
-            if ctx is not None:
-                try:
-                    ctx.destroy(linger=0)
-                except Exception:
-                    pass
+            try:
+                ctx.destroy(linger=0)
+            except Exception:
+                pass
+
+    def _failed(self, e: Exception, failures: int, pause_s: float) -> None:
+        """The thread's loop raised (a bug of the client's own): log it once at WARNING with its
+        traceback (later ones at DEBUG), and hand the loader the agent directed back to its own worker
+        count, so that no loader runs for good at a count nobody manages any more."""
+        last = failures > MAX_RESTARTS
+        then = (f"it stops after {failures} failures" if last else
+                f"it starts again in {pause_s:g} s (at most {MAX_RESTARTS} times)")
+        self._set(connected=False, restarts=failures - 1 if last else failures,
+                  last_error=f"client thread failed: {type(e).__name__}: {str(e)[:200]}")
+        key = f"failed:{type(e).__name__}" if not last else "failed:stopped"
+        traced = key not in _warned and not last
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("adloader: the agent client (job %s, endpoint %s) failed with an unexpected error "
+                        "(%s: %s); loaders go back to their own worker counts and training goes on; %s",
+                        self.job, self.endpoint, type(e).__name__, str(e)[:200], then, exc_info=traced)
+        if not traced:
+            log.debug("adloader client: thread failed (%s)", then, exc_info=True)
+        directed, self._directed = self._directed(), _dead_ref
+        self._release(directed)
+        directed = None
 
     def _loop(self, zmq, ctx) -> None:
         why = protocol.check_job_id(self.job)
@@ -343,7 +386,13 @@ class _Client:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         said_bye = False
+        watch = None
         try:
+            watch = _ConnectionWatch(zmq, sock)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            if watch.mon is not None:
+                poller.register(watch.mon, zmq.POLLIN)
             sock.connect(getattr(self, "_connect_to", self.endpoint))
             heartbeat_s = DEFAULT_HEARTBEAT_S
             welcomed = False
@@ -400,7 +449,19 @@ class _Client:
                 wait_s = (next_hello if not welcomed else next_report) - time.monotonic()
                 if pending is not None:
                     wait_s = min(wait_s, next_directive - time.monotonic())
-                if sock.poll(max(0, min(int(wait_s * 1000), 200)), zmq.POLLIN):
+                ready = dict(poller.poll(max(0, min(int(wait_s * 1000), 200))))
+                if watch.mon is not None and watch.mon in ready:
+                    watch.read()
+                if watch.dropped():
+                    self._oversize_drops += 1
+                    _warn_once("oversize", "adloader: the node agent at %s sent a message over the client's "
+                               "limit of %d bytes (MAXMSGSIZE) and libzmq closed the connection; the client "
+                               "connects again and says hello, training goes on (logged once)",
+                               self.endpoint, protocol.MAX_MESSAGE_BYTES)
+                    self._set(connected=False, last_error=f"connection closed by libzmq: a message over "
+                              f"{protocol.MAX_MESSAGE_BYTES} bytes (MAXMSGSIZE)")
+                    return min(HELLO_RETRY_MAX_S, HELLO_RETRY_S * 2 ** (self._oversize_drops - 1))
+                if sock in ready:
                     for _ in range(MESSAGES_PER_PASS):   # an agent that floods never holds up stop and reports
                         try:
                             data = sock.recv(zmq.NOBLOCK)
@@ -415,7 +476,16 @@ class _Client:
                                 return 0.0
                             continue
                         t = msg["type"]
-                        if t == "welcome":
+                        if t == "welcome" and msg["job"] != self.job:
+                            # a welcome for another job (an agent that mixed up its connections): not
+                            # taken; hello again after the back-off, as after an error reply
+                            _warn_once("welcome-job", "adloader: ignoring a welcome from the node agent for "
+                                       "job %r (this process said hello as job %r); it says hello again "
+                                       "later, training goes on", msg["job"][:128], self.job)
+                            self._set(last_error=f"welcome for another job: {msg['job'][:128]!r}")
+                            welcomed = False
+                            next_hello = max(next_hello, time.monotonic() + hello_retry_s)
+                        elif t == "welcome":
                             welcomed = True
                             last_seq = -1
                             heartbeat_s = _period_s(msg.get("heartbeat_s"), DEFAULT_HEARTBEAT_S)
@@ -424,7 +494,13 @@ class _Client:
                             self._set(connected=True)
                             self._bump("welcomes")
                         elif t == "directive":
-                            if msg["job"] != self.job:
+                            if not welcomed:
+                                # before this session's welcome (or after an error reply): the agent
+                                # does not know this connection as ours yet; its seq would not survive
+                                # the welcome either
+                                log.debug("adloader client: ignoring a directive before a welcome (seq %s)",
+                                          msg["seq"])
+                            elif msg["job"] != self.job:
                                 # not ours (an agent that mixed up its connections): not applied, not
                                 # counted, and its seq says nothing about ours
                                 _warn_once("directive-job", "adloader: ignoring a directive for job %r "
@@ -445,6 +521,8 @@ class _Client:
                             welcomed = False
                             next_hello = time.monotonic() + hello_retry_s
         finally:
+            if watch is not None:
+                watch.close(sock)
             try:
                 sock.close(linger=200 if said_bye else 0)
             except Exception:
@@ -626,8 +704,129 @@ class _Client:
             log.debug("adloader client: loader.resize(%s) failed", n, exc_info=True)
 
 
+def close_inherited_agent_connections() -> int:
+    """In a process forked from a training process (a loader worker started with ``fork``, a user's
+    ``os.fork()``): close this process's copies of the client's connections to the agent; how many.
+    Runs in every forked child (``os.register_at_fork``); never raises.
+
+    fork copies every file descriptor (close-on-exec, which libzmq sets, helps only a child that
+    execs). The child never uses the parent's context or socket (no libzmq thread runs there; pyzmq
+    closes nothing in a pid other than its creator's), but its copy of the connection kept it open at
+    the agent after the parent's client closed it (a reconnect), for as long as the worker lived: the
+    agent counted it against the user's ``connections_per_uid`` and never saw it end. Closing the copy
+    leaves the parent's own descriptor, and so its connection, untouched (``close``, never
+    ``shutdown``). A descriptor is closed only when it is a unix stream socket whose peer is the
+    agent's socket file (the peer's address, symlinks resolved, as the client connected to it), found
+    through /proc/self/fd: no number recorded in the parent, which another thread may have reused
+    by the time of the fork. The context's own eventfd and epoll descriptors are left: they lead
+    nowhere outside this process and cannot be told from a dataset's own."""
+    c = _client
+    target = getattr(c, "_connect_to", None) if c is not None and c.pid != os.getpid() else None
+    path = env.ipc_path(target) if target else None
+    if path is None:        # no client here, never connected, or tcp://
+        return 0
+    closed = 0
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            dup = os.dup(fd)
+        except (OSError, ValueError):
+            continue
+        try:
+            probe = _socket.socket(fileno=dup)
+        except OSError:         # a family Python does not know
+            os.close(dup)
+            continue
+        try:
+            stream = probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM
+            peer = probe.getpeername() if stream else None
+            if isinstance(peer, str) and peer and os.path.realpath(peer) == path:
+                os.close(fd)
+                closed += 1
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return closed
+
+
+def _after_fork_in_child() -> None:
+    try:
+        close_inherited_agent_connections()
+    except Exception:   # noqa: BLE001 — a hook in someone else's fork must never fail it
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _dead_ref() -> None:
     return None
+
+
+class _ConnectionWatch:
+    """Watches a DEALER's connection through its monitor socket, to tell the one way libzmq ends it
+    without a word: a frame over ``MAXMSGSIZE`` is a protocol error, on which libzmq closes the
+    connection and, unlike after a connection error (the agent stopped or restarted), does not connect
+    again (session_base.cpp ``engine_error``: reconnect only for connection and timeout errors). So a
+    connection that succeeded its handshake and was then closed with no reconnect attempt following
+    (``EVENT_CONNECT_RETRIED``, which libzmq emits at once when it schedules one) within ``GRACE_S`` was
+    ended for a frame over the limit (the only protocol error an agent built on libzmq can cause after
+    the handshake). Without this the client heard nothing more and reconnected only after three silent
+    heartbeat periods, with no word in the log."""
+
+    GRACE_S = 1.0
+
+    def __init__(self, zmq, sock) -> None:
+        self._zmq = zmq
+        self._handshaken = False
+        self._closed_at: Optional[float] = None
+        try:
+            self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED)
+        except Exception:   # no monitor: such a close is found as silence, after three heartbeat periods
+            log.debug("adloader client: no monitor on the agent connection", exc_info=True)
+            self.mon = None
+
+    def read(self) -> None:
+        zmq = self._zmq
+        while self.mon is not None:
+            try:
+                frames = self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # zmq_socket_monitor(3): frame 1 is a 16-bit event and a 32-bit value, frame 2 the endpoint.
+            # (Not zmq.utils.monitor: it imports asyncio, which a training process need not be able to.)
+            event = int.from_bytes(frames[0][:2], sys.byteorder) if frames and len(frames[0]) >= 2 else 0
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken, self._closed_at = True, None
+            elif event == zmq.EVENT_DISCONNECTED and self._handshaken:
+                self._handshaken, self._closed_at = False, time.monotonic()
+            elif event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED):
+                self._closed_at = None      # libzmq connects again: the agent went away, not a frame
+
+    def dropped(self) -> bool:
+        """Whether libzmq closed the connection for good (a frame over the limit)."""
+        return self._closed_at is not None and time.monotonic() - self._closed_at >= self.GRACE_S
+
+    def close(self, sock) -> None:
+        if self.mon is None:
+            return
+        try:
+            sock.disable_monitor()
+        except Exception:
+            pass
+        try:
+            self.mon.close(linger=0)
+        except Exception:
+            pass
 
 
 def _workers_ok(msg: dict) -> bool:

@@ -64,7 +64,8 @@ Notes on use (v1.0, no wire change; agentd):
   ``validate`` checks types only; a client ignores a directive with a negative count (one warning),
   it does not clamp it to 0. A client applies at most one directive per ``adloader.client.DIRECTIVE_MIN_S``
   (0.25 s): one that comes sooner waits, and a newer one replaces it meanwhile.
-- A client reads no frame over ``MAX_MESSAGE_BYTES`` either (``MAXMSGSIZE`` on its DEALER); after an
+- A client reads no frame over ``MAX_MESSAGE_BYTES`` either (``MAXMSGSIZE`` on its DEALER: libzmq
+  closes the connection that brings one; the client warns once and connects again); after an
   ``error`` reply it says hello again after its hello back-off, not at once.
 - Integers are at most ``MAX_INT_DIGITS`` digits (a 4,000-digit number is ``malformed``, not an
   ``OverflowError`` deep inside the agent); ``NaN``, ``Infinity`` and numbers that overflow a float

@@ -6,7 +6,9 @@
   nobody else (so nobody else can replace the socket between this check and the connect);
 - the socket file must belong to root or to ``uid``;
 - the process listening on it must run as root or as ``uid``: ``SO_PEERCRED`` of a probe connection
-  (for a listening unix socket, the credentials its owner had when it called ``listen()``, unix(7)).
+  (for a listening unix socket, the credentials its owner had when it called ``listen()``, unix(7));
+- the resolved path (what is probed and connected to) must fit a unix socket address
+  (``UNIX_PATH_MAX_BYTES``), else no connection can be made: that is said, not taken for "no agent".
 ``NO_SOCKET`` and reasons starting with ``UNCHECKED`` mean there is nothing to judge yet (no file,
 nobody listening, a probe that timed out): callers treat them as "no agent", not as an impostor.
 
@@ -25,6 +27,8 @@ from adloader import env
 
 NO_SOCKET = "no socket"
 UNCHECKED = "cannot check"
+# sun_path holds 108 bytes with the terminating NUL (unix(7)); libzmq refuses a path of 108 (ipc_address.cpp)
+UNIX_PATH_MAX_BYTES = 107
 
 
 def peer_uid(path: str, timeout_s: float = 1.0) -> int:
@@ -64,6 +68,13 @@ def agent_untrusted(endpoint: str, uid: Optional[int] = None, timeout_s: float =
         return NO_SOCKET
     except OSError as e:
         return f"{UNCHECKED} the agent's socket {path}: {e.strerror or e}"
+    size = len(os.fsencode(real))
+    if size > UNIX_PATH_MAX_BYTES:
+        # the connect would fail with "AF_UNIX path too long", which reads like nobody listening; the
+        # agent can bind the short path it was given (the kernel resolves the link), so the socket is there
+        return (f"the agent's socket {path} resolves to {real}, {size} bytes, over the {UNIX_PATH_MAX_BYTES} "
+                f"bytes a unix socket address holds (unix(7)); give the agent an endpoint whose path resolves "
+                f"to a shorter one")
     try:
         peer = peer_uid(real, timeout_s)
     except OSError as e:   # nobody listening (a dead agent's file), or a full backlog: no agent now
