@@ -464,7 +464,7 @@ def start_agent(cfg: BenchConfig, policy: str, run_dir: Path, sock_dir: str, max
 
 
 STATUS_KEYS = ("ranks", "weight", "trainer_cpu_cores", "trainer_cores_needed", "workers", "cpus", "cpu_weight",
-               "delivery", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
+               "delivery", "extra_workers", "desired_workers", "desired_cpus", "max_useful_workers", "max_useful_cores",
                "curve_confidence", "worker_cpu_cores", "data_wait_frac", "reason", "unsatisfied", "apply_ok",
                "apply_error", "gpu_idle_frac", "gpu_idle_source", "steps_left")
 
