@@ -912,9 +912,14 @@ class DataLoader(tud.DataLoader[T_co]):
         IterableDataset's state from mid-epoch restarts that epoch from its beginning, with a warning.
         Loaded by Lightning's fit loop from a checkpoint taken at the last batch of an epoch (Lightning's,
         which ``limit_train_batches`` ends before the sampler does), it resumes at the next epoch."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not an adloader.DataLoader state (version {STATE_VERSION} expected): "
-                             f"{state.get('version') if isinstance(state, Mapping) else type(state)}")
+        if not isinstance(state, Mapping):
+            raise ValueError(f"not an adloader.DataLoader state (a dict with 'version' {STATE_VERSION} "
+                             f"expected): {type(state)}")
+        version = state.get("version")
+        # the integer itself: == took True and 1.0 for 1 (a state no state_dict() wrote)
+        if type(version) is not int or version != STATE_VERSION:
+            raise ValueError(f"not an adloader.DataLoader state: its 'version' is {version!r}, the integer "
+                             f"{STATE_VERSION} expected")
         kind = self.dataset_kind
         if state["dataset_kind"] != kind:
             raise ValueError(f"state is for a {state['dataset_kind']}-style dataset, this loader has a "

@@ -53,7 +53,7 @@ Notes on use (v1.0, no wire change; agentd):
   (jobs, jobs registered without a process); the message says which and the agent key that sets it.
   A client backs off as for ``not_permitted``.
 - Endpoints (``endpoint_problem``): ``ipc://`` and an absolute path of at most 100 bytes (UTF-8), or
-  ``tcp://``; the agent's ``endpoint`` key, ``--endpoint`` of ``adloader job``/``status`` and a
+  ``tcp://[source;]HOST:PORT`` (PORT 0-65535 or ``*``); the agent's ``endpoint`` key, ``--endpoint`` of ``adloader job``/``status`` and a
   training process's ADLOADER_ENDPOINT are each checked by it.
 - Job ids (``check_job_id``): 1 to 128 characters from ``A-Z a-z 0-9 _ . : @ + = -``, starting with a
   letter, digit or ``_`` (so never ``.``, ``..`` or a hidden name); no ``/``, no whitespace, no control
@@ -135,7 +135,7 @@ def check_job_id(job: Any) -> Optional[str]:
 
 def endpoint_problem(endpoint: str) -> Optional[str]:
     """None if ``endpoint`` can be the agent's endpoint (ipc:// with an absolute path of at most 100
-    bytes, or tcp://), else why not (for an error message). One check for every side: the agent's
+    bytes, or tcp://[source;]HOST:PORT), else why not (for an error message). One check for every side: the agent's
     ``endpoint`` key (``agent.config``), ``--endpoint`` of ``adloader job``/``status``, and the
     training process's ADLOADER_ENDPOINT (``adloader.env.endpoint_problem``)."""
     if not endpoint.startswith(("ipc://", "tcp://")):
@@ -151,6 +151,15 @@ def endpoint_problem(endpoint: str) -> Optional[str]:
             # bytes, not characters: sun_path holds 108 bytes (unix(7)); 'é' * 60 passed as 60 characters,
             # and the client's connect failed on it without a word, for the whole run
             return "an ipc:// path must be at most 100 bytes (the unix socket limit)"
+        return None
+    # tcp://[source;]HOST:PORT, HOST a name, an address ([::1] for IPv6), an interface or * (bind to
+    # all); PORT 0-65535 or * (ZeroMQ's own forms). 'tcp://host' and 'tcp://host:x' passed here and
+    # failed only at the agent's bind ("Invalid argument"); ZeroMQ takes 'host:70000' as port 4464
+    host, colon, port = endpoint[len("tcp://"):].rpartition(";")[2].rpartition(":")
+    if not colon or not host:
+        return "a tcp:// endpoint needs a host and a port, e.g. tcp://127.0.0.1:5555"
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        return f"a tcp:// port must be a number from 0 to 65535 (or *), got {port!r}"
     return None
 
 

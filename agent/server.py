@@ -86,8 +86,13 @@ def rank_directive(directive: dict, ranks: int) -> dict:
     ranks now known at its hello, and its peers are sent their new part with it (before, it was sent
     the part its peers had, the plan for fewer ranks, so a 2-rank job planned 3 workers for its first
     rank ran 3 on each until the next tick re-split the plan); a lone rank reconnecting after its peer
-    died is sent its part of the plan made for both, not both ranks' workers. With one rank (or none
-    said hello yet), the directive as it is."""
+    died is sent its part of the plan made for both, not both ranks' workers. A rank that leaves (bye,
+    or found gone by the tick's sweep) changes nothing sent then: its peers keep their part, fewer
+    workers in all than the plan, until the next tick sends the job's count again over the ranks left
+    (``DirectiveActuator.tracks_ranks``; a rank found gone by the sweep is in that same tick's plan).
+    Not re-split at the leave: its peers are often leaving too (the end of a run, a torchrun restart),
+    and would fork workers only to exit. With one rank (or none said hello yet), the directive as it
+    is."""
     out = {k: v for k, v in directive.items() if k != "ranks"}
     ranks = directive.get("ranks") or ranks
     if ranks <= 1:

@@ -39,7 +39,7 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from adloader import protocol  # noqa: E402
-from evaluation.flags import above, at_least, finite_float, plain_int  # noqa: E402
+from evaluation.flags import above, at_least, finite_float, names_arg, path_arg, plain_int  # noqa: E402
 
 
 def _env() -> dict:
@@ -277,12 +277,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.agent_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=at_least(plain_int, 1), default=64, help="simulated clients, one job each (default 64)")
     ap.add_argument("--seconds", type=above(finite_float, 0), default=60.0, help="measured window per policy (default 60)")
-    ap.add_argument("--policies", default="adaptive,even", help="agent policies, comma-separated (default adaptive,even)")
+    ap.add_argument("--policies", type=names_arg, default="adaptive,even", help="agent policies, comma-separated (default adaptive,even)")
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=1, help="runs of each policy (default 1)")
     ap.add_argument("--seed", type=plain_int, default=1, help="clients' seed of the first repeat (repeat r uses seed + r)")
-    ap.add_argument("--out", default="bench-out/agent_bench.json",
+    ap.add_argument("--out", type=path_arg, default="bench-out/agent_bench.json",
                     help="write the JSON result here (default bench-out/agent_bench.json)")
-    ap.add_argument("--profile", metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
+    ap.add_argument("--profile", type=path_arg, metavar="DIR", help="run the agent under cProfile and write its stats to DIR "
                     "(figures then include the profiler's overhead: for finding hot spots, not for reporting)")
     args = ap.parse_args(argv)
     from agent.policies import POLICIES

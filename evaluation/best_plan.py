@@ -49,7 +49,7 @@ from agent.model import JobAllocation
 from evaluation import mix_study as MS
 from evaluation import nodemodel as NM
 from evaluation import validate_sim as V
-from evaluation.flags import comma_list, plain_int
+from evaluation.flags import comma_list, names_arg, path_arg, plain_int
 from evaluation.report import read_bench
 
 FAIRNESS = 0.9          # issue 11: no job below 0.9x its static-cores throughput (kept for every job, also
@@ -356,14 +356,14 @@ def markdown(summary: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.best_plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
+    ap.add_argument("bench", type=path_arg, nargs="*", help="bench.json files of `adloader bench` runs")
     ap.add_argument("--cost", choices=V.COSTS, default="calibrated",
                     help="the jobs' loader CPU per sample: the bench's calibration (the default) or what the run's workers "
                          "paid")
     ap.add_argument("--reps", type=plain_int, default=None, help="only the first K repeats of each scenario (default: all)")
     ap.add_argument("--nodes", type=comma_list(V._shape), default=None,
                     help="node shapes, CORES:GPUS,... (e.g. 16:8,96:8)")
-    ap.add_argument("--mixes", default=",".join(V.MIXES), help=f"with --nodes: the catalogue mixes (default {','.join(V.MIXES)})")
+    ap.add_argument("--mixes", type=names_arg, default=",".join(V.MIXES), help=f"with --nodes: the catalogue mixes (default {','.join(V.MIXES)})")
     ap.add_argument("--random", type=plain_int, default=0,
                     help="with --nodes: also N random mixes per node shape (evaluation.mix_study's, same seed; "
                          "default 0)")
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pick", type=comma_list(plain_int), default=None,
                     help="with --random N: search only these of the N mixes, by index from 0 (K,K,...; "
                          "mix_study's JSON lists its worst mixes by the same index)")
-    ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the rows and the summary here (JSON)")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
         ap.error("give bench.json files and/or --nodes")

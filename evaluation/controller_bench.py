@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agent.controller import Controller  # noqa: E402
 from agent.model import ApplyResult, JobStats, NodeSnapshot  # noqa: E402
 from agent.policies import POLICIES, PolicyConfig, get_policy  # noqa: E402
-from evaluation.flags import above, at_least, finite_float, plain_int  # noqa: E402
+from evaluation.flags import above, at_least, finite_float, names_arg, path_arg, plain_int  # noqa: E402
 from predictor.curve import ThroughputCurve  # noqa: E402
 
 
@@ -142,13 +142,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ticks", type=at_least(plain_int, 1), default=200, help="timed ticks per run (default 200)")
     ap.add_argument("--cores", type=above(finite_float, 0), nargs="+", default=[60.0, 14.0],
                     help="node loader cores to try (default: 60 and 14)")
-    ap.add_argument("--policies", nargs="+", default=sorted(POLICIES),
+    ap.add_argument("--policies", type=names_arg, nargs="+", default=sorted(POLICIES),
                     help="policies to time, space- or comma-separated (default: all)")
     ap.add_argument("--seed", type=plain_int, default=1, help="seed of the first repeat; repeat r uses seed + r (default 1)")
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=3, help="runs of each row (default 3)")
     ap.add_argument("--target-ms", type=above(finite_float, 0), default=5.0,
                     help="the tick-time target the table judges against, ms (default 5)")
-    ap.add_argument("--out", default="bench-out/controller_bench.json",
+    ap.add_argument("--out", type=path_arg, default="bench-out/controller_bench.json",
                     help="write the JSON result here (default bench-out/controller_bench.json)")
     args = ap.parse_args(argv)
     policies = [p for arg in args.policies for p in arg.split(",") if p]

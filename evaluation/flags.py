@@ -9,15 +9,23 @@ a number no one wrote), and a float flag must be finite as well: float() reads '
 
 ``at_least(item, lo)`` and ``above(item, lo)`` add a range to a type, for a value with a natural one (a
 worker count at least 1, cores above 0): "argument --cores: a number above 0 expected, got '-1'", and
-inside ``comma_list`` the list it was in as well."""
+inside ``comma_list`` the list it was in as well.
+
+A path flag or positional (``--out``, ``--against``, bench.json files) takes ``path_arg`` and a name or
+name-list flag (``--policies``, ``--scenarios``) ``names_arg``, as the ``adloader`` command's do: an empty
+value ('' from a variable left unset) is a usage error naming the flag. It was read as the flag not
+given (``multirank_check --against ''`` compared nothing; ``--out ''`` wrote nothing), as the working
+directory (``workload_audit --out ''`` wrote there; ``supply_check --against ''`` ran this checkout
+against itself), or as an empty list. Two flags keep '' as a documented value: ``predictor_accuracy
+--validation ''`` (skip) and ``security_bench --nofile ''`` (inherit)."""
 from __future__ import annotations
 
 import argparse
 from typing import Callable, TypeVar
 
-from agent.commands import plain_float, plain_int
+from agent.commands import names_arg, path_arg, plain_float, plain_int
 
-__all__ = ["above", "at_least", "comma_list", "finite_float", "plain_int"]
+__all__ = ["above", "at_least", "comma_list", "finite_float", "names_arg", "path_arg", "plain_int"]
 
 T = TypeVar("T")
 

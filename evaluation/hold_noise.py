@@ -25,7 +25,7 @@ import sys
 import time
 
 from agent.policies import get_policy
-from evaluation.flags import comma_list, finite_float, plain_int
+from evaluation.flags import comma_list, finite_float, path_arg, plain_int
 from evaluation.random_nodes import curve_for, random_node
 
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ticks", type=plain_int, default=20, help="re-plans per node (default 20)")
     p.add_argument("--levels", type=comma_list(finite_float), default="0,0.02,0.05,0.1", help="noise levels, comma-separated fractions (default 0,0.02,0.05,0.1)")
     p.add_argument("--seed", type=plain_int, default=1, help="the random nodes' and the noise's seed (default 1)")
-    p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--out", type=path_arg, help="write the JSON result here")
     args = p.parse_args(argv)
     levels = args.levels
     if any(not 0 <= x < 1 for x in levels):

@@ -46,7 +46,7 @@ from adloader import DataLoader  # noqa: E402
 from adloader._worker import RunQueueClock  # noqa: E402
 from adloader.stats import LoaderCounters, RateWindow  # noqa: E402
 from adloader.synthetic import SyntheticImageDataset, WorkloadSpec  # noqa: E402
-from evaluation.flags import at_least, plain_int  # noqa: E402
+from evaluation.flags import at_least, path_arg, plain_int  # noqa: E402
 
 
 def machine() -> dict:
@@ -299,7 +299,7 @@ def instrumentation_overhead(n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.loader_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="about a minute instead of a few (single repeats)")
-    ap.add_argument("--out", default="bench-out/loader_bench.json", metavar="PATH",
+    ap.add_argument("--out", type=path_arg, default="bench-out/loader_bench.json", metavar="PATH",
                     help="write the JSON result here (default bench-out/loader_bench.json)")
     ap.add_argument("--workers", type=at_least(plain_int, 1), default=2, metavar="N",
                     help="workers of each loader in the throughput runs; the fork resize grows from it (default 2)")

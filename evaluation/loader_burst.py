@@ -142,16 +142,16 @@ def measure(loader: str, kind: str, seconds: float, quota: float | None) -> dict
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import above, finite_float
+    from evaluation.flags import above, finite_float, names_arg, path_arg
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.loader_burst", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--loaders", default="torch,adloader", help="comma-separated: torch, adloader (default both)")
+    ap.add_argument("--loaders", type=names_arg, default="torch,adloader", help="comma-separated: torch, adloader (default both)")
     ap.add_argument("--kind", default="bert[trainer_cpu_frac=0.15]",
                     help="catalogue job kind (evaluation/catalog.toml; default: the nothing-to-arbitrate mix's "
                          "BERT-like job)")
     ap.add_argument("--seconds", type=above(finite_float, 0), default=4.0, help="measured seconds per loader (default 4)")
     ap.add_argument("--quota", type=above(finite_float, 0), default=None, help="CFS quota in cores (root, cgroup v1)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the rows as JSON here")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_ready", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         _child(*(int(x) for x in argv[1:4]))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))    # (run as a script)
-    from evaluation.flags import at_least, plain_int
+    from evaluation.flags import at_least, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.loader_overhead", description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=at_least(plain_int, 1), default=2, metavar="N", help="persistent workers of the loader (default 2)")
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=3, metavar="N",
                     help="timed epochs per run (the run reports their median; default 3)")
-    ap.add_argument("--out", default="bench-out/loader_overhead.json", metavar="PATH",
+    ap.add_argument("--out", type=path_arg, default="bench-out/loader_overhead.json", metavar="PATH",
                     help="write the JSON result here (default bench-out/loader_overhead.json)")
     args = ap.parse_args(argv)
     trees = []

@@ -86,13 +86,13 @@ def run_once(base: Path, b_workers: int, seconds: float) -> dict:
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import finite_float, plain_int
+    from evaluation.flags import finite_float, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.lone_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=finite_float, default=8.0, help="measured seconds per run (default 8)")
     ap.add_argument("--repeats", type=plain_int, default=3,
                     help="times B runs with one worker and with two, alternating (default 3)")
-    ap.add_argument("--out", default=None, help="write the runs as JSON here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the runs as JSON here")
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.repeats < 1:
         ap.error("--seconds must be positive and --repeats at least 1")

@@ -122,7 +122,7 @@ def run_one(make, workers: int, epochs: int, batch_size: int, loader: str = "adl
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import at_least, plain_int
+    from evaluation.flags import at_least, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.memory_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=at_least(plain_int, 1), default=2, help="loader workers (fork; default 2)")
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loader", choices=("adloader", "torch"), default="adloader",
                     help="whose workers are measured: adloader.DataLoader's (default) or torch's own DataLoader's "
                          "(fork, persistent workers; the same sampler reads them)")
-    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     res = {}
     for name, make in _datasets(args.rows, args.gc_collect).items():

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from evaluation.validate_sim import BASELINES, _shape
-from evaluation.flags import comma_list, finite_float, plain_int
+from evaluation.flags import comma_list, finite_float, path_arg, plain_int
 
 POLICIES = BASELINES + ("adaptive",)
 GPU_CHOICES = (1, 1, 1, 2, 2, 4)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--floor-reference", choices=("habit", "share"), default=None,
                     help="the agent's floor_reference (default: its default)")
     ap.add_argument("--worst", type=plain_int, default=5, help="worst mixes per node kept in the JSON (default 5)")
-    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     try:   # (read here, not by argparse: the JSON records the flag as given)
         nodes = comma_list(_shape)(args.nodes)

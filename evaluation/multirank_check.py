@@ -140,18 +140,18 @@ class _Cfg:
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import above, at_least, finite_float, plain_int
+    from evaluation.flags import above, at_least, finite_float, names_arg, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.multirank_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--against", default=None, metavar="TREE",
+    ap.add_argument("--against", type=path_arg, default=None, metavar="TREE",
                     help="a checkout of other code to compare with, phase by phase (default: none)")
     ap.add_argument("--reps", type=at_least(plain_int, 1), default=3, help="repeats per tree (default 3)")
     ap.add_argument("--warmup-s", type=above(finite_float, 0), default=8.0, help="seconds before measuring (default 8)")
     ap.add_argument("--measure-s", type=above(finite_float, 0), default=16.0, help="seconds measured (default 16)")
-    ap.add_argument("--policy", default="adaptive", help="the agent's policy (default adaptive)")
+    ap.add_argument("--policy", type=names_arg, default="adaptive", help="the agent's policy (default adaptive)")
     ap.add_argument("--agent-log-level", choices=("debug", "info", "warning"), default="info",
                     help="the agents' log level (debug: every window the predictor got; default info)")
-    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     trees = {"this": HERE}
     if args.against:

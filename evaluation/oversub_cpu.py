@@ -69,7 +69,7 @@ def fit(cpus: int, medians: dict[int, float]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import at_least, comma_list, plain_int
+    from evaluation.flags import at_least, comma_list, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.oversub_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=comma_list(at_least(plain_int, 1)), default="1,2,3,4,6,8,16,32", help="process counts (at least 1), comma-separated (default 1,2,3,4,6,8,16,32)")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--image-px", type=plain_int, default=96,
                     help="image side in pixels (the GPU study's catalogue doubles the default 96)")
     ap.add_argument("--aug", type=plain_int, default=3, help="augmentation passes per item (default 3)")
-    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     counts = sorted(set(args.procs))
     if min(args.items, args.reps, args.aug) < 1 or args.image_px < 16:

@@ -131,9 +131,11 @@ def markdown(rows: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from evaluation.flags import path_arg
+
     ap = argparse.ArgumentParser(prog="python -m evaluation.phase_noise", description=__doc__.split("\n\n")[0])
-    ap.add_argument("bench", nargs="+", help="bench.json files (their phases' run folders for the halves)")
-    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("bench", type=path_arg, nargs="+", help="bench.json files (their phases' run folders for the halves)")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     rows = {}
     for path in a.bench:

@@ -102,10 +102,12 @@ def _pct(xs, q):
 
 
 def main(argv=None) -> int:
+    from evaluation.flags import path_arg
+
     ap = argparse.ArgumentParser(prog="python -m evaluation.phase_scan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="+", help="agent logs (--log-level debug) or folders holding agent.log files")
+    ap.add_argument("paths", type=path_arg, nargs="+", help="agent logs (--log-level debug) or folders holding agent.log files")
     ap.add_argument("--prior", choices=("default", "none"), default="default", help="the bank's prior (default: default)")
-    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     try:
         files = log_files(a.paths)

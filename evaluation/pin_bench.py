@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--_child"]:
         _child(argv[1], int(argv[2]), float(argv[3]), float(argv[4]))
         return 0
-    from evaluation.flags import finite_float, plain_int
+    from evaluation.flags import finite_float, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.pin_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=plain_int, default=200, metavar="N", help="timed steps per run (default 200)")
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step-ms", type=finite_float, default=20.0, metavar="MS",
                     help="wall time of one training step (default 20)")
     ap.add_argument("--repeats", type=plain_int, default=3, metavar="N", help="runs of each loader, alternating (default 3)")
-    ap.add_argument("--out", default="bench-out/pin_bench.json", metavar="PATH",
+    ap.add_argument("--out", type=path_arg, default="bench-out/pin_bench.json", metavar="PATH",
                     help="write the JSON result here (default bench-out/pin_bench.json)")
     args = ap.parse_args(argv)
     for name in ("steps", "repeats"):

@@ -107,11 +107,13 @@ def main(argv=None) -> int:
     import json
     import sys
 
+    from evaluation.flags import path_arg
+
     ap = argparse.ArgumentParser(prog="python -m evaluation.plots",
                                  description="Re-draw the PNG plots of a finished `adloader bench` run from its "
                                              "bench.json (timeline_<scenario>.png, policies.png).")
-    ap.add_argument("bench", metavar="BENCH.json", help="the run's bench.json")
-    ap.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
+    ap.add_argument("bench", type=path_arg, metavar="BENCH.json", help="the run's bench.json")
+    ap.add_argument("out", type=path_arg, metavar="OUT_DIR", nargs="?", default=None,
                     help="where the PNGs go (default: BENCH.json's folder)")
     a = ap.parse_args(argv)
     src = Path(a.bench)

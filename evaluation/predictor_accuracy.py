@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from evaluation.flags import comma_list, finite_float, plain_int  # noqa: E402
+from evaluation.flags import comma_list, finite_float, path_arg, plain_int  # noqa: E402
 from predictor.bank import PredictorBank  # noqa: E402
 from predictor.curve import KNEE_TOLERANCE  # noqa: E402
 from predictor.prior import (CORPUS_PATH, VALIDATION_PATH, by_job, corpus_digest, fit_prior,  # noqa: E402
@@ -185,11 +185,11 @@ def _start(text: str) -> tuple[int, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", default=str(CORPUS_PATH), metavar="PATH",
+    ap.add_argument("--corpus", type=path_arg, default=str(CORPUS_PATH), metavar="PATH",
                     help="measured curves (default predictor/data/corpus.jsonl)")
     ap.add_argument("--starts", default="2:2,1:1,4:0.5",
                     help="workers:cores of the single starting window, comma-separated (default 2:2,1:1,4:0.5)")
-    ap.add_argument("--json", default="predictor-accuracy.json", metavar="PATH",
+    ap.add_argument("--json", type=path_arg, default="predictor-accuracy.json", metavar="PATH",
                     help="write the results here (default predictor-accuracy.json)")
     ap.add_argument("--validation", default=str(VALIDATION_PATH),
                     help="write the verdict (learned prior beats first principles?) here; the default "

@@ -229,12 +229,12 @@ def limit_all_cpus() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evaluation.flags import above, at_least, comma_list, finite_float, plain_int
+    from evaluation.flags import above, at_least, comma_list, finite_float, names_arg, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.predictor_corpus", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO / "predictor" / "data" / "corpus.jsonl"), metavar="PATH",
+    ap.add_argument("--out", type=path_arg, default=str(REPO / "predictor" / "data" / "corpus.jsonl"), metavar="PATH",
                     help="the corpus file, JSON lines (default predictor/data/corpus.jsonl: the shipped corpus)")
-    ap.add_argument("--jobs", default=",".join(JOBS), metavar="LIST",
+    ap.add_argument("--jobs", type=names_arg, default=",".join(JOBS), metavar="LIST",
                     help=f"synthetic jobs, comma-separated (default all: {','.join(JOBS)})")
     ap.add_argument("--workers", type=comma_list(at_least(plain_int, 1)), default="1,2,3,4,6,8", metavar="LIST",
                     help="worker counts (at least 1), comma-separated (default 1,2,3,4,6,8)")

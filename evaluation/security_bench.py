@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from evaluation.flags import above, at_least, finite_float, plain_int  # noqa: E402
+from evaluation.flags import above, at_least, finite_float, names_arg, path_arg, plain_int  # noqa: E402
 
 ATTACKER, VICTIM = 65534, 65533
 SCENARIOS = {
@@ -249,7 +249,7 @@ def _rate(row: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.security_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=above(finite_float, 0), default=10.0, help="attack window per scenario (default 10)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+    ap.add_argument("--scenarios", type=names_arg, default=",".join(SCENARIOS),
                     help="comma-separated, from: " + ", ".join(SCENARIOS) + " (default all)")
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=1, help="runs of each scenario, each with a fresh agent (default 1)")
     ap.add_argument("--tick-s", type=above(finite_float, 0), default=1.0, help="the agent's tick (default 1 s, as deployed)")
@@ -261,8 +261,8 @@ def main(argv=None) -> int:
                     help="the agent's open-files limit SOFT:HARD (default as systemd gives a service without "
                          f"LimitNOFILE=: soft 1024, hard 524288 or this process's hard limit, here {hard}; "
                          "'' = inherit)")
-    ap.add_argument("--agent-repo", default=str(REPO), help="checkout whose agent to run (default this one)")
-    ap.add_argument("--out", default="bench-out/security_bench.json",
+    ap.add_argument("--agent-repo", type=path_arg, default=str(REPO), help="checkout whose agent to run (default this one)")
+    ap.add_argument("--out", type=path_arg, default="bench-out/security_bench.json",
                     help="write the JSON result here (default bench-out/security_bench.json)")
     args = ap.parse_args(argv)
     if os.getuid() != 0:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from evaluation.slurm_cluster import Cluster, terminate, wait_for, why_not
-from evaluation.flags import at_least, plain_int
+from evaluation.flags import at_least, path_arg, plain_int
 
 
 def _agent(cluster: Cluster) -> subprocess.Popen:
@@ -45,7 +45,7 @@ def _spread(xs: list[float]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.slurm_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=3, help="sbatch jobs per condition (default 3)")
-    ap.add_argument("--out", default="bench-out/slurm",
+    ap.add_argument("--out", type=path_arg, default="bench-out/slurm",
                     help="directory slurm_bench.json is written to (default bench-out/slurm)")
     args = ap.parse_args(argv)
     why = why_not()

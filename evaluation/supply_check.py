@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from evaluation.flags import above, at_least, finite_float, plain_int
+from evaluation.flags import above, at_least, finite_float, path_arg, plain_int
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,14 +92,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=at_least(plain_int, 1), default=2, help="runs per tree (default 2)")
     ap.add_argument("--read-ms", type=above(finite_float, 0), default=4.0, help="the lock held per sample, ms (default 4)")
     ap.add_argument("--step-ms", type=at_least(finite_float, 0), default=10.0, help="the training step, ms (default 10)")
-    ap.add_argument("--against", type=Path, help="another checkout to run alternately (e.g. a worktree of an older commit)")
-    ap.add_argument("--out", default="bench-out/supply_check.json", help="JSON result (default bench-out/supply_check.json)")
+    ap.add_argument("--against", type=path_arg, help="another checkout to run alternately (e.g. a worktree of an older commit)")
+    ap.add_argument("--out", type=path_arg, default="bench-out/supply_check.json", help="JSON result (default bench-out/supply_check.json)")
     args = ap.parse_args(argv)
     trees = {"this": ROOT}
     if args.against is not None:
-        if not (args.against / "predictor" / "bank.py").is_file():
+        if not (Path(args.against) / "predictor" / "bank.py").is_file():
             ap.error(f"--against {args.against}: not a checkout of this project (no predictor/bank.py)")
-        trees["against"] = args.against.resolve()
+        trees["against"] = Path(args.against).resolve()
     runs: dict[str, list] = {k: [] for k in trees}
     for r in range(args.repeats):
         for name, tree in (trees.items() if r % 2 == 0 else reversed(list(trees.items()))):

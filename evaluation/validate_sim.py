@@ -55,7 +55,7 @@ import sys
 from typing import Optional
 
 from evaluation import simulate as S
-from evaluation.flags import comma_list, finite_float, plain_int
+from evaluation.flags import comma_list, finite_float, path_arg, plain_int
 from evaluation.nodemodel import curve_with_workload, curves_from_bench_specs
 from evaluation.report import read_bench
 
@@ -657,7 +657,7 @@ def markdown_within(s: dict, what: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.validate_sim", description=__doc__.split("\n\n")[0])
-    ap.add_argument("bench", nargs="*", help="bench.json files of `adloader bench` runs")
+    ap.add_argument("bench", type=path_arg, nargs="*", help="bench.json files of `adloader bench` runs")
     ap.add_argument("--capacity", choices=("measured", "node"), default="measured",
                     help="CPU the simulated jobs get: the node's cores less what else ran on it in the measured "
                          "phase (default; older files: what the jobs used when they kept the node busy and fell "
@@ -674,7 +674,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", action="store_true",
                     help="with bench files: per job, measured next to simulated (normalised throughput, loader "
                          "and trainer cores, the trainer's run-queue wait per step)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not args.bench and not args.nodes:
         ap.error("give bench.json files and/or --nodes")

@@ -124,7 +124,7 @@ def modelled_wait_s(cpus: int, neighbours: int, duty: float, cpu_s: float, woken
 
 
 def main(argv=None) -> int:
-    from evaluation.flags import comma_list, finite_float, plain_int
+    from evaluation.flags import comma_list, finite_float, path_arg, plain_int
 
     ap = argparse.ArgumentParser(prog="python -m evaluation.wakeup_wait", description=__doc__.split("\n\n")[0])
     ap.add_argument("--neighbours", type=comma_list(plain_int), default="0,1,2,3", help="comma-separated neighbour counts (default 0,1,2,3)")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--woken-ms", type=finite_float, default=20.0,
                     help="also measure each count with the trainer's own worker handed this much work at the "
                          "start of each CPU part (0: do not; default 20)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", type=path_arg, default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     if not os.path.exists(SCHEDSTAT):
         ap.error(f"{SCHEDSTAT} is missing: this needs Linux with schedstats (CONFIG_SCHED_INFO)")

@@ -64,7 +64,7 @@ from agent.model import ApplyResult
 from agent.policies import PolicyConfig, get_policy
 from agent.registry import Registry
 from agent.security import Peer
-from evaluation.flags import at_least, comma_list, finite_float, plain_int
+from evaluation.flags import at_least, comma_list, finite_float, path_arg, plain_int
 from predictor.bank import PredictorBank
 
 UNDER_TEST = "x"            # the job whose figures the table gives; its neighbour is "hungry"
@@ -359,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--warmup", type=at_least(finite_float, 0), default=60.0,
                    help="simulated seconds left out of the figures (default 60)")
     p.add_argument("--seed", type=plain_int, default=1, help="the jobs' random seed (default 1)")
-    p.add_argument("--out", type=Path, help="write workload_audit.json into this directory")
+    p.add_argument("--out", type=path_arg, help="write workload_audit.json into this directory")
     args = p.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
@@ -379,8 +379,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if errors:
         print(f"controller errors: {errors}", file=sys.stderr)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "workload_audit.json"
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / "workload_audit.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"JSON: {path}")
     return 0

@@ -237,7 +237,7 @@ def test_an_endpoint_that_cannot_be_bound_is_one_error_line_and_the_agent_exits(
         os.mkdir(f"{base}/agent.sock")
         endpoint = f"ipc://{base}/agent.sock"
     else:
-        endpoint = "tcp://no-such-interface:x"
+        endpoint = "tcp://no-such-interface:5555"   # (a well-formed endpoint: refused by the bind only)
     out = subprocess.run(adloader_cmd("agent", "--endpoint", endpoint, "--state-dir", f"{base}/state",
                                       "--cgroup-mode", "off"), env=repo_env(), capture_output=True, text=True,
                          timeout=60)

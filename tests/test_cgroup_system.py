@@ -674,6 +674,29 @@ def test_a_worker_pid_another_process_took_is_not_moved_into_the_jobs_group(clea
     assert cgroup_of(worker.pid, "cpu") == "/"
 
 
+def test_a_job_group_removed_from_cpuset_only_is_lost_and_made_again(clean, tmp_path):
+    """An admin removes the job's cpuset group only (its cpu group stays): the actuator says the group
+    is lost, and the apply the controller then makes puts it back, with its CPUs and the worker in it.
+    Before, only the cpu group was checked: the worker ran on every CPU until its allocation changed."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pid = subprocess.Popen(["sleep", "300"])
+    clean.append(pid)
+    act = cgroup_actuator(tmp_path, "cpuset")
+    alloc = JobAllocation(job="p1", workers=1, cpus=1.0, cpuset=(cpus[-1],))
+    assert act.apply(stats("p1", [pid.pid]), alloc).ok
+    assert not act.lost_group("p1")
+    with open(os.path.join(CPUSET, "cgroup.procs"), "w") as f:        # the admin: the task out, rmdir
+        f.write(str(pid.pid))
+    os.rmdir(os.path.join(CPUSET, SUBTREE, "p1"))
+    assert os.path.isdir(os.path.join(CPU, SUBTREE, "p1"))
+    assert act.lost_group("p1")                                         # old code: False
+    assert act.apply(stats("p1", [pid.pid]), alloc).ok                  # what the controller does then
+    assert not act.lost_group("p1")
+    assert cgroup_of(pid.pid, "cpuset") == f"/{SUBTREE}/p1" and os.sched_getaffinity(pid.pid) == {cpus[-1]}
+    act.restore()
+    assert not os.path.exists(os.path.join(CPUSET, SUBTREE))
+
+
 def test_a_subtree_removed_by_an_admin_is_made_again_with_its_weight(clean, tmp_path):
     """An admin empties and removes the agent's subtree (cgdelete, a systemd reset) while the agent runs:
     the actuator says the job's group is lost (the controller then applies the job again), and that

@@ -287,3 +287,47 @@ def test_a_worker_pid_that_is_another_process_now_is_not_moved(tmp_path):
     assert sorted(act.originals.pids) == sorted([str(worker), str(unrecorded)])
     assert act.pids_skipped == 3
     assert (root / "cpu" / "adloader" / "cpu.shares").read_text() == "2048"      # two workers weigh
+
+
+def test_v1_a_job_group_removed_from_blkio_only_is_lost_and_a_knob_no_apply_used_is_not_checked(tmp_path):
+    """The job's blkio group removed (its cpu group stays): lost, and the next apply makes it again.
+    Before, only the cpu group was checked: the job's IO ran at the default weight until its allocation
+    changed. A job whose apply put no group in blkio (no IO weight in the plan) is not lost for lack
+    of one there (else it would be applied again at every tick)."""
+    from agent.model import JobAllocation
+    from tests.fakes import cgroup_job
+
+    root = tmp_path / "cg"
+    for ctrl in ("cpu", "blkio"):
+        (root / ctrl).mkdir(parents=True)                   # plain directories: no kernel files
+        (root / ctrl / "cgroup.procs").write_text("")
+    proc = fake_proc(tmp_path, [4242, 4243], origin="/")
+    for pid in (4242, 4243):
+        _fake_process(proc, pid, start_ticks=1000, uid=1000)
+    hier = cgroupfs.open_hierarchies(str(root), 1, controllers=("cpu", "blkio"), proc_root=proc)
+    for h in hier.values():                                 # a new group has its cgroup.procs, as the kernel's
+        def mkdir(rel, h=h, plain_mkdir=h.mkdir):
+            if not plain_mkdir(rel):
+                return False
+            open(h.path(rel, "cgroup.procs"), "w").close()
+            return True
+        h.mkdir = mkdir
+    act = CgroupActuator(hier, version=1, io=True, subtree="adloader",
+                         sys_root=fake_sys(tmp_path, {"vda": "mq-deadline [bfq] none"}), proc_root=proc)
+    assert act.io_mode == "blkio.bfq.weight"
+    io_job = cgroup_job("io", [4242], uid=1000, worker_starts={4242: 1000})
+    cpu_job = cgroup_job("cpu", [4243], uid=1000, worker_starts={4243: 1000})
+    assert act.apply(io_job, JobAllocation(job="io", workers=1, cpus=1.0, io_weight=300)).ok
+    assert act.apply(cpu_job, JobAllocation(job="cpu", workers=1, cpus=1.0)).ok
+    assert (root / "blkio" / "adloader" / "io" / "blkio.bfq.weight").read_text() == "300"
+    assert not (root / "blkio" / "adloader" / "cpu").exists()
+    assert not act.lost_group("io") and not act.lost_group("cpu")
+    (root / "blkio" / "adloader" / "io" / "blkio.bfq.weight").unlink()   # the admin's rmdir
+    (root / "blkio" / "adloader" / "io" / "cgroup.procs").unlink()
+    (root / "blkio" / "adloader" / "io").rmdir()
+    assert (root / "cpu" / "adloader" / "io").is_dir()
+    assert act.lost_group("io") and not act.lost_group("cpu")          # old code: False for "io"
+    assert act.apply(io_job, JobAllocation(job="io", workers=1, cpus=1.0, io_weight=300)).ok
+    assert not act.lost_group("io")
+    assert (root / "blkio" / "adloader" / "io" / "blkio.bfq.weight").read_text() == "300"
+    assert [int(x) for x in (root / "blkio" / "adloader" / "io" / "cgroup.procs").read_text().split()] == [4242]

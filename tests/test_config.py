@@ -41,6 +41,13 @@ def test_config_precedence_defaults_file_env_cli(tmp_path):
     ('endpoint = "http://x"\n', "'endpoint'"),
     ('endpoint = "ipc://"\n', "needs the socket's path"),          # (before: [Errno 2] ... '' at start)
     ('endpoint = "ipc://run/agent.sock"\n', "must be absolute"),
+    # (before: these passed and the agent failed only at its bind, "Invalid argument"; ZeroMQ took the
+    # port 70000 as 4464)
+    ('endpoint = "tcp://agent.example"\n', "needs a host and a port"),
+    ('endpoint = "tcp://:5555"\n', "needs a host and a port"),
+    ('endpoint = "tcp://127.0.0.1:notaport"\n', "port must be a number"),
+    ('endpoint = "tcp://127.0.0.1:70000"\n', "port must be a number"),
+    ('endpoint = "tcp://127.0.0.1:5555/x"\n', "port must be a number"),
     ('tick_s = \n', "not valid TOML"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, key):
@@ -49,6 +56,21 @@ def test_config_errors_name_the_key(tmp_path, text, key):
     with pytest.raises(configmod.ConfigError) as e:
         configmod.load(str(f), {}, environ={})
     assert key in str(e.value) and str(f) in str(e.value)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://agent.example", "tcp://127.0.0.1:notaport", "tcp://[::1]",
+                                      "tcp://*:", "tcp://127.0.0.1:-1", "tcp://127.0.0.1:\u0665\u0665"])
+def test_a_tcp_endpoint_without_a_port_is_refused_at_load_naming_the_key(endpoint):
+    # (before: it passed, and `adloader agent` failed only at its bind)
+    with pytest.raises(configmod.ConfigError, match=r"config key 'endpoint' \(the command line\): a tcp:// "):
+        configmod.load(None, {"endpoint": endpoint}, environ={})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5555", "tcp://127.0.0.1:5555", "tcp://[::1]:5555",
+                                      "tcp://agent.example:5555", "tcp://eth0:5555", "tcp://127.0.0.1:*",
+                                      "tcp://eth0;agent.example:5555", "ipc:///run/adloader/agent.sock"])
+def test_the_endpoint_forms_that_bind_or_connect_are_kept(endpoint):
+    assert configmod.load(None, {"endpoint": endpoint}, environ={}).endpoint == endpoint
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):

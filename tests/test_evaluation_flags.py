@@ -194,3 +194,56 @@ def test_no_evaluation_command_reads_a_comma_separated_list_with_int_or_float():
     found = [f"{p.name}:{i}" for p in sorted((REPO / "evaluation").glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if bare.search(line)]
     assert found == []
+
+
+class _Parsed(Exception):
+    """Raised in place of running a command whose arguments parsed."""
+
+
+# each command with each of its path and name-list flags; ('' from a variable left unset was read as the
+# flag not given, as an empty list, or as the working directory)
+_EMPTY_CASES = [
+    ("agent_bench", "--policies", "names"), ("agent_bench", "--out", "path"), ("agent_bench", "--profile", "path"),
+    ("best_plan", None, "path"), ("best_plan", "--mixes", "names"), ("best_plan", "--out", "path"),
+    ("controller_bench", "--policies", "names"), ("controller_bench", "--out", "path"),
+    ("hold_noise", "--out", "path"), ("loader_bench", "--out", "path"),
+    ("loader_burst", "--loaders", "names"), ("loader_burst", "--out", "path"),
+    ("loader_overhead", "--out", "path"), ("lone_worker", "--out", "path"), ("memory_bench", "--out", "path"),
+    ("mix_study", "--out", "path"),
+    ("multirank_check", "--against", "path"), ("multirank_check", "--policy", "names"),
+    ("multirank_check", "--out", "path"), ("oversub_cpu", "--out", "path"),
+    ("phase_noise", None, "path"), ("phase_noise", "--out", "path"),
+    ("phase_scan", None, "path"), ("phase_scan", "--out", "path"), ("pin_bench", "--out", "path"),
+    ("plots", None, "path"), ("predictor_accuracy", "--corpus", "path"), ("predictor_accuracy", "--json", "path"),
+    ("predictor_corpus", "--out", "path"), ("predictor_corpus", "--jobs", "names"),
+    ("security_bench", "--scenarios", "names"), ("security_bench", "--agent-repo", "path"),
+    ("security_bench", "--out", "path"), ("slurm_bench", "--out", "path"),
+    ("supply_check", "--against", "path"), ("supply_check", "--out", "path"),
+    ("validate_sim", None, "path"), ("validate_sim", "--out", "path"), ("wakeup_wait", "--out", "path"),
+    ("workload_audit", "--out", "path"),
+]
+# positional arguments the commands need besides the flag under test
+_POSITIONAL = {"phase_noise": ["x.json"], "phase_scan": ["agent.log"], "plots": ["bench.json"]}
+
+
+@pytest.mark.parametrize("module, flag, kind", _EMPTY_CASES)
+def test_an_empty_path_or_name_list_is_a_usage_error_naming_the_flag(module, flag, kind, monkeypatch, capsys):
+    """The arguments are parsed only: a command whose arguments parse stops there (``_Parsed``)."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    mod = importlib.import_module(f"evaluation.{module}")
+    argv = [""] if flag is None else _POSITIONAL.get(module, []) + [flag, ""]
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"argument {flag}: " if flag else "argument ") in err, err
+    assert ("an empty path" if kind == "path" else "no name given") in err, err
+    # the same argv with a value given parses (the flag is the only thing refused)
+    good = ["x"] if flag is None else _POSITIONAL.get(module, []) + [flag, "x"]
+    with pytest.raises(_Parsed):
+        mod.main(good)

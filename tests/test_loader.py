@@ -915,6 +915,20 @@ def test_state_dict_of_an_iterable_mid_epoch_restarts_that_epoch_with_a_warning(
     assert [b.tolist() for b in again] == epoch and again.stats()["epoch"] == state["epoch"]
 
 
+@pytest.mark.parametrize("version", [True, 1.0, "1", None, 2])
+def test_load_state_dict_refuses_a_version_other_than_the_integer_naming_the_key(version):
+    # Python's == took True and 1.0 for version 1
+    dl = DataLoader(Indexed(8), batch_size=2)
+    state = dl.state_dict()
+    assert state["version"] == 1 and type(state["version"]) is int
+    dl.load_state_dict(state)
+    state["version"] = version
+    with pytest.raises(ValueError, match=r"'version' is .*the integer 1 expected"):
+        DataLoader(Indexed(8), batch_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="not an adloader.DataLoader state"):
+        DataLoader(Indexed(8), batch_size=2).load_state_dict([state])
+
+
 def test_random_augmentation_does_not_depend_on_workers():
     def run(nw, resize_at=None):
         dl = DataLoader(RandomAug(40), batch_size=4, shuffle=True,

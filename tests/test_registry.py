@@ -276,6 +276,41 @@ def test_a_rank_that_joins_late_gets_the_plan_over_the_ranks_now_and_one_that_co
         peer.wait()
 
 
+def test_a_rank_that_leaves_changes_nothing_sent_until_the_next_tick_resends_the_plan():
+    """The behaviour at a leave, kept on purpose (``agent.server.rank_directive``): rank 1 of a job
+    planned 6 (3 a rank) says bye, and rank 0 is sent nothing then: it keeps its 3, fewer than the plan
+    in all, never more, until the next tick, which re-sends the job's count for its one rank (the
+    directive tracks the job's ranks: test_controller). A split at the leave would have rank 0 fork 3
+    more workers when its peers are often leaving too (the end of a run, a torchrun restart)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from adloader import protocol
+    from agent.server import Server
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        me, uid = os.getpid(), os.getuid()
+        reg = Registry()
+        s = Server("ipc:///nonexistent/agent.sock", reg, heartbeat_s=1.0, on_report=lambda *a: None, status_doc=dict)
+        sent = []
+        s._send = lambda identity, msg: sent.append((identity, msg)) or True
+        for identity, rank, pid in ((b"r0", 0, me), (b"r1", 1, peer.pid)):
+            s._hello(identity, Peer(uid, 0, pid), {"job": "j", "rank": rank, "pid": pid, "world_size": 2}, 0.0)
+        assert s.send_directive("j", 6, 2.0, None, "both ranks")
+        assert [(i, m["workers"]) for i, m in sent if m["type"] == "directive"] == [(b"r0", 3), (b"r1", 3)]
+        before = len(sent)
+        bye = protocol.encode(protocol.make("bye", job="j", rank=1, pid=peer.pid))
+        s._dispatch(b"r1", Peer(uid, 0, peer.pid), [SimpleNamespace(bytes=b"r1"), SimpleNamespace(bytes=bye)], 1.0)
+        assert sorted(reg.jobs["j"].ranks) == [0]
+        assert [m["type"] for _, m in sent[before:]] == ["ok"]         # nothing to rank 0 at the leave
+        assert s.send_directive("j", 6, 2.0, None, "one rank")          # the next tick's
+        assert sent[-1][0] == b"r0" and sent[-1][1]["workers"] == 6 and sent[-1][1]["cpus"] == 2.0
+    finally:
+        peer.kill()
+        peer.wait()
+
+
 def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restart_is_not():
     """Two jobs started with the same ADLOADER_JOB_ID by mistake, of 2 and 4 ranks: the second's rank 0
     was refused (rank 0 held), but its ranks 2 and 3 joined the first, which was then planned as one job

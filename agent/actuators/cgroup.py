@@ -442,6 +442,7 @@ class CgroupActuator:
         self.affinity = affinity or AffinityActuator(self.originals, proc_root=proc_root)
         self._shares: dict[str, int] = {}            # job -> shares written to its group
         self._workers: dict[str, int] = {}           # job -> its worker pids in its cpu group
+        self._hiers: dict[str, set[str]] = {}        # job -> hierarchies its last apply put its group in
         self._cores: dict[str, float] = {}           # job -> cores the plan gives its loader
         self._trainer: dict[str, float] = {}         # job -> cores its training processes need
         self._trainer_pace: dict[str, float] = {}    # job -> cores they use at the pace the data allows
@@ -783,6 +784,7 @@ class CgroupActuator:
         if not desired.enforce_cpu:
             self.release(job.job)
             return ApplyResult(job=job.job, ok=True, applied=desired)
+        self._hiers[job.job] = set()
         try:
             notes = self._apply_cpu(job, desired)
             notes += self._apply_io(job, desired)
@@ -803,9 +805,11 @@ class CgroupActuator:
                 if "cpuset" not in self.h:
                     raise NotSupported("no cgroup v1 cpuset hierarchy for cpu_knob=cpuset")
                 self._ensure("cpuset", rel)
+                self._hiers[job.job].add("cpuset")
                 self._write("cpuset", rel, "cpuset.cpus", cgroupfs.format_cpu_list(desired.cpuset))
                 self._move_pids("cpuset", rel, job)
             self._ensure("cpu", rel)
+            self._hiers[job.job].add("cpu")
             if knob == "quota":
                 period = int(self.h["cpu"].read(rel, "cpu.cfs_period_us") or 100000)
                 quota = max(QUOTA_MIN_US, int(round(desired.cpus * period)))
@@ -823,6 +827,7 @@ class CgroupActuator:
             self._note_budget(job, desired)
         else:
             self._ensure("", rel)
+            self._hiers[job.job].add("")
             if knob == "cpuset":
                 self._write("", rel, "cpuset.cpus", cgroupfs.format_cpu_list(desired.cpuset))
             if knob == "quota":
@@ -946,13 +951,20 @@ class CgroupActuator:
         self._subtree_ident = ident
 
     def lost_group(self, job_id: str) -> bool:
-        """Whether the cpu group an apply made for the job is gone (an admin's rmdir, a systemd reset of
-        the subtree) while the job still holds an allocation here. The controller then applies the job
-        again with its allocation unchanged (``Controller._prepare_job``), which makes the group again
-        (the subtree too, if it went), writes its weight and moves the job's workers back in; before,
-        nothing changed for the controller, so the group stayed gone until the job's allocation or
-        workers did. A stat per job and tick; read on the tick's thread (``_workers`` only by key)."""
-        return job_id in self._workers and not self.h[self._cpu_hier].exists(self._group(job_id))
+        """Whether a group an apply made for the job is gone (an admin's rmdir, a systemd reset of the
+        subtree) while the job still holds an allocation here: in any hierarchy its last apply put it
+        in (v1: cpu, and cpuset and blkio where that apply used them; a job adopted from the journal and
+        not applied since: cpu). The controller then applies the job again with its allocation
+        unchanged (``Controller._prepare_job``), which makes the group again (the subtree too, if it
+        went), writes its values and moves the job's workers back in; before, nothing changed for the
+        controller, so the group stayed gone until the job's allocation or workers did (and a group
+        gone from cpuset or blkio only was not noticed: the workers ran on every CPU, or at the default
+        IO weight). A stat per hierarchy, job and tick (about 3 us each on the 2-core VM); read on the
+        tick's thread (``_workers`` and ``_hiers`` only by key)."""
+        if job_id not in self._workers:
+            return False
+        rel = self._group(job_id)
+        return any(not self.h[hier].exists(rel) for hier in self._hiers.get(job_id) or (self._cpu_hier,))
 
     def _current_subtree_cap(self) -> Optional[float]:
         if not self._subtree_cap_read:
@@ -987,6 +999,7 @@ class CgroupActuator:
         rel = self._group(job.job)
         if self.version == 1:
             self._ensure("blkio", rel)
+            self._hiers[job.job].add("blkio")
             self._write("blkio", rel, "blkio.bfq.weight", w)
             self._move_pids("blkio", rel, job)
         else:
@@ -1043,6 +1056,7 @@ class CgroupActuator:
                 errors.append(str(e))
         self._shares.pop(job_id, None)
         self._workers.pop(job_id, None)
+        self._hiers.pop(job_id, None)
         self._cores.pop(job_id, None)
         self._trainer.pop(job_id, None)
         self._trainer_pace.pop(job_id, None)
