@@ -3,7 +3,7 @@ default, the files the docs name exist, and every `adloader` command, and every 
 evaluation.<module>` that the README, BENCHMARKS.md or docs/ tell people to run, has its own part of
 docs/*.md (``command_sections``) that names each of its options, lists no option it does not have (an
 option table's first column, a usage synopsis), and gives no default (an option table's 'default'
-column) other than its parser's."""
+column) other than its parser's; and every `key = value` the docs show for a config key is accepted."""
 from __future__ import annotations
 
 import argparse
@@ -243,3 +243,23 @@ def test_the_config_keys_defaults_in_the_operations_guide_are_the_agents():
                                   and math.isclose(float(cell), default))):
             wrong.append(f"{f.name}: docs say {rows[f.name]!r}, the agent {default!r}")
     assert not wrong, "config keys whose default in docs/operations.md is not the agent's: " + "; ".join(wrong)
+
+
+def test_every_config_setting_the_docs_show_is_one_the_agent_takes(tmp_path):
+    """A `key = value` the README or docs show for an agent config key (`floor_allotment = "whole"`,
+    `cgroup_mode = "cooperative"`) is TOML the agent's config accepts as written ("..." stands for a
+    value of the reader's and is left out)."""
+    config = pytest.importorskip("agent.config", reason="agent/config.py (agentd) is not in this build yet")
+    shown = {m for p in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+             for m in re.findall(r"`(([a-z_]+) = [^`]+)`", p.read_text())}
+    settings = sorted(line for line, key in shown if key in config.KEYS and "..." not in line)
+    assert len(settings) >= 5, f"the docs' config settings were not found: {settings}"
+    refused = []
+    for i, line in enumerate(settings):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(line + "\n")
+        try:
+            config.load(str(path), {}, environ={})
+        except config.ConfigError as e:
+            refused.append(f"{line}: {e}")
+    assert not refused, "config settings the docs show that the agent refuses:\n" + "\n".join(refused)
