@@ -303,9 +303,11 @@ def _new_phase(facts) -> int:
                 w = _DECAY[m - 1 - i] * f.steps_w
                 sv += w * value(f)
                 sw += w
-        if sw <= 0 or sv <= 0 or not all(voter(f) for f in new):
+        if sw <= 0 or not all(voter(f) for f in new):
             continue
         ref = sv / sw
+        if not ref > 0:        # (no cost; or a mean under a float's range, 5e-324 s beside windows of 0 s:
+            continue           # the ratios below raised ZeroDivisionError out of ``observe``)
         rs = [value(f) / ref for f in new]
         if all(r >= ratio for r in rs) or all(r <= 1.0 / ratio for r in rs):
             return len(facts) - first

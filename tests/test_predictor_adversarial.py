@@ -207,6 +207,21 @@ def _window(workers=1, cores=0.05, bs=1, g=2.0, wait=0.0, c=0.0, wall=0.0, b=0.0
                        samples_per_s=rate, duration_s=dur, steps=steps)
 
 
+def test_a_mean_cost_under_a_floats_range_is_no_new_phase_and_no_error():
+    """The phase detection's reference (the earlier windows' weighted mean compute per step) underflowed
+    to 0 where one earlier window's 5e-324 s step sat beside another of 0 s with many steps: its test
+    divided by it, and ``observe`` raised ZeroDivisionError (the window was kept: every later window of the
+    job raised again)."""
+    bank = PredictorBank(prior=None)
+    bank.observe("j", _window(g=0.0, steps=1000, rate=100.0))
+    bank.observe("j", _window(g=5e-324, steps=1, rate=100.0))
+    for _ in range(2):
+        bank.observe("j", _window(g=0.1, steps=30, rate=10.0))
+    cur = bank.curve("j")
+    assert cur.extra["phase_changes"] == 0 and cur.extra["windows"] == 4
+    check_curve(cur, "none")
+
+
 @pytest.mark.parametrize("bs", [0.5, 1e-300, 5e-324])
 def test_a_window_of_under_one_sample_a_step_is_refused(bs):
     """A step delivers one sample at least. The record took any batch size above 0, and a window of
