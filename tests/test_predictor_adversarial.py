@@ -172,6 +172,45 @@ def check_curve(cur: ThroughputCurve, prior_name: str) -> None:
     assert _finite_figure(uc) and 0 <= uc <= 64.0
 
 
+@settings(**_SETTINGS)
+@given(windows=window_sequences(), prior=st.sampled_from(sorted(PRIORS)))
+def test_any_sequence_of_windows_gives_curves_the_planner_can_use(windows, prior):
+    bank = PredictorBank(prior=PRIORS[prior])
+    previous = None
+    for o in windows:
+        bank.observe("j", o)
+        cur = bank.curve("j")
+        if cur is None:
+            continue
+        # a new window makes a new curve, with an empty memo (no value outlives its figures)
+        assert cur is not previous and not cur.memo
+        check_curve(cur, prior)
+        previous = cur
+
+
+@settings(**{**_SETTINGS, "max_examples": 40})
+@given(windows=window_sequences(), prior=st.sampled_from(sorted(PRIORS)))
+def test_the_planner_plans_any_such_curve(windows, prior):
+    """The adaptive policy, given the last curve of such a sequence beside a plain job's, plans finite
+    cores and a worker count within the bounds for both."""
+    bank = PredictorBank(prior=PRIORS[prior])
+    for o in windows:
+        bank.observe("j", o)
+    cur = bank.curve("j")
+    if cur is None:
+        return
+    plain = ThroughputCurve(job="k", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.2,
+                            blocked_s_per_batch=0.0, confidence=0.9, observed_configs=3)
+    jobs = {"j": job_stats("j", max_workers=64), "k": job_stats("k", max_workers=64)}
+    snap = NodeSnapshot(now=100.0, loader_cpus=7.2, cpu_ids=tuple(range(8)), jobs=jobs)
+    plan = adaptive(snap, {"j": cur, "k": plain}, PolicyConfig())
+    for j, a in plan.allocations.items():
+        assert _finite_figure(a.cpus) and 0 <= a.cpus <= 8.0, (j, a)
+        assert 1 <= a.workers <= 64, (j, a)
+    if plan.predicted_total is not None:
+        assert _finite_figure(plan.predicted_total)
+
+
 # -- the controller's feeding: observation_from_stats of degenerate JobStats ------------------------------
 
 _EXTREME = {
@@ -199,12 +238,49 @@ def degenerate_stats(draw):
     return job, snap, draw(st.sampled_from([None, 0.0, 1e-9, 2.0, 1e300]))
 
 
+@settings(**{**_SETTINGS, "max_examples": 300})
+@given(case=degenerate_stats(), work_conserving=st.booleans(), observed=st.sampled_from(["share", "received"]))
+def test_observation_from_degenerate_stats_is_none_or_a_window_the_bank_takes(case, work_conserving, observed):
+    from agent.controller import observation_from_stats
+
+    job, snap, applied_cpus = case
+    obs = observation_from_stats(job, snap, work_conserving, applied_cpus=applied_cpus, observed_cores=observed)
+    if obs is None:
+        return
+    assert isinstance(obs, Observation) and obs.cores > 0 and obs.batch_size > 0 and obs.workers >= 0
+    bank = PredictorBank(prior="default")
+    for _ in range(3):
+        bank.observe("j", obs)
+        cur = bank.curve("j")
+        if cur is not None:
+            check_curve(cur, "default")
+
+
 # -- regressions: what the properties above found ----------------------------------------------------------
 
 def _window(workers=1, cores=0.05, bs=1, g=2.0, wait=0.0, c=0.0, wall=0.0, b=0.0, rate=0.5, steps=1, dur=3.0):
     return Observation(workers=workers, cores=cores, batch_size=bs, compute_s_per_step=g, data_wait_s_per_step=wait,
                        cpu_s_per_batch=c, wall_s_per_batch=wall, runq_s_per_batch=0.0, blocked_s_per_batch=b,
                        samples_per_s=rate, duration_s=dur, steps=steps)
+
+
+@pytest.mark.parametrize("prior", sorted(PRIORS))
+@pytest.mark.parametrize("c", [5e-324, 1e-310, 1e-13])
+def test_a_cpu_cost_under_a_clocks_resolution_is_no_cost(prior, c):
+    """A lying client's 5e-324 s of worker CPU per batch (the record takes any figure >= 0) was pooled
+    into the curve as a cost: its max_useful_cores underflowed to 0 beside a positive CPU cost, and with
+    a core correction under 1 the planner's (c + b) x core_correction was 0: ZeroDivisionError in
+    ``agent.policies._useful_cores``, for every decision of the node while the window was in the job's
+    history. A pooled time under ``predictor.bank.TIME_RESOLUTION`` is now 0."""
+    bank = PredictorBank(prior=PRIORS[prior])
+    bank.observe("j", _window(c=c, wall=c))
+    cur = bank.curve("j")
+    check_curve(cur, prior)
+    assert cur.cpu_s_per_batch == 0.0
+    # a measurable cost stays what it was measured
+    bank = PredictorBank(prior=PRIORS[prior])
+    bank.observe("j", _window(c=1e-9, wall=1e-9))
+    assert bank.curve("j").cpu_s_per_batch == 1e-9
 
 
 def test_a_mean_cost_under_a_floats_range_is_no_new_phase_and_no_error():
