@@ -189,10 +189,12 @@ def test_any_sequence_of_windows_gives_curves_the_planner_can_use(windows, prior
 
 
 @settings(**{**_SETTINGS, "max_examples": 40})
-@given(windows=window_sequences(), prior=st.sampled_from(sorted(PRIORS)))
-def test_the_planner_plans_any_such_curve(windows, prior):
+@given(windows=window_sequences(), prior=st.sampled_from(sorted(PRIORS)),
+       budget=st.sampled_from([None, 1.0, 2.0 ** 30, 2.0 ** 60]))
+def test_the_planner_plans_any_such_curve(windows, prior, budget):
     """The adaptive policy, given the last curve of such a sequence beside a plain job's, plans finite
-    cores and a worker count within the bounds for both."""
+    cores and a worker count within the bounds for both, under any loader memory budget (the curve's
+    worker memory is what its workers cost there)."""
     bank = PredictorBank(prior=PRIORS[prior])
     for o in windows:
         bank.observe("j", o)
@@ -202,7 +204,7 @@ def test_the_planner_plans_any_such_curve(windows, prior):
     plain = ThroughputCurve(job="k", batch_size=32, compute_s_per_step=0.1, cpu_s_per_batch=0.2,
                             blocked_s_per_batch=0.0, confidence=0.9, observed_configs=3)
     jobs = {"j": job_stats("j", max_workers=64), "k": job_stats("k", max_workers=64)}
-    snap = NodeSnapshot(now=100.0, loader_cpus=7.2, cpu_ids=tuple(range(8)), jobs=jobs)
+    snap = NodeSnapshot(now=100.0, loader_cpus=7.2, cpu_ids=tuple(range(8)), jobs=jobs, loader_memory_bytes=budget)
     plan = adaptive(snap, {"j": cur, "k": plain}, PolicyConfig())
     for j, a in plan.allocations.items():
         assert _finite_figure(a.cpus) and 0 <= a.cpus <= 8.0, (j, a)
