@@ -117,6 +117,17 @@ SUPPLY_WALL_GROWTH = 0.75
 SUPPLY_DATA_BOUND = 0.9      # ... and below this part of the GPU's ceiling there (else the GPU is the limit)
 SUPPLY_SPREAD = 1.25         # a configuration counts where two or more windows' samples/s agree this far (max / min)
 SUPPLY_HOLD_WINDOWS = 2 * HISTORY_WINDOWS   # a cap no window has shown again for this long is dropped (a re-probe)
+# A pooled time (compute per step, CPU, blocked or run-queue time per batch) under this is no measurement:
+# below any clock's resolution, and below a float's spacing of a counter that has run for hours (~2e-12 s at
+# 1e4 s). The curve takes it as 0. A lying client's 5e-324 s of CPU per batch was taken as a cost: the curve's
+# max_useful_cores underflowed to 0 beside a positive CPU cost, and the planner's (c + b) x core_correction
+# to 0 (ZeroDivisionError in ``agent.policies._useful_cores``, every decision of the node).
+TIME_RESOLUTION = 1e-12
+
+
+def _resolved(t: float) -> float:
+    """A pooled time as the curve takes it: 0 under ``TIME_RESOLUTION``."""
+    return t if t >= TIME_RESOLUTION else 0.0
 
 
 def batch_size_changed(reference: float, batch_size: float) -> bool:
@@ -250,7 +261,7 @@ def supply_cap(curve: ThroughputCurve, facts: list) -> tuple[float, float]:
                     and t_hi <= (1.0 + SUPPLY_TOL) * t_lo and t_hi < SUPPLY_DATA_BOUND * ceiling
                     and c_hi + b_hi >= SUPPLY_WALL_GROWTH * (w_hi / w_lo) * x_lo
                     and b_hi - b_lo >= 0.5 * grew):
-                return max(t for t, _, _ in seen.values()), min(b for _, _, b in seen.values())
+                return max(t for t, _, _ in seen.values()), _resolved(min(b for _, _, b in seen.values()))
     return 0.0, 0.0
 
 
@@ -303,9 +314,11 @@ def _new_phase(facts) -> int:
                 w = _DECAY[m - 1 - i] * f.steps_w
                 sv += w * value(f)
                 sw += w
-        if sw <= 0 or sv <= 0 or not all(voter(f) for f in new):
+        if sw <= 0 or not all(voter(f) for f in new):
             continue
         ref = sv / sw
+        if not ref > 0:        # (no cost; or a mean under a float's range, 5e-324 s beside windows of 0 s:
+            continue           # the ratios below raised ZeroDivisionError out of ``observe``)
         rs = [value(f) / ref for f in new]
         if all(r >= ratio for r in rs) or all(r <= 1.0 / ratio for r in rs):
             return len(facts) - first
@@ -333,6 +346,7 @@ def pooled_costs(windows) -> tuple[float, float, float, float]:
     """(g, c, b, runq) pooled over usable windows: recency-weighted means, weight ~ steps in window.
 
     Windows whose workers finished no batch (cpu and wall per batch both 0) do not vote on c and b.
+    A mean under ``TIME_RESOLUTION`` is 0.
     """
     windows = list(windows)
     n = len(windows)
@@ -351,10 +365,10 @@ def pooled_costs(windows) -> tuple[float, float, float, float]:
             wc += w
     if wg == 0:
         raise BadObservation("no usable observation window (every window has steps == 0 or samples_per_s == 0)")
-    g = sg / wg
+    g = _resolved(sg / wg)
     if wc == 0:  # no batch was timed in a worker: nothing says the loader costs anything yet
         return g, 0.0, 0.0, 0.0
-    return g, sc / wc, sb / wc, sr / wc
+    return g, _resolved(sc / wc), _resolved(sb / wc), _resolved(sr / wc)
 
 
 class PredictorBank:
@@ -464,8 +478,8 @@ class PredictorBank:
                 sb += w * f.b
                 sr += w * f.r
                 wc += w
-        g = sg / wg
-        c, b, runq = (sc / wc, sb / wc, sr / wc) if wc else (0.0, 0.0, 0.0)
+        g = _resolved(sg / wg)
+        c, b, runq = (_resolved(sc / wc), _resolved(sb / wc), _resolved(sr / wc)) if wc else (0.0, 0.0, 0.0)
         configs = {f.config for f in facts}
         confidence = curve_confidence(n, len(configs))
         last = facts[-1].obs

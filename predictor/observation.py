@@ -86,7 +86,7 @@ class BadObservation(ValueError):
 class Observation:
     workers: int                 # loader worker processes during the window (>= 0; 0 = in-process)
     cores: float                 # CPU cores the loader may use (quota/affinity/share), > 0
-    batch_size: float            # samples per batch, i.e. per step (> 0): an int where whole (a fixed size, as
+    batch_size: float            # samples per batch, i.e. per step (>= 1): an int where whole (a fixed size, as
                                  # records have always held it; ``as_batch_size``), a window's mean where a
                                  # batch sampler's batches differ (the agent's: ``predictor.bank.window_batch_size``)
     compute_s_per_step: float    # time outside next(): the training step (GPU or emulated), >= 0
@@ -116,8 +116,11 @@ class Observation:
                                      f"{MAX_SECONDS if f.name in _SECONDS else MAX_FIGURE:g}, got {v!r}")
         if self.cores < MIN_CORES:
             raise BadObservation(f"observation field 'cores' must be >= {MIN_CORES:g}, got {self.cores!r}")
-        if self.batch_size <= 0:
-            raise BadObservation(f"observation field 'batch_size' must be > 0, got {self.batch_size!r}")
+        if self.batch_size < 1:
+            # (samples per step: a step delivers one sample at least; under one, the curve's ceiling,
+            # batch_size / compute per step, underflowed to 0 from 5e-324 samples a step)
+            raise BadObservation(f"observation field 'batch_size' must be at least 1 (samples per step), "
+                                 f"got {self.batch_size!r}")
         if self.duration_s <= 0:
             raise BadObservation(f"observation field 'duration_s' must be > 0, got {self.duration_s!r}")
 
