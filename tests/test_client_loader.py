@@ -123,7 +123,11 @@ def test_two_rank_torchrun_gloo_job_registers_as_one_job(base):
         # the job, its part to each rank (2 each, from the 1 they started with; the job's count is theirs together)
         wait_for(lambda: _read(f"{state}.0").get("num_workers") == 2 and _read(f"{state}.1").get("num_workers") == 2,
                  30, what="both ranks resized")
-        assert all(_read(f"{state}.{r}")["last_directive"]["workers"] == 2 for r in (0, 1))
+        # (waited for, not read once: the client records a directive once its resize has returned, and a
+        # rank's state written while its new workers start shows the count before the record; the
+        # 44th pass's fresh-clone run read last_directive None there)
+        wait_for(lambda: all((_read(f"{state}.{r}").get("last_directive") or {}).get("workers") == 2 for r in (0, 1)),
+                 30, what="both ranks' clients recorded the directive for 2 workers")
         wait_for(lambda: (j := agent.job(job["job"])) and j["workers"] == 4 and j["desired_workers"] == 4, 20,
                  what="the job's workers, both ranks' together")
     finally:
