@@ -83,7 +83,8 @@ for the ones the command line offers):
                            planned cores than the other CPU-bound jobs' did (``agent.policies.
                            _delivery_workers``: a contended CPU on a small node is shared per thread more
                            than per group weight, and one worker beside several receives less); default 0
-                           (off)
+                           (off: a gain in fairness for 2.7% of the aggregate in one run on 2 cores, not
+                           confirmed by a second, BENCHMARKS.md, forty-fourth and forty-fifth passes)
     finish_guard    bool   adaptive: when every job says how many steps it has left (the loader's
                            ``total_steps``), the jobs whose remaining time sets the node's finishing time
                            get the cores they can use before the rest is shared for throughput

@@ -192,8 +192,11 @@ class PolicyConfig:
         receives less than its part gets its own. Never over the job's worker bound (its
         ``max_workers``, its memory). Measured on the 2-core VM (forty-fourth pass, oversubscribed mix,
         3 interleaved repeats): with 1, every job at 0.9x its static-cores throughput or more in every
-        repeat (worst 0.91-0.99; 0.76-0.93 with 0) for 2.7% of the aggregate at median; off by default
-        until a second run confirms the cost.
+        repeat (worst 0.91-0.99; 0.76-0.93 with 0) for 2.7% of the aggregate at median; a second run
+        (forty-fifth pass, the same mix and gpu-weighted, 3 interleaved repeats) did not confirm it:
+        0.955x even-static against adaptive's 1.000 and the worst job 0.87 against 0.91 at median (the
+        extra worker went to the ResNet-50-like job in one repeat and left the AlexNet-like one on its
+        lone worker at 0.84). Off by default.
     """
 
     min_workers: int = 1
