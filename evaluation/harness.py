@@ -241,6 +241,8 @@ class BenchConfig:
     agent_log_level: str = "info"           # the agents' log level ("debug": every window the predictor got)
     steps_known: bool = False               # a job with a fixed amount of work (the dynamic scenario's) tells its
                                             # loader its steps (``total_steps``): what adaptive's finish guard uses
+    foreign_cores: float = 0.0              # CPU load outside every job for the whole phase (``foreign_load``):
+                                            # other tenants, daemons, jobs that do not report
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -744,6 +746,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
     procs: dict[str, Proc] = {}
     readers: dict[str, ProgressReader] = {}
     hogs: list[Proc] = []
+    foreign: list[Proc] = []            # --foreign-cores: load outside the jobs for the whole phase
     events: list[dict] = []
     agent_cpu = {}
     throttle: Optional[dict] = None     # static-cores: the job groups' cpu.stat at the window's ends
@@ -760,6 +763,9 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                                           sc.loader_memory)
         if policy == "static-cores":
             static = StaticCores(cfg.node_cores, sc.node_gpus)
+        for i, duty in enumerate(foreign_load(cfg.foreign_cores)):     # there before the jobs, to the end
+            foreign.append(Proc([cfg.python, "-c", FOREIGN_SCRIPT, repr(duty), repr(FOREIGN_PERIOD_S)], child_env(),
+                                run_dir / f"foreign{i}.log"))
         pending = sorted(sc.launches, key=lambda l: l.at_s)
 
         def launch(l: Launch) -> None:
@@ -855,7 +861,7 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         if agent is not None:
             agent_status = query_status(cfg, endpoint, run_dir)
     finally:
-        for p in hogs:
+        for p in hogs + foreign:
             p.stop(grace_s=0.5)
         for p in procs.values():
             p.signal(signal.SIGTERM)
@@ -889,6 +895,33 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
             "events": events, "jobs": jobs, "agent_cpu": agent_cpu, "agent_status": agent_status, "error": error,
             "warmup_s": sc.warmup_s, "run_dir": str(run_dir), "memory": memory,
             "loader_memory_budget": sc.loader_memory, "static_throttle": throttle, "node_cpu": node_cpu}
+
+
+FOREIGN_PERIOD_S = 0.05      # foreign_load: each process's busy/sleep cycle
+
+
+def foreign_load(cores: float) -> list[float]:
+    """How ``adloader bench --foreign-cores CORES`` loads the node from outside the jobs: ceil(CORES)
+    processes, each busy the same part of every ``FOREIGN_PERIOD_S`` (a duty cycle: CORES / processes),
+    so that 0.5 is one process busy half the time and 1.5 two busy three quarters. Busy in short bursts
+    with sleeps between, as daemons, a neighbour's preprocessing or a test suite are, not one spinning
+    thread: such a process wakes, competes for a CPU where one is contended, and sleeps. The duties."""
+    if not cores > 0:
+        return []
+    n = math.ceil(cores - 1e-9)
+    return [cores / n] * n
+
+
+FOREIGN_SCRIPT = """import sys, time
+duty, period = float(sys.argv[1]), float(sys.argv[2])
+nxt = time.monotonic()
+while True:
+    busy_until = time.monotonic() + duty * period
+    while time.monotonic() < busy_until:
+        pass
+    nxt += period
+    time.sleep(max(0.0, nxt - time.monotonic()))
+"""
 
 
 def node_busy_s() -> float:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 
 import psutil
 import pytest
@@ -824,7 +825,9 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
                         (["--loader-cpus", "0"], "--loader-cpus must be in (0, "),
                         (["--loader-cpus", "100000"], "this node's CPUs"),
                         (["--loader-cpus", "many"], "'auto' or a number of cores"),
-                        (["--calibration-processes", "0"], "--calibration-processes must be >= 1")):
+                        (["--calibration-processes", "0"], "--calibration-processes must be >= 1"),
+                        (["--foreign-cores", "-0.5"], "--foreign-cores must be in [0, "),
+                        (["--foreign-cores", "100000"], "--foreign-cores must be in [0, ")):
         args = build_parser().parse_args(["bench", "--out", str(out), *argv])
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv
@@ -950,3 +953,47 @@ def test_a_plan_for_other_jobs_is_refused_before_a_phase_runs(tmp_path, tiny_cat
 
     with pytest.raises(BenchError, match=re.escape("share the phase folder(s) plan-other")):
         scenario_plans([], [f"plan:{plan}", f"plan:{tmp_path / 'sub' / 'other.json'}"])
+
+
+def test_foreign_load_splits_into_duty_cycled_processes_that_sleep():
+    """``--foreign-cores``: ceil(CORES) processes sharing CORES in equal duty cycles, none for 0; a
+    process runs its busy part of each period and sleeps the rest (it never takes a whole CPU)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from evaluation import harness
+
+    assert harness.foreign_load(0.0) == [] and harness.foreign_load(-1.0) == []
+    assert harness.foreign_load(0.5) == [0.5]
+    assert harness.foreign_load(1.0) == [1.0]
+    assert harness.foreign_load(1.5) == [0.75, 0.75]
+    p = subprocess.Popen([sys.executable, "-c", harness.FOREIGN_SCRIPT, "0.3", "0.05"])
+    try:
+        proc = psutil.Process(p.pid)
+        time.sleep(0.5)                          # past the interpreter's start
+        t0, c0 = time.monotonic(), sum(proc.cpu_times()[:2])
+        time.sleep(2.0)
+        used = (sum(proc.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+        assert p.poll() is None
+        assert 0.0 < used < 0.6, used           # busy 30% of the wall clock at most, plus slack
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_bench_with_foreign_load_runs_it_beside_the_jobs_and_stops_it(tmp_path, tiny_catalog):
+    """``adloader bench --foreign-cores 0.5``: the load runs through the phase (the bench sees the node
+    busier than its jobs and agent: ``node_other_cores``), the JSON says how much, and nothing it
+    started is left running."""
+    result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
+                     foreign_cores=0.5)
+    (ph,) = result["phases"]
+    assert ph["error"] is None and ph["metrics"]["agg_normalised"] > 0
+    assert ph["metrics"]["node_other_cores"] > 0.02
+    assert (Path(ph["run_dir"]) / "foreign0.log").exists()
+    assert not (Path(ph["run_dir"]) / "foreign1.log").exists()
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]["foreign_cores"] == 0.5
+    assert _no_children_left() == []

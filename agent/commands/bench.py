@@ -46,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--steps-known", action="store_true",
                    help="jobs with a fixed amount of work (the dynamic scenario's) tell their loaders their steps "
                         "(total_steps), as a job that knows its length does: what adaptive's finish guard uses")
+    p.add_argument("--foreign-cores", type=plain_float, default=0.0, metavar="CORES",
+                   help="CPU load outside every job for each whole phase, in cores (default 0): ceil(CORES) "
+                        "processes busy in 50-ms duty cycles, as daemons or a neighbour's work are")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep; the default) or a real small model step on CUDA")
     p.add_argument("--warmup-s", type=plain_float, default=None, metavar="S",
@@ -159,6 +162,8 @@ def _check_numbers(args, node_cores: int) -> str | None:
         why = seconds_error(name, v, zero_ok)
         if why:
             return why
+    if not 0 <= args.foreign_cores < node_cores:
+        return f"--foreign-cores must be in [0, {node_cores}) (this node's CPUs), got {args.foreign_cores:g}"
     if args.loader_cpus != "auto":
         try:
             c = float(args.loader_cpus)
@@ -233,7 +238,8 @@ def run(args) -> int:
     progress = report.Progress()
     progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
                   f"{len(policies)} policies x {reps} repeat(s); {setup.node_cores()} cores, "
-                  f"{loader_cpus:g} for loaders")
+                  f"{loader_cpus:g} for loaders"
+                  + (f"; {args.foreign_cores:g} cores of foreign load" if args.foreign_cores else ""))
     try:
         result = setup.run(out_dir=Path(args.out), scenarios=scenarios, policies=policies, reps=reps, quick=quick,
                            catalog_path=args.catalog, loader_cpus=loader_cpus,
@@ -243,7 +249,7 @@ def run(args) -> int:
                            loader_memory=loader_memory, oracle_source=args.oracle,
                            oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
                            loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known,
-                           calibration_processes=args.calibration_processes)
+                           calibration_processes=args.calibration_processes, foreign_cores=args.foreign_cores)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
