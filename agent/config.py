@@ -97,6 +97,10 @@ for the ones the command line offers):
     loaders_yield_foreign_cores  float  CPU (cores) used outside the jobs' trainers and loaders above
                            which the loaders stop yielding (they would lose their cores to it); they
                            yield again under half of it; 0..4096, default 0.5
+    foreign_weight  str    cores|workers, default "cores": what the loaders' subtree weighs against
+                           other processes once their CPU stops the yield: one task per planned loader
+                           core, or one per worker as unmanaged workers weigh (still capped at the node
+                           less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -199,6 +203,7 @@ class AgentConfig:
     finish_guard: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
+    foreign_weight: str = "cores"
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
@@ -377,6 +382,10 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
 
     if cfg.loaders_yield not in LOADERS_YIELD:
         bad("loaders_yield", f"must be one of {', '.join(LOADERS_YIELD)}")
+    from agent.policies import FOREIGN_WEIGHTS
+
+    if cfg.foreign_weight not in FOREIGN_WEIGHTS:
+        bad("foreign_weight", f"must be one of {', '.join(FOREIGN_WEIGHTS)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:

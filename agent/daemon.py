@@ -119,7 +119,7 @@ def _policy_config(cfg: AgentConfig):
                         floor_reference=cfg.floor_reference, floor_allotment=cfg.floor_allotment,
                         delivery_correction=cfg.delivery_correction,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
-                        yield_foreign_max_cores=cfg.loaders_yield_foreign_cores,
+                        yield_foreign_max_cores=cfg.loaders_yield_foreign_cores, foreign_weight=cfg.foreign_weight,
                         cpu_bound_min_workers=cfg.cpu_bound_min_workers, delivery_workers=cfg.delivery_workers,
                         finish_guard=cfg.finish_guard)
 

@@ -53,12 +53,16 @@ class NodeAllocation:
     other task on the node) leave idle (cgroup ``cpu.idle``): a trainer's CPU part is on its GPU's
     critical path, a loader's work is queued ahead (prefetch), so the trainer goes first. Otherwise the
     subtree weighs its planned cores and is capped at the node less the trainers' expected use.
+    ``weigh_workers``: the subtree, not yielding because other processes use the node, weighs one task per
+    worker (as the workers would unmanaged) instead of one per planned core (``PolicyConfig.
+    foreign_weight`` "workers"); still capped.
     ``trainers``: job -> (cores its training processes need at full speed, cores they will use at the
     pace the data allows), measured this tick (``agent.policies.trainer_cores_needed`` / ``_expected``).
     """
     loaders_yield: bool = False
     trainers: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     reason: str = ""
+    weigh_workers: bool = False
 
 
 @dataclass(frozen=True)

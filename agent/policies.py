@@ -54,6 +54,7 @@ TRAINER_CPU_MIN = 0.05      # cores, all training processes together: below this
 LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``loaders_yield``)
 FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
 FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
+FOREIGN_WEIGHTS = ("cores", "workers")   # PolicyConfig.foreign_weight (config key ``foreign_weight``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -154,6 +155,14 @@ class PolicyConfig:
     yield_foreign_max_cores: CPU used on the node outside the jobs' trainers and loaders above which the
         loaders stop yielding (they would lose every contended core to other tenants); they yield
         again once it is under half of this.
+    foreign_weight: what the loaders' subtree weighs once they stop yielding because other processes use
+        the node (``node_allocation``): "cores" (default) one nice-0 task per planned loader core, as
+        wherever trainers need CPU; "workers" one per worker, what the same workers weigh unmanaged
+        (``NodeAllocation.weigh_workers``), so that the agent does not shrink the loaders' claim
+        against processes it does not manage (with 1.8 planned cores the subtree weighs less than two
+        busy tasks; a user's habitual 8-16 workers per job, unmanaged, weigh that many). The cap at the
+        node less the trainers' expected use still keeps the trainers' cores over each period; what
+        "workers" costs them is a longer wait for a CPU when they wake.
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
@@ -215,6 +224,7 @@ class PolicyConfig:
     cpu_weights: bool = False
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
+    foreign_weight: str = "cores"
     cpu_bound_min_workers: int = 1
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
@@ -247,6 +257,9 @@ class PolicyConfig:
         if self.loaders_yield not in LOADERS_YIELD:
             raise ValueError(f"PolicyConfig.loaders_yield must be one of {', '.join(LOADERS_YIELD)}, "
                              f"got {self.loaders_yield!r}")
+        if self.foreign_weight not in FOREIGN_WEIGHTS:
+            raise ValueError(f"PolicyConfig.foreign_weight must be one of {', '.join(FOREIGN_WEIGHTS)}, "
+                             f"got {self.foreign_weight!r}")
         if self.yield_foreign_max_cores < 0:
             raise ValueError(f"PolicyConfig.yield_foreign_max_cores must be >= 0, got {self.yield_foreign_max_cores}")
         if not 1.0 <= self.delivery_correction <= 16.0:
@@ -643,8 +656,9 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     other processes kept that much for the last few seconds (``foreign_held_cpu_cores``, the least of
     the figure over ``agent.collector.FOREIGN_HOLD_S``): a job starting or exiting is a burst of CPU
     nobody reports, and stopping for each one cost 3-10 s of yield per arrival in the dynamic bench.
-    Otherwise the subtree weighs its planned cores and is capped at the node less the trainers'
-    expected use (``agent.actuators.cgroup``).
+    Otherwise the subtree weighs its planned cores (its workers, where other processes stopped the
+    yield and ``foreign_weight`` is "workers") and is capped at the node less the trainers' expected use
+    (``agent.actuators.cgroup``).
     """
     trainers = {j: (trainer_cores_needed(job), trainer_cores_expected(job)) for j, job in snapshot.jobs.items()}
     need = sum(n for n, _ in trainers.values())
@@ -663,8 +677,11 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
                               f"speed); other processes use {foreign:.2f} cores, a burst (under {limit:.2f} "
                               f"within the last seconds: {held:.2f})")
     if foreign >= limit:
+        workers = config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes use {foreign:.2f} cores (yield while under "
-                                               f"{limit:.2f}): the subtree weighs its planned cores")
+                                               f"{limit:.2f}): the subtree weighs its "
+                                               f"{'workers' if workers else 'planned cores'}",
+                              weigh_workers=workers)
     return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
                                           f"speed); other processes use {foreign:.2f} cores")
 

@@ -542,6 +542,32 @@ def test_yielding_loaders_give_way_to_every_other_task(clean, tmp_path):
     assert not os.path.exists(os.path.join(CPU, SUBTREE))
 
 
+def test_where_other_processes_stop_the_yield_the_subtree_may_weigh_its_workers(clean, tmp_path):
+    """``foreign_weight = "workers"`` (``NodeAllocation.weigh_workers``): the subtree, not yielding
+    because other processes use the node, weighs one task per worker, as those workers would
+    unmanaged, instead of one per planned core; the cap at the node less the trainers' use stays. Back
+    to the planned cores when the plan no longer says so."""
+    from agent.model import NodeAllocation
+
+    w1, w2, w3 = busy(clean), busy(clean), busy(clean)
+    act = cgroup_actuator(tmp_path, "shares")
+    trainers = {"f1": (0.4, 0.4)}
+    assert act.apply(stats("f1", [w1, w2, w3], trainer_cpu_s_per_step=0.02, compute_s_per_step=0.05),
+                     JobAllocation(job="f1", workers=3, cpus=1.2)).ok
+    shares = lambda: int(open(os.path.join(CPU, SUBTREE, "cpu.shares")).read())
+    quota = lambda: _quota_us(SUBTREE)
+    assert act.apply_node(NodeAllocation(False, trainers)) == []
+    assert shares() == subtree_shares_for_cores(1.2)
+    capped = quota()
+    assert act.apply_node(NodeAllocation(False, trainers, weigh_workers=True)) == []
+    assert shares() == 3 * 1024                          # its three workers, as unmanaged
+    assert quota() == capped                             # the trainers' cores still kept
+    assert act.apply_node(NodeAllocation(False, trainers)) == []
+    assert shares() == subtree_shares_for_cores(1.2)
+    act.restore()
+    assert not os.path.exists(os.path.join(CPU, SUBTREE))
+
+
 def test_static_cores_puts_a_job_under_a_hard_quota_and_cleans_up(tmp_path):
     import subprocess
     from pathlib import Path

@@ -832,6 +832,23 @@ def test_loaders_do_not_yield_to_other_tenants_and_hysteresis_holds_either_way()
     assert not node(0.6, before=yielding).loaders_yield
 
 
+def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_stop_the_yield():
+    """``foreign_weight = "workers"``: once other processes' CPU stops the yield, the plan says the
+    subtree weighs its workers (the reason too); while the loaders yield, or by default, it does not."""
+    base = snap("dev-2vcpu", _busy_trainers())
+    node = lambda foreign, cfg: get_policy("adaptive")(
+        dataclasses.replace(base, foreign_cpu_cores=foreign), curves_of(base), cfg).node
+    workers = PolicyConfig(yield_foreign_max_cores=0.5, foreign_weight="workers")
+    hog = node(1.0, workers)
+    assert not hog.loaders_yield and hog.weigh_workers and "weighs its workers" in hog.reason
+    quiet = node(0.1, workers)
+    assert quiet.loaders_yield and not quiet.weigh_workers
+    default = node(1.0, PolicyConfig(yield_foreign_max_cores=0.5))
+    assert not default.loaders_yield and not default.weigh_workers and "weighs its planned cores" in default.reason
+    with pytest.raises(ValueError, match="foreign_weight"):
+        PolicyConfig(foreign_weight="threads")
+
+
 def test_a_burst_of_other_cpu_does_not_stop_the_yield_a_lasting_one_does():
     """A job starting (imports before its hello) or exiting (after its bye) is a second or two of CPU
     nobody reports: the smoothed figure crosses the limit, the least over the last seconds does not.

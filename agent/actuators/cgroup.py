@@ -41,7 +41,9 @@ worker (issue 11: the controller-driven simulator, validated against the measure
 at 1.03x / 0.91x / 1.04x the best baseline on the 2-core gpu-weighted / trainer-cpu / oversubscribed
 mixes with one task per worker, 1.14x / 0.98x / 1.08x with one per planned core). The cost: against
 processes the agent does not manage (a CPU hog, a daemon) the loaders then claim their planned cores,
-not their worker count. Without trainer CPU the subtree weighs its workers and is not capped (the
+not their worker count, unless the operator sets ``foreign_weight = "workers"``: then, while other
+processes' CPU stops the yield below (``NodeAllocation.weigh_workers``), the subtree weighs its
+workers, still capped. Without trainer CPU the subtree weighs its workers and is not capped (the
 original quota).
 
 Yielding (the plan's ``NodeAllocation.loaders_yield``, ``agent.policies.node_allocation``): while the
@@ -874,8 +876,9 @@ class CgroupActuator:
 
         Yielding (``NodeAllocation.loaders_yield``, where the kernel has ``cpu.idle``): ``cpu.idle = 1``,
         no cap. Otherwise ``cpu.idle = 0`` (if we set it) and the subtree weighs what its workers would
-        unmanaged; where training processes need CPU, at most one task per planned loader core, and
-        capped at the node's CPUs less what the trainers use. The kernel refuses a weight for an idle
+        unmanaged; where training processes need CPU, at most one task per planned loader core (unless
+        the plan says ``weigh_workers``: other processes stopped the yield), and capped at the node's
+        CPUs less what the trainers use. The kernel refuses a weight for an idle
         group (EINVAL) and puts it back at the default weight when idle ends, so none is written while
         yielding and it is written again after."""
         if not self.h[self._cpu_hier].exists(self.subtree):
@@ -902,7 +905,7 @@ class CgroupActuator:
             self._subtree_idle = want_idle
         shares = subtree_shares_for(sum(self._workers.values()))
         cap = None
-        if need >= TRAINER_CPU_MIN:
+        if need >= TRAINER_CPU_MIN and not (self._node is not None and self._node.weigh_workers):
             shares = min(shares, subtree_shares_for_cores(sum(self._cores.get(j, 0.0) for j in self._workers)))
         if need >= TRAINER_CPU_MIN and self.node_cpus and not want_idle:
             # the node less the pace in 0.05-core steps (the pace moves a little every tick), but never
