@@ -93,6 +93,18 @@ def endpoint_env(base, monkeypatch):
 
 
 @pytest.fixture
+def agent(base, endpoint_env):
+    """The fake agent on the socket ``endpoint_env`` names. At teardown, whether the test passed or
+    failed: every loader still attached to the client is detached (the client says bye and its thread
+    ends), then the agent's socket closes."""
+    fake = FakeAgent(f"{base}/agent.sock")
+    yield fake
+    attached = client._client._live_loaders() if client._client is not None else []
+    _detach_all(*(ref() for ref in attached))
+    fake.close()
+
+
+@pytest.fixture
 def autotune(monkeypatch):
     calls = []
     mod = types.ModuleType("adloader.autotune")
@@ -123,45 +135,40 @@ def _attach_after_the_verdict(first, second) -> None:
     client.attach(second)
 
 
-def test_hello_reports_directives_bye(base, endpoint_env, autotune, monkeypatch):
+def test_hello_reports_directives_bye(agent, autotune, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.1)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=5)
     lo.dataset_kind = "iterable"               # adloader.DataLoader's: its workers change only at an epoch
-    try:
-        client.attach(lo)
-        client.attach(lo)                      # idempotent
-        ident, hello = agent.recv("hello")
-        assert ident.startswith(b"unit-job:0:%d:" % os.getpid())
-        assert hello["job"] == "unit-job" and hello["rank"] == 0 and hello["pid"] == os.getpid()
-        assert hello["gpus"] == ["1", "3"] and hello["uid"] == os.getuid() and hello["worker_pids"] == [os.getpid()]
-        assert (hello["workers"], hello["requested_workers"], hello["max_workers"], hello["batch_size"]) == (2, 2, 5, 16)
-        assert hello["dataset_kind"] == "iterable"
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
-        _, report = agent.recv("report")
-        assert report["stats"]["samples"] > 0
-        assert report["stats"]["data_wait_s"] is None and report["stats"]["rates"]["samples_per_s"] is None
-        # directives: applied in seq order, bounded by max_workers, autotune detached first
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=9, cpus=1.5, cpuset=None,
-                                        reason="more"))
-        wait_for(lambda: lo.resizes == [5], what="resize bounded by max_workers")
-        assert autotune == [lo]
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=1, reason="stale"))
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=3, workers=3, reason="fewer"))
-        wait_for(lambda: lo.resizes == [5, 3], what="stale seq ignored, next applied")
-        st = client.state()
-        assert st["connected"] and st["directives"] == 2 and st["last_directive"]["reason"] == "fewer"
-        assert autotune == [lo]                # only before the first directive
-        client.detach(lo)
-        _, bye = agent.recv("bye")
-        assert bye["job"] == "unit-job" and bye["pid"] == os.getpid()
-        assert client.state() == {"active": False}
-    finally:
-        _detach_all(lo)
-        agent.close()
+    client.attach(lo)
+    client.attach(lo)                      # idempotent
+    ident, hello = agent.recv("hello")
+    assert ident.startswith(b"unit-job:0:%d:" % os.getpid())
+    assert hello["job"] == "unit-job" and hello["rank"] == 0 and hello["pid"] == os.getpid()
+    assert hello["gpus"] == ["1", "3"] and hello["uid"] == os.getuid() and hello["worker_pids"] == [os.getpid()]
+    assert (hello["workers"], hello["requested_workers"], hello["max_workers"], hello["batch_size"]) == (2, 2, 5, 16)
+    assert hello["dataset_kind"] == "iterable"
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+    _, report = agent.recv("report")
+    assert report["stats"]["samples"] > 0
+    assert report["stats"]["data_wait_s"] is None and report["stats"]["rates"]["samples_per_s"] is None
+    # directives: applied in seq order, bounded by max_workers, autotune detached first
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=9, cpus=1.5, cpuset=None,
+                                    reason="more"))
+    wait_for(lambda: lo.resizes == [5], what="resize bounded by max_workers")
+    assert autotune == [lo]
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=1, reason="stale"))
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=3, workers=3, reason="fewer"))
+    wait_for(lambda: lo.resizes == [5, 3], what="stale seq ignored, next applied")
+    st = client.state()
+    assert st["connected"] and st["directives"] == 2 and st["last_directive"]["reason"] == "fewer"
+    assert autotune == [lo]                # only before the first directive
+    client.detach(lo)
+    _, bye = agent.recv("bye")
+    assert bye["job"] == "unit-job" and bye["pid"] == os.getpid()
+    assert client.state() == {"active": False}
 
 
-def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch, caplog):
+def test_a_directive_for_another_job_is_ignored(agent, monkeypatch, caplog):
     """A directive whose job is not this process's (an agent that mixed up its connections) was
     applied, counted, and its seq held back this job's own directives. Now it is ignored (not applied,
     not counted, seq unchanged) and logged once, naming both jobs."""
@@ -169,26 +176,21 @@ def test_a_directive_for_another_job_is_ignored(base, endpoint_env, monkeypatch,
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=8)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            ident = _welcomed(agent, lo)
-            agent.send(ident, protocol.make("directive", job="other-job", seq=5, workers=7, reason="not yours"))
-            agent.send(ident, protocol.make("directive", job="other-job", seq=6, workers=6, reason="not yours"))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
-            wait_for(lambda: lo.resizes == [3], what=f"only this job's directive applied (resizes {lo.resizes})")
-            st = client.state()
-            assert st["directives"] == 1 and st["last_directive"]["seq"] == 1
-        foreign = [r.getMessage() for r in caplog.records if "other-job" in r.getMessage()]
-        assert len(foreign) == 1 and "unit-job" in foreign[0], foreign
-        assert [r.levelno for r in caplog.records if "other-job" in r.getMessage()] == [logging.WARNING]
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+        ident = _welcomed(agent, lo)
+        agent.send(ident, protocol.make("directive", job="other-job", seq=5, workers=7, reason="not yours"))
+        agent.send(ident, protocol.make("directive", job="other-job", seq=6, workers=6, reason="not yours"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
+        wait_for(lambda: lo.resizes == [3], what=f"only this job's directive applied (resizes {lo.resizes})")
+        st = client.state()
+        assert st["directives"] == 1 and st["last_directive"]["seq"] == 1
+    foreign = [r.getMessage() for r in caplog.records if "other-job" in r.getMessage()]
+    assert len(foreign) == 1 and "unit-job" in foreign[0], foreign
+    assert [r.levelno for r in caplog.records if "other-job" in r.getMessage()] == [logging.WARNING]
 
 
-def test_a_welcome_for_another_job_is_refused_with_one_warning_and_hello_is_said_again(base, endpoint_env, monkeypatch,
+def test_a_welcome_for_another_job_is_refused_with_one_warning_and_hello_is_said_again(agent, monkeypatch,
                                                                                          caplog):
     """A ``welcome`` naming another job than the one this process said hello for (an agent that mixed up
     its connections) was taken: the client counted itself connected, sent that agent its reports and
@@ -200,32 +202,27 @@ def test_a_welcome_for_another_job_is_refused_with_one_warning_and_hello_is_said
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=8)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            for _ in range(3):
-                agent.send(ident, protocol.make("welcome", job="other-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=7, reason="before welcome"))
-            ident2, _ = agent.recv("hello")              # said hello again: the welcome was not taken
-            st = client.state()
-            assert not st["connected"] and st["welcomes"] == 0 and st["reports_sent"] == 0
-            assert "other-job" in st["last_error"] and lo.resizes == []
-            agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.recv("report")
-            agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
-            wait_for(lambda: lo.resizes == [3], what=f"the directive after the right welcome (resizes {lo.resizes})")
-            assert client.state()["connected"] and client.state()["welcomes"] == 1
-        foreign = [r for r in caplog.records if "other-job" in r.getMessage() and r.levelno >= logging.WARNING]
-        assert len(foreign) == 1 and "unit-job" in foreign[0].getMessage(), [r.getMessage() for r in foreign]
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        for _ in range(3):
+            agent.send(ident, protocol.make("welcome", job="other-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=7, reason="before welcome"))
+        ident2, _ = agent.recv("hello")              # said hello again: the welcome was not taken
+        st = client.state()
+        assert not st["connected"] and st["welcomes"] == 0 and st["reports_sent"] == 0
+        assert "other-job" in st["last_error"] and lo.resizes == []
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.recv("report")
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="yours"))
+        wait_for(lambda: lo.resizes == [3], what=f"the directive after the right welcome (resizes {lo.resizes})")
+        assert client.state()["connected"] and client.state()["welcomes"] == 1
+    foreign = [r for r in caplog.records if "other-job" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(foreign) == 1 and "unit-job" in foreign[0].getMessage(), [r.getMessage() for r in foreign]
 
 
-def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env, autotune, monkeypatch, caplog):
+def test_a_directive_with_a_negative_worker_count_is_ignored(agent, autotune, monkeypatch, caplog):
     """A directive with workers < 0 was clamped to 0 workers (in-process loading, the biggest change a
     directive can make). Now nothing changes: no resize, autotune left attached, not counted, the seq
     not advanced; one WARNING however many such directives come."""
@@ -233,26 +230,21 @@ def test_a_directive_with_a_negative_worker_count_is_ignored(base, endpoint_env,
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=8)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            ident = _welcomed(agent, lo)
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=-1, reason="bad"))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=-3, reason="bad"))
-            agent.recv("report")
-            assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
-            wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
-            assert client.state()["directives"] == 1 and autotune == [lo]
-        bad = [r for r in caplog.records if "workers=" in r.getMessage() and "ignoring" in r.getMessage()]
-        assert [r.levelno for r in bad] == [logging.WARNING], [r.getMessage() for r in bad]
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+        ident = _welcomed(agent, lo)
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=-1, reason="bad"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=-3, reason="bad"))
+        agent.recv("report")
+        assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
+        wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
+        assert client.state()["directives"] == 1 and autotune == [lo]
+    bad = [r for r in caplog.records if "workers=" in r.getMessage() and "ignoring" in r.getMessage()]
+    assert [r.levelno for r in bad] == [logging.WARNING], [r.getMessage() for r in bad]
 
 
-def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(base, endpoint_env, monkeypatch):
+def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(agent, monkeypatch):
     """Under ``python -W error`` the loader's warning that an IterableDataset resizes at the next epoch
     is an exception, raised after the resize is done: the client counted the directive as failed. It
     is applied and counted, and the client goes on with the next one."""
@@ -264,50 +256,40 @@ def test_a_resize_warning_made_an_error_is_no_failure_of_the_directive(base, end
             warnings.warn(f"adloader: resize({n}) on an IterableDataset takes effect at the next epoch")
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = WarnsOnResize(workers=2, max_workers=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        try:
-            ident = _welcomed(agent, lo)
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=4, reason="r"))
-            wait_for(lambda: client.state().get("directives") == 2, what="both directives applied and counted")
-            assert lo.resizes == [3, 4] and client.state()["last_directive"]["applied_workers"] == 4
-        finally:
-            _detach_all(lo)
-            agent.close()
+        ident = _welcomed(agent, lo)
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=2, workers=4, reason="r"))
+        wait_for(lambda: client.state().get("directives") == 2, what="both directives applied and counted")
+        assert lo.resizes == [3, 4] and client.state()["last_directive"]["applied_workers"] == 4
 
 
-def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endpoint_env, monkeypatch):
+def test_a_loader_dropped_without_close_does_not_silence_the_next_one(agent, monkeypatch):
     # a loader garbage-collected without close(): the client thread finds no loader, says bye and
     # stops. A loader made afterwards in the same process must get a client that works (it used to be
     # added to the stopped one and never said hello: the agent never saw that job again).
     import gc
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
-    agent = FakeAgent(f"{base}/agent.sock")
     first, second = Loader(), Loader(workers=3)
-    try:
-        client.attach(first)
-        ident, _ = agent.recv("hello")
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
-        agent.recv("report")
-        del first
-        gc.collect()
-        agent.recv("bye")
-        client.attach(second)
-        ident2, hello = agent.recv("hello")
-        assert hello["workers"] == 3 and ident2 != ident
-        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
-        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="r"))
-        wait_for(lambda: second.resizes == [2], what="the new loader's directive applied")
-    finally:
-        _detach_all(second)
-        agent.close()
+    client.attach(first)
+    ident, _ = agent.recv("hello")
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+    agent.recv("report")
+    del first
+    gc.collect()
+    agent.recv("bye")
+    client.attach(second)
+    ident2, hello = agent.recv("hello")
+    assert hello["workers"] == 3 and ident2 != ident
+    agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+    agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="r"))
+    wait_for(lambda: second.resizes == [2], what="the new loader's directive applied")
 
 
-def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(base, endpoint_env,
+def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(endpoint_env, agent,
                                                                                           monkeypatch, caplog):
     """The client thread's loop raised (a bug of the client's own; injected here in the report it builds
     after a directive) and the thread ended: one line of WARNING without the traceback, a real loader
@@ -333,7 +315,6 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
         return real(self, loader)
 
     monkeypatch.setattr(client._Client, "_report", report)
-    agent = FakeAgent(f"{base}/agent.sock")
     loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
     try:
         with caplog.at_level(logging.DEBUG, logger="adloader.client"):
@@ -358,11 +339,10 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
         assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
     finally:
         loader.close()
-        agent.close()
 
 
 def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_it_with_its_loaders(
-        base, endpoint_env, monkeypatch, caplog):
+        agent, monkeypatch, caplog):
     """A client whose loop fails every time it starts (a bug: here its session raises until a flag is
     cleared) is started again at most ``MAX_RESTARTS`` times, then stops with one more WARNING saying so;
     ``state()`` says it is not active. The next attach starts a fresh client that takes over the
@@ -382,30 +362,25 @@ def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_i
         return real(self, zmq, ctx)
 
     monkeypatch.setattr(client._Client, "_session", session)
-    agent = FakeAgent(f"{base}/agent.sock")
     first, second = Loader(), Loader(workers=3)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            client.attach(first)
-            wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to stop")
-            assert len(calls) == 3 and all(c is calls[0] for c in calls)      # the first try and 2 restarts
-            assert client.state() == {"active": False}
-            broken.clear()
-            client.attach(second)                      # never raises; a fresh client
-            ident, hello = agent.recv("hello")
-            assert calls[-1] is not calls[0] and client.state()["active"]
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=4, reason="r"))
-            wait_for(lambda: first.resizes == [4], what="the directive applied to the loader attached first")
-        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(warned) == 2 and "a bug in the client" in warned[0] and "starts again" in warned[0], warned
-        assert "stops after 3 failures" in warned[1], warned
-    finally:
-        _detach_all(first, second)
-        agent.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+        client.attach(first)
+        wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to stop")
+        assert len(calls) == 3 and all(c is calls[0] for c in calls)      # the first try and 2 restarts
+        assert client.state() == {"active": False}
+        broken.clear()
+        client.attach(second)                      # never raises; a fresh client
+        ident, hello = agent.recv("hello")
+        assert calls[-1] is not calls[0] and client.state()["active"]
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=1.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=4, reason="r"))
+        wait_for(lambda: first.resizes == [4], what="the directive applied to the loader attached first")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2 and "a bug in the client" in warned[0] and "starts again" in warned[0], warned
+    assert "stops after 3 failures" in warned[1], warned
 
 
-def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(base, endpoint_env, monkeypatch):
+def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(agent, monkeypatch):
     """A validation loader iterated before the training loader (Lightning's sanity check runs two
     validation batches before training starts) was the client's loader for good: its idle stats were
     reported and the agent's directives resized it, while the training loader kept its own count. The
@@ -415,7 +390,6 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
     from adloader import DataLoader
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     val = DataLoader(list(range(64)), batch_size=4, num_workers=0, max_workers=3)
     train = DataLoader(list(range(4000)), batch_size=4, num_workers=0, max_workers=3)
     try:
@@ -439,7 +413,6 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
     finally:
         for lo in (train, val):
             lo.close()
-        agent.close()
 
 
 def _choose(c, *loaders):
@@ -502,8 +475,7 @@ def test_a_validation_loader_iterated_within_every_epoch_does_not_take_the_role(
     val.close()
 
 
-def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_client_threads(base, endpoint_env,
-                                                                                             monkeypatch):
+def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_client_threads(agent, monkeypatch):
     """``os.sched_setaffinity(0, ...)`` in a training script sets its main thread's mask only; the
     client's thread, started at the loader's first ``iter()``, kept the mask it was created with, and a
     worker process is forked from the thread that starts it and inherits that thread's mask: the workers
@@ -518,7 +490,6 @@ def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_cl
         pytest.skip("needs at least 2 CPUs in this process's affinity mask")
     one = {min(mask)}
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     loader = DataLoader(list(range(4000)), batch_size=4, num_workers=0, max_workers=2)
     try:
         it = iter(loader)
@@ -533,41 +504,33 @@ def test_workers_a_directive_starts_get_the_training_threads_affinity_not_the_cl
     finally:
         loader.close()
         os.sched_setaffinity(0, mask)
-        agent.close()
 
 
-def test_reconnects_and_says_hello_again_after_agent_silence(base, endpoint_env, monkeypatch):
+def test_reconnects_and_says_hello_again_after_agent_silence(agent, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.1)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        client.attach(lo)
-        ident, _ = agent.recv("hello")
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
-        agent.recv("report")
-        # the agent says nothing more: after 3 heartbeats the client drops the socket and says hello anew
-        ident2, _ = agent.recv("hello", timeout_s=10)
-        assert ident2 != ident and ident2.startswith(b"unit-job:0:")
-        # an error unknown_job (agent restarted and forgot us) also brings a new hello
-        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-        agent.recv("report")
-        agent.send(ident2, protocol.error("unknown_job", "send hello first"))
-        agent.recv("hello")
-    finally:
-        _detach_all(lo)
-        agent.close()
+    client.attach(lo)
+    ident, _ = agent.recv("hello")
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+    agent.recv("report")
+    # the agent says nothing more: after 3 heartbeats the client drops the socket and says hello anew
+    ident2, _ = agent.recv("hello", timeout_s=10)
+    assert ident2 != ident and ident2.startswith(b"unit-job:0:")
+    # an error unknown_job (agent restarted and forgot us) also brings a new hello
+    agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+    agent.recv("report")
+    agent.send(ident2, protocol.error("unknown_job", "send hello first"))
+    agent.recv("hello")
 
 
-def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_first_batch(base, endpoint_env,
-                                                                                         monkeypatch):
+def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_first_batch(agent, monkeypatch):
     """A loader with a custom batch_sampler has torch's ``batch_size`` None; ``stats()`` reports the mean
     delivered batch, None before the first. Its hello says the same: null at first (it said 1, a batch
     of one sample), then, in the hello after a reconnect, the mean (4 here, as the reports say)."""
     from adloader import DataLoader
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     dl = DataLoader(list(range(16)), batch_sampler=[[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]], num_workers=0)
     try:
         client.attach(dl)
@@ -581,12 +544,10 @@ def test_hello_sends_the_batch_size_stats_reports_none_before_a_batch_samplers_f
         _, hello = agent.recv("hello")
         assert hello["batch_size"] == 4
     finally:
-        _detach_all(dl)
         dl.close()
-        agent.close()
 
 
-def test_hello_and_reports_say_the_processs_cgroup_cpu_quota(base, endpoint_env, monkeypatch):
+def test_hello_and_reports_say_the_processs_cgroup_cpu_quota(agent, monkeypatch):
     """The process's cgroup CPU quota (a container's CPU limit) goes in the hello and in every report,
     read again each time (an in-place resize moves it); the agent, outside the container's cgroup
     namespace, cannot read it itself. None where there is no quota, and a failing read is no quota."""
@@ -601,7 +562,6 @@ def test_hello_and_reports_say_the_processs_cgroup_cpu_quota(base, endpoint_env,
 
     monkeypatch.setattr(autotune, "cgroup_cpu_quota", read)
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     dl = DataLoader(list(range(16)), batch_size=4, num_workers=0)
     try:
         client.attach(dl)
@@ -616,38 +576,31 @@ def test_hello_and_reports_say_the_processs_cgroup_cpu_quota(base, endpoint_env,
         quota[0] = "boom"
         wait_for(lambda: agent.recv("report")[1]["cpu_quota"] is None, 10, what="a report after a failed read")
     finally:
-        _detach_all(dl)
         dl.close()
-        agent.close()
 
 
 @pytest.mark.parametrize("heartbeat_s", ["soon", [1], -1.0, 1e-9, 1e9])
-def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(base, endpoint_env, monkeypatch,
+def test_a_welcome_with_a_bad_heartbeat_period_neither_stops_nor_churns_the_client(agent, monkeypatch,
                                                                                     heartbeat_s):
     """A welcome whose heartbeat_s is not a positive number (the schema does not type it): the client
     thread died on float() of a string or a list (the process had no agent contact again, and its state
     still said active and connected), and a negative period made it drop every connection at once and
     say hello again. The default period is used instead."""
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        client.attach(lo)
-        ident, _ = agent.recv("hello")
-        welcome = protocol.make("welcome", job="unit-job", challenge=None)
-        welcome["heartbeat_s"] = heartbeat_s
-        agent.send(ident, welcome)
-        for _ in range(3):
-            assert agent.recv("report")[0] == ident      # reports on the same connection
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
-        wait_for(lambda: lo.resizes == [3], what="the directive applied")
-        assert client.state()["welcomes"] == 1
-    finally:
-        _detach_all(lo)
-        agent.close()
+    client.attach(lo)
+    ident, _ = agent.recv("hello")
+    welcome = protocol.make("welcome", job="unit-job", challenge=None)
+    welcome["heartbeat_s"] = heartbeat_s
+    agent.send(ident, welcome)
+    for _ in range(3):
+        assert agent.recv("report")[0] == ident      # reports on the same connection
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+    wait_for(lambda: lo.resizes == [3], what="the directive applied")
+    assert client.state()["welcomes"] == 1
 
 
-def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(base, endpoint_env, monkeypatch):
+def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(agent, monkeypatch):
     """A loader whose stats() holds a value json cannot encode (a NumPy integer from a subclass's own
     figures): building the report raised TypeError and the client thread died (no report, no directive
     for the rest of the process). Numbers go as numbers, anything else as null."""
@@ -659,45 +612,35 @@ def test_stats_that_json_cannot_encode_are_reported_as_numbers_or_left_out(base,
             return {**super().stats(), "queued": np.int64(3), "ratio": np.float32(0.5), "tag": object(),
                     "nested": {"n": np.int32(7), "bad": np.float64("nan")}}
 
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Extra()
-    try:
-        ident = _welcomed(agent, lo)
-        _, report = agent.recv("report")
-        st = report["stats"]
-        assert (st["queued"], st["ratio"], st["tag"], st["nested"]) == (3, 0.5, None, {"n": 7, "bad": None})
-        assert st["samples"] > 0
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
-        wait_for(lambda: lo.resizes == [3], what="the directive applied")
-    finally:
-        _detach_all(lo)
-        agent.close()
+    ident = _welcomed(agent, lo)
+    _, report = agent.recv("report")
+    st = report["stats"]
+    assert (st["queued"], st["ratio"], st["tag"], st["nested"]) == (3, 0.5, None, {"n": 7, "bad": None})
+    assert st["samples"] > 0
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+    wait_for(lambda: lo.resizes == [3], what="the directive applied")
 
 
-def test_failing_loader_and_refusals_never_raise(base, endpoint_env, monkeypatch):
+def test_failing_loader_and_refusals_never_raise(agent, monkeypatch):
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(fail=True)
-    try:
-        client.attach(lo)
-        ident, hello = agent.recv("hello")
-        assert hello["worker_pids"] == []
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-        _, report = agent.recv("report")
-        assert report["stats"] == {}
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
-        agent.send(ident, protocol.make("heartbeat"))
-        agent.sock.send_multipart([ident, b"\xff garbage"])
-        agent.recv("report")                       # still alive and reporting
-        assert client.state()["directives"] == 0   # resize raised: not counted, not raised
-        agent.send(ident, protocol.error("not_permitted", "job 'unit-job' belongs to uid 7"))
-        wait_for(lambda: "not_permitted" in (client.state().get("last_error") or ""), what="refusal noted")
-    finally:
-        _detach_all(lo)
-        agent.close()
+    client.attach(lo)
+    ident, hello = agent.recv("hello")
+    assert hello["worker_pids"] == []
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+    _, report = agent.recv("report")
+    assert report["stats"] == {}
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="x"))
+    agent.send(ident, protocol.make("heartbeat"))
+    agent.sock.send_multipart([ident, b"\xff garbage"])
+    agent.recv("report")                       # still alive and reporting
+    assert client.state()["directives"] == 0   # resize raised: not counted, not raised
+    agent.send(ident, protocol.error("not_permitted", "job 'unit-job' belongs to uid 7"))
+    wait_for(lambda: "not_permitted" in (client.state().get("last_error") or ""), what="refusal noted")
 
 
-def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, endpoint_env, monkeypatch, caplog):
+def test_a_refusal_is_logged_once_however_often_the_client_tries_again(agent, monkeypatch, caplog):
     """An agent that refuses this process (not_permitted, over_limit) is asked again after a back-off;
     each refusal was logged at WARNING again (every 60 s for the whole run, in the user's log). Once per
     distinct refusal; the client's state keeps the last one."""
@@ -705,27 +648,22 @@ def test_a_refusal_is_logged_once_however_often_the_client_tries_again(base, end
 
     monkeypatch.setattr(client, "REFUSED_BACKOFF_S", 0.05)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        with caplog.at_level(logging.WARNING, logger="adloader.client"):
-            client.attach(lo)
-            for _ in range(3):
-                ident, _ = agent.recv("hello")
-                agent.send(ident, protocol.error("not_permitted", "rank 0 of job 'unit-job' is held by live pid 1"))
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        client.attach(lo)
+        for _ in range(3):
             ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.error("over_limit", "uid 0 has 64 jobs (agent key max_jobs_per_uid)"))
-            wait_for(lambda: "over_limit" in (client.state().get("last_error") or ""), what="the second refusal")
-        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-        assert len(refusals) == 2 and "not_permitted" in refusals[0] and "over_limit" in refusals[1], refusals
-    finally:
-        _detach_all(lo)
-        agent.close()
+            agent.send(ident, protocol.error("not_permitted", "rank 0 of job 'unit-job' is held by live pid 1"))
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.error("over_limit", "uid 0 has 64 jobs (agent key max_jobs_per_uid)"))
+        wait_for(lambda: "over_limit" in (client.state().get("last_error") or ""), what="the second refusal")
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2 and "not_permitted" in refusals[0] and "over_limit" in refusals[1], refusals
 
 
 @pytest.mark.parametrize("value", ["ipc://", "ipc://agent.sock", "bogus", "carrier-pigeon://x", "ipc:///" + "x" * 120,
                                    "ipc:///" + "\u00e9" * 60])
-def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, endpoint_env, monkeypatch,
+def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_contact(base, agent, monkeypatch,
                                                                                     caplog, value):
     """ADLOADER_ENDPOINT is checked as the agent checks its own endpoint (``protocol.endpoint_problem``):
     a malformed one is one warning naming the variable, its value and why, for every loader, and the
@@ -738,22 +676,17 @@ def test_a_malformed_adloader_endpoint_is_one_warning_naming_it_and_no_agent_con
     monkeypatch.setattr(env, "_reported", set())
     monkeypatch.chdir(base)
     monkeypatch.setenv("ADLOADER_ENDPOINT", value)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo, lo2 = Loader(), Loader()
-    try:
-        with caplog.at_level(logging.WARNING):
-            _attach_after_the_verdict(lo, lo2)
-            client._client._thread.join(10)
-        st = client.state()
-        assert st["active"] and not st["connected"] and st["reports_sent"] == 0
-        assert st["last_error"] == f"ADLOADER_ENDPOINT: {protocol.endpoint_problem(value)}"
-        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(said) == 1 and f"ADLOADER_ENDPOINT={value!r}" in said[0], said
-        assert protocol.endpoint_problem(value) in said[0] and "training goes on" in said[0]
-        assert not agent.sock.poll(0)                       # no hello reached the agent
-    finally:
-        _detach_all(lo, lo2)
-        agent.close()
+    with caplog.at_level(logging.WARNING):
+        _attach_after_the_verdict(lo, lo2)
+        client._client._thread.join(10)
+    st = client.state()
+    assert st["active"] and not st["connected"] and st["reports_sent"] == 0
+    assert st["last_error"] == f"ADLOADER_ENDPOINT: {protocol.endpoint_problem(value)}"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and f"ADLOADER_ENDPOINT={value!r}" in said[0], said
+    assert protocol.endpoint_problem(value) in said[0] and "training goes on" in said[0]
+    assert not agent.sock.poll(0)                       # no hello reached the agent
 
 
 def test_an_agent_socket_whose_resolved_path_is_too_long_for_a_unix_address_is_one_warning_naming_it(
@@ -870,7 +803,7 @@ def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
         client.detach(lo)
 
 
-def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, endpoint_env):
+def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, agent):
     """``close_inherited_agent_connections`` in a child of ``os.fork()`` (what a loader worker is): its
     copy of the client's connection to the agent is closed (told by the peer's address); a connection
     to another unix socket and a socket pair (a worker's result channel) are left open, and so is the
@@ -881,7 +814,6 @@ def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, end
     conn = _real_socket.socket(_real_socket.AF_UNIX, _real_socket.SOCK_STREAM)
     conn.connect(f"{base}/other.sock")
     pair = _real_socket.socketpair()
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
     try:
         _welcomed(agent, lo)
@@ -911,7 +843,6 @@ def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, end
         assert agent.recv("report")       # the parent's connection carries on
     finally:
         client.detach(lo)
-        agent.close()
         for s in (other, conn, *pair):
             s.close()
 
@@ -930,7 +861,7 @@ def _open_connections(mon, accepted: set) -> int:
     return len(accepted)
 
 
-def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(base, endpoint_env, monkeypatch):
+def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(agent, monkeypatch):
     """Loader workers forked after the client connected (here: started by the agent's directive) inherited
     the file descriptor of the client's connection to the agent (fork copies every fd; libzmq's
     close-on-exec helps only where a child execs). No worker used it, but while any worker lived the
@@ -943,7 +874,6 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(b
     from adloader import DataLoader
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
-    agent = FakeAgent(f"{base}/agent.sock")
     mon, accepted = agent.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED), set()
     loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")
@@ -971,7 +901,6 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(b
         loader.close()
         agent.sock.disable_monitor()
         mon.close(0)
-        agent.close()
 
 
 def test_job_identity_from_the_environment():
@@ -1075,7 +1004,7 @@ def test_the_client_reports_the_workers_taking_tasks():
     assert pids(None, Loader(fail=True)) == []
 
 
-def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stops(base, endpoint_env, monkeypatch,
+def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stops(agent, monkeypatch,
                                                                                     caplog):
     """An agent of another major version answers in a format this client cannot read. Every message was
     dropped at DEBUG: the client said hello again and again, for the whole run, and the user saw nothing.
@@ -1086,25 +1015,20 @@ def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stop
 
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        with caplog.at_level(logging.WARNING, logger="adloader.client"):
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            for m in ({"type": "welcome", "job": "unit-job"}, {"type": "directive", "job": "unit-job", "seq": 1,
-                                                              "workers": 0}):
-                agent.sock.send_multipart([ident, json.dumps({"v": "2.0", **m}).encode()])
-            wait_for(lambda: client.state() == {"active": False}, what="the client stops")
-        warned = [r.getMessage() for r in caplog.records]
-        assert len(warned) == 1 and "2.0" in warned[0] and "1.0" in warned[0] and "upgrade" in warned[0], warned
-        assert lo.resizes == []
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        for m in ({"type": "welcome", "job": "unit-job"}, {"type": "directive", "job": "unit-job", "seq": 1,
+                                                          "workers": 0}):
+            agent.sock.send_multipart([ident, json.dumps({"v": "2.0", **m}).encode()])
+        wait_for(lambda: client.state() == {"active": False}, what="the client stops")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "2.0" in warned[0] and "1.0" in warned[0] and "upgrade" in warned[0], warned
+    assert lo.resizes == []
 
 
-def test_directives_of_the_wrong_types_are_ignored_with_one_warning(base, endpoint_env, autotune, monkeypatch, caplog):
+def test_directives_of_the_wrong_types_are_ignored_with_one_warning(agent, autotune, monkeypatch, caplog):
     """A directive whose ``workers`` is 1.5, true, "3", null or NaN (the schema refuses each) was dropped at
     DEBUG: the agent's decisions went unheeded and the user's log said nothing. Now: one WARNING naming the
     problem however many come, nothing applied, and the next valid directive is applied as usual."""
@@ -1112,28 +1036,23 @@ def test_directives_of_the_wrong_types_are_ignored_with_one_warning(base, endpoi
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2, max_workers=8)
-    try:
-        with caplog.at_level(logging.WARNING, logger="adloader.client"):
-            ident = _welcomed(agent, lo)
-            for seq, workers in enumerate(["1.5", "true", '"3"', "null", "NaN", "[4]"], 1):
-                agent.sock.send_multipart([ident, (f'{{"v":"1.0","type":"directive","job":"unit-job","seq":{seq},'
-                                                   f'"workers":{workers},"reason":"bad"}}').encode()])
-            agent.sock.send_multipart([ident, b"\xff not json"])
-            for _ in range(3):
-                agent.recv("report")
-            assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
-            wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
-        warned = [r.getMessage() for r in caplog.records]
-        assert len(warned) == 1 and "workers" in warned[0] and "1.5" in warned[0], warned
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        ident = _welcomed(agent, lo)
+        for seq, workers in enumerate(["1.5", "true", '"3"', "null", "NaN", "[4]"], 1):
+            agent.sock.send_multipart([ident, (f'{{"v":"1.0","type":"directive","job":"unit-job","seq":{seq},'
+                                               f'"workers":{workers},"reason":"bad"}}').encode()])
+        agent.sock.send_multipart([ident, b"\xff not json"])
+        for _ in range(3):
+            agent.recv("report")
+        assert lo.resizes == [] and autotune == [] and client.state()["directives"] == 0
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="good"))
+        wait_for(lambda: lo.resizes == [3], what=f"the next valid directive applied (resizes {lo.resizes})")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "workers" in warned[0] and "1.5" in warned[0], warned
 
 
-def test_a_frame_over_the_message_limit_never_reaches_the_client(base, endpoint_env, monkeypatch):
+def test_a_frame_over_the_message_limit_never_reaches_the_client(agent, monkeypatch):
     """The client's socket took frames of any size from the agent (libzmq had no MAXMSGSIZE on it), up to
     RCVHWM of them queued: an agent sending huge frames filled the training process's memory. Now libzmq
     drops the connection that brings one; the client notices the silence and says hello again."""
@@ -1146,25 +1065,20 @@ def test_a_frame_over_the_message_limit_never_reaches_the_client(base, endpoint_
 
     monkeypatch.setattr(client.protocol, "decode", recording)
     monkeypatch.setattr(client, "HELLO_RETRY_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        client.attach(lo)
-        ident, _ = agent.recv("hello")
-        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
-        agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
-        ident2, _ = agent.recv("hello")         # after 3 silent heartbeat periods: a new connection
-        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
-        wait_for(lambda: lo.resizes == [3], what="the client still served after the oversized frame")
-        assert seen and max(seen) <= protocol.MAX_MESSAGE_BYTES, max(seen)
-    finally:
-        _detach_all(lo)
-        agent.close()
+    client.attach(lo)
+    ident, _ = agent.recv("hello")
+    agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=0.1, challenge=None))
+    agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
+    ident2, _ = agent.recv("hello")         # after 3 silent heartbeat periods: a new connection
+    agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+    agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+    wait_for(lambda: lo.resizes == [3], what="the client still served after the oversized frame")
+    assert seen and max(seen) <= protocol.MAX_MESSAGE_BYTES, max(seen)
 
 
 def test_a_frame_over_the_limit_is_one_warning_naming_it_and_the_client_connects_again_at_once(
-        base, endpoint_env, monkeypatch, caplog):
+        agent, monkeypatch, caplog):
     """libzmq closes a connection that brings a frame over MAXMSGSIZE and does not connect again; the
     client heard nothing more, said nothing in the log, and reconnected only after three silent
     heartbeat periods (15 s at a heartbeat of 5 s; at the agent's largest, 15 minutes without the
@@ -1174,25 +1088,20 @@ def test_a_frame_over_the_limit_is_one_warning_naming_it_and_the_client_connects
 
     monkeypatch.setattr(client, "REPORT_S", 0.1)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        with caplog.at_level(logging.WARNING, logger="adloader.client"):
-            for _ in range(2):                          # twice: one warning all the same
-                client.attach(lo)
-                ident, _ = agent.recv("hello")
-                agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-                agent.recv("report")
-                agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
-            ident3, _ = agent.recv("hello")
-            agent.send(ident3, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident3, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
-            wait_for(lambda: lo.resizes == [3], what="the client served again after the oversized frames")
-        warned = [r.getMessage() for r in caplog.records]
-        assert len(warned) == 1 and str(protocol.MAX_MESSAGE_BYTES) in warned[0] and "MAXMSGSIZE" in warned[0], warned
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        for _ in range(2):                          # twice: one warning all the same
+            client.attach(lo)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.recv("report")
+            agent.sock.send_multipart([ident, b" " * (protocol.MAX_MESSAGE_BYTES + 1)])
+        ident3, _ = agent.recv("hello")
+        agent.send(ident3, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident3, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="r"))
+        wait_for(lambda: lo.resizes == [3], what="the client served again after the oversized frames")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and str(protocol.MAX_MESSAGE_BYTES) in warned[0] and "MAXMSGSIZE" in warned[0], warned
 
 
 def test_an_agent_that_restarts_is_no_oversized_frame_and_keeps_the_connection(base, endpoint_env, monkeypatch,
@@ -1220,7 +1129,7 @@ def test_an_agent_that_restarts_is_no_oversized_frame_and_keeps_the_connection(b
         agent.close()
 
 
-def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_wins(base, endpoint_env, monkeypatch):
+def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_wins(agent, monkeypatch):
     """An agent that sends directives as fast as it can (a resize loop): each was applied as it came,
     thousands of resizes a second, starting and retiring worker processes (training ran six times slower
     here) and starving the client's own reports. Now at most one directive per ``DIRECTIVE_MIN_S`` is
@@ -1229,27 +1138,22 @@ def test_a_flood_of_directives_is_applied_at_most_once_a_period_and_the_newest_w
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "DIRECTIVE_MIN_S", 0.5)
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader(workers=2)
-    try:
-        ident = _welcomed(agent, lo)
-        t0 = time.monotonic()
-        for seq in range(1, 501):
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=seq, workers=seq % 5, reason="churn"))
-        agent.send(ident, protocol.make("directive", job="unit-job", seq=501, workers=7, reason="last"))
-        wait_for(lambda: lo.resizes[-1:] == [7], what=f"the last directive applied (resizes {lo.resizes[-5:]})")
-        periods = (time.monotonic() - t0) / client.DIRECTIVE_MIN_S
-        assert len(lo.resizes) <= periods + 2, (len(lo.resizes), periods)
-        agent.recv("report")
-        assert client.state()["last_directive"]["seq"] == 501
-    finally:
-        _detach_all(lo)
-        agent.close()
+    ident = _welcomed(agent, lo)
+    t0 = time.monotonic()
+    for seq in range(1, 501):
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=seq, workers=seq % 5, reason="churn"))
+    agent.send(ident, protocol.make("directive", job="unit-job", seq=501, workers=7, reason="last"))
+    wait_for(lambda: lo.resizes[-1:] == [7], what=f"the last directive applied (resizes {lo.resizes[-5:]})")
+    periods = (time.monotonic() - t0) / client.DIRECTIVE_MIN_S
+    assert len(lo.resizes) <= periods + 2, (len(lo.resizes), periods)
+    agent.recv("report")
+    assert client.state()["last_directive"]["seq"] == 501
 
 
 @pytest.mark.parametrize("code", ["internal", "unknown_job"])
 def test_an_agent_that_answers_each_hello_with_an_error_gets_hellos_at_the_back_off_not_at_once(
-        base, endpoint_env, monkeypatch, caplog, code):
+        agent, monkeypatch, caplog, code):
     """After an error reply (other than a refusal) the client said hello again at once: an agent that
     answered every hello with one (``internal``, or ``unknown_job`` from an agent that forgets at once)
     had about 4,000 hellos a second from the training process, a core busy on them, and the user's log
@@ -1259,31 +1163,26 @@ def test_an_agent_that_answers_each_hello_with_an_error_gets_hellos_at_the_back_
 
     monkeypatch.setattr(client, "HELLO_RETRY_S", 3600.0)
     monkeypatch.setattr(client, "_warned", set())
-    agent = FakeAgent(f"{base}/agent.sock")
     lo = Loader()
-    try:
-        with caplog.at_level(logging.WARNING, logger="adloader.client"):
-            client.attach(lo)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.error(code, "no such thing"))
-            wait_for(lambda: code in (client.state().get("last_error") or ""), what="the error read")
-            assert not agent.sock.poll(1000), "a hello right after the error"
-            # errors of codes the protocol does not have, in a burst: one more warning, not one each
-            for i in range(20):
-                agent.send(ident, protocol.error("internal", "x") | {"code": f"made-up-{i}"})
-            wait_for(lambda: "made-up-19" in (client.state().get("last_error") or ""), what="the burst read")
-        warned = [r.getMessage() for r in caplog.records]
-        if code == "unknown_job":
-            assert len(warned) == 1 and "made-up-" in warned[0], warned
-        else:
-            assert len(warned) == 2 and code in warned[0] and "no such thing" in warned[0], warned
-    finally:
-        _detach_all(lo)
-        agent.close()
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.error(code, "no such thing"))
+        wait_for(lambda: code in (client.state().get("last_error") or ""), what="the error read")
+        assert not agent.sock.poll(1000), "a hello right after the error"
+        # errors of codes the protocol does not have, in a burst: one more warning, not one each
+        for i in range(20):
+            agent.send(ident, protocol.error("internal", "x") | {"code": f"made-up-{i}"})
+        wait_for(lambda: "made-up-19" in (client.state().get("last_error") or ""), what="the burst read")
+    warned = [r.getMessage() for r in caplog.records]
+    if code == "unknown_job":
+        assert len(warned) == 1 and "made-up-" in warned[0], warned
+    else:
+        assert len(warned) == 2 and code in warned[0] and "no such thing" in warned[0], warned
 
 
-def test_a_directive_past_the_jobs_own_memory_is_clamped_and_the_agent_sees_the_bound(base, endpoint_env,
-                                                                                      monkeypatch, caplog):
+def test_a_directive_past_the_jobs_own_memory_is_clamped_and_the_agent_sees_the_bound(agent, monkeypatch,
+                                                                                      caplog):
     """The agent's loader memory budget is node-wide; a job's own limit (a pod's ``limits.memory``,
     Slurm's ConstrainRAMSpace) it cannot see. A directive for 6 workers to a real loader whose 2
     workers hold 1 GiB each, with 2.5 GiB left under its 8 GiB limit, started all 6 and the OOM killer
@@ -1299,7 +1198,6 @@ def test_a_directive_past_the_jobs_own_memory_is_clamped_and_the_agent_sees_the_
     monkeypatch.setattr(memory, "memory_room", lambda *a, **k: room())
     monkeypatch.setattr(memory, "cgroup_memory", lambda *a, **k: memory.CgroupMemory(8 * gib, 8 * gib - room(), "/x"))
     monkeypatch.setattr(client, "REPORT_S", 0.05)
-    agent = FakeAgent(f"{base}/agent.sock")
     loader = DataLoader(list(range(4000)), batch_size=4, num_workers=2, max_workers=8)
     try:
         it = iter(loader)
@@ -1321,4 +1219,3 @@ def test_a_directive_past_the_jobs_own_memory_is_clamped_and_the_agent_sees_the_
         next(it)
     finally:
         loader.close()
-        agent.close()

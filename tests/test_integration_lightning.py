@@ -182,6 +182,40 @@ def test_persistent_workers_do_not_outlive_fit_as_torch_s_do_not(tmp_path):
                 loader.close()
 
 
+def _fit_and_record(make_loader, root, ckpt=None, *, every_n_train_steps=1, **trainer_kw) -> list:
+    """Seed (``seed_everything(0)``), then train a one-weight model on CPU over the batches of sample
+    indices of ``make_loader()``, saving a checkpoint every ``every_n_train_steps`` steps into ``root``
+    (``step=N.ckpt``) and resuming from ``ckpt`` when given; ``trainer_kw``: the Trainer's run length
+    (``max_epochs``, ``limit_train_batches``). The loader is closed afterwards (torch's has no close).
+    Returns what each training step was given: (epoch, batch index, the batch's indices)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, i, batch.flatten().tolist()))
+            return self.lin(batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    L.seed_everything(0, verbose=False)
+    loader = make_loader()
+    m = Recorder()
+    saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=every_n_train_steps, save_top_k=-1,
+                            filename="{step}")
+    L.Trainer(callbacks=[saves], logger=False, default_root_dir=str(root), enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu", devices=1, **trainer_kw).fit(m, loader, ckpt_path=ckpt)
+    if hasattr(loader, "close"):
+        loader.close()
+    return m.seen
+
+
 def test_a_checkpoint_at_an_epochs_last_batch_resumes_at_the_next_epoch_as_torch_s(tmp_path):
     """Lightning saves a loader's ``state_dict()`` in every checkpoint and loads it on resume
     (``_FitLoop.on_save_checkpoint`` / ``_load_combined_loader_states``). A checkpoint taken at an
@@ -192,37 +226,14 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_at_the_next_epoch_as_torch
     state resumes at the next epoch (as torchdata's StatefulDataLoader does): the run trains epochs 1
     and 2, each sample once an epoch, epoch 1 the uninterrupted run's; and a mid-epoch checkpoint still
     resumes at its next batch (torch's loader, without state, restarts the epoch from a new order)."""
-    import lightning as L
-    import torch
     import torch.utils.data as tud
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from adloader import DataLoader
     from tests.loader_datasets import Indexed
 
-    class M(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.seen = torch.nn.Linear(1, 1), []
-
-        def training_step(self, batch, i):
-            self.seen.append((self.current_epoch, i, sorted(int(v) for v in batch.flatten())))
-            return self.lin(batch.float()).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), 0.01)
-
     def fit(cls, root, ckpt=None):
-        L.seed_everything(0, verbose=False)
-        loader = cls(Indexed(16), batch_size=4, shuffle=True, num_workers=1)
-        m = M()
-        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=2, save_top_k=-1, filename="{step}")
-        L.Trainer(max_epochs=3, callbacks=[saves], logger=False, default_root_dir=str(root),
-                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                  devices=1).fit(m, loader, ckpt_path=ckpt)
-        if hasattr(loader, "close"):
-            loader.close()
-        return m.seen
+        return _fit_and_record(lambda: cls(Indexed(16), batch_size=4, shuffle=True, num_workers=1), root, ckpt,
+                               every_n_train_steps=2, max_epochs=3)
 
     def epochs(seen):
         return [e for e, _, _ in seen]
@@ -251,38 +262,16 @@ def test_limit_train_batches_resume_from_any_step_trains_the_uninterrupted_runs_
     the generator where the run's left it: from every checkpoint, mid-epoch or at a limited epoch's end,
     the resumed run trains the uninterrupted run's remaining batches, in its order. The uninterrupted
     run equals torch's loader's."""
-    import lightning as L
     import torch
     import torch.utils.data as tud
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from adloader import DataLoader
     from tests.loader_datasets import Indexed
 
-    class M(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.seen = torch.nn.Linear(1, 1), []
-
-        def training_step(self, batch, i):
-            self.seen.append((self.current_epoch, i, batch.flatten().tolist()))
-            return self.lin(batch.float()).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), 0.01)
-
     def fit(cls, root, ckpt=None):
-        L.seed_everything(0, verbose=False)
-        loader = cls(Indexed(32), batch_size=4, shuffle=True, num_workers=num_workers,
-                     generator=torch.Generator().manual_seed(1))
-        m = M()
-        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        L.Trainer(max_epochs=3, limit_train_batches=5, callbacks=[saves], logger=False, default_root_dir=str(root),
-                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                  devices=1).fit(m, loader, ckpt_path=ckpt)
-        if hasattr(loader, "close"):
-            loader.close()
-        return m.seen
+        return _fit_and_record(lambda: cls(Indexed(32), batch_size=4, shuffle=True, num_workers=num_workers,
+                                           generator=torch.Generator().manual_seed(1)),
+                               root, ckpt, max_epochs=3, limit_train_batches=5)
 
     full = fit(DataLoader, tmp_path / "full")
     assert [e for e, _, _ in full] == [0] * 5 + [1] * 5 + [2] * 5
@@ -301,10 +290,8 @@ def test_a_batch_sampler_without_len_trains_as_torch_s_and_resumes_mid_epoch_at_
     resumed run skipped it (trained by neither run). Now the loader resumes at the batch Lightning
     trains next (its ``batch_progress``). The uninterrupted run equals torch's loader's; resumed from any
     step it trains the uninterrupted run's remaining batches of that epoch."""
-    import lightning as L
     import torch
     import torch.utils.data as tud
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from adloader import DataLoader
     from tests.loader_datasets import Indexed
@@ -315,31 +302,14 @@ def test_a_batch_sampler_without_len_trains_as_torch_s_and_resumes_mid_epoch_at_
             for i in range(0, 24, 3):
                 yield order[i:i + 3]
 
-    class M(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.seen = torch.nn.Linear(1, 1), []
-
-        def training_step(self, batch, i):
-            self.seen.append((self.current_epoch, i, batch.flatten().tolist()))
-            return self.lin(batch.float()).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), 0.01)
-
-    def fit(cls, root, ckpt=None):
-        L.seed_everything(0, verbose=False)
+    def without_len(cls):
         loader = cls(Indexed(24), batch_sampler=Batches(), num_workers=num_workers)
         with pytest.raises(TypeError):
             len(loader)
-        m = M()
-        saves = ModelCheckpoint(dirpath=str(root), every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        L.Trainer(max_epochs=1, callbacks=[saves], logger=False, default_root_dir=str(root),
-                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                  devices=1).fit(m, loader, ckpt_path=ckpt)
-        if hasattr(loader, "close"):
-            loader.close()
-        return m.seen
+        return loader
+
+    def fit(cls, root, ckpt=None):
+        return _fit_and_record(lambda: without_len(cls), root, ckpt, max_epochs=1)
 
     full = fit(DataLoader, tmp_path / "full")
     assert len(full) == 8 and full == fit(tud.DataLoader, tmp_path / "torch")

@@ -7,6 +7,7 @@ Each call must exit 0, finish within a few seconds whatever the agent does, and 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,21 @@ def test_install_time_variable_is_at_the_top():
         lines = script.read_text().splitlines()
         assigns = [i for i, l in enumerate(lines) if l.startswith("ADLOADER=")]
         assert assigns and assigns[0] < 20 and lines[assigns[0]] == "ADLOADER=/opt/adloader/venv/bin/adloader"
+
+
+def test_prolog_and_epilog_are_one_program_with_two_settings():
+    """The epilog is the prolog with VERB=release and TAG=adloader-epilog, and its own header. They stay
+    two self-contained files on purpose: the documented glob form runs them through links in another
+    directory (a helper sourced from "beside" the script would be looked for there), and a prolog that
+    must always exit 0 and log its line should not depend on a second file being installed. This keeps
+    the two copies from drifting apart."""
+    def program(script):
+        return [l for l in script.read_text().splitlines() if not l.startswith(("#", "VERB=", "TAG="))]
+
+    assert program(PROLOG) == program(EPILOG)
+    for script, verb, tag in ((PROLOG, "register", "adloader-prolog"), (EPILOG, "release", "adloader-epilog")):
+        lines = script.read_text().splitlines()
+        assert f"VERB={verb}" in lines and f"TAG={tag}" in lines
 
 
 def test_prolog_with_agent_down(tmp_path, adloader_bin):
@@ -221,79 +237,69 @@ def test_taskprolog_says_so_when_it_cannot_read_the_endpoint(installed):
     assert "adloader-taskprolog: cannot read the endpoint" in err and str(config) in err
 
 
-def test_taskprolog_run_as_a_user_who_cannot_read_the_config_guesses_no_endpoint():
-    """slurmstepd runs the TaskProlog as the job's user: a config only root can read (mode 0600) may
-    name another endpoint than the default, so the script says so and exports none."""
+@pytest.fixture
+def reachable_dir():
+    """A directory that uid 65534 can reach (pytest's ``tmp_path`` lies under a 0700 parent), removed
+    afterwards; skips where the test cannot run a script as another user (needs root and setpriv(1))."""
     import os
     import shutil
     import tempfile
 
-    from agent.commands.install_service import slurm_script
-
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv(1) to run the script as another user")
     d = tempfile.mkdtemp(prefix="adl-taskprolog-")
-    try:
-        os.chmod(d, 0o755)                    # the user must reach the script, not the config
-        config, script = os.path.join(d, "agent.toml"), os.path.join(d, "taskprolog.sh")
-        with open(config, "w") as fh:
-            fh.write('endpoint = "ipc:///srv/adl/agent.sock"\n')
-        os.chmod(config, 0o600)
-        with open(script, "w") as fh:
-            fh.write(slurm_script("taskprolog.sh", "/opt/adloader", config=config))
-        os.chmod(script, 0o755)
-        from tests.slurm_support import ENV_BIN, NO_PATH
-        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
-                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
-        assert f"cannot read {config} as uid 65534" in p.stderr
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    os.chmod(d, 0o755)                    # the user must reach the script, not necessarily the config
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
-def test_taskprolog_run_as_a_user_who_cannot_search_the_config_directory_guesses_no_endpoint():
-    """/etc/adloader mode 0700: to the job's user the config looks absent (stat fails), yet it may be
-    there with another endpoint. The script says so and exports none. Before, it took the file for
-    missing and exported the default endpoint, a guess the config may contradict."""
-    import os
+def _write_config(config: Path, mode: int) -> None:
+    config.write_text('endpoint = "ipc:///srv/adl/agent.sock"\n')
+    config.chmod(mode)
+
+
+def _taskprolog_as_nobody(script: Path, config: Path) -> subprocess.CompletedProcess:
+    """Install the TaskProlog at ``script`` reading ``config``, and run it as slurmstepd does for a job
+    of uid 65534: that user, an empty environment, no usable PATH, SLURM_JOB_ID=4242."""
     import shutil
-    import tempfile
 
     from agent.commands.install_service import slurm_script
     from tests.slurm_support import ENV_BIN, NO_PATH
 
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv(1) to run the script as another user")
-    d = tempfile.mkdtemp(prefix="adl-taskprolog-")
-    try:
-        os.chmod(d, 0o755)
-        closed = os.path.join(d, "etc-adloader")
-        os.mkdir(closed, 0o700)
-        os.chmod(closed, 0o700)
-        config, script = os.path.join(closed, "agent.toml"), os.path.join(d, "taskprolog.sh")
-        with open(config, "w") as fh:
-            fh.write('endpoint = "ipc:///srv/adl/agent.sock"\n')
-        os.chmod(config, 0o644)
-        with open(script, "w") as fh:
-            fh.write(slurm_script("taskprolog.sh", "/opt/adloader", config=config))
-        os.chmod(script, 0o755)
-        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
-                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
-        assert f"cannot look into {closed} as uid 65534" in p.stderr
-        # a config directory that does not exist at all still means the default
-        os.rename(closed, closed + ".gone")
-        p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN, "-i",
-                            f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, script],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0 and p.stderr == ""
-        assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock", "export ADLOADER_JOB_ID=4242"]
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    script.write_text(slurm_script("taskprolog.sh", "/opt/adloader", config=str(config)))
+    script.chmod(0o755)
+    return subprocess.run([shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", ENV_BIN,
+                           "-i", f"PATH={NO_PATH}", "SLURM_JOB_ID=4242", BASH, str(script)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_taskprolog_run_as_a_user_who_cannot_read_the_config_guesses_no_endpoint(reachable_dir):
+    """slurmstepd runs the TaskProlog as the job's user: a config only root can read (mode 0600) may
+    name another endpoint than the default, so the script says so and exports none."""
+    config = reachable_dir / "agent.toml"
+    _write_config(config, 0o600)
+    p = _taskprolog_as_nobody(reachable_dir / "taskprolog.sh", config)
+    assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
+    assert f"cannot read {config} as uid 65534" in p.stderr
+
+
+def test_taskprolog_run_as_a_user_who_cannot_search_the_config_directory_guesses_no_endpoint(reachable_dir):
+    """/etc/adloader mode 0700: to the job's user the config looks absent (stat fails), yet it may be
+    there with another endpoint. The script says so and exports none. Before, it took the file for
+    missing and exported the default endpoint, a guess the config may contradict."""
+    closed = reachable_dir / "etc-adloader"
+    closed.mkdir()
+    closed.chmod(0o700)
+    config, script = closed / "agent.toml", reachable_dir / "taskprolog.sh"
+    _write_config(config, 0o644)
+    p = _taskprolog_as_nobody(script, config)
+    assert p.returncode == 0 and p.stdout.splitlines() == ["export ADLOADER_JOB_ID=4242"], (p.stdout, p.stderr)
+    assert f"cannot look into {closed} as uid 65534" in p.stderr
+    # a config directory that does not exist at all still means the default
+    closed.rename(f"{closed}.gone")
+    p = _taskprolog_as_nobody(script, config)
+    assert p.returncode == 0 and p.stderr == ""
+    assert p.stdout.splitlines() == ["export ADLOADER_ENDPOINT=ipc:///run/adloader/agent.sock", "export ADLOADER_JOB_ID=4242"]
 
 
 def test_taskprolog_without_a_config_file_exports_the_default(installed):
