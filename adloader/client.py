@@ -29,7 +29,8 @@ Invariants (STYLE 8):
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
   fork starts a fresh client only if called there, which the loader never does), and closes its
-  copies of the connection to the agent at once (``close_inherited_agent_connections``).
+  copies of the connection to the agent at once (``close_inherited_agent_connections``, which says
+  what a child keeps and why that is harmless).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -716,14 +717,39 @@ def close_inherited_agent_connections() -> int:
     agent counted it against the user's ``connections_per_uid`` and never saw it end. Closing the copy
     leaves the parent's own descriptor, and so its connection, untouched (``close``, never
     ``shutdown``). A descriptor is closed only when it is a unix stream socket whose peer is the
-    agent's socket file (the peer's address, symlinks resolved, as the client connected to it), found
+    agent's socket file (the peer's address, symlinks resolved, as the client connected to it or as
+    the endpoint names it now: the probe before the first session has no session path yet), found
     through /proc/self/fd: no number recorded in the parent, which another thread may have reused
-    by the time of the fork. The context's own eventfd and epoll descriptors are left: they lead
-    nowhere outside this process and cannot be told from a dataset's own."""
+    by the time of the fork.
+
+    What a child keeps, and why it does no harm:
+    - a socket the parent had made and not yet connected at the fork: an unconnected socket cannot be
+      told from any other, and the parent's connect, later, connects the child's copy too (one open
+      file). The client's own probe (``trust.peer_uid``) holds a lock that a fork waits for, so no
+      fork lands there. libzmq makes and connects the DEALER's socket in its own I/O thread, in C,
+      socket() then connect() at once, which no Python lock can hold: a child keeps that connection
+      only if the thread is preempted between the two for longer than the fork and the child's way
+      to this hook take. Loader workers close their copies once more when they start
+      (``adloader._worker``). A copy kept costs one of the user's ``connections_per_uid`` at the agent
+      while the child lives, nothing else: the agent departs a rank whose process is gone (its
+      registry checks /proc/<pid> each tick), whoever holds its socket, and the child never writes
+      on it (tests/test_agent_component.py).
+    - the ZeroMQ context's eventfds and epoll descriptors (about eight a context). They lead nowhere
+      outside this process, and nothing in the child writes to them (no libzmq thread runs here;
+      pyzmq never closes or terminates a socket or context in another pid than its creator's, not
+      even from a finaliser; ``attach``, ``detach`` and ``state`` check the pid and leave the
+      inherited client alone), so the parent's I/O thread never hears from the child. They are copied once a
+      fork and do not add up: a child of a child has exactly its parent's. They are not closed: they
+      cannot be told from a dataset's own (asyncio, torch), and closing them would free numbers the
+      inherited libzmq objects still name."""
     c = _client
-    target = getattr(c, "_connect_to", None) if c is not None and c.pid != os.getpid() else None
-    path = env.ipc_path(target) if target else None
-    if path is None:        # no client here, never connected, or tcp://
+    if c is None or c.pid == os.getpid():
+        return 0
+    # the path the last session connected to, and the one the endpoint names now (symlinks resolved):
+    # the probe before the first session (``trust.peer_uid``) connects to that one
+    paths = {env.ipc_path(t) for t in (getattr(c, "_connect_to", None), c.endpoint) if t}
+    paths = {os.path.realpath(p) for p in paths if p}
+    if not paths:           # tcp://
         return 0
     closed = 0
     try:
@@ -746,7 +772,7 @@ def close_inherited_agent_connections() -> int:
         try:
             stream = probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM
             peer = probe.getpeername() if stream else None
-            if isinstance(peer, str) and peer and os.path.realpath(peer) == path:
+            if isinstance(peer, str) and peer and os.path.realpath(peer) in paths:
                 os.close(fd)
                 closed += 1
         except OSError:

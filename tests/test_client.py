@@ -870,6 +870,41 @@ def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
         client.detach(lo)
 
 
+def _fd_targets() -> dict:
+    """This process's descriptors -> what each is (``socket:[...]``, ``anon_inode:[eventfd]``, a path)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+
+def _connected_to(path: str) -> set:
+    """Descriptors of this process that are unix stream sockets connected to ``path``."""
+    out = set()
+    for fd, target in _fd_targets().items():
+        if not target.startswith("socket:"):
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:         # closed since the listing
+            continue
+        try:
+            s = _real_socket.socket(fileno=dup)
+        except OSError:         # a family Python does not know
+            os.close(dup)
+            continue
+        with s:
+            try:
+                if s.family == _real_socket.AF_UNIX and s.getpeername() == path:
+                    out.add(fd)
+            except OSError:
+                pass
+    return out
+
+
 def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, endpoint_env):
     """``close_inherited_agent_connections`` in a child of ``os.fork()`` (what a loader worker is): its
     copy of the client's connection to the agent is closed (told by the peer's address); a connection
@@ -895,14 +930,7 @@ def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, end
                     os.fstat(s.fileno())
                 except OSError:
                     ok = False
-            agent_peers = 0
-            for name in os.listdir("/proc/self/fd"):
-                try:
-                    with _real_socket.socket(fileno=os.dup(int(name))) as s:
-                        agent_peers += s.family == _real_socket.AF_UNIX and s.getpeername() == f"{base}/agent.sock"
-                except (OSError, ValueError):
-                    pass
-            os.write(w, b"1" if ok and agent_peers == 0 else b"0")
+            os.write(w, b"1" if ok and not _connected_to(f"{base}/agent.sock") else b"0")
             os._exit(0)
         os.close(w)
         assert os.read(r, 1) == b"1"
@@ -971,6 +999,120 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(b
         loader.close()
         agent.sock.disable_monitor()
         mon.close(0)
+        agent.close()
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["before-connect", "after-connect"])
+def test_a_child_forked_while_the_client_probes_the_agent_holds_no_connection_to_it(base, endpoint_env, monkeypatch,
+                                                                                    connected):
+    """The client checks who listens on the agent's socket with a probe connection (``trust.peer_uid``)
+    before every session. A child forked between the probe's ``socket()`` and its ``connect()`` (a
+    user's ``os.fork()`` or a torch worker, at a GIL switch in the client thread) got an unconnected
+    copy, which the at-fork hook could not tell from any other socket; the parent's connect then
+    connected the child's copy too (one open file), and the child held that connection to the agent
+    for its whole life after the parent closed the probe: the agent counted it against the user's
+    ``connections_per_uid``. A child forked after the connect, before the first session, kept its copy
+    too: the hook knew no agent path before a session had connected. Now a fork waits until the probe
+    is connected (``trust``'s at-fork lock) and the hook knows the agent's path from the endpoint, so
+    the child closes its copy at once. The fork is made to land at each point by a probe socket that
+    waits there for it (at most 2 s: with the lock, a fork before the connect waits for the probe
+    instead, and the probe goes on)."""
+    from adloader import trust
+
+    path = f"{base}/agent.sock"
+    agent = FakeAgent(path)
+    mon, accepted = agent.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED), set()
+    in_window, forked = threading.Event(), threading.Event()
+
+    class Probe(_real_socket.socket):
+        def connect(self, address):
+            if connected:
+                super().connect(address)
+            if not in_window.is_set():
+                in_window.set()
+                forked.wait(2.0)
+            if not connected:
+                super().connect(address)
+
+    shim = types.SimpleNamespace(**{k: getattr(_real_socket, k) for k in dir(_real_socket) if not k.startswith("__")})
+    shim.socket = Probe
+    monkeypatch.setattr(trust, "socket", shim)
+    lo = Loader()
+    check_r, check_w = os.pipe()
+    said_r, said_w = os.pipe()
+    pid = None
+    try:
+        client.attach(lo)
+        assert in_window.wait(10.0), "the client's probe"
+        pid = os.fork()
+        if pid == 0:   # a long-lived non-worker child: looks at its descriptors once the parent says so
+            try:
+                os.read(check_r, 1)
+                os.write(said_w, str(len(_connected_to(path))).encode())
+            finally:
+                os._exit(0)
+        forked.set()
+        ident, _ = agent.recv("hello")   # the probe is done and closed in the parent
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        assert agent.recv("report")
+        wait_for(lambda: _open_connections(mon, accepted) == 1, what="the agent to hold the client's connection only")
+        os.write(check_w, b"1")
+        assert os.read(said_r, 16) == b"0"      # the child holds no connection to the agent
+    finally:
+        forked.set()
+        client.detach(lo)
+        if pid:
+            os.write(check_w, b"1")
+            os.waitpid(pid, 0)
+        for fd in (check_r, check_w, said_r, said_w):
+            os.close(fd)
+        agent.sock.disable_monitor()
+        mon.close(0)
+        agent.close()
+
+
+def test_forked_children_keep_the_contexts_inner_descriptors_only_and_the_parent_serves_on(base, endpoint_env):
+    """What a forked child keeps of the client, pinned (``close_inherited_agent_connections``): every
+    descriptor but its copies of the agent connection, the ZeroMQ context's eventfds and epoll
+    descriptors included. Those lead nowhere outside the process and nothing in the child uses them,
+    so the parent's client is served on; and their count does not grow from fork to fork: a child of
+    the child has exactly the child's descriptors, and twenty forks leave the parent's table as it was."""
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        ident = _welcomed(agent, lo)
+        agent.recv("report")
+        parent = _fd_targets()
+        to_agent = _connected_to(f"{base}/agent.sock")
+        inner = {fd for fd, t in parent.items() if t in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]")}
+        assert to_agent and inner
+        for _ in range(20):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    mine = _fd_targets()
+                    ok = set(mine) == set(parent) - to_agent | {r, w}
+                    rr, ww = os.pipe()
+                    grandchild = os.fork()
+                    if grandchild == 0:
+                        os.write(ww, b"1" if set(_fd_targets()) == set(mine) | {rr, ww} else b"0")
+                        os._exit(0)
+                    ok = ok and os.read(rr, 1) == b"1"
+                    os.waitpid(grandchild, 0)
+                    os.write(w, b"1" if ok else b"0")
+                finally:
+                    os._exit(0)
+            os.close(w)
+            assert os.read(r, 1) == b"1"
+            os.close(r)
+            os.waitpid(pid, 0)
+        assert set(_fd_targets()) == set(parent)
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=5, reason="after the forks"))
+        wait_for(lambda: lo.resizes == [5], what="the directive applied after the children went")
+        assert agent.recv("report")
+    finally:
+        client.detach(lo)
         agent.close()
 
 
