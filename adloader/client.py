@@ -23,7 +23,8 @@ Invariants (STYLE 8):
   with the job, the endpoint and the traceback; the loader the agent directed goes back to its own
   count (``requested_workers``) at once, and the loop starts again, on a new context and socket, after
   ``RESTART_S`` (doubling up to ``RESTART_MAX_S``), at most ``MAX_RESTARTS`` times; then the client
-  stops (one more WARNING), and the next ``attach`` starts a new one that takes over its loaders.
+  stops (one more WARNING; ``state()`` says ``gave_up``), its loaders train on at their own counts,
+  and the next ``attach`` (a loader's first iteration) starts a new one that takes over its loaders.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
@@ -158,10 +159,17 @@ def detach(loader: Any) -> None:
 
 def state() -> dict:
     """A snapshot of this process's client, for tests and ``adloader profile``: connected, endpoint,
-    job, rank, directives applied, last directive, reports sent/dropped."""
+    job, rank, directives applied, last directive, reports sent/dropped. ``{"active": False}`` where
+    there is none; a client that gave up after its restarts (``MAX_RESTARTS``) says so until the next
+    ``attach`` replaces it: ``{"active": False, "gave_up": True, "restarts": ..., "last_error": ...}``
+    (its loaders run at their own worker counts)."""
     c = _client
-    if c is None or c.pid != os.getpid() or c.stopped():
+    if c is None or c.pid != os.getpid():
         return {"active": False}
+    if c.stopped():
+        st = c.snapshot()
+        return {"active": False, **({k: st[k] for k in ("gave_up", "restarts", "last_error")}
+                                    if st.get("gave_up") else {})}
     return c.snapshot()
 
 
@@ -302,6 +310,7 @@ class _Client:
                 failures += 1
                 self._failed(e, failures, pause_s)
             if failures > MAX_RESTARTS:
+                self._set(gave_up=True)
                 self._stop.set()     # stopped for good: ``attach`` replaces it, ``state`` says so
                 return
             self._stop.wait(pause_s)

@@ -389,7 +389,8 @@ def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_i
             client.attach(first)
             wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to stop")
             assert len(calls) == 3 and all(c is calls[0] for c in calls)      # the first try and 2 restarts
-            assert client.state() == {"active": False}
+            assert client.state() == {"active": False, "gave_up": True, "restarts": 2,
+                                      "last_error": "client thread failed: RuntimeError: a bug in the client"}
             broken.clear()
             client.attach(second)                      # never raises; a fresh client
             ident, hello = agent.recv("hello")
@@ -403,6 +404,61 @@ def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_i
     finally:
         _detach_all(first, second)
         agent.close()
+
+
+def test_a_loader_whose_client_gave_up_trains_at_its_own_count_and_the_state_says_so(base, endpoint_env, monkeypatch,
+                                                                                      caplog):
+    """A client that fails past ``MAX_RESTARTS`` stops until the next attach, which the training loader
+    (attached once, at its first iteration) never makes. The loader it directed trains on at the
+    worker count its user chose, not at the agent's; the log says it once (a WARNING that the client
+    stops, after the one for the first failure); and ``state()`` says the client gave up, after how
+    many restarts and on what (before: ``{"active": False}``, as with no client at all)."""
+    pytest.importorskip("torch")
+    import logging
+
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "RESTART_S", 0.01)
+    monkeypatch.setattr(client, "MAX_RESTARTS", 2)
+    monkeypatch.setattr(client, "_warned", set())
+    real_report, real_session, broken = client._Client._report, client._Client._session, []
+
+    def report(self, loader):
+        if broken:
+            raise RuntimeError("a bug in the client")
+        return real_report(self, loader)
+
+    def session(self, zmq, ctx):
+        if broken:
+            raise RuntimeError("a bug in the client")
+        return real_session(self, zmq, ctx)
+
+    monkeypatch.setattr(client._Client, "_report", report)
+    monkeypatch.setattr(client._Client, "_session", session)
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
+            it = iter(loader)
+            next(it)
+            ident, _ = agent.recv("hello")
+            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
+            wait_for(lambda: loader.num_workers == 3, what="the agent's directive applied")
+            broken.append(True)
+            st = wait_for(lambda: (s := client.state()).get("gave_up") and s, what="the client to give up")
+            assert st["active"] is False and st["restarts"] == 2 and "a bug in the client" in st["last_error"]
+            assert loader.num_workers == 1 and loader.requested_workers == 1
+            wait_for(lambda: len(loader.worker_pids()) == 1, what="the loader back at its own worker")
+            for _ in range(20):                      # and it trains on
+                next(it)
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 2 and "starts again" in warned[0] and "stops after 3 failures" in warned[1], warned
+    finally:
+        loader.close()
+        agent.close()
+    assert client.state() == {"active": False}      # closed: no client at all
 
 
 def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(base, endpoint_env, monkeypatch):
