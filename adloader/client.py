@@ -768,27 +768,41 @@ def close_inherited_agent_connections() -> int:
     for name in names:
         try:
             fd = int(name)
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            dup = os.dup(fd)
-        except (OSError, ValueError):
+        except ValueError:
             continue
-        try:
-            probe = _socket.socket(fileno=dup)
-        except OSError:         # a family Python does not know
-            os.close(dup)
-            continue
-        try:
-            stream = probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM
-            peer = probe.getpeername() if stream else None
-            if isinstance(peer, str) and peer and os.path.realpath(peer) in paths:
+        peer = _unix_stream_peer(fd)
+        if peer is not None and os.path.realpath(peer) in paths:
+            try:
                 os.close(fd)
                 closed += 1
+            except OSError:
+                pass
+    return closed
+
+
+def _unix_stream_peer(fd: int) -> Optional[str]:
+    """The address of the peer of ``fd`` where it is a connected unix stream socket (a path, or an
+    abstract name starting with NUL), else None: another file, another kind of socket, not connected,
+    or closed meanwhile. ``fd`` itself is left open. Never raises."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            return None
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        probe = _socket.socket(fileno=dup)
+    except OSError:         # a family Python does not know
+        os.close(dup)
+        return None
+    with probe:
+        try:
+            if probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM:
+                peer = probe.getpeername()
+                return peer if isinstance(peer, str) and peer else None
         except OSError:
             pass
-        finally:
-            probe.close()
-    return closed
+    return None
 
 
 def _after_fork_in_child() -> None:

@@ -4,6 +4,7 @@ order, max_workers bound, autotune detached first), that it never raises into tr
 after the agent goes silent, and stays silent without an agent."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -307,6 +308,27 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(base, endp
         agent.close()
 
 
+@contextlib.contextmanager
+def _a_real_loader_grown_by_the_agent(base):
+    """A fake agent and a real ``adloader.DataLoader`` (1 worker of its own, at most 4), iterated once;
+    the agent welcomes its hello and directs 3 workers. Yields (agent, loader, iterator, the client's
+    identity); closes both."""
+    from adloader import DataLoader
+
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
+    try:
+        it = iter(loader)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
+        yield agent, loader, it, ident
+    finally:
+        loader.close()
+        agent.close()
+
+
 def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(base, endpoint_env,
                                                                                           monkeypatch, caplog):
     """The client thread's loop raised (a bug of the client's own; injected here in the report it builds
@@ -318,8 +340,6 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
     takes the agent's directives again."""
     pytest.importorskip("torch")
     import logging
-
-    from adloader import DataLoader
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "RESTART_S", 0.05)
@@ -333,32 +353,22 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
         return real(self, loader)
 
     monkeypatch.setattr(client._Client, "_report", report)
-    agent = FakeAgent(f"{base}/agent.sock")
-    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            it = iter(loader)
-            next(it)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
-            ident2, hello = agent.recv("hello")          # the client started again, on a new socket
-            assert failed and ident2 != ident
-            assert loader.num_workers == 1 and hello["workers"] == 1    # handed back its own count
-            st = client.state()
-            assert st["active"] and st["restarts"] == 1 and "a bug in the client" in st["last_error"]
-            next(it)                                     # the loader went on loading
-            agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="again"))
-            wait_for(lambda: loader.num_workers == 2, what="the directive after the restart applied")
-            next(it)
-        died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
-        assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
-        assert "unit-job" in died[0].getMessage() and endpoint_env in died[0].getMessage()
-        assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
-    finally:
-        loader.close()
-        agent.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"), \
+            _a_real_loader_grown_by_the_agent(base) as (agent, loader, it, ident):
+        ident2, hello = agent.recv("hello")          # the client started again, on a new socket
+        assert failed and ident2 != ident
+        assert loader.num_workers == 1 and hello["workers"] == 1    # handed back its own count
+        st = client.state()
+        assert st["active"] and st["restarts"] == 1 and "a bug in the client" in st["last_error"]
+        next(it)                                     # the loader went on loading
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="again"))
+        wait_for(lambda: loader.num_workers == 2, what="the directive after the restart applied")
+        next(it)
+    died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
+    assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert "unit-job" in died[0].getMessage() and endpoint_env in died[0].getMessage()
+    assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
 
 
 def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_it_with_its_loaders(
@@ -416,8 +426,6 @@ def test_a_loader_whose_client_gave_up_trains_at_its_own_count_and_the_state_say
     pytest.importorskip("torch")
     import logging
 
-    from adloader import DataLoader
-
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "RESTART_S", 0.01)
     monkeypatch.setattr(client, "MAX_RESTARTS", 2)
@@ -436,28 +444,18 @@ def test_a_loader_whose_client_gave_up_trains_at_its_own_count_and_the_state_say
 
     monkeypatch.setattr(client._Client, "_report", report)
     monkeypatch.setattr(client._Client, "_session", session)
-    agent = FakeAgent(f"{base}/agent.sock")
-    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            it = iter(loader)
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"), \
+            _a_real_loader_grown_by_the_agent(base) as (agent, loader, it, ident):
+        wait_for(lambda: loader.num_workers == 3, what="the agent's directive applied")
+        broken.append(True)
+        st = wait_for(lambda: (s := client.state()).get("gave_up") and s, what="the client to give up")
+        assert st["active"] is False and st["restarts"] == 2 and "a bug in the client" in st["last_error"]
+        assert loader.num_workers == 1 and loader.requested_workers == 1
+        wait_for(lambda: len(loader.worker_pids()) == 1, what="the loader back at its own worker")
+        for _ in range(20):                      # and it trains on
             next(it)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
-            wait_for(lambda: loader.num_workers == 3, what="the agent's directive applied")
-            broken.append(True)
-            st = wait_for(lambda: (s := client.state()).get("gave_up") and s, what="the client to give up")
-            assert st["active"] is False and st["restarts"] == 2 and "a bug in the client" in st["last_error"]
-            assert loader.num_workers == 1 and loader.requested_workers == 1
-            wait_for(lambda: len(loader.worker_pids()) == 1, what="the loader back at its own worker")
-            for _ in range(20):                      # and it trains on
-                next(it)
-        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(warned) == 2 and "starts again" in warned[0] and "stops after 3 failures" in warned[1], warned
-    finally:
-        loader.close()
-        agent.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2 and "starts again" in warned[0] and "stops after 3 failures" in warned[1], warned
     assert client.state() == {"active": False}      # closed: no client at all
 
 
@@ -939,26 +937,7 @@ def _fd_targets() -> dict:
 
 def _connected_to(path: str) -> set:
     """Descriptors of this process that are unix stream sockets connected to ``path``."""
-    out = set()
-    for fd, target in _fd_targets().items():
-        if not target.startswith("socket:"):
-            continue
-        try:
-            dup = os.dup(fd)
-        except OSError:         # closed since the listing
-            continue
-        try:
-            s = _real_socket.socket(fileno=dup)
-        except OSError:         # a family Python does not know
-            os.close(dup)
-            continue
-        with s:
-            try:
-                if s.family == _real_socket.AF_UNIX and s.getpeername() == path:
-                    out.add(fd)
-            except OSError:
-                pass
-    return out
+    return {fd for fd in _fd_targets() if client._unix_stream_peer(fd) == path}
 
 
 def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, endpoint_env):
