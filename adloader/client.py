@@ -23,13 +23,15 @@ Invariants (STYLE 8):
   with the job, the endpoint and the traceback; the loader the agent directed goes back to its own
   count (``requested_workers``) at once, and the loop starts again, on a new context and socket, after
   ``RESTART_S`` (doubling up to ``RESTART_MAX_S``), at most ``MAX_RESTARTS`` times; then the client
-  stops (one more WARNING), and the next ``attach`` starts a new one that takes over its loaders.
+  stops (one more WARNING; ``state()`` says ``gave_up``), its loaders train on at their own counts,
+  and the next ``attach`` (a loader's first iteration) starts a new one that takes over its loaders.
 - Silent without an agent: if the endpoint's socket file does not exist, nothing is created and the
   file is re-checked every ``RECHECK_S`` (growing to ``RECHECK_MAX_S``). ``ADLOADER_DISABLE=1``: nothing.
 - Fork-safe: the client remembers the pid that created it; a forked child (a loader worker) never
   uses the parent's context or socket and never creates its own (``attach`` in a non-main pid after
   fork starts a fresh client only if called there, which the loader never does), and closes its
-  copies of the connection to the agent at once (``close_inherited_agent_connections``).
+  copies of the connection to the agent at once (``close_inherited_agent_connections``, which says
+  what a child keeps and why that is harmless).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -157,10 +159,17 @@ def detach(loader: Any) -> None:
 
 def state() -> dict:
     """A snapshot of this process's client, for tests and ``adloader profile``: connected, endpoint,
-    job, rank, directives applied, last directive, reports sent/dropped."""
+    job, rank, directives applied, last directive, reports sent/dropped. ``{"active": False}`` where
+    there is none; a client that gave up after its restarts (``MAX_RESTARTS``) says so until the next
+    ``attach`` replaces it: ``{"active": False, "gave_up": True, "restarts": ..., "last_error": ...}``
+    (its loaders run at their own worker counts)."""
     c = _client
-    if c is None or c.pid != os.getpid() or c.stopped():
+    if c is None or c.pid != os.getpid():
         return {"active": False}
+    if c.stopped():
+        st = c.snapshot()
+        return {"active": False, **({k: st[k] for k in ("gave_up", "restarts", "last_error")}
+                                    if st.get("gave_up") else {})}
     return c.snapshot()
 
 
@@ -301,6 +310,7 @@ class _Client:
                 failures += 1
                 self._failed(e, failures, pause_s)
             if failures > MAX_RESTARTS:
+                self._set(gave_up=True)
                 self._stop.set()     # stopped for good: ``attach`` replaces it, ``state`` says so
                 return
             self._stop.wait(pause_s)
@@ -716,14 +726,39 @@ def close_inherited_agent_connections() -> int:
     agent counted it against the user's ``connections_per_uid`` and never saw it end. Closing the copy
     leaves the parent's own descriptor, and so its connection, untouched (``close``, never
     ``shutdown``). A descriptor is closed only when it is a unix stream socket whose peer is the
-    agent's socket file (the peer's address, symlinks resolved, as the client connected to it), found
+    agent's socket file (the peer's address, symlinks resolved, as the client connected to it or as
+    the endpoint names it now: the probe before the first session has no session path yet), found
     through /proc/self/fd: no number recorded in the parent, which another thread may have reused
-    by the time of the fork. The context's own eventfd and epoll descriptors are left: they lead
-    nowhere outside this process and cannot be told from a dataset's own."""
+    by the time of the fork.
+
+    What a child keeps, and why it does no harm:
+    - a socket the parent had made and not yet connected at the fork: an unconnected socket cannot be
+      told from any other, and the parent's connect, later, connects the child's copy too (one open
+      file). The client's own probe (``trust.peer_uid``) holds a lock that a fork waits for, so no
+      fork lands there. libzmq makes and connects the DEALER's socket in its own I/O thread, in C,
+      socket() then connect() at once, which no Python lock can hold: a child keeps that connection
+      only if the thread is preempted between the two for longer than the fork and the child's way
+      to this hook take. Loader workers close their copies once more when they start
+      (``adloader._worker``). A copy kept costs one of the user's ``connections_per_uid`` at the agent
+      while the child lives, nothing else: the agent departs a rank whose process is gone (its
+      registry checks /proc/<pid> each tick), whoever holds its socket, and the child never writes
+      on it (tests/test_agent_component.py).
+    - the ZeroMQ context's eventfds and epoll descriptors (about eight a context). They lead nowhere
+      outside this process, and nothing in the child writes to them (no libzmq thread runs here;
+      pyzmq never closes or terminates a socket or context in another pid than its creator's, not
+      even from a finaliser; ``attach``, ``detach`` and ``state`` check the pid and leave the
+      inherited client alone), so the parent's I/O thread never hears from the child. They are copied once a
+      fork and do not add up: a child of a child has exactly its parent's. They are not closed: they
+      cannot be told from a dataset's own (asyncio, torch), and closing them would free numbers the
+      inherited libzmq objects still name."""
     c = _client
-    target = getattr(c, "_connect_to", None) if c is not None and c.pid != os.getpid() else None
-    path = env.ipc_path(target) if target else None
-    if path is None:        # no client here, never connected, or tcp://
+    if c is None or c.pid == os.getpid():
+        return 0
+    # the path the last session connected to, and the one the endpoint names now (symlinks resolved):
+    # the probe before the first session (``trust.peer_uid``) connects to that one
+    paths = {env.ipc_path(t) for t in (getattr(c, "_connect_to", None), c.endpoint) if t}
+    paths = {os.path.realpath(p) for p in paths if p}
+    if not paths:           # tcp://
         return 0
     closed = 0
     try:
@@ -733,27 +768,41 @@ def close_inherited_agent_connections() -> int:
     for name in names:
         try:
             fd = int(name)
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            dup = os.dup(fd)
-        except (OSError, ValueError):
+        except ValueError:
             continue
-        try:
-            probe = _socket.socket(fileno=dup)
-        except OSError:         # a family Python does not know
-            os.close(dup)
-            continue
-        try:
-            stream = probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM
-            peer = probe.getpeername() if stream else None
-            if isinstance(peer, str) and peer and os.path.realpath(peer) == path:
+        peer = _unix_stream_peer(fd)
+        if peer is not None and os.path.realpath(peer) in paths:
+            try:
                 os.close(fd)
                 closed += 1
+            except OSError:
+                pass
+    return closed
+
+
+def _unix_stream_peer(fd: int) -> Optional[str]:
+    """The address of the peer of ``fd`` where it is a connected unix stream socket (a path, or an
+    abstract name starting with NUL), else None: another file, another kind of socket, not connected,
+    or closed meanwhile. ``fd`` itself is left open. Never raises."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            return None
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        probe = _socket.socket(fileno=dup)
+    except OSError:         # a family Python does not know
+        os.close(dup)
+        return None
+    with probe:
+        try:
+            if probe.family == _socket.AF_UNIX and probe.type == _socket.SOCK_STREAM:
+                peer = probe.getpeername()
+                return peer if isinstance(peer, str) and peer else None
         except OSError:
             pass
-        finally:
-            probe.close()
-    return closed
+    return None
 
 
 def _after_fork_in_child() -> None:

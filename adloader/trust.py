@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import struct
+import threading
 from typing import Optional
 
 from adloader import env
@@ -31,12 +32,40 @@ UNCHECKED = "cannot check"
 UNIX_PATH_MAX_BYTES = 107
 
 
-def peer_uid(path: str, timeout_s: float = 1.0) -> int:
-    """The uid of the process listening on the unix socket ``path`` (SO_PEERCRED of a connection)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+# Held from the probe's socket() until its connect() returned; a fork waits for it (register_at_fork
+# below). A child forked in between got an unconnected copy of the probe, which nothing told from any
+# other socket; the parent's connect then connected the child's copy too (one open file, fork(2)),
+# and the child held a connection to the agent for its whole life. Forked after the connect, the
+# child's hook (``adloader.client.close_inherited_agent_connections``) finds it by its peer and closes
+# it. An RLock: a finalizer that forks in the probing thread itself does not deadlock. The wait is
+# short: a unix stream connect never waits with a timeout set (a full backlog fails at once, EAGAIN).
+_no_fork_mid_connect = threading.RLock()
+
+
+def _release_after_fork() -> None:
     try:
-        s.settimeout(timeout_s)
-        s.connect(path)
+        _no_fork_mid_connect.release()
+    except RuntimeError:    # noqa: BLE001 — never fail someone else's fork
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_no_fork_mid_connect.acquire, after_in_parent=_release_after_fork,
+                        after_in_child=_release_after_fork)
+
+
+def peer_uid(path: str, timeout_s: float = 1.0) -> int:
+    """The uid of the process listening on the unix socket ``path`` (SO_PEERCRED of a connection).
+    No fork lands between the probe socket's creation and its connect (``_no_fork_mid_connect``)."""
+    with _no_fork_mid_connect:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout_s)
+            s.connect(path)
+        except BaseException:
+            s.close()
+            raise
+    try:
         creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return struct.unpack("3i", creds)[1]
     finally:

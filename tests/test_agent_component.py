@@ -471,3 +471,83 @@ def test_a_rank_that_joins_late_gets_its_share_of_the_plan_at_its_hello_and_its_
                  what="each rank runs its part")
     finally:
         agent.stop()
+
+
+HOLDING_TRAINER = '''
+import json, os, socket, sys, time
+import agent  # a client-only process: declares itself torch-free (adloader/__init__.py)
+from adloader import client, env
+
+
+class Loader:
+    num_workers = requested_workers = 1
+    max_workers = None
+    batch_size = 8
+
+    def resize(self, n):
+        self.num_workers = n
+
+    def worker_pids(self):
+        return []
+
+    def stats(self):
+        return {"steps": 0, "samples": 0, "workers": self.num_workers}
+
+
+state, path = sys.argv[1], env.ipc_path(os.environ["ADLOADER_ENDPOINT"])
+loader = Loader()
+client.attach(loader)
+while not client.state().get("connected"):
+    time.sleep(0.05)
+# a child that keeps every descriptor it inherits, the connection to the agent included: what a child
+# forked while libzmq's I/O thread was between socket() and connect() keeps (client module docstring)
+client.close_inherited_agent_connections = lambda: 0
+pid = os.fork()
+if pid == 0:
+    held = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            with socket.socket(fileno=os.dup(int(name))) as s:
+                held += s.family == socket.AF_UNIX and s.getpeername() == path
+        except (OSError, ValueError):
+            pass
+    with open(state + ".tmp", "w") as f:
+        json.dump({"child": os.getpid(), "held": held}, f)
+    os.replace(state + ".tmp", state)
+    while True:
+        time.sleep(60)
+while True:
+    time.sleep(1)
+'''
+
+
+def test_a_child_holding_the_agent_connection_does_not_delay_the_jobs_departure(base, agent, trainers):
+    """A training process's child that holds a copy of its connection to the agent (the one gap the
+    at-fork hook leaves: a fork while libzmq's own I/O thread is between socket() and connect()) keeps
+    that connection open at the agent for its life, but not the job: the agent departs a rank whose
+    process is gone (``registry.sweep``: /proc/<pid> and its start time), whoever holds its socket. The
+    training process is killed (no bye), its child lives on; the job departs within a few ticks, for
+    "process gone" (not after the heartbeat timeout)."""
+    script = f"{base}/holding_trainer.py"
+    with open(script, "w") as f:
+        f.write(HOLDING_TRAINER)
+    t = Trainer(base, agent.endpoint, job="holder", script=script)
+    trainers.append(t)
+    child = None
+    try:
+        st = wait_for(lambda: t.state().get("child") and t.state(), 20, what="the child's count of held connections")
+        child = st["child"]
+        assert st["held"] >= 1
+        wait_for(lambda: agent.job("holder"), 10, what="the job at the agent")
+        t.proc.kill()              # (not t.kill(): that kills the trainer's children too)
+        t.proc.wait(10)
+        wait_for(lambda: agent.job("holder") is None, 10, what="the job's departure while its child lives")
+        assert [e["why"] for e in agent.events("job_departed") if e["job"] == "holder"] == ["process gone"]
+        with open(f"/proc/{child}/stat") as f:      # the child still runs, holding the connection
+            assert f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass

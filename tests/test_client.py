@@ -4,6 +4,7 @@ order, max_workers bound, autotune detached first), that it never raises into tr
 after the agent goes silent, and stays silent without an agent."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -289,7 +290,28 @@ def test_a_loader_dropped_without_close_does_not_silence_the_next_one(agent, mon
     wait_for(lambda: second.resizes == [2], what="the new loader's directive applied")
 
 
-def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(endpoint_env, agent,
+@contextlib.contextmanager
+def _a_real_loader_grown_by_the_agent(base):
+    """A fake agent and a real ``adloader.DataLoader`` (1 worker of its own, at most 4), iterated once;
+    the agent welcomes its hello and directs 3 workers. Yields (agent, loader, iterator, the client's
+    identity); closes both."""
+    from adloader import DataLoader
+
+    agent = FakeAgent(f"{base}/agent.sock")
+    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
+    try:
+        it = iter(loader)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
+        yield agent, loader, it, ident
+    finally:
+        loader.close()
+        agent.close()
+
+
+def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_starts_again(base, endpoint_env,
                                                                                           monkeypatch, caplog):
     """The client thread's loop raised (a bug of the client's own; injected here in the report it builds
     after a directive) and the thread ended: one line of WARNING without the traceback, a real loader
@@ -300,8 +322,6 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
     takes the agent's directives again."""
     pytest.importorskip("torch")
     import logging
-
-    from adloader import DataLoader
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     monkeypatch.setattr(client, "RESTART_S", 0.05)
@@ -315,30 +335,22 @@ def test_a_client_thread_that_fails_hands_the_loader_back_its_own_count_and_star
         return real(self, loader)
 
     monkeypatch.setattr(client._Client, "_report", report)
-    loader = DataLoader(list(range(100000)), batch_size=4, num_workers=1, max_workers=4, persistent_workers=True)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="adloader.client"):
-            it = iter(loader)
-            next(it)
-            ident, _ = agent.recv("hello")
-            agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=3, reason="grow"))
-            ident2, hello = agent.recv("hello")          # the client started again, on a new socket
-            assert failed and ident2 != ident
-            assert loader.num_workers == 1 and hello["workers"] == 1    # handed back its own count
-            st = client.state()
-            assert st["active"] and st["restarts"] == 1 and "a bug in the client" in st["last_error"]
-            next(it)                                     # the loader went on loading
-            agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
-            agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="again"))
-            wait_for(lambda: loader.num_workers == 2, what="the directive after the restart applied")
-            next(it)
-        died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
-        assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
-        assert "unit-job" in died[0].getMessage() and endpoint_env in died[0].getMessage()
-        assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
-    finally:
-        loader.close()
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"), \
+            _a_real_loader_grown_by_the_agent(base) as (agent, loader, it, ident):
+        ident2, hello = agent.recv("hello")          # the client started again, on a new socket
+        assert failed and ident2 != ident
+        assert loader.num_workers == 1 and hello["workers"] == 1    # handed back its own count
+        st = client.state()
+        assert st["active"] and st["restarts"] == 1 and "a bug in the client" in st["last_error"]
+        next(it)                                     # the loader went on loading
+        agent.send(ident2, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        agent.send(ident2, protocol.make("directive", job="unit-job", seq=1, workers=2, reason="again"))
+        wait_for(lambda: loader.num_workers == 2, what="the directive after the restart applied")
+        next(it)
+    died = [r for r in caplog.records if r.levelno >= logging.WARNING and "a bug in the client" in r.getMessage()]
+    assert len(died) == 1 and "\n" not in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert "unit-job" in died[0].getMessage() and endpoint_env in died[0].getMessage()
+    assert died[0].exc_info and died[0].exc_info[0] is RuntimeError     # the traceback, once
 
 
 def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_it_with_its_loaders(
@@ -367,7 +379,8 @@ def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_i
         client.attach(first)
         wait_for(lambda: calls and not calls[0]._thread.is_alive(), what="the client thread to stop")
         assert len(calls) == 3 and all(c is calls[0] for c in calls)      # the first try and 2 restarts
-        assert client.state() == {"active": False}
+        assert client.state() == {"active": False, "gave_up": True, "restarts": 2,
+                                  "last_error": "client thread failed: RuntimeError: a bug in the client"}
         broken.clear()
         client.attach(second)                      # never raises; a fresh client
         ident, hello = agent.recv("hello")
@@ -378,6 +391,49 @@ def test_a_client_thread_that_keeps_failing_stops_and_the_next_attach_replaces_i
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 2 and "a bug in the client" in warned[0] and "starts again" in warned[0], warned
     assert "stops after 3 failures" in warned[1], warned
+
+
+def test_a_loader_whose_client_gave_up_trains_at_its_own_count_and_the_state_says_so(base, endpoint_env, monkeypatch,
+                                                                                      caplog):
+    """A client that fails past ``MAX_RESTARTS`` stops until the next attach, which the training loader
+    (attached once, at its first iteration) never makes. The loader it directed trains on at the
+    worker count its user chose, not at the agent's; the log says it once (a WARNING that the client
+    stops, after the one for the first failure); and ``state()`` says the client gave up, after how
+    many restarts and on what (before: ``{"active": False}``, as with no client at all)."""
+    pytest.importorskip("torch")
+    import logging
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    monkeypatch.setattr(client, "RESTART_S", 0.01)
+    monkeypatch.setattr(client, "MAX_RESTARTS", 2)
+    monkeypatch.setattr(client, "_warned", set())
+    real_report, real_session, broken = client._Client._report, client._Client._session, []
+
+    def report(self, loader):
+        if broken:
+            raise RuntimeError("a bug in the client")
+        return real_report(self, loader)
+
+    def session(self, zmq, ctx):
+        if broken:
+            raise RuntimeError("a bug in the client")
+        return real_session(self, zmq, ctx)
+
+    monkeypatch.setattr(client._Client, "_report", report)
+    monkeypatch.setattr(client._Client, "_session", session)
+    with caplog.at_level(logging.DEBUG, logger="adloader.client"), \
+            _a_real_loader_grown_by_the_agent(base) as (agent, loader, it, ident):
+        wait_for(lambda: loader.num_workers == 3, what="the agent's directive applied")
+        broken.append(True)
+        st = wait_for(lambda: (s := client.state()).get("gave_up") and s, what="the client to give up")
+        assert st["active"] is False and st["restarts"] == 2 and "a bug in the client" in st["last_error"]
+        assert loader.num_workers == 1 and loader.requested_workers == 1
+        wait_for(lambda: len(loader.worker_pids()) == 1, what="the loader back at its own worker")
+        for _ in range(20):                      # and it trains on
+            next(it)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2 and "starts again" in warned[0] and "stops after 3 failures" in warned[1], warned
+    assert client.state() == {"active": False}      # closed: no client at all
 
 
 def test_reports_and_directives_follow_the_training_loader_not_the_first_one_iterated(agent, monkeypatch):
@@ -803,6 +859,22 @@ def test_forked_child_never_uses_the_parents_client(base, endpoint_env):
         client.detach(lo)
 
 
+def _fd_targets() -> dict:
+    """This process's descriptors -> what each is (``socket:[...]``, ``anon_inode:[eventfd]``, a path)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+
+def _connected_to(path: str) -> set:
+    """Descriptors of this process that are unix stream sockets connected to ``path``."""
+    return {fd for fd in _fd_targets() if client._unix_stream_peer(fd) == path}
+
+
 def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, agent):
     """``close_inherited_agent_connections`` in a child of ``os.fork()`` (what a loader worker is): its
     copy of the client's connection to the agent is closed (told by the peer's address); a connection
@@ -827,14 +899,7 @@ def test_a_forked_child_closes_only_its_copies_of_the_agent_connection(base, age
                     os.fstat(s.fileno())
                 except OSError:
                     ok = False
-            agent_peers = 0
-            for name in os.listdir("/proc/self/fd"):
-                try:
-                    with _real_socket.socket(fileno=os.dup(int(name))) as s:
-                        agent_peers += s.family == _real_socket.AF_UNIX and s.getpeername() == f"{base}/agent.sock"
-                except (OSError, ValueError):
-                    pass
-            os.write(w, b"1" if ok and agent_peers == 0 else b"0")
+            os.write(w, b"1" if ok and not _connected_to(f"{base}/agent.sock") else b"0")
             os._exit(0)
         os.close(w)
         assert os.read(r, 1) == b"1"
@@ -901,6 +966,120 @@ def test_forked_loader_workers_do_not_hold_the_clients_connection_to_the_agent(a
         loader.close()
         agent.sock.disable_monitor()
         mon.close(0)
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["before-connect", "after-connect"])
+def test_a_child_forked_while_the_client_probes_the_agent_holds_no_connection_to_it(base, endpoint_env, monkeypatch,
+                                                                                    connected):
+    """The client checks who listens on the agent's socket with a probe connection (``trust.peer_uid``)
+    before every session. A child forked between the probe's ``socket()`` and its ``connect()`` (a
+    user's ``os.fork()`` or a torch worker, at a GIL switch in the client thread) got an unconnected
+    copy, which the at-fork hook could not tell from any other socket; the parent's connect then
+    connected the child's copy too (one open file), and the child held that connection to the agent
+    for its whole life after the parent closed the probe: the agent counted it against the user's
+    ``connections_per_uid``. A child forked after the connect, before the first session, kept its copy
+    too: the hook knew no agent path before a session had connected. Now a fork waits until the probe
+    is connected (``trust``'s at-fork lock) and the hook knows the agent's path from the endpoint, so
+    the child closes its copy at once. The fork is made to land at each point by a probe socket that
+    waits there for it (at most 2 s: with the lock, a fork before the connect waits for the probe
+    instead, and the probe goes on)."""
+    from adloader import trust
+
+    path = f"{base}/agent.sock"
+    agent = FakeAgent(path)
+    mon, accepted = agent.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED), set()
+    in_window, forked = threading.Event(), threading.Event()
+
+    class Probe(_real_socket.socket):
+        def connect(self, address):
+            if connected:
+                super().connect(address)
+            if not in_window.is_set():
+                in_window.set()
+                forked.wait(2.0)
+            if not connected:
+                super().connect(address)
+
+    shim = types.SimpleNamespace(**{k: getattr(_real_socket, k) for k in dir(_real_socket) if not k.startswith("__")})
+    shim.socket = Probe
+    monkeypatch.setattr(trust, "socket", shim)
+    lo = Loader()
+    check_r, check_w = os.pipe()
+    said_r, said_w = os.pipe()
+    pid = None
+    try:
+        client.attach(lo)
+        assert in_window.wait(10.0), "the client's probe"
+        pid = os.fork()
+        if pid == 0:   # a long-lived non-worker child: looks at its descriptors once the parent says so
+            try:
+                os.read(check_r, 1)
+                os.write(said_w, str(len(_connected_to(path))).encode())
+            finally:
+                os._exit(0)
+        forked.set()
+        ident, _ = agent.recv("hello")   # the probe is done and closed in the parent
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        assert agent.recv("report")
+        wait_for(lambda: _open_connections(mon, accepted) == 1, what="the agent to hold the client's connection only")
+        os.write(check_w, b"1")
+        assert os.read(said_r, 16) == b"0"      # the child holds no connection to the agent
+    finally:
+        forked.set()
+        client.detach(lo)
+        if pid:
+            os.write(check_w, b"1")
+            os.waitpid(pid, 0)
+        for fd in (check_r, check_w, said_r, said_w):
+            os.close(fd)
+        agent.sock.disable_monitor()
+        mon.close(0)
+        agent.close()
+
+
+def test_forked_children_keep_the_contexts_inner_descriptors_only_and_the_parent_serves_on(base, endpoint_env):
+    """What a forked child keeps of the client, pinned (``close_inherited_agent_connections``): every
+    descriptor but its copies of the agent connection, the ZeroMQ context's eventfds and epoll
+    descriptors included. Those lead nowhere outside the process and nothing in the child uses them,
+    so the parent's client is served on; and their count does not grow from fork to fork: a child of
+    the child has exactly the child's descriptors, and twenty forks leave the parent's table as it was."""
+    agent = FakeAgent(f"{base}/agent.sock")
+    lo = Loader()
+    try:
+        ident = _welcomed(agent, lo)
+        agent.recv("report")
+        parent = _fd_targets()
+        to_agent = _connected_to(f"{base}/agent.sock")
+        inner = {fd for fd, t in parent.items() if t in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]")}
+        assert to_agent and inner
+        for _ in range(20):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    mine = _fd_targets()
+                    ok = set(mine) == set(parent) - to_agent | {r, w}
+                    rr, ww = os.pipe()
+                    grandchild = os.fork()
+                    if grandchild == 0:
+                        os.write(ww, b"1" if set(_fd_targets()) == set(mine) | {rr, ww} else b"0")
+                        os._exit(0)
+                    ok = ok and os.read(rr, 1) == b"1"
+                    os.waitpid(grandchild, 0)
+                    os.write(w, b"1" if ok else b"0")
+                finally:
+                    os._exit(0)
+            os.close(w)
+            assert os.read(r, 1) == b"1"
+            os.close(r)
+            os.waitpid(pid, 0)
+        assert set(_fd_targets()) == set(parent)
+        agent.send(ident, protocol.make("directive", job="unit-job", seq=1, workers=5, reason="after the forks"))
+        wait_for(lambda: lo.resizes == [5], what="the directive applied after the children went")
+        assert agent.recv("report")
+    finally:
+        client.detach(lo)
+        agent.close()
 
 
 def test_job_identity_from_the_environment():
