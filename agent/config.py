@@ -97,10 +97,10 @@ for the ones the command line offers):
     loaders_yield_foreign_cores  float  CPU (cores) used outside the jobs' trainers and loaders above
                            which the loaders stop yielding (they would lose their cores to it); they
                            yield again under half of it; 0..4096, default 0.5
-    foreign_weight  str    cores|workers, default "cores": what the loaders' subtree weighs against
-                           other processes once their CPU stops the yield: one task per planned loader
-                           core, or one per worker as unmanaged workers weigh (still capped at the node
-                           less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``)
+    foreign_weight  str    workers|cores, default "workers": what the loaders' subtree weighs against
+                           other processes once their CPU stops the yield: one task per worker as
+                           unmanaged workers weigh, or one per planned loader core (still capped at the
+                           node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -203,7 +203,7 @@ class AgentConfig:
     finish_guard: bool = True
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
-    foreign_weight: str = "cores"
+    foreign_weight: str = "workers"
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"

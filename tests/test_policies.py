@@ -833,8 +833,9 @@ def test_loaders_do_not_yield_to_other_tenants_and_hysteresis_holds_either_way()
 
 
 def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_stop_the_yield():
-    """``foreign_weight = "workers"``: once other processes' CPU stops the yield, the plan says the
-    subtree weighs its workers (the reason too); while the loaders yield, or by default, it does not."""
+    """``foreign_weight = "workers"`` (the default): once other processes' CPU stops the yield, the plan
+    says the subtree weighs its workers (the reason too); while the loaders yield, or with "cores", it
+    does not."""
     base = snap("dev-2vcpu", _busy_trainers())
     node = lambda foreign, cfg: get_policy("adaptive")(
         dataclasses.replace(base, foreign_cpu_cores=foreign), curves_of(base), cfg).node
@@ -843,8 +844,9 @@ def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_st
     assert not hog.loaders_yield and hog.weigh_workers and "weighs its workers" in hog.reason
     quiet = node(0.1, workers)
     assert quiet.loaders_yield and not quiet.weigh_workers
-    default = node(1.0, PolicyConfig(yield_foreign_max_cores=0.5))
-    assert not default.loaders_yield and not default.weigh_workers and "weighs its planned cores" in default.reason
+    assert node(1.0, PolicyConfig(yield_foreign_max_cores=0.5)).weigh_workers          # the default
+    cores = node(1.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_weight="cores"))
+    assert not cores.loaders_yield and not cores.weigh_workers and "weighs its planned cores" in cores.reason
     with pytest.raises(ValueError, match="foreign_weight"):
         PolicyConfig(foreign_weight="threads")
 

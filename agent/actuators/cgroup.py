@@ -41,9 +41,9 @@ worker (issue 11: the controller-driven simulator, validated against the measure
 at 1.03x / 0.91x / 1.04x the best baseline on the 2-core gpu-weighted / trainer-cpu / oversubscribed
 mixes with one task per worker, 1.14x / 0.98x / 1.08x with one per planned core). The cost: against
 processes the agent does not manage (a CPU hog, a daemon) the loaders then claim their planned cores,
-not their worker count, unless the operator sets ``foreign_weight = "workers"``: then, while other
-processes' CPU stops the yield below (``NodeAllocation.weigh_workers``), the subtree weighs its
-workers, still capped. Without trainer CPU the subtree weighs its workers and is not capped (the
+not their worker count, except while other processes' CPU stops the yield below
+(``NodeAllocation.weigh_workers``, config ``foreign_weight = "workers"``, the default): then the
+subtree weighs its workers, still capped. Without trainer CPU the subtree weighs its workers and is not capped (the
 original quota).
 
 Yielding (the plan's ``NodeAllocation.loaders_yield``, ``agent.policies.node_allocation``): while the
