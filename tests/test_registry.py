@@ -2,6 +2,7 @@
 ownership and idempotence of register/release."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -230,6 +231,26 @@ def test_a_registration_for_a_uid_no_process_can_have_is_refused_naming_it():
     assert journal._check_job("journal.json", "s", entry) == entry
 
 
+@contextlib.contextmanager
+def _server_and_a_peer():
+    """A ``Server`` on a fresh ``Registry`` whose sends are recorded instead of sent, and a live process
+    to stand for a second rank: (server, registry, sent [(identity, message)], the peer's Popen)."""
+    import subprocess
+
+    from agent.server import Server
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        reg = Registry()
+        s = Server("ipc:///nonexistent/agent.sock", reg, heartbeat_s=1.0, on_report=lambda *a: None, status_doc=dict)
+        sent = []
+        s._send = lambda identity, msg: sent.append((identity, msg)) or True
+        yield s, reg, sent, peer
+    finally:
+        peer.kill()
+        peer.wait()
+
+
 def test_a_rank_that_joins_late_gets_the_plan_over_the_ranks_now_and_one_that_comes_back_its_part():
     """A job's directive is split over the most ranks it has had since it was made. Rank 1 joining a job
     planned 2 workers for its rank 0 alone is welcomed with 1 (the plan over 2 ranks), and rank 0 is sent
@@ -237,17 +258,8 @@ def test_a_rank_that_joins_late_gets_the_plan_over_the_ranks_now_and_one_that_co
     tick (the split once made, before: rank 1 welcomed with rank 0's 2). Earlier still, rank 1 was
     welcomed with 1 while rank 0 kept 2, so the job stepped at the pace of a rank with half the workers.
     After rank 1 died, rank 0 reconnecting is sent its part of the 6 planned for both, not all 6."""
-    import subprocess
-
-    from agent.server import Server
-
-    peer = subprocess.Popen(["sleep", "60"])
-    try:
+    with _server_and_a_peer() as (s, reg, sent, peer):
         me, uid = os.getpid(), os.getuid()
-        reg = Registry()
-        s = Server("ipc:///nonexistent/agent.sock", reg, heartbeat_s=1.0, on_report=lambda *a: None, status_doc=dict)
-        sent = []
-        s._send = lambda identity, msg: sent.append((identity, msg)) or True
 
         def hello(identity, rank, pid):
             s._hello(identity, Peer(uid, 0, pid), {"job": "j", "rank": rank, "pid": pid, "world_size": 2}, 0.0)
@@ -271,9 +283,6 @@ def test_a_rank_that_joins_late_gets_the_plan_over_the_ranks_now_and_one_that_co
         # a journal written before the directive recorded its ranks: the ranks connected stand in
         reg.jobs["j"].last_directive = {"workers": 6, "cpus": 2.0, "cpuset": None, "reason": "old"}
         assert hello(b"r1-again", 1, peer.pid)["workers"] == 3
-    finally:
-        peer.kill()
-        peer.wait()
 
 
 def test_a_rank_that_leaves_changes_nothing_sent_until_the_next_tick_resends_the_plan():
@@ -282,19 +291,12 @@ def test_a_rank_that_leaves_changes_nothing_sent_until_the_next_tick_resends_the
     in all, never more, until the next tick, which re-sends the job's count for its one rank (the
     directive tracks the job's ranks: test_controller). A split at the leave would have rank 0 fork 3
     more workers when its peers are often leaving too (the end of a run, a torchrun restart)."""
-    import subprocess
     from types import SimpleNamespace
 
     from adloader import protocol
-    from agent.server import Server
 
-    peer = subprocess.Popen(["sleep", "60"])
-    try:
+    with _server_and_a_peer() as (s, reg, sent, peer):
         me, uid = os.getpid(), os.getuid()
-        reg = Registry()
-        s = Server("ipc:///nonexistent/agent.sock", reg, heartbeat_s=1.0, on_report=lambda *a: None, status_doc=dict)
-        sent = []
-        s._send = lambda identity, msg: sent.append((identity, msg)) or True
         for identity, rank, pid in ((b"r0", 0, me), (b"r1", 1, peer.pid)):
             s._hello(identity, Peer(uid, 0, pid), {"job": "j", "rank": rank, "pid": pid, "world_size": 2}, 0.0)
         assert s.send_directive("j", 6, 2.0, None, "both ranks")
@@ -306,9 +308,6 @@ def test_a_rank_that_leaves_changes_nothing_sent_until_the_next_tick_resends_the
         assert [m["type"] for _, m in sent[before:]] == ["ok"]         # nothing to rank 0 at the leave
         assert s.send_directive("j", 6, 2.0, None, "one rank")          # the next tick's
         assert sent[-1][0] == b"r0" and sent[-1][1]["workers"] == 6 and sent[-1][1]["cpus"] == 2.0
-    finally:
-        peer.kill()
-        peer.wait()
 
 
 def test_two_jobs_under_one_job_id_are_refused_by_their_world_sizes_and_a_restart_is_not():
