@@ -905,7 +905,9 @@ def foreign_load(cores: float) -> list[float]:
     processes, each busy the same part of every ``FOREIGN_PERIOD_S`` (a duty cycle: CORES / processes),
     so that 0.5 is one process busy half the time and 1.5 two busy three quarters. Busy in short bursts
     with sleeps between, as daemons, a neighbour's preprocessing or a test suite are, not one spinning
-    thread: such a process wakes, competes for a CPU where one is contended, and sleeps. The duties."""
+    thread: such a process wakes, competes for a CPU where one is contended, and sleeps. It keeps its
+    rate, not each period's shape: one starved for a while runs the periods it missed back to back
+    (busy CORES / processes of the wall clock since it started). The duties."""
     if not cores > 0:
         return []
     n = math.ceil(cores - 1e-9)

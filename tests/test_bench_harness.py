@@ -973,10 +973,10 @@ def test_foreign_load_splits_into_duty_cycled_processes_that_sleep():
     p = subprocess.Popen([sys.executable, "-c", harness.FOREIGN_SCRIPT, "0.3", "0.05"])
     try:
         proc = psutil.Process(p.pid)
-        time.sleep(0.5)                          # past the interpreter's start
-        t0, c0 = time.monotonic(), sum(proc.cpu_times()[:2])
-        time.sleep(2.0)
-        used = (sum(proc.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+        time.sleep(2.5)
+        # over its whole life: a process starved for a while runs its missed periods back to back
+        # (it keeps its rate, not each period's shape), so only the whole span is bounded by the duty
+        used = sum(proc.cpu_times()[:2]) / (time.time() - proc.create_time())
         assert p.poll() is None
         assert 0.0 < used < 0.6, used           # busy 30% of the wall clock at most, plus slack
     finally:
