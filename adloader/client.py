@@ -162,14 +162,19 @@ def state() -> dict:
     job, rank, directives applied, last directive, reports sent/dropped. ``{"active": False}`` where
     there is none; a client that gave up after its restarts (``MAX_RESTARTS``) says so until the next
     ``attach`` replaces it: ``{"active": False, "gave_up": True, "restarts": ..., "last_error": ...}``
-    (its loaders run at their own worker counts)."""
+    (its loaders run at their own worker counts); one that stopped because the agent speaks another major
+    protocol version (its ``version`` error, or a message of that version) says
+    ``{"active": False, "stopped": "version", "last_error": ...}``."""
     c = _client
     if c is None or c.pid != os.getpid():
         return {"active": False}
     if c.stopped():
         st = c.snapshot()
-        return {"active": False, **({k: st[k] for k in ("gave_up", "restarts", "last_error")}
-                                    if st.get("gave_up") else {})}
+        if st.get("gave_up"):
+            return {"active": False, **{k: st[k] for k in ("gave_up", "restarts", "last_error")}}
+        if st.get("stopped"):
+            return {"active": False, **{k: st[k] for k in ("stopped", "last_error")}}
+        return {"active": False}
     return c.snapshot()
 
 
@@ -551,6 +556,7 @@ class _Client:
         if e.code == "version":
             _warn_once(f"refused:version:{e}", "adloader: cannot understand the node agent (%s); training goes "
                        "on without it", e)
+            self._set(stopped="version")
             self._stop.set()
             return True
         _warn_once(f"unreadable:{e.code}", "adloader: ignoring a message from the node agent that breaks the "
@@ -565,6 +571,7 @@ class _Client:
             _warn_once(f"refused:{code}:{text}", "adloader: the node agent refused this process (%s): %s; "
                        "training goes on without it", code, str(text)[:200])
             if code == "version":
+                self._set(stopped="version")
                 self._stop.set()
                 return 0.0
             return REFUSED_BACKOFF_S

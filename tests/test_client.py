@@ -1225,9 +1225,30 @@ def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stop
         for m in ({"type": "welcome", "job": "unit-job"}, {"type": "directive", "job": "unit-job", "seq": 1,
                                                           "workers": 0}):
             agent.sock.send_multipart([ident, json.dumps({"v": "2.0", **m}).encode()])
-        wait_for(lambda: client.state() == {"active": False}, what="the client stops")
+        st = wait_for(lambda: (s := client.state())["active"] is False and s, what="the client stops")
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "2.0" in warned[0] and "1.0" in warned[0] and "upgrade" in warned[0], warned
+    assert lo.resizes == []
+    assert st["stopped"] == "version" and "version" in st["last_error"] and "gave_up" not in st, st
+
+
+def test_the_agents_version_error_stops_the_client_and_the_state_says_why(agent, monkeypatch, caplog):
+    """The agent refuses a client of another major version with an ``error`` of code ``version``: the
+    client stops. ``state()`` said only ``{"active": False}``, the same as no client at all, so a user
+    (or ``adloader profile``) could not tell a stopped client from one never started. Now it says it
+    stopped for the version and what the agent said."""
+    import logging
+
+    monkeypatch.setattr(client, "_warned", set())
+    lo = Loader()
+    with caplog.at_level(logging.WARNING, logger="adloader.client"):
+        client.attach(lo)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.error("version", "agent speaks 2.0; upgrade the client"))
+        st = wait_for(lambda: (s := client.state())["active"] is False and s, what="the client stops")
+    assert st == {"active": False, "stopped": "version",
+                  "last_error": "version: agent speaks 2.0; upgrade the client"}, st
+    assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()], caplog.text
     assert lo.resizes == []
 
 
