@@ -215,8 +215,8 @@ def memory_limits() -> tuple[float | None, float | None]:
     from adloader import memory
 
     cg = memory.cgroup_memory()
-    total, _ = memory.meminfo()
-    return memory.memory_room(), (cg.limit if cg.limit is not None else total)
+    total, available = memory.meminfo()      # (each file read once a call)
+    return memory.room_of(available, cg), (cg.limit if cg.limit is not None else total)
 
 
 # -- stats totals -> Observation ------------------------------------------------------------------

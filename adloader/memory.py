@@ -230,9 +230,12 @@ def cgroup_memory(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys
 def memory_room(pid="self", proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
     """Bytes more this process's cgroup and the node can give before either runs out: the least of
     MemAvailable and (cgroup limit - cgroup usage). None when neither is known."""
-    _, avail = meminfo(proc_root)
-    cg = cgroup_memory(pid, proc_root, cgroup_root)
-    room = avail
+    return room_of(meminfo(proc_root)[1], cgroup_memory(pid, proc_root, cgroup_root))
+
+
+def room_of(available: Optional[int], cg: CgroupMemory) -> Optional[int]:
+    """``memory_room`` from figures already read: the node's MemAvailable and a ``cgroup_memory``."""
+    room = available
     if cg.limit is not None and cg.usage is not None:
         cg_room = max(0, cg.limit - cg.usage)
         room = cg_room if room is None else min(room, cg_room)
