@@ -243,6 +243,8 @@ class BenchConfig:
                                             # loader its steps (``total_steps``): what adaptive's finish guard uses
     foreign_cores: float = 0.0              # CPU load outside every job for the whole phase (``foreign_load``):
                                             # other tenants, daemons, jobs that do not report
+    foreign_bursts: Optional[tuple[float, float]] = None    # (on, off) seconds: the foreign load comes and
+                                            # goes (``FOREIGN_SCRIPT``); None: steady
 
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -763,9 +765,10 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
                                           sc.loader_memory)
         if policy == "static-cores":
             static = StaticCores(cfg.node_cores, sc.node_gpus)
+        bursts = [repr(x) for x in (*cfg.foreign_bursts, time.monotonic())] if cfg.foreign_bursts else []
         for i, duty in enumerate(foreign_load(cfg.foreign_cores)):     # there before the jobs, to the end
-            foreign.append(Proc([cfg.python, "-c", FOREIGN_SCRIPT, repr(duty), repr(FOREIGN_PERIOD_S)], child_env(),
-                                run_dir / f"foreign{i}.log"))
+            foreign.append(Proc([cfg.python, "-c", FOREIGN_SCRIPT, repr(duty), repr(FOREIGN_PERIOD_S), *bursts],
+                                child_env(), run_dir / f"foreign{i}.log"))
         pending = sorted(sc.launches, key=lambda l: l.at_s)
 
         def launch(l: Launch) -> None:
@@ -907,17 +910,30 @@ def foreign_load(cores: float) -> list[float]:
     with sleeps between, as daemons, a neighbour's preprocessing or a test suite are, not one spinning
     thread: such a process wakes, competes for a CPU where one is contended, and sleeps. It keeps its
     rate, not each period's shape: one starved for a while runs the periods it missed back to back
-    (busy CORES / processes of the wall clock since it started). The duties."""
+    (busy CORES / processes of the wall clock since it started). With ``--foreign-bursts ON_S,OFF_S``
+    (``BenchConfig.foreign_bursts``) all of them are on for ON_S and asleep for OFF_S in turn, from the
+    phase's start (a neighbour's bursts of work), catching up only within each on-time: CORES x ON_S /
+    (ON_S + OFF_S) on average. The duties."""
     if not cores > 0:
         return []
     n = math.ceil(cores - 1e-9)
     return [cores / n] * n
 
 
+# argv: duty, period[, on_s, off_s, origin]: with the last three the load is on for on_s and off for off_s
+# in turn from ``origin`` (a CLOCK_MONOTONIC time, one clock for every process of the node), asleep while off;
+# the periods missed while starved are caught up within the same on-time only (``foreign_load``)
 FOREIGN_SCRIPT = """import sys, time
 duty, period = float(sys.argv[1]), float(sys.argv[2])
+on, off, origin = (float(x) for x in sys.argv[3:6]) if len(sys.argv) > 5 else (0.0, 0.0, 0.0)
 nxt = time.monotonic()
 while True:
+    if off > 0:
+        k, into = divmod(time.monotonic() - origin, on + off)
+        if into >= on:
+            time.sleep(on + off - into)
+            nxt = origin + (k + 1) * (on + off)
+            continue
     busy_until = time.monotonic() + duty * period
     while time.monotonic() < busy_until:
         pass

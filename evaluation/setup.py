@@ -47,7 +47,7 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
         measure_s: float | None = None, title: str = "bench", loader_memory: int | None = None,
         oracle_source: str = "colocated", oracle_probe_reps: int = 2, agent_log_level: str = "info",
         loader_cpus_auto: bool = False, steps_known: bool = False, calibration_processes: int = 1,
-        foreign_cores: float = 0.0) -> dict:
+        foreign_cores: float = 0.0, foreign_bursts: tuple[float, float] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     catalog = load_catalog(catalog_path)
     kinds = sorted({k for s in scenarios for k in catalog.mixes.get(s, [])})
@@ -62,7 +62,8 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
                               sweep_segment_s=sweep_segment_s, loader_memory=loader_memory,
                               oracle_source=oracle_source, oracle_probe_reps=oracle_probe_reps,
                               agent_log_level=agent_log_level, loader_cpus_auto=loader_cpus_auto,
-                              steps_known=steps_known, foreign_cores=foreign_cores)
+                              steps_known=steps_known, foreign_cores=foreign_cores,
+                              foreign_bursts=foreign_bursts)
     scs = harness.build_scenarios(cfg, scenarios, quick)
     for sc in scs:
         if warmup_s is not None:
@@ -81,6 +82,7 @@ def run(*, out_dir: Path, scenarios: list[str], policies: list[str], reps: int, 
     command = shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:])
     meta = {"title": title, "command": command, "node_cores": cfg.node_cores, "loader_cpus": loader_cpus,
             "loader_cpus_auto": loader_cpus_auto, "steps_known": steps_known, "foreign_cores": foreign_cores,
+            "foreign_bursts": list(foreign_bursts) if foreign_bursts else None,
             "cgroup_mode": cgroup_mode, "tick_s": tick_s, "device": device, "reps": reps, "quick": quick,
             "catalog": catalog.path, "calibration": calib, "started": started,
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),

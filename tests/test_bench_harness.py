@@ -827,7 +827,12 @@ def test_bench_and_demo_refuse_bad_numbers_before_any_job_starts(tmp_path, capsy
                         (["--loader-cpus", "many"], "'auto' or a number of cores"),
                         (["--calibration-processes", "0"], "--calibration-processes must be >= 1"),
                         (["--foreign-cores", "-0.5"], "--foreign-cores must be in [0, "),
-                        (["--foreign-cores", "100000"], "--foreign-cores must be in [0, ")):
+                        (["--foreign-cores", "100000"], "--foreign-cores must be in [0, "),
+                        (["--foreign-bursts", "5,10"], "--foreign-bursts needs --foreign-cores"),
+                        (["--foreign-cores", "0.5", "--foreign-bursts", "5"], "two positive numbers"),
+                        (["--foreign-cores", "0.5", "--foreign-bursts", "5,0"], "two positive numbers"),
+                        (["--foreign-cores", "0.5", "--foreign-bursts", "5,inf"], "two positive numbers"),
+                        (["--foreign-cores", "0.5", "--foreign-bursts", "a,b"], "two positive numbers")):
         args = build_parser().parse_args(["bench", "--out", str(out), *argv])
         assert args.func(args) == 2, argv
         assert words in capsys.readouterr().err, argv
@@ -984,16 +989,64 @@ def test_foreign_load_splits_into_duty_cycled_processes_that_sleep():
         p.wait()
 
 
+def test_bursts_of_foreign_load_sleep_through_each_off_time():
+    """``--foreign-bursts ON_S,OFF_S``: the process is busy in its on-times (a duty of 1: all of it) and
+    takes no CPU in its off-times, on a schedule counted from the origin it is given (every process of a
+    phase shares one). Measured inside off-times only: a sample that fell outside one (a slow machine) is
+    taken again in a later cycle."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from evaluation import harness
+
+    on, off = 0.3, 0.5
+    origin = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", harness.FOREIGN_SCRIPT, "1.0", "0.05", repr(on), repr(off),
+                          repr(origin)])
+    try:
+        proc = psutil.Process(p.pid)
+        cpu = lambda: sum(proc.cpu_times()[:2])     # noqa: E731
+        quiet = busy = None
+        for k in range(2, 12):              # cycle k: [origin + k (on + off), ... + on) on, then off
+            start = origin + k * (on + off)
+            time.sleep(max(0.0, start + on + 0.08 - time.monotonic()))
+            t0, c0 = time.monotonic(), cpu()
+            time.sleep(max(0.0, start + on + off - 0.05 - time.monotonic()))
+            t1, c1 = time.monotonic(), cpu()
+            if start + on + 0.05 <= t0 and t1 <= start + on + off:    # both samples inside the off-time
+                quiet = c1 - c0
+                break
+        for k in range(k + 1, k + 12):      # and an on-time: it spins
+            start = origin + k * (on + off)
+            time.sleep(max(0.0, start + 0.02 - time.monotonic()))
+            t0, c0 = time.monotonic(), cpu()
+            time.sleep(max(0.0, start + on - 0.02 - time.monotonic()))
+            t1, c1 = time.monotonic(), cpu()
+            if start <= t0 and t1 <= start + on:
+                busy = (c1 - c0) / (t1 - t0)
+                break
+        assert p.poll() is None
+        assert quiet is not None and quiet < 0.03, quiet        # asleep (clock ticks: 10 ms steps)
+        assert busy is not None and busy > 0.2, busy            # running (any share of a CPU it gets)
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_a_bench_with_foreign_load_runs_it_beside_the_jobs_and_stops_it(tmp_path, tiny_catalog):
-    """``adloader bench --foreign-cores 0.5``: the load runs through the phase (the bench sees the node
-    busier than its jobs and agent: ``node_other_cores``), the JSON says how much, and nothing it
-    started is left running."""
+    """``adloader bench --foreign-cores 0.5 --foreign-bursts 1,0.5``: the load runs through the phase, on
+    and off (the bench sees the node busier than its jobs and agent: ``node_other_cores``), the JSON says
+    how much and how, and nothing it started is left running."""
     result, _ = _run(tmp_path, tiny_catalog, "heterogeneous", ["none"], warmup_s=0.5, measure_s=2.0,
-                     foreign_cores=0.5)
+                     foreign_cores=0.5, foreign_bursts=(1.0, 0.5))
     (ph,) = result["phases"]
     assert ph["error"] is None and ph["metrics"]["agg_normalised"] > 0
     assert ph["metrics"]["node_other_cores"] > 0.02
     assert (Path(ph["run_dir"]) / "foreign0.log").exists()
     assert not (Path(ph["run_dir"]) / "foreign1.log").exists()
-    assert json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]["foreign_cores"] == 0.5
+    meta = json.loads((tmp_path / "out" / "bench.json").read_text())["meta"]
+    assert meta["foreign_cores"] == 0.5 and meta["foreign_bursts"] == [1.0, 0.5]
     assert _no_children_left() == []

@@ -6,6 +6,7 @@ bench.md and PNG plots under --out.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def register(sub) -> None:
     p.add_argument("--foreign-cores", type=plain_float, default=0.0, metavar="CORES",
                    help="CPU load outside every job for each whole phase, in cores (default 0): ceil(CORES) "
                         "processes busy in 50-ms duty cycles, as daemons or a neighbour's work are")
+    p.add_argument("--foreign-bursts", default=None, metavar="ON_S,OFF_S",
+                   help="with --foreign-cores: the load comes and goes, ON_S seconds on and OFF_S off (all its "
+                        "processes together, from the phase's start), as a neighbour's bursts of work do "
+                        "(default: steady for the whole phase)")
     p.add_argument("--device", choices=("emulated", "cuda"), default="emulated",
                    help="emulated GPU step (sleep; the default) or a real small model step on CUDA")
     p.add_argument("--warmup-s", type=plain_float, default=None, metavar="S",
@@ -153,6 +158,18 @@ def out_file_error(path: str) -> str | None:
     return None
 
 
+def foreign_bursts(text: str) -> tuple[float, float] | None:
+    """``--foreign-bursts ON_S,OFF_S`` read: (on, off) seconds, both finite and positive; None if not."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        return None
+    try:
+        on, off = (float(x) for x in parts)
+    except ValueError:
+        return None
+    return (on, off) if all(0 < x < math.inf for x in (on, off)) else None
+
+
 def _check_numbers(args, node_cores: int) -> str | None:
     """What is wrong with the numeric options, or None (checked before any job starts)."""
     if args.reps is not None and args.reps < 1:
@@ -164,6 +181,12 @@ def _check_numbers(args, node_cores: int) -> str | None:
             return why
     if not 0 <= args.foreign_cores < node_cores:
         return f"--foreign-cores must be in [0, {node_cores}) (this node's CPUs), got {args.foreign_cores:g}"
+    if args.foreign_bursts is not None:
+        if not args.foreign_cores:
+            return "--foreign-bursts needs --foreign-cores (the load that comes and goes)"
+        if foreign_bursts(args.foreign_bursts) is None:
+            return (f"--foreign-bursts must be ON_S,OFF_S, two positive numbers of seconds (e.g. 5,10), "
+                    f"got {args.foreign_bursts!r}")
     if args.loader_cpus != "auto":
         try:
             c = float(args.loader_cpus)
@@ -239,7 +262,9 @@ def run(args) -> int:
     progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
                   f"{len(policies)} policies x {reps} repeat(s); {setup.node_cores()} cores, "
                   f"{loader_cpus:g} for loaders"
-                  + (f"; {args.foreign_cores:g} cores of foreign load" if args.foreign_cores else ""))
+                  + (f"; {args.foreign_cores:g} cores of foreign load" if args.foreign_cores else "")
+                  + (" ({:g} s on, {:g} s off)".format(*foreign_bursts(args.foreign_bursts))
+                     if args.foreign_bursts else ""))
     try:
         result = setup.run(out_dir=Path(args.out), scenarios=scenarios, policies=policies, reps=reps, quick=quick,
                            catalog_path=args.catalog, loader_cpus=loader_cpus,
@@ -249,7 +274,8 @@ def run(args) -> int:
                            loader_memory=loader_memory, oracle_source=args.oracle,
                            oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
                            loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known,
-                           calibration_processes=args.calibration_processes, foreign_cores=args.foreign_cores)
+                           calibration_processes=args.calibration_processes, foreign_cores=args.foreign_cores,
+                           foreign_bursts=foreign_bursts(args.foreign_bursts) if args.foreign_bursts else None)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
