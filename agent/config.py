@@ -100,7 +100,9 @@ for the ones the command line offers):
     foreign_weight  str    workers|cores, default "workers": what the loaders' subtree weighs against
                            other processes once their CPU stops the yield: one task per worker as
                            unmanaged workers weigh, or one per planned loader core (still capped at the
-                           node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``)
+                           node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``);
+                           where that load comes in bursts of seconds the switch lags it and "cores"
+                           did better (docs/operations.md)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
