@@ -188,15 +188,21 @@ def _stat(path, busy_ticks: dict, idle_ticks: int = 1000) -> None:
     (path / "stat").write_text("\n".join(lines) + "\nintr 0\n")
 
 
-def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_path):
-    """Node busy (the agent's CPUs in /proc/stat) over the snapshot interval, less the jobs' trainer and
-    worker CPU and the agent's own: what other processes used. CPUs outside the agent's set do not
-    count; the first snapshot has no rate yet (None)."""
+def _one_job_node(tmp_path):
+    """(a /proc to write /proc/stat into, a registry holding job "j" as this process's rank 0, its pid)."""
     proc = tmp_path / "proc"
     proc.mkdir()
     reg = Registry()
     me = os.getpid()
     reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    return proc, reg, me
+
+
+def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_path):
+    """Node busy (the agent's CPUs in /proc/stat) over the snapshot interval, less the jobs' trainer and
+    worker CPU and the agent's own: what other processes used. CPUs outside the agent's set do not
+    count; the first snapshot has no rate yet (None)."""
+    proc, reg, me = _one_job_node(tmp_path)
     own = iter([10.0, 10.1])                            # the agent: 0.1 s of CPU over the second interval
     col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: next(own))
     col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "main_cpu_s": 0.0}, 0.0)
@@ -218,11 +224,7 @@ def test_the_last_ticks_foreign_cpu_follows_a_load_that_stops_at_once(tmp_path):
     take the freed CPU, as CPU-bound loaders do), it falls within the tick while the smoothed figure is
     still over half the loaders' 0.5-core limit for seconds; a rank whose last report is stale counts
     nothing (so the figure reads high, never low)."""
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    reg = Registry()
-    me = os.getpid()
-    reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    proc, reg, me = _one_job_node(tmp_path)
     col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
     busy, cpu_s = [0], [0.0]
 
@@ -251,11 +253,7 @@ def test_the_last_ticks_foreign_cpu_follows_a_load_that_stops_at_once(tmp_path):
 
 
 def test_foreign_cpu_is_never_negative_and_unknown_without_proc_stat(tmp_path):
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    reg = Registry()
-    me = os.getpid()
-    reg.hello(Peer(os.getuid(), 0, me), b"a", {"job": "j", "rank": 0, "pid": me, "gpus": ["0"]}, 0.0)
+    proc, reg, me = _one_job_node(tmp_path)
     col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
     assert col.snapshot(0.0).foreign_cpu_cores is None                   # no /proc/stat at all
     col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "main_cpu_s": 0.0}, 0.0)
