@@ -75,8 +75,6 @@ set-up: the processes' own CPU time) as it decays out of that figure.
 (its imports, before its hello) or exiting (after its bye) is a burst of a second or two of CPU that
 no one reports, which the smoothed figure shows for a few seconds; a tenant or a hog stays. The policies
 stop the loaders' yield on the held figure, so only what lasts stops it.
-``foreign_fast_cpu_cores`` is the same difference over the last tick alone, unsmoothed (``_fast_foreign``):
-with ``loaders_yield_resume = "tick"`` the loaders yield again as soon as it falls, not ~4 s later.
 """
 from __future__ import annotations
 
@@ -102,7 +100,6 @@ STEPS_LEFT_RESETS = 2      # a rank's end mark (steps_left + steps) may rise thi
 STEPS_LEFT_RESET_S = 300.0  # ... within this long; more: its steps_left is not taken (see above)
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
-FAST_REPORT_AGE_S = 2.5    # foreign_fast_cpu_cores: a rank's latest report window counts while this recent
 MIN_WINDOW_S = 0.05
 PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read again after this long (they can
                             # change while it runs: a taskset, a moved cpuset, a Kubernetes CPU manager)
@@ -152,8 +149,6 @@ class RankRates:
     steps_left_refused: bool = False               # the last report's steps_left was refused (not counting down)
     window_steps: float = 0.0                      # the last window's steps and samples (counter deltas):
     window_samples: float = 0.0                    # its batch size (``window_batch_size``)
-    last_cpu: float = 0.0                          # its workers' and training process's CPU (cores) over the last
-    last_cpu_at: float = -math.inf                 # window alone, and when that report came (``fast_foreign``)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
@@ -204,7 +199,6 @@ class RankRates:
             new["wall_s_per_batch"] = d["worker_wall_s"] / d["batches"]
             new["runq_s_per_batch"] = d["worker_runq_s"] / d["batches"]
             new["blocked_s_per_batch"] = blocked_s(d, totals["worker_blocked_s"] is not None) / d["batches"]
-        self.last_cpu, self.last_cpu_at = new["worker_cpu_cores"] + new.get("trainer_cpu_cores", 0.0), recv_t
         alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
         for k, v in new.items():
             old = self.rates.get(k)
@@ -422,8 +416,6 @@ class Collector:
         self._cpu_prev: Optional[tuple[float, float, float]] = None   # (now, node busy s, agent CPU s)
         self.busy_cpu_cores: Optional[float] = None    # smoothed rates (see the module docstring)
         self._own_cores: float = 0.0
-        self._busy_tick: Optional[float] = None        # the same two over the last tick alone (_fast_foreign)
-        self._own_tick: float = 0.0
         self._jobs_cpu: tuple[float, dict[str, float]] = (0.0, {})   # (when, each job's CPU) at the last snapshot
         self._unreported: list[tuple[float, float]] = []   # (cores in the busy figure, when): departed jobs'
                                                            # last CPU, arrivals' start-up (_unreported_cores)
@@ -639,11 +631,9 @@ class Collector:
             foreign = max(0.0, busy - sum(cpu.values()) - self._unreported_cores(now) - self._own_cores)
         self._jobs_cpu = (now, cpu)
         held = self._held_foreign(now, foreign)
-        fast = self._fast_foreign(now, jobs) if busy is not None else None
         snap = NodeSnapshot(now=now, loader_cpus=self.loader_cpus, loader_cpus_auto=self.loader_cpus_auto,
                             cpu_ids=self.cpu_ids, jobs=jobs,
                             busy_cpu_cores=busy, foreign_cpu_cores=foreign, foreign_held_cpu_cores=held,
-                            foreign_fast_cpu_cores=fast,
                             max_jobs=self.max_jobs, cpu_pressure=self.pressure.cpu_some_avg10,
                             io_pressure=self.pressure.io_some_avg10,
                             loader_memory_bytes=mem.budget if mem else None,
@@ -652,27 +642,6 @@ class Collector:
                             memory_note=mem.note if mem else "")
         self.last = snap
         return snap
-
-    def _fast_foreign(self, now: float, jobs: Mapping[str, JobStats]) -> Optional[float]:
-        """Other processes' CPU over the last tick alone (``foreign_fast_cpu_cores``): the node's busy CPU
-        over the tick less the agent's own and each connected rank's CPU over its latest report window
-        (one that came within ``FAST_REPORT_AGE_S``; an older one counts nothing). Unsmoothed, it follows
-        a load that stops within a tick or two, where ``foreign_cpu_cores`` (3-s smoothing) takes ~4 s to
-        fall from 1.2 cores under a quarter: it is read only to yield again sooner
-        (``agent.policies.node_allocation``), so its errors that matter are low readings. It reads high,
-        never low, where a job's CPU is not reported yet (a job starting, before its first report
-        window) or a report is late; the report windows and the tick do not line up to the
-        millisecond (about a second each)."""
-        if self._busy_tick is None:
-            return None
-        reported = 0.0
-        for jid in jobs:
-            job = self.registry.jobs.get(jid)
-            for r in (job.ranks.values() if job is not None else ()):
-                rr = self.rank_rates.get((jid, r.rank, r.pid))
-                if rr is not None and now - rr.last_cpu_at <= FAST_REPORT_AGE_S:
-                    reported += rr.last_cpu
-        return max(0.0, self._busy_tick - reported - self._own_tick)
 
     def _held_foreign(self, now: float, foreign: Optional[float]) -> Optional[float]:
         """The least foreign figure of the snapshots within the last ``FOREIGN_HOLD_S`` (None until they
@@ -735,7 +704,6 @@ class Collector:
         dt = now - prev[0]
         busy = max(0.0, busy_s - prev[1]) / dt
         own = max(0.0, own_s - prev[2]) / dt
-        self._busy_tick, self._own_tick = busy, own      # unsmoothed, for ``_fast_foreign``
         alpha = 1.0 - math.exp(-dt / SMOOTH_TAU_S)
         if self.busy_cpu_cores is None:
             self.busy_cpu_cores, self._own_cores = busy, own

@@ -103,11 +103,6 @@ for the ones the command line offers):
                            node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``);
                            where that load comes in bursts of seconds the switch lags it and "cores"
                            did better (docs/operations.md)
-    loaders_yield_resume  str  tick|smoothed, default "tick": the figure of other processes' CPU the
-                           yield's two edges read: "tick", the lesser of the 3-s smoothed figure and the
-                           same over the last tick alone (a load that stops is seen within a tick or two,
-                           and one that is not there over the last tick does not stop the yield);
-                           "smoothed", the smoothed figure alone (~4 s behind a load that stops)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -211,7 +206,6 @@ class AgentConfig:
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     foreign_weight: str = "workers"
-    loaders_yield_resume: str = "tick"
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
@@ -390,12 +384,10 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
 
     if cfg.loaders_yield not in LOADERS_YIELD:
         bad("loaders_yield", f"must be one of {', '.join(LOADERS_YIELD)}")
-    from agent.policies import FOREIGN_WEIGHTS, YIELD_RESUMES
+    from agent.policies import FOREIGN_WEIGHTS
 
     if cfg.foreign_weight not in FOREIGN_WEIGHTS:
         bad("foreign_weight", f"must be one of {', '.join(FOREIGN_WEIGHTS)}")
-    if cfg.loaders_yield_resume not in YIELD_RESUMES:
-        bad("loaders_yield_resume", f"must be one of {', '.join(YIELD_RESUMES)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:

@@ -181,7 +181,6 @@ class NodeSnapshot:
     foreign_cpu_cores: Optional[float] = None # of it, what neither the jobs' training processes nor their
                                           # loader workers used (other tenants, daemons; smoothed), when known
     foreign_held_cpu_cores: Optional[float] = None   # the least foreign_cpu_cores of the last FOREIGN_HOLD_S
-    foreign_fast_cpu_cores: Optional[float] = None   # the same over the last tick alone, unsmoothed (collector)
                                           # (agent.collector): what other processes kept using, not a burst
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
                                           # set by the controller alone (the collector leaves it empty)

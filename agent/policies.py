@@ -55,7 +55,6 @@ LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``l
 FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
 FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
 FOREIGN_WEIGHTS = ("cores", "workers")   # PolicyConfig.foreign_weight (config key ``foreign_weight``)
-YIELD_RESUMES = ("smoothed", "tick")      # PolicyConfig.yield_resume (config key ``loaders_yield_resume``)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -173,13 +172,6 @@ class PolicyConfig:
         against 0.978 / 1.006; the trainer-bound BERT-like job paid (0.50-0.56 of its ceiling against
         0.70-0.71, where `none` gives it 0.51-0.52), and the other processes received 0.41-0.56 cores
         against 0.64-0.76 (0.55-0.63 beside `none`).
-    yield_resume: which figure of other processes' CPU ``node_allocation`` compares with the limit.
-        "tick" (default): the lesser of ``foreign_cpu_cores`` (smoothed over 3 s) and
-        ``foreign_fast_cpu_cores`` (the last tick alone), so the loaders yield again within a tick or two
-        of a load that stops and do not stop yielding for one that is not there over the last tick;
-        "smoothed": the smoothed figure alone, which lags a stopped load by ~4 s (from 1.2 cores to under
-        a quarter): under a load in 5-s bursts it weighed against other processes in the gaps and yielded
-        during the bursts (forty-sixth pass). The stop edge keeps its hold either way.
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
@@ -242,7 +234,6 @@ class PolicyConfig:
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
     foreign_weight: str = "workers"
-    yield_resume: str = "tick"
     cpu_bound_min_workers: int = 1
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
@@ -278,9 +269,6 @@ class PolicyConfig:
         if self.foreign_weight not in FOREIGN_WEIGHTS:
             raise ValueError(f"PolicyConfig.foreign_weight must be one of {', '.join(FOREIGN_WEIGHTS)}, "
                              f"got {self.foreign_weight!r}")
-        if self.yield_resume not in YIELD_RESUMES:
-            raise ValueError(f"PolicyConfig.yield_resume must be one of {', '.join(YIELD_RESUMES)}, "
-                             f"got {self.yield_resume!r}")
         if self.yield_foreign_max_cores < 0:
             raise ValueError(f"PolicyConfig.yield_foreign_max_cores must be >= 0, got {self.yield_foreign_max_cores}")
         if not 1.0 <= self.delivery_correction <= 16.0:
@@ -693,9 +681,6 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     if foreign is None:
         return NodeAllocation(False, trainers, "the node's other CPU use is not known yet: not yielding")
     held = snapshot.foreign_held_cpu_cores
-    fast = snapshot.foreign_fast_cpu_cores
-    if config.yield_resume == "tick" and fast is not None and fast < foreign:
-        foreign = fast      # what other processes use now: the smoothed figure lags a load that stopped
     if before and held is not None and foreign >= limit > held:
         return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
                               f"speed); other processes use {foreign:.2f} cores, a burst (under {limit:.2f} "

@@ -31,9 +31,7 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          runs only on CPU the training processes leave idle), reason, busy_cpu_cores (the
                          node's CPU use), foreign_cpu_cores (of it, what the jobs' trainers, loaders and
                          the agent did not use), foreign_held_cpu_cores (the least of that over the last
-                         3 s: what lasted), foreign_fast_cpu_cores (the same over the last tick alone,
-                         unsmoothed: what the yield reads with loaders_yield_resume "tick")} (null before
-                         the first plan or under ``none``)
+                         3 s: what lasted)} (null before the first plan or under ``none``)
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -194,8 +192,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
         node = {"loaders_yield": plan.node.loaders_yield, "reason": plan.node.reason,
                 "busy_cpu_cores": _r(snapshot.busy_cpu_cores, 3) if snapshot is not None else None,
                 "foreign_cpu_cores": _r(snapshot.foreign_cpu_cores, 3) if snapshot is not None else None,
-                "foreign_held_cpu_cores": _r(snapshot.foreign_held_cpu_cores, 3) if snapshot is not None else None,
-                "foreign_fast_cpu_cores": _r(snapshot.foreign_fast_cpu_cores, 3) if snapshot is not None else None}
+                "foreign_held_cpu_cores": _r(snapshot.foreign_held_cpu_cores, 3) if snapshot is not None else None}
     return {
         "version": STATUS_VERSION,
         "agent": agent_info,

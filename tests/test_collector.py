@@ -218,40 +218,6 @@ def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_pat
     assert s.foreign_cpu_cores == pytest.approx(1.0)
 
 
-def test_the_last_ticks_foreign_cpu_follows_a_load_that_stops_at_once(tmp_path):
-    """``foreign_fast_cpu_cores``: the node's busy CPU over the last tick less the jobs' CPU over their
-    latest report windows and the agent's own, unsmoothed. When 1.2 cores of other load stop (the jobs
-    take the freed CPU, as CPU-bound loaders do), it falls within the tick while the smoothed figure is
-    still over half the loaders' 0.5-core limit for seconds; a rank whose last report is stale counts
-    nothing (so the figure reads high, never low)."""
-    proc, reg, me = _one_job_node(tmp_path)
-    col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
-    busy, cpu_s = [0], [0.0]
-
-    def second(t, job_cores, report=True):        # the node busy (2 cores) every second
-        if report:
-            cpu_s[0] += job_cores
-            col.on_report("j", 0, me, {**_totals(t, 10 * t, 0.1 * t, 0.9 * t, cpu=cpu_s[0]), "main_cpu_s": 0.0},
-                          float(t))
-        busy[0] += 100
-        _stat(proc, {0: busy[0], 1: busy[0]})
-        return col.snapshot(float(t))
-
-    assert second(0, 0.0).foreign_fast_cpu_cores is None           # no rate yet
-    for t in range(1, 8):                                           # the job 0.8 cores, others 1.2
-        s = second(t, 0.8)
-    assert s.foreign_fast_cpu_cores == pytest.approx(1.2, abs=0.01)
-    assert s.foreign_cpu_cores == pytest.approx(1.2, abs=0.05)
-    s = second(8, 2.0)                                              # the load stops; the job takes the node
-    assert s.foreign_fast_cpu_cores == pytest.approx(0.0, abs=0.01)
-    assert s.foreign_cpu_cores > 0.5                                # the smoothed figure lags
-    later = [second(t, 2.0).foreign_cpu_cores for t in range(9, 12)]
-    assert later[0] > 0.25, later                                   # ~4 s under half the limit before
-    # reports stop coming (stale after FAST_REPORT_AGE_S): the job counts nothing, the figure reads high
-    s = [second(t, 2.0, report=False) for t in range(12, 16)][-1]
-    assert s.foreign_fast_cpu_cores == pytest.approx(2.0, abs=0.01)
-
-
 def test_foreign_cpu_is_never_negative_and_unknown_without_proc_stat(tmp_path):
     proc, reg, me = _one_job_node(tmp_path)
     col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)

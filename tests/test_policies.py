@@ -870,40 +870,6 @@ def test_a_burst_of_other_cpu_does_not_stop_the_yield_a_lasting_one_does():
     assert not node(0.3, 0.1, stopped).loaders_yield                  # starting again: half the limit, as before
 
 
-def test_the_yield_follows_other_processes_cpu_over_the_last_tick_both_ways():
-    """``loaders_yield_resume = "tick"`` (the default): the smoothed figure of other processes' CPU
-    (3-s time constant) took ~4 s to fall under half the limit after a load stopped, so under a load in
-    5-s bursts the subtree weighed against other processes in the gaps and yielded during the bursts
-    (forty-sixth pass). Now the lesser of it and the last tick's figure is read: a load gone over the
-    last tick starts the yield again at once, and one not there over the last tick does not stop it.
-    A lasting load (both figures and the held one over the limit) still stops it; "smoothed" keeps the
-    rule before."""
-    base = snap("dev-2vcpu", _busy_trainers())
-
-    def node(foreign, fast, before, resume="tick", held=None):
-        cfg = PolicyConfig(yield_foreign_max_cores=0.5, yield_resume=resume)
-        return get_policy("adaptive")(
-            dataclasses.replace(base, foreign_cpu_cores=foreign, foreign_fast_cpu_cores=fast,
-                                foreign_held_cpu_cores=held if held is not None else foreign, applied_node=before),
-            curves_of(base), cfg).node
-
-    hog = node(1.2, 1.2, None)
-    assert not hog.loaders_yield
-    # the load stopped: the smoothed figure still says 0.8, the last tick 0.05
-    back = node(0.8, 0.05, hog)
-    assert back.loaders_yield and "0.05" in back.reason
-    assert not node(0.8, 0.05, hog, resume="smoothed").loaders_yield
-    assert not node(0.8, 0.4, hog).loaders_yield            # over half the limit over the tick: still weighing
-    # yielding, the smoothed figure (and its hold) still high from a load the last tick no longer shows
-    assert node(0.8, 0.05, back).loaders_yield
-    assert not node(0.8, 0.05, back, resume="smoothed").loaders_yield
-    assert not node(0.8, 0.9, back).loaders_yield           # a load there now and held: stops the yield
-    # unknown last tick (the collector's first): the smoothed figure alone
-    assert not node(0.8, None, hog).loaders_yield
-    with pytest.raises(ValueError, match="yield_resume"):
-        PolicyConfig(yield_resume="fast")
-
-
 def test_loaders_do_not_yield_when_nothing_asks_for_it():
     quiet = dataclasses.replace(snap("dev-2vcpu", [job("a"), job("b")]), foreign_cpu_cores=0.0)
     n = get_policy("adaptive")(quiet, curves_of(quiet), PolicyConfig()).node
