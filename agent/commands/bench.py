@@ -259,12 +259,12 @@ def run(args) -> int:
         return 2
     reps = args.reps or (1 if quick else 3)
     progress = report.Progress()
+    bursts = foreign_bursts(args.foreign_bursts) if args.foreign_bursts else None     # (checked above)
     progress.note(f"adloader bench ({'quick' if quick else 'full'}): {len(scenarios)} scenario(s) x "
                   f"{len(policies)} policies x {reps} repeat(s); {setup.node_cores()} cores, "
                   f"{loader_cpus:g} for loaders"
                   + (f"; {args.foreign_cores:g} cores of foreign load" if args.foreign_cores else "")
-                  + (" ({:g} s on, {:g} s off)".format(*foreign_bursts(args.foreign_bursts))
-                     if args.foreign_bursts else ""))
+                  + (" ({:g} s on, {:g} s off)".format(*bursts) if bursts else ""))
     try:
         result = setup.run(out_dir=Path(args.out), scenarios=scenarios, policies=policies, reps=reps, quick=quick,
                            catalog_path=args.catalog, loader_cpus=loader_cpus,
@@ -275,7 +275,7 @@ def run(args) -> int:
                            oracle_probe_reps=args.oracle_probe_reps, agent_log_level=args.agent_log_level,
                            loader_cpus_auto=args.loader_cpus == "auto", steps_known=args.steps_known,
                            calibration_processes=args.calibration_processes, foreign_cores=args.foreign_cores,
-                           foreign_bursts=foreign_bursts(args.foreign_bursts) if args.foreign_bursts else None)
+                           foreign_bursts=bursts)
     except (BenchError, ValueError) as e:
         print(f"adloader bench: {e}", file=sys.stderr)
         return 1
