@@ -1064,12 +1064,13 @@ def test_forked_children_keep_the_contexts_inner_descriptors_only_and_the_parent
         agent.recv("report")
         parent = _fd_targets()
         to_agent = _connected_to(f"{base}/agent.sock")
-        inner = {fd for fd, t in parent.items() if t in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]")}
-        assert to_agent and inner
         agent_path = f"{base}/agent.sock"
 
         def kept(fds: dict) -> set:        # the context's inner descriptors among ``fds``
             return {fd for fd, t in fds.items() if t in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]")}
+
+        inner = kept(parent)
+        assert to_agent and inner
 
         # Only the client's descriptors are compared: in a whole test run other threads and finalisers
         # of this process (earlier tests' sockets, torch's) open and close their own at any time, in
