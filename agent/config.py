@@ -103,6 +103,12 @@ for the ones the command line offers):
                            node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``);
                            where that load comes in bursts of seconds the switch lags it and "cores"
                            did better (docs/operations.md)
+    foreign_intermittent  str  yield|weigh|cores, default "yield": what the loaders do while other
+                           processes' load comes and goes (it stopped the yield again within 30 s of
+                           the yield resuming because it had left): "yield" switches as always (3-6 s
+                           behind the load); "weigh" keeps weighing as foreign_weight says, "cores" keeps
+                           weighing the planned cores, until the load has stayed away 30 s
+                           (``agent.policies.PolicyConfig.foreign_intermittent``)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -206,6 +212,7 @@ class AgentConfig:
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     foreign_weight: str = "workers"
+    foreign_intermittent: str = "yield"
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"
@@ -384,10 +391,12 @@ def _validate(cfg: AgentConfig, sources: Mapping[str, str]) -> None:
 
     if cfg.loaders_yield not in LOADERS_YIELD:
         bad("loaders_yield", f"must be one of {', '.join(LOADERS_YIELD)}")
-    from agent.policies import FOREIGN_WEIGHTS
+    from agent.policies import FOREIGN_INTERMITTENT, FOREIGN_WEIGHTS
 
     if cfg.foreign_weight not in FOREIGN_WEIGHTS:
         bad("foreign_weight", f"must be one of {', '.join(FOREIGN_WEIGHTS)}")
+    if cfg.foreign_intermittent not in FOREIGN_INTERMITTENT:
+        bad("foreign_intermittent", f"must be one of {', '.join(FOREIGN_INTERMITTENT)}")
     if not 0 <= cfg.hysteresis < 1:
         bad("hysteresis", "must be in [0, 1)")
     if not 0 < cfg.floor_fraction <= 1:

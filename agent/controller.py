@@ -83,8 +83,8 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from agent import logs
 from agent.collector import settled_window, stepped_since
 from agent.model import AllocationPlan, ApplyResult, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, live_workers
-from agent.policies import (Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus, plan_around_epochs,
-                            trainer_compute_s)
+from agent.policies import (ForeignPattern, Policy, PolicyConfig, cpu_starved_loader, grown_loader_cpus,
+                            plan_around_epochs, trainer_compute_s)
 from predictor.curve import ThroughputCurve
 from predictor.observation import BadObservation, Observation, as_batch_size
 
@@ -474,6 +474,7 @@ class Controller:
         self._curves: dict[str, ThroughputCurve] = {}
         self._summaries: dict[str, dict] = {}
         self.last_record: Optional[TickRecord] = None
+        self._foreign_pattern = ForeignPattern()    # other processes' load that comes and goes
 
     # -- public API -------------------------------------------------------------------------
     def applied(self) -> dict[str, JobAllocation]:
@@ -556,7 +557,10 @@ class Controller:
                            why="grown into the reserve the training processes and other processes leave"
                            if budget != snapshot.loader_cpus else "as configured")
                 self.loader_cpus_in_force = budget
-            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=self.applied_node(),
+            node = self.applied_node()
+            snapshot = dataclasses.replace(snapshot, applied=dict(self._applied), applied_node=node,
+                                           foreign_intermittent=self._foreign_pattern.update(
+                                               now, node, snapshot.foreign_cpu_cores, self._config),
                                            applied_age_s={j: max(0.0, now - t) for j, t in self._applied_at.items()
                                                           if j in self._applied},
                                            loader_cpus=budget)

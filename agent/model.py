@@ -56,6 +56,8 @@ class NodeAllocation:
     ``weigh_workers``: the subtree, not yielding because other processes use the node, weighs one task per
     worker (as the workers would unmanaged) instead of one per planned core (``PolicyConfig.
     foreign_weight`` "workers"); still capped.
+    ``foreign_load``: the subtree does not yield because other processes use the node (the plan's reason
+    says how much); ``agent.policies.ForeignPattern`` reads it to tell a load that comes and goes.
     ``trainers``: job -> (cores its training processes need at full speed, cores they will use at the
     pace the data allows), measured this tick (``agent.policies.trainer_cores_needed`` / ``_expected``).
     """
@@ -63,6 +65,7 @@ class NodeAllocation:
     trainers: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     reason: str = ""
     weigh_workers: bool = False
+    foreign_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,9 @@ class NodeSnapshot:
                                           # loader workers used (other tenants, daemons; smoothed), when known
     foreign_held_cpu_cores: Optional[float] = None   # the least foreign_cpu_cores of the last FOREIGN_HOLD_S
                                           # (agent.collector): what other processes kept using, not a burst
+    foreign_intermittent: bool = False    # other processes' load came back within FOREIGN_RETURN_S of
+                                          # leaving and has not stayed away that long since (the
+                                          # controller's ``agent.policies.ForeignPattern``)
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;
                                           # set by the controller alone (the collector leaves it empty)
     applied_node: Optional[NodeAllocation] = None   # the node allocation in force (the controller's, too)

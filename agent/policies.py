@@ -55,6 +55,8 @@ LOADERS_YIELD = ("auto", "never")   # PolicyConfig.loaders_yield (config key ``l
 FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config key ``floor_reference``)
 FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
 FOREIGN_WEIGHTS = ("cores", "workers")   # PolicyConfig.foreign_weight (config key ``foreign_weight``)
+FOREIGN_INTERMITTENT = ("yield", "weigh", "cores")   # PolicyConfig.foreign_intermittent (same key)
+FOREIGN_RETURN_S = 30.0     # other processes' load back within this long of leaving: it comes and goes (ForeignPattern)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -172,6 +174,14 @@ class PolicyConfig:
         against 0.978 / 1.006; the trainer-bound BERT-like job paid (0.50-0.56 of its ceiling against
         0.70-0.71, where `none` gives it 0.51-0.52), and the other processes received 0.41-0.56 cores
         against 0.64-0.76 (0.55-0.63 beside `none`).
+    foreign_intermittent: what the loaders do while other processes' load comes and goes: it stopped
+        the yield again within ``FOREIGN_RETURN_S`` of the yield resuming because it had left, and has
+        not stayed under half the limit that long since (``ForeignPattern``). The switch between
+        yielding and weighing lags the load by 3-6 s (the smoothed figure, the hold), so under a load
+        that comes and goes every few seconds it runs out of phase: it weighs in the gaps and yields in
+        the bursts (forty-sixth pass). "yield" (default): switch as always; "weigh": keep weighing as
+        ``foreign_weight`` says until the load has stayed away ``FOREIGN_RETURN_S``; "cores": the same,
+        weighing the planned cores.
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
@@ -234,6 +244,7 @@ class PolicyConfig:
     loaders_yield: str = "auto"
     yield_foreign_max_cores: float = 0.5
     foreign_weight: str = "workers"
+    foreign_intermittent: str = "yield"
     cpu_bound_min_workers: int = 1
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
@@ -269,6 +280,9 @@ class PolicyConfig:
         if self.foreign_weight not in FOREIGN_WEIGHTS:
             raise ValueError(f"PolicyConfig.foreign_weight must be one of {', '.join(FOREIGN_WEIGHTS)}, "
                              f"got {self.foreign_weight!r}")
+        if self.foreign_intermittent not in FOREIGN_INTERMITTENT:
+            raise ValueError(f"PolicyConfig.foreign_intermittent must be one of {', '.join(FOREIGN_INTERMITTENT)}, "
+                             f"got {self.foreign_intermittent!r}")
         if self.yield_foreign_max_cores < 0:
             raise ValueError(f"PolicyConfig.yield_foreign_max_cores must be >= 0, got {self.yield_foreign_max_cores}")
         if not 1.0 <= self.delivery_correction <= 16.0:
@@ -680,6 +694,12 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
         return NodeAllocation(False, trainers, "the training processes need no CPU: nothing to yield to")
     if foreign is None:
         return NodeAllocation(False, trainers, "the node's other CPU use is not known yet: not yielding")
+    if snapshot.foreign_intermittent and config.foreign_intermittent != "yield":
+        workers = config.foreign_intermittent == "weigh" and config.foreign_weight == "workers"
+        return NodeAllocation(False, trainers, f"other processes' load comes and goes (back within "
+                                               f"{FOREIGN_RETURN_S:g} s of leaving; {foreign:.2f} cores now): the "
+                                               f"subtree keeps weighing its {'workers' if workers else 'planned cores'}",
+                              weigh_workers=workers, foreign_load=True)
     held = snapshot.foreign_held_cpu_cores
     if before and held is not None and foreign >= limit > held:
         return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
@@ -690,9 +710,42 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
         return NodeAllocation(False, trainers, f"other processes use {foreign:.2f} cores (yield while under "
                                                f"{limit:.2f}): the subtree weighs its "
                                                f"{'workers' if workers else 'planned cores'}",
-                              weigh_workers=workers)
+                              weigh_workers=workers, foreign_load=True)
     return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
                                           f"speed); other processes use {foreign:.2f} cores")
+
+
+class ForeignPattern:
+    """Tells a load of other processes that comes and goes (``NodeSnapshot.foreign_intermittent``),
+    from the node allocations in force, tick by tick (the controller's).
+
+    The load *came back* when the yield, resumed because it had left (``foreign_load`` -> yielding),
+    stops for it again (yielding -> ``foreign_load``) within ``FOREIGN_RETURN_S``. From then on it is
+    intermittent until the smoothed figure has stayed under half the limit (the figure the yield
+    resumes on) for ``FOREIGN_RETURN_S``. A load the loaders' weight pushed under half the limit that
+    came straight back looks the same, and is the same case: yielding to it again would only flip.
+    Kept in memory: a restarted agent learns the pattern again (one cycle)."""
+
+    def __init__(self) -> None:
+        self._prev: Optional[NodeAllocation] = None
+        self.left_at: Optional[float] = None     # when the yield last resumed after a foreign stop
+        self.until: Optional[float] = None       # intermittent until then (extended while the load is there)
+
+    def update(self, now: float, applied: Optional[NodeAllocation], foreign: Optional[float],
+               config: PolicyConfig) -> bool:
+        prev, self._prev = self._prev, applied
+        if prev is not None and applied is not None:
+            if prev.foreign_load and applied.loaders_yield:
+                self.left_at = now
+            elif (prev.loaders_yield and applied.foreign_load and self.left_at is not None
+                  and now - self.left_at <= FOREIGN_RETURN_S):
+                self.until = now + FOREIGN_RETURN_S
+        if self.until is None or now >= self.until:
+            self.until = None
+            return False
+        if foreign is None or foreign >= 0.5 * config.yield_foreign_max_cores:
+            self.until = now + FOREIGN_RETURN_S
+        return True
 
 
 # -- baselines ----------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from agent.model import JobAllocation, JobStats, NodeSnapshot
-from agent.policies import (POLICIES, PolicyConfig, assign_cpusets, get_policy, loader_budget, thread_split,
-                            trainer_cores_needed, workers_for)
+from agent.model import JobAllocation, JobStats, NodeAllocation, NodeSnapshot
+from agent.policies import (FOREIGN_RETURN_S, POLICIES, ForeignPattern, PolicyConfig, assign_cpusets, get_policy,
+                            loader_budget, thread_split, trainer_cores_needed, workers_for)
 from evaluation.random_nodes import curve_for, random_node
 from predictor.curve import ThroughputCurve
 from tests.fakes import job_stats
@@ -849,6 +849,47 @@ def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_st
     assert not cores.loaders_yield and not cores.weigh_workers and "weighs its planned cores" in cores.reason
     with pytest.raises(ValueError, match="foreign_weight"):
         PolicyConfig(foreign_weight="threads")
+
+
+def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
+    """``ForeignPattern`` over the node allocations in force, tick by tick: the yield resumed because
+    other processes' load left, and within FOREIGN_RETURN_S that load stopped it again: intermittent.
+    With ``foreign_intermittent`` "weigh" / "cores" the plan keeps weighing (workers / planned cores)
+    whatever the figure says now; it yields again once the load has stayed under half the limit for
+    FOREIGN_RETURN_S; with "yield" (default) nothing changes. A load that returns only later is not
+    intermittent, nor is a stop that no resume preceded."""
+    cfg = PolicyConfig(yield_foreign_max_cores=0.5)
+    weigh = NodeAllocation(False, {}, "other processes", foreign_load=True)
+    yields = NodeAllocation(True, {}, "yield")
+    pattern = ForeignPattern()
+    assert not pattern.update(0.0, yields, 0.0, cfg)
+    assert not pattern.update(10.0, weigh, 1.0, cfg)            # a first stop: nothing resumed before
+    assert not pattern.update(20.0, yields, 0.1, cfg)           # resumed: the load left
+    assert pattern.update(26.0, weigh, 1.0, cfg)                # back 6 s later: comes and goes
+    assert pattern.update(30.0, weigh, 0.1, cfg)                # gone for now: still within 30 s
+    assert pattern.update(40.0, weigh, 0.6, cfg)                # back: the 30 s count again from here
+    assert pattern.update(69.0, weigh, 0.1, cfg)
+    assert not pattern.update(70.5, weigh, 0.1, cfg)            # away 30 s: over
+    late = ForeignPattern()
+    late.update(0.0, weigh, 1.0, cfg)
+    late.update(1.0, yields, 0.1, cfg)
+    assert not late.update(1.0 + FOREIGN_RETURN_S + 1.0, weigh, 1.0, cfg)   # back only after 31 s
+
+    base = snap("dev-2vcpu", _busy_trainers())
+    node = lambda foreign, cfg, intermittent=True: get_policy("adaptive")(
+        dataclasses.replace(base, foreign_cpu_cores=foreign, foreign_held_cpu_cores=foreign,
+                            foreign_intermittent=intermittent, applied_node=weigh), curves_of(base), cfg).node
+    assert node(0.0, cfg).loaders_yield                                          # default: as always
+    kept = node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="weigh"))
+    assert not kept.loaders_yield and kept.weigh_workers and kept.foreign_load and "comes and goes" in kept.reason
+    cores = node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="cores"))
+    assert not cores.loaders_yield and not cores.weigh_workers and "planned cores" in cores.reason
+    assert node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="cores"),
+                intermittent=False).loaders_yield
+    hog = node(1.0, cfg, intermittent=False)
+    assert hog.foreign_load and not hog.loaders_yield                           # any stop for others says so
+    with pytest.raises(ValueError, match="foreign_intermittent"):
+        PolicyConfig(foreign_intermittent="sometimes")
 
 
 def test_a_burst_of_other_cpu_does_not_stop_the_yield_a_lasting_one_does():
