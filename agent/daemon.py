@@ -169,7 +169,7 @@ class Agent:
         self.cli = dict(cli or {})
         self.started_at = time.monotonic()
         self.ticks = 0
-        self._logged_yield: Optional[bool] = None   # the loaders_yield state last logged (None: none yet)
+        self._logged_yield: Optional[tuple[bool, bool]] = None   # (loaders_yield, intermittent) last logged
         self._apply_error: dict[str, str] = {}       # job -> the apply error last logged for it (_error_kind)
         self._node_read_at: Optional[float] = None   # when the agent's CPUs and memory were last read
         self.last_tick_ms: Optional[float] = None
@@ -519,11 +519,14 @@ class Agent:
                     logs.event(log, "apply_failed", logging.WARNING, job=job, error=r.error)
                     self._apply_error[job] = _error_kind(r.error)
             node = record.plan.node if record.plan is not None else None
-            if node is not None and node.loaders_yield != self._logged_yield:
+            if node is not None and (node.loaders_yield, node.intermittent) != self._logged_yield:
                 # each switch, with the reason: while not yielding the loaders weigh (and are capped at)
-                # their planned cores, so an operator sees when and why the trainers lost their priority
-                logs.event(log, "loaders_yield", on=node.loaders_yield, reason=node.reason)
-                self._logged_yield = node.loaders_yield
+                # their planned cores, so an operator sees when and why the trainers lost their priority;
+                # and when the subtree starts or stops weighing through the gaps of a load that comes
+                # and goes (``foreign_intermittent``), which does not switch the yield itself
+                logs.event(log, "loaders_yield", on=node.loaders_yield, reason=node.reason,
+                           **({"intermittent": True} if node.intermittent else {}))
+                self._logged_yield = (node.loaders_yield, node.intermittent)
             for e in record.errors:
                 logs.once(f"tick_error:{e[:80]}", log, "tick_error", logging.WARNING, error=e)
             self.server.heartbeat(now)

@@ -58,6 +58,8 @@ class NodeAllocation:
     foreign_weight`` "workers"); still capped.
     ``foreign_load``: the subtree does not yield because other processes use the node (the plan's reason
     says how much); ``agent.policies.ForeignPattern`` reads it to tell a load that comes and goes.
+    ``intermittent``: of those, the subtree keeps weighing through the gaps of such a load
+    (``PolicyConfig.foreign_intermittent``).
     ``trainers``: job -> (cores its training processes need at full speed, cores they will use at the
     pace the data allows), measured this tick (``agent.policies.trainer_cores_needed`` / ``_expected``).
     """
@@ -66,6 +68,7 @@ class NodeAllocation:
     reason: str = ""
     weigh_workers: bool = False
     foreign_load: bool = False
+    intermittent: bool = False
 
 
 @dataclass(frozen=True)

@@ -699,7 +699,7 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
         return NodeAllocation(False, trainers, f"other processes' load comes and goes (back within "
                                                f"{FOREIGN_RETURN_S:g} s of leaving; {foreign:.2f} cores now): the "
                                                f"subtree keeps weighing its {'workers' if workers else 'planned cores'}",
-                              weigh_workers=workers, foreign_load=True)
+                              weigh_workers=workers, foreign_load=True, intermittent=True)
     held = snapshot.foreign_held_cpu_cores
     if before and held is not None and foreign >= limit > held:
         return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "

@@ -832,6 +832,38 @@ def test_node_allocation_goes_to_actuators_that_take_it_on_change_only_and_is_re
     assert not rec.plan.node.loaders_yield and not node_act.nodes[-1].loaders_yield
 
 
+def test_a_load_that_comes_back_keeps_the_loaders_weighing_through_its_gaps_with_foreign_intermittent():
+    """The controller's ``ForeignPattern`` over the node allocations it applied: a tenant stops the
+    yield, leaves (the yield resumes), comes back 5 s later (stops it again): from then on, with
+    ``foreign_intermittent = "weigh"``, its next gap keeps the subtree weighing its workers (it yields
+    in the gap with the default); after 30 s away it yields again."""
+    busy = dict(trainer_cpu_s_per_step=0.02, compute_s_per_step=0.1)
+
+    def run(intermittent):
+        src = FakeSource(1.8, [job_stats("a", **busy), job_stats("b", **busy)])
+        src_call, foreign = src.__call__, [0.0]
+        source = lambda now: dataclasses.replace(src_call(now), foreign_cpu_cores=foreign[0],
+                                                 foreign_held_cpu_cores=foreign[0])
+        node_act = NodeActuator()
+        c = Controller(snapshot_source=source, policy=get_policy("even"),
+                       policy_config=PolicyConfig(foreign_intermittent=intermittent), predictor=FakeBank(),
+                       actuators=[DirectiveActuator(FakeSink()), node_act])
+        yields = {}
+        for t in range(1, 80):
+            foreign[0] = 1.2 if 5 <= t < 10 or 15 <= t < 20 or 25 <= t < 30 else 0.0
+            yields[t] = c.tick(now=float(t)).plan.node
+        return yields
+
+    default, weigh = run("yield"), run("weigh")
+    assert default[4].loaders_yield and not default[6].loaders_yield and default[11].loaders_yield
+    assert not default[16].loaders_yield and default[21].loaders_yield      # switches with every gap
+    assert [weigh[t].loaders_yield for t in (4, 6, 11, 16)] == [True, False, True, False]   # learning
+    for t in range(16, 59):                                                  # back 5 s after it left
+        assert not weigh[t].loaders_yield and weigh[t].weigh_workers, t
+    assert "comes and goes" in weigh[22].reason
+    assert weigh[61].loaders_yield                                           # away 30 s since t = 30
+
+
 def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_made(caplog):
     """log_level = "debug": an ``observation`` event per window fed to the predictor, with the curve's
     figures (what an operator, or the bench's --agent-log-level debug, reads to see why a curve is what

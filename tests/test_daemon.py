@@ -39,27 +39,33 @@ def test_an_injected_policy_decides_and_no_global_registry_changes(tmp_path):
 
 
 def test_each_switch_of_the_loaders_yield_is_logged_with_its_reason(tmp_path, caplog):
-    """An operator sees when and why the loaders stopped yielding to the trainers (not every tick)."""
+    """An operator sees when and why the loaders stopped yielding to the trainers (not every tick), and
+    when the subtree starts keeping its weight through the gaps of a load that comes and goes
+    (``foreign_intermittent``), which does not switch the yield."""
     import logging
 
     from agent.daemon import Agent
     from agent.model import NodeAllocation
 
-    states = iter([True, True, False, False, True])
+    states = iter([(True, False), (True, False), (False, False), (False, False), (False, True), (False, True),
+                   (True, False)])
 
     def policy(snapshot, curves, config):
-        on = next(states)
-        return AllocationPlan(policy="t", allocations={}, node=NodeAllocation(on, {}, f"reason {on}"))
+        on, kept = next(states)
+        return AllocationPlan(policy="t", allocations={},
+                              node=NodeAllocation(on, {}, f"reason {on}{' kept' if kept else ''}", intermittent=kept))
 
     cfg = configmod.load(None, {"endpoint": f"ipc://{tmp_path}/agent.sock", "state_dir": str(tmp_path / "state"),
                                 "cgroup_mode": "off", "policy": "even"}, environ={})
     agent = Agent(cfg, policy=policy)
     try:
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
-            for t in range(5):
+            for t in range(7):
                 agent.tick(float(t + 1))
-        got = [(r.fields["on"], r.fields["reason"]) for r in caplog.records if getattr(r, "event", "") == "loaders_yield"]
-        assert got == [(True, "reason True"), (False, "reason False"), (True, "reason True")]
+        got = [(r.fields["on"], r.fields["reason"], r.fields.get("intermittent", False))
+               for r in caplog.records if getattr(r, "event", "") == "loaders_yield"]
+        assert got == [(True, "reason True", False), (False, "reason False", False),
+                       (False, "reason False kept", True), (True, "reason True", False)]
     finally:
         agent.server.close()
         agent.ctx.term()
