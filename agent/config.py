@@ -103,12 +103,12 @@ for the ones the command line offers):
                            node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``);
                            where that load comes in bursts of seconds the switch lags it and "cores"
                            did better (docs/operations.md)
-    foreign_intermittent  str  yield|weigh|cores, default "yield": what the loaders do while other
+    foreign_intermittent  str  weigh|cores|yield, default "weigh": what the loaders do while other
                            processes' load comes and goes (it stopped the yield again within 30 s of
-                           the yield resuming because it had left): "yield" switches as always (3-6 s
-                           behind the load); "weigh" keeps weighing as foreign_weight says, "cores" keeps
-                           weighing the planned cores, until the load has stayed away 30 s
-                           (``agent.policies.PolicyConfig.foreign_intermittent``)
+                           the yield resuming because it had left): "weigh" keeps weighing as
+                           foreign_weight says, "cores" keeps weighing the planned cores, until the load
+                           has stayed away 30 s; "yield" switches as always, 3-6 s behind the load
+                           (``agent.policies.PolicyConfig.foreign_intermittent``; docs/operations.md)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -212,7 +212,7 @@ class AgentConfig:
     loaders_yield: str = "auto"
     loaders_yield_foreign_cores: float = 0.5
     foreign_weight: str = "workers"
-    foreign_intermittent: str = "yield"
+    foreign_intermittent: str = "weigh"
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"

@@ -835,8 +835,8 @@ def test_node_allocation_goes_to_actuators_that_take_it_on_change_only_and_is_re
 def test_a_load_that_comes_back_keeps_the_loaders_weighing_through_its_gaps_with_foreign_intermittent():
     """The controller's ``ForeignPattern`` over the node allocations it applied: a tenant stops the
     yield, leaves (the yield resumes), comes back 5 s later (stops it again): from then on, with
-    ``foreign_intermittent = "weigh"``, its next gap keeps the subtree weighing its workers (it yields
-    in the gap with the default); after 30 s away it yields again."""
+    ``foreign_intermittent = "weigh"`` (the default), its next gap keeps the subtree weighing its workers
+    (it yields in the gap with "yield"); after 30 s away it yields again."""
     busy = dict(trainer_cpu_s_per_step=0.02, compute_s_per_step=0.1)
 
     def run(intermittent):

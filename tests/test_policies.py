@@ -854,9 +854,9 @@ def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_st
 def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
     """``ForeignPattern`` over the node allocations in force, tick by tick: the yield resumed because
     other processes' load left, and within FOREIGN_RETURN_S that load stopped it again: intermittent.
-    With ``foreign_intermittent`` "weigh" / "cores" the plan keeps weighing (workers / planned cores)
-    whatever the figure says now; it yields again once the load has stayed under half the limit for
-    FOREIGN_RETURN_S; with "yield" (default) nothing changes. A load that returns only later is not
+    With ``foreign_intermittent`` "weigh" (default) / "cores" the plan keeps weighing (workers / planned
+    cores) whatever the figure says now; it yields again once the load has stayed under half the limit
+    for FOREIGN_RETURN_S; with "yield" nothing changes. A load that returns only later is not
     intermittent, nor is a stop that no resume preceded."""
     cfg = PolicyConfig(yield_foreign_max_cores=0.5)
     weigh = NodeAllocation(False, {}, "other processes", foreign_load=True)
@@ -879,8 +879,8 @@ def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
     node = lambda foreign, cfg, intermittent=True: get_policy("adaptive")(
         dataclasses.replace(base, foreign_cpu_cores=foreign, foreign_held_cpu_cores=foreign,
                             foreign_intermittent=intermittent, applied_node=weigh), curves_of(base), cfg).node
-    assert node(0.0, cfg).loaders_yield                                          # default: as always
-    kept = node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="weigh"))
+    assert node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="yield")).loaders_yield
+    kept = node(0.0, cfg)                                                        # the default: "weigh"
     assert not kept.loaders_yield and kept.weigh_workers and kept.foreign_load and "comes and goes" in kept.reason
     cores = node(0.0, PolicyConfig(yield_foreign_max_cores=0.5, foreign_intermittent="cores"))
     assert not cores.loaders_yield and not cores.weigh_workers and "planned cores" in cores.reason
