@@ -688,7 +688,9 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     nobody reports, and stopping for each one cost 3-10 s of yield per arrival in the dynamic bench.
     Otherwise the subtree weighs its planned cores (its workers, where other processes stopped the
     yield and ``foreign_weight`` is "workers") and is capped at the node less the trainers' expected use
-    (``agent.actuators.cgroup``).
+    (``agent.actuators.cgroup``). Both edges lag a load by seconds, so one that comes and goes is
+    followed out of phase; once it came back soon after it left (``ForeignPattern``), the subtree keeps
+    weighing through its gaps (``foreign_intermittent``).
     """
     trainers = {j: (trainer_cores_needed(job), trainer_cores_expected(job)) for j, job in snapshot.jobs.items()}
     need = sum(n for n, _ in trainers.values())
