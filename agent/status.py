@@ -31,7 +31,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                          runs only on CPU the training processes leave idle), reason, busy_cpu_cores (the
                          node's CPU use), foreign_cpu_cores (of it, what the jobs' trainers, loaders and
                          the agent did not use), foreign_held_cpu_cores (the least of that over the last
-                         3 s: what lasted)} (null before the first plan or under ``none``)
+                         3 s: what lasted), intermittent (bool: that load comes and goes and the subtree
+                         keeps weighing through its gaps, ``foreign_intermittent``)} (null before the first
+                         plan or under ``none``)
     predicted_total     GPU-weighted normalised throughput the last plan predicts (null if unknown)
     unsatisfied         {job: what it wanted and did not get}
     tick_errors         [str] tick-level failures of the last tick
@@ -190,6 +192,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
     node = None
     if plan is not None and plan.node is not None:
         node = {"loaders_yield": plan.node.loaders_yield, "reason": plan.node.reason,
+                "intermittent": plan.node.intermittent,
                 "busy_cpu_cores": _r(snapshot.busy_cpu_cores, 3) if snapshot is not None else None,
                 "foreign_cpu_cores": _r(snapshot.foreign_cpu_cores, 3) if snapshot is not None else None,
                 "foreign_held_cpu_cores": _r(snapshot.foreign_held_cpu_cores, 3) if snapshot is not None else None}

@@ -59,9 +59,12 @@ def test_each_switch_of_the_loaders_yield_is_logged_with_its_reason(tmp_path, ca
                                 "cgroup_mode": "off", "policy": "even"}, environ={})
     agent = Agent(cfg, policy=policy)
     try:
+        kept = []
         with caplog.at_level(logging.INFO, logger="agent.daemon"):
             for t in range(7):
                 agent.tick(float(t + 1))
+                kept.append(agent.status_doc()["node"]["intermittent"])
+        assert kept == [False, False, False, False, True, True, False]     # status says it each tick
         got = [(r.fields["on"], r.fields["reason"], r.fields.get("intermittent", False))
                for r in caplog.records if getattr(r, "event", "") == "loaders_yield"]
         assert got == [(True, "reason True", False), (False, "reason False", False),
