@@ -100,9 +100,9 @@ for the ones the command line offers):
     foreign_weight  str    workers|cores, default "workers": what the loaders' subtree weighs against
                            other processes once their CPU stops the yield: one task per worker as
                            unmanaged workers weigh, or one per planned loader core (still capped at the
-                           node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``);
-                           where that load comes in bursts of seconds the switch lags it and "cores"
-                           did better (docs/operations.md)
+                           node less the trainers' use; ``agent.policies.PolicyConfig.foreign_weight``;
+                           docs/operations.md); a load that comes in bursts of seconds: see
+                           foreign_intermittent
     foreign_intermittent  str  weigh|cores|yield, default "weigh": what the loaders do while other
                            processes' load comes and goes (it stopped the yield again within 30 s of
                            the yield resuming because it had left): "weigh" keeps weighing as
