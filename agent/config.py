@@ -104,11 +104,15 @@ for the ones the command line offers):
                            docs/operations.md); a load that comes in bursts of seconds: see
                            foreign_intermittent
     foreign_intermittent  str  weigh|cores|yield, default "weigh": what the loaders do while other
-                           processes' load comes and goes (it stopped the yield again within 30 s of
-                           the yield resuming because it had left): "weigh" keeps weighing as
-                           foreign_weight says, "cores" keeps weighing the planned cores, until the load
-                           has stayed away 30 s; "yield" switches as always, 3-6 s behind the load
-                           (``agent.policies.PolicyConfig.foreign_intermittent``; docs/operations.md)
+                           processes' load comes and goes (it stopped the yield again within
+                           foreign_return_s of the yield resuming because it had left): "weigh" keeps
+                           weighing as foreign_weight says, "cores" keeps weighing the planned cores,
+                           until the load has stayed away foreign_return_s; "yield" switches as always,
+                           3-6 s behind the load (``agent.policies.PolicyConfig.foreign_intermittent``;
+                           docs/operations.md)
+    foreign_return_s  float  seconds, 1..600, default 30: foreign_intermittent's window (a load back
+                           within this long of leaving comes and goes; one away this long has left)
+                           (``agent.policies.PolicyConfig.foreign_return_s``; docs/operations.md)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -163,7 +167,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
     "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
-    "min_confidence": (0.0, 1.0),
+    "min_confidence": (0.0, 1.0), "foreign_return_s": (1.0, 600.0),
 }
 MAX_LOADER_CPUS = 4096.0
 
@@ -213,6 +217,7 @@ class AgentConfig:
     loaders_yield_foreign_cores: float = 0.5
     foreign_weight: str = "workers"
     foreign_intermittent: str = "weigh"
+    foreign_return_s: float = 30.0
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"

@@ -120,7 +120,7 @@ def _policy_config(cfg: AgentConfig):
                         delivery_correction=cfg.delivery_correction,
                         pin_cpusets=cfg.cpu_knob == "cpuset", loaders_yield=cfg.loaders_yield,
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores, foreign_weight=cfg.foreign_weight,
-                        foreign_intermittent=cfg.foreign_intermittent,
+                        foreign_intermittent=cfg.foreign_intermittent, foreign_return_s=cfg.foreign_return_s,
                         cpu_bound_min_workers=cfg.cpu_bound_min_workers, delivery_workers=cfg.delivery_workers,
                         finish_guard=cfg.finish_guard)
 

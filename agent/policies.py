@@ -56,7 +56,7 @@ FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config k
 FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
 FOREIGN_WEIGHTS = ("cores", "workers")   # PolicyConfig.foreign_weight (config key ``foreign_weight``)
 FOREIGN_INTERMITTENT = ("weigh", "cores", "yield")   # PolicyConfig.foreign_intermittent (same key)
-FOREIGN_RETURN_S = 30.0     # other processes' load back within this long of leaving: it comes and goes (ForeignPattern)
+FOREIGN_RETURN_S = 30.0     # default PolicyConfig.foreign_return_s (config key ``foreign_return_s``; ForeignPattern)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -175,12 +175,12 @@ class PolicyConfig:
         0.70-0.71, where `none` gives it 0.51-0.52), and the other processes received 0.41-0.56 cores
         against 0.64-0.76 (0.55-0.63 beside `none`).
     foreign_intermittent: what the loaders do while other processes' load comes and goes: it stopped
-        the yield again within ``FOREIGN_RETURN_S`` of the yield resuming because it had left, and has
+        the yield again within ``foreign_return_s`` of the yield resuming because it had left, and has
         not stayed under half the limit that long since (``ForeignPattern``). The switch between
         yielding and weighing lags the load by 3-6 s (the smoothed figure, the hold), so under a load
         that comes and goes every few seconds it runs out of phase: it weighs in the gaps and yields in
         the bursts (forty-sixth pass). "weigh" (default): keep weighing as ``foreign_weight`` says
-        until the load has stayed away ``FOREIGN_RETURN_S``; "cores": the same, weighing the planned
+        until the load has stayed away ``foreign_return_s``; "cores": the same, weighing the planned
         cores; "yield": switch as always (the rule before). Measured on the 2-core Intel VM (forty-
         seventh pass, 3 interleaved repeats each, x even-static at median): 1.2 cores in 5-s bursts,
         gpu-weighted / oversubscribed, "yield" 1.070 / 1.067, "weigh" 1.100 / 1.160, "cores" 1.121 /
@@ -189,6 +189,13 @@ class PolicyConfig:
         1.005, "weigh" 1.068 / 1.012, "cores" 1.072 / 0.962 (it weighs the planned cores from the
         first flip on, which loses where the load stays); a steady 1.2 cores and the dynamic mix with
         no other load never start it.
+    foreign_return_s: the window of ``foreign_intermittent``, in seconds (``FOREIGN_RETURN_S``, 30, by
+        default): a load back within this long of the yield resuming comes and goes, and one that has
+        stayed under half the limit this long has left. The switch lags each edge of a load by 3-6 s,
+        so a load whose gaps are shorter than about twice that is followed out of phase; a load whose
+        gaps are longer is followed in phase, and weighing through them costs the trainers the gaps
+        (measured on the 2-core Intel VM, forty-seventh pass, 1.2 cores 15 s on / 15 s off: 18 s from
+        resume to stop, the rule started, 1-4% behind "yield" in gpu-weighted).
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
@@ -252,6 +259,7 @@ class PolicyConfig:
     yield_foreign_max_cores: float = 0.5
     foreign_weight: str = "workers"
     foreign_intermittent: str = "weigh"
+    foreign_return_s: float = FOREIGN_RETURN_S
     cpu_bound_min_workers: int = 1
     floor_reference: str = "habit"
     floor_allotment: str = "loaders"
@@ -290,6 +298,8 @@ class PolicyConfig:
         if self.foreign_intermittent not in FOREIGN_INTERMITTENT:
             raise ValueError(f"PolicyConfig.foreign_intermittent must be one of {', '.join(FOREIGN_INTERMITTENT)}, "
                              f"got {self.foreign_intermittent!r}")
+        if not 0 < self.foreign_return_s <= 600:
+            raise ValueError(f"PolicyConfig.foreign_return_s must be in (0, 600], got {self.foreign_return_s}")
         if self.yield_foreign_max_cores < 0:
             raise ValueError(f"PolicyConfig.yield_foreign_max_cores must be >= 0, got {self.yield_foreign_max_cores}")
         if not 1.0 <= self.delivery_correction <= 16.0:
@@ -706,7 +716,7 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     if snapshot.foreign_intermittent and config.foreign_intermittent != "yield":
         workers = config.foreign_intermittent == "weigh" and config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes' load comes and goes (back within "
-                                               f"{FOREIGN_RETURN_S:g} s of leaving; {foreign:.2f} cores now): the "
+                                               f"{config.foreign_return_s:g} s of leaving; {foreign:.2f} cores now): the "
                                                f"subtree keeps weighing its {'workers' if workers else 'planned cores'}",
                               weigh_workers=workers, foreign_load=True, intermittent=True)
     held = snapshot.foreign_held_cpu_cores
@@ -729,9 +739,9 @@ class ForeignPattern:
     from the node allocations in force, tick by tick (the controller's).
 
     The load *came back* when the yield, resumed because it had left (``foreign_load`` -> yielding),
-    stops for it again (yielding -> ``foreign_load``) within ``FOREIGN_RETURN_S``. From then on it is
+    stops for it again (yielding -> ``foreign_load``) within ``config.foreign_return_s``. From then on it is
     intermittent until the smoothed figure has stayed under half the limit (the figure the yield
-    resumes on) for ``FOREIGN_RETURN_S``. A load the loaders' weight pushed under half the limit that
+    resumes on) for that long. A load the loaders' weight pushed under half the limit that
     came straight back looks the same, and is the same case: yielding to it again would only flip.
     Kept in memory: a restarted agent learns the pattern again (one cycle)."""
 
@@ -747,13 +757,13 @@ class ForeignPattern:
             if prev.foreign_load and applied.loaders_yield:
                 self.left_at = now
             elif (prev.loaders_yield and applied.foreign_load and self.left_at is not None
-                  and now - self.left_at <= FOREIGN_RETURN_S):
-                self.until = now + FOREIGN_RETURN_S
+                  and now - self.left_at <= config.foreign_return_s):
+                self.until = now + config.foreign_return_s
         if self.until is None or now >= self.until:
             self.until = None
             return False
         if foreign is None or foreign >= 0.5 * config.yield_foreign_max_cores:
-            self.until = now + FOREIGN_RETURN_S
+            self.until = now + config.foreign_return_s
         return True
 
 

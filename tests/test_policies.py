@@ -892,6 +892,32 @@ def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
         PolicyConfig(foreign_intermittent="sometimes")
 
 
+def test_foreign_return_s_sets_the_window_of_a_load_that_comes_and_goes():
+    """``foreign_return_s`` is both ends of ``ForeignPattern``'s window: with 12 s, a load back 18 s
+    after the yield resumed (15-s bursts, which the switch follows in phase) does not start the rule,
+    one back 6 s after does, and the rule ends once the load has stayed away 12 s, not 30."""
+    cfg = PolicyConfig(yield_foreign_max_cores=0.5, foreign_return_s=12.0)
+    weigh = NodeAllocation(False, {}, "other processes", foreign_load=True)
+    yields = NodeAllocation(True, {}, "yield")
+    slow = ForeignPattern()
+    slow.update(0.0, weigh, 1.0, cfg)
+    slow.update(10.0, yields, 0.1, cfg)
+    assert not slow.update(28.0, weigh, 1.0, cfg)                # back after 18 s: followed in phase
+    fast = ForeignPattern()
+    fast.update(0.0, weigh, 1.0, cfg)
+    fast.update(10.0, yields, 0.1, cfg)
+    assert fast.update(16.0, weigh, 1.0, cfg)                    # back after 6 s: comes and goes
+    assert fast.update(27.5, weigh, 0.1, cfg)                    # away 11.5 s: still on
+    assert not fast.update(28.5, weigh, 0.1, cfg)                # away 12.5 s: over
+    default = ForeignPattern()
+    default.update(0.0, weigh, 1.0, PolicyConfig())
+    default.update(10.0, yields, 0.1, PolicyConfig())
+    assert default.update(28.0, weigh, 1.0, PolicyConfig())      # the default's 30 s take the 18-s return
+    for bad in (0.0, -1.0, 601.0):
+        with pytest.raises(ValueError, match="foreign_return_s"):
+            PolicyConfig(foreign_return_s=bad)
+
+
 def test_a_burst_of_other_cpu_does_not_stop_the_yield_a_lasting_one_does():
     """A job starting (imports before its hello) or exiting (after its bye) is a second or two of CPU
     nobody reports: the smoothed figure crosses the limit, the least over the last seconds does not.
