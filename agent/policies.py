@@ -56,6 +56,7 @@ FLOOR_REFERENCES = ("share", "habit")   # PolicyConfig.floor_reference (config k
 FLOOR_ALLOTMENTS = ("loaders", "whole")  # PolicyConfig.floor_allotment (config key ``floor_allotment``)
 FOREIGN_WEIGHTS = ("cores", "workers")   # PolicyConfig.foreign_weight (config key ``foreign_weight``)
 FOREIGN_INTERMITTENT = ("weigh", "cores", "yield")   # PolicyConfig.foreign_intermittent (same key)
+YIELD_RESUME_FRACTION = 0.5  # of yield_foreign_max_cores: once other processes stopped the yield, it resumes under this
 FOREIGN_RETURN_S = 30.0     # default PolicyConfig.foreign_return_s (config key ``foreign_return_s``; ForeignPattern)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
@@ -706,7 +707,8 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     need = sum(n for n, _ in trainers.values())
     foreign = snapshot.foreign_cpu_cores
     before = snapshot.applied_node.loaders_yield if snapshot.applied_node is not None else False
-    limit = config.yield_foreign_max_cores * (1.0 if before else 0.5)
+    limit = config.yield_foreign_max_cores * (1.0 if before else YIELD_RESUME_FRACTION)
+    weighs = lambda workers: f"the subtree weighs its {'workers' if workers else 'planned cores'}"
     if config.loaders_yield == "never":
         return NodeAllocation(False, trainers, "loaders_yield = never: the subtree weighs its planned cores")
     if need < TRAINER_CPU_MIN:
@@ -716,8 +718,8 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     if snapshot.foreign_intermittent and config.foreign_intermittent != "yield":
         workers = config.foreign_intermittent == "weigh" and config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes' load comes and goes (back within "
-                                               f"{config.foreign_return_s:g} s of leaving; {foreign:.2f} cores now): the "
-                                               f"subtree keeps weighing its {'workers' if workers else 'planned cores'}",
+                                               f"{config.foreign_return_s:g} s of leaving; {foreign:.2f} cores now): "
+                                               f"{weighs(workers)} through its gaps",
                               weigh_workers=workers, foreign_load=True, intermittent=True)
     held = snapshot.foreign_held_cpu_cores
     if before and held is not None and foreign >= limit > held:
@@ -727,8 +729,7 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     if foreign >= limit:
         workers = config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes use {foreign:.2f} cores (yield while under "
-                                               f"{limit:.2f}): the subtree weighs its "
-                                               f"{'workers' if workers else 'planned cores'}",
+                                               f"{limit:.2f}): {weighs(workers)}",
                               weigh_workers=workers, foreign_load=True)
     return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
                                           f"speed); other processes use {foreign:.2f} cores")
@@ -762,7 +763,7 @@ class ForeignPattern:
         if self.until is None or now >= self.until:
             self.until = None
             return False
-        if foreign is None or foreign >= 0.5 * config.yield_foreign_max_cores:
+        if foreign is None or foreign >= YIELD_RESUME_FRACTION * config.yield_foreign_max_cores:
             self.until = now + config.foreign_return_s
         return True
 
