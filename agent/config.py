@@ -110,8 +110,9 @@ for the ones the command line offers):
                            until the load has stayed away foreign_return_s; "yield" switches as always,
                            3-6 s behind the load (``agent.policies.PolicyConfig.foreign_intermittent``;
                            docs/operations.md)
-    foreign_return_s  float  seconds, 1..600, default 30: foreign_intermittent's window (a load back
-                           within this long of leaving comes and goes; one away this long has left)
+    foreign_return_s  float  seconds, 1..600, default 12: foreign_intermittent's window (a load back
+                           within this long of leaving comes and goes; one away this long has left;
+                           twice the most the switch lags the load)
                            (``agent.policies.PolicyConfig.foreign_return_s``; docs/operations.md)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
@@ -217,7 +218,7 @@ class AgentConfig:
     loaders_yield_foreign_cores: float = 0.5
     foreign_weight: str = "workers"
     foreign_intermittent: str = "weigh"
-    foreign_return_s: float = 30.0
+    foreign_return_s: float = 12.0
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"

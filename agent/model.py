@@ -188,7 +188,7 @@ class NodeSnapshot:
                                           # loader workers used (other tenants, daemons; smoothed), when known
     foreign_held_cpu_cores: Optional[float] = None   # the least foreign_cpu_cores of the last FOREIGN_HOLD_S
                                           # (agent.collector): what other processes kept using, not a burst
-    foreign_intermittent: bool = False    # other processes' load came back within FOREIGN_RETURN_S of
+    foreign_intermittent: bool = False    # other processes' load came back within foreign_return_s of
                                           # leaving and has not stayed away that long since (the
                                           # controller's ``agent.policies.ForeignPattern``)
     applied: Mapping[str, JobAllocation] = field(default_factory=dict)   # job -> allocation in force;

@@ -836,7 +836,9 @@ def test_a_load_that_comes_back_keeps_the_loaders_weighing_through_its_gaps_with
     """The controller's ``ForeignPattern`` over the node allocations it applied: a tenant stops the
     yield, leaves (the yield resumes), comes back 5 s later (stops it again): from then on, with
     ``foreign_intermittent = "weigh"`` (the default), its next gap keeps the subtree weighing its workers
-    (it yields in the gap with "yield"); after 30 s away it yields again."""
+    (it yields in the gap with "yield"); after ``foreign_return_s`` (12 s by default) away it yields
+    again."""
+    from agent.policies import FOREIGN_RETURN_S
     busy = dict(trainer_cpu_s_per_step=0.02, compute_s_per_step=0.1)
 
     def run(intermittent):
@@ -858,10 +860,11 @@ def test_a_load_that_comes_back_keeps_the_loaders_weighing_through_its_gaps_with
     assert default[4].loaders_yield and not default[6].loaders_yield and default[11].loaders_yield
     assert not default[16].loaders_yield and default[21].loaders_yield      # switches with every gap
     assert [weigh[t].loaders_yield for t in (4, 6, 11, 16)] == [True, False, True, False]   # learning
-    for t in range(16, 59):                                                  # back 5 s after it left
+    back = int(FOREIGN_RETURN_S)
+    for t in range(16, 29 + back):                                           # back 5 s after it left
         assert not weigh[t].loaders_yield and weigh[t].weigh_workers, t
     assert "comes and goes" in weigh[22].reason
-    assert weigh[61].loaders_yield                                           # away 30 s since t = 30
+    assert weigh[31 + back].loaders_yield                                    # away that long since t = 30
 
 
 def test_each_window_the_predictor_gets_is_logged_at_debug_with_the_curve_it_made(caplog):

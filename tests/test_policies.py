@@ -857,8 +857,8 @@ def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
     With ``foreign_intermittent`` "weigh" (default) / "cores" the plan keeps weighing (workers / planned
     cores) whatever the figure says now; it yields again once the load has stayed under half the limit
     for FOREIGN_RETURN_S; with "yield" nothing changes. A load that returns only later is not
-    intermittent, nor is a stop that no resume preceded."""
-    cfg = PolicyConfig(yield_foreign_max_cores=0.5)
+    intermittent, nor is a stop that no resume preceded. (A 30-s window here; the default's below.)"""
+    cfg = PolicyConfig(yield_foreign_max_cores=0.5, foreign_return_s=30.0)
     weigh = NodeAllocation(False, {}, "other processes", foreign_load=True)
     yields = NodeAllocation(True, {}, "yield")
     pattern = ForeignPattern()
@@ -873,7 +873,7 @@ def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
     late = ForeignPattern()
     late.update(0.0, weigh, 1.0, cfg)
     late.update(1.0, yields, 0.1, cfg)
-    assert not late.update(1.0 + FOREIGN_RETURN_S + 1.0, weigh, 1.0, cfg)   # back only after 31 s
+    assert not late.update(1.0 + 30.0 + 1.0, weigh, 1.0, cfg)   # back only after 31 s
 
     base = snap("dev-2vcpu", _busy_trainers())
     node = lambda foreign, cfg, intermittent=True: get_policy("adaptive")(
@@ -909,10 +909,8 @@ def test_foreign_return_s_sets_the_window_of_a_load_that_comes_and_goes():
     assert fast.update(16.0, weigh, 1.0, cfg)                    # back after 6 s: comes and goes
     assert fast.update(27.5, weigh, 0.1, cfg)                    # away 11.5 s: still on
     assert not fast.update(28.5, weigh, 0.1, cfg)                # away 12.5 s: over
-    default = ForeignPattern()
-    default.update(0.0, weigh, 1.0, PolicyConfig())
-    default.update(10.0, yields, 0.1, PolicyConfig())
-    assert default.update(28.0, weigh, 1.0, PolicyConfig())      # the default's 30 s take the 18-s return
+    from agent.config import AgentConfig
+    assert PolicyConfig().foreign_return_s == FOREIGN_RETURN_S == AgentConfig().foreign_return_s == 12.0
     for bad in (0.0, -1.0, 601.0):
         with pytest.raises(ValueError, match="foreign_return_s"):
             PolicyConfig(foreign_return_s=bad)
