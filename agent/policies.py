@@ -200,9 +200,12 @@ class PolicyConfig:
         the gaps. Measured on the 2-core Intel VM (forty-eighth pass, 3 interleaved repeats each, x
         even-static at median, gpu-weighted / oversubscribed): 1.2 cores 15 s on / 15 s off (18 s
         from resume to stop): 30 s started the rule in every phase, 1.049 / 1.021, 12 s in none, 1.082
-        / 1.086; 5-s bursts (5-11 s from resume to stop) 1.036 / 1.019 against 1.033 / 0.993, a
-        steady 0.8 cores (flips 5-7 s apart) 1.055 / 1.040 against 1.046 / 1.027: the rule started
-        there with either, and the differences are within the VM's noise.
+        / 1.086; 10 s on / 10 s off (10-12 s), 12 s started it in 5 of 6 phases: 1.022 / 1.074
+        against 1.033 / 1.090 with 30 s and 1.034 / 1.032 switching as before; 5-s bursts (5-11 s)
+        1.033 / 0.993 against 1.036 / 1.019 with 30 s, a steady 0.8 cores (flips 5-7 s apart) 1.046
+        / 1.027 against 1.055 / 1.040: the rule started at the same return with either (but in one
+        5-s repeat, whose first return came after 19 s), and from then on the two act the same (the
+        differences are the VM's noise and when it started).
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy

@@ -853,10 +853,10 @@ def test_foreign_weight_workers_weighs_the_subtrees_workers_only_where_others_st
 
 def test_a_load_that_comes_back_soon_after_it_left_keeps_the_subtree_weighing():
     """``ForeignPattern`` over the node allocations in force, tick by tick: the yield resumed because
-    other processes' load left, and within FOREIGN_RETURN_S that load stopped it again: intermittent.
+    other processes' load left, and within the window that load stopped it again: intermittent.
     With ``foreign_intermittent`` "weigh" (default) / "cores" the plan keeps weighing (workers / planned
     cores) whatever the figure says now; it yields again once the load has stayed under half the limit
-    for FOREIGN_RETURN_S; with "yield" nothing changes. A load that returns only later is not
+    for the window; with "yield" nothing changes. A load that returns only later is not
     intermittent, nor is a stop that no resume preceded. (A 30-s window here; the default's below.)"""
     cfg = PolicyConfig(yield_foreign_max_cores=0.5, foreign_return_s=30.0)
     weigh = NodeAllocation(False, {}, "other processes", foreign_load=True)
