@@ -717,7 +717,6 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     foreign = snapshot.foreign_cpu_cores
     before = snapshot.applied_node.loaders_yield if snapshot.applied_node is not None else False
     limit = config.yield_foreign_max_cores * (1.0 if before else YIELD_RESUME_FRACTION)
-    weighs = lambda workers: f"the subtree weighs its {'workers' if workers else 'planned cores'}"
     if config.loaders_yield == "never":
         return NodeAllocation(False, trainers, "loaders_yield = never: the subtree weighs its planned cores")
     if need < TRAINER_CPU_MIN:
@@ -728,7 +727,7 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
         workers = config.foreign_intermittent == "weigh" and config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes' load comes and goes (back within "
                                                f"{config.foreign_return_s:g} s of leaving; {foreign:.2f} cores now): "
-                                               f"{weighs(workers)} through its gaps",
+                                               f"{_weighs(workers)} through its gaps",
                               weigh_workers=workers, foreign_load=True, intermittent=True)
     held = snapshot.foreign_held_cpu_cores
     if before and held is not None and foreign >= limit > held:
@@ -738,10 +737,15 @@ def node_allocation(snapshot: NodeSnapshot, config: PolicyConfig) -> NodeAllocat
     if foreign >= limit:
         workers = config.foreign_weight == "workers"
         return NodeAllocation(False, trainers, f"other processes use {foreign:.2f} cores (yield while under "
-                                               f"{limit:.2f}): {weighs(workers)}",
+                                               f"{limit:.2f}): {_weighs(workers)}",
                               weigh_workers=workers, foreign_load=True)
     return NodeAllocation(True, trainers, f"loaders yield to the training processes ({need:.2f} cores at full "
                                           f"speed); other processes use {foreign:.2f} cores")
+
+
+def _weighs(workers: bool) -> str:
+    """What a subtree that does not yield weighs, for a node allocation's reason."""
+    return f"the subtree weighs its {'workers' if workers else 'planned cores'}"
 
 
 class ForeignPattern:
