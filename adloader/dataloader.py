@@ -685,6 +685,10 @@ class DataLoader(tud.DataLoader[T_co]):
                            ``adloader.stats.PAUSE_FACTOR`` (10) times the loop's pace and at least 1 s (a
                            validation pass or checkpoint save every N steps, a debugger stop) counts the
                            pace's worth as compute and the rest here (``LoaderCounters.add_step``)
+        away_s             seconds since the training loop last left ``next()`` (a batch returned, the
+                           epoch's end), 0 while a ``next()`` call waits for data and before the first:
+                           long while the loop validates, saves a checkpoint or stands in a debugger, as it
+                           happens (``paused_s`` counts a pause once it is over). Not a total
         worker_cpu_s       CPU seconds spent on batches (``time.process_time`` in the worker)
         worker_wall_s      wall seconds spent on batches
         worker_runq_s      of which runnable but waiting for a CPU (/proc/self/schedstat field 2;
@@ -746,7 +750,7 @@ class DataLoader(tud.DataLoader[T_co]):
             "worker_blocked_s": c.worker_blocked_s, "resizes": c.resizes,
             "worker_restarts": c.worker_restarts, "redispatched": c.redispatched,
             "uptime_s": time.monotonic() - c.created_mono, "main_cpu_s": c.step_cpu_s,
-            "main_runq_s": self._main_runq_s(), "paused_s": c.paused_s,
+            "main_runq_s": self._main_runq_s(), "paused_s": c.paused_s, "away_s": c.away_s(now),
             "dataset_kind": self.dataset_kind,
             "rates": core.rates.rates(now),
         }
@@ -1339,6 +1343,7 @@ class _ElasticIter:
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         c = self._counters
+        c.left_t = None                          # in next(): the loop waits for data, it is not away
         if self._t_last is not None:
             # the step, and the training process's CPU during it (a pause of the loop is not compute)
             c.add_step(t0 - self._t_last, cpu0 - self._cpu_last)
@@ -1346,13 +1351,14 @@ class _ElasticIter:
             data = self._next_batch()
         except StopIteration:
             self._t_last = None
+            c.left_t = time.perf_counter()
             raise
         except BaseException:
-            self._t_last = time.perf_counter()
+            self._t_last = c.left_t = time.perf_counter()
             self._cpu_last = time.process_time()
             c.data_wait_s += self._t_last - t0
             raise
-        t1 = time.perf_counter()
+        t1 = c.left_t = time.perf_counter()
         c.data_wait_s += t1 - t0
         c.steps += 1
         self._t_last = t1

@@ -19,7 +19,7 @@ TOTAL_KEYS = (
     "steps", "samples", "batches", "epoch", "workers", "live_workers", "max_workers",
     "requested_workers", "batch_size", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
     "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts", "redispatched", "uptime_s",
-    "main_cpu_s", "main_runq_s", "paused_s", "dataset_kind",
+    "main_cpu_s", "main_runq_s", "paused_s", "away_s", "dataset_kind",
 )
 RATE_KEYS = (
     "window_s", "samples_per_s", "steps_per_s", "data_wait_frac", "compute_s_per_step",
@@ -51,7 +51,7 @@ class LoaderCounters:
 
     __slots__ = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
                  "worker_wall_s", "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts",
-                 "redispatched", "created_mono", "step_cpu_s", "paused_s", "pace_s", "paced_steps")
+                 "redispatched", "created_mono", "step_cpu_s", "paused_s", "pace_s", "paced_steps", "left_t")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -71,6 +71,17 @@ class LoaderCounters:
         self.paused_s = 0.0         # time between next() calls that was no step: pauses of the loop (add_step)
         self.pace_s = 0.0           # the loop's pace: the exponential mean of its steps (pauses left out)
         self.paced_steps = 0        # steps that set it
+        self.left_t: float | None = None   # perf_counter when the loop last left next() (a batch returned, the
+                                           # epoch's end, an error); None inside next() and before the first call
+
+    def away_s(self, now: float) -> float:
+        """How long the training loop has been away from this loader at ``now`` (``time.perf_counter``):
+        since it last left ``next()``, 0 while a ``next()`` call is in progress (it waits for data) and
+        before its first. Between two steps it is a part of one step; a validation pass, a checkpoint save,
+        a debugger stop or the time between two epochs makes it long. Unlike ``paused_s``, it is known
+        while the pause lasts (the agent hands a long-away job's cores to its neighbours meanwhile)."""
+        t = self.left_t
+        return max(0.0, now - t) if t is not None else 0.0
 
     def add_step(self, step_s: float, cpu_s: float) -> None:
         """One step's time between two next() calls and the training process's CPU over it. Once

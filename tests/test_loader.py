@@ -1127,6 +1127,50 @@ def test_a_pause_of_the_training_loop_is_paused_s_not_a_steps_compute():
     del it
 
 
+class _Gated(tud.Dataset):
+    """Index i; item ``gate_at`` waits until ``gate`` (a file) exists: a worker stuck on its data."""
+
+    def __init__(self, n: int, gate_at: int, gate: str):
+        self.n, self.gate_at, self.gate = n, gate_at, gate
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.gate_at:
+            while not os.path.exists(self.gate):
+                time.sleep(0.01)
+        return torch.tensor([i])
+
+
+def test_away_s_is_how_long_the_loop_has_been_away_from_next_and_0_while_it_waits_for_data(tmp_path):
+    """``away_s``: how long the training loop has been out of ``next()`` as the pause happens (a
+    validation pass, a checkpoint save), 0 before its first call and while a call waits for data (a loop
+    starved of data is no loop that left its loader), and the time since an epoch's end between two."""
+    gate = str(tmp_path / "gate")
+    dl = DataLoader(_Gated(8, 3, gate), batch_size=1, num_workers=1, prefetch_factor=1)
+    assert dl.stats()["away_s"] == 0.0           # no next() yet
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    time.sleep(0.3)                              # away: a step, or a pause
+    assert dl.stats()["away_s"] >= 0.3
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(next(it)))
+    waiter.start()                               # in next(), for batch 3: its worker waits for the gate
+    time.sleep(0.3)
+    try:
+        assert waiter.is_alive() and dl.stats()["away_s"] == 0.0
+    finally:
+        open(gate, "w").close()
+        waiter.join(30)
+    assert got and int(got[0]) == 3
+    assert 0.0 <= dl.stats()["away_s"] < 0.3      # it just came back
+    assert [int(b) for b in it] == [4, 5, 6, 7]  # to the epoch's end
+    time.sleep(0.2)                              # between two epochs (the validation pass of many loops)
+    assert dl.stats()["away_s"] >= 0.2
+
+
 def test_loader_counters_take_a_step_many_times_the_pace_for_a_pause_and_nothing_else():
     from adloader.stats import PACE_STEPS, PAUSE_FACTOR, LoaderCounters
 
