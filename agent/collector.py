@@ -150,9 +150,12 @@ class RankRates:
     window_steps: float = 0.0                      # the last window's steps and samples (counter deltas):
     window_samples: float = 0.0                    # its batch size (``window_batch_size``)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_REPORTS))   # Report, oldest first
+    away_s: float = 0.0                            # the latest report's ``away_s``: how long its training loop
+                                                   # had been out of next() (0: in it, or not reported)
 
     def update(self, stats: Mapping, recv_t: float) -> bool:
         """Fold one report in. True if it closed a window (rates changed)."""
+        self.away_s = _num(stats.get("away_s")) or 0.0
         for k in GAUGES:
             v = _num(stats.get(k))
             if v is not None:
@@ -552,6 +555,9 @@ class Collector:
         uss = shm = mworkers = growth = cost_peak = 0.0
         steps_left: Optional[float] = None
         refused = False
+        # away: every rank's loop out of next() at its latest report (ranks step in lockstep: one that steps
+        # keeps the job stepping); the least of them, 0 where a rank has not reported
+        away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
         for rr in per:
             if rr is not None:
                 refused = refused or rr.steps_left_refused
@@ -606,6 +612,7 @@ class Collector:
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,
             epoch_fixed=bool(ranks) and all(r.dataset_kind == "iterable" for r in ranks),
+            away_s=away,
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 

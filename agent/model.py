@@ -155,6 +155,10 @@ class JobStats:
     epoch_fixed: bool = False             # every rank's loader changes workers only at an epoch: its hello or
                                           # latest report says dataset_kind "iterable" (False: a rank says
                                           # "map", or does not say: a client older than dataset_kind)
+    away_s: float = 0.0                   # how long the job's training loop has been out of its loader's next()
+                                          # (a validation pass, a checkpoint save, a debugger stop; not a wait for
+                                          # data), the least over ranks, by their latest reports; 0: stepping,
+                                          # waiting for data, or not reported (a client older than ``away_s``)
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)

@@ -69,6 +69,10 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         gpu_idle_source     "nvml" (driver) or "client" (data_wait_frac stands in)
         samples_per_s       summed over ranks
         compute_s_per_step  mean over ranks
+        away_s              how long its training loop has been out of its loader's next() (a validation
+                            pass, a checkpoint save; 0 while it steps or waits for data), the least over its
+                            ranks by their latest reports: adaptive plans it its least cores from
+                            ``release_away_s`` (10 s) on, until it steps again
         samples_per_step    the job's batch size in its last window: the samples its loaders delivered over
                             the steps they took (``agent.collector``, the ranks' together), null where the
                             window's own figure is not taken (the reported batch size stands) or before a window
@@ -166,6 +170,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "gpu_idle_source": st.gpu_idle_source if st is not None else "client",
             "samples_per_s": _r(st.samples_per_s, 2) if st is not None else None,
             "compute_s_per_step": _r(st.compute_s_per_step) if st is not None else None,
+            "away_s": _r(st.away_s, 1) if st is not None else None,
             "samples_per_step": _r(st.samples_per_step, 3) if st is not None else None,
             "batch_size_note": st.samples_per_step_note if st is not None else "",
             "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,

@@ -123,6 +123,24 @@ def test_steps_left_is_the_most_over_ranks_from_the_latest_reports_and_none_when
     assert col.snapshot(4.0).jobs["j"].steps_left is None
 
 
+def test_away_s_is_the_least_over_ranks_from_their_latest_reports_and_0_when_not_said():
+    """A job is away from its loader (``JobStats.away_s``) as long as its least-away rank: ranks step in
+    lockstep, and one that steps keeps the job stepping. A rank that does not say (a client older than
+    ``away_s``), or says something that is no duration, counts as stepping."""
+    col, me = _two_rank_job()
+    col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "away_s": 5.0}, 0.0)
+    assert col.snapshot(0.5).jobs["j"].away_s == 0.0                      # rank 1 has not reported
+    col.on_report("j", 1, me, {**_totals(0, 0, 0, 0), "away_s": 12.0}, 0.0)
+    assert col.snapshot(0.5).jobs["j"].away_s == 5.0
+    col.on_report("j", 0, me, {**_totals(1, 10, 0.1, 0.9), "away_s": 14.0}, 1.0)
+    assert col.snapshot(1.5).jobs["j"].away_s == 12.0
+    for bad in (-5, "long", float("inf"), None):
+        col.on_report("j", 1, me, {**_totals(1, 10, 0.1, 0.9), "away_s": bad}, 1.0)
+        assert col.snapshot(1.5).jobs["j"].away_s == 0.0, bad
+    col.on_report("j", 1, me, _totals(2, 20, 0.2, 1.8), 2.0)             # an older client: never away
+    assert col.snapshot(2.5).jobs["j"].away_s == 0.0
+
+
 def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
     """A job's ``steps_left`` is its claim, and the finish guard feeds the job with the most work left
     first. An honest loader's ``steps_left + steps`` stays put but when the job re-sets its count (a new
