@@ -114,6 +114,11 @@ for the ones the command line offers):
                            within this long of leaving comes and goes; one away this long has left;
                            twice the most the switch lags the load)
                            (``agent.policies.PolicyConfig.foreign_return_s``; docs/operations.md)
+    release_away_s  float  seconds, 0..3600, default 10: adaptive plans a job whose training loop has
+                           been away from its loader this long (and 10 times its step: a validation
+                           pass, a checkpoint save; never a wait for data) its least cores, its workers
+                           kept, until it steps again; its neighbours take the room; 0: never
+                           (``agent.policies.PolicyConfig.release_away_s``; docs/operations.md)
     loader_memory   bytes|str  memory for all jobs' loader workers together: bytes or a size
                            ("6GiB", "512MiB", "8GB"); "auto" (default): the node's memory, or the
                            memory limit over the agent's cgroup when lower and every job process is
@@ -168,7 +173,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "metrics_port": (0, 65535),
     "max_connections": (1, 60000), "connections_per_uid": (1, 60000), "jobs_per_uid": (1, 100000),
     "idle_jobs_per_uid": (0, 100000), "uid_cpu_share": (0.001, 1.0), "loaders_yield_foreign_cores": (0.0, 4096.0),
-    "min_confidence": (0.0, 1.0), "foreign_return_s": (1.0, 600.0),
+    "min_confidence": (0.0, 1.0), "foreign_return_s": (1.0, 600.0), "release_away_s": (0.0, 3600.0),
 }
 MAX_LOADER_CPUS = 4096.0
 
@@ -219,6 +224,7 @@ class AgentConfig:
     foreign_weight: str = "workers"
     foreign_intermittent: str = "weigh"
     foreign_return_s: float = 12.0
+    release_away_s: float = 10.0
     loader_memory: Union[int, str] = "auto"
     memory_pressure_psi: float = 10.0
     memory_min_available: Union[int, str] = "auto"

@@ -122,7 +122,7 @@ def _policy_config(cfg: AgentConfig):
                         yield_foreign_max_cores=cfg.loaders_yield_foreign_cores, foreign_weight=cfg.foreign_weight,
                         foreign_intermittent=cfg.foreign_intermittent, foreign_return_s=cfg.foreign_return_s,
                         cpu_bound_min_workers=cfg.cpu_bound_min_workers, delivery_workers=cfg.delivery_workers,
-                        finish_guard=cfg.finish_guard)
+                        finish_guard=cfg.finish_guard, release_away_s=cfg.release_away_s)
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")

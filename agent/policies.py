@@ -47,6 +47,7 @@ from typing import Callable, Mapping, NamedTuple, Optional
 from agent.model import (AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers,
                          epochs_end)
 from predictor.curve import ThroughputCurve
+from adloader.stats import PAUSE_FACTOR
 from predictor.prior import LOADER_BOUND_WAIT
 
 EPS = 1e-9
@@ -60,6 +61,9 @@ YIELD_RESUME_FRACTION = 0.5  # of yield_foreign_max_cores: once other processes 
 FOREIGN_RETURN_S = 12.0     # default PolicyConfig.foreign_return_s (config key ``foreign_return_s``; ForeignPattern):
                             # twice the most the switch lags an edge of the load (agent.collector's 3-s smoothing
                             # and 3-s FOREIGN_HOLD_S)
+RELEASE_AWAY_S = 10.0       # default PolicyConfig.release_away_s (config key ``release_away_s``): a loop away from its
+                            # loader this long is planned min_cpus (a validation pass, a checkpoint save; shorter
+                            # pauses would restart a neighbour's workers for a few seconds' use)
 BUDGET_TOLERANCE = 0.15     # relative: a loader budget that moved less than this keeps the held plan
 HOLD_BASE_MIN = 0.05        # of the node's GPU weight: the least throughput a hold's gain is relative to
 HOLD_FLOOR_SLACK = 0.10     # a held plan may keep a job this far under its floor's cores (noise), no further
@@ -206,6 +210,14 @@ class PolicyConfig:
         / 1.027 against 1.055 / 1.040: the rule started at the same return with either (but in one
         5-s repeat, whose first return came after 19 s), and from then on the two act the same (the
         differences are the VM's noise and when it started).
+    release_away_s: adaptive: a job whose training loop has been away from its loader this long, in
+        seconds, and ``PAUSE_FACTOR`` (10) times its step (``JobStats.away_s``: a validation pass, a
+        checkpoint save, a debugger stop, the time between two epochs; never a wait for data) keeps its
+        workers but is planned ``min_cpus`` cores until it steps again; its neighbours' plans take the
+        room (a CPU weight its idle workers would not use is no loss to anyone, but a neighbour's worker
+        count is planned from its own cores, so without a new plan it cannot use the idle ones; under
+        ``pin_cpusets`` the idle job's CPUs are its alone). When it steps again, its plan is under its
+        fairness floor and is not held (the next tick plans it again). 10 (default); 0: never.
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy
@@ -276,6 +288,7 @@ class PolicyConfig:
     finish_guard: bool = True
     delivery_correction: float = 1.0
     delivery_workers: int = 0
+    release_away_s: float = RELEASE_AWAY_S
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -310,6 +323,8 @@ class PolicyConfig:
                              f"got {self.foreign_intermittent!r}")
         if not 0 < self.foreign_return_s <= 600:
             raise ValueError(f"PolicyConfig.foreign_return_s must be in (0, 600], got {self.foreign_return_s}")
+        if not 0 <= self.release_away_s <= 3600:
+            raise ValueError(f"PolicyConfig.release_away_s must be in [0, 3600], got {self.release_away_s}")
         if self.yield_foreign_max_cores < 0:
             raise ValueError(f"PolicyConfig.yield_foreign_max_cores must be >= 0, got {self.yield_foreign_max_cores}")
         if not 1.0 <= self.delivery_correction <= 16.0:
@@ -400,6 +415,14 @@ def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
     other = max(AUTO_RESERVE_MIN_CORES, AUTO_RESERVE_MIN_FRAC * n, snapshot.foreign_held_cpu_cores or 0.0)
     grown = math.floor(n - need - other + 1e-9)
     return float(grown) if grown >= C + 1.0 - 1e-9 else C
+
+
+def away_from_loader(job: JobStats, config: PolicyConfig) -> bool:
+    """Whether adaptive plans the job as away (``PolicyConfig.release_away_s``): its training loop has been
+    out of its loader's ``next()`` that long and ``PAUSE_FACTOR`` times its step (a 4-s step is a step
+    until 40 s; the loader's own pause rule), not waiting for data."""
+    return (config.release_away_s > 0
+            and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step))
 
 
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
@@ -1156,8 +1179,13 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     # GPU-proportional share of the budget, every job at least min_c (the shares sum to C)
     share = {j: min_c + (C - n * min_c) * gpus[j] / total_gpus for j in ids}
     reserve_note = f" (trainers keep {trainer_need:.2f} cores)" if trainer_need >= 0.005 else ""
+    # Away (a validation pass, a checkpoint save: its loop out of next() for release_away_s): it keeps its
+    # workers (they hold its prefetched batches; restarting them on its return would cost it) and min_c
+    # cores, and is neither warm nor cold: no floor, no greedy step, its curve kept for its return, when
+    # its held plan is under its floor and is planned again (the hold rule below)
+    away = {j for j in ids if away_from_loader(snapshot.jobs[j], config)}
     warm = {j: curves[j] for j in ids
-            if j in curves and curves[j].confidence >= config.min_confidence}
+            if j in curves and curves[j].confidence >= config.min_confidence and j not in away}
     cap_node = {j: snapshot.jobs[j].cpu_cap_cores or math.inf for j in ids}   # its CPUs, or its CPU quota
     # A job's most cores: a cold one's within the share budget C (which reserves every trainer's
     # full-speed need: without a curve its trainers' pace is unknown); a warm one's within the loader
@@ -1168,8 +1196,15 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     cpus: dict[str, float] = {}
     reason: dict[str, str] = {}
     workers: dict[str, int] = {}
+    for j in sorted(away):
+        job, held = snapshot.jobs[j], snapshot.applied.get(j)
+        cpus[j] = min_c
+        workers[j] = clamp_workers(min(held.workers if held is not None else job.workers, wcap.get(j, 1 << 30)),
+                                   job, config)
+        reason[j] = (f"away from its loader {job.away_s:.0f} s (a validation pass, a checkpoint save?): "
+                     f"{min_c:.2f} cores, its {workers[j]} workers kept, until it steps again")
     for j in ids:
-        if j in warm:
+        if j in warm or j in away:
             continue
         job = snapshot.jobs[j]
         if config.cold_start == "request":
@@ -1379,7 +1414,11 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     def weight_of(j: str, x: float) -> Optional[float]:
         # with weights, a warm job planned all the cores it can use weighs the node's loader CPUs
         # (satisfied_weight); one planned less weighs its planned cores times its delivery factor (None:
-        # its planned cores)
+        # its planned cores); an away job what it weighed (idle, its workers take nobody's CPU; back, they
+        # run at that weight until the next tick plans it again, not at its least cores)
+        if config.cpu_weights and j in away:
+            a = snapshot.applied.get(j)
+            return a.weight_cores if a is not None and a.weight_cores > x + EPS else None
         if not config.cpu_weights or j not in warm:
             return None
         if short(j, x):
@@ -1471,7 +1510,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                         else (a.workers, 0))
                 allocs[j] = JobAllocation(
                     job=j, workers=clamp_workers(w, snapshot.jobs[j], config), cpus=a.cpus * fit,
-                    cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus * fit), cold=j not in warm,
+                    cpuset=a.cpuset, io_weight=a.io_weight, cpu_weight=weight_of(j, a.cpus * fit),
+                    cold=j not in warm and j not in away,
                     budget=C, delivery=factor(j, a.cpus * fit), extra_workers=e,
                     reason=((reason[j] + delivery_note(j, a.cpus * fit)) if not moved else
                             (f"hold: predicted gain {gain:.1%} < hysteresis {band:.1%} + restart cost {cost:.1%}"
@@ -1483,11 +1523,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                                   node=node_allocation(snapshot, config))
     weights = {j: weight_of(j, cpus[j]) for j in ids}
     for j, w in weights.items():
-        if w is not None:
+        if w is not None and j in away:
+            reason[j] += f"; weighs {w:.2f} cores as before (idle workers take none)"
+        elif w is not None:
             reason[j] += delivery_note(j, cpus[j]) if short(j, cpus[j]) else f"; weighs {w:.2f} cores (all it can use)"
     allocs = {j: JobAllocation(job=j, workers=workers[j], cpus=cpus[j], cpu_weight=weights[j],
                                io_weight=io_weight_for(cpus[j], share[j], config),
-                               reason=reason[j] + extra_note(j, added.get(j, 0)), cold=j not in warm, budget=C,
+                               reason=reason[j] + extra_note(j, added.get(j, 0)),
+                               cold=j not in warm and j not in away, budget=C,
                                delivery=factor(j, cpus[j]), extra_workers=added.get(j, 0)) for j in ids}
     return _finish("adaptive", allocs, snapshot, config, unsatisfied,
                    predicted_total=new_total if warm else None)

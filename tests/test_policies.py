@@ -1488,3 +1488,57 @@ def test_adaptive_gives_a_job_at_its_sources_cap_no_more_than_reach_it():
     assert io_cap.cpus <= io_free.cpus + 1e-9
     assert capped["io"].normalized(io_cap.workers, io_cap.cpus) >= 0.97 * (1 / 3)    # it still reaches the cap
     assert a_cap.allocations["heavy"].cpus >= a_free.allocations["heavy"].cpus - 1e-9
+
+
+# -- a job away from its loader (release_away_s) ---------------------------------------------------------
+
+def test_a_job_away_from_its_loader_keeps_its_workers_and_lends_its_cores_until_it_steps_again():
+    """A training loop out of its loader's ``next()`` for ``release_away_s`` (a validation pass, a checkpoint
+    save) and 10 times its step is planned ``min_cpus`` with its workers kept (they hold its prefetched
+    batches); a neighbour that could use more gets its cores and the workers to use them. Under CPU weights
+    it weighs what it weighed (idle, its workers take nothing; back, they compete at that weight until the
+    next tick). Back (``away_s`` 0), its held plan is under its floor and is planned again: the neighbour
+    gives the room back. Not away under the threshold, nor within 10 times a slow step."""
+    from agent.config import AgentConfig
+
+    adaptive = get_policy("adaptive")
+    for weights in (False, True):
+        cfg = PolicyConfig(cpu_weights=weights)
+        s = snap("gpu-8core", [job("a", "heavy"), job("b", "heavy"), job("c", "heavy")])
+        curves = curves_of(s)
+        plan, s = settle(adaptive, s, curves, cfg)
+        before = dict(plan.allocations)
+        assert before["b"].cpus < 2.5                              # contended: none has the 3 cores it can use
+
+        def away(secs: float, step: float = 0.1) -> NodeSnapshot:
+            return dataclasses.replace(s, jobs={**s.jobs, "a": dataclasses.replace(
+                s.jobs["a"], away_s=secs, compute_s_per_step=step)})
+
+        for short in (0.0, 9.0):                                   # under release_away_s: nothing moves
+            assert adaptive(away(short), curves, cfg).allocations == plan.allocations
+        slow = adaptive(away(30.0, step=4.0), curves, cfg)         # 30 s is under 10 steps of 4 s: a step
+        assert slow.allocations["a"].cpus == before["a"].cpus
+        gone = adaptive(away(12.0), curves, cfg)
+        check_invariants(gone, away(12.0), cfg)
+        a, b = gone.allocations["a"], gone.allocations["b"]
+        assert a.cpus == pytest.approx(cfg.min_cpus) and a.workers == before["a"].workers
+        assert "away from its loader 12 s" in a.reason
+        assert a.weight_cores == pytest.approx(before["a"].weight_cores if weights else cfg.min_cpus)
+        assert b.cpus > before["b"].cpus + 0.4 and b.workers >= before["b"].workers
+        assert gone.allocations["c"].cpus > before["c"].cpus + 0.4
+        # it stays so while away (the plan in force is held), and is planned again once it steps
+        s_away = dataclasses.replace(away(20.0), applied=dict(gone.allocations))
+        assert adaptive(s_away, curves, cfg).allocations["a"].cpus == pytest.approx(cfg.min_cpus)
+        back = adaptive(dataclasses.replace(s_away, jobs=s.jobs), curves, cfg)
+        assert back.allocations["a"].cpus == pytest.approx(before["a"].cpus, abs=0.05)
+        assert back.allocations["b"].cpus == pytest.approx(before["b"].cpus, abs=0.05)
+    # off
+    off = PolicyConfig(release_away_s=0)
+    s = snap("gpu-8core", [job("a", "heavy"), job("b", "heavy"), job("c", "heavy")])
+    plan, s = settle(adaptive, s, curves_of(s), off)
+    far = dataclasses.replace(s, jobs={**s.jobs, "a": dataclasses.replace(s.jobs["a"], away_s=600.0)})
+    assert adaptive(far, curves_of(s), off).allocations == plan.allocations
+    for bad in (-1.0, 3601.0):
+        with pytest.raises(ValueError, match="release_away_s"):
+            PolicyConfig(release_away_s=bad)
+    assert PolicyConfig().release_away_s == AgentConfig().release_away_s == 10.0
