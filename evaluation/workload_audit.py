@@ -1,7 +1,7 @@
 """How the agent and the loader's own tuner behave on training loops unlike the bench's steady ones.
 
     python -m evaluation.workload_audit [--scenarios a,b,...] [--seconds 400] [--warmup 60] [--seed 1]
-                                        [--out DIR]
+                                        [--release-away-s 10] [--out DIR]
 
 Each scenario is a job under test (``x``) beside a CPU-hungry neighbour on an 8-CPU node (7.2 loader
 cores), both simulated event by event in simulated time: a training loop whose step i takes
@@ -19,7 +19,9 @@ Per scenario, for the job under test, after the warm-up: re-plans (ticks at whic
 workers or cores, changed), worker-count changes, samples/s, the median workers and cores it was
 given; the windows the predictor was fed and how many of them were fed while the loop stood still (a
 stop of 5 s or more between two steps, from 5 s after the stop to the resume: a window there is
-made of figures that only decay). Then the same job alone under ``num_workers="auto"`` (the loader's
+made of figures that only decay); the neighbour's samples/s and worker-count changes (a loop away from
+its loader for ``release_away_s`` lends it its cores). A change of a job's cores re-times its batches
+in flight from then on (``TrainingLoop._retime``). Then the same job alone under ``num_workers="auto"`` (the loader's
 own tuner, ``adloader.autotune.AutoTuner``, 4 CPUs, no agent), fed its 2-s windows as the loader's
 tuner thread does: its moves (worker-count changes after the warm-up), final workers, samples/s.
 
@@ -116,11 +118,42 @@ class TrainingLoop:
         self._n_req = self._n_ret = 0      # next() calls and returns counted into the totals
 
     def set_alloc(self, workers: int, cores: float, t: float) -> None:
+        cores = max(0.05, cores)
         if workers > self.workers:
             self.free += [t + WORKER_START_S] * (workers - self.workers)
         elif workers < self.workers:
             self.free = sorted(self.free)[:workers]
-        self.workers, self.cores = workers, max(0.05, cores)
+        if cores != self.cores:
+            self._retime(t, cores)
+        self.workers, self.cores = workers, cores
+
+    def _retime(self, t: float, cores: float) -> None:
+        """The batches in flight at ``t`` finish at the new cores' pace from ``t`` on: the CPU part of what
+        is left of each runs ``old share / new share`` as long (a batch started on a job's least cores
+        while it was away from its loader would otherwise keep that pace to its end, long after the
+        agent gave the cores back). A next() waiting for such a batch returns when it is ready."""
+        for k, (ready_at, i) in enumerate(self._done):
+            _, c, wall, runq = self.ready[i]
+            cpu_wall = c + runq                      # its CPU part: c / the old share
+            if ready_at <= t or c <= 0 or wall <= 0:
+                continue
+            blocked = max(0.0, wall - cpu_wall)
+            busy = self.workers * c / (c + blocked)
+            new_cpu_wall = c / min(1.0, cores / busy)
+            left = ready_at - t
+            new_ready = t + left * (blocked + new_cpu_wall) / wall
+            for j, f in enumerate(self.free):
+                if f == ready_at:
+                    self.free[j] = new_ready
+                    break
+            self._done[k] = (new_ready, i)
+            new_wall = new_ready - (ready_at - wall)
+            self.ready[i] = (new_ready, c, new_wall, max(0.0, new_wall - c - blocked))
+            if i < len(self.ret) and self.ret[i] > t:
+                self.ret[i] = max(self.req[i], new_ready)
+                if i == len(self.ret) - 1:
+                    self._next_req = None            # drawn from the old return: drawn again
+        heapq.heapify(self._done)
 
     def _dispatch(self, i: int) -> tuple:
         k = i - 2 * self.workers
@@ -166,11 +199,14 @@ class TrainingLoop:
             _, i = heapq.heappop(self._done)
             _, cpu, wall, runq = self.ready[i]
             c.add_batch_timing(cpu, wall, int(runq * 1e9))
+        # away: out of next() since its last return (0 inside a call: its batch is not ready yet)
+        away = t - self.ret[-1] if self.ret and self.ret[-1] <= t else 0.0
         return {"steps": c.steps, "samples": c.samples, "batches": c.batches, "data_wait_s": c.data_wait_s,
                 "compute_s": c.compute_s, "worker_cpu_s": c.worker_cpu_s, "worker_wall_s": c.worker_wall_s,
                 "worker_runq_s": c.worker_runq_s, "worker_blocked_s": c.worker_blocked_s, "uptime_s": t,
                 "batch_size": self.batch_size, "workers": self.workers, "live_workers": self.workers,
-                "main_cpu_s": c.step_cpu_s, "main_runq_s": 0.0, "paused_s": c.paused_s, "dataset_kind": "map"}
+                "main_cpu_s": c.step_cpu_s, "main_runq_s": 0.0, "paused_s": c.paused_s, "away_s": away,
+                "dataset_kind": "map"}
 
     def stalls(self, t_end: float) -> list[tuple[float, float]]:
         """(from, to): the stops of ``STALL_S`` or more between two returns of next(), up to ``t_end``
@@ -239,7 +275,8 @@ class FedBank(PredictorBank):
         super().observe(job_id, obs)
 
 
-def run_agent(scenario: str, seconds: float, warmup: float, seed: int) -> dict:
+def run_agent(scenario: str, seconds: float, warmup: float, seed: int,
+              config: Optional[PolicyConfig] = None) -> dict:
     """The job under test beside the hungry one under the agent's real pieces; its figures."""
     jobs = {j.name: j for j in (SCENARIOS[scenario](seed), _hungry(seed))}
     reg = Registry()
@@ -255,13 +292,15 @@ def run_agent(scenario: str, seconds: float, warmup: float, seed: int) -> dict:
             s = col.snapshot(now)
             return dataclasses.replace(s, jobs={k: dataclasses.replace(v, allowed_cpus=()) for k, v in s.jobs.items()})
 
-        ctl = Controller(snapshot_source=snapshot, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
+        ctl = Controller(snapshot_source=snapshot, policy=get_policy("adaptive"),
+                         policy_config=config or PolicyConfig(),
                          predictor=bank, actuators=[InForceActuator()], observe_interval_s=OBSERVE_INTERVAL_S)
         for j in jobs.values():
             reg.hello(peer, j.name.encode(), protocol.make(
                 "hello", job=j.name, rank=0, pid=me, gpus=["0"], batch_size=j.batch_size, workers=j.workers,
                 requested_workers=j.workers, max_workers=64, dataset_kind="map"), 0.0)
         given: list[tuple[float, int, float]] = []     # the job under test: (t, workers, cores) after each tick
+        given_n: list[tuple[float, int]] = []          # its neighbour: (t, workers)
         errors: list[str] = []
         at_warmup = None
         t = 0.0
@@ -274,7 +313,7 @@ def run_agent(scenario: str, seconds: float, warmup: float, seed: int) -> dict:
                                                                   worker_pids=[], stats=st), t)
                 col.on_report(r.job, r.rank, r.pid, st, t)
             if at_warmup is None and t >= warmup:
-                at_warmup = jobs[UNDER_TEST].counters.samples
+                at_warmup = {name: j.counters.samples for name, j in jobs.items()}
             bank.now = t
             errors += ctl.tick(t + 0.01).errors
             for name, a in ctl.applied().items():
@@ -284,7 +323,11 @@ def run_agent(scenario: str, seconds: float, warmup: float, seed: int) -> dict:
             a = ctl.applied().get(UNDER_TEST)
             if a is not None:
                 given.append((t, a.workers, round(a.cpus, 2)))
-    x = jobs[UNDER_TEST]
+            a = ctl.applied().get("hungry")
+            if a is not None:
+                given_n.append((t, a.workers))
+    x, hungry = jobs[UNDER_TEST], jobs["hungry"]
+    at_warmup = at_warmup or {}
     after = [g for g in given if g[0] > warmup]
     replans = sum(1 for p, q in zip(given, given[1:]) if q[0] > warmup and p[1:] != q[1:])
     worker_changes = sum(1 for p, q in zip(given, given[1:]) if q[0] > warmup and p[1] != q[1])
@@ -292,7 +335,10 @@ def run_agent(scenario: str, seconds: float, warmup: float, seed: int) -> dict:
     stalls = x.stalls(seconds)
     in_stalls = [f for f in fed if any(a + STALL_GRACE_S <= f[0] < b for a, b in stalls)]
     return {"replans": replans, "worker_changes": worker_changes,
-            "samples_per_s": round((x.counters.samples - (at_warmup or 0)) / max(seconds - warmup, 1e-9), 1),
+            "samples_per_s": round((x.counters.samples - at_warmup.get(x.name, 0)) / max(seconds - warmup, 1e-9), 1),
+            "neighbour_worker_changes": sum(1 for p, q in zip(given_n, given_n[1:]) if q[0] > warmup and p[1] != q[1]),
+            "neighbour_samples_per_s": round((hungry.counters.samples - at_warmup.get(hungry.name, 0))
+                                             / max(seconds - warmup, 1e-9), 1),
             "median_workers": statistics.median(g[1] for g in after) if after else None,
             "median_cores": round(statistics.median(g[2] for g in after), 2) if after else None,
             "windows": len(fed), "windows_in_stalls": len(in_stalls),
@@ -340,12 +386,14 @@ def markdown(result: dict) -> str:
              f"{result['warmup']:g} s (seed {result['seed']}); tuner: `{UNDER_TEST}` alone, {TUNER_CPUS:g} CPUs",
              "",
              "| scenario | re-plans | worker changes | samples/s | median workers | median cores | windows "
-             "(in stalls) | tuner moves | tuner workers | tuner samples/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(in stalls) | neighbour samples/s | neighbour worker changes | tuner moves | tuner workers | "
+             "tuner samples/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["scenarios"].items():
         a, u = r["agent"], r["tuner"]
         lines.append(f"| {name} | {a['replans']} | {a['worker_changes']} | {a['samples_per_s']:.1f} | "
                      f"{a['median_workers']} | {a['median_cores']} | {a['windows']} ({a['windows_in_stalls']}) | "
+                     f"{a['neighbour_samples_per_s']:.1f} | {a['neighbour_worker_changes']} | "
                      f"{u['moves']} | {u['final_workers']} | {u['samples_per_s']:.1f} |")
     return "\n".join(lines)
 
@@ -359,6 +407,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--warmup", type=at_least(finite_float, 0), default=60.0,
                    help="simulated seconds left out of the figures (default 60)")
     p.add_argument("--seed", type=plain_int, default=1, help="the jobs' random seed (default 1)")
+    p.add_argument("--release-away-s", type=at_least(finite_float, 0), default=PolicyConfig().release_away_s,
+                   help="the agent's release_away_s: a loop away from its loader this long is planned its least "
+                        f"cores until it steps again; 0: never (default {PolicyConfig().release_away_s:g})")
     p.add_argument("--out", type=path_arg, help="write workload_audit.json into this directory")
     args = p.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
@@ -368,9 +419,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--warmup ({args.warmup:g}) must be below --seconds ({args.seconds:g})")
     t0 = time.perf_counter()
     result = {"benchmark": "workload_audit", "seconds": args.seconds, "warmup": args.warmup, "seed": args.seed,
-              "scenarios": {}}
+              "release_away_s": args.release_away_s, "scenarios": {}}
+    config = PolicyConfig(release_away_s=args.release_away_s)
     for name in args.scenarios:
-        result["scenarios"][name] = {"agent": run_agent(name, args.seconds, args.warmup, args.seed),
+        result["scenarios"][name] = {"agent": run_agent(name, args.seconds, args.warmup, args.seed, config),
                                      "tuner": run_tuner(name, args.seconds, args.warmup, args.seed)}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["argv"] = sys.argv

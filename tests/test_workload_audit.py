@@ -53,3 +53,22 @@ def test_cli_prints_the_table_writes_json_and_names_a_bad_scenario(tmp_path, cap
             W.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_loop_away_from_its_loader_lends_its_cores_to_its_neighbour_and_gets_them_back():
+    """The 150-s stop (from ~100 s, 400 s simulated): ``release_away_s`` (10 s) into it, the job under test is
+    planned its least cores with its workers kept, and its CPU-hungry neighbour the room; within two ticks of
+    its return it has its cores back. Its own throughput is what it was without the release (within 1%:
+    the ticks between its return and the new plan), its neighbour's is higher; with 0, nothing moves."""
+    on = W.run_agent("paused", 400.0, WARMUP, seed=1)
+    off = W.run_agent("paused", 400.0, WARMUP, seed=1, config=W.PolicyConfig(release_away_s=0))
+    (stop, resume), = on["stalls"]
+    assert on["errors"] == [] and off["errors"] == [] and resume < 400.0
+    assert [a[1:] for a in off["allocations"] if a[0] > WARMUP] == []     # without it: held through the stop
+    held = off["allocations"][-1][1:]
+    moves = [a for a in on["allocations"] if a[0] > WARMUP]
+    (t_away, w_away, c_away), (t_back, w_back, c_back) = moves[:2]
+    assert stop + 10.0 <= t_away <= stop + 12.0 and c_away == 0.05 and w_away == held[0]
+    assert resume < t_back <= resume + 2.0 and (w_back, c_back) == held
+    assert on["samples_per_s"] >= 0.99 * off["samples_per_s"]
+    assert on["neighbour_samples_per_s"] > 1.03 * off["neighbour_samples_per_s"]
