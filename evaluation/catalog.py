@@ -35,6 +35,10 @@ What a kind says about its training process and its user (the workload model, IS
   augmentation work); its step, ceiling, GPUs and sample size (the model's input) stay (a curriculum
   that turns augmentation up, a dataset of larger images next in the queue). What the agent must
   notice: its loader's need moved.
+- ``pause_every_s``, ``pause_s``: the training loop stops for ``pause_s`` seconds after each
+  ``pause_every_s`` seconds of training (the first after ``pause_every_s`` from its start): a
+  validation pass or a checkpoint save, out of its loader's ``next()``, sleeping (its GPU busy, its
+  CPU idle; a real validation pass would also run a loader of its own). Both or neither.
 """
 from __future__ import annotations
 
@@ -73,6 +77,8 @@ class JobKind:
     rank_processes: bool = False      # one training process (rank) per GPU, each its own loader, in lockstep
     phase_kind: str = ""              # from phase_after_s after its start, the pipeline of this kind
     phase_after_s: float = 0.0
+    pause_every_s: float = 0.0        # the training loop stops for pause_s after each pause_every_s of training
+    pause_s: float = 0.0              # (a validation pass, a checkpoint save: away from its loader); 0: never
     note: str = ""
 
 
@@ -108,6 +114,8 @@ class JobSpec:
     worker_ram_mb: float = 0.0
     phases: list = field(default_factory=list)   # [{"after_s": S, "workload": {...}}]: later pipelines
     rank_processes: bool = False   # ``gpus`` training processes, one per GPU (evaluation.jobproc starts them)
+    pause_every_s: float = 0.0     # the loop stops pause_s after each pause_every_s of training (0: never)
+    pause_s: float = 0.0
 
     @property
     def ceiling_samples_per_s(self) -> float:
@@ -187,7 +195,10 @@ def load_catalog(path: str | None = None) -> Catalog:
         if missing:
             raise CatalogError(f"catalogue {path}: mix {mix!r} names unknown kinds: {', '.join(missing)}")
         mixes[mix] = names
-    for name, kind in kinds.items():     # (variants included: a phase is usually set in a mix)
+    for name, kind in kinds.items():     # (variants included: a phase or a pause is usually set in a mix)
+        if kind.pause_every_s < 0 or kind.pause_s < 0 or (kind.pause_s > 0) != (kind.pause_every_s > 0):
+            raise CatalogError(f"catalogue {path}: {name}: pause_every_s and pause_s must be >= 0 and set "
+                               f"together, got {kind.pause_every_s!r} and {kind.pause_s!r}")
         if kind.phase_kind and (kind.phase_kind not in kinds or not kind.phase_after_s > 0):
             raise CatalogError(f"catalogue {path}: {name}: phase_kind must name a kind ({kind.phase_kind!r}) "
                                f"and phase_after_s be > 0 (got {kind.phase_after_s!r})")
@@ -378,6 +389,7 @@ def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: s
                    workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s, gpus=kind.gpus,
                    trainer_cpu_frac=kind.trainer_cpu_frac, num_workers=habitual_workers(kind, node_cores),
                    worker_ram_mb=kind.worker_ram_mb, rank_processes=kind.rank_processes,
+                   pause_every_s=kind.pause_every_s, pause_s=kind.pause_s,
                    phases=[{"after_s": kind.phase_after_s, "workload": workload_for(catalog.kinds[kind.phase_kind], seed)}]
                    if kind.phase_kind else [])
 

@@ -166,7 +166,7 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
         raise BenchError(f"policy {spec!r}: {e}") from None
     return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
-                    "nothing-to-arbitrate", "memory", "gpu-weighted-ddp")
+                    "nothing-to-arbitrate", "memory", "gpu-weighted-ddp", "validating")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup"      # the v2 root, or where the v1 hierarchies are mounted
@@ -389,6 +389,7 @@ class ProgressReader:
         self.done: Optional[dict] = None
         self.segments: list[dict] = []
         self.phases: list[dict] = []         # the job's pipeline changed here (a spec's ``phases``)
+        self.pauses: list[dict] = []         # its loop stopped here for ``pause_s`` (a spec's ``pause_s``)
 
     def poll(self) -> None:
         try:
@@ -418,6 +419,8 @@ class ProgressReader:
                 self.segments.append(rec)
             elif ev == "phase":
                 self.phases.append(rec)
+            elif ev == "pause":
+                self.pauses.append(rec)
             elif ev is None:
                 self.records.append(rec)
 
@@ -877,10 +880,13 @@ def run_phase(cfg: BenchConfig, sc: Scenario, policy: str, rep: int, run_dir: Pa
         shutil.rmtree(sock_dir, ignore_errors=True)
     for jid, r in readers.items():
         r.poll()
-        jobs[jid].update(records=r.records, start=r.start, done=r.done, phases=r.phases)
+        jobs[jid].update(records=r.records, start=r.start, done=r.done, phases=r.phases, pauses=r.pauses)
         for p in r.phases:
             events.append({"t": p["t"], "label": f"{jid}'s pipeline changes (phase {p['index']})", "kind": "phase",
                            "job": jid})
+        for p in r.pauses:
+            events.append({"t": p["t"], "label": f"{jid}'s loop stops {p['pause_s']:g} s (a validation pass)",
+                           "kind": "pause", "job": jid})
     # An arrival counts from when the job's process is up and about to iterate (its "start" record; the
     # agent hears its hello at the first batch), not from the launch: interpreter and dataset start-up
     # (seconds here) is the same under every policy and is no reaction time.

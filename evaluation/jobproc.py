@@ -388,6 +388,7 @@ def main(argv=None) -> int:
                                    for p in phases], f"{args.progress}.phase")
     step_s = float(spec["step_s"])
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
+    pause_every_s, pause_s = float(spec.get("pause_every_s") or 0.0), float(spec.get("pause_s") or 0.0)
     gpu = {}
     if args.device == "cuda":
         from adloader.synthetic import burn_parallel
@@ -452,6 +453,7 @@ def main(argv=None) -> int:
     samples = steps = 0
     wait_s = compute_s = 0.0
     last_report = 0.0
+    trained_from = t_start          # the last pause's end (pause_every_s of training after it, the next)
     seg_i, seg_t0 = 0, None
     reason = "signal"
 
@@ -503,6 +505,17 @@ def main(argv=None) -> int:
                 if t2 - last_report >= PROGRESS_EVERY_S:
                     record(t2)
                     last_report = t2
+                if pause_s > 0 and t2 - trained_from >= pause_every_s:
+                    # a validation pass or a checkpoint save: the loop is away from its loader (records
+                    # either side, so that a measured window's edge inside the pause counts no samples)
+                    record(t2)
+                    prog.write({"event": "pause", "t": t2, "pause_s": pause_s})
+                    end = t2 + pause_s
+                    while not stop["signal"] and time.monotonic() < end:
+                        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+                    trained_from = last_report = time.monotonic()
+                    record(trained_from)
+                    t2 = trained_from
                 if phases and ds.k < len(phases) and t2 - t_start >= float(phases[ds.k]["after_s"]):
                     ds.begin(ds.k + 1)
                     prog.write({"event": "phase", "t": t2, "index": ds.k})

@@ -121,6 +121,8 @@ def _sim_phases(bench: dict, capacity: str):
             by_sc.setdefault(ph["scenario"], []).append(ph)
     for sc, phases in by_sc.items():
         specs = {j: s for j, s in phases[0]["specs"].items() if s}
+        if any(float(s.get("pause_s") or 0) > 0 for s in specs.values()):
+            continue        # a job whose loop stops (the validating mix): the node model has no pauses
         phases_of, phase_specs = phase_curves(specs)
         if phases_of is None:
             continue        # a job's later pipeline that no calibrated job of the run gives the cost of

@@ -702,6 +702,53 @@ def test_a_phase_in_the_catalogue_and_its_errors(tmp_path):
             load_catalog(str(p))
 
 
+def test_a_pause_in_the_catalogue_and_its_errors(tmp_path):
+    from evaluation.catalog import make_job
+
+    cat = load_catalog()
+    first, *_ = cat.mixes["validating"]
+    kind = cat.kinds[first]
+    assert kind.pause_every_s > 0 and kind.pause_s > 0 and kind.gpus == 2
+    spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
+                    seed=3, node_cores=2)
+    assert (spec.pause_every_s, spec.pause_s) == (kind.pause_every_s, kind.pause_s)
+    assert json.loads(spec.to_json())["pause_s"] == kind.pause_s
+    p = tmp_path / "p.toml"
+    for member in ('{kind = "x", pause_s = 5.0}', '{kind = "x", pause_every_s = 5.0}',
+                   '{kind = "x", pause_every_s = -1.0, pause_s = 5.0}'):
+        p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n')
+        with pytest.raises(CatalogError, match="pause_every_s and pause_s must be >= 0 and set together"):
+            load_catalog(str(p))
+
+
+def test_a_job_process_pauses_away_from_its_loader_and_records_either_side(tmp_path):
+    """A real job process whose loop stops 1 s after every 1 s of training: the pause is recorded, no sample
+    is taken in it, a progress record lies at each end of it (a measured window's edge inside it counts
+    none)."""
+    import subprocess
+    import sys
+
+    from evaluation.harness import child_env
+
+    wl = dict(name="l", num_images=8, length=1 << 20, image_px=64, crop_px=16, aug_multiplier=1, seed=1)
+    spec = {"job_id": "pz", "kind": "l", "batch_size": 4, "step_s": 0.01, "demand_cores": 1.0,
+            "cpu_s_per_sample": 0.001, "workload": wl, "pause_every_s": 1.0, "pause_s": 1.0}
+    prog = tmp_path / "progress.jsonl"
+    subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
+                    "--workers", "1", "--duration-s", "3.5"], env=child_env(), check=True, timeout=120,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    recs = [json.loads(x) for x in prog.read_text().splitlines()]
+    start = next(r["t"] for r in recs if r.get("event") == "start")
+    pauses = [r for r in recs if r.get("event") == "pause"]
+    assert 1 <= len(pauses) <= 2 and pauses[0]["t"] - start >= 1.0 and pauses[0]["pause_s"] == 1.0
+    rows = [r for r in recs if "event" not in r]
+    for p in pauses:
+        before = max((r for r in rows if r["t"] <= p["t"]), key=lambda r: r["t"])
+        after = min((r for r in rows if r["t"] > p["t"]), key=lambda r: r["t"])
+        assert before["t"] == p["t"] and after["t"] - p["t"] >= 1.0
+        assert after["samples"] == before["samples"]          # nothing taken while away
+
+
 def test_a_job_process_takes_its_next_phase_pipeline_in_every_worker(tmp_path):
     """A real job process, two real DataLoader workers: a light pipeline, then 1.5 s in a heavy one (7x
     the pixels, 4 augmentation passes). The phase is recorded once, and the workers' CPU per sample
