@@ -44,10 +44,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional
 
+from adloader.stats import PAUSE_FACTOR
 from agent.model import (AllocationPlan, JobAllocation, JobStats, NodeAllocation, NodeSnapshot, epoch_fixed_workers,
                          epochs_end)
 from predictor.curve import ThroughputCurve
-from adloader.stats import PAUSE_FACTOR
 from predictor.prior import LOADER_BOUND_WAIT
 
 EPS = 1e-9
