@@ -1202,7 +1202,8 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
         workers[j] = clamp_workers(min(held.workers if held is not None else job.workers, wcap.get(j, 1 << 30)),
                                    job, config)
         reason[j] = (f"away from its loader {job.away_s:.0f} s (a validation pass, a checkpoint save?): "
-                     f"{min_c:.2f} cores, its {workers[j]} workers kept, until it steps again")
+                     f"{min_c:.2f} cores, its {workers[j]} worker{'s' if workers[j] != 1 else ''} kept, until it "
+                     f"steps again")
     for j in ids:
         if j in warm or j in away:
             continue

@@ -58,15 +58,22 @@ FAKE_TRAINER = textwrap.dedent('''
             return [p.pid for p in self._procs]
 
         def stats(self):
-            up = time.monotonic() - self._t0
+            wall = up = time.monotonic() - self._t0
+            away = 0.0
+            if os.environ.get("FAKE_AWAY"):   # "A,B": the loop stands still (out of next()) from A s to B s
+                a, b = (float(x) for x in os.environ["FAKE_AWAY"].split(","))
+                if a <= wall < b:
+                    up, away = a, wall - a
+                elif wall >= b:
+                    up = wall - (b - a)
             steps = int(up * 20)
             return {"steps": steps, "samples": steps * self.samples_per_step, "batches": steps, "epoch": 0,
                     "workers": self.num_workers, "live_workers": self.num_workers,
                     "max_workers": self.max_workers, "requested_workers": self.requested_workers,
                     "batch_size": self.batch_size, "data_wait_s": up * 0.3, "compute_s": up * 0.7,
-                    "worker_cpu_s": up * 0.5, "worker_wall_s": up * 1.0, "worker_runq_s": up * 0.1,
+                    "worker_cpu_s": up * float(os.environ.get("FAKE_WORKER_CORES") or 0.5), "worker_wall_s": up * 1.0, "worker_runq_s": up * 0.1,
                     "worker_blocked_s": up * 0.4, "resizes": 0, "worker_restarts": 0, "redispatched": 0,
-                    "uptime_s": up, "rates": {},
+                    "uptime_s": wall, "away_s": away, "rates": {},
                     **({"steps_left": max(0, int(os.environ["FAKE_TOTAL_STEPS"]) - steps)}
                        if os.environ.get("FAKE_TOTAL_STEPS") else {})}
 

@@ -117,6 +117,33 @@ def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, 
     assert j["cpus"] == pytest.approx(3.0) and len(j["worker_pids"]) == 4 and len(j["pids"]) == 2
 
 
+def test_a_job_away_from_its_loader_is_planned_its_least_cores_until_it_steps_again(base, trainers):
+    """The real agent (adaptive, ``release_away_s`` 2 s through its environment), a training process whose
+    loop stands still from 10 s to 20 s (its loader's ``away_s`` grows, its totals stand) and a neighbour
+    whose workers could use more than the node gives it: from 2 s into the stop the job is planned
+    ``min_cpus`` cores with the workers it had, status says so, the neighbour is planned the room; once the
+    job steps again it is planned as before and the neighbour gives the room back."""
+    a = AgentProc(base, "--policy", "adaptive", "--loader-cpus", "3", "--tick-s", "0.2",
+                  env={"ADLOADER_RELEASE_AWAY_S": "2"}).start()
+    try:
+        t = Trainer(base, a.endpoint, job="job-a", workers=2, env={"FAKE_AWAY": "10,20"})
+        u = Trainer(base, a.endpoint, job="job-b", workers=2, env={"FAKE_WORKER_CORES": "2.5"})
+        trainers += [t, u]
+        away = wait_for(lambda: (x := a.job("job-a")) and x["cpus"] == pytest.approx(0.05) and x, 40,
+                        what="job-a planned its least cores while away")
+        assert away["away_s"] >= 2.0 and "away from its loader" in away["reason"]
+        wait_for(lambda: a.job("job-b")["cpus"] >= 3.0 - 0.05 - 0.01, 15, what="job-b planned the room")
+        applied = [e for e in a.events("allocation_applied") if e["job"] == "job-a"]
+        k = next(i for i, e in enumerate(applied) if "away from its loader" in e["reason"])
+        assert k > 0 and applied[k]["workers"] == applied[k - 1]["workers"]       # its workers kept
+        back = wait_for(lambda: (x := a.job("job-a")) and x["cpus"] > 0.05 + 0.01 and x, 30,
+                        what="job-a planned again once it steps")
+        assert back["away_s"] < 2.0 and "away" not in back["reason"]
+        wait_for(lambda: a.job("job-b")["cpus"] < 3.0 - 0.05 - 0.01, 15, what="job-b giving the room back")
+    finally:
+        a.stop()
+
+
 def test_two_jobs_share_and_bye_hands_share_back(base, agent, trainers):
     a = Trainer(base, agent.endpoint, job="ja", workers=1, run_s=4)
     b = Trainer(base, agent.endpoint, job="jb", workers=1)
