@@ -420,8 +420,9 @@ def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
 def away_from_loader(job: JobStats, config: PolicyConfig) -> bool:
     """Whether adaptive plans the job as away (``PolicyConfig.release_away_s``): its training loop has been
     out of its loader's ``next()`` that long and ``PAUSE_FACTOR`` times its step (a 4-s step is a step
-    until 40 s; the loader's own pause rule), not waiting for data."""
-    return (config.release_away_s > 0
+    until 40 s; the loader's own pause rule), not waiting for data. Not before its step was measured
+    (``compute_s_per_step`` 0): a first step of 30 s is no pause."""
+    return (config.release_away_s > 0 and job.compute_s_per_step > 0
             and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step))
 
 

@@ -1498,7 +1498,8 @@ def test_a_job_away_from_its_loader_keeps_its_workers_and_lends_its_cores_until_
     batches); a neighbour that could use more gets its cores and the workers to use them. Under CPU weights
     it weighs what it weighed (idle, its workers take nothing; back, they compete at that weight until the
     next tick). Back (``away_s`` 0), its held plan is under its floor and is planned again: the neighbour
-    gives the room back. Not away under the threshold, nor within 10 times a slow step."""
+    gives the room back. Not away under the threshold, nor within 10 times a slow step, nor before its step
+    was measured."""
     from agent.config import AgentConfig
 
     adaptive = get_policy("adaptive")
@@ -1518,6 +1519,8 @@ def test_a_job_away_from_its_loader_keeps_its_workers_and_lends_its_cores_until_
             assert adaptive(away(short), curves, cfg).allocations == plan.allocations
         slow = adaptive(away(30.0, step=4.0), curves, cfg)         # 30 s is under 10 steps of 4 s: a step
         assert slow.allocations["a"].cpus == before["a"].cpus
+        unmeasured = adaptive(away(30.0, step=0.0), curves, cfg)   # no step measured yet: its first may be long
+        assert unmeasured.allocations["a"].cpus == before["a"].cpus
         gone = adaptive(away(12.0), curves, cfg)
         check_invariants(gone, away(12.0), cfg)
         a, b = gone.allocations["a"], gone.allocations["b"]
