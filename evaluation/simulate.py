@@ -105,6 +105,8 @@ class TraceJob:
     work_s: float
     gpus: int = 1
     phases: tuple = ()              # ((after_s, kind), ...): from arrival + after_s the job behaves as that kind
+    pause: tuple = ()               # (every_s, for_s): its loop stops for_s after each every_s of training
+                                    # (a validation pass: no samples, no CPU, its allocation kept); () never
 
 
 @dataclass
@@ -127,6 +129,8 @@ class _Job:
     since: float = 0.0              # when its rates last changed (the collector's window starts there)
     model: object = None            # its evaluation.nodemodel.JobModel, made on first use
     phase: int = 0                  # how many of its trace phases have begun
+    away_from: float = math.nan     # when its current pause began (nan: its loop steps)
+    trained_from: float = 0.0       # when it last began training (its arrival, a pause's end)
 
 
 # -- curves ------------------------------------------------------------------------------------
@@ -459,6 +463,7 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
         worker_cpu_cores=r.loader_cores if r is not None else 0.0,
         trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
         trainer_cpu_s_per_step=trainer_cpu_s_per_step,
+        away_s=now - jb.away_from if jb.away_from == jb.away_from else 0.0,
         trainer_runq_s_per_step=r.trainer_runq_s_per_step if r is not None and thr > 0 else 0.0,
         age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
@@ -636,7 +641,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         if mode == "autotune":
             applied = {j: _Workers(tn.workers) for j, tn in tuners.items()}
         yielding = bool(mode == "agent" and act.node is not None and act.node.loaders_yield)
-        models = {j: model_of(jb) for j, jb in active.items()}
+        # a job whose loop stopped (a validation pass) takes no CPU and delivers nothing; its allocation stays
+        models = {j: model_of(jb) for j, jb in active.items() if jb.away_from != jb.away_from}
         # (a job's model is made once per phase: its id and the phase name it)
         key = (yielding,) + (tuple(sorted((j, active[j].phase, id(m), getattr((applied or {}).get(j), "workers", 0),
                              round(getattr((applied or {}).get(j), "cpus", 0.0), 6)) for j, m in models.items())))
@@ -649,7 +655,12 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                                                           hard_caps=cfg.cpu_knob == "quota",
                                                           loaders_yield=yielding)
         for jid, jb in active.items():
-            r = res[jid]
+            r = res.get(jid)
+            if r is None:                      # away: no samples; the rates it had stand (no window: rate 0)
+                if jb.rate != 0.0:
+                    jb.since = t
+                jb.rate = 0.0
+                continue
             if r.workers != jb.workers or abs(r.samples_per_s - jb.rate) > 1e-9 * max(1.0, jb.rate):
                 jb.since = t                   # a new window starts: the collector's rates restart here
             jb.workers, jb.rate, jb.phys = r.workers, r.samples_per_s, r
@@ -677,10 +688,14 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         t_arr = pending[0].arrival_s if pending else math.inf
         t_fin = min((t + jb.remaining / jb.rate if jb.rate > 0 else math.inf) for jb in active.values()) \
             if active else math.inf
-        t_tick = t + cfg.tick_s if ticks_left > 0 or (cfg.steps_known and controller is not None) else math.inf
+        # (the agent ticks on while a job's loop stands still: how long it has been away is what it reads)
+        t_tick = t + cfg.tick_s if ticks_left > 0 or (controller is not None and (
+            cfg.steps_known or any(jb.away_from == jb.away_from for jb in active.values()))) else math.inf
         t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
         t_phase = min((jb.start + jb.tj.phases[jb.phase][0] for jb in active.values()
                        if jb.phase < len(jb.tj.phases)), default=math.inf)
+        t_phase = min([t_phase] + [(jb.away_from + jb.tj.pause[1]) if jb.away_from == jb.away_from
+                                   else (jb.trained_from + jb.tj.pause[0]) for jb in active.values() if jb.tj.pause])
         t_next = min(t_arr, t_fin, t_tick, t_tune, t_phase, end, m0 if t < m0 else math.inf)
         if t_next == math.inf:
             raise SimError(f"node {jobs_in[0].node}: jobs make no progress under {policy_name}")
@@ -697,7 +712,8 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             ceil = jb.curve.ceiling_samples_per_s
             jb.norm_s += (jb.rate / ceil) * dt
             jb.alive_s += dt
-            jb.wait_s += (1.0 - jb.rate / ceil) * dt
+            if jb.away_from != jb.away_from:   # (a pause is no wait for data)
+                jb.wait_s += (1.0 - jb.rate / ceil) * dt
             jb.win_norm_s += (jb.rate / ceil) * in_window
             jb.win_s += in_window
         t = t_next
@@ -714,7 +730,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             tj = pending.pop(0)
             cv = truth[tj.kind]
             active[tj.job] = _Job(tj=tj, curve=cv, remaining=max(1.0, tj.work_s * cv.ceiling_samples_per_s),
-                                  start=t, since=t)
+                                  start=t, since=t, trained_from=t)
             if mode == "autotune":
                 from adloader.autotune import part_of_node
 
@@ -727,6 +743,14 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 jb.curve, jb.model = truth[jb.tj.phases[jb.phase][1]], None
                 jb.phase += 1
                 changed = phased = True
+            if jb.tj.pause:               # its loop stops, or steps again
+                every, length = jb.tj.pause
+                if jb.away_from != jb.away_from and jb.trained_from + every <= t + 1e-12:
+                    jb.away_from = t
+                    changed = True
+                elif jb.away_from == jb.away_from and jb.away_from + length <= t + 1e-12:
+                    jb.away_from, jb.trained_from = math.nan, t
+                    changed = True
         if changed:
             for jid, tn in tuners.items():      # the node changed: every tuner's windows show it
                 tn.wake(t, active[jid].samples)
@@ -771,17 +795,20 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
 
 
 def steady_state(truth: dict, policy_name: str, cfg: SimConfig, warmup_s: float = 6.0, measure_s: float = 12.0,
-                 gpus_of: Optional[dict] = None, phases_of: Optional[dict] = None) -> dict:
+                 gpus_of: Optional[dict] = None, phases_of: Optional[dict] = None,
+                 pauses_of: Optional[dict] = None) -> dict:
     """A static mix (what the bench's static phases run): every job of ``truth`` (name -> curve with its
     workload, ``evaluation.nodemodel.curve_with_workload``) arrives at 0 on one node and runs under
     ``policy_name`` for ``warmup_s`` + ``measure_s``; ``simulate_node``'s result, whose ``window_agg``
     is the GPU-weighted normalised throughput over the measured part. ``gpus_of``: job -> GPUs
     (default: the curve's ``extra["gpus"]``, else 1). ``phases_of``: job -> its later phases,
-    ``((after_s, name), ...)``, each name a curve of ``truth`` that is no job of its own."""
+    ``((after_s, name), ...)``, each name a curve of ``truth`` that is no job of its own. ``pauses_of``:
+    job -> (every_s, for_s), its loop's pauses (``TraceJob.pause``)."""
     phases_of = phases_of or {}
     phase_only = {name for ph in phases_of.values() for _, name in ph}
     trace = [TraceJob("node", j, j, 0.0, 1e9, int((gpus_of or {}).get(j) or (cv.extra or {}).get("gpus") or 1),
-                      tuple(phases_of.get(j, ()))) for j, cv in truth.items() if j not in phase_only]
+                      tuple(phases_of.get(j, ())), tuple((pauses_of or {}).get(j, ())))
+             for j, cv in truth.items() if j not in phase_only]
     # the agent ticks every tick_s for the whole run, as a real one does (not only while its plan moves)
     cfg = dataclasses.replace(cfg, settle_ticks=max(cfg.settle_ticks, int(math.ceil((warmup_s + measure_s) / cfg.tick_s)) + 1))
     return simulate_node(trace, truth, policy_name, cfg, until_s=warmup_s + measure_s, measure_from_s=warmup_s)

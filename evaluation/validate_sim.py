@@ -121,8 +121,9 @@ def _sim_phases(bench: dict, capacity: str):
             by_sc.setdefault(ph["scenario"], []).append(ph)
     for sc, phases in by_sc.items():
         specs = {j: s for j, s in phases[0]["specs"].items() if s}
-        if any(float(s.get("pause_s") or 0) > 0 for s in specs.values()):
-            continue        # a job whose loop stops (the validating mix): the node model has no pauses
+        # a job whose loop stops (the validating mix): its pauses, as the bench ran them
+        pauses_of = {j: (float(s["pause_every_s"]), float(s["pause_s"])) for j, s in specs.items()
+                     if float(s.get("pause_s") or 0) > 0}
         phases_of, phase_specs = phase_curves(specs)
         if phases_of is None:
             continue        # a job's later pipeline that no calibrated job of the run gives the cost of
@@ -147,13 +148,13 @@ def _sim_phases(bench: dict, capacity: str):
                     and (ph.get("metrics") or {}).get("node_other_cores") is None):
                 cap = max(cap, rep_cap.get(ph["rep"], cap))
 
-            def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas) -> dict:
+            def run(policy: str, whole_node: bool = False, cap=cap, warm=warm, meas=meas, pauses_of=pauses_of) -> dict:
                 avail = None if whole_node or cap >= node else cap
                 base, opts = _variant(policy)   # a variant: its PolicyConfig keys in the simulated agent
                 cfg = dataclasses.replace(sim_config(node, loader, gpus, tick, avail), policy_options=opts)
-                return _sim_run(cache, truth, base, cfg, warm, meas, phases_of, name=policy)
+                return _sim_run(cache, truth, base, cfg, warm, meas, phases_of, name=policy, pauses_of=pauses_of)
 
-            yield sc, {**ph, "_cap": cap, "_phases": phases_of}, truth, run
+            yield sc, {**ph, "_cap": cap, "_phases": phases_of, "_pauses": pauses_of}, truth, run
 
 
 def validate(bench: dict, capacity: str = "measured") -> list[dict]:
@@ -167,8 +168,8 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
         by_sc.setdefault(sc, {}).setdefault(ph["rep"], {})[ph["policy"]] = {
             "measured": ph["metrics"]["agg_normalised"], "capacity": ph["_cap"],
             "sim": run(ph["policy"])["window_agg"], "sim_node": run(ph["policy"], whole_node=True)["window_agg"]}
-        if sc not in jobs_of:   # the run's jobs (none changing its pipeline: the bound has no phases)
-            jobs_of[sc] = None if ph["_phases"] else curves_from_bench_specs({j: x for j, x in ph["specs"].items() if x})
+        if sc not in jobs_of:   # the run's jobs (none changing its pipeline or pausing: the bound has neither)
+            jobs_of[sc] = None if ph["_phases"] or ph.get("_pauses") else curves_from_bench_specs({j: x for j, x in ph["specs"].items() if x})
         if ph["policy"] == "static-cores" and (ph["metrics"].get("jobs") or {}):
             static[(sc, ph["rep"])] = {j: float(v.get("normalised") or 0.0) for j, v in ph["metrics"]["jobs"].items()}
     rows = []
@@ -201,12 +202,12 @@ def validate(bench: dict, capacity: str = "measured") -> list[dict]:
 
 
 def _sim_run(cache: dict, truth: dict, policy: str, cfg: S.SimConfig, warm: float, meas: float,
-             phases_of: Optional[dict] = None, name: Optional[str] = None) -> dict:
+             phases_of: Optional[dict] = None, name: Optional[str] = None, pauses_of: Optional[dict] = None) -> dict:
     """``S.steady_state`` of ``truth`` under ``policy``, once per (``name``: the bench's policy, a
     variant's included; capacity; window)."""
     key = (name or policy, None if cfg.available_cores is None else round(cfg.available_cores, 3), warm, meas)
     if key not in cache:
-        cache[key] = S.steady_state(truth, policy, cfg, warm, meas, phases_of=phases_of)
+        cache[key] = S.steady_state(truth, policy, cfg, warm, meas, phases_of=phases_of, pauses_of=pauses_of)
     return cache[key]
 
 

@@ -1520,3 +1520,63 @@ def test_the_finish_guard_keeps_its_jobs_and_does_not_churn():
         trace, truth, "adaptive", dataclasses.replace(cfg, steps_known=known))["jobs"].values())
         for known in (False, True)}
     assert changes[False] < 30 and changes[True] < 80, changes
+
+
+@pytest.mark.unit
+def test_a_job_whose_loop_stops_delivers_nothing_meanwhile_and_adaptive_lends_its_cores():
+    """``TraceJob.pause`` (the bench's validating mix): a job whose loop stops 30 s after every 30 s of training
+    delivers nothing in its pauses (its window throughput about half its own without them) and takes no
+    CPU; adaptive, ``release_away_s`` (10 s) into each pause, plans its cores to a neighbour that can use
+    them, which then delivers more than with the release off; the paused job loses nothing by it."""
+    from evaluation import nodemodel as N
+    from predictor.curve import ThroughputCurve
+
+    def curve(name, loader_cores, gpus=1):
+        cv = ThroughputCurve(job=name, batch_size=64 * gpus, compute_s_per_step=0.1,
+                             cpu_s_per_batch=loader_cores * 0.1, blocked_s_per_batch=0.0, confidence=1.0)
+        return N.curve_with_workload(cv, 0.02, gpus, 2)
+
+    truth = {"p": curve("p", 1.2, gpus=2), "n": curve("n", 1.6)}
+    cfg = S.SimConfig(cores=2.0, gpus=3, loader_cpus=1.8, tick_s=1.0, predictor="perfect")
+    pauses = {"p": (30.0, 30.0)}
+    plain = S.steady_state(truth, "adaptive", cfg, 16.0, 60.0)
+    on = S.steady_state(truth, "adaptive", cfg, 16.0, 60.0, pauses_of=pauses)
+    off = S.steady_state(truth, "adaptive", dataclasses.replace(cfg, policy_options=(("release_away_s", 0.0),)),
+                         16.0, 60.0, pauses_of=pauses)
+    assert on["window"]["p"] == pytest.approx(0.5 * plain["window"]["p"], rel=0.1)   # away 30 s of the 60
+    assert off["window"]["p"] == pytest.approx(on["window"]["p"], rel=0.02)
+    assert on["window"]["n"] > 1.05 * off["window"]["n"]
+    assert on["window_agg"] > off["window_agg"]
+
+
+@pytest.mark.unit
+def test_validate_sim_runs_a_job_whose_loop_stops_with_its_pauses():
+    """The bench's validating mix: a job's spec carries ``pause_every_s`` and ``pause_s``; validate_sim runs
+    it with those pauses (before, it left the mix out): the paused job's simulated window throughput is
+    about half what the same job gives without them, and no ideal bound is given (it has no pauses)."""
+    from evaluation import validate_sim as V
+
+    w = {"name": "alexnet", "image_px": 256, "crop_px": 64, "aug_multiplier": 2, "seed": 100}
+
+    def spec(cpu, step, gpus=1, pause=None):
+        return {"batch_size": 64 * gpus, "step_s": step, "cpu_s_per_sample": cpu, "demand_cores": cpu * 64 * gpus / step,
+                "trainer_cpu_frac": 0.2, "gpus": gpus, "num_workers": 2, "workload": {**w, "seed": 100 + gpus},
+                **({"pause_every_s": pause[0], "pause_s": pause[1]} if pause else {})}
+
+    def bench(specs):
+        phases = [{"scenario": "validating", "kind": "static", "policy": pol, "rep": 0, "warmup_s": 16,
+                   "window": [0.0, 60.0], "specs": specs,
+                   "metrics": {"agg_normalised": agg, "jobs": {j: {"normalised": 0.3, "samples_per_s": 300.0,
+                                                                 "worker_cpu_cores": 0.5, "trainer_cpu_cores": 0.1}
+                                                             for j in specs}}}
+                  for pol, agg in (("even-static", 1.0), ("adaptive", 1.05))]
+        return {"meta": {"node_cores": 2, "loader_cpus": 1.8, "tick_s": 1.0}, "phases": phases}
+
+    paused = {"p": spec(0.0005, 0.05, gpus=2, pause=(30.0, 30.0)), "n": spec(0.0012, 0.05)}
+    steady = {"p": spec(0.0005, 0.05, gpus=2), "n": spec(0.0012, 0.05)}
+    got = {(r["policy"], r["job"]): r for r in V.validate_jobs(bench(paused), capacity="node")}
+    calm = {(r["policy"], r["job"]): r for r in V.validate_jobs(bench(steady), capacity="node")}
+    for pol in ("even-static", "adaptive"):
+        assert got[(pol, "p")]["sim_norm"] == pytest.approx(0.5 * calm[(pol, "p")]["sim_norm"], rel=0.15)
+    rows = V.validate(bench(paused), capacity="node")
+    assert {r["policy"] for r in rows} == {"even-static", "adaptive"} and all("bound_best" not in r for r in rows)
