@@ -132,6 +132,11 @@ class _Job:
     away_from: float = math.nan     # when its current pause began (nan: its loop steps)
     trained_from: float = 0.0       # when it last began training (its arrival, a pause's end)
 
+    @property
+    def away(self) -> bool:
+        """Its loop stands still (a pause of ``TraceJob.pause``)."""
+        return not math.isnan(self.away_from)
+
 
 # -- curves ------------------------------------------------------------------------------------
 
@@ -463,7 +468,7 @@ def _job_stats(jb: _Job, now: float, window_s: float, requested: int, trainer_cp
         worker_cpu_cores=r.loader_cores if r is not None else 0.0,
         trainer_cpu_cores=r.trainer_cores if r is not None else 0.0,
         trainer_cpu_s_per_step=trainer_cpu_s_per_step,
-        away_s=now - jb.away_from if jb.away_from == jb.away_from else 0.0,
+        away_s=now - jb.away_from if jb.away else 0.0,
         trainer_runq_s_per_step=r.trainer_runq_s_per_step if r is not None and thr > 0 else 0.0,
         age_s=now - jb.start, observed_s=now - jb.start,
         window_s=window_s if thr > 0 else 0.0, worker_memory_bytes=cv.worker_memory_bytes,
@@ -642,7 +647,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             applied = {j: _Workers(tn.workers) for j, tn in tuners.items()}
         yielding = bool(mode == "agent" and act.node is not None and act.node.loaders_yield)
         # a job whose loop stopped (a validation pass) takes no CPU and delivers nothing; its allocation stays
-        models = {j: model_of(jb) for j, jb in active.items() if jb.away_from != jb.away_from}
+        models = {j: model_of(jb) for j, jb in active.items() if not jb.away}
         # (a job's model is made once per phase: its id and the phase name it)
         key = (yielding,) + (tuple(sorted((j, active[j].phase, id(m), getattr((applied or {}).get(j), "workers", 0),
                              round(getattr((applied or {}).get(j), "cpus", 0.0), 6)) for j, m in models.items())))
@@ -690,11 +695,11 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             if active else math.inf
         # (the agent ticks on while a job's loop stands still: how long it has been away is what it reads)
         t_tick = t + cfg.tick_s if ticks_left > 0 or (controller is not None and (
-            cfg.steps_known or any(jb.away_from == jb.away_from for jb in active.values()))) else math.inf
+            cfg.steps_known or any(jb.away for jb in active.values()))) else math.inf
         t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
         t_phase = min((jb.start + jb.tj.phases[jb.phase][0] for jb in active.values()
                        if jb.phase < len(jb.tj.phases)), default=math.inf)
-        t_phase = min([t_phase] + [(jb.away_from + jb.tj.pause[1]) if jb.away_from == jb.away_from
+        t_phase = min([t_phase] + [(jb.away_from + jb.tj.pause[1]) if jb.away
                                    else (jb.trained_from + jb.tj.pause[0]) for jb in active.values() if jb.tj.pause])
         t_next = min(t_arr, t_fin, t_tick, t_tune, t_phase, end, m0 if t < m0 else math.inf)
         if t_next == math.inf:
@@ -712,7 +717,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
             ceil = jb.curve.ceiling_samples_per_s
             jb.norm_s += (jb.rate / ceil) * dt
             jb.alive_s += dt
-            if jb.away_from != jb.away_from:   # (a pause is no wait for data)
+            if not jb.away:   # (a pause is no wait for data)
                 jb.wait_s += (1.0 - jb.rate / ceil) * dt
             jb.win_norm_s += (jb.rate / ceil) * in_window
             jb.win_s += in_window
@@ -745,10 +750,10 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
                 changed = phased = True
             if jb.tj.pause:               # its loop stops, or steps again
                 every, length = jb.tj.pause
-                if jb.away_from != jb.away_from and jb.trained_from + every <= t + 1e-12:
+                if not jb.away and jb.trained_from + every <= t + 1e-12:
                     jb.away_from = t
                     changed = True
-                elif jb.away_from == jb.away_from and jb.away_from + length <= t + 1e-12:
+                elif jb.away and jb.away_from + length <= t + 1e-12:
                     jb.away_from, jb.trained_from = math.nan, t
                     changed = True
         if changed:
