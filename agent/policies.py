@@ -216,8 +216,9 @@ class PolicyConfig:
         workers but is planned ``min_cpus`` cores until it steps again; its neighbours' plans take the
         room (a CPU weight its idle workers would not use is no loss to anyone, but a neighbour's worker
         count is planned from its own cores, so without a new plan it cannot use the idle ones; under
-        ``pin_cpusets`` the idle job's CPUs are its alone). When it steps again, its plan is under its
-        fairness floor and is not held (the next tick plans it again). 10 (default); 0: never.
+        ``pin_cpusets`` the idle job's CPUs are its alone). Not before a step of it was measured
+        (``away_from_loader``). When it steps again, its plan is under its fairness floor and is not
+        held (the next tick plans it again). 10 (default); 0: never.
     finish_guard: adaptive, when every job on the node says how many steps it has left (its loader's
         ``total_steps``) and has a curve: a job whose remaining time at full speed is the node's least
         finishing time (``_finish_guard``) gets the cores it can use before the throughput greedy

@@ -699,6 +699,7 @@ def simulate_node(jobs_in: list[TraceJob], truth: dict, policy_name: str, cfg: S
         t_tune = min((tn.next_s for tn in tuners.values()), default=math.inf)
         t_phase = min((jb.start + jb.tj.phases[jb.phase][0] for jb in active.values()
                        if jb.phase < len(jb.tj.phases)), default=math.inf)
+        # (a pause's start or end is an event like a phase's)
         t_phase = min([t_phase] + [(jb.away_from + jb.tj.pause[1]) if jb.away
                                    else (jb.trained_from + jb.tj.pause[0]) for jb in active.values() if jb.tj.pause])
         t_next = min(t_arr, t_fin, t_tick, t_tune, t_phase, end, m0 if t < m0 else math.inf)

@@ -119,14 +119,14 @@ def test_a_two_rank_jobs_workers_are_the_jobs_and_each_rank_gets_its_part(base, 
 
 def test_a_job_away_from_its_loader_is_planned_its_least_cores_until_it_steps_again(base, trainers):
     """The real agent (adaptive, ``release_away_s`` 2 s through its environment), a training process whose
-    loop stands still from 10 s to 20 s (its loader's ``away_s`` grows, its totals stand) and a neighbour
+    loop stands still from 10 s to 30 s (its loader's ``away_s`` grows, its totals stand) and a neighbour
     whose workers could use more than the node gives it: from 2 s into the stop the job is planned
     ``min_cpus`` cores with the workers it had, status says so, the neighbour is planned the room; once the
     job steps again it is planned as before and the neighbour gives the room back."""
     a = AgentProc(base, "--policy", "adaptive", "--loader-cpus", "3", "--tick-s", "0.2",
                   env={"ADLOADER_RELEASE_AWAY_S": "2"}).start()
     try:
-        t = Trainer(base, a.endpoint, job="job-a", workers=2, env={"FAKE_AWAY": "10,20"})
+        t = Trainer(base, a.endpoint, job="job-a", workers=2, env={"FAKE_AWAY": "10,30"})
         u = Trainer(base, a.endpoint, job="job-b", workers=2, env={"FAKE_WORKER_CORES": "2.5"})
         trainers += [t, u]
         away = wait_for(lambda: (x := a.job("job-a")) and x["cpus"] == pytest.approx(0.05) and x, 40,
