@@ -38,7 +38,13 @@ What a kind says about its training process and its user (the workload model, IS
 - ``pause_every_s``, ``pause_s``: the training loop stops for ``pause_s`` seconds after each
   ``pause_every_s`` seconds of training (the first after ``pause_every_s`` from its start): a
   validation pass or a checkpoint save, out of its loader's ``next()``, sleeping (its GPU busy, its
-  CPU idle; a real validation pass would also run a loader of its own). Both or neither.
+  CPU idle). Both or neither.
+- ``pause_loader``: the pause is a validation pass with a loader of its own, as a training script's
+  is: a second ``adloader.DataLoader`` over a tenth of the samples (shuffle off) with the user's
+  habitual ``num_workers``, its workers started for each pass and stopped after it (torch's default,
+  ``persistent_workers=False``), each batch a forward step of a third of the training step (its GPU
+  part and its training-process CPU part alike: no backward, no optimizer). Its samples do not count
+  as the job's throughput. Needs a pause.
 """
 from __future__ import annotations
 
@@ -79,6 +85,7 @@ class JobKind:
     phase_after_s: float = 0.0
     pause_every_s: float = 0.0        # the training loop stops for pause_s after each pause_every_s of training
     pause_s: float = 0.0              # (a validation pass, a checkpoint save: away from its loader); 0: never
+    pause_loader: bool = False        # the pause iterates a validation loader of its own (not a sleep)
     note: str = ""
 
 
@@ -116,6 +123,7 @@ class JobSpec:
     rank_processes: bool = False   # ``gpus`` training processes, one per GPU (evaluation.jobproc starts them)
     pause_every_s: float = 0.0     # the loop stops pause_s after each pause_every_s of training (0: never)
     pause_s: float = 0.0
+    pause_loader: bool = False     # each pause a validation pass with a loader of its own (catalogue docstring)
 
     @property
     def ceiling_samples_per_s(self) -> float:
@@ -199,6 +207,10 @@ def load_catalog(path: str | None = None) -> Catalog:
         if kind.pause_every_s < 0 or kind.pause_s < 0 or (kind.pause_s > 0) != (kind.pause_every_s > 0):
             raise CatalogError(f"catalogue {path}: {name}: pause_every_s and pause_s must be >= 0 and set "
                                f"together, got {kind.pause_every_s!r} and {kind.pause_s!r}")
+        if not isinstance(kind.pause_loader, bool):
+            raise CatalogError(f"catalogue {path}: {name}: pause_loader must be true or false, got {kind.pause_loader!r}")
+        if kind.pause_loader and kind.pause_s <= 0:
+            raise CatalogError(f"catalogue {path}: {name}: pause_loader needs a pause (pause_every_s and pause_s)")
         if kind.phase_kind and (kind.phase_kind not in kinds or not kind.phase_after_s > 0):
             raise CatalogError(f"catalogue {path}: {name}: phase_kind must name a kind ({kind.phase_kind!r}) "
                                f"and phase_after_s be > 0 (got {kind.phase_after_s!r})")
@@ -389,7 +401,7 @@ def make_job(catalog: Catalog, calib: dict[str, dict], kind_name: str, job_id: s
                    workload=workload_for(kind, seed), samples=samples, arrival_s=arrival_s, gpus=kind.gpus,
                    trainer_cpu_frac=kind.trainer_cpu_frac, num_workers=habitual_workers(kind, node_cores),
                    worker_ram_mb=kind.worker_ram_mb, rank_processes=kind.rank_processes,
-                   pause_every_s=kind.pause_every_s, pause_s=kind.pause_s,
+                   pause_every_s=kind.pause_every_s, pause_s=kind.pause_s, pause_loader=kind.pause_loader,
                    phases=[{"after_s": kind.phase_after_s, "workload": workload_for(catalog.kinds[kind.phase_kind], seed)}]
                    if kind.phase_kind else [])
 

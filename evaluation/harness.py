@@ -166,7 +166,8 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
         raise BenchError(f"policy {spec!r}: {e}") from None
     return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
-                    "nothing-to-arbitrate", "memory", "gpu-weighted-ddp", "validating")
+                    "nothing-to-arbitrate", "memory", "gpu-weighted-ddp", "validating",
+                    "validating-loader")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup"      # the v2 root, or where the v1 hierarchies are mounted

@@ -107,7 +107,7 @@ def hold_worker_ram(mb: float, worker_id: int) -> None:
         _BALLAST.append(buf)
 
 
-def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float = 0.0):
+def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float = 0.0, shuffle: bool = True):
     """adloader.DataLoader when it exists; else torch's (fixed workers; said in the start record)."""
     try:
         from adloader.dataloader import DataLoader
@@ -115,7 +115,7 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
         import torch.utils.data
 
         n = os.cpu_count() if workers == "auto" else int(workers)
-        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=n,
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=n,
                                            persistent_workers=n > 0, prefetch_factor=2 if n else None), "torch"
     kw = {}
     if max_workers is not None:
@@ -124,7 +124,25 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
         import functools
 
         kw["worker_init_fn"] = functools.partial(hold_worker_ram, worker_ram_mb)
-    return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, **kw), "adloader"
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers, **kw), "adloader"
+
+
+def validate(val_loader, end: float, forward, stop: dict) -> dict:
+    """A validation pass until ``end`` (monotonic): ``forward`` on each batch of ``val_loader``, its epochs
+    over again while time is left (each epoch's workers started and stopped, as a non-persistent loader's
+    are). Returns its batches and samples."""
+    batches = samples = 0
+    while not stop["signal"] and time.monotonic() < end:
+        it = iter(val_loader)
+        for batch in it:
+            forward(batch)
+            batches += 1
+            data = batch[0] if isinstance(batch, (tuple, list)) else batch
+            samples += len(data)
+            if stop["signal"] or time.monotonic() >= end:
+                break
+        del it                  # (an epoch left early: its workers stop now, as at the pass's end)
+    return {"val_batches": batches, "val_samples": samples}
 
 
 class RankProcesses:
@@ -337,6 +355,7 @@ def main(argv=None) -> int:
 
     import psutil
     import torch
+    from torch.utils.data import Subset
 
     from adloader.synthetic import SyntheticImageDataset, WorkloadSpec, emulated_step
 
@@ -389,6 +408,7 @@ def main(argv=None) -> int:
     step_s = float(spec["step_s"])
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
     pause_every_s, pause_s = float(spec.get("pause_every_s") or 0.0), float(spec.get("pause_s") or 0.0)
+    pause_loader, val_loader = bool(spec.get("pause_loader")) and pause_s > 0, None
     gpu = {}
     if args.device == "cuda":
         from adloader.synthetic import burn_parallel
@@ -511,6 +531,15 @@ def main(argv=None) -> int:
                     record(t2)
                     prog.write({"event": "pause", "t": t2, "pause_s": pause_s})
                     end = t2 + pause_s
+                    if pause_loader:
+                        if val_loader is None:      # made once, as a script makes its validation loader
+                            val_loader, _ = _make_loader(
+                                Subset(ds, range(max(1, len(ds) // 10))), batch_size,
+                                int(spec.get("num_workers") or 0) // job_ranks, None, float(spec.get("worker_ram_mb") or 0.0),
+                                shuffle=False)
+                        val = validate(val_loader, end, lambda b: emulated_step(b, step_s / 3, trainer_cpu_s / 3,
+                                                                                ranks), stop)
+                        prog.write({"event": "validated", "t": time.monotonic(), **val})
                     while not stop["signal"] and time.monotonic() < end:
                         time.sleep(min(0.05, max(0.0, end - time.monotonic())))
                     trained_from = last_report = time.monotonic()
@@ -551,9 +580,10 @@ def main(argv=None) -> int:
     finally:
         if rank_procs is not None:
             rank_procs.stop(grace_s=5.0)
-        close = getattr(loader, "close", None)
-        if callable(close):
-            close()
+        for used in (loader, val_loader):
+            close = getattr(used, "close", None)
+            if callable(close):
+                close()
         if world > 1:
             dist.destroy_process_group()
     return 0

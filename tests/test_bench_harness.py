@@ -719,6 +719,18 @@ def test_a_pause_in_the_catalogue_and_its_errors(tmp_path):
         p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n')
         with pytest.raises(CatalogError, match="pause_every_s and pause_s must be >= 0 and set together"):
             load_catalog(str(p))
+    for member, err in (('{kind = "x", pause_loader = true}', "pause_loader needs a pause"),
+                        ('{kind = "x", pause_every_s = 5.0, pause_s = 5.0, pause_loader = 1}',
+                         "pause_loader.* must be true or false")):
+        p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n')
+        with pytest.raises(CatalogError, match=err):
+            load_catalog(str(p))
+    first, *_ = cat.mixes["validating-loader"]
+    spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
+                    seed=3, node_cores=2)
+    assert spec.pause_loader and spec.pause_s > 0 and json.loads(spec.to_json())["pause_loader"] is True
+    assert not make_job(cat, {kind.name: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}},
+                        kind.name, "y", seed=3, node_cores=2).pause_loader
 
 
 def test_a_job_process_pauses_away_from_its_loader_and_records_either_side(tmp_path):
@@ -747,6 +759,36 @@ def test_a_job_process_pauses_away_from_its_loader_and_records_either_side(tmp_p
         after = min((r for r in rows if r["t"] > p["t"]), key=lambda r: r["t"])
         assert before["t"] == p["t"] and after["t"] - p["t"] >= 1.0
         assert after["samples"] == before["samples"]          # nothing taken while away
+
+
+def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path):
+    """``pause_loader``: the pause is a validation pass over a second loader (the user's one worker, a real
+    process started for the pass): it takes batches there (a "validated" record), none of the training
+    loader's (the job's samples stand still across the pause), and the job ends cleanly."""
+    import subprocess
+    import sys
+
+    from evaluation.harness import child_env
+
+    wl = dict(name="l", num_images=8, length=400, image_px=64, crop_px=16, aug_multiplier=1, seed=1)
+    spec = {"job_id": "pv", "kind": "l", "batch_size": 4, "step_s": 0.01, "demand_cores": 1.0,
+            "cpu_s_per_sample": 0.001, "workload": wl, "pause_every_s": 1.0, "pause_s": 1.5,
+            "pause_loader": True, "num_workers": 1}
+    prog = tmp_path / "progress.jsonl"
+    subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
+                    "--workers", "1", "--duration-s", "3.0"], env=child_env(), check=True, timeout=120,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    recs = [json.loads(x) for x in prog.read_text().splitlines()]
+    pauses = [r for r in recs if r.get("event") == "pause"]
+    done = [r for r in recs if r.get("event") == "validated"]
+    assert pauses and len(done) == len(pauses)
+    assert all(d["val_batches"] > 0 and d["val_samples"] == 4 * d["val_batches"] for d in done)
+    rows = [r for r in recs if "event" not in r]
+    p = pauses[0]
+    before = max((r for r in rows if r["t"] <= p["t"]), key=lambda r: r["t"])
+    after = min((r for r in rows if r["t"] > p["t"]), key=lambda r: r["t"])
+    assert after["samples"] == before["samples"] and after["t"] - p["t"] >= 1.5
+    assert any(r.get("event") == "done" for r in recs)
 
 
 def test_a_job_process_takes_its_next_phase_pipeline_in_every_worker(tmp_path):
