@@ -484,6 +484,61 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
             lo.close()
 
 
+class _Burning:
+    """A dataset whose every sample costs ``cpu_s`` of its worker's CPU (a validation set's decoding)."""
+
+    def __init__(self, n: int, cpu_s: float):
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        return i
+
+
+def test_reports_count_a_validation_loaders_workers_and_the_process_as_the_jobs_cpu(agent, monkeypatch):
+    """``job_cpu_s`` in every report: the process's CPU plus every attached loader's worker processes'.
+    A validation pass whose loader's one real worker burns 0.6 s of CPU while the training loader (the
+    primary, reported) stands still: the reports' count rises by all of that worker's CPU, counted once
+    (no more than it plus what this process used meanwhile)."""
+    import time
+
+    pytest.importorskip("torch")
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=0)
+    val = DataLoader(_Burning(12, 0.05), batch_size=2, num_workers=1)
+    try:
+        p0 = time.process_time()                 # (every report's count of this process is past it)
+        it = iter(train)
+        for _ in range(5):
+            next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        r0 = wait_for(lambda: (lambda m: m["stats"] if m["stats"].get("steps") == 5 else None)(agent.recv("report")[1]),
+                      what="a report of the training loader")["job_cpu_s"]
+        assert sorted(x for b in val for x in b.tolist()) == list(range(12))     # the validation pass
+        w = val.worker_process_cpu_s()
+        assert w >= 0.5 and val.stats()["worker_cpu_s"] == pytest.approx(w)     # (its batches: all by its worker)
+        assert train.worker_process_cpu_s() == 0.0 < train.stats()["worker_cpu_s"]   # in-process: the process's
+        t_end = time.monotonic() + 0.3           # a report read after the pass's last batch came in
+        r1 = wait_for(lambda: (lambda m: m if time.monotonic() > t_end else None)(agent.recv("report")[1]["stats"]),
+                      what="a report after the validation pass")
+        p1 = time.process_time()
+        assert r1["steps"] == 5                  # the training loader's stats: it took no step meanwhile
+        assert w - 1e-6 <= r1["job_cpu_s"] - r0 <= w + (p1 - p0) + 1e-6
+    finally:
+        for lo in (train, val):
+            lo.close()
+
+
 def _choose(c, *loaders):
     """The primary of ``loaders`` (attached in this order) by ``c``'s rule."""
     import weakref
