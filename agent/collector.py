@@ -106,11 +106,11 @@ PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read ag
 HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
 HISTORY_REPORTS = 64       # ... and at most this many of them
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
-            "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s", "paused_s")
+            "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s", "paused_s", "job_cpu_s")
 GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
-         "trainer_cpu_s_per_step", "trainer_runq_s_per_step")
+         "trainer_cpu_s_per_step", "trainer_runq_s_per_step", "job_cpu_cores")
 
 
 
@@ -187,6 +187,8 @@ class RankRates:
         new: dict[str, float] = {"samples_per_s": d["samples"] / dt, "worker_cpu_cores": d["worker_cpu_s"] / dt}
         if totals["main_cpu_s"] is not None:       # (a client that does not report it: no figure)
             new["trainer_cpu_cores"] = d["main_cpu_s"] / dt
+        if totals["job_cpu_s"] is not None:        # (the same)
+            new["job_cpu_cores"] = d["job_cpu_s"] / dt
         if d["steps"] > 0:
             new["data_wait_s_per_step"] = d["data_wait_s"] / d["steps"]
             new["compute_s_per_step"] = d["compute_s"] / d["steps"]
@@ -601,6 +603,7 @@ class Collector:
             runq_s_per_batch=n * mean("runq_s_per_batch"), blocked_s_per_batch=n * mean("blocked_s_per_batch"),
             worker_cpu_cores=total("worker_cpu_cores"),
             trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
+            job_cpu_cores=total("job_cpu_cores"),
             trainer_runq_s_per_step=mean("trainer_runq_s_per_step"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative, cpu_quota_cores=self._cpu_quota(ranks, now),
@@ -630,7 +633,7 @@ class Collector:
             mem = self.memory_state = self.memory_guard.update(
                 now, sum(j.loader_memory_bytes for j in jobs.values()))
         busy = self._node_cpu(now)
-        cpu = {j: s.trainer_cpu_cores + s.worker_cpu_cores for j, s in jobs.items()}
+        cpu = {j: s.cpu_cores for j, s in jobs.items()}
         foreign = None
         if busy is not None:
             self._note_departed(cpu)

@@ -116,6 +116,10 @@ class JobStats:
     worker_cpu_cores: float               # CPU cores the job's workers used (rate)
     # (compute_s_per_step less trainer_runq_s_per_step is the step with data ready and the trainer not starved)
     trainer_cpu_cores: float = 0.0        # CPU cores the job's training processes themselves used (summed over ranks)
+    job_cpu_cores: float = 0.0            # ... and with everything else they ran: their CPU outside steps (a
+                                          # validation pass, a checkpoint save) and every loader's worker
+                                          # processes, a validation loader's too (the client's ``job_cpu_s``;
+                                          # 0 where a client does not report it)
     trainer_cpu_s_per_step: float = 0.0   # their CPU seconds per step (summed over ranks: all run each step)
     trainer_runq_s_per_step: float = 0.0  # per step, how long a training process waited for a CPU while runnable
                                           # (mean over ranks): the part of compute_s_per_step that is CPU starvation
@@ -162,6 +166,14 @@ class JobStats:
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def cpu_cores(self) -> float:
+        """CPU cores the job used, all of it: its training processes and its loaders' workers during its
+        steps (``trainer_cpu_cores + worker_cpu_cores``) or, where its clients count more
+        (``job_cpu_cores``: a validation pass with a loader of its own, a checkpoint save), that. What the
+        collector leaves out of other processes' load (``NodeSnapshot.foreign_cpu_cores``)."""
+        return max(self.trainer_cpu_cores + self.worker_cpu_cores, self.job_cpu_cores)
 
     @property
     def cpu_cap_cores(self) -> Optional[float]:

@@ -81,6 +81,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                             times off the reported batch size, ...), "" where it is taken or before a window
         worker_cpu_cores    CPU cores the job's workers used
         trainer_cpu_cores   CPU cores the job's training processes themselves used
+        job_cpu_cores       CPU cores the job used in all, as its clients count it: its processes' CPU
+                            whatever they run (a validation pass, a checkpoint save) and every loader's
+                            workers (a validation loader's too); 0 where a client does not count it
         trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
                             out of the loaders' budget by adaptive
         max_useful_workers  the predictor's estimate (null before its first curve)
@@ -175,6 +178,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "batch_size_note": st.samples_per_step_note if st is not None else "",
             "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,
             "trainer_cpu_cores": _r(st.trainer_cpu_cores, 3) if st is not None else None,
+            "job_cpu_cores": _r(st.job_cpu_cores, 3) if st is not None else None,
             "trainer_cores_needed": _r(trainer_need(st), 3) if st is not None else None,
             "max_useful_workers": curve.get("max_useful_workers"),
             "max_useful_cores": _r(curve.get("max_useful_cores")),

@@ -236,6 +236,29 @@ def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_pat
     assert s.foreign_cpu_cores == pytest.approx(1.0)
 
 
+def test_a_validation_pass_the_client_counts_is_the_jobs_cpu_not_other_processes(tmp_path):
+    """The client's ``job_cpu_s`` (its process's CPU and every loader's workers: a validation pass, whose
+    loop is out of the training loader, so its steps' CPU and its workers' are not there) is the job's:
+    ``job_cpu_cores``, left out of the foreign figure. A client that does not say it: the steps' CPU and
+    the workers' as before, and ``job_cpu_cores`` 0. More than the job's own figures is taken; less is not."""
+    for i, (job_cpu, foreign, job_cores) in enumerate(((1.5, 0.4, 1.5), (None, 1.0, 0.0), (0.5, 1.0, 0.5))):
+        (tmp_path / str(i)).mkdir()
+        proc, reg, me = _one_job_node(tmp_path / str(i))
+        own = iter([10.0, 10.1])
+        col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: next(own))
+        extra = lambda x: {} if job_cpu is None else {"job_cpu_s": 100.0 + x}
+        col.on_report("j", 0, me, {**_totals(0, 0, 0, 0), "main_cpu_s": 0.0, **extra(0.0)}, 0.0)
+        col.on_report("j", 0, me, {**_totals(1, 10, 0.1, 0.9, cpu=0.6), "main_cpu_s": 0.3, **extra(job_cpu or 0)}, 1.0)
+        _stat(proc, {0: 1000, 1: 2000})
+        col.snapshot(1.0)
+        _stat(proc, {0: 1100, 1: 2100})
+        s = col.snapshot(2.0)
+        # 2 cores busy, the agent 0.1: the job 1.5 (its count) -> 0.4 of others; or 0.9 (steps and workers)
+        assert s.foreign_cpu_cores == pytest.approx(foreign), job_cpu
+        assert s.jobs["j"].job_cpu_cores == pytest.approx(job_cores)
+        assert s.jobs["j"].cpu_cores == pytest.approx(max(0.9, job_cores))
+
+
 def test_foreign_cpu_is_never_negative_and_unknown_without_proc_stat(tmp_path):
     proc, reg, me = _one_job_node(tmp_path)
     col = Collector(reg, loader_cpus=1.8, cpu_ids=(0, 1), proc_root=str(proc), own_cpu_s=lambda: 0.0)
