@@ -213,7 +213,9 @@ class PolicyConfig:
     release_away_s: adaptive: a job whose training loop has been away from its loader this long, in
         seconds, and ``PAUSE_FACTOR`` (10) times its step (``JobStats.away_s``: a validation pass, a
         checkpoint save, a debugger stop, the time between two epochs; never a wait for data) keeps its
-        workers but is planned ``min_cpus`` cores until it steps again; its neighbours' plans take the
+        workers but is planned ``min_cpus`` cores until it steps again, or what its processes still use
+        beyond its trainers' reserve where that is more (``away_cpu_in_use``: a validation pass with a
+        loader of its own; never more than it held); its neighbours' plans take the
         room (a CPU weight its idle workers would not use is no loss to anyone, but a neighbour's worker
         count is planned from its own cores, so without a new plan it cannot use the idle ones; under
         ``pin_cpusets`` the idle job's CPUs are its alone). Not before a step of it was measured
@@ -425,6 +427,15 @@ def away_from_loader(job: JobStats, config: PolicyConfig) -> bool:
     (``compute_s_per_step`` 0): a first step of 30 s is no pause."""
     return (config.release_away_s > 0 and job.compute_s_per_step > 0
             and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step))
+
+
+def away_cpu_in_use(job: JobStats) -> float:
+    """Cores a job away from its loader still uses beyond its trainers' reserve (``trainer_cores_needed``,
+    which the loaders' budget keeps for them whether they step or not): its processes' CPU as its clients
+    count it (``JobStats.job_cpu_cores``: a validation pass's own loader's workers, a checkpoint's
+    serialising), less that reserve; 0 where nothing more runs (a sleep, a debugger stop, a client that does
+    not count it)."""
+    return max(0.0, job.job_cpu_cores - trainer_cores_needed(job))
 
 
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
@@ -1200,12 +1211,14 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     workers: dict[str, int] = {}
     for j in sorted(away):
         job, held = snapshot.jobs[j], snapshot.applied.get(j)
-        cpus[j] = min_c
+        busy = away_cpu_in_use(job)
+        cpus[j] = max(min_c, min(busy, held.cpus if held is not None else share[j]))
         workers[j] = clamp_workers(min(held.workers if held is not None else job.workers, wcap.get(j, 1 << 30)),
                                    job, config)
+        using = f" (what it uses meanwhile: {busy:.2f} beyond its trainers' reserve)" if busy >= min_c else ""
         reason[j] = (f"away from its loader {job.away_s:.0f} s (a validation pass, a checkpoint save?): "
-                     f"{min_c:.2f} cores, its {workers[j]} worker{'s' if workers[j] != 1 else ''} kept, until it "
-                     f"steps again")
+                     f"{cpus[j]:.2f} cores{using}, its {workers[j]} worker{'s' if workers[j] != 1 else ''} kept, "
+                     f"until it steps again")
     for j in ids:
         if j in warm or j in away:
             continue

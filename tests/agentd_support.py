@@ -81,6 +81,23 @@ FAKE_TRAINER = textwrap.dedent('''
             client.detach(self)
             self.resize(0)
 
+    def burn_while_away():   # FAKE_AWAY_BURN=1: while away, the process runs (a validation pass: its CPU)
+        a, b = (float(x) for x in os.environ["FAKE_AWAY"].split(","))
+        t0 = time.monotonic()
+        while True:
+            wall = time.monotonic() - t0
+            if wall >= b:
+                return
+            if wall < a:
+                time.sleep(0.05)
+            else:
+                end = time.thread_time() + 0.01
+                while time.thread_time() < end:
+                    pass
+
+    if os.environ.get("FAKE_AWAY_BURN"):
+        import threading
+        threading.Thread(target=burn_while_away, daemon=True).start()
     state_file = sys.argv[1]
     run_s = float(sys.argv[2]) if len(sys.argv) > 2 else 600
     loader = FakeLoader(int(os.environ.get("FAKE_WORKERS", "2")),

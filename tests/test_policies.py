@@ -1545,3 +1545,36 @@ def test_a_job_away_from_its_loader_keeps_its_workers_and_lends_its_cores_until_
         with pytest.raises(ValueError, match="release_away_s"):
             PolicyConfig(release_away_s=bad)
     assert PolicyConfig().release_away_s == AgentConfig().release_away_s == 10.0
+
+
+def test_a_job_away_keeps_the_cores_its_validation_pass_uses_and_no_more_than_it_held():
+    """Away from its training loader, a job whose process still runs (a validation pass with a loader of
+    its own: its clients count that CPU, ``job_cpu_cores``) keeps what it uses beyond its trainers' reserve
+    (which the budget keeps for them anyway), never more than its plan held: its neighbours are planned
+    only the idle rest. A sleep (nothing beyond the reserve) lends all but ``min_cpus``, as before."""
+    from agent.policies import away_cpu_in_use, trainer_cores_needed
+
+    adaptive = get_policy("adaptive")
+    cfg = PolicyConfig()
+    s = snap("gpu-8core", [job("a", "heavy"), job("b", "heavy"), job("c", "heavy")])
+    curves = curves_of(s)
+    plan, s = settle(adaptive, s, curves, cfg)
+    held = plan.allocations["a"].cpus
+    reserve = trainer_cores_needed(s.jobs["a"])
+
+    def away(job_cpu: float) -> NodeSnapshot:
+        return dataclasses.replace(s, jobs={**s.jobs, "a": dataclasses.replace(
+            s.jobs["a"], away_s=30.0, compute_s_per_step=0.1, job_cpu_cores=job_cpu)})
+
+    asleep = adaptive(away(0.0), curves, cfg).allocations
+    assert asleep["a"].cpus == pytest.approx(cfg.min_cpus)
+    validating = adaptive(away(reserve + 1.0), curves, cfg)
+    check_invariants(validating, away(reserve + 1.0), cfg)
+    v = validating.allocations
+    assert away_cpu_in_use(away(reserve + 1.0).jobs["a"]) == pytest.approx(1.0)
+    assert v["a"].cpus == pytest.approx(1.0) and "what it uses meanwhile: 1.00" in v["a"].reason
+    assert v["a"].workers == plan.allocations["a"].workers
+    assert v["b"].cpus + v["c"].cpus == pytest.approx(asleep["b"].cpus + asleep["c"].cpus - (1.0 - cfg.min_cpus),
+                                                      abs=0.06)
+    busy = adaptive(away(reserve + 50.0), curves, cfg).allocations    # never more than it held
+    assert busy["a"].cpus == pytest.approx(held)
