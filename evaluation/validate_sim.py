@@ -16,7 +16,8 @@ taken within a repeat, as the bench takes them (a phase against the best of ``no
 the measured ones, with the difference. A job whose pipeline changes mid-run (the ``phase`` scenario:
 its spec's ``phases``) runs its later phase in the simulator too, at the cost per sample the bench
 calibrated for the run's job with the same workload (``phase_curves``); a scenario with a later
-workload no job of the run has is skipped.
+workload no job of the run has is skipped, and so is one whose pauses run a validation loader
+(``pause_loader``: the simulator's pause takes no CPU; said on stderr).
 
 ``--capacity measured`` (the default) gives each simulated phase the CPU the jobs of the measured phase
 could get (``phase_capacity``): the node's cores less what else ran on the node in the window (the
@@ -124,6 +125,11 @@ def _sim_phases(bench: dict, capacity: str):
         # a job whose loop stops (the validating mix): its pauses, as the bench ran them
         pauses_of = {j: (float(s["pause_every_s"]), float(s["pause_s"])) for j, s in specs.items()
                      if float(s.get("pause_s") or 0) > 0}
+        if any(s.get("pause_loader") for s in specs.values()):
+            # a pause that is a validation pass with a loader of its own: the simulator's pause takes no CPU
+            print(f"validate_sim: {sc} not simulated: a job's pause runs a validation loader (pause_loader), "
+                  f"whose CPU the simulator's pause does not model", file=sys.stderr)
+            continue
         phases_of, phase_specs = phase_curves(specs)
         if phases_of is None:
             continue        # a job's later pipeline that no calibrated job of the run gives the cost of
