@@ -134,6 +134,19 @@ def _worker_process_cpu(loader, stats: Optional[dict]) -> Optional[float]:
     return float(v)
 
 
+def _taking_tasks(loader) -> list[int]:
+    """A loader's worker pids that take tasks (``worker_pids(retiring=False)``, or ``worker_pids()`` where it
+    takes no argument); [] where it has none or fails."""
+    try:
+        try:
+            pids = loader.worker_pids(retiring=False)
+        except TypeError:           # a loader whose worker_pids takes no argument
+            pids = loader.worker_pids()
+        return [int(p) for p in pids]
+    except Exception:
+        return []
+
+
 def _warn_once(key: str, text: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -246,8 +259,16 @@ class _Client:
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
         self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
-        self._cpu_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # loader -> its workers' CPU, last read
-        self._workers_cpu_s = 0.0                       # the worker processes' CPU of every loader, counted so far
+        # loader -> its workers' CPU at the last count, and every loader's workers' CPU counted so far
+        # (``_job_cpu_s``; handed on with the loaders, so that the report's counter neither jumps nor falls)
+        self._cpu_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._workers_cpu_s = 0.0
+        if previous is not None:
+            try:     # (its thread may still be counting its last report: then its loaders count afresh)
+                self._cpu_seen.update(dict(previous._cpu_seen))
+                self._workers_cpu_s = previous._workers_cpu_s
+            except Exception:
+                self._cpu_seen = weakref.WeakKeyDictionary()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
@@ -620,18 +641,20 @@ class _Client:
             return False
 
     def _pids(self, loader) -> list[int]:
-        """The workers taking tasks: one retiring may exit before the agent reads the report, and the
-        agent would find no such process (it leaves such a pid out, but in a container, where it maps
-        pids through the training process's descendants, it cannot tell a gone worker from a claim
-        about another process, and refuses the report)."""
-        try:
-            try:
-                pids = loader.worker_pids(retiring=False)
-            except TypeError:           # a loader whose worker_pids takes no argument
-                pids = loader.worker_pids()
-            return [int(p) for p in pids]
-        except Exception:
-            return []
+        """The workers taking tasks of ``loader`` (the primary), then of every other loader attached here (a
+        validation loader's: they are the job's loader workers too, and the agent places them with the
+        primary's, so that a validation pass's workers neither run at the training process's priority nor
+        outside the job's share), at most ``protocol.MAX_PIDS_PER_MESSAGE``. Taking tasks: one retiring may
+        exit before the agent reads the report, and the agent would find no such process (it leaves such
+        a pid out, but in a container, where it maps pids through the training process's descendants, it
+        cannot tell a gone worker from a claim about another process, and refuses the report)."""
+        out: list[int] = []
+        others = [lo for lo in (r() for r in self._live_loaders()) if lo is not None and lo is not loader]
+        for lo in [loader] + others:
+            for p in _taking_tasks(lo):
+                if p not in out:
+                    out.append(p)
+        return out[:protocol.MAX_PIDS_PER_MESSAGE]
 
     def _hello(self, loader) -> dict:
         def attr(name, default=None):

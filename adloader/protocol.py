@@ -87,6 +87,7 @@ VERSION = "1.0"
 MAJOR = int(VERSION.split(".")[0])
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_JOB_ID_CHARS = 128
+MAX_PIDS_PER_MESSAGE = 256   # worker or registered pids in one message (the agent reads /proc for each; it refuses more)
 MAX_INT_DIGITS = 20          # JSON integers beyond this are refused (int64 has 19 digits)
 JOB_ID_GRAMMAR = "[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,127}"
 _JOB_ID_RE = re.compile(JOB_ID_GRAMMAR)

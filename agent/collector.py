@@ -64,8 +64,14 @@ GPU idle: NVML's figure for the job's GPUs when the driver gives one (``gpu_idle
 otherwise the client's data-wait fraction stands in (``"client"``). Both stay visible in status.
 
 The node's CPU (``NodeSnapshot.busy_cpu_cores``): the busy time of the node's CPUs (``psi.busy_cpu_s``)
-over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``). What the node used
-beyond the jobs' training processes and loader workers and the agent itself is
+over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``). A job's CPU
+(``JobStats.cpu_cores``) is its training processes' CPU during their steps plus its loaders' workers', or,
+where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the processes'
+CPU whatever they run, a validation pass or a checkpoint save, and the workers of every loader in them,
+a validation loader's too), that. A client's count is its claim: one that claims more than it used only
+hides other processes' load from the yield switch below (the loaders then yield to them too) and keeps
+its own cores while it is away, as it would without the release. What the node used
+beyond the jobs and the agent itself is
 ``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
 policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
 A job that left still counts as a job there while its CPU decays out of the smoothed busy figure, and
@@ -101,6 +107,7 @@ STEPS_LEFT_RESET_S = 300.0  # ... within this long; more: its steps_left is not 
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
+AWAY_SPAN_MIN_S = 0.5      # JobStats.away_cpu_cores: the least span of reports inside a pause it is measured over
 PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read again after this long (they can
                             # change while it runs: a taskset, a moved cpuset, a Kubernetes CPU manager)
 HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
@@ -213,6 +220,22 @@ class RankRates:
         self.window_steps, self.window_samples = d["steps"], d["samples"]
         self.windows += 1
         return True
+
+    def job_cpu_over(self, span_s: float) -> Optional[float]:
+        """The rank's CPU (its client's ``job_cpu_s``) over the last ``span_s`` of its reports, from their raw
+        totals (no smoothing: what it used in that span only, not the decaying figure of what it used
+        before); None where fewer than two reports, or under ``AWAY_SPAN_MIN_S`` between them, lie in it, or
+        the client does not count it."""
+        if not self.history:
+            return None
+        last = self.history[-1]
+        inside = [r for r in self.history if last.uptime_s - r.uptime_s <= span_s + 1e-9]
+        first = inside[0]
+        a, b = first.totals.get("job_cpu_s"), last.totals.get("job_cpu_s")
+        dt = last.uptime_s - first.uptime_s
+        if a is None or b is None or dt < AWAY_SPAN_MIN_S:
+            return None
+        return max(0.0, b - a) / dt
 
     def worker_cost(self, stats: Mapping) -> float:
         """One worker's cost by the latest report (its mean USS plus its part of the batches in flight, as
@@ -560,6 +583,9 @@ class Collector:
         # away: every rank's loop out of next() at its latest report (ranks step in lockstep: one that steps
         # keeps the job stepping); the least of them, 0 where a rank has not reported
         away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
+        # what it used while away, from the reports inside the pause (None: not away, or not known yet)
+        inside = [rr.job_cpu_over(away) if rr is not None else None for rr in per] if away > 0 else [None]
+        away_cpu = sum(inside) if inside and None not in inside else None
         for rr in per:
             if rr is not None:
                 refused = refused or rr.steps_left_refused
@@ -615,7 +641,7 @@ class Collector:
             loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,
             epoch_fixed=bool(ranks) and all(r.dataset_kind == "iterable" for r in ranks),
-            away_s=away,
+            away_s=away, away_cpu_cores=away_cpu,
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
 

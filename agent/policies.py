@@ -214,8 +214,9 @@ class PolicyConfig:
         seconds, and ``PAUSE_FACTOR`` (10) times its step (``JobStats.away_s``: a validation pass, a
         checkpoint save, a debugger stop, the time between two epochs; never a wait for data) keeps its
         workers but is planned ``min_cpus`` cores until it steps again, or what its processes still use
-        beyond its trainers' reserve where that is more (``away_cpu_in_use``: a validation pass with a
-        loader of its own; never more than it held); its neighbours' plans take the
+        beyond its trainers' reserve and a quarter more where that is more (``away_cpu_in_use``,
+        ``AWAY_HEADROOM``: a validation pass with a loader of its own, whose workers run in the job's
+        group; never more than it held); its neighbours' plans take the
         room (a CPU weight its idle workers would not use is no loss to anyone, but a neighbour's worker
         count is planned from its own cores, so without a new plan it cannot use the idle ones; under
         ``pin_cpusets`` the idle job's CPUs are its alone). Not before a step of it was measured
@@ -429,13 +430,18 @@ def away_from_loader(job: JobStats, config: PolicyConfig) -> bool:
             and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step))
 
 
+AWAY_HEADROOM = 1.25   # an away job keeps what it still uses times this (its use, measured under the plan, never
+                       # ratchets its plan down: a use at its cores is given a quarter more, up to what it held)
+
+
 def away_cpu_in_use(job: JobStats) -> float:
     """Cores a job away from its loader still uses beyond its trainers' reserve (``trainer_cores_needed``,
     which the loaders' budget keeps for them whether they step or not): its processes' CPU as its clients
-    count it (``JobStats.job_cpu_cores``: a validation pass's own loader's workers, a checkpoint's
-    serialising), less that reserve; 0 where nothing more runs (a sleep, a debugger stop, a client that does
-    not count it)."""
-    return max(0.0, job.job_cpu_cores - trainer_cores_needed(job))
+    count it since the pause began (``JobStats.away_cpu_cores``, else the smoothed ``job_cpu_cores``: a
+    validation pass's own loader's workers, a checkpoint's serialising), less that reserve; 0 where nothing
+    more runs (a sleep, a debugger stop, a client that does not count it)."""
+    used = job.away_cpu_cores if job.away_cpu_cores is not None else job.job_cpu_cores
+    return max(0.0, used - trainer_cores_needed(job))
 
 
 def worker_bound(job: JobStats, config: PolicyConfig) -> int:
@@ -1211,11 +1217,13 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     workers: dict[str, int] = {}
     for j in sorted(away):
         job, held = snapshot.jobs[j], snapshot.applied.get(j)
-        busy = away_cpu_in_use(job)
-        cpus[j] = max(min_c, min(busy, held.cpus if held is not None else share[j]))
+        busy = away_cpu_in_use(job)     # (in quanta, as the budget: a process's few percent of CPU keeps nothing)
+        keep = math.floor(AWAY_HEADROOM * busy / q + 1e-9) * q
+        cpus[j] = max(min_c, min(keep, held.cpus if held is not None else share[j]))
         workers[j] = clamp_workers(min(held.workers if held is not None else job.workers, wcap.get(j, 1 << 30)),
                                    job, config)
-        using = f" (what it uses meanwhile: {busy:.2f} beyond its trainers' reserve)" if busy >= min_c else ""
+        using = (f" (what it uses meanwhile, {busy:.2f} beyond its trainers' reserve, and "
+                 f"{AWAY_HEADROOM - 1:.0%})" if keep > min_c else "")
         reason[j] = (f"away from its loader {job.away_s:.0f} s (a validation pass, a checkpoint save?): "
                      f"{cpus[j]:.2f} cores{using}, its {workers[j]} worker{'s' if workers[j] != 1 else ''} kept, "
                      f"until it steps again")

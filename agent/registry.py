@@ -57,7 +57,7 @@ from agent.security import Peer
 from adloader import protocol
 
 LOST_AFTER_BEATS = 3
-MAX_PIDS_PER_MESSAGE = 256    # worker or registered pids in one message (each is one /proc read)
+MAX_PIDS_PER_MESSAGE = protocol.MAX_PIDS_PER_MESSAGE    # worker or registered pids in one message (each is one /proc read)
 MAX_WORKER_PIDS = MAX_PIDS_PER_MESSAGE
 UNSEEN_TIMEOUT_S = 60.0   # default of config key unseen_job_timeout_s
 MAX_UID = 2 ** 32 - 2     # the largest uid: uid_t is 32 bits and (uid_t)-1 means "no uid" (setresuid(2))

@@ -84,6 +84,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         job_cpu_cores       CPU cores the job used in all, as its clients count it: its processes' CPU
                             whatever they run (a validation pass, a checkpoint save) and every loader's
                             workers (a validation loader's too); 0 where a client does not count it
+        away_cpu_cores      while its loop is away: that figure over the reports inside the pause only
+                            (null when not away or not known yet): what a validation pass uses, which
+                            adaptive leaves it
         trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
                             out of the loaders' budget by adaptive
         max_useful_workers  the predictor's estimate (null before its first curve)
@@ -179,6 +182,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "worker_cpu_cores": _r(st.worker_cpu_cores, 3) if st is not None else None,
             "trainer_cpu_cores": _r(st.trainer_cpu_cores, 3) if st is not None else None,
             "job_cpu_cores": _r(st.job_cpu_cores, 3) if st is not None else None,
+            "away_cpu_cores": _r(st.away_cpu_cores, 3) if st is not None and st.away_cpu_cores is not None else None,
             "trainer_cores_needed": _r(trainer_need(st), 3) if st is not None else None,
             "max_useful_workers": curve.get("max_useful_workers"),
             "max_useful_cores": _r(curve.get("max_useful_cores")),

@@ -64,3 +64,94 @@ def test_kill9_restart_releases_the_cgroup_of_a_job_that_died_meanwhile():
         if os.path.isdir(group):
             os.rmdir(group)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# A real training script: a training adloader.DataLoader (one worker) and a validation one (one worker,
+# its samples burning CPU), the validation pass run while the state file says so; the state file holds
+# the validation workers' pids while they live.
+VALIDATING_TRAINER = '''
+import json, os, sys, time
+from adloader import DataLoader
+
+
+class Burning:
+    def __init__(self, n, cpu_s):
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        return i
+
+
+state, run_s = sys.argv[1], float(sys.argv[2])
+train = DataLoader(list(range(10 ** 6)), batch_size=4, num_workers=1)
+val = DataLoader(Burning(4000, 0.02), batch_size=2, num_workers=1)   # (a shorter epoch than training's)
+
+
+def write(**kw):
+    with open(state + ".tmp", "w") as f:
+        json.dump(kw, f)
+    os.replace(state + ".tmp", state)
+
+
+t_end = time.monotonic() + run_s
+it = iter(train)
+for _ in range(20):
+    next(it)
+    time.sleep(0.02)
+write(phase="validating")
+for batch in val:                           # the validation pass: the training loop is away from its loader
+    write(phase="validating", val_worker_pids=val.worker_pids(), train_worker_pids=train.worker_pids())
+    if time.monotonic() > t_end:
+        break
+'''
+
+
+@pytest.mark.skipif(bool(_v1_writable()), reason=_v1_writable() or "ok")
+def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_training_workers():
+    """A training script with a validation loader of its own (both ``adloader.DataLoader``): while the
+    validation pass runs, its worker is moved into the job's group beside the training loader's (it is a
+    loader worker: it yields and weighs with the job's loaders, not at the training process's priority),
+    the training process stays out, and status counts the validation's CPU as the job's."""
+    base = short_dir()
+    job = f"adlval-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    group = f"{CPU}/adloader/{job}"
+    agent = AgentProc(base, "--policy", "even", "--loader-cpus", "2", "--tick-s", "0.2", "--cgroup-mode", "v1").start()
+    t = None
+
+    def procs():
+        try:
+            with open(f"{group}/cgroup.procs") as f:
+                return {int(x) for x in f.read().split()}
+        except OSError:
+            return set()
+
+    try:
+        script = f"{base}/validating_trainer.py"
+        with open(script, "w") as f:
+            f.write(VALIDATING_TRAINER)
+        t = Trainer(base, agent.endpoint, job=job, script=script, run_s=60)
+
+        st = wait_for(lambda: (s := t.state()).get("val_worker_pids") and set(s["val_worker_pids"]) <= procs() and s,
+                      60, what="the validation loader's worker moved into the job's group")
+        assert set(st["train_worker_pids"]) <= procs() and t.pid not in procs()
+        j = wait_for(lambda: (x := agent.job(job)) and x["job_cpu_cores"] and x["job_cpu_cores"] > 0.2 and x, 30,
+                     what="the validation pass's CPU counted as the job's")
+        assert set(st["val_worker_pids"]) <= set(j["worker_pids"])
+        t.kill()
+        wait_for(lambda: not procs(), 30, what="the job's workers gone with their training process")
+        wait_for(lambda: not os.path.exists(group), 15, what="the job's group removed once it left")
+    finally:
+        if t is not None:
+            t.kill()
+        if agent.proc is not None and agent.proc.poll() is None:
+            agent.stop(signal.SIGTERM)
+        if os.path.isdir(group):
+            wait_for(lambda: not procs(), 30, what="the job's workers gone")
+            os.rmdir(group)
+        shutil.rmtree(base, ignore_errors=True)

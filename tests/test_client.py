@@ -539,6 +539,40 @@ def test_reports_count_a_validation_loaders_workers_and_the_process_as_the_jobs_
             lo.close()
 
 
+def test_the_jobs_cpu_count_is_handed_on_with_the_loaders_and_counts_each_loader_once(endpoint_env):
+    """``_job_cpu_s``: each loader's workers' CPU counted from its increase since the last count (a counter
+    that went back, a new one, from 0), a loader without ``worker_process_cpu_s`` from its stats when it is
+    the primary, else not at all. A client that takes over a stopped one's loaders takes its count too: the
+    report's counter does not jump by every loader's past CPU."""
+    import time
+    import weakref
+
+    class Counted(Loader):
+        def __init__(self, cpu):
+            super().__init__()
+            self.cpu = cpu
+
+        def worker_process_cpu_s(self):
+            return self.cpu
+
+    a, b, plain = Counted(2.0), Counted(1.0), Loader()
+    first = client._Client()
+    first._loaders = [weakref.ref(lo) for lo in (a, b, plain)]
+    p0 = time.process_time()
+    n = first._job_cpu_s(a, {"worker_cpu_s": 99.0})
+    assert first._workers_cpu_s == 3.0 and p0 + 3.0 <= n <= time.process_time() + 3.0
+    a.cpu, b.cpu = 2.5, 0.25                  # b went back: a new loader's counter, counted from 0
+    first._job_cpu_s(a, {})
+    assert first._workers_cpu_s == pytest.approx(3.75)
+    first._job_cpu_s(plain, {"worker_cpu_s": 0.5})     # the primary without the method: its stats
+    assert first._workers_cpu_s == pytest.approx(4.25)
+    second = client._Client(first)
+    assert second._workers_cpu_s == pytest.approx(4.25) and second._cpu_seen[a] == 2.5
+    a.cpu = 3.0
+    second._job_cpu_s(plain, {"worker_cpu_s": 0.5})
+    assert second._workers_cpu_s == pytest.approx(4.75)
+
+
 def _choose(c, *loaders):
     """The primary of ``loaders`` (attached in this order) by ``c``'s rule."""
     import weakref
@@ -1246,21 +1280,35 @@ def test_a_process_count_of_zero_is_skipped_with_one_warning_naming_the_variable
         assert any(want in m for m in said), (name, said)
 
 
-def test_the_client_reports_the_workers_taking_tasks():
+def test_the_client_reports_the_workers_taking_tasks(endpoint_env):
     """A loader that can leave its retiring workers out is asked to (they may exit before the agent
     reads the report); one whose ``worker_pids`` takes no argument is asked plainly; one that fails
-    reports none."""
+    reports none. The primary's come first, then every other attached loader's (a validation loader's:
+    the agent places them with the job's loader workers), each pid once, at most the protocol's bound."""
+    import weakref
+
     calls = []
 
     class Retiring(Loader):
+        def __init__(self, pids=(11, 12)):
+            super().__init__()
+            self.pids = list(pids)
+
         def worker_pids(self, retiring=True):
             calls.append(retiring)
-            return [11, 12] if retiring else [11]
+            return self.pids if retiring else self.pids[:-1]
 
-    pids = client._Client._pids
-    assert pids(None, Retiring()) == [11] and calls == [False]
-    assert pids(None, Loader()) == [os.getpid()]
-    assert pids(None, Loader(fail=True)) == []
+    c = client._Client()
+    assert c._pids(Retiring()) == [11] and calls == [False]
+    assert c._pids(Loader()) == [os.getpid()]
+    assert c._pids(Loader(fail=True)) == []
+    train, val, broken = Retiring((11, 12)), Retiring((21, 22, 23)), Loader(fail=True)
+    c._loaders = [weakref.ref(lo) for lo in (val, broken, train)]
+    assert c._pids(train) == [11, 21, 22]
+    many = Retiring(range(1000, 1000 + client.protocol.MAX_PIDS_PER_MESSAGE + 50))
+    c._loaders.append(weakref.ref(many))
+    out = c._pids(train)
+    assert out[:3] == [11, 21, 22] and len(out) == client.protocol.MAX_PIDS_PER_MESSAGE
 
 
 def test_a_newer_agent_is_one_warning_saying_what_to_upgrade_and_the_client_stops(agent, monkeypatch,

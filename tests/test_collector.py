@@ -141,6 +141,31 @@ def test_away_s_is_the_least_over_ranks_from_their_latest_reports_and_0_when_not
     assert col.snapshot(2.5).jobs["j"].away_s == 0.0
 
 
+def test_away_cpu_is_what_the_ranks_used_inside_the_pause_not_the_smoothed_figure():
+    """``JobStats.away_cpu_cores``: while away, the job's CPU over each rank's reports inside the pause (its
+    client's ``job_cpu_s``, raw), summed over ranks: 0.5 cores a rank when the smoothed ``job_cpu_cores``
+    still carries the 2 cores a rank of training before. None when not away, or over under
+    ``AWAY_SPAN_MIN_S`` of reports inside the pause, or where a rank does not count it."""
+    col, me = _two_rank_job()
+    cpu = {0: 0.0, 1: 0.0}
+    for t in range(0, 11):                              # training: 2 cores a rank
+        for r in (0, 1):
+            col.on_report("j", r, me, {**_totals(t, 10 * t, 0.1 * t, 0.9 * t), "job_cpu_s": cpu[r]}, float(t))
+            cpu[r] += 2.0
+    assert col.snapshot(10.5).jobs["j"].away_cpu_cores is None
+    for k, t in enumerate((10.4, 11, 12, 13, 14)):     # away from t=10 (its last report): 0.5 cores a rank
+        for r in (0, 1):
+            cpu[r] += (0.5 * 0.4 - 2.0) if k == 0 else 0.5 * (0.6 if k == 1 else 1.0)
+            col.on_report("j", r, me, {**_totals(t, 100, 1.0, 9.0), "job_cpu_s": cpu[r], "away_s": t - 10.0}, float(t))
+        if k == 0:       # 0.4 s of reports inside the pause: under AWAY_SPAN_MIN_S
+            assert col.snapshot(t + 0.1).jobs["j"].away_cpu_cores is None
+    s = col.snapshot(14.5).jobs["j"]
+    assert s.away_s == 4.0 and s.away_cpu_cores == pytest.approx(1.0)
+    assert s.job_cpu_cores > 1.5                        # the smoothed figure, still decaying from 4 cores
+    col.on_report("j", 1, me, {**_totals(15, 100, 1.0, 9.0), "away_s": 5.0}, 15.0)   # rank 1 stops counting
+    assert col.snapshot(15.5).jobs["j"].away_cpu_cores is None
+
+
 def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
     """A job's ``steps_left`` is its claim, and the finish guard feeds the job with the most work left
     first. An honest loader's ``steps_left + steps`` stays put but when the job re-sets its count (a new
