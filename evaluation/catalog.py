@@ -43,8 +43,10 @@ What a kind says about its training process and its user (the workload model, IS
   is: a second ``adloader.DataLoader`` over a tenth of the samples (shuffle off) with the user's
   habitual ``num_workers``, its workers started for each pass and stopped after it (torch's default,
   ``persistent_workers=False``), each batch a forward step of a third of the training step (its GPU
-  part and its training-process CPU part alike: no backward, no optimizer). Its samples do not count
-  as the job's throughput. Needs a pause.
+  part and its training-process CPU part alike: no backward, no optimizer). The pass is fixed work:
+  the batches ``pause_s`` holds on a node with CPU to spare (``evaluation.jobproc.validation_batches``),
+  however long they take, so a pass slowed by contention keeps the loop away longer and costs the job
+  training time, as a real one does. Its samples do not count as the job's throughput. Needs a pause.
 """
 from __future__ import annotations
 

@@ -127,22 +127,35 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers, **kw), "adloader"
 
 
-def validate(val_loader, end: float, forward, stop: dict) -> dict:
-    """A validation pass until ``end`` (monotonic): ``forward`` on each batch of ``val_loader``, its epochs
-    over again while time is left (each epoch's workers started and stopped, as a non-persistent loader's
-    are). Returns its batches and samples."""
-    batches = samples = 0
-    while not stop["signal"] and time.monotonic() < end:
+def validation_batches(pause_s: float, step_s: float, batch_size: int, cpu_s_per_sample: float,
+                       workers: int) -> int:
+    """The batches of a validation pass (``pause_loader``): what ``pause_s`` holds on a node with CPU to
+    spare, where a batch takes the longer of its forward step (a third of the training step) and its
+    loader's time for it (the batch's CPU over its workers; in the training process, after the step, with
+    none). At least 1. The pass is that many batches however long they take: a pass slowed by contention
+    keeps the loop away longer, as a real validation pass does."""
+    forward, load = step_s / 3.0, batch_size * cpu_s_per_sample
+    per_batch = max(forward, load / workers) if workers > 0 else forward + load
+    return max(1, round(pause_s / per_batch)) if per_batch > 0 else 1
+
+
+def validate(val_loader, batches: int, forward, stop: dict) -> dict:
+    """A validation pass: ``forward`` on ``batches`` batches of ``val_loader``, its epochs over again while
+    batches are left (each epoch's workers started and stopped, as a non-persistent loader's are).
+    Returns its batches, samples and seconds."""
+    t0 = time.monotonic()
+    done = samples = 0
+    while not stop["signal"] and done < batches:
         it = iter(val_loader)
         for batch in it:
             forward(batch)
-            batches += 1
+            done += 1
             data = batch[0] if isinstance(batch, (tuple, list)) else batch
             samples += len(data)
-            if stop["signal"] or time.monotonic() >= end:
+            if stop["signal"] or done >= batches:
                 break
         del it                  # (an epoch left early: its workers stop now, as at the pass's end)
-    return {"val_batches": batches, "val_samples": samples}
+    return {"val_batches": done, "val_samples": samples, "val_s": time.monotonic() - t0}
 
 
 class RankProcesses:
@@ -409,6 +422,7 @@ def main(argv=None) -> int:
     trainer_cpu_s = float(spec.get("trainer_cpu_frac") or 0.0) * step_s
     pause_every_s, pause_s = float(spec.get("pause_every_s") or 0.0), float(spec.get("pause_s") or 0.0)
     pause_loader, val_loader = bool(spec.get("pause_loader")) and pause_s > 0, None
+    val_workers = int(spec.get("num_workers") or 0) // job_ranks      # the user's habit, for each rank's loader
     gpu = {}
     if args.device == "cuda":
         from adloader.synthetic import burn_parallel
@@ -534,12 +548,14 @@ def main(argv=None) -> int:
                     if pause_loader:
                         if val_loader is None:      # made once, as a script makes its validation loader
                             val_loader, _ = _make_loader(
-                                Subset(ds, range(max(1, len(ds) // 10))), batch_size,
-                                int(spec.get("num_workers") or 0) // job_ranks, None, float(spec.get("worker_ram_mb") or 0.0),
+                                Subset(ds, range(max(1, len(ds) // 10))), batch_size, val_workers, None, float(spec.get("worker_ram_mb") or 0.0),
                                 shuffle=False)
-                        val = validate(val_loader, end, lambda b: emulated_step(b, step_s / 3, trainer_cpu_s / 3,
-                                                                                ranks), stop)
+                        n = validation_batches(pause_s, step_s, batch_size,
+                                               float(spec.get("cpu_s_per_sample") or 0.0), val_workers)
+                        val = validate(val_loader, n, lambda b: emulated_step(b, step_s / 3, trainer_cpu_s / 3,
+                                                                              ranks), stop)
                         prog.write({"event": "validated", "t": time.monotonic(), **val})
+                        end = time.monotonic()      # (the pass is its batches: no sleep after it)
                     while not stop["signal"] and time.monotonic() < end:
                         time.sleep(min(0.05, max(0.0, end - time.monotonic())))
                     trained_from = last_report = time.monotonic()

@@ -763,16 +763,24 @@ def test_a_job_process_pauses_away_from_its_loader_and_records_either_side(tmp_p
 
 def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path):
     """``pause_loader``: the pause is a validation pass over a second loader (the user's one worker, a real
-    process started for the pass): it takes batches there (a "validated" record), none of the training
-    loader's (the job's samples stand still across the pause), and the job ends cleanly."""
+    process started for the pass) of a fixed number of batches, what ``pause_s`` holds on an idle node
+    (``validation_batches``): it takes them all (a "validated" record), none of the training loader's
+    (the job's samples stand still across the pause), the loop is away as long as the pass takes, and
+    the job ends cleanly."""
     import subprocess
     import sys
 
     from evaluation.harness import child_env
+    from evaluation.jobproc import validation_batches
 
-    wl = dict(name="l", num_images=8, length=400, image_px=64, crop_px=16, aug_multiplier=1, seed=1)
-    spec = {"job_id": "pv", "kind": "l", "batch_size": 4, "step_s": 0.01, "demand_cores": 1.0,
-            "cpu_s_per_sample": 0.001, "workload": wl, "pause_every_s": 1.0, "pause_s": 1.5,
+    assert validation_batches(1.0, 0.03, 4, 0.002, 1) == 100       # the forward step (0.01 s) sets the pace
+    assert validation_batches(1.0, 0.03, 4, 0.005, 1) == 50        # the loader's 0.02 s a batch does
+    assert validation_batches(1.0, 0.03, 4, 0.005, 2) == 100       # ... over two workers, 0.01 s
+    assert validation_batches(1.0, 0.03, 4, 0.005, 0) == 33        # in-process: both, one after the other
+    assert validation_batches(0.001, 0.03, 4, 0.005, 1) == 1
+    wl = dict(name="l", num_images=8, length=4000, image_px=64, crop_px=16, aug_multiplier=1, seed=1)
+    spec = {"job_id": "pv", "kind": "l", "batch_size": 4, "step_s": 0.03, "demand_cores": 1.0,
+            "cpu_s_per_sample": 0.002, "workload": wl, "pause_every_s": 1.0, "pause_s": 1.0,
             "pause_loader": True, "num_workers": 1}
     prog = tmp_path / "progress.jsonl"
     subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
@@ -782,12 +790,12 @@ def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path)
     pauses = [r for r in recs if r.get("event") == "pause"]
     done = [r for r in recs if r.get("event") == "validated"]
     assert pauses and len(done) == len(pauses)
-    assert all(d["val_batches"] > 0 and d["val_samples"] == 4 * d["val_batches"] for d in done)
+    assert all(d["val_batches"] == 100 and d["val_samples"] == 400 for d in done)
     rows = [r for r in recs if "event" not in r]
-    p = pauses[0]
+    p, d = pauses[0], done[0]
     before = max((r for r in rows if r["t"] <= p["t"]), key=lambda r: r["t"])
     after = min((r for r in rows if r["t"] > p["t"]), key=lambda r: r["t"])
-    assert after["samples"] == before["samples"] and after["t"] - p["t"] >= 1.5
+    assert after["samples"] == before["samples"] and after["t"] - p["t"] >= d["val_s"]
     assert any(r.get("event") == "done" for r in recs)
 
 
