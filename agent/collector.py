@@ -107,7 +107,8 @@ STEPS_LEFT_RESET_S = 300.0  # ... within this long; more: its steps_left is not 
 ARRIVAL_WINDOW_S = 60.0    # a training process younger than this when its job is first seen: its CPU so far is start-up
 FOREIGN_HOLD_S = 3.0       # foreign_held_cpu_cores: the least foreign figure over this long
 MIN_WINDOW_S = 0.05
-AWAY_SPAN_MIN_S = 0.5      # JobStats.away_cpu_cores: the least span of reports inside a pause it is measured over
+AWAY_SPAN_MIN_S = 0.5      # JobStats.away_cpu_cores: the least span of reports inside a pause it is measured over,
+AWAY_RATE_S = 3.0          # ... and the span of each rate whose most it is
 PLACEMENT_REFRESH_S = 10.0  # a rank's allowed CPUs and cgroup owner are read again after this long (they can
                             # change while it runs: a taskset, a moved cpuset, a Kubernetes CPU manager)
 HISTORY_S = 30.0           # each rank's reports kept for the predictor's windows (settled_window)
@@ -222,20 +223,29 @@ class RankRates:
         return True
 
     def job_cpu_over(self, span_s: float) -> Optional[float]:
-        """The rank's CPU (its client's ``job_cpu_s``) over the last ``span_s`` of its reports, from their raw
-        totals (no smoothing: what it used in that span only, not the decaying figure of what it used
-        before); None where fewer than two reports, or under ``AWAY_SPAN_MIN_S`` between them, lie in it, or
-        the client does not count it."""
+        """The rank's CPU (its client's ``job_cpu_s``) in the last ``span_s`` of its reports (a pause), from
+        their raw totals: the most it used over any ``AWAY_RATE_S`` of them (over all of them where they span
+        less), not the smoothed figure, which still carries what it used before. The most, because what it
+        uses once its neighbours have been lent its idle cores is what they leave it, not what it needs: an
+        average would fall as it is squeezed, and lend them more. None where under ``AWAY_SPAN_MIN_S`` of
+        reports lie in the span, or the client does not count it."""
         if not self.history:
             return None
         last = self.history[-1]
-        inside = [r for r in self.history if last.uptime_s - r.uptime_s <= span_s + 1e-9]
-        first = inside[0]
-        a, b = first.totals.get("job_cpu_s"), last.totals.get("job_cpu_s")
-        dt = last.uptime_s - first.uptime_s
-        if a is None or b is None or dt < AWAY_SPAN_MIN_S:
+        inside = [(r.uptime_s, r.totals.get("job_cpu_s")) for r in self.history
+                  if last.uptime_s - r.uptime_s <= span_s + 1e-9]
+        if any(c is None for _, c in inside) or inside[-1][0] - inside[0][0] < AWAY_SPAN_MIN_S:
             return None
-        return max(0.0, b - a) / dt
+        if inside[-1][0] - inside[0][0] < AWAY_RATE_S:
+            return max(0.0, inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+        most, j = 0.0, 0
+        for t, c in inside:
+            while j + 1 < len(inside) and t - inside[j + 1][0] >= AWAY_RATE_S - 1e-9:
+                j += 1
+            t0, c0 = inside[j]
+            if t - t0 >= AWAY_RATE_S - 1e-9:
+                most = max(most, max(0.0, c - c0) / (t - t0))
+        return most
 
     def worker_cost(self, stats: Mapping) -> float:
         """One worker's cost by the latest report (its mean USS plus its part of the batches in flight, as
@@ -583,7 +593,7 @@ class Collector:
         # away: every rank's loop out of next() at its latest report (ranks step in lockstep: one that steps
         # keeps the job stepping); the least of them, 0 where a rank has not reported
         away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
-        # what it used while away, from the reports inside the pause (None: not away, or not known yet)
+        # what it used while away, from the reports inside the pause, at its most (None: not away, or not known)
         inside = [rr.job_cpu_over(away) if rr is not None else None for rr in per] if away > 0 else [None]
         away_cpu = sum(inside) if inside and None not in inside else None
         for rr in per:

@@ -163,10 +163,11 @@ class JobStats:
                                           # (a validation pass, a checkpoint save, a debugger stop; not a wait for
                                           # data), the least over ranks, by their latest reports; 0: stepping,
                                           # waiting for data, or not reported (a client older than ``away_s``)
-    away_cpu_cores: Optional[float] = None   # while away: the job's CPU (``job_cpu_cores``' count) over the
-                                          # reports inside the pause only, not smoothed (a validation pass's own
-                                          # use, without the decaying figure of its training before); None when
-                                          # not away or not known yet (under two reports inside it)
+    away_cpu_cores: Optional[float] = None   # while away: the job's CPU (``job_cpu_cores``' count) from the
+                                          # reports inside the pause only, the most over any 3 s of them, not
+                                          # smoothed (a validation pass's own use, without the decaying figure
+                                          # of its training before, nor what its lent cores' takers leave it);
+                                          # None when not away or not known yet
     # each rank's recent reports, oldest first (``agent.collector.HISTORY_S``): the raw totals the
     # predictor's windows are cut from. () where no collector keeps them (the simulator, hand-made stats)
     history: tuple[tuple[Report, ...], ...] = field(default=(), repr=False, compare=False)

@@ -84,9 +84,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         job_cpu_cores       CPU cores the job used in all, as its clients count it: its processes' CPU
                             whatever they run (a validation pass, a checkpoint save) and every loader's
                             workers (a validation loader's too); 0 where a client does not count it
-        away_cpu_cores      while its loop is away: that figure over the reports inside the pause only
-                            (null when not away or not known yet): what a validation pass uses, which
-                            adaptive leaves it
+        away_cpu_cores      while its loop is away: that figure from the reports inside the pause only, the
+                            most over any 3 s of them (null when not away or not known yet): what a
+                            validation pass uses, which adaptive leaves it
         trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
                             out of the loaders' budget by adaptive
         max_useful_workers  the predictor's estimate (null before its first curve)

@@ -142,9 +142,10 @@ def test_away_s_is_the_least_over_ranks_from_their_latest_reports_and_0_when_not
 
 
 def test_away_cpu_is_what_the_ranks_used_inside_the_pause_not_the_smoothed_figure():
-    """``JobStats.away_cpu_cores``: while away, the job's CPU over each rank's reports inside the pause (its
-    client's ``job_cpu_s``, raw), summed over ranks: 0.5 cores a rank when the smoothed ``job_cpu_cores``
-    still carries the 2 cores a rank of training before. None when not away, or over under
+    """``JobStats.away_cpu_cores``: while away, the job's CPU from each rank's reports inside the pause (its
+    client's ``job_cpu_s``, raw), the most over any 3 s of them, summed over ranks: 0.5 cores a rank when
+    the smoothed ``job_cpu_cores`` still carries the 2 cores a rank of training before, and still 0.5 once
+    squeezed to 0.1 (what the cores it lent leave it is not what it needs). None when not away, or over under
     ``AWAY_SPAN_MIN_S`` of reports inside the pause, or where a rank does not count it."""
     col, me = _two_rank_job()
     cpu = {0: 0.0, 1: 0.0}
@@ -162,8 +163,15 @@ def test_away_cpu_is_what_the_ranks_used_inside_the_pause_not_the_smoothed_figur
     s = col.snapshot(14.5).jobs["j"]
     assert s.away_s == 4.0 and s.away_cpu_cores == pytest.approx(1.0)
     assert s.job_cpu_cores > 1.5                        # the smoothed figure, still decaying from 4 cores
-    col.on_report("j", 1, me, {**_totals(15, 100, 1.0, 9.0), "away_s": 5.0}, 15.0)   # rank 1 stops counting
-    assert col.snapshot(15.5).jobs["j"].away_cpu_cores is None
+    for t in range(15, 21):                             # squeezed by the neighbours it lent its cores: 0.1 a rank
+        for r in (0, 1):
+            cpu[r] += 0.1
+            col.on_report("j", r, me, {**_totals(t, 100, 1.0, 9.0), "job_cpu_s": cpu[r], "away_s": t - 10.0}, float(t))
+    s = col.snapshot(20.5).jobs["j"]
+    assert s.away_cpu_cores == pytest.approx(1.0)       # the most over any 3 s of the pause, not its mean (0.52)
+    assert s.job_cpu_cores < 0.5
+    col.on_report("j", 1, me, {**_totals(21, 100, 1.0, 9.0), "away_s": 11.0}, 21.0)   # rank 1 stops counting
+    assert col.snapshot(21.5).jobs["j"].away_cpu_cores is None
 
 
 def test_a_steps_left_that_does_not_count_down_is_not_taken(caplog):
