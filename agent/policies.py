@@ -213,10 +213,9 @@ class PolicyConfig:
     release_away_s: adaptive: a job whose training loop has been away from its loader this long, in
         seconds, and ``PAUSE_FACTOR`` (10) times its step (``JobStats.away_s``: a validation pass, a
         checkpoint save, a debugger stop, the time between two epochs; never a wait for data) keeps its
-        workers but is planned ``min_cpus`` cores until it steps again, or what its processes still use
-        beyond its trainers' reserve and a quarter more where that is more (``away_cpu_in_use``,
-        ``AWAY_HEADROOM``: a validation pass with a loader of its own, whose workers run in the job's
-        group; never more than it held); its neighbours' plans take the
+        workers but is planned ``min_cpus`` cores until it steps again, where its processes are idle
+        meanwhile (a pause that runs, a validation pass with a loader of its own, keeps its plan:
+        ``away_from_loader``); its neighbours' plans take the
         room (a CPU weight its idle workers would not use is no loss to anyone, but a neighbour's worker
         count is planned from its own cores, so without a new plan it cannot use the idle ones; under
         ``pin_cpusets`` the idle job's CPUs are its alone). Not before a step of it was measured
@@ -424,14 +423,18 @@ def grown_loader_cpus(snapshot: NodeSnapshot) -> float:
 def away_from_loader(job: JobStats, config: PolicyConfig) -> bool:
     """Whether adaptive plans the job as away (``PolicyConfig.release_away_s``): its training loop has been
     out of its loader's ``next()`` that long and ``PAUSE_FACTOR`` times its step (a 4-s step is a step
-    until 40 s; the loader's own pause rule), not waiting for data. Not before its step was measured
-    (``compute_s_per_step`` 0): a first step of 30 s is no pause."""
+    until 40 s; the loader's own pause rule), not waiting for data, and its processes are idle meanwhile
+    (``away_cpu_in_use`` under ``AWAY_IDLE_CORES``). Not before its step was measured (``compute_s_per_step``
+    0): a first step of 30 s is no pause. Not a pause that runs (a validation pass with a loader of its own):
+    what it uses under contention is not what it needs, and cores lent from it slow it (fiftieth pass: a
+    CPU-bound pass took 24% longer when the cores it did not use were lent, in 3 of 3 repeats), which a job
+    whose pass is fixed work pays in training time."""
     return (config.release_away_s > 0 and job.compute_s_per_step > 0
-            and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step))
+            and job.away_s >= max(config.release_away_s, PAUSE_FACTOR * job.compute_s_per_step)
+            and away_cpu_in_use(job) < AWAY_IDLE_CORES)
 
 
-AWAY_HEADROOM = 1.25   # an away job keeps what it still uses times this (its use, measured under the plan, never
-                       # ratchets its plan down: a use at its cores is given a quarter more, up to what it held)
+AWAY_IDLE_CORES = 0.1  # an away job whose processes use less than this beyond its trainers' reserve is idle (released)
 
 
 def away_cpu_in_use(job: JobStats) -> float:
@@ -1217,16 +1220,12 @@ def _adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     workers: dict[str, int] = {}
     for j in sorted(away):
         job, held = snapshot.jobs[j], snapshot.applied.get(j)
-        busy = away_cpu_in_use(job)     # (in quanta, as the budget: a process's few percent of CPU keeps nothing)
-        keep = math.floor(AWAY_HEADROOM * busy / q + 1e-9) * q
-        cpus[j] = max(min_c, min(keep, held.cpus if held is not None else share[j]))
+        cpus[j] = min_c
         workers[j] = clamp_workers(min(held.workers if held is not None else job.workers, wcap.get(j, 1 << 30)),
                                    job, config)
-        using = (f" (what it uses meanwhile, {busy:.2f} beyond its trainers' reserve, and "
-                 f"{AWAY_HEADROOM - 1:.0%})" if keep > min_c else "")
-        reason[j] = (f"away from its loader {job.away_s:.0f} s (a validation pass, a checkpoint save?): "
-                     f"{cpus[j]:.2f} cores{using}, its {workers[j]} worker{'s' if workers[j] != 1 else ''} kept, "
-                     f"until it steps again")
+        reason[j] = (f"away from its loader {job.away_s:.0f} s (a checkpoint save, a debugger stop?), its "
+                     f"processes idle: {min_c:.2f} cores, its {workers[j]} worker{'s' if workers[j] != 1 else ''} "
+                     f"kept, until it steps again")
     for j in ids:
         if j in warm or j in away:
             continue
