@@ -86,7 +86,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                             workers (a validation loader's too); 0 where a client does not count it
         away_cpu_cores      while its loop is away: that figure from the reports inside the pause only, the
                             most over any 3 s of them (null when not away or not known yet): what a
-                            validation pass uses, which adaptive leaves it
+                            validation pass uses; adaptive lends an away job's cores only under 0.1
+                            beyond its trainers' reserve
         trainer_cores_needed  what they need at full speed (CPU per step / compute per step), kept
                             out of the loaders' budget by adaptive
         max_useful_workers  the predictor's estimate (null before its first curve)
