@@ -117,6 +117,24 @@ FAKE_TRAINER = textwrap.dedent('''
 ''')
 
 
+class BurningDataset:
+    """A map-style dataset whose every sample costs ``cpu_s`` of its worker's CPU (a validation set's
+    decoding): a real loader's workers busy on the CPU. Used in-process and by training scripts run as
+    subprocesses (``from tests.agentd_support import BurningDataset``)."""
+
+    def __init__(self, n: int, cpu_s: float):
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        from adloader.synthetic import burn_cpu
+
+        burn_cpu(self.cpu_s)
+        return i
+
+
 class FakeRouter:
     """A real ROUTER on an ipc socket, served by a thread: each request is decoded, kept in
     ``received``, and answered with the raw frames ``reply(msg)`` returns (none: no answer)."""

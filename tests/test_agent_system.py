@@ -24,6 +24,15 @@ def _v1_writable() -> str:
     return cgroupfs.v1_controller_available(ROOT, "cpu") or ""
 
 
+def _procs(group: str) -> set:
+    """The pids in a v1 group (none where it does not exist)."""
+    try:
+        with open(f"{group}/cgroup.procs") as f:
+            return {int(x) for x in f.read().split()}
+    except OSError:
+        return set()
+
+
 @pytest.mark.skipif(bool(_v1_writable()), reason=_v1_writable() or "ok")
 def test_kill9_restart_releases_the_cgroup_of_a_job_that_died_meanwhile():
     base = short_dir()
@@ -38,11 +47,7 @@ def test_kill9_restart_releases_the_cgroup_of_a_job_that_died_meanwhile():
         t = Trainer(base, agent.endpoint, job=job, workers=1)
 
         def procs():
-            try:
-                with open(f"{group}/cgroup.procs") as f:
-                    return {int(x) for x in f.read().split()}
-            except OSError:
-                return set()
+            return _procs(group)
 
         wait_for(lambda: (w := t.state().get("worker_pids")) and set(w) <= procs() and w, 30,
                  what="worker pids moved into the job's group")
@@ -72,25 +77,12 @@ def test_kill9_restart_releases_the_cgroup_of_a_job_that_died_meanwhile():
 VALIDATING_TRAINER = '''
 import json, os, sys, time
 from adloader import DataLoader
-
-
-class Burning:
-    def __init__(self, n, cpu_s):
-        self.n, self.cpu_s = n, cpu_s
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        end = time.thread_time() + self.cpu_s
-        while time.thread_time() < end:
-            pass
-        return i
+from tests.agentd_support import BurningDataset
 
 
 state, run_s = sys.argv[1], float(sys.argv[2])
 train = DataLoader(list(range(10 ** 6)), batch_size=4, num_workers=1)
-val = DataLoader(Burning(4000, 0.02), batch_size=2, num_workers=1)   # (a shorter epoch than training's)
+val = DataLoader(BurningDataset(4000, 0.02), batch_size=2, num_workers=1)   # (a shorter epoch than training's)
 
 
 def write(**kw):
@@ -125,11 +117,7 @@ def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_trai
     t = None
 
     def procs():
-        try:
-            with open(f"{group}/cgroup.procs") as f:
-                return {int(x) for x in f.read().split()}
-        except OSError:
-            return set()
+        return _procs(group)
 
     try:
         script = f"{base}/validating_trainer.py"

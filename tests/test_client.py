@@ -484,24 +484,6 @@ def test_reports_and_directives_follow_the_training_loader_not_the_first_one_ite
             lo.close()
 
 
-class _Burning:
-    """A dataset whose every sample costs ``cpu_s`` of its worker's CPU (a validation set's decoding)."""
-
-    def __init__(self, n: int, cpu_s: float):
-        self.n, self.cpu_s = n, cpu_s
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        import time
-
-        end = time.thread_time() + self.cpu_s
-        while time.thread_time() < end:
-            pass
-        return i
-
-
 def test_reports_count_a_validation_loaders_workers_and_the_process_as_the_jobs_cpu(agent, monkeypatch):
     """``job_cpu_s`` in every report: the process's CPU plus every attached loader's worker processes'.
     A validation pass whose loader's one real worker burns 0.6 s of CPU while the training loader (the
@@ -514,7 +496,9 @@ def test_reports_count_a_validation_loaders_workers_and_the_process_as_the_jobs_
 
     monkeypatch.setattr(client, "REPORT_S", 0.05)
     train = DataLoader(list(range(4000)), batch_size=4, num_workers=0)
-    val = DataLoader(_Burning(12, 0.05), batch_size=2, num_workers=1)
+    from tests.agentd_support import BurningDataset
+
+    val = DataLoader(BurningDataset(12, 0.05), batch_size=2, num_workers=1)
     try:
         p0 = time.process_time()                 # (every report's count of this process is past it)
         it = iter(train)
