@@ -300,6 +300,10 @@ class _Client:
         with self._lock:
             return [r for r in self._loaders if r() is not None]
 
+    def _attached(self) -> list:
+        """The attached loaders still alive (the objects, not their references)."""
+        return [lo for lo in (r() for r in self._live_loaders()) if lo is not None]
+
     def stopped(self) -> bool:
         return self._stop.is_set()
 
@@ -649,7 +653,7 @@ class _Client:
         a pid out, but in a container, where it maps pids through the training process's descendants, it
         cannot tell a gone worker from a claim about another process, and refuses the report)."""
         out: list[int] = []
-        others = [lo for lo in (r() for r in self._live_loaders()) if lo is not None and lo is not loader]
+        others = [lo for lo in self._attached() if lo is not loader]
         for lo in [loader] + others:
             for p in _taking_tasks(lo):
                 if p not in out:
@@ -724,7 +728,7 @@ class _Client:
         of the worker processes of every loader attached here, the primary's and the others' (a validation
         loader's workers, which the primary's stats do not hold), each loader's counted from its increase
         since the last report (a loader dropped stops adding; none is counted twice). Monotonic."""
-        for lo in [lo for lo in (r() for r in self._live_loaders()) if lo is not None]:
+        for lo in self._attached():
             v = _worker_process_cpu(lo, stats if lo is primary else None)
             if v is None:
                 continue

@@ -594,8 +594,10 @@ class Collector:
         # keeps the job stepping); the least of them, 0 where a rank has not reported
         away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
         # what it used while away, from the reports inside the pause, at its most (None: not away, or not known)
-        inside = [rr.job_cpu_over(away) if rr is not None else None for rr in per] if away > 0 else [None]
-        away_cpu = sum(inside) if inside and None not in inside else None
+        away_cpu = None
+        if away > 0:
+            inside = [rr.job_cpu_over(away) if rr is not None else None for rr in per]
+            away_cpu = sum(inside) if inside and None not in inside else None
         for rr in per:
             if rr is not None:
                 refused = refused or rr.steps_left_refused
