@@ -32,12 +32,12 @@ Invariants (STYLE 8):
   fork starts a fresh client only if called there, which the loader never does), and closes its
   copies of the connection to the agent at once (``close_inherited_agent_connections``, which says
   what a child keeps and why that is harmless).
-- The job's CPU: every report's stats carry ``job_cpu_s``, a counter the client keeps: this process's
-  CPU time (``time.process_time``: every thread, whatever the loop does) plus the CPU of the worker
-  processes of every loader attached here (``DataLoader.worker_process_cpu_s``), the primary's and the
-  others'. The primary's stats count the process's CPU during training steps only and its own workers';
-  a validation pass (its forward steps, a validation loader's workers) or a checkpoint save is neither,
-  and the agent read it as other processes' load (``agent.collector``: ``job_cpu_cores``).
+- The job's CPU: every report's stats carry ``job_cpu_s``: the CPU this process and every process it
+  started have used (``adloader.proctree.tree_cpu_s``: every thread, the workers of every loader, an
+  A-Dloader one or torch's, and any other child: compile workers, a checkpoint writer). The primary's
+  stats count the process's CPU during training steps only and its own workers'; a validation pass
+  (its forward steps, a validation loader's workers) or a checkpoint save is neither, and the agent
+  read it as other processes' load (``agent.collector``: ``job_cpu_cores``).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -93,7 +93,7 @@ import time
 import weakref
 from typing import Any, Optional
 
-from adloader import env, protocol, trust
+from adloader import env, proctree, protocol, trust
 from adloader.trust import agent_untrusted  # noqa: F401 (re-exported: the check the client makes)
 
 log = logging.getLogger("adloader.client")
@@ -121,17 +121,6 @@ _lock = threading.Lock()
 _client: Optional["_Client"] = None
 _warned: set = set()
 PROBE_TIMEOUT_S = 1.0
-
-
-def _worker_process_cpu(loader, stats: Optional[dict]) -> Optional[float]:
-    """A loader's worker processes' CPU so far: ``DataLoader.worker_process_cpu_s`` where it has one, else
-    (another loader class) the ``worker_cpu_s`` of its ``stats`` where they were read (the primary's), else
-    None (not counted)."""
-    fn = getattr(loader, "worker_process_cpu_s", None)
-    v = fn() if callable(fn) else (stats or {}).get("worker_cpu_s")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        return None
-    return float(v)
 
 
 def _taking_tasks(loader) -> list[int]:
@@ -259,16 +248,6 @@ class _Client:
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
         self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
-        # loader -> its workers' CPU at the last count, and every loader's workers' CPU counted so far
-        # (``_job_cpu_s``; handed on with the loaders, so that the report's counter neither jumps nor falls)
-        self._cpu_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._workers_cpu_s = 0.0
-        if previous is not None:
-            try:     # (its thread may still be counting its last report: then its loaders count afresh)
-                self._cpu_seen.update(dict(previous._cpu_seen))
-                self._workers_cpu_s = previous._workers_cpu_s
-            except Exception:
-                self._cpu_seen = weakref.WeakKeyDictionary()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
@@ -713,7 +692,7 @@ class _Client:
             stats = {}
         try:
             if stats:                   # (a loader whose stats() failed: nothing, as before)
-                stats["job_cpu_s"] = self._job_cpu_s(loader, stats)
+                stats["job_cpu_s"] = proctree.tree_cpu_s()
         except Exception:
             log.debug("adloader client: the job's CPU cannot be counted", exc_info=True)
         msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
@@ -721,21 +700,6 @@ class _Client:
         if len(json.dumps(msg)) > protocol.MAX_MESSAGE_BYTES:   # never send what the agent refuses
             msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
         return msg
-
-    def _job_cpu_s(self, primary, stats: dict) -> float:
-        """The report's ``job_cpu_s`` (module docstring): this process's CPU (every thread, every loop: a
-        validation pass's forward steps, a checkpoint's serialising, batches made in-process) plus the CPU
-        of the worker processes of every loader attached here, the primary's and the others' (a validation
-        loader's workers, which the primary's stats do not hold), each loader's counted from its increase
-        since the last report (a loader dropped stops adding; none is counted twice). Monotonic."""
-        for lo in self._attached():
-            v = _worker_process_cpu(lo, stats if lo is primary else None)
-            if v is None:
-                continue
-            last = self._cpu_seen.get(lo, 0.0)
-            self._workers_cpu_s += v - last if v >= last else v    # (a counter that went back: a new one)
-            self._cpu_seen[lo] = v
-        return time.process_time() + self._workers_cpu_s
 
     def _direct(self, loader, msg: dict) -> None:
         """Apply a directive to the primary ``loader``; the loader directed before, if another one, goes

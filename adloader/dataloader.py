@@ -662,14 +662,6 @@ class DataLoader(tud.DataLoader[T_co]):
             pids.extend(pool.worker_pids(retiring))
         return pids
 
-    def worker_process_cpu_s(self) -> float:
-        """CPU seconds this loader's worker processes spent on batches since it was created (monotonic):
-        ``stats()["worker_cpu_s"]`` less the batches made in the training process itself (``num_workers=0``),
-        whose CPU is that process's own. What the agent client adds to the process's CPU to count its job's
-        (``adloader.client``: every loader of the process, a validation loader's too). Cheap: no stats."""
-        c = self._core.counters
-        return max(0.0, c.worker_cpu_s - c.local_cpu_s)
-
     def stats(self) -> dict:
         """Rolling totals and rates, as a plain dict. Totals are monotonic since creation.
 
@@ -1541,7 +1533,7 @@ class _ElasticIter:
                 return fn()
         finally:
             self._counters.add_batch_timing(time.process_time() - c0, time.perf_counter() - t0,
-                                            max(0, self._runq.read_ns() - r0), local=True)
+                                            max(0, self._runq.read_ns() - r0))
 
     # ---- end ---------------------------------------------------------------------------------
     def _finish(self) -> None:

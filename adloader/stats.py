@@ -51,8 +51,7 @@ class LoaderCounters:
 
     __slots__ = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s",
                  "worker_wall_s", "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts",
-                 "redispatched", "created_mono", "step_cpu_s", "paused_s", "pace_s", "paced_steps", "left_t",
-                 "local_cpu_s")
+                 "redispatched", "created_mono", "step_cpu_s", "paused_s", "pace_s", "paced_steps", "left_t")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -74,7 +73,6 @@ class LoaderCounters:
         self.paced_steps = 0        # steps that set it
         self.left_t: float | None = None   # perf_counter when the loop last left next() (a batch returned, the
                                            # epoch's end, an error); None inside next() and before the first call
-        self.local_cpu_s = 0.0      # of worker_cpu_s, the batches made in the training process (no workers)
 
     def away_s(self, now: float) -> float:
         """How long the training loop has been away from this loader at ``now`` (``time.perf_counter``):
@@ -104,13 +102,10 @@ class LoaderCounters:
         self.pace_s = step_s if self.paced_steps == 0 else pace + PACE_WEIGHT * (step_s - pace)
         self.paced_steps += 1
 
-    def add_batch_timing(self, cpu_s: float, wall_s: float, runq_ns: int, local: bool = False) -> None:
-        """One batch finished by a worker (or in-process, ``local``: its CPU is the training process's too,
-        ``local_cpu_s``): blocked = wall - cpu - run-queue delay, clamped at 0 (the three clocks are read at
-        slightly different instants)."""
+    def add_batch_timing(self, cpu_s: float, wall_s: float, runq_ns: int) -> None:
+        """One batch finished by a worker (or in-process): blocked = wall - cpu - run-queue delay,
+        clamped at 0 (the three clocks are read at slightly different instants)."""
         runq_s = runq_ns * 1e-9
-        if local:
-            self.local_cpu_s += cpu_s
         self.batches += 1
         self.worker_cpu_s += cpu_s
         self.worker_wall_s += wall_s

@@ -66,9 +66,9 @@ otherwise the client's data-wait fraction stands in (``"client"``). Both stay vi
 The node's CPU (``NodeSnapshot.busy_cpu_cores``): the busy time of the node's CPUs (``psi.busy_cpu_s``)
 over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``). A job's CPU
 (``JobStats.cpu_cores``) is its training processes' CPU during their steps plus its loaders' workers', or,
-where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the processes'
-CPU whatever they run, a validation pass or a checkpoint save, and the workers of every loader in them,
-a validation loader's too), that. A client's count is its claim: one that claims more than it used only
+where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the CPU of the training processes whatever
+they run, a validation pass or a checkpoint save, and of every process they started, the workers of
+every loader among them, ``adloader.proctree``), that. A client's count is its claim: one that claims more than it used only
 hides other processes' load from the yield switch below (the loaders then yield to them too) and keeps
 its own cores while it is away, as it would without the release. What the node used
 beyond the jobs and the agent itself is

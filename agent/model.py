@@ -117,8 +117,8 @@ class JobStats:
     # (compute_s_per_step less trainer_runq_s_per_step is the step with data ready and the trainer not starved)
     trainer_cpu_cores: float = 0.0        # CPU cores the job's training processes themselves used (summed over ranks)
     job_cpu_cores: float = 0.0            # ... and with everything else they ran: their CPU outside steps (a
-                                          # validation pass, a checkpoint save) and every loader's worker
-                                          # processes, a validation loader's too (the client's ``job_cpu_s``;
+                                          # validation pass, a checkpoint save) and every process they
+                                          # started, every loader's workers (the client's ``job_cpu_s``;
                                           # 0 where a client does not report it)
     trainer_cpu_s_per_step: float = 0.0   # their CPU seconds per step (summed over ranks: all run each step)
     trainer_runq_s_per_step: float = 0.0  # per step, how long a training process waited for a CPU while runnable

@@ -82,8 +82,9 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         worker_cpu_cores    CPU cores the job's workers used
         trainer_cpu_cores   CPU cores the job's training processes themselves used
         job_cpu_cores       CPU cores the job used in all, as its clients count it: its processes' CPU
-                            whatever they run (a validation pass, a checkpoint save) and every loader's
-                            workers (a validation loader's too); 0 where a client does not count it
+                            whatever they run (a validation pass, a checkpoint save) and every process
+                            they started (every loader's workers, torch's too); 0 where a client does
+                            not count it
         away_cpu_cores      while its loop is away: that figure from the reports inside the pause only, the
                             most over any 3 s of them (null when not away or not known yet): what a
                             validation pass uses; adaptive lends an away job's cores only under 0.1
