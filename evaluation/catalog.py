@@ -40,7 +40,8 @@ What a kind says about its training process and its user (the workload model, IS
   validation pass or a checkpoint save, out of its loader's ``next()``, sleeping (its GPU busy, its
   CPU idle). Both or neither.
 - ``pause_loader``: the pause is a validation pass with a loader of its own, as a training script's
-  is: a second ``adloader.DataLoader`` over a tenth of the samples (shuffle off) with the user's
+  is: a second ``adloader.DataLoader`` (``true``), or torch's own ``DataLoader`` (``"torch"``: a script
+  that imports A-Dloader's for training only), over a tenth of the samples (shuffle off) with the user's
   habitual ``num_workers``, its workers started for each pass and stopped after it (torch's default,
   ``persistent_workers=False``), each batch a forward step of a third of the training step (its GPU
   part and its training-process CPU part alike: no backward, no optimizer). The pass is fixed work:
@@ -87,7 +88,7 @@ class JobKind:
     phase_after_s: float = 0.0
     pause_every_s: float = 0.0        # the training loop stops for pause_s after each pause_every_s of training
     pause_s: float = 0.0              # (a validation pass, a checkpoint save: away from its loader); 0: never
-    pause_loader: bool = False        # the pause iterates a validation loader of its own (not a sleep)
+    pause_loader: bool | str = False  # the pause iterates a validation loader of its own: true, "torch" (not a sleep)
     note: str = ""
 
 
@@ -125,7 +126,7 @@ class JobSpec:
     rank_processes: bool = False   # ``gpus`` training processes, one per GPU (evaluation.jobproc starts them)
     pause_every_s: float = 0.0     # the loop stops pause_s after each pause_every_s of training (0: never)
     pause_s: float = 0.0
-    pause_loader: bool = False     # each pause a validation pass with a loader of its own (catalogue docstring)
+    pause_loader: bool | str = False   # each pause a validation pass with a loader of its own (catalogue docstring)
 
     @property
     def ceiling_samples_per_s(self) -> float:
@@ -209,8 +210,9 @@ def load_catalog(path: str | None = None) -> Catalog:
         if kind.pause_every_s < 0 or kind.pause_s < 0 or (kind.pause_s > 0) != (kind.pause_every_s > 0):
             raise CatalogError(f"catalogue {path}: {name}: pause_every_s and pause_s must be >= 0 and set "
                                f"together, got {kind.pause_every_s!r} and {kind.pause_s!r}")
-        if not isinstance(kind.pause_loader, bool):
-            raise CatalogError(f"catalogue {path}: {name}: pause_loader must be true or false, got {kind.pause_loader!r}")
+        if not isinstance(kind.pause_loader, bool) and kind.pause_loader != "torch":
+            raise CatalogError(f"catalogue {path}: {name}: pause_loader must be true, false or \"torch\", "
+                               f"got {kind.pause_loader!r}")
         if kind.pause_loader and kind.pause_s <= 0:
             raise CatalogError(f"catalogue {path}: {name}: pause_loader needs a pause (pause_every_s and pause_s)")
         if kind.phase_kind and (kind.phase_kind not in kinds or not kind.phase_after_s > 0):
@@ -236,7 +238,7 @@ def load_catalog(path: str | None = None) -> Catalog:
 
 WINDOW_KEYS = ("warmup_s", "measure_s")
 TOP_LEVEL = ("reference_cores", "min_step_s", "max_step_s", "jobs", "mixes", "dynamic", "windows")
-_TOML_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}
+_TOML_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,), "bool | str": (bool, str)}
 
 
 def _need_type(path, where: str, value, kind: str) -> None:
@@ -244,11 +246,12 @@ def _need_type(path, where: str, value, kind: str) -> None:
     TOML (an integer for a float; a boolean for no number), else a ``CatalogError`` naming ``where``.
     Before, ``cores_per_gpu = "x"`` or ``reference_cores = "x"`` was a TypeError or ValueError traceback
     from whatever first used the value."""
-    ok = isinstance(value, _TOML_TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+    ok = isinstance(value, _TOML_TYPES[kind]) and (kind.startswith("bool") or not isinstance(value, bool))
     if ok and kind == "float" and not math.isfinite(value):
         ok = False
     if not ok:
-        what = {"float": "a finite number", "int": "an integer", "bool": "true or false", "str": "a string"}[kind]
+        what = {"float": "a finite number", "int": "an integer", "bool": "true or false", "str": "a string",
+                "bool | str": "true, false or a string"}[kind]
         raise CatalogError(f"catalogue {path}: {where} must be {what}, got {value!r}")
 
 

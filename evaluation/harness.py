@@ -167,7 +167,7 @@ def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
     return base, overrides
 STATIC_SCENARIOS = ("heterogeneous", "homogeneous", "light", "gpu-weighted", "trainer-cpu", "oversubscribed",
                     "nothing-to-arbitrate", "memory", "gpu-weighted-ddp", "validating",
-                    "validating-loader")
+                    "validating-loader", "validating-torch-loader")
 MEMORY_SCENARIO_BUDGET = 1 << 30        # the "memory" scenario's loader memory budget unless --loader-memory
 SCENARIOS_ALL = STATIC_SCENARIOS[:3] + ("dynamic", "reaction", "hog", "phase") + STATIC_SCENARIOS[3:]
 STATIC_CGROUP_ROOT = "/sys/fs/cgroup"      # the v2 root, or where the v1 hierarchies are mounted

@@ -127,6 +127,20 @@ def _make_loader(ds, batch_size: int, workers, max_workers, worker_ram_mb: float
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers, **kw), "adloader"
 
 
+def _validation_loader(ds, batch_size: int, workers: int, worker_ram_mb: float, torch_own: bool):
+    """A validation pass's loader (``pause_loader``): A-Dloader's, or torch's own (``"torch"``) with the
+    same workers, not persistent (torch's default), each worker holding ``worker_ram_mb`` alike."""
+    if not torch_own:
+        return _make_loader(ds, batch_size, workers, None, worker_ram_mb, shuffle=False)[0]
+    import functools
+
+    import torch.utils.data
+
+    init = functools.partial(hold_worker_ram, worker_ram_mb) if worker_ram_mb > 0 and workers > 0 else None
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, num_workers=workers,
+                                       worker_init_fn=init)
+
+
 def validation_batches(pause_s: float, step_s: float, batch_size: int, cpu_s_per_sample: float,
                        workers: int) -> int:
     """The batches of a validation pass (``pause_loader``): what ``pause_s`` holds on a node with CPU to
@@ -547,9 +561,9 @@ def main(argv=None) -> int:
                     end = t2 + pause_s
                     if pause_loader:
                         if val_loader is None:      # made once, as a script makes its validation loader
-                            val_loader, _ = _make_loader(
-                                Subset(ds, range(max(1, len(ds) // 10))), batch_size, val_workers, None, float(spec.get("worker_ram_mb") or 0.0),
-                                shuffle=False)
+                            val_loader = _validation_loader(Subset(ds, range(max(1, len(ds) // 10))), batch_size,
+                                                            val_workers, float(spec.get("worker_ram_mb") or 0.0),
+                                                            spec["pause_loader"] == "torch")
                         n = validation_batches(pause_s, step_s, batch_size,
                                                float(spec.get("cpu_s_per_sample") or 0.0), val_workers)
                         val = validate(val_loader, n, lambda b: emulated_step(b, step_s / 3, trainer_cpu_s / 3,

@@ -721,7 +721,9 @@ def test_a_pause_in_the_catalogue_and_its_errors(tmp_path):
             load_catalog(str(p))
     for member, err in (('{kind = "x", pause_loader = true}', "pause_loader needs a pause"),
                         ('{kind = "x", pause_every_s = 5.0, pause_s = 5.0, pause_loader = 1}',
-                         "pause_loader.* must be true or false")):
+                         "pause_loader of x must be true, false or a string, got 1"),
+                        ('{kind = "x", pause_every_s = 5.0, pause_s = 5.0, pause_loader = "tf"}',
+                         "pause_loader must be true, false or \"torch\", got 'tf'")):
         p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n')
         with pytest.raises(CatalogError, match=err):
             load_catalog(str(p))
@@ -729,6 +731,10 @@ def test_a_pause_in_the_catalogue_and_its_errors(tmp_path):
     spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
                     seed=3, node_cores=2)
     assert spec.pause_loader and spec.pause_s > 0 and json.loads(spec.to_json())["pause_loader"] is True
+    first, *_ = cat.mixes["validating-torch-loader"]
+    spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
+                    seed=3, node_cores=2)
+    assert json.loads(spec.to_json())["pause_loader"] == "torch" and spec.pause_s > 0
     assert not make_job(cat, {kind.name: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}},
                         kind.name, "y", seed=3, node_cores=2).pause_loader
 
@@ -761,12 +767,13 @@ def test_a_job_process_pauses_away_from_its_loader_and_records_either_side(tmp_p
         assert after["samples"] == before["samples"]          # nothing taken while away
 
 
-def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path):
+@pytest.mark.parametrize("pause_loader", [True, "torch"])
+def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path, pause_loader):
     """``pause_loader``: the pause is a validation pass over a second loader (the user's one worker, a real
-    process started for the pass) of a fixed number of batches, what ``pause_s`` holds on an idle node
-    (``validation_batches``): it takes them all (a "validated" record), none of the training loader's
-    (the job's samples stand still across the pause), the loop is away as long as the pass takes, and
-    the job ends cleanly."""
+    process started for the pass; A-Dloader's or torch's own) of a fixed number of batches, what
+    ``pause_s`` holds on an idle node (``validation_batches``): it takes them all (a "validated" record),
+    none of the training loader's (the job's samples stand still across the pause), the loop is away as
+    long as the pass takes, and the job ends cleanly."""
     import subprocess
     import sys
 
@@ -781,7 +788,7 @@ def test_a_job_process_validates_with_a_loader_of_its_own_in_its_pause(tmp_path)
     wl = dict(name="l", num_images=8, length=4000, image_px=64, crop_px=16, aug_multiplier=1, seed=1)
     spec = {"job_id": "pv", "kind": "l", "batch_size": 4, "step_s": 0.03, "demand_cores": 1.0,
             "cpu_s_per_sample": 0.002, "workload": wl, "pause_every_s": 1.0, "pause_s": 1.0,
-            "pause_loader": True, "num_workers": 1}
+            "pause_loader": pause_loader, "num_workers": 1}
     prog = tmp_path / "progress.jsonl"
     subprocess.run([sys.executable, "-m", "evaluation.jobproc", "--spec", json.dumps(spec), "--progress", str(prog),
                     "--workers", "1", "--duration-s", "3.0"], env=child_env(), check=True, timeout=120,
