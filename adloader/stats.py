@@ -6,7 +6,8 @@ with the loop's pace (``LoaderCounters.add_step``: a pause of the loop is not a 
 computed on demand in ``RateWindow`` from snapshots of the counters (monotonic clock, negative deltas
 clamped to 0), so readers (the agent client, autotune) never see raw counters they must difference.
 
-Units: ``_s`` seconds (float), counts are ints. Every total is monotonic since the loader was created.
+Units: ``_s`` seconds (float), counts are ints. Every counter (``COUNTER_KEYS``) is monotonic since the
+loader was created; the gauges (``GAUGE_KEYS``) say what holds now.
 """
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ import threading
 import time
 from collections import deque
 
-#: Keys of ``DataLoader.stats()`` (the BRIEF's interface); tests check the dict has exactly these.
-TOTAL_KEYS = (
+#: Keys of ``DataLoader.stats()`` before its rates and memory (the BRIEF's interface; tests check the dict
+#: has exactly these): counters, monotonic since the loader was created (``COUNTER_KEYS``: what a reader
+#: differences), and gauges, what holds now (``GAUGE_KEYS``: the epoch, the worker counts, the batch size,
+#: how long the loop has been away, the dataset's kind).
+STATS_KEYS = (
     "steps", "samples", "batches", "epoch", "workers", "live_workers", "max_workers",
     "requested_workers", "batch_size", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
     "worker_runq_s", "worker_blocked_s", "resizes", "worker_restarts", "redispatched", "uptime_s",
     "main_cpu_s", "main_runq_s", "paused_s", "away_s", "dataset_kind",
 )
+GAUGE_KEYS = ("epoch", "workers", "live_workers", "max_workers", "requested_workers", "batch_size", "away_s",
+              "dataset_kind")
+COUNTER_KEYS = tuple(k for k in STATS_KEYS if k not in GAUGE_KEYS)
 RATE_KEYS = (
     "window_s", "samples_per_s", "steps_per_s", "data_wait_frac", "compute_s_per_step",
     "data_wait_s_per_step", "cpu_s_per_batch", "wall_s_per_batch", "runq_s_per_batch",

@@ -21,7 +21,7 @@ import torch.utils.data as tud
 from adloader import DataLoader, memory
 from adloader._pool import WorkerPool
 from adloader.dataloader import _pin
-from adloader.stats import RATE_KEYS, TOTAL_KEYS
+from adloader.stats import COUNTER_KEYS, GAUGE_KEYS, RATE_KEYS, STATS_KEYS
 from tests.conftest import wait_for
 from tests.loader_datasets import (Awkward, CpusAtInit, FailsAt, Gated, Indexed, RandomAug, Shards, Slow,
                                     SparseSamples, WhoAmI, collate_dict,
@@ -1095,13 +1095,22 @@ def test_stats_keys_and_counters():
     for _ in dl:
         pass
     s = dl.stats()
-    assert tuple(s) == TOTAL_KEYS + ("rates",) + memory.STATS_KEYS + ("memory", "memory_bound_workers")
+    assert tuple(s) == STATS_KEYS + ("rates",) + memory.STATS_KEYS + ("memory", "memory_bound_workers")
+    assert set(COUNTER_KEYS) | set(GAUGE_KEYS) == set(STATS_KEYS) and not set(COUNTER_KEYS) & set(GAUGE_KEYS)
     assert s["memory_bound_workers"] is None or s["memory_bound_workers"] >= 0   # what memory holds (c616e74)
     assert tuple(s["rates"]) == RATE_KEYS
     assert s["steps"] == 6 and s["samples"] == 24 and s["batches"] >= 6
     assert s["workers"] == 2 and s["max_workers"] == 2 and s["requested_workers"] == 2 and s["batch_size"] == 4
     assert s["worker_wall_s"] > 0 and s["worker_cpu_s"] >= 0 and s["data_wait_s"] > 0
     assert s["rates"]["window_s"] >= 0
+    # counters never fall, across a resize and a second epoch; a gauge may
+    dl._resize(1, own=False)
+    for _ in dl:
+        pass
+    after = dl.stats()
+    assert [k for k in COUNTER_KEYS if after[k] < s[k]] == []
+    assert after["workers"] == 1 < s["workers"] and after["epoch"] == s["epoch"] + 1
+    dl.close()
 
 
 def test_a_pause_of_the_training_loop_is_paused_s_not_a_steps_compute():
