@@ -229,6 +229,15 @@ def load_catalog(path: str | None = None) -> Catalog:
         for x in v:
             _need_type(path, f"[dynamic] {key}", x, "float")
     windows = _windows(path, doc.get("windows") or {}, mixes)
+    for mix, names in mixes.items():     # a pause measured in part reads as a policy's gain or loss
+        for name in names:
+            k = kinds[name]
+            need, got = k.pause_every_s + k.pause_s, windows.get(mix, {}).get("measure_s")
+            if k.pause_every_s > 0 and (got is None or got < need):
+                raise CatalogError(f"catalogue {path}: mix {mix!r}: {name} pauses {k.pause_s:g} s after every "
+                                   f"{k.pause_every_s:g} s of training: [windows] {mix} needs measure_s >= {need:g} "
+                                   f"(a whole pause and its training in the measured window), got "
+                                   f"{'none' if got is None else f'{got:g}'}")
     return Catalog(path=str(path), kinds=kinds, mixes=mixes, windows=windows,
                    reference_cores=float(doc.get("reference_cores", 12.0)),
                    min_step_s=float(doc.get("min_step_s", 0.02)), max_step_s=float(doc.get("max_step_s", 1.0)),

@@ -731,6 +731,15 @@ def test_a_pause_in_the_catalogue_and_its_errors(tmp_path):
     spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
                     seed=3, node_cores=2)
     assert spec.pause_loader and spec.pause_s > 0 and json.loads(spec.to_json())["pause_loader"] is True
+    # a mix whose job pauses needs a measured window that holds a whole pause and the training before it
+    member = '{kind = "x", pause_every_s = 20.0, pause_s = 10.0}'
+    for windows, err in (("", "needs measure_s >= 30 .* got none"),
+                         ("[windows]\nm = {warmup_s = 5, measure_s = 29}\n", "needs measure_s >= 30 .* got 29")):
+        p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n{windows}')
+        with pytest.raises(CatalogError, match=r"mix 'm': x\[pause_every_s=20.0,pause_s=10.0\] pauses 10 s after every 20 s of training: \[windows\] m " + err):
+            load_catalog(str(p))
+    p.write_text(f'[jobs.x]\ncores_per_gpu = 1.0\n[mixes]\nm = [{member}]\n[windows]\nm = {{measure_s = 30}}\n')
+    assert load_catalog(str(p)).windows["m"]["measure_s"] == 30
     first, *_ = cat.mixes["validating-torch-loader"]
     spec = make_job(cat, {first: {"cpu_s_per_sample": 0.001, "demand_cores": 1.0, "step_s": 0.1}}, first, "x",
                     seed=3, node_cores=2)
