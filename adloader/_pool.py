@@ -101,11 +101,16 @@ def _disown_workers_after_fork() -> None:
         children = getattr(_mp_process, "_children", None)
         if not children:
             return
-        for pool in list(_POOLS):
-            for slot in list(pool.slots.values()):
-                children.discard(slot.proc)
+        for proc in pool_processes():
+            children.discard(proc)
     except Exception:   # noqa: BLE001 — a hook in someone else's fork must never fail it
         pass
+
+
+def pool_processes() -> set:
+    """The worker processes (multiprocessing ``Process`` objects) of every pool in this process, in any
+    state, retiring ones included."""
+    return {slot.proc for pool in list(_POOLS) for slot in list(pool.slots.values())}
 
 
 if hasattr(os, "register_at_fork"):

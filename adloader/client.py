@@ -136,6 +136,33 @@ def _taking_tasks(loader) -> list[int]:
         return []
 
 
+def _other_loader_workers() -> list[int]:
+    """Daemon processes this process started through multiprocessing, other than A-Dloader's own workers,
+    not known to have exited: torch's own DataLoader workers (a validation loader a script left as
+    torch's: torch starts every worker as a daemon, any start method) and a process pool's workers.
+    Non-daemon children (ranks a launcher such as Lightning's ``ddp_spawn`` started from a process that
+    iterated a loader first) are left out: they are training processes, not loader workers. Read, never
+    polled: a poll from this thread (``multiprocessing.active_children``) would reap a worker that its
+    owner's join then cannot. [] where multiprocessing's internals are not what this reads."""
+    try:
+        from multiprocessing import process as mp_process
+
+        from adloader._pool import pool_processes
+
+        children, ours = list(getattr(mp_process, "_children", ())), pool_processes()
+    except Exception:
+        return []
+    out = []
+    for proc in children:
+        try:
+            popen = getattr(proc, "_popen", None)
+            if proc not in ours and proc.daemon and popen is not None and popen.returncode is None:
+                out.append(int(proc.pid))
+        except Exception:
+            continue
+    return sorted(out)
+
+
 def _warn_once(key: str, text: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -627,16 +654,16 @@ class _Client:
         """The workers taking tasks of ``loader`` (the primary), then of every other loader attached here (a
         validation loader's: they are the job's loader workers too, and the agent places them with the
         primary's, so that a validation pass's workers neither run at the training process's priority nor
-        outside the job's share), at most ``protocol.MAX_PIDS_PER_MESSAGE``. Taking tasks: one retiring may
-        exit before the agent reads the report, and the agent would find no such process (it leaves such
-        a pid out, but in a container, where it maps pids through the training process's descendants, it
-        cannot tell a gone worker from a claim about another process, and refuses the report)."""
+        outside the job's share), then the other loader-like workers this process started, which never attach
+        (``_other_loader_workers``: a validation loader left as torch's, a process pool), at most
+        ``protocol.MAX_PIDS_PER_MESSAGE``. Taking tasks: one retiring may exit before the agent reads the
+        report; the agent leaves a pid that no process holds any more out, and refuses one that another
+        process of the caller's pid namespace holds (a claim about another process)."""
         out: list[int] = []
         others = [lo for lo in self._attached() if lo is not loader]
-        for lo in [loader] + others:
-            for p in _taking_tasks(lo):
-                if p not in out:
-                    out.append(p)
+        for p in [p for lo in [loader] + others for p in _taking_tasks(lo)] + _other_loader_workers():
+            if p not in out:
+                out.append(p)
         return out[:protocol.MAX_PIDS_PER_MESSAGE]
 
     def _hello(self, loader) -> dict:

@@ -76,13 +76,14 @@ def test_kill9_restart_releases_the_cgroup_of_a_job_that_died_meanwhile():
 # the validation workers' pids while they live.
 VALIDATING_TRAINER = '''
 import json, os, sys, time
+import torch.utils.data
 from adloader import DataLoader
 from tests.agentd_support import BurningDataset
 
 
 state, run_s = sys.argv[1], float(sys.argv[2])
 train = DataLoader(list(range(10 ** 6)), batch_size=4, num_workers=1)
-val = DataLoader(BurningDataset(4000, 0.02), batch_size=2, num_workers=1)   # (a shorter epoch than training's)
+val = {val_loader}(BurningDataset(4000, 0.02), batch_size=2, num_workers=1)   # (a shorter epoch than training's)
 
 
 def write(**kw):
@@ -97,19 +98,23 @@ for _ in range(20):
     next(it)
     time.sleep(0.02)
 write(phase="validating")
-for batch in val:                           # the validation pass: the training loop is away from its loader
-    write(phase="validating", val_worker_pids=val.worker_pids(), train_worker_pids=train.worker_pids())
+vit = iter(val)
+for batch in vit:                           # the validation pass: the training loop is away from its loader
+    pids = val.worker_pids() if hasattr(val, "worker_pids") else [w.pid for w in vit._workers]
+    write(phase="validating", val_worker_pids=pids, train_worker_pids=train.worker_pids())
     if time.monotonic() > t_end:
         break
 '''
 
 
 @pytest.mark.skipif(bool(_v1_writable()), reason=_v1_writable() or "ok")
-def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_training_workers():
-    """A training script with a validation loader of its own (both ``adloader.DataLoader``): while the
-    validation pass runs, its worker is moved into the job's group beside the training loader's (it is a
-    loader worker: it yields and weighs with the job's loaders, not at the training process's priority),
-    the training process stays out, and status counts the validation's CPU as the job's."""
+@pytest.mark.parametrize("val_loader", ["DataLoader", "torch.utils.data.DataLoader"])
+def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_training_workers(val_loader):
+    """A training script with a validation loader of its own (``adloader.DataLoader``, or torch's own,
+    which never attaches to the client): while the validation pass runs, its worker is moved into the
+    job's group beside the training loader's (it is a loader worker: it yields and weighs with the job's
+    loaders, not at the training process's priority), the training process stays out, and status counts
+    the validation's CPU as the job's."""
     base = short_dir()
     job = f"adlval-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     group = f"{CPU}/adloader/{job}"
@@ -122,7 +127,7 @@ def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_trai
     try:
         script = f"{base}/validating_trainer.py"
         with open(script, "w") as f:
-            f.write(VALIDATING_TRAINER)
+            f.write(VALIDATING_TRAINER.replace("{val_loader}", val_loader))
         t = Trainer(base, agent.endpoint, job=job, script=script, run_s=60)
 
         st = wait_for(lambda: (s := t.state()).get("val_worker_pids") and set(s["val_worker_pids"]) <= procs() and s,

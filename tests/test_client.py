@@ -537,6 +537,52 @@ def test_reports_count_every_process_the_training_process_started_as_the_jobs_cp
                 lo.close()
 
 
+def test_reports_list_torchs_own_loaders_workers_after_the_attached_loaders(agent, monkeypatch):
+    """A validation loader left as torch's own never attaches; its workers are listed in the reports'
+    ``worker_pids`` after the attached loaders' (the primary's first, once), while they live, so the agent
+    places them with the job's loader workers; once its epoch ends they are no longer listed. A
+    non-daemon multiprocessing child (a rank a launcher started) is never listed."""
+    import multiprocessing
+
+    pytest.importorskip("torch")
+    import torch.utils.data as tud
+
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=1)
+    val = tud.DataLoader(list(range(400)), batch_size=2, num_workers=2)
+    other = multiprocessing.get_context("fork").Process(target=time_sleep, args=(60,), daemon=False)
+    other.start()
+    try:
+        it = iter(train)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        vit = iter(val)
+        next(vit)
+        torch_pids = sorted(w.pid for w in vit._workers)
+        mine = train.worker_pids(retiring=False)
+        got = wait_for(lambda: (lambda m: m["worker_pids"] if set(torch_pids) <= set(m["worker_pids"]) else None)(
+            agent.recv("report")[1]), what="a report listing torch's loader's workers")
+        assert got == mine + torch_pids and other.pid not in got
+        for _ in vit:                            # the epoch's end: torch stops its workers
+            pass
+        del vit
+        wait_for(lambda: (lambda m: m["worker_pids"] == mine)(agent.recv("report")[1]),
+                 what="a report without them once they stopped")
+    finally:
+        other.kill()
+        other.join()
+        train.close()
+
+
+def time_sleep(s):
+    import time
+
+    time.sleep(s)
+
+
 def _choose(c, *loaders):
     """The primary of ``loaders`` (attached in this order) by ``c``'s rule."""
     import weakref
