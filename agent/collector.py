@@ -68,7 +68,9 @@ over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``
 (``JobStats.cpu_cores``) is its training processes' CPU during their steps plus its loaders' workers', or,
 where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the CPU of the training processes whatever
 they run, a validation pass or a checkpoint save, and of every process they started, the workers of
-every loader among them, ``adloader.proctree``), that. A client's count is its claim: one that claims more than it used only
+every loader among them, ``adloader.proctree``), that; a rank that another rank of its job started (the
+other local ranks that Lightning's DDP launcher starts from rank 0) is in that rank's count already, so
+its own is left out of the job's sum (``nested_ranks``). A client's count is its claim: one that claims more than it used only
 hides other processes' load from the yield switch below (the loaders then yield to them too) and keeps
 its own cores while it is away, as it would without the release. What the node used
 beyond the jobs and the agent itself is
@@ -459,6 +461,7 @@ class Collector:
                                                            # last CPU, arrivals' start-up (_unreported_cores)
         self._foreign: list[tuple[float, float]] = []    # (when, foreign cores) over the last FOREIGN_HOLD_S
         self._seen_jobs: set[str] = set()                # jobs whose start-up CPU is taken (_note_arrived)
+        self._nested: dict[str, tuple[tuple[int, ...], dict[int, int]]] = {}   # job -> (its ranks' pids, nested_ranks)
 
     def on_report(self, job: str, rank: int, pid: int, stats: Mapping, recv_t: float) -> None:
         rr = self.rank_rates.get((job, rank, pid))
@@ -593,10 +596,14 @@ class Collector:
         # away: every rank's loop out of next() at its latest report (ranks step in lockstep: one that steps
         # keeps the job stepping); the least of them, 0 where a rank has not reported
         away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
+        # the job's CPU as its clients count it, less the ranks already in another rank's count
+        counted = self._counting_ranks(job, ranks, per)
+        job_cpu = (total("job_cpu_cores") if len(counted) == len(per) else
+                   sum(rr.rates.get("job_cpu_cores", 0.0) for rr in counted if rr is not None and rr.windows > 0))
         # what it used while away, from the reports inside the pause, at its most (None: not away, or not known)
         away_cpu = None
         if away > 0:
-            inside = [rr.job_cpu_over(away) if rr is not None else None for rr in per]
+            inside = [rr.job_cpu_over(away) if rr is not None else None for rr in counted]
             away_cpu = sum(inside) if inside and None not in inside else None
         for rr in per:
             if rr is not None:
@@ -641,7 +648,7 @@ class Collector:
             runq_s_per_batch=n * mean("runq_s_per_batch"), blocked_s_per_batch=n * mean("blocked_s_per_batch"),
             worker_cpu_cores=total("worker_cpu_cores"),
             trainer_cpu_cores=total("trainer_cpu_cores"), trainer_cpu_s_per_step=total("trainer_cpu_s_per_step"),
-            job_cpu_cores=total("job_cpu_cores"),
+            job_cpu_cores=job_cpu,
             trainer_runq_s_per_step=mean("trainer_runq_s_per_step"),
             gpu_idle_frac=gpu_idle, gpu_idle_source=source,
             allowed_cpus=allowed, cooperative=cooperative, cpu_quota_cores=self._cpu_quota(ranks, now),
@@ -656,6 +663,24 @@ class Collector:
             away_s=away, away_cpu_cores=away_cpu,
             history=tuple(tuple(rr.history) for rr in per if rr is not None),
         )
+
+    def _counting_ranks(self, job: Job, ranks: list, per: list) -> list:
+        """``per`` (the ranks' rates) less the ranks whose CPU another rank's client counts already: a rank
+        that descends from another rank of the job whose client counts ``job_cpu_s`` (its tree,
+        ``adloader.proctree``). The descent is read from /proc once for each set of the job's pids."""
+        pids = tuple(r.pid for r in ranks)
+        if len(set(pids)) < 2:
+            return per
+        got = self._nested.get(job.job)
+        if got is None or got[0] != pids:
+            if len(self._nested) > 4096:
+                self._nested.clear()
+            got = self._nested[job.job] = (pids, nested_ranks(pids, self.proc_root))
+        if not got[1]:
+            return per
+        by_pid = {r.pid: rr for r, rr in zip(ranks, per)}
+        return [rr for r, rr in zip(ranks, per)
+                if not (r.pid in got[1] and (a := by_pid.get(got[1][r.pid])) is not None and "job_cpu_cores" in a.rates)]
 
     def snapshot(self, now: float) -> NodeSnapshot:
         """The controller's ``snapshot_source``: one consistent view of the node for this tick."""
@@ -759,6 +784,28 @@ class Collector:
             self.busy_cpu_cores += alpha * (busy - self.busy_cpu_cores)
             self._own_cores += alpha * (own - self._own_cores)
         return self.busy_cpu_cores
+
+
+def nested_ranks(pids, proc_root: str = "/proc", max_depth: int = 64) -> dict[int, int]:
+    """Each of ``pids`` that descends from another of them -> that ancestor (the nearest): a rank that
+    another rank started as its child or grandchild (Lightning's DDP launcher starts the other local ranks
+    from rank 0; the bench's rank 0 starts its job's other ranks). From each pid's parent chain
+    (``/proc/<pid>/stat``), up to pid 1 or ``max_depth`` steps; a pid gone or unreadable descends from none."""
+    ps, out = set(pids), {}
+    for pid in ps:
+        p = pid
+        for _ in range(max_depth):
+            st = psi.pid_stat(p, proc_root)
+            try:
+                p = int(st[1]) if st is not None else 0
+            except (ValueError, IndexError):
+                p = 0
+            if p <= 1:
+                break
+            if p in ps:
+                out[pid] = p
+                break
+    return out
 
 
 def _process_cpu(pid: int, proc_root: str = "/proc") -> Optional[tuple[float, float]]:
