@@ -66,14 +66,14 @@ otherwise the client's data-wait fraction stands in (``"client"``). Both stay vi
 The node's CPU (``NodeSnapshot.busy_cpu_cores``): the busy time of the node's CPUs (``psi.busy_cpu_s``)
 over each snapshot's interval, smoothed like the jobs' figures (``SMOOTH_TAU_S``). A job's CPU
 (``JobStats.cpu_cores``) is its training processes' CPU during their steps plus its loaders' workers', or,
-where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the CPU of the training processes whatever
-they run, a validation pass or a checkpoint save, and of every process they started, the workers of
-every loader among them, ``adloader.proctree``), that; a rank that another rank of its job started (the
-other local ranks that Lightning's DDP launcher starts from rank 0) is in that rank's count already, so
-its own is left out of the job's sum (``nested_ranks``). A client's count is its claim: one that claims more than it used only
-hides other processes' load from the yield switch below (the loaders then yield to them too) and keeps
-its own cores while it is away, as it would without the release. What the node used
-beyond the jobs and the agent itself is
+where its clients count more (``job_cpu_s`` in their reports' stats, ``job_cpu_cores``: the CPU of the
+training processes whatever they run, a validation pass or a checkpoint save, and of every process they
+started, the workers of every loader among them, ``adloader.proctree``), that; a rank that another rank
+of its job started (the other local ranks that Lightning's DDP launcher starts from rank 0) is in that
+rank's count already, so its own is left out of the job's sum (``nested_ranks``). A client's count is
+its claim: one that claims more than it used only hides other processes' load from the yield switch
+below (the loaders then yield to them too) and keeps its own cores while it is away, as it would
+without the release. What the node used beyond the jobs and the agent itself is
 ``foreign_cpu_cores`` (other tenants, daemons, jobs that do not report; never negative): the
 policies let the loaders yield to the trainers only while it is small (``agent.policies.node_allocation``).
 A job that left still counts as a job there while its CPU decays out of the smoothed busy figure, and
@@ -679,8 +679,11 @@ class Collector:
         if not got[1]:
             return per
         by_pid = {r.pid: rr for r, rr in zip(ranks, per)}
-        return [rr for r, rr in zip(ranks, per)
-                if not (r.pid in got[1] and (a := by_pid.get(got[1][r.pid])) is not None and "job_cpu_cores" in a.rates)]
+        def counted_by_ancestor(r) -> bool:
+            a = by_pid.get(got[1].get(r.pid))
+            return a is not None and "job_cpu_cores" in a.rates
+
+        return [rr for r, rr in zip(ranks, per) if not counted_by_ancestor(r)]
 
     def snapshot(self, now: float) -> NodeSnapshot:
         """The controller's ``snapshot_source``: one consistent view of the node for this tick."""
