@@ -269,39 +269,41 @@ def test_foreign_cpu_is_what_the_node_used_beyond_the_jobs_and_the_agent(tmp_pat
     assert s.foreign_cpu_cores == pytest.approx(1.0)
 
 
-def test_a_rank_that_another_rank_started_is_counted_once_in_the_jobs_cpu():
-    """Rank 1 a child of rank 0 (Lightning's DDP launcher starts the other local ranks from rank 0): rank
-    0's client counts its whole process tree (``adloader.proctree``), rank 1's CPU included, so the job's
-    ``job_cpu_cores`` and ``away_cpu_cores`` leave rank 1's own count out: 3 cores, not 4. Where rank 0's
-    client does not count its tree (an older one), rank 1's count is the job's. Two unrelated ranks (the
-    same process here, no ancestor) add up, as ``nested_ranks`` finds no descent."""
-    import subprocess
-    import sys
+def _pid_stats(proc, parents: dict) -> None:
+    """/proc/<pid>/stat for each pid -> its parent (a command name with a space and parentheses)."""
+    for pid, ppid in parents.items():
+        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (py (x) y) S {ppid} {pid} {pid} 0 -1 0 " + "0 " * 40 + "\n")
 
+
+def test_a_rank_that_another_rank_started_is_counted_once_in_the_jobs_cpu(tmp_path):
+    """Rank 1 a child of rank 0 (Lightning's DDP launcher starts the other local ranks from rank 0), rank 2
+    its grandchild through a process that is no rank: rank 0's client counts its whole process tree
+    (``adloader.proctree``), theirs included, so the job's ``job_cpu_cores`` and ``away_cpu_cores`` leave
+    their own counts out: 3 cores, not 5. Where rank 0's client does not count its tree (an older one),
+    theirs are the job's. Ranks that descend from none add up (``nested_ranks`` finds no descent)."""
     from agent.collector import nested_ranks
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        me = os.getpid()
-        assert nested_ranks((me, child.pid)) == {child.pid: me} and nested_ranks((me, me)) == {}
-        for tree in (True, False):
-            reg = Registry()
-            for rank, pid in ((0, me), (1, child.pid)):
-                reg.hello(Peer(os.getuid(), 0, pid), b"id%d" % rank, {"job": "j", "rank": rank, "pid": pid,
-                                                                     "gpus": [str(rank)], "batch_size": 8, "workers": 2}, 0.0)
-            col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1))
-            for t in range(0, 6):
-                away = {"away_s": t - 2.0} if t > 2 else {}
-                col.on_report("j", 0, me, {**_totals(t, 10 * min(t, 2), 0.1, 0.9), **away,
-                                           **({"job_cpu_s": 3.0 * t} if tree else {})}, float(t))
-                col.on_report("j", 1, child.pid, {**_totals(t, 10 * min(t, 2), 0.1, 0.9), **away,
-                                                  "job_cpu_s": 1.0 * t}, float(t))
-            s = col.snapshot(5.5).jobs["j"]
-            assert s.job_cpu_cores == pytest.approx(3.0 if tree else 1.0), tree
-            assert s.away_s == 3.0 and s.away_cpu_cores == (pytest.approx(3.0) if tree else None), tree
-    finally:
-        child.kill()
-        child.wait()
+    proc = tmp_path / "proc"
+    _pid_stats(proc, {4242: 1, 4243: 4242, 4244: 4242, 4245: 4244, 5000: 1})
+    assert nested_ranks((4242, 4243, 4245), str(proc)) == {4243: 4242, 4245: 4242}
+    assert nested_ranks((4243, 4245, 5000), str(proc)) == {} and nested_ranks((4242, 9999), str(proc)) == {}
+    for tree in (True, False):
+        reg = Registry()
+        pids = {0: 4242, 1: 4243, 2: 4245}
+        for rank, pid in pids.items():
+            reg.hello(Peer(os.getuid(), 0, pid), b"id%d" % rank, {"job": "j", "rank": rank, "pid": pid,
+                                                                 "gpus": [str(rank)], "batch_size": 8, "workers": 2}, 0.0)
+        col = Collector(reg, loader_cpus=2.0, cpu_ids=(0, 1), proc_root=str(proc))
+        for t in range(0, 6):
+            away = {"away_s": t - 2.0} if t > 2 else {}
+            for rank, pid in pids.items():
+                cores = 3.0 if rank == 0 else 1.0
+                counts = {"job_cpu_s": cores * t} if tree or rank else {}
+                col.on_report("j", rank, pid, {**_totals(t, 10 * min(t, 2), 0.1, 0.9), **away, **counts}, float(t))
+        s = col.snapshot(5.5).jobs["j"]
+        assert s.job_cpu_cores == pytest.approx(3.0 if tree else 2.0), tree
+        assert s.away_s == 3.0 and s.away_cpu_cores == (pytest.approx(3.0) if tree else None), tree
 
 
 def test_a_validation_pass_the_client_counts_is_the_jobs_cpu_not_other_processes(tmp_path):

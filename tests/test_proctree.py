@@ -13,7 +13,7 @@ import pytest
 from adloader import proctree
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.component
 
 TICKS = 0.03     # /proc counts CPU in clock ticks: a sum of a few of them rounds by a tick each
 
