@@ -80,16 +80,26 @@ def descendants(pid: Optional[int] = None) -> list[int]:
     return out
 
 
+def pid_stat(pid: int, proc_root: str = "/proc") -> Optional[list[bytes]]:
+    """``/proc/<pid>/stat`` from field 3 (state) on: ``[0]`` state, ``[1]`` parent pid, ``[11]`` utime,
+    ``[12]`` stime, ``[13]`` cutime, ``[14]`` cstime, ``[19]`` start time (clock ticks since boot). The
+    command name may hold spaces and parentheses: split at the last ')' (proc(5)). None if gone or
+    unreadable. (The agent reads it too: ``agent.psi.pid_stat``.)"""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
 def process_cpu_s(pid: int) -> Optional[float]:
     """``pid``'s CPU, its own (every thread) and its reaped children's (``/proc/<pid>/stat`` utime, stime,
     cutime, cstime), in seconds; None where it is gone or unreadable."""
+    fields = pid_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields 14-17 follow the last ')'
-        fields = raw[raw.rindex(b")") + 2:].split()
-        return sum(int(x) for x in fields[11:15]) * _TICK_S
-    except (OSError, ValueError):
+        return sum(int(x) for x in fields[11:15]) * _TICK_S if fields is not None else None
+    except ValueError:
         return None
 
 

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from adloader.proctree import pid_stat  # noqa: F401 (re-exported: the one /proc/<pid>/stat reader)
+
 
 @dataclass(frozen=True)
 class Pressure:
@@ -69,13 +71,3 @@ def busy_cpu_s(proc_root: str = "/proc", cpu_ids=()) -> Optional[float]:
     return ticks / CLK_TCK if seen else None
 
 
-def pid_stat(pid: int, proc_root: str = "/proc") -> Optional[list[bytes]]:
-    """``/proc/<pid>/stat`` from field 3 (state) on: ``[0]`` state, ``[1]`` parent pid, ``[11]`` utime,
-    ``[12]`` stime, ``[19]`` start time (clock ticks since boot). The command name may hold spaces and
-    parentheses: split at the last ')' (proc(5)). None if gone or unreadable."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rindex(b")") + 2:].split()
-    except (OSError, ValueError):
-        return None
