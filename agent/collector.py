@@ -598,8 +598,7 @@ class Collector:
         away = min((rr.away_s if rr is not None else 0.0 for rr in per), default=0.0)
         # the job's CPU as its clients count it, less the ranks already in another rank's count
         counted = self._counting_ranks(job, ranks, per)
-        job_cpu = (total("job_cpu_cores") if len(counted) == len(per) else
-                   sum(rr.rates.get("job_cpu_cores", 0.0) for rr in counted if rr is not None and rr.windows > 0))
+        job_cpu = sum(rr.rates.get("job_cpu_cores", 0.0) for rr in counted if rr is not None and rr.windows > 0)
         # what it used while away, from the reports inside the pause, at its most (None: not away, or not known)
         away_cpu = None
         if away > 0:
