@@ -38,6 +38,14 @@ Invariants (STYLE 8):
   stats count the process's CPU during training steps only and its own workers'; a validation pass
   (its forward steps, a validation loader's workers) or a checkpoint save is neither, and the agent
   read it as other processes' load (``agent.collector``: ``job_cpu_cores``).
+- The memory of the loaders the agent does not size: every report's stats also carry
+  ``other_loader_memory_bytes``, what the workers of the process's other loaders hold now: the other
+  attached loaders' (``DataLoader.held_memory_bytes``: their workers' unique memory and batches in
+  flight) and the unique memory of the daemon multiprocessing children listed with them
+  (``_other_loader_workers``: torch's own loaders' workers, a process pool's), sampled here as a loader
+  samples its own (``adloader.memory.WorkerMemorySampler``: at most every 2 s and 1% of a core). The
+  agent counts it in the job's loader memory and plans the primary's workers within the budget that it
+  leaves (``agent.policies.adaptive``).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
   applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
@@ -275,6 +283,7 @@ class _Client:
         self._current: Optional[weakref.ref] = None     # the primary loader (``_primary``)
         self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
+        self._others_memory = None                      # WorkerMemorySampler of _other_loader_workers()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
@@ -722,11 +731,35 @@ class _Client:
                 stats["job_cpu_s"] = proctree.tree_cpu_s()
         except Exception:
             log.debug("adloader client: the job's CPU cannot be counted", exc_info=True)
+        if stats:
+            stats["other_loader_memory_bytes"] = self._others_memory_bytes(loader)
         msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
                             worker_pids=self._pids(loader), stats=stats, cpu_quota=_cpu_quota())
         if len(json.dumps(msg)) > protocol.MAX_MESSAGE_BYTES:   # never send what the agent refuses
             msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
         return msg
+
+    def _others_memory_bytes(self, loader) -> int:
+        """The report's ``other_loader_memory_bytes`` (module docstring): what the workers of every loader
+        but the primary ``loader`` hold now. 0 where there are none or nothing can be read."""
+        total = 0
+        for lo in self._attached():
+            if lo is not loader:
+                try:
+                    total += int(lo.held_memory_bytes())
+                except Exception:       # (a loader without the method, or one that failed: not counted)
+                    continue
+        try:
+            pids = _other_loader_workers()
+            if pids or self._others_memory is not None:
+                if self._others_memory is None:
+                    from adloader.memory import WorkerMemorySampler
+
+                    self._others_memory = WorkerMemorySampler()
+                total += int(self._others_memory.sample(pids).uss)
+        except Exception:
+            log.debug("adloader client: the other loaders' workers' memory cannot be read", exc_info=True)
+        return total
 
     def _direct(self, loader, msg: dict) -> None:
         """Apply a directive to the primary ``loader``; the loader directed before, if another one, goes

@@ -662,6 +662,24 @@ class DataLoader(tud.DataLoader[T_co]):
             pids.extend(pool.worker_pids(retiring))
         return pids
 
+    def held_memory_bytes(self) -> int:
+        """The memory this loader's live workers hold now: their unique memory (sampled as ``stats()``
+        samples it, at most every 2 s) and the batches in flight in shared memory for them (``prefetch_factor``
+        x live workers x ``batch_bytes``); 0 where no worker runs (between the epochs of a loader without
+        ``persistent_workers``). The agent client reports it, summed, for the loaders of the process that
+        the agent does not size (a validation loader's: ``other_loader_memory_bytes``)."""
+        core = self._core
+        try:
+            pids = self.worker_pids()
+            if not pids:
+                return 0
+            served = [pid for pool in core.pools() for pid in pool.served_pids()]
+            m = core.memory.sample(pids, ready=served)
+            return int(m.uss + core.prefetch_factor * len(pids) * core.batch_bytes)
+        except Exception:   # noqa: BLE001 — measurement never hurts training
+            log.debug("adloader: memory sample failed", exc_info=True)
+            return 0
+
     def stats(self) -> dict:
         """Rolling totals and rates, as a plain dict. Totals are monotonic since creation.
 

@@ -135,6 +135,25 @@ class BurningDataset:
         return i
 
 
+_held: list = []
+
+
+class HoldingDataset:
+    """A map-style dataset whose worker, from its first sample on, holds ``mib`` MiB of private memory of
+    its own (written, so resident and unique to it: a validation set's decoded copy)."""
+
+    def __init__(self, n: int, mib: int):
+        self.n, self.mib = n, mib
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not _held:
+            _held.append(b"\x01" * (self.mib << 20))
+        return i
+
+
 class FakeRouter:
     """A real ROUTER on an ipc socket, served by a thread: each request is decoded, kept in
     ``received``, and answered with the raw frames ``reply(msg)`` returns (none: no answer)."""

@@ -537,6 +537,54 @@ def test_reports_count_every_process_the_training_process_started_as_the_jobs_cp
                 lo.close()
 
 
+@pytest.mark.parametrize("val_loader", ["adloader", "torch"])
+def test_reports_carry_what_the_other_loaders_workers_hold(agent, monkeypatch, val_loader):
+    """``other_loader_memory_bytes`` in every report: what the workers of the loaders other than the
+    primary hold (the agent does not size them; it plans the primary's within the budget they leave).
+    A validation loader whose one real worker holds 64 MiB of its own: 0 before the pass, at least that
+    while the worker lives (its start-up's copied pages aside, not much more), 0 again once it stopped;
+    the same whether the validation loader is an A-Dloader one or torch's own. The primary's own memory
+    figures are the training loader's."""
+    pytest.importorskip("torch")
+    import torch.utils.data as tud
+
+    from adloader import DataLoader
+    from tests.agentd_support import HoldingDataset
+
+    MiB = 1 << 20
+    monkeypatch.setattr(client, "REPORT_S", 0.05)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=0)
+    val = (DataLoader if val_loader == "adloader" else tud.DataLoader)(HoldingDataset(400, 64), batch_size=2,
+                                                                       num_workers=1)
+
+    def other():
+        return agent.recv("report")[1]["stats"]
+
+    try:
+        it = iter(train)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=5.0, challenge=None))
+        assert wait_for(lambda: "other_loader_memory_bytes" in (s := other()) and s,
+                        what="a report")["other_loader_memory_bytes"] == 0
+        vit = iter(val)
+        next(vit)                                # the worker holds its 64 MiB from its first sample on
+        got = wait_for(lambda: (s := other())["other_loader_memory_bytes"] >= 64 * MiB and s,
+                       what="a report counting the validation worker's memory")
+        assert got["other_loader_memory_bytes"] < 64 * MiB + 48 * MiB
+        assert got["memory_workers"] == 0 and got["worker_uss_bytes"] == 0     # the primary's: no workers
+        for _ in vit:                            # the pass's end: torch stops its worker
+            pass
+        del vit
+        if val_loader == "adloader":
+            val.close()
+        wait_for(lambda: other()["other_loader_memory_bytes"] == 0, what="a report once the worker stopped")
+    finally:
+        for lo in (train, val):
+            if hasattr(lo, "close"):
+                lo.close()
+
+
 def test_reports_list_torchs_own_loaders_workers_after_the_attached_loaders(agent, monkeypatch):
     """A validation loader left as torch's own never attaches; its workers are listed in the reports'
     ``worker_pids`` after the attached loaders' (the primary's first, once), while they live, so the agent
