@@ -40,9 +40,11 @@ that cannot be a window's batch size is not taken and says why (``samples_per_st
 reported size stands then (and where the window took no step).
 
 Memory (gauges, not counters: the latest report's value is the figure): each rank's loader reports
-its workers' USS, the number of workers measured and the batches in flight (``adloader.memory``);
-a job's ``loader_memory_bytes`` sums them over its ranks, ``worker_memory_bytes`` is that over its
-measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. One worker's cost never
+its workers' USS, the number of workers measured and the batches in flight (``adloader.memory``),
+and what the workers of the rank's other loaders hold (``other_loader_memory_bytes``: a validation
+loader's, A-Dloader's or torch's own, which the agent does not size); a job's ``loader_memory_bytes``
+sums all of them over its ranks, ``other_loader_memory_bytes`` the last, ``worker_memory_bytes`` is the
+primary loaders' over their measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. One worker's cost never
 falls below the most it was on any of the job's ranks since that rank's loader started (a new loader in
 the process, its counters reset, starts afresh; the loader's own ``worker_cost_peak_bytes`` counts
 too): a worker's private memory grows over an epoch as it reads a dataset of Python objects
@@ -117,7 +119,8 @@ HISTORY_S = 30.0           # each rank's reports kept for the predictor's window
 HISTORY_REPORTS = 64       # ... and at most this many of them
 COUNTERS = ("steps", "samples", "batches", "data_wait_s", "compute_s", "worker_cpu_s", "worker_wall_s",
             "worker_runq_s", "worker_blocked_s", "main_cpu_s", "main_runq_s", "paused_s", "job_cpu_s")
-GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes")
+GAUGES = ("worker_uss_bytes", "memory_workers", "shm_inflight_bytes", "worker_growth_bytes",
+          "other_loader_memory_bytes")
 RATES = ("samples_per_s", "data_wait_s_per_step", "compute_s_per_step", "data_wait_frac", "cpu_s_per_batch",
          "wall_s_per_batch", "runq_s_per_batch", "blocked_s_per_batch", "worker_cpu_cores", "trainer_cpu_cores",
          "trainer_cpu_s_per_step", "trainer_runq_s_per_step", "job_cpu_cores")
@@ -590,7 +593,7 @@ class Collector:
         observed_s = window_s = 0.0
         w_steps = w_samples = 0.0           # the ranks' last windows: their batch size (window_batch_size)
         w_ranks = 0
-        uss = shm = mworkers = growth = cost_peak = 0.0
+        uss = shm = mworkers = growth = cost_peak = other_mem = 0.0
         steps_left: Optional[float] = None
         refused = False
         # away: every rank's loop out of next() at its latest report (ranks step in lockstep: one that steps
@@ -615,6 +618,7 @@ class Collector:
                     shm += g.get("shm_inflight_bytes", 0.0)
                     mworkers += g.get("memory_workers", 0.0)
                     growth = max(growth, g.get("worker_growth_bytes", 0.0))
+                    other_mem += g.get("other_loader_memory_bytes", 0.0)
                 cost_peak = max(cost_peak, rr.cost_peak)
                 observed_s = max(observed_s, rr.observed_s)
                 if rr.windows:
@@ -656,7 +660,8 @@ class Collector:
             requested_cpus=float(job.reg_cpus) if job.reg_cpus else None,
             pids=job.pids(), worker_pids=job.worker_pids(), worker_starts=job.worker_starts(),
             worker_memory_bytes=max((uss + shm) / mworkers if mworkers > 0 else 0.0, cost_peak),
-            loader_memory_bytes=uss + shm, worker_growth_bytes=growth, steps_left=steps_left,
+            loader_memory_bytes=uss + shm + other_mem, other_loader_memory_bytes=other_mem,
+            worker_growth_bytes=growth, steps_left=steps_left,
             steps_left_refused=refused,
             epoch_fixed=bool(ranks) and all(r.dataset_kind == "iterable" for r in ranks),
             away_s=away, away_cpu_cores=away_cpu,

@@ -150,7 +150,10 @@ class JobStats:
     # memory (bytes; from the loaders' reports, ``adloader.memory``; 0 = not measured yet)
     worker_memory_bytes: float = 0.0      # one worker's cost: mean USS + its share of batches in flight,
                                           # never below the most seen since the loaders started (collector)
-    loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight
+    loader_memory_bytes: float = 0.0      # the job's loader memory now: workers' USS + batches in flight,
+                                          # of every loader of its processes (other_loader_memory_bytes too)
+    other_loader_memory_bytes: float = 0.0   # of that, its loaders' the agent does not size (a validation
+                                             # loader's workers; ``adloader.client``): held as they are
     worker_growth_bytes: float = 0.0      # mean USS growth of a worker since it started (copy-on-read)
     steps_left: Optional[float] = None    # steps the job has left (its loader's ``total_steps`` counted down,
                                           # the most over ranks); None: the job did not say

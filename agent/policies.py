@@ -23,8 +23,9 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
 - every registered job gets ``workers >= 1`` and ``cpus > 0`` (no job starves), and workers within
   ``[min_workers, min(max_workers_per_job, job.max_workers)]``;
 - ``adaptive`` with a loader memory budget (``snapshot.loader_memory_bytes``): the sum over jobs of
-  workers x one worker's memory stays within it whenever one worker per job fits
-  (``memory_caps``; property-tested in tests/test_memory_policy.py); the baselines ignore memory;
+  workers x one worker's memory, plus what the loaders it does not size hold (``held_loader_memory``:
+  each job's at most its share of the budget), stays within it whenever one worker per job fits (``memory_caps``; property-tested in
+  tests/test_memory_policy.py); the baselines ignore memory;
 - ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
   returns the same allocations (no oscillation).
 What the controller applies is ``plan_around_epochs`` of a policy's plan: a job whose workers cannot
@@ -475,7 +476,8 @@ def whole_ranks(plan: AllocationPlan, snapshot: NodeSnapshot) -> AllocationPlan:
 
     allocs = dict(plan.allocations)
     budget = snapshot.loader_memory_bytes
-    total = sum(cost(k, a.workers) for k, a in allocs.items())     # the plan's loader memory as it stands
+    total = (sum(held_loader_memory(snapshot, budget).values())      # the plan's loader memory as it stands
+             + sum(cost(k, a.workers) for k, a in allocs.items()))
     for j, a in plan.allocations.items():
         job = snapshot.jobs.get(j)
         n = job.ranks if job is not None else 1
@@ -1648,9 +1650,10 @@ def _worker_memory(j: str, snapshot: NodeSnapshot, curves: Mapping[str, Throughp
 
 def memory_floors(workers: Mapping[str, int], cores: Mapping[str, float], mem: Mapping[str, float],
                   gpus: Mapping[str, int], curves: Mapping[str, ThroughputCurve], config: PolicyConfig,
-                  budget: float) -> dict[str, int]:
+                  budget: float, held: Optional[Mapping[str, float]] = None) -> dict[str, int]:
     """Each job's fairness floor in workers under the loader memory ``budget``: the workers its
-    GPU-proportional share of the budget holds (budget x its GPUs / all GPUs, at least ``min_workers``),
+    GPU-proportional share of the budget holds (budget x its GPUs / all GPUs, less what its other loaders
+    hold, ``held``; at least ``min_workers``),
     or fewer where its curve says fewer keep ``floor_fraction`` of what that share would give at its
     planned cores (the CPU floor's rule: a worker that buys nothing is no one's fair share). A job with
     no usable curve is taken as linear in workers. Never above the planned workers; ``min_workers``
@@ -1664,7 +1667,7 @@ def memory_floors(workers: Mapping[str, int], cores: Mapping[str, float], mem: M
         if mem[j] <= 0:
             out[j] = w
             continue
-        top = min(w, int(budget * gpus[j] / total // mem[j]))
+        top = min(w, int(max(0.0, budget * gpus[j] / total - (held or {}).get(j, 0.0)) // mem[j]))
         if top <= lo:
             out[j] = lo
             continue
@@ -1677,9 +1680,25 @@ def memory_floors(workers: Mapping[str, int], cores: Mapping[str, float], mem: M
     return out
 
 
+def held_loader_memory(snapshot: NodeSnapshot, budget: Optional[float] = None) -> dict[str, float]:
+    """What the loaders the agent does not size hold, per job (``JobStats.other_loader_memory_bytes``: a
+    validation loader's workers), as the loader memory ``budget`` counts it: at most the job's
+    GPU-proportional share of the budget (budget x its GPUs / all GPUs). Beyond its share, what a job's
+    other loaders hold is its own excess, not its neighbours' to make room for: counted whole, one job's
+    figure (a validation loader with many heavy workers, or a client that claims what it does not hold)
+    would take every other job below its fair share, to one worker each. No budget: the figures whole."""
+    jobs = snapshot.jobs
+    total = float(sum(max(1, j.gpus) for j in jobs.values())) or 1.0
+    return {k: (max(0.0, j.other_loader_memory_bytes) if budget is None else
+                min(max(0.0, j.other_loader_memory_bytes), budget * max(1, j.gpus) / total))
+            for k, j in jobs.items()}
+
+
 def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 config: PolicyConfig, budget: float) -> tuple[dict[str, int], dict[str, str]]:
-    """Workers per job that fit the loader memory ``budget`` (bytes), from ``plan``'s worker counts.
+    """Workers per job that fit the loader memory ``budget`` (bytes), from ``plan``'s worker counts,
+    beside what the loaders the agent does not size hold (``held_loader_memory``: a validation loader's
+    workers), which the budget holds first.
 
     While the plan's workers cost more than the budget, one worker is taken from the job whose
     GPU-weighted normalised throughput loses least per byte freed (at the job's planned cores);
@@ -1687,7 +1706,8 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     worker that buys little and costs much goes first. Fairness: no job is taken below its floor
     (``memory_floors``: its GPU share of the budget) while another job above its own floor can give;
     only when every job is at its floor and the budget is still short are floors cut, in the same
-    order (and that is reported). No job drops below ``min_workers``. When even that is over the budget
+    order (and that is reported). A job's other loaders' memory comes out of its own share: its floor
+    is what its share holds beside them. No job drops below ``min_workers``. When even that is over the budget
     (one job's worker alone above its share of it: a leak, or a dataset copied into each worker), the
     text names the jobs whose minimum is over their share, with their workers' growth, and tells the
     others which jobs held them to their minimum.
@@ -1696,9 +1716,11 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     workers = {j: a.workers for j, a in plan.allocations.items() if j in snapshot.jobs}
     cores = {j: plan.allocations[j].cpus for j in workers}
     mem = {j: _worker_memory(j, snapshot, curves) for j in workers}
-    used = sum(workers[j] * mem[j] for j in workers)
+    held = held_loader_memory(snapshot, budget)
+    own = {j: held.get(j, 0.0) for j in workers}
+    used = sum(held.values()) + sum(workers[j] * mem[j] for j in workers)
     gpus = {j: max(1, snapshot.jobs[j].gpus) for j in workers}
-    floor = memory_floors(workers, cores, mem, gpus, curves, config, budget)
+    floor = memory_floors(workers, cores, mem, gpus, curves, config, budget, own)
 
     def key(j: str) -> tuple:
         w = workers[j]
@@ -1724,7 +1746,7 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     if used > budget + 1e-6:
         lo = config.min_workers
         total_gpus = float(sum(gpus.values())) or 1.0
-        share = {j: budget * gpus[j] / total_gpus for j in workers}
+        share = {j: budget * gpus[j] / total_gpus - own[j] for j in workers}
         over = sorted(j for j in workers if lo * mem[j] > share[j] + 1e-6)
         for j in workers:
             if mem[j] <= 0:
@@ -1733,6 +1755,8 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
             if j in over:
                 grew = snapshot.jobs[j].worker_growth_bytes
                 why += f": this job's {lo} worker(s) of {_gib(mem[j])} each are more than its share {_gib(share[j])}"
+                if own[j] > 0:
+                    why += f" (beside the {_gib(own[j])} its other loaders hold)"
                 if grew > 0:
                     why += (f"; its workers grew by {_gib(grew)} each since they started (a leak, or a dataset "
                             f"of Python objects copied into each worker: `adloader profile`)")
@@ -1762,12 +1786,15 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     ``memory_floors``); the cores are then planned again with those worker caps, so cores a capped job can no longer use
     go to the others. Under memory pressure the collector lowers the budget in force below the
     configured one (``agent.memory.MemoryGuard``) and ``snapshot.memory_note`` says why; the reasons
-    of the jobs that lost workers say so.
+    of the jobs that lost workers say so. What the loaders the agent does not size hold (a validation
+    loader's workers, ``held_loader_memory``) is the budget's too, first: the sized loaders' workers are
+    planned within what it leaves, a job's own other loaders' out of its share (``memory_floors``).
     """
     plan = _adaptive(snapshot, curves, config, {})
     budget = snapshot.loader_memory_bytes
     if budget is None or not plan.allocations:
         return plan
+    held = sum(held_loader_memory(snapshot, budget).values())
     caps, unfit = memory_caps(plan, snapshot, curves, config, budget)
     if not caps and not unfit:
         return plan
@@ -1776,6 +1803,8 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
     caps2, unfit = memory_caps(plan, snapshot, curves, config, budget)   # the re-plan never adds workers;
     caps = {j: min(caps.get(j, 1 << 30), caps2.get(j, 1 << 30)) for j in set(caps) | set(caps2)}
     note = f" ({snapshot.memory_note})" if snapshot.memory_note else ""
+    if held > 0:
+        note += f" (beside {_gib(held)} that the jobs' other loaders hold)"
     allocs = dict(plan.allocations)
     unsatisfied = dict(plan.unsatisfied)
     for j, a in plan.allocations.items():
@@ -1791,7 +1820,7 @@ def adaptive(snapshot: NodeSnapshot, curves: Mapping[str, ThroughputCurve],
                 unsatisfied[j] = (f"wanted {wanted[j]} workers, the loader memory budget allows {w}"
                                   + (f"; {unsatisfied[j]}" if j in unsatisfied else ""))
     for j, why in unfit.items():
-        unsatisfied[j] = why + (f"; {unsatisfied[j]}" if j in unsatisfied else "")
+        unsatisfied[j] = why + note + (f"; {unsatisfied[j]}" if j in unsatisfied else "")
     return dataclasses.replace(plan, allocations=allocs, unsatisfied=unsatisfied)
 
 

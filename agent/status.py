@@ -109,7 +109,11 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
         apply_error         its error text, "" if none
         breaker             why the job's breaker is open, null if closed
         age_s, observed_s   since arrival; seconds of reports
-        loader_memory_bytes the job's loader memory: its workers' unique memory + batches in flight
+        loader_memory_bytes the job's loader memory: its workers' unique memory + batches in flight, every
+                            loader's (its validation loaders' too)
+        other_loader_memory_bytes  of that, what the loaders the agent does not size hold (a validation
+                            loader's workers, A-Dloader's or torch's own): the policy plans the sized
+                            loaders' workers within the budget less all jobs' figure
         worker_memory_bytes one worker's cost (mean USS + its share of the batches in flight; never below the
                             most one cost since the job's loaders started: workers grow as they read)
         worker_growth_bytes mean growth of a worker's unique memory since it started (copy-on-read)
@@ -201,6 +205,7 @@ def build(*, agent_info: dict, registry, snapshot, record, applied: dict) -> dic
             "age_s": _r(st.age_s, 1) if st is not None else None,
             "observed_s": _r(st.observed_s, 1) if st is not None else None,
             "loader_memory_bytes": _r(st.loader_memory_bytes, 0) if st is not None else None,
+            "other_loader_memory_bytes": _r(st.other_loader_memory_bytes, 0) if st is not None else None,
             "worker_memory_bytes": _r(st.worker_memory_bytes, 0) if st is not None else None,
             "worker_growth_bytes": _r(st.worker_growth_bytes, 0) if st is not None else None,
         })

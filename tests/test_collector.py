@@ -809,3 +809,23 @@ def test_a_jobs_worker_cost_never_falls_below_the_most_seen_until_its_loader_is_
     assert report(1, 3.0, 30, 12 * MiB) == pytest.approx(30)          # the other rank: the most of any
     assert report(0, 4.0, 5, 8 * MiB) == pytest.approx(12)            # rank 0's new loader: afresh (rank 1's 12)
     assert report(0, 5.0, 6, 8 * MiB, worker_cost_peak_bytes=40 * MiB) == pytest.approx(40)
+
+
+def test_what_a_ranks_other_loaders_hold_is_the_jobs_loader_memory_not_a_workers_cost():
+    """``other_loader_memory_bytes`` (the workers of a rank's loaders the agent does not size: a validation
+    loader's) is in the job's ``loader_memory_bytes`` and its own figure, summed over the ranks, the latest
+    report's each (a gauge: it falls when the validation workers stop); one worker's cost stays the
+    sized loader's. A client that does not report it counts 0."""
+    MiB = 1 << 20
+    col, me = _two_rank_job()
+
+    def report(rank, t, steps, **extra):
+        col.on_report("j", rank, me, {**_totals(t, steps, 0.0, 0.1 * steps), "memory_workers": 2,
+                                      "worker_uss_bytes": 20 * MiB, "shm_inflight_bytes": 4 * MiB, **extra}, t)
+        js = col.snapshot(t).jobs["j"]
+        return js.loader_memory_bytes / MiB, js.other_loader_memory_bytes / MiB, js.worker_memory_bytes / MiB
+
+    assert report(0, 1.0, 10) == pytest.approx((24, 0, 12))
+    assert report(1, 1.0, 10, other_loader_memory_bytes=100 * MiB) == pytest.approx((148, 100, 12))
+    assert report(0, 2.0, 20, other_loader_memory_bytes=50 * MiB) == pytest.approx((198, 150, 12))
+    assert report(1, 2.0, 20, other_loader_memory_bytes=0) == pytest.approx((98, 50, 12))

@@ -137,6 +137,55 @@ def test_cold_jobs_are_held_to_the_budget_too():
     assert plan_memory(plan, s) <= 1500 * MiB
 
 
+def test_what_the_jobs_other_loaders_hold_is_the_budgets_too():
+    """A validation loader's workers (``other_loader_memory_bytes``: a loader the agent does not size)
+    hold part of the budget: the sized loaders' workers are planned within what is left, and the
+    reasons say so. Held memory over the whole budget leaves every job its one worker."""
+    jobs = [job("cpu", c=0.3, mem=300 * MiB), job("io", c=0.05, b=0.3, mem=300 * MiB)]
+    curves = {j.job: curve(j) for j in jobs}
+    alone = adaptive(node(jobs, budget=3 * GiB), curves, CFG)
+    assert plan_memory(alone, node(jobs)) > 1.5 * GiB       # the budget binds less than the test below
+    held = [jobs[0], job("io", c=0.05, b=0.3, mem=300 * MiB, other_loader_memory_bytes=1.5 * GiB)]
+    s = node(held, budget=3 * GiB)
+    plan = adaptive(s, curves, CFG)
+    assert plan_memory(plan, s) <= 1.5 * GiB
+    assert sum(a.workers for a in plan.allocations.values()) < sum(a.workers for a in alone.allocations.values())
+    capped = [j for j, a in plan.allocations.items() if a.workers < alone.allocations[j].workers]
+    assert capped and all("beside 1.50 GiB that the jobs' other loaders hold" in plan.allocations[j].reason
+                          for j in capped)
+    # held over the job's own share (1.5 GiB of 3 for one of two 1-GPU jobs), or a client claiming a
+    # terabyte: counted as its whole share and no more; its neighbour keeps what its own share holds
+    free = adaptive(node(jobs), curves, CFG)
+    assert free.allocations["cpu"].workers * 300 * MiB <= 1.5 * GiB      # (its whole plan fits its share)
+    for claim in (4 * GiB, 1 << 40):
+        over = [jobs[0], job("io", c=0.05, b=0.3, mem=300 * MiB, other_loader_memory_bytes=claim)]
+        s = node(over, budget=3 * GiB)
+        plan = adaptive(s, curves, CFG)
+        assert plan.allocations["cpu"].workers == free.allocations["cpu"].workers and "cpu" not in plan.unsatisfied
+        assert plan.allocations["io"].workers < free.allocations["io"].workers
+        assert plan_memory(plan, s) <= 1.5 * GiB
+        assert "the loader memory budget allows" in plan.unsatisfied["io"]
+
+
+def test_a_jobs_other_loaders_memory_comes_out_of_its_own_share():
+    """Two 1-GPU jobs, a 4 GiB budget: 2 GiB each is their fair share. One job's validation loader holds
+    1.5 GiB: that job's floor is what the 0.5 GiB left of its share holds (one 500 MiB worker), the
+    other's stays its whole share (4 workers), and the trim takes the validating job's workers first."""
+    val = job("val", c=0.05, b=0.95, mem=500 * MiB, other_loader_memory_bytes=1.5 * GiB)
+    other = job("other", c=0.05, b=0.95, mem=500 * MiB)
+    curves = {j.job: curve(j) for j in (val, other)}
+    s = node([val, other], cpus=8.0, budget=4 * GiB)
+    workers, cores = {"val": 8, "other": 8}, {"val": 0.4, "other": 0.4}
+    mem = {"val": 500 * MiB, "other": 500 * MiB}
+    floors = memory_floors(workers, cores, mem, {"val": 1, "other": 1}, curves, CFG, 4 * GiB,
+                           {"val": 1.5 * GiB, "other": 0.0})
+    assert floors == {"val": 1, "other": 4}
+    caps, unfit = memory_caps(_plan(workers, cores), s, curves, CFG, 4 * GiB)
+    left = {j: caps.get(j, w) for j, w in workers.items()}
+    assert left["other"] >= 4 and left["val"] * 500 * MiB + left["other"] * 500 * MiB + 1.5 * GiB <= 4 * GiB
+    assert not unfit
+
+
 def test_memory_caps_on_an_even_plan():
     jobs = [job("a", mem=300 * MiB), job("b", mem=100 * MiB)]
     s = node(jobs, budget=800 * MiB)
@@ -151,15 +200,18 @@ def test_memory_caps_on_an_even_plan():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.01, 0.5), st.floats(0.0, 0.4), st.integers(10, 2000), st.integers(1, 4)),
                 min_size=1, max_size=6),
-       st.floats(0.5, 32.0), st.integers(100, 16000))
-def test_property_the_plan_fits_any_budget_that_fits_one_worker_each(specs, cpus, budget_mib):
-    jobs = [job(f"j{i}", c=c, b=b, mem=m * MiB, gpus=g) for i, (c, b, m, g) in enumerate(specs)]
+       st.floats(0.5, 32.0), st.integers(100, 16000), st.integers(0, 4000))
+def test_property_the_plan_fits_any_budget_that_fits_one_worker_each(specs, cpus, budget_mib, held_mib):
+    # (held_mib: what the first job's other loaders hold, a validation loader's workers: the budget's too)
+    jobs = [job(f"j{i}", c=c, b=b, mem=m * MiB, gpus=g, other_loader_memory_bytes=held_mib * MiB * (i == 0))
+            for i, (c, b, m, g) in enumerate(specs)]
     s = node(jobs, cpus=cpus, budget=budget_mib * MiB)
     curves = {j.job: curve(j) for j in jobs[::2]}          # some jobs cold
     plan = adaptive(s, curves, CFG)
-    floor = sum(j.worker_memory_bytes for j in jobs)
+    held = min(held_mib * MiB, budget_mib * MiB * jobs[0].gpus / sum(j.gpus for j in jobs))   # (its share at most)
+    floor = sum(j.worker_memory_bytes for j in jobs) + held
     if floor <= budget_mib * MiB:
-        assert plan_memory(plan, s) <= budget_mib * MiB + 1
+        assert plan_memory(plan, s) + held <= budget_mib * MiB + 1
     assert all(a.workers >= 1 for a in plan.allocations.values())
     assert sum(a.cpus for a in plan.allocations.values()) <= cpus + 1e-6
     # idempotent: fed back as applied, the same plan comes out
