@@ -114,7 +114,7 @@ def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_trai
     which never attaches to the client): while the validation pass runs, its worker is moved into the
     job's group beside the training loader's (it is a loader worker: it yields and weighs with the job's
     loaders, not at the training process's priority), the training process stays out, and status counts
-    the validation's CPU as the job's."""
+    the validation's CPU as the job's, and its worker's memory in the job's loader memory."""
     base = short_dir()
     job = f"adlval-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     group = f"{CPU}/adloader/{job}"
@@ -136,6 +136,9 @@ def test_a_validation_loaders_workers_are_placed_in_the_jobs_group_with_its_trai
         j = wait_for(lambda: (x := agent.job(job)) and x["job_cpu_cores"] and x["job_cpu_cores"] > 0.2 and x, 30,
                      what="the validation pass's CPU counted as the job's")
         assert set(st["val_worker_pids"]) <= set(j["worker_pids"])
+        j = wait_for(lambda: (x := agent.job(job)) and (x.get("other_loader_memory_bytes") or 0) > 0 and x, 30,
+                     what="the validation worker's memory counted in the job's loader memory")
+        assert j["loader_memory_bytes"] >= j["other_loader_memory_bytes"]
         t.kill()
         wait_for(lambda: not procs(), 30, what="the job's workers gone with their training process")
         wait_for(lambda: not os.path.exists(group), 15, what="the job's group removed once it left")
