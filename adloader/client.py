@@ -46,8 +46,9 @@ Invariants (STYLE 8):
   samples its own (``adloader.memory.WorkerMemorySampler``: at most every 2 s and 1% of a core). The
   agent counts it in the job's loader memory and plans the primary's workers within the budget that it
   leaves (``agent.policies.adaptive``).
-- One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` and
-  applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
+- One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` (and
+  at once, ``NEW_WORKERS_REPORT_S`` after the last at least, when a worker runs that the last report
+  did not list: ``_new_workers``) and applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
   growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
   ``last_directive.applied_workers`` is the count the loader took). The primary
   is the attached loader with the longest epoch (``_epoch_batches``): its ``len()`` where it has one,
@@ -107,6 +108,7 @@ from adloader.trust import agent_untrusted  # noqa: F401 (re-exported: the check
 log = logging.getLogger("adloader.client")
 
 REPORT_S = 1.0            # report period
+NEW_WORKERS_REPORT_S = 0.25   # a worker not in the last report's list: report at once, this long after it at least
 RECHECK_S = 0.5           # first re-check of a missing socket file; doubles up to RECHECK_MAX_S
 RECHECK_MAX_S = 5.0
 HELLO_RETRY_S = 1.0       # hello without welcome: resend after this, doubling up to HELLO_RETRY_MAX_S
@@ -284,6 +286,7 @@ class _Client:
         self._oversize_drops = 0                        # connections libzmq ended on a frame over the limit
         self._directed: Any = _dead_ref                 # (a weak reference to) the loader last directed
         self._others_memory = None                      # WorkerMemorySampler of _other_loader_workers()
+        self._listed: frozenset = frozenset()           # the worker pids the last report listed
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._info = {
@@ -503,7 +506,8 @@ class _Client:
                             next_hello = now + CONNECT_POLL_S
                         if hello_retry_s >= HELLO_RETRY_MAX_S and not os.path.exists(env.ipc_path(self.endpoint) or "/"):
                             return 0.0   # the socket file went away: back to silent re-checking
-                elif now >= next_report:
+                elif now >= next_report or (now >= next_report - REPORT_S + NEW_WORKERS_REPORT_S
+                                            and self._new_workers(loader)):
                     if self._send(zmq, sock, self._report(loader)):
                         self._bump("reports_sent")
                     else:
@@ -733,11 +737,24 @@ class _Client:
             log.debug("adloader client: the job's CPU cannot be counted", exc_info=True)
         if stats:
             stats["other_loader_memory_bytes"] = self._others_memory_bytes(loader)
+        pids = self._pids(loader)
+        self._listed = frozenset(pids)
         msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
-                            worker_pids=self._pids(loader), stats=stats, cpu_quota=_cpu_quota())
+                            worker_pids=pids, stats=stats, cpu_quota=_cpu_quota())
         if len(json.dumps(msg)) > protocol.MAX_MESSAGE_BYTES:   # never send what the agent refuses
             msg["stats"] = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
         return msg
+
+    def _new_workers(self, loader) -> bool:
+        """Whether a worker runs that the last report did not list (a validation pass's loader started its
+        workers, a resize grew the primary's): the report goes out then, not up to ``REPORT_S`` later, so
+        the agent places the new workers with the job's at its next tick instead of leaving them up to a
+        report period longer at the training process's priority. Checked at every wake of the client's
+        loop (at most every 200 ms; a few list reads); a report at most every ``NEW_WORKERS_REPORT_S``."""
+        try:
+            return not self._listed.issuperset(self._pids(loader))
+        except Exception:
+            return False
 
     def _others_memory_bytes(self, loader) -> int:
         """The report's ``other_loader_memory_bytes`` (module docstring): what the workers of every loader

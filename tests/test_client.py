@@ -625,6 +625,41 @@ def test_reports_list_torchs_own_loaders_workers_after_the_attached_loaders(agen
         train.close()
 
 
+def test_new_workers_are_reported_at_once_not_a_report_period_later(agent, monkeypatch):
+    """A worker that the last report did not list (a validation pass's torch loader starting its worker)
+    is listed in a report sent at once, not at the next period: with a 60-s period, a report listing it
+    comes while the next periodic one is still far away, and so does one for a resize's new worker."""
+    import time
+
+    pytest.importorskip("torch")
+    import torch.utils.data as tud
+
+    from adloader import DataLoader
+
+    monkeypatch.setattr(client, "REPORT_S", 60.0)
+    train = DataLoader(list(range(4000)), batch_size=4, num_workers=1)
+    val = tud.DataLoader(list(range(400)), batch_size=2, num_workers=1)
+    try:
+        it = iter(train)
+        next(it)
+        ident, _ = agent.recv("hello")
+        agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=30.0, challenge=None))
+        t0 = time.monotonic()
+        mine = train.worker_pids(retiring=False)
+        assert agent.recv("report")[1]["worker_pids"] == mine        # (the welcome's: its workers unlisted yet)
+        vit = iter(val)
+        next(vit)
+        torch_pids = [w.pid for w in vit._workers]
+        assert agent.recv("report")[1]["worker_pids"] == mine + torch_pids
+        train.resize(2)
+        next(it)
+        wait_for(lambda: len(train.worker_pids(retiring=False)) == 2, 30, what="the resize's new worker")
+        assert agent.recv("report")[1]["worker_pids"] == train.worker_pids(retiring=False) + torch_pids
+        assert time.monotonic() - t0 < 60.0       # (none of them the periodic report)
+    finally:
+        train.close()
+
+
 def time_sleep(s):
     import time
 
