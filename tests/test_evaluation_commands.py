@@ -93,3 +93,30 @@ def test_supply_check_refuses_bad_numbers_and_a_tree_that_is_not_a_checkout(tmp_
     for argv, words in ((["--seconds", "5"], "--seconds"), (["--repeats", "0"], "--repeats"),
                         (["--read-ms", "0"], "--read-ms"), (["--against", str(tmp_path)], "not a checkout")):
         assert words in _usage_error(supply_check.main, argv, capsys), argv
+
+
+@pytest.mark.unit
+def test_placement_latency_refuses_bad_arguments_before_it_runs(capsys, monkeypatch, tmp_path):
+    from evaluation import placement_latency
+
+    monkeypatch.setattr(placement_latency, "run_tree", lambda *a, **k: pytest.fail("a run was started"))
+    (tmp_path / "agent").mkdir()
+    for argv, words in ((["--passes", "0"], "at least 1"), (["--rounds", "1_0"], "'1_0'"),
+                        (["--out", ""], "--out"), (["--tree", "x"], "expected NAME=DIR"),
+                        (["--tree", f"x={tmp_path}"], "a checkout holding agent/ and adloader/")):
+        assert words in _usage_error(placement_latency.main, argv, capsys), argv
+    (tmp_path / "adloader").mkdir()
+    err = _usage_error(placement_latency.main, ["--tree", f"a={tmp_path}", "--tree", f"a={tmp_path}"], capsys)
+    assert "the name 'a' is given twice" in err
+
+
+@pytest.mark.unit
+def test_placement_latency_summary_counts_every_pass_and_the_ones_never_placed():
+    from evaluation.placement_latency import summarize
+
+    runs = [{"tree": "a", "passes": [{"placed_s": 0.4}, {"placed_s": None}, {"placed_s": 1.2}]},
+            {"tree": "b", "passes": [{"placed_s": 0.3}]},
+            {"tree": "a", "passes": [{"placed_s": 0.8}]}]
+    s = summarize(runs)
+    assert s["a"]["passes"] == 4 and s["a"]["never"] == 1 and s["a"]["median_s"] == 0.8
+    assert s["a"]["range_s"] == [0.4, 1.2] and s["b"]["median_s"] == 0.3 and s["b"]["never"] == 0
