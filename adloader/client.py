@@ -48,10 +48,11 @@ Invariants (STYLE 8):
   leaves (``agent.policies.adaptive``).
 - One client per process: it reports ``loader.stats()`` of the primary loader every ``REPORT_S`` (and
   at once, ``NEW_WORKERS_REPORT_S`` after the last at least, when a worker runs that the last report
-  did not list: ``_new_workers``) and applies directives to it through ``loader.resize(n)``, bounded by ``loader.max_workers`` and, for
-  growth, by what the process's memory holds (``DataLoader.memory_bound_workers``, in every report;
-  ``last_directive.applied_workers`` is the count the loader took). The primary
-  is the attached loader with the longest epoch (``_epoch_batches``): its ``len()`` where it has one,
+  did not list: ``_new_workers``) and applies directives to it through ``loader.resize(n)``, bounded
+  by ``loader.max_workers`` and, for growth, by what the process's memory holds
+  (``DataLoader.memory_bound_workers``, in every report; ``last_directive.applied_workers`` is the
+  count the loader took). The primary is the attached loader with the longest epoch
+  (``_epoch_batches``): its ``len()`` where it has one,
   else the most batches one epoch's iterator has handed out (its longest so far or the one running),
   counted only once it has handed out a batch (the current primary, else the first attached, on a
   tie). That is the training loader, whose epoch is longer than a validation pass: also where a

@@ -44,9 +44,10 @@ its workers' USS, the number of workers measured and the batches in flight (``ad
 and what the workers of the rank's other loaders hold (``other_loader_memory_bytes``: a validation
 loader's, A-Dloader's or torch's own, which the agent does not size); a job's ``loader_memory_bytes``
 sums all of them over its ranks, ``other_loader_memory_bytes`` the last, ``worker_memory_bytes`` is the
-primary loaders' over their measured workers (one worker's cost), ``worker_growth_bytes`` the mean growth. One worker's cost never
-falls below the most it was on any of the job's ranks since that rank's loader started (a new loader in
-the process, its counters reset, starts afresh; the loader's own ``worker_cost_peak_bytes`` counts
+primary loaders' over their measured workers (one worker's cost), ``worker_growth_bytes`` the mean
+growth. One worker's cost never falls below the most it was on any of the job's ranks since that
+rank's loader started (a new loader in the process, its counters reset, starts afresh; the loader's
+own ``worker_cost_peak_bytes`` counts
 too): a worker's private memory grows over an epoch as it reads a dataset of Python objects
 (copy-on-read, ``adloader.memory``), so workers just started (a new epoch's, or a resize's) cost less
 now than they will by the epoch's end, and a plan at their early cost would hand out workers the node

@@ -24,8 +24,8 @@ Invariants every policy keeps (property-tested in tests/test_policies.py):
   ``[min_workers, min(max_workers_per_job, job.max_workers)]``;
 - ``adaptive`` with a loader memory budget (``snapshot.loader_memory_bytes``): the sum over jobs of
   workers x one worker's memory, plus what the loaders it does not size hold (``held_loader_memory``:
-  each job's at most its share of the budget), stays within it whenever one worker per job fits (``memory_caps``; property-tested in
-  tests/test_memory_policy.py); the baselines ignore memory;
+  each job's at most its share of the budget), stays within it whenever one worker per job fits
+  (``memory_caps``; property-tested in tests/test_memory_policy.py); the baselines ignore memory;
 - ``decide`` is idempotent: fed its own plan back as the applied state with the same curves, it
   returns the same allocations (no oscillation).
 What the controller applies is ``plan_around_epochs`` of a policy's plan: a job whose workers cannot
@@ -1707,8 +1707,8 @@ def memory_caps(plan: AllocationPlan, snapshot: NodeSnapshot, curves: Mapping[st
     (``memory_floors``: its GPU share of the budget) while another job above its own floor can give;
     only when every job is at its floor and the budget is still short are floors cut, in the same
     order (and that is reported). A job's other loaders' memory comes out of its own share: its floor
-    is what its share holds beside them. No job drops below ``min_workers``. When even that is over the budget
-    (one job's worker alone above its share of it: a leak, or a dataset copied into each worker), the
+    is what its share holds beside them. No job drops below ``min_workers``. When even that is over
+    the budget (one job's worker alone above its share of it: a leak, or a dataset copied into each worker), the
     text names the jobs whose minimum is over their share, with their workers' growth, and tells the
     others which jobs held them to their minimum.
     Returns (caps for the jobs that lost workers, what could not be kept: job -> text).

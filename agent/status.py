@@ -113,7 +113,8 @@ Fields (``STATUS_VERSION`` 1; readers ignore unknown fields, new fields may be a
                             loader's (its validation loaders' too)
         other_loader_memory_bytes  of that, what the loaders the agent does not size hold (a validation
                             loader's workers, A-Dloader's or torch's own): the policy plans the sized
-                            loaders' workers within the budget less all jobs' figure
+                            loaders' workers within the budget less it (each job's counted up to its
+                            share of the budget)
         worker_memory_bytes one worker's cost (mean USS + its share of the batches in flight; never below the
                             most one cost since the job's loaders started: workers grow as they read)
         worker_growth_bytes mean growth of a worker's unique memory since it started (copy-on-read)
