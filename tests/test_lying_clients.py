@@ -1,9 +1,11 @@
 """The agent's decision loop with clients that lie: a real Collector, the real PredictorBank (with and
 without its prior) and the adaptive policy, fed reports from random jobs, a third of which corrupt
 their figures now and then (no or enormous compute, worker or trainer CPU, samples, steps, steps left; a
-clock that jumps back; absurd worker counts). Every tick must run without a recorded error, every plan
-must stay within the node (finite cores, at least one worker, the loader CPUs in all), and a job that
-never lies must never have its steps left refused. (This loop found the prior's None for windows that
+clock that jumps back; absurd worker counts; the memory their other loaders hold, enormous or not a
+number, on nodes with a loader memory budget or none). Every tick must run without a recorded error,
+every plan must stay within the node (finite cores, at least one worker, the loader CPUs in all, the
+loader memory budget as the policy counts it where each rank's one worker fits), and a job that never
+lies must never have its steps left refused. (This loop found the prior's None for windows that
 say a job costs nothing: a TypeError on every tick.)"""
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import random
 
 import pytest
 
+from adloader.memory import NodeMemory
 from agent.collector import Collector
 from agent.controller import Controller
-from agent.policies import PolicyConfig, get_policy
+from agent.memory import MemoryGuard
+from agent.policies import PolicyConfig, get_policy, held_loader_memory
 from agent.registry import Registry
 from agent.security import Peer
 from predictor.bank import PredictorBank
@@ -46,6 +50,8 @@ def _lie(rng: random.Random, st: dict, total: dict) -> None:
         st["workers"] = rng.choice([0, 10 ** 6])
     elif r < 0.95:      # steps that disagree with the samples (the window's own batch size: under one, huge)
         st["steps"] = rng.choice([total["steps"] * 1000, total["steps"] / 1000 + 1, 1e15])
+    else:               # a validation loader said to hold a petabyte, or a figure that is none
+        st["other_loader_memory_bytes"] = rng.choice([1e15, -5, "x", float("nan")])
 
 
 def _node(rng: random.Random) -> None:
@@ -55,14 +61,17 @@ def _node(rng: random.Random) -> None:
     for j in range(rng.randint(1, 4)):
         spec = dict(ranks=rng.randint(1, 2), bs=rng.choice([8, 32, 128]), g=rng.uniform(0.01, 0.5),
                     c=rng.uniform(0.001, 2.0), busy=rng.uniform(0.0, 0.9), liar=rng.random() < 0.3,
-                    steps=rng.choice([None, 500, 50000]))
+                    steps=rng.choice([None, 500, 50000]), mem=rng.choice([50, 400]) << 20,
+                    held=rng.choice([0, 300 << 20]))
         jobs[f"j{j}"] = spec
         for rank in range(spec["ranks"]):
             reg.hello(Peer(os.getuid(), 0, me), b"%d-%d" % (j, rank),
                       {"job": f"j{j}", "rank": rank, "pid": me, "gpus": [str(rank)], "batch_size": spec["bs"],
                        "workers": 2, "requested_workers": rng.choice([1, 4, 16])}, 0.0)
     ncpu = rng.choice([2, 8, 48])
-    col = Collector(reg, loader_cpus=0.9 * ncpu, cpu_ids=tuple(range(ncpu)))
+    budget = rng.choice([None, 1 << 30, 16 << 30])
+    guard = None if budget is None else MemoryGuard(budget, source=lambda: NodeMemory(64 << 30, 48 << 30))
+    col = Collector(reg, loader_cpus=0.9 * ncpu, cpu_ids=tuple(range(ncpu)), memory_guard=guard)
     ctl = Controller(snapshot_source=col.snapshot, policy=get_policy("adaptive"), policy_config=PolicyConfig(),
                      predictor=PredictorBank(prior=rng.choice([None, "default"])), actuators=[RecordingActuator()])
     totals: dict = {}
@@ -81,7 +90,9 @@ def _node(rng: random.Random) -> None:
                              ("worker_wall_s", 1.1 * n * spec["c"]), ("main_cpu_s", n * spec["g"] * spec["busy"]),
                              ("uptime_s", 1.0)):
                     tot[k] += v
-                st = dict(tot, workers=w, live_workers=w, batch_size=spec["bs"])
+                st = dict(tot, workers=w, live_workers=w, batch_size=spec["bs"], memory_workers=w,
+                          worker_uss_bytes=w * spec["mem"], shm_inflight_bytes=0,
+                          other_loader_memory_bytes=spec["held"])
                 if spec["steps"]:
                     st["steps_left"] = max(0, spec["steps"] - int(tot["steps"]))
                 if spec["liar"]:
@@ -97,6 +108,12 @@ def _node(rng: random.Random) -> None:
             total += a.cpus
             warm += not a.cold
         assert total <= node.loader_cpus + 1e-6
+        budget = node.loader_memory_bytes
+        if budget is not None:       # (a liar's held memory counts up to its share: held_loader_memory)
+            held = sum(held_loader_memory(node, budget).values())
+            if held + sum(j.ranks * j.worker_memory_bytes for j in node.jobs.values()) <= budget:
+                used = held + sum(a.workers * node.jobs[j].worker_memory_bytes for j, a in rec.plan.allocations.items())
+                assert used <= budget + 1, (used, budget)
         json.dumps(rec.to_dict())                     # what the agent logs and serves
         for (job, _, _), rr in col.rank_rates.items():
             assert not rr.steps_left_refused or jobs[job]["liar"], job
