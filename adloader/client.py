@@ -664,7 +664,7 @@ class _Client:
             log.debug("adloader client: send failed", exc_info=True)
             return False
 
-    def _pids(self, loader) -> list[int]:
+    def _pids(self, loader, others_started: Optional[list[int]] = None) -> list[int]:
         """The workers taking tasks of ``loader`` (the primary), then of every other loader attached here (a
         validation loader's: they are the job's loader workers too, and the agent places them with the
         primary's, so that a validation pass's workers neither run at the training process's priority nor
@@ -672,10 +672,12 @@ class _Client:
         (``_other_loader_workers``: a validation loader left as torch's, a process pool), at most
         ``protocol.MAX_PIDS_PER_MESSAGE``. Taking tasks: one retiring may exit before the agent reads the
         report; the agent leaves a pid that no process holds any more out, and refuses one that another
-        process of the caller's pid namespace holds (a claim about another process)."""
+        process of the caller's pid namespace holds (a claim about another process). ``others_started``:
+        ``_other_loader_workers()`` as read already for this report."""
         out: list[int] = []
         others = [lo for lo in self._attached() if lo is not loader]
-        for p in [p for lo in [loader] + others for p in _taking_tasks(lo)] + _other_loader_workers():
+        started = _other_loader_workers() if others_started is None else others_started
+        for p in [p for lo in [loader] + others for p in _taking_tasks(lo)] + started:
             if p not in out:
                 out.append(p)
         return out[:protocol.MAX_PIDS_PER_MESSAGE]
@@ -736,9 +738,10 @@ class _Client:
                 stats["job_cpu_s"] = proctree.tree_cpu_s()
         except Exception:
             log.debug("adloader client: the job's CPU cannot be counted", exc_info=True)
+        started = _other_loader_workers()        # (read once: the memory and the pid list)
         if stats:
-            stats["other_loader_memory_bytes"] = self._others_memory_bytes(loader)
-        pids = self._pids(loader)
+            stats["other_loader_memory_bytes"] = self._others_memory_bytes(loader, started)
+        pids = self._pids(loader, started)
         self._listed = frozenset(pids)
         msg = protocol.make("report", job=self.job, rank=self.rank, pid=self.pid,
                             worker_pids=pids, stats=stats, cpu_quota=_cpu_quota())
@@ -757,9 +760,10 @@ class _Client:
         except Exception:
             return False
 
-    def _others_memory_bytes(self, loader) -> int:
+    def _others_memory_bytes(self, loader, started: list[int]) -> int:
         """The report's ``other_loader_memory_bytes`` (module docstring): what the workers of every loader
-        but the primary ``loader`` hold now. 0 where there are none or nothing can be read."""
+        but the primary ``loader`` hold now (``started``: ``_other_loader_workers()``). 0 where there are
+        none or nothing can be read."""
         total = 0
         for lo in self._attached():
             if lo is not loader:
@@ -768,7 +772,7 @@ class _Client:
                 except Exception:       # (a loader without the method, or one that failed: not counted)
                     continue
         try:
-            pids = _other_loader_workers()
+            pids = started
             if pids or self._others_memory is not None:
                 if self._others_memory is None:
                     from adloader.memory import WorkerMemorySampler

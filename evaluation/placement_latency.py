@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import tempfile
 import time
 
 from evaluation.flags import at_least, path_arg, plain_int
+from evaluation.slurm_cluster import terminate
 
 PASS_S = 3.0
 
@@ -137,13 +137,8 @@ def run_tree(name: str, tree: str, passes: int, cpu_mount: str) -> dict:
                 rows.append({**r, "placed_s": None if t is None else round(t - r["t_iter"], 4)})
     finally:
         for p in (trainer, agent):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            if p is not None:
+                terminate(p)
         agent_log.close()
         deadline = time.monotonic() + 15
         while os.path.isdir(group) and time.monotonic() < deadline:
