@@ -627,16 +627,15 @@ def test_reports_list_torchs_own_loaders_workers_after_the_attached_loaders(agen
 
 def test_new_workers_are_reported_at_once_not_a_report_period_later(agent, monkeypatch):
     """A worker that the last report did not list (a validation pass's torch loader starting its worker)
-    is listed in a report sent at once, not at the next period: with a 60-s period, a report listing it
-    comes while the next periodic one is still far away, and so does one for a resize's new worker."""
-    import time
-
+    is listed in a report sent at once, not at the next period: with an hour's period no report of the
+    test is a periodic one, and each new worker (the welcome's loader's, a torch validation loader's, a
+    resize's) is listed in the next report all the same."""
     pytest.importorskip("torch")
     import torch.utils.data as tud
 
     from adloader import DataLoader
 
-    monkeypatch.setattr(client, "REPORT_S", 60.0)
+    monkeypatch.setattr(client, "REPORT_S", 3600.0)
     train = DataLoader(list(range(4000)), batch_size=4, num_workers=1)
     val = tud.DataLoader(list(range(400)), batch_size=2, num_workers=1)
     try:
@@ -644,7 +643,6 @@ def test_new_workers_are_reported_at_once_not_a_report_period_later(agent, monke
         next(it)
         ident, _ = agent.recv("hello")
         agent.send(ident, protocol.make("welcome", job="unit-job", heartbeat_s=30.0, challenge=None))
-        t0 = time.monotonic()
         mine = train.worker_pids(retiring=False)
         assert agent.recv("report")[1]["worker_pids"] == mine        # (the welcome's: its workers unlisted yet)
         vit = iter(val)
@@ -655,7 +653,6 @@ def test_new_workers_are_reported_at_once_not_a_report_period_later(agent, monke
         next(it)
         wait_for(lambda: len(train.worker_pids(retiring=False)) == 2, 30, what="the resize's new worker")
         assert agent.recv("report")[1]["worker_pids"] == train.worker_pids(retiring=False) + torch_pids
-        assert time.monotonic() - t0 < 60.0       # (none of them the periodic report)
     finally:
         train.close()
 
